@@ -1,0 +1,73 @@
+"""The task contract: what a task yields and how its predictions are scored.
+
+A task turns benchmark data into :class:`Sample` objects (text only: ``eval`` never sees
+tensors) and scores predictions with the benchmark's official metric. The engine
+(``kvbench``) tokenizes ``Sample.prompt`` (or applies the chat template to it when
+``Sample.chat`` is true), generates greedily up to ``max_new_tokens`` and calls
+:meth:`Task.score` and :meth:`Task.aggregate`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+
+@dataclass
+class Sample:
+    """One prompt of a task.
+
+    Attributes:
+        id: unique within the job (used to resume), e.g. ``multi_news/17``.
+        dataset: dataset name (``multi_news``, ``niah``...).
+        prompt: the full prompt text, already truncated by the task's rule.
+        chat: whether the engine wraps ``prompt`` in the model's chat template (as one user turn).
+        max_new_tokens: generation limit (tokens).
+        answers: reference answers; the sample score is the max over them.
+        stop_strings: extra strings that end generation (e.g. ``"\\n"`` for samsum).
+        all_classes: class names for classification datasets, else None.
+        length: the dataset's ``length`` field (words/characters), for LongBench-E buckets.
+        meta: anything else worth storing (NIAH: context_length, depth_percent).
+    """
+
+    id: str
+    dataset: str
+    prompt: str
+    max_new_tokens: int
+    answers: list[str]
+    chat: bool = True
+    stop_strings: list[str] = field(default_factory=list)
+    all_classes: list[str] | None = None
+    length: int | None = None
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+class Task:
+    """Base class of a task.
+
+    Subclasses implement :meth:`samples`, :meth:`score` and may override :meth:`aggregate`.
+    """
+
+    name: str = "task"
+
+    def samples(self) -> Iterator[Sample]:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def score(self, sample: Sample, prediction: str) -> float:  # pragma: no cover - abstract
+        """Score of one prediction in [0, 1] (max over ``sample.answers``)."""
+        raise NotImplementedError
+
+    def aggregate(self, records: list[dict]) -> dict[str, Any]:
+        """Per-dataset scores from stored records (``{"datasets": {name: {"score", "n"}}}``).
+
+        The default is round(100·mean, 2) over successful records of each dataset.
+        """
+        by_ds: dict[str, list[float]] = {}
+        for r in records:
+            if r.get("error") is None and r.get("score") is not None:
+                by_ds.setdefault(r["dataset"], []).append(float(r["score"]))
+        return {
+            "datasets": {
+                ds: {"score": round(100 * sum(v) / len(v), 2), "n": len(v)} for ds, v in sorted(by_ds.items())
+            }
+        }

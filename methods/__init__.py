@@ -1,0 +1,39 @@
+"""Compression methods: a registry of :class:`methods.base.Method` subclasses.
+
+Add a method by writing one module with a config dataclass and a ``Method`` subclass, and
+naming it in ``_MODULES`` below; its Hydra node is ``conf/method/<name>.yaml``.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from .base import CompressResult, ConfigError, HeadLayout, LayerContext, Method, Plan
+
+# name -> "module:Class"; modules are imported lazily so one broken optional method
+# cannot break the others.
+_MODULES: dict[str, str] = {
+    "full": "methods.full:FullCache",
+    "snapkv": "methods.snapkv:SnapKV",
+    "streamingllm": "methods.streamingllm:StreamingLLM",
+}
+
+
+def available() -> list[str]:
+    """Registered method names, sorted."""
+    return sorted(_MODULES)
+
+
+def get_method_class(name: str) -> type[Method]:
+    """The class registered as ``name``.
+
+    Raises:
+        ConfigError: unknown name (lists the accepted ones).
+    """
+    if name not in _MODULES:
+        raise ConfigError(f"method.name={name!r}: unknown method; accepted values are {', '.join(available())}")
+    mod, cls = _MODULES[name].split(":")
+    return getattr(importlib.import_module(mod), cls)
+
+
+__all__ = ["CompressResult", "ConfigError", "HeadLayout", "LayerContext", "Method", "Plan", "available", "get_method_class"]

@@ -1,0 +1,238 @@
+"""The method contract: what the engine hands a compression method and what it gets back.
+
+A method is a small class with a config dataclass (its fields are its Hydra node,
+``conf/method/<name>.yaml``) and two entry points:
+
+* :meth:`Method.plan` is called once per sample, before prefill, with the prompt length
+  and the budget. It returns a :class:`Plan`: how many tokens each layer keeps per KV head
+  (and, for head-wise methods, per head). Layer-budget methods (PyramidKV, CompressKV's
+  error-aware budgets, HeadKV) override it; the default is a uniform budget.
+* :meth:`Method.compress` is called once per compressible attention layer at the end of
+  prefill with a :class:`LayerContext` and returns a :class:`CompressResult`.
+
+Methods are pure functions of tensors: they never see tasks, prompts or files (artifacts
+such as head scores are parsed by :mod:`methods.artifacts` and handed to the constructor).
+
+Budget semantics (ARCHITECTURE.md, "Budgets"): ``budget < 1`` is a retention ratio ρ of the
+prompt length n (m = ⌊ρ·n⌋, SelKV Sec. 3.2); ``budget >= 1`` is an integer average number of
+tokens kept per layer per KV head, recent window included (KVCache-Factory / AdaKV / HeadKV /
+CompressKV). A prompt no longer than its budget is not compressed (the engine skips
+``compress`` and records ``compressed=False``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, ClassVar
+
+import torch
+
+__all__ = [
+    "HeadLayout",
+    "LayerContext",
+    "CompressResult",
+    "Plan",
+    "Method",
+    "ConfigError",
+    "resolve_budget",
+    "gather_tokens",
+]
+
+
+class ConfigError(ValueError):
+    """A user-caused configuration problem; the message is one line naming key and accepted values."""
+
+
+@dataclass(frozen=True)
+class HeadLayout:
+    """Attention layout of a model, as the methods need it.
+
+    Attributes:
+        num_layers: number of decoder layers L.
+        num_q_heads: query heads per layer H_q.
+        num_kv_heads: key/value heads per layer H_kv (H_q for MHA).
+        head_dim: d, channels per head.
+        compressible_layers: indices of layers whose cache may be compressed (full-attention
+            layers; sliding-window layers of Gemma 2/3 are left alone).
+        model_name: a short name used to look up artifacts (e.g. ``smollm2``).
+    """
+
+    num_layers: int
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    compressible_layers: tuple[int, ...] = ()
+    model_name: str = ""
+
+    @property
+    def group_size(self) -> int:
+        """GQA group size G = H_q / H_kv (1 for MHA)."""
+        return self.num_q_heads // self.num_kv_heads
+
+    @property
+    def is_gqa(self) -> bool:
+        return self.group_size > 1
+
+
+@dataclass
+class Plan:
+    """Per-sample budget plan returned by :meth:`Method.plan`.
+
+    Attributes:
+        layer_budgets: tokens kept per KV head for each layer, length L (layers that are not
+            compressible may hold any value; they are ignored).
+        head_budgets: optional ``(L, H_kv)`` long tensor of per-head token counts for
+            head-wise allocation across layers (HeadKV); ``None`` otherwise.
+        compress: False when the prompt is no longer than the budget (no compression).
+    """
+
+    layer_budgets: list[int]
+    head_budgets: torch.Tensor | None = None
+    compress: bool = True
+
+
+@dataclass
+class LayerContext:
+    """Everything a method sees for one layer at the end of prefill.
+
+    Shapes: B batch (always 1 in the protocol), H_kv KV heads, H_q query heads, n prompt
+    tokens, W observation-window queries, d head dim.
+
+    Attributes:
+        layer_idx: index of this layer.
+        layout: the model's :class:`HeadLayout`.
+        keys: ``(B, H_kv, n, d)`` cached keys, after RoPE (and key norm where the model has one).
+        values: ``(B, H_kv, n, d)`` cached values.
+        window_queries: ``(B, H_q, W, d)`` queries of the last W prompt positions, after q-norm
+            and RoPE, rebuilt by the engine (W = the method's ``window_size``, capped at n).
+        scaling: the attention scale (usually d^-0.5; Gemma 2 uses query_pre_attn_scalar^-0.5).
+        softcap: attention logit soft-capping value (Gemma 2) or ``None``.
+        budget: tokens to keep per KV head in this layer (from the plan).
+        head_budget: ``(H_kv,)`` long tensor of per-head budgets, or ``None``.
+        positions: ``(n,)`` long tensor, the RoPE positions of the cached tokens.
+        rotary: callable ``positions (k,) -> (cos, sin)`` each ``(k, d)``, the model's RoPE
+            tables, for methods that re-position keys (SelKV Eq. 7); ``None`` if unavailable.
+        artifacts: parsed artifacts (head scores, layer scores) or empty.
+    """
+
+    layer_idx: int
+    layout: HeadLayout
+    keys: torch.Tensor
+    values: torch.Tensor
+    window_queries: torch.Tensor
+    scaling: float
+    budget: int
+    softcap: float | None = None
+    head_budget: torch.Tensor | None = None
+    positions: torch.Tensor | None = None
+    rotary: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None
+    artifacts: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def n_tokens(self) -> int:
+        return self.keys.shape[-2]
+
+
+@dataclass
+class CompressResult:
+    """What a method returns for one layer.
+
+    Attributes:
+        keys: ``(B, H_kv, m, d)`` kept (possibly merged or re-positioned) keys.
+        values: ``(B, H_kv, m, d)`` kept (possibly merged) values.
+        valid: optional ``(B, H_kv, m)`` bool mask for per-head variable lengths (heads padded
+            to the layer's longest head); False slots are never attended.
+        logit_bias: optional ``(B, H_kv, m)`` or ``(B, H_q, m)`` float32 additive bias on the
+            attention logits of the kept positions at decode (SelKV Eq. 6 compensation).
+        kept_indices: optional ``(B, H_kv, m)`` long tensor of the original positions kept
+            (for statistics, tests and the kvpress cross-check).
+        next_position: if the method re-positioned keys to contiguous positions (SelKV Eq. 7),
+            the position decoding continues from in this layer; else ``None``.
+        stats: scalar statistics (e.g. ``merged``, ``dropped``) summed over layers by the engine.
+    """
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    valid: torch.Tensor | None = None
+    logit_bias: torch.Tensor | None = None
+    kept_indices: torch.Tensor | None = None
+    next_position: int | None = None
+    stats: dict[str, float] = field(default_factory=dict)
+
+
+def resolve_budget(budget: float, n_tokens: int) -> int:
+    """Tokens per KV head for a prompt of ``n_tokens`` tokens.
+
+    ``budget < 1`` is a retention ratio ρ: m = ⌊ρ·n⌋ (SelKV Sec. 3.2). ``budget >= 1`` must be an
+    integer token count (average per layer per KV head). The result is capped at n.
+
+    Raises:
+        ConfigError: budget ≤ 0, or ≥ 1 and not an integer.
+    """
+    if budget <= 0:
+        raise ConfigError(f"budget={budget}: must be > 0 (a ratio in (0, 1) or an integer token count >= 1)")
+    if budget < 1:
+        return min(n_tokens, int(math.floor(budget * n_tokens)))
+    if float(budget) != int(budget):
+        raise ConfigError(f"budget={budget}: a token budget (>= 1) must be an integer")
+    return min(n_tokens, int(budget))
+
+
+def gather_tokens(x: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """Gather per-head token rows.
+
+    Args:
+        x: ``(B, H, n, d)``.
+        indices: ``(B, H, m)`` long, positions along n.
+
+    Returns:
+        ``(B, H, m, d)``.
+    """
+    return x.gather(2, indices.unsqueeze(-1).expand(*indices.shape, x.shape[-1]))
+
+
+class Method:
+    """Base class of a compression method.
+
+    Subclasses set ``name``, ``Config`` (a dataclass) and implement :meth:`compress`.
+
+    Attributes:
+        name: registry name (``method.name`` in the config).
+        window_size: W, how many trailing prompt queries the engine must rebuild (0 if none).
+    """
+
+    name: ClassVar[str] = "base"
+    Config: ClassVar[type] = object
+
+    def __init__(self, config: Any = None, layout: HeadLayout | None = None, artifacts: dict | None = None):
+        self.config = config if config is not None else self.Config()
+        self.layout = layout
+        self.artifacts = artifacts or {}
+
+    # --- static facts -------------------------------------------------------------------
+    @property
+    def window_size(self) -> int:
+        return int(getattr(self.config, "window_size", 0) or 0)
+
+    def min_budget(self) -> int:
+        """Tokens the method always keeps (observation window + recent + sinks).
+
+        A token budget below this is a configuration error (checked before the model loads).
+        """
+        return self.window_size
+
+    def check_layout(self, layout: HeadLayout) -> None:
+        """Raise :class:`ConfigError` if the method cannot run on this attention layout."""
+
+    # --- per sample ---------------------------------------------------------------------
+    def plan(self, n_tokens: int, budget: float, layout: HeadLayout) -> Plan:
+        """Uniform per-layer budget (override for layer/head-wise allocation).
+
+        Returns a :class:`Plan` with ``compress=False`` when n ≤ budget.
+        """
+        m = resolve_budget(budget, n_tokens)
+        return Plan(layer_budgets=[m] * layout.num_layers, compress=m < n_tokens)
+
+    def compress(self, ctx: LayerContext) -> CompressResult:  # pragma: no cover - abstract
+        raise NotImplementedError

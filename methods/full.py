@@ -1,0 +1,29 @@
+"""Full cache: the uncompressed reference every table compares against."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from .base import CompressResult, HeadLayout, LayerContext, Method, Plan
+
+
+@dataclass
+class FullConfig:
+    """No fields: the full cache keeps every prompt token."""
+
+
+class FullCache(Method):
+    """Keeps every token; ``plan`` always says no compression."""
+
+    name: ClassVar[str] = "full"
+    Config = FullConfig
+
+    def plan(self, n_tokens: int, budget: float, layout: HeadLayout) -> Plan:
+        return Plan(layer_budgets=[n_tokens] * layout.num_layers, compress=False)
+
+    def min_budget(self) -> int:
+        return 0
+
+    def compress(self, ctx: LayerContext) -> CompressResult:
+        return CompressResult(keys=ctx.keys, values=ctx.values)

@@ -1,0 +1,79 @@
+"""SnapKV (Li et al., 2024, "SnapKV: LLM Knows What You are Looking for Before Generation").
+
+Each prompt token is scored by the attention it receives from the last W prompt queries
+(the observation window), summed over the window, smoothed by 1-D pooling of width K, and
+aggregated over each GQA group. Every KV head keeps the window plus its top ``budget - W``
+prefix tokens.
+
+Presets: the SelKV paper's setting (W=32, K=5, avg pooling: ``conf/method/snapkv.yaml``) and
+KVCache-Factory's (W=8, K=7, max pooling: ``conf/method/snapkv_kvcf.yaml``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from .base import CompressResult, ConfigError, LayerContext, Method, gather_tokens
+from .scoring import group_scores, pool_scores, topk_keep_window, window_attention
+
+
+@dataclass
+class SnapKVConfig:
+    """SnapKV hyper-parameters.
+
+    Attributes:
+        window_size: W, observation-window queries (tokens), always kept.
+        kernel_size: K, pooling width (odd, tokens).
+        pooling: ``avg`` or ``max``.
+        gqa_aggregation: ``mean`` or ``max`` over the G query heads of a KV head.
+    """
+
+    window_size: int = 32
+    kernel_size: int = 5
+    pooling: str = "avg"
+    gqa_aggregation: str = "mean"
+
+
+def snapkv_scores(ctx: LayerContext, cfg: SnapKVConfig) -> torch.Tensor:
+    """Per-KV-head SnapKV scores of every prompt token.
+
+    Returns:
+        ``(B, H_kv, n)`` float32; window positions get +inf so that any top-k keeps them.
+    """
+    attn = window_attention(ctx.window_queries, ctx.keys, ctx.scaling, ctx.softcap)  # (B, H_q, W, n)
+    w = attn.shape[2]
+    scores = attn.sum(dim=2)  # (B, H_q, n)
+    scores = pool_scores(scores, cfg.kernel_size, cfg.pooling)
+    scores = group_scores(scores, ctx.layout.num_kv_heads, cfg.gqa_aggregation)
+    scores[..., -w:] = float("inf")
+    return scores
+
+
+class SnapKV(Method):
+    """SnapKV eviction: window attention scores, pooled, per-KV-head top-k."""
+
+    name: ClassVar[str] = "snapkv"
+    Config = SnapKVConfig
+
+    def __init__(self, config=None, layout=None, artifacts=None):
+        super().__init__(config, layout, artifacts)
+        c = self.config
+        if c.window_size < 1:
+            raise ConfigError(f"method.window_size={c.window_size}: must be an integer >= 1")
+        if c.kernel_size < 1 or c.kernel_size % 2 == 0:
+            raise ConfigError(f"method.kernel_size={c.kernel_size}: must be an odd integer >= 1")
+        if c.pooling not in ("avg", "max"):
+            raise ConfigError(f"method.pooling={c.pooling!r}: accepted values are avg, max")
+        if c.gqa_aggregation not in ("mean", "max"):
+            raise ConfigError(f"method.gqa_aggregation={c.gqa_aggregation!r}: accepted values are mean, max")
+
+    def compress(self, ctx: LayerContext) -> CompressResult:
+        scores = snapkv_scores(ctx, self.config)
+        w = ctx.window_queries.shape[2]
+        idx = topk_keep_window(scores, ctx.budget, w)  # (B, H_kv, m)
+        return CompressResult(
+            keys=gather_tokens(ctx.keys, idx), values=gather_tokens(ctx.values, idx), kept_indices=idx
+        )
