@@ -1,0 +1,36 @@
+"""Tasks and metrics: LongBench, LongBench-E, Needle-in-a-Haystack.
+
+``eval`` sees only text, never tensors, and never imports ``methods``.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from .base import Sample, Task, TaskConfigError
+
+_TASKS: dict[str, str] = {
+    "niah": "eval.niah:NIAHTask",
+    "longbench": "eval.longbench:LongBenchTask",
+    "longbench_e": "eval.longbench:LongBenchETask",
+}
+
+
+def available() -> list[str]:
+    """Registered task names."""
+    return sorted(_TASKS)
+
+
+def get_task_class(name: str) -> type[Task]:
+    """The task class registered as ``name``.
+
+    Raises:
+        TaskConfigError: unknown task (lists the accepted names).
+    """
+    if name not in _TASKS:
+        raise TaskConfigError(f"task.name={name!r}: unknown task; accepted values are {', '.join(available())}")
+    mod, cls = _TASKS[name].split(":")
+    return getattr(importlib.import_module(mod), cls)
+
+
+__all__ = ["Sample", "Task", "TaskConfigError", "available", "get_task_class"]

@@ -13,6 +13,13 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 
+class TaskConfigError(ValueError):
+    """A user-caused task configuration problem (one line: key, bad value, accepted values or fix).
+
+    Raised before any model loads (from :meth:`Task.validate`) wherever possible.
+    """
+
+
 @dataclass
 class Sample:
     """One prompt of a task.
@@ -49,6 +56,21 @@ class Task:
     """
 
     name: str = "task"
+
+    def __init__(self, cfg: dict, tokenizer: Any = None, max_input_tokens: int | None = None):
+        """Args:
+            cfg: the task's Hydra node as a plain dict (``conf/task/<name>.yaml``).
+            tokenizer: the model's Hugging Face tokenizer (text in, token ids out), used for
+                truncation and lengths in tokens; may be None for :meth:`validate`-only use.
+            max_input_tokens: the model's max input length (tokens) unless the task overrides it.
+        """
+        self.cfg = dict(cfg)
+        self.tokenizer = tokenizer
+        self.max_input_tokens = max_input_tokens
+
+    @classmethod
+    def validate(cls, cfg: dict) -> None:
+        """Check the task node before any model loads; raise :class:`TaskConfigError`."""
 
     def samples(self) -> Iterator[Sample]:  # pragma: no cover - abstract
         raise NotImplementedError
