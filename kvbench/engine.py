@@ -118,6 +118,9 @@ class Engine:
         self.method = method
         self.budget = budget
         self._rotary = self._make_rotary()
+        self.record_logits = False  # tests: keep every step's logits in ``last_logits``
+        self.last_state: CompressionState | None = None  # the state of the last generation (tests, cross-checks)
+        self.last_logits: list[torch.Tensor] = []
 
     def _make_rotary(self):
         """Callable positions (k,) → (cos, sin) ``(k, d)`` of the full-attention layers' RoPE."""
@@ -191,9 +194,13 @@ class Engine:
         kept, stored, mstats = self._cache_stats(state, n)
 
         state.phase = "decode"
+        self.last_state = state
+        self.last_logits = []
         tokens: list[int] = []
         t1 = time.perf_counter()
         for step in range(max_new_tokens):
+            if self.record_logits:
+                self.last_logits.append(logits.float().clone())
             if not torch.isfinite(logits).all():
                 raise NonFiniteLogitsError(f"non-finite logits at decode step {step}")
             tok = int(logits.argmax())
