@@ -26,7 +26,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-kvpress = pytest.importorskip("kvpress", reason="kvpress not installed (optional extra: pip install kvpress==0.5.5)")
+kvpress = pytest.importorskip("kvpress", reason="kvpress not installed (optional extra: pip install -e '.[kvpress]')")
+pytestmark = pytest.mark.slow  # loads the embedded model (about a minute on 2 CPU cores)
 
 from methods import HeadLayout, LayerContext, get_method_class  # noqa: E402
 from methods.adakv import AdaKVConfig  # noqa: E402
@@ -35,8 +36,12 @@ from methods.pyramidkv import PyramidKVConfig  # noqa: E402
 from methods.snapkv import SnapKVConfig  # noqa: E402
 from methods.streamingllm import StreamingLLMConfig  # noqa: E402
 
-DATA = Path(__file__).resolve().parents[2] / ".." / "shared" / "data"
-ESSAY = DATA / "paul_graham_essays" / "addiction.txt"
+ROOT = Path(__file__).resolve().parents[2]
+# ../shared/data next to the repository (a worktree under wt/ finds it one level further up)
+ESSAY = next(
+    (p for p in (ROOT.parent / "shared" / "data", ROOT.parent.parent / "shared" / "data") if p.is_dir()),
+    ROOT.parent / "shared" / "data",
+) / "paul_graham_essays" / "addiction.txt"
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 CONTEXT_TOKENS = 352  # c: kvpress compresses this context; W=8 and cr=0.5 give a real pyramid
 QUESTION = "\nQuestion: What does the author say technology does to the things we like?\nAnswer:"
