@@ -61,6 +61,7 @@ def run_one(method: str, budget: float | int, tokens: int, device: str, max_new_
         "kept_tokens_mean": out.kept_tokens["mean"],
         "stored_tokens_mean": out.stored_tokens["mean"],
         "peak_bytes": out.peak_rss_bytes,
+        "generated_tokens": out.generated_tokens,
         "device": str(loaded.device),
     }
 

@@ -123,7 +123,7 @@ class AdaKV(Method):
         scores = self.scorer(ctx, c)  # (B, H_kv, n), window at +inf
         b_sz, h, n = scores.shape
         m = min(ctx.budget, n)
-        w = ctx.window_queries.shape[2]
+        w = min(ctx.window_queries.shape[2], m)  # a ratio budget below W keeps the last m tokens
         if c.floor_mode == "safeguard":
             return safeguard_keep_mask(scores, m, c.floor_ratio)
         base = max(0, m - w)  # AdaKV allocates the prefix budget; the window is added to every head

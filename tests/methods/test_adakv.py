@@ -105,3 +105,9 @@ def test_config_errors_name_the_key():
     with pytest.raises(ConfigError, match="method.floor_ratio"):
         AdaKV(AdaKVConfig(floor_ratio=1.5))
     assert get_scorer("snapkv").__name__ == "snapkv_scores"
+
+
+def test_budget_below_window_keeps_the_last_m_tokens():
+    layout, ctx = _ctx(budget=5)  # W = 8 > m = 5 (a small ratio budget on a short prompt)
+    res = AdaKV(AdaKVConfig(window_size=8, kernel_size=3), layout).compress(ctx)
+    assert res.valid.all() and res.kept_indices[0].tolist() == [list(range(91, 96))] * 2
