@@ -91,33 +91,50 @@ def add_caption(fig: Figure, caption: str) -> None:
     fig.text(0.5, 0.005, caption, ha="center", va="bottom", fontsize=7, wrap=True)
 
 
+SCORE_LABEL = "Score (ROUGE-1 recall × 100)"
+
+
 def niah_heatmap_figure(records: Iterable[dict], title: str, caption: str = "") -> Figure:
-    """A one-panel NIAH heatmap figure with a colorbar "Score (%)" and an optional caption line."""
-    fig, ax = plt.subplots(figsize=(6.4, 4.4))
-    im = draw_niah_heatmap(ax, list(records), title)
+    """A one-panel NIAH heatmap figure with a colorbar and an optional caption line."""
+    records = list(records)
+    lengths, depths, _grid = niah_grid(records)
+    size = (max(4.8, 1.6 + 0.8 * len(lengths)), max(3.2, 1.4 + 0.4 * len(depths) + (0.3 if caption else 0)))
+    fig, ax = plt.subplots(figsize=size, layout="constrained")
+    im = draw_niah_heatmap(ax, records, title)
     if im is not None:
-        fig.colorbar(im, ax=ax, label="Score (%)")
+        fig.colorbar(im, ax=ax, label=SCORE_LABEL)
     if caption:
+        fig.get_layout_engine().set(rect=(0, 0.35 / size[1], 1, 1 - 0.35 / size[1]))
         add_caption(fig, caption)
-    fig.tight_layout(rect=(0, 0.05 if caption else 0, 1, 1))
     return fig
 
 
-def plot_niah_heatmap(records: Iterable[dict], path: str | Path, title: str, caption: str = "") -> Path:
-    """Write a NIAH score heatmap (needle depth × context length) of one job to ``path``.
+def plot_niah_heatmap(records: Iterable[dict], path: str | Path, title: str, ax: Axes | None = None,
+                      caption: str = "") -> Path | None:
+    """NIAH score heatmap (needle depth × context length) of one job.
 
     Args:
-        records: the job's prediction records (see :func:`niah_grid`).
-        path: output file; the format follows its suffix (``.png``, ``.pdf``, ``.svg``).
-        title: figure title, e.g. ``"smollm2 / SnapKV / budget 0.25"``.
+        records: the job's prediction records (see :func:`niah_grid`; failed records are skipped).
+        path: output file; its suffix picks the format. A ``.png`` also gets a ``.pdf`` beside it.
+        title: figure title, e.g. ``"NIAH — smollm2 — SnapKV — budget 0.25"``.
+        ax: draw into this axes instead (nothing is written, returns None).
         caption: optional line under the figure (task, budget semantics).
 
     Returns:
-        ``path`` as a Path (parent folders are created).
+        The written path (parent folders created), or None when drawing into ``ax`` or when
+        no record carries NIAH metadata.
     """
+    records = list(records)
+    if ax is not None:
+        draw_niah_heatmap(ax, records, title)
+        return None
+    if not niah_grid(records)[0]:
+        return None
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig = niah_heatmap_figure(records, title, caption)
     fig.savefig(path, dpi=150)
+    if path.suffix == ".png":
+        fig.savefig(path.with_suffix(".pdf"))
     plt.close(fig)
     return path

@@ -14,7 +14,7 @@ from pathlib import Path
 import pandas as pd
 from matplotlib.patches import Patch
 
-from .plots import add_caption, draw_niah_heatmap, plt
+from .plots import SCORE_LABEL, add_caption, draw_niah_heatmap, plt
 from .report_data import (
     FULL,
     budget_semantics,
@@ -254,7 +254,7 @@ def niah_figures(df: pd.DataFrame, root: Path) -> list[FigureOut]:
         im = draw_niah_heatmap(axes[0, 0], records[job], f"{row['model_key']} / {row['method']} / budget "
                                f"{budget_text(row['budget'])}")
         if im is not None:
-            fig.colorbar(im, ax=axes[0, 0], label="Score (%)")
+            fig.colorbar(im, ax=axes[0, 0], label=SCORE_LABEL)
         caption = f"Task: NIAH; model: {row['model_key']}; {budget_semantics([row['budget']])}."
         out.append(_finish(f"niah/{_slug(job)}", fig, caption, [job], []))
     for mk in sorted(niah["model_key"].unique(), key=model_sort_key):
@@ -280,7 +280,7 @@ def niah_figures(df: pd.DataFrame, root: Path) -> list[FigureOut]:
         for ax in axes[:, 0]:
             ax.set_ylabel("Needle depth (%)")
         if im is not None:
-            fig.colorbar(im, ax=axes, label="Score (%)", shrink=0.8)
+            fig.colorbar(im, ax=axes, label=SCORE_LABEL, shrink=0.8)
         fig.suptitle(f"Needle-in-a-Haystack: {mk}", fontsize=10)
         caption = f"Task: NIAH; model: {mk}; {budget_semantics(budgets)}; score = mean over samples per cell (%)."
         out.append(_finish(f"niah_panel_{_slug(mk)}", fig, caption, sources, notes))
