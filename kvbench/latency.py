@@ -6,8 +6,9 @@ full cache and compressed caches over prompt lengths (SelKV Figure 3).
 
 The model, budget and methods come from the Hydra config (``conf/``); an experiment preset
 may carry a ``latency:`` node (``methods``, ``lengths``, ``max_new_tokens``, ``repeats``,
-``out``) that the command-line flags override. Prompt lengths longer than the model's input
-limit (``model.max_input_tokens`` minus the generated tokens) are skipped with a message.
+``out``) that the command-line flags override. Prompt lengths longer than the model's context
+window (``max_position_embeddings`` minus the generated tokens) are skipped with a message.
+Generation ignores stop tokens, so every request decodes exactly ``max_new_tokens`` tokens.
 
 Output: a JSON list of records, rewritten after every measurement (a killed run keeps what
 it measured), read by ``kvbench report`` (``RESULTS_ROOT/latency.json`` or ``--latency``)::
@@ -17,15 +18,14 @@ it measured), read by ``kvbench report`` (``RESULTS_ROOT/latency.json`` or ``--l
      "generated_tokens": 256, "decode_tok_s": 50.2, "peak_mem_bytes": 17400000000,
      "cache_bytes_before": 1073741824, "cache_bytes_after": 268435456, "device": "cuda:NVIDIA H100"}
 
-``peak_mem_bytes`` is the CUDA peak allocated memory on GPU, else the process peak RSS that the
-engine reports. Timings are seconds; throughput is generated tokens per decode second.
+``peak_mem_bytes`` is the engine's peak CUDA memory of the generation on GPU, else the process
+peak RSS. Timings are seconds; throughput is generated tokens per decode second.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
-import inspect
 import json
 import os
 import random
@@ -46,13 +46,10 @@ def default_lengths(max_tokens: int, start: int = 512) -> list[int]:
     return out
 
 
-def model_input_limit(model_cfg: dict) -> int | None:
-    """The model's prompt limit in tokens (``max_input_tokens``, ``max_position_embeddings`` or
-    ``context_length`` of the model node), None when the node does not say."""
-    for key in ("max_input_tokens", "max_position_embeddings", "context_length"):
-        if isinstance(model_cfg.get(key), int):
-            return int(model_cfg[key])
-    return None
+def context_limit(model: Any) -> int | None:
+    """The model's context window in tokens (``config.max_position_embeddings``), None if unknown."""
+    value = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    return int(value) if isinstance(value, int) else None
 
 
 def prompt_ids(n_tokens: int, vocab_size: int, seed: int = 0) -> list[int]:
@@ -62,33 +59,13 @@ def prompt_ids(n_tokens: int, vocab_size: int, seed: int = 0) -> list[int]:
     return [rng.randrange(100, max(101, vocab_size)) for _ in range(n_tokens)]
 
 
-def _vocab_size(engine: Any) -> int:
-    for obj, attr in [(getattr(engine, "tokenizer", None), "vocab_size"),
-                      (getattr(getattr(engine, "model", None), "config", None), "vocab_size")]:
-        if obj is not None and isinstance(getattr(obj, attr, None), int):
-            return int(getattr(obj, attr))
-    return 32000
-
-
-def _peak_reset() -> Callable[[], int | None]:
-    """Reset the CUDA peak-memory counter; returns a reader of the peak (None without CUDA)."""
-    try:
-        import torch
-    except ImportError:  # pragma: no cover - torch is a hard dependency of the engine
-        return lambda: None
-    if not torch.cuda.is_available():
-        return lambda: None
-    torch.cuda.reset_peak_memory_stats()
-    return lambda: int(torch.cuda.max_memory_allocated())
-
-
-def _device() -> str:
-    try:
+def _device_name(engine: Any) -> str:
+    dev = getattr(getattr(engine, "loaded", None), "device", None)
+    if getattr(dev, "type", None) == "cuda":
         import torch
 
-        return f"cuda:{torch.cuda.get_device_name()}" if torch.cuda.is_available() else "cpu"
-    except Exception:  # noqa: BLE001 - informational only
-        return "unknown"
+        return f"cuda:{torch.cuda.get_device_name(dev)}"
+    return str(dev or "unknown")
 
 
 def _free_memory() -> None:
@@ -103,21 +80,17 @@ def _free_memory() -> None:
 
 
 def measure(engine: Any, ids: list[int], max_new_tokens: int) -> dict:
-    """One timed generation; returns the record's measured fields.
+    """One timed generation: ``engine.generate(ids, max_new_tokens, stop_ids=[])`` (no stop token,
+    so every run decodes exactly ``max_new_tokens``); returns the record's measured fields.
 
-    Calls ``engine.generate(prompt_ids, max_new_tokens)`` (with ``ignore_eos=True`` when the engine
-    accepts it, so that every run decodes the same number of tokens).
+    ``peak_mem_bytes`` is the engine's ``peak_rss_bytes``: peak CUDA memory of this generation on
+    GPU, the process peak RSS on CPU.
     """
-    kwargs = {"ignore_eos": True} if "ignore_eos" in inspect.signature(engine.generate).parameters else {}
-    peak = _peak_reset()
-    res = engine.generate(ids, max_new_tokens, **kwargs)
-    gpu_peak = peak()
-    get = lambda name: getattr(res, name, None)  # noqa: E731
-    return {"prompt_tokens": len(ids), "prefill_s": get("prefill_s"), "compress_s": get("compress_s"),
-            "decode_s": get("decode_s"), "generated_tokens": get("generated_tokens"),
-            "decode_tok_s": get("decode_tok_s"),
-            "peak_mem_bytes": gpu_peak if gpu_peak is not None else get("peak_rss_bytes"),
-            "cache_bytes_before": get("cache_bytes_before"), "cache_bytes_after": get("cache_bytes_after")}
+    res = engine.generate(ids, max_new_tokens, stop_ids=[])
+    return {"prompt_tokens": len(ids), "prefill_s": res.prefill_s, "compress_s": res.compress_s,
+            "decode_s": res.decode_s, "generated_tokens": res.generated_tokens, "decode_tok_s": res.decode_tok_s,
+            "peak_mem_bytes": res.peak_rss_bytes, "cache_bytes_before": res.cache_bytes_before,
+            "cache_bytes_after": res.cache_bytes_after}
 
 
 def write_records(path: Path, records: list[dict]) -> None:
@@ -128,8 +101,24 @@ def write_records(path: Path, records: list[dict]) -> None:
     os.replace(tmp, path)
 
 
+def engine_factory(model_cfg: dict, budget: float, device: str = "auto") -> Callable[[dict], Any]:
+    """``method node -> kvbench.engine.Engine``, loading the model once (on first use)."""
+    from .engine import Engine
+    from .models import load_model
+    from .validate import build_method
+
+    loaded: list = []
+
+    def make(method_cfg: dict) -> Any:
+        if not loaded:
+            loaded.append(load_model(model_cfg, device))
+        return Engine(loaded[0], build_method(method_cfg, loaded[0].layout), float(budget))
+
+    return make
+
+
 def run_latency(model_cfg: dict, method_cfgs: dict[str, dict], budget: float, lengths: list[int],
-                max_new_tokens: int, repeats: int, out: Path, engine_cls: Any = None,
+                max_new_tokens: int, repeats: int, out: Path, make_engine: Callable[[dict], Any] | None = None,
                 log: Callable[[str], None] = print) -> list[dict]:
     """Measure every method at every prompt length and write the records to ``out``.
 
@@ -137,39 +126,38 @@ def run_latency(model_cfg: dict, method_cfgs: dict[str, dict], budget: float, le
         model_cfg: the model's Hydra node as a dict (``model.name``...).
         method_cfgs: ``{preset name: method node}``; the record's ``method`` is the node's ``label``.
         budget: compressed methods' budget (the full cache ignores it).
-        lengths: prompt lengths in tokens; those over the model's input limit are skipped.
+        lengths: prompt lengths in tokens; those over the model's context window (minus the
+            generated tokens) are skipped with a message.
         max_new_tokens: tokens generated per request.
         repeats: timed runs per (method, length), after one untimed warm-up per method.
         out: output JSON path.
-        engine_cls: the engine class (default :class:`kvbench.engine.Engine`).
+        make_engine: ``method node -> engine`` (default :func:`engine_factory`).
 
     Returns:
         The records written.
     """
-    if engine_cls is None:
-        from kvbench.engine import Engine as engine_cls  # the lead's engine; imported late
-    limit = model_input_limit(model_cfg)
-    if limit is not None:
-        skipped = [n for n in lengths if n + max_new_tokens > limit]
-        if skipped:
-            log(f"skipping prompt lengths {skipped}: over the model's input limit {limit} - {max_new_tokens} new tokens")
-        lengths = [n for n in lengths if n + max_new_tokens <= limit]
+    make_engine = make_engine or engine_factory(model_cfg, budget)
     records: list[dict] = []
-    device = _device()
     for preset, method_cfg in method_cfgs.items():
-        engine = engine_cls(dict(model_cfg), dict(method_cfg), float(budget))
-        vocab = _vocab_size(engine)
-        if lengths:
-            engine.generate(prompt_ids(min(lengths), vocab), min(4, max_new_tokens))  # warm-up, untimed
-        for n in lengths:
+        engine = make_engine(dict(method_cfg))
+        limit = context_limit(getattr(engine, "model", None))
+        todo = [n for n in lengths if limit is None or n + max_new_tokens <= limit]
+        if len(todo) < len(lengths):
+            log(f"skipping prompt lengths {sorted(set(lengths) - set(todo))}: over the context window {limit} "
+                f"minus {max_new_tokens} new tokens")
+        vocab = int(getattr(getattr(engine.model, "config", None), "vocab_size", 32000) or 32000)
+        if todo:
+            engine.generate(prompt_ids(min(todo), vocab), min(4, max_new_tokens), stop_ids=[])  # warm-up
+        for n in todo:
             for rep in range(repeats):
                 rec = {"model": model_cfg.get("name"), "method": method_cfg.get("label") or method_cfg.get("name"),
                        "method_name": method_cfg.get("name"), "preset": preset, "budget": float(budget),
-                       "repeat": rep, **measure(engine, prompt_ids(n, vocab), max_new_tokens), "device": device}
+                       "repeat": rep, **measure(engine, prompt_ids(n, vocab), max_new_tokens),
+                       "device": _device_name(engine)}
                 records.append(rec)
                 write_records(out, records)
-                log(f"{rec['method']:>24} n={n:>7} prefill {rec['prefill_s']} s, compress {rec['compress_s']} s, "
-                    f"decode {rec['decode_tok_s']} tok/s")
+                log(f"{rec['method']:>24} n={n:>7}: prefill {rec['prefill_s']:.3f} s, compress "
+                    f"{rec['compress_s']:.3f} s, decode {rec['decode_tok_s']:.1f} tok/s")
         del engine
         _free_memory()
     return records
@@ -195,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--methods", nargs="+", help="method presets (conf/method/*.yaml); default: latency.methods "
                    "or full + the configured method")
     p.add_argument("--lengths", nargs="+", type=int, help="prompt lengths (tokens); default: latency.lengths or "
-                   "powers of two from 512 to the model's input limit")
+                   "powers of two from 512 to 8192 (lengths over the model's context window are skipped)")
     p.add_argument("--new-tokens", type=int, help=f"generated tokens per request (default {DEFAULT_NEW_TOKENS})")
     p.add_argument("--repeats", type=int, help="timed runs per method and length (default 1)")
     p.add_argument("--out", help="output JSON (default: latency.out, else <output_root>/latency.json)")
@@ -209,10 +197,11 @@ def main(argv: list[str] | None = None) -> int:
         sub = compose([o for o in args.overrides if not o.startswith("method=")] + [f"method={preset}"])
         method_cfgs[preset] = OmegaConf.to_container(sub.method, resolve=True)
     new_tokens = args.new_tokens or lat.get("max_new_tokens") or DEFAULT_NEW_TOKENS
-    lengths = args.lengths or lat.get("lengths") or default_lengths(model_input_limit(model_cfg) or 8192)
+    lengths = args.lengths or lat.get("lengths") or default_lengths(8192)
     out = Path(args.out or lat.get("out") or Path(cfg.get("output_root", "results")) / "latency.json")
     run_latency(model_cfg, method_cfgs, float(cfg.budget), list(lengths), int(new_tokens),
-                int(args.repeats or lat.get("repeats") or 1), out)
+                int(args.repeats or lat.get("repeats") or 1), out,
+                engine_factory(model_cfg, float(cfg.budget), str(cfg.get("device", "auto"))))
     print(f"latency records written to {out}")
     return 0
 

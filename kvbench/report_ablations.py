@@ -28,26 +28,23 @@ from .report_tables import Table, _models_text, _table, bold_best
 
 def _truthy(value) -> bool:
     if isinstance(value, str):
-        return value.strip().lower() not in ("", "none", "off", "false", "no", "0", "evict", "drop")
+        return value.strip().lower() not in ("", "none", "off", "false", "no", "0")
     return bool(value)
 
 
 def ablation_flags(params: dict) -> dict[str, bool | None]:
-    """Gate / Comp / Merge switches of a SelKV config (None when the config does not say).
+    """Gate / Comp / Merge switches of a SelKV-style config (None when the config does not say).
 
-    Looks for keys containing ``gate``, ``compens`` (or ``comp``) and ``merge``; a ``mode`` or
-    ``strategy`` naming eviction means no merge.
+    SelKV's fields (``conf/method/selkv*.yaml``): ``gate`` soft (gated merge) | none (merge all,
+    g = 1) | off (eviction only, g = 0); ``compensation`` global | layer | count | off. A boolean
+    ``merge`` field, where a method has one, decides Merge directly.
     """
-    def find(pred) -> bool | None:
-        keys = [k for k in params if pred(k)]
-        return _truthy(params[keys[0]]) if keys else None
-
-    merge = find(lambda k: "merge" in k)
-    if merge is None:
-        mode = find(lambda k: k in ("mode", "strategy"))
-        merge = mode
-    return {"Gate": find(lambda k: "gate" in k), "Comp": find(lambda k: "compens" in k or k == "comp"),
-            "Merge": merge}
+    gate, comp = params.get("gate"), params.get("compensation", params.get("comp"))
+    merge = params.get("merge")
+    if merge is None and isinstance(gate, str):
+        merge = gate.strip().lower() != "off"
+    return {"Gate": None if gate is None else _truthy(gate), "Comp": None if comp is None else _truthy(comp),
+            "Merge": None if merge is None else _truthy(merge)}
 
 
 def selkv_table2(df: pd.DataFrame, budget: float = 0.25, task: str = "longbench",

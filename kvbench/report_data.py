@@ -10,9 +10,10 @@ Identity of a job in the reports:
 
 * ``method`` is the method *label*: ``method.label`` from the config (``SelKV``,
   ``SelKV (evict only)``), else ``method.name``; ``method_name`` is the registry name.
+* ``preset`` is the ``conf/method`` file the job ran (the job folder's method component).
 * ``setting`` is ``run_tag`` (empty when unset); ``max_input_tokens`` is the prompt
-  truncation length (``task.max_input_tokens``, else ``model.max_input_tokens``, else parsed
-  from a ``ctx<N>`` run tag). ``model_key`` is the model name, suffixed only when one model
+  truncation length (``task.max_length``, else ``model.max_input_length``, else parsed from a
+  ``ctx<N>`` run tag). ``model_key`` is the model name, suffixed only when one model
   appears in one task under several settings (e.g. ``llama31 [ctx3500]``), so that a full-cache
   reference is always paired with compressed runs of the same setting.
 * ``params`` is the method's fields (without name and label) as sorted JSON: two jobs with one
@@ -55,7 +56,7 @@ LONG_CONTEXT_TOKENS = 16000  # a setting truncating prompts at >= this many toke
 TIMING_COLUMNS = ["prefill_s", "compress_s", "decode_s", "decode_tok_s"]
 CACHE_COLUMNS = ["prompt_tokens", "kept_tokens", "cache_bytes_before", "cache_bytes_after"]
 COLUMNS = [
-    "job", "task", "model", "model_key", "method", "method_name", "budget", "setting", "max_input_tokens",
+    "job", "task", "model", "model_key", "method", "method_name", "preset", "budget", "setting", "max_input_tokens",
     "params", "tagged", "dataset", "score", "n", "n_failed", "n_expected", "complete",
     *TIMING_COLUMNS, *CACHE_COLUMNS,
 ]
@@ -107,9 +108,11 @@ def _job_dirs(root: Path) -> list[Path]:
 
 
 def _max_input_tokens(cfg: dict, setting: str) -> float:
-    for node in ("task", "model"):
-        value = (cfg.get(node) or {}).get("max_input_tokens")
-        if isinstance(value, (int, float)):
+    """Prompt truncation length: ``task.max_length`` overrides ``model.max_input_length``."""
+    for node, key in [("task", "max_length"), ("task", "max_input_tokens"), ("model", "max_input_length"),
+                      ("model", "max_input_tokens")]:
+        value = (cfg.get(node) or {}).get(key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
     m = re.fullmatch(r"ctx(\d+)", setting or "")
     return float(m.group(1)) if m else math.nan
@@ -127,12 +130,14 @@ def _job_rows(root: Path, job_dir: Path) -> list[dict]:
     budget = float(cfg.get("budget", summary.get("budget", math.nan)))
     folder = job_dir.name
     tag = folder.split("-", 1)[1] if folder.startswith("b") and "-" in folder else ""
+    parts = job_dir.relative_to(root).parts
     base = {
         "job": job_dir.relative_to(root).as_posix(),
         "task": str((cfg.get("task") or {}).get("name", summary.get("task", "?"))),
         "model": str((cfg.get("model") or {}).get("name", summary.get("model", "?"))),
         "method": label,
         "method_name": name,
+        "preset": parts[-2] if len(parts) >= 4 else name,
         "budget": budget,
         "setting": setting,
         "max_input_tokens": _max_input_tokens(cfg, setting),
@@ -231,10 +236,13 @@ def order_datasets(datasets: Iterable[str]) -> list[str]:
 
 
 def main_labels(rows: pd.DataFrame) -> set[str]:
-    """Per method name, its main label: the shortest one (``SelKV`` over ``SelKV (evict only)``)."""
+    """Per method name, its main label: that of the preset named like the method (``conf/method/
+    selkv.yaml``, the job folder ``.../selkv/...``) when such jobs exist, else the shortest label
+    (``SelKV`` over ``SelKV (evict only)``). Ablation presets thus stay out of the main tables."""
     out = set()
-    for _name, grp in rows.groupby("method_name"):
-        out.add(min(grp["method"].unique(), key=lambda s: (len(s), s)))
+    for name, grp in rows.groupby("method_name"):
+        own = grp[grp["preset"] == name]
+        out.add(min((own if len(own) else grp)["method"].unique(), key=lambda s: (len(s), s)))
     return out
 
 

@@ -202,7 +202,8 @@ def selkv_ratio_tables(df: pd.DataFrame, task: str = "longbench") -> list[Table]
         datasets, labels, values = sweep_series(grids, mk)
         full = next((g.full_label for g in grids.values() if g.full_label in labels), None)
         cols = [budget_text(b) for b in budgets]
-        full_avg = next((values[(full, b)] for b in budgets if not math.isnan(values.get((full, b), math.nan))), math.nan)
+        full_avgs = [values.get((full, b), math.nan) for b in budgets]
+        full_avg = next((v for v in full_avgs if not math.isnan(v)), math.nan)
         rows = [{"Method": lab, **{budget_text(b): (full_avg if lab == full else values.get((lab, b), math.nan))
                                     for b in budgets}} for lab in labels]
         comp = [i for i, r in enumerate(rows) if r["Method"] != full]
@@ -240,13 +241,15 @@ def selkv_table7(df: pd.DataFrame, budget: float = 0.25, task: str = "longbench"
                          "Δ": math.nan if label == grid.full_label else avg - full_avg})
         bold |= bold_best(rows, [i for i in range(start, len(rows)) if rows[i]["Method"] != grid.full_label], "Avg")
     ctx = sorted({int(t) for t in df.loc[df["model_key"].isin(grid.models), "max_input_tokens"].dropna()})
-    caption = (f"LongBench average ({len(grid.datasets)} datasets) with long inputs ({', '.join(map(str, ctx))} tokens), "
+    caption = (f"LongBench average ({len(grid.datasets)} datasets) with long inputs "
+               f"({', '.join(map(str, ctx))} tokens), "
                f"{budget_text(budget)} KV budget ({budget_semantics([budget])}). " + _models_text(grid.models))
     return [_table("selkv_table7", caption, rows, ["Model", "Method", "Avg", "Δ"], grid, bold=bold, signed={"Δ"},
                    headers={"Avg": f"Avg ({len(grid.datasets)} ds)"})]
 
 
-def compresskv_table1(df: pd.DataFrame, budgets: tuple[float, ...] = (256, 1024), task: str = "longbench") -> list[Table]:
+def compresskv_table1(df: pd.DataFrame, budgets: tuple[float, ...] = (256, 1024),
+                      task: str = "longbench") -> list[Table]:
     """CompressKV Table 1: LongBench averages at fixed token budgets, per model (columns model × budget).
 
     The full-cache average is repeated under each budget; best compressed method per column in bold.

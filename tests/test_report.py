@@ -36,7 +36,8 @@ from kvbench.report_tables import (
 
 REPO = Path(__file__).resolve().parents[1]
 DS = ["qasper", "hotpotqa", "musique", "multi_news", "trec", "lcc"]
-SELKV = {"gate": True, "compensation": True, "merge": True, "window_size": 32, "kernel_size": 5}
+SELKV = {"gate": "soft", "compensation": "global", "window_size": 32, "kernel_size": 5}
+MAX_INPUT = {"llama31": 3500, "gemma2": 3500, "mistral": 31500, "smollm2": 7500}
 
 # Table 1 scores at budget 0.25 (per dataset, order DS); None = dataset not scored.
 LLAMA = {
@@ -54,15 +55,16 @@ LABELS = {"full": "Full Cache", "snapkv": "SnapKV", "pyramidkv": "PyramidKV", "s
           "streamingllm": "StreamingLLM", "compresskv": "CompressKV"}
 
 
-def make_job(root: Path, *, task="longbench", model="llama31", method="snapkv", label=None, budget=0.25,
-             scores: dict | None = None, params: dict | None = None, run_tag=None, ctx=None, folder_tag="",
-             summary=True, complete=True, records: list | None = None) -> Path:
-    """Write one job folder as the engine would (docs/RESULTS.md)."""
-    name = f"b{budget:g}" + (f"-{folder_tag or run_tag}" if (folder_tag or run_tag) else "")
-    job = root / task / model / method / name
+def make_job(root: Path, *, task="longbench", model="llama31", method="snapkv", preset=None, label=None,
+             budget=0.25, scores: dict | None = None, params: dict | None = None, run_tag=None, ctx=None,
+             folder_tag="", summary=True, complete=True, records: list | None = None) -> Path:
+    """Write one job folder as the engine would (docs/RESULTS.md): <task>/<model>/<preset>/b<budget>[-tag]."""
+    name = f"b{budget}" + (f"-{run_tag or folder_tag}" if (folder_tag or run_tag) else "")
+    job = root / task / model / (preset or method) / name
     job.mkdir(parents=True)
-    cfg = {"model": {"name": model}, "method": {"name": method, "label": label or LABELS[method], **(params or {})},
-           "task": {"name": task, **({"max_input_tokens": ctx} if ctx else {})}, "budget": budget, "run_tag": run_tag}
+    cfg = {"model": {"name": model, "max_input_length": MAX_INPUT.get(model, 7500)},
+           "method": {"name": method, "label": label or LABELS[method], **(params or {})},
+           "task": {"name": task, "max_length": ctx}, "budget": budget, "run_tag": run_tag}
     (job / "config.yaml").write_text(yaml.safe_dump(cfg))
     scores = {d: s for d, s in (scores or {}).items() if s is not None}
     recs = records
@@ -89,30 +91,31 @@ def shifted(values, delta):
 
 def build_tree(root: Path) -> Path:
     """The fixture results tree (see module docstring)."""
-    ctx3 = {"run_tag": "ctx3500", "ctx": 3500}
     for method, vals in LLAMA.items():
         make_job(root, model="llama31", method=method, scores=dict(zip(DS, vals)), complete=method != "snapkv",
-                 params=SELKV if method == "selkv" else None, **ctx3)
+                 params=SELKV if method == "selkv" else None)
     for method, vals in GEMMA.items():
         make_job(root, model="gemma2", method=method, scores=dict(zip(DS, vals)), summary=method != "snapkv",
                  params=SELKV if method == "selkv" else None)
     # ablation presets (llama31, 0.25): offsets from SelKV's scores
-    for label, flags, delta in [("SelKV (evict only)", (False, False, False), -0.3),
-                                ("SelKV (merge all)", (False, False, True), -1.0),
-                                ("SelKV (+ gate)", (True, False, True), -0.2)]:
-        params = {**SELKV, "gate": flags[0], "compensation": flags[1], "merge": flags[2]}
-        make_job(root, model="llama31", method="selkv", label=label, params=params, folder_tag=f"{abs(delta):g}",
-                 scores=dict(zip(DS, shifted(LLAMA["selkv"], delta))), **ctx3)
+    for preset, label, gate, delta in [("selkv_evict", "SelKV (evict only)", "off", -0.3),
+                                       ("selkv_merge_all", "SelKV (merge all)", "none", -1.0),
+                                       ("selkv_gate", "SelKV (+ gate)", "soft", -0.2)]:
+        make_job(root, model="llama31", method="selkv", preset=preset, label=label,
+                 params={**SELKV, "gate": gate, "compensation": "off"},
+                 scores=dict(zip(DS, shifted(LLAMA["selkv"], delta))))
+    make_job(root, model="llama31", method="selkv", preset="selkv_gate_comp", label="SelKV (+ gate + comp)",
+             params=SELKV, scores=dict(zip(DS, LLAMA["selkv"])))  # same fields as selkv: one configuration
     # W × K variants of SelKV on gemma2 (tagged folders), next to the default job
     for w, k, delta in [(16, 5, -0.5), (32, 3, 0.25)]:
         make_job(root, model="gemma2", method="selkv", params={**SELKV, "window_size": w, "kernel_size": k},
                  folder_tag=f"w{w}k{k}", scores=dict(zip(DS, shifted(GEMMA["selkv"], delta))))
     # retention-ratio sweep on llama31: 10% (snapkv, selkv) and 50% (selkv only)
-    make_job(root, model="llama31", method="snapkv", budget=0.1, scores=dict(zip(DS, shifted(LLAMA["full"], -3))), **ctx3)
+    make_job(root, model="llama31", method="snapkv", budget=0.1, scores=dict(zip(DS, shifted(LLAMA["full"], -3))))
     make_job(root, model="llama31", method="selkv", budget=0.1, params=SELKV,
-             scores=dict(zip(DS, shifted(LLAMA["selkv"], -2))), **ctx3)
+             scores=dict(zip(DS, shifted(LLAMA["selkv"], -2))))
     make_job(root, model="llama31", method="selkv", budget=0.5, params=SELKV,
-             scores=dict(zip(DS, shifted(LLAMA["full"], -0.5))), **ctx3)
+             scores=dict(zip(DS, shifted(LLAMA["full"], -0.5))))
     # long context (Table 7): llama31 at 31,500 tokens, 2 datasets
     for method, vals in {"full": [50.0, 60.0], "snapkv": [49.0, 58.0], "selkv": [49.5, 59.0]}.items():
         make_job(root, model="llama31", method=method, scores=dict(zip(DS[:2], vals)), run_tag="ctx31500", ctx=31500,
@@ -124,8 +127,8 @@ def build_tree(root: Path) -> Path:
         for b, vals in by_budget.items():
             make_job(root, model="mistral", method=method, budget=b or 1.0, scores=dict(zip(DS[:2], vals)),
                      params={"heads_per_layer": 4} if method == "compresskv" else None)
-    make_job(root, model="mistral", method="compresskv", label="CompressKV (no layer alloc)", budget=256,
-             params={"heads_per_layer": 4, "layer_alloc": False}, folder_tag="noalloc",
+    make_job(root, model="mistral", method="compresskv", preset="compresskv_uniform", budget=256,
+             label="CompressKV (no layer alloc)", params={"heads_per_layer": 4, "layer_alloc": False},
              scores=dict(zip(DS[:2], [36.5, 27.0])))
     make_job(root, model="mistral", method="compresskv", budget=256, params={"heads_per_layer": 2}, folder_tag="h2",
              scores=dict(zip(DS[:2], [36.0, 27.0])))
@@ -161,9 +164,9 @@ def test_load_results_columns_and_values(df):
     r = df[(df["model"] == "gemma2") & (df["method"] == "SnapKV") & (df["dataset"] == "musique")].iloc[0]
     assert r["score"] == 15.5 and r["n"] == 2 and not r["complete"]  # from predictions.jsonl
     assert r["prefill_s"] == 1.0 and r["kept_tokens"] == 750.0 and r["cache_bytes_after"] == 1000
-    r = df[(df["model_key"] == "llama31 [ctx3500]") & (df["method"] == "PyramidKV") & (df["dataset"] == "lcc")].iloc[0]
+    r = df[(df["model_key"] == "llama31 [3500 tok]") & (df["method"] == "PyramidKV") & (df["dataset"] == "lcc")].iloc[0]
     assert r["score"] == 59.0 and r["decode_tok_s"] == 20.0 and r["max_input_tokens"] == 3500 and r["budget"] == 0.25
-    assert set(df.loc[df["model"] == "llama31", "model_key"]) == {"llama31 [ctx3500]", "llama31 [ctx31500]"}
+    assert set(df.loc[df["model"] == "llama31", "model_key"]) == {"llama31 [3500 tok]", "llama31 [ctx31500]"}
     assert set(df.loc[df["model"] == "gemma2", "model_key"]) == {"gemma2"}
 
 
@@ -174,7 +177,7 @@ def test_dense_ranks_ties_share_better_rank():
 def test_selkv_table1_numbers(df):
     (t,) = selkv_table1(df)
     rows = rows_by(t, "Model", "Method")
-    L, G = "llama31 [ctx3500]", "gemma2"
+    L, G = "llama31 [3500 tok]", "gemma2"
     assert list(t.data.columns[2:8]) == DS
     assert rows[(L, "Full Cache")]["Avg"] == pytest.approx(265 / 6)
     assert rows[(L, "PyramidKV")]["Avg"] == pytest.approx(256 / 6)
@@ -201,11 +204,13 @@ def test_selkv_table1_numbers(df):
 
 def test_paper_table1_ranks_reproduced(tmp_path):
     """The SelKV paper's Gemma-2 block of Table 1: Avg and Avg Rank as printed (42.16, 2.06, ...)."""
-    paper = {"full": "22.93 40.79 46.68 47.25 48.74 22.84 27.63 19.47 24.81 67.50 91.92 43.56 7.00 33.50 72.78 70.33",
-             "snapkv": "22.22 40.01 46.78 46.90 46.54 22.00 24.63 19.28 22.30 66.50 91.92 42.62 7.00 33.50 72.62 69.75",
-             "lookm": "22.66 36.75 45.93 46.97 46.05 22.34 23.98 19.18 22.73 55.50 92.17 42.25 7.00 33.50 72.07 69.84",
-             "pyramidkv": "22.43 39.70 46.71 46.37 47.30 22.41 24.46 18.94 22.12 66.50 91.92 42.36 7.00 33.50 72.53 69.10",
-             "selkv": "23.32 40.01 46.44 46.67 46.84 22.90 24.94 19.33 22.79 67.00 91.76 42.89 7.00 33.50 72.24 69.35"}
+    paper = {
+        "full": "22.93 40.79 46.68 47.25 48.74 22.84 27.63 19.47 24.81 67.50 91.92 43.56 7.00 33.50 72.78 70.33",
+        "snapkv": "22.22 40.01 46.78 46.90 46.54 22.00 24.63 19.28 22.30 66.50 91.92 42.62 7.00 33.50 72.62 69.75",
+        "lookm": "22.66 36.75 45.93 46.97 46.05 22.34 23.98 19.18 22.73 55.50 92.17 42.25 7.00 33.50 72.07 69.84",
+        "pyramidkv": "22.43 39.70 46.71 46.37 47.30 22.41 24.46 18.94 22.12 66.50 91.92 42.36 7.00 33.50 72.53 69.10",
+        "selkv": "23.32 40.01 46.44 46.67 46.84 22.90 24.94 19.33 22.79 67.00 91.76 42.89 7.00 33.50 72.24 69.35",
+    }
     from kvbench.report_data import DATASET_ORDER
     for m, text in paper.items():
         make_job(tmp_path, model="gemma2", method=m, label=m, scores=dict(zip(DATASET_ORDER, map(float, text.split()))))
@@ -219,9 +224,9 @@ def test_paper_table1_ranks_reproduced(tmp_path):
 
 def test_selkv_table2_ablation(df):
     (t,) = selkv_table2(df)
-    rows = [r for r in t.data.to_dict("records") if r["Model"] == "llama31 [ctx3500]"]
+    rows = [r for r in t.data.to_dict("records") if r["Model"] == "llama31 [3500 tok]"]
     assert [r["Configuration"] for r in rows] == ["Full Cache", "SelKV (evict only)", "SelKV (merge all)",
-                                                  "SelKV (+ gate)", "SelKV"]
+                                                  "SelKV (+ gate)", "SelKV (+ gate + comp)"]
     assert [(r["Gate"], r["Comp"], r["Merge"]) for r in rows[1:]] == [
         ("–", "–", "–"), ("–", "–", "✓"), ("✓", "–", "✓"), ("✓", "✓", "✓")]
     sel = 256.5 / 6
@@ -244,9 +249,9 @@ def test_selkv_table3_wk_sensitivity(df):
 def test_selkv_table4_category_means(df):
     (t,) = selkv_table4(df)
     rows = rows_by(t, "Model", "Category")
-    multi = rows[("llama31 [ctx3500]", "Multi-Doc QA")]
+    multi = rows[("llama31 [3500 tok]", "Multi-Doc QA")]
     assert (multi["Full Cache"], multi["SnapKV"], multi["PyramidKV"], multi["SelKV"]) == (35.0, 34.0, 34.0, 34.75)
-    code = rows[("llama31 [ctx3500]", "Code")]
+    code = rows[("llama31 [3500 tok]", "Code")]
     assert math.isnan(code["SnapKV"]) and code["PyramidKV"] == 59.0
     assert "Synthetic" not in {c for _m, c in rows}  # no synthetic dataset in the fixture
     assert math.isnan(rows[("gemma2", "Few-shot Learning")]["PyramidKV"])
@@ -254,13 +259,14 @@ def test_selkv_table4_category_means(df):
 
 def test_ratio_table(df):
     tables = {t.name: t for t in selkv_ratio_tables(df)}
-    t = tables["selkv_table5"]  # llama31 [ctx3500]: 10%, 25%, 50%
+    t = tables["selkv_table5"]  # llama31 [3500 tok]: 10%, 25%, 50%
     assert list(t.data.columns) == ["Method", "10%", "25%", "50%"]
     rows = rows_by(t, "Method")
     assert [rows[("Full Cache",)][c] for c in ("10%", "25%", "50%")] == pytest.approx([265 / 6] * 3)
     assert rows[("SnapKV",)]["10%"] == pytest.approx(265 / 6 - 3)
     assert math.isnan(rows[("SnapKV",)]["25%"]) and math.isnan(rows[("SnapKV",)]["50%"])
-    assert [rows[("SelKV",)][c] for c in ("10%", "25%", "50%")] == pytest.approx([256.5 / 6 - 2, 256.5 / 6, 265 / 6 - 0.5])
+    sel = [rows[("SelKV",)][c] for c in ("10%", "25%", "50%")]
+    assert sel == pytest.approx([256.5 / 6 - 2, 256.5 / 6, 265 / 6 - 0.5])
     assert math.isnan(rows[("PyramidKV",)]["10%"]) and rows[("PyramidKV",)]["25%"] == pytest.approx(256 / 6)
     assert "selkv_table6" not in tables  # gemma2 has one ratio only
 
@@ -304,14 +310,14 @@ def test_report_cli_writes_artifacts(tree, tmp_path):
     # missing cells are missing, not zero
     with open(out / "selkv_table1.csv") as f:
         rows = {(r["Model"], r["Method"]): r for r in csv.DictReader(f)}
-    assert rows[("llama31 [ctx3500]", "SnapKV")]["lcc"] == "" and rows[("llama31 [ctx3500]", "SnapKV")]["Avg"] == ""
+    assert rows[("llama31 [3500 tok]", "SnapKV")]["lcc"] == "" and rows[("llama31 [3500 tok]", "SnapKV")]["Avg"] == ""
     assert rows[("gemma2", "PyramidKV")]["Avg Rank"] == ""
-    assert rows[("llama31 [ctx3500]", "PyramidKV")]["Avg Rank"] == "1.5"
+    assert rows[("llama31 [3500 tok]", "PyramidKV")]["Avg Rank"] == "1.5"
     md = (out / "selkv_table1.md").read_text()
     assert "| gemma2 | PyramidKV | – | – |" in md and "absent: no job for gemma2 / PyramidKV" in md
     assert "**1.33**" in md  # best Avg Rank on gemma2 (SelKV) in bold
     srcs = (out / "selkv_table1.sources.txt").read_text()
-    assert "llama31/pyramidkv/b0.25-ctx3500" in srcs
+    assert "longbench/llama31/pyramidkv/b0.25\n" in srcs
     assert r"\textbf{" in (out / "selkv_table1.tex").read_text()
     assert "selkv_table1" in (out / "index.md").read_text()
 
@@ -339,7 +345,7 @@ def test_plot_niah_heatmap(tmp_path):
 
 
 def test_notebook_executes_on_fixture(tree, tmp_path):
-    nbclient = pytest.importorskip("nbclient", reason="nbclient not installed (pip install nbclient nbformat ipykernel)")
+    nbclient = pytest.importorskip("nbclient", reason="nbclient not installed (pip install -e '.[test]')")
     nbformat = pytest.importorskip("nbformat", reason="nbformat not installed")
     pytest.importorskip("ipykernel", reason="ipykernel not installed")
     nb = nbformat.read(REPO / "notebooks" / "figures.ipynb", as_version=4)
@@ -359,16 +365,16 @@ class FakeResult:
 
 
 class FakeEngine:
-    """Stands in for kvbench.engine.Engine(model_cfg, method_cfg, budget)."""
+    """Stands in for kvbench.engine.Engine (generate(prompt_ids, max_new_tokens, stop_ids))."""
 
     calls: list = []
 
-    def __init__(self, model_cfg, method_cfg, budget):
+    def __init__(self, method_cfg, budget=0.25):
         self.budget = 1.0 if method_cfg["name"] == "full" else budget
-        self.tokenizer = type("Tok", (), {"vocab_size": 500})()
+        self.model = type("M", (), {"config": type("C", (), {"vocab_size": 500, "max_position_embeddings": 1000})()})()
 
-    def generate(self, prompt_ids, max_new_tokens, ignore_eos=False):
-        FakeEngine.calls.append((len(prompt_ids), max_new_tokens, ignore_eos, max(prompt_ids) < 500))
+    def generate(self, prompt_ids, max_new_tokens, stop_ids=None):
+        FakeEngine.calls.append((len(prompt_ids), max_new_tokens, stop_ids, max(prompt_ids) < 500))
         return FakeResult(len(prompt_ids), self.budget)
 
 
@@ -377,16 +383,16 @@ def test_latency_records_feed_figure3(tmp_path):
     from kvbench.report_figures import selkv_fig3
 
     out = tmp_path / "latency.json"
-    recs = latency.run_latency({"name": "tiny", "max_input_tokens": 1000},
+    recs = latency.run_latency({"name": "tiny"},
                                {"full": {"name": "full", "label": "Full Cache"}, "snapkv": {"name": "snapkv"}},
-                               0.25, [256, 512, 1024], max_new_tokens=8, repeats=2, out=out, engine_cls=FakeEngine,
-                               log=lambda _m: None)
+                               0.25, [256, 512, 1024], max_new_tokens=8, repeats=2, out=out,
+                               make_engine=FakeEngine, log=lambda _m: None)
     assert json.loads(out.read_text()) == recs
     assert [(r["method"], r["prompt_tokens"]) for r in recs[::2]] == [
         ("Full Cache", 256), ("Full Cache", 512), ("snapkv", 256), ("snapkv", 512)]  # 1024 + 8 > 1000: skipped
     assert recs[-1]["cache_bytes_after"] == 1280 and recs[-1]["peak_mem_bytes"] == 123 and recs[-1]["budget"] == 0.25
     timed = [c for c in FakeEngine.calls if c[1] == 8]
-    assert len(timed) == 8 and all(ignore and in_vocab for _n, _m, ignore, in_vocab in timed)
+    assert len(timed) == 8 and all(stop == [] and in_vocab for _n, _m, stop, in_vocab in timed)
     assert latency.default_lengths(5000) == [512, 1024, 2048, 4096]
     (fig,) = selkv_fig3(recs, str(out))
     report.write_figure(fig, tmp_path)
