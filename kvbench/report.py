@@ -211,6 +211,10 @@ def main(argv: list[str] | None = None) -> int:
     root = Path(args.root)
     if not root.is_dir():
         p.error(f"RESULTS_ROOT {str(root)!r} is not a directory")
+    for pattern in args.only or []:
+        if not any(_selected(family, outputs, [pattern]) for family, (_b, outputs) in ARTIFACTS.items()):
+            p.error(f"--only {pattern!r}: no such artifact; accepted names: "
+                    + ", ".join(sorted({o for _b, outs in ARTIFACTS.values() for o in outs} | set(ARTIFACTS))))
     out = Path(args.out) if args.out else root / "report"
     lat_path = Path(args.latency) if args.latency else root / "latency.json"
     if args.latency and not lat_path.is_file():

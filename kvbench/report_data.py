@@ -9,7 +9,8 @@ from, so that tables and figures never mix two variants of a method silently.
 Identity of a job in the reports:
 
 * ``method`` is the method *label*: ``method.label`` from the config (``SelKV``,
-  ``SelKV (evict only)``), else ``method.name``; ``method_name`` is the registry name.
+  ``SelKV (evict only)``), else the preset name (``selkv_evict``); ``method_name`` is the
+  registry name.
 * ``preset`` is the ``conf/method`` file the job ran (the job folder's method component).
 * ``setting`` is ``run_tag`` (empty when unset); ``max_input_tokens`` is the prompt
   truncation length (``task.max_length``, else ``model.max_input_length``, else parsed from a
@@ -124,20 +125,21 @@ def _job_rows(root: Path, job_dir: Path) -> list[dict]:
     records = read_predictions(job_dir / "predictions.jsonl")
     method = dict(cfg.get("method") or {})
     name = str(method.get("name", summary.get("method", "?")))
-    label = str(method.get("label") or name)
+    parts = job_dir.relative_to(root).parts
+    preset = parts[-2] if len(parts) >= 4 and not cfg.get("run_name") else name
+    label = str(method.get("label") or preset)  # an unlabelled preset is named by its file
     params = {k: v for k, v in method.items() if k not in ("name", "label")}
     setting = str(cfg.get("run_tag") or "")
     budget = float(cfg.get("budget", summary.get("budget", math.nan)))
     folder = job_dir.name
     tag = folder.split("-", 1)[1] if folder.startswith("b") and "-" in folder else ""
-    parts = job_dir.relative_to(root).parts
     base = {
         "job": job_dir.relative_to(root).as_posix(),
         "task": str((cfg.get("task") or {}).get("name", summary.get("task", "?"))),
         "model": str((cfg.get("model") or {}).get("name", summary.get("model", "?"))),
         "method": label,
         "method_name": name,
-        "preset": parts[-2] if len(parts) >= 4 else name,
+        "preset": preset,
         "budget": budget,
         "setting": setting,
         "max_input_tokens": _max_input_tokens(cfg, setting),

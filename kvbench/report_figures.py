@@ -19,6 +19,7 @@ from .report_data import (
     FULL,
     budget_semantics,
     budget_text,
+    method_sort_key,
     order_datasets,
     read_predictions,
 )
@@ -27,6 +28,7 @@ from .report_tables import _slug, ratio_grids, sweep_series
 
 STAGES = [("prefill_s", "prefill"), ("compress_s", "compression"), ("decode_s", "decode")]
 FIG5_DATASETS = ["qasper", "musique"]  # the SelKV paper's Figure 5 pair
+TASK_NAMES = {"longbench": "LongBench", "longbench_e": "LongBench-E", "niah": "Needle-in-a-Haystack"}
 
 
 @dataclass
@@ -144,7 +146,8 @@ def budget_sweep_figure(df: pd.DataFrame, name: str, task: str, ratio: bool, tit
         notes += _sweep_axes(ax, grids, mk, None, ratio)
     n_ds = max(len(g.datasets) for g in grids.values())
     fig.suptitle(title, fontsize=10)
-    caption = (f"Task: {task} ({n_ds} dataset{'s' if n_ds > 1 else ''}); models: {', '.join(models)}; "
+    caption = (f"Task: {TASK_NAMES.get(task, task)} ({n_ds} dataset{'s' if n_ds > 1 else ''}); "
+               f"models: {', '.join(models)}; "
                f"{budget_semantics(grids)}; dashed line: full cache.")
     return [_finish(name, fig, caption, merged.sources, notes)]
 
@@ -262,7 +265,8 @@ def niah_figures(df: pd.DataFrame, root: Path) -> list[FigureOut]:
         comp = sel[sel["method_name"] != FULL]
         budgets = sorted(comp["budget"].unique()) or [math.nan]
         fulls = list(sel.loc[sel["method_name"] == FULL, "job"].unique())[:1]
-        labels = list(dict.fromkeys(comp.sort_values("method_name")["method"]))
+        pairs = dict(zip(comp["method"], comp["method_name"]))
+        labels = sorted(pairs, key=lambda lab: method_sort_key(pairs[lab], lab))
         cols = (["full"] if fulls else []) + labels
         fig, axes = _axes_grid(len(budgets), len(cols), w=3.2, h=2.8)
         im, sources, notes = None, list(fulls), []

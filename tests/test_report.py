@@ -170,6 +170,15 @@ def test_load_results_columns_and_values(df):
     assert set(df.loc[df["model"] == "gemma2", "model_key"]) == {"gemma2"}
 
 
+def test_unlabelled_preset_is_named_by_its_file(tmp_path):
+    job = make_job(tmp_path, method="selkv", preset="selkv_evict", params={"gate": "off"}, scores={"qasper": 1.0})
+    cfg = yaml.safe_load((job / "config.yaml").read_text())
+    del cfg["method"]["label"]
+    (job / "config.yaml").write_text(yaml.safe_dump(cfg))
+    row = report.load_results(tmp_path).iloc[0]
+    assert (row["method"], row["method_name"], row["preset"]) == ("selkv_evict", "selkv", "selkv_evict")
+
+
 def test_dense_ranks_ties_share_better_rank():
     assert dense_ranks({"a": 38.0, "b": 38.0, "c": 39.0, "d": math.nan}) == {"c": 1, "a": 2, "b": 2}
 
@@ -323,8 +332,10 @@ def test_report_cli_writes_artifacts(tree, tmp_path):
 
 
 def test_report_only_and_partial_tree(tree, tmp_path):
+    from kvbench.cli import main as kvbench_cli
+
     out = tmp_path / "only"
-    assert report.main([str(tree), "--out", str(out), "--only", "selkv_table1", "niah_panel_*"]) == 0
+    assert kvbench_cli(["report", str(tree), "--out", str(out), "--only", "selkv_table1", "niah_panel_*"]) == 0
     assert {p.name for p in out.glob("*.md") if p.name != "index.md"} == {"selkv_table1.md"}
     assert (out / "niah_panel_smollm2.png").exists() and not (out / "niah").exists()
     empty = tmp_path / "empty"
@@ -397,3 +408,9 @@ def test_latency_records_feed_figure3(tmp_path):
     (fig,) = selkv_fig3(recs, str(out))
     report.write_figure(fig, tmp_path)
     assert (tmp_path / "selkv_fig3.png").stat().st_size > 5000
+
+
+def test_report_cli_rejects_unknown_artifact(tree, capsys):
+    with pytest.raises(SystemExit) as e:
+        report.main([str(tree), "--only", "selkv_tabel1"])
+    assert e.value.code == 2 and "no such artifact" in capsys.readouterr().err
