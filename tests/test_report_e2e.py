@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from notebook_runner import execute_figures_notebook
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -50,12 +51,5 @@ def test_report_renders_smoke_sweep(smoke_root, tmp_path):
 
 
 def test_notebook_on_smoke_sweep(smoke_root, tmp_path):
-    nbclient = pytest.importorskip("nbclient", reason="nbclient not installed (pip install -e '.[test]')")
-    nbformat = pytest.importorskip("nbformat", reason="nbformat not installed")
-    pytest.importorskip("ipykernel", reason="ipykernel not installed")
-    nb = nbformat.read(ROOT / "notebooks" / "figures.ipynb", as_version=4)
-    params = next(c for c in nb.cells if "parameters" in c.metadata.get("tags", []))
-    params.source = f"RESULTS_ROOT = {str(smoke_root)!r}\nOUT = {str(tmp_path / 'nb')!r}"
-    client = nbclient.NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(ROOT)}})
-    client.execute()
+    execute_figures_notebook(smoke_root, tmp_path / "nb")
     assert (tmp_path / "nb" / "compresskv_fig5.png").stat().st_size > 5000
