@@ -238,7 +238,9 @@ def selkv_fig3(latency: list[dict], source: str = "latency.json") -> list[Figure
     budgets = sorted({float(b) for b in lat.get("budget", pd.Series(dtype=float)).dropna()
                       if str(b) not in ("", "nan")} - {1.0}) or [math.nan]
     gen = lat["generated_tokens"].dropna() if "generated_tokens" in lat else pd.Series(dtype=float)
-    caption = (f"Latency; models: {', '.join(models)}; task: synthetic prompts, "
+    devices = sorted({str(d) for d in lat["device"].dropna()}) if "device" in lat else []
+    caption = (f"Latency{' on ' + ', '.join(devices) if devices else ''}; models: {', '.join(models)}; "
+               "task: synthetic prompts, "
                f"{f'{gen.mean():.0f} generated tokens; ' if len(gen) else ''}"
                f"compressed at budget {', '.join(budget_text(b) for b in budgets if not math.isnan(b)) or '?'} "
                f"({budget_semantics(budgets)}).")
