@@ -1,6 +1,6 @@
 """The paper presets in conf/experiment/ compose into valid job configs.
 
-Each preset is composed with Hydra (``experiment=NAME`` plus the first value of each swept key);
+Each preset is composed with Hydra (``+experiment=NAME`` plus the first value of each swept key);
 a preset whose model/method/task files are not on this branch yet (methods written in other
 branches) is skipped with the missing files named.
 """
@@ -45,7 +45,7 @@ def test_preset_composes(name):
         pytest.skip(f"not on this branch yet: {', '.join(sorted(set(missing)))}")
     first = [f"{k}={str(v).split(',')[0].strip()}" for k, v in params.items()]
     with initialize_config_dir(config_dir=str(CONF), version_base=None):
-        cfg = OmegaConf.to_container(compose("config", overrides=[f"experiment={name}", *first]), resolve=True)
+        cfg = OmegaConf.to_container(compose("config", overrides=[f"+experiment={name}", *first]), resolve=True)
     budget = cfg["budget"]
     assert budget > 0 and (budget <= 1 or float(budget).is_integer())
     assert cfg["model"]["name"] and cfg["method"]["name"] and cfg["task"]["name"]

