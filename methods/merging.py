@@ -12,7 +12,6 @@ arithmetic is float32 whatever the input dtype; merged values are cast back to i
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 __all__ = [
     "soft_cosine_gate",
@@ -27,7 +26,13 @@ __all__ = [
 _TINY = torch.finfo(torch.float32).tiny
 
 
-def soft_cosine_gate(evicted_values: torch.Tensor, target_values: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+def soft_cosine_gate(
+    evicted_values: torch.Tensor,
+    target_values: torch.Tensor,
+    evicted_norms: torch.Tensor | None = None,
+    target_norms: torch.Tensor | None = None,
+    eps: float = 1e-8,
+) -> torch.Tensor:
     """Soft cosine gate (SelKV Eq. 4): g_j = max(cos(v_j, v_π(j)), 0).
 
     Usable as a plug-in by any merging method: pass each evicted token's value and the
@@ -36,13 +41,20 @@ def soft_cosine_gate(evicted_values: torch.Tensor, target_values: torch.Tensor, 
     Args:
         evicted_values: ``(..., E, d)`` values of the evicted tokens.
         target_values: ``(..., E, d)`` values of their merge targets, same shape.
+        evicted_norms, target_norms: optional ``(..., E)`` L2 norms of the two, when the
+            caller already has them (SelKV computes every value norm for Eq. 1).
         eps: floor on the product of norms (a zero vector gets g = 0).
 
     Returns:
         ``(..., E)`` float32 gate in [0, 1]: 0 drops the token, 1 merges it fully.
     """
-    cos = F.cosine_similarity(evicted_values.float(), target_values.float(), dim=-1, eps=eps)
-    return cos.clamp(0.0, 1.0)
+    ev, tg = evicted_values.float(), target_values.float()
+    if evicted_norms is None:
+        evicted_norms = torch.linalg.vector_norm(ev, dim=-1)
+    if target_norms is None:
+        target_norms = torch.linalg.vector_norm(tg, dim=-1)
+    dot = torch.linalg.vecdot(ev, tg)
+    return (dot / (evicted_norms.float() * target_norms.float()).clamp_min(eps)).clamp_(0.0, 1.0)
 
 
 def gated_merge(
@@ -52,12 +64,11 @@ def gated_merge(
     evicted_weights: torch.Tensor,
     targets: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Gated attention-weighted merge (SelKV Eq. 5), vectorized with ``scatter_add``.
+    """Gated attention-weighted merge (SelKV Eq. 5), vectorized with ``index_add_``.
 
-    ṽ_i = (a_i v_i + Σ_{j→i} g_j a_j v_j) / (a_i + Σ_{j→i} g_j a_j), computed in the equivalent
-    form ṽ_i = v_i + Σ_{j→i} w_j (v_j − v_i) / (a_i + Σ_{j→i} w_j) with w_j = g_j a_j, so that
-    w ≡ 0 (gate off) returns every v_i bit for bit (pure eviction) and g ≡ 1 is plain
-    attention-weighted merging.
+    ṽ_i = (a_i v_i + Σ_{j→i} g_j a_j v_j) / (a_i + Σ_{j→i} g_j a_j), with w_j = g_j a_j given.
+    A kept token that absorbed nothing (Σ_{j→i} w_j = 0) keeps v_i bit for bit, so w ≡ 0 (gate
+    off) is exactly eviction; g ≡ 1 is plain attention-weighted merging.
 
     Args:
         kept_values: ``(B, H, m, d)`` values of the kept tokens (merge targets).
@@ -71,18 +82,18 @@ def gated_merge(
         ``(merged, absorbed)``: merged values ``(B, H, m, d)`` in ``kept_values.dtype`` and
         absorbed attention Σ_{j→i} w_j ``(B, H, m)`` float32 (the numerator term of Eq. 6).
     """
-    d = kept_values.shape[-1]
-    has_target = targets >= 0
-    slot = targets.clamp_min(0)
-    w = torch.where(has_target, evicted_weights.float(), torch.zeros((), device=targets.device))
+    b, h, m, d = kept_values.shape
+    w = torch.where(targets >= 0, evicted_weights.float(), torch.zeros((), device=targets.device))
+    # flat slot index over (B, H, m) so one index_add_ serves every head
+    flat = (targets.clamp_min(0) + torch.arange(b * h, device=targets.device).view(b, h, 1) * m).reshape(-1)
+    weighted = (w.unsqueeze(-1) * evicted_values.float()).reshape(-1, d)
+    numerator = torch.zeros(b * h * m, d, device=kept_values.device).index_add_(0, flat, weighted).view(b, h, m, d)
+    absorbed = torch.zeros(b * h * m, device=kept_values.device).index_add_(0, flat, w.reshape(-1)).view(b, h, m)
+    a = kept_weights.float()
     v_kept = kept_values.float()
-    v_target = v_kept.gather(2, slot.unsqueeze(-1).expand(*slot.shape, d))  # (B, H, E, d)
-    delta = w.unsqueeze(-1) * (evicted_values.float() - v_target)
-    numerator = torch.zeros_like(v_kept).scatter_add_(2, slot.unsqueeze(-1).expand_as(delta), delta)
-    absorbed = torch.zeros_like(kept_weights, dtype=torch.float32).scatter_add_(2, slot, w)
-    denominator = (kept_weights.float() + absorbed).clamp_min(_TINY)
-    merged = v_kept + numerator / denominator.unsqueeze(-1)
-    return merged.to(kept_values.dtype), absorbed
+    merged = (a.unsqueeze(-1) * v_kept + numerator) / (a + absorbed).clamp_min(_TINY).unsqueeze(-1)
+    merged = torch.where((absorbed > 0).unsqueeze(-1), merged.to(kept_values.dtype), kept_values)
+    return merged, absorbed
 
 
 def attention_ratio(kept_weights: torch.Tensor, absorbed: torch.Tensor) -> torch.Tensor:

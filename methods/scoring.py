@@ -41,15 +41,16 @@ def window_attention(
     b, h_q, w, d = window_queries.shape
     h_kv, n = keys.shape[1], keys.shape[2]
     g = h_q // h_kv
-    q = window_queries.float().view(b, h_kv, g, w, d)
-    k = keys.float().unsqueeze(2)  # (B, H_kv, 1, n, d)
-    logits = torch.matmul(q, k.transpose(-1, -2)) * scaling  # (B, H_kv, G, W, n)
+    # (B, H_kv, G·W, d) @ (B, H_kv, d, n): one plain batched matmul per KV head (a broadcast
+    # over G would copy the keys G times and is ~15x slower on CPU)
+    q = window_queries.float().reshape(b, h_kv, g * w, d)
+    logits = torch.matmul(q, keys.float().transpose(-1, -2)).view(b, h_kv, g, w, n).mul_(scaling)
     if softcap:
         logits = torch.tanh(logits / softcap) * softcap
-    # causal mask: window row i may see keys j <= n - w + i
-    rows = torch.arange(w, device=keys.device).unsqueeze(1) + (n - w)
-    cols = torch.arange(n, device=keys.device).unsqueeze(0)
-    logits = logits.masked_fill(cols > rows, float("-inf"))
+    # causal mask: window row i (absolute position n-w+i) may not see keys j > n-w+i, all of
+    # which lie in the last w columns: mask the strict upper triangle of that block in place
+    future = torch.ones(w, w, dtype=torch.bool, device=keys.device).triu_(1)
+    logits[..., n - w :].masked_fill_(future, float("-inf"))
     return torch.softmax(logits, dim=-1).view(b, h_q, w, n)
 
 

@@ -91,8 +91,10 @@ class SelKVConfig:
     reposition: bool = False
 
 
-def window_statistics(ctx: LayerContext, score: str = "contribution", kernel_size: int = 5):
+def window_statistics(ctx: LayerContext, score: str = "contribution", kernel_size: int = 5, value_norms=None):
     """Cumulative window attention and importance scores per KV head (Eq. 1).
+
+    ``value_norms`` ``(B, H_kv, n)`` are ‖v_j‖₂ if the caller has them (computed otherwise).
 
     Returns:
         ``(a, c)``, both ``(B, H_kv, n)`` float32: a_j = Σ_{i∈W} A_{i,j} averaged over the GQA
@@ -105,8 +107,9 @@ def window_statistics(ctx: LayerContext, score: str = "contribution", kernel_siz
     a_q = attn.sum(dim=2)  # (B, H_q, n)
     c_q = a_q
     if score == "contribution":
-        v_norm = ctx.values.float().norm(dim=-1)  # (B, H_kv, n)
-        c_q = a_q * v_norm.repeat_interleave(a_q.shape[1] // h_kv, dim=1)
+        if value_norms is None:
+            value_norms = torch.linalg.vector_norm(ctx.values.float(), dim=-1)  # (B, H_kv, n)
+        c_q = a_q * value_norms.repeat_interleave(a_q.shape[1] // h_kv, dim=1)
     c_q = pool_scores(c_q, kernel_size, "avg")
     return group_scores(a_q, h_kv, "mean"), group_scores(c_q, h_kv, "mean")
 
@@ -276,7 +279,8 @@ class SelKV(Method):
         b, h, n, d = ctx.keys.shape
         m = min(int(ctx.budget), n)
         mode = self.selection_mode(ctx.layout)
-        a, scores = window_statistics(ctx, c.score, c.kernel_size)
+        v_norm = torch.linalg.vector_norm(ctx.values.float(), dim=-1)  # (B, H_kv, n), Eq. 1 and Eq. 4
+        a, scores = window_statistics(ctx, c.score, c.kernel_size, v_norm)
         kept = select_tokens(scores, m, c.recent_window, mode)  # (B, H_kv, m)
         keys, values = gather_tokens(ctx.keys, kept), gather_tokens(ctx.values, kept)
         n_evicted = b * h * (n - m)
@@ -290,7 +294,10 @@ class SelKV(Method):
             else:
                 targets = cosine_targets(values, ev_values)
             if c.gate == "soft":
-                gate = soft_cosine_gate(ev_values, gather_tokens(values, targets.clamp_min(0)))
+                slot = targets.clamp_min(0)
+                gate = soft_cosine_gate(
+                    ev_values, gather_tokens(values, slot), v_norm.gather(2, evicted), v_norm.gather(2, kept).gather(2, slot)
+                )
             else:
                 gate = torch.ones(targets.shape, device=a.device)
             gate = torch.where(targets >= 0, gate, 0.0)
