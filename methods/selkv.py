@@ -40,7 +40,7 @@ engine from ρ or a token count).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Mapping, Sequence
 
 import torch
 
@@ -324,10 +324,11 @@ class SelKV(Method):
             keys=keys, values=values, logit_bias=bias, kept_indices=kept, next_position=next_position, stats=stats
         )
 
-    def finalize(self, results: list[CompressResult | None]) -> None:
+    def finalize(self, results: Mapping[int, CompressResult] | Sequence[CompressResult | None]) -> None:
         """``compensation: global``: replace each layer's bias by α·log of R averaged over layers.
 
-        Called by the engine once per sample after every layer is compressed. R_ℓ is recovered
+        Called by the engine once per sample after every layer is compressed, with
+        ``{layer index: result}`` (or a sequence, ``None`` for skipped layers). R_ℓ is recovered
         from each layer's bias (R = exp(bias/α)), averaged slot by slot over the layers whose
         bias has the same shape, and written back to every one of them. A no-op for the other
         modes and for α = 0; idempotent.
@@ -336,7 +337,7 @@ class SelKV(Method):
             return
         alpha = float(self.config.alpha)
         groups: dict[tuple, list[CompressResult]] = {}
-        for r in results:
+        for r in results.values() if isinstance(results, Mapping) else results:
             if r is not None and r.logit_bias is not None:
                 groups.setdefault(tuple(r.logit_bias.shape), []).append(r)
         for members in groups.values():

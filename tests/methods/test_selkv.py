@@ -369,6 +369,11 @@ def test_finalize_global_averages_ratio_over_layers():
         torch.testing.assert_close(r.logit_bias[0, 1], want)
     method.finalize(results)  # idempotent
     torch.testing.assert_close(results[0].logit_bias[0, 0], want)
+    # the engine passes {layer index: result}
+    by_layer = {3: CompressResult(keys=None, values=None, logit_bias=0.5 * torch.log(r1)),
+                7: CompressResult(keys=None, values=None, logit_bias=0.5 * torch.log(r2))}
+    method.finalize(by_layer)
+    torch.testing.assert_close(by_layer[7].logit_bias[0, 1], want)
 
 
 def test_finalize_layer_mode_and_base_are_no_ops():
@@ -433,7 +438,7 @@ def compose_method(preset: str) -> dict:
 def test_every_key_of_selkv_yaml_is_a_commented_config_field():
     lines = (ROOT / "conf" / "method" / "selkv.yaml").read_text().splitlines()
     keys = {line.split(":")[0] for line in lines if line and not line.startswith("#")}
-    assert keys == set(SelKVConfig.__dataclass_fields__) | {"name"}
+    assert keys == set(SelKVConfig.__dataclass_fields__) | {"name", "label"}
     assert all("#" in line for line in lines if line and not line.startswith("#"))
 
 
@@ -441,7 +446,10 @@ def test_presets_compose_and_switch_the_right_mechanisms():
     nodes = {}
     for preset in PRESETS:
         node = compose_method(preset)
+        # flat files: the runner reads them raw (yaml) to tell preset values from overrides
+        assert node == yaml.safe_load((ROOT / "conf" / "method" / f"{preset}.yaml").read_text()), preset
         assert node.pop("name") == "selkv", preset
+        node.pop("label")
         SelKV(SelKVConfig(**node))
         nodes[preset] = node
     assert nodes["selkv"] == SelKVConfig().__dict__  # yaml defaults = dataclass defaults
