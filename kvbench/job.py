@@ -139,7 +139,7 @@ def run_sample(engine: Engine, loaded: LoadedModel, task: Task, sample: Sample) 
     }
     try:
         ids = encode_prompt(loaded, sample)
-        result = engine.generate(ids, sample.max_new_tokens, stop_ids_for(loaded, sample))
+        result = engine.generate(ids, sample.max_new_tokens, stop_ids_for(loaded, sample), sample.min_new_tokens)
         score = float(task.score(sample, result.text))
         if not math.isfinite(score):
             raise FloatingPointError(f"non-finite score {score!r} for prediction {result.text[:60]!r}")
