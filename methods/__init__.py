@@ -14,6 +14,7 @@ from .base import CompressResult, ConfigError, HeadLayout, LayerContext, Method,
 # cannot break the others.
 _MODULES: dict[str, str] = {
     "full": "methods.full:FullCache",
+    "selkv": "methods.selkv:SelKV",
     "snapkv": "methods.snapkv:SnapKV",
     "streamingllm": "methods.streamingllm:StreamingLLM",
     "pyramidkv": "methods.pyramidkv:PyramidKV",

@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from .base import CompressResult, ConfigError, LayerContext, Method, gather_tokens
+from .merging import soft_cosine_gate
 from .scoring import group_scores, window_attention
 
 MERGES = ("avg", "pivot", "weighted")
@@ -98,14 +99,6 @@ def cumulative_attention(
         block = queries[:, :, start : start + chunk]
         total += window_attention(block, keys, scaling, softcap, first_position=n - w + start).sum(dim=2)
     return total
-
-
-def soft_cosine_gate(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """SelKV Eq. 4: g = max(cos(a, b), 0) along the last axis.
-
-    TODO(dedup): replace by ``methods.merging.soft_cosine_gate`` once the SelKV module lands.
-    """
-    return F.cosine_similarity(a.float(), b.float(), dim=-1, eps=1e-6).clamp_min(0.0)
 
 
 def nearest_kept(evicted_keys: torch.Tensor, kept_keys: torch.Tensor, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
