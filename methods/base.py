@@ -24,9 +24,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar
+from typing import TYPE_CHECKING, Any, Callable, ClassVar
 
-import torch
+if TYPE_CHECKING:  # annotations only: config validation (budget checks) must not import torch
+    import torch
 
 __all__ = [
     "HeadLayout",
