@@ -1,8 +1,9 @@
 """Checks of the command line that run before Hydra starts: one line on stderr, exit code 2.
 
 Hydra reports a bad override (an unknown key such as ``budgett=0.1``, an unknown option such as
-``model=llama4``, a syntax error) with a multi-line message and exit code 1, silently ignores
-``+experiment=typo`` (the experiment group is optional), and creates its run folder under
+``model=llama4``, a syntax error, ``+experiment=NAME`` for a group already in the defaults list)
+with a multi-line message and exit code 1, silently ignores ``experiment=typo`` (the experiment
+group is optional), and creates its run folder under
 ``output_root`` before the job can say that the folder is not writable. :func:`precheck_argv`
 therefore composes the config itself with Hydra's compose API (the same search path, config
 groups and plugins as ``hydra.main``), turns every composition error into one line, and runs
@@ -136,6 +137,11 @@ class _Composer:
                 elif parent:
                     what = f"{parent} key"
                 fail(str(unknown_key_error(f"{parent}." if parent else "", leaf, value, accepted, what)))
+        twice = re.search(r"Multiple values for ([\w/]+)", str(err))
+        if twice:
+            key = twice.group(1)
+            line = next((o for o in overrides if o.startswith("+") and o.lstrip("+").split("=", 1)[0] == key), f"+{key}")
+            fail(f"{line}: {key} is already in the defaults list; write {line.lstrip('+')} (without the leading +)")
         taken = re.search(r"An item is already at '([^']+)'", str(err))
         if taken:
             key = taken.group(1)
@@ -198,6 +204,9 @@ def precheck_argv(argv: list[str]) -> None:
     args = _parse_args(argv)
     if args is None:
         return
+    modes = [getattr(args, n, None) not in (None, False) for n in ("run", "multirun", "cfg", "info", "shell_completion")]
+    if sum(modes) > 1:
+        fail("only one of --run, --multirun (-m), --cfg, --info and --shell-completion can be given")
     left_to_hydra = ("help", "hydra_help", "shell_completion", "config_path", "config_dir", "experimental_rerun")
     if any(getattr(args, name, None) for name in left_to_hydra) or getattr(args, "info", None) is not None:
         return

@@ -43,9 +43,13 @@ REQUIRED = ("model", "method", "task", "budget")
 # --- config files -----------------------------------------------------------------------------
 @functools.lru_cache(maxsize=None)
 def top_level_keys() -> tuple[str, ...]:
-    """The keys ``conf/config.yaml`` defines (plus the model, method and task nodes)."""
-    data = yaml.safe_load((CONF / "config.yaml").read_text()) or {}
-    keys = {k for k in data if k not in ("defaults", "hydra")} | {"model", "method", "task"}
+    """The keys ``conf/config.yaml`` defines, the model, method and task nodes, and the helper
+    keys experiment presets define at the top level (e.g. a per-model table they interpolate)."""
+    keys = {"model", "method", "task"}
+    for path in [CONF / "config.yaml", *sorted((CONF / "experiment").glob("*.yaml"))]:
+        data = yaml.safe_load(path.read_text()) or {}
+        if isinstance(data, dict):
+            keys |= {k for k in data if k not in ("defaults", "hydra", "model", "method", "task")}
     return tuple(sorted(keys))
 
 

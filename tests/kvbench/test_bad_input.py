@@ -25,8 +25,11 @@ def options(group: str) -> str:
 
 
 def top_keys() -> str:
-    data = yaml.safe_load((CONF / "config.yaml").read_text())
-    return ", ".join(sorted({k for k in data if k not in ("defaults", "hydra")} | {"model", "method", "task"}))
+    """config.yaml's keys, the three nodes, and top-level helper keys of experiment presets."""
+    keys = {"model", "method", "task"}
+    for path in [CONF / "config.yaml", *(CONF / "experiment").glob("*.yaml")]:
+        keys |= set(yaml.safe_load(path.read_text())) - {"defaults", "hydra"}
+    return ", ".join(sorted(keys))
 
 
 SNAPKV_KEYS = "gqa_aggregation, kernel_size, label, pooling, window_size"
@@ -37,7 +40,9 @@ CASES = [
     ("unknown-model", ["model=llama4"], f"model=llama4: unknown model; accepted values are {options('model')}"),
     ("unknown-method", ["method=snapkvv"], f"method=snapkvv: unknown method; accepted values are {options('method')}"),
     ("unknown-task", ["task=longbenchh"], f"task=longbenchh: unknown task; accepted values are {options('task')}"),
-    ("unknown-experiment", ["+experiment=table99"],
+    ("unknown-experiment", ["experiment=table99"],
+     f"experiment=table99: unknown experiment; accepted values are {options('experiment')}"),
+    ("unknown-experiment-plus", ["+experiment=table99"],
      f"+experiment=table99: unknown experiment; accepted values are {options('experiment')}"),
     ("unknown-launcher", ["hydra/launcher=nope"],
      "hydra/launcher=nope: unknown launcher; accepted values are "
