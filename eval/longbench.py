@@ -248,6 +248,7 @@ class LongBenchTask(Task):
             answers=list(row["answers"]),
             chat=dataset not in NO_CHAT_TEMPLATE,
             stop_strings=["\n"] if dataset in NEWLINE_STOP else [],
+            min_new_tokens=1 if dataset in NEWLINE_STOP else 0,  # pred.py: min_length = prompt + 1
             all_classes=list(row["all_classes"]) if row["all_classes"] is not None else None,
             length=int(row["length"]),
             meta={"_id": row.get("_id"), "prompt_tokens_full": n_tokens, "truncated": n_tokens > max_length},

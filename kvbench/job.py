@@ -152,7 +152,7 @@ def run_sample(engine: Engine, loaded: LoadedModel, task: Task, sample: Sample) 
     try:
         with injected(sample.id, loaded.model):  # KVBENCH_FAIL_SAMPLES (tests); inert otherwise
             ids = encode_prompt(loaded, sample)
-            result = engine.generate(ids, sample.max_new_tokens, stop_ids_for(loaded, sample))
+            result = engine.generate(ids, sample.max_new_tokens, stop_ids_for(loaded, sample), sample.min_new_tokens)
         score = float(task.score(sample, result.text))
         if not math.isfinite(score):
             raise FloatingPointError(f"non-finite score {score!r} for prediction {result.text[:60]!r}")
