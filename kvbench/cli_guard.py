@@ -114,40 +114,44 @@ class _Composer:
             fail(f"cannot compose the config: {_first_line(e)}")
 
     def _diagnose(self, err: Exception, overrides: list[str]) -> NoReturn:
+        """One line for a composition error: unknown keys list the node's keys, ``+`` misuse says
+        how to write the override, anything else is Hydra's first line with the override."""
+        from hydra import compose
         from omegaconf import OmegaConf
 
         from .validate import unknown_key_error
 
-        m = re.match(r"Could not override '([^']+)'", str(err))
-        line = next((o for o in overrides if m and re.sub(r"^[+~]+", "", o.split("=", 1)[0]) == m.group(1)), None)
-        if m and line is not None and not m.group(1).startswith("hydra."):
-            key = m.group(1)
-            value = line.split("=", 1)[1] if "=" in line else ""
-            parent, _, leaf = key.rpartition(".")
-            groups_only = [o for o in overrides if self.is_group(re.sub(r"^[+~]+", "", o.split("=", 1)[0]))]
-            from hydra import compose
+        def bare(o: str) -> str:
+            return re.sub(r"^[+~]+", "", o.split("=", 1)[0])
 
-            base = compose(self.config_name, overrides=groups_only)
-            node = OmegaConf.select(base, parent) if parent else base
+        def plus_line(key: str) -> str:
+            return next((o for o in overrides if o.startswith("+") and bare(o) == key), f"+{key}")
+
+        text = str(err)
+        m = re.match(r"Could not override '([^']+)'", text)
+        line = next((o for o in overrides if bare(o) == m.group(1)), None) if m else None
+        if m and line is not None and not m.group(1).startswith("hydra."):
+            parent, _, leaf = m.group(1).rpartition(".")
+            try:
+                base = compose(self.config_name, overrides=[o for o in overrides if self.is_group(bare(o))])
+                node = OmegaConf.select(base, parent) if parent else base
+            except Exception:  # noqa: BLE001 - fall back to Hydra's own words below
+                node = None
             if OmegaConf.is_dict(node):
                 accepted = [str(k) for k in node.keys() if k != "name"]
-                what = "config key"
-                if parent in ("method", "task"):
-                    what = f"key for {parent} {node.get('name')}"
-                elif parent:
-                    what = f"{parent} key"
+                what = f"key for {parent} {node.get('name')}" if parent in ("method", "task") else (
+                    f"{parent} key" if parent else "config key")
+                value = line.split("=", 1)[1] if "=" in line else ""
                 fail(str(unknown_key_error(f"{parent}." if parent else "", leaf, value, accepted, what)))
-        twice = re.search(r"Multiple values for ([\w/]+)", str(err))
+        twice = re.search(r"Multiple values for ([\w/]+)", text)
         if twice:
-            key = twice.group(1)
-            line = next((o for o in overrides if o.startswith("+") and o.lstrip("+").split("=", 1)[0] == key), f"+{key}")
-            fail(f"{line}: {key} is already in the defaults list; write {line.lstrip('+')} (without the leading +)")
-        taken = re.search(r"An item is already at '([^']+)'", str(err))
+            line = plus_line(twice.group(1))
+            fail(f"{line}: {twice.group(1)} is already in the defaults list; write {line.lstrip('+')} (without the leading +)")
+        taken = re.search(r"An item is already at '([^']+)'", text)
         if taken:
-            key = taken.group(1)
-            line = next((o for o in overrides if o.startswith("+") and o.lstrip("+").split("=", 1)[0] == key), f"+{key}")
-            fail(f"{line}: {key} already exists; write {line.lstrip('+')} (without the leading +)")
-        culprit = line or next((o for o in overrides if "=" in o and o.split("=", 1)[0].lstrip("+~") in str(err)), None)
+            line = plus_line(taken.group(1))
+            fail(f"{line}: {taken.group(1)} already exists; write {line.lstrip('+')} (without the leading +)")
+        culprit = line or next((o for o in overrides if "=" in o and bare(o) in text), None)
         cause = f" ({_first_line(err.__cause__)})" if err.__cause__ is not None else ""
         fail(f"{culprit + ': ' if culprit else ''}{_first_line(err)}{cause}")
 

@@ -263,7 +263,7 @@ def check_top_level(cfg: dict) -> None:
         raise ConfigError(f"shard={_show(shard)}: must be a node with index and count")
     for key in shard:
         if key not in ("index", "count"):
-            raise unknown_key_error("shard.", key, shard[key], ("index", "count"), "key")
+            raise unknown_key_error("shard.", key, shard[key], ("index", "count"), "shard key")
     count = _int(shard, "count", minimum=1, label="shard.count") if "count" in shard else 1
     index = _int(shard, "index", minimum=0, label="shard.index") if "index" in shard else 0
     if index >= count:
