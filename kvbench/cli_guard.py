@@ -119,7 +119,7 @@ class _Composer:
         from hydra import compose
         from omegaconf import OmegaConf
 
-        from .validate import unknown_key_error
+        from .values import unknown_key_error
 
         def bare(o: str) -> str:
             return re.sub(r"^[+~]+", "", o.split("=", 1)[0])

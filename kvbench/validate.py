@@ -14,12 +14,10 @@ so that ``run.py``'s pre-check and the job share one read).
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import functools
 import os
 import re
 import tempfile
-import types
 import typing
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -30,6 +28,8 @@ import eval as tasks
 import methods
 from eval.base import TaskConfigError
 from methods.base import ConfigError, HeadLayout, Method, check_budget, is_ratio
+
+from .values import check_int, coerce, show, unknown_key_error
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 _META_KEYS = ("name", "label")
@@ -64,117 +64,6 @@ def group_keys(group: str, name: str | None = None) -> tuple[str, ...]:
     return tuple(sorted(keys))
 
 
-def _did_you_mean(key: str, accepted: typing.Iterable[str]) -> str:
-    close = difflib.get_close_matches(key, list(accepted), n=1, cutoff=0.6)
-    return f" (did you mean {close[0]}?)" if close else ""
-
-
-def unknown_key_error(prefix: str, key: str, value: Any, accepted: typing.Iterable[str], what: str) -> ConfigError:
-    """The one-line error for a key that the node does not define."""
-    accepted = sorted(accepted)
-    full = f"{prefix}{key}"
-    return ConfigError(
-        f"{full}={_show(value)}: unknown {what}{_did_you_mean(key, accepted)}; accepted keys are "
-        f"{', '.join(accepted) or '(none)'}"
-    )
-
-
-def _show(value: Any) -> str:
-    """A value as the user typed it on the command line (strings unquoted unless empty)."""
-    if isinstance(value, str):
-        return value if value and value.strip() == value else repr(value)
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return str(value).lower()
-    return str(value)
-
-
-# --- scalar values ----------------------------------------------------------------------------
-def _describe(hint: Any) -> str:
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if origin in (typing.Union, types.UnionType):
-        inner = [a for a in args if a is not type(None)]
-        text = " or ".join(_describe(a) for a in inner)
-        return text + (" or null" if len(inner) < len(args) else "")
-    if origin is typing.Literal:
-        return "one of " + ", ".join(map(str, args))
-    if origin in (list, tuple) or hint in (list, tuple):
-        return "a list"
-    if origin is dict or hint is dict:
-        return "a mapping"
-    return {int: "an integer", float: "a number", str: "a string", bool: "true or false"}.get(hint, str(hint))
-
-
-def coerce(key: str, value: Any, hint: Any) -> Any:
-    """Check ``value`` against a dataclass field type; return it (an int becomes a float for ``float``).
-
-    Accepts ``int`` (not bool), ``float`` (int or float, finite), ``str``, ``bool``, ``Literal``,
-    ``Optional``/unions, lists/tuples (items checked) and dicts; other types pass unchecked.
-
-    Raises:
-        ConfigError: ``<key>=<value>: must be <type>``.
-    """
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    bad = ConfigError(f"{key}={_show(value)}: must be {_describe(hint)}")
-    if hint is Any or hint is None:
-        return value
-    if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        for arg in args:
-            if arg is type(None):
-                continue
-            try:
-                return coerce(key, value, arg)
-            except ConfigError:
-                continue
-        raise bad
-    if origin is typing.Literal:
-        if value in args:
-            return value
-        raise ConfigError(f"{key}={_show(value)}: accepted values are {', '.join(map(str, args))}")
-    if hint is bool:
-        if isinstance(value, bool):
-            return value
-        raise bad
-    if hint is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        raise bad
-    if hint is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and value == value and abs(value) != float("inf"):
-            return float(value)
-        raise bad
-    if hint is str:
-        if isinstance(value, str):
-            return value
-        raise bad
-    if origin in (list, tuple) or hint in (list, tuple):
-        if not isinstance(value, (list, tuple)):
-            raise bad
-        if args and origin is list:
-            return [coerce(f"{key}[{i}]", v, args[0]) for i, v in enumerate(value)]
-        return value
-    if origin is dict or hint is dict:
-        if not isinstance(value, dict):
-            raise bad
-        return value
-    return value
-
-
-def _int(cfg: dict, key: str, *, minimum: int | None = None, allow_none: bool = False, label: str | None = None) -> int | None:
-    value = cfg.get(key)
-    name = label or key
-    if value is None and allow_none:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(f"{name}={_show(value)}: must be an integer" + (" or null" if allow_none else ""))
-    if minimum is not None and value < minimum:
-        raise ConfigError(f"{name}={value}: must be an integer >= {minimum}" + (" or null" if allow_none else ""))
-    return value
-
-
 def check_output_root(root: Any) -> Path:
     """Resolve ``output_root`` and check that a folder can be created and written there.
 
@@ -185,7 +74,7 @@ def check_output_root(root: Any) -> Path:
         ConfigError: not a string, under a file, or not writable.
     """
     if not isinstance(root, str) or not root:
-        raise ConfigError(f"output_root={_show(root)}: must be a folder path")
+        raise ConfigError(f"output_root={show(root)}: must be a folder path")
     path = Path(os.path.expanduser(root)).resolve()
     probe = path
     while not probe.exists() and probe != probe.parent:
@@ -211,17 +100,17 @@ def check_paths(cfg: dict) -> None:
         parts = PurePosixPath(str(name)).parts
         if not isinstance(name, str) or not parts or parts[0] == "/" or ".." in parts or "\\" in name:
             raise ConfigError(
-                f"run_name={_show(name)}: must be a relative folder path inside output_root (no '..', not absolute)"
+                f"run_name={show(name)}: must be a relative folder path inside output_root (no '..', not absolute)"
             )
     tag = cfg.get("run_tag")
     if tag is not None and not (isinstance(tag, (str, int)) and _TAG.fullmatch(str(tag))):
-        raise ConfigError(f"run_tag={_show(tag)}: must be one word of letters, digits and . _ + = -")
+        raise ConfigError(f"run_tag={show(tag)}: must be one word of letters, digits and . _ + = -")
 
 
 def check_device_name(device: Any) -> str:
     """``device`` must be auto, cpu, mps, cuda or cuda:<index> (availability: :func:`check_device_available`)."""
     if not isinstance(device, str) or not _DEVICE.fullmatch(device):
-        raise ConfigError(f"device={_show(device)}: accepted values are auto, cpu, cuda, cuda:<index>, mps")
+        raise ConfigError(f"device={show(device)}: accepted values are auto, cpu, cuda, cuda:<index>, mps")
     return device
 
 
@@ -254,26 +143,26 @@ def check_top_level(cfg: dict) -> None:
             raise ConfigError(f"{key}: missing; it is required (see conf/config.yaml)")
     for node in ("model", "method", "task"):
         if not isinstance(cfg[node], dict):
-            raise ConfigError(f"{node}={_show(cfg[node])}: must be a config node; pick one with {node}=NAME")
+            raise ConfigError(f"{node}={show(cfg[node])}: must be a config node; pick one with {node}=NAME")
     check_budget(cfg["budget"])
-    _int(cfg, "seed")
+    check_int(cfg, "seed")
     check_device_name(cfg.get("device", "auto"))
     shard = cfg.get("shard") or {}
     if not isinstance(shard, dict):
-        raise ConfigError(f"shard={_show(shard)}: must be a node with index and count")
+        raise ConfigError(f"shard={show(shard)}: must be a node with index and count")
     for key in shard:
         if key not in ("index", "count"):
             raise unknown_key_error("shard.", key, shard[key], ("index", "count"), "shard key")
-    count = _int(shard, "count", minimum=1, label="shard.count") if "count" in shard else 1
-    index = _int(shard, "index", minimum=0, label="shard.index") if "index" in shard else 0
+    count = check_int(shard, "count", minimum=1, label="shard.count") if "count" in shard else 1
+    index = check_int(shard, "index", minimum=0, label="shard.index") if "index" in shard else 0
     if index >= count:
         raise ConfigError(f"shard.index={index}: out of range for shard.count={count}; accepted values are 0 to {count - 1}")
-    _int(cfg, "max_samples", minimum=1, allow_none=True)
+    check_int(cfg, "max_samples", minimum=1, allow_none=True)
     wait = cfg.get("lock_wait_s", 0)
     if isinstance(wait, bool) or not isinstance(wait, (int, float)) or wait < 0:
-        raise ConfigError(f"lock_wait_s={_show(wait)}: must be a number of seconds >= 0")
+        raise ConfigError(f"lock_wait_s={show(wait)}: must be a number of seconds >= 0")
     if not isinstance(cfg.get("quiet", False), bool):
-        raise ConfigError(f"quiet={_show(cfg.get('quiet'))}: must be true or false")
+        raise ConfigError(f"quiet={show(cfg.get('quiet'))}: must be true or false")
     check_paths(cfg)
     check_output_root(cfg.get("output_root", "results"))
 
@@ -332,18 +221,18 @@ def check_model(model_cfg: dict) -> None:
             raise unknown_key_error("model.", key, model_cfg[key], accepted, "model key")
     name = model_cfg.get("name")
     if not isinstance(name, str) or not _TAG.fullmatch(name) or name in (".", ".."):
-        raise ConfigError(f"model.name={_show(name)}: must be one word of letters, digits and . _ + = - (it names the job folder)")
+        raise ConfigError(f"model.name={show(name)}: must be one word of letters, digits and . _ + = - (it names the job folder)")
     spec = model_cfg.get("dtype")
     names = spec.items() if isinstance(spec, dict) else [(None, spec)]
     for dev, name in names:
         if name is not None and name not in DTYPES:
             key = f"model.dtype.{dev}" if dev else "model.dtype"
-            raise ConfigError(f"{key}={_show(name)}: accepted values are {', '.join(DTYPES)}")
+            raise ConfigError(f"{key}={show(name)}: accepted values are {', '.join(DTYPES)}")
     for key in ("trust_remote_code", "chat_template"):
         if key in model_cfg and not isinstance(model_cfg[key], bool):
-            raise ConfigError(f"model.{key}={_show(model_cfg[key])}: must be true or false")
+            raise ConfigError(f"model.{key}={show(model_cfg[key])}: must be true or false")
     if "max_input_length" in model_cfg:
-        _int(model_cfg, "max_input_length", minimum=1, label="model.max_input_length")
+        check_int(model_cfg, "max_input_length", minimum=1, label="model.max_input_length")
 
 
 def _hub_cached(repo: str) -> bool | None:
