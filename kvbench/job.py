@@ -106,7 +106,8 @@ def summarize(
     """The ``summary.json`` of a job from all its stored records (every shard).
 
     ``failed`` lists the failed samples (id, error type and message; first 100), ``skipped``
-    what the task left out by its own rule (e.g. NIAH lengths over the model's max input).
+    what the task left out by its own rule (e.g. NIAH lengths over the model's max input, each
+    entry with its number of ``samples``), ``n_skipped`` the samples so left out.
     """
     ok = [r for r in records if r.get("error") is None]
     done = {r["id"] for r in ok}
@@ -123,7 +124,7 @@ def summarize(
         "n_expected": len(expected_ids),
         "complete": set(expected_ids) <= done,
         "failed": [{"id": r["id"], **(r.get("error") or {})} for r in records if r.get("error") is not None][:100],
-        "n_skipped": len(skipped or []),
+        "n_skipped": sum(int(s.get("samples", 1)) for s in skipped or []),
         "skipped": list(skipped or []),
         **agg,
         "timings": {k: _mean([r.get(k) for r in ok]) for k in ("prefill_s", "compress_s", "decode_s", "decode_tok_s")},

@@ -143,9 +143,10 @@ def test_loop_goes_on_after_failures_and_summary_counts_them(loaded, tmp_path, m
 
 
 def test_cli_failed_samples_are_isolated_exit_1_then_retried(tiny_model_dir, haystack_dir, tmp_path):
-    """Through run.py: three samples fail three ways, the other three are scored, exit code 1;
-    the same command without the injection redoes only the failed ones and exits 0."""
-    args = [*tiny_model_args(tiny_model_dir), "task.context_lengths=[300,400]", "task.depth_percents=[0,50,100]",
+    """Through run.py: three samples fail three ways, the other three are scored, exit code 1
+    (the over-long length is skipped and reported); the same command without the injection
+    redoes only the failed ones and exits 0."""
+    args = [*tiny_model_args(tiny_model_dir), "task.context_lengths=[300,400,1500]", "task.depth_percents=[0,50,100]",
             f"task.haystack_dir={haystack_dir}", "method=streamingllm", "budget=0.5", "task.max_new_tokens=3", "quiet=true",
             f"output_root={tmp_path}", "run_name=job"]
     inject = "niah/300/0,niah/300/100:oom,niah/400/50:nan"
@@ -160,6 +161,8 @@ def test_cli_failed_samples_are_isolated_exit_1_then_retried(tiny_model_dir, hay
     assert (summary["n_samples"], summary["n_failed"], summary["n_expected"], summary["complete"]) == (3, 3, 6, False)
     assert sorted(f["id"] for f in summary["failed"]) == sorted(errors)
     assert "failed: niah/300/0: InjectedFailure" in out.stdout
+    # 1500 tokens > model.max_input_length=1000: skipped by the task's rule, reported, no exception
+    assert summary["n_skipped"] == 3 and summary["skipped"][0]["context_length"] == 1500
 
     out = run_cli(args)
     assert out.returncode == 0, out.stderr[-2000:]
