@@ -9,14 +9,14 @@ from omegaconf import DictConfig, OmegaConf
 from eval.base import TaskConfigError
 from methods.base import ConfigError
 
-from .job import EXIT_CONFIG, EXIT_LOCKED, run_job
+from .job import EXIT_CONFIG, EXIT_INTERRUPTED, EXIT_LOCKED, run_job
 from .store import JobLockedError
 
 
 
 def hydra_main(cfg: DictConfig) -> int:
     """Run the job Hydra composed. A single run exits the process with the job's exit code
-    (0 ok, 1 failed samples, 2 configuration error, 3 locked); inside a sweep (-m) a failing job
+    (0 ok, 1 failed samples, 2 configuration error, 3 locked, 130 interrupted); inside a sweep (-m) a failing job
     raises so that the launcher marks it failed, and the sweep goes on to the next job."""
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
@@ -40,6 +40,9 @@ def hydra_main(cfg: DictConfig) -> int:
     except JobLockedError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         code = EXIT_LOCKED
+    except KeyboardInterrupt:
+        print("interrupted: every finished sample is stored; rerun the same command to resume", file=sys.stderr, flush=True)
+        code = EXIT_INTERRUPTED
     if multirun:
         if code != 0:
             raise RuntimeError(f"kvbench job failed with exit code {code}")

@@ -27,9 +27,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Mapping, Sequence
 
-import torch
+if TYPE_CHECKING:  # annotations only: config validation (budget checks) must not import torch
+    import torch
 
 __all__ = [
     "HeadLayout",
