@@ -16,6 +16,8 @@ _MODULES: dict[str, str] = {
     "full": "methods.full:FullCache",
     "snapkv": "methods.snapkv:SnapKV",
     "streamingllm": "methods.streamingllm:StreamingLLM",
+    "headkv": "methods.headkv:HeadKV",
+    "compresskv": "methods.compresskv:CompressKV",
 }
 
 
