@@ -38,6 +38,7 @@ import argparse
 import importlib.util
 import json
 import os
+import resource
 import sys
 import time
 from pathlib import Path
@@ -211,7 +212,7 @@ def score_sample(lm, tok, probe, prompt_ids, span, kinds, max_new, stop_after=No
     stop = _stop_ids(lm, tok)
     start, end = span
     flat = prompt_ids[0]
-    out = lm(input_ids=prompt_ids[:, :-1], use_cache=True)
+    out = lm(input_ids=prompt_ids[:, :-1], use_cache=True, logits_to_keep=1)
     past, inp = out.past_key_values, prompt_ids[:, -1:]
     sums = {k: None for k in kinds}
     generated: list[int] = []
@@ -263,10 +264,13 @@ def cmd_heads(args) -> int:
             "chat_template": args.chat_template, "samples": {}, "accepted": {}}
     t0 = time.time()
     jobs = []
-    if kinds_wanted & {"trh", "srh"}:
-        jobs.append(("needles.jsonl", [k for k in ("trh", "srh") if k in kinds_wanted]))
-    if "r2" in kinds_wanted:
+    r2_on_retrieval = "r2" in kinds_wanted and args.r2_needles == "retrieval"
+    first = [k for k in ("trh", "srh") if k in kinds_wanted] + (["r2"] if r2_on_retrieval else [])
+    if first:
+        jobs.append(("needles.jsonl", first))
+    if "r2" in kinds_wanted and not r2_on_retrieval:
         jobs.append(("needles_reasoning.jsonl", ["r2"]))
+    meta["r2_needles"] = "needles.jsonl" if r2_on_retrieval else "needles_reasoning.jsonl"
     for fname, kinds in jobs:
         needles = [json.loads(l) for l in (data_dir / fname).read_text().splitlines() if l.strip()]
         n_done = 0
@@ -278,13 +282,13 @@ def cmd_heads(args) -> int:
                 for depth in depths:
                     ids = needle_prompt(tok, hay_ids, nd["needle"], nd["question"], length, depth, args.chat_template == "on")
                     span = find_span(ids[0].tolist(), tok.encode(nd["real_needle"], add_special_tokens=False))
-                    r2 = kinds == ["r2"]
+                    r2 = kinds == ["r2"]  # the reasoning pass: HeadKV's stop and success rules
                     response, sums = score_sample(lm, tok, probe, ids, span, kinds, args.max_new_tokens,
                                                   stop_after=len(answer_ids) if r2 else None)
                     ok = (qa_f1(response, nd["answer"]) if r2 else
                           scorer.score(nd["real_needle"], response)["rouge1"].recall) * 100 > args.min_score
-                    for k in kinds:
-                        if ok:
+                    if ok:
+                        for k in kinds:
                             accepted[k].append(sums[k])
                     n_done += 1
                     print(f"[{time.time() - t0:6.0f}s] {fname} #{i} len={length} depth={depth:g} "
@@ -295,22 +299,32 @@ def cmd_heads(args) -> int:
     out = Path(args.out or ARTIFACTS_ROOT / args.name)
     out.mkdir(parents=True, exist_ok=True)
     files = {"trh": "retrieval_heads.json", "srh": "semantic_retrieval_heads.json", "r2": "retrieval_reasoning_heads.json"}
+    failed = []
     for k, fname in files.items():
         if k not in kinds_wanted:
             continue
         if not accepted[k]:
-            print(f"error: no sample was answered correctly for {k}; nothing written (try --chat-template on)", file=sys.stderr)
-            return 1
-        scores = _to_headkv_json(accepted, k)
-        (out / fname).write_text(json.dumps(scores) + "\n")
+            failed.append(k)
+            continue
+        (out / fname).write_text(json.dumps(_to_headkv_json(accepted, k)) + "\n")
         if k in ("trh", "srh"):
             mean = torch.stack(accepted[k]).mean(dim=0)  # (L, H), the files' per-head means
             ranking = {str(l): ids for l, ids in enumerate(ranking_from_scores(mean))}
             (out / f"{k}_head_idx.json").write_text(json.dumps(ranking, indent=2) + "\n")
     meta["seconds"] = round(time.time() - t0, 1)
+    meta["cpu_seconds"] = round(_cpu_seconds(), 1)
     (out / "heads_meta.json").write_text(json.dumps(meta, indent=2) + "\n")
     print(f"wrote {out} in {meta['seconds']} s; accepted {meta['accepted']} of {meta['samples']}")
+    if failed:
+        print(f"error: no sample was answered correctly for {', '.join(failed)}; nothing written for it "
+              "(try --chat-template on, more --lengths/--depths, or --r2-needles retrieval)", file=sys.stderr)
+        return 1
     return 0
+
+
+def _cpu_seconds() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
 
 
 # --------------------------------------------------------------------------- layer scores
@@ -373,7 +387,7 @@ def cmd_layers(args) -> int:
     t0 = time.time()
     for dataset, ids in prompts:
         probe.errors.zero_()
-        out_ = lm(input_ids=ids, use_cache=True)
+        out_ = lm(input_ids=ids, use_cache=True, logits_to_keep=1)
         past, token = out_.past_key_values, int(out_.logits[0, -1].argmax())
         for _ in range(args.max_new_tokens - 1):  # the first token comes from prefill (no compressed output)
             if token in stop:
@@ -388,7 +402,7 @@ def cmd_layers(args) -> int:
     result["avg_score"] = (mean / (mean.sum() + 1e-12)).tolist()
     out.mkdir(parents=True, exist_ok=True)
     (out / "layer_score.jsonl").write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {out / 'layer_score.jsonl'} in {time.time() - t0:.0f} s")
+    print(f"wrote {out / 'layer_score.jsonl'} in {time.time() - t0:.0f} s ({_cpu_seconds():.0f} CPU s)")
     return 0
 
 
@@ -410,16 +424,19 @@ def build_parser() -> argparse.ArgumentParser:
         s.add_argument("--chat-template", choices=("off", "on"), default="on",
                        help="chat prompt (reference for Mistral/Qwen; the embedded model needs it) or plain (reference Llama)")
     h = sub.choices["heads"]
-    h.add_argument("--depths", default="0,25,50,75,100", help="needle depths in percent, comma-separated")
+    h.add_argument("--depths", default="0,50,100", help="needle depths in percent, comma-separated")
     h.add_argument("--kinds", default="trh,srh,r2", help="scores to compute: trh, srh, r2")
+    h.add_argument("--r2-needles", choices=("reasoning", "retrieval"), default="reasoning",
+                   help="R2 scores from needles_reasoning.jsonl (HeadKV) or from the retrieval needles' decoding "
+                        "(for models that answer no reasoning needle)")
     h.add_argument("--max-new-tokens", type=int, default=50)
     h.add_argument("--min-score", type=float, default=50.0, help="answer score (0-100) above which a sample counts")
     l = sub.choices["layers"]
     l.add_argument("--data", action="append", help="LongBench-format jsonl (repeatable); default: haystack prompts")
     l.add_argument("--prompt-config", default=None, help="LongBench dataset2prompt.json")
-    l.add_argument("--samples", type=int, default=4, help="samples per --data file")
-    l.add_argument("--max-tokens", type=int, default=2048, help="prompt middle-truncation length (tokens)")
-    l.add_argument("--max-new-tokens", type=int, default=64)
+    l.add_argument("--samples", type=int, default=2, help="samples per --data file")
+    l.add_argument("--max-tokens", type=int, default=1500, help="prompt middle-truncation length (tokens)")
+    l.add_argument("--max-new-tokens", type=int, default=24)
     l.add_argument("--budget", type=int, default=32, help="tokens kept per layer for O_comp (minimal compression)")
     l.add_argument("--window", type=int, default=8)
     l.add_argument("--num-heads", type=int, default=4, help="SRHs per layer for the selection")
