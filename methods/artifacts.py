@@ -16,14 +16,18 @@ Formats (all plain JSON, never pickle):
 
 Models we calibrate ourselves keep their artifacts, small committed JSON files written by
 ``python -m methods.calibrate``, under ``methods/artifacts/<model_name>/`` with the names in
-:data:`FILE_NAMES`. A method config may name an explicit path instead (e.g. the published
-Llama-3.1-8B files).
+:data:`FILE_NAMES`. A method config may name an explicit path instead. For the models whose
+artifacts the CompressKV authors published (:data:`PUBLISHED`: ``llama31`` = Llama-3.1-8B-Instruct,
+``mistral`` = Mistral-7B-Instruct-v0.3) a missing default file is looked up, under its published
+name, in ``$KVBENCH_ARTIFACTS_DIR`` or ``<data>/head_scores/compresskv`` with ``<data>`` =
+``$KVBENCH_SHARED_DATA`` or ``../shared/data`` beside the repository (never copied into it).
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 import torch
@@ -33,6 +37,7 @@ from .base import ConfigError, HeadLayout
 __all__ = [
     "ARTIFACTS_ROOT",
     "FILE_NAMES",
+    "PUBLISHED",
     "artifact_path",
     "load_head_scores",
     "load_head_ranking",
@@ -53,8 +58,29 @@ FILE_NAMES: dict[str, tuple[str, str]] = {
 }
 
 
+# model name -> published CompressKV file prefix; and which kinds those files provide
+PUBLISHED: dict[str, str] = {"llama31": "Llama-3.1-8B-Instruct", "mistral": "Mistral-7B-Instruct-v0.3"}
+_PUBLISHED_FILES = {
+    "srh_head_idx": "{}_head_idx.json",
+    "layer_score": "{}_layer_score.jsonl",
+    "trh_head_idx": "{}.json",  # raw TRH scores, ranked on load
+    "retrieval_heads": "{}.json",  # the same raw TRH scores, HeadKV format
+}
+
+
+def published_dirs() -> list[Path]:
+    """Folders searched for published artifacts (``$KVBENCH_ARTIFACTS_DIR``, then the shared data)."""
+    root = Path(__file__).resolve().parents[1]
+    data = Path(os.environ.get("KVBENCH_SHARED_DATA") or root / ".." / "shared" / "data")
+    dirs = [Path(os.environ["KVBENCH_ARTIFACTS_DIR"])] if os.environ.get("KVBENCH_ARTIFACTS_DIR") else []
+    return dirs + [data / "head_scores" / "compresskv"]
+
+
 def artifact_path(kind: str, model_name: str, explicit: str | None, key: str) -> Path:
     """Resolve where an artifact is read from and check that it exists.
+
+    Order: ``explicit``; else ``methods/artifacts/<model_name>/<file>``; else, for a model in
+    :data:`PUBLISHED`, the published file in :func:`published_dirs`.
 
     Args:
         kind: a key of :data:`FILE_NAMES`.
@@ -76,11 +102,19 @@ def artifact_path(kind: str, model_name: str, explicit: str | None, key: str) ->
         path = ARTIFACTS_ROOT / model_name / file_name
     else:
         raise ConfigError(f"{key}=null: no path given and the model has no name to find methods/artifacts/<model>/{file_name}")
+    if not path.is_file() and not explicit and model_name in PUBLISHED and kind in _PUBLISHED_FILES:
+        name = _PUBLISHED_FILES[kind].format(PUBLISHED[model_name])
+        found = [d / name for d in published_dirs() if (d / name).is_file()]
+        if found:
+            return found[0]
     if not path.is_file():
         who = model_name or "<name>"
+        hint = ""
+        if not explicit and model_name in PUBLISHED and kind in _PUBLISHED_FILES:
+            hint = f", or set KVBENCH_SHARED_DATA to the folder holding head_scores/compresskv/{PUBLISHED[model_name]}*"
         raise ConfigError(
             f"{key}={str(path)!r}: file not found; make it with "
-            f"`python -m methods.calibrate {command} --name {who}` or give an existing path"
+            f"`python -m methods.calibrate {command} --name {who}` or give an existing path{hint}"
         )
     return path
 

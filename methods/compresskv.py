@@ -19,7 +19,11 @@ Switches (ablations and compositions):
 * ``num_heads``: selection heads per layer (Table 3b sweeps 2/4/6/12/24).
 * ``head_allocation``: ``none`` (paper), ``headkv`` (HeadCompressKV, Sec. 4.6: HeadKV head
   budgets, each KV head keeps its top-b_{l,h} tokens of the layer's shared SRH ranking) or
-  ``adakv`` (AdaCompressKV: needs the AdaKV allocation of the baselines branch; not available yet).
+  ``adakv`` (AdaCompressKV, Sec. 4.6: error-aware layer budgets; inside a layer AdaKV splits
+  H_kv·(m_l − W) among the KV heads by a global top-k over their SnapKV scores with floor α
+  (:func:`methods.allocation.adaptive_head_budgets`); each head then keeps its share from the
+  layer's shared SRH ranking, plus the window. The paper gives no more detail; this is our
+  reading of "our token selection with error-aware layer-wise allocation on AdaKV").
 
 Budget: ``budget >= 1`` is the average tokens per layer per KV head (window included), as in
 the paper's 128 … 2048; ``budget < 1`` a retention ratio of the prompt. A layer whose budget
@@ -37,9 +41,11 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
+from .allocation import adaptive_head_budgets, keep_topk_per_head
 from .artifacts import artifact_path, load_head_ranking, load_layer_scores
 from .base import CompressResult, ConfigError, HeadLayout, LayerContext, Method, Plan, gather_tokens, resolve_budget
-from .headkv import HeadKV, HeadKVConfig, check_window_fields, headkv_head_budgets, select_per_head
+from .headkv import HeadKV, HeadKVConfig, check_window_fields, headkv_head_budgets, pack_head_budgets
+from .packing import pack_kept, packing_stats
 from .scoring import group_scores, topk_keep_window, window_attention
 
 __all__ = [
@@ -77,6 +83,8 @@ class CompressKVConfig:
         headkv_scores_path: explicit HeadKV head-score file (``None`` = default artifacts).
         headkv_beta: HeadKV β for HeadCompressKV.
         headkv_temp: HeadKV temperature for HeadCompressKV.
+        ada_floor_ratio: AdaKV α for AdaCompressKV (share of a head's average budget it is guaranteed).
+        ada_normalize: AdaKV ``normalize`` for AdaCompressKV.
     """
 
     window_size: int = 8
@@ -96,6 +104,8 @@ class CompressKVConfig:
     headkv_scores_path: str | None = None
     headkv_beta: float = 1.5
     headkv_temp: float = 1.0
+    ada_floor_ratio: float = 0.2
+    ada_normalize: bool = False
 
 
 def window_token_scores(
@@ -237,11 +247,8 @@ class CompressKV(Method):
             raise ConfigError(f"method.min_layer_budget={c.min_layer_budget}: must be >= window_size={c.window_size}")
         if c.max_layer_factor < 1:
             raise ConfigError(f"method.max_layer_factor={c.max_layer_factor}: must be >= 1")
-        if c.head_allocation == "adakv":
-            raise ConfigError(
-                "method.head_allocation=adakv: AdaCompressKV needs the AdaKV allocation "
-                "(methods/allocation.py, branch baselines), not merged yet; accepted values now: none, headkv"
-            )
+        if not 0.0 <= c.ada_floor_ratio <= 1.0:
+            raise ConfigError(f"method.ada_floor_ratio={c.ada_floor_ratio}: must be in [0, 1]")
         if c.head_allocation == "headkv" and c.layer_allocation != "uniform":
             raise ConfigError(
                 f"method.layer_allocation={c.layer_allocation!r}: with head_allocation=headkv HeadKV allocates "
@@ -287,7 +294,7 @@ class CompressKV(Method):
         elif config.selection == "trh":
             path = artifact_path("trh_head_idx", name, config.trh_idx_path, "method.trh_idx_path")
             out["ranking"] = load_head_ranking(path, layout)
-        if config.head_allocation == "none" and config.layer_allocation == "error_aware":
+        if config.head_allocation != "headkv" and config.layer_allocation == "error_aware":
             path = artifact_path("layer_score", name, config.layer_score_path, "method.layer_score_path")
             out["layer_scores"] = load_layer_scores(path, layout, config.layer_score_key)
         if config.head_allocation == "headkv":
@@ -328,13 +335,24 @@ class CompressKV(Method):
             idx = torch.arange(n, device=ctx.keys.device).expand(b, h_kv, n)
             return CompressResult(keys=ctx.keys, values=ctx.values, kept_indices=idx)
         ids = None if self.config.selection == "snapkv" else self.artifacts["ranking"][ctx.layer_idx][: self.config.num_heads]
-        scores = selection_scores(ctx, ids, self.config)  # (B, 1 or H_kv, n)
+        scores = selection_scores(ctx, ids, self.config)  # (B, 1 or H_kv, n), window +inf
         if head_budget is not None:  # HeadCompressKV: per-head lengths from the shared ranking
-            idx, valid = select_per_head(scores.expand(b, h_kv, n), head_budget.clamp(max=n))
-            return CompressResult(
-                keys=gather_tokens(ctx.keys, idx), values=gather_tokens(ctx.values, idx), valid=valid,
-                kept_indices=idx, stats={"padding_slots": float((~valid).sum())},
-            )
+            return pack_head_budgets(ctx, scores.expand(b, h_kv, n), head_budget)
         w = ctx.window_queries.shape[2]
+        if self.config.head_allocation == "adakv":
+            return self._adakv_compress(ctx, scores.expand(b, h_kv, n), w)
         idx = topk_keep_window(scores, ctx.budget, w).expand(b, h_kv, -1)  # one set for every head
         return CompressResult(keys=gather_tokens(ctx.keys, idx), values=gather_tokens(ctx.values, idx), kept_indices=idx)
+
+    def _adakv_compress(self, ctx: LayerContext, scores: torch.Tensor, w: int) -> CompressResult:
+        """AdaCompressKV: AdaKV head shares of the layer budget, tokens from the shared ranking."""
+        b, h_kv, n = scores.shape
+        w = min(w, ctx.budget)
+        base = max(0, ctx.budget - w)  # AdaKV allocates the prefix budget; every head keeps the window
+        head_scores = selection_scores(ctx, None, self.config)[..., : n - w]  # per-KV-head SnapKV, (B, H_kv, n - W)
+        counts = adaptive_head_budgets(head_scores, h_kv * base, self.config.ada_floor_ratio, self.config.ada_normalize)
+        keep_prefix = keep_topk_per_head(scores[..., : n - w], counts)
+        keep = torch.cat([keep_prefix, keep_prefix.new_ones(b, h_kv, w)], dim=-1)
+        packed = pack_kept(ctx.keys, ctx.values, keep)
+        return CompressResult(keys=packed.keys, values=packed.values, valid=packed.valid,
+                              kept_indices=packed.indices, stats=packing_stats(packed.valid))

@@ -21,8 +21,8 @@ paper's baselines, "applied at the GQA-group granularity") budgets are per KV he
 head's score is the **mean of its G query heads' mean scores** (identical to their sum after
 the normalisation above, for any temperature) or their max (``gqa_score_aggregation``).
 
-Heads of one layer keep different numbers of tokens; the layer stores them padded to its
-longest head with a validity mask (``CompressResult.valid``).
+Heads of one layer keep different numbers of tokens; the layer stores them packed and padded
+to its longest head with a validity mask (:mod:`methods.packing`).
 
 Presets: ``conf/method/headkv.yaml`` (HeadKV-R2, the paper's main method, reference-code
 defaults W=8, K=7, max pooling, β=1.5, temp=1) and ``headkv_retrieval.yaml`` (retrieval heads).
@@ -35,11 +35,13 @@ from typing import ClassVar
 
 import torch
 
+from .allocation import keep_topk_per_head
 from .artifacts import artifact_path, load_head_scores
-from .base import CompressResult, ConfigError, HeadLayout, LayerContext, Method, Plan, gather_tokens, resolve_budget
+from .base import CompressResult, ConfigError, HeadLayout, LayerContext, Method, Plan, resolve_budget
+from .packing import pack_kept, packing_stats
 from .snapkv import snapkv_scores
 
-__all__ = ["HeadKVConfig", "HeadKV", "kv_head_scores", "headkv_head_budgets", "select_per_head", "check_window_fields"]
+__all__ = ["HeadKVConfig", "HeadKV", "kv_head_scores", "headkv_head_budgets", "pack_head_budgets", "check_window_fields"]
 
 _SCORE_KINDS = {"retrieval_reasoning": "retrieval_reasoning_heads", "retrieval": "retrieval_heads"}
 
@@ -114,28 +116,21 @@ def headkv_head_budgets(scores: torch.Tensor, base: int, beta: float, temp: floa
     return torch.round(s * pool + floor).long()
 
 
-def select_per_head(scores: torch.Tensor, head_budget: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-head top-k with a different k per head, padded to the longest head.
+def pack_head_budgets(ctx: LayerContext, scores: torch.Tensor, head_budget: torch.Tensor) -> CompressResult:
+    """Keep each KV head's top ``head_budget[h]`` tokens by ``scores`` and store them packed.
 
     Args:
-        scores: ``(B, H, n)`` token scores (window positions +inf so they are always kept).
-        head_budget: ``(H,)`` long, tokens kept per head (window included), each ≤ n.
+        ctx: the layer context (keys, values ``(B, H_kv, n, d)``).
+        scores: ``(B, H_kv, n)`` token scores, window positions +inf (always kept).
+        head_budget: ``(H_kv,)`` long tokens per head (window included), each ≤ n.
 
     Returns:
-        ``(indices, valid)``: ``(B, H, m)`` long positions, ascending among the valid slots,
-        and ``(B, H, m)`` bool mask, m = max(head_budget). Padding slots (``valid`` False) hold
-        position n−1 (a kept window token) so that gathers stay in range.
+        A :class:`CompressResult` padded to the longest head, with ``valid`` and packing stats.
     """
-    b, h, n = scores.shape
-    m = int(head_budget.max())
-    top = scores.topk(m, dim=-1).indices  # (B, H, m), best first
-    slot = torch.arange(m, device=scores.device)
-    valid = (slot.view(1, 1, m) < head_budget.to(scores.device).view(1, h, 1)).expand(b, h, m)
-    # sort valid slots ascending by position, padding last
-    key = torch.where(valid, top, n + slot.view(1, 1, m))
-    order = key.sort(dim=-1).values
-    indices = torch.where(valid, order, torch.full_like(order, n - 1))
-    return indices, valid
+    counts = head_budget.to(scores.device).clamp(max=scores.shape[-1]).expand(scores.shape[0], -1)
+    packed = pack_kept(ctx.keys, ctx.values, keep_topk_per_head(scores, counts))
+    return CompressResult(keys=packed.keys, values=packed.values, valid=packed.valid,
+                          kept_indices=packed.indices, stats=packing_stats(packed.valid))
 
 
 def check_window_fields(c) -> None:
@@ -222,13 +217,4 @@ class HeadKV(Method):
             if self._head_budgets is None:
                 raise RuntimeError("HeadKV.compress needs ctx.head_budget or a prior plan() call")
             hb = self._head_budgets[ctx.layer_idx]
-        hb = hb.clamp(max=ctx.n_tokens)
-        scores = snapkv_scores(ctx, self.config)  # (B, H_kv, n), window = +inf
-        idx, valid = select_per_head(scores, hb)
-        return CompressResult(
-            keys=gather_tokens(ctx.keys, idx),
-            values=gather_tokens(ctx.values, idx),
-            valid=valid,
-            kept_indices=idx,
-            stats={"padding_slots": float((~valid).sum())},
-        )
+        return pack_head_budgets(ctx, snapkv_scores(ctx, self.config), hb)  # scores (B, H_kv, n), window +inf

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from methods.allocation import adaptive_head_budgets
 from methods.base import ConfigError, HeadLayout, LayerContext
 from methods.compresskv import CompressKV, CompressKVConfig, error_aware_layer_budgets, window_token_scores
 
@@ -185,9 +186,38 @@ def test_headcompresskv_per_head_lengths_nested(tmp_path):
     assert small <= big  # one shared ranking: a shorter head keeps a prefix of the longer head's set
 
 
+def test_adacompresskv_adakv_shares_from_shared_ranking(tmp_path):
+    layout = HeadLayout(1, 6, 3, 8, (0,), "x")
+    cfg = CompressKVConfig(window_size=4, num_heads=2, head_allocation="adakv", layer_allocation="uniform",
+                           **_files(tmp_path, {"0": [5, 1, 0, 2, 3, 4]}))
+    m = CompressKV(cfg, layout)
+    n, budget = 80, 20
+    ctx = _ctx(layout, 0, n, budget, seed=7)
+    res = m.compress(ctx)
+    # AdaKV counts over the per-KV-head SnapKV scores of the prefix (window excluded), floor α = 0.2
+    per_kv = window_token_scores(ctx.window_queries, ctx.keys, ctx.scaling, 5, "avg").view(1, 3, 2, n).mean(2)
+    counts = adaptive_head_budgets(per_kv[..., : n - 4], 3 * (budget - 4), 0.2)[0]
+    assert res.valid.sum(-1)[0].tolist() == (counts + 4).tolist()
+    shared = window_token_scores(ctx.window_queries[:, [5, 1]], ctx.keys[:, [2, 0]], ctx.scaling, 5, "avg").mean(1)[0]
+    order = shared[: n - 4].argsort(descending=True).tolist()
+    for h in range(3):
+        kept = set(res.kept_indices[0, h][res.valid[0, h]].tolist())
+        assert kept == set(order[: int(counts[h])]) | set(range(n - 4, n))
+
+
+@pytest.mark.skipif(not CKV.is_dir(), reason=f"published CompressKV files not found at {CKV}")
+def test_published_artifacts_found_by_model_name(monkeypatch):
+    monkeypatch.setenv("KVBENCH_SHARED_DATA", str(SHARED))
+    layout = HeadLayout(32, 32, 8, 128, tuple(range(32)), "mistral")
+    m = CompressKV(CompressKVConfig(), layout)  # no paths: published files of Mistral-7B-Instruct-v0.3
+    assert len(m.artifacts["ranking"]) == 32 and m.artifacts["layer_scores"].shape == (32,)
+    trh = CompressKV(CompressKVConfig(selection="trh", layer_allocation="uniform"), layout)
+    assert sorted(trh.artifacts["ranking"][0]) == list(range(32))
+
+
 def test_config_errors(tmp_path):
-    with pytest.raises(ConfigError, match="AdaCompressKV"):
-        CompressKV(CompressKVConfig(head_allocation="adakv"))
+    with pytest.raises(ConfigError, match="ada_floor_ratio"):
+        CompressKV(CompressKVConfig(head_allocation="adakv", ada_floor_ratio=1.5))
     with pytest.raises(ConfigError, match="method.selection"):
         CompressKV(CompressKVConfig(selection="random"))
     with pytest.raises(ConfigError, match="layer_allocation"):

@@ -56,13 +56,17 @@ def test_headkv_variable_lengths_in_the_engine(tmp_path):
         torch.testing.assert_close(a, b)
 
 
-def test_compresskv_error_aware_budgets_in_the_engine(tmp_path):
-    loaded = loaded_for(tiny_model("llama", n_kv=2, n_q=4, layers=2))
+def _ckv_files(tmp_path) -> dict:
     idx = tmp_path / "idx.json"
     idx.write_text(json.dumps({"0": [3, 1, 0, 2], "1": [0, 2, 1, 3]}))
     ls = tmp_path / "ls.jsonl"
     ls.write_text(json.dumps({"avg_score": [0.25, 0.75]}))
-    cfg = CompressKVConfig(window_size=4, num_heads=2, head_idx_path=str(idx), layer_score_path=str(ls))
+    return {"head_idx_path": str(idx), "layer_score_path": str(ls)}
+
+
+def test_compresskv_error_aware_budgets_in_the_engine(tmp_path):
+    loaded = loaded_for(tiny_model("llama", n_kv=2, n_q=4, layers=2))
+    cfg = CompressKVConfig(window_size=4, num_heads=2, **_ckv_files(tmp_path))
     method = CompressKV(cfg, loaded.layout)
     res = Engine(loaded, method, 40).generate(PROMPT, 3, stop_ids=[])
     # total 80: m = 32 each, 16 left split 1:3 -> [36, 44]
@@ -75,12 +79,22 @@ def test_compresskv_error_aware_budgets_in_the_engine(tmp_path):
 
 def test_headcompresskv_in_the_engine(tmp_path):
     loaded = loaded_for(tiny_model("llama", n_kv=2, n_q=4, layers=2))
-    idx = tmp_path / "idx.json"
-    idx.write_text(json.dumps({"0": [3, 1, 0, 2], "1": [0, 2, 1, 3]}))
-    cfg = CompressKVConfig(window_size=4, num_heads=2, head_idx_path=str(idx), layer_allocation="uniform",
+    cfg = CompressKVConfig(window_size=4, num_heads=2, head_idx_path=_ckv_files(tmp_path)["head_idx_path"], layer_allocation="uniform",
                            head_allocation="headkv", headkv_scores_path=_head_scores(tmp_path), headkv_beta=1.2)
     method = CompressKV(cfg, loaded.layout)
     plan = method.plan(len(PROMPT), 16, loaded.layout)
     res = Engine(loaded, method, 16).generate(PROMPT, 3, stop_ids=[])
     assert res.stored_tokens["max"] == int(plan.head_budgets.max())
     assert res.kept_tokens["mean"] == pytest.approx(float(plan.head_budgets.float().mean()), abs=1e-3)
+
+
+def test_adacompresskv_in_the_engine(tmp_path):
+    loaded = loaded_for(tiny_model("llama", n_kv=2, n_q=4, layers=2))
+    cfg = CompressKVConfig(window_size=4, num_heads=2, head_allocation="adakv", **_ckv_files(tmp_path))
+    eng = Engine(loaded, CompressKV(cfg, loaded.layout), 40)
+    res = eng.generate(PROMPT, 3, stop_ids=[])
+    assert res.compressed
+    # layer budgets [36, 44] (as without AdaKV); AdaKV moves tokens between the 2 heads of a layer,
+    # floor α·(m - W) rounding may drop up to 1 token per head
+    kept = {i: int(r.valid.sum()) for i, r in eng.last_state.results.items()}
+    assert 2 * 36 - 2 <= kept[0] <= 2 * 36 and 2 * 44 - 2 <= kept[1] <= 2 * 44

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from methods.base import ConfigError, HeadLayout, LayerContext
-from methods.headkv import HeadKV, HeadKVConfig, headkv_head_budgets, kv_head_scores, select_per_head
+from methods.headkv import HeadKV, HeadKVConfig, headkv_head_budgets, kv_head_scores
 from methods.snapkv import SnapKVConfig, snapkv_scores
 
 
@@ -72,16 +72,6 @@ def test_plan_caps_and_no_compression(tmp_path):
     assert not m.plan(30, 40, layout).compress
 
 
-def test_select_per_head_variable_lengths():
-    scores = torch.tensor([[[0.1, 0.9, 0.3, 0.8, float("inf")], [0.5, 0.1, 0.7, 0.2, float("inf")]]])
-    idx, valid = select_per_head(scores, torch.tensor([3, 2]))
-    assert idx.shape == (1, 2, 3)
-    assert valid.tolist() == [[[True, True, True], [True, True, False]]]
-    assert idx[0, 0].tolist() == [1, 3, 4]  # top-2 of the prefix + the window, ascending
-    assert idx[0, 1, :2].tolist() == [2, 4]
-    assert idx[0, 1, 2].item() == 4  # padding slot points at a kept window token
-
-
 def test_compress_keeps_window_and_head_budgets(tmp_path):
     torch.manual_seed(0)
     layout = HeadLayout(2, 4, 2, 8, (0, 1), "hand")
@@ -94,8 +84,9 @@ def test_compress_keeps_window_and_head_budgets(tmp_path):
                        scaling=8 ** -0.5, budget=plan.layer_budgets[1], head_budget=plan.head_budgets[1])
     res = m.compress(ctx)
     hb = plan.head_budgets[1].tolist()
-    assert res.keys.shape == (1, 2, max(hb), 8)
+    assert res.keys.shape == (1, 2, max(hb), 8)  # padded to the longest head
     assert res.valid.sum(-1)[0].tolist() == hb
+    assert res.stats == {"kept_tokens": float(sum(hb)), "stored_tokens": float(2 * max(hb))}
     expected = snapkv_scores(ctx, SnapKVConfig(window_size=4, kernel_size=3, pooling="max"))
     for h in range(2):
         kept = res.kept_indices[0, h][res.valid[0, h]]
