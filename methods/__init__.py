@@ -20,6 +20,8 @@ _MODULES: dict[str, str] = {
     "pyramidkv": "methods.pyramidkv:PyramidKV",
     "adakv": "methods.adakv:AdaKV",
     "lookm": "methods.lookm:LookM",
+    "headkv": "methods.headkv:HeadKV",
+    "compresskv": "methods.compresskv:CompressKV",
 }
 
 
