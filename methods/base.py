@@ -13,9 +13,9 @@ A method is a small class with a config dataclass (its fields are its Hydra node
 Methods are pure functions of tensors: they never see tasks, prompts or files (artifacts
 such as head scores are parsed by :mod:`methods.artifacts` and handed to the constructor).
 
-Budget semantics (ARCHITECTURE.md, "Budgets"): ``budget < 1`` is a retention ratio ρ of the
-prompt length n (m = ⌊ρ·n⌋, SelKV Sec. 3.2); ``budget >= 1`` is an integer average number of
-tokens kept per layer per KV head, recent window included (KVCache-Factory / AdaKV / HeadKV /
+Budget semantics (ARCHITECTURE.md, "Budgets"): a float ``budget`` in (0, 1] is a retention
+ratio ρ of the prompt length n (m = ⌊ρ·n⌋, SelKV Sec. 3.2; ``1.0`` keeps everything); an
+integer ``budget >= 1`` is the average number of tokens kept per layer per KV head, recent window included (KVCache-Factory / AdaKV / HeadKV /
 CompressKV). A prompt no longer than its budget is not compressed (the engine skips
 ``compress`` and records ``compressed=False``).
 """
@@ -36,6 +36,8 @@ __all__ = [
     "Method",
     "ConfigError",
     "resolve_budget",
+    "is_ratio",
+    "check_budget",
     "gather_tokens",
 ]
 
@@ -161,21 +163,38 @@ class CompressResult:
     stats: dict[str, float] = field(default_factory=dict)
 
 
-def resolve_budget(budget: float, n_tokens: int) -> int:
+def is_ratio(budget: float | int) -> bool:
+    """True when ``budget`` is a retention ratio: a float in (0, 1] (``1.0`` keeps everything).
+
+    An ``int`` (or an integral float > 1, e.g. ``256.0``) is a token budget.
+    """
+    return isinstance(budget, float) and budget <= 1.0
+
+
+def check_budget(budget: float | int) -> None:
+    """Raise :class:`ConfigError` for a budget that is neither a ratio in (0, 1] nor an integer ≥ 1."""
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)):
+        raise ConfigError(f"budget={budget!r}: must be a retention ratio in (0, 1] or an integer token count >= 1")
+    if budget <= 0:
+        raise ConfigError(f"budget={budget}: must be > 0 (a retention ratio in (0, 1] or an integer token count >= 1)")
+    if not is_ratio(budget) and float(budget) != int(budget):
+        raise ConfigError(
+            f"budget={budget}: a retention ratio must be in (0, 1] and a token budget must be an integer >= 1"
+        )
+
+
+def resolve_budget(budget: float | int, n_tokens: int) -> int:
     """Tokens per KV head for a prompt of ``n_tokens`` tokens.
 
-    ``budget < 1`` is a retention ratio ρ: m = ⌊ρ·n⌋ (SelKV Sec. 3.2). ``budget >= 1`` must be an
-    integer token count (average per layer per KV head). The result is capped at n.
+    A ratio ρ in (0, 1] (a float) gives m = ⌊ρ·n⌋ (SelKV Sec. 3.2; ``1.0`` keeps all n tokens);
+    an integer ≥ 1 is a token count (average per layer per KV head). The result is capped at n.
 
     Raises:
-        ConfigError: budget ≤ 0, or ≥ 1 and not an integer.
+        ConfigError: budget ≤ 0, a float ratio > 1 that is not integral.
     """
-    if budget <= 0:
-        raise ConfigError(f"budget={budget}: must be > 0 (a ratio in (0, 1) or an integer token count >= 1)")
-    if budget < 1:
+    check_budget(budget)
+    if is_ratio(budget):
         return min(n_tokens, int(math.floor(budget * n_tokens)))
-    if float(budget) != int(budget):
-        raise ConfigError(f"budget={budget}: a token budget (>= 1) must be an integer")
     return min(n_tokens, int(budget))
 
 

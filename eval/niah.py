@@ -1,0 +1,211 @@
+"""Needle-in-a-Haystack: a length × depth grid of retrieval prompts.
+
+The haystack (essays) is cut to each context length, in tokens of the model's tokenizer;
+the needle is inserted at the requested depth percent, moved back to the previous sentence
+boundary (as the reference NIAH harness does); the retrieval question follows.
+
+Haystack sources (``task.haystack_source``):
+* ``dir``: a folder of ``.txt`` files (``task.haystack_dir``, e.g. the 49 Paul Graham essays);
+* ``hub``: the Hub dataset kvpress uses (``alessiodevoto/paul_graham_essays``, split ``test``);
+* ``embedded``: real prose that ships with Python itself, so that it needs no network — the
+  reference-manual text in the standard library module ``pydoc_data.topics``;
+* ``auto`` (default): ``dir`` when ``haystack_dir`` is set, else ``hub`` when the Hub answers
+  within a few seconds, else ``embedded`` (logged).
+
+Scores: ROUGE-1 recall × 100 of the expected answer (CompressKV's protocol, ``rouge-score``
+package, the sample score stored as a fraction) and the word-overlap score (share of the
+answer's words found in the prediction, × 100).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import socket
+from pathlib import Path
+from typing import Any, Iterator
+
+from .base import Sample, Task, TaskConfigError
+
+log = logging.getLogger(__name__)
+
+HUB_DATASET = "alessiodevoto/paul_graham_essays"
+
+# KVCache-Factory's NIAH prompt (no chat template); ``chat`` style sends the same text as one user turn.
+KVCF_TEMPLATE = (
+    "<|im_start|> This is a very long story book: <book> {context} </book>.\n"
+    " Based on the content of the book, Question: {question}\nAnswer:"
+)
+CHAT_TEMPLATE = (
+    "This is a very long story book: <book> {context} </book>.\n"
+    "Based on the content of the book, answer the question: {question}"
+)
+
+
+def _hub_reachable(timeout: float = 3.0) -> bool:
+    if os.environ.get("HF_HUB_OFFLINE") == "1" or os.environ.get("HF_DATASETS_OFFLINE") == "1":
+        return False
+    try:
+        socket.create_connection(("huggingface.co", 443), timeout=timeout).close()
+        return True
+    except OSError:
+        return False
+
+
+def embedded_haystack() -> str:
+    """Real English prose shipped with CPython: the reference-manual topics of ``pydoc_data``."""
+    from pydoc_data import topics
+
+    texts = [re.sub(r"[ \t]+", " ", t) for _, t in sorted(topics.topics.items())]
+    return "\n\n".join(texts)
+
+
+def load_haystack(cfg: dict) -> tuple[str, str]:
+    """The haystack text and a description of its source.
+
+    Raises:
+        TaskConfigError: ``haystack_dir`` missing or without ``.txt`` files; unknown source;
+            ``hub`` requested while the Hub is unreachable.
+    """
+    source = cfg.get("haystack_source", "auto")
+    hdir = cfg.get("haystack_dir")
+    if source == "auto":
+        source = "dir" if hdir else ("hub" if _hub_reachable() else "embedded")
+        if source == "embedded":
+            log.warning("task.haystack_source=auto: Hub unreachable and no haystack_dir; using the embedded haystack")
+    if source == "dir":
+        files = _haystack_files(hdir)
+        return "\n\n".join(f.read_text(encoding="utf-8", errors="replace") for f in files), f"dir:{hdir}"
+    if source == "hub":
+        if not _hub_reachable():
+            raise TaskConfigError(
+                "task.haystack_source=hub: the Hugging Face Hub is unreachable; "
+                "pass task.haystack_dir=/path/to/essays or task.haystack_source=embedded"
+            )
+        from datasets import load_dataset
+
+        ds = load_dataset(HUB_DATASET, split="test")
+        col = "text" if "text" in ds.column_names else ds.column_names[0]
+        return "\n\n".join(ds[col]), f"hub:{HUB_DATASET}"
+    if source == "embedded":
+        return embedded_haystack(), "embedded:pydoc_data.topics"
+    raise TaskConfigError(f"task.haystack_source={source!r}: accepted values are auto, dir, hub, embedded")
+
+
+def _haystack_files(hdir: Any) -> list[Path]:
+    if not hdir:
+        raise TaskConfigError("task.haystack_source=dir needs task.haystack_dir=/path/to/folder/of/txt")
+    path = Path(str(hdir)).expanduser()
+    if not path.is_dir():
+        raise TaskConfigError(f"task.haystack_dir={hdir}: no such folder")
+    files = sorted(p for p in path.glob("*.txt") if p.stat().st_size > 0)
+    if not files:
+        raise TaskConfigError(f"task.haystack_dir={hdir}: holds no non-empty .txt files")
+    return files
+
+
+def word_overlap(prediction: str, answer: str) -> float:
+    """Share (× 100) of the answer's lower-cased words that occur in the prediction."""
+    words = re.findall(r"\w+", answer.lower())
+    pred = set(re.findall(r"\w+", prediction.lower()))
+    return 100.0 * sum(w in pred for w in words) / len(words) if words else 0.0
+
+
+def rouge1_recall(prediction: str, answer: str) -> float:
+    """ROUGE-1 recall × 100 of ``answer`` in ``prediction`` (``rouge-score``, no stemming)."""
+    from rouge_score import rouge_scorer
+
+    scorer = rouge_scorer.RougeScorer(["rouge1"], use_stemmer=False)
+    return 100.0 * scorer.score(answer, prediction)["rouge1"].recall
+
+
+class NIAHTask(Task):
+    """Needle-in-a-Haystack over ``context_lengths`` × ``depth_percents``.
+
+    Config keys (``conf/task/niah.yaml``): context_lengths (tokens), depth_percents,
+    haystack_source, haystack_dir, needle, question, answer, prompt_style (kvcf | chat),
+    max_new_tokens, final_context_buffer (tokens reserved for template and question).
+    """
+
+    name = "niah"
+
+    @classmethod
+    def validate(cls, cfg: dict) -> None:
+        lengths = cfg.get("context_lengths") or []
+        depths = cfg.get("depth_percents") or []
+        if not lengths or any((not isinstance(x, int)) or x <= 0 for x in lengths):
+            raise TaskConfigError(f"task.context_lengths={list(lengths)}: must be a non-empty list of positive integers (tokens)")
+        if not depths or any((not isinstance(x, (int, float))) or not 0 <= x <= 100 for x in depths):
+            raise TaskConfigError(f"task.depth_percents={list(depths)}: must be a non-empty list of numbers in [0, 100]")
+        if cfg.get("prompt_style", "kvcf") not in ("kvcf", "chat"):
+            raise TaskConfigError(f"task.prompt_style={cfg.get('prompt_style')!r}: accepted values are kvcf, chat")
+        if int(cfg.get("max_new_tokens", 1)) <= 0:
+            raise TaskConfigError(f"task.max_new_tokens={cfg.get('max_new_tokens')}: must be an integer >= 1")
+        src = cfg.get("haystack_source", "auto")
+        if src not in ("auto", "dir", "hub", "embedded"):
+            raise TaskConfigError(f"task.haystack_source={src!r}: accepted values are auto, dir, hub, embedded")
+        if cfg.get("haystack_dir") or src == "dir":
+            _haystack_files(cfg.get("haystack_dir"))
+
+    def _template(self) -> str:
+        return KVCF_TEMPLATE if self.cfg.get("prompt_style", "kvcf") == "kvcf" else CHAT_TEMPLATE
+
+    def samples(self) -> Iterator[Sample]:
+        tok = self.tokenizer
+        haystack, self.haystack_source = load_haystack(self.cfg)
+        hay_ids = tok.encode(haystack, add_special_tokens=False)
+        needle_ids = tok.encode(self.cfg["needle"], add_special_tokens=False)
+        overhead = len(tok.encode(self._template().format(context="", question=self.cfg["question"]), add_special_tokens=False))
+        buffer = int(self.cfg.get("final_context_buffer", 0))
+        limit = self.max_input_tokens or max(self.cfg["context_lengths"])
+        for length in self.cfg["context_lengths"]:
+            if length > limit:
+                log.warning("task.context_lengths: %d tokens exceeds the model's max input %d; skipped", length, limit)
+                continue
+            budget = max(0, length - overhead - buffer - len(needle_ids))
+            if budget > len(hay_ids):
+                reps = budget // max(1, len(hay_ids)) + 1
+                context_ids = (hay_ids * reps)[:budget]
+            else:
+                context_ids = hay_ids[:budget]
+            for depth in self.cfg["depth_percents"]:
+                ids = self._insert(context_ids, needle_ids, depth)
+                context = tok.decode(ids, skip_special_tokens=True)
+                prompt = self._template().format(context=context, question=self.cfg["question"])
+                yield Sample(
+                    id=f"niah/{length}/{depth:g}",
+                    dataset="niah",
+                    prompt=prompt,
+                    max_new_tokens=int(self.cfg.get("max_new_tokens", 32)),
+                    answers=[self.cfg["answer"]],
+                    chat=self.cfg.get("prompt_style", "kvcf") == "chat",
+                    length=length,
+                    meta={"context_length": length, "depth_percent": depth},
+                )
+
+    def _insert(self, context_ids: list[int], needle_ids: list[int], depth: float) -> list[int]:
+        """Insert the needle at ``depth`` % of the context, moved back to a sentence end."""
+        if depth >= 100:
+            return context_ids + needle_ids
+        pos = int(len(context_ids) * depth / 100)
+        period_ids = self._period_ids()
+        while pos > 0 and context_ids[pos - 1] not in period_ids:
+            pos -= 1
+        return context_ids[:pos] + needle_ids + context_ids[pos:]
+
+    def _period_ids(self) -> set[int]:
+        if not hasattr(self, "_periods"):
+            vocab = self.tokenizer.get_vocab()
+            self._periods = {i for t, i in vocab.items() if t.rstrip().endswith(".") and len(t.strip()) <= 3}
+        return self._periods
+
+    def score(self, sample: Sample, prediction: str) -> float:
+        return max(rouge1_recall(prediction, a) for a in sample.answers) / 100.0
+
+    def extra_scores(self, sample: Sample, prediction: str) -> dict[str, float]:
+        """Both NIAH scores of a prediction (× 100)."""
+        return {
+            "rouge1_recall": round(max(rouge1_recall(prediction, a) for a in sample.answers), 4),
+            "word_overlap": round(max(word_overlap(prediction, a) for a in sample.answers), 4),
+        }

@@ -1,0 +1,260 @@
+"""kvbench's attention function, registered with transformers' ``AttentionInterface``.
+
+The model is loaded with ``attn_implementation="kvbench"``; no global monkey-patching. Each
+forward call carries a :class:`CompressionState` in the model's keyword arguments
+(``kvbench_state=...``), which transformers passes down to every attention call.
+
+* **Prefill** (``state.phase == "prefill"``): attention is SDPA (or a chunked float32 path when
+  the model soft-caps logits, Gemma 2). Then, for each compressible layer, the last W queries
+  of the prompt — exactly the model's own queries after q-norm and RoPE, so every family's
+  specifics are respected — and the full cache of the layer are handed to the method
+  (:class:`methods.base.LayerContext`); its result replaces the layer's cache. Nothing n×n is
+  built: the window attention is ``(H_q, W, n)``.
+* **Decode**: each compressed layer's additive logit bias ``(B, H, m)`` (compensation, and −inf
+  on invalid padded slots of per-head variable-length caches) is added to the first m
+  positions' logits; tokens appended during decoding get bias 0. Grouped-query attention runs
+  against the un-repeated cache (SDPA ``enable_gqa`` or a grouped matmul), never
+  materialising repeated keys/values.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from methods.base import CompressResult, HeadLayout, LayerContext, Method, Plan
+
+ATTN_IMPLEMENTATION = "kvbench"
+_PREFILL_CHUNK = 1024  # query rows per block in the soft-capping prefill path
+
+
+@dataclass
+class CompressionState:
+    """Per-generation state of the compressed cache, passed to the attention function.
+
+    Attributes:
+        method: the compression method (None for no compression).
+        plan: the per-sample :class:`methods.base.Plan`.
+        layout: the model's head layout.
+        cache: the ``DynamicCache`` being filled.
+        phase: ``prefill`` or ``decode``.
+        results: per-layer :class:`CompressResult` of this sample (layer index → result).
+        bias: per-layer decode bias ``(B, H, 1, m + max_new_tokens)`` in the query dtype.
+        compress_s: seconds spent in the method during prefill (wall clock, synchronised).
+        rotary: callable positions → (cos, sin) for methods that re-position keys.
+    """
+
+    method: Method | None
+    plan: Plan | None
+    layout: HeadLayout
+    cache: Any
+    phase: str = "prefill"
+    results: dict[int, CompressResult] = field(default_factory=dict)
+    bias: dict[int, torch.Tensor] = field(default_factory=dict)
+    compress_s: float = 0.0
+    rotary: Any = None
+    max_new_tokens: int = 0
+
+    @property
+    def compressing(self) -> bool:
+        return self.method is not None and self.plan is not None and self.plan.compress
+
+
+def _apply_mask(logits: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    if mask is None:
+        return logits
+    if mask.dtype == torch.bool:
+        return logits.masked_fill(~mask, float("-inf"))
+    return logits + mask
+
+
+def grouped_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scaling: float,
+    bias: torch.Tensor | None = None,
+    mask: torch.Tensor | None = None,
+    softcap: float | None = None,
+    causal_offset: int | None = None,
+) -> torch.Tensor:
+    """Reference attention for GQA without repeating keys/values, float32 softmax.
+
+    Args:
+        query: ``(B, H_q, q, d)``.
+        key, value: ``(B, H_kv, T, d)``.
+        scaling: logit scale.
+        bias: optional additive ``(B, H_q, q or 1, T)`` logits bias.
+        mask: optional transformers mask ``(B, 1, q, T)`` (bool keep-mask or additive float).
+        softcap: Gemma-2 logit soft-capping.
+        causal_offset: if given, query row i (absolute position ``causal_offset + i``) sees keys
+            ``j <= causal_offset + i`` (used when no mask is passed in prefill).
+
+    Returns:
+        ``(B, q, H_q, d)`` (transformers' attention output layout).
+    """
+    b, h_q, q, d = query.shape
+    h_kv, t = key.shape[1], key.shape[2]
+    g = h_q // h_kv
+    qg = query.reshape(b, h_kv, g * q, d)
+    logits = torch.matmul(qg, key.transpose(-1, -2)).float().view(b, h_kv, g, q, t) * scaling
+    if softcap:
+        logits = torch.tanh(logits / softcap) * softcap
+    logits = logits.view(b, h_q, q, t)
+    if bias is not None:
+        logits = logits + bias
+    logits = _apply_mask(logits, mask)
+    if causal_offset is not None and mask is None and q > 1:
+        rows = torch.arange(q, device=key.device).unsqueeze(1) + causal_offset
+        cols = torch.arange(t, device=key.device).unsqueeze(0)
+        logits = logits.masked_fill(cols > rows, float("-inf"))
+    probs = torch.softmax(logits, dim=-1).to(value.dtype).view(b, h_kv, g * q, t)
+    out = torch.matmul(probs, value).view(b, h_q, q, d)
+    return out.transpose(1, 2).contiguous()
+
+
+def _prefill_attention(module, query, key, value, mask, scaling, softcap) -> torch.Tensor:
+    """Prefill attention: SDPA with native GQA, or chunked float32 attention when soft-capping."""
+    if not softcap:
+        is_causal = mask is None and query.shape[2] > 1
+        out = F.scaled_dot_product_attention(
+            query, key, value, attn_mask=mask, scale=scaling, is_causal=is_causal, enable_gqa=True
+        )
+        return out.transpose(1, 2).contiguous()
+    q_len, t = query.shape[2], key.shape[2]
+    outs = []
+    for start in range(0, q_len, _PREFILL_CHUNK):
+        stop = min(q_len, start + _PREFILL_CHUNK)
+        m = mask[:, :, start:stop] if mask is not None else None
+        outs.append(
+            grouped_attention(
+                query[:, :, start:stop], key, value, scaling, mask=m, softcap=softcap, causal_offset=t - q_len + start
+            )
+        )
+    return torch.cat(outs, dim=1)
+
+
+def _decode_attention(query, key, value, mask, scaling, softcap, bias_buf) -> torch.Tensor:
+    """Decode attention over the (compressed) cache with the layer's logit bias."""
+    t = key.shape[2]
+    bias = bias_buf[..., :t] if bias_buf is not None else None
+    if softcap or query.shape[2] > 1:
+        return grouped_attention(query, key, value, scaling, bias=bias, mask=mask, softcap=softcap)
+    if mask is not None and bias is not None:
+        bias = _apply_mask(bias, mask) if mask.dtype == torch.bool else bias + mask
+    elif mask is not None:
+        bias = mask
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=bias, scale=scaling, enable_gqa=True)
+    return out.transpose(1, 2).contiguous()
+
+
+def _compress_layer(state: CompressionState, module, query, key, value, scaling, softcap) -> None:
+    """Run the method on one layer at the end of prefill and write its result into the cache."""
+    layer_idx = module.layer_idx
+    sync = key.device.type == "cuda"
+    if sync:
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    n = key.shape[2]
+    w = min(state.method.window_size, n)
+    plan = state.plan
+    ctx = LayerContext(
+        layer_idx=layer_idx,
+        layout=state.layout,
+        keys=key,
+        values=value,
+        window_queries=query[:, :, n - w :] if w > 0 else query[:, :, :0],
+        scaling=float(scaling),
+        budget=int(plan.layer_budgets[layer_idx]),
+        softcap=softcap,
+        head_budget=plan.head_budgets[layer_idx] if plan.head_budgets is not None else None,
+        positions=torch.arange(n, device=key.device),
+        rotary=state.rotary,
+        artifacts=state.method.artifacts,
+    )
+    result = state.method.compress(ctx)
+    layer = state.cache.layers[layer_idx]
+    layer.keys, layer.values = result.keys.contiguous(), result.values.contiguous()
+    state.results[layer_idx] = result
+    if sync:
+        torch.cuda.synchronize()
+    state.compress_s += time.perf_counter() - t0
+
+
+def kvbench_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    softcap: float | None = None,
+    kvbench_state: CompressionState | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """The attention function behind ``attn_implementation="kvbench"``.
+
+    Args:
+        module: the attention module (its ``layer_idx`` names the cache layer).
+        query: ``(B, H_q, q, d)`` after q-norm and RoPE.
+        key, value: ``(B, H_kv, T, d)``, the whole cache of the layer after the update.
+        attention_mask: transformers' mask for this layer (None when causal SDPA suffices).
+        scaling: logit scale; softcap: Gemma-2 soft-capping.
+        kvbench_state: the :class:`CompressionState` of this generation (None: plain attention).
+
+    Returns:
+        ``(attn_output (B, q, H_q, d), None)``.
+    """
+    scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
+    state = kvbench_state
+    if state is None or state.phase == "prefill":
+        out = _prefill_attention(module, query, key, value, attention_mask, scaling, softcap)
+        if state is not None and state.compressing and module.layer_idx in state.layout.compressible_layers:
+            _compress_layer(state, module, query, key, value, scaling, softcap)
+        return out, None
+    out = _decode_attention(query, key, value, attention_mask, scaling, softcap, state.bias.get(module.layer_idx))
+    return out, None
+
+
+def build_decode_bias(state: CompressionState, dtype: torch.dtype) -> None:
+    """Turn per-layer method results into decode-time bias buffers ``(B, H, 1, m + max_new)``.
+
+    The bias is the method's logit bias (0 where absent) with −inf on invalid slots; positions
+    appended during decoding get 0. Layers without bias or mask get no buffer (plain SDPA).
+    """
+    g = state.layout.group_size
+    for idx, res in state.results.items():
+        if res.logit_bias is None and res.valid is None:
+            continue
+        b, h_kv, m, _ = res.keys.shape
+        bias = res.logit_bias.float() if res.logit_bias is not None else torch.zeros(b, h_kv, m, device=res.keys.device)
+        if res.valid is not None:
+            valid = res.valid
+            if bias.shape[1] != valid.shape[1]:
+                valid = valid.repeat_interleave(bias.shape[1] // valid.shape[1], dim=1)
+            bias = bias.masked_fill(~valid, float("-inf"))
+        if bias.shape[1] != state.layout.num_q_heads:
+            bias = bias.repeat_interleave(g, dim=1)
+        buf = F.pad(bias, (0, state.max_new_tokens + 1)).unsqueeze(2)  # (B, H_q, 1, m + new)
+        state.bias[idx] = buf.to(dtype)
+
+
+_registered = False
+
+
+def register() -> None:
+    """Register ``kvbench`` with transformers' attention and mask interfaces (idempotent)."""
+    global _registered
+    if _registered:
+        return
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(ATTN_IMPLEMENTATION, kvbench_attention)
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, sdpa_mask)
+    _registered = True

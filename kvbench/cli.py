@@ -1,0 +1,35 @@
+"""The ``kvbench`` command: ``kvbench run ...`` (= ``python run.py ...``), ``kvbench report``,
+``kvbench score``."""
+
+from __future__ import annotations
+
+import importlib
+import subprocess
+import sys
+from pathlib import Path
+
+COMMANDS = {
+    "run": "run a job or a sweep (Hydra overrides, as python run.py)",
+    "report": "rebuild the papers' tables and figures from a results root",
+    "score": "score a folder of LongBench prediction jsonl files (official result.json)",
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Dispatch ``kvbench <command> ...``."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
+        print("usage: kvbench {run,report,score} ...\n")
+        for name, text in COMMANDS.items():
+            print(f"  {name:<8}{text}")
+        return 0 if not argv or argv[0] in ("-h", "--help") else 2
+    cmd, rest = argv[0], argv[1:]
+    if cmd == "run":
+        run_py = Path(__file__).resolve().parents[1] / "run.py"
+        return subprocess.call([sys.executable, str(run_py), *rest])
+    module = importlib.import_module(f"kvbench.{cmd}")
+    return int(module.main(rest) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

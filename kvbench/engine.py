@@ -1,0 +1,266 @@
+"""One-shot compression engine: prefill with SDPA, compress once, decode greedily.
+
+The protocol of every paper reproduced here: batch size 1, greedy decoding, the prompt's
+KV cache compressed once at the end of prefill (each layer right after its own prefill
+attention, so that every layer's prefill output is computed with the full cache), new
+tokens appended uncompressed.
+"""
+
+from __future__ import annotations
+
+import inspect
+import resource
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from methods.base import Method
+
+from .attention import CompressionState, build_decode_bias
+from .models import LoadedModel
+
+
+class NonFiniteLogitsError(RuntimeError):
+    """The model produced NaN or inf logits; the sample is recorded as failed, never scored."""
+
+
+@dataclass
+class GenerationResult:
+    """Output and measurements of one generation.
+
+    Attributes:
+        tokens: generated token ids (stop token excluded).
+        text: decoded text (special tokens skipped).
+        prompt_tokens: n, prompt length in tokens.
+        compressed: whether the cache was compressed (False when n ≤ budget or method=full).
+        kept_tokens / stored_tokens: per compressible layer, mean/min/max of logical kept tokens
+            (valid slots, averaged over KV heads) and of stored slots per KV head.
+        cache_bytes_before / cache_bytes_after: KV cache bytes of all layers right after prefill,
+            before and after compression (bias buffers included after).
+        prefill_s: prefill seconds excluding compression; compress_s: compression seconds;
+        decode_s: seconds from the first decode step to the last; generated_tokens;
+        decode_tok_s: generated tokens per decode second.
+        peak_rss_bytes: process peak resident memory so far (CPU) or peak CUDA memory.
+        method_stats: method statistics summed over layers (merged, dropped, ...).
+    """
+
+    tokens: list[int]
+    text: str
+    prompt_tokens: int
+    compressed: bool
+    kept_tokens: dict[str, float]
+    stored_tokens: dict[str, float]
+    cache_bytes_before: int
+    cache_bytes_after: int
+    prefill_s: float
+    compress_s: float
+    decode_s: float
+    generated_tokens: int
+    decode_tok_s: float
+    peak_rss_bytes: int
+    method_stats: dict[str, float] = field(default_factory=dict)
+
+    def record(self) -> dict[str, Any]:
+        """The fields stored in ``predictions.jsonl``."""
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "compressed": self.compressed,
+            "kept_tokens": self.kept_tokens,
+            "stored_tokens": self.stored_tokens,
+            "cache_bytes_before": self.cache_bytes_before,
+            "cache_bytes_after": self.cache_bytes_after,
+            "prefill_s": round(self.prefill_s, 6),
+            "compress_s": round(self.compress_s, 6),
+            "decode_s": round(self.decode_s, 6),
+            "generated_tokens": self.generated_tokens,
+            "decode_tok_s": round(self.decode_tok_s, 4),
+            "method_stats": self.method_stats,
+        }
+
+
+def cache_bytes(cache: Any) -> int:
+    """Bytes held by the keys and values of every layer of a transformers cache."""
+    total = 0
+    for layer in cache.layers:
+        for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
+            if isinstance(t, torch.Tensor):
+                total += t.numel() * t.element_size()
+    return total
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak CUDA memory on CUDA, else the process's peak resident set size (bytes)."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+def _stats(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {"mean": 0.0, "min": 0, "max": 0}
+    return {"mean": round(sum(values) / len(values), 3), "min": min(values), "max": max(values)}
+
+
+class Engine:
+    """Greedy generation with one-shot KV-cache compression.
+
+    Args:
+        loaded: a :class:`kvbench.models.LoadedModel`.
+        method: the compression method (``methods.full.FullCache`` for none).
+        budget: the job's budget (ratio < 1 or tokens ≥ 1, see ARCHITECTURE.md).
+    """
+
+    def __init__(self, loaded: LoadedModel, method: Method, budget: float):
+        self.loaded = loaded
+        self.model = loaded.model
+        self.method = method
+        self.budget = budget
+        self._rotary = self._make_rotary()
+        self.record_logits = False  # tests: keep every step's logits in ``last_logits``
+        self.last_state: CompressionState | None = None  # the state of the last generation (tests, cross-checks)
+        self.last_logits: list[torch.Tensor] = []
+
+    def _make_rotary(self):
+        """Callable positions (k,) → (cos, sin) ``(k, d)`` of the full-attention layers' RoPE."""
+        base = getattr(self.model, "model", self.model)
+        rope = getattr(base, "rotary_emb", None)
+        if rope is None:
+            return None
+        takes_type = "layer_type" in inspect.signature(rope.forward).parameters
+        dtype = self.loaded.dtype
+
+        def rotary(positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            x = torch.zeros(1, dtype=dtype, device=positions.device)
+            args = (x, positions.view(1, -1))
+            cos, sin = rope(*args, "full_attention") if takes_type else rope(*args)
+            return cos[0].float(), sin[0].float()
+
+        return rotary
+
+    @torch.inference_mode()
+    def generate(
+        self, prompt_ids: list[int], max_new_tokens: int, stop_ids: list[int] | None = None
+    ) -> GenerationResult:
+        """Prefill ``prompt_ids``, compress the cache once, decode greedily.
+
+        Args:
+            prompt_ids: prompt token ids (already truncated by the task).
+            max_new_tokens: generation limit (tokens).
+            stop_ids: ids that end generation (defaults to the model's stop ids).
+
+        Returns:
+            A :class:`GenerationResult`.
+
+        Raises:
+            NonFiniteLogitsError: NaN/inf logits at any step.
+        """
+        from transformers import DynamicCache
+
+        model, layout, dev = self.model, self.loaded.layout, self.loaded.device
+        stops = set(self.loaded.stop_ids if stop_ids is None else stop_ids)
+        n = len(prompt_ids)
+        if n == 0:
+            raise ValueError("empty prompt: nothing to prefill")
+        cache = DynamicCache(config=model.config)
+        plan = self.method.plan(n, self.budget, layout)
+        state = CompressionState(
+            method=self.method, plan=plan, layout=layout, cache=cache, rotary=self._rotary,
+            max_new_tokens=max_new_tokens,
+        )
+        sync = dev.type == "cuda"
+        if sync:
+            torch.cuda.reset_peak_memory_stats(dev)
+        input_ids = torch.tensor([prompt_ids], device=dev)
+        t0 = time.perf_counter()
+        out = model(
+            input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1, kvbench_state=state
+        )
+        logits = out.logits[0, -1]
+        if sync:
+            torch.cuda.synchronize()
+        prefill_total = time.perf_counter() - t0
+        before = cache_bytes(cache) if not state.results else self._bytes_before(cache, state, n)
+        finalize = getattr(self.method, "finalize", None)
+        if state.results and callable(finalize):
+            finalize(state.results)
+        build_decode_bias(state, model.dtype)
+        after = cache_bytes(cache) + sum(b.numel() * b.element_size() for b in state.bias.values())
+        next_pos = n
+        repositioned = [r.next_position for r in state.results.values() if r.next_position is not None]
+        if repositioned:
+            next_pos = max(repositioned)
+        kept, stored, mstats = self._cache_stats(state, n)
+
+        state.phase = "decode"
+        self.last_state = state
+        self.last_logits = []
+        tokens: list[int] = []
+        t1 = time.perf_counter()
+        for step in range(max_new_tokens):
+            if self.record_logits:
+                self.last_logits.append(logits.float().clone())
+            if not torch.isfinite(logits).all():
+                raise NonFiniteLogitsError(f"non-finite logits at decode step {step}")
+            tok = int(logits.argmax())
+            if tok in stops:
+                break
+            tokens.append(tok)
+            if step == max_new_tokens - 1:
+                break
+            pos = next_pos + step
+            out = model(
+                input_ids=torch.tensor([[tok]], device=dev),
+                past_key_values=cache,
+                use_cache=True,
+                position_ids=torch.tensor([[pos]], device=dev),
+                cache_position=torch.tensor([pos], device=dev),
+                kvbench_state=state,
+            )
+            logits = out.logits[0, -1]
+        if sync:
+            torch.cuda.synchronize()
+        decode_s = time.perf_counter() - t1
+        text = self.loaded.tokenizer.decode(tokens, skip_special_tokens=True)
+        return GenerationResult(
+            tokens=tokens,
+            text=text,
+            prompt_tokens=n,
+            compressed=bool(state.results),
+            kept_tokens=kept,
+            stored_tokens=stored,
+            cache_bytes_before=before,
+            cache_bytes_after=after,
+            prefill_s=max(0.0, prefill_total - state.compress_s),
+            compress_s=state.compress_s,
+            decode_s=decode_s,
+            generated_tokens=len(tokens),
+            decode_tok_s=len(tokens) / decode_s if decode_s > 0 else 0.0,
+            peak_rss_bytes=peak_memory_bytes(dev),
+            method_stats=mstats,
+        )
+
+    @staticmethod
+    def _bytes_before(cache: Any, state: CompressionState, n: int) -> int:
+        """Cache bytes as they were before compression (compressed layers counted at n tokens)."""
+        total = 0
+        for i, layer in enumerate(cache.layers):
+            k = layer.keys
+            per_token = k.numel() // max(1, k.shape[-2]) * k.element_size() * 2
+            total += per_token * (n if i in state.results else k.shape[-2])
+        return total
+
+    def _cache_stats(self, state: CompressionState, n: int):
+        kept, stored = [], []
+        mstats: dict[str, float] = {}
+        for res in state.results.values():
+            m = res.keys.shape[-2]
+            stored.append(m)
+            kept.append(float(res.valid.float().sum(-1).mean()) if res.valid is not None else float(m))
+            for k, v in res.stats.items():
+                mstats[k] = mstats.get(k, 0.0) + float(v)
+        if not state.results:
+            comp = len(self.loaded.layout.compressible_layers)
+            kept, stored = [float(n)] * comp, [n] * comp
+        return _stats(kept), _stats(stored), mstats

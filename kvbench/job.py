@@ -1,0 +1,252 @@
+"""The job runner: validate, load, iterate samples, generate, score, store, summarise.
+
+One job = one model × method × task × budget (× shard). Every sample is isolated: an
+exception (out of memory, non-finite logits, tokenizer failure) is stored as an error record
+and the job goes on; the exit code is 1 when any sample failed.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import platform
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Mapping
+
+import eval as tasks
+from eval.base import Sample, Task
+
+from .engine import Engine
+from .models import LoadedModel, load_model
+from .store import JobStore, job_relpath
+from .validate import check_output_root, validate
+
+log = logging.getLogger("kvbench")
+
+EXIT_OK, EXIT_SAMPLE_FAILED, EXIT_CONFIG, EXIT_LOCKED = 0, 1, 2, 3
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def encode_prompt(loaded: LoadedModel, sample: Sample) -> list[int]:
+    """Token ids of a sample's prompt: the chat template (one user turn) when the sample and the
+    model use it, else the plain tokenizer with its special tokens (LongBench's ``pred.py``)."""
+    tok = loaded.tokenizer
+    if sample.chat and loaded.chat_template:
+        out = tok.apply_chat_template([{"role": "user", "content": sample.prompt}], add_generation_prompt=True, tokenize=True)
+        ids = out["input_ids"] if isinstance(out, Mapping) else out
+        return [int(i) for i in ids]
+    return [int(i) for i in tok(sample.prompt)["input_ids"]]
+
+
+def stop_ids_for(loaded: LoadedModel, sample: Sample) -> list[int]:
+    """The model's stop ids plus the last token id of each of the sample's stop strings
+    (LongBench stops samsum on ``tokenizer.encode("\\n", add_special_tokens=False)[-1]``)."""
+    ids = list(loaded.stop_ids)
+    for s in sample.stop_strings:
+        enc = loaded.tokenizer.encode(s, add_special_tokens=False)
+        if enc:
+            ids.append(enc[-1])
+    return ids
+
+
+def environment(loaded: LoadedModel | None, device: str) -> dict[str, Any]:
+    """Package versions, git revision, device, dtype and attention implementation for ``env.json``."""
+    import torch
+    import transformers
+
+    try:
+        rev = subprocess.run(
+            ["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5
+        ).stdout.strip() or None
+        dirty = bool(subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain"], capture_output=True, text=True, timeout=5).stdout.strip())
+    except (OSError, subprocess.SubprocessError):
+        rev, dirty = None, None
+    env: dict[str, Any] = {
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "platform": platform.platform(),
+        "host": platform.node(),
+        "git_revision": rev,
+        "git_dirty": dirty,
+        "device": device,
+        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "attention_implementation": "kvbench (SDPA prefill, grouped SDPA decode with per-layer logit bias)",
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "argv": sys.argv,
+    }
+    if loaded is not None:
+        env.update(
+            dtype=str(loaded.dtype).replace("torch.", ""),
+            device=str(loaded.device),
+            model_source=loaded.source,
+            layers=loaded.layout.num_layers,
+            query_heads=loaded.layout.num_q_heads,
+            kv_heads=loaded.layout.num_kv_heads,
+            compressible_layers=list(loaded.layout.compressible_layers),
+        )
+    return env
+
+
+def _mean(values: list[float]) -> float | None:
+    vals = [v for v in values if v is not None]
+    return round(sum(vals) / len(vals), 6) if vals else None
+
+
+def summarize(cfg: dict, task: Task, records: list[dict], expected_ids: list[str], relpath: str) -> dict[str, Any]:
+    """The ``summary.json`` of a job from all its stored records (every shard)."""
+    ok = [r for r in records if r.get("error") is None]
+    done = {r["id"] for r in ok}
+    agg = task.aggregate(records)
+    summary: dict[str, Any] = {
+        "job": relpath,
+        "task": cfg["task"]["name"],
+        "model": cfg["model"]["name"],
+        "method": cfg["method"]["name"],
+        "method_label": cfg["method"].get("label", cfg["method"]["name"]),
+        "budget": cfg["budget"],
+        "n_samples": len(ok),
+        "n_failed": sum(1 for r in records if r.get("error") is not None),
+        "n_expected": len(expected_ids),
+        "complete": set(expected_ids) <= done,
+        **agg,
+        "timings": {k: _mean([r.get(k) for r in ok]) for k in ("prefill_s", "compress_s", "decode_s", "decode_tok_s")},
+        "cache": {
+            "prompt_tokens": _mean([r.get("prompt_tokens") for r in ok]),
+            "kept_tokens": _mean([(r.get("kept_tokens") or {}).get("mean") for r in ok]),
+            "stored_tokens": _mean([(r.get("stored_tokens") or {}).get("mean") for r in ok]),
+            "cache_bytes_before": _mean([r.get("cache_bytes_before") for r in ok]),
+            "cache_bytes_after": _mean([r.get("cache_bytes_after") for r in ok]),
+            "compressed_fraction": _mean([1.0 if r.get("compressed") else 0.0 for r in ok]),
+        },
+    }
+    return summary
+
+
+def run_sample(engine: Engine, loaded: LoadedModel, task: Task, sample: Sample) -> dict[str, Any]:
+    """Generate and score one sample; never raises (errors become an error record)."""
+    base = {
+        "id": sample.id,
+        "dataset": sample.dataset,
+        "answers": sample.answers,
+        "all_classes": sample.all_classes,
+        "length": sample.length,
+        "meta": sample.meta,
+    }
+    try:
+        ids = encode_prompt(loaded, sample)
+        result = engine.generate(ids, sample.max_new_tokens, stop_ids_for(loaded, sample))
+        score = float(task.score(sample, result.text))
+        if not math.isfinite(score):
+            raise FloatingPointError(f"non-finite score {score!r} for prediction {result.text[:60]!r}")
+        extra = task.extra_scores(sample, result.text) if hasattr(task, "extra_scores") else {}
+        return {**base, "prediction": result.text, "score": score, "scores": extra, **result.record(), "error": None}
+    except Exception as e:  # noqa: BLE001 - per-sample isolation is the point
+        if isinstance(e, KeyboardInterrupt):
+            raise
+        log.error("sample %s failed: %s: %s", sample.id, type(e).__name__, e)
+        return {**base, "prediction": None, "score": None, "error": {"type": type(e).__name__, "message": str(e)[:2000]}}
+
+
+def run_job(cfg: dict, method_preset: str | None = None, method_defaults: dict | None = None) -> int:
+    """Run one job from a resolved config (a plain dict). Returns the process exit code.
+
+    Raises:
+        ConfigError / TaskConfigError: bad configuration (checked before the model loads).
+        JobLockedError: another process runs the same job shard.
+    """
+    import torch
+    from omegaconf import OmegaConf
+
+    method, _ = validate(cfg)
+    root = check_output_root(cfg.get("output_root", "results"))
+    relpath = job_relpath(cfg, method_preset, method_defaults)
+    shard = (int(cfg["shard"]["index"]), int(cfg["shard"]["count"]))
+    store = JobStore(root / relpath, shard)
+    with store.locked(float(cfg.get("lock_wait_s") or 0)):
+        moved = store.repair()
+        if moved:
+            log.warning("predictions.jsonl ended with a truncated line (%d bytes); moved aside, that sample is redone", moved)
+        store.write_config(OmegaConf.to_yaml(OmegaConf.create(cfg)))
+        random.seed(cfg.get("seed", 0))
+        torch.manual_seed(int(cfg.get("seed", 0)))
+        loaded = load_model(cfg["model"], cfg.get("device", "auto"))
+        method.layout = loaded.layout
+        method.check_layout(loaded.layout)
+        max_input = int(cfg["task"].get("max_length") or loaded.max_input_length)
+        task = tasks.get_task_class(cfg["task"]["name"])(cfg["task"], loaded.tokenizer, max_input)
+        samples = list(task.samples())
+        expected = [s.id for s in samples]
+        mine = [s for i, s in enumerate(samples) if i % shard[1] == shard[0]]
+        if cfg.get("max_samples"):
+            mine = mine[: int(cfg["max_samples"])]
+            expected = [s.id for s in mine] if shard[1] == 1 else expected
+        env = environment(loaded, cfg.get("device", "auto"))
+        env["haystack_source"] = getattr(task, "haystack_source", None)
+        store.write_json("env.json" if shard[1] == 1 else f"env.shard{shard[0]}.json", env)
+        done = store.done_ids()
+        todo = [s for s in mine if s.id not in done]
+        log.info(
+            "job %s: %d samples in this shard, %d already stored, %d to run (compressible layers: %d of %d)",
+            relpath, len(mine), len(mine) - len(todo), len(todo), len(loaded.layout.compressible_layers),
+            loaded.layout.num_layers,
+        )
+        engine = Engine(loaded, method, cfg["budget"])
+        failed = _loop(engine, loaded, task, todo, store, quiet=bool(cfg.get("quiet")))
+        records = store.records()
+        summary = summarize(cfg, task, records, expected, relpath)
+        store.write_json("summary.json", summary)
+        if cfg["task"]["name"] == "niah":
+            _heatmap(store, records, cfg)
+        print_summary(summary, store.path)
+    any_failed = failed or summary["n_failed"] > 0
+    return EXIT_SAMPLE_FAILED if any_failed else EXIT_OK
+
+
+def _loop(engine: Engine, loaded: LoadedModel, task: Task, todo: list[Sample], store: JobStore, quiet: bool) -> int:
+    from tqdm import tqdm
+
+    failed = 0
+    bar = tqdm(todo, desc="samples", unit="sample", disable=quiet or not todo, dynamic_ncols=True)
+    for sample in bar:
+        rec = run_sample(engine, loaded, task, sample)
+        store.append(rec)
+        failed += rec["error"] is not None
+        if rec["error"] is None:
+            bar.set_postfix(score=f"{rec['score']:.2f}", tok_s=f"{rec['decode_tok_s']:.1f}")
+    return failed
+
+
+def _heatmap(store: JobStore, records: list[dict], cfg: dict) -> None:
+    try:
+        from .plots import plot_niah_heatmap
+
+        title = f"NIAH — {cfg['model']['name']} — {cfg['method'].get('label', cfg['method']['name'])} — budget {cfg['budget']}"
+        plot_niah_heatmap([r for r in records if r.get("error") is None], store.path / "heatmap.png", title)
+    except Exception as e:  # noqa: BLE001 - a plot never fails a job
+        log.warning("heatmap not written: %s", e)
+
+
+def print_summary(summary: dict, path: Path) -> None:
+    """Print the per-dataset score table of a job."""
+    rows = [(ds, v.get("score"), v.get("n")) for ds, v in (summary.get("datasets") or {}).items()]
+    width = max([len("dataset")] + [len(r[0]) for r in rows])
+    lines = [
+        f"\njob {summary['job']}  ({'complete' if summary['complete'] else 'incomplete'}; "
+        f"{summary['n_samples']}/{summary['n_expected']} samples, {summary['n_failed']} failed)",
+        f"{'dataset':<{width}}  {'score':>7}  {'n':>4}",
+        f"{'-' * width}  {'-' * 7}  {'-' * 4}",
+    ]
+    lines += [f"{ds:<{width}}  {('%.2f' % s) if s is not None else '-':>7}  {n:>4}" for ds, s, n in rows]
+    t, c = summary["timings"], summary["cache"]
+    if t.get("prefill_s") is not None:
+        lines.append(
+            f"mean prefill {t['prefill_s']:.3f}s  compress {t['compress_s']:.4f}s  decode {t['decode_s']:.3f}s "
+            f"({t['decode_tok_s']:.1f} tok/s)  kept {c['kept_tokens']:.0f}/{c['prompt_tokens']:.0f} tokens"
+        )
+    lines.append(f"results: {path}")
+    print("\n".join(lines), flush=True)

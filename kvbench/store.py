@@ -1,0 +1,201 @@
+"""The results store: one folder per job, one flushed JSON line per sample, resumable.
+
+Layout and record schema: ``docs/RESULTS.md``. Guarantees:
+
+* records are appended (never rewritten) under an exclusive ``flock`` and ``fsync``-ed, so
+  shards of one job can share its folder and a ``kill -9`` loses at most the sample in flight;
+* a truncated last line (a crash mid-write) is detected on open, moved aside to
+  ``predictions.jsonl.partial-<time>`` and that sample is redone;
+* a process holds ``.lock.shard<k>`` for the whole run of shard k: a second process on the
+  same shard waits up to ``lock_wait_s`` and then exits with a clear message;
+* ``config.yaml``, ``env.json`` and ``summary.json`` are written atomically (temp file + rename);
+  an existing ``config.yaml`` that differs is kept and the new one is saved beside it.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import hashlib
+import json
+import os
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+PREDICTIONS = "predictions.jsonl"
+
+
+class JobLockedError(RuntimeError):
+    """Another process is running the same job shard."""
+
+
+def atomic_write(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` via a temp file, fsync and rename (never a half-written file)."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _fmt_budget(budget: Any) -> str:
+    return f"b{budget}"
+
+
+def method_tag(method_cfg: dict, defaults: dict) -> str:
+    """Short hash of the method fields that differ from the method's defaults ('' if none)."""
+    diff = {k: v for k, v in sorted(method_cfg.items()) if k not in ("label",) and defaults.get(k, object()) != v}
+    if not diff:
+        return ""
+    return hashlib.sha1(json.dumps(diff, sort_keys=True, default=str).encode()).hexdigest()[:8]
+
+
+def job_relpath(cfg: dict, method_preset: str | None = None, method_defaults: dict | None = None) -> str:
+    """``<task>/<model>/<method preset>/b<budget>[-<tag>]`` (or ``run_name``), see docs/RESULTS.md.
+
+    Args:
+        cfg: the resolved job config.
+        method_preset: the ``conf/method`` file chosen (e.g. ``selkv_evict``); defaults to method.name.
+        method_defaults: that file's values; fields overridden on the command line make the tag.
+    """
+    if cfg.get("run_name"):
+        return str(cfg["run_name"])
+    tag = cfg.get("run_tag") or method_tag(cfg["method"], method_defaults or cfg["method"])
+    method = method_preset or cfg["method"]["name"]
+    name = _fmt_budget(cfg["budget"]) + (f"-{tag}" if tag else "")
+    return f"{cfg['task']['name']}/{cfg['model']['name']}/{method}/{name}"
+
+
+class JobStore:
+    """One job folder.
+
+    Args:
+        path: the job folder (created if absent).
+        shard: ``(index, count)`` of this process.
+    """
+
+    def __init__(self, path: Path | str, shard: tuple[int, int] = (0, 1)):
+        self.path = Path(path)
+        self.path.mkdir(parents=True, exist_ok=True)
+        self.shard = shard
+        self.predictions = self.path / PREDICTIONS
+        self._lock_fd: int | None = None
+
+    # --- locking ------------------------------------------------------------------------
+    def acquire(self, wait_s: float = 0.0) -> None:
+        """Take this shard's run lock.
+
+        Raises:
+            JobLockedError: still held by another process after ``wait_s`` seconds.
+        """
+        name = f".lock.shard{self.shard[0]}-of-{self.shard[1]}"
+        fd = os.open(self.path / name, os.O_RDWR | os.O_CREAT, 0o644)
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except OSError as e:
+                if e.errno not in (errno.EAGAIN, errno.EACCES) or time.monotonic() >= deadline:
+                    os.close(fd)
+                    raise JobLockedError(
+                        f"job folder {self.path} (shard {self.shard[0]}/{self.shard[1]}) is in use by another "
+                        f"process; wait for it or set lock_wait_s" 
+                    ) from None
+                time.sleep(1.0)
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        self._lock_fd = fd
+
+    def release(self) -> None:
+        if self._lock_fd is not None:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+    @contextmanager
+    def locked(self, wait_s: float = 0.0) -> Iterator["JobStore"]:
+        self.acquire(wait_s)
+        try:
+            yield self
+        finally:
+            self.release()
+
+    @contextmanager
+    def _append_lock(self) -> Iterator[None]:
+        fd = os.open(self.path / ".append.lock", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            os.close(fd)
+
+    # --- records ------------------------------------------------------------------------
+    def repair(self) -> int:
+        """Move a truncated last line aside (crash mid-write). Returns the bytes moved (0 if none)."""
+        if not self.predictions.exists():
+            return 0
+        with self._append_lock():
+            data = self.predictions.read_bytes()
+            if not data or data.endswith(b"\n"):
+                return 0
+            cut = data.rfind(b"\n") + 1
+            partial = self.path / f"{PREDICTIONS}.partial-{int(time.time() * 1000)}"
+            partial.write_bytes(data[cut:])
+            with open(self.predictions, "r+b") as f:
+                f.truncate(cut)
+                f.flush()
+                os.fsync(f.fileno())
+            return len(data) - cut
+
+    def records(self) -> list[dict[str, Any]]:
+        """All complete records, the last one per sample id (a retried failure replaces its error).
+
+        Lines that are not valid JSON (only possible if the file was edited by hand) are skipped.
+        """
+        if not self.predictions.exists():
+            return []
+        latest: dict[str, dict] = {}
+        with open(self.predictions, encoding="utf-8") as f:
+            for line in f:
+                if not line.endswith("\n"):
+                    break  # truncated tail: repair() moves it aside
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+                latest[rec["id"]] = rec
+        return list(latest.values())
+
+    def done_ids(self) -> set[str]:
+        """Ids of samples stored without error (skipped on resume)."""
+        return {r["id"] for r in self.records() if r.get("error") is None}
+
+    def append(self, record: dict[str, Any]) -> None:
+        """Append one record as one line, flushed and fsync-ed, under the append lock."""
+        line = json.dumps(record, ensure_ascii=False, allow_nan=False) + "\n"
+        with self._append_lock():
+            with open(self.predictions, "a", encoding="utf-8") as f:
+                f.write(line)
+                f.flush()
+                os.fsync(f.fileno())
+
+    # --- metadata -----------------------------------------------------------------------
+    def write_config(self, text: str) -> Path:
+        """Write ``config.yaml``; if a different one is stored, keep it and write ``config.<time>.yaml``."""
+        path = self.path / "config.yaml"
+        if path.exists():
+            if path.read_text(encoding="utf-8") == text:
+                return path
+            path = self.path / f"config.{time.strftime('%Y%m%d-%H%M%S')}.yaml"
+        atomic_write(path, text)
+        return path
+
+    def write_json(self, name: str, obj: Any) -> None:
+        """Atomically write ``name`` as indented JSON."""
+        atomic_write(self.path / name, json.dumps(obj, indent=2, ensure_ascii=False, default=str) + "\n")

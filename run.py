@@ -1,0 +1,35 @@
+#!/usr/bin/env python
+"""kvbench job entry point (Hydra).
+
+    python run.py                                   # embedded default: smollm2 × snapkv × niah, budget 0.25
+    python run.py method=selkv model=llama31 budget=0.25 task=longbench
+    python run.py -m method=snapkv,selkv budget=0.1,0.25,0.5            # sweep (local)
+    python run.py -m ... hydra/launcher=slurm                            # sweep as a SLURM array
+    python run.py --help | --cfg job
+
+Exit codes: 0 ok, 1 some samples failed (recorded in the store), 2 configuration error,
+3 the job shard is locked by another process.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from kvbench.cli_guard import precheck_argv
+
+precheck_argv(sys.argv[1:])  # unknown config-group names: one line, exit 2, before Hydra composes
+
+import hydra  # noqa: E402
+from omegaconf import DictConfig  # noqa: E402
+
+from kvbench.runner import hydra_main  # noqa: E402
+
+
+@hydra.main(version_base="1.3", config_path="conf", config_name="config")
+def main(cfg: DictConfig) -> int:
+    """Run one job (or one job of a sweep); see kvbench.runner.hydra_main."""
+    return hydra_main(cfg)
+
+
+if __name__ == "__main__":
+    main()
