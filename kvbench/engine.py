@@ -141,7 +141,11 @@ class Engine:
 
     @torch.inference_mode()
     def generate(
-        self, prompt_ids: list[int], max_new_tokens: int, stop_ids: list[int] | None = None
+        self,
+        prompt_ids: list[int],
+        max_new_tokens: int,
+        stop_ids: list[int] | None = None,
+        min_new_tokens: int = 0,
     ) -> GenerationResult:
         """Prefill ``prompt_ids``, compress the cache once, decode greedily.
 
@@ -149,6 +153,8 @@ class Engine:
             prompt_ids: prompt token ids (already truncated by the task).
             max_new_tokens: generation limit (tokens).
             stop_ids: ids that end generation (defaults to the model's stop ids).
+            min_new_tokens: steps during which stop ids cannot be chosen (their logits are −inf),
+                as ``generate(min_length=prompt + k)`` does.
 
         Returns:
             A :class:`GenerationResult`.
@@ -203,6 +209,9 @@ class Engine:
                 self.last_logits.append(logits.float().clone())
             if not torch.isfinite(logits).all():
                 raise NonFiniteLogitsError(f"non-finite logits at decode step {step}")
+            if step < min_new_tokens and stops:
+                logits = logits.clone()
+                logits[list(stops)] = float("-inf")
             tok = int(logits.argmax())
             if tok in stops:
                 break

@@ -139,7 +139,7 @@ def run_sample(engine: Engine, loaded: LoadedModel, task: Task, sample: Sample) 
     }
     try:
         ids = encode_prompt(loaded, sample)
-        result = engine.generate(ids, sample.max_new_tokens, stop_ids_for(loaded, sample))
+        result = engine.generate(ids, sample.max_new_tokens, stop_ids_for(loaded, sample), sample.min_new_tokens)
         score = float(task.score(sample, result.text))
         if not math.isfinite(score):
             raise FloatingPointError(f"non-finite score {score!r} for prediction {result.text[:60]!r}")
@@ -152,7 +152,7 @@ def run_sample(engine: Engine, loaded: LoadedModel, task: Task, sample: Sample) 
         return {**base, "prediction": None, "score": None, "error": {"type": type(e).__name__, "message": str(e)[:2000]}}
 
 
-def run_job(cfg: dict, method_preset: str | None = None, method_defaults: dict | None = None) -> int:
+def run_job(cfg: dict, method_preset: str | None = None, method_overrides: list[str] | None = None) -> int:
     """Run one job from a resolved config (a plain dict). Returns the process exit code.
 
     Raises:
@@ -164,7 +164,7 @@ def run_job(cfg: dict, method_preset: str | None = None, method_defaults: dict |
 
     method, _ = validate(cfg)
     root = check_output_root(cfg.get("output_root", "results"))
-    relpath = job_relpath(cfg, method_preset, method_defaults)
+    relpath = job_relpath(cfg, method_preset, method_overrides)
     shard = (int(cfg["shard"]["index"]), int(cfg["shard"]["count"]))
     store = JobStore(root / relpath, shard)
     with store.locked(float(cfg.get("lock_wait_s") or 0)):

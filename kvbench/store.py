@@ -46,28 +46,33 @@ def _fmt_budget(budget: Any) -> str:
     return f"b{budget}"
 
 
-def method_tag(method_cfg: dict, defaults: dict) -> str:
-    """Short hash of the method fields that differ from the method's defaults ('' if none)."""
-    diff = {k: v for k, v in sorted(method_cfg.items()) if k not in ("label",) and defaults.get(k, object()) != v}
-    if not diff:
+def method_tag(method_overrides: list[str]) -> str:
+    """Short hash of the ``method.*`` overrides given on the command line or by a sweep ('' if none)."""
+    items = sorted(o.lstrip("+~") for o in method_overrides)
+    if not items:
         return ""
-    return hashlib.sha1(json.dumps(diff, sort_keys=True, default=str).encode()).hexdigest()[:8]
+    return hashlib.sha1("\n".join(items).encode()).hexdigest()[:8]
 
 
-def job_relpath(cfg: dict, method_preset: str | None = None, method_defaults: dict | None = None) -> str:
-    """``<task>/<model>/<method preset>/b<budget>[-<tag>]`` (or ``run_name``), see docs/RESULTS.md.
+def job_relpath(cfg: dict, method_preset: str | None = None, method_overrides: list[str] | None = None) -> str:
+    """``<task>/<model>/<method preset>/b<budget>[-<run_tag>][-<hash>]`` (or ``run_name``), see docs/RESULTS.md.
 
     Args:
         cfg: the resolved job config.
         method_preset: the ``conf/method`` file chosen (e.g. ``selkv_evict``); defaults to method.name.
-        method_defaults: that file's values; fields overridden on the command line make the tag.
+        method_overrides: the ``method.*`` overrides of this job (command line or sweep); their hash
+            keeps, e.g., the jobs of a W × K sweep apart.
     """
     if cfg.get("run_name"):
         return str(cfg["run_name"])
-    tag = cfg.get("run_tag") or method_tag(cfg["method"], method_defaults or cfg["method"])
+    parts = [_fmt_budget(cfg["budget"])]
+    if cfg.get("run_tag"):
+        parts.append(str(cfg["run_tag"]))
+    tag = method_tag(method_overrides or [])
+    if tag:
+        parts.append(tag)
     method = method_preset or cfg["method"]["name"]
-    name = _fmt_budget(cfg["budget"]) + (f"-{tag}" if tag else "")
-    return f"{cfg['task']['name']}/{cfg['model']['name']}/{method}/{name}"
+    return f"{cfg['task']['name']}/{cfg['model']['name']}/{method}/{'-'.join(parts)}"
 
 
 class JobStore:

@@ -16,6 +16,9 @@ _MODULES: dict[str, str] = {
     "full": "methods.full:FullCache",
     "snapkv": "methods.snapkv:SnapKV",
     "streamingllm": "methods.streamingllm:StreamingLLM",
+    "pyramidkv": "methods.pyramidkv:PyramidKV",
+    "adakv": "methods.adakv:AdaKV",
+    "lookm": "methods.lookm:LookM",
 }
 
 

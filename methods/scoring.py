@@ -6,14 +6,22 @@ matrix: the window attention is ``(B, H_q, W, n)`` with W ≪ n.
 
 from __future__ import annotations
 
+import importlib
+from typing import Any, Callable
+
 import torch
 import torch.nn.functional as F
+
+from .base import ConfigError
 
 __all__ = [
     "window_attention",
     "pool_scores",
     "group_scores",
     "topk_keep_window",
+    "SCORERS",
+    "available_scorers",
+    "get_scorer",
 ]
 
 
@@ -22,6 +30,7 @@ def window_attention(
     keys: torch.Tensor,
     scaling: float,
     softcap: float | None = None,
+    first_position: int | None = None,
 ) -> torch.Tensor:
     """Softmax attention of the last W prompt queries over all n prompt keys.
 
@@ -34,6 +43,9 @@ def window_attention(
         keys: ``(B, H_kv, n, d)`` after RoPE.
         scaling: logit scale (d^-0.5 for most models).
         softcap: Gemma-2 logit soft-capping (``tanh(x/c)·c``) or None.
+        first_position: absolute position of the first query row (default ``n - W``: the
+            queries are the last W prompt positions). Lets a caller score a long run of
+            queries in chunks (LOOK-M's cumulative attention over the whole prompt).
 
     Returns:
         ``(B, H_q, W, n)`` float32 attention probabilities (rows sum to 1).
@@ -46,8 +58,9 @@ def window_attention(
     logits = torch.matmul(q, k.transpose(-1, -2)) * scaling  # (B, H_kv, G, W, n)
     if softcap:
         logits = torch.tanh(logits / softcap) * softcap
-    # causal mask: window row i may see keys j <= n - w + i
-    rows = torch.arange(w, device=keys.device).unsqueeze(1) + (n - w)
+    # causal mask: window row i may see keys j <= first_position + i
+    start = n - w if first_position is None else first_position
+    rows = torch.arange(w, device=keys.device).unsqueeze(1) + start
     cols = torch.arange(n, device=keys.device).unsqueeze(0)
     logits = logits.masked_fill(cols > rows, float("-inf"))
     return torch.softmax(logits, dim=-1).view(b, h_q, w, n)
@@ -124,3 +137,33 @@ def topk_keep_window(scores: torch.Tensor, budget: int, window: int) -> torch.Te
     top = prefix.topk(n_select, dim=-1).indices if n_select > 0 else prefix.new_zeros((b, h, 0), dtype=torch.long)
     recent = torch.arange(n - window, n, device=scores.device).expand(b, h, window)
     return torch.cat([top, recent], dim=-1).sort(dim=-1).values
+
+
+# --- scorer registry ---------------------------------------------------------------------
+# A scorer maps ``(ctx: LayerContext, cfg) -> (B, H_kv, n)`` float32 per-KV-head token scores,
+# with the observation-window positions set to +inf so that any top-k keeps them. ``cfg`` is the
+# calling method's config; a scorer reads the fields it needs from it (SnapKV: window_size,
+# kernel_size, pooling, gqa_aggregation, group_before_pooling). Head-wise allocators (AdaKV,
+# and compositions such as AdaKV+SRH) pick their scorer by name (``method.scorer``).
+# Entries are "module:function", imported lazily (no import cycles, one broken scorer cannot
+# break the others). Add a scorer by adding one line here.
+SCORERS: dict[str, str] = {
+    "snapkv": "methods.snapkv:snapkv_scores",
+}
+
+
+def available_scorers() -> list[str]:
+    """Registered scorer names, sorted."""
+    return sorted(SCORERS)
+
+
+def get_scorer(name: str) -> Callable[[Any, Any], torch.Tensor]:
+    """The scorer function registered as ``name``.
+
+    Raises:
+        ConfigError: unknown name (lists the accepted ones).
+    """
+    if name not in SCORERS:
+        raise ConfigError(f"method.scorer={name!r}: unknown scorer; accepted values are {', '.join(available_scorers())}")
+    mod, fn = SCORERS[name].split(":")
+    return getattr(importlib.import_module(mod), fn)
