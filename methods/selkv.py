@@ -263,6 +263,21 @@ class SelKV(Method):
         """What SelKV always keeps: the recent window m_r (the observation window is not kept)."""
         return max(self.config.recent_window, 1)
 
+    def check_layout(self, layout) -> None:
+        """Every selection works on MHA and GQA. Repositioning needs every layer compressed.
+
+        Raises:
+            ConfigError: ``reposition`` on a model with layers that are not compressed
+                (the sliding-window layers of Gemma 2/3 keep positions up to n − 1 while
+                decoding would continue at m for all layers).
+        """
+        skipped = layout.num_layers - len(layout.compressible_layers)
+        if self.config.reposition and layout.compressible_layers and skipped > 0:
+            raise ConfigError(
+                f"method.reposition=true: not supported on this model ({skipped} of {layout.num_layers} layers "
+                "are sliding-window layers that are not compressed); use method.reposition=false"
+            )
+
     def selection_mode(self, layout) -> str:
         """``auto`` resolved: ``union`` on GQA layouts, ``per_head`` on MHA (Appendix F)."""
         if self.config.selection != "auto":

@@ -107,3 +107,18 @@ def test_repositioned_decode_continues_at_m(monkeypatch):
     for layer in range(LAYERS):
         assert state.results[layer].next_position == 24
     assert math.isfinite(float(state.results[0].keys.abs().sum()))
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3"])
+def test_selkv_runs_on_every_family(monkeypatch, family):
+    model = tiny_model(family, n_kv=2, n_q=4, layers=LAYERS)
+    loaded = loaded_for(model)
+    ids = torch.randint(0, 128, (40,), generator=torch.Generator().manual_seed(14)).tolist()
+    reposition = len(loaded.layout.compressible_layers) == loaded.layout.num_layers  # not on Gemma 2/3
+    SelKV(SelKVConfig(reposition=reposition)).check_layout(loaded.layout)
+    state, _ = generate(monkeypatch, loaded, ids, reposition=reposition)
+    assert state.results  # at least one compressible layer
+    for layer, res in state.results.items():
+        assert res.keys.shape[-2] == 20 and res.next_position == (20 if reposition else None)
+        assert torch.isfinite(res.logit_bias).all() and torch.isfinite(res.values).all()
+        assert state.cache.layers[layer].keys.shape[-2] == 20 + 2  # two decode steps appended

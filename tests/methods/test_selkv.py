@@ -421,6 +421,11 @@ def test_registry_defaults_and_layout_rules():
     assert method.selection_mode(gqa) == "union" and method.selection_mode(mha) == "per_head"
     method.check_layout(gqa)
     method.check_layout(mha)
+    gemma = HeadLayout(num_layers=4, num_q_heads=4, num_kv_heads=2, head_dim=64, compressible_layers=(1, 3))
+    SelKV(SelKVConfig(reposition=False)).check_layout(gemma)
+    with pytest.raises(ConfigError, match="method.reposition=true"):
+        SelKV(SelKVConfig(reposition=True)).check_layout(gemma)
+    SelKV(SelKVConfig(reposition=True)).check_layout(HeadLayout(2, 4, 2, 64, compressible_layers=(0, 1)))
 
 
 PRESETS = ["selkv", "selkv_evict", "selkv_merge_all", "selkv_gate", "selkv_gate_comp", "selkv_repos", "selkv_keepkv"]
