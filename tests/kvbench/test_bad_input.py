@@ -37,6 +37,7 @@ SNAPKV_KEYS = "gqa_aggregation, kernel_size, label, pooling, window_size"
 BUDGET_RULE = "a retention ratio must be in (0, 1] and a token budget must be an integer >= 1"
 
 # (id, command-line arguments, expected stderr line); {tmp} is the test's temporary folder.
+# Cases about SnapKV's fields name method=snapkv (the default method is selkv).
 CASES = [
     ("unknown-model", ["model=llama4"], f"model=llama4: unknown model; accepted values are {options('model')}"),
     ("unknown-method", ["method=snapkvv"], f"method=snapkvv: unknown method; accepted values are {options('method')}"),
@@ -50,9 +51,9 @@ CASES = [
      + ", ".join(sorted({"basic", "submitit_local", "submitit_slurm"} | {p.stem for p in (CONF / "hydra" / "launcher").glob("*.yaml")}))),
     ("unknown-top-key", ["budgett=0.1"], f"budgett=0.1: unknown config key (did you mean budget?); accepted keys are {top_keys()}"),
     ("added-top-key", ["+foo=1"], f"foo=1: unknown config key; accepted keys are {top_keys(True)}"),
-    ("unknown-method-key", ["method.window=8"],
+    ("unknown-method-key", ["method=snapkv", "method.window=8"],
      f"method.window=8: unknown key for method snapkv (did you mean window_size?); accepted keys are {SNAPKV_KEYS}"),
-    ("added-method-key", ["+method.foo=1"], f"method.foo=1: unknown key for method snapkv; accepted keys are {SNAPKV_KEYS}"),
+    ("added-method-key", ["method=snapkv", "+method.foo=1"], f"method.foo=1: unknown key for method snapkv; accepted keys are {SNAPKV_KEYS}"),
     ("added-existing-key", ["+budget=3"], "+budget=3: budget already exists; write budget=3 (without the leading +)"),
     ("unparsable-override", ["budget=[1"],
      "budget=[1: cannot parse this override (no viable alternative at input '[1'); write key=value, see python run.py --help"),
@@ -63,18 +64,18 @@ CASES = [
     ("ratio-over-one", ["budget=1.5"], f"budget=1.5: {BUDGET_RULE}"),
     ("fractional-tokens", ["budget=100.5"], f"budget=100.5: {BUDGET_RULE}"),
     ("budget-text", ["budget=abc"], "budget='abc': must be a retention ratio in (0, 1] or an integer token count >= 1"),
-    ("budget-below-window", ["budget=16"],
+    ("budget-below-window", ["method=snapkv", "budget=16"],
      "budget=16: smaller than the 32 tokens method snapkv always keeps (observation window + recent window + sinks); "
      "use budget >= 32"),
     ("budget-below-sinks", ["method=streamingllm", "budget=3"],
      "budget=3: smaller than the 5 tokens method streamingllm always keeps (observation window + recent window + sinks); "
      "use budget >= 5"),
     ("sweep-bad-value", ["-m", "budget=0.5,-1"], "budget=-1: must be > 0 (a retention ratio in (0, 1] or an integer token count >= 1)"),
-    ("window-zero", ["method.window_size=0"], "method.window_size=0: must be an integer >= 1"),
-    ("window-text", ["method.window_size=wide"], "method.window_size=wide: must be an integer"),
-    ("kernel-even", ["method.kernel_size=4"], "method.kernel_size=4: must be an odd integer >= 1"),
-    ("pooling", ["method.pooling=median"], "method.pooling='median': accepted values are avg, max"),
-    ("gqa-aggregation", ["method.gqa_aggregation=sum"], "method.gqa_aggregation='sum': accepted values are mean, max"),
+    ("window-zero", ["method=snapkv", "method.window_size=0"], "method.window_size=0: must be an integer >= 1"),
+    ("window-text", ["method=snapkv", "method.window_size=wide"], "method.window_size=wide: must be an integer"),
+    ("kernel-even", ["method=snapkv", "method.kernel_size=4"], "method.kernel_size=4: must be an odd integer >= 1"),
+    ("pooling", ["method=snapkv", "method.pooling=median"], "method.pooling='median': accepted values are avg, max"),
+    ("gqa-aggregation", ["method=snapkv", "method.gqa_aggregation=sum"], "method.gqa_aggregation='sum': accepted values are mean, max"),
     ("n-sinks", ["method=streamingllm", "method.n_sinks=-1"], "method.n_sinks=-1: must be an integer >= 0"),
     ("max-samples-zero", ["max_samples=0"], "max_samples=0: must be an integer >= 1 or null"),
     ("max-samples-negative", ["max_samples=-3"], "max_samples=-3: must be an integer >= 1 or null"),
