@@ -162,6 +162,8 @@ def run_sample(engine: Engine, loaded: LoadedModel, task: Task, sample: Sample) 
         check_record(record)
         return record
     except Exception as e:  # noqa: BLE001 - per-sample isolation is the point (KeyboardInterrupt is not an Exception)
+        if type(e).__name__ == "UncompletedJobError":
+            raise  # submitit's preemption/time-limit signal: the task must stop and be requeued, not record a failure
         log.error("sample %s failed: %s: %s", sample.id, type(e).__name__, e)
         _release_cuda_memory()
         return error_record(base, e)
@@ -222,7 +224,13 @@ def run_job(cfg: dict, method_preset: str | None = None, method_overrides: list[
     with store.locked(float(cfg.get("lock_wait_s") or 0)):
         store.repair()  # a truncated last line (kill -9 mid-write) is moved aside and its sample redone
         store.clean_stale_temp()  # temp files of atomic writes interrupted by a kill
-        store.write_config(OmegaConf.to_yaml(OmegaConf.create(cfg)))
+        config_text = OmegaConf.to_yaml(OmegaConf.create(cfg))
+        done_summary = _complete_summary(store, config_text)
+        if done_summary is not None:  # a resubmitted sweep: this job is finished, no model load
+            log.info("job %s: already complete (%d samples stored); nothing to do", relpath, done_summary["n_samples"])
+            print_summary(done_summary, store.path)
+            return EXIT_SAMPLE_FAILED if done_summary["n_failed"] else EXIT_OK
+        store.write_config(config_text)
         random.seed(cfg.get("seed", 0))
         torch.manual_seed(int(cfg.get("seed", 0)))
         try:
@@ -252,14 +260,31 @@ def run_job(cfg: dict, method_preset: str | None = None, method_overrides: list[
         )
         engine = Engine(loaded, method, cfg["budget"])
         failed = _loop(engine, loaded, task, todo, store, quiet=bool(cfg.get("quiet")))
-        records = store.records()
-        summary = summarize(cfg, task, records, expected, relpath, getattr(task, "skipped", None))
-        store.write_json("summary.json", summary)
+        with store._append_lock():  # shards finishing together: the last summary written sees every record
+            records = store.records()
+            summary = summarize(cfg, task, records, expected, relpath, getattr(task, "skipped", None))
+            store.write_json("summary.json", summary)
         if cfg["task"]["name"] == "niah":
             _heatmap(store, records, cfg)
         print_summary(summary, store.path)
     any_failed = failed or summary["n_failed"] > 0
     return EXIT_SAMPLE_FAILED if any_failed else EXIT_OK
+
+
+def _complete_summary(store: JobStore, config_text: str) -> dict | None:
+    """The stored summary when the job is complete with this very config (single shard), else None."""
+    summary_path, config_path = store.path / "summary.json", store.path / "config.yaml"
+    if store.shard[1] != 1 or not summary_path.exists() or not config_path.exists():
+        return None
+    try:
+        summary = json.loads(summary_path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError):
+        return None
+    if not summary.get("complete") or config_path.read_text(encoding="utf-8") != config_text:
+        return None
+    if len(store.done_ids()) < int(summary.get("n_expected", 0)):
+        return None
+    return summary
 
 
 def _loop(engine: Engine, loaded: LoadedModel, task: Task, todo: list[Sample], store: JobStore, quiet: bool) -> int:
