@@ -27,7 +27,7 @@ def window_attention(
 
     The causal mask inside the window is applied (query i of the window, at absolute
     position n-W+i, sees keys 0..n-W+i). GQA is handled by viewing queries as
-    ``(B, H_kv, G, W, d)`` against the un-repeated keys.
+    ``(B, H_kv, G·W, d)`` against the un-repeated keys (nothing repeated or broadcast-copied).
 
     Args:
         window_queries: ``(B, H_q, W, d)`` after RoPE.
@@ -41,15 +41,18 @@ def window_attention(
     b, h_q, w, d = window_queries.shape
     h_kv, n = keys.shape[1], keys.shape[2]
     g = h_q // h_kv
-    q = window_queries.float().view(b, h_kv, g, w, d)
-    k = keys.float().unsqueeze(2)  # (B, H_kv, 1, n, d)
-    logits = torch.matmul(q, k.transpose(-1, -2)) * scaling  # (B, H_kv, G, W, n)
+    # The G·W queries of a GQA group as rows of one matmul against the group's keys: no
+    # broadcast of keys over G (which would copy them), one (G·W, n) product per KV head.
+    q = window_queries.float().reshape(b, h_kv, g * w, d)
+    k = keys.float()  # (B, H_kv, n, d)
+    logits = torch.matmul(q, k.transpose(-1, -2)).view(b, h_kv, g, w, n)
+    logits.mul_(scaling)
     if softcap:
         logits = torch.tanh(logits / softcap) * softcap
     # causal mask: window row i may see keys j <= n - w + i
     rows = torch.arange(w, device=keys.device).unsqueeze(1) + (n - w)
     cols = torch.arange(n, device=keys.device).unsqueeze(0)
-    logits = logits.masked_fill(cols > rows, float("-inf"))
+    logits.masked_fill_(cols > rows, float("-inf"))
     return torch.softmax(logits, dim=-1).view(b, h_q, w, n)
 
 
