@@ -8,28 +8,30 @@
     python run.py --help | --cfg job
 
 Exit codes: 0 ok, 1 some samples failed (recorded in the store), 2 configuration error,
-3 the job shard is locked by another process.
+3 the job shard is locked by another process, 130 interrupted (Ctrl-C; rerun to resume).
+Guarantees and the tests that prove them: docs/RELIABILITY.md.
 """
 
 from __future__ import annotations
 
 import sys
 
-from kvbench.cli_guard import precheck_argv
+import hydra
+from omegaconf import DictConfig
 
-precheck_argv(sys.argv[1:])  # unknown config-group names: one line, exit 2, before Hydra composes
-
-import hydra  # noqa: E402
-from omegaconf import DictConfig  # noqa: E402
-
-from kvbench.runner import hydra_main  # noqa: E402
+from kvbench.cli_guard import normalize_argv, precheck_argv
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> int:
     """Run one job (or one job of a sweep); see kvbench.runner.hydra_main."""
+    from kvbench.runner import hydra_main  # imported here: torch loads after the pre-check
+
     return hydra_main(cfg)
 
 
 if __name__ == "__main__":
+    # Bad configuration: one line `error: ...`, exit code 2, before Hydra starts (kvbench.cli_guard).
+    sys.argv[1:] = normalize_argv(sys.argv[1:])
+    precheck_argv(sys.argv[1:])
     main()

@@ -32,6 +32,8 @@ class Sample:
         max_new_tokens: generation limit (tokens).
         answers: reference answers; the sample score is the max over them.
         stop_strings: extra strings that end generation (e.g. ``"\\n"`` for samsum).
+        min_new_tokens: tokens generated before any stop id may end generation (LongBench's
+            samsum: ``min_length = prompt + 1``).
         all_classes: class names for classification datasets, else None.
         length: the dataset's ``length`` field (words/characters), for LongBench-E buckets.
         meta: anything else worth storing (NIAH: context_length, depth_percent).
@@ -44,6 +46,7 @@ class Sample:
     answers: list[str]
     chat: bool = True
     stop_strings: list[str] = field(default_factory=list)
+    min_new_tokens: int = 0
     all_classes: list[str] | None = None
     length: int | None = None
     meta: dict[str, Any] = field(default_factory=dict)

@@ -105,6 +105,13 @@ def _haystack_files(hdir: Any) -> list[Path]:
     return files
 
 
+def _show(value: Any) -> str:
+    """A config value as written on the command line (lists as ``[a, b]``)."""
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(str(v) for v in value) + "]"
+    return str(value)
+
+
 def word_overlap(prediction: str, answer: str) -> float:
     """Share (× 100) of the answer's lower-cased words that occur in the prediction."""
     words = re.findall(r"\w+", answer.lower())
@@ -132,16 +139,22 @@ class NIAHTask(Task):
 
     @classmethod
     def validate(cls, cfg: dict) -> None:
-        lengths = cfg.get("context_lengths") or []
-        depths = cfg.get("depth_percents") or []
-        if not lengths or any((not isinstance(x, int)) or x <= 0 for x in lengths):
-            raise TaskConfigError(f"task.context_lengths={list(lengths)}: must be a non-empty list of positive integers (tokens)")
-        if not depths or any((not isinstance(x, (int, float))) or not 0 <= x <= 100 for x in depths):
-            raise TaskConfigError(f"task.depth_percents={list(depths)}: must be a non-empty list of numbers in [0, 100]")
+        lengths = cfg.get("context_lengths")
+        depths = cfg.get("depth_percents")
+
+        def number(x: Any) -> bool:
+            return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+        if not isinstance(lengths, (list, tuple)) or not lengths or any(isinstance(x, bool) or not isinstance(x, int) or x <= 0 for x in lengths):
+            raise TaskConfigError(f"task.context_lengths={_show(lengths)}: must be a non-empty list of positive integers (tokens)")
+        if not isinstance(depths, (list, tuple)) or not depths or any(not number(x) or not 0 <= x <= 100 for x in depths):
+            raise TaskConfigError(f"task.depth_percents={_show(depths)}: must be a non-empty list of numbers in [0, 100]")
         if cfg.get("prompt_style", "kvcf") not in ("kvcf", "chat"):
             raise TaskConfigError(f"task.prompt_style={cfg.get('prompt_style')!r}: accepted values are kvcf, chat")
-        if int(cfg.get("max_new_tokens", 1)) <= 0:
-            raise TaskConfigError(f"task.max_new_tokens={cfg.get('max_new_tokens')}: must be an integer >= 1")
+        for key, low in (("max_new_tokens", 1), ("final_context_buffer", 0)):
+            value = cfg.get(key, low)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise TaskConfigError(f"task.{key}={_show(value)}: must be an integer >= {low}")
         src = cfg.get("haystack_source", "auto")
         if src not in ("auto", "dir", "hub", "embedded"):
             raise TaskConfigError(f"task.haystack_source={src!r}: accepted values are auto, dir, hub, embedded")
@@ -159,9 +172,12 @@ class NIAHTask(Task):
         overhead = len(tok.encode(self._template().format(context="", question=self.cfg["question"]), add_special_tokens=False))
         buffer = int(self.cfg.get("final_context_buffer", 0))
         limit = self.max_input_tokens or max(self.cfg["context_lengths"])
+        self.skipped: list[dict[str, Any]] = []
         for length in self.cfg["context_lengths"]:
             if length > limit:
-                log.warning("task.context_lengths: %d tokens exceeds the model's max input %d; skipped", length, limit)
+                reason = f"context length {length} tokens exceeds the model's max input {limit} tokens"
+                log.warning("task.context_lengths: %s; skipped (reported in summary.json)", reason)
+                self.skipped.append({"context_length": length, "samples": len(self.cfg["depth_percents"]), "reason": reason})
                 continue
             budget = max(0, length - overhead - buffer - len(needle_ids))
             if budget > len(hay_ids):

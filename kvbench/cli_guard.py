@@ -1,44 +1,270 @@
-"""Checks of the command line that must run before Hydra composes the config.
+"""Checks of the command line that run before Hydra starts: one line on stderr, exit code 2.
 
-Hydra reports an unknown config-group option (``model=llama4``) with a multi-line
-traceback-like message and exit code 1; kvbench promises one line and exit code 2.
+Hydra reports a bad override (an unknown key such as ``budgett=0.1``, an unknown option such as
+``model=llama4``, a syntax error, ``+experiment=NAME`` for a group already in the defaults list)
+with a multi-line message and exit code 1, silently ignores ``experiment=typo`` (the experiment
+group is optional), and creates its run folder under
+``output_root`` before the job can say that the folder is not writable. :func:`precheck_argv`
+therefore composes the config itself with Hydra's compose API (the same search path, config
+groups and plugins as ``hydra.main``), turns every composition error into one line, and runs
+:func:`kvbench.validate.validate` on the result — for a sweep (``-m``) on every value of every
+swept key (command line and ``hydra.sweeper.params`` of an experiment), one key at a time.
+
+Left to Hydra untouched: ``--help``, ``--hydra-help``, ``--version``, ``--info``,
+``--shell-completion``, ``--config-path``/``--config-dir`` and ``--experimental-rerun``.
+``--cfg`` gets the composition check only (no validation: it is for looking at a config).
+Set ``KVBENCH_DEBUG=1`` to see a traceback for an unexpected validation failure.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
+import os
 import re
 import sys
 from pathlib import Path
+from typing import Any, NoReturn
+
+import yaml
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
-GROUPS = {"model": "model", "method": "method", "task": "task", "experiment": "experiment", "hydra/launcher": "hydra/launcher"}
+EXIT_CONFIG = 2
 
 
-def group_options(group: str) -> list[str]:
-    """Names of the ``conf/<group>/*.yaml`` files."""
-    return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
+def fail(message: str) -> NoReturn:
+    """Print ``error: <message>`` (one line) on stderr and exit with code 2."""
+    line = " ".join(str(message).split())
+    print(f"error: {line}", file=sys.stderr, flush=True)
+    sys.exit(EXIT_CONFIG)
 
 
-def _values(raw: str) -> list[str]:
-    raw = raw.strip()
-    m = re.fullmatch(r"choice\((.*)\)", raw)
-    if m:
-        raw = m.group(1)
-    return [v.strip().strip("'\"") for v in raw.split(",") if v.strip()]
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0].rstrip(".") if text else type(exc).__name__
+
+
+def _parse_args(argv: list[str]) -> Any | None:
+    """Hydra's own argument parser on ``argv`` (None when it would reject them: Hydra reports that)."""
+    from hydra._internal.utils import get_args_parser
+
+    try:
+        with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
+            return get_args_parser().parse_args(argv)
+    except SystemExit:
+        return None
+
+
+def _default_groups() -> set[str]:
+    """Config groups named in ``conf/config.yaml``'s defaults list (``experiment`` included)."""
+    data = yaml.safe_load((CONF / "config.yaml").read_text()) or {}
+    groups: set[str] = set()
+    for entry in data.get("defaults", []):
+        if isinstance(entry, dict):
+            for key in entry:
+                groups.add(re.sub(r"^(optional|override)\s+", "", str(key)).strip().lstrip("/"))
+    return groups
+
+
+class _Composer:
+    """Hydra's compose API plus the diagnosis of its errors (inside ``initialize_config_dir``)."""
+
+    def __init__(self, config_name: str):
+        from hydra.core.global_hydra import GlobalHydra
+
+        self.config_name = config_name
+        self.loader = GlobalHydra.instance().config_loader()
+        self.groups = _default_groups() | set(self.loader.list_groups(""))
+        self.groups |= {f"hydra/{g}" for g in self.loader.list_groups("hydra")}
+        self.groups.discard("hydra")
+
+    def options(self, group: str) -> list[str]:
+        try:
+            return sorted(self.loader.get_group_options(group))
+        except Exception:  # noqa: BLE001 - an absent folder has no options
+            return []
+
+    def is_group(self, key: str) -> bool:
+        return key in self.groups
+
+    def check_group_value(self, key: str, value: Any, shown: str) -> None:
+        if value is None or value == "null":
+            return
+        options = self.options(key)
+        if str(value) not in options:
+            accepted = ", ".join(options) if options else f"(none: conf/{key}/ holds no .yaml file)"
+            fail(f"{shown}={value}: unknown {key.split('/')[-1]}; accepted values are {accepted}")
+
+    def compose(self, overrides: list[str]) -> Any:
+        """Compose with ``overrides`` (hydra node included) or exit with one line."""
+        from hydra import compose
+        from hydra.errors import ConfigCompositionException, MissingConfigException
+
+        try:
+            return compose(self.config_name, overrides=overrides, return_hydra_config=True)
+        except MissingConfigException as e:
+            missing = str(getattr(e, "missing_cfg_file", "") or "")
+            group, _, value = missing.rpartition("/")
+            if group and self.is_group(group):
+                self.check_group_value(group, value, group)
+            fail(_first_line(e))
+        except ConfigCompositionException as e:
+            self._diagnose(e, overrides)
+        except Exception as e:  # noqa: BLE001 - any other Hydra/OmegaConf error: one line
+            fail(f"cannot compose the config: {_first_line(e)}")
+
+    def _diagnose(self, err: Exception, overrides: list[str]) -> NoReturn:
+        """One line for a composition error: unknown keys list the node's keys, ``+`` misuse says
+        how to write the override, anything else is Hydra's first line with the override."""
+        from hydra import compose
+        from omegaconf import OmegaConf
+
+        from .values import unknown_key_error
+
+        def bare(o: str) -> str:
+            return re.sub(r"^[+~]+", "", o.split("=", 1)[0])
+
+        def plus_line(key: str) -> str:
+            return next((o for o in overrides if o.startswith("+") and bare(o) == key), f"+{key}")
+
+        text = str(err)
+        m = re.match(r"Could not override '([^']+)'", text)
+        line = next((o for o in overrides if bare(o) == m.group(1)), None) if m else None
+        if m and line is not None and not m.group(1).startswith("hydra."):
+            parent, _, leaf = m.group(1).rpartition(".")
+            try:
+                base = compose(self.config_name, overrides=[o for o in overrides if self.is_group(bare(o))])
+                node = OmegaConf.select(base, parent) if parent else base
+            except Exception:  # noqa: BLE001 - fall back to Hydra's own words below
+                node = None
+            if OmegaConf.is_dict(node):
+                accepted = [str(k) for k in node.keys() if k != "name"]
+                what = f"key for {parent} {node.get('name')}" if parent in ("method", "task") else (
+                    f"{parent} key" if parent else "config key")
+                value = line.split("=", 1)[1] if "=" in line else ""
+                fail(str(unknown_key_error(f"{parent}." if parent else "", leaf, value, accepted, what)))
+        twice = re.search(r"Multiple values for ([\w/]+)", text)
+        if twice:
+            line = plus_line(twice.group(1))
+            fail(f"{line}: {twice.group(1)} is already in the defaults list; write {line.lstrip('+')} (without the leading +)")
+        taken = re.search(r"An item is already at '([^']+)'", text)
+        if taken:
+            line = plus_line(taken.group(1))
+            fail(f"{line}: {taken.group(1)} already exists; write {line.lstrip('+')} (without the leading +)")
+        culprit = line or next((o for o in overrides if "=" in o and bare(o) in text), None)
+        cause = f" ({_first_line(err.__cause__)})" if err.__cause__ is not None else ""
+        fail(f"{culprit + ': ' if culprit else ''}{_first_line(err)}{cause}")
+
+
+def _sweep_values(override: Any) -> list[str]:
+    return list(override.sweep_string_iterator())
+
+
+def _variants(base: list[str], sweeps: list[tuple[str, list[str]]]) -> list[list[str]]:
+    """Override lists that take every value of every swept key once, one key at a time."""
+    first = base + [f"{key}={values[0]}" for key, values in sweeps]
+    out = [first]
+    for i, (key, values) in enumerate(sweeps):
+        for value in values[1:]:
+            out.append(base + [f"{k}={(value if j == i else vs[0])}" for j, (k, vs) in enumerate(sweeps)])
+    return out
+
+
+def _job_config(cfg: Any) -> dict:
+    """The job's part of a composed config (hydra node removed), resolved to plain containers."""
+    from omegaconf import OmegaConf, open_dict
+
+    with open_dict(cfg):
+        cfg = cfg.copy()
+        cfg.pop("hydra", None)
+    try:
+        return OmegaConf.to_container(cfg, resolve=True)
+    except Exception as e:  # noqa: BLE001 - interpolation errors
+        key = getattr(e, "full_key", None)
+        fail(f"{key + ': ' if key else ''}cannot resolve the config ({_first_line(e)})")
+
+
+def _validate(job: dict) -> None:
+    from eval.base import TaskConfigError
+    from methods.base import ConfigError
+
+    from .validate import validate
+
+    try:
+        validate(job, layout=False)  # the job checks the layout before loading the weights
+    except (ConfigError, TaskConfigError) as e:
+        fail(str(e))
+    except Exception as e:  # noqa: BLE001 - a bug or an input no check foresaw: still one line
+        if os.environ.get("KVBENCH_DEBUG") == "1":
+            raise
+        fail(f"invalid configuration ({type(e).__name__}: {_first_line(e)}); set KVBENCH_DEBUG=1 for a traceback")
+
+
+def normalize_argv(argv: list[str]) -> list[str]:
+    """Accept ``experiment=NAME`` as well as Hydra's ``+experiment=NAME`` (the experiment group is
+    not in the defaults list, so Hydra itself only takes the ``+`` form)."""
+    return ["+" + a if a.startswith("experiment=") else a for a in argv]
 
 
 def precheck_argv(argv: list[str]) -> None:
-    """Exit with code 2 and one line if an override names an unknown model, method, task,
-    experiment or launcher (sweep lists are checked value by value)."""
-    for arg in argv:
-        if arg.startswith("-") or "=" not in arg:
-            continue
-        key, raw = arg.split("=", 1)
-        key = key.lstrip("+~")
-        if key not in GROUPS:
-            continue
-        options = group_options(GROUPS[key])
-        for value in _values(raw):
-            if value not in options and value != "null":
-                print(f"error: {key}={value}: unknown {key}; accepted values are {', '.join(options)}", file=sys.stderr)
-                sys.exit(2)
+    """Exit with code 2 and one line if the command line cannot make a valid job (or sweep).
+
+    Returns normally when the configuration is valid, or for the options left to Hydra.
+    """
+    args = _parse_args(argv)
+    if args is None:
+        return
+    modes = [getattr(args, n, None) not in (None, False) for n in ("run", "multirun", "cfg", "info", "shell_completion")]
+    if sum(modes) > 1:
+        fail("only one of --run, --multirun (-m), --cfg, --info and --shell-completion can be given")
+    left_to_hydra = ("help", "hydra_help", "shell_completion", "config_path", "config_dir", "experimental_rerun")
+    if any(getattr(args, name, None) for name in left_to_hydra) or getattr(args, "info", None) is not None:
+        return
+    from hydra import initialize_config_dir
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import OverrideParseException
+
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3", job_name="kvbench_precheck"):
+        composer = _Composer(args.config_name or "config")
+        parser = OverridesParser.create()
+        parsed = []
+        for text in args.overrides:
+            try:
+                parsed.extend(parser.parse_overrides([text]))
+            except OverrideParseException as e:
+                fail(f"{text}: cannot parse this override ({_first_line(e)}); write key=value, see python run.py --help")
+        base, sweeps = [], []
+        for o in parsed:
+            key = o.key_or_group
+            values = _sweep_values(o) if o.is_sweep_override() else [o.value()]
+            if o.is_sweep_override() and not args.multirun:
+                fail(f"{o.input_line}: several values need --multirun (-m) to sweep; for a list value write {key}=[...]")
+            if composer.is_group(key) and not o.is_delete():
+                for v in values:
+                    composer.check_group_value(key, v, o.get_key_element())
+            if o.is_sweep_override():
+                sweeps.append((o.get_key_element(), values))
+            else:
+                base.append(o.input_line)
+        variants = _variants(base, sweeps)
+        cfg = composer.compose(variants[0])
+        if args.multirun:
+            swept = {k.lstrip("+~") for k, _ in sweeps}
+            params = cfg.hydra.sweeper.get("params") if "sweeper" in cfg.hydra else None
+            extra = []
+            for key, text in (params or {}).items():
+                if key in swept:
+                    continue  # the command line wins, as in Hydra
+                try:
+                    (o,) = parser.parse_overrides([f"{key}={text}"])
+                except OverrideParseException as e:
+                    fail(f"hydra.sweeper.params.{key}={text}: cannot parse ({_first_line(e)})")
+                extra.append((o.get_key_element(), _sweep_values(o) if o.is_sweep_override() else [str(text)]))
+            if extra:
+                variants = _variants(base, sweeps + extra)
+                cfg = composer.compose(variants[0])
+        configs = [cfg] + [composer.compose(v) for v in variants[1:]]
+        if args.cfg is not None:
+            return
+        for c in configs:
+            _validate(_job_config(c))

@@ -144,7 +144,11 @@ class Engine:
 
     @torch.inference_mode()
     def generate(
-        self, prompt_ids: list[int], max_new_tokens: int, stop_ids: list[int] | None = None
+        self,
+        prompt_ids: list[int],
+        max_new_tokens: int,
+        stop_ids: list[int] | None = None,
+        min_new_tokens: int = 0,
     ) -> GenerationResult:
         """Prefill ``prompt_ids``, compress the cache once, decode greedily.
 
@@ -152,6 +156,8 @@ class Engine:
             prompt_ids: prompt token ids (already truncated by the task).
             max_new_tokens: generation limit (tokens).
             stop_ids: ids that end generation (defaults to the model's stop ids).
+            min_new_tokens: steps during which stop ids cannot be chosen (their logits are −inf),
+                as ``generate(min_length=prompt + k)`` does.
 
         Returns:
             A :class:`GenerationResult`.
@@ -207,11 +213,13 @@ class Engine:
         # positions are slices of one tensor, so a step's only host-device sync is reading the
         # token (and the finiteness flag with it) for the stop test.
         positions = torch.arange(next_pos, next_pos + max(1, max_new_tokens), device=dev)
+        stop_index = torch.tensor(sorted(stops), dtype=torch.long, device=dev)
         t1 = time.perf_counter()
         for step in range(max_new_tokens):
             if self.record_logits:
                 self.last_logits.append(logits.float().clone())
-            next_tok = logits.argmax().view(1, 1)
+            masked = logits.index_fill(0, stop_index, float("-inf")) if step < min_new_tokens and stops else logits
+            next_tok = masked.argmax().view(1, 1)
             tok, finite = torch.stack([next_tok[0, 0], torch.isfinite(logits).all().long()]).tolist()
             if not finite:
                 raise NonFiniteLogitsError(f"non-finite logits at decode step {step}")

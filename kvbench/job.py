@@ -7,6 +7,7 @@ and the job goes on; the exit code is 1 when any sample failed.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import platform
@@ -19,15 +20,17 @@ from typing import Any, Mapping
 
 import eval as tasks
 from eval.base import Sample, Task
+from methods.base import ConfigError
 
 from .engine import Engine
+from .faults import crash_point, injected
 from .models import LoadedModel, load_model
 from .store import JobStore, job_relpath
 from .validate import check_output_root, validate
 
 log = logging.getLogger("kvbench")
 
-EXIT_OK, EXIT_SAMPLE_FAILED, EXIT_CONFIG, EXIT_LOCKED = 0, 1, 2, 3
+EXIT_OK, EXIT_SAMPLE_FAILED, EXIT_CONFIG, EXIT_LOCKED, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -97,8 +100,15 @@ def _mean(values: list[float]) -> float | None:
     return round(sum(vals) / len(vals), 6) if vals else None
 
 
-def summarize(cfg: dict, task: Task, records: list[dict], expected_ids: list[str], relpath: str) -> dict[str, Any]:
-    """The ``summary.json`` of a job from all its stored records (every shard)."""
+def summarize(
+    cfg: dict, task: Task, records: list[dict], expected_ids: list[str], relpath: str, skipped: list[dict] | None = None
+) -> dict[str, Any]:
+    """The ``summary.json`` of a job from all its stored records (every shard).
+
+    ``failed`` lists the failed samples (id, error type and message; first 100), ``skipped``
+    what the task left out by its own rule (e.g. NIAH lengths over the model's max input, each
+    entry with its number of ``samples``), ``n_skipped`` the samples so left out.
+    """
     ok = [r for r in records if r.get("error") is None]
     done = {r["id"] for r in ok}
     agg = task.aggregate(records)
@@ -113,6 +123,9 @@ def summarize(cfg: dict, task: Task, records: list[dict], expected_ids: list[str
         "n_failed": sum(1 for r in records if r.get("error") is not None),
         "n_expected": len(expected_ids),
         "complete": set(expected_ids) <= done,
+        "failed": [{"id": r["id"], **(r.get("error") or {})} for r in records if r.get("error") is not None][:100],
+        "n_skipped": sum(int(s.get("samples", 1)) for s in skipped or []),
+        "skipped": list(skipped or []),
         **agg,
         "timings": {k: _mean([r.get(k) for r in ok]) for k in ("prefill_s", "compress_s", "decode_s", "decode_tok_s")},
         "cache": {
@@ -138,21 +151,60 @@ def run_sample(engine: Engine, loaded: LoadedModel, task: Task, sample: Sample) 
         "meta": sample.meta,
     }
     try:
-        ids = encode_prompt(loaded, sample)
-        result = engine.generate(ids, sample.max_new_tokens, stop_ids_for(loaded, sample))
+        with injected(sample.id, loaded.model):  # KVBENCH_FAIL_SAMPLES (tests); inert otherwise
+            ids = encode_prompt(loaded, sample)
+            result = engine.generate(ids, sample.max_new_tokens, stop_ids_for(loaded, sample), sample.min_new_tokens)
         score = float(task.score(sample, result.text))
         if not math.isfinite(score):
             raise FloatingPointError(f"non-finite score {score!r} for prediction {result.text[:60]!r}")
         extra = task.extra_scores(sample, result.text) if hasattr(task, "extra_scores") else {}
-        return {**base, "prediction": result.text, "score": score, "scores": extra, **result.record(), "error": None}
-    except Exception as e:  # noqa: BLE001 - per-sample isolation is the point
-        if isinstance(e, KeyboardInterrupt):
-            raise
+        record = {**base, "prediction": result.text, "score": score, "scores": extra, **result.record(), "error": None}
+        check_record(record)
+        return record
+    except Exception as e:  # noqa: BLE001 - per-sample isolation is the point (KeyboardInterrupt is not an Exception)
+        if type(e).__name__ == "UncompletedJobError":
+            raise  # submitit's preemption/time-limit signal: the task must stop and be requeued, not record a failure
         log.error("sample %s failed: %s: %s", sample.id, type(e).__name__, e)
-        return {**base, "prediction": None, "score": None, "error": {"type": type(e).__name__, "message": str(e)[:2000]}}
+        _release_cuda_memory()
+        return error_record(base, e)
 
 
-def run_job(cfg: dict, method_preset: str | None = None, method_defaults: dict | None = None) -> int:
+def error_record(base: dict[str, Any], err: BaseException) -> dict[str, Any]:
+    """The stored record of a failed sample: ``score`` null, ``error`` = type and message."""
+    return {**base, "prediction": None, "score": None, "error": {"type": type(err).__name__, "message": str(err)[:2000]}}
+
+
+def check_record(record: dict[str, Any]) -> None:
+    """Raise unless the record is storable: JSON without NaN/inf anywhere (scores, timings, stats).
+
+    Raises:
+        FloatingPointError: a NaN or inf value (the field is named).
+        TypeError: a value JSON cannot encode.
+    """
+
+    def walk(value: Any, path: str) -> None:
+        if isinstance(value, float) and not math.isfinite(value):
+            raise FloatingPointError(f"non-finite value {value!r} in {path}")
+        if isinstance(value, dict):
+            for k, v in value.items():
+                walk(v, f"{path}.{k}" if path else str(k))
+        elif isinstance(value, (list, tuple)):
+            for i, v in enumerate(value):
+                walk(v, f"{path}[{i}]")
+
+    walk(record, "")
+    json.dumps(record, ensure_ascii=False, allow_nan=False)
+
+
+def _release_cuda_memory() -> None:
+    """Free cached CUDA blocks after a failed sample (an out-of-memory error must not poison the next)."""
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def run_job(cfg: dict, method_preset: str | None = None, method_overrides: list[str] | None = None) -> int:
     """Run one job from a resolved config (a plain dict). Returns the process exit code.
 
     Raises:
@@ -164,17 +216,28 @@ def run_job(cfg: dict, method_preset: str | None = None, method_defaults: dict |
 
     method, _ = validate(cfg)
     root = check_output_root(cfg.get("output_root", "results"))
-    relpath = job_relpath(cfg, method_preset, method_defaults)
+    relpath = job_relpath(cfg, method_preset, method_overrides)
+    if not (root / relpath).resolve().is_relative_to(root):
+        raise ConfigError(f"job folder {relpath}: resolves outside output_root={root}; check run_name and model.name")
     shard = (int(cfg["shard"]["index"]), int(cfg["shard"]["count"]))
     store = JobStore(root / relpath, shard)
     with store.locked(float(cfg.get("lock_wait_s") or 0)):
-        moved = store.repair()
-        if moved:
-            log.warning("predictions.jsonl ended with a truncated line (%d bytes); moved aside, that sample is redone", moved)
-        store.write_config(OmegaConf.to_yaml(OmegaConf.create(cfg)))
+        store.repair()  # a truncated last line (kill -9 mid-write) is moved aside and its sample redone
+        store.clean_stale_temp()  # temp files of atomic writes interrupted by a kill
+        config_text = OmegaConf.to_yaml(OmegaConf.create(cfg))
+        done_summary = _complete_summary(store, config_text)
+        if done_summary is not None:  # a resubmitted sweep: this job is finished, no model load
+            log.info("job %s: already complete (%d samples stored); nothing to do", relpath, done_summary["n_samples"])
+            print_summary(done_summary, store.path)
+            return EXIT_SAMPLE_FAILED if done_summary["n_failed"] else EXIT_OK
+        store.write_config(config_text)
         random.seed(cfg.get("seed", 0))
         torch.manual_seed(int(cfg.get("seed", 0)))
-        loaded = load_model(cfg["model"], cfg.get("device", "auto"))
+        try:
+            loaded = load_model(cfg["model"], cfg.get("device", "auto"))
+        except OSError as e:  # a local folder or file transformers cannot read (missing or corrupt weights)
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise ConfigError(f"model.source={cfg['model'].get('source')}: cannot load the model ({first})") from None
         method.layout = loaded.layout
         method.check_layout(loaded.layout)
         max_input = int(cfg["task"].get("max_length") or loaded.max_input_length)
@@ -197,14 +260,31 @@ def run_job(cfg: dict, method_preset: str | None = None, method_defaults: dict |
         )
         engine = Engine(loaded, method, cfg["budget"])
         failed = _loop(engine, loaded, task, todo, store, quiet=bool(cfg.get("quiet")))
-        records = store.records()
-        summary = summarize(cfg, task, records, expected, relpath)
-        store.write_json("summary.json", summary)
+        with store._append_lock():  # shards finishing together: the last summary written sees every record
+            records = store.records()
+            summary = summarize(cfg, task, records, expected, relpath, getattr(task, "skipped", None))
+            store.write_json("summary.json", summary)
         if cfg["task"]["name"] == "niah":
             _heatmap(store, records, cfg)
         print_summary(summary, store.path)
     any_failed = failed or summary["n_failed"] > 0
     return EXIT_SAMPLE_FAILED if any_failed else EXIT_OK
+
+
+def _complete_summary(store: JobStore, config_text: str) -> dict | None:
+    """The stored summary when the job is complete with this very config (single shard), else None."""
+    summary_path, config_path = store.path / "summary.json", store.path / "config.yaml"
+    if store.shard[1] != 1 or not summary_path.exists() or not config_path.exists():
+        return None
+    try:
+        summary = json.loads(summary_path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError):
+        return None
+    if not summary.get("complete") or config_path.read_text(encoding="utf-8") != config_text:
+        return None
+    if len(store.done_ids()) < int(summary.get("n_expected", 0)):
+        return None
+    return summary
 
 
 def _loop(engine: Engine, loaded: LoadedModel, task: Task, todo: list[Sample], store: JobStore, quiet: bool) -> int:
@@ -213,8 +293,13 @@ def _loop(engine: Engine, loaded: LoadedModel, task: Task, todo: list[Sample], s
     failed = 0
     bar = tqdm(todo, desc="samples", unit="sample", disable=quiet or not todo, dynamic_ncols=True)
     for sample in bar:
+        crash_point("sample")
         rec = run_sample(engine, loaded, task, sample)
-        store.append(rec)
+        try:
+            store.append(rec)
+        except (TypeError, ValueError) as e:  # not storable as JSON: store the failure instead
+            rec = error_record({k: rec.get(k) for k in ("id", "dataset", "answers", "all_classes", "length")}, e)
+            store.append(rec)
         failed += rec["error"] is not None
         if rec["error"] is None:
             bar.set_postfix(score=f"{rec['score']:.2f}", tok_s=f"{rec['decode_tok_s']:.1f}")
@@ -242,6 +327,10 @@ def print_summary(summary: dict, path: Path) -> None:
         f"{'-' * width}  {'-' * 7}  {'-' * 4}",
     ]
     lines += [f"{ds:<{width}}  {('%.2f' % s) if s is not None else '-':>7}  {n:>4}" for ds, s, n in rows]
+    for f in summary.get("failed", [])[:10]:
+        lines.append(f"failed: {f['id']}: {f.get('type')}: {str(f.get('message', '')).splitlines()[0][:160] if f.get('message') else ''}")
+    if summary.get("n_skipped"):
+        lines.append(f"skipped by the task: {summary['n_skipped']} ({'; '.join(str(s.get('reason', s)) for s in summary['skipped'][:3])})")
     t, c = summary["timings"], summary["cache"]
     if t.get("prefill_s") is not None:
         lines.append(

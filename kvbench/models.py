@@ -13,11 +13,12 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from methods.base import ConfigError, HeadLayout
+
+if TYPE_CHECKING:  # torch is imported where used: config validation (source checks) stays torch-free
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +54,8 @@ class LoadedModel:
 
 def resolve_device(device: str = "auto") -> torch.device:
     """``auto`` → CUDA when present, else CPU."""
+    import torch
+
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(device)
@@ -60,6 +63,8 @@ def resolve_device(device: str = "auto") -> torch.device:
 
 def resolve_dtype(model_cfg: dict, device: torch.device) -> torch.dtype:
     """The dtype for this device from ``model.dtype`` (``{cuda: bfloat16, cpu: float32}`` or a string)."""
+    import torch
+
     spec = model_cfg.get("dtype") or {}
     name = spec.get(device.type, "bfloat16" if device.type == "cuda" else "float32") if isinstance(spec, dict) else spec
     if not hasattr(torch, str(name)) or not isinstance(getattr(torch, str(name)), torch.dtype):

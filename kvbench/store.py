@@ -18,13 +18,17 @@ import errno
 import fcntl
 import hashlib
 import json
+import logging
 import os
 import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
+from .faults import crash_armed, crash_point
+
 PREDICTIONS = "predictions.jsonl"
+log = logging.getLogger(__name__)
 
 
 class JobLockedError(RuntimeError):
@@ -32,42 +36,72 @@ class JobLockedError(RuntimeError):
 
 
 def atomic_write(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` via a temp file, fsync and rename (never a half-written file)."""
+    """Write ``text`` to ``path`` via a temp file, fsync and rename (never a half-written file).
+
+    Readers see either the old file or the new one. If anything fails before the rename (a full
+    disk, a crash), the old file is left as it was and the temp file is removed (a ``kill -9``
+    can leave a ``.<name>.tmp-<pid>`` file beside it, never a half ``<name>``).
+    """
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        crash_point("atomic_write")
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync_dir(path.parent)
+
+
+def _fsync_dir(folder: Path) -> None:
+    """Make a rename in ``folder`` durable (best effort: not every file system allows it)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def _fmt_budget(budget: Any) -> str:
     return f"b{budget}"
 
 
-def method_tag(method_cfg: dict, defaults: dict) -> str:
-    """Short hash of the method fields that differ from the method's defaults ('' if none)."""
-    diff = {k: v for k, v in sorted(method_cfg.items()) if k not in ("label",) and defaults.get(k, object()) != v}
-    if not diff:
+def method_tag(method_overrides: list[str]) -> str:
+    """Short hash of the ``method.*`` overrides given on the command line or by a sweep ('' if none)."""
+    items = sorted(o.lstrip("+~") for o in method_overrides)
+    if not items:
         return ""
-    return hashlib.sha1(json.dumps(diff, sort_keys=True, default=str).encode()).hexdigest()[:8]
+    return hashlib.sha1("\n".join(items).encode()).hexdigest()[:8]
 
 
-def job_relpath(cfg: dict, method_preset: str | None = None, method_defaults: dict | None = None) -> str:
-    """``<task>/<model>/<method preset>/b<budget>[-<tag>]`` (or ``run_name``), see docs/RESULTS.md.
+def job_relpath(cfg: dict, method_preset: str | None = None, method_overrides: list[str] | None = None) -> str:
+    """``<task>/<model>/<method preset>/b<budget>[-<run_tag>][-<hash>]`` (or ``run_name``), see docs/RESULTS.md.
 
     Args:
         cfg: the resolved job config.
         method_preset: the ``conf/method`` file chosen (e.g. ``selkv_evict``); defaults to method.name.
-        method_defaults: that file's values; fields overridden on the command line make the tag.
+        method_overrides: the ``method.*`` overrides of this job (command line or sweep); their hash
+            keeps, e.g., the jobs of a W × K sweep apart.
     """
     if cfg.get("run_name"):
         return str(cfg["run_name"])
-    tag = cfg.get("run_tag") or method_tag(cfg["method"], method_defaults or cfg["method"])
+    parts = [_fmt_budget(cfg["budget"])]
+    if cfg.get("run_tag"):
+        parts.append(str(cfg["run_tag"]))
+    tag = method_tag(method_overrides or [])
+    if tag:
+        parts.append(tag)
     method = method_preset or cfg["method"]["name"]
-    name = _fmt_budget(cfg["budget"]) + (f"-{tag}" if tag else "")
-    return f"{cfg['task']['name']}/{cfg['model']['name']}/{method}/{name}"
+    return f"{cfg['task']['name']}/{cfg['model']['name']}/{method}/{'-'.join(parts)}"
 
 
 class JobStore:
@@ -92,8 +126,8 @@ class JobStore:
         Raises:
             JobLockedError: still held by another process after ``wait_s`` seconds.
         """
-        name = f".lock.shard{self.shard[0]}-of-{self.shard[1]}"
-        fd = os.open(self.path / name, os.O_RDWR | os.O_CREAT, 0o644)
+        lock_path = self.path / f".lock.shard{self.shard[0]}-of-{self.shard[1]}"
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
         deadline = time.monotonic() + wait_s
         while True:
             try:
@@ -102,11 +136,13 @@ class JobStore:
             except OSError as e:
                 if e.errno not in (errno.EAGAIN, errno.EACCES) or time.monotonic() >= deadline:
                     os.close(fd)
+                    holder = lock_path.read_text(errors="replace").strip() or "?"
+                    waited = f" after waiting {wait_s:g} s" if wait_s > 0 else ""
                     raise JobLockedError(
-                        f"job folder {self.path} (shard {self.shard[0]}/{self.shard[1]}) is in use by another "
-                        f"process; wait for it or set lock_wait_s" 
+                        f"job folder {self.path} (shard {self.shard[0]} of {self.shard[1]}) is in use by process "
+                        f"{holder}{waited}; wait for it to finish or set lock_wait_s=SECONDS to wait"
                     ) from None
-                time.sleep(1.0)
+                time.sleep(min(1.0, max(0.05, deadline - time.monotonic())))
         os.ftruncate(fd, 0)
         os.write(fd, f"{os.getpid()}\n".encode())
         self._lock_fd = fd
@@ -135,41 +171,86 @@ class JobStore:
             fcntl.flock(fd, fcntl.LOCK_UN)
             os.close(fd)
 
+    def clean_stale_temp(self, max_age_s: float = 600.0) -> list[str]:
+        """Delete temp files of :func:`atomic_write` left by a killed process (older than ``max_age_s``).
+
+        A temp file lives for milliseconds; an old one belongs to a process killed between write
+        and rename (its target file is intact). Age, not the pid, decides: shards on other hosts
+        of a shared file system have pids this host cannot see. Returns the names deleted.
+        """
+        now, gone = time.time(), []
+        for tmp in self.path.glob(".*.tmp-*"):
+            try:
+                if now - tmp.stat().st_mtime > max_age_s:
+                    tmp.unlink()
+                    gone.append(tmp.name)
+            except FileNotFoundError:
+                continue
+        return gone
+
     # --- records ------------------------------------------------------------------------
     def repair(self) -> int:
-        """Move a truncated last line aside (crash mid-write). Returns the bytes moved (0 if none)."""
+        """Move a truncated last line aside (crash mid-write). Returns the bytes moved (0 if none).
+
+        The bytes are kept in ``predictions.jsonl.partial-<ms>``; the sample they belonged to has
+        no complete record, so a resumed run redoes it.
+        """
         if not self.predictions.exists():
             return 0
         with self._append_lock():
-            data = self.predictions.read_bytes()
-            if not data or data.endswith(b"\n"):
-                return 0
-            cut = data.rfind(b"\n") + 1
-            partial = self.path / f"{PREDICTIONS}.partial-{int(time.time() * 1000)}"
-            partial.write_bytes(data[cut:])
-            with open(self.predictions, "r+b") as f:
-                f.truncate(cut)
-                f.flush()
-                os.fsync(f.fileno())
-            return len(data) - cut
+            return self._repair_locked()
+
+    def _repair_locked(self) -> int:
+        """:meth:`repair` for a caller that holds the append lock."""
+        try:
+            size = self.predictions.stat().st_size
+        except FileNotFoundError:
+            return 0
+        if size == 0:
+            return 0
+        with open(self.predictions, "rb") as f:
+            f.seek(size - 1)
+            if f.read(1) == b"\n":
+                return 0  # the common case: one byte read per append
+            f.seek(0)
+            data = f.read()
+        cut = data.rfind(b"\n") + 1
+        partial = self.path / f"{PREDICTIONS}.partial-{int(time.time() * 1000)}"
+        with open(partial, "wb") as f:
+            f.write(data[cut:])
+            f.flush()
+            os.fsync(f.fileno())
+        with open(self.predictions, "r+b") as f:
+            f.truncate(cut)
+            f.flush()
+            os.fsync(f.fileno())
+        log.warning(
+            "%s ended with a truncated record (%d bytes, a crash mid-write); moved to %s, that sample is redone",
+            self.predictions, len(data) - cut, partial.name,
+        )
+        return len(data) - cut
 
     def records(self) -> list[dict[str, Any]]:
         """All complete records, the last one per sample id (a retried failure replaces its error).
 
-        Lines that are not valid JSON (only possible if the file was edited by hand) are skipped.
+        Lines that are not valid records (only possible if the file was edited by hand: appends
+        never glue a record to a truncated line) are skipped with a warning.
         """
         if not self.predictions.exists():
             return []
         latest: dict[str, dict] = {}
-        with open(self.predictions, encoding="utf-8") as f:
+        bad = 0
+        with open(self.predictions, encoding="utf-8", errors="replace") as f:
             for line in f:
                 if not line.endswith("\n"):
                     break  # truncated tail: repair() moves it aside
                 try:
                     rec = json.loads(line)
-                except json.JSONDecodeError:
-                    continue
-                latest[rec["id"]] = rec
+                    latest[str(rec["id"])] = rec
+                except (json.JSONDecodeError, KeyError, TypeError):
+                    bad += 1
+        if bad:
+            log.warning("%s: %d line(s) are not valid records and were ignored (edited by hand?)", self.predictions, bad)
         return list(latest.values())
 
     def done_ids(self) -> set[str]:
@@ -177,11 +258,27 @@ class JobStore:
         return {r["id"] for r in self.records() if r.get("error") is None}
 
     def append(self, record: dict[str, Any]) -> None:
-        """Append one record as one line, flushed and fsync-ed, under the append lock."""
-        line = json.dumps(record, ensure_ascii=False, allow_nan=False) + "\n"
+        """Append one record as one line, flushed and fsync-ed, under the append lock.
+
+        A truncated last line left by a process killed mid-write (possibly another shard's) is
+        moved aside first, so that the new record never gets glued to it.
+
+        Raises:
+            ValueError / TypeError: the record holds NaN/inf or a value JSON cannot encode
+                (nothing is written).
+        """
+        line = (json.dumps(record, ensure_ascii=False, allow_nan=False) + "\n").encode("utf-8")
         with self._append_lock():
-            with open(self.predictions, "a", encoding="utf-8") as f:
-                f.write(line)
+            self._repair_locked()
+            with open(self.predictions, "ab") as f:
+                if crash_armed("append"):
+                    f.write(line[: len(line) // 2])
+                    f.flush()
+                    os.fsync(f.fileno())
+                    crash_point("append")
+                    f.write(line[len(line) // 2 :])
+                else:
+                    f.write(line)
                 f.flush()
                 os.fsync(f.fileno())
 

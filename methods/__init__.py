@@ -14,8 +14,14 @@ from .base import CompressResult, ConfigError, HeadLayout, LayerContext, Method,
 # cannot break the others.
 _MODULES: dict[str, str] = {
     "full": "methods.full:FullCache",
+    "selkv": "methods.selkv:SelKV",
     "snapkv": "methods.snapkv:SnapKV",
     "streamingllm": "methods.streamingllm:StreamingLLM",
+    "pyramidkv": "methods.pyramidkv:PyramidKV",
+    "adakv": "methods.adakv:AdaKV",
+    "lookm": "methods.lookm:LookM",
+    "headkv": "methods.headkv:HeadKV",
+    "compresskv": "methods.compresskv:CompressKV",
 }
 
 

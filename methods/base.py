@@ -9,6 +9,9 @@ A method is a small class with a config dataclass (its fields are its Hydra node
   error-aware budgets, HeadKV) override it; the default is a uniform budget.
 * :meth:`Method.compress` is called once per compressible attention layer at the end of
   prefill with a :class:`LayerContext` and returns a :class:`CompressResult`.
+* :meth:`Method.finalize` (optional, default no-op) is called once per sample with every
+  layer's result, after the last layer and before decode, for methods whose output depends
+  on all layers (SelKV's layer-averaged compensation).
 
 Methods are pure functions of tensors: they never see tasks, prompts or files (artifacts
 such as head scores are parsed by :mod:`methods.artifacts` and handed to the constructor).
@@ -24,9 +27,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Mapping, Sequence
 
-import torch
+if TYPE_CHECKING:  # annotations only: config validation (budget checks) must not import torch
+    import torch
 
 __all__ = [
     "HeadLayout",
@@ -255,3 +259,12 @@ class Method:
 
     def compress(self, ctx: LayerContext) -> CompressResult:  # pragma: no cover - abstract
         raise NotImplementedError
+
+    def finalize(self, results: Mapping[int, CompressResult] | Sequence[CompressResult | None]) -> None:
+        """Called once per sample after every layer's :meth:`compress`, before decode.
+
+        ``results`` holds the layers' results: the engine passes ``{layer index: result}``
+        (a sequence with ``None`` for uncompressed layers is accepted too). A method may
+        rewrite them in place (SelKV's ``compensation: global`` replaces each layer's
+        ``logit_bias`` by one averaged over layers). Default: no-op.
+        """

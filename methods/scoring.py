@@ -6,14 +6,22 @@ matrix: the window attention is ``(B, H_q, W, n)`` with W ≪ n.
 
 from __future__ import annotations
 
+import importlib
+from typing import Any, Callable
+
 import torch
 import torch.nn.functional as F
+
+from .base import ConfigError
 
 __all__ = [
     "window_attention",
     "pool_scores",
     "group_scores",
     "topk_keep_window",
+    "SCORERS",
+    "available_scorers",
+    "get_scorer",
 ]
 
 
@@ -22,18 +30,22 @@ def window_attention(
     keys: torch.Tensor,
     scaling: float,
     softcap: float | None = None,
+    first_position: int | None = None,
 ) -> torch.Tensor:
     """Softmax attention of the last W prompt queries over all n prompt keys.
 
     The causal mask inside the window is applied (query i of the window, at absolute
     position n-W+i, sees keys 0..n-W+i). GQA is handled by viewing queries as
-    ``(B, H_kv, G·W, d)`` against the un-repeated keys (nothing repeated or broadcast-copied).
+    ``(B, H_kv, G, W, d)`` against the un-repeated keys.
 
     Args:
         window_queries: ``(B, H_q, W, d)`` after RoPE.
         keys: ``(B, H_kv, n, d)`` after RoPE.
         scaling: logit scale (d^-0.5 for most models).
         softcap: Gemma-2 logit soft-capping (``tanh(x/c)·c``) or None.
+        first_position: absolute position of the first query row (default ``n - W``: the
+            queries are the last W prompt positions). Lets a caller score a long run of
+            queries in chunks (LOOK-M's cumulative attention over the whole prompt).
 
     Returns:
         ``(B, H_q, W, n)`` float32 attention probabilities (rows sum to 1).
@@ -41,18 +53,17 @@ def window_attention(
     b, h_q, w, d = window_queries.shape
     h_kv, n = keys.shape[1], keys.shape[2]
     g = h_q // h_kv
-    # The G·W queries of a GQA group as rows of one matmul against the group's keys: no
-    # broadcast of keys over G (which would copy them), one (G·W, n) product per KV head.
+    # (B, H_kv, G·W, d) @ (B, H_kv, d, n): one plain batched matmul per KV head (a broadcast
+    # over G would copy the keys G times and is ~15x slower on CPU)
     q = window_queries.float().reshape(b, h_kv, g * w, d)
-    k = keys.float()  # (B, H_kv, n, d)
-    logits = torch.matmul(q, k.transpose(-1, -2)).view(b, h_kv, g, w, n)
-    logits.mul_(scaling)
+    logits = torch.matmul(q, keys.float().transpose(-1, -2)).view(b, h_kv, g, w, n).mul_(scaling)
     if softcap:
         logits = torch.tanh(logits / softcap) * softcap
-    # causal mask: window row i may see keys j <= n - w + i
-    rows = torch.arange(w, device=keys.device).unsqueeze(1) + (n - w)
-    cols = torch.arange(n, device=keys.device).unsqueeze(0)
-    logits.masked_fill_(cols > rows, float("-inf"))
+    # causal mask: window row i (absolute position start+i) may not see keys j > start+i, all of
+    # which lie in the columns from `start` on: mask the strict upper triangle of that block in place
+    start = n - w if first_position is None else first_position
+    future = torch.ones(w, n - start, dtype=torch.bool, device=keys.device).triu_(1)
+    logits[..., start:].masked_fill_(future, float("-inf"))
     return torch.softmax(logits, dim=-1).view(b, h_q, w, n)
 
 
@@ -127,3 +138,33 @@ def topk_keep_window(scores: torch.Tensor, budget: int, window: int) -> torch.Te
     top = prefix.topk(n_select, dim=-1).indices if n_select > 0 else prefix.new_zeros((b, h, 0), dtype=torch.long)
     recent = torch.arange(n - window, n, device=scores.device).expand(b, h, window)
     return torch.cat([top, recent], dim=-1).sort(dim=-1).values
+
+
+# --- scorer registry ---------------------------------------------------------------------
+# A scorer maps ``(ctx: LayerContext, cfg) -> (B, H_kv, n)`` float32 per-KV-head token scores,
+# with the observation-window positions set to +inf so that any top-k keeps them. ``cfg`` is the
+# calling method's config; a scorer reads the fields it needs from it (SnapKV: window_size,
+# kernel_size, pooling, gqa_aggregation, group_before_pooling). Head-wise allocators (AdaKV,
+# and compositions such as AdaKV+SRH) pick their scorer by name (``method.scorer``).
+# Entries are "module:function", imported lazily (no import cycles, one broken scorer cannot
+# break the others). Add a scorer by adding one line here.
+SCORERS: dict[str, str] = {
+    "snapkv": "methods.snapkv:snapkv_scores",
+}
+
+
+def available_scorers() -> list[str]:
+    """Registered scorer names, sorted."""
+    return sorted(SCORERS)
+
+
+def get_scorer(name: str) -> Callable[[Any, Any], torch.Tensor]:
+    """The scorer function registered as ``name``.
+
+    Raises:
+        ConfigError: unknown name (lists the accepted ones).
+    """
+    if name not in SCORERS:
+        raise ConfigError(f"method.scorer={name!r}: unknown scorer; accepted values are {', '.join(available_scorers())}")
+    mod, fn = SCORERS[name].split(":")
+    return getattr(importlib.import_module(mod), fn)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
+import torch.nn.functional as F
 
 from .base import CompressResult, ConfigError, LayerContext, Method, gather_tokens
 from .scoring import group_scores, pool_scores, topk_keep_window, window_attention
@@ -40,16 +41,30 @@ class SnapKVConfig:
 def snapkv_scores(ctx: LayerContext, cfg: SnapKVConfig) -> torch.Tensor:
     """Per-KV-head SnapKV scores of every prompt token.
 
+    The attention of the W window queries is summed per prefix token (positions ``0..n-W-1``)
+    and pooled over the prefix only, as the SnapKV, KVCache-Factory, AdaKV and kvpress code do
+    (pooling over the whole prompt would leak the window's own attention into the last K//2
+    prefix positions).
+
+    ``cfg`` may be any config with ``kernel_size``, ``pooling`` and ``gqa_aggregation``; an
+    optional ``group_before_pooling`` (default False) aggregates the GQA group before pooling
+    (AdaKV / KVCache-Factory kv-head order) instead of after it (kvpress order). The two orders
+    agree for mean+avg and max+max; they differ for mean aggregation with max pooling.
+
     Returns:
         ``(B, H_kv, n)`` float32; window positions get +inf so that any top-k keeps them.
     """
     attn = window_attention(ctx.window_queries, ctx.keys, ctx.scaling, ctx.softcap)  # (B, H_q, W, n)
-    w = attn.shape[2]
-    scores = attn.sum(dim=2)  # (B, H_q, n)
-    scores = pool_scores(scores, cfg.kernel_size, cfg.pooling)
-    scores = group_scores(scores, ctx.layout.num_kv_heads, cfg.gqa_aggregation)
-    scores[..., -w:] = float("inf")
-    return scores
+    w, n = attn.shape[2], attn.shape[3]
+    h_kv = ctx.layout.num_kv_heads
+    if n == w:  # nothing outside the window to rank
+        return attn.new_full((attn.shape[0], h_kv, n), float("inf"))
+    scores = attn[..., : n - w].sum(dim=2)  # (B, H_q, n - W)
+    if getattr(cfg, "group_before_pooling", False):
+        scores = pool_scores(group_scores(scores, h_kv, cfg.gqa_aggregation), cfg.kernel_size, cfg.pooling)
+    else:
+        scores = group_scores(pool_scores(scores, cfg.kernel_size, cfg.pooling), h_kv, cfg.gqa_aggregation)
+    return F.pad(scores, (0, w), value=float("inf"))  # (B, H_kv, n)
 
 
 class SnapKV(Method):

@@ -100,9 +100,10 @@ def _reference_snapkv_indices(model, ids, layer, window, kernel, budget):
             pos = n - window + wi
             logits = (q[hq, wi] @ k[: pos + 1].T) / math.sqrt(d)
             scores[hq, : pos + 1] += torch.softmax(logits, -1)
-    pooled = F.avg_pool1d(scores[:, None], kernel, 1, kernel // 2)[:, 0]
-    per_kv = pooled.view(keys.shape[0], g, n).mean(1)
-    top = per_kv[:, : n - window].topk(budget - window, dim=-1).indices
+    # SnapKV / KVCache-Factory / kvpress pool the n - W prefix scores only (zero padding)
+    pooled = F.avg_pool1d(scores[:, None, : n - window], kernel, 1, kernel // 2)[:, 0]
+    per_kv = pooled.view(keys.shape[0], g, n - window).mean(1)
+    top = per_kv.topk(budget - window, dim=-1).indices
     recent = torch.arange(n - window, n).expand(keys.shape[0], window)
     return torch.cat([top, recent], -1).sort(-1).values
 

@@ -1,0 +1,210 @@
+"""Latency benchmark: prefill time, compression time, decode throughput and peak memory of the
+full cache and compressed caches over prompt lengths (SelKV Figure 3).
+
+    python -m kvbench.latency +experiment=selkv_fig3 [hydra overrides...] [--out FILE]
+    python -m kvbench.latency model=smollm2 budget=0.25 --methods full snapkv --lengths 256 512
+
+The model, budget and methods come from the Hydra config (``conf/``); an experiment preset
+may carry a ``latency:`` node (``methods``, ``lengths``, ``max_new_tokens``, ``repeats``,
+``out``) that the command-line flags override. Prompt lengths longer than the model's context
+window (``max_position_embeddings`` minus the generated tokens) are skipped with a message.
+Generation ignores stop tokens, so every request decodes exactly ``max_new_tokens`` tokens.
+
+Output: a JSON list of records, rewritten after every measurement (a killed run keeps what
+it measured), read by ``kvbench report`` (``RESULTS_ROOT/latency.json`` or ``--latency``)::
+
+    {"model": "llama31", "method": "SelKV", "method_name": "selkv", "budget": 0.25,
+     "prompt_tokens": 8192, "repeat": 0, "prefill_s": 0.81, "compress_s": 0.03, "decode_s": 5.1,
+     "generated_tokens": 256, "decode_tok_s": 50.2, "peak_mem_bytes": 17400000000,
+     "cache_bytes_before": 1073741824, "cache_bytes_after": 268435456, "device": "cuda:NVIDIA H100"}
+
+``peak_mem_bytes`` is the engine's peak CUDA memory of the generation on GPU, else the process
+peak RSS. Timings are seconds; throughput is generated tokens per decode second.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import random
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+DEFAULT_NEW_TOKENS = 256  # SelKV Figure 3 generates 256 tokens
+CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+
+
+def default_lengths(max_tokens: int, start: int = 512) -> list[int]:
+    """Powers of two from ``start`` up to ``max_tokens`` (prompt tokens)."""
+    out, n = [], start
+    while n <= max_tokens:
+        out.append(n)
+        n *= 2
+    return out
+
+
+def context_limit(model: Any) -> int | None:
+    """The model's context window in tokens (``config.max_position_embeddings``), None if unknown."""
+    value = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    return int(value) if isinstance(value, int) else None
+
+
+def prompt_ids(n_tokens: int, vocab_size: int, seed: int = 0) -> list[int]:
+    """Deterministic synthetic prompt of ``n_tokens`` ids drawn from ``[100, vocab_size)``
+    (ids below 100 hold most special tokens); latency does not depend on the text."""
+    rng = random.Random(seed * 1_000_003 + n_tokens)
+    return [rng.randrange(100, max(101, vocab_size)) for _ in range(n_tokens)]
+
+
+def _device_name(engine: Any) -> str:
+    dev = getattr(getattr(engine, "loaded", None), "device", None)
+    if getattr(dev, "type", None) == "cuda":
+        import torch
+
+        return f"cuda:{torch.cuda.get_device_name(dev)}"
+    return str(dev or "unknown")
+
+
+def _free_memory() -> None:
+    gc.collect()
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    except ImportError:  # pragma: no cover
+        pass
+
+
+def measure(engine: Any, ids: list[int], max_new_tokens: int) -> dict:
+    """One timed generation: ``engine.generate(ids, max_new_tokens, stop_ids=[])`` (no stop token,
+    so every run decodes exactly ``max_new_tokens``); returns the record's measured fields.
+
+    ``peak_mem_bytes`` is the engine's ``peak_rss_bytes``: peak CUDA memory of this generation on
+    GPU, the process peak RSS on CPU.
+    """
+    res = engine.generate(ids, max_new_tokens, stop_ids=[])
+    return {"prompt_tokens": len(ids), "prefill_s": res.prefill_s, "compress_s": res.compress_s,
+            "decode_s": res.decode_s, "generated_tokens": res.generated_tokens, "decode_tok_s": res.decode_tok_s,
+            "peak_mem_bytes": res.peak_rss_bytes, "cache_bytes_before": res.cache_bytes_before,
+            "cache_bytes_after": res.cache_bytes_after}
+
+
+def write_records(path: Path, records: list[dict]) -> None:
+    """Atomically rewrite the JSON list."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(records, indent=1) + "\n")
+    os.replace(tmp, path)
+
+
+def engine_factory(model_cfg: dict, budget: float, device: str = "auto") -> Callable[[dict], Any]:
+    """``method node -> kvbench.engine.Engine``, loading the model once (on first use)."""
+    from .engine import Engine
+    from .models import load_model
+    from .validate import build_method
+
+    loaded: list = []
+
+    def make(method_cfg: dict) -> Any:
+        if not loaded:
+            loaded.append(load_model(model_cfg, device))
+        return Engine(loaded[0], build_method(method_cfg, loaded[0].layout), float(budget))
+
+    return make
+
+
+def run_latency(model_cfg: dict, method_cfgs: dict[str, dict], budget: float, lengths: list[int],
+                max_new_tokens: int, repeats: int, out: Path, make_engine: Callable[[dict], Any] | None = None,
+                log: Callable[[str], None] = print) -> list[dict]:
+    """Measure every method at every prompt length and write the records to ``out``.
+
+    Args:
+        model_cfg: the model's Hydra node as a dict (``model.name``...).
+        method_cfgs: ``{preset name: method node}``; the record's ``method`` is the node's ``label``.
+        budget: compressed methods' budget (the full cache ignores it).
+        lengths: prompt lengths in tokens; those over the model's context window (minus the
+            generated tokens) are skipped with a message.
+        max_new_tokens: tokens generated per request.
+        repeats: timed runs per (method, length), after one untimed warm-up per method.
+        out: output JSON path.
+        make_engine: ``method node -> engine`` (default :func:`engine_factory`).
+
+    Returns:
+        The records written.
+    """
+    make_engine = make_engine or engine_factory(model_cfg, budget)
+    records: list[dict] = []
+    for preset, method_cfg in method_cfgs.items():
+        engine = make_engine(dict(method_cfg))
+        limit = context_limit(getattr(engine, "model", None))
+        todo = [n for n in lengths if limit is None or n + max_new_tokens <= limit]
+        if len(todo) < len(lengths):
+            log(f"skipping prompt lengths {sorted(set(lengths) - set(todo))}: over the context window {limit} "
+                f"minus {max_new_tokens} new tokens")
+        vocab = int(getattr(getattr(engine.model, "config", None), "vocab_size", 32000) or 32000)
+        if todo:
+            engine.generate(prompt_ids(min(todo), vocab), min(4, max_new_tokens), stop_ids=[])  # warm-up
+        for n in todo:
+            for rep in range(repeats):
+                rec = {"model": model_cfg.get("name"), "method": method_cfg.get("label") or method_cfg.get("name"),
+                       "method_name": method_cfg.get("name"), "preset": preset, "budget": float(budget),
+                       "repeat": rep, **measure(engine, prompt_ids(n, vocab), max_new_tokens),
+                       "device": _device_name(engine)}
+                records.append(rec)
+                write_records(out, records)
+                log(f"{rec['method']:>24} n={n:>7}: prefill {rec['prefill_s']:.3f} s, compress "
+                    f"{rec['compress_s']:.3f} s, decode {rec['decode_tok_s']:.1f} tok/s")
+        del engine
+        _free_memory()
+    return records
+
+
+def compose(overrides: list[str]) -> Any:
+    """The composed Hydra config (``conf/config.yaml`` plus overrides)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    if not (CONF_DIR / "config.yaml").is_file():
+        raise SystemExit(f"kvbench.latency: {CONF_DIR / 'config.yaml'} not found (the engine's Hydra config)")
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+        return hydra_compose(config_name="config", overrides=overrides)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """CLI entry point (see the module docstring)."""
+    from omegaconf import OmegaConf
+
+    p = argparse.ArgumentParser(prog="python -m kvbench.latency", description=__doc__.split("\n\n")[0])
+    p.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. +experiment=selkv_fig3 model=llama31")
+    p.add_argument("--methods", nargs="+", help="method presets (conf/method/*.yaml); default: latency.methods "
+                   "or full + the configured method")
+    p.add_argument("--lengths", nargs="+", type=int, help="prompt lengths (tokens); default: latency.lengths or "
+                   "powers of two from 512 to 8192 (lengths over the model's context window are skipped)")
+    p.add_argument("--new-tokens", type=int, help=f"generated tokens per request (default {DEFAULT_NEW_TOKENS})")
+    p.add_argument("--repeats", type=int, help="timed runs per method and length (default 1)")
+    p.add_argument("--out", help="output JSON (default: latency.out, else <output_root>/latency.json)")
+    args = p.parse_args(argv)
+    cfg = compose(args.overrides)
+    lat = OmegaConf.to_container(cfg.get("latency") or OmegaConf.create({}), resolve=True)
+    model_cfg = OmegaConf.to_container(cfg.model, resolve=True)
+    presets = args.methods or lat.get("methods") or ["full", cfg.method.name]
+    method_cfgs = {}
+    for preset in dict.fromkeys(presets):
+        sub = compose([o for o in args.overrides if not o.startswith("method=")] + [f"method={preset}"])
+        method_cfgs[preset] = OmegaConf.to_container(sub.method, resolve=True)
+    new_tokens = args.new_tokens or lat.get("max_new_tokens") or DEFAULT_NEW_TOKENS
+    lengths = args.lengths or lat.get("lengths") or default_lengths(8192)
+    out = Path(args.out or lat.get("out") or Path(cfg.get("output_root", "results")) / "latency.json")
+    run_latency(model_cfg, method_cfgs, float(cfg.budget), list(lengths), int(new_tokens),
+                int(args.repeats or lat.get("repeats") or 1), out,
+                engine_factory(model_cfg, float(cfg.budget), str(cfg.get("device", "auto"))))
+    print(f"latency records written to {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

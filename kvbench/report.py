@@ -1,0 +1,246 @@
+"""``kvbench report RESULTS_ROOT [--out DIR] [--only NAME...] [--latency FILE]``.
+
+Reads every job folder under a results root into one frame (:func:`load_results`) and writes
+each of the seed papers' tables and figures whose inputs exist:
+
+* tables as Markdown (``.md``), LaTeX (``.tex``) and CSV (``.csv``): a missing cell is ``–``
+  in Markdown, ``--`` in LaTeX and empty in CSV, never zero;
+* figures as PNG and PDF with a caption line (model, task, budget semantics);
+* for every artifact, ``<name>.sources.txt``: the job folders it was built from and notes on
+  absent jobs / datasets; plus ``index.md`` listing what was written and what had no inputs.
+
+Also runnable as ``python -m kvbench.report``. Artifact names: see :data:`ARTIFACTS`
+(``--only`` takes names or shell patterns, e.g. ``--only 'selkv_table*' niah``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import json
+import math
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import pandas as pd
+
+from . import report_ablations as ra
+from . import report_figures as rf
+from . import report_tables as rt
+from .plots import plt
+from .report_data import load_results
+from .report_tables import Table, round2
+
+__all__ = ["ARTIFACTS", "load_results", "load_latency", "build", "write_table", "main"]
+
+
+@dataclass
+class Context:
+    """What artifact builders read: the results root, its frame, latency records (or None)."""
+
+    root: Path
+    df: pd.DataFrame
+    latency: list[dict] | None
+    latency_source: str = ""
+
+
+# family name -> (builder, output names it may produce: patterns for --only)
+ARTIFACTS: dict[str, tuple[Callable[[Context], list], list[str]]] = {
+    "selkv_table1": (lambda c: rt.selkv_table1(c.df), ["selkv_table1"]),
+    "selkv_table2": (lambda c: ra.selkv_table2(c.df), ["selkv_table2"]),
+    "selkv_table3": (lambda c: ra.selkv_table3(c.df), ["selkv_table3"]),
+    "selkv_table4": (lambda c: rt.selkv_table4(c.df), ["selkv_table4"]),
+    "selkv_ratio_tables": (lambda c: rt.selkv_ratio_tables(c.df), ["selkv_table5", "selkv_table6", "selkv_ratios_*"]),
+    "selkv_table7": (lambda c: rt.selkv_table7(c.df), ["selkv_table7"]),
+    "selkv_fig2": (lambda c: rf.selkv_fig2(c.df), ["selkv_fig2"]),
+    "selkv_fig3": (lambda c: rf.selkv_fig3(c.latency or [], c.latency_source), ["selkv_fig3"]),
+    "selkv_fig4": (lambda c: rf.selkv_fig4(c.df), ["selkv_fig4"]),
+    "selkv_fig5": (lambda c: rf.selkv_fig5(c.df), ["selkv_fig5"]),
+    "compresskv_table1": (lambda c: rt.compresskv_table1(c.df), ["compresskv_table1"]),
+    "compresskv_table3": (lambda c: ra.compresskv_table3a(c.df) + ra.compresskv_table3b(c.df),
+                          ["compresskv_table3a", "compresskv_table3b"]),
+    "compresskv_fig4": (lambda c: rf.compresskv_fig4(c.df), ["compresskv_fig4"]),
+    "compresskv_fig5": (lambda c: rf.compresskv_fig5(c.df), ["compresskv_fig5"]),
+    "niah": (lambda c: rf.niah_figures(c.df, c.root), ["niah/*", "niah_panel_*"]),
+}
+
+
+def fmt(value, signed: bool = False) -> str | None:
+    """Two decimals, half-up (the papers' rounding); None for a missing (NaN) value."""
+    if isinstance(value, str):
+        return value
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return None
+    text = f"{round2(float(value)):.2f}"
+    return ("+" + text) if signed and round2(float(value)) > 0 else text
+
+
+def _cells(table: Table) -> list[list[tuple[str | None, bool]]]:
+    return [[(fmt(table.data.iat[i, j], col in table.signed), (i, col) in table.bold)
+             for j, col in enumerate(table.data.columns)] for i in range(len(table.data))]
+
+
+def _numeric(table: Table, col: str) -> bool:
+    return pd.api.types.is_numeric_dtype(table.data[col])
+
+
+def to_markdown(table: Table) -> str:
+    """GitHub Markdown: caption, category line (when grouped), table, notes, source count."""
+    cols = list(table.data.columns)
+    head = [table.headers.get(c, c) for c in cols]
+    lines = [f"**{table.name}**: {table.caption}", ""]
+    if table.groups and any(g for g, _ in table.groups):
+        lines += ["Column groups: " + "; ".join(f"{g} ({n})" for g, n in table.groups if g), ""]
+    lines.append("| " + " | ".join(head) + " |")
+    lines.append("|" + "|".join("---:" if _numeric(table, c) else "---" for c in cols) + "|")
+    for row in _cells(table):
+        lines.append("| " + " | ".join("–" if t is None else (f"**{t}**" if b else t) for t, b in row) + " |")
+    lines.append("")
+    if table.notes:
+        lines += ["Missing inputs (shown as –):", *[f"- {n}" for n in table.notes], ""]
+    lines.append(f"Built from {len(table.sources)} job folder(s), listed in `{table.name}.sources.txt`.")
+    return "\n".join(lines) + "\n"
+
+
+def _tex(text: str) -> str:
+    out = text
+    for a, b in [("\\", r"\textbackslash{}"), ("&", r"\&"), ("%", r"\%"), ("_", r"\_"), ("#", r"\#"),
+                 ("Δ", r"$\Delta$"), ("ρ", r"$\rho$"), ("✓", r"\checkmark"), ("–", "--"), ("×", r"$\times$")]:
+        out = out.replace(a, b)
+    return out
+
+
+def to_latex(table: Table) -> str:
+    """A booktabs ``table`` environment; missing cells are ``--``; sources as comments."""
+    cols = list(table.data.columns)
+    spec = "".join("r" if _numeric(table, c) else "l" for c in cols)
+    lines = [r"\begin{table}[t]", r"\centering", r"\small", rf"\caption{{{_tex(table.caption)}}}",
+             rf"\label{{tab:{table.name}}}", rf"\begin{{tabular}}{{{spec}}}", r"\toprule"]
+    if table.groups and any(g for g, _ in table.groups):
+        lines.append(" & ".join(rf"\multicolumn{{{n}}}{{c}}{{{_tex(g)}}}" if n > 1 else _tex(g)
+                                for g, n in table.groups) + r" \\")
+    lines.append(" & ".join(_tex(table.headers.get(c, c)) for c in cols) + r" \\")
+    lines.append(r"\midrule")
+    for row in _cells(table):
+        cells = ["--" if t is None else _tex(t) for t, _b in row]
+        cells = ["$-$" + c[1:] if c.startswith("-") and c != "--" else c for c in cells]
+        lines.append(" & ".join(rf"\textbf{{{c}}}" if b else c for c, (_t, b) in zip(cells, row)) + r" \\")
+    lines += [r"\bottomrule", r"\end{tabular}", r"\end{table}"]
+    lines += [f"% note: {n}" for n in table.notes] + [f"% source: {s}" for s in table.sources]
+    return "\n".join(lines) + "\n"
+
+
+def to_csv(table: Table, path: Path) -> None:
+    """CSV with raw column names; values rounded half-up to 2 decimals; missing = empty cell."""
+    data = table.data.copy()
+    for col in data.columns:
+        if _numeric(table, col):
+            data[col] = [None if fmt(v) is None else float(fmt(v)) for v in data[col]]
+    data.to_csv(path, index=False, na_rep="")
+
+
+def _write_sources(out: Path, name: str, caption: str, sources: list[str], notes: list[str]) -> None:
+    text = [f"# {name}: job folders this artifact was built from (relative to the results root)", f"# {caption}"]
+    text += sources + ([""] + [f"# note: {n}" for n in notes] if notes else [])
+    (out / f"{name}.sources.txt").write_text("\n".join(text) + "\n")
+
+
+def write_table(table: Table, out: Path) -> list[Path]:
+    """Write ``<name>.md``, ``.tex``, ``.csv`` and ``.sources.txt`` under ``out``."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{table.name}.md").write_text(to_markdown(table))
+    (out / f"{table.name}.tex").write_text(to_latex(table))
+    to_csv(table, out / f"{table.name}.csv")
+    _write_sources(out, table.name, table.caption, table.sources, table.notes)
+    return [out / f"{table.name}.{ext}" for ext in ("md", "tex", "csv")]
+
+
+def write_figure(fig: rf.FigureOut, out: Path) -> list[Path]:
+    """Write ``<name>.png`` (150 dpi), ``<name>.pdf`` and ``<name>.sources.txt``; closes the figure."""
+    base = out / fig.name
+    base.parent.mkdir(parents=True, exist_ok=True)
+    paths = [base.with_name(base.name + ".png"), base.with_name(base.name + ".pdf")]
+    fig.fig.savefig(paths[0], dpi=150)
+    fig.fig.savefig(paths[1])
+    plt.close(fig.fig)
+    _write_sources(base.parent, base.name, fig.caption, fig.sources, fig.notes)
+    return paths
+
+
+def load_latency(path: str | Path) -> list[dict]:
+    """Latency records (kvbench.latency's JSON: a list of records, or ``{"records": [...]}``)."""
+    data = json.loads(Path(path).read_text())
+    return list(data["records"] if isinstance(data, dict) else data)
+
+
+def _selected(family: str, outputs: list[str], only: list[str] | None) -> bool:
+    """Whether ``--only`` patterns select a family (its name, or one of its output names/patterns)."""
+    if not only:
+        return True
+    return any(fnmatch.fnmatch(family, p) or any(fnmatch.fnmatch(o, p) or fnmatch.fnmatch(p, o) for o in outputs)
+               for p in only)
+
+
+def build(ctx: Context, only: list[str] | None = None) -> dict[str, list | Exception]:
+    """Run the selected builders: ``{family: [Table | FigureOut, ...]}``, ``[]`` when the family
+    has no inputs, or the exception it raised (one broken artifact must not stop the others)."""
+    built: dict[str, list | Exception] = {}
+    for family, (builder, outputs) in ARTIFACTS.items():
+        if not _selected(family, outputs, only):
+            continue
+        try:
+            arts = builder(ctx)
+        except Exception as e:  # noqa: BLE001 - reported in index.md and on stderr
+            built[family] = e
+            continue
+        whole = not only or any(fnmatch.fnmatch(family, p) for p in only)
+        built[family] = [a for a in arts if whole or any(fnmatch.fnmatch(a.name, p) for p in only)]
+    return built
+
+
+def main(argv: list[str] | None = None) -> int:
+    """CLI entry point; returns the exit status (1 when an artifact failed to build)."""
+    p = argparse.ArgumentParser(prog="kvbench report", description=__doc__.split("\n\n")[0])
+    p.add_argument("root", metavar="RESULTS_ROOT", help="results root holding the job folders")
+    p.add_argument("--out", help="output folder (default: RESULTS_ROOT/report)")
+    p.add_argument("--only", nargs="+", metavar="NAME", help="artifact names or patterns: " + ", ".join(ARTIFACTS))
+    p.add_argument("--latency", help="latency benchmark JSON for selkv_fig3 (default: RESULTS_ROOT/latency.json)")
+    args = p.parse_args(argv)
+    root = Path(args.root)
+    if not root.is_dir():
+        p.error(f"RESULTS_ROOT {str(root)!r} is not a directory")
+    for pattern in args.only or []:
+        if not any(_selected(family, outputs, [pattern]) for family, (_b, outputs) in ARTIFACTS.items()):
+            p.error(f"--only {pattern!r}: no such artifact; accepted names: "
+                    + ", ".join(sorted({o for _b, outs in ARTIFACTS.values() for o in outs} | set(ARTIFACTS))))
+    out = Path(args.out) if args.out else root / "report"
+    lat_path = Path(args.latency) if args.latency else root / "latency.json"
+    if args.latency and not lat_path.is_file():
+        p.error(f"--latency {str(lat_path)!r}: no such file")
+    latency = load_latency(lat_path) if lat_path.is_file() else None
+    df = load_results(root)
+    ctx = Context(root, df, latency, str(lat_path))
+    index, failed = [f"# Report of {root}", "", f"{df['job'].nunique()} job folders read.", ""], 0
+    for family, arts in build(ctx, args.only).items():
+        if isinstance(arts, Exception):
+            failed += 1
+            index.append(f"- {family}: FAILED ({type(arts).__name__}: {arts})")
+            print(f"{family}: FAILED: {type(arts).__name__}: {arts}", file=sys.stderr)
+            continue
+        if not arts:
+            index.append(f"- {family}: no inputs in this results root")
+        for a in arts:
+            paths = write_table(a, out) if isinstance(a, Table) else write_figure(a, out)
+            missing = f", {len(a.notes)} note(s) on missing inputs" if a.notes else ""
+            index.append(f"- {a.name}: {', '.join(q.name for q in paths)} ({len(a.sources)} jobs{missing})")
+            print(f"wrote {a.name}{missing}")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "index.md").write_text("\n".join(index) + "\n")
+    print(f"report written to {out}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,309 @@
+"""The report's data layer: read a results store into one pandas frame and select cells from it.
+
+A results root holds one folder per job (``docs/RESULTS.md``): ``config.yaml`` (the resolved
+Hydra config), ``summary.json`` (per-dataset scores, written at the end of each run) and
+``predictions.jsonl`` (one record per sample). :func:`load_results` turns every job into one
+row per dataset; the selection helpers below pick, for a table cell, which job a score comes
+from, so that tables and figures never mix two variants of a method silently.
+
+Identity of a job in the reports:
+
+* ``method`` is the method *label*: ``method.label`` from the config (``SelKV``,
+  ``SelKV (evict only)``), else the preset name (``selkv_evict``); ``method_name`` is the
+  registry name.
+* ``preset`` is the ``conf/method`` file the job ran (the job folder's method component).
+* ``setting`` is ``run_tag`` (empty when unset); ``max_input_tokens`` is the prompt
+  truncation length (``task.max_length``, else ``model.max_input_length``, else parsed from a
+  ``ctx<N>`` run tag). ``model_key`` is the model name, suffixed only when one model
+  appears in one task under several settings (e.g. ``llama31 [ctx3500]``), so that a full-cache
+  reference is always paired with compressed runs of the same setting.
+* ``params`` is the method's fields (without name and label) as sorted JSON: two jobs with one
+  label and different params (a W × K sweep) are *variants*.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+from typing import Any, Iterable
+
+import pandas as pd
+import yaml
+
+# LongBench v1 English datasets by category (SelKV Table 1 / Table 4 layout).
+LONGBENCH_CATEGORIES: dict[str, list[str]] = {
+    "Single-Doc QA": ["narrativeqa", "qasper", "multifieldqa_en"],
+    "Multi-Doc QA": ["hotpotqa", "2wikimqa", "musique"],
+    "Summarization": ["gov_report", "qmsum", "multi_news"],
+    "Few-shot Learning": ["trec", "triviaqa", "samsum"],
+    "Synthetic": ["passage_count", "passage_retrieval_en"],
+    "Code": ["lcc", "repobench-p"],
+}
+DATASET_ORDER: list[str] = [d for ds in LONGBENCH_CATEGORIES.values() for d in ds]
+DATASET_CATEGORY: dict[str, str] = {d: c for c, ds in LONGBENCH_CATEGORIES.items() for d in ds}
+DATASET_ABBR: dict[str, str] = dict(zip(DATASET_ORDER, [
+    "NrtQA", "Qasp", "MF-en", "HpQA", "2Wiki", "Musi", "GovR", "QMSm", "MNws",
+    "TREC", "TrvQA", "SAMs", "PCnt", "PRet", "LCC", "RB-P",
+]))
+# Row order of methods in every table and legend (registry names; unknown names go last).
+METHOD_ORDER: list[str] = [
+    "full", "streamingllm", "snapkv", "lookm", "pyramidkv", "cake", "headkv", "adakv", "selkv", "compresskv",
+]
+FULL = "full"
+LONG_CONTEXT_TOKENS = 16000  # a setting truncating prompts at >= this many tokens is "long context"
+
+TIMING_COLUMNS = ["prefill_s", "compress_s", "decode_s", "decode_tok_s"]
+CACHE_COLUMNS = ["prompt_tokens", "kept_tokens", "cache_bytes_before", "cache_bytes_after"]
+COLUMNS = [
+    "job", "task", "model", "model_key", "method", "method_name", "preset", "budget", "setting", "max_input_tokens",
+    "params", "tagged", "dataset", "score", "n", "n_failed", "n_expected", "complete",
+    *TIMING_COLUMNS, *CACHE_COLUMNS,
+]
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def read_predictions(path: Path) -> list[dict]:
+    """Records of a ``predictions.jsonl`` file; a torn last line (a job killed mid-write) is skipped."""
+    records = []
+    if not path.is_file():
+        return records
+    for line in path.read_text().splitlines():
+        line = line.strip()
+        if not line:
+            continue
+        try:
+            records.append(json.loads(line))
+        except ValueError:
+            continue
+    return records
+
+
+def _mean(values: Iterable[Any]) -> float:
+    vals = [float(v) for v in values if v is not None and not (isinstance(v, float) and math.isnan(v))]
+    return sum(vals) / len(vals) if vals else math.nan
+
+
+def _kept(record: dict) -> Any:
+    kept = record.get("kept_tokens")
+    return kept.get("mean") if isinstance(kept, dict) else kept
+
+
+def _job_dirs(root: Path) -> list[Path]:
+    """Folders under ``root`` holding ``config.yaml`` plus a summary or predictions (hidden folders skipped)."""
+    dirs = []
+    for cfg in sorted(root.rglob("config.yaml")):
+        d = cfg.parent
+        if any(part.startswith(".") for part in d.relative_to(root).parts):
+            continue  # Hydra's own .hydra/config.yaml copies
+        if (d / "summary.json").is_file() or (d / "predictions.jsonl").is_file():
+            dirs.append(d)
+    return dirs
+
+
+def _max_input_tokens(cfg: dict, setting: str) -> float:
+    """Prompt truncation length: ``task.max_length`` overrides ``model.max_input_length``."""
+    for node, key in [("task", "max_length"), ("task", "max_input_tokens"), ("model", "max_input_length"),
+                      ("model", "max_input_tokens")]:
+        value = (cfg.get(node) or {}).get(key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    m = re.fullmatch(r"ctx(\d+)", setting or "")
+    return float(m.group(1)) if m else math.nan
+
+
+def _job_rows(root: Path, job_dir: Path) -> list[dict]:
+    cfg = yaml.safe_load((job_dir / "config.yaml").read_text()) or {}
+    summary = _read_json(job_dir / "summary.json") or {}
+    records = read_predictions(job_dir / "predictions.jsonl")
+    method = dict(cfg.get("method") or {})
+    name = str(method.get("name", summary.get("method", "?")))
+    parts = job_dir.relative_to(root).parts
+    preset = parts[-2] if len(parts) >= 4 and not cfg.get("run_name") else name
+    label = str(method.get("label") or preset)  # an unlabelled preset is named by its file
+    params = {k: v for k, v in method.items() if k not in ("name", "label")}
+    setting = str(cfg.get("run_tag") or "")
+    budget = float(cfg.get("budget", summary.get("budget", math.nan)))
+    folder = job_dir.name
+    tag = folder.split("-", 1)[1] if folder.startswith("b") and "-" in folder else ""
+    base = {
+        "job": job_dir.relative_to(root).as_posix(),
+        "task": str((cfg.get("task") or {}).get("name", summary.get("task", "?"))),
+        "model": str((cfg.get("model") or {}).get("name", summary.get("model", "?"))),
+        "method": label,
+        "method_name": name,
+        "preset": preset,
+        "budget": budget,
+        "setting": setting,
+        "max_input_tokens": _max_input_tokens(cfg, setting),
+        "params": json.dumps(params, sort_keys=True, default=str),
+        "tagged": bool(tag) and tag != setting,
+        "n_expected": summary.get("n_expected"),
+        "complete": bool(summary.get("complete", False)),
+    }
+    by_ds: dict[str, list[dict]] = {}
+    for r in records:
+        by_ds.setdefault(str(r.get("dataset")), []).append(r)
+    summary_ds = summary.get("datasets") or {}
+    rows = []
+    for ds in sorted(set(by_ds) | set(summary_ds)):
+        recs = by_ds.get(ds, [])
+        ok = [r for r in recs if r.get("error") is None and r.get("score") is not None]
+        row = dict(base, dataset=ds, n_failed=sum(1 for r in recs if r.get("error") is not None))
+        if ds in summary_ds and summary_ds[ds].get("score") is not None:
+            row["score"] = float(summary_ds[ds]["score"])
+            row["n"] = int(summary_ds[ds].get("n", len(ok)))
+        else:
+            row["score"] = round(100 * _mean(r["score"] for r in ok), 2) if ok else math.nan
+            row["n"] = len(ok)
+        for col in TIMING_COLUMNS + CACHE_COLUMNS:
+            if ok:
+                row[col] = _mean((_kept(r) if col == "kept_tokens" else r.get(col)) for r in ok)
+            else:
+                section = summary.get("timings" if col in TIMING_COLUMNS else "cache") or {}
+                row[col] = float(section[col]) if section.get(col) is not None else math.nan
+        rows.append(row)
+    if not rows:  # a job folder with nothing scored yet: keep it visible as absent data
+        rows.append(dict(base, dataset=None, score=math.nan, n=0, n_failed=0))
+    return rows
+
+
+def _model_keys(df: pd.DataFrame) -> pd.Series:
+    """Model name, suffixed where one (task, model) has several settings (run tag / truncation)."""
+    keys = df["model"].copy()
+    for (_task, _model), grp in df.groupby(["task", "model"]):
+        combos = grp[["setting", "max_input_tokens"]].drop_duplicates()
+        if len(combos) < 2:
+            continue
+        for idx, row in grp.iterrows():
+            if row["setting"]:
+                suffix = f"[{row['setting']}]"
+            elif not math.isnan(row["max_input_tokens"]):
+                suffix = f"[{int(row['max_input_tokens'])} tok]"
+            else:
+                suffix = "[default]"
+            keys.at[idx] = f"{row['model']} {suffix}"
+    return keys
+
+
+def load_results(root: str | Path) -> pd.DataFrame:
+    """Read every job folder under ``root`` into one frame, one row per job × dataset.
+
+    Scores come from ``summary.json`` (``round(100·mean, 2)`` per dataset, LongBench's rule)
+    and, for a job still running or killed, from ``predictions.jsonl``. Timings (seconds,
+    tokens/s) and cache statistics (tokens, bytes) are per-dataset means over successful
+    samples (the summary's job-level means when predictions are absent). A job with no
+    scored sample yet has one row with ``dataset=None``.
+
+    Args:
+        root: the results root (``output_root``, default ``results/``).
+
+    Returns:
+        A DataFrame with columns :data:`COLUMNS`; empty (with those columns) when no job exists.
+
+    Raises:
+        FileNotFoundError: ``root`` is not a directory.
+    """
+    root = Path(root)
+    if not root.is_dir():
+        raise FileNotFoundError(f"results root {str(root)!r} is not a directory")
+    rows = [row for d in _job_dirs(root) for row in _job_rows(root, d)]
+    df = pd.DataFrame(rows, columns=[c for c in COLUMNS if c != "model_key"])
+    df["model_key"] = _model_keys(df) if len(df) else pd.Series(dtype=object)
+    for col in ["budget", "score", "max_input_tokens", *TIMING_COLUMNS, *CACHE_COLUMNS]:
+        df[col] = pd.to_numeric(df[col], errors="coerce")
+    return df[COLUMNS]
+
+
+# ----------------------------------------------------------------------------- selection
+
+
+def method_sort_key(name: str, label: str) -> tuple[int, int, str]:
+    """Row order of a method: :data:`METHOD_ORDER`, then shorter (main) labels first."""
+    rank = METHOD_ORDER.index(name) if name in METHOD_ORDER else len(METHOD_ORDER)
+    return rank, len(label), label
+
+
+def order_datasets(datasets: Iterable[str]) -> list[str]:
+    """LongBench order (:data:`DATASET_ORDER`), unknown datasets after it, alphabetically."""
+    ds = {d for d in datasets if d is not None and not (isinstance(d, float) and math.isnan(d))}
+    return [d for d in DATASET_ORDER if d in ds] + sorted(ds - set(DATASET_ORDER))
+
+
+def main_labels(rows: pd.DataFrame) -> set[str]:
+    """Per method name, its main label: that of the preset named like the method (``conf/method/
+    selkv.yaml``, the job folder ``.../selkv/...``) when such jobs exist, else the shortest label
+    (``SelKV`` over ``SelKV (evict only)``). Ablation presets thus stay out of the main tables."""
+    out = set()
+    for name, grp in rows.groupby("method_name"):
+        own = grp[grp["preset"] == name]
+        out.add(min((own if len(own) else grp)["method"].unique(), key=lambda s: (len(s), s)))
+    return out
+
+
+def _job_preference(rows: pd.DataFrame) -> list[str]:
+    """Jobs best first: untagged folders (the method's defaults), complete, most datasets, path."""
+    stats: dict[str, list] = {}
+    for job, tagged, complete, score in zip(rows["job"], rows["tagged"], rows["complete"], rows["score"]):
+        st = stats.setdefault(job, [bool(tagged), not complete, 0, job])
+        st[2] -= int(not math.isnan(score))
+    return [st[3] for st in sorted(stats.values())]
+
+
+def pick_variant(rows: pd.DataFrame) -> pd.DataFrame:
+    """Rows of the preferred variant (params) among jobs of one model × label × budget.
+
+    The variant of the best job (see :func:`_job_preference`) wins; its jobs are kept. Use
+    :func:`variants` to see all of them (sensitivity tables).
+    """
+    if rows.empty:
+        return rows
+    best = _job_preference(rows)[0]
+    params = rows.loc[rows["job"] == best, "params"].iloc[0]
+    return rows[rows["params"] == params]
+
+
+def cell_scores(rows: pd.DataFrame) -> tuple[dict[str, float], list[str]]:
+    """Per-dataset score from the given jobs (best job first) and the jobs actually used."""
+    scores: dict[str, float] = {}
+    used: list[str] = []
+    for job in _job_preference(rows):
+        jr = rows[(rows["job"] == job) & rows["score"].notna()]
+        fresh = {d: s for d, s in zip(jr["dataset"], jr["score"]) if d not in scores}
+        scores.update(fresh)
+        if fresh or job not in used:
+            used.append(job)
+    return scores, used
+
+
+def variants(rows: pd.DataFrame) -> list[tuple[dict, pd.DataFrame]]:
+    """All variants of one model × label × budget: ``[(params dict, rows)]``, best variant first."""
+    order = {p: i for i, p in enumerate(dict.fromkeys(rows.set_index("job").loc[_job_preference(rows), "params"]))}
+    return [(json.loads(p), rows[rows["params"] == p]) for p in sorted(order, key=order.get)]
+
+
+def full_rows(df: pd.DataFrame, task: str, model_key: str) -> pd.DataFrame:
+    """The full-cache jobs of one model key in one task (any budget: the full cache ignores it)."""
+    return df[(df["task"] == task) & (df["model_key"] == model_key) & (df["method_name"] == FULL)]
+
+
+def budget_text(budget: float) -> str:
+    """``25%`` for a retention ratio, ``256`` for a token budget."""
+    return f"{budget * 100:g}%" if budget < 1 else f"{budget:g}"
+
+
+def budget_semantics(budgets: Iterable[float]) -> str:
+    """The caption phrase that says what a budget counts (ARCHITECTURE.md, "Budgets")."""
+    bs = [b for b in budgets if not math.isnan(b)]
+    if bs and all(b < 1 for b in bs):
+        return "budget = retention ratio ρ of prompt tokens"
+    if bs and all(b >= 1 for b in bs):
+        return "budget = tokens kept per layer per KV head (average, recent window included)"
+    return "budget < 1: retention ratio ρ of prompt tokens; budget >= 1: tokens per layer per KV head"

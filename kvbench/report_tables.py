@@ -1,0 +1,287 @@
+"""The seed papers' tables, rebuilt from a results frame.
+
+Each builder takes the frame of :func:`kvbench.report_data.load_results` and returns a list
+of :class:`Table` (empty when its inputs are absent). Numbers are kept unrounded in
+``Table.data`` (NaN = missing cell, never zero); rendering rounds half-up to 2 decimals.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+
+import pandas as pd
+
+from .report_data import (
+    DATASET_ABBR,
+    DATASET_CATEGORY,
+    FULL,
+    LONG_CONTEXT_TOKENS,
+    LONGBENCH_CATEGORIES,
+    budget_semantics,
+    budget_text,
+    method_sort_key,
+    order_datasets,
+)
+from .report_grid import Grid, average_rank, model_sort_key, score_grid
+
+
+@dataclass
+class Table:
+    """A rendered-agnostic table.
+
+    Attributes:
+        name: artifact name (file stem), e.g. ``selkv_table1``.
+        caption: one paragraph: what the numbers are, the budget semantics, the models.
+        data: one row per table row; label columns hold strings, value columns floats (NaN = missing).
+        bold: ``(row position, column)`` cells to set in bold.
+        headers: display names of columns (Markdown/LaTeX); CSV keeps ``data.columns``.
+        groups: optional header groups ``[(title, span)]`` over ``data.columns`` (LaTeX multicolumn).
+        signed: columns printed with an explicit sign (deltas).
+        sources: job folders the table was built from (relative to the results root).
+        notes: absent jobs / datasets, incomplete jobs.
+    """
+
+    name: str
+    caption: str
+    data: pd.DataFrame
+    bold: set[tuple[int, str]] = field(default_factory=set)
+    headers: dict[str, str] = field(default_factory=dict)
+    groups: list[tuple[str, int]] = field(default_factory=list)
+    signed: set[str] = field(default_factory=set)
+    sources: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+
+def round2(x: float) -> float:
+    """Round half-up to 2 decimals (the papers' printing: 2.625 → 2.63)."""
+    return math.floor(round(x * 100, 6) + 0.5) / 100
+
+
+def bold_best(data: list[dict], rows: list[int], col: str, higher: bool = True) -> set[tuple[int, str]]:
+    """Cells holding the best printed value of ``col`` among ``rows`` (ties all bold)."""
+    vals = {i: round2(data[i][col]) for i in rows if not math.isnan(data[i].get(col, math.nan))}
+    if not vals:
+        return set()
+    best = max(vals.values()) if higher else min(vals.values())
+    return {(i, col) for i, v in vals.items() if v == best}
+
+
+def _category_groups(lead: int, datasets: list[str], tail: list[tuple[str, int]]) -> list[tuple[str, int]]:
+    groups: list[tuple[str, int]] = [("", lead)] if lead else []
+    for d in datasets:
+        cat = DATASET_CATEGORY.get(d, "Other")
+        if groups and groups[-1][0] == cat:
+            groups[-1] = (cat, groups[-1][1] + 1)
+        else:
+            groups.append((cat, 1))
+    return groups + tail
+
+
+def _table(name: str, caption: str, rows: list[dict], columns: list[str], grid: Grid | None = None, **kw) -> Table:
+    data = pd.DataFrame(rows, columns=columns)
+    srcs, notes = (grid.sources, grid.notes) if grid else ([], [])
+    return Table(name, caption, data, sources=kw.pop("sources", srcs), notes=kw.pop("notes", notes), **kw)
+
+
+def _models_text(models: list[str]) -> str:
+    return "Models: " + ", ".join(models) + "."
+
+
+def selkv_table1(df: pd.DataFrame, budget: float = 0.25, task: str = "longbench") -> list[Table]:
+    """SelKV Table 1: per-dataset scores × method × model, Avg, Δ to full cache, Avg Rank.
+
+    Avg is the mean over the table's datasets (missing if any is missing); Δ = Avg − full-cache
+    Avg of the same model; Avg Rank is :func:`report_grid.average_rank`. Best compressed value
+    per model and column in bold (lowest Avg Rank).
+    """
+    grid = score_grid(df, task, budget)
+    if grid is None:
+        return []
+    rows: list[dict] = []
+    bold: set[tuple[int, str]] = set()
+    for mk in grid.models:
+        full_avg = grid.average(mk, grid.full_label) if grid.full_label else math.nan
+        ranks = average_rank(grid, mk)
+        start = len(rows)
+        for label in grid.row_labels():
+            is_full = label == grid.full_label
+            avg = grid.average(mk, label)
+            rows.append({"Model": mk, "Method": label, **{d: grid.score(mk, label, d) for d in grid.datasets},
+                         "Avg": avg, "Δ": math.nan if is_full else avg - full_avg,
+                         "Avg Rank": math.nan if is_full else ranks[label]})
+        comp = [i for i in range(start, len(rows)) if rows[i]["Method"] != grid.full_label]
+        for col in [*grid.datasets, "Avg", "Δ"]:
+            bold |= bold_best(rows, comp, col)
+        bold |= bold_best(rows, comp, "Avg Rank", higher=False)
+    caption = (f"LongBench results ({len(grid.datasets)} datasets) at a {budget_text(budget)} KV budget "
+               f"({budget_semantics([budget])}). Δ: gap to {grid.full_label or 'the full cache'} within each model. "
+               "Avg Rank: mean over datasets of the per-dataset rank among compressed methods (lower is better; "
+               "ties share the better rank). Best compressed method per column in bold. " + _models_text(grid.models))
+    cols = ["Model", "Method", *grid.datasets, "Avg", "Δ", "Avg Rank"]
+    return [_table("selkv_table1", caption, rows, cols, grid, bold=bold, signed={"Δ"},
+                   headers={d: DATASET_ABBR.get(d, d) for d in grid.datasets},
+                   groups=_category_groups(2, grid.datasets, [("Overall", 3)]))]
+
+
+def selkv_table4(df: pd.DataFrame, budget: float = 0.25, task: str = "longbench") -> list[Table]:
+    """SelKV Table 4: LongBench category averages per method (rows: model × category).
+
+    A category's value is the mean of its datasets present in the grid; missing if the method
+    lacks one of them. Best compressed method per row in bold.
+    """
+    grid = score_grid(df, task, budget)
+    if grid is None:
+        return []
+    rows: list[dict] = []
+    bold: set = set()
+    cats = {**LONGBENCH_CATEGORIES, "Other": [d for d in grid.datasets if d not in DATASET_CATEGORY]}
+    for mk in grid.models:
+        for cat, members in cats.items():
+            ds = [d for d in grid.datasets if d in members]
+            if not ds:
+                continue
+            rows.append({"Model": mk, "Category": cat, **{lab: grid.average(mk, lab, ds) for lab in grid.row_labels()}})
+            vals = {lab: round2(rows[-1][lab]) for lab in grid.labels if not math.isnan(rows[-1][lab])}
+            bold |= {(len(rows) - 1, lab) for lab, v in vals.items() if v == max(vals.values())}
+    caption = (f"Category-level averages on LongBench ({budget_text(budget)} KV budget; {budget_semantics([budget])}). "
+               "Best compressed method per category in bold. " + _models_text(grid.models))
+    return [_table("selkv_table4", caption, rows, ["Model", "Category", *grid.row_labels()], grid, bold=bold)]
+
+
+RATIO_TABLE_NAMES = {"llama31": "selkv_table5", "gemma2": "selkv_table6"}
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9]+", "_", text).strip("_").lower()
+
+
+def ratio_grids(df: pd.DataFrame, task: str = "longbench") -> dict[float, Grid]:
+    """One grid per retention ratio (budget < 1) present among the task's compressed jobs."""
+    sel = df[(df["task"] == task) & (df["method_name"] != FULL) & (df["budget"] < 1)]
+    grids = {float(b): score_grid(df, task, float(b)) for b in sorted(sel["budget"].dropna().unique())}
+    return {b: g for b, g in grids.items() if g is not None}
+
+
+def sweep_series(grids: dict[float, Grid], model: str) -> tuple[list[str], list[str], dict]:
+    """For one model across budgets: datasets (union), method labels (full cache first, then
+    :func:`method_sort_key` order) and ``{(label, budget): average}`` (NaN = missing cell).
+    """
+    present = {b: g for b, g in grids.items() if model in g.models}
+    datasets = order_datasets(d for g in present.values() for (mk, _l), c in g.cells.items() if mk == model for d in c)
+    names: dict[str, str] = {}
+    values: dict = {}
+    for b, g in present.items():
+        names.update(g.names)
+        for lab in g.row_labels():
+            values[(lab, b)] = g.average(model, lab, datasets)
+    labels = sorted({lab for lab, _b in values}, key=lambda lab: method_sort_key(names.get(lab, ""), lab))
+    return datasets, labels, values
+
+
+def missing_notes(rows: list[dict], cols: list[str], what) -> list[str]:
+    """One note per missing (NaN) value cell not already explained: ``what(row, col)`` names it."""
+    return [f"absent: {what(r, c)}" for r in rows for c in cols if math.isnan(r[c])]
+
+
+def selkv_ratio_tables(df: pd.DataFrame, task: str = "longbench") -> list[Table]:
+    """SelKV Tables 5 and 6: LongBench average per method at each retention ratio, per model.
+
+    Named ``selkv_table5`` (llama31), ``selkv_table6`` (gemma2), else ``selkv_ratios_<model>``;
+    only models with at least two ratios. The full-cache average is repeated in every column.
+    """
+    grids = ratio_grids(df, task)
+    out: list[Table] = []
+    models = sorted({m for g in grids.values() for m in g.models}, key=model_sort_key)
+    used_names: set[str] = set()
+    for mk in models:
+        budgets = [b for b, g in grids.items() if mk in g.models]
+        if len(budgets) < 2:
+            continue
+        datasets, labels, values = sweep_series(grids, mk)
+        full = next((g.full_label for g in grids.values() if g.full_label in labels), None)
+        cols = [budget_text(b) for b in budgets]
+        full_avgs = [values.get((full, b), math.nan) for b in budgets]
+        full_avg = next((v for v in full_avgs if not math.isnan(v)), math.nan)
+        rows = [{"Method": lab, **{budget_text(b): (full_avg if lab == full else values.get((lab, b), math.nan))
+                                    for b in budgets}} for lab in labels]
+        comp = [i for i, r in enumerate(rows) if r["Method"] != full]
+        bold = set().union(*(bold_best(rows, comp, c) for c in cols))
+        name = RATIO_TABLE_NAMES.get(mk.split(" ")[0], "")
+        name = name if name and name not in used_names else f"selkv_ratios_{_slug(mk)}"
+        used_names.add(name)
+        merged = Grid(task, math.nan, [mk], full, [])
+        for b in budgets:
+            merged.merge_notes(grids[b], [mk])
+        notes = merged.notes + [n for n in missing_notes(rows, cols, lambda r, c: (
+            f"{mk} / {r['Method']} at ratio {c} (no job, or a dataset missing)")) if n not in merged.notes]
+        caption = (f"LongBench average ({len(datasets)} datasets) of {mk} at different KV retention ratios "
+                   f"({budget_semantics(budgets)}). The full cache does not depend on the ratio. "
+                   "Best compressed method per ratio in bold.")
+        out.append(_table(name, caption, rows, ["Method", *cols], merged, bold=bold, notes=notes))
+    return out
+
+
+def selkv_table7(df: pd.DataFrame, budget: float = 0.25, task: str = "longbench") -> list[Table]:
+    """SelKV Table 7: LongBench average and Δ for long-context settings (prompts truncated at
+    >= :data:`report_data.LONG_CONTEXT_TOKENS` tokens, e.g. 31,500)."""
+    long_keys = sorted(df.loc[df["max_input_tokens"] >= LONG_CONTEXT_TOKENS, "model_key"].unique(), key=model_sort_key)
+    grid = score_grid(df, task, budget, models=long_keys) if long_keys else None
+    if grid is None:
+        return []
+    rows: list[dict] = []
+    bold: set = set()
+    for mk in grid.models:
+        full_avg = grid.average(mk, grid.full_label) if grid.full_label else math.nan
+        start = len(rows)
+        for label in grid.row_labels():
+            avg = grid.average(mk, label)
+            rows.append({"Model": mk, "Method": label, "Avg": avg,
+                         "Δ": math.nan if label == grid.full_label else avg - full_avg})
+        bold |= bold_best(rows, [i for i in range(start, len(rows)) if rows[i]["Method"] != grid.full_label], "Avg")
+    ctx = sorted({int(t) for t in df.loc[df["model_key"].isin(grid.models), "max_input_tokens"].dropna()})
+    caption = (f"LongBench average ({len(grid.datasets)} datasets) with long inputs "
+               f"({', '.join(map(str, ctx))} tokens), "
+               f"{budget_text(budget)} KV budget ({budget_semantics([budget])}). " + _models_text(grid.models))
+    return [_table("selkv_table7", caption, rows, ["Model", "Method", "Avg", "Δ"], grid, bold=bold, signed={"Δ"},
+                   headers={"Avg": f"Avg ({len(grid.datasets)} ds)"})]
+
+
+def compresskv_table1(df: pd.DataFrame, budgets: tuple[float, ...] = (256, 1024),
+                      task: str = "longbench") -> list[Table]:
+    """CompressKV Table 1: LongBench averages at fixed token budgets, per model (columns model × budget).
+
+    The full-cache average is repeated under each budget; best compressed method per column in bold.
+    """
+    grids = {b: g for b in budgets if (g := score_grid(df, task, float(b))) is not None}
+    if not grids:
+        return []
+    models = sorted({m for g in grids.values() for m in g.models}, key=model_sort_key)
+    full = next((g.full_label for g in grids.values() if g.full_label), None)
+    labels: list[str] = []
+    cols: list[str] = []
+    values: dict = {}
+    merged = Grid(task, math.nan, models, full, [])
+    for mk in models:
+        _datasets, labs, vals = sweep_series(grids, mk)
+        labels += [lab for lab in labs if lab not in labels]
+        full_avg = next((v for (lab, _b), v in vals.items() if lab == full and not math.isnan(v)), math.nan)
+        for b in grids:
+            col = f"{mk} @{b:g}"
+            cols.append(col)
+            values.update({(lab, col): v for (lab, bb), v in vals.items() if bb == b})
+            values[(full, col)] = full_avg
+    for g in grids.values():
+        merged.merge_notes(g)
+    rows = [{"Method": lab, **{c: values.get((lab, c), math.nan) for c in cols}} for lab in labels]
+    comp = [i for i, r in enumerate(rows) if r["Method"] != full]
+    bold = set().union(*(bold_best(rows, comp, c) for c in cols))
+    notes = merged.notes + missing_notes(rows, cols, lambda r, c: (
+        f"{c.split(' @')[0]} / {r['Method']} at budget {c.split(' @')[1]} (no job, or a dataset missing)"))
+    caption = (f"Average LongBench scores under fixed KV budgets ({budget_semantics(list(grids))}). "
+               f"{full or 'The full cache'} is uncompressed and does not depend on the budget. "
+               "Best compressed method per column in bold. " + _models_text(models))
+    groups = [("", 1)] + [(mk, len(grids)) for mk in models]
+    return [_table("compresskv_table1", caption, rows, ["Method", *cols], merged, bold=bold, groups=groups,
+                   notes=list(dict.fromkeys(notes)))]

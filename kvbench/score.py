@@ -1,0 +1,109 @@
+"""``kvbench score DIR``: the official LongBench ``eval.py`` over a folder of prediction files.
+
+Each ``<dataset>.jsonl`` in DIR (the dataset is the file name up to its first dot, as in the
+official script) holds one JSON object per line with ``pred``, ``answers``, ``all_classes``
+and ``length`` (the official ``pred.py`` format). The result is written as the official
+``result.json``: ``{dataset: score}``, or with ``--e`` (LongBench-E) ``{dataset: {"0-4k": s,
+"4-8k": s, "8k+": s}}`` where an empty bucket is ``null`` (the official script writes NaN).
+As officially, a file's last line gives the dataset's ``all_classes``.
+
+Usage: ``kvbench score DIR [--e] [--out PATH]`` or ``python -m kvbench.score DIR``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from eval.metrics import dataset2metric, score_dataset
+
+REQUIRED = ("pred", "answers", "all_classes")
+
+
+class ScoreInputError(ValueError):
+    """A prediction folder or file the scorer cannot read (one line: file, line, what is wrong)."""
+
+
+def read_predictions(path: Path, need_length: bool) -> tuple[list[str], list[list[str]], list | None, list[int]]:
+    """(predictions, answers, all_classes of the last line, lengths) of one prediction file.
+
+    Raises:
+        ScoreInputError: a line is not JSON or lacks ``pred``/``answers``/``all_classes``
+            (or ``length`` when ``need_length``).
+    """
+    preds, answers, lengths, all_classes = [], [], [], None
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ScoreInputError(f"{path} line {lineno}: not valid JSON ({e.msg})") from None
+            missing = [k for k in REQUIRED + (("length",) if need_length else ()) if k not in row]
+            if missing:
+                raise ScoreInputError(f"{path} line {lineno}: missing field {', '.join(map(repr, missing))}")
+            if not isinstance(row["answers"], list):
+                raise ScoreInputError(f"{path} line {lineno}: 'answers' must be a list")
+            preds.append(row["pred"])
+            answers.append(row["answers"])
+            all_classes = row["all_classes"]
+            if "length" in row:
+                lengths.append(row["length"])
+    return preds, answers, all_classes, lengths
+
+
+def score_dir(folder: Path, longbench_e: bool = False) -> dict:
+    """Official scores of every ``*.jsonl`` prediction file in ``folder`` (sorted by name).
+
+    Raises:
+        ScoreInputError: no such folder, no jsonl file, an unknown dataset name or a bad line.
+    """
+    if not folder.is_dir():
+        raise ScoreInputError(f"{folder}: no such directory")
+    files = sorted(p for p in folder.iterdir() if p.name.endswith("jsonl") and p.is_file())
+    if not files:
+        raise ScoreInputError(f"{folder}: no prediction files (<dataset>.jsonl)")
+    scores = {}
+    for path in files:
+        dataset = path.name.split(".")[0]
+        if dataset not in dataset2metric:
+            raise ScoreInputError(
+                f"{path}: unknown LongBench dataset {dataset!r}; file names must be one of {', '.join(dataset2metric)}"
+            )
+        preds, answers, all_classes, lengths = read_predictions(path, need_length=longbench_e)
+        try:
+            scores[dataset] = score_dataset(dataset, preds, answers, all_classes, lengths if longbench_e else None)
+        except (ValueError, TypeError) as e:
+            raise ScoreInputError(f"{path}: {e}") from None
+    return scores
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Score DIR and write ``result.json`` (``--out`` to write elsewhere); print the scores.
+
+    Returns:
+        0 on success, 2 on a user error (printed as one line on stderr).
+    """
+    parser = argparse.ArgumentParser(prog="kvbench score", description=__doc__.split("\n\n")[0])
+    parser.add_argument("dir", type=Path, help="folder of <dataset>.jsonl prediction files")
+    parser.add_argument("--e", action="store_true", help="LongBench-E: score by length bucket")
+    parser.add_argument("--out", type=Path, default=None, help="output file (default: DIR/result.json)")
+    args = parser.parse_args(argv)
+    try:
+        scores = score_dir(args.dir, longbench_e=args.e)
+    except ScoreInputError as e:
+        print(f"kvbench score: {e}", file=sys.stderr)
+        return 2
+    out = args.out or args.dir / "result.json"
+    text = json.dumps(scores, ensure_ascii=False, indent=4)
+    out.write_text(text, encoding="utf-8")
+    print(text)
+    print(f"wrote {out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

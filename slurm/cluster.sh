@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Start or stop a throw-away single-node SLURM cluster on this machine, for the tests
+# (tests/test_slurm.py) and for trying sweeps by hand. It uses the scripts in
+# ../shared/tools/slurm/ beside the repository (munge, MariaDB + slurmdbd for sacct,
+# slurmctld, slurmd; as root, no systemd, no cgroups); install the Debian packages
+# first with .ci/slurm_setup.sh.
+#
+# Usage: slurm/cluster.sh start | stop [--purge] | status
+# Env:   KVBENCH_SLURM_TOOLS  folder holding start_slurm.sh and stop_slurm.sh
+#                             (default: <repo>/../shared/tools/slurm)
+set -euo pipefail
+
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+TOOLS=${KVBENCH_SLURM_TOOLS:-$ROOT/../shared/tools/slurm}
+
+need_tool() {
+    if [ ! -x "$TOOLS/$1" ]; then
+        echo "cluster.sh: $TOOLS/$1 not found: the single-node test cluster scripts live in" \
+             "../shared/tools/slurm beside the repository (or set KVBENCH_SLURM_TOOLS)" >&2
+        exit 3
+    fi
+}
+
+case "${1:-}" in
+    start)
+        need_tool start_slurm.sh
+        if ! command -v slurmctld >/dev/null && [ ! -x /usr/sbin/slurmctld ]; then
+            echo "cluster.sh: SLURM is not installed; run: bash .ci/slurm_setup.sh" >&2
+            exit 3
+        fi
+        exec "$TOOLS/start_slurm.sh"
+        ;;
+    stop)
+        need_tool stop_slurm.sh
+        shift
+        exec "$TOOLS/stop_slurm.sh" "$@"
+        ;;
+    status)
+        sinfo && squeue
+        ;;
+    *)
+        echo "usage: $0 start | stop [--purge] | status" >&2
+        exit 2
+        ;;
+esac

@@ -1,0 +1,118 @@
+#!/usr/bin/env python
+"""Expand a Hydra sweep into a job list: one line per job, holding that job's overrides.
+
+The job list feeds ``slurm/array.sbatch`` (array task *i* runs line *i*), or any other
+scheduler: each line is a ready-made argument list for ``python run.py``. The sweep is
+written exactly as for ``python run.py -m`` and expands in the same order as Hydra's basic
+sweeper (the cartesian product of the comma lists, the last key varying fastest)::
+
+    python slurm/make_joblist.py method=snapkv,selkv budget=0.1,0.25 task=niah -o jobs.txt
+    # jobs.txt:
+    #   method=snapkv budget=0.1 task=niah
+    #   method=snapkv budget=0.25 task=niah
+    #   method=selkv budget=0.1 task=niah
+    #   method=selkv budget=0.25 task=niah
+
+``--shards N`` splits every job into N array tasks (``shard.index=k shard.count=N``) that
+write into the same job folder. Each override is shell-quoted (``'task.context_lengths=[256]'``)
+so that a line can also be pasted after ``python run.py`` in a shell.
+
+Sweep syntax accepted: comma lists (``a=1,2``), ``range()``, ``choice()``; plain overrides
+(``a=1``, ``+a=1``, ``~a``) are copied to every line. ``glob()`` and ``interval()`` are
+rejected (they need a config loader or a sweeper plugin).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import shlex
+import sys
+from pathlib import Path
+
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.override_parser.types import Glob, Override
+from hydra.errors import HydraException
+
+
+class SweepSpecError(ValueError):
+    """A sweep override that cannot be expanded into a job list (one line, names the override)."""
+
+
+def _choices(override: Override) -> list[str]:
+    """The override strings one sweep key contributes, e.g. ``['budget=0.1', 'budget=0.25']``.
+
+    Raises:
+        SweepSpecError: ``glob()`` or ``interval()`` sweeps.
+    """
+    if not override.is_sweep_override():
+        return [override.input_line]
+    if not override.is_discrete_sweep() or isinstance(override.value(), Glob):
+        raise SweepSpecError(
+            f"{override.input_line!r}: only comma lists, range() and choice() can be expanded into a job list"
+        )
+    key = override.get_key_element()
+    return [f"{key}={value}" for value in override.sweep_string_iterator()]
+
+
+def expand(overrides: list[str], shards: int = 1) -> list[list[str]]:
+    """Expand sweep overrides into one override list per job, in Hydra's multirun order.
+
+    Args:
+        overrides: command-line overrides as given to ``run.py -m``.
+        shards: split each job into this many shards (adds ``shard.index``/``shard.count``).
+
+    Returns:
+        ``n_jobs * shards`` override lists, the shards of one job next to each other.
+
+    Raises:
+        SweepSpecError: an override that does not parse or cannot be expanded, or shards < 1.
+    """
+    if shards < 1:
+        raise SweepSpecError(f"--shards={shards}: must be an integer >= 1")
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+    except HydraException as error:
+        raise SweepSpecError(str(error).splitlines()[0]) from None
+    jobs = [list(combo) for combo in itertools.product(*(_choices(o) for o in parsed))]
+    if shards == 1:
+        return jobs
+    return [job + [f"shard.index={k}", f"shard.count={shards}"] for job in jobs for k in range(shards)]
+
+
+def format_line(job: list[str]) -> str:
+    """One job-list line: the overrides, each shell-quoted, separated by single spaces."""
+    return " ".join(shlex.quote(override) for override in job)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command line: write the job list and print the matching sbatch command to stderr."""
+    parser = argparse.ArgumentParser(
+        description="Expand Hydra sweep overrides into a job list for slurm/array.sbatch.",
+        epilog="example: python slurm/make_joblist.py method=snapkv,selkv budget=0.1,0.25 -o jobs.txt",
+    )
+    parser.add_argument("overrides", nargs="+", help="Hydra overrides, sweeps as comma lists")
+    parser.add_argument("-o", "--output", type=Path, help="job list file (default: standard output)")
+    parser.add_argument("--shards", type=int, default=1, help="split every job into this many shards")
+    parser.add_argument("--parallel", type=int, default=16, help="array tasks at once, for the printed command")
+    args = parser.parse_args(argv)
+    try:
+        jobs = expand(args.overrides, args.shards)
+    except SweepSpecError as error:
+        print(f"make_joblist: {error}", file=sys.stderr)
+        return 2
+    text = "".join(format_line(job) + "\n" for job in jobs)
+    if args.output is None:
+        sys.stdout.write(text)
+        return 0
+    args.output.write_text(text)
+    print(
+        f"{len(jobs)} jobs written to {args.output}; submit with:\n"
+        f"  sbatch --array=1-{len(jobs)}%{args.parallel} slurm/array.sbatch {args.output}",
+        file=sys.stderr,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

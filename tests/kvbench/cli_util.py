@@ -1,0 +1,101 @@
+"""Helpers for tests that run the real command line (``python run.py ...``) in a subprocess."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+# Fields of a record that measure time or memory: they differ between two runs of one job.
+TIMING_FIELDS = ("prefill_s", "compress_s", "decode_s", "decode_tok_s", "peak_rss_bytes")
+
+
+def cli_env(**extra: str) -> dict[str, str]:
+    """Environment of a test subprocess: offline, one thread (deterministic, light on a shared CPU)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVBENCH_")}
+    env.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1", OMP_NUM_THREADS="1",
+               MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    env.update(extra)
+    return env
+
+
+def run_cli(args: list[str], cwd: Path | None = None, timeout: float = 300, **env: str) -> subprocess.CompletedProcess:
+    """Run ``python run.py *args`` and return the completed process (text stdout/stderr)."""
+    return subprocess.run(
+        [sys.executable, str(ROOT / "run.py"), *args], cwd=cwd or ROOT, env=cli_env(**env),
+        capture_output=True, text=True, timeout=timeout,
+    )
+
+
+def popen_cli(args: list[str], **env: str) -> subprocess.Popen:
+    """Start ``python run.py *args`` without waiting (output discarded)."""
+    return subprocess.Popen(
+        [sys.executable, str(ROOT / "run.py"), *args], cwd=ROOT, env=cli_env(**env),
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+
+
+def tiny_model_args(model_dir: Path) -> list[str]:
+    """Overrides that point the default model node at a tiny local model folder."""
+    return [f"model.source={model_dir}", "model.gguf_file=null", "model.name=tiny", "model.max_input_length=1000",
+            "model.stop_tokens=[]", "model.chat_template=false"]
+
+
+def make_haystack_dir(path: Path) -> Path:
+    """A folder with two short .txt essays (a few KB: faster to tokenize than the embedded haystack)."""
+    path.mkdir(parents=True, exist_ok=True)
+    sentences = [f"Essay sentence number {i} talks about gardens, rivers and the price of bread. " for i in range(60)]
+    (path / "a.txt").write_text("".join(sentences[:30]))
+    (path / "b.txt").write_text("".join(sentences[30:]))
+    return path
+
+
+def read_lines(path: Path) -> list[dict]:
+    """Every complete line of a ``predictions.jsonl`` as a dict (a truncated tail is left out)."""
+    out = []
+    for line in path.read_text(encoding="utf-8").splitlines(keepends=True):
+        if line.endswith("\n"):
+            out.append(json.loads(line))
+    return out
+
+
+def comparable(records: list[dict]) -> dict[str, dict]:
+    """Records by id without the timing fields."""
+    return {r["id"]: {k: v for k, v in r.items() if k not in TIMING_FIELDS} for r in records}
+
+
+def make_tiny_model_dir(path: Path) -> Path:
+    """Save a tiny random Llama model with a byte-level tokenizer (258 tokens) to ``path``.
+
+    Loadable offline by ``AutoTokenizer``/``AutoModelForCausalLM`` like any local model folder;
+    the NIAH task cuts its haystack in its tokens (one token per byte).
+    """
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    fast = byte_tokenizer()
+    fast.save_pretrained(path)
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=len(fast), hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=2048, bos_token_id=fast.bos_token_id,
+        eos_token_id=fast.eos_token_id, tie_word_embeddings=False,
+    )
+    LlamaForCausalLM(cfg).save_pretrained(path)
+    return path
+
+
+def byte_tokenizer():
+    """A byte-level tokenizer (256 byte tokens + ``<s>``, ``</s>``): every byte is one token."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {ch: i for i, ch in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    vocab["<s>"], vocab["</s>"] = len(vocab), len(vocab) + 1
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")

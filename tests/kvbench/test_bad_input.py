@@ -1,0 +1,166 @@
+"""Bad input through the real command line: one line ``error: ...`` on stderr, exit code 2.
+
+Every case runs ``python run.py ...`` in a subprocess (offline) and asserts the exact stderr
+and the exit code. Validation happens before any model loads, so no case reads weights (the
+GGUF check reads 4 bytes); cases that name a method import it (torch), the others do not.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.kvbench.cli_util import ROOT, run_cli
+
+CONF = ROOT / "conf"
+
+
+def options(group: str) -> str:
+    """The accepted values of a config group as the error lists them (file names, sorted)."""
+    names = sorted(p.stem for p in (CONF / group).glob("*.yaml"))
+    return ", ".join(names) if names else f"(none: conf/{group}/ holds no .yaml file)"
+
+
+def top_keys(with_experiments: bool = False) -> str:
+    """config.yaml's keys and the three nodes; with ``with_experiments``, also the top-level helper
+    keys of experiment presets (accepted by validation, since a preset may add them)."""
+    keys = {"model", "method", "task"}
+    for path in [CONF / "config.yaml", *((CONF / "experiment").glob("*.yaml") if with_experiments else [])]:
+        keys |= set(yaml.safe_load(path.read_text())) - {"defaults", "hydra"}
+    return ", ".join(sorted(keys))
+
+
+SNAPKV_KEYS = "gqa_aggregation, kernel_size, label, pooling, window_size"
+BUDGET_RULE = "a retention ratio must be in (0, 1] and a token budget must be an integer >= 1"
+
+# (id, command-line arguments, expected stderr line); {tmp} is the test's temporary folder.
+# Cases about SnapKV's fields name method=snapkv (the default method is selkv).
+CASES = [
+    ("unknown-model", ["model=llama4"], f"model=llama4: unknown model; accepted values are {options('model')}"),
+    ("unknown-method", ["method=snapkvv"], f"method=snapkvv: unknown method; accepted values are {options('method')}"),
+    ("unknown-task", ["task=longbenchh"], f"task=longbenchh: unknown task; accepted values are {options('task')}"),
+    ("unknown-experiment", ["experiment=table99"],  # run.py accepts experiment=NAME as +experiment=NAME
+     f"+experiment=table99: unknown experiment; accepted values are {options('experiment')}"),
+    ("unknown-experiment-plus", ["+experiment=table99"],
+     f"+experiment=table99: unknown experiment; accepted values are {options('experiment')}"),
+    ("unknown-launcher", ["hydra/launcher=nope"],
+     "hydra/launcher=nope: unknown launcher; accepted values are "
+     + ", ".join(sorted({"basic", "submitit_local", "submitit_slurm"} | {p.stem for p in (CONF / "hydra" / "launcher").glob("*.yaml")}))),
+    ("unknown-top-key", ["budgett=0.1"], f"budgett=0.1: unknown config key (did you mean budget?); accepted keys are {top_keys()}"),
+    ("added-top-key", ["+foo=1"], f"foo=1: unknown config key; accepted keys are {top_keys(True)}"),
+    ("unknown-method-key", ["method=snapkv", "method.window=8"],
+     f"method.window=8: unknown key for method snapkv (did you mean window_size?); accepted keys are {SNAPKV_KEYS}"),
+    ("added-method-key", ["method=snapkv", "+method.foo=1"], f"method.foo=1: unknown key for method snapkv; accepted keys are {SNAPKV_KEYS}"),
+    ("added-existing-key", ["+budget=3"], "+budget=3: budget already exists; write budget=3 (without the leading +)"),
+    ("unparsable-override", ["budget=[1"],
+     "budget=[1: cannot parse this override (no viable alternative at input '[1'); write key=value, see python run.py --help"),
+    ("sweep-without-m", ["budget=0.1,0.2"],
+     "budget=0.1,0.2: several values need --multirun (-m) to sweep; for a list value write budget=[...]"),
+    ("budget-zero", ["budget=0"], "budget=0: must be > 0 (a retention ratio in (0, 1] or an integer token count >= 1)"),
+    ("budget-negative", ["budget=-0.5"], "budget=-0.5: must be > 0 (a retention ratio in (0, 1] or an integer token count >= 1)"),
+    ("ratio-over-one", ["budget=1.5"], f"budget=1.5: {BUDGET_RULE}"),
+    ("fractional-tokens", ["budget=100.5"], f"budget=100.5: {BUDGET_RULE}"),
+    ("budget-text", ["budget=abc"], "budget='abc': must be a retention ratio in (0, 1] or an integer token count >= 1"),
+    ("budget-below-window", ["method=snapkv", "budget=16"],
+     "budget=16: smaller than the 32 tokens method snapkv always keeps (observation window + recent window + sinks); "
+     "use budget >= 32"),
+    ("budget-below-sinks", ["method=streamingllm", "budget=3"],
+     "budget=3: smaller than the 5 tokens method streamingllm always keeps (observation window + recent window + sinks); "
+     "use budget >= 5"),
+    ("sweep-bad-value", ["-m", "budget=0.5,-1"], "budget=-1: must be > 0 (a retention ratio in (0, 1] or an integer token count >= 1)"),
+    ("window-zero", ["method=snapkv", "method.window_size=0"], "method.window_size=0: must be an integer >= 1"),
+    ("window-text", ["method=snapkv", "method.window_size=wide"], "method.window_size=wide: must be an integer"),
+    ("kernel-even", ["method=snapkv", "method.kernel_size=4"], "method.kernel_size=4: must be an odd integer >= 1"),
+    ("pooling", ["method=snapkv", "method.pooling=median"], "method.pooling='median': accepted values are avg, max"),
+    ("gqa-aggregation", ["method=snapkv", "method.gqa_aggregation=sum"], "method.gqa_aggregation='sum': accepted values are mean, max"),
+    ("n-sinks", ["method=streamingllm", "method.n_sinks=-1"], "method.n_sinks=-1: must be an integer >= 0"),
+    ("max-samples-zero", ["max_samples=0"], "max_samples=0: must be an integer >= 1 or null"),
+    ("max-samples-negative", ["max_samples=-3"], "max_samples=-3: must be an integer >= 1 or null"),
+    ("max-samples-fraction", ["max_samples=2.5"], "max_samples=2.5: must be an integer or null"),
+    ("shard-out-of-range", ["shard.index=2", "shard.count=2"],
+     "shard.index=2: out of range for shard.count=2; accepted values are 0 to 1"),
+    ("shard-count-zero", ["shard.count=0"], "shard.count=0: must be an integer >= 1"),
+    ("lock-wait-negative", ["lock_wait_s=-1"], "lock_wait_s=-1: must be a number of seconds >= 0"),
+    ("device", ["device=gpu"], "device=gpu: accepted values are auto, cpu, cuda, cuda:<index>, mps"),
+    ("niah-negative-length", ["task.context_lengths=[-5]"],
+     "task.context_lengths=[-5]: must be a non-empty list of positive integers (tokens)"),
+    ("niah-length-scalar", ["task.context_lengths=512"],
+     "task.context_lengths=512: must be a non-empty list of positive integers (tokens)"),
+    ("niah-depth-over-100", ["task.depth_percents=[50,150]"],
+     "task.depth_percents=[50, 150]: must be a non-empty list of numbers in [0, 100]"),
+    ("niah-max-new-tokens", ["task.max_new_tokens=0"], "task.max_new_tokens=0: must be an integer >= 1"),
+    ("niah-prompt-style", ["task.prompt_style=xml"], "task.prompt_style='xml': accepted values are kvcf, chat"),
+    ("unknown-task-key", ["+task.foo=1"], None),  # message built in the test (lists the niah keys)
+    ("haystack-missing", ["task.haystack_dir={tmp}/nope"], "task.haystack_dir={tmp}/nope: no such folder"),
+    ("haystack-empty", ["task.haystack_dir={tmp}/empty"], "task.haystack_dir={tmp}/empty: holds no non-empty .txt files"),
+    ("not-gguf", ["model.source={tmp}/fake.gguf"], "model.source='{tmp}/fake.gguf': not a GGUF file (bad magic bytes)"),
+    ("missing-model-path", ["model.source={tmp}/no_model"], "model.source='{tmp}/no_model': no such file or folder"),
+    ("hub-id-offline", ["model.source=nobody/no-such-model", "model.gguf_file=null"],
+     "model.source=nobody/no-such-model: no such file or folder, and not in the Hugging Face cache while offline "
+     "(HF_HUB_OFFLINE=1); download it where the Hub is reachable (`hf download nobody/no-such-model --local-dir DIR`) "
+     "and pass model.source=DIR"),
+    ("dtype", ["model.dtype.cpu=float64"], "model.dtype.cpu=float64: accepted values are float32, bfloat16, float16"),
+    ("output-root-under-file", ["output_root={tmp}/afile/results"],
+     "output_root={tmp}/afile/results: not writable ({tmp}/afile is a file, not a folder); pass a writable folder"),
+    ("run-name-escapes", ["run_name=../../elsewhere"],
+     "run_name=../../elsewhere: must be a relative folder path inside output_root (no '..', not absolute)"),
+    ("model-deleted", ["~model"], "model: missing; it is required (see conf/config.yaml)"),
+]
+
+
+@pytest.fixture(scope="module")
+def tmp(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("bad_input")
+    (root / "empty").mkdir()
+    (root / "empty" / "notes.md").write_text("not a .txt file")
+    (root / "fake.gguf").write_bytes(b"PK\x03\x04 this is a zip file, not GGUF")
+    (root / "afile").write_text("a file where a folder is expected")
+    return root
+
+
+def _task_keys() -> str:
+    data = yaml.safe_load((CONF / "task" / "niah.yaml").read_text())
+    return ", ".join(sorted(set(data) | {"max_length"}))
+
+
+@pytest.mark.parametrize("case_id,args,expected", CASES, ids=[c[0] for c in CASES])
+def test_bad_input_is_one_line_and_exit_2(tmp, case_id, args, expected):
+    if expected is None:
+        expected = f"task.foo=1: unknown key for task niah; accepted keys are {_task_keys()}"
+    args = [a.format(tmp=tmp) for a in args]
+    has_output_root = any(a.startswith("output_root=") for a in args)
+    out = run_cli(args + ([] if has_output_root else [f"output_root={tmp}/out"]))
+    assert out.stderr == f"error: {expected.format(tmp=tmp)}\n"
+    assert out.returncode == 2
+    assert out.stdout == ""
+    assert not (tmp / "out").exists() or not any((tmp / "out").rglob("predictions.jsonl"))
+
+
+@pytest.mark.skipif(shutil.which("nvidia-smi") is not None, reason="a CUDA machine accepts device=cuda")
+def test_cuda_device_on_a_cpu_machine(tmp):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is available here")
+    out = run_cli(["device=cuda", f"output_root={tmp}/out"])
+    assert out.stderr == "error: device=cuda: CUDA is not available on this machine; use device=auto or device=cpu\n"
+    assert out.returncode == 2
+
+
+def test_bad_input_table_is_large_enough():
+    assert len(CASES) >= 25
+    assert len({c[0] for c in CASES}) == len(CASES)
+
+
+def test_help_and_cfg_still_work(tmp):
+    out = run_cli(["--help"])
+    assert out.returncode == 0 and "budget" in out.stdout
+    out = run_cli(["--cfg", "job", "budget=0.5", "method=streamingllm"])
+    assert out.returncode == 0, out.stderr
+    cfg = yaml.safe_load(out.stdout)
+    assert cfg["budget"] == 0.5 and cfg["method"]["name"] == "streamingllm"
+    out = run_cli(["--cfg", "job", "budgett=0.5"])  # --cfg composes, so a typo is still one line
+    assert out.returncode == 2 and out.stderr.startswith("error: budgett=0.5: unknown config key")

@@ -1,0 +1,172 @@
+"""Per-sample isolation: a failing sample is recorded with its error, the job goes on, exit code 1."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from eval.base import Sample, Task
+from kvbench.engine import Engine
+from kvbench.job import _loop, check_record, run_sample, summarize
+from kvbench.store import JobStore
+from methods.full import FullCache
+from methods.snapkv import SnapKV, SnapKVConfig
+from tests.conftest import loaded_for, tiny_model
+from tests.kvbench.cli_util import read_lines, run_cli, tiny_model_args
+
+
+class CharTokenizer:
+    """One token per character (ids modulo the tiny vocabulary); fails on a marker, for tests."""
+
+    chat_template = None
+    unk_token_id = None
+    eos_token_id = None
+
+    def __call__(self, text):
+        return {"input_ids": self.encode(text)}
+
+    def encode(self, text, add_special_tokens=False):
+        if "\x00" in text:
+            raise UnicodeError("tokenizer cannot handle NUL")
+        return [ord(c) % 128 for c in text]
+
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join(str(i) for i in ids)
+
+
+class ConstTask(Task):
+    """Scores every prediction with a fixed value."""
+
+    name = "const"
+
+    def __init__(self, value: float = 1.0):
+        super().__init__({"name": "const"})
+        self.value = value
+
+    def score(self, sample, prediction):
+        return self.value
+
+
+def sample(sid: str, prompt: str = "the quick brown fox jumps over the lazy dog " * 2) -> Sample:
+    return Sample(id=sid, dataset="d", prompt=prompt, max_new_tokens=3, answers=["x"], chat=False)
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    lm = loaded_for(tiny_model("llama", layers=2))
+    lm.tokenizer = CharTokenizer()
+    return lm
+
+
+def engine_for(loaded, method=None, budget=1.0):
+    return Engine(loaded, method or FullCache(layout=loaded.layout), budget)
+
+
+def test_a_good_sample_is_scored(loaded):
+    rec = run_sample(engine_for(loaded), loaded, ConstTask(), sample("ok"))
+    assert rec["error"] is None and rec["score"] == 1.0 and rec["generated_tokens"] == 3
+
+
+@pytest.mark.parametrize(
+    "kind,error_type",
+    [("", "InjectedFailure"), (":error", "InjectedFailure"), (":oom", "OutOfMemoryError"), (":nan", "NonFiniteLogitsError")],
+)
+def test_injected_failures_are_recorded_with_type_and_message(loaded, monkeypatch, kind, error_type):
+    monkeypatch.setenv("KVBENCH_FAIL_SAMPLES", f"other/1,bad/7{kind}")
+    rec = run_sample(engine_for(loaded), loaded, ConstTask(), sample("bad/7"))
+    assert rec["error"]["type"] == error_type
+    assert rec["score"] is None and rec["prediction"] is None
+    if error_type == "NonFiniteLogitsError":
+        assert rec["error"]["message"] == "non-finite logits at decode step 0"
+    else:
+        assert "bad/7" in rec["error"]["message"]
+    good = run_sample(engine_for(loaded), loaded, ConstTask(), sample("good/1"))
+    assert good["error"] is None  # the hook was removed: the next sample is fine
+
+
+@pytest.mark.parametrize("poison", [math.nan, math.inf])
+def test_non_finite_logits_from_the_model_are_never_scored(poison):
+    model = tiny_model("llama", layers=2, seed=3)
+    with torch.no_grad():
+        model.model.norm.weight[5] = poison  # every hidden state, hence every logit, turns non-finite
+    lm = loaded_for(model)
+    lm.tokenizer = CharTokenizer()
+    for method, budget in ((FullCache(layout=lm.layout), 1.0), (SnapKV(SnapKVConfig(window_size=4, kernel_size=3), lm.layout), 0.5)):
+        rec = run_sample(Engine(lm, method, budget), lm, ConstTask(), sample("poisoned"))
+        assert rec["error"] == {"type": "NonFiniteLogitsError", "message": "non-finite logits at decode step 0"}
+        assert rec["score"] is None
+
+
+def test_non_finite_task_score_is_an_error(loaded):
+    rec = run_sample(engine_for(loaded), loaded, ConstTask(math.nan), sample("nan-score"))
+    assert rec["error"]["type"] == "FloatingPointError"
+    assert rec["error"]["message"].startswith("non-finite score nan")
+
+
+def test_empty_prompt_is_an_error_record_not_a_crash(loaded):
+    rec = run_sample(engine_for(loaded), loaded, ConstTask(), sample("empty", prompt=""))
+    assert rec["error"] == {"type": "ValueError", "message": "empty prompt: nothing to prefill"}
+
+
+def test_tokenizer_failure_is_an_error_record(loaded):
+    rec = run_sample(engine_for(loaded), loaded, ConstTask(), sample("nul", prompt="bad \x00 text"))
+    assert rec["error"] == {"type": "UnicodeError", "message": "tokenizer cannot handle NUL"}
+
+
+def test_check_record_names_the_non_finite_field():
+    check_record({"score": 1.0, "scores": {"a": 2.0}, "method_stats": {"merged": 3.0}})
+    with pytest.raises(FloatingPointError, match=r"non-finite value inf in method_stats\.merged"):
+        check_record({"score": 1.0, "method_stats": {"merged": math.inf}})
+    with pytest.raises(FloatingPointError, match=r"in scores\.rouge\[1\]"):
+        check_record({"scores": {"rouge": [1.0, math.nan]}})
+
+
+def test_loop_goes_on_after_failures_and_summary_counts_them(loaded, tmp_path, monkeypatch):
+    monkeypatch.setenv("KVBENCH_FAIL_SAMPLES", "s/1,s/3:oom")
+    store = JobStore(tmp_path)
+    samples = [sample(f"s/{i}") for i in range(5)]
+    failed = _loop(engine_for(loaded), loaded, ConstTask(), samples, store, quiet=True)
+    assert failed == 2
+    records = store.records()
+    assert [r["id"] for r in records] == [f"s/{i}" for i in range(5)]
+    assert {r["id"]: (r["error"] or {}).get("type") for r in records} == {
+        "s/0": None, "s/1": "InjectedFailure", "s/2": None, "s/3": "OutOfMemoryError", "s/4": None,
+    }
+    cfg = {"task": {"name": "const"}, "model": {"name": "tiny"}, "method": {"name": "full"}, "budget": 1.0}
+    summary = summarize(cfg, ConstTask(), records, [s.id for s in samples], "job")
+    assert summary["n_samples"] == 3 and summary["n_failed"] == 2 and summary["complete"] is False
+    assert [f["id"] for f in summary["failed"]] == ["s/1", "s/3"]
+    assert summary["datasets"]["d"] == {"score": 100.0, "n": 3}
+
+
+def test_cli_failed_samples_are_isolated_exit_1_then_retried(tiny_model_dir, haystack_dir, tmp_path):
+    """Through run.py: three samples fail three ways, the other three are scored, exit code 1
+    (the over-long length is skipped and reported); the same command without the injection
+    redoes only the failed ones and exits 0."""
+    args = [*tiny_model_args(tiny_model_dir), "task.context_lengths=[300,400,1500]", "task.depth_percents=[0,50,100]",
+            f"task.haystack_dir={haystack_dir}", "method=streamingllm", "budget=0.5", "task.max_new_tokens=3", "quiet=true",
+            f"output_root={tmp_path}", "run_name=job"]
+    inject = "niah/300/0,niah/300/100:oom,niah/400/50:nan"
+    out = run_cli(args, KVBENCH_FAIL_SAMPLES=inject)
+    assert out.returncode == 1, out.stderr[-2000:]
+    job = tmp_path / "job"
+    lines = read_lines(job / "predictions.jsonl")
+    errors = {r["id"]: r["error"]["type"] for r in lines if r["error"]}
+    assert errors == {"niah/300/0": "InjectedFailure", "niah/300/100": "OutOfMemoryError", "niah/400/50": "NonFiniteLogitsError"}
+    assert len(lines) == 6
+    summary = json.loads((job / "summary.json").read_text())
+    assert (summary["n_samples"], summary["n_failed"], summary["n_expected"], summary["complete"]) == (3, 3, 6, False)
+    assert sorted(f["id"] for f in summary["failed"]) == sorted(errors)
+    assert "failed: niah/300/0: InjectedFailure" in out.stdout
+    # 1500 tokens > model.max_input_length=1000: skipped by the task's rule, reported, no exception
+    assert summary["n_skipped"] == 3 and summary["skipped"][0]["context_length"] == 1500
+
+    out = run_cli(args)
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = read_lines(job / "predictions.jsonl")
+    assert len(lines) == 9 and [r["id"] for r in lines[6:]] == ["niah/300/0", "niah/300/100", "niah/400/50"]
+    summary = json.loads((job / "summary.json").read_text())
+    assert (summary["n_samples"], summary["n_failed"], summary["complete"]) == (6, 0, True)

@@ -1,0 +1,60 @@
+"""Calibration attention probe on a tiny random Llama: query-only rows and the Eq. 4 error."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from methods.calibrate import AttentionProbe, build_parser
+
+transformers = pytest.importorskip("transformers")
+
+
+def _tiny(attn: str):
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    return transformers.LlamaForCausalLM(cfg).eval().to(torch.float32), cfg
+
+
+@torch.no_grad()
+def test_probe_rows_equal_eager_attention_of_last_query():
+    lm, cfg = _tiny("sdpa")
+    ids = torch.randint(0, 64, (1, 20), generator=torch.Generator().manual_seed(1))
+    ref_lm = transformers.LlamaForCausalLM(cfg).eval()
+    ref_lm.load_state_dict(lm.state_dict())
+    ref_lm.set_attn_implementation("eager")
+    ref = ref_lm(input_ids=ids, output_attentions=True).attentions  # per layer (1, H, 20, 20)
+
+    probe = AttentionProbe(cfg.num_hidden_layers)
+    probe.install(lm)
+    out = lm(input_ids=ids[:, :-1], use_cache=True)
+    probe.record_rows = True
+    lm(input_ids=ids[:, -1:], past_key_values=out.past_key_values, use_cache=True)
+    for layer in range(cfg.num_hidden_layers):
+        assert probe.rows[layer].shape == (4, 20)
+        torch.testing.assert_close(probe.rows[layer], ref[layer][0, :, -1], rtol=1e-4, atol=1e-5)
+
+
+@torch.no_grad()
+def test_probe_output_error_zero_with_full_keep_positive_with_subset():
+    lm, cfg = _tiny("sdpa")
+    ids = torch.randint(0, 64, (1, 24), generator=torch.Generator().manual_seed(2))
+    for keep, positive in ((lambda n: torch.arange(n), False), (lambda n: torch.tensor([0, n - 2, n - 1]), True)):
+        probe = AttentionProbe(cfg.num_hidden_layers, window=4)
+        probe.selector = lambda layer, wq, k, v, s, keep=keep: keep(k.shape[2])
+        probe.install(lm)
+        out = lm(input_ids=ids, use_cache=True)
+        past = out.past_key_values
+        for t in range(3):
+            out = lm(input_ids=torch.tensor([[t + 1]]), past_key_values=past, use_cache=True)
+            past = out.past_key_values
+        assert (probe.errors > 1e-4).all() if positive else (probe.errors.abs() < 1e-5).all()
+
+
+def test_cli_parses_both_commands():
+    p = build_parser()
+    a = p.parse_args(["heads", "--lengths", "1000,2000", "--kinds", "srh"])
+    assert a.command == "heads" and a.lengths == "1000,2000" and a.name == "smollm2"
+    b = p.parse_args(["layers", "--data", "x.jsonl", "--budget", "32"])
+    assert b.command == "layers" and b.data == ["x.jsonl"] and b.budget == 32

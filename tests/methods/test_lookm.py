@@ -1,0 +1,124 @@
+"""LOOK-M: merge variants on hand-computable tensors, targets, filter, gate, selection."""
+
+import pytest
+import torch
+
+from methods.base import ConfigError, HeadLayout, LayerContext
+from methods.lookm import LookM, LookMConfig, cumulative_attention, merge_into_targets, nearest_kept, soft_cosine_gate
+
+
+def t(rows):
+    return torch.tensor(rows, dtype=torch.float32).view(1, 1, len(rows), -1)
+
+
+KEPT = t([[1.0, 0.0], [0.0, 1.0]])
+ONE_EVICTED = t([[2.0, 0.0]])
+TARGET0 = torch.tensor([[[0]]])
+W1 = torch.ones(1, 1, 1)
+
+
+@pytest.mark.parametrize(
+    "merge,sim,expected",
+    [
+        ("avg", 1.0, [1.5, 0.0]),  # (x_t + x_j)/2
+        ("pivot", 1.0, [1.25, 0.0]),  # (x_t + (x_j + x_t)/2)/2
+        ("weighted", 1.0, [1.5, 0.0]),  # (x_t + s*x_j)/2, s=1
+        ("weighted", 0.5, [1.0, 0.0]),  # (1 + 0.5*2)/2
+    ],
+)
+def test_merge_variants_one_token(merge, sim, expected):
+    out = merge_into_targets(KEPT, ONE_EVICTED, TARGET0, W1, merge, torch.full((1, 1, 1), sim))
+    assert out[0, 0, 0].tolist() == expected
+    assert out[0, 0, 1].tolist() == [0.0, 1.0]  # untouched target
+
+
+def test_avg_merge_of_two_tokens_and_gate_weight():
+    ev = t([[2.0, 0.0], [4.0, 0.0]])
+    tgt = torch.tensor([[[0, 0]]])
+    out = merge_into_targets(KEPT, ev, tgt, torch.ones(1, 1, 2), "avg", torch.ones(1, 1, 2))
+    assert out[0, 0, 0, 0].item() == pytest.approx(7 / 3)
+    gated = merge_into_targets(KEPT, ev[:, :, :1], tgt[..., :1], torch.full((1, 1, 1), 0.5), "avg", torch.ones(1, 1, 1))
+    assert gated[0, 0, 0, 0].item() == pytest.approx((1 + 0.5 * 2) / 1.5)
+    dropped = merge_into_targets(KEPT, ev, tgt, torch.zeros(1, 1, 2), "pivot", torch.ones(1, 1, 2))
+    assert torch.equal(dropped, KEPT)  # w = 0: pure eviction
+
+
+def test_nearest_kept_is_cosine_argmax():
+    kept = t([[1.0, 0.0], [0.0, 1.0], [1.0, 1.1]])
+    sim, target = nearest_kept(t([[2.0, 2.0], [0.0, 3.0], [-1.0, 0.0]]), kept, chunk=2)
+    assert target.tolist() == [[[2, 1, 1]]]  # [-1, 0]: cos 0 with [0, 1], below 0 elsewhere
+    assert sim[0, 0, 0].item() == pytest.approx((1 + 1.1) / (2**0.5 * (1 + 1.21) ** 0.5))
+    assert sim[0, 0, 1:].tolist() == pytest.approx([1.0, 0.0])
+
+
+def test_soft_cosine_gate_clamps_negative():
+    g = soft_cosine_gate(torch.tensor([[1.0, 0.0], [1.0, 0.0]]), torch.tensor([[1.0, 1.0], [-1.0, 0.0]]))
+    assert g.tolist() == pytest.approx([2**-0.5, 0.0])
+
+
+def test_cumulative_attention_chunks_match_one_block():
+    torch.manual_seed(0)
+    q, k = torch.randn(1, 4, 12, 8), torch.randn(1, 2, 12, 8)
+    one = cumulative_attention(q, k, 0.3, None, chunk=12)
+    assert torch.allclose(cumulative_attention(q, k, 0.3, None, chunk=5), one, atol=1e-6)
+    # every query row sums to 1, so the column sums add up to the number of queries
+    assert one.sum(-1).allclose(torch.full((1, 4), 12.0))
+    assert one[..., 0].min() > 0  # the first token is seen by every query
+
+
+def _ctx(n=40, budget=12, h_q=2, h_kv=1, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    layout = HeadLayout(num_layers=1, num_q_heads=h_q, num_kv_heads=h_kv, head_dim=4, compressible_layers=(0,))
+    return layout, LayerContext(
+        layer_idx=0, layout=layout, keys=torch.randn(1, h_kv, n, 4, generator=g),
+        values=torch.randn(1, h_kv, n, 4, generator=g), window_queries=torch.randn(1, h_q, n, 4, generator=g),
+        scaling=0.5, budget=budget,
+    )
+
+
+def test_selection_keeps_sinks_recent_and_budget():
+    layout, ctx = _ctx()
+    method = LookM(LookMConfig(n_sinks=2, recent_fraction=0.5), layout)
+    keep = method.select(ctx)
+    assert keep.sum().item() == 12
+    assert keep[0, 0, :2].all() and keep[0, 0, 34:].all()  # 2 sinks, 6 recent
+
+
+def test_avg_merge_conserves_mass_without_filter():
+    # sum_t x_t_new * (1 + count_t) = sum of kept + sum of evicted rows (filter off, no gate)
+    layout, ctx = _ctx()
+    res = LookM(LookMConfig(merge="avg", similarity_filter="off"), layout).compress(ctx)
+    assert res.stats == {"merged": 28.0, "dropped": 0.0}
+    counts = 1 + (res.values.new_zeros(12))
+    kept_idx = res.kept_indices[0, 0]
+    evicted = sorted(set(range(40)) - set(kept_idx.tolist()))
+    sims = torch.nn.functional.normalize(ctx.keys[0, 0, evicted], dim=-1) @ torch.nn.functional.normalize(
+        ctx.keys[0, 0, kept_idx], dim=-1
+    ).T
+    counts += torch.bincount(sims.argmax(-1), minlength=12)
+    total = (res.values[0, 0] * counts.unsqueeze(-1)).sum(0)
+    assert torch.allclose(total, ctx.values[0, 0].sum(0), atol=1e-5)
+
+
+def test_filter_drops_below_mean_similarity():
+    # one head, two evicted slots with similarity 0.9 and 0.1: mean 0.5, only the first merges
+    kept = t([[1.0, 0.0], [0.0, 1.0]])
+    layout = HeadLayout(num_layers=1, num_q_heads=1, num_kv_heads=1, head_dim=2, compressible_layers=(0,))
+    keys = torch.cat([kept, t([[0.9, (1 - 0.81) ** 0.5], [0.1, -(1 - 0.01) ** 0.5]])], dim=2)
+    ctx = LayerContext(layer_idx=0, layout=layout, keys=keys, values=keys.clone(),
+                       window_queries=torch.zeros(1, 1, 4, 2), scaling=1.0, budget=2)
+    method = LookM(LookMConfig(n_sinks=2, recent_fraction=0.0, merge="weighted"), layout)
+    res = method.compress(ctx)
+    assert res.stats == {"merged": 1.0, "dropped": 1.0}
+    # weighted: (x_0 + 0.9 * k_2) / 2
+    assert torch.allclose(res.keys[0, 0, 0], (kept[0, 0, 0] + 0.9 * keys[0, 0, 2]) / 2, atol=1e-6)
+    assert torch.equal(res.keys[0, 0, 1], kept[0, 0, 1])  # token 3 (sim 0.1 to x_0) was dropped
+
+
+def test_config_errors_and_whole_prompt_window():
+    with pytest.raises(ConfigError, match="method.merge='max'"):
+        LookM(LookMConfig(merge="max"))
+    with pytest.raises(ConfigError, match="method.gate"):
+        LookM(LookMConfig(gate="hard"))
+    assert LookM(LookMConfig(window_size=0)).window_size > 10**9
+    assert LookM(LookMConfig(window_size=32)).window_size == 32

@@ -1,0 +1,411 @@
+"""Tests of kvbench.report on a hand-made results tree.
+
+The fixture tree (built in tmp_path) holds jobs for a full cache and three compressed methods
+on two models (LongBench, 6 datasets), with some jobs and datasets missing, ablation presets,
+W × K variants, a long-context setting, CompressKV-style token budgets, NIAH jobs and a
+latency file. Every expected number below is computed by hand from the fixture's scores.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from pathlib import Path
+
+import pytest
+import yaml
+from notebook_runner import execute_figures_notebook
+
+from kvbench import report
+from kvbench.plots import niah_grid, plot_niah_heatmap
+from kvbench.report_ablations import (
+    compresskv_table3a,
+    compresskv_table3b,
+    selkv_table2,
+    selkv_table3,
+)
+from kvbench.report_data import COLUMNS
+from kvbench.report_grid import dense_ranks
+from kvbench.report_tables import (
+    compresskv_table1,
+    selkv_ratio_tables,
+    selkv_table1,
+    selkv_table4,
+    selkv_table7,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+DS = ["qasper", "hotpotqa", "musique", "multi_news", "trec", "lcc"]
+SELKV = {"gate": "soft", "compensation": "global", "window_size": 32, "kernel_size": 5}
+MAX_INPUT = {"llama31": 3500, "gemma2": 3500, "mistral": 31500, "smollm2": 7500}
+
+# Table 1 scores at budget 0.25 (per dataset, order DS); None = dataset not scored.
+LLAMA = {
+    "full": [40.0, 50.0, 20.0, 25.0, 70.0, 60.0],
+    "snapkv": [38.0, 49.0, 19.0, 24.0, 68.0, None],  # job incomplete: lcc missing
+    "pyramidkv": [38.0, 47.0, 21.0, 23.0, 68.0, 59.0],
+    "selkv": [39.0, 49.0, 20.5, 22.0, 68.0, 58.0],
+}
+GEMMA = {  # no pyramidkv job at all
+    "full": [30.0, 45.0, 15.0, 22.0, 60.0, 55.0],
+    "snapkv": [29.0, 44.0, 15.5, 21.0, 60.0, 54.0],  # predictions.jsonl only (no summary yet)
+    "selkv": [29.5, 44.0, 14.0, 21.5, 59.0, 55.0],
+}
+LABELS = {"full": "Full Cache", "snapkv": "SnapKV", "pyramidkv": "PyramidKV", "selkv": "SelKV",
+          "streamingllm": "StreamingLLM", "compresskv": "CompressKV"}
+
+
+def make_job(root: Path, *, task="longbench", model="llama31", method="snapkv", preset=None, label=None,
+             budget=0.25, scores: dict | None = None, params: dict | None = None, run_tag=None, ctx=None,
+             folder_tag="", summary=True, complete=True, records: list | None = None) -> Path:
+    """Write one job folder as the engine would (docs/RESULTS.md): <task>/<model>/<preset>/b<budget>[-tag]."""
+    name = f"b{budget}" + (f"-{run_tag or folder_tag}" if (folder_tag or run_tag) else "")
+    job = root / task / model / (preset or method) / name
+    job.mkdir(parents=True)
+    cfg = {"model": {"name": model, "max_input_length": MAX_INPUT.get(model, 7500)},
+           "method": {"name": method, "label": label or LABELS[method], **(params or {})},
+           "task": {"name": task, "max_length": ctx}, "budget": budget, "run_tag": run_tag}
+    (job / "config.yaml").write_text(yaml.safe_dump(cfg))
+    scores = {d: s for d, s in (scores or {}).items() if s is not None}
+    recs = records
+    if recs is None and not summary:
+        recs = [{"id": f"{d}/{i}", "dataset": d, "score": s / 100, "error": None, "prefill_s": 1.0, "compress_s": 0.1,
+                 "decode_s": 2.0, "decode_tok_s": 10.0, "prompt_tokens": 3000, "kept_tokens": {"mean": 750.0},
+                 "cache_bytes_before": 4000, "cache_bytes_after": 1000} for d, s in scores.items() for i in range(2)]
+    if recs:
+        (job / "predictions.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    if summary:
+        (job / "summary.json").write_text(json.dumps({
+            "job": str(job.relative_to(root)), "task": task, "model": model, "method": method, "budget": budget,
+            "complete": complete, "n_failed": 0, "n_expected": 10,
+            "datasets": {d: {"score": s, "n": 5} for d, s in scores.items()},
+            "timings": {"prefill_s": 0.5, "compress_s": 0.01, "decode_s": 1.0, "decode_tok_s": 20.0},
+            "cache": {"prompt_tokens": 3000.0, "kept_tokens": 750.0, "cache_bytes_before": 4.0e6,
+                      "cache_bytes_after": 1.0e6}}))
+    return job
+
+
+def shifted(values, delta):
+    return [None if v is None else v + delta for v in values]
+
+
+def build_tree(root: Path) -> Path:
+    """The fixture results tree (see module docstring)."""
+    for method, vals in LLAMA.items():
+        make_job(root, model="llama31", method=method, scores=dict(zip(DS, vals)), complete=method != "snapkv",
+                 params=SELKV if method == "selkv" else None)
+    for method, vals in GEMMA.items():
+        make_job(root, model="gemma2", method=method, scores=dict(zip(DS, vals)), summary=method != "snapkv",
+                 params=SELKV if method == "selkv" else None)
+    # ablation presets (llama31, 0.25): offsets from SelKV's scores
+    for preset, label, gate, delta in [("selkv_evict", "SelKV (evict only)", "off", -0.3),
+                                       ("selkv_merge_all", "SelKV (merge all)", "none", -1.0),
+                                       ("selkv_gate", "SelKV (+ gate)", "soft", -0.2)]:
+        make_job(root, model="llama31", method="selkv", preset=preset, label=label,
+                 params={**SELKV, "gate": gate, "compensation": "off"},
+                 scores=dict(zip(DS, shifted(LLAMA["selkv"], delta))))
+    make_job(root, model="llama31", method="selkv", preset="selkv_gate_comp", label="SelKV (+ gate + comp)",
+             params=SELKV, scores=dict(zip(DS, LLAMA["selkv"])))  # same fields as selkv: one configuration
+    # W × K variants of SelKV on gemma2 (tagged folders), next to the default job
+    for w, k, delta in [(16, 5, -0.5), (32, 3, 0.25)]:
+        make_job(root, model="gemma2", method="selkv", params={**SELKV, "window_size": w, "kernel_size": k},
+                 folder_tag=f"w{w}k{k}", scores=dict(zip(DS, shifted(GEMMA["selkv"], delta))))
+    # retention-ratio sweep on llama31: 10% (snapkv, selkv) and 50% (selkv only)
+    make_job(root, model="llama31", method="snapkv", budget=0.1, scores=dict(zip(DS, shifted(LLAMA["full"], -3))))
+    make_job(root, model="llama31", method="selkv", budget=0.1, params=SELKV,
+             scores=dict(zip(DS, shifted(LLAMA["selkv"], -2))))
+    make_job(root, model="llama31", method="selkv", budget=0.5, params=SELKV,
+             scores=dict(zip(DS, shifted(LLAMA["full"], -0.5))))
+    # long context (Table 7): llama31 at 31,500 tokens, 2 datasets
+    for method, vals in {"full": [50.0, 60.0], "snapkv": [49.0, 58.0], "selkv": [49.5, 59.0]}.items():
+        make_job(root, model="llama31", method=method, scores=dict(zip(DS[:2], vals)), run_tag="ctx31500", ctx=31500,
+                 params=SELKV if method == "selkv" else None)
+    # CompressKV-style token budgets on mistral (2 datasets); streamingllm @1024 absent
+    ck = {"full": {None: [40.0, 30.0]}, "snapkv": {256: [36.0, 26.0], 1024: [39.0, 29.0]},
+          "streamingllm": {256: [30.0, 20.0]}, "compresskv": {256: [37.0, 27.5], 1024: [39.5, 29.0]}}
+    for method, by_budget in ck.items():
+        for b, vals in by_budget.items():
+            make_job(root, model="mistral", method=method, budget=b or 1.0, scores=dict(zip(DS[:2], vals)),
+                     params={"heads_per_layer": 4} if method == "compresskv" else None)
+    make_job(root, model="mistral", method="compresskv", preset="compresskv_uniform", budget=256,
+             label="CompressKV (no layer alloc)", params={"heads_per_layer": 4, "layer_alloc": False},
+             scores=dict(zip(DS[:2], [36.5, 27.0])))
+    make_job(root, model="mistral", method="compresskv", budget=256, params={"heads_per_layer": 2}, folder_tag="h2",
+             scores=dict(zip(DS[:2], [36.0, 27.0])))
+    # NIAH on smollm2: full + snapkv at two token budgets, 2 lengths x 3 depths
+    for method, b, hits in [("full", 1.0, 1.0), ("snapkv", 128, 0.0), ("snapkv", 256, 0.5)]:
+        recs = [{"id": f"niah/{n}/{d}", "dataset": "niah", "score": hits if d != 10 else 1.0, "error": None,
+                 "meta": {"context_length": n, "depth_percent": d}} for n in (256, 512) for d in (10, 50, 90)]
+        make_job(root, task="niah", model="smollm2", method=method, budget=b, records=recs,
+                 scores={"niah": round(100 * sum(r["score"] for r in recs) / len(recs), 2)})
+    (root / "latency.json").write_text(json.dumps([
+        {"model": "llama31", "method": m, "budget": 0.25, "prompt_tokens": n, "prefill_s": 0.1 * n / 512,
+         "compress_s": 0.0 if m == "Full Cache" else 0.01, "decode_s": 2.0, "generated_tokens": 32,
+         "decode_tok_s": 16.0, "peak_mem_bytes": 1e9} for m in ("Full Cache", "SelKV") for n in (512, 1024)]))
+    return root
+
+
+@pytest.fixture(scope="module")
+def tree(tmp_path_factory) -> Path:
+    return build_tree(tmp_path_factory.mktemp("results"))
+
+
+@pytest.fixture(scope="module")
+def df(tree):
+    return report.load_results(tree)
+
+
+def rows_by(table, *keys):
+    return {tuple(r[k] for k in keys): r for r in table.data.to_dict("records")}
+
+
+def test_load_results_columns_and_values(df):
+    assert set(COLUMNS) <= set(df.columns)
+    r = df[(df["model"] == "gemma2") & (df["method"] == "SnapKV") & (df["dataset"] == "musique")].iloc[0]
+    assert r["score"] == 15.5 and r["n"] == 2 and not r["complete"]  # from predictions.jsonl
+    assert r["prefill_s"] == 1.0 and r["kept_tokens"] == 750.0 and r["cache_bytes_after"] == 1000
+    r = df[(df["model_key"] == "llama31 [3500 tok]") & (df["method"] == "PyramidKV") & (df["dataset"] == "lcc")].iloc[0]
+    assert r["score"] == 59.0 and r["decode_tok_s"] == 20.0 and r["max_input_tokens"] == 3500 and r["budget"] == 0.25
+    assert set(df.loc[df["model"] == "llama31", "model_key"]) == {"llama31 [3500 tok]", "llama31 [ctx31500]"}
+    assert set(df.loc[df["model"] == "gemma2", "model_key"]) == {"gemma2"}
+
+
+def test_unlabelled_preset_is_named_by_its_file(tmp_path):
+    job = make_job(tmp_path, method="selkv", preset="selkv_evict", params={"gate": "off"}, scores={"qasper": 1.0})
+    cfg = yaml.safe_load((job / "config.yaml").read_text())
+    del cfg["method"]["label"]
+    (job / "config.yaml").write_text(yaml.safe_dump(cfg))
+    row = report.load_results(tmp_path).iloc[0]
+    assert (row["method"], row["method_name"], row["preset"]) == ("selkv_evict", "selkv", "selkv_evict")
+
+
+def test_dense_ranks_ties_share_better_rank():
+    assert dense_ranks({"a": 38.0, "b": 38.0, "c": 39.0, "d": math.nan}) == {"c": 1, "a": 2, "b": 2}
+
+
+def test_selkv_table1_numbers(df):
+    (t,) = selkv_table1(df)
+    rows = rows_by(t, "Model", "Method")
+    L, G = "llama31 [3500 tok]", "gemma2"
+    assert list(t.data.columns[2:8]) == DS
+    assert rows[(L, "Full Cache")]["Avg"] == pytest.approx(265 / 6)
+    assert rows[(L, "PyramidKV")]["Avg"] == pytest.approx(256 / 6)
+    assert rows[(L, "PyramidKV")]["Δ"] == pytest.approx(256 / 6 - 265 / 6)
+    assert rows[(L, "SelKV")]["Δ"] == pytest.approx(256.5 / 6 - 265 / 6)
+    # dense ranks among compressed methods: pyr 2,2,1,2,1,1 ; sel 1,1,2,3,1,2 ; snapkv lacks lcc
+    assert rows[(L, "PyramidKV")]["Avg Rank"] == pytest.approx(9 / 6)
+    assert rows[(L, "SelKV")]["Avg Rank"] == pytest.approx(10 / 6)
+    assert math.isnan(rows[(L, "SnapKV")]["Avg"]) and math.isnan(rows[(L, "SnapKV")]["lcc"])
+    assert math.isnan(rows[(L, "SnapKV")]["Avg Rank"])
+    assert rows[(G, "SnapKV")]["Avg"] == pytest.approx(223.5 / 6)
+    assert rows[(G, "SnapKV")]["Avg Rank"] == pytest.approx(9 / 6)
+    assert rows[(G, "SelKV")]["Avg Rank"] == pytest.approx(8 / 6)
+    assert rows[(G, "SelKV")]["Δ"] == pytest.approx(223 / 6 - 227 / 6)
+    assert all(math.isnan(rows[(G, "PyramidKV")][c]) for c in [*DS, "Avg", "Δ", "Avg Rank"])  # absent job
+    assert "SelKV (evict only)" not in set(t.data["Method"])  # ablation presets stay out
+    pos = {(r["Model"], r["Method"]): i for i, r in enumerate(t.data.to_dict("records"))}
+    assert (pos[(L, "SelKV")], "qasper") in t.bold and (pos[(L, "PyramidKV")], "musique") in t.bold
+    assert (pos[(G, "SnapKV")], "hotpotqa") in t.bold and (pos[(G, "SelKV")], "hotpotqa") in t.bold  # tie
+    assert (pos[(G, "SelKV")], "Avg Rank") in t.bold
+    assert any("gemma2 / PyramidKV" in n for n in t.notes) and any("lcc" in n for n in t.notes)
+    assert "longbench/gemma2/snapkv/b0.25" in t.sources and "gemma2/selkv/b0.25-w16k5" not in " ".join(t.sources)
+
+
+def test_paper_table1_ranks_reproduced(tmp_path):
+    """The SelKV paper's Gemma-2 block of Table 1: Avg and Avg Rank as printed (42.16, 2.06, ...)."""
+    paper = {
+        "full": "22.93 40.79 46.68 47.25 48.74 22.84 27.63 19.47 24.81 67.50 91.92 43.56 7.00 33.50 72.78 70.33",
+        "snapkv": "22.22 40.01 46.78 46.90 46.54 22.00 24.63 19.28 22.30 66.50 91.92 42.62 7.00 33.50 72.62 69.75",
+        "lookm": "22.66 36.75 45.93 46.97 46.05 22.34 23.98 19.18 22.73 55.50 92.17 42.25 7.00 33.50 72.07 69.84",
+        "pyramidkv": "22.43 39.70 46.71 46.37 47.30 22.41 24.46 18.94 22.12 66.50 91.92 42.36 7.00 33.50 72.53 69.10",
+        "selkv": "23.32 40.01 46.44 46.67 46.84 22.90 24.94 19.33 22.79 67.00 91.76 42.89 7.00 33.50 72.24 69.35",
+    }
+    from kvbench.report_data import DATASET_ORDER
+    for m, text in paper.items():
+        make_job(tmp_path, model="gemma2", method=m, label=m, scores=dict(zip(DATASET_ORDER, map(float, text.split()))))
+    (t,) = selkv_table1(report.load_results(tmp_path))
+    got = {r["Method"]: (report.fmt(r["Avg"]), report.fmt(r["Δ"], True), report.fmt(r["Avg Rank"]))
+           for r in t.data.to_dict("records")}
+    assert got == {"full": ("42.98", None, None), "snapkv": ("42.16", "-0.82", "2.06"),
+                   "lookm": ("41.18", "-1.80", "2.56"), "pyramidkv": ("42.08", "-0.90", "2.50"),
+                   "selkv": ("42.31", "-0.67", "1.69")}
+
+
+def test_selkv_table2_ablation(df):
+    (t,) = selkv_table2(df)
+    rows = [r for r in t.data.to_dict("records") if r["Model"] == "llama31 [3500 tok]"]
+    assert [r["Configuration"] for r in rows] == ["Full Cache", "SelKV (evict only)", "SelKV (merge all)",
+                                                  "SelKV (+ gate)", "SelKV (+ gate + comp)"]
+    assert [(r["Gate"], r["Comp"], r["Merge"]) for r in rows[1:]] == [
+        ("–", "–", "–"), ("–", "–", "✓"), ("✓", "–", "✓"), ("✓", "✓", "✓")]
+    sel = 256.5 / 6
+    assert [r["Avg"] for r in rows] == pytest.approx([265 / 6, sel - 0.3, sel - 1.0, sel - 0.2, sel])
+    assert math.isnan(rows[1]["Δ prev"])
+    assert [r["Δ prev"] for r in rows[2:]] == pytest.approx([-0.7, 0.8, 0.2])
+    assert rows[1]["Δ full"] == pytest.approx(sel - 0.3 - 265 / 6)
+
+
+def test_selkv_table3_wk_sensitivity(df):
+    (t,) = selkv_table3(df)
+    rows = t.data.to_dict("records")
+    assert [(r["kernel_size"], r["window_size"], r["Default"]) for r in rows] == [
+        ("3", "32", ""), ("5", "16", ""), ("5", "32", "✓")]
+    assert [r["Avg"] for r in rows] == pytest.approx([223 / 6 + 0.25, 223 / 6 - 0.5, 223 / 6])
+    assert [r["Δ default"] for r in rows] == pytest.approx([0.25, -0.5, 0.0])
+    assert rows[0]["qasper"] == 29.75
+
+
+def test_selkv_table4_category_means(df):
+    (t,) = selkv_table4(df)
+    rows = rows_by(t, "Model", "Category")
+    multi = rows[("llama31 [3500 tok]", "Multi-Doc QA")]
+    assert (multi["Full Cache"], multi["SnapKV"], multi["PyramidKV"], multi["SelKV"]) == (35.0, 34.0, 34.0, 34.75)
+    code = rows[("llama31 [3500 tok]", "Code")]
+    assert math.isnan(code["SnapKV"]) and code["PyramidKV"] == 59.0
+    assert "Synthetic" not in {c for _m, c in rows}  # no synthetic dataset in the fixture
+    assert math.isnan(rows[("gemma2", "Few-shot Learning")]["PyramidKV"])
+
+
+def test_ratio_table(df):
+    tables = {t.name: t for t in selkv_ratio_tables(df)}
+    t = tables["selkv_table5"]  # llama31 [3500 tok]: 10%, 25%, 50%
+    assert list(t.data.columns) == ["Method", "10%", "25%", "50%"]
+    rows = rows_by(t, "Method")
+    assert [rows[("Full Cache",)][c] for c in ("10%", "25%", "50%")] == pytest.approx([265 / 6] * 3)
+    assert rows[("SnapKV",)]["10%"] == pytest.approx(265 / 6 - 3)
+    assert math.isnan(rows[("SnapKV",)]["25%"]) and math.isnan(rows[("SnapKV",)]["50%"])
+    sel = [rows[("SelKV",)][c] for c in ("10%", "25%", "50%")]
+    assert sel == pytest.approx([256.5 / 6 - 2, 256.5 / 6, 265 / 6 - 0.5])
+    assert math.isnan(rows[("PyramidKV",)]["10%"]) and rows[("PyramidKV",)]["25%"] == pytest.approx(256 / 6)
+    assert "selkv_table6" not in tables  # gemma2 has one ratio only
+
+
+def test_selkv_table7_long_context(df):
+    (t,) = selkv_table7(df)
+    rows = rows_by(t, "Method")
+    assert rows[("Full Cache",)]["Avg"] == 55.0 and rows[("SnapKV",)]["Δ"] == -1.5 and rows[("SelKV",)]["Δ"] == -0.75
+    assert set(t.data["Model"]) == {"llama31 [ctx31500]"}
+
+
+def test_compresskv_tables(df):
+    (t,) = compresskv_table1(df)
+    rows = rows_by(t, "Method")
+    assert list(t.data.columns) == ["Method", "mistral @256", "mistral @1024"]
+    assert rows[("Full Cache",)]["mistral @256"] == 35.0 and rows[("Full Cache",)]["mistral @1024"] == 35.0
+    assert rows[("CompressKV",)]["mistral @256"] == 32.25 and rows[("SnapKV",)]["mistral @1024"] == 34.0
+    assert rows[("StreamingLLM",)]["mistral @256"] == 25.0 and math.isnan(rows[("StreamingLLM",)]["mistral @1024"])
+    assert [r["Method"] for r in t.data.to_dict("records")] == ["Full Cache", "StreamingLLM", "SnapKV", "CompressKV"]
+    (a,) = compresskv_table3a(df)
+    assert [(r["Method"], r["Avg"]) for r in a.data.to_dict("records")] == [
+        ("SnapKV", 31.0), ("CompressKV (no layer alloc)", 31.75), ("CompressKV", 32.25)]
+    assert list(a.data["Δ prev"])[1:] == pytest.approx([0.75, 0.5])
+    (b,) = compresskv_table3b(df)
+    assert [(r["heads_per_layer"], r["Avg"], r["Δ default"]) for r in b.data.to_dict("records")] == [
+        ("2", 31.5, -0.75), ("4", 32.25, 0.0)]
+
+
+def test_report_cli_writes_artifacts(tree, tmp_path):
+    out = tmp_path / "report"
+    assert report.main([str(tree), "--out", str(out)]) == 0
+    for name in ["selkv_table1", "selkv_table2", "selkv_table3", "selkv_table4", "selkv_table5", "selkv_table7",
+                 "compresskv_table1", "compresskv_table3a", "compresskv_table3b"]:
+        for ext in ("md", "tex", "csv", "sources.txt"):
+            assert (out / f"{name}.{ext}").stat().st_size > 0, (name, ext)
+    for name in ["selkv_fig2", "selkv_fig3", "selkv_fig4", "selkv_fig5", "compresskv_fig4", "compresskv_fig5",
+                 "niah_panel_smollm2", "niah/niah_smollm2_snapkv_b128"]:
+        png = out / f"{name}.png"
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000, name
+        assert (out / f"{name}.pdf").stat().st_size > 0
+    # missing cells are missing, not zero
+    with open(out / "selkv_table1.csv") as f:
+        rows = {(r["Model"], r["Method"]): r for r in csv.DictReader(f)}
+    assert rows[("llama31 [3500 tok]", "SnapKV")]["lcc"] == "" and rows[("llama31 [3500 tok]", "SnapKV")]["Avg"] == ""
+    assert rows[("gemma2", "PyramidKV")]["Avg Rank"] == ""
+    assert rows[("llama31 [3500 tok]", "PyramidKV")]["Avg Rank"] == "1.5"
+    md = (out / "selkv_table1.md").read_text()
+    assert "| gemma2 | PyramidKV | – | – |" in md and "absent: no job for gemma2 / PyramidKV" in md
+    assert "**1.33**" in md  # best Avg Rank on gemma2 (SelKV) in bold
+    srcs = (out / "selkv_table1.sources.txt").read_text()
+    assert "longbench/llama31/pyramidkv/b0.25\n" in srcs
+    assert r"\textbf{" in (out / "selkv_table1.tex").read_text()
+    assert "selkv_table1" in (out / "index.md").read_text()
+
+
+def test_report_only_and_partial_tree(tree, tmp_path):
+    from kvbench.cli import main as kvbench_cli
+
+    out = tmp_path / "only"
+    assert kvbench_cli(["report", str(tree), "--out", str(out), "--only", "selkv_table1", "niah_panel_*"]) == 0
+    assert {p.name for p in out.glob("*.md") if p.name != "index.md"} == {"selkv_table1.md"}
+    assert (out / "niah_panel_smollm2.png").exists() and not (out / "niah").exists()
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert report.main([str(empty), "--out", str(out / "e")]) == 0
+    assert "no inputs" in (out / "e" / "index.md").read_text()
+
+
+def test_plot_niah_heatmap(tmp_path):
+    recs = [{"score": s, "error": None, "meta": {"context_length": n, "depth_percent": d}}
+            for n, d, s in [(256, 10, 1.0), (256, 50, 0.0), (512, 10, 0.5), (512, 10, 1.0)]]
+    recs.append({"score": None, "error": {"type": "X"}, "meta": {"context_length": 512, "depth_percent": 50}})
+    lengths, depths, grid = niah_grid(recs)
+    assert lengths == [256, 512] and depths == [10, 50]
+    assert grid[0].tolist() == [100.0, 75.0] and grid[1, 0] == 0.0 and math.isnan(grid[1, 1])
+    path = plot_niah_heatmap(recs, tmp_path / "h" / "heatmap.png", "smollm2 / SnapKV / budget 0.25")
+    assert path.read_bytes()[:4] == b"\x89PNG" and path.stat().st_size > 5000
+
+
+def test_notebook_executes_on_fixture(tree, tmp_path):
+    execute_figures_notebook(tree, tmp_path / "nb", figures=["selkv_fig4", "niah_panel_*"])
+    assert (tmp_path / "nb" / "selkv_fig4.png").stat().st_size > 5000
+    assert (tmp_path / "nb" / "niah_panel_smollm2.png").exists() and not (tmp_path / "nb" / "selkv_fig2.png").exists()
+
+
+class FakeResult:
+    def __init__(self, n, budget):
+        kept = n if budget >= 1 else int(n * budget)
+        self.prefill_s, self.compress_s, self.decode_s = n / 1000, 0.0 if budget >= 1 else 0.01, 1.0
+        self.generated_tokens, self.decode_tok_s = 8, 8.0
+        self.cache_bytes_before, self.cache_bytes_after, self.peak_rss_bytes = 10 * n, 10 * kept, 123
+
+
+class FakeEngine:
+    """Stands in for kvbench.engine.Engine (generate(prompt_ids, max_new_tokens, stop_ids))."""
+
+    calls: list = []
+
+    def __init__(self, method_cfg, budget=0.25):
+        self.budget = 1.0 if method_cfg["name"] == "full" else budget
+        self.model = type("M", (), {"config": type("C", (), {"vocab_size": 500, "max_position_embeddings": 1000})()})()
+
+    def generate(self, prompt_ids, max_new_tokens, stop_ids=None):
+        FakeEngine.calls.append((len(prompt_ids), max_new_tokens, stop_ids, max(prompt_ids) < 500))
+        return FakeResult(len(prompt_ids), self.budget)
+
+
+def test_latency_records_feed_figure3(tmp_path):
+    from kvbench import latency
+    from kvbench.report_figures import selkv_fig3
+
+    out = tmp_path / "latency.json"
+    recs = latency.run_latency({"name": "tiny"},
+                               {"full": {"name": "full", "label": "Full Cache"}, "snapkv": {"name": "snapkv"}},
+                               0.25, [256, 512, 1024], max_new_tokens=8, repeats=2, out=out,
+                               make_engine=FakeEngine, log=lambda _m: None)
+    assert json.loads(out.read_text()) == recs
+    assert [(r["method"], r["prompt_tokens"]) for r in recs[::2]] == [
+        ("Full Cache", 256), ("Full Cache", 512), ("snapkv", 256), ("snapkv", 512)]  # 1024 + 8 > 1000: skipped
+    assert recs[-1]["cache_bytes_after"] == 1280 and recs[-1]["peak_mem_bytes"] == 123 and recs[-1]["budget"] == 0.25
+    timed = [c for c in FakeEngine.calls if c[1] == 8]
+    assert len(timed) == 8 and all(stop == [] and in_vocab for _n, _m, stop, in_vocab in timed)
+    assert latency.default_lengths(5000) == [512, 1024, 2048, 4096]
+    (fig,) = selkv_fig3(recs, str(out))
+    report.write_figure(fig, tmp_path)
+    assert (tmp_path / "selkv_fig3.png").stat().st_size > 5000
+
+
+def test_report_cli_rejects_unknown_artifact(tree, capsys):
+    with pytest.raises(SystemExit) as e:
+        report.main([str(tree), "--only", "selkv_tabel1"])
+    assert e.value.code == 2 and "no such artifact" in capsys.readouterr().err

@@ -1,0 +1,104 @@
+"""slurm/make_joblist.py and the line handling of slurm/array.sbatch (no SLURM needed)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "slurm"))
+
+from make_joblist import SweepSpecError, expand, format_line, main  # noqa: E402
+
+
+def test_expand_is_the_cartesian_product_in_hydra_multirun_order():
+    jobs = expand(["method=snapkv,selkv", "budget=0.1,0.25", "task=niah"])
+    assert jobs == [
+        ["method=snapkv", "budget=0.1", "task=niah"],
+        ["method=snapkv", "budget=0.25", "task=niah"],
+        ["method=selkv", "budget=0.1", "task=niah"],
+        ["method=selkv", "budget=0.25", "task=niah"],
+    ]
+
+
+def test_expand_keeps_lists_and_plain_overrides_and_expands_range_and_choice():
+    jobs = expand(["task.context_lengths=[256,512]", "+seed=range(1,3)", "model=choice(smollm2,gemma3_270m)", "~run_tag"])
+    assert jobs == [
+        ["task.context_lengths=[256,512]", "+seed=1", "model=smollm2", "~run_tag"],
+        ["task.context_lengths=[256,512]", "+seed=1", "model=gemma3_270m", "~run_tag"],
+        ["task.context_lengths=[256,512]", "+seed=2", "model=smollm2", "~run_tag"],
+        ["task.context_lengths=[256,512]", "+seed=2", "model=gemma3_270m", "~run_tag"],
+    ]
+
+
+def test_shards_split_every_job_and_stay_next_to_each_other():
+    jobs = expand(["method=full,snapkv"], shards=3)
+    assert jobs == [
+        ["method=full", "shard.index=0", "shard.count=3"],
+        ["method=full", "shard.index=1", "shard.count=3"],
+        ["method=full", "shard.index=2", "shard.count=3"],
+        ["method=snapkv", "shard.index=0", "shard.count=3"],
+        ["method=snapkv", "shard.index=1", "shard.count=3"],
+        ["method=snapkv", "shard.index=2", "shard.count=3"],
+    ]
+
+
+@pytest.mark.parametrize("bad", ["budget=interval(0,1)", "method=glob(*)", "budget=[0.1,"])
+def test_unexpandable_sweeps_are_rejected_with_the_override_named(bad):
+    with pytest.raises(SweepSpecError):
+        expand([bad])
+
+
+def test_zero_shards_is_rejected():
+    with pytest.raises(SweepSpecError, match="--shards=0"):
+        expand(["method=full"], shards=0)
+
+
+def test_format_line_quotes_only_what_the_shell_would_mangle():
+    assert format_line(["method=snapkv", "task.depth_percents=[10,50]", "run_tag=a b"]) == (
+        "method=snapkv 'task.depth_percents=[10,50]' 'run_tag=a b'"
+    )
+
+
+def test_main_writes_one_line_per_job(tmp_path, capsys):
+    out = tmp_path / "jobs.txt"
+    assert main(["method=full,snapkv", "budget=0.5", "-o", str(out)]) == 0
+    assert out.read_text() == "method=full budget=0.5\nmethod=snapkv budget=0.5\n"
+    assert "sbatch --array=1-2%16 slurm/array.sbatch" in capsys.readouterr().err
+    assert main(["budget=interval(0,1)"]) == 2
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="bash not found")
+@pytest.mark.parametrize("task_id", [1, 2])
+def test_array_sbatch_runs_run_py_with_the_overrides_of_its_line(tmp_path, task_id):
+    # A stand-in run.py that records its argv, run by array.sbatch outside SLURM.
+    (tmp_path / "run.py").write_text("import json, sys\nprint(json.dumps(sys.argv[1:]))\n")
+    jobs = [["method=full", "task.depth_percents=[10,50]"], ["method=snapkv", "run_tag=a b", "+note='x y'"]]
+    joblist = tmp_path / "jobs.txt"
+    joblist.write_text("".join(format_line(job) + "\n" for job in jobs))
+    env = dict(
+        os.environ, SLURM_ARRAY_TASK_ID=str(task_id), SLURM_SUBMIT_DIR=str(tmp_path), KVBENCH_PYTHON=sys.executable
+    )
+    env.pop("SLURM_CPUS_PER_TASK", None)
+    proc = subprocess.run(
+        ["bash", str(ROOT / "slurm" / "array.sbatch"), str(joblist)], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == jobs[task_id - 1]
+
+
+def test_array_sbatch_rejects_a_task_id_past_the_end_of_the_list(tmp_path):
+    joblist = tmp_path / "jobs.txt"
+    joblist.write_text("method=full\n")
+    env = dict(os.environ, SLURM_ARRAY_TASK_ID="2", SLURM_SUBMIT_DIR=str(tmp_path), KVBENCH_PYTHON=sys.executable)
+    proc = subprocess.run(
+        ["bash", str(ROOT / "slurm" / "array.sbatch"), str(joblist)], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 2
+    assert "has no line 2" in proc.stderr
