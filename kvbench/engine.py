@@ -19,6 +19,7 @@ import torch
 from methods.base import Method
 
 from .attention import CompressionState, build_decode_bias
+from .kvcache import preallocated_cache
 from .models import LoadedModel
 
 
@@ -119,6 +120,8 @@ class Engine:
         self.budget = budget
         self._rotary = self._make_rotary()
         self.record_logits = False  # tests: keep every step's logits in ``last_logits``
+        self.preallocate = True  # decode into a preallocated cache (kvbench.kvcache); False: DynamicCache
+        self.reference_decode = False  # tests: decode attention through the reference path
         self.last_state: CompressionState | None = None  # the state of the last generation (tests, cross-checks)
         self.last_logits: list[torch.Tensor] = []
 
@@ -169,11 +172,14 @@ class Engine:
         n = len(prompt_ids)
         if n == 0:
             raise ValueError("empty prompt: nothing to prefill")
-        cache = DynamicCache(config=model.config)
+        if self.preallocate:
+            cache = preallocated_cache(model.config, reserve=max_new_tokens + 1)
+        else:
+            cache = DynamicCache(config=model.config)
         plan = self.method.plan(n, self.budget, layout)
         state = CompressionState(
             method=self.method, plan=plan, layout=layout, cache=cache, rotary=self._rotary,
-            max_new_tokens=max_new_tokens,
+            max_new_tokens=max_new_tokens, reference_decode=self.reference_decode,
         )
         sync = dev.type == "cuda"
         if sync:
@@ -203,28 +209,32 @@ class Engine:
         self.last_state = state
         self.last_logits = []
         tokens: list[int] = []
+        # Decode inputs stay on the device: the next token is the argmax tensor itself and the
+        # positions are slices of one tensor, so a step's only host-device sync is reading the
+        # token (and the finiteness flag with it) for the stop test.
+        positions = torch.arange(next_pos, next_pos + max(1, max_new_tokens), device=dev)
+        stop_index = torch.tensor(sorted(stops), dtype=torch.long, device=dev)
         t1 = time.perf_counter()
         for step in range(max_new_tokens):
             if self.record_logits:
                 self.last_logits.append(logits.float().clone())
-            if not torch.isfinite(logits).all():
+            masked = logits.index_fill(0, stop_index, float("-inf")) if step < min_new_tokens and stops else logits
+            next_tok = masked.argmax().view(1, 1)
+            tok, finite = torch.stack([next_tok[0, 0], torch.isfinite(logits).all().long()]).tolist()
+            if not finite:
                 raise NonFiniteLogitsError(f"non-finite logits at decode step {step}")
-            if step < min_new_tokens and stops:
-                logits = logits.clone()
-                logits[list(stops)] = float("-inf")
-            tok = int(logits.argmax())
             if tok in stops:
                 break
             tokens.append(tok)
             if step == max_new_tokens - 1:
                 break
-            pos = next_pos + step
+            pos = positions[step : step + 1]
             out = model(
-                input_ids=torch.tensor([[tok]], device=dev),
+                input_ids=next_tok,
                 past_key_values=cache,
                 use_cache=True,
-                position_ids=torch.tensor([[pos]], device=dev),
-                cache_position=torch.tensor([pos], device=dev),
+                position_ids=pos.view(1, 1),
+                cache_position=pos,
                 kvbench_state=state,
             )
             logits = out.logits[0, -1]

@@ -27,8 +27,14 @@ class RecordingF:
 
     def scaled_dot_product_attention(self, query, key, value, attn_mask=None, **kw):
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, **kw)
-        if query.shape[2] == 1:
-            self.calls.append({"q": query, "k": key, "v": value, "mask": attn_mask, "out": out, "scale": kw.get("scale")})
+        if not kw.get("enable_gqa"):  # a decode step (prefill calls pass enable_gqa=True)
+            # the decode fast path puts each GQA group's G query heads as rows: (B, H_kv, G, ·);
+            # record in the per-query-head layout (B, H_q, 1, ·), query head h = kv·G + g
+            b, h_kv, g, _ = query.shape
+            as_heads = lambda x: x.reshape(b, h_kv * g, 1, x.shape[-1])  # noqa: E731
+            mask = as_heads(attn_mask.expand(b, h_kv, g, key.shape[2])) if attn_mask is not None else None
+            self.calls.append({"q": as_heads(query), "k": key, "v": value, "mask": mask, "out": as_heads(out),
+                               "scale": kw.get("scale")})
         return out
 
 

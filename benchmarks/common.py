@@ -1,0 +1,403 @@
+"""Shared pieces of the benchmark suite: settings, model loading, prompts, measurements, tables.
+
+Units: seconds (``*_s``), milliseconds (``*_ms``), bytes (``*_bytes``), tokens (``n``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import platform
+import resource
+import shutil
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+FULL_LENGTHS = [1024, 2048, 4096, 8000]  # "1k, 2k, 4k, 8k": 8000 leaves decode room in an 8192-token context
+QUICK_LENGTHS = [256, 512]
+RATIO_25 = 0.25  # the "25 % cache": retention ratio of prompt tokens
+
+NEEDLE = "The best thing to do in San Francisco is eat a sandwich and sit in Dolores Park on a sunny day."
+QUESTION = "What is the best thing to do in San Francisco? Answer in one sentence."
+
+
+@dataclass
+class Settings:
+    """Command-line settings shared by the main process and its workers.
+
+    Attributes:
+        quick: short lengths and few repetitions (development runs, about a minute or two).
+        model: a ``conf/model/<name>.yaml`` name or a path to such a YAML file.
+        device: ``auto``, ``cpu``, ``cuda``, ``cuda:1``.
+        out: output folder (JSON per benchmark, worker logs, the converted-model cache).
+        threads: torch intra-op threads (None: torch's default).
+        kvpress_python: interpreter with kvpress installed for the ``kvpress`` benchmark (None: this one).
+    """
+
+    quick: bool = False
+    model: str = "smollm2"
+    device: str = "cpu"
+    out: str = str(ROOT / "benchmarks" / "out")
+    threads: int | None = None
+    kvpress_python: str | None = None
+
+    @property
+    def lengths(self) -> list[int]:
+        return QUICK_LENGTHS if self.quick else FULL_LENGTHS
+
+    @property
+    def new_tokens(self) -> int:
+        """Tokens generated per sample (all of them: stop tokens are disabled in benchmarks)."""
+        return 8 if self.quick else 32
+
+    @property
+    def reps(self) -> int:
+        """Repetitions of in-process timings (median reported)."""
+        return 2 if self.quick else 5
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> "Settings":
+        return cls(**json.loads(text))
+
+
+def apply_threads(settings: Settings) -> None:
+    """Set torch's intra-op threads when the user asked for a number."""
+    import torch
+
+    if settings.threads:
+        torch.set_num_threads(int(settings.threads))
+
+
+# --- model -------------------------------------------------------------------------------
+
+
+def model_config(name_or_path: str) -> dict[str, Any]:
+    """The model node: ``conf/model/<name>.yaml`` or a YAML file path.
+
+    Raises:
+        SystemExit: no such config (one line naming the accepted names).
+    """
+    import yaml
+
+    path = Path(name_or_path)
+    if not path.suffix:
+        path = ROOT / "conf" / "model" / f"{name_or_path}.yaml"
+    if not path.is_file():
+        names = sorted(p.stem for p in (ROOT / "conf" / "model").glob("*.yaml"))
+        raise SystemExit(f"error: --model={name_or_path}: no such model config; accepted values are {', '.join(names)}")
+    return dict(yaml.safe_load(path.read_text()))
+
+
+def _gguf_cache_dir(model_cfg: dict, cache_root: Path) -> Path | None:
+    from transformers import __version__ as tf_version
+
+    from kvbench.models import resolve_source
+
+    folder, gguf_file = resolve_source(model_cfg)
+    if not gguf_file:
+        return None
+    gguf = Path(folder) / gguf_file
+    size = gguf.stat().st_size
+    with open(gguf, "rb") as f:  # content key (the same file installed in two environments shares the copy)
+        head = f.read(1 << 20)
+        f.seek(max(0, size - (1 << 20)))
+        tail = f.read()
+    key = hashlib.sha1(head + tail + f"|{size}|{tf_version}".encode()).hexdigest()[:10]
+    return cache_root / f"{model_cfg.get('name', 'model')}-{key}"
+
+
+def local_model_config(settings: Settings) -> dict[str, Any]:
+    """The model node, pointing at a dequantized copy of GGUF weights (converted once, cached).
+
+    transformers dequantizes a GGUF file and converts its tokenizer on every load (about two
+    minutes on 2 CPU cores for SmolLM2-135M); the suite loads the model in many processes,
+    so it saves the converted model once under ``<out>/.model_cache/`` and loads that folder
+    (identical weights, tokenizer and config). Non-GGUF sources are returned unchanged.
+    """
+    cfg = model_config(settings.model)
+    cache = _gguf_cache_dir(cfg, Path(settings.out) / ".model_cache")
+    if cache is None:
+        return cfg
+    if not (cache / "config.json").is_file():
+        from kvbench.models import load_model
+
+        log(f"converting {cfg.get('source')} ({cfg.get('gguf_file')}) once into {cache} ...")
+        loaded = load_model(cfg, "cpu")
+        tmp = cache.with_name(cache.name + f".tmp{os.getpid()}")
+        loaded.model.save_pretrained(tmp)
+        loaded.tokenizer.save_pretrained(tmp)
+        if cache.exists():
+            shutil.rmtree(tmp)
+        else:
+            tmp.rename(cache)
+    return dict(cfg, source=str(cache), gguf_file=None, converted_from=str(cfg.get("source")))
+
+
+def load(settings: Settings):
+    """Load the benchmark model (:class:`kvbench.models.LoadedModel`) on ``settings.device``."""
+    from kvbench.models import load_model
+
+    return load_model(local_model_config(settings), settings.device)
+
+
+def build_method(name: str, layout, **overrides):
+    """A method from its Hydra node ``conf/method/<name>.yaml`` (+ overrides), as a job builds it.
+
+    Raises:
+        ConfigError / KeyError / ImportError / FileNotFoundError: the method is not available.
+    """
+    import yaml
+
+    from kvbench.validate import build_method as _build
+
+    path = ROOT / "conf" / "method" / f"{name}.yaml"
+    node = dict(yaml.safe_load(path.read_text())) if path.is_file() else {"name": name}
+    node.update(overrides)
+    return _build(node, layout)
+
+
+def method_available(name: str) -> str | None:
+    """None when ``name`` is in the methods registry, else the reason it is not."""
+    import methods
+
+    return None if name in methods.available() else "not available (not in the methods registry)"
+
+
+# --- prompts -----------------------------------------------------------------------------
+
+_HAYSTACK_IDS: dict[int, list[int]] = {}
+
+
+@dataclass
+class Prompt:
+    """A needle-in-a-haystack prompt of about ``n`` tokens, the question inside.
+
+    Attributes:
+        context: the user message text (haystack with the needle, then the question).
+        ids: the prompt token ids (chat template applied when the tokenizer has one).
+    """
+
+    context: str
+    ids: list[int]
+
+
+def _wrap(tokenizer, context: str) -> str:
+    if getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template(
+            [{"role": "user", "content": context}], add_generation_prompt=True, tokenize=False
+        )
+    return context + "\nAnswer:"
+
+
+def build_prompt(tokenizer, n_tokens: int) -> Prompt:
+    """A prompt of ``n_tokens`` tokens (± a few at the joins): embedded haystack, needle at 50 %, question.
+
+    The haystack is the embedded one of the NIAH task (``eval.niah.embedded_haystack``: real
+    prose shipped with Python), so the suite needs no data files or network.
+    """
+    from eval.niah import embedded_haystack
+
+    key = id(tokenizer)
+    if key not in _HAYSTACK_IDS:
+        _HAYSTACK_IDS[key] = tokenizer.encode(embedded_haystack(), add_special_tokens=False)
+    hay = _HAYSTACK_IDS[key]
+    frame = len(tokenizer.encode(_wrap(tokenizer, f"{NEEDLE}\n\n{QUESTION}"), add_special_tokens=False))
+    budget = max(2, n_tokens - frame)
+    ids: list[int] = []
+    context = ""
+    for _ in range(3):  # re-tokenising decoded text shifts a few tokens: correct twice
+        half = budget // 2
+        context = (
+            tokenizer.decode(hay[:half]) + f" {NEEDLE} " + tokenizer.decode(hay[half:budget]) + f"\n\n{QUESTION}"
+        )
+        ids = tokenizer.encode(_wrap(tokenizer, context), add_special_tokens=False)
+        if len(ids) == n_tokens:
+            break
+        budget = max(2, budget + n_tokens - len(ids))
+    return Prompt(context=context, ids=ids)
+
+
+# --- measurements ------------------------------------------------------------------------
+
+
+def rss_now() -> int:
+    """Current resident set size of this process (bytes)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def rss_peak() -> int:
+    """Peak resident set size of this process so far (bytes, ``ru_maxrss``; monotonic)."""
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+def median_time(fn: Callable[[], Any], reps: int, warmup: int = 1) -> float:
+    """Median wall seconds of ``fn()`` over ``reps`` calls after ``warmup`` calls."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def read_bandwidth(device: str = "cpu", nbytes: int = 256 << 20, reps: int = 7) -> float:
+    """Sustained read bandwidth (bytes/s) of this machine, with torch's intra-op threads.
+
+    A ``nbytes`` float32 tensor (256 MiB, far beyond any CPU cache) is read by two kernels,
+    ``x.sum()`` and a matrix-vector product ``x.view(-1, 1024) @ v`` (the decode step's own
+    access pattern); each is timed by its median over ``reps`` calls and the faster one
+    counts (torch's float32 sum uses cascaded accumulators and can be compute-bound on
+    one core, which would understate the bandwidth and flatter the floor).
+    """
+    import torch
+
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    dev = torch.device(device)
+    x = torch.ones(nbytes // 4, dtype=torch.float32, device=dev)
+    v = torch.ones(1024, dtype=torch.float32, device=dev)
+    mat = x.view(-1, 1024)
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+
+    def run_sum():
+        x.sum()
+        sync()
+
+    def run_mv():
+        torch.mv(mat, v)
+        sync()
+
+    with torch.inference_mode():
+        t = min(median_time(run_sum, reps, warmup=2), median_time(run_mv, reps, warmup=2))
+    del x, mat
+    return nbytes / t
+
+
+def weight_bytes(model) -> int:
+    """Bytes of the model's parameters (tied embeddings counted once: each is read once per step)."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def machine_info(settings: Settings) -> dict[str, Any]:
+    """CPU model, cores, RAM, load, library versions and date, for the report header."""
+    import torch
+    import transformers
+
+    cpu = platform.processor() or "unknown"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    mem = 0
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal"):
+                mem = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    info = {
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "ram_bytes": mem,
+        "load_average": list(os.getloadavg()),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "torch_threads": torch.get_num_threads(),
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "(default)"),
+        "device": settings.device,
+        "model": settings.model,
+        "quick": settings.quick,
+    }
+    if settings.device.startswith("cuda") and torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name()
+    return info
+
+
+# --- results -----------------------------------------------------------------------------
+
+
+@dataclass
+class Target:
+    """One acceptance target: ``measured`` against ``target`` (a readable bound such as ``≤ 1.05×``)."""
+
+    name: str
+    measured: str
+    target: str
+    passed: bool | None  # None: not measured (skipped)
+    note: str = ""
+
+    @property
+    def verdict(self) -> str:
+        return "SKIP" if self.passed is None else ("PASS" if self.passed else "FAIL")
+
+
+@dataclass
+class BenchResult:
+    """What one benchmark returns: a printed table, its targets and the raw data for JSON."""
+
+    name: str
+    title: str
+    headers: list[str] = field(default_factory=list)
+    rows: list[list[Any]] = field(default_factory=list)
+    targets: list[Target] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    data: dict[str, Any] = field(default_factory=dict)
+    skipped: str | None = None
+    seconds: float = 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["targets"] = [dict(dataclasses.asdict(t), verdict=t.verdict) for t in self.targets]
+        return d
+
+
+def fmt(value: Any, digits: int = 3) -> str:
+    """Compact table cell: floats to ``digits`` significant decimals, None as ``-``."""
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        if value == 0:
+            return "0"
+        if abs(value) >= 100:
+            return f"{value:.0f}"
+        return f"{value:.{digits}g}" if abs(value) < 1 else f"{value:.{digits}f}".rstrip("0").rstrip(".")
+    return str(value)
+
+
+def table(headers: list[str], rows: list[list[Any]]) -> str:
+    """A plain-text table (also valid Markdown)."""
+    cells = [[fmt(c) for c in r] for r in rows]
+    widths = [max(len(h), *(len(r[i]) for r in cells)) if cells else len(h) for i, h in enumerate(headers)]
+    line = lambda vals: "| " + " | ".join(v.ljust(w) for v, w in zip(vals, widths)) + " |"  # noqa: E731
+    out = [line(headers), "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
+    out += [line(r) for r in cells]
+    return "\n".join(out)
+
+
+def log(msg: str) -> None:
+    """Progress line on stderr (stdout carries tables and worker JSON)."""
+    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+MB = 1e6

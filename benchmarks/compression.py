@@ -1,0 +1,159 @@
+"""Compression overhead per method: compression time as a fraction of prefill time, and its scaling.
+
+For each prompt length one prefill runs through the engine with a recording method that
+keeps everything and stores each layer's :class:`methods.base.LayerContext` (its own
+``prefill_s`` excludes the recording). Then every available method compresses those same
+contexts, as the engine does at the end of each layer's prefill: ``plan``, per compressible
+layer ``compress`` plus writing the result into a (preallocated) cache layer, then
+``finalize`` when the method has one. That time over the prefill time is the overhead.
+Budget: 25 % retention ratio. Target: ≤ 5 % at 4k for every method. The exponent of
+compression time vs prompt length is the least-squares slope of log time on log length
+(1 = linear; we flag > 1.2).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from typing import Any, ClassVar
+
+from .common import RATIO_25, BenchResult, Target, build_method, build_prompt, log, method_available
+from .context import Context
+
+NAME = "compression"
+TITLE = "Compression overhead per method (fraction of prefill time) and scaling with prompt length"
+METHODS = ["snapkv", "pyramidkv", "adakv", "headkv", "lookm", "selkv", "compresskv"]
+FULL_LENGTHS = [2048, 4096, 8000]
+TARGET_FRACTION = 0.05
+TARGET_LENGTH = 4096
+MAX_EXPONENT = 1.2
+
+
+def _recorder(layout, window: int):
+    from methods.base import CompressResult, Method, Plan
+
+    class Recorder(Method):
+        """Keeps every token and records each layer's context (window = the largest any method needs)."""
+
+        name: ClassVar[str] = "recorder"
+
+        def __init__(self):
+            super().__init__(None, layout)
+            self.contexts: dict[int, Any] = {}
+
+        @property
+        def window_size(self) -> int:
+            return window
+
+        def plan(self, n_tokens, budget, layout_):
+            return Plan(layer_budgets=[n_tokens] * layout_.num_layers, compress=True)
+
+        def compress(self, ctx):
+            self.contexts[ctx.layer_idx] = ctx
+            return CompressResult(keys=ctx.keys, values=ctx.values)
+
+    return Recorder()
+
+
+def _compress_all(method, contexts: dict[int, Any], n: int, layout, reserve: int) -> float:
+    """Seconds to plan and compress every recorded layer with ``method`` (as the engine would)."""
+    from kvbench.kvcache import PreallocatedLayer, store_layer
+
+    t0 = time.perf_counter()
+    plan = method.plan(n, RATIO_25, layout)
+    results = {}
+    for i, ctx in contexts.items():
+        w = min(method.window_size, n)
+        layer_ctx = dataclasses.replace(
+            ctx,
+            window_queries=ctx.window_queries[:, :, ctx.window_queries.shape[2] - w:],
+            budget=int(plan.layer_budgets[i]),
+            head_budget=plan.head_budgets[i] if plan.head_budgets is not None else None,
+            artifacts=method.artifacts,
+        )
+        result = method.compress(layer_ctx)
+        result.keys, result.values = store_layer(PreallocatedLayer(reserve), result.keys, result.values)
+        results[i] = result
+    finalize = getattr(method, "finalize", None)
+    if callable(finalize):
+        finalize(results)
+    return time.perf_counter() - t0
+
+
+def fit_exponent(lengths: list[int], seconds: list[float]) -> float | None:
+    """Least-squares slope of log(seconds) on log(length): t ∝ n^slope."""
+    pts = [(math.log(n), math.log(t)) for n, t in zip(lengths, seconds) if t and t > 0]
+    if len(pts) < 2:
+        return None
+    mx = sum(x for x, _ in pts) / len(pts)
+    my = sum(y for _, y in pts) / len(pts)
+    den = sum((x - mx) ** 2 for x, _ in pts)
+    return sum((x - mx) * (y - my) for x, y in pts) / den if den else None
+
+
+def run(ctx: Context) -> BenchResult:
+    import torch
+
+    from kvbench.engine import Engine
+
+    s = ctx.settings
+    loaded = ctx.loaded
+    layout = loaded.layout
+    lengths = s.lengths if s.quick else FULL_LENGTHS
+    methods: dict[str, Any] = {}
+    unavailable: dict[str, str] = {}
+    for name in METHODS:
+        why = method_available(name)
+        if why is None:
+            try:
+                methods[name] = build_method(name, layout)
+            except Exception as e:  # noqa: BLE001 - any construction failure means "cannot benchmark it"
+                why = f"not available ({type(e).__name__}: {str(e).splitlines()[0][:120]})"
+        if why:
+            unavailable[name] = why
+            log(f"compression: {name}: {why}")
+    window = max([m.window_size for m in methods.values()] + [1])
+    prefill: dict[int, float] = {}
+    seconds: dict[str, dict[int, float]] = {m: {} for m in methods}
+    reps = 2
+    for n in lengths:
+        rec = _recorder(layout, window)
+        prompt = build_prompt(loaded.tokenizer, n)
+        Engine(loaded, rec, 1.0).generate(prompt.ids[:128], 1, stop_ids=[])  # warm-up
+        rec.contexts.clear()
+        r = Engine(loaded, rec, 1.0).generate(prompt.ids, 1, stop_ids=[])
+        prefill[n] = r.prefill_s
+        with torch.inference_mode():
+            for name, m in methods.items():
+                times = [_compress_all(m, rec.contexts, r.prompt_tokens, layout, s.new_tokens + 1) for _ in range(reps)]
+                seconds[name][n] = sorted(times)[len(times) // 2]
+        log(f"compression: n={n} prefill {prefill[n]:.2f} s; " +
+            ", ".join(f"{k} {v[n] * 1000:.0f} ms" for k, v in seconds.items()))
+        del rec
+    res = BenchResult(
+        NAME, TITLE,
+        headers=["method"] + [f"{n} tok: ms (% prefill)" for n in lengths] + ["exponent"],
+        data={"prefill_s": prefill, "compress_s": seconds, "unavailable": unavailable, "budget": RATIO_25},
+    )
+    target_n = TARGET_LENGTH if TARGET_LENGTH in lengths else lengths[-1]
+    for name in METHODS:
+        if name in unavailable:
+            res.rows.append([name] + [unavailable[name]] + [""] * len(lengths))
+            res.targets.append(Target(f"{name}: compression / prefill at {target_n} tokens", "-",
+                                      f"≤ {TARGET_FRACTION:.0%}", None, unavailable[name]))
+            continue
+        per = seconds[name]
+        expo = fit_exponent(lengths, [per[n] for n in lengths])
+        res.data.setdefault("exponent", {})[name] = expo
+        res.rows.append([name] + [f"{per[n] * 1000:.1f} ({100 * per[n] / prefill[n]:.2f} %)" for n in lengths] + [expo])
+        frac = per[target_n] / prefill[target_n]
+        res.targets.append(Target(f"{name}: compression / prefill at {target_n} tokens", f"{100 * frac:.2f} %",
+                                  f"≤ {TARGET_FRACTION:.0%}", frac <= TARGET_FRACTION))
+        if expo is not None:
+            res.targets.append(Target(f"{name}: exponent of compression time vs prompt length", f"{expo:.2f}",
+                                      f"≈ 1 (≤ {MAX_EXPONENT})", expo <= MAX_EXPONENT))
+    res.rows.append(["(prefill s)"] + [f"{prefill[n]:.2f}" for n in lengths] + [fit_exponent(lengths, [prefill[n] for n in lengths])])
+    res.notes.append("compression = plan + per-layer compress + write into the cache (+ finalize), on the contexts "
+                     "recorded from one engine prefill per length; median of 2; budget 25 %.")
+    return res

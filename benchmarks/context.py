@@ -1,0 +1,90 @@
+"""The run context shared by the benchmarks of one ``python -m benchmarks`` invocation.
+
+It loads the model in this process once (for in-process timings) and runs engine
+configurations in worker processes, memoised: the ``engine``, ``decode`` and ``memory``
+benchmarks share the runs they have in common (e.g. SnapKV at 25 % and 8k tokens).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from .common import ROOT, Settings, load, local_model_config, log
+from .worker import MARKER
+
+
+class WorkerError(RuntimeError):
+    """A worker process failed; the message names the configuration and its log file."""
+
+
+def worker_env() -> dict[str, str]:
+    """Environment for child processes: offline, quiet, same thread settings."""
+    env = dict(os.environ)
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    env.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env
+
+
+class Context:
+    """Settings, the in-process model, and memoised worker runs."""
+
+    def __init__(self, settings: Settings):
+        self.settings = settings
+        self.out = Path(settings.out)
+        self.logs = self.out / "logs"
+        self.logs.mkdir(parents=True, exist_ok=True)
+        self._loaded = None
+        self._runs: dict[str, dict[str, Any]] = {}
+        local_model_config(settings)  # convert a GGUF model once, before any worker starts
+
+    @property
+    def loaded(self):
+        """The benchmark model loaded in this process (:class:`kvbench.models.LoadedModel`)."""
+        if self._loaded is None:
+            self._loaded = load(self.settings)
+        return self._loaded
+
+    def engine_run(self, method: str, budget: float, n: int, new_tokens: int | None = None, **overrides) -> dict[str, Any]:
+        """One configuration in a fresh worker process (memoised); see :mod:`benchmarks.worker`.
+
+        Raises:
+            WorkerError: the worker failed (its log file is named).
+        """
+        spec = {
+            "settings": json.loads(self.settings.to_json()),
+            "method": method,
+            "overrides": overrides,
+            "budget": budget,
+            "n": n,
+            "new_tokens": new_tokens or self.settings.new_tokens,
+            "bandwidth": True,
+        }
+        key = json.dumps(spec, sort_keys=True)
+        if key in self._runs:
+            return self._runs[key]
+        tag = f"{method}-{budget}-{n}"
+        log_path = self.logs / f"worker-{tag}.log"
+        log(f"worker: {method} budget={budget} n={n} ...")
+        t0 = time.perf_counter()
+        with open(log_path, "w") as err:
+            proc = subprocess.run(
+                [sys.executable, "-m", "benchmarks.worker", key],
+                cwd=ROOT, env=worker_env(), stdout=subprocess.PIPE, stderr=err, text=True,
+            )
+        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(MARKER)]
+        if proc.returncode != 0 or not lines:
+            tail = log_path.read_text(errors="replace").strip().splitlines()[-1:] or ["(no output)"]
+            raise WorkerError(f"{tag}: worker exited with {proc.returncode}: {tail[0]} (log: {log_path})")
+        result = json.loads(lines[-1][len(MARKER):])
+        result["worker_s"] = time.perf_counter() - t0
+        self._runs[key] = result
+        log(f"worker: {tag} done in {result['worker_s']:.0f} s")
+        return result

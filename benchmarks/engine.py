@@ -1,0 +1,40 @@
+"""Engine: prefill, compression and decode time and peak memory vs context length, ``full`` and ``snapkv``.
+
+Each (method, length) runs in a fresh worker process (:mod:`benchmarks.worker`): one warm-up
+on a short prompt, then one sample of ``n`` prompt tokens and ``new_tokens`` generated tokens
+(stop tokens disabled). SnapKV runs with its Hydra node (``conf/method/snapkv.yaml``) at a
+retention ratio of 25 %. No targets (issue 2's benchmark): the table is the result.
+"""
+
+from __future__ import annotations
+
+from .common import MB, RATIO_25, BenchResult
+from .context import Context
+
+NAME = "engine"
+TITLE = "Engine: prefill / compression / decode time and peak memory vs context length"
+METHODS = [("full", 1.0), ("snapkv", RATIO_25)]
+
+
+def run(ctx: Context) -> BenchResult:
+    res = BenchResult(
+        NAME, TITLE,
+        headers=["method", "budget", "prompt tokens", "prefill s", "compress s", "decode s", "decode ms/step",
+                 "tok/s", "cache MB before", "cache MB after", "peak RSS MB"],
+    )
+    runs = []
+    for method, budget in METHODS:
+        for n in ctx.settings.lengths:
+            r = ctx.engine_run(method, budget, n)
+            runs.append(r)
+            res.rows.append([
+                method, budget, r["prompt_tokens"], r["prefill_s"], r["compress_s"], r["decode_s"],
+                r["decode_step_ms"], 1000 / r["decode_step_ms"] if r["decode_step_ms"] else None,
+                r["cache_bytes_before"] / MB, r["cache_bytes_after"] / MB, r["peak_bytes"] / MB,
+            ])
+    res.data["runs"] = runs
+    res.notes.append(
+        f"{ctx.settings.new_tokens} generated tokens per sample; decode ms/step = decode s / (tokens - 1) "
+        "(the first token comes from prefill); peak RSS is the worker process's peak (model included)."
+    )
+    return res
