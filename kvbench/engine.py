@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from methods.base import Method
+from methods.base import Method, apply_budget_floor
 
 from .attention import CompressionState, build_decode_bias
 from .kvcache import preallocated_cache
@@ -176,7 +176,7 @@ class Engine:
             cache = preallocated_cache(model.config, reserve=max_new_tokens + 1)
         else:
             cache = DynamicCache(config=model.config)
-        plan = self.method.plan(n, self.budget, layout)
+        plan = apply_budget_floor(self.method.plan(n, self.budget, layout), n, self.method.min_budget())
         state = CompressionState(
             method=self.method, plan=plan, layout=layout, cache=cache, rotary=self._rotary,
             max_new_tokens=max_new_tokens, reference_decode=self.reference_decode,

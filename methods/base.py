@@ -202,6 +202,34 @@ def resolve_budget(budget: float | int, n_tokens: int) -> int:
     return min(n_tokens, int(budget))
 
 
+def apply_budget_floor(plan: Plan, n_tokens: int, floor: int) -> Plan:
+    """Raise every layer (and head) budget of ``plan`` to what the method always keeps.
+
+    A small retention ratio can give fewer tokens than the method's fixed part (observation
+    window, recent window, attention sinks): ``budget=0.01`` of a 200-token prompt is 2 tokens
+    while SnapKV always keeps its W = 32 window tokens. As KVCache-Factory does with its
+    window-inclusive capacity, such layers keep ``min(n, floor)`` tokens instead; token
+    budgets below the floor are rejected before the model loads
+    (:func:`kvbench.validate.check_config`).
+
+    Args:
+        plan: the method's plan for this sample (not modified).
+        n_tokens: n, prompt length (tokens).
+        floor: :meth:`Method.min_budget` (tokens per KV head).
+
+    Returns:
+        The same plan when no budget is below ``min(n, floor)``, else a new :class:`Plan`
+        with the raised budgets (``compress=False`` when every layer then keeps all n).
+    """
+    low = min(n_tokens, max(int(floor), 0))
+    heads = plan.head_budgets
+    if min(plan.layer_budgets, default=low) >= low and (heads is None or int(heads.min()) >= low):
+        return plan
+    layers = [max(int(b), low) for b in plan.layer_budgets]
+    heads = None if heads is None else heads.clamp(min=low)
+    return Plan(layer_budgets=layers, head_budgets=heads, compress=plan.compress and min(layers) < n_tokens)
+
+
 def gather_tokens(x: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
     """Gather per-head token rows.
 

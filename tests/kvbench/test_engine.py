@@ -196,3 +196,31 @@ def test_cache_bytes_and_stats():
     assert res.cache_bytes_before == 2 * 40 * per_token
     assert res.cache_bytes_after == 2 * 20 * per_token
     assert res.kept_tokens == {"mean": 20.0, "min": 20.0, "max": 20.0}
+
+
+@pytest.mark.parametrize("budget", [1e-9, 0.01])
+def test_tiny_ratio_keeps_what_the_method_always_keeps(budget):
+    """0.01 × 60 = 0 tokens: every layer keeps SnapKV's W = 4 window tokens instead of failing."""
+    model = tiny_model("llama", n_kv=2, n_q=4, layers=2)
+    loaded = loaded_for(model)
+    ids = list(range(1, 61))
+    eng = Engine(loaded, SnapKV(SnapKVConfig(window_size=4, kernel_size=3), loaded.layout), budget)
+    res = eng.generate(ids, 3, stop_ids=[])
+    assert res.compressed and res.generated_tokens == 3
+    assert res.kept_tokens == {"mean": 4.0, "min": 4.0, "max": 4.0}
+    for i in loaded.layout.compressible_layers:
+        kept = eng.last_state.results[i].kept_indices
+        assert sorted(kept[0, 0].tolist()) == [56, 57, 58, 59]  # exactly the observation window
+
+
+def test_budget_floor_on_plans():
+    from methods.base import apply_budget_floor
+
+    plan = Plan(layer_budgets=[0, 5, 40], head_budgets=torch.tensor([[1, 9], [3, 3], [40, 40]]))
+    out = apply_budget_floor(plan, n_tokens=50, floor=4)
+    assert out.layer_budgets == [4, 5, 40] and out.compress
+    assert out.head_budgets.tolist() == [[4, 9], [4, 4], [40, 40]]
+    assert apply_budget_floor(plan, n_tokens=3, floor=4).layer_budgets == [3, 5, 40]  # never above n
+    assert not apply_budget_floor(Plan(layer_budgets=[1, 2]), n_tokens=3, floor=4).compress  # all layers keep all n
+    same = Plan(layer_budgets=[6, 7])
+    assert apply_budget_floor(same, 50, 4) is same
