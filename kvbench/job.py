@@ -225,12 +225,12 @@ def run_job(cfg: dict, method_preset: str | None = None, method_overrides: list[
         store.repair()  # a truncated last line (kill -9 mid-write) is moved aside and its sample redone
         store.clean_stale_temp()  # temp files of atomic writes interrupted by a kill
         config_text = OmegaConf.to_yaml(OmegaConf.create(cfg))
-        done_summary = _complete_summary(store, config_text)
+        done_summary = _complete_summary(store, cfg)
         if done_summary is not None:  # a resubmitted sweep: this job is finished, no model load
             log.info("job %s: already complete (%d samples stored); nothing to do", relpath, done_summary["n_samples"])
             print_summary(done_summary, store.path)
             return EXIT_SAMPLE_FAILED if done_summary["n_failed"] else EXIT_OK
-        store.write_config(config_text)
+        store.write_config(config_text, same=lambda stored: _same_run(stored, cfg))
         random.seed(cfg.get("seed", 0))
         torch.manual_seed(int(cfg.get("seed", 0)))
         try:
@@ -241,7 +241,9 @@ def run_job(cfg: dict, method_preset: str | None = None, method_overrides: list[
         method.layout = loaded.layout
         method.check_layout(loaded.layout)
         max_input = int(cfg["task"].get("max_length") or loaded.max_input_length)
-        task = tasks.get_task_class(cfg["task"]["name"])(cfg["task"], loaded.tokenizer, max_input)
+        task = tasks.get_task_class(cfg["task"]["name"])(
+            cfg["task"], loaded.tokenizer, max_input, encode=lambda s: encode_prompt(loaded, s)
+        )
         samples = list(task.samples())
         expected = [s.id for s in samples]
         mine = [s for i, s in enumerate(samples) if i % shard[1] == shard[0]]
@@ -271,8 +273,31 @@ def run_job(cfg: dict, method_preset: str | None = None, method_overrides: list[
     return EXIT_SAMPLE_FAILED if any_failed else EXIT_OK
 
 
-def _complete_summary(store: JobStore, config_text: str) -> dict | None:
-    """The stored summary when the job is complete with this very config (single shard), else None."""
+#: Keys that control how a job runs, not what it computes: a rerun that differs only in these
+#: is the same job (no new ``config.<time>.yaml``, and a finished job is not run again).
+RUN_CONTROL_KEYS = ("quiet", "lock_wait_s", "output_root")
+
+
+def _same_run(stored_text: str, cfg: dict) -> bool:
+    """Whether a stored ``config.yaml`` describes the same job as ``cfg`` (run-control keys aside)."""
+    import yaml
+
+    try:
+        stored = yaml.safe_load(stored_text)
+    except yaml.YAMLError:
+        return False
+    if not isinstance(stored, dict):
+        return False
+    ours = json.loads(json.dumps(cfg, default=str))
+    strip = lambda d: {k: v for k, v in d.items() if k not in RUN_CONTROL_KEYS}  # noqa: E731
+    return strip(stored) == strip(ours)
+
+
+def _complete_summary(store: JobStore, cfg: dict) -> dict | None:
+    """The stored summary when the job is complete with this very config (single shard), else None.
+
+    "This very config" ignores :data:`RUN_CONTROL_KEYS` (``quiet``, ``lock_wait_s``, ``output_root``).
+    """
     summary_path, config_path = store.path / "summary.json", store.path / "config.yaml"
     if store.shard[1] != 1 or not summary_path.exists() or not config_path.exists():
         return None
@@ -280,7 +305,7 @@ def _complete_summary(store: JobStore, config_text: str) -> dict | None:
         summary = json.loads(summary_path.read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError):
         return None
-    if not summary.get("complete") or config_path.read_text(encoding="utf-8") != config_text:
+    if not summary.get("complete") or not _same_run(config_path.read_text(encoding="utf-8"), cfg):
         return None
     if len(store.done_ids()) < int(summary.get("n_expected", 0)):
         return None

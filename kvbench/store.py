@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
@@ -283,11 +284,18 @@ class JobStore:
                 os.fsync(f.fileno())
 
     # --- metadata -----------------------------------------------------------------------
-    def write_config(self, text: str) -> Path:
-        """Write ``config.yaml``; if a different one is stored, keep it and write ``config.<time>.yaml``."""
+    def write_config(self, text: str, same: Callable[[str], bool] | None = None) -> Path:
+        """Write ``config.yaml``; if a different one is stored, keep it and write ``config.<time>.yaml``.
+
+        Args:
+            text: the job's resolved config as YAML.
+            same: optional test of the stored text; when it returns True the stored file is
+                kept as is (default: byte equality with ``text``).
+        """
         path = self.path / "config.yaml"
         if path.exists():
-            if path.read_text(encoding="utf-8") == text:
+            stored = path.read_text(encoding="utf-8")
+            if stored == text or (same is not None and same(stored)):
                 return path
             path = self.path / f"config.{time.strftime('%Y%m%d-%H%M%S')}.yaml"
         atomic_write(path, text)

@@ -170,3 +170,11 @@ def test_cli_failed_samples_are_isolated_exit_1_then_retried(tiny_model_dir, hay
     assert len(lines) == 9 and [r["id"] for r in lines[6:]] == ["niah/300/0", "niah/300/100", "niah/400/50"]
     summary = json.loads((job / "summary.json").read_text())
     assert (summary["n_samples"], summary["n_failed"], summary["complete"]) == (6, 0, True)
+    # A rerun that differs only in run-control keys is the same finished job: no model load,
+    # no second config file, nothing appended.
+    rerun = [a for a in args if a != "quiet=true"] + ["quiet=false", "lock_wait_s=5"]
+    out = run_cli(rerun)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "already complete" in out.stdout + out.stderr
+    assert sorted(p.name for p in job.glob("config*.yaml")) == ["config.yaml"]
+    assert len(read_lines(job / "predictions.jsonl")) == 9
