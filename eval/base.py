@@ -10,7 +10,7 @@ tensors) and scores predictions with the benchmark's official metric. The engine
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 
 class TaskConfigError(ValueError):
@@ -60,16 +60,26 @@ class Task:
 
     name: str = "task"
 
-    def __init__(self, cfg: dict, tokenizer: Any = None, max_input_tokens: int | None = None):
+    def __init__(
+        self,
+        cfg: dict,
+        tokenizer: Any = None,
+        max_input_tokens: int | None = None,
+        encode: Callable[[Sample], list[int]] | None = None,
+    ):
         """Args:
             cfg: the task's Hydra node as a plain dict (``conf/task/<name>.yaml``).
             tokenizer: the model's Hugging Face tokenizer (text in, token ids out), used for
                 truncation and lengths in tokens; may be None for :meth:`validate`-only use.
             max_input_tokens: the model's max input length (tokens) unless the task overrides it.
+            encode: the token ids the engine will prefill for a sample (chat template and special
+                tokens included; the job passes ``kvbench.job.encode_prompt``). None: the plain
+                tokenizer without special tokens.
         """
         self.cfg = dict(cfg)
         self.tokenizer = tokenizer
         self.max_input_tokens = max_input_tokens
+        self.encode = encode
 
     @classmethod
     def validate(cls, cfg: dict) -> None:

@@ -123,6 +123,7 @@ def rouge1_recall(prediction: str, answer: str) -> float:
     """ROUGE-1 recall × 100 of ``answer`` in ``prediction`` (``rouge-score``, no stemming)."""
     from rouge_score import rouge_scorer
 
+    logging.getLogger("absl").setLevel(logging.WARNING)  # its "Using default tokenizer." on every call
     scorer = rouge_scorer.RougeScorer(["rouge1"], use_stemmer=False)
     return 100.0 * scorer.score(answer, prediction)["rouge1"].recall
 
@@ -169,7 +170,12 @@ class NIAHTask(Task):
         haystack, self.haystack_source = load_haystack(self.cfg)
         hay_ids = tok.encode(haystack, add_special_tokens=False)
         needle_ids = tok.encode(self.cfg["needle"], add_special_tokens=False)
-        overhead = len(tok.encode(self._template().format(context="", question=self.cfg["question"]), add_special_tokens=False))
+        chat = self.cfg.get("prompt_style", "kvcf") == "chat"
+        frame = self._template().format(context="", question=self.cfg["question"])
+        if self.encode is not None:  # what the engine prefills: chat template / BOS included
+            overhead = len(self.encode(Sample(id="", dataset="niah", prompt=frame, max_new_tokens=0, answers=[], chat=chat)))
+        else:
+            overhead = len(tok.encode(frame, add_special_tokens=False))
         buffer = int(self.cfg.get("final_context_buffer", 0))
         limit = self.max_input_tokens or max(self.cfg["context_lengths"])
         self.skipped: list[dict[str, Any]] = []
@@ -195,7 +201,7 @@ class NIAHTask(Task):
                     prompt=prompt,
                     max_new_tokens=int(self.cfg.get("max_new_tokens", 32)),
                     answers=[self.cfg["answer"]],
-                    chat=self.cfg.get("prompt_style", "kvcf") == "chat",
+                    chat=chat,
                     length=length,
                     meta={"context_length": length, "depth_percent": depth},
                 )

@@ -43,6 +43,9 @@ def test_full_scores_on_real_haystack_and_snapkv_budget_one_equals_full(tmp_path
     assert summary["datasets"]["niah"]["score"] > 30.0  # the needle is found on short contexts
     assert predictions(full_dir) == predictions(tmp_path / "niah/smollm2/snapkv/b1.0")
     assert (full_dir / "heatmap.png").stat().st_size > 1000
+    for rec in map(json.loads, (full_dir / "predictions.jsonl").read_text().splitlines()):
+        # the prompt the engine prefills (chat template included) is the grid's context length
+        assert abs(rec["prompt_tokens"] - rec["meta"]["context_length"]) <= 3, rec["id"]
     env = json.loads((full_dir / "env.json").read_text())
     assert env["dtype"] == "float32" and env["haystack_source"].startswith("dir:")
     assert "samples" not in full.stdout or "niah" in full.stdout  # the table is printed
