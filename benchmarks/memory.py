@@ -39,17 +39,17 @@ def run(ctx: Context) -> BenchResult:
         headers=["method", "prompt tokens", "cache MB before", "cache MB after", "saved MB", "after load MB",
                  "prefill+compress peak MB", "decode MB", "decode MB above load", "drop vs full MB", "peak MB"],
     )
-    full = ctx.engine_run("full", 1.0, n)
+    full = ctx.engine_run("full", 1.0, n, bandwidth=False)
     res.rows.append(["full", full["prompt_tokens"], full["cache_bytes_before"] / MB, full["cache_bytes_after"] / MB, 0.0,
                      full["rss_after_load_bytes"] / MB, full["prefill_peak_bytes"] / MB,
                      full["decode_mem_bytes"] / MB, decode_phase_bytes(full) / MB, 0.0, full["peak_bytes"] / MB])
     runs = {"full": full}
-    for name in METHODS:
+    for name in s.selected(METHODS):
         why = method_available(name)
         r = None
         if why is None:
             try:
-                r = ctx.engine_run(name, RATIO_25, n)
+                r = ctx.engine_run(name, RATIO_25, n, bandwidth=False)  # no decode floor here
             except WorkerError as e:
                 why = f"failed: {e}"
                 log(f"memory: {name}: {why}")

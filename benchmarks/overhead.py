@@ -19,7 +19,7 @@ from __future__ import annotations
 import statistics
 import time
 
-from .common import BenchResult, Target, build_method, build_prompt, log
+from .common import QUICK_LENGTHS, BenchResult, Target, build_method, build_prompt, log
 from .context import Context
 
 NAME = "overhead"
@@ -37,7 +37,7 @@ def run(ctx: Context) -> BenchResult:
     s = ctx.settings
     loaded = ctx.loaded
     model = loaded.model
-    n = s.lengths[0] if s.quick else 1024
+    n = QUICK_LENGTHS[0] if s.quick else 1024  # not --lengths: the ratio is measured at one length
     new = s.new_tokens
     prompt = build_prompt(loaded.tokenizer, n)
     ids = prompt.ids
