@@ -10,7 +10,7 @@ import pytest
 from benchmarks.__main__ import parse_args
 from benchmarks.common import BenchResult, Settings, Target, table
 from benchmarks.compression import fit_exponent, lookm_score_flops, prefill_flops
-from benchmarks.memory import decode_phase_bytes
+from benchmarks.memory import decode_phase_bytes, drop_suffices
 from benchmarks.report import contention_note, render
 from benchmarks.worker import release_freed_memory
 
@@ -24,6 +24,11 @@ def test_fit_exponent_recovers_power_laws():
 
 def test_decode_phase_bytes_is_above_the_process_baseline():
     assert decode_phase_bytes({"decode_mem_bytes": 1_500, "rss_after_load_bytes": 1_000}) == 500
+
+
+def test_memory_tolerance_is_two_percent_or_one_megabyte():
+    assert drop_suffices(276e6 * 0.981, 276e6) and not drop_suffices(276e6 * 0.979, 276e6)  # 2 % at 8k
+    assert drop_suffices(17.7e6 - 0.9e6, 17.7e6) and not drop_suffices(17.7e6 - 1.1e6, 17.7e6)  # 1 MB at 512
 
 
 def test_table_and_report_show_every_target_verdict():
