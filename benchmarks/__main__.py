@@ -4,11 +4,12 @@ write the Markdown summary.
     python -m benchmarks                    # the whole CPU suite (< 20 min on 2 cores), writes docs/PERFORMANCE.md
     python -m benchmarks --quick            # short lengths, few repetitions (a few minutes)
     python -m benchmarks --only decode --only memory
+    python -m benchmarks --only compression --methods lookm,selkv --lengths 2048,4096
     python -m benchmarks --kvpress-python /path/to/venv/bin/python   # kvpress lives in another environment
 
 The summary goes to ``docs/PERFORMANCE.md`` for a complete, non-quick run, else to
 ``<out>/PERFORMANCE.md`` (so quick or partial runs never overwrite the committed page);
-``--doc PATH`` chooses.
+``--doc PATH`` chooses. ``--methods``/``--lengths`` also make a run partial.
 """
 
 from __future__ import annotations
@@ -35,10 +36,24 @@ from .common import ROOT, BenchResult, Settings, apply_threads, log, machine_inf
 
 BENCHMARKS = ["engine", "overhead", "kvpress", "compression", "decode", "memory"]
 MODULES = {"kvpress": "vs_kvpress"}  # benchmark name -> module, where they differ
+MIN_LENGTH = 64  # shortest --lengths value (the question frame of the prompt alone is ~40 tokens)
+
+
+def _csv(values: list[str] | None) -> list[str]:
+    return [x.strip() for item in values or [] for x in item.split(",") if x.strip()]
+
+
+def _method_names() -> list[str]:
+    """Methods the per-method benchmarks know (compression and memory), in their order."""
+    from .compression import METHODS as COMPRESSION
+    from .memory import METHODS as MEMORY
+
+    return list(dict.fromkeys(COMPRESSION + MEMORY))
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.split("\n\n")[0],
+    intro, _, rest = __doc__.partition("\n\n")
+    p = argparse.ArgumentParser(prog="python -m benchmarks", description=intro, epilog=rest,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="short prompts (256, 512 tokens), few repetitions")
     p.add_argument("--only", action="append", metavar="NAME",
@@ -52,14 +67,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "env KVBENCH_KVPRESS_PYTHON)")
     p.add_argument("--doc", default=None, help="where to write the Markdown summary (see above)")
     p.add_argument("--note", action="append", default=[], help="a note to add to the summary (repeatable)")
+    p.add_argument("--methods", action="append", metavar="NAME",
+                   help="restrict the per-method benchmarks (compression, memory) to these methods (repeat or "
+                        f"comma-separate): {', '.join(_method_names())}")
+    p.add_argument("--lengths", action="append", metavar="N",
+                   help="prompt lengths in tokens (repeat or comma-separate) for compression, engine and decode, "
+                        "and the longest for memory (default: 2048,4096,8000 for compression, 1024,2048,4096,8000 "
+                        "otherwise; --quick: 256,512); overhead and kvpress keep their fixed lengths")
     args = p.parse_args(argv)
-    names: list[str] = []
-    for item in args.only or []:
-        names += [x.strip() for x in item.split(",") if x.strip()]
+    names = _csv(args.only)
     unknown = [x for x in names if x not in BENCHMARKS]
     if unknown:
         p.error(f"--only {unknown[0]}: unknown benchmark; accepted values are {', '.join(BENCHMARKS)}")
     args.names = [b for b in BENCHMARKS if b in names] if names else list(BENCHMARKS)
+    args.method_names = _csv(args.methods) or None
+    bad = [x for x in args.method_names or [] if x not in _method_names()]
+    if bad:
+        p.error(f"--methods {bad[0]}: unknown method; accepted values are {', '.join(_method_names())}")
+    lengths = _csv(args.lengths)
+    bad = [x for x in lengths if not x.isdigit() or int(x) < MIN_LENGTH]
+    if bad:
+        p.error(f"--lengths {bad[0]}: must be an integer number of tokens >= {MIN_LENGTH}")
+    args.prompt_lengths = sorted({int(x) for x in lengths}) or None
     return args
 
 
@@ -71,7 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore")
     logging.disable(logging.WARNING)
     settings = Settings(quick=args.quick, model=args.model, device=args.device, out=str(Path(args.out).resolve()),
-                        threads=args.threads, kvpress_python=args.kvpress_python)
+                        threads=args.threads, kvpress_python=args.kvpress_python,
+                        methods=args.method_names, prompt_lengths=args.prompt_lengths)
     apply_threads(settings)
     out = Path(settings.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -113,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     }, indent=2, default=str))
     from . import report
 
-    complete = not args.quick and args.names == BENCHMARKS
+    complete = not args.quick and args.names == BENCHMARKS and not args.method_names and not args.prompt_lengths
     doc = Path(args.doc) if args.doc else (ROOT / "docs" / "PERFORMANCE.md" if complete else out / "PERFORMANCE.md")
     report.write(doc, machine, results, command, args.note)
     print(f"\nsummary: {doc}; JSON: {out}/ (wall time {machine['wall_s'] / 60:.1f} min)")

@@ -42,6 +42,9 @@ class Settings:
         out: output folder (JSON per benchmark, worker logs, the converted-model cache).
         threads: torch intra-op threads (None: torch's default).
         kvpress_python: interpreter with kvpress installed for the ``kvpress`` benchmark (None: this one).
+        methods: restrict the per-method benchmarks (compression, memory) to these methods (None: all).
+        prompt_lengths: prompt lengths (tokens) for compression, engine, decode and memory (the
+            longest), instead of the defaults (None).
     """
 
     quick: bool = False
@@ -50,10 +53,18 @@ class Settings:
     out: str = str(ROOT / "benchmarks" / "out")
     threads: int | None = None
     kvpress_python: str | None = None
+    methods: list[str] | None = None
+    prompt_lengths: list[int] | None = None
 
     @property
     def lengths(self) -> list[int]:
+        if self.prompt_lengths:
+            return sorted(set(self.prompt_lengths))
         return QUICK_LENGTHS if self.quick else FULL_LENGTHS
+
+    def selected(self, methods: list[str]) -> list[str]:
+        """``methods`` restricted to ``--methods`` (in their given order)."""
+        return [m for m in methods if not self.methods or m in self.methods]
 
     @property
     def new_tokens(self) -> int:

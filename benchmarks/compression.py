@@ -28,6 +28,7 @@ FULL_LENGTHS = [2048, 4096, 8000]
 TARGET_FRACTION = 0.05
 TARGET_LENGTH = 4096
 MAX_EXPONENT = 1.2
+SLOW_S = 5.0  # methods slower than this per pass are timed once
 
 
 def _recorder(layout, window: int):
@@ -92,6 +93,40 @@ def fit_exponent(lengths: list[int], seconds: list[float]) -> float | None:
     return sum((x - mx) * (y - my) for x, y in pts) / den if den else None
 
 
+def prefill_flops(config: Any, n: int) -> float:
+    """FLOPs (2 per multiply-add) of a causal prefill of ``n`` tokens through a decoder-only model.
+
+    Per layer and token: the q/k/v/o projections and a gated (SwiGLU/GeGLU: three matrices)
+    MLP; per layer: QK^T and PV over the n(n+1)/2 causal (query, key) pairs; the LM head for
+    the last token only (the engine asks for one logit row). Norms, RoPE and softmax are left
+    out (no multiply-adds).
+
+    Args:
+        config: a transformers config (``hidden_size``, ``intermediate_size``,
+            ``num_hidden_layers``, ``num_attention_heads``, ``num_key_value_heads``,
+            ``head_dim`` (default hidden / heads), ``vocab_size``).
+        n: prompt tokens.
+    """
+    hidden, layers, h_q = config.hidden_size, config.num_hidden_layers, config.num_attention_heads
+    h_kv = getattr(config, "num_key_value_heads", None) or h_q
+    d = getattr(config, "head_dim", None) or hidden // h_q
+    per_token = hidden * h_q * d * 2 + hidden * h_kv * d * 2 + 3 * hidden * config.intermediate_size
+    pairs = n * (n + 1) / 2
+    return 2.0 * (layers * (per_token * n + 2 * h_q * d * pairs) + hidden * config.vocab_size)
+
+
+def lookm_score_flops(config: Any, n: int) -> float:
+    """FLOPs of LOOK-M's cumulative attention of all n prompt queries: QK^T over the causal triangle.
+
+    ``H_q · d`` multiply-adds per causal (query, key) pair and layer, half of the prefill's
+    attention (which also multiplies by V); the exp per pair (as many as in the prefill's own
+    softmax) is not counted. Same ``config`` fields as :func:`prefill_flops`.
+    """
+    h_q = config.num_attention_heads
+    d = getattr(config, "head_dim", None) or config.hidden_size // h_q
+    return 2.0 * config.num_hidden_layers * h_q * d * n * (n + 1) / 2
+
+
 def run(ctx: Context) -> BenchResult:
     import torch
 
@@ -100,10 +135,10 @@ def run(ctx: Context) -> BenchResult:
     s = ctx.settings
     loaded = ctx.loaded
     layout = loaded.layout
-    lengths = s.lengths if s.quick else FULL_LENGTHS
+    lengths = s.lengths if s.quick or s.prompt_lengths else FULL_LENGTHS
     methods: dict[str, Any] = {}
     unavailable: dict[str, str] = {}
-    for name in METHODS:
+    for name in s.selected(METHODS):
         why = method_available(name)
         if why is None:
             try:
@@ -116,7 +151,6 @@ def run(ctx: Context) -> BenchResult:
     window = max([m.window_size for m in methods.values()] + [1])
     prefill: dict[int, float] = {}
     seconds: dict[str, dict[int, float]] = {m: {} for m in methods}
-    reps = 2
     for n in lengths:
         rec = _recorder(layout, window)
         prompt = build_prompt(loaded.tokenizer, n)
@@ -125,9 +159,17 @@ def run(ctx: Context) -> BenchResult:
         r = Engine(loaded, rec, 1.0).generate(prompt.ids, 1, stop_ids=[])
         prefill[n] = r.prefill_s
         with torch.inference_mode():
-            for name, m in methods.items():
-                times = [_compress_all(m, rec.contexts, r.prompt_tokens, layout, s.new_tokens + 1) for _ in range(reps)]
-                seconds[name][n] = sorted(times)[len(times) // 2]
+            for name, m in list(methods.items()):
+                try:
+                    times = [_compress_all(m, rec.contexts, r.prompt_tokens, layout, s.new_tokens + 1)]
+                    if times[0] < SLOW_S:  # a second pass for fast methods; slow ones once (time budget)
+                        times.append(_compress_all(m, rec.contexts, r.prompt_tokens, layout, s.new_tokens + 1))
+                except Exception as e:  # noqa: BLE001 - report the method as failed, keep the others
+                    unavailable[name] = f"failed at n={n} ({type(e).__name__}: {str(e).splitlines()[0][:120]})"
+                    log(f"compression: {name}: {unavailable[name]}")
+                    del methods[name], seconds[name]
+                    continue
+                seconds[name][n] = sum(times) / len(times)
         log(f"compression: n={n} prefill {prefill[n]:.2f} s; " +
             ", ".join(f"{k} {v[n] * 1000:.0f} ms" for k, v in seconds.items()))
         del rec
@@ -137,7 +179,7 @@ def run(ctx: Context) -> BenchResult:
         data={"prefill_s": prefill, "compress_s": seconds, "unavailable": unavailable, "budget": RATIO_25},
     )
     target_n = TARGET_LENGTH if TARGET_LENGTH in lengths else lengths[-1]
-    for name in METHODS:
+    for name in s.selected(METHODS):
         if name in unavailable:
             res.rows.append([name] + [unavailable[name]] + [""] * len(lengths))
             res.targets.append(Target(f"{name}: compression / prefill at {target_n} tokens", "-",
@@ -154,6 +196,31 @@ def run(ctx: Context) -> BenchResult:
             res.targets.append(Target(f"{name}: exponent of compression time vs prompt length", f"{expo:.2f}",
                                       f"≈ 1 (≤ {MAX_EXPONENT})", expo <= MAX_EXPONENT))
     res.rows.append(["(prefill s)"] + [f"{prefill[n]:.2f}" for n in lengths] + [fit_exponent(lengths, [prefill[n] for n in lengths])])
+    if "lookm" in seconds:
+        _lookm_floor(res, loaded.model.config, lengths, target_n)
     res.notes.append("compression = plan + per-layer compress + write into the cache (+ finalize), on the contexts "
-                     "recorded from one engine prefill per length; median of 2; budget 25 %.")
+                     "recorded from one engine prefill per length; mean of 2 passes (one pass when a pass takes over "
+                     f"{SLOW_S:.0f} s); budget 25 %.")
     return res
+
+
+def _lookm_floor(res: BenchResult, config: Any, lengths: list[int], target_n: int) -> None:
+    """Add LOOK-M's FLOP floor (score FLOPs / prefill FLOPs) to the data, its targets and the notes."""
+    floor = {n: lookm_score_flops(config, n) / prefill_flops(config, n) for n in lengths}
+    res.data["lookm_flop_floor"] = floor
+    for t in res.targets:
+        if t.name.startswith("lookm: compression"):
+            t.note = f"faithful floor ≈ {floor[target_n]:.0%} of the prefill's FLOPs at {target_n} tokens, see notes"
+        elif t.name.startswith("lookm: exponent"):
+            t.note = "the score is quadratic in n by definition (every query × every earlier key)"
+    shares = ", ".join(f"{100 * floor[n]:.1f} % at {n}" for n in lengths)
+    res.notes.append(
+        "LOOK-M floor: its score is the attention every prompt query pays to every earlier key (Wan et al. 2024, "
+        "text-only), so it needs QK^T over the causal triangle — H_q·d multiply-adds and one exp per (query, key) "
+        "pair and layer, half of the prefill's attention matmuls — once more after the prefill: "
+        f"{shares} tokens of this model's prefill FLOPs (matmuls only; the exps equal the prefill softmax's). "
+        "A faithful LOOK-M cannot meet ≤ 5 % at 4k here, and its time grows like n² (exponent → 2). Only a fused "
+        "attention kernel that accumulates the column sums inside the prefill (SDPA/flash never materialises "
+        "the probabilities) could avoid the extra pass; `method.window_size=W > 0` (an opt-in, non-faithful "
+        "variant) scores only the last W queries and costs like SnapKV."
+    )

@@ -52,8 +52,12 @@ class Context:
             self._loaded = load(self.settings)
         return self._loaded
 
-    def engine_run(self, method: str, budget: float, n: int, new_tokens: int | None = None, **overrides) -> dict[str, Any]:
+    def engine_run(self, method: str, budget: float, n: int, new_tokens: int | None = None, bandwidth: bool = True,
+                   **overrides) -> dict[str, Any]:
         """One configuration in a fresh worker process (memoised); see :mod:`benchmarks.worker`.
+
+        ``bandwidth``: also measure the read bandwidth (about 3 s; the decode floor needs it).
+        A memoised run that has it serves requests with or without it.
 
         Raises:
             WorkerError: the worker failed (its log file is named).
@@ -65,18 +69,19 @@ class Context:
             "budget": budget,
             "n": n,
             "new_tokens": new_tokens or self.settings.new_tokens,
-            "bandwidth": True,
         }
         key = json.dumps(spec, sort_keys=True)
-        if key in self._runs:
+        if key in self._runs and (not bandwidth or "read_bandwidth_Bps" in self._runs[key]):
             return self._runs[key]
+        spec["bandwidth"] = bandwidth
+        key_with = json.dumps(spec, sort_keys=True)
         tag = f"{method}-{budget}-{n}"
         log_path = self.logs / f"worker-{tag}.log"
         log(f"worker: {method} budget={budget} n={n} ...")
         t0 = time.perf_counter()
         with open(log_path, "w") as err:
             proc = subprocess.run(
-                [sys.executable, "-m", "benchmarks.worker", key],
+                [sys.executable, "-m", "benchmarks.worker", key_with],
                 cwd=ROOT, env=worker_env(), stdout=subprocess.PIPE, stderr=err, text=True,
             )
         lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(MARKER)]

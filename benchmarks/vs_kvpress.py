@@ -23,7 +23,7 @@ import sys
 import time
 from typing import Any
 
-from .common import ROOT, BenchResult, Settings, Target, _wrap, apply_threads, build_method, build_prompt, load, log
+from .common import QUICK_LENGTHS, ROOT, BenchResult, Settings, Target, _wrap, apply_threads, build_method, build_prompt, load, log
 from .context import Context, worker_env
 from .worker import MARKER
 
@@ -86,7 +86,7 @@ def _measure(settings: Settings) -> dict[str, Any]:
     apply_threads(settings)
     loaded = load(settings)
     model, tok = loaded.model, loaded.tokenizer
-    n = settings.lengths[-1] if settings.quick else 2048
+    n = QUICK_LENGTHS[-1] if settings.quick else 2048  # not --lengths: one comparison length
     new = settings.new_tokens
     context = build_prompt(tok, n).context
     method = build_method("snapkv", loaded.layout, window_size=WINDOW, kernel_size=KERNEL, pooling="avg",

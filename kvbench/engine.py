@@ -172,6 +172,9 @@ class Engine:
         n = len(prompt_ids)
         if n == 0:
             raise ValueError("empty prompt: nothing to prefill")
+        # The previous sample's state holds its whole cache: release it before this prefill
+        # (else a job's peak memory holds two samples' caches).
+        self.last_state, self.last_logits = None, []
         if self.preallocate:
             cache = preallocated_cache(model.config, reserve=max_new_tokens + 1)
         else:

@@ -25,6 +25,11 @@ least the layer mean (w_j = 0 otherwise; the code compares the j-th evicted slot
 and (b) ``gate: soft`` multiplies w_j by SelKV's soft cosine gate g_j = max(cos(v_j, v_t), 0)
 (SelKV Eq. 4; g = 0 drops, g = 1 merges fully).
 
+Cost: the whole-prompt score is the column sums of the causal attention matrix, one more
+QK^T over the causal triangle after the prefill (H_q·d·n²/2 multiply-adds per layer: 20 % of
+SmolLM2-135M's prefill FLOPs at 4k, see benchmarks/README.md); :func:`cumulative_attention`
+does exactly that work, no more.
+
 Deviation from the reference code, on purpose: its ``avg`` variant pairs the filtered targets
 with the first evicted rows (``src`` unfiltered, ``index`` filtered); here each filtered token
 goes to its own target. Budget split: LOOK-M sets the heavy-hitter and recent shares as
@@ -41,12 +46,13 @@ import torch.nn.functional as F
 
 from .base import CompressResult, ConfigError, LayerContext, Method, gather_tokens
 from .merging import soft_cosine_gate
-from .scoring import group_scores, window_attention
+from .scoring import group_scores
 
 MERGES = ("avg", "pivot", "weighted")
 FILTERS = ("auto", "on", "off")
 GATES = ("none", "soft")
 _WHOLE_PROMPT = 1 << 40  # window_size=0: the engine caps W at n, i.e. every prompt query
+BLOCK_ELEMS = 1 << 21  # float32 logits per query block of the cumulative attention (8 MiB)
 
 
 @dataclass
@@ -63,7 +69,8 @@ class LookMConfig:
             ``on`` or ``off``.
         gate: ``none`` or ``soft`` (SelKV soft cosine gate on values).
         gqa_aggregation: ``mean`` or ``max`` over the G query heads of a KV head.
-        query_chunk: queries per block when accumulating attention (bounds memory, tokens).
+        query_chunk: at most this many queries per block when accumulating attention (tokens);
+            blocks are also capped at :data:`BLOCK_ELEMS` logits (8 MiB), which bounds memory.
         merge_chunk: evicted tokens per block when finding merge targets (bounds memory).
     """
 
@@ -78,27 +85,79 @@ class LookMConfig:
     merge_chunk: int = 1024
 
 
+def _query_blocks(first: int, w: int, h_q: int, chunk: int) -> list[tuple[int, int]]:
+    """Query blocks ``[start, stop)`` (window rows) whose causal logits fit in :data:`BLOCK_ELEMS`.
+
+    Row ``start`` of the window is at absolute position ``first + start``; a block of c rows
+    sees ``first + stop`` keys, so it holds ``H_q · c · (first + stop)`` logits. Blocks get
+    shorter as the prompt advances (each at least one row, at most ``chunk`` rows).
+    """
+    blocks, start = [], 0
+    while start < w:
+        rows = max(1, min(chunk, w - start, BLOCK_ELEMS // (h_q * min(first + start + chunk, first + w))))
+        blocks.append((start, start + rows))
+        start += rows
+    return blocks
+
+
 def cumulative_attention(
     queries: torch.Tensor, keys: torch.Tensor, scaling: float, softcap: float | None, chunk: int
 ) -> torch.Tensor:
     """Attention each key receives, summed over the given (last) prompt queries (H2O score).
 
+    s_j = Σ_i softmax(q_i·K^T·scaling + causal mask)_j over the W query rows i (absolute
+    positions n−W … n−1); with W = n (LOOK-M) every prompt query, i.e. the column sums of the
+    whole causal attention matrix. Exact (no approximation); the work is arranged for speed:
+
+    * causal blocks: a block of query rows at absolute positions ``[p, p + c)`` multiplies
+      only the keys ``[0, p + c)`` it may see (the lower triangle of QK^T, half the work for
+      W = n); only the block's diagonal ``c × c`` corner is masked;
+    * GQA: the G query heads of a KV head are rows of one matmul against un-repeated keys;
+    * blocks of at most :data:`BLOCK_ELEMS` logits, written into reused buffers (cache-sized
+      blocks are several times faster on CPU than long ones; no allocation per block);
+    * the scaling is applied to the W·d queries, not the W·n logits (without soft-capping);
+      column sums of a block are one batched product with a ones vector.
+
+    Cost: ``H_q · d`` multiply-adds and one ``exp`` per causal (query, key) pair, about
+    ``H_q · d · n²/2`` MACs per layer for W = n (see benchmarks/README.md, LOOK-M floor).
+
     Args:
         queries: ``(B, H_q, W, d)``, the last W prompt queries after RoPE.
         keys: ``(B, H_kv, n, d)``.
         scaling, softcap: as in :func:`methods.scoring.window_attention`.
-        chunk: queries per block (memory is ``B·H_q·chunk·n`` floats).
+        chunk: at most this many query rows per block (tokens); blocks are also capped at
+            :data:`BLOCK_ELEMS` float32 logits.
 
     Returns:
         ``(B, H_q, n)`` float32.
     """
-    b, h_q, w, _ = queries.shape
-    n = keys.shape[2]
-    total = torch.zeros(b, h_q, n, dtype=torch.float32, device=keys.device)
-    for start in range(0, w, chunk):  # loop over query blocks, not tokens
-        block = queries[:, :, start : start + chunk]
-        total += window_attention(block, keys, scaling, softcap, first_position=n - w + start).sum(dim=2)
-    return total
+    b, h_q, w, d = queries.shape
+    h_kv, n = keys.shape[1], keys.shape[2]
+    g, bh, first = h_q // h_kv, b * h_kv, n - w
+    dev = keys.device
+    k = keys.float().reshape(bh, n, d)
+    q = queries.float().reshape(bh, g, w, d)
+    if not softcap:  # scale the W·d queries instead of the W·n logits
+        q = q * scaling
+    blocks = _query_blocks(first, w, h_q, chunk)
+    size = max(bh * g * (stop - start) * (first + stop) for start, stop in blocks)
+    logits_buf, probs_buf = torch.empty(size, device=dev), torch.empty(size, device=dev)
+    rows_max = max(stop - start for start, stop in blocks)
+    ones = torch.ones(bh * g, 1, rows_max, device=dev)
+    future = torch.ones(rows_max, rows_max, dtype=torch.bool, device=dev).triu_(1)  # its [:c, :c] is c×c's
+    total = torch.zeros(bh * g, 1, n, dtype=torch.float32, device=dev)
+    for start, stop in blocks:  # loop over query blocks, not tokens
+        c, end = stop - start, first + stop
+        logits = logits_buf[: bh * g * c * end].view(bh, g * c, end)
+        torch.bmm(q[:, :, start:stop].reshape(bh, g * c, d), k[:, :end].transpose(1, 2), out=logits)
+        if softcap:
+            logits.mul_(scaling / softcap).tanh_().mul_(softcap)
+        rows = logits.view(bh * g, c, end)
+        rows[:, :, end - c :].masked_fill_(future[:c, :c], float("-inf"))
+        probs = probs_buf[: bh * g * c * end].view(bh * g, c, end)
+        torch.softmax(rows, dim=-1, out=probs)
+        total[:, :, :end].baddbmm_(ones[:, :, :c], probs)  # column sums over the block's query rows
+    return total.view(b, h_q, n)
 
 
 def nearest_kept(evicted_keys: torch.Tensor, kept_keys: torch.Tensor, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -201,7 +260,8 @@ class LookM(Method):
         keep = self.select(ctx)
         order = torch.sort((~keep).to(torch.uint8), dim=-1, stable=True).indices  # kept first, ascending
         m = int(keep[0, 0].sum())
-        kept_idx, evicted_idx = order[..., :m], order[..., m:]  # (B, H, m), (B, H, E)
+        # (B, H, m), (B, H, E); the kept indices are stored in the result: a copy, not a view of all n
+        kept_idx, evicted_idx = order[..., :m].clone(), order[..., m:]
         keys, values = gather_tokens(ctx.keys, kept_idx), gather_tokens(ctx.values, kept_idx)
         if evicted_idx.shape[-1] == 0:
             return CompressResult(keys=keys, values=values, kept_indices=kept_idx, stats={"merged": 0.0, "dropped": 0.0})

@@ -53,7 +53,8 @@ def pack_kept(keys: torch.Tensor, values: torch.Tensor, keep: torch.Tensor) -> P
     counts = keep.sum(-1)  # (B, H)
     m_max = int(counts.max()) if counts.numel() else 0
     # stable sort on "evicted" puts each head's kept positions first, in ascending order
-    order = torch.sort((~keep).to(torch.uint8), dim=-1, stable=True).indices[..., :m_max]
+    # (a copy: the indices outlive compression in the result, a view would hold all n of them)
+    order = torch.sort((~keep).to(torch.uint8), dim=-1, stable=True).indices[..., :m_max].clone()
     valid = torch.arange(m_max, device=keep.device) < counts.unsqueeze(-1)
     return PackedKV(gather_tokens(keys, order), gather_tokens(values, order), valid, order)
 

@@ -319,8 +319,8 @@ class SelKV(Method):
             a_kept = a.gather(2, kept)
             values, absorbed = gated_merge(values, a_kept, ev_values, gate * a.gather(2, evicted), targets)
             merged = gate > 0
-            n_merged = float(merged.sum())
-            stats.update(merged=n_merged, dropped=n_evicted - n_merged, gate_sum=float(gate.sum()))
+            n_merged, gate_sum = torch.stack([merged.sum().float(), gate.sum()]).tolist()  # one host sync
+            stats.update(merged=n_merged, dropped=n_evicted - n_merged, gate_sum=gate_sum)
             if c.compensation == "count":
                 ratio = 1.0 + merge_counts(targets, merged, m)
             else:

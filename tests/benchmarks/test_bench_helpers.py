@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
-from benchmarks.common import BenchResult, Target, table
-from benchmarks.compression import fit_exponent
-from benchmarks.memory import decode_phase_bytes
+import pytest
+
+from benchmarks.__main__ import parse_args
+from benchmarks.common import BenchResult, Settings, Target, table
+from benchmarks.compression import fit_exponent, lookm_score_flops, prefill_flops
+from benchmarks.memory import decode_phase_bytes, drop_suffices
 from benchmarks.report import contention_note, render
+from benchmarks.worker import release_freed_memory
 
 
 def test_fit_exponent_recovers_power_laws():
@@ -19,6 +24,11 @@ def test_fit_exponent_recovers_power_laws():
 
 def test_decode_phase_bytes_is_above_the_process_baseline():
     assert decode_phase_bytes({"decode_mem_bytes": 1_500, "rss_after_load_bytes": 1_000}) == 500
+
+
+def test_memory_tolerance_is_two_percent_or_one_megabyte():
+    assert drop_suffices(276e6 * 0.981, 276e6) and not drop_suffices(276e6 * 0.979, 276e6)  # 2 % at 8k
+    assert drop_suffices(17.7e6 - 0.9e6, 17.7e6) and not drop_suffices(17.7e6 - 1.1e6, 17.7e6)  # 1 MB at 512
 
 
 def test_table_and_report_show_every_target_verdict():
@@ -40,3 +50,58 @@ def test_table_and_report_show_every_target_verdict():
     ]
     assert "CPU contention" in page and "- a note" in page
     assert contention_note(dict(machine, load_average_start=[1.0], load_average_end=[1.5])) is None
+
+
+def test_methods_and_lengths_options_restrict_the_run():
+    args = parse_args(["--only", "compression", "--methods", "lookm,selkv", "--lengths", "4096", "--lengths", "2048"])
+    assert args.names == ["compression"] and args.method_names == ["lookm", "selkv"]
+    assert args.prompt_lengths == [2048, 4096]
+    settings = Settings(methods=args.method_names, prompt_lengths=args.prompt_lengths)
+    assert settings.lengths == [2048, 4096]
+    assert settings.selected(["snapkv", "selkv", "lookm"]) == ["selkv", "lookm"]
+    assert Settings.from_json(settings.to_json()) == settings  # workers get the same settings
+    assert Settings().selected(["a", "b"]) == ["a", "b"] and Settings(quick=True).lengths == [256, 512]
+    for bad in (["--methods", "h2o"], ["--lengths", "32"], ["--lengths", "4k"]):
+        with pytest.raises(SystemExit):
+            parse_args(bad)
+
+
+def test_flop_counts_by_hand():
+    # one layer, one head, d = 2, hidden 2, MLP 3, vocab 5, n = 2 tokens (3 causal pairs)
+    cfg = SimpleNamespace(hidden_size=2, intermediate_size=3, num_hidden_layers=1, num_attention_heads=1,
+                          num_key_value_heads=1, head_dim=2, vocab_size=5)
+    per_token = 2 * 2 * 2 + 2 * 2 * 2 + 3 * 2 * 3  # q+o, k+v, gate/up/down (MACs)
+    assert prefill_flops(cfg, 2) == 2 * (per_token * 2 + 2 * 2 * 3 + 2 * 5)  # + QK^T, PV over 3 pairs, LM head
+    assert lookm_score_flops(cfg, 2) == 2 * 2 * 3  # QK^T over 3 pairs
+    smol = SimpleNamespace(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                           num_key_value_heads=3, head_dim=64, vocab_size=49152)
+    assert lookm_score_flops(smol, 4096) / prefill_flops(smol, 4096) == pytest.approx(0.20, abs=0.005)
+
+
+def test_release_freed_memory_runs_anywhere():
+    assert release_freed_memory() in (True, False)
+
+
+def test_worker_runs_are_memoised_and_bandwidth_is_measured_only_when_asked(tmp_path, monkeypatch):
+    import json
+    import subprocess
+
+    from benchmarks import context as context_mod
+    from benchmarks.worker import MARKER
+
+    calls = []
+
+    def fake_run(cmd, **kwargs):
+        spec = json.loads(cmd[-1])
+        calls.append(spec["bandwidth"])
+        result = {"method": spec["method"], **({"read_bandwidth_Bps": 1.0} if spec["bandwidth"] else {})}
+        return subprocess.CompletedProcess(cmd, 0, stdout=MARKER + json.dumps(result) + "\n")
+
+    monkeypatch.setattr(context_mod, "local_model_config", lambda settings: None)
+    monkeypatch.setattr(context_mod.subprocess, "run", fake_run)
+    ctx = context_mod.Context(Settings(out=str(tmp_path)))
+    assert "read_bandwidth_Bps" not in ctx.engine_run("snapkv", 0.25, 512, bandwidth=False)
+    ctx.engine_run("snapkv", 0.25, 512, bandwidth=False)  # memoised
+    assert ctx.engine_run("snapkv", 0.25, 512)["read_bandwidth_Bps"] == 1.0  # rerun: the floor needs it
+    ctx.engine_run("snapkv", 0.25, 512, bandwidth=False)  # served by the run with bandwidth
+    assert calls == [False, True]

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from methods import lookm
 from methods.base import ConfigError, HeadLayout, LayerContext
 from methods.lookm import LookM, LookMConfig, cumulative_attention, merge_into_targets, nearest_kept, soft_cosine_gate
 
@@ -64,6 +65,61 @@ def test_cumulative_attention_chunks_match_one_block():
     # every query row sums to 1, so the column sums add up to the number of queries
     assert one.sum(-1).allclose(torch.full((1, 4), 12.0))
     assert one[..., 0].min() > 0  # the first token is seen by every query
+
+
+def _naive_column_sums(q, k, scaling, softcap=None):
+    """Σ_i softmax(q_i·K^T·scaling + causal mask): float64, keys repeated per query head, full n×n."""
+    h_q, w, n = q.shape[1], q.shape[2], k.shape[2]
+    keys = k.double().repeat_interleave(h_q // k.shape[1], dim=1)
+    logits = q.double() @ keys.transpose(-1, -2) * scaling
+    if softcap:
+        logits = torch.tanh(logits / softcap) * softcap
+    query_pos = torch.arange(n - w, n).view(-1, 1)
+    logits = logits.masked_fill(torch.arange(n).view(1, -1) > query_pos, float("-inf"))
+    return torch.softmax(logits, dim=-1).sum(dim=2)
+
+
+@pytest.mark.parametrize(
+    "n,w,h_q,h_kv,chunk,block,softcap",
+    [
+        (48, 48, 4, 2, 512, 1 << 21, None),  # whole prompt, GQA, one block
+        (48, 48, 4, 2, 7, 1 << 21, None),  # query_chunk caps the rows
+        (48, 48, 6, 2, 512, 300, None),  # BLOCK_ELEMS caps the rows (blocks shrink as keys grow)
+        (48, 48, 2, 2, 512, 1, None),  # one row per block (MHA)
+        (48, 13, 6, 3, 5, 1 << 21, None),  # the last W queries only (window_size > 0)
+        (40, 40, 3, 1, 9, 200, 5.0),  # soft-capping (Gemma 2)
+    ],
+)
+def test_cumulative_attention_equals_naive_softmax_column_sums(monkeypatch, n, w, h_q, h_kv, chunk, block, softcap):
+    monkeypatch.setattr(lookm, "BLOCK_ELEMS", block)
+    g = torch.Generator().manual_seed(n + w + h_q)
+    q, k = 2 * torch.randn(1, h_q, w, 8, generator=g), 2 * torch.randn(1, h_kv, n, 8, generator=g)
+    out = cumulative_attention(q, k, 0.35, softcap, chunk)
+    assert out.dtype == torch.float32 and out.shape == (1, h_q, n)
+    torch.testing.assert_close(out.double(), _naive_column_sums(q, k, 0.35, softcap), rtol=1e-5, atol=1e-5)
+
+
+def test_query_blocks_cover_the_window_within_the_block_size(monkeypatch):
+    monkeypatch.setattr(lookm, "BLOCK_ELEMS", 1000)
+    first, w, h_q = 30, 70, 4
+    blocks = lookm._query_blocks(first, w, h_q, chunk=16)
+    assert blocks[0][0] == 0 and blocks[-1][1] == w
+    assert all(a[1] == b[0] for a, b in zip(blocks, blocks[1:]))  # contiguous, no overlap
+    for start, stop in blocks:
+        assert 1 <= stop - start <= 16
+        assert stop - start == 1 or h_q * (stop - start) * (first + stop) <= 1000  # logits of the block
+
+
+def test_compress_result_holds_only_the_kept_tokens():
+    # nothing of size n per query head (scores) or n² (attention) survives compression
+    layout, ctx = _ctx(n=120, budget=12, h_q=4, h_kv=2)
+    res = LookM(LookMConfig(), layout).compress(ctx)
+    tensors = {k: v for k, v in vars(res).items() if isinstance(v, torch.Tensor)}
+    assert sorted(tensors) == ["kept_indices", "keys", "values"]
+    assert res.keys.shape == res.values.shape == (1, 2, 12, 4) and res.kept_indices.shape == (1, 2, 12)
+    for t in tensors.values():
+        assert t.untyped_storage().nbytes() <= res.keys.numel() * 4  # no view into a larger buffer
+    assert all(isinstance(v, float) for v in res.stats.values())
 
 
 def _ctx(n=40, budget=12, h_q=2, h_kv=1, seed=0):

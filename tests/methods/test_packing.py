@@ -38,3 +38,12 @@ def test_uniform_keep_needs_no_padding():
     p = pack_kept(torch.randn(2, 2, 10, 4), torch.randn(2, 2, 10, 4), keep)
     assert p.valid.all() and p.keys.shape[2] == 4
     assert p.indices[1, 1].tolist() == [3, 4, 5, 6]
+
+
+def test_packed_tensors_own_exactly_their_slots():
+    # the result outlives compression: no view into an n-sized sort (B·H·n indices held during decode)
+    keep = torch.zeros(1, 2, 50, dtype=torch.bool)
+    keep[..., ::10] = True
+    p = pack_kept(torch.randn(1, 2, 50, 4), torch.randn(1, 2, 50, 4), keep)
+    for t in (p.keys, p.values, p.valid, p.indices):
+        assert t.untyped_storage().nbytes() == t.numel() * t.element_size()

@@ -1,0 +1,83 @@
+"""What the engine keeps alive after compression, by tensor sizes (no timing, no RSS).
+
+A compressed sample must hold its compressed cache and O(m) bookkeeping per layer, nothing of
+size n per query head (scores) or n² (attention), and no earlier sample's cache.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from kvbench.engine import Engine
+from kvbench.kvcache import PreallocatedLayer
+from methods.lookm import LookM, LookMConfig
+from tests.conftest import loaded_for, tiny_model
+
+N, BUDGET, NEW = 200, 0.1, 3  # m = 20 kept tokens per KV head
+H_Q, H_KV, D = 4, 2, 16
+PROMPT = [1 + i % 120 for i in range(N)]  # the tiny model has 128 token ids
+
+
+def _tensors(obj, seen=None):
+    """Every tensor reachable from ``obj`` through attributes, dicts, lists and tuples."""
+    seen = set() if seen is None else seen
+    if id(obj) in seen:
+        return
+    seen.add(id(obj))
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _tensors(v, seen)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _tensors(v, seen)
+    elif hasattr(obj, "__dict__"):
+        for v in vars(obj).values():
+            yield from _tensors(v, seen)
+
+
+def _lookm_engine():
+    loaded = loaded_for(tiny_model("llama", n_kv=H_KV, n_q=H_Q, layers=2))
+    return Engine(loaded, LookM(LookMConfig(), loaded.layout), BUDGET), loaded
+
+
+def test_lookm_sample_holds_only_its_compressed_cache():
+    engine, loaded = _lookm_engine()
+    res = engine.generate(PROMPT, NEW, stop_ids=[])
+    state = engine.last_state
+    m = int(BUDGET * N)
+    assert res.compressed and sorted(state.results) == list(loaded.layout.compressible_layers)
+    buffers = set()
+    for i in state.results:
+        layer = state.cache.layers[i]
+        assert isinstance(layer, PreallocatedLayer)
+        # the prefill's n-token buffers were replaced by m + reserve slots (the merged cache's copy)
+        assert layer._key_buf.shape == layer._value_buf.shape == (1, H_KV, m + NEW + 1, D)
+        buffers |= {layer._key_buf.untyped_storage().data_ptr(), layer._value_buf.untyped_storage().data_ptr()}
+    # results, bias buffers, plan: besides the cache buffers, nothing larger than O(H_q·(m + new))
+    others = [t for t in _tensors({"results": state.results, "bias": state.bias, "plan": state.plan})
+              if t.untyped_storage().data_ptr() not in buffers]
+    assert others, "expected the kept indices at least"
+    for t in others:
+        assert t.untyped_storage().nbytes() <= H_Q * (m + NEW + 1) * 8, tuple(t.shape)
+    for r in state.results.values():
+        assert r.kept_indices.shape == (1, H_KV, m) and r.logit_bias is None and r.valid is None
+
+
+def test_generate_releases_the_previous_sample_before_prefill():
+    engine, _ = _lookm_engine()
+    alive_at_compress = []
+
+    class Probe(LookM):
+        def compress(self, ctx):
+            alive_at_compress.append(previous() is not None)
+            return super().compress(ctx)
+
+    engine.generate(PROMPT, NEW, stop_ids=[])
+    previous = weakref.ref(engine.last_state.cache)
+    engine.method = Probe(LookMConfig(), engine.loaded.layout)
+    engine.generate(PROMPT, NEW, stop_ids=[])
+    assert alive_at_compress == [False, False]  # the first sample's cache was gone before the second prefill
