@@ -6,12 +6,10 @@ Units: seconds (``*_s``), milliseconds (``*_ms``), bytes (``*_bytes``), tokens (
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import os
 import platform
 import resource
-import shutil
 import statistics
 import sys
 import time
@@ -112,49 +110,24 @@ def model_config(name_or_path: str) -> dict[str, Any]:
     return dict(yaml.safe_load(path.read_text()))
 
 
-def _gguf_cache_dir(model_cfg: dict, cache_root: Path) -> Path | None:
-    from transformers import __version__ as tf_version
-
-    from kvbench.models import resolve_source
-
-    folder, gguf_file = resolve_source(model_cfg)
-    if not gguf_file:
-        return None
-    gguf = Path(folder) / gguf_file
-    size = gguf.stat().st_size
-    with open(gguf, "rb") as f:  # content key (the same file installed in two environments shares the copy)
-        head = f.read(1 << 20)
-        f.seek(max(0, size - (1 << 20)))
-        tail = f.read()
-    key = hashlib.sha1(head + tail + f"|{size}|{tf_version}".encode()).hexdigest()[:10]
-    return cache_root / f"{model_cfg.get('name', 'model')}-{key}"
-
-
 def local_model_config(settings: Settings) -> dict[str, Any]:
-    """The model node, pointing at a dequantized copy of GGUF weights (converted once, cached).
+    """The model node, with a GGUF model's conversion cache warmed first.
 
-    transformers dequantizes a GGUF file and converts its tokenizer on every load (about two
-    minutes on 2 CPU cores for SmolLM2-135M); the suite loads the model in many processes,
-    so it saves the converted model once under ``<out>/.model_cache/`` and loads that folder
-    (identical weights, tokenizer and config). Non-GGUF sources are returned unchanged.
+    transformers dequantizes a GGUF file and converts its tokenizer on every load (about half
+    a minute on 2 CPU cores for SmolLM2-135M); :func:`kvbench.models.load_model` caches the
+    converted model (``~/.cache/kvbench/gguf``, identical weights and tokenizer). The suite
+    loads the model in many worker processes, so the cache is filled once here, before any
+    worker starts.
     """
-    cfg = model_config(settings.model)
-    cache = _gguf_cache_dir(cfg, Path(settings.out) / ".model_cache")
-    if cache is None:
-        return cfg
-    if not (cache / "config.json").is_file():
-        from kvbench.models import load_model
+    from kvbench.models import gguf_cache_dir, load_model, resolve_source
 
-        log(f"converting {cfg.get('source')} ({cfg.get('gguf_file')}) once into {cache} ...")
-        loaded = load_model(cfg, "cpu")
-        tmp = cache.with_name(cache.name + f".tmp{os.getpid()}")
-        loaded.model.save_pretrained(tmp)
-        loaded.tokenizer.save_pretrained(tmp)
-        if cache.exists():
-            shutil.rmtree(tmp)
-        else:
-            tmp.rename(cache)
-    return dict(cfg, source=str(cache), gguf_file=None, converted_from=str(cfg.get("source")))
+    cfg = model_config(settings.model)
+    folder, gguf_file = resolve_source(cfg)
+    cache = gguf_cache_dir(folder, gguf_file, cfg.get("gguf_cache", "auto")) if gguf_file else None
+    if cache is not None and not (cache / "COMPLETE").is_file():
+        log(f"converting {cfg.get('source')} ({gguf_file}) once into {cache} ...")
+        load_model(cfg, "cpu")
+    return cfg
 
 
 def load(settings: Settings):
