@@ -241,6 +241,10 @@ def render_markdown(report: dict) -> str:
         lines.append(f"| {kind.upper() if kind != 'random' else 'random'} | " + " | ".join(cells) + " |")
     lines.append("")
     lines.append("Cells: drop of the NIAH score in points (score with the heads masked).")
+    heads = {(c["kind"], c["k"]): {tuple(h) for h in c.get("heads", [])} for c in report["conditions"]}
+    shared = [f"{len(heads['srh', k] & heads['trh', k])}/{k}" for k in ks if ("srh", k) in heads and ("trh", k) in heads]
+    if shared:
+        lines.append(f"SRH and TRH top-k share {', '.join(shared)} heads.")
     return "\n".join(lines) + "\n"
 
 
