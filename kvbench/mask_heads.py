@@ -181,12 +181,16 @@ def niah_config(args) -> dict:
     return cfg
 
 
+def _with(stem: Path, suffix: str) -> Path:
+    return stem.parent / (stem.name + suffix)  # not with_suffix: a model name may hold a dot
+
+
 def output_stem(out_dir: Path, name: str) -> Path:
     """``out_dir/name``, or ``name-2``, ``name-3``… : the first stem with no ``.json/.csv/.md`` file."""
     n = 1
     while True:
         stem = out_dir / (name if n == 1 else f"{name}-{n}")
-        if not any(stem.with_suffix(s).exists() for s in (".json", ".csv", ".md")):
+        if not any(_with(stem, s).exists() for s in (".json", ".csv", ".md")):
             return stem
         n += 1
 
@@ -269,7 +273,7 @@ def write_report(stem: Path, report: dict) -> list[Path]:
              ".md": render_markdown(report)}
     written = []
     for suffix, text in texts.items():
-        path = stem.with_suffix(suffix)
+        path = _with(stem, suffix)
         try:
             with open(path, "x", encoding="utf-8") as f:
                 f.write(text)

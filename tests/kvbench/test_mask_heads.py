@@ -121,3 +121,15 @@ def test_cli_dispatches_mask_heads(capsys, no_model_load, tmp_path):
     assert kvbench_main(["mask-heads", "--model", "nope", "--out", str(tmp_path)]) == 2
     assert "no conf/model/nope.yaml" in capsys.readouterr().err
     assert mask_heads.KINDS == ("srh", "trh", "random")
+
+
+def test_published_trh_scores_of_llama31_are_found_and_checked_before_loading(tmp_path, capsys, no_model_load, monkeypatch):
+    import os
+    from pathlib import Path
+
+    shared = Path(os.environ.get("KVBENCH_SHARED_DATA") or Path(mask_heads.ROOT) / ".." / "shared" / "data")
+    if not (shared / "head_scores" / "compresskv" / "Llama-3.1-8B-Instruct.json").is_file():
+        pytest.skip(f"published CompressKV files not found under {shared}")
+    monkeypatch.setenv("KVBENCH_SHARED_DATA", str(shared))
+    assert main(["--model", "llama31", "--kinds", "trh,random", "--k", "30,1025", "--out", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.strip().endswith("--k=1025: must be between 0 and the 32x32 = 1024 heads of the score file")
