@@ -1,5 +1,5 @@
 """The ``kvbench`` command: ``kvbench run ...`` (= ``python run.py ...``), ``kvbench report``,
-``kvbench score``."""
+``kvbench score``, ``kvbench mask-heads``."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ COMMANDS = {
     "run": "run a job or a sweep (Hydra overrides, as python run.py)",
     "report": "rebuild the papers' tables and figures from a results root",
     "score": "score a folder of LongBench prediction jsonl files (official result.json)",
+    "mask-heads": "NIAH score drop when the top-k SRH / TRH heads are masked (CompressKV Table 2a)",
 }
 
 
@@ -19,15 +20,15 @@ def main(argv: list[str] | None = None) -> int:
     """Dispatch ``kvbench <command> ...``."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
-        print("usage: kvbench {run,report,score} ...\n")
+        print(f"usage: kvbench {{{','.join(COMMANDS)}}} ...\n")
         for name, text in COMMANDS.items():
-            print(f"  {name:<8}{text}")
+            print(f"  {name:<12}{text}")
         return 0 if not argv or argv[0] in ("-h", "--help") else 2
     cmd, rest = argv[0], argv[1:]
     if cmd == "run":
         run_py = Path(__file__).resolve().parents[1] / "run.py"
         return subprocess.call([sys.executable, str(run_py), *rest])
-    module = importlib.import_module(f"kvbench.{cmd}")
+    module = importlib.import_module(f"kvbench.{cmd.replace('-', '_')}")
     return int(module.main(rest) or 0)
 
 

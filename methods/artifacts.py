@@ -43,6 +43,7 @@ __all__ = [
     "load_head_ranking",
     "load_layer_scores",
     "ranking_from_scores",
+    "top_heads",
 ]
 
 ARTIFACTS_ROOT = Path(__file__).resolve().parent / "artifacts"
@@ -270,3 +271,30 @@ def ranking_from_scores(scores: torch.Tensor) -> list[list[int]]:
     """
     order = torch.sort(scores.double(), dim=-1, descending=True, stable=True).indices
     return order.tolist()
+
+
+def top_heads(scores: torch.Tensor, k: int, key: str = "k") -> list[tuple[int, int]]:
+    """The k heads with the highest score across all layers, best first.
+
+    The head set of the masking test of Wu et al. (2025) that CompressKV Sec. 4.3 / Table 2a
+    follows: every head of the model is ranked by its mean score, whatever its layer (the
+    per-layer rankings of ``*_head_idx.json`` carry no scores and cannot be compared across
+    layers). Ties keep the layer-major order of the score files (lower layer, then lower head
+    first), as the reference's stable sort of the file's items does.
+
+    Args:
+        scores: ``(L, H_q)`` per-head mean scores (:func:`load_head_scores`).
+        k: how many heads, ``0 <= k <= L * H_q``.
+        key: the option named in errors.
+
+    Returns:
+        k ``(layer, query-head id)`` pairs, highest score first.
+
+    Raises:
+        ConfigError: k negative or larger than the number of heads.
+    """
+    n_layers, n_heads = scores.shape
+    if not 0 <= k <= n_layers * n_heads:
+        raise ConfigError(f"{key}={k}: must be between 0 and the {n_layers}x{n_heads} = {n_layers * n_heads} heads of the score file")
+    order = torch.sort(scores.double().flatten(), descending=True, stable=True).indices[:k]
+    return [(int(i) // n_heads, int(i) % n_heads) for i in order]

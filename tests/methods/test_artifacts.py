@@ -16,6 +16,7 @@ from methods.artifacts import (
     load_head_scores,
     load_layer_scores,
     ranking_from_scores,
+    top_heads,
 )
 from methods.base import ConfigError, HeadLayout
 
@@ -131,3 +132,28 @@ def test_ranking_from_a_score_file(tmp_path):
     p = tmp_path / "raw.json"
     p.write_text(json.dumps({"0-0": [1, 3], "0-1": [0], "0-2": [4], "1-0": [1], "1-1": [5], "1-2": [0, 2]}))
     assert load_head_ranking(p) == [[2, 0, 1], [1, 0, 2]]
+
+
+def test_top_heads_across_layers_from_a_hand_made_file(tmp_path):
+    p = tmp_path / "raw.json"
+    # means: layer 0 = [2, 0, 4], layer 1 = [1, 5, 1]; ties (1.0) keep layer-major file order
+    p.write_text(json.dumps({"0-0": [1, 3], "0-1": [0], "0-2": [4], "1-0": [1], "1-1": [5], "1-2": [0, 2]}))
+    scores = load_head_scores(p)
+    assert top_heads(scores, 2) == [(1, 1), (0, 2)]
+    assert top_heads(scores, 5) == [(1, 1), (0, 2), (0, 0), (1, 0), (1, 2)]
+    assert top_heads(scores, 0) == []
+    with pytest.raises(ConfigError, match="^--k=7: must be between 0 and the 2x3 = 6 heads"):
+        top_heads(scores, 7, "--k")
+
+
+@needs_shared
+def test_top_heads_of_the_published_trh_scores_follow_each_layers_ranking():
+    scores = load_head_scores(CKV / "Mistral-7B-Instruct-v0.3.json", LAYOUT_32)
+    heads = top_heads(scores, 30)
+    assert len(set(heads)) == 30
+    ranking = ranking_from_scores(scores)
+    for layer in {l for l, _ in heads}:  # a layer's chosen heads are the top of its own ranking
+        chosen = [h for l, h in heads if l == layer]
+        assert sorted(chosen) == sorted(ranking[layer][: len(chosen)])
+    values = [float(scores[l, h]) for l, h in heads]
+    assert values == sorted(values, reverse=True) and values[-1] >= float(scores.flatten().sort(descending=True).values[29])

@@ -1,0 +1,382 @@
+"""``kvbench mask-heads``: the head-masking ablation of CompressKV Table 2a (Sec. 4.3).
+
+Following the causal test of Wu et al. (2025), the k heads with the highest score across all
+layers (k = 10, 20, 30 by default) are masked (:class:`kvbench.head_mask.HeadMask`) and the
+model runs the harness's Needle-in-a-Haystack task with its full cache; the table gives the
+NIAH score without mask and its drop, in points, for each k and each head ranking:
+
+* ``srh``: Semantic Retrieval Heads, CompressKV Eq. 1 scores (``semantic_retrieval_heads.json``);
+* ``trh``: traditional retrieval heads, top-1 copy scores (``retrieval_heads.json``, or the
+  published ``<model>.json`` for ``llama31``/``mistral``);
+* ``random``: a control, k heads drawn with ``--seed`` among the heads outside the SRH and TRH
+  top-k (Wu et al. draw their random heads outside their retrieval heads).
+
+A head's score is the mean of its list in the score file (``{"<layer>-<head>": [...]}``, query
+heads, as :func:`methods.artifacts.load_head_scores` reads it). The ranking files
+``*_head_idx.json`` hold per-layer orders only, no scores, so they cannot rank heads across
+layers; when one exists beside the score file the report says whether it agrees with the scores.
+The published CompressKV files for Llama-3.1-8B / Mistral-7B carry no SRH scores: give
+``--srh-scores`` or leave ``srh`` out of ``--kinds``.
+
+Writes ``<out>/mask_heads_<model>_<mode>-<phase>.{json,csv,md}`` and never overwrites: when a
+file of that name exists, the next free ``…-2``, ``…-3`` is used. User errors (unknown model,
+missing score files, k larger than the number of heads, bad grid) stop it with one line before
+any model is loaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import json
+import resource
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+from eval.base import TaskConfigError
+from eval.niah import NIAHTask
+from methods.artifacts import (
+    ARTIFACTS_ROOT, PUBLISHED, artifact_path, load_head_ranking, load_head_scores, ranking_from_scores, top_heads,
+)
+from methods.base import ConfigError
+
+from .head_mask import MODES, PHASES, HeadMask
+
+ROOT = Path(__file__).resolve().parents[1]
+KINDS = ("srh", "trh", "random")
+_SCORE_KIND = {"srh": ("semantic_retrieval_heads", "srh_head_idx"), "trh": ("retrieval_heads", "trh_head_idx")}
+
+
+# --------------------------------------------------------------------------- inputs (no model)
+def model_config(name: str, source: str | None = None) -> dict:
+    """``conf/model/<name>.yaml`` as a dict (``source`` overrides ``model.source``; a ``.gguf``
+    file or a model folder, so ``gguf_file`` is reset).
+
+    Raises:
+        ConfigError: no such model config (lists the accepted names).
+    """
+    path = ROOT / "conf" / "model" / f"{name}.yaml"
+    if not path.is_file():
+        names = sorted(p.stem for p in path.parent.glob("*.yaml"))
+        raise ConfigError(f"--model={name!r}: no conf/model/{name}.yaml; accepted values are {', '.join(names)}")
+    cfg = yaml.safe_load(path.read_text(encoding="utf-8"))
+    if source:
+        cfg["source"], cfg["gguf_file"] = source, None
+    return cfg
+
+
+def score_file(kind: str, model: str, explicit: str | None) -> Path:
+    """The head-score file of ``kind`` (``srh`` or ``trh``) for ``model``.
+
+    Raises:
+        ConfigError: not found (names the calibration command), or SRH asked for a model whose
+            published files hold only a per-layer SRH ranking.
+    """
+    key = f"--{kind}-scores"
+    if kind == "srh" and not explicit and model in PUBLISHED:
+        local = ARTIFACTS_ROOT / model / "semantic_retrieval_heads.json"
+        if not local.is_file():
+            raise ConfigError(
+                f"{key}: model {model} has only the published per-layer SRH ranking ({PUBLISHED[model]}_head_idx.json), "
+                f"no scores to rank heads across layers; give {key}=PATH ({{'<layer>-<head>': [scores]}}) or --kinds trh,random"
+            )
+    return artifact_path(_SCORE_KIND[kind][0], model, explicit, key)
+
+
+def ranking_agrees(kind: str, model: str, scores) -> tuple[str | None, bool | None]:
+    """Whether the per-layer ranking file of ``kind`` (if any) orders each layer as ``scores`` do.
+
+    Returns:
+        ``(ranking file or None, agrees or None)``.
+    """
+    try:
+        path = artifact_path(_SCORE_KIND[kind][1], model, None, "ranking")
+        return str(path), load_head_ranking(path) == ranking_from_scores(scores)
+    except ConfigError:
+        return None, None
+
+
+def random_heads(num_layers: int, num_heads: int, k: int, seed: int, exclude: set[tuple[int, int]]) -> list[tuple[int, int]]:
+    """k distinct ``(layer, head)`` pairs drawn uniformly, reproducibly (``seed``), outside ``exclude``.
+
+    One seeded permutation of all ``L·H_q`` heads is filtered, so a larger k extends a smaller
+    one when ``exclude`` is the same.
+
+    Raises:
+        ConfigError: fewer than k heads outside ``exclude``.
+    """
+    import torch
+
+    order = torch.randperm(num_layers * num_heads, generator=torch.Generator().manual_seed(seed)).tolist()
+    pool = [(i // num_heads, i % num_heads) for i in order if (i // num_heads, i % num_heads) not in exclude]
+    if len(pool) < k:
+        raise ConfigError(f"--k={k}: only {len(pool)} heads are left outside the SRH/TRH top-{k} for the random control")
+    return pool[:k]
+
+
+def parse_ks(text: str) -> list[int]:
+    """``"10,20,30"`` → ``[10, 20, 30]``.
+
+    Raises:
+        ConfigError: not a comma-separated list of distinct positive integers.
+    """
+    try:
+        ks = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        ks = []
+    if not ks or any(k <= 0 for k in ks) or len(set(ks)) != len(ks):
+        raise ConfigError(f"--k={text!r}: must be distinct positive integers, comma-separated (e.g. 10,20,30)")
+    return ks
+
+
+def conditions(scores: dict, ks: list[int], kinds: list[str], seed: int) -> list[dict]:
+    """The masked runs: for each k, the top-k heads of each score kind, then the random control.
+
+    Args:
+        scores: ``{kind: (L, H_q) mean scores}`` for the score kinds in ``kinds``.
+
+    Returns:
+        ``[{"kind", "k", "heads": [[layer, head], ...]}]``, the no-mask run excluded.
+
+    Raises:
+        ConfigError: a k larger than the number of heads.
+    """
+    grid = tuple(next(iter(scores.values())).shape)
+    out = []
+    for k in ks:
+        chosen = {kind: top_heads(scores[kind], k, "--k") for kind in ("srh", "trh") if kind in kinds}
+        out += [{"kind": kind, "k": k, "heads": [list(h) for h in heads]} for kind, heads in chosen.items()]
+        if "random" in kinds:
+            exclude = {h for heads in chosen.values() for h in heads}
+            out.append({"kind": "random", "k": k, "heads": [list(h) for h in random_heads(*grid, k, seed, exclude)]})
+    return out
+
+
+def niah_config(args) -> dict:
+    """``conf/task/niah.yaml`` with the command's grid overrides, validated.
+
+    Raises:
+        ConfigError: a bad grid or haystack folder (the task's own one-line message).
+    """
+    cfg = yaml.safe_load((ROOT / "conf" / "task" / "niah.yaml").read_text(encoding="utf-8"))
+    try:
+        if args.lengths:
+            cfg["context_lengths"] = [int(x) for x in args.lengths.split(",")]
+        if args.depths:
+            cfg["depth_percents"] = [float(x) for x in args.depths.split(",")]
+    except ValueError:
+        raise ConfigError(f"--lengths={args.lengths!r} / --depths={args.depths!r}: comma-separated numbers") from None
+    if args.haystack_dir:
+        cfg["haystack_dir"], cfg["haystack_source"] = args.haystack_dir, "dir"
+    if args.max_new_tokens is not None:
+        cfg["max_new_tokens"] = args.max_new_tokens
+    try:
+        NIAHTask.validate(cfg)
+    except TaskConfigError as e:
+        raise ConfigError(str(e)) from None
+    return cfg
+
+
+def _with(stem: Path, suffix: str) -> Path:
+    return stem.parent / (stem.name + suffix)  # not with_suffix: a model name may hold a dot
+
+
+def output_stem(out_dir: Path, name: str) -> Path:
+    """``out_dir/name``, or ``name-2``, ``name-3``… : the first stem with no ``.json/.csv/.md`` file."""
+    n = 1
+    while True:
+        stem = out_dir / (name if n == 1 else f"{name}-{n}")
+        if not any(_with(stem, s).exists() for s in (".json", ".csv", ".md")):
+            return stem
+        n += 1
+
+
+# --------------------------------------------------------------------------- running
+def run_condition(engine, loaded, task, samples, heads, mode: str, phase: str) -> dict:
+    """Generate every sample with ``heads`` masked; NIAH score = 100 × mean ROUGE-1 recall.
+
+    Returns:
+        ``{"score", "n", "failed", "samples": [{"id", "prediction", "score"}]}`` (failed samples
+        are listed with their error and left out of the mean).
+    """
+    from .job import run_sample
+
+    records = []
+    with HeadMask(loaded.model, loaded.layout, [tuple(h) for h in heads], mode, phase):
+        for sample in samples:
+            rec = run_sample(engine, loaded, task, sample)
+            records.append({"id": rec["id"], "prediction": rec["prediction"], "score": rec["score"],
+                            **({"error": rec["error"]} if rec["error"] else {})})
+    ok = [r["score"] for r in records if r["score"] is not None]
+    return {"score": round(100 * sum(ok) / len(ok), 2) if ok else None, "n": len(ok),
+            "failed": len(records) - len(ok), "samples": records}
+
+
+def table_rows(report: dict) -> list[dict]:
+    """One row per (kind, k): masked score and drop (no-mask score − masked score, points)."""
+    base = report["no_mask"]["score"]
+    rows = []
+    for c in report["conditions"]:
+        drop = round(base - c["score"], 2) if base is not None and c["score"] is not None else None
+        rows.append({"kind": c["kind"], "k": c["k"], "score": c["score"], "drop": drop, "n": c["n"], "failed": c["failed"]})
+    return rows
+
+
+def render_markdown(report: dict) -> str:
+    """Table 2a's layout: a row per head kind, a column per top-k; cells ``drop (masked score)``."""
+    rows = table_rows(report)
+    ks = sorted({r["k"] for r in rows})
+    kinds = [k for k in KINDS if any(r["kind"] == k for r in rows)]
+    cell = {(r["kind"], r["k"]): r for r in rows}
+    fmt = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
+    lines = [
+        f"NIAH score without mask: {fmt(report['no_mask']['score'])} ({report['no_mask']['n']} samples); "
+        f"model {report['model']}, mask mode {report['mode']}, phase {report['phase']}",
+        "",
+        "| heads | " + " | ".join(f"top-{k}" for k in ks) + " |",
+        "|---|" + "---:|" * len(ks),
+    ]
+    for kind in kinds:
+        cells = [f"{fmt(cell[kind, k]['drop'])} ({fmt(cell[kind, k]['score'])})" if (kind, k) in cell else "-" for k in ks]
+        lines.append(f"| {kind.upper() if kind != 'random' else 'random'} | " + " | ".join(cells) + " |")
+    lines.append("")
+    lines.append("Cells: drop of the NIAH score in points (score with the heads masked).")
+    heads = {(c["kind"], c["k"]): {tuple(h) for h in c.get("heads", [])} for c in report["conditions"]}
+    shared = [f"{len(heads['srh', k] & heads['trh', k])}/{k}" for k in ks if ("srh", k) in heads and ("trh", k) in heads]
+    if shared:
+        lines.append(f"SRH and TRH top-k share {', '.join(shared)} heads.")
+    return "\n".join(lines) + "\n"
+
+
+def render_csv(report: dict) -> str:
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=["kind", "k", "score", "drop", "n", "failed"], lineterminator="\n")
+    writer.writeheader()
+    writer.writerow({"kind": "none", "k": 0, "score": report["no_mask"]["score"], "drop": 0.0,
+                     "n": report["no_mask"]["n"], "failed": report["no_mask"]["failed"]})
+    writer.writerows(table_rows(report))
+    return buf.getvalue()
+
+
+def write_report(stem: Path, report: dict) -> list[Path]:
+    """Write ``stem.json/.csv/.md`` with exclusive creation (an existing file is never replaced).
+
+    Raises:
+        ConfigError: a file of that name appeared meanwhile.
+    """
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    texts = {".json": json.dumps(report, indent=2, ensure_ascii=False) + "\n", ".csv": render_csv(report),
+             ".md": render_markdown(report)}
+    written = []
+    for suffix, text in texts.items():
+        path = _with(stem, suffix)
+        try:
+            with open(path, "x", encoding="utf-8") as f:
+                f.write(text)
+        except FileExistsError:
+            raise ConfigError(f"--out: {path} already exists; not overwritten (results so far are in {written or 'no file'})") from None
+        written.append(path)
+    return written
+
+
+def _cpu_seconds() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def run(args) -> int:
+    """Validate everything, then load the model and run the no-mask and masked NIAH grids."""
+    model_cfg = model_config(args.model, args.model_source)
+    kinds = [k for k in args.kinds.split(",") if k]
+    if not kinds or any(k not in KINDS for k in kinds) or kinds == ["random"]:
+        raise ConfigError(f"--kinds={args.kinds!r}: comma-separated values among {', '.join(KINDS)}, at least one of srh, trh")
+    ks = parse_ks(args.k)
+    files = {kind: score_file(kind, args.model, getattr(args, f"{kind}_scores")) for kind in ("srh", "trh") if kind in kinds}
+    scores = {kind: load_head_scores(path) for kind, path in files.items()}
+    grids = {tuple(s.shape) for s in scores.values()}
+    if len(grids) > 1:
+        raise ConfigError(f"--srh-scores/--trh-scores: the files cover different layer x head grids {sorted(grids)}")
+    plan = conditions(scores, ks, kinds, args.seed)
+    task_cfg = niah_config(args)
+    stem = output_stem(Path(args.out), f"mask_heads_{args.model}_{args.mode}-{args.phase}")
+    print(f"writing {stem}.{{json,csv,md}}", file=sys.stderr)
+
+    import torch
+
+    from methods.full import FullCache
+
+    from .engine import Engine
+    from .job import encode_prompt, environment
+    from .models import load_model
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    t0, c0 = time.time(), _cpu_seconds()
+    loaded = load_model(model_cfg, args.device)
+    for kind, path in files.items():
+        load_head_scores(path, loaded.layout)  # the score grid must be the model's layers x query heads
+    task = NIAHTask(task_cfg, loaded.tokenizer, loaded.max_input_length, encode=lambda s: encode_prompt(loaded, s))
+    samples = list(task.samples())
+    engine = Engine(loaded, FullCache(None, loaded.layout), budget=1.0)
+    report = {
+        "model": args.model, "mode": args.mode, "phase": args.phase, "k": ks, "kinds": kinds, "seed": args.seed,
+        "score_files": {k: str(p) for k, p in files.items()},
+        "rankings": {k: dict(zip(("file", "agrees_with_scores"), ranking_agrees(k, args.model, scores[k])))
+                     for k in files if not getattr(args, f"{k}_scores")},  # only beside the default score files
+        "grid": {"context_lengths": task_cfg["context_lengths"], "depth_percents": task_cfg["depth_percents"],
+                 "haystack_source": getattr(task, "haystack_source", None), "samples": len(samples),
+                 "skipped": getattr(task, "skipped", [])},
+        "env": environment(loaded, args.device),
+    }
+    report["no_mask"] = run_condition(engine, loaded, task, samples, [], args.mode, args.phase)
+    print(f"[{time.time() - t0:6.0f}s] no mask: {report['no_mask']['score']}", file=sys.stderr, flush=True)
+    report["conditions"] = []
+    for cond in plan:
+        result = run_condition(engine, loaded, task, samples, cond["heads"], args.mode, args.phase)
+        report["conditions"].append({**cond, **result})
+        print(f"[{time.time() - t0:6.0f}s] {cond['kind']} top-{cond['k']}: {result['score']}", file=sys.stderr, flush=True)
+    report["seconds"] = round(time.time() - t0, 1)
+    report["cpu_seconds"] = round(_cpu_seconds() - c0, 1)
+    written = write_report(stem, report)
+    print(render_markdown(report))
+    print(f"wrote {', '.join(str(p) for p in written)} in {report['seconds']} s ({report['cpu_seconds']} CPU s)", file=sys.stderr)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvbench mask-heads", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="smollm2", help="conf/model/<name>.yaml; also names methods/artifacts/<name>/")
+    p.add_argument("--model-source", default=None, help="override model.source (a local folder or file)")
+    p.add_argument("--k", default="10,20,30", help="numbers of top heads to mask, comma-separated")
+    p.add_argument("--kinds", default="srh,trh,random", help=f"head rankings: {', '.join(KINDS)} (random: seeded control)")
+    p.add_argument("--srh-scores", default=None, help="SRH head-score file (default methods/artifacts/<model>/semantic_retrieval_heads.json)")
+    p.add_argument("--trh-scores", default=None, help="TRH head-score file (default methods/artifacts/<model>/retrieval_heads.json or the published one)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random-heads control")
+    p.add_argument("--mode", choices=MODES, default="zero", help="zero: head output before W_O set to 0; uniform: query set to 0 (Wu et al.'s code)")
+    p.add_argument("--phase", choices=PHASES, default="all", help="all positions, or decode: the last prompt position and decoded tokens (Wu et al.'s code)")
+    p.add_argument("--lengths", default=None, help="NIAH context lengths in tokens, comma-separated (default conf/task/niah.yaml)")
+    p.add_argument("--depths", default=None, help="NIAH needle depths in percent, comma-separated (default conf/task/niah.yaml)")
+    p.add_argument("--haystack-dir", default=None, help="folder of .txt haystack files (default: the task's haystack_source)")
+    p.add_argument("--max-new-tokens", type=int, default=None, help="generation limit (default conf/task/niah.yaml)")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    p.add_argument("--out", default="results/mask_heads", help="output folder (existing files are never overwritten)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the ablation. Returns 0, or 2 on a user error (one line on stderr)."""
+    args = build_parser().parse_args(argv)
+    try:
+        return run(args)
+    except ConfigError as e:
+        print(f"kvbench mask-heads: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,135 @@
+"""``kvbench mask-heads``: head sets from score files, one-line errors before any model load,
+never-overwritten outputs, and one end-to-end run on a tiny random model."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvbench import mask_heads
+from kvbench.mask_heads import conditions, main, output_stem, random_heads, render_markdown, write_report
+from methods.artifacts import load_head_scores
+from methods.base import ConfigError
+
+
+def _score_file(path, means: list[list[float]]):
+    """A HeadKV-format file whose head l-h has mean ``means[l][h]`` (two samples around it)."""
+    data = {f"{l}-{h}": [m - 0.5, m + 0.5] for l, row in enumerate(means) for h, m in enumerate(row)}
+    path.write_text(json.dumps(data))
+    return path
+
+
+SRH = [[0.1, 0.9, 0.0, 0.3], [0.8, 0.2, 0.9, 0.05]]  # top-3: (0,1), (1,2) tie at 0.9 -> layer 0 first; then (1,0)
+TRH = [[0.0, 0.0, 0.7, 0.0], [0.0, 0.6, 0.0, 0.5]]  # top-3: (0,2), (1,1), (1,3)
+
+
+def test_conditions_pick_top_k_across_layers_and_a_disjoint_seeded_random_control(tmp_path):
+    scores = {"srh": load_head_scores(_score_file(tmp_path / "s.json", SRH)),
+              "trh": load_head_scores(_score_file(tmp_path / "t.json", TRH))}
+    plan = conditions(scores, [1, 2], ["srh", "trh", "random"], seed=0)
+    got = {(c["kind"], c["k"]): [tuple(h) for h in c["heads"]] for c in plan}
+    assert got["srh", 1] == [(0, 1)]
+    assert got["srh", 2] == [(0, 1), (1, 2)]
+    assert got["trh", 2] == [(0, 2), (1, 1)]
+    rand = got["random", 2]
+    assert len(set(rand)) == 2 and not set(rand) & (set(got["srh", 2]) | set(got["trh", 2]))
+    assert plan == conditions(scores, [1, 2], ["srh", "trh", "random"], seed=0)  # reproducible
+    with pytest.raises(ConfigError, match="only 2 heads are left outside the SRH/TRH top-3"):
+        conditions(scores, [3], ["srh", "trh", "random"], seed=0)
+    assert [tuple(h) for h in conditions(scores, [3], ["srh"], seed=0)[0]["heads"]] == [(0, 1), (1, 2), (1, 0)]
+    assert [c["kind"] for c in plan] == ["srh", "trh", "random"] * 2
+
+
+def test_random_heads_distinct_within_grid_and_seed_dependent():
+    a = random_heads(30, 9, 30, seed=0, exclude={(0, 0)})
+    assert len(set(a)) == 30 and all(0 <= l < 30 and 0 <= h < 9 for l, h in a) and (0, 0) not in a
+    assert random_heads(30, 9, 10, seed=0, exclude={(0, 0)}) == a[:10]  # a larger k extends a smaller one
+    assert random_heads(30, 9, 30, seed=1, exclude={(0, 0)}) != a
+    with pytest.raises(ConfigError, match="only 2 heads are left"):
+        random_heads(2, 2, 3, seed=0, exclude={(0, 0), (1, 1)})
+
+
+def test_output_stem_and_write_never_overwrite(tmp_path):
+    stem = output_stem(tmp_path, "mask_heads_x")
+    assert stem == tmp_path / "mask_heads_x"
+    report = {"model": "x", "mode": "zero", "phase": "all", "no_mask": {"score": 90.0, "n": 2, "failed": 0},
+              "conditions": [{"kind": "srh", "k": 1, "score": 40.0, "n": 2, "failed": 0}]}
+    write_report(stem, report)
+    assert output_stem(tmp_path, "mask_heads_x") == tmp_path / "mask_heads_x-2"
+    before = stem.with_suffix(".json").read_text()
+    with pytest.raises(ConfigError, match="already exists; not overwritten"):
+        write_report(stem, {**report, "model": "y"})
+    assert stem.with_suffix(".json").read_text() == before
+    assert "| SRH | 50.00 (40.00) |" in render_markdown(report)  # drop = 90 - 40
+    assert stem.with_suffix(".csv").read_text().splitlines()[1:] == ["none,0,90.0,0.0,2,0", "srh,1,40.0,50.0,2,0"]
+
+
+@pytest.fixture
+def no_model_load(monkeypatch):
+    def fail(*a, **k):
+        raise AssertionError("a model was loaded")
+
+    monkeypatch.setattr("kvbench.models.load_model", fail)
+
+
+@pytest.mark.parametrize("args,text", [
+    (["--model", "nope"], "--model='nope': no conf/model/nope.yaml; accepted values are"),
+    (["--model", "gemma3_270m"], "semantic_retrieval_heads.json': file not found; make it with `python -m methods.calibrate heads --name gemma3_270m`"),
+    (["--k", "10,271"], "--k=271: must be between 0 and the 30x9 = 270 heads of the score file"),
+    (["--k", "10,10"], "--k='10,10': must be distinct positive integers"),
+    (["--kinds", "srh,foo"], "--kinds='srh,foo': comma-separated values among srh, trh, random"),
+    (["--model", "llama31"], "--srh-scores: model llama31 has only the published per-layer SRH ranking"),
+    (["--lengths", "0"], "task.context_lengths=[0]: must be a non-empty list of positive integers"),
+])
+def test_user_errors_are_one_line_before_loading_a_model(args, text, tmp_path, capsys, no_model_load):
+    assert main([*args, "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert text in err and "\n" not in err, err
+    assert not any(tmp_path.iterdir())
+
+
+def test_k_larger_than_a_hand_made_grid(tmp_path, capsys, no_model_load):
+    s = _score_file(tmp_path / "s.json", SRH)
+    assert main(["--srh-scores", str(s), "--kinds", "srh", "--k", "9", "--out", str(tmp_path / "o")]) == 2
+    assert capsys.readouterr().err.strip() == "kvbench mask-heads: --k=9: must be between 0 and the 2x4 = 8 heads of the score file"
+
+
+def test_end_to_end_on_a_tiny_model(tiny_model_dir, haystack_dir, tmp_path, capsys):
+    s, t = _score_file(tmp_path / "s.json", SRH), _score_file(tmp_path / "t.json", TRH)
+    out = tmp_path / "out"
+    argv = ["--model-source", str(tiny_model_dir), "--srh-scores", str(s), "--trh-scores", str(t), "--k", "1,2",
+            "--lengths", "400", "--depths", "50", "--haystack-dir", str(haystack_dir), "--max-new-tokens", "3",
+            "--threads", "1", "--out", str(out)]
+    assert main(argv) == 0
+    report = json.loads((out / "mask_heads_smollm2_zero-all.json").read_text())
+    assert report["no_mask"]["n"] == 1 and report["grid"]["samples"] == 1
+    heads = {(c["kind"], c["k"]): c["heads"] for c in report["conditions"]}
+    assert heads["srh", 2] == [[0, 1], [1, 2]] and heads["trh", 1] == [[0, 2]]
+    for c in report["conditions"]:
+        assert c["n"] == 1 and 0 <= c["score"] <= 100
+    table = capsys.readouterr().out
+    assert "| heads | top-1 | top-2 |" in table and "| random |" in table
+    assert main(argv) == 0  # a second run writes new files
+    assert (out / "mask_heads_smollm2_zero-all-2.json").is_file()
+    assert json.loads((out / "mask_heads_smollm2_zero-all.json").read_text())["seconds"] == report["seconds"]
+
+
+def test_cli_dispatches_mask_heads(capsys, no_model_load, tmp_path):
+    from kvbench.cli import main as kvbench_main
+
+    assert kvbench_main(["mask-heads", "--model", "nope", "--out", str(tmp_path)]) == 2
+    assert "no conf/model/nope.yaml" in capsys.readouterr().err
+    assert mask_heads.KINDS == ("srh", "trh", "random")
+
+
+def test_published_trh_scores_of_llama31_are_found_and_checked_before_loading(tmp_path, capsys, no_model_load, monkeypatch):
+    import os
+    from pathlib import Path
+
+    shared = Path(os.environ.get("KVBENCH_SHARED_DATA") or Path(mask_heads.ROOT) / ".." / "shared" / "data")
+    if not (shared / "head_scores" / "compresskv" / "Llama-3.1-8B-Instruct.json").is_file():
+        pytest.skip(f"published CompressKV files not found under {shared}")
+    monkeypatch.setenv("KVBENCH_SHARED_DATA", str(shared))
+    assert main(["--model", "llama31", "--kinds", "trh,random", "--k", "30,1025", "--out", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.strip().endswith("--k=1025: must be between 0 and the 32x32 = 1024 heads of the score file")
