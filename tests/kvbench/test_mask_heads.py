@@ -102,7 +102,7 @@ def test_end_to_end_on_a_tiny_model(tiny_model_dir, haystack_dir, tmp_path, caps
             "--lengths", "400", "--depths", "50", "--haystack-dir", str(haystack_dir), "--max-new-tokens", "3",
             "--threads", "1", "--out", str(out)]
     assert main(argv) == 0
-    report = json.loads((out / "mask_heads_smollm2_zero-all.json").read_text())
+    report = json.loads((out / "mask_heads_smollm2_uniform-decode.json").read_text())
     assert report["no_mask"]["n"] == 1 and report["grid"]["samples"] == 1
     heads = {(c["kind"], c["k"]): c["heads"] for c in report["conditions"]}
     assert heads["srh", 2] == [[0, 1], [1, 2]] and heads["trh", 1] == [[0, 2]]
@@ -111,8 +111,8 @@ def test_end_to_end_on_a_tiny_model(tiny_model_dir, haystack_dir, tmp_path, caps
     table = capsys.readouterr().out
     assert "| heads | top-1 | top-2 |" in table and "| random |" in table
     assert main(argv) == 0  # a second run writes new files
-    assert (out / "mask_heads_smollm2_zero-all-2.json").is_file()
-    assert json.loads((out / "mask_heads_smollm2_zero-all.json").read_text())["seconds"] == report["seconds"]
+    assert (out / "mask_heads_smollm2_uniform-decode-2.json").is_file()
+    assert json.loads((out / "mask_heads_smollm2_uniform-decode.json").read_text())["seconds"] == report["seconds"]
 
 
 def test_cli_dispatches_mask_heads(capsys, no_model_load, tmp_path):
