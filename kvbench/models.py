@@ -222,6 +222,10 @@ def _load_cached(cache: Path, dtype: Any, model_kwargs: dict) -> tuple[Any, Any]
 
     if not (cache / "COMPLETE").is_file():
         return None
+    from transformers.utils import logging as hf_logging
+
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # a cached load takes seconds: no per-tensor bar
     try:
         meta = json.loads((cache / "tokenizer_meta.json").read_text(encoding="utf-8"))
         tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(cache / "tokenizer.json"), **meta)
@@ -229,6 +233,9 @@ def _load_cached(cache: Path, dtype: Any, model_kwargs: dict) -> tuple[Any, Any]
     except (OSError, ValueError, KeyError) as err:  # a damaged cache: convert again
         log.warning("GGUF cache %s unreadable (%s); converting the GGUF file again", cache, err)
         return None
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
     return tokenizer, model
 
 
