@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """kvbench job entry point (Hydra).
 
-    python run.py                                   # embedded default: smollm2 × snapkv × niah, budget 0.25
+    python run.py                                   # embedded default: smollm2 × selkv × niah, budget 0.25
     python run.py method=selkv model=llama31 budget=0.25 task=longbench
     python run.py -m method=snapkv,selkv budget=0.1,0.25,0.5            # sweep (local)
     python run.py -m ... hydra/launcher=slurm                            # sweep as a SLURM array

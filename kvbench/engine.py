@@ -9,6 +9,7 @@ tokens appended uncompressed.
 from __future__ import annotations
 
 import inspect
+import logging
 import resource
 import time
 from dataclasses import dataclass, field
@@ -21,6 +22,8 @@ from methods.base import Method, apply_budget_floor
 from .attention import CompressionState, build_decode_bias
 from .kvcache import preallocated_cache
 from .models import LoadedModel
+
+log = logging.getLogger(__name__)
 
 
 class NonFiniteLogitsError(RuntimeError):
@@ -179,7 +182,16 @@ class Engine:
             cache = preallocated_cache(model.config, reserve=max_new_tokens + 1)
         else:
             cache = DynamicCache(config=model.config)
-        plan = apply_budget_floor(self.method.plan(n, self.budget, layout), n, self.method.min_budget())
+        planned = self.method.plan(n, self.budget, layout)
+        plan = apply_budget_floor(planned, n, self.method.min_budget())
+        if plan is not planned and not getattr(self, "_floor_warned", False):
+            self._floor_warned = True
+            log.warning(
+                "budget=%s: fewer tokens than the %d that method %s always keeps (window, recent, sinks) at a "
+                "%d-token prompt; such layers keep min(n, %d)%s",
+                self.budget, self.method.min_budget(), self.method.name, n, self.method.min_budget(),
+                "" if plan.compress else " (here all n: the cache is not compressed)",
+            )
         state = CompressionState(
             method=self.method, plan=plan, layout=layout, cache=cache, rotary=self._rotary,
             max_new_tokens=max_new_tokens, reference_decode=self.reference_decode,

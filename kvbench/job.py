@@ -109,6 +109,8 @@ def summarize(
     what the task left out by its own rule (e.g. NIAH lengths over the model's max input, each
     entry with its number of ``samples``), ``n_skipped`` the samples so left out.
     """
+    wanted = set(expected_ids)
+    records = [r for r in records if r.get("id") in wanted]  # this run's samples (others stay stored)
     ok = [r for r in records if r.get("error") is None]
     done = {r["id"] for r in ok}
     agg = task.aggregate(records)
@@ -230,7 +232,10 @@ def run_job(cfg: dict, method_preset: str | None = None, method_overrides: list[
             log.info("job %s: already complete (%d samples stored); nothing to do", relpath, done_summary["n_samples"])
             print_summary(done_summary, store.path)
             return EXIT_SAMPLE_FAILED if done_summary["n_failed"] else EXIT_OK
+        _check_same_job(store, cfg, relpath)
         store.write_config(config_text, same=lambda stored: _same_run(stored, cfg))
+        if cfg.get("threads"):
+            torch.set_num_threads(int(cfg["threads"]))
         random.seed(cfg.get("seed", 0))
         torch.manual_seed(int(cfg.get("seed", 0)))
         try:
@@ -275,7 +280,61 @@ def run_job(cfg: dict, method_preset: str | None = None, method_overrides: list[
 
 #: Keys that control how a job runs, not what it computes: a rerun that differs only in these
 #: is the same job (no new ``config.<time>.yaml``, and a finished job is not run again).
-RUN_CONTROL_KEYS = ("quiet", "lock_wait_s", "output_root")
+RUN_CONTROL_KEYS = ("quiet", "lock_wait_s", "output_root", "threads")
+
+
+#: Keys that may differ between runs of one job folder: they choose which samples run (the
+#: sample ids encode them), not how a sample is computed; plus the run-control keys.
+SAMPLE_SELECTION_KEYS = (
+    "max_samples", "shard", "task.context_lengths", "task.depth_percents", "task.datasets", "task.n_samples",
+    "model.gguf_cache",
+)
+
+
+def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(d, dict):
+        return {prefix: d}
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        out.update(_flatten(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
+
+
+def _check_same_job(store: JobStore, cfg: dict, relpath: str) -> None:
+    """Refuse to add samples of a different setting to a job folder (before the model loads).
+
+    The folder name holds task, model, method preset, budget, ``run_tag`` and a hash of the
+    ``method.*`` overrides; any other key that changes how a sample is computed (the model
+    source, the haystack, the generation limit, the seed, the device...) would otherwise
+    reuse the stored samples of the old setting under the new one.
+
+    Raises:
+        ConfigError: the stored ``config.yaml`` differs in such keys (up to three are named).
+    """
+    import yaml
+
+    path = store.path / "config.yaml"
+    if not path.exists():
+        return
+    try:
+        stored = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError:
+        return
+    if not isinstance(stored, dict):
+        return
+    free = set(RUN_CONTROL_KEYS) | set(SAMPLE_SELECTION_KEYS)
+    old, new = _flatten(stored), _flatten(json.loads(json.dumps(cfg, default=str)))
+    diff = sorted(
+        k for k in old.keys() | new.keys()
+        if old.get(k) != new.get(k) and not any(k == f or k.startswith(f + ".") for f in free)
+    )
+    if diff:
+        shown = ", ".join(f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in diff[:3]) + (", ..." if len(diff) > 3 else "")
+        key = diff[0]
+        raise ConfigError(
+            f"{key}={new.get(key)}: job folder {relpath} already holds samples run with another setting ({shown}); "
+            "pass run_tag=NAME (a separate job folder) or another output_root to keep both"
+        )
 
 
 def _same_run(stored_text: str, cfg: dict) -> bool:

