@@ -91,6 +91,8 @@ class _Composer:
         if value is None or value == "null":
             return
         options = self.options(key)
+        if key == "hydra/launcher" and str(value) == "joblib" and "joblib" not in options:
+            fail("hydra/launcher=parallel: needs the joblib launcher plugin; run `pip install hydra-joblib-launcher`")
         if str(value) not in options:
             accepted = ", ".join(options) if options else f"(none: conf/{key}/ holds no .yaml file)"
             fail(f"{shown}={value}: unknown {key.split('/')[-1]}; accepted values are {accepted}")

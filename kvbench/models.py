@@ -197,8 +197,9 @@ def gguf_cache_dir(folder: str, gguf_file: str, mode: Any = "auto") -> Path | No
     With the cache, the first load also writes the dequantized float32 weights
     (safetensors), the config and the tokenizer (``tokenizer.json`` + special tokens + chat
     template) under :func:`gguf_cache_root`, and later loads read them in seconds. The key
-    is the file's real path, size and modification time and the transformers version, so an
-    edited file or another transformers version converts again.
+    is the file's content (size, first and last MiB) and the transformers version, so the
+    same file installed in several environments shares one copy, and an edited file or
+    another transformers version converts again.
 
     Args:
         folder: the folder holding the GGUF file.
@@ -222,8 +223,12 @@ def gguf_cache_dir(folder: str, gguf_file: str, mode: Any = "auto") -> Path | No
         return None
     if str(mode).lower() == "auto" and st.st_size > GGUF_CACHE_AUTO_MAX_BYTES:
         return None
-    key = f"{path}|{st.st_size}|{st.st_mtime_ns}|{transformers.__version__}|{_GGUF_CACHE_VERSION}"
-    return gguf_cache_root() / f"{path.stem}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+    digest = hashlib.sha256(f"{st.st_size}|{transformers.__version__}|{_GGUF_CACHE_VERSION}|".encode())
+    with open(path, "rb") as f:  # content, not path: the same file in two environments shares one copy
+        digest.update(f.read(1 << 20))
+        f.seek(max(0, st.st_size - (1 << 20)))
+        digest.update(f.read())
+    return gguf_cache_root() / f"{path.stem}-{digest.hexdigest()[:16]}"
 
 
 def _load_cached(cache: Path, dtype: Any, model_kwargs: dict) -> tuple[Any, Any] | None:

@@ -13,6 +13,10 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+
+# A report builds one figure per NIAH job before writing them (and closes each once written):
+# more than 20 open at a time is expected here, not a leak.
+plt.rcParams["figure.max_open_warning"] = 0
 import numpy as np  # noqa: E402
 from matplotlib.axes import Axes  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402

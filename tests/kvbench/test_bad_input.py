@@ -166,3 +166,13 @@ def test_help_and_cfg_still_work(tmp):
     assert cfg["budget"] == 0.5 and cfg["method"]["name"] == "streamingllm"
     out = run_cli(["--cfg", "job", "budgett=0.5"])  # --cfg composes, so a typo is still one line
     assert out.returncode == 2 and out.stderr.startswith("error: budgett=0.5: unknown config key")
+
+
+def test_parallel_launcher_without_its_plugin(tmp):
+    import importlib.util
+
+    if importlib.util.find_spec("hydra_plugins.hydra_joblib_launcher") is not None:
+        pytest.skip("hydra-joblib-launcher is installed: hydra/launcher=parallel works here")
+    out = run_cli(["-m", "hydra/launcher=parallel", "budget=0.1,0.2", f"output_root={tmp}/out"])
+    assert out.stderr == "error: hydra/launcher=parallel: needs the joblib launcher plugin; run `pip install hydra-joblib-launcher`\n"
+    assert out.returncode == 2

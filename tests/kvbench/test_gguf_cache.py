@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -65,7 +64,11 @@ def test_cache_key_and_modes(tmp_path, monkeypatch):
     assert gguf_cache_dir(str(tmp_path), "m.gguf", True) == d
     assert gguf_cache_dir(str(tmp_path), "m.gguf", False) is None
     assert gguf_cache_dir(str(tmp_path), "missing.gguf") is None
-    os.utime(gguf, ns=(1, 1))  # an edited file gets another folder
+    other = tmp_path / "elsewhere"
+    other.mkdir()
+    (other / "m.gguf").write_bytes(gguf.read_bytes())  # the same file elsewhere (another venv) shares the copy
+    assert gguf_cache_dir(str(other), "m.gguf") == d
+    gguf.write_bytes(b"GGUF" + b"\1" * 60)  # an edited file gets another folder
     assert gguf_cache_dir(str(tmp_path), "m.gguf") not in (None, d)
     monkeypatch.setattr(models, "GGUF_CACHE_AUTO_MAX_BYTES", 10)  # auto skips large files, true does not
     assert gguf_cache_dir(str(tmp_path), "m.gguf", "auto") is None
