@@ -159,7 +159,16 @@ class _Composer:
 
 
 def _sweep_values(override: Any) -> list[str]:
-    return list(override.sweep_string_iterator())
+    """The values of a sweep override, or exit with one line for sweeps Hydra cannot enumerate."""
+    from hydra.errors import HydraException
+
+    try:
+        return list(override.sweep_string_iterator())
+    except HydraException:
+        fail(
+            f"{override.input_line}: interval() sweeps need a sampling sweeper plugin (Optuna, Nevergrad); "
+            "use a comma list, range() or choice()"
+        )
 
 
 def _variants(base: list[str], sweeps: list[tuple[str, list[str]]]) -> list[list[str]]:

@@ -95,7 +95,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("-o", "--output", type=Path, help="job list file (default: standard output)")
     parser.add_argument("--shards", type=int, default=1, help="split every job into this many shards")
     parser.add_argument("--parallel", type=int, default=16, help="array tasks at once, for the printed command")
+    parser.add_argument("--no-check", action="store_true",
+                        help="skip validating the sweep with run.py's checks (unknown names, keys, values)")
     args = parser.parse_args(argv)
+    if not args.no_check:
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root (run as a script)
+        from kvbench.cli_guard import precheck_argv
+
+        precheck_argv(["-m", *args.overrides])  # the job runner's own checks: one line, exit 2
     try:
         jobs = expand(args.overrides, args.shards)
     except SweepSpecError as error:

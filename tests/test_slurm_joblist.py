@@ -71,7 +71,16 @@ def test_main_writes_one_line_per_job(tmp_path, capsys):
     assert main(["method=full,snapkv", "budget=0.5", "-o", str(out)]) == 0
     assert out.read_text() == "method=full budget=0.5\nmethod=snapkv budget=0.5\n"
     assert "sbatch --array=1-2%16 slurm/array.sbatch" in capsys.readouterr().err
-    assert main(["budget=interval(0,1)"]) == 2
+    assert main(["budget=interval(0,1)", "--no-check"]) == 2  # its own expansion error
+    for bad, line in [
+        (["budget=interval(0,1)"], "error: budget=interval(0,1): interval() sweeps need a sampling sweeper plugin "
+                                   "(Optuna, Nevergrad); use a comma list, range() or choice()"),
+        (["method=snapkv,nope"], "error: method=nope: unknown method; accepted values are "),
+    ]:
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as exit_:  # run.py's own checks, before any job list is written
+            main(bad)
+        assert exit_.value.code == 2 and capsys.readouterr().err.startswith(line)
 
 
 @pytest.mark.skipif(shutil.which("bash") is None, reason="bash not found")
