@@ -39,7 +39,7 @@ from .allocation import keep_topk_per_head
 from .artifacts import artifact_path, load_head_scores
 from .base import CompressResult, ConfigError, HeadLayout, LayerContext, Method, Plan, resolve_budget
 from .packing import pack_kept, packing_stats
-from .snapkv import snapkv_scores
+from .snapkv import check_window_fields, snapkv_scores
 
 __all__ = ["HeadKVConfig", "HeadKV", "kv_head_scores", "headkv_head_budgets", "pack_head_budgets", "check_window_fields"]
 
@@ -131,20 +131,6 @@ def pack_head_budgets(ctx: LayerContext, scores: torch.Tensor, head_budget: torc
     packed = pack_kept(ctx.keys, ctx.values, keep_topk_per_head(scores, counts))
     return CompressResult(keys=packed.keys, values=packed.values, valid=packed.valid,
                           kept_indices=packed.indices, stats=packing_stats(packed.valid))
-
-
-def check_window_fields(c) -> None:
-    """Validate the SnapKV-style fields ``window_size``, ``kernel_size``, ``pooling`` of a config.
-
-    Raises:
-        ConfigError: W < 1, K even or < 1, unknown pooling.
-    """
-    if c.window_size < 1:
-        raise ConfigError(f"method.window_size={c.window_size}: must be an integer >= 1")
-    if c.kernel_size < 1 or c.kernel_size % 2 == 0:
-        raise ConfigError(f"method.kernel_size={c.kernel_size}: must be an odd integer >= 1")
-    if c.pooling not in ("avg", "max"):
-        raise ConfigError(f"method.pooling={c.pooling!r}: accepted values are avg, max")
 
 
 class HeadKV(Method):

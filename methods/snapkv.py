@@ -67,6 +67,20 @@ def snapkv_scores(ctx: LayerContext, cfg: SnapKVConfig) -> torch.Tensor:
     return F.pad(scores, (0, w), value=float("inf"))  # (B, H_kv, n)
 
 
+def check_window_fields(c) -> None:
+    """Validate the SnapKV-style fields ``window_size``, ``kernel_size``, ``pooling`` of a config.
+
+    Raises:
+        ConfigError: W < 1, K even or < 1, unknown pooling.
+    """
+    if c.window_size < 1:
+        raise ConfigError(f"method.window_size={c.window_size}: must be an integer >= 1")
+    if c.kernel_size < 1 or c.kernel_size % 2 == 0:
+        raise ConfigError(f"method.kernel_size={c.kernel_size}: must be an odd integer >= 1")
+    if c.pooling not in ("avg", "max"):
+        raise ConfigError(f"method.pooling={c.pooling!r}: accepted values are avg, max")
+
+
 class SnapKV(Method):
     """SnapKV eviction: window attention scores, pooled, per-KV-head top-k."""
 
@@ -76,12 +90,7 @@ class SnapKV(Method):
     def __init__(self, config=None, layout=None, artifacts=None):
         super().__init__(config, layout, artifacts)
         c = self.config
-        if c.window_size < 1:
-            raise ConfigError(f"method.window_size={c.window_size}: must be an integer >= 1")
-        if c.kernel_size < 1 or c.kernel_size % 2 == 0:
-            raise ConfigError(f"method.kernel_size={c.kernel_size}: must be an odd integer >= 1")
-        if c.pooling not in ("avg", "max"):
-            raise ConfigError(f"method.pooling={c.pooling!r}: accepted values are avg, max")
+        check_window_fields(c)
         if c.gqa_aggregation not in ("mean", "max"):
             raise ConfigError(f"method.gqa_aggregation={c.gqa_aggregation!r}: accepted values are mean, max")
 
