@@ -127,6 +127,7 @@ class Engine:
         self.reference_decode = False  # tests: decode attention through the reference path
         self.last_state: CompressionState | None = None  # the state of the last generation (tests, cross-checks)
         self.last_logits: list[torch.Tensor] = []
+        self._floor_warned = False  # the budget-floor warning is logged once per engine
 
     def _make_rotary(self):
         """Callable positions (k,) → (cos, sin) ``(k, d)`` of the full-attention layers' RoPE."""
@@ -184,7 +185,7 @@ class Engine:
             cache = DynamicCache(config=model.config)
         planned = self.method.plan(n, self.budget, layout)
         plan = apply_budget_floor(planned, n, self.method.min_budget())
-        if plan is not planned and not getattr(self, "_floor_warned", False):
+        if plan is not planned and not self._floor_warned:
             self._floor_warned = True
             log.warning(
                 "budget=%s: fewer tokens than the %d that method %s always keeps (window, recent, sinks) at a "

@@ -291,13 +291,33 @@ SAMPLE_SELECTION_KEYS = (
 )
 
 
-def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
-    if not isinstance(d, dict):
-        return {prefix: d}
+def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
+    """``{"a": {"b": 1}}`` → ``{"a.b": 1}`` (an empty node stays a leaf)."""
     out: dict[str, Any] = {}
     for k, v in d.items():
-        out.update(_flatten(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+        out.update(_flatten(v, f"{prefix}{k}.") if isinstance(v, dict) and v else {f"{prefix}{k}": v})
     return out
+
+
+def _config_changes(stored_text: str, cfg: dict, free: tuple[str, ...]) -> dict[str, tuple[Any, Any]] | None:
+    """``{dotted key: (stored, ours)}`` for the keys that differ, keys under ``free`` aside.
+
+    Returns None when the stored text is not a YAML mapping.
+    """
+    import yaml
+
+    try:
+        stored = yaml.safe_load(stored_text)
+    except yaml.YAMLError:
+        return None
+    if not isinstance(stored, dict):
+        return None
+    old, new = _flatten(stored), _flatten(json.loads(json.dumps(cfg, default=str)))
+    return {
+        k: (old.get(k), new.get(k))
+        for k in sorted(old.keys() | new.keys())
+        if old.get(k) != new.get(k) and not any(k == f or k.startswith(f + ".") for f in free)
+    }
 
 
 def _check_same_job(store: JobStore, cfg: dict, relpath: str) -> None:
@@ -311,45 +331,22 @@ def _check_same_job(store: JobStore, cfg: dict, relpath: str) -> None:
     Raises:
         ConfigError: the stored ``config.yaml`` differs in such keys (up to three are named).
     """
-    import yaml
-
     path = store.path / "config.yaml"
     if not path.exists():
         return
-    try:
-        stored = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except yaml.YAMLError:
-        return
-    if not isinstance(stored, dict):
-        return
-    free = set(RUN_CONTROL_KEYS) | set(SAMPLE_SELECTION_KEYS)
-    old, new = _flatten(stored), _flatten(json.loads(json.dumps(cfg, default=str)))
-    diff = sorted(
-        k for k in old.keys() | new.keys()
-        if old.get(k) != new.get(k) and not any(k == f or k.startswith(f + ".") for f in free)
-    )
+    diff = _config_changes(path.read_text(encoding="utf-8"), cfg, RUN_CONTROL_KEYS + SAMPLE_SELECTION_KEYS)
     if diff:
-        shown = ", ".join(f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in diff[:3]) + (", ..." if len(diff) > 3 else "")
-        key = diff[0]
+        shown = ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in list(diff.items())[:3]) + (", ..." if len(diff) > 3 else "")
+        key = next(iter(diff))
         raise ConfigError(
-            f"{key}={new.get(key)}: job folder {relpath} already holds samples run with another setting ({shown}); "
+            f"{key}={diff[key][1]}: job folder {relpath} already holds samples run with another setting ({shown}); "
             "pass run_tag=NAME (a separate job folder) or another output_root to keep both"
         )
 
 
 def _same_run(stored_text: str, cfg: dict) -> bool:
     """Whether a stored ``config.yaml`` describes the same job as ``cfg`` (run-control keys aside)."""
-    import yaml
-
-    try:
-        stored = yaml.safe_load(stored_text)
-    except yaml.YAMLError:
-        return False
-    if not isinstance(stored, dict):
-        return False
-    ours = json.loads(json.dumps(cfg, default=str))
-    strip = lambda d: {k: v for k, v in d.items() if k not in RUN_CONTROL_KEYS}  # noqa: E731
-    return strip(stored) == strip(ours)
+    return _config_changes(stored_text, cfg, RUN_CONTROL_KEYS) == {}
 
 
 def _complete_summary(store: JobStore, cfg: dict) -> dict | None:

@@ -214,14 +214,14 @@ def gguf_cache_dir(folder: str, gguf_file: str, mode: Any = "auto") -> Path | No
 
     import transformers
 
-    if mode is False or str(mode).lower() in ("false", "off", "no", "0"):
+    if mode is False:  # model.gguf_cache is validated: true, false or "auto"
         return None
     path = Path(folder, gguf_file).resolve()
     try:
         st = path.stat()
     except OSError:
         return None
-    if str(mode).lower() == "auto" and st.st_size > GGUF_CACHE_AUTO_MAX_BYTES:
+    if mode == "auto" and st.st_size > GGUF_CACHE_AUTO_MAX_BYTES:
         return None
     digest = hashlib.sha256(f"{st.st_size}|{transformers.__version__}|{_GGUF_CACHE_VERSION}|".encode())
     with open(path, "rb") as f:  # content, not path: the same file in two environments shares one copy

@@ -265,12 +265,10 @@ def _missing_requirements(module: str) -> str | None:
         dist = metadata.distribution(module.replace("_", "-"))
     except metadata.PackageNotFoundError:
         return None
-    import re as _re
-
     for req in dist.requires or []:
         if ";" in req:  # extras / environment markers: not a chunk
             continue
-        name = _re.split(r"[<>=!~ \[]", req, maxsplit=1)[0].strip()
+        name = re.split(r"[<>=!~ \[]", req, maxsplit=1)[0].strip()
         try:
             metadata.distribution(name)
         except metadata.PackageNotFoundError:
