@@ -85,27 +85,22 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
 
     phases: dict[str, list[int]] = {"prefill_peak": [], "decode": []}
 
-    def is_decode(kwargs) -> bool:
-        ids = kwargs.get("input_ids")
-        return ids is None or ids.shape[-1] == 1
-
-    def before(module, args, kwargs):
-        if is_decode(kwargs) and not phases["decode"]:  # first decode step: compression is over
-            release_freed_memory()
-
-    def after(module, args, kwargs, output):
-        if is_decode(kwargs):
-            phases["decode"].append(_mem_now(dev))
-        else:
+    def on_decode_step(step: int) -> None:
+        # Called before each decode step (after the previous step's forward). Step 0: prefill
+        # and compression are over; record their peak and drop freed heap before decoding.
+        if step == 0:
             phases["prefill_peak"].append(_mem_peak(dev))
+            release_freed_memory()
+        else:
+            phases["decode"].append(_mem_now(dev))
 
-    handles = [loaded.model.register_forward_pre_hook(before, with_kwargs=True),
-               loaded.model.register_forward_hook(after, with_kwargs=True)]
+    # A callback, not forward hooks: a hooked model decodes through its modules, not the
+    # fused decode step that jobs use (kvbench.fused_decode).
+    engine.on_decode_step = on_decode_step
     try:
         res = engine.generate(prompt.ids, int(spec["new_tokens"]), stop_ids=[])
     finally:
-        for handle in handles:
-            handle.remove()
+        engine.on_decode_step = None
     peak = _mem_peak(dev)
     steps = max(1, res.generated_tokens - 1)  # decode forwards (the first token comes from prefill)
     out = {
@@ -121,6 +116,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         "weight_bytes": sum(p.numel() * p.element_size() for p in loaded.model.parameters()),
         "threads": torch.get_num_threads(),
         "malloc_trim": trimmed,
+        "decode_path": engine.last_decode_path,
     }
     if spec.get("bandwidth"):
         out["read_bandwidth_Bps"] = read_bandwidth(settings.device)

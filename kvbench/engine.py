@@ -20,6 +20,7 @@ import torch
 from methods.base import Method, apply_budget_floor
 
 from .attention import CompressionState, build_decode_bias
+from .fused_decode import FusedDecoder, has_hooks
 from .kvcache import preallocated_cache
 from .models import LoadedModel
 
@@ -125,6 +126,12 @@ class Engine:
         self.record_logits = False  # tests: keep every step's logits in ``last_logits``
         self.preallocate = True  # decode into a preallocated cache (kvbench.kvcache); False: DynamicCache
         self.reference_decode = False  # tests: decode attention through the reference path
+        # Decode steps through kvbench.fused_decode (Llama/Mistral/Qwen2/Qwen3) instead of the
+        # model's modules; False (tests, cross-checks): always the module path.
+        self.fused_decode = True
+        self.on_decode_step = None  # callable(step) before each decode step (benchmarks: memory by phase)
+        self.last_decode_path = ""  # "fused" or "modules": how the last generation decoded
+        FusedDecoder.for_model(self.model)  # fuse the weights now (once per model), not inside a timed sample
         self.last_state: CompressionState | None = None  # the state of the last generation (tests, cross-checks)
         self.last_logits: list[torch.Tensor] = []
         self._floor_warned = False  # the budget-floor warning is logged once per engine
@@ -230,8 +237,12 @@ class Engine:
         # token (and the finiteness flag with it) for the stop test.
         positions = torch.arange(next_pos, next_pos + max(1, max_new_tokens), device=dev)
         stop_index = torch.tensor(sorted(stops), dtype=torch.long, device=dev)
+        fused = self._decoder()
+        self.last_decode_path = "fused" if fused is not None else "modules"
         t1 = time.perf_counter()
         for step in range(max_new_tokens):
+            if self.on_decode_step is not None:
+                self.on_decode_step(step)
             if self.record_logits:
                 self.last_logits.append(logits.float().clone())
             masked = logits.index_fill(0, stop_index, float("-inf")) if step < min_new_tokens and stops else logits
@@ -245,6 +256,9 @@ class Engine:
             if step == max_new_tokens - 1:
                 break
             pos = positions[step : step + 1]
+            if fused is not None:
+                logits = fused.step(next_tok, pos, cache, state.bias)
+                continue
             out = model(
                 input_ids=next_tok,
                 past_key_values=cache,
@@ -275,6 +289,14 @@ class Engine:
             peak_rss_bytes=peak_memory_bytes(dev),
             method_stats=mstats,
         )
+
+    def _decoder(self) -> FusedDecoder | None:
+        """The fused decode step for this generation, or None to decode through the model's modules
+        (unsupported model, preallocation or fused decoding switched off, reference decoding, or a
+        forward hook registered anywhere in the model: hooks must see the calls they expect)."""
+        if not (self.fused_decode and self.preallocate) or self.reference_decode or has_hooks(self.model):
+            return None
+        return FusedDecoder.for_model(self.model)
 
     @staticmethod
     def _bytes_before(cache: Any, state: CompressionState, n: int) -> int:
