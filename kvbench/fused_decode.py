@@ -130,6 +130,24 @@ def _fuse(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | 
     return weight, bias
 
 
+def _own_cpu_weights(model: torch.nn.Module, layers: list["_Layer"]) -> None:
+    """Give every other CPU parameter its own memory too, so no tensor keeps the checkpoint's
+    file mapping alive.
+
+    transformers maps safetensors checkpoints into memory; the loaded parameters are views of
+    that mapping, and its pages count in the resident set as long as any view lives. Once the
+    fused projections are copies, the mapping would stay resident for the norms, embeddings,
+    ``o_proj`` and ``down_proj`` alone, holding the fused weights' old pages too (+52 % of
+    SmolLM2-135M's weights in RSS). Copying the rest releases it: the process holds the
+    weights once, as before fusing.
+    """
+    fused = {t.data_ptr() for fl in layers for t in (fl.w_qkv, fl.b_qkv, fl.w_gu, fl.b_gu) if t is not None}
+    for param in model.parameters():
+        storage_ptr = param.untyped_storage().data_ptr()
+        if storage_ptr not in fused:
+            param.data = param.data.clone()
+
+
 def _is_fused(linears: list[torch.nn.Linear], weight: torch.Tensor) -> bool:
     start = 0
     for lin in linears:
@@ -188,6 +206,9 @@ class FusedDecoder:
                     act=F.silu if getattr(config, "hidden_act", None) == "silu" else mlp.act_fn,
                     scaling=float(attn.scaling),
                 ))
+
+            if self.embed.device.type == "cpu":
+                _own_cpu_weights(model, self.layers)
 
     def _still_fused(self) -> bool:
         base = self.model.model
