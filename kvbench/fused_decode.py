@@ -17,6 +17,9 @@ tensor code:
   precision, as the model's own modules: the logits equal the module path's within float32
   rounding of the fused matrix products (tests: ``tests/kvbench/test_fused_decode.py``).
 
+On CPU, building the decoder also copies the model's other parameters (see
+:func:`_own_cpu_weights`), so the resident set briefly holds the weights twice at start-up.
+
 Supported: ``model_type`` llama, mistral, qwen2 (q/k/v bias), qwen3 (q/k RMSNorm), every layer
 full attention (no sliding window), plain ``nn.Linear`` projections on one device. Anything
 else (Gemma 2/3, sliding windows, quantized or offloaded weights) decodes through the model's
