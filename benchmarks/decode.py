@@ -4,7 +4,8 @@ The 25 % cache is SnapKV at a retention ratio of 0.25 (every compressible layer 
 ⌊0.25·n⌋ tokens per KV head). Each configuration runs in a fresh worker process (shared with
 the ``engine`` benchmark). A decode step must read every weight and the whole cache once, so
 its floor is (weight bytes + cache bytes) / read bandwidth, the bandwidth measured by the
-same worker right after its decode (the faster of a sum and a matrix-vector product over a 256 MiB tensor). Targets at 8k prompt
+same worker right after its decode (the faster of a sum and a matrix-vector product over a 256 MiB tensor). A step's
+time is the median of the per-step times of the decode steps. Targets at 8k prompt
 tokens: the 25 % cache decodes ≥ 1.5× faster than the full cache, and each decode step is
 within 2× of its floor.
 """
@@ -20,6 +21,11 @@ SPEEDUP = 1.5
 FLOOR_FACTOR = 2.0
 
 
+def _step_ms(r: dict) -> float:
+    """Median decode step (ms) of a worker run; the mean for runs recorded before the median existed."""
+    return r.get("decode_step_median_ms") or r["decode_step_ms"]
+
+
 def _floor_ms(r: dict) -> float:
     return 1000 * (r["weight_bytes"] + r["cache_bytes_after"]) / r["read_bandwidth_Bps"]
 
@@ -28,7 +34,7 @@ def run(ctx: Context) -> BenchResult:
     s = ctx.settings
     res = BenchResult(
         NAME, TITLE,
-        headers=["prompt tokens", "cache", "decode ms/step", "tok/s", "floor ms", "step / floor", "read GB/s",
+        headers=["prompt tokens", "cache", "median ms/step", "tok/s", "floor ms", "step / floor", "read GB/s",
                  "cache MB", "decode RSS MB", "peak RSS MB"],
     )
     by_n: dict[int, dict[str, dict]] = {}
@@ -38,13 +44,13 @@ def run(ctx: Context) -> BenchResult:
             by_n.setdefault(n, {})[label] = r
             floor = _floor_ms(r)
             res.rows.append([
-                r["prompt_tokens"], label, r["decode_step_ms"], 1000 / r["decode_step_ms"], floor,
-                r["decode_step_ms"] / floor, r["read_bandwidth_Bps"] / 1e9, r["cache_bytes_after"] / MB,
+                r["prompt_tokens"], label, _step_ms(r), 1000 / _step_ms(r), floor,
+                _step_ms(r) / floor, r["read_bandwidth_Bps"] / 1e9, r["cache_bytes_after"] / MB,
                 r["decode_mem_bytes"] / MB, r["peak_bytes"] / MB,
             ])
     n_max = s.lengths[-1]
     full, comp = by_n[n_max]["full"], by_n[n_max]["25%"]
-    speedup = full["decode_step_ms"] / comp["decode_step_ms"]
+    speedup = _step_ms(full) / _step_ms(comp)
     # bytes a step must read, full over 25 %: the largest speed-up a memory-bound step allows
     floor_ratio = (full["weight_bytes"] + full["cache_bytes_after"]) / (comp["weight_bytes"] + comp["cache_bytes_after"])
     res.targets.append(Target(
@@ -52,15 +58,16 @@ def run(ctx: Context) -> BenchResult:
         speedup >= SPEEDUP, note=f"bytes read per step, full / 25 %: {floor_ratio:.2f}× (the most a memory-bound step allows)",
     ))
     for label, r in (("full", full), ("25%", comp)):
-        ratio = r["decode_step_ms"] / _floor_ms(r)
+        ratio = _step_ms(r) / _floor_ms(r)
         res.targets.append(Target(
             f"{label} cache decode step / floor at {r['prompt_tokens']} tokens", f"{ratio:.2f}× "
-            f"({r['decode_step_ms']:.1f} ms vs {_floor_ms(r):.1f} ms)", f"≤ {FLOOR_FACTOR}×", ratio <= FLOOR_FACTOR,
+            f"({_step_ms(r):.1f} ms vs {_floor_ms(r):.1f} ms)", f"≤ {FLOOR_FACTOR}×", ratio <= FLOOR_FACTOR,
         ))
     res.data = {"runs": by_n, "speedup": speedup, "floor_ratio": floor_ratio}
     res.notes.append(
-        f"weights {full['weight_bytes'] / MB:.0f} MB; floor = (weights + cache) / read bandwidth; tok/s = decode "
-        f"forward steps per second; {s.new_tokens} generated tokens; at {n_max} tokens a step reads "
+        f"weights {full['weight_bytes'] / MB:.0f} MB; floor = (weights + cache) / read bandwidth; median ms/step = median "
+        "of the per-step times (argmax, token read, forward), robust to steps slowed by other processes; tok/s "
+        f"= 1000 / median ms/step; {s.new_tokens} generated tokens; at {n_max} tokens a step reads "
         f"{floor_ratio:.2f}× more bytes with the full cache than with the 25 % cache, the most a memory-bound "
         "step can gain; read bandwidth is measured by each worker right after its decode."
     )

@@ -27,7 +27,9 @@ from __future__ import annotations
 import ctypes
 import gc
 import json
+import statistics
 import sys
+import time
 from typing import Any
 
 from .common import Settings, apply_threads, build_method, build_prompt, load, read_bandwidth, rss_now, rss_peak
@@ -84,6 +86,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     after_load = _mem_now(dev)
 
     phases: dict[str, list[int]] = {"prefill_peak": [], "decode": []}
+    step_starts: list[float] = []
 
     def on_decode_step(step: int) -> None:
         # Called before each decode step (after the previous step's forward). Step 0: prefill
@@ -93,6 +96,9 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
             release_freed_memory()
         else:
             phases["decode"].append(_mem_now(dev))
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        step_starts.append(time.perf_counter())
 
     # A callback, not forward hooks: a hooked model decodes through its modules, not the
     # fused decode step that jobs use (kvbench.fused_decode).
@@ -102,6 +108,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     finally:
         engine.on_decode_step = None
     peak = _mem_peak(dev)
+    step_times = [b - a for a, b in zip(step_starts[1:], step_starts[2:])]  # step 0 includes malloc_trim
     steps = max(1, res.generated_tokens - 1)  # decode forwards (the first token comes from prefill)
     out = {
         "method": spec["method"],
@@ -109,6 +116,9 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         "n_requested": int(spec["n"]),
         **res.record(),
         "decode_step_ms": 1000 * res.decode_s / steps if res.generated_tokens > 1 else None,
+        # Median of the per-step times (argmax, token read, forward; from one step's start to
+        # the next): robust to a few steps slowed by other processes on a shared machine.
+        "decode_step_median_ms": 1000 * statistics.median(step_times) if step_times else None,
         "rss_after_load_bytes": after_load,
         "prefill_peak_bytes": max(phases["prefill_peak"] or [0]),
         "decode_mem_bytes": max(phases["decode"] or [0]),
