@@ -125,6 +125,7 @@ def summarize(
         "n_failed": sum(1 for r in records if r.get("error") is not None),
         "n_expected": len(expected_ids),
         "complete": set(expected_ids) <= done,
+        "selection": run_selection(cfg),
         "failed": [{"id": r["id"], **(r.get("error") or {})} for r in records if r.get("error") is not None][:100],
         "n_skipped": sum(int(s.get("samples", 1)) for s in skipped or []),
         "skipped": list(skipped or []),
@@ -299,6 +300,14 @@ def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
     return out
 
 
+def run_selection(cfg: dict) -> dict[str, Any]:
+    """The sample-selection keys of ``cfg`` (:data:`SAMPLE_SELECTION_KEYS`, ``model.gguf_cache``
+    aside), flattened and JSON-normalised: what ``summary.json`` records as ``selection``."""
+    flat = _flatten(json.loads(json.dumps(cfg, default=str)))
+    keys = [k for k in SAMPLE_SELECTION_KEYS if k != "model.gguf_cache"]
+    return {k: v for k, v in sorted(flat.items()) if any(k == f or k.startswith(f + ".") for f in keys)}
+
+
 def _config_changes(stored_text: str, cfg: dict, free: tuple[str, ...]) -> dict[str, tuple[Any, Any]] | None:
     """``{dotted key: (stored, ours)}`` for the keys that differ, keys under ``free`` aside.
 
@@ -352,7 +361,8 @@ def _same_run(stored_text: str, cfg: dict) -> bool:
 def _complete_summary(store: JobStore, cfg: dict) -> dict | None:
     """The stored summary when the job is complete with this very config (single shard), else None.
 
-    "This very config" ignores :data:`RUN_CONTROL_KEYS` (``quiet``, ``lock_wait_s``, ``output_root``).
+    "This very config" ignores :data:`RUN_CONTROL_KEYS` (``quiet``, ``lock_wait_s``, ``output_root``),
+    and the summary must be of this sample selection (its ``selection`` field).
     """
     summary_path, config_path = store.path / "summary.json", store.path / "config.yaml"
     if store.shard[1] != 1 or not summary_path.exists() or not config_path.exists():
@@ -362,6 +372,10 @@ def _complete_summary(store: JobStore, cfg: dict) -> dict | None:
     except (OSError, json.JSONDecodeError):
         return None
     if not summary.get("complete") or not _same_run(config_path.read_text(encoding="utf-8"), cfg):
+        return None
+    # config.yaml is the first run's config; the summary is the last run's. A grid changed in
+    # between (other depths, datasets, sample count) makes the stored summary another run's.
+    if summary.get("selection") != run_selection(cfg):
         return None
     if len(store.done_ids()) < int(summary.get("n_expected", 0)):
         return None

@@ -203,3 +203,15 @@ def test_a_changed_setting_never_reuses_stored_samples(tiny_model_dir, haystack_
     assert (summary["n_samples"], summary["n_expected"], summary["complete"]) == (1, 1, True)
     assert summary["datasets"]["niah"]["n"] == 1
     assert (job / "predictions.jsonl").read_text() == before  # nothing re-run, nothing lost
+    # Back to the first grid (config.yaml's): the stored summary is the [50] run's, so the
+    # finished-job shortcut must not take it; the summary is rebuilt over both samples.
+    out = run_cli(args)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "already complete" not in out.stdout + out.stderr
+    summary = json.loads((job / "summary.json").read_text())
+    assert (summary["n_samples"], summary["n_expected"], summary["complete"]) == (2, 2, True)
+    assert summary["selection"]["task.depth_percents"] == [0, 50]
+    # the same grid once more: now the shortcut applies (no model load), same summary
+    out = run_cli(args)
+    assert "already complete (2 samples stored)" in out.stdout + out.stderr
+    assert (job / "predictions.jsonl").read_text() == before
