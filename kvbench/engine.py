@@ -258,16 +258,16 @@ class Engine:
             pos = positions[step : step + 1]
             if fused is not None:
                 logits = fused.step(next_tok, pos, cache, state.bias)
-                continue
-            out = model(
-                input_ids=next_tok,
-                past_key_values=cache,
-                use_cache=True,
-                position_ids=pos.view(1, 1),
-                cache_position=pos,
-                kvbench_state=state,
-            )
-            logits = out.logits[0, -1]
+            else:
+                out = model(
+                    input_ids=next_tok,
+                    past_key_values=cache,
+                    use_cache=True,
+                    position_ids=pos.view(1, 1),
+                    cache_position=pos,
+                    kvbench_state=state,
+                )
+                logits = out.logits[0, -1]
         if sync:
             torch.cuda.synchronize()
         decode_s = time.perf_counter() - t1

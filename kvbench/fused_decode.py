@@ -117,9 +117,8 @@ def _fuse(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | 
     """Concatenate the weights (and biases) of ``linears`` row-wise and re-point each module's
     parameters to its rows of the result (one copy of the weights, module outputs unchanged)."""
     weight = torch.cat([lin.weight.detach() for lin in linears])
-    has_bias = [lin.bias is not None for lin in linears]
     bias = None
-    if any(has_bias):
+    if any(lin.bias is not None for lin in linears):
         bias = torch.cat([
             lin.bias.detach() if lin.bias is not None else lin.weight.new_zeros(lin.out_features) for lin in linears
         ])
@@ -184,7 +183,6 @@ class FusedDecoder:
         self.head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
         self.num_q = int(config.num_attention_heads)
         self.num_kv = int(config.num_key_value_heads)
-        self.split = [self.num_q * self.head_dim, self.num_kv * self.head_dim, self.num_kv * self.head_dim]
         self.layers: list[_Layer] = []
         # Plain tensors even when built inside inference mode: the re-pointed parameters are
         # the model's, used by every later forward.

@@ -300,12 +300,17 @@ def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
     return out
 
 
+def _under(key: str, prefixes) -> bool:
+    """Whether dotted ``key`` is one of ``prefixes`` or lies under one."""
+    return any(key == f or key.startswith(f + ".") for f in prefixes)
+
+
 def run_selection(cfg: dict) -> dict[str, Any]:
     """The sample-selection keys of ``cfg`` (:data:`SAMPLE_SELECTION_KEYS`, ``model.gguf_cache``
     aside), flattened and JSON-normalised: what ``summary.json`` records as ``selection``."""
     flat = _flatten(json.loads(json.dumps(cfg, default=str)))
     keys = [k for k in SAMPLE_SELECTION_KEYS if k != "model.gguf_cache"]
-    return {k: v for k, v in sorted(flat.items()) if any(k == f or k.startswith(f + ".") for f in keys)}
+    return {k: v for k, v in sorted(flat.items()) if _under(k, keys)}
 
 
 def _config_changes(stored_text: str, cfg: dict, free: tuple[str, ...]) -> dict[str, tuple[Any, Any]] | None:
@@ -325,7 +330,7 @@ def _config_changes(stored_text: str, cfg: dict, free: tuple[str, ...]) -> dict[
     return {
         k: (old.get(k), new.get(k))
         for k in sorted(old.keys() | new.keys())
-        if old.get(k) != new.get(k) and not any(k == f or k.startswith(f + ".") for f in free)
+        if old.get(k) != new.get(k) and not _under(k, free)
     }
 
 
