@@ -9,7 +9,6 @@ import dataclasses
 import json
 import os
 import platform
-import resource
 import statistics
 import sys
 import time
@@ -224,8 +223,10 @@ def rss_now() -> int:
 
 
 def rss_peak() -> int:
-    """Peak resident set size of this process so far (bytes, ``ru_maxrss``; monotonic)."""
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+    """Peak resident set size of this process (bytes; ``VmHWM``, see :func:`kvbench.engine.peak_rss_bytes`)."""
+    from kvbench.engine import peak_rss_bytes
+
+    return peak_rss_bytes()
 
 
 def median_time(fn: Callable[[], Any], reps: int, warmup: int = 1) -> float:

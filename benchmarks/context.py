@@ -23,9 +23,14 @@ class WorkerError(RuntimeError):
     """A worker process failed; the message names the configuration and its log file."""
 
 
-def worker_env() -> dict[str, str]:
-    """Environment for child processes: offline, quiet, same thread settings."""
+def worker_env(mkl_pool: bool = True) -> dict[str, str]:
+    """Environment for child processes: offline, quiet, same thread settings.
+
+    ``mkl_pool=False`` adds ``MKL_DISABLE_FAST_MM=1`` (Intel MKL's buffer pool off).
+    """
     env = dict(os.environ)
+    if not mkl_pool:
+        env["MKL_DISABLE_FAST_MM"] = "1"
     env.setdefault("HF_HUB_OFFLINE", "1")
     env.setdefault("TRANSFORMERS_VERBOSITY", "error")
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -53,11 +58,13 @@ class Context:
         return self._loaded
 
     def engine_run(self, method: str, budget: float, n: int, new_tokens: int | None = None, bandwidth: bool = True,
-                   **overrides) -> dict[str, Any]:
+                   mkl_pool: bool = True, **overrides) -> dict[str, Any]:
         """One configuration in a fresh worker process (memoised); see :mod:`benchmarks.worker`.
 
         ``bandwidth``: also measure the read bandwidth (about 3 s; the decode floor needs it).
         A memoised run that has it serves requests with or without it.
+        ``mkl_pool=False``: run the worker with ``MKL_DISABLE_FAST_MM=1`` (MKL's memory manager
+        off: its retained buffers then do not count as resident memory; see :mod:`benchmarks.memory`).
 
         Raises:
             WorkerError: the worker failed (its log file is named).
@@ -70,19 +77,21 @@ class Context:
             "n": n,
             "new_tokens": new_tokens or self.settings.new_tokens,
         }
+        if not mkl_pool:
+            spec["mkl_pool"] = False  # only then: memo keys of default runs stay as they were
         key = json.dumps(spec, sort_keys=True)
         if key in self._runs and (not bandwidth or "read_bandwidth_Bps" in self._runs[key]):
             return self._runs[key]
         spec["bandwidth"] = bandwidth
         key_with = json.dumps(spec, sort_keys=True)
-        tag = f"{method}-{budget}-{n}"
+        tag = f"{method}-{budget}-{n}" + ("" if mkl_pool else "-nomklpool")
         log_path = self.logs / f"worker-{tag}.log"
         log(f"worker: {method} budget={budget} n={n} ...")
         t0 = time.perf_counter()
         with open(log_path, "w") as err:
             proc = subprocess.run(
                 [sys.executable, "-m", "benchmarks.worker", key_with],
-                cwd=ROOT, env=worker_env(), stdout=subprocess.PIPE, stderr=err, text=True,
+                cwd=ROOT, env=worker_env(mkl_pool), stdout=subprocess.PIPE, stderr=err, text=True,
             )
         lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(MARKER)]
         if proc.returncode != 0 or not lines:

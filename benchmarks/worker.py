@@ -1,17 +1,24 @@
 """One engine configuration in a fresh process: ``python -m benchmarks.worker '<json spec>'``.
 
-Peak resident memory (``ru_maxrss``) only grows within a process, so every configuration
-whose memory is reported runs here, alone. The spec names the method, budget, prompt length
+Every configuration whose memory is reported runs here, alone, so that no other
+configuration's heap, allocator pools or peak enter its numbers. The spec names the method, budget, prompt length
 and generated tokens; the worker loads the model, warms up on a short prompt, runs
 ``Engine.generate`` once and prints one line ``BENCH_JSON {...}`` with the timings of
 :class:`kvbench.engine.GenerationResult` and memory by phase:
 
+* ``startup_peak_bytes``: peak resident memory of loading and warming up (on CPU the fused
+  decode step's start-up copy briefly holds the weights twice, see :mod:`kvbench.fused_decode`);
 * ``rss_after_load_bytes``: resident memory with the model loaded, before the sample;
-* ``prefill_peak_bytes``: process peak right after prefill + compression;
+* ``prefill_peak_bytes``: peak of the sample's prefill + compression (model included);
 * ``decode_mem_bytes``: the largest resident memory seen after a decode step (the decode phase);
-* ``peak_bytes``: process peak at the end (prefill + compression + decode, model included).
+* ``peak_bytes``: peak of the whole sample (prefill + compression + decode, model included).
 
-On CUDA the same fields are CUDA allocator bytes (allocated now / peak allocated).
+The peaks are ``VmHWM`` (:func:`kvbench.engine.peak_rss_bytes`), restarted after the warm-up
+(:func:`kvbench.engine.reset_peak_rss`; ``peak_reset`` says whether that worked, else the
+sample's peaks include the start-up). ``ru_maxrss`` is not used: a child process inherits its
+parent's resident set size as its starting peak, so workers of a large benchmark process
+reported the parent's 2.9 GB. On CUDA the same fields are CUDA allocator bytes (allocated now /
+peak allocated, the peak restarted after the warm-up).
 
 Resident memory counts heap pages that were freed but not yet returned to the system: glibc
 keeps freed blocks below its (dynamic, up to 32 MiB) mmap threshold in the heap, so a method
@@ -27,6 +34,7 @@ from __future__ import annotations
 import ctypes
 import gc
 import json
+import os
 import statistics
 import sys
 import time
@@ -68,7 +76,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     """Run the configuration ``spec`` (keys: settings, method, overrides, budget, n, new_tokens, bandwidth)."""
     import torch
 
-    from kvbench.engine import Engine
+    from kvbench.engine import Engine, reset_peak_rss
 
     settings = Settings.from_json(json.dumps(spec["settings"]))
     apply_threads(settings)
@@ -80,9 +88,13 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     engine.generate(prompt.ids[: min(256, len(prompt.ids))], 2, stop_ids=[])  # warm-up: lazy inits, kernels
     engine.last_state, engine.last_logits = None, []  # the warm-up's cache is not part of the baseline
     trimmed = release_freed_memory()
+    startup_peak = _mem_peak(dev)
+    peak_reset = True
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
         torch.cuda.reset_peak_memory_stats(dev)
+    else:
+        peak_reset = reset_peak_rss()
     after_load = _mem_now(dev)
 
     phases: dict[str, list[int]] = {"prefill_peak": [], "decode": []}
@@ -119,6 +131,9 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         # Median of the per-step times (argmax, token read, forward; from one step's start to
         # the next): robust to a few steps slowed by other processes on a shared machine.
         "decode_step_median_ms": 1000 * statistics.median(step_times) if step_times else None,
+        "startup_peak_bytes": startup_peak,
+        "peak_reset": peak_reset,
+        "mkl_fast_mm": os.environ.get("MKL_DISABLE_FAST_MM", "") in ("", "0"),
         "rss_after_load_bytes": after_load,
         "prefill_peak_bytes": max(phases["prefill_peak"] or [0]),
         "decode_mem_bytes": max(phases["decode"] or [0]),

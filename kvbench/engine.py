@@ -95,11 +95,43 @@ def cache_bytes(cache: Any) -> int:
     return total
 
 
+def peak_rss_bytes() -> int:
+    """Peak resident set size of this process (bytes): ``VmHWM`` of ``/proc/self/status``.
+
+    ``ru_maxrss`` (the fallback where ``/proc`` is missing) is not used on Linux because a
+    child process inherits its parent's resident set size at ``fork`` as its starting peak: a
+    worker started by a 3 GB parent reported a 3 GB peak whatever it did. ``VmHWM`` belongs to
+    the process's own address space, and :func:`reset_peak_rss` can restart it.
+    """
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024  # kB
+    except OSError:
+        pass
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+def reset_peak_rss() -> bool:
+    """Restart the peak of :func:`peak_rss_bytes` at the current resident set size.
+
+    Writes ``5`` to ``/proc/self/clear_refs`` (Linux ≥ 4.0). Returns False where that is not
+    possible (other systems, restricted ``/proc``): the peak then stays the process's peak.
+    """
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
 def peak_memory_bytes(device: torch.device) -> int:
-    """Peak CUDA memory on CUDA, else the process's peak resident set size (bytes)."""
+    """Peak CUDA memory on CUDA, else the process's peak resident set size (bytes, :func:`peak_rss_bytes`)."""
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+    return peak_rss_bytes()
 
 
 def _stats(values: list[float]) -> dict[str, float]:

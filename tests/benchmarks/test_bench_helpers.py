@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -105,3 +106,54 @@ def test_worker_runs_are_memoised_and_bandwidth_is_measured_only_when_asked(tmp_
     assert ctx.engine_run("snapkv", 0.25, 512)["read_bandwidth_Bps"] == 1.0  # rerun: the floor needs it
     ctx.engine_run("snapkv", 0.25, 512, bandwidth=False)  # served by the run with bandwidth
     assert calls == [False, True]
+
+
+def test_memory_workers_run_without_mkls_buffer_pool_and_are_memoised_apart(tmp_path, monkeypatch):
+    import json
+    import subprocess
+
+    from benchmarks import context as context_mod
+    from benchmarks.worker import MARKER
+
+    envs = []
+
+    def fake_run(cmd, **kwargs):
+        envs.append(kwargs["env"].get("MKL_DISABLE_FAST_MM"))
+        return subprocess.CompletedProcess(cmd, 0, stdout=MARKER + json.dumps({"read_bandwidth_Bps": 1.0}) + "\n")
+
+    monkeypatch.delenv("MKL_DISABLE_FAST_MM", raising=False)
+    monkeypatch.setattr(context_mod, "local_model_config", lambda settings: None)
+    monkeypatch.setattr(context_mod.subprocess, "run", fake_run)
+    ctx = context_mod.Context(Settings(out=str(tmp_path)))
+    ctx.engine_run("snapkv", 0.25, 512)
+    ctx.engine_run("snapkv", 0.25, 512, bandwidth=False, mkl_pool=False)  # not served by the pooled run
+    ctx.engine_run("snapkv", 0.25, 512, bandwidth=False, mkl_pool=False)  # memoised
+    assert envs == [None, "1"]
+
+
+def test_peak_rss_is_the_processs_own_and_restarts(tmp_path):
+    """``ru_maxrss`` starts a child at its parent's resident size; VmHWM does not."""
+    import subprocess
+    import sys
+
+    import torch
+
+    from kvbench.engine import peak_rss_bytes, reset_peak_rss
+
+    if not os.path.exists("/proc/self/status"):
+        pytest.skip("no /proc (not Linux)")
+    big = torch.ones(256 << 20)  # 1 GiB, touched: this process's resident set is above it
+    assert peak_rss_bytes() >= big.numel() * 4
+    code = (
+        "import resource; from kvbench.engine import peak_rss_bytes; "
+        "print(peak_rss_bytes(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    child_peak, _child_maxrss = map(int, out.stdout.split())
+    assert child_peak < big.numel() * 4  # importing torch takes far less than the parent's 1 GiB
+    del big
+    assert reset_peak_rss()
+    from benchmarks.common import rss_now
+
+    assert peak_rss_bytes() < rss_now() + (256 << 20)  # the freed GiB no longer counts
