@@ -14,8 +14,10 @@ forward call carries a :class:`CompressionState` in the model's keyword argument
   on invalid padded slots of per-head variable-length caches) is added to the first m
   positions' logits; tokens appended during decoding get bias 0. Grouped-query attention runs
   against the un-repeated cache (each GQA group's queries as rows of one SDPA call), never
-  materialising repeated keys/values. The cache is preallocated (:mod:`kvbench.kvcache`):
-  a decode step writes its key/value in place instead of copying the cache.
+  materialising repeated keys/values; on CPU, long caches are split into key chunks merged by
+  log-sum-exp (:func:`_split_kv_attention`) so that every thread streams keys. The cache is
+  preallocated (:mod:`kvbench.kvcache`): a decode step writes its key/value in place instead of
+  copying the cache.
 """
 
 from __future__ import annotations
@@ -33,6 +35,10 @@ from .kvcache import store_layer
 
 ATTN_IMPLEMENTATION = "kvbench"
 _PREFILL_CHUNK = 1024  # query rows per block in the soft-capping prefill path
+# Split-KV decode on CPU (see _split_kv_attention): from this many cached tokens on (measured:
+# no gain at 2k on SmolLM2-135M, 2 threads; 12 % of the attention time at 4k and 8k).
+SPLIT_KV_MIN_TOKENS = 3072
+_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
 @dataclass
@@ -178,8 +184,89 @@ def _decode_attention(query, key, value, mask, scaling, softcap, bias_buf, refer
             attn_bias = attn_bias.masked_fill(~mask, float("-inf"))
         else:
             attn_bias = attn_bias + mask
-    out = F.scaled_dot_product_attention(rows, key, value, attn_mask=attn_bias, scale=scaling)  # (B, H_kv, G, d)
+    chunks = split_kv_chunks(b * h_kv, t) if key.device.type == "cpu" else 1
+    if chunks > 1 and (attn_bias is None or attn_bias.is_floating_point()):
+        out = _split_kv_attention(rows, key, value, attn_bias, scaling, chunks)
+    else:
+        out = F.scaled_dot_product_attention(rows, key, value, attn_mask=attn_bias, scale=scaling)  # (B, H_kv, G, d)
     return out.reshape(b, 1, h_q, d)
+
+
+def split_kv_chunks(heads: int, t: int) -> int:
+    """Number of key chunks for :func:`_split_kv_attention` (1: no split).
+
+    PyTorch's CPU flash attention runs one task per (batch, head) pair of the call: with 3 KV
+    heads on 2 threads one thread reads two heads' keys while the other idles half the time.
+    Splitting the keys into C chunks gives ``heads·C`` tasks; C is the smallest ≥ 2 with a
+    multiple of the thread count and at least two tasks per thread. No split below
+    :data:`SPLIT_KV_MIN_TOKENS` cached tokens, on one thread, or without the CPU flash kernel.
+
+    Args:
+        heads: ``B·H_kv`` (batch × KV heads).
+        t: cached tokens.
+    """
+    threads = torch.get_num_threads()
+    if _FLASH_CPU is None or t < SPLIT_KV_MIN_TOKENS or threads < 2:
+        return 1
+    c = 2
+    while c < 2 * threads and ((heads * c) % threads or heads * c < 2 * threads):
+        c += 1
+    return c
+
+
+def _flash_part(query, key, value, bias, chunks: int, size: int, scaling: float):
+    """One flash call over ``chunks`` consecutive key chunks of ``size`` tokens each.
+
+    query ``(B, H, G, d)``; key/value ``(B, H, chunks·size, d)`` (views allowed); bias ``(B, H|1,
+    G|1, chunks·size)`` or None. Returns ``out (B·H, chunks, G, d)`` and ``lse (B·H, chunks, G)``
+    (float32 natural-log sum of exp of the scaled, biased logits, −inf for a chunk whose keys
+    are all masked: the kernel itself reports 0 there).
+    """
+    b, h, g, d = query.shape
+    q = query.unsqueeze(2).expand(b, h, chunks, g, d).flatten(0, 1)  # (B·H, C, G, d)
+    k = key.unflatten(2, (chunks, size)).flatten(0, 1)  # (B·H, C, n, d), a view of the cache
+    v = value.unflatten(2, (chunks, size)).flatten(0, 1)
+    m = None
+    if bias is not None:
+        m = bias.unflatten(-1, (chunks, size)).movedim(3, 2)  # (B, H|1, C, G|1, n)
+        m = m.expand(b, h, chunks, g, size).flatten(0, 1)  # (B·H, C, G, n)
+    out, lse = _FLASH_CPU(q, k, v, attn_mask=m, scale=scaling)
+    if m is not None:
+        lse = lse.masked_fill(torch.isneginf(m).all(-1), float("-inf"))
+    return out, lse
+
+
+def _split_kv_attention(rows, key, value, attn_bias, scaling: float, chunks: int) -> torch.Tensor:
+    """Decode attention with the keys split into chunks, merged by log-sum-exp (flash-decoding).
+
+    Each chunk's attention ``o_c`` and log-sum-exp ``l_c`` come from PyTorch's CPU flash kernel
+    (the one ``F.scaled_dot_product_attention`` calls); the result is
+    ``Σ_c softmax_c(l)·o_c``, which is the softmax over all keys (Dao et al. 2023,
+    "Flash-Decoding for long-context inference"). Equal to one SDPA call within float32
+    rounding (tests: ``tests/kvbench/test_decode_fastpath.py``).
+
+    Args:
+        rows: ``(B, H_kv, G, d)`` queries (a GQA group's heads as rows).
+        key, value: ``(B, H_kv, T, d)``, views of the preallocated cache allowed.
+        attn_bias: additive float ``(B, H_kv|1, G|1, T)`` or None (−inf: masked).
+        chunks: key chunks (:func:`split_kv_chunks`); tokens beyond ``chunks·⌊T/chunks⌋`` get a call of their own.
+
+    Returns:
+        ``(B, H_kv, G, d)`` in the query dtype.
+    """
+    b, h, g, d = rows.shape
+    t = key.shape[2]
+    size = t // chunks
+    main = size * chunks
+    out, lse = _flash_part(rows, key[:, :, :main], value[:, :, :main],
+                           attn_bias[..., :main] if attn_bias is not None else None, chunks, size, scaling)
+    if main < t:
+        o2, l2 = _flash_part(rows, key[:, :, main:], value[:, :, main:],
+                             attn_bias[..., main:] if attn_bias is not None else None, 1, t - main, scaling)
+        out, lse = torch.cat((out, o2), dim=1), torch.cat((lse, l2), dim=1)
+    weights = torch.softmax(lse, dim=1).unsqueeze(-1)  # (B·H, C, G, 1)
+    merged = (out.float() * weights).sum(dim=1)  # float32 merge (a no-op cast for float32)
+    return merged.to(rows.dtype).view(b, h, g, d)
 
 
 def _compress_layer(state: CompressionState, module, query, key, value, scaling, softcap) -> None:
