@@ -156,6 +156,9 @@ class NIAHTask(Task):
             value = cfg.get(key, low)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise TaskConfigError(f"task.{key}={_show(value)}: must be an integer >= {low}")
+        for key in ("needle", "question", "answer"):
+            if key in cfg and (not isinstance(cfg[key], str) or not cfg[key].strip()):
+                raise TaskConfigError(f"task.{key}={cfg[key]!r}: must be a non-empty string")
         src = cfg.get("haystack_source", "auto")
         if src not in ("auto", "dir", "hub", "embedded"):
             raise TaskConfigError(f"task.haystack_source={src!r}: accepted values are auto, dir, hub, embedded")

@@ -220,6 +220,9 @@ def run_job(cfg: dict, method_preset: str | None = None, method_overrides: list[
     method, _ = validate(cfg)
     root = check_output_root(cfg.get("output_root", "results"))
     relpath = job_relpath(cfg, method_preset, method_overrides)
+    if method.name == "full" and cfg["budget"] != 1.0:
+        log.warning("method=full keeps every token: budget=%s does not change what this job computes "
+                    "(its folder is %s; budget=1.0 names the usual full-cache job)", cfg["budget"], relpath)
     if not (root / relpath).resolve().is_relative_to(root):
         raise ConfigError(f"job folder {relpath}: resolves outside output_root={root}; check run_name and model.name")
     shard = (int(cfg["shard"]["index"]), int(cfg["shard"]["count"]))

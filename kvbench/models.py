@@ -347,9 +347,18 @@ def load_model(model_cfg: dict, device: str = "auto") -> LoadedModel:
         dtype=dtype,
         stop_ids=stop_ids,
         chat_template=bool(model_cfg.get("chat_template", True)) and tokenizer.chat_template is not None,
-        max_input_length=int(model_cfg.get("max_input_length") or 3500),
+        max_input_length=max_input_length(model_cfg),
         source=str(model_cfg.get("source")),
     )
+
+
+#: Prompt budget (tokens) when the model config sets none (LongBench's model2maxlen for 4k models).
+DEFAULT_MAX_INPUT_LENGTH = 3500
+
+
+def max_input_length(model_cfg: dict) -> int:
+    """The model's prompt budget in tokens for task truncation: ``model.max_input_length`` or 3500."""
+    return int(model_cfg.get("max_input_length") or DEFAULT_MAX_INPUT_LENGTH)
 
 
 def stop_token_ids(tokenizer: Any, model: Any, model_cfg: dict) -> list[int]:

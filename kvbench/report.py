@@ -234,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
         for a in arts:
             paths = write_table(a, out) if isinstance(a, Table) else write_figure(a, out)
             missing = f", {len(a.notes)} note(s) on missing inputs" if a.notes else ""
-            index.append(f"- {a.name}: {', '.join(q.name for q in paths)} ({len(a.sources)} jobs{missing})")
+            index.append(f"- {a.name}: {', '.join(q.name for q in paths)} ({len(a.sources)} job{'s' if len(a.sources) != 1 else ''}{missing})")
             print(f"wrote {a.name}{missing}")
     out.mkdir(parents=True, exist_ok=True)
     (out / "index.md").write_text("\n".join(index) + "\n")

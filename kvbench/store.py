@@ -73,6 +73,10 @@ def _fsync_dir(folder: Path) -> None:
 
 
 def _fmt_budget(budget: Any) -> str:
+    """``b<budget>``: a ratio as given (``b0.25``, ``b1.0``), a token budget as an integer
+    (``budget=32`` and ``budget=32.0`` are the same 32-token budget: ``b32``)."""
+    if isinstance(budget, float) and budget > 1.0 and budget.is_integer():
+        budget = int(budget)
     return f"b{budget}"
 
 

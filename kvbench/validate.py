@@ -343,6 +343,30 @@ def _read_layout(path: str, gguf_file: str | None, trust: bool, name: str) -> He
         raise ConfigError(f"model.source={path}: cannot read a model config there ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
 
 
+def check_niah_lengths(cfg: dict) -> None:
+    """A NIAH grid must have a context length within the prompt budget (else nothing would run).
+
+    The budget is the job's: ``task.max_length`` or ``model.max_input_length`` (default 3500).
+    Lengths above it are skipped and reported in ``summary.json``; when every length is above
+    it the job would load the model and store nothing, so this raises first.
+
+    Raises:
+        TaskConfigError: every ``task.context_lengths`` value exceeds the budget.
+    """
+    task = cfg.get("task") or {}
+    if task.get("name") != "niah" or not task.get("context_lengths"):
+        return
+    from .models import max_input_length
+
+    limit = int(task.get("max_length") or max_input_length(cfg.get("model") or {}))
+    lengths = list(task["context_lengths"])
+    if min(int(x) for x in lengths) > limit:
+        raise TaskConfigError(
+            f"task.context_lengths={lengths}: every length exceeds the prompt budget of {limit} tokens "
+            f"(model.max_input_length / task.max_length); use lengths <= {limit} or raise model.max_input_length"
+        )
+
+
 def validate(cfg: dict, layout: bool = True) -> tuple[Method, HeadLayout | None]:
     """Check the whole job config; return the method (built against the layout when known).
 
@@ -361,6 +385,7 @@ def validate(cfg: dict, layout: bool = True) -> tuple[Method, HeadLayout | None]
     check_top_level(cfg)
     check_task(cfg["task"])
     check_model(cfg["model"])
+    check_niah_lengths(cfg)
     check_model_source(cfg["model"])
     method = build_method(cfg["method"])
     budget = cfg["budget"]

@@ -89,6 +89,10 @@ CASES = [
      "task.context_lengths=[-5]: must be a non-empty list of positive integers (tokens)"),
     ("niah-length-scalar", ["task.context_lengths=512"],
      "task.context_lengths=512: must be a non-empty list of positive integers (tokens)"),
+    ("niah-all-lengths-over-budget", ["task.context_lengths=[9000,16000]"],
+     "task.context_lengths=[9000, 16000]: every length exceeds the prompt budget of 7500 tokens "
+     "(model.max_input_length / task.max_length); use lengths <= 7500 or raise model.max_input_length"),
+    ("niah-empty-needle", ["task.needle="], "task.needle='': must be a non-empty string"),
     ("niah-depth-over-100", ["task.depth_percents=[50,150]"],
      "task.depth_percents=[50, 150]: must be a non-empty list of numbers in [0, 100]"),
     ("niah-max-new-tokens", ["task.max_new_tokens=0"], "task.max_new_tokens=0: must be an integer >= 1"),

@@ -237,3 +237,15 @@ def test_stale_temp_files_of_killed_atomic_writes_are_cleaned(tmp_path):
     os.utime(old, (old.stat().st_atime - 3600, old.stat().st_mtime - 3600))
     assert store.clean_stale_temp() == [old.name]
     assert not old.exists() and fresh.exists()  # a recent one may belong to a live shard elsewhere
+
+
+def test_a_token_budget_names_one_folder_however_it_is_written():
+    from kvbench.store import job_relpath
+
+    def rel(budget):
+        return job_relpath({"budget": budget, "task": {"name": "niah"}, "model": {"name": "m"}, "method": {"name": "snapkv"}})
+
+    assert rel(32) == rel(32.0) == "niah/m/snapkv/b32"
+    assert rel(0.25) == "niah/m/snapkv/b0.25"
+    assert rel(1.0) == "niah/m/snapkv/b1.0"  # the ratio 1.0 (everything) is not the 1-token budget
+    assert rel(1) == "niah/m/snapkv/b1"
