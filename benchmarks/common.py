@@ -331,10 +331,29 @@ class Target:
     target: str
     passed: bool | None  # None: not measured (skipped)
     note: str = ""
+    #: Why the measurement is not at the target's own setting (e.g. ``--quick`` lengths): the
+    #: target is then not judged (verdict ``INFO``; the would-be verdict goes into the note).
+    off_target: str = ""
 
     @property
     def verdict(self) -> str:
-        return "SKIP" if self.passed is None else ("PASS" if self.passed else "FAIL")
+        if self.passed is None:
+            return "SKIP"
+        if self.off_target:
+            return "INFO"
+        return "PASS" if self.passed else "FAIL"
+
+    def __post_init__(self) -> None:
+        if self.off_target and self.passed is not None:
+            judged = "within" if self.passed else "outside"
+            self.note = "; ".join(x for x in (f"not judged: {self.off_target} ({judged} the bound here)", self.note) if x)
+
+
+def off_target_length(measured: int, defined: int) -> str:
+    """``Target.off_target`` for a length-specific target measured at another prompt length ('' when equal)."""
+    if measured == defined:
+        return ""
+    return f"the target is defined at {defined} prompt tokens, this run measured {measured} (--quick or --lengths)"
 
 
 @dataclass

@@ -32,7 +32,7 @@ from .common import MB, RATIO_25, BenchResult, Target, log, method_available
 from .context import Context, WorkerError
 
 NAME = "memory"
-TITLE = "Memory: prefill + compression + decode, full vs each method at the longest prompt (8k)"
+TITLE = "Memory: prefill + compression + decode, full vs each method at the longest prompt length (8k by default)"
 METHODS = ["snapkv", "pyramidkv", "streamingllm", "adakv", "headkv", "lookm", "selkv", "compresskv"]
 TOLERANCE = 0.02  # of the saved bytes
 TOLERANCE_BYTES = 1e6  # at least this much (measurement spread at short prompts)

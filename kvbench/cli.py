@@ -20,10 +20,14 @@ def main(argv: list[str] | None = None) -> int:
     """Dispatch ``kvbench <command> ...``."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
-        print(f"usage: kvbench {{{','.join(COMMANDS)}}} ...\n")
+        bad = bool(argv) and argv[0] not in ("-h", "--help")
+        out = sys.stderr if bad else sys.stdout
+        print(f"usage: kvbench {{{','.join(COMMANDS)}}} ...\n", file=out)
         for name, text in COMMANDS.items():
-            print(f"  {name:<12}{text}")
-        return 0 if not argv or argv[0] in ("-h", "--help") else 2
+            print(f"  {name:<12}{text}", file=out)
+        if bad:
+            print(f"error: kvbench {argv[0]}: unknown command; accepted values are {', '.join(COMMANDS)}", file=sys.stderr)
+        return 2 if bad else 0
     cmd, rest = argv[0], argv[1:]
     if cmd == "run":
         run_py = Path(__file__).resolve().parents[1] / "run.py"

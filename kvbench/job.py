@@ -20,7 +20,7 @@ from typing import Any, Mapping
 
 import eval as tasks
 from eval.base import Sample, Task
-from methods.base import ConfigError
+from methods.base import ConfigError, is_ratio
 
 from .engine import Engine
 from .faults import crash_point, injected
@@ -220,7 +220,7 @@ def run_job(cfg: dict, method_preset: str | None = None, method_overrides: list[
     method, _ = validate(cfg)
     root = check_output_root(cfg.get("output_root", "results"))
     relpath = job_relpath(cfg, method_preset, method_overrides)
-    if method.name == "full" and cfg["budget"] != 1.0:
+    if method.name == "full" and not (is_ratio(cfg["budget"]) and cfg["budget"] == 1.0):  # budget=1 is 1 token
         log.warning("method=full keeps every token: budget=%s does not change what this job computes "
                     "(its folder is %s; budget=1.0 names the usual full-cache job)", cfg["budget"], relpath)
     if not (root / relpath).resolve().is_relative_to(root):
@@ -265,7 +265,7 @@ def run_job(cfg: dict, method_preset: str | None = None, method_overrides: list[
         done = store.done_ids()
         todo = [s for s in mine if s.id not in done]
         log.info(
-            "job %s: %d samples in this shard, %d already stored, %d to run (compressible layers: %d of %d)",
+            "job %s: samples in this shard: %d, already stored: %d, to run: %d (compressible layers: %d of %d)",
             relpath, len(mine), len(mine) - len(todo), len(todo), len(loaded.layout.compressible_layers),
             loaded.layout.num_layers,
         )
@@ -275,8 +275,9 @@ def run_job(cfg: dict, method_preset: str | None = None, method_overrides: list[
             records = store.records()
             summary = summarize(cfg, task, records, expected, relpath, getattr(task, "skipped", None))
             store.write_json("summary.json", summary)
-        if cfg["task"]["name"] == "niah":
-            _heatmap(store, records, cfg)
+        if cfg["task"]["name"] == "niah":  # the summary's samples: this run's grid
+            wanted = set(expected)
+            _heatmap(store, [r for r in records if r.get("id") in wanted], cfg)
         print_summary(summary, store.path)
     any_failed = failed or summary["n_failed"] > 0
     return EXIT_SAMPLE_FAILED if any_failed else EXIT_OK

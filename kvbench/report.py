@@ -222,7 +222,11 @@ def main(argv: list[str] | None = None) -> int:
     latency = load_latency(lat_path) if lat_path.is_file() else None
     df = load_results(root)
     ctx = Context(root, df, latency, str(lat_path))
-    index, failed = [f"# Report of {root}", "", f"{df['job'].nunique()} job folders read.", ""], 0
+    n_jobs = df["job"].nunique()
+    index, failed = [f"# Report of {root}", "", f"{n_jobs} job folder{'s' if n_jobs != 1 else ''} read.", ""], 0
+    if n_jobs == 0:
+        print(f"warning: no job folders under {root} (a job folder holds config.yaml and summary.json or "
+              "predictions.jsonl); the report is empty", file=sys.stderr)
     for family, arts in build(ctx, args.only).items():
         if isinstance(arts, Exception):
             failed += 1

@@ -86,6 +86,28 @@ def read_predictions(path: Path) -> list[dict]:
     return records
 
 
+def niah_grid_records(job_dir: Path) -> list[dict]:
+    """A NIAH job's records on the grid its ``summary.json`` counts (the last run's
+    ``task.context_lengths`` × ``task.depth_percents``), so that a heatmap and the job's score
+    describe the same samples. Every record when the summary records no grid (older jobs).
+    """
+    records = read_predictions(job_dir / "predictions.jsonl")
+    selection = (_read_json(job_dir / "summary.json") or {}).get("selection") or {}
+    lengths, depths = selection.get("task.context_lengths"), selection.get("task.depth_percents")
+    if not isinstance(lengths, list) or not isinstance(depths, list):
+        return records
+    grid = {(int(n), float(d)) for n in lengths for d in depths}
+
+    def on_grid(r: dict) -> bool:
+        meta = r.get("meta") or {}
+        try:
+            return (int(meta["context_length"]), float(meta["depth_percent"])) in grid
+        except (KeyError, TypeError, ValueError):
+            return True  # a record without grid coordinates is not filtered out
+
+    return [r for r in records if on_grid(r)]
+
+
 def _mean(values: Iterable[Any]) -> float:
     vals = [float(v) for v in values if v is not None and not (isinstance(v, float) and math.isnan(v))]
     return sum(vals) / len(vals) if vals else math.nan

@@ -20,8 +20,8 @@ from .report_data import (
     budget_semantics,
     budget_text,
     method_sort_key,
+    niah_grid_records,
     order_datasets,
-    read_predictions,
 )
 from .report_grid import Grid, model_sort_key, score_grid
 from .report_tables import _slug, ratio_grids, sweep_series
@@ -252,7 +252,7 @@ def niah_figures(df: pd.DataFrame, root: Path) -> list[FigureOut]:
     per model (rows = budgets, columns = methods, full cache in the first column)."""
     niah = df[(df["task"] == "niah") & df["dataset"].notna()]
     out: list[FigureOut] = []
-    records = {job: read_predictions(root / job / "predictions.jsonl") for job in niah["job"].unique()}
+    records = {job: niah_grid_records(root / job) for job in niah["job"].unique()}  # the summary's grid
     for job, grp in niah.groupby("job"):
         row = grp.iloc[0]
         fig, axes = _axes_grid(1, 1, w=5.6, h=4.0)

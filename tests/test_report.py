@@ -343,6 +343,21 @@ def test_report_only_and_partial_tree(tree, tmp_path):
     empty.mkdir()
     assert report.main([str(empty), "--out", str(out / "e")]) == 0
     assert "no inputs" in (out / "e" / "index.md").read_text()
+    assert "0 job folders read." in (out / "e" / "index.md").read_text()
+
+
+def test_report_on_a_folder_without_jobs_says_so(tmp_path, capsys):
+    assert report.main([str(tmp_path), "--out", str(tmp_path / "r")]) == 0
+    assert f"warning: no job folders under {tmp_path}" in capsys.readouterr().err
+
+
+def test_unknown_kvbench_command_is_an_error(capsys):
+    from kvbench.cli import main as kvbench_cli
+
+    assert kvbench_cli(["nosuch"]) == 2
+    err = capsys.readouterr().err
+    assert err.strip().splitlines()[-1] == "error: kvbench nosuch: unknown command; accepted values are run, report, score, mask-heads"
+    assert kvbench_cli(["--help"]) == 0 and "usage: kvbench" in capsys.readouterr().out
 
 
 def test_plot_niah_heatmap(tmp_path):
@@ -409,3 +424,20 @@ def test_report_cli_rejects_unknown_artifact(tree, capsys):
     with pytest.raises(SystemExit) as e:
         report.main([str(tree), "--only", "selkv_tabel1"])
     assert e.value.code == 2 and "no such artifact" in capsys.readouterr().err
+
+
+def test_niah_heatmap_records_follow_the_summarys_grid(tmp_path):
+    """After a rerun with a smaller grid, summary.json counts that grid: the report's heatmap too."""
+    import json
+
+    from kvbench.report_data import niah_grid_records
+
+    job = tmp_path / "job"
+    job.mkdir()
+    recs = [{"id": f"niah/{n}/{d}", "meta": {"context_length": n, "depth_percent": d}, "score": 1.0}
+            for n in (512, 1024) for d in (10, 50, 90)]
+    (job / "predictions.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    assert len(niah_grid_records(job)) == 6  # no summary: every record
+    (job / "summary.json").write_text(json.dumps({"selection": {"task.context_lengths": [512, 100000],
+                                                                "task.depth_percents": [50]}}))
+    assert [r["id"] for r in niah_grid_records(job)] == ["niah/512/50"]

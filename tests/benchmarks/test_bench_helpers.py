@@ -157,3 +157,16 @@ def test_peak_rss_is_the_processs_own_and_restarts(tmp_path):
     from benchmarks.common import rss_now
 
     assert peak_rss_bytes() < rss_now() + (256 << 20)  # the freed GiB no longer counts
+
+
+def test_targets_measured_off_their_length_are_reported_not_judged():
+    from benchmarks.common import off_target_length
+
+    assert off_target_length(4096, 4096) == ""
+    off = off_target_length(512, 4096)
+    assert "4096" in off and "512" in off
+    failing = Target("x at 512 tokens", "8.3 %", "≤ 5%", False, off_target=off)
+    assert failing.verdict == "INFO" and failing.note.startswith("not judged: ") and "outside the bound" in failing.note
+    assert Target("x", "1 %", "≤ 5%", True, note="n", off_target=off).verdict == "INFO"
+    assert Target("x", "-", "≤ 5%", None, off_target=off).verdict == "SKIP"
+    assert Target("x", "8.3 %", "≤ 5%", False).verdict == "FAIL"
