@@ -73,6 +73,8 @@ def run(ctx: Context) -> BenchResult:
         "of the per-step times (argmax, token read, forward), robust to steps slowed by other processes; tok/s "
         f"= 1000 / median ms/step; {s.new_tokens} generated tokens; at {n_max} tokens a step reads "
         f"{floor_ratio:.2f}× more bytes with the full cache than with the 25 % cache, the most a memory-bound "
-        "step can gain; read bandwidth is measured by each worker right after its decode."
+        "step can gain; read bandwidth is measured by each worker right after its decode; decode RSS = the largest "
+        "resident memory after a decode step, peak RSS = the sample's peak (both with MKL's buffer pool on, "
+        "as jobs run; the memory benchmark counts live memory)."
     )
     return res

@@ -37,6 +37,7 @@ def run(ctx: Context) -> BenchResult:
         f"{ctx.settings.new_tokens} generated tokens per sample; decode ms/step = decode s / (tokens - 1) "
         "(the first token comes from prefill; the worker's memory probes, a gc.collect and malloc_trim before "
         "the first step, are inside decode s); median ms/step = median of the per-step times without the first "
-        "(what the decode benchmark uses); peak RSS is the worker process's peak (model included)."
+        "(what the decode benchmark uses); peak RSS is the sample's peak resident memory (model included; "
+        "restarted after the worker's load and warm-up, whose own peak is startup_peak_bytes in the JSON)."
     )
     return res
