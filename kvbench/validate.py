@@ -387,7 +387,8 @@ def validate(cfg: dict, layout: bool = True) -> tuple[Method, HeadLayout | None]
     (keys, dtype, source: package, GGUF magic bytes, path, Hub cache when offline), the method
     (name, keys, field types and values, budget not below what it always keeps), the device's
     availability, and, when ``layout`` is true, the method against the model's attention layout
-    (this reads the model's config: seconds for a GGUF file; ``run.py``'s pre-check skips it,
+    (this reads the model's config: seconds for a GGUF file without a converted copy, see
+    :func:`model_layout`; ``run.py``'s pre-check skips it,
     the job does it before loading the weights).
 
     Raises:
