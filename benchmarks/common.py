@@ -222,13 +222,6 @@ def rss_now() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def rss_peak() -> int:
-    """Peak resident set size of this process (bytes; ``VmHWM``, see :func:`kvbench.engine.peak_rss_bytes`)."""
-    from kvbench.engine import peak_rss_bytes
-
-    return peak_rss_bytes()
-
-
 def median_time(fn: Callable[[], Any], reps: int, warmup: int = 1) -> float:
     """Median wall seconds of ``fn()`` over ``reps`` calls after ``warmup`` calls."""
     for _ in range(warmup):

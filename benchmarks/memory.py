@@ -1,7 +1,8 @@
 """Memory: peak memory of prefill + compression + decode, full vs each method, at 8k prompt tokens.
 
-Every configuration runs in its own worker process (:mod:`benchmarks.worker`). Reported per method: the process peak (model included), the peak at the end of
-prefill + compression, the decode-phase memory (the largest resident memory after a decode
+Every configuration runs in its own worker process (:mod:`benchmarks.worker`). Reported per
+method: the sample's peak (model included), the peak at the end of prefill + compression,
+the start-up peak (load and warm-up), the decode-phase memory (the largest resident memory after a decode
 step) and the cache bytes before/after compression. Target: the compressed run's
 decode-phase memory is below the full cache run's by at least the cache bytes it saved
 (``cache_bytes_before - cache_bytes_after``, bias buffers counted as kept).

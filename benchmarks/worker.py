@@ -40,7 +40,7 @@ import sys
 import time
 from typing import Any
 
-from .common import Settings, apply_threads, build_method, build_prompt, load, read_bandwidth, rss_now, rss_peak
+from .common import Settings, apply_threads, build_method, build_prompt, load, read_bandwidth, rss_now
 
 MARKER = "BENCH_JSON "
 
@@ -49,12 +49,6 @@ def _mem_now(device) -> int:
     import torch
 
     return int(torch.cuda.memory_allocated(device)) if device.type == "cuda" else rss_now()
-
-
-def _mem_peak(device) -> int:
-    import torch
-
-    return int(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else rss_peak()
 
 
 def release_freed_memory() -> bool:
@@ -76,7 +70,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     """Run the configuration ``spec`` (keys: settings, method, overrides, budget, n, new_tokens, bandwidth)."""
     import torch
 
-    from kvbench.engine import Engine, reset_peak_rss
+    from kvbench.engine import Engine, peak_memory_bytes, reset_peak_rss
 
     settings = Settings.from_json(json.dumps(spec["settings"]))
     apply_threads(settings)
@@ -88,7 +82,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     engine.generate(prompt.ids[: min(256, len(prompt.ids))], 2, stop_ids=[])  # warm-up: lazy inits, kernels
     engine.last_state, engine.last_logits = None, []  # the warm-up's cache is not part of the baseline
     trimmed = release_freed_memory()
-    startup_peak = _mem_peak(dev)
+    startup_peak = peak_memory_bytes(dev)
     peak_reset = True
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
@@ -104,7 +98,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         # Called before each decode step (after the previous step's forward). Step 0: prefill
         # and compression are over; record their peak and drop freed heap before decoding.
         if step == 0:
-            phases["prefill_peak"].append(_mem_peak(dev))
+            phases["prefill_peak"].append(peak_memory_bytes(dev))
             release_freed_memory()
         else:
             phases["decode"].append(_mem_now(dev))
@@ -119,7 +113,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         res = engine.generate(prompt.ids, int(spec["new_tokens"]), stop_ids=[])
     finally:
         engine.on_decode_step = None
-    peak = _mem_peak(dev)
+    peak = peak_memory_bytes(dev)
     step_times = [b - a for a, b in zip(step_starts[1:], step_starts[2:])]  # step 0 includes malloc_trim
     steps = max(1, res.generated_tokens - 1)  # decode forwards (the first token comes from prefill)
     out = {

@@ -100,6 +100,12 @@ def _mean(values: list[float]) -> float | None:
     return round(sum(vals) / len(vals), 6) if vals else None
 
 
+def this_run(records: list[dict], expected_ids: list[str]) -> list[dict]:
+    """The records of this run's samples (its grid / datasets), what ``summary.json`` counts."""
+    wanted = set(expected_ids)
+    return [r for r in records if r.get("id") in wanted]
+
+
 def summarize(
     cfg: dict, task: Task, records: list[dict], expected_ids: list[str], relpath: str, skipped: list[dict] | None = None
 ) -> dict[str, Any]:
@@ -109,8 +115,7 @@ def summarize(
     what the task left out by its own rule (e.g. NIAH lengths over the model's max input, each
     entry with its number of ``samples``), ``n_skipped`` the samples so left out.
     """
-    wanted = set(expected_ids)
-    records = [r for r in records if r.get("id") in wanted]  # this run's samples (others stay stored)
+    records = this_run(records, expected_ids)  # others stay stored
     ok = [r for r in records if r.get("error") is None]
     done = {r["id"] for r in ok}
     agg = task.aggregate(records)
@@ -275,9 +280,8 @@ def run_job(cfg: dict, method_preset: str | None = None, method_overrides: list[
             records = store.records()
             summary = summarize(cfg, task, records, expected, relpath, getattr(task, "skipped", None))
             store.write_json("summary.json", summary)
-        if cfg["task"]["name"] == "niah":  # the summary's samples: this run's grid
-            wanted = set(expected)
-            _heatmap(store, [r for r in records if r.get("id") in wanted], cfg)
+        if cfg["task"]["name"] == "niah":
+            _heatmap(store, this_run(records, expected), cfg)  # the summary's samples
         print_summary(summary, store.path)
     any_failed = failed or summary["n_failed"] > 0
     return EXIT_SAMPLE_FAILED if any_failed else EXIT_OK

