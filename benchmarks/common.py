@@ -267,6 +267,55 @@ def read_bandwidth(device: str = "cpu", nbytes: int = 256 << 20, reps: int = 7) 
     return nbytes / t
 
 
+def step_read_pattern(model, cache, reps: int = 5) -> dict[str, float]:
+    """Seconds to read what a decode step reads, the way the step reads it (the attainable floor).
+
+    The floor of :func:`read_bandwidth` assumes one long stream. A decode step instead reads
+    each weight matrix (a few MB on a small model) and each layer's keys and values as separate,
+    dependent reads, each split over the threads. This times exactly that pattern with no
+    arithmetic but a sum: layer by layer, every parameter storage of the layer (fused buffers
+    once) and the layer's cached keys and values (the filled part), then the remaining
+    parameters (embeddings / LM head, final norm); median over ``reps`` passes after one warm-up.
+
+    Args:
+        model: the loaded ``*ForCausalLM`` (after the decode, so fused buffers exist).
+        cache: the sample's cache (``cache.layers[i].keys/values``: the filled ``(B, H_kv, T, d)``).
+
+    Returns:
+        ``{"seconds": s, "bytes": n}`` (bytes read per pass).
+    """
+    import torch
+
+    seen: set[int] = set()
+
+    def flat(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() in seen:
+            return None
+        seen.add(storage.data_ptr())
+        return torch.empty(0, dtype=t.dtype, device=t.device).set_(storage)
+
+    tensors = []
+    layers = getattr(getattr(model, "model", None), "layers", [])
+    cache_layers = getattr(cache, "layers", [])
+    for i, layer in enumerate(layers):
+        tensors += [f for p in layer.parameters() if (f := flat(p)) is not None]
+        if i < len(cache_layers):
+            tensors += [cache_layers[i].keys, cache_layers[i].values]  # the filled views
+    tensors += [f for p in model.parameters() if (f := flat(p)) is not None]
+    nbytes = sum(t.numel() * t.element_size() for t in tensors)
+    sync = torch.cuda.synchronize if tensors and tensors[0].is_cuda else (lambda: None)
+
+    def run():
+        for t in tensors:
+            t.sum()
+        sync()
+
+    with torch.inference_mode():
+        seconds = median_time(run, reps, warmup=1)
+    return {"seconds": seconds, "bytes": nbytes}
+
+
 def weight_bytes(model) -> int:
     """Bytes of the model's parameters (tied embeddings counted once: each is read once per step)."""
     return sum(p.numel() * p.element_size() for p in model.parameters())

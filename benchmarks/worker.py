@@ -40,7 +40,8 @@ import sys
 import time
 from typing import Any
 
-from .common import Settings, apply_threads, build_method, build_prompt, load, read_bandwidth, rss_now
+from .common import (Settings, apply_threads, build_method, build_prompt, load, read_bandwidth, rss_now,
+                     step_read_pattern)
 
 MARKER = "BENCH_JSON "
 
@@ -139,6 +140,9 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     }
     if spec.get("bandwidth"):
         out["read_bandwidth_Bps"] = read_bandwidth(settings.device)
+        if engine.last_state is not None:
+            pattern = step_read_pattern(loaded.model, engine.last_state.cache)
+            out["step_read_pattern_s"], out["step_read_pattern_bytes"] = pattern["seconds"], pattern["bytes"]
     return out
 
 

@@ -170,3 +170,28 @@ def test_targets_measured_off_their_length_are_reported_not_judged():
     assert Target("x", "1 %", "≤ 5%", True, note="n", off_target=off).verdict == "INFO"
     assert Target("x", "-", "≤ 5%", None, off_target=off).verdict == "SKIP"
     assert Target("x", "8.3 %", "≤ 5%", False).verdict == "FAIL"
+
+
+def test_step_read_pattern_reads_each_storage_once_and_the_filled_cache():
+    """The read-pattern floor reads every parameter storage once (fused buffers, tied
+    embeddings) plus each layer's filled keys and values, not the reserved slots."""
+    import torch
+
+    from benchmarks.common import step_read_pattern, weight_bytes
+    from kvbench.engine import Engine
+    from methods.snapkv import SnapKV, SnapKVConfig
+    from tests.conftest import loaded_for, tiny_model
+
+    model = tiny_model("llama", layers=2, n_kv=2, n_q=4)
+    loaded = loaded_for(model)
+    engine = Engine(loaded, SnapKV(SnapKVConfig(window_size=4, kernel_size=3), loaded.layout), 0.5)
+    engine.generate(list(range(3, 43)), 5, stop_ids=[])  # 40 prompt tokens, 20 kept per head, 4 decoded
+    cache = engine.last_state.cache
+    filled = sum(lay.keys.numel() * 4 + lay.values.numel() * 4 for lay in cache.layers)
+    reserved = sum(lay._key_buf.numel() * 4 for lay in cache.layers)
+    assert cache.layers[0].keys.shape[-2] == 20 + 4 and reserved > filled / 2
+    storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in model.parameters()}
+    assert len(storages) < len(list(model.parameters()))  # fused q/k/v and gate/up share storages
+    out = step_read_pattern(model, cache, reps=1)
+    assert out["bytes"] == sum(storages.values()) + filled == weight_bytes(model) + filled
+    assert out["seconds"] > 0

@@ -95,9 +95,32 @@ def test_fusing_keeps_one_copy_and_module_outputs():
     assert model.model.layers[1].mlp.up_proj.weight.data_ptr() == fl.w_gu[fl.w_gu.shape[0] // 2 :].data_ptr()
     assert sum(p.numel() * p.element_size() for p in model.parameters()) == n_bytes
     assert not attn.q_proj.weight.is_inference()
+    # CPU: every projection stored input-major (its transpose contiguous), one copy each.
+    mlp = model.model.layers[1].mlp
+    assert decoder.input_major
+    for w in (fl.w_qkv, fl.w_gu, fl.w_o, fl.w_down, attn.o_proj.weight, mlp.down_proj.weight):
+        assert w.t().is_contiguous() and not w.is_contiguous()
+    assert attn.o_proj.weight.data_ptr() == fl.w_o.data_ptr()
+    assert mlp.down_proj.weight.data_ptr() == fl.w_down.data_ptr()
     with torch.no_grad():
         after = model(input_ids=ids).logits
     assert torch.equal(before, after)
+
+
+def test_input_major_switch_keeps_pytorch_layout(monkeypatch):
+    """``FusedDecoder.INPUT_MAJOR_ON_CPU = False``: PyTorch's (out, in) layout, same logits."""
+    ids = _ids()
+    model = tiny_model("llama", layers=2, n_kv=2, n_q=4)
+    _, ref_logits, _ = _generate(model, _factories()["bias_validity"], True, ids)
+    monkeypatch.setattr(FusedDecoder, "INPUT_MAJOR_ON_CPU", False)
+    model = tiny_model("llama", layers=2, n_kv=2, n_q=4)
+    _, logits, path = _generate(model, _factories()["bias_validity"], True, ids)
+    decoder = FusedDecoder.for_model(model)
+    assert path == "fused" and not decoder.input_major
+    fl = decoder.layers[0]
+    assert all(w.is_contiguous() for w in (fl.w_qkv, fl.w_gu, fl.w_o, fl.w_down))
+    for a, b in zip(logits, ref_logits):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
 def test_replaced_weights_rebuild_the_decoder():
