@@ -8,7 +8,8 @@
     python run.py --help | --cfg job
 
 Exit codes: 0 ok, 1 some samples failed (recorded in the store), 2 configuration error,
-3 the job shard is locked by another process, 130 interrupted (Ctrl-C; rerun to resume).
+3 the job shard is locked by another process, 130 interrupted (Ctrl-C; rerun to resume),
+143 terminated (SIGTERM; rerun to resume).
 Guarantees and the tests that prove them: docs/RELIABILITY.md.
 """
 

@@ -147,7 +147,10 @@ def main(argv: list[str] | None = None) -> int:
 
     complete = not args.quick and args.names == BENCHMARKS and not args.method_names and not args.prompt_lengths
     doc = Path(args.doc) if args.doc else (ROOT / "docs" / "PERFORMANCE.md" if complete else out / "PERFORMANCE.md")
-    report.write(doc, machine, results, command, args.note)
+    resolved = out.resolve()
+    json_dir = (f"{resolved.relative_to(ROOT.resolve())}/" if resolved.is_relative_to(ROOT.resolve())
+                else f"{resolved}/")
+    report.write(doc, machine, results, command, args.note, json_dir)
     print(f"\nsummary: {doc}; JSON: {out}/ (wall time {machine['wall_s'] / 60:.1f} min)")
     return 1 if crashed else 0
 

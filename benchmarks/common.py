@@ -391,6 +391,15 @@ class Target:
             self.note = "; ".join(x for x in (f"not judged: {self.off_target} ({judged} the bound here)", self.note) if x)
 
 
+def off_target_lengths(measured: list[int], defined: list[int]) -> str:
+    """``Target.off_target`` for a fit over prompt lengths (the scaling exponent) made over other
+    lengths than the target's ('' when the same): two short, noisy lengths say little about scaling."""
+    if list(measured) == list(defined):
+        return ""
+    return (f"the target is defined over {', '.join(map(str, defined))} prompt tokens, this run fitted "
+            f"{', '.join(map(str, measured))} (--quick or --lengths)")
+
+
 def off_target_length(measured: int, defined: int) -> str:
     """``Target.off_target`` for a length-specific target measured at another prompt length ('' when equal)."""
     if measured == defined:

@@ -18,7 +18,8 @@ import math
 import time
 from typing import Any, ClassVar
 
-from .common import RATIO_25, BenchResult, Target, build_method, build_prompt, log, method_available, off_target_length
+from .common import (RATIO_25, BenchResult, Target, build_method, build_prompt, log, method_available, off_target_length,
+                     off_target_lengths)
 from .context import Context
 
 NAME = "compression"
@@ -195,7 +196,8 @@ def run(ctx: Context) -> BenchResult:
                                   off_target=off_target_length(target_n, TARGET_LENGTH)))
         if expo is not None:
             res.targets.append(Target(f"{name}: exponent of compression time vs prompt length", f"{expo:.2f}",
-                                      f"≈ 1 (≤ {MAX_EXPONENT})", expo <= MAX_EXPONENT))
+                                      f"≈ 1 (≤ {MAX_EXPONENT})", expo <= MAX_EXPONENT,
+                                      off_target=off_target_lengths(lengths, FULL_LENGTHS)))
     res.rows.append(["(prefill s)"] + [f"{prefill[n]:.2f}" for n in lengths] + [fit_exponent(lengths, [prefill[n] for n in lengths])])
     if "lookm" in seconds:
         _lookm_floor(res, loaded.model.config, lengths, target_n)
@@ -210,10 +212,13 @@ def _lookm_floor(res: BenchResult, config: Any, lengths: list[int], target_n: in
     floor = {n: lookm_score_flops(config, n) / prefill_flops(config, n) for n in lengths}
     res.data["lookm_flop_floor"] = floor
     for t in res.targets:
+        extra = ""
         if t.name.startswith("lookm: compression"):
-            t.note = f"faithful floor ≈ {floor[target_n]:.0%} of the prefill's FLOPs at {target_n} tokens, see notes"
+            extra = f"faithful floor ≈ {floor[target_n]:.0%} of the prefill's FLOPs at {target_n} tokens, see notes"
         elif t.name.startswith("lookm: exponent"):
-            t.note = "the score is quadratic in n by definition (every query × every earlier key)"
+            extra = "the score is quadratic in n by definition (every query × every earlier key)"
+        if extra:  # after a "not judged" note, if any
+            t.note = "; ".join(x for x in (t.note, extra) if x)
     shares = ", ".join(f"{100 * floor[n]:.1f} % at {n}" for n in lengths)
     res.notes.append(
         "LOOK-M floor: its score is the attention every prompt query pays to every earlier key (Wan et al. 2024, "

@@ -181,28 +181,30 @@ def _variants(base: list[str], sweeps: list[tuple[str, list[str]]]) -> list[list
     return out
 
 
-def _job_config(cfg: Any) -> dict:
-    """The job's part of a composed config (hydra node removed), resolved to plain containers."""
+def _job_config(cfg: Any) -> tuple[dict, str]:
+    """The job's part of a composed config (hydra node removed), resolved to plain containers,
+    and the selected experiment preset (``""`` for none)."""
     from omegaconf import OmegaConf, open_dict
 
+    experiment = str(OmegaConf.select(cfg, "hydra.runtime.choices.experiment", default=None) or "")
     with open_dict(cfg):
         cfg = cfg.copy()
         cfg.pop("hydra", None)
     try:
-        return OmegaConf.to_container(cfg, resolve=True)
+        return OmegaConf.to_container(cfg, resolve=True), experiment
     except Exception as e:  # noqa: BLE001 - interpolation errors
         key = getattr(e, "full_key", None)
         fail(f"{key + ': ' if key else ''}cannot resolve the config ({_first_line(e)})")
 
 
-def _validate(job: dict) -> None:
+def _validate(job: dict, experiment: str) -> None:
     from eval.base import TaskConfigError
     from methods.base import ConfigError
 
     from .validate import validate
 
     try:
-        validate(job, layout=False)  # the job checks the layout before loading the weights
+        validate(job, layout=False, experiment=experiment)  # the job checks the layout before loading the weights
     except (ConfigError, TaskConfigError) as e:
         fail(str(e))
     except Exception as e:  # noqa: BLE001 - a bug or an input no check foresaw: still one line
@@ -278,4 +280,4 @@ def precheck_argv(argv: list[str]) -> None:
         if args.cfg is not None:
             return
         for c in configs:
-            _validate(_job_config(c))
+            _validate(*_job_config(c))

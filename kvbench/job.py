@@ -30,7 +30,7 @@ from .validate import check_output_root, validate
 
 log = logging.getLogger("kvbench")
 
-EXIT_OK, EXIT_SAMPLE_FAILED, EXIT_CONFIG, EXIT_LOCKED, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
+EXIT_OK, EXIT_SAMPLE_FAILED, EXIT_CONFIG, EXIT_LOCKED, EXIT_INTERRUPTED, EXIT_TERMINATED = 0, 1, 2, 3, 130, 143
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -212,8 +212,12 @@ def _release_cuda_memory() -> None:
         torch.cuda.empty_cache()
 
 
-def run_job(cfg: dict, method_preset: str | None = None, method_overrides: list[str] | None = None) -> int:
+def run_job(cfg: dict, method_preset: str | None = None, method_overrides: list[str] | None = None,
+            experiment: str | None = None) -> int:
     """Run one job from a resolved config (a plain dict). Returns the process exit code.
+
+    ``experiment``: the selected experiment preset (``""``: none; None: unknown), for the
+    top-level key check (:func:`kvbench.validate.top_level_keys`).
 
     Raises:
         ConfigError / TaskConfigError: bad configuration (checked before the model loads).
@@ -222,7 +226,7 @@ def run_job(cfg: dict, method_preset: str | None = None, method_overrides: list[
     import torch
     from omegaconf import OmegaConf
 
-    method, _ = validate(cfg)
+    method, _ = validate(cfg, experiment=experiment)
     root = check_output_root(cfg.get("output_root", "results"))
     relpath = job_relpath(cfg, method_preset, method_overrides)
     if method.name == "full" and not (is_ratio(cfg["budget"]) and cfg["budget"] == 1.0):  # budget=1 is 1 token

