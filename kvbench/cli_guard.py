@@ -235,6 +235,7 @@ def precheck_argv(argv: list[str]) -> None:
         return
     from hydra import initialize_config_dir
     from hydra.core.override_parser.overrides_parser import OverridesParser
+    from omegaconf import OmegaConf
     from hydra.errors import OverrideParseException
 
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3", job_name="kvbench_precheck"):
@@ -261,9 +262,18 @@ def precheck_argv(argv: list[str]) -> None:
                 base.append(o.input_line)
         variants = _variants(base, sweeps)
         cfg = composer.compose(variants[0])
+        params = cfg.hydra.sweeper.get("params") if "sweeper" in cfg.hydra else None
+        if params and not args.multirun and args.cfg is None:
+            # A preset's sweep (hydra.sweeper.params) only runs with -m; without it Hydra would run
+            # one job at the defaults, which may not be in the preset's grid at all.
+            given = {o.key_or_group.lstrip("+~") for o in parsed}
+            unset = [k for k in params if k not in given]
+            if unset:
+                experiment = OmegaConf.select(cfg, "hydra.runtime.choices.experiment", default=None) or "the config"
+                fail(f"experiment={experiment} sweeps {', '.join(unset)} (hydra.sweeper.params): add --multirun (-m) "
+                     f"to run its jobs, or set {'it' if len(unset) == 1 else 'each'} on the command line for one job")
         if args.multirun:
             swept = {k.lstrip("+~") for k, _ in sweeps}
-            params = cfg.hydra.sweeper.get("params") if "sweeper" in cfg.hydra else None
             extra = []
             for key, text in (params or {}).items():
                 if key in swept:

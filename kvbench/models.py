@@ -267,12 +267,32 @@ def _load_cached(cache: Path, dtype: Any, model_kwargs: dict) -> tuple[Any, Any]
     return tokenizer, model
 
 
+STALE_TEMP_S = 600  # seconds: an unfinished conversion temp folder older than this is abandoned
+
+
+def _remove_stale_temps(cache: Path) -> None:
+    """Delete ``cache``'s abandoned conversion temp folders (``.<name>.*`` siblings, :data:`STALE_TEMP_S` old)."""
+    import shutil
+    import time
+
+    try:
+        for tmp in cache.parent.glob(f".{cache.name}.*"):
+            if tmp.is_dir() and time.time() - tmp.stat().st_mtime > STALE_TEMP_S:
+                shutil.rmtree(tmp, ignore_errors=True)
+                log.info("removed %s, left by an interrupted GGUF conversion", tmp)
+    except OSError:
+        pass
+
+
 def _write_cache(cache: Path, tokenizer: Any, model: Any) -> None:
     """Write the converted tokenizer and float32 model into ``cache`` atomically (temp folder + rename).
 
     Never raises: a cache that cannot be written only costs the next load its conversion.
     Two processes converting at once both write; the first rename wins, the other copy is removed.
+    A temp folder left by a killed conversion (``kill -9``: no cleanup runs) is removed by a later
+    conversion once it is :data:`STALE_TEMP_S` old (a conversion takes well under a minute).
     """
+    _remove_stale_temps(cache)
     import json
     import shutil
     import tempfile

@@ -316,16 +316,23 @@ def full_rows(df: pd.DataFrame, task: str, model_key: str) -> pd.DataFrame:
     return df[(df["task"] == task) & (df["model_key"] == model_key) & (df["method_name"] == FULL)]
 
 
+def is_ratio_budget(budget: float) -> bool:
+    """Whether a stored budget is a retention ratio: ``budget <= 1``. The report sees budgets as
+    floats, so ``1.0`` (keep everything) and a 1-token budget look alike; a 1-token budget is
+    below every compressing method's minimum (validation rejects it), so 1 is the ratio 100 %."""
+    return budget <= 1
+
+
 def budget_text(budget: float) -> str:
-    """``25%`` for a retention ratio, ``256`` for a token budget."""
-    return f"{budget * 100:g}%" if budget < 1 else f"{budget:g}"
+    """``25%`` (``100%`` for 1.0) for a retention ratio, ``256`` for a token budget."""
+    return f"{budget * 100:g}%" if is_ratio_budget(budget) else f"{budget:g}"
 
 
 def budget_semantics(budgets: Iterable[float]) -> str:
     """The caption phrase that says what a budget counts (ARCHITECTURE.md, "Budgets")."""
     bs = [b for b in budgets if not math.isnan(b)]
-    if bs and all(b < 1 for b in bs):
+    if bs and all(is_ratio_budget(b) for b in bs):
         return "budget = retention ratio ρ of prompt tokens"
-    if bs and all(b >= 1 for b in bs):
+    if bs and not any(is_ratio_budget(b) for b in bs):
         return "budget = tokens kept per layer per KV head (average, recent window included)"
-    return "budget < 1: retention ratio ρ of prompt tokens; budget >= 1: tokens per layer per KV head"
+    return "budget ≤ 1: retention ratio ρ of prompt tokens; budget > 1: tokens per layer per KV head"

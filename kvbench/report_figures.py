@@ -133,7 +133,7 @@ def budget_sweep_figure(df: pd.DataFrame, name: str, task: str, ratio: bool, tit
     """Average score vs budget, one panel per model with at least two budgets (SelKV Figure 4,
     CompressKV Figures 4 and 5)."""
     sel = df[(df["task"] == task) & (df["method_name"] != FULL)]
-    sel = sel[sel["budget"] < 1] if ratio else sel[sel["budget"] >= 1]
+    sel = sel[sel["budget"] <= 1] if ratio else sel[sel["budget"] > 1]  # 1.0 is the ratio 100 %
     grids = {float(b): g for b in sorted(sel["budget"].dropna().unique()) if (g := score_grid(df, task, float(b)))}
     models = [m for m in sorted({m for g in grids.values() for m in g.models}, key=model_sort_key)
               if sum(m in g.models for g in grids.values()) >= 2]

@@ -41,7 +41,7 @@ class Grid:
 
     Attributes:
         task: task name (``longbench``, ``niah``).
-        budget: the compressed methods' budget (ratio < 1 or tokens >= 1).
+        budget: the compressed methods' budget (ratio ≤ 1 or tokens > 1).
         models: model keys, in paper order.
         full_label: display label of the full-cache row (``None`` when no full job exists).
         labels: compressed method labels, in :data:`report_data.METHOD_ORDER`.

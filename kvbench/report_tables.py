@@ -158,8 +158,8 @@ def _slug(text: str) -> str:
 
 
 def ratio_grids(df: pd.DataFrame, task: str = "longbench") -> dict[float, Grid]:
-    """One grid per retention ratio (budget < 1) present among the task's compressed jobs."""
-    sel = df[(df["task"] == task) & (df["method_name"] != FULL) & (df["budget"] < 1)]
+    """One grid per retention ratio (budget ≤ 1) present among the task's compressed jobs."""
+    sel = df[(df["task"] == task) & (df["method_name"] != FULL) & (df["budget"] <= 1)]
     grids = {float(b): score_grid(df, task, float(b)) for b in sorted(sel["budget"].dropna().unique())}
     return {b: g for b, g in grids.items() if g is not None}
 

@@ -52,13 +52,30 @@ def top_level_keys(experiment: str | None = None) -> tuple[str, ...]:
             accepted; ``""``: no preset, none are; None (caller does not know): every preset's.
     """
     keys = {"model", "method", "task"}
+    data = yaml.safe_load((CONF / "config.yaml").read_text()) or {}
+    keys |= {k for k in data if k not in ("defaults", "hydra")}
     presets = sorted((CONF / "experiment").glob("*.yaml")) if experiment is None else (
         [CONF / "experiment" / f"{experiment}.yaml"] if experiment else [])
-    for path in [CONF / "config.yaml", *presets]:
-        data = (yaml.safe_load(path.read_text()) or {}) if path.is_file() else {}
+    for path in presets:
+        text = path.read_text() if path.is_file() else ""
+        data = yaml.safe_load(text) or {}
         if isinstance(data, dict):
-            keys |= {k for k in data if k not in ("defaults", "hydra", "model", "method", "task")}
+            keys |= {k for k in data if k not in ("defaults", "hydra", "model", "method", "task")
+                     and _is_helper_key(str(k), text)}
     return tuple(sorted(keys))
+
+
+# Top-level preset keys read by a kvbench tool rather than interpolated (key -> reader).
+TOOL_KEYS = {"latency": "python -m kvbench.latency"}
+
+
+def _is_helper_key(key: str, preset_text: str) -> bool:
+    """A preset's own top-level key is a helper when an interpolation in the preset reads it
+    (``${oc.select:compresskv_max_length.${model.name},null}``) or a kvbench tool does
+    (:data:`TOOL_KEYS`); any other new key is a typo (``budjet: 0.1``) and stays unknown."""
+    if key in TOOL_KEYS:
+        return True
+    return re.search(r"\$\{[^\n]*\b" + re.escape(key) + r"\b", preset_text) is not None
 
 
 @functools.lru_cache(maxsize=None)

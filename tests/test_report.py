@@ -441,3 +441,14 @@ def test_niah_heatmap_records_follow_the_summarys_grid(tmp_path):
     (job / "summary.json").write_text(json.dumps({"selection": {"task.context_lengths": [512, 100000],
                                                                 "task.depth_percents": [50]}}))
     assert [r["id"] for r in niah_grid_records(job)] == ["niah/512/50"]
+
+
+def test_budget_one_is_the_full_retention_ratio_not_one_token():
+    """A stored budget of 1.0 keeps everything (ratio 100 %): the report labels and groups it with
+    the ratios, never as a 1-token budget (a 1-token budget is rejected by validation)."""
+    from kvbench.report_data import budget_semantics, budget_text, is_ratio_budget
+
+    assert budget_text(1.0) == "100%" and budget_text(0.25) == "25%" and budget_text(256.0) == "256"
+    assert is_ratio_budget(1.0) and not is_ratio_budget(2.0)
+    assert budget_semantics([0.25, 1.0]) == "budget = retention ratio ρ of prompt tokens"
+    assert budget_semantics([64.0, 256.0]).startswith("budget = tokens kept")

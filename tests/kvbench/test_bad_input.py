@@ -54,6 +54,9 @@ CASES = [
     # a preset's helper key (the latency table of selkv_fig3) is not a key of a plain run ...
     ("preset-key-without-preset", ["+latency=1"], f"latency=1: unknown config key; accepted keys are {top_keys()}"),
     # ... and the preset's own helper keys are listed when it is selected
+    ("preset-sweep-without-m", ["+experiment=compresskv_table1_smoke"],
+     "experiment=compresskv_table1_smoke sweeps method, budget (hydra.sweeper.params): add --multirun (-m) to run "
+     "its jobs, or set each on the command line for one job"),
     ("added-top-key-in-preset", ["+experiment=selkv_fig3_smoke", "+foo=1"],
      f"foo=1: unknown config key; accepted keys are {top_keys('selkv_fig3_smoke')}"),
     ("unknown-method-key", ["method=snapkv", "method.window=8"],
@@ -185,3 +188,16 @@ def test_parallel_launcher_without_its_plugin(tmp):
     out = run_cli(["-m", "hydra/launcher=parallel", "budget=0.1,0.2", f"output_root={tmp}/out"])
     assert out.stderr == "error: hydra/launcher=parallel: needs the joblib launcher plugin; run `pip install hydra-joblib-launcher`\n"
     assert out.returncode == 2
+
+
+def test_preset_helper_keys_are_the_interpolated_or_tool_read_ones():
+    """A preset's own top-level key is accepted only when the preset interpolates it or a kvbench
+    tool reads it; a typo'd key in a preset file (``budjet: 0.1``) stays an unknown key."""
+    from kvbench.validate import _is_helper_key, top_level_keys
+
+    fig5 = top_level_keys("compresskv_fig5")
+    assert {"niah_context_lengths", "niah_max_length"} <= set(fig5) and "latency" not in fig5
+    assert "latency" in top_level_keys("selkv_fig3_smoke")
+    assert "compresskv_max_length" not in top_level_keys("") and "budget" in top_level_keys("")
+    text = "budjet: 0.1\ntable:\n  a: 1\ntask:\n  max_length: ${oc.select:table.${model.name},null}\n"
+    assert _is_helper_key("table", text) and not _is_helper_key("budjet", text)

@@ -126,3 +126,21 @@ def test_layout_of_a_gguf_file_comes_from_its_converted_copy(tmp_path, monkeypat
     _read_layout.cache_clear()
     layout = model_layout(cfg)
     assert (layout.num_layers, layout.num_q_heads, layout.num_kv_heads) == (3, 6, 2)
+
+
+def test_conversion_temp_folders_left_by_a_kill_are_removed_once_stale(tmp_path):
+    """A ``kill -9`` during a conversion leaves ``.<cache>.<random>/`` (hundreds of MB); the next
+    conversion removes it once it is STALE_TEMP_S old, and leaves a fresh one (maybe in progress)."""
+    import os
+    import time
+
+    cache = tmp_path / "model-abc"
+    stale, fresh, other = tmp_path / ".model-abc.x1", tmp_path / ".model-abc.x2", tmp_path / ".other.x3"
+    for d in (stale, fresh, other):
+        d.mkdir()
+        (d / "model.safetensors").write_bytes(b"0" * 16)
+    old = time.time() - models.STALE_TEMP_S - 5
+    os.utime(stale, (old, old))
+    os.utime(other, (old, old))
+    models._remove_stale_temps(cache)
+    assert not stale.exists() and fresh.exists() and other.exists()
