@@ -181,12 +181,19 @@ def _variants(base: list[str], sweeps: list[tuple[str, list[str]]]) -> list[list
     return out
 
 
+def _experiment_choice(cfg: Any) -> str:
+    """The experiment preset a composed config (hydra node included) selected, ``""`` for none."""
+    from omegaconf import OmegaConf
+
+    return str(OmegaConf.select(cfg, "hydra.runtime.choices.experiment", default=None) or "")
+
+
 def _job_config(cfg: Any) -> tuple[dict, str]:
     """The job's part of a composed config (hydra node removed), resolved to plain containers,
     and the selected experiment preset (``""`` for none)."""
     from omegaconf import OmegaConf, open_dict
 
-    experiment = str(OmegaConf.select(cfg, "hydra.runtime.choices.experiment", default=None) or "")
+    experiment = _experiment_choice(cfg)
     with open_dict(cfg):
         cfg = cfg.copy()
         cfg.pop("hydra", None)
@@ -235,7 +242,6 @@ def precheck_argv(argv: list[str]) -> None:
         return
     from hydra import initialize_config_dir
     from hydra.core.override_parser.overrides_parser import OverridesParser
-    from omegaconf import OmegaConf
     from hydra.errors import OverrideParseException
 
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3", job_name="kvbench_precheck"):
@@ -269,7 +275,7 @@ def precheck_argv(argv: list[str]) -> None:
             given = {o.key_or_group.lstrip("+~") for o in parsed}
             unset = [k for k in params if k not in given]
             if unset:
-                experiment = OmegaConf.select(cfg, "hydra.runtime.choices.experiment", default=None) or "the config"
+                experiment = _experiment_choice(cfg) or "the config"
                 fail(f"experiment={experiment} sweeps {', '.join(unset)} (hydra.sweeper.params): add --multirun (-m) "
                      f"to run its jobs, or set {'it' if len(unset) == 1 else 'each'} on the command line for one job")
         if args.multirun:

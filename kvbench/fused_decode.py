@@ -131,7 +131,7 @@ def _fuse(linears: list[torch.nn.Linear], input_major: bool = False) -> tuple[to
     """
     weight = torch.cat([lin.weight.detach() for lin in linears])
     if input_major:
-        weight = weight.t().contiguous().t()
+        weight = _transposed_storage(weight)
     bias = None
     if any(lin.bias is not None for lin in linears):
         bias = torch.cat([
@@ -147,6 +147,11 @@ def _fuse(linears: list[torch.nn.Linear], input_major: bool = False) -> tuple[to
     return weight, bias
 
 
+def _transposed_storage(weight: torch.Tensor) -> torch.Tensor:
+    """The same ``(N, K)`` values stored input-major: a view of a contiguous ``(K, N)`` copy."""
+    return weight.t().contiguous().t()
+
+
 def _input_major(lin: torch.nn.Linear) -> torch.Tensor:
     """Store ``lin``'s weight ``(N, K)`` transposed: a contiguous ``(K, N)`` buffer, with the
     module's weight re-pointed to its ``(N, K)`` view (same values, one copy).
@@ -158,7 +163,7 @@ def _input_major(lin: torch.nn.Linear) -> torch.Tensor:
     scaled rows (no horizontal sums): measured 4–8 % faster per decode step on SmolLM2-135M
     with 2 threads, and unchanged prefill matrix products (MKL packs either layout).
     """
-    weight = lin.weight.detach().t().contiguous().t()
+    weight = _transposed_storage(lin.weight.detach())
     lin.weight.data = weight
     return weight
 

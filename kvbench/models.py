@@ -292,10 +292,11 @@ def _write_cache(cache: Path, tokenizer: Any, model: Any) -> None:
     A temp folder left by a killed conversion (``kill -9``: no cleanup runs) is removed by a later
     conversion once it is :data:`STALE_TEMP_S` old (a conversion takes well under a minute).
     """
-    _remove_stale_temps(cache)
     import json
     import shutil
     import tempfile
+
+    _remove_stale_temps(cache)
 
     meta = {k: v for k, v in tokenizer.special_tokens_map.items() if k != "additional_special_tokens"}
     meta.update(

@@ -19,6 +19,7 @@ from .report_data import (
     FULL,
     budget_semantics,
     budget_text,
+    is_ratio_budget,
     method_sort_key,
     niah_grid_records,
     order_datasets,
@@ -133,7 +134,8 @@ def budget_sweep_figure(df: pd.DataFrame, name: str, task: str, ratio: bool, tit
     """Average score vs budget, one panel per model with at least two budgets (SelKV Figure 4,
     CompressKV Figures 4 and 5)."""
     sel = df[(df["task"] == task) & (df["method_name"] != FULL)]
-    sel = sel[sel["budget"] <= 1] if ratio else sel[sel["budget"] > 1]  # 1.0 is the ratio 100 %
+    ratios = sel["budget"].map(is_ratio_budget).astype(bool)  # 1.0 is the ratio 100 %
+    sel = sel[ratios] if ratio else sel[~ratios & sel["budget"].notna()]
     grids = {float(b): g for b in sorted(sel["budget"].dropna().unique()) if (g := score_grid(df, task, float(b)))}
     models = [m for m in sorted({m for g in grids.values() for m in g.models}, key=model_sort_key)
               if sum(m in g.models for g in grids.values()) >= 2]

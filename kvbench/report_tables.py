@@ -21,6 +21,7 @@ from .report_data import (
     LONGBENCH_CATEGORIES,
     budget_semantics,
     budget_text,
+    is_ratio_budget,
     method_sort_key,
     order_datasets,
 )
@@ -159,7 +160,7 @@ def _slug(text: str) -> str:
 
 def ratio_grids(df: pd.DataFrame, task: str = "longbench") -> dict[float, Grid]:
     """One grid per retention ratio (budget ≤ 1) present among the task's compressed jobs."""
-    sel = df[(df["task"] == task) & (df["method_name"] != FULL) & (df["budget"] <= 1)]
+    sel = df[(df["task"] == task) & (df["method_name"] != FULL) & df["budget"].map(is_ratio_budget).astype(bool)]
     grids = {float(b): score_grid(df, task, float(b)) for b in sorted(sel["budget"].dropna().unique())}
     return {b: g for b, g in grids.items() if g is not None}
 

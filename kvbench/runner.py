@@ -36,7 +36,6 @@ def _on_sigterm() -> bool:
     return True
 
 
-
 def hydra_main(cfg: DictConfig) -> int:
     """Run the job Hydra composed. A single run exits the process with the job's exit code
     (0 ok, 1 failed samples, 2 configuration error, 3 locked, 130 interrupted, 143 terminated by SIGTERM);
