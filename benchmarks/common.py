@@ -234,10 +234,69 @@ def median_time(fn: Callable[[], Any], reps: int, warmup: int = 1) -> float:
     return statistics.median(times)
 
 
-def read_bandwidth(device: str = "cpu", nbytes: int = 256 << 20, reps: int = 7) -> float:
+PROBE_MIN_BYTES = 256 << 20  # smallest read-bandwidth probe (bytes)
+PROBE_CACHE_MULTIPLE = 4  # the probe is at least this many times the last-level cache (STREAM's rule)
+
+
+CPU_CACHE_DIR = Path("/sys/devices/system/cpu/cpu0/cache")
+
+
+def last_level_cache_bytes(device: str = "cpu", cache_dir: Path = CPU_CACHE_DIR) -> int:
+    """Size of the device's last-level cache in bytes (0 when unknown).
+
+    CPU: the largest ``cache_dir/index*/size`` (Linux sysfs; e.g. ``491520K``).
+    CUDA: the GPU's L2 (``torch.cuda.get_device_properties(...).L2_cache_size``).
+    """
+    if device.startswith("cuda"):
+        import torch
+
+        return int(getattr(torch.cuda.get_device_properties(torch.device(device)), "L2_cache_size", 0) or 0)
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    best = 0
+    for path in Path(cache_dir).glob("index*/size"):
+        try:
+            text = path.read_text().strip()
+        except OSError:
+            continue
+        scale = units.get(text[-1:].upper(), 1)
+        digits = text[:-1] if text[-1:].upper() in units else text
+        if digits.isdigit():
+            best = max(best, int(digits) * scale)
+    return best
+
+
+def _available_bytes(device: str) -> int | None:
+    """Free memory of the device in bytes (None when unknown)."""
+    if device.startswith("cuda"):
+        import torch
+
+        return int(torch.cuda.mem_get_info(torch.device(device))[0])
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def probe_bytes(device: str = "cpu") -> int:
+    """Size of the read-bandwidth probe (bytes): ``max(256 MiB, 4 × last-level cache)``.
+
+    STREAM's rule: a bandwidth probe must be several times the last-level cache, or it
+    measures the cache. Some servers have a last-level cache of hundreds of MiB (the 2-core
+    VM of docs/PERFORMANCE.md reports 480 MiB), beyond a fixed 256 MiB probe. Capped at a quarter
+    of the device's free memory; a multiple of 4 KiB.
+    """
+    size = max(PROBE_MIN_BYTES, PROBE_CACHE_MULTIPLE * last_level_cache_bytes(device))
+    free = _available_bytes(device)
+    if free:
+        size = min(size, max(PROBE_MIN_BYTES, free // 4))
+    return size // 4096 * 4096
+
+
+def read_bandwidth(device: str = "cpu", nbytes: int | None = None, reps: int = 5) -> float:
     """Sustained read bandwidth (bytes/s) of this machine, with torch's intra-op threads.
 
-    A ``nbytes`` float32 tensor (256 MiB, far beyond any CPU cache) is read by two kernels,
+    A float32 tensor of ``nbytes`` (default :func:`probe_bytes`: at least 256 MiB and four
+    times the last-level cache, so that the reads come from memory) is read by two kernels,
     ``x.sum()`` and a matrix-vector product ``x.view(-1, 1024) @ v`` (the decode step's own
     access pattern); each is timed by its median over ``reps`` calls and the faster one
     counts (torch's float32 sum uses cascaded accumulators and can be compute-bound on
@@ -248,9 +307,10 @@ def read_bandwidth(device: str = "cpu", nbytes: int = 256 << 20, reps: int = 7) 
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     dev = torch.device(device)
+    nbytes = probe_bytes(str(dev)) if nbytes is None else nbytes
     x = torch.ones(nbytes // 4, dtype=torch.float32, device=dev)
     v = torch.ones(1024, dtype=torch.float32, device=dev)
-    mat = x.view(-1, 1024)
+    mat = x[: x.numel() // 1024 * 1024].view(-1, 1024)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
 
     def run_sum():

@@ -4,7 +4,8 @@ The 25 % cache is SnapKV at a retention ratio of 0.25 (every compressible layer 
 ⌊0.25·n⌋ tokens per KV head). Each configuration runs in a fresh worker process (shared with
 the ``engine`` benchmark). A decode step must read every weight and the whole cache once, so
 its floor is (weight bytes + cache bytes) / read bandwidth, the bandwidth measured by the
-same worker right after its decode (the faster of a sum and a matrix-vector product over a 256 MiB tensor). A step's
+same worker right after its decode (the faster of a sum and a matrix-vector product over a tensor of at least
+256 MiB and four times the last-level cache, :func:`benchmarks.common.probe_bytes`). A step's
 time is the median of the per-step times of the decode steps. Targets at 8k prompt
 tokens: the 25 % cache decodes ≥ 1.5× faster than the full cache, and each decode step is
 within 2× of its floor.
@@ -35,6 +36,15 @@ def _step_ms(r: dict) -> float:
 
 def _floor_ms(r: dict) -> float:
     return 1000 * (r["weight_bytes"] + r["cache_bytes_after"]) / r["read_bandwidth_Bps"]
+
+
+def _probe_note(r: dict) -> str:
+    """`` over a N MiB tensor (at least 256 MiB and 4 × the M MiB last-level cache)`` ('' for older runs)."""
+    if not r.get("read_probe_bytes"):
+        return ""
+    llc = r.get("last_level_cache_bytes") or 0
+    cache = f" (at least 256 MiB and 4 × the {llc / (1 << 20):.0f} MiB last-level cache)" if llc else ""
+    return f" over a {r['read_probe_bytes'] / (1 << 20):.0f} MiB tensor{cache}"
 
 
 def _pattern_ms(r: dict) -> float | None:
@@ -88,7 +98,8 @@ def run(ctx: Context) -> BenchResult:
         "of the per-step times (argmax, token read, forward), robust to steps slowed by other processes; tok/s "
         f"= 1000 / median ms/step; {s.new_tokens} generated tokens; at {n_max} tokens a step reads "
         f"{floor_ratio:.2f}× more bytes with the full cache than with the 25 % cache, the most a memory-bound "
-        "step can gain; read bandwidth is measured by each worker right after its decode; read-pattern ms = the "
+        f"step can gain; read bandwidth is measured by each worker right after its decode{_probe_note(full)}; "
+        "read-pattern ms = the "
         "median time to read the bytes a step reads the way the step reads them, each weight matrix and each "
         "layer's keys and values as its own call to torch's sum kernel, layer by layer "
         "(`benchmarks.common.step_read_pattern`): the floor a step of dependent few-MB reads can reach on this "

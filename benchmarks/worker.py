@@ -40,8 +40,8 @@ import sys
 import time
 from typing import Any
 
-from .common import (Settings, apply_threads, build_method, build_prompt, load, read_bandwidth, rss_now,
-                     step_read_pattern)
+from .common import (Settings, apply_threads, build_method, build_prompt, last_level_cache_bytes, load, probe_bytes,
+                     read_bandwidth, rss_now, step_read_pattern)
 
 MARKER = "BENCH_JSON "
 
@@ -139,7 +139,9 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         "decode_path": engine.last_decode_path,
     }
     if spec.get("bandwidth"):
-        out["read_bandwidth_Bps"] = read_bandwidth(settings.device)
+        out["last_level_cache_bytes"] = last_level_cache_bytes(str(dev))
+        out["read_probe_bytes"] = probe_bytes(str(dev))
+        out["read_bandwidth_Bps"] = read_bandwidth(str(dev), out["read_probe_bytes"])
         if engine.last_state is not None:
             pattern = step_read_pattern(loaded.model, engine.last_state.cache)
             out["step_read_pattern_s"], out["step_read_pattern_bytes"] = pattern["seconds"], pattern["bytes"]

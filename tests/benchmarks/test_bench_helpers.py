@@ -205,3 +205,24 @@ def test_step_read_pattern_reads_each_storage_once_and_the_filled_cache():
     out = step_read_pattern(model, cache, reps=1)
     assert out["bytes"] == sum(storages.values()) + filled == weight_bytes(model) + filled
     assert out["seconds"] > 0
+
+
+def test_bandwidth_probe_is_four_times_the_last_level_cache(tmp_path, monkeypatch):
+    import benchmarks.common as common
+
+    for index, size in (("index0", "48K"), ("index2", "2048K"), ("index3", "491520K")):
+        (tmp_path / index).mkdir()
+        (tmp_path / index / "size").write_text(size + "\n")
+    assert common.last_level_cache_bytes("cpu", tmp_path) == 480 << 20
+    assert common.last_level_cache_bytes("cpu", tmp_path / "missing") == 0
+
+    monkeypatch.setattr(common, "_available_bytes", lambda device: 64 << 30)
+    monkeypatch.setattr(common, "last_level_cache_bytes", lambda device: 480 << 20)
+    assert common.probe_bytes() == 1920 << 20  # 4 × LLC, beyond the 256 MiB minimum
+    monkeypatch.setattr(common, "last_level_cache_bytes", lambda device: 32 << 20)
+    assert common.probe_bytes() == 256 << 20  # small caches: the minimum
+    monkeypatch.setattr(common, "last_level_cache_bytes", lambda device: 480 << 20)
+    monkeypatch.setattr(common, "_available_bytes", lambda device: 4 << 30)
+    assert common.probe_bytes() == 1 << 30  # capped at a quarter of free memory
+    monkeypatch.setattr(common, "_available_bytes", lambda device: 256 << 20)
+    assert common.probe_bytes() == 256 << 20  # never below the minimum
