@@ -27,6 +27,7 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import argparse  # noqa: E402
+from collections import Counter  # noqa: E402
 import importlib  # noqa: E402
 import json  # noqa: E402
 import sys  # noqa: E402
@@ -120,6 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.names:
         mod = importlib.import_module(f"benchmarks.{MODULES.get(name, name)}")
         t0 = time.perf_counter()
+        started, reused = ctx.runs_started, ctx.runs_reused
         log(f"{name}: start")
         try:
             res = mod.run(ctx)
@@ -128,6 +130,7 @@ def main(argv: list[str] | None = None) -> int:
             traceback.print_exc()
             res = BenchResult(name, mod.TITLE, skipped=f"error: {type(e).__name__}: {str(e).splitlines()[0]}")
         res.seconds = time.perf_counter() - t0
+        res.runs_started, res.runs_reused = ctx.runs_started - started, ctx.runs_reused - reused
         results.append(res)
         print(f"\n## {res.title}  [{res.seconds:.0f} s]")
         print(f"skipped: {res.skipped}" if res.skipped else table(res.headers, res.rows))
@@ -151,7 +154,9 @@ def main(argv: list[str] | None = None) -> int:
     json_dir = (f"{resolved.relative_to(ROOT.resolve())}/" if resolved.is_relative_to(ROOT.resolve())
                 else f"{resolved}/")
     report.write(doc, machine, results, command, args.note, json_dir)
-    print(f"\nsummary: {doc}; JSON: {out}/ (wall time {machine['wall_s'] / 60:.1f} min)")
+    counts = Counter(t.verdict for r in results for t in r.targets)
+    print("\ntargets: " + (", ".join(f"{counts[v]} {v}" for v in ("PASS", "FAIL", "INFO", "SKIP") if counts[v]) or "none"))
+    print(f"summary: {doc}; JSON: {out}/ (wall time {machine['wall_s'] / 60:.1f} min)")
     return 1 if crashed else 0
 
 

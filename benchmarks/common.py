@@ -480,6 +480,8 @@ class BenchResult:
     data: dict[str, Any] = field(default_factory=dict)
     skipped: str | None = None
     seconds: float = 0.0
+    runs_started: int = 0  # worker runs this benchmark started
+    runs_reused: int = 0  # worker runs it took from an earlier benchmark of the same invocation (memoised)
 
     def to_json(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)

@@ -48,6 +48,8 @@ class Context:
         self.logs.mkdir(parents=True, exist_ok=True)
         self._loaded = None
         self._runs: dict[str, dict[str, Any]] = {}
+        self.runs_started = 0  # worker processes run (counters for the summary's per-benchmark line)
+        self.runs_reused = 0  # requests served from memoised runs
         local_model_config(settings)  # convert a GGUF model once, before any worker starts
 
     @property
@@ -81,7 +83,9 @@ class Context:
             spec["mkl_pool"] = False  # only then: memo keys of default runs stay as they were
         key = json.dumps(spec, sort_keys=True)
         if key in self._runs and (not bandwidth or "read_bandwidth_Bps" in self._runs[key]):
+            self.runs_reused += 1
             return self._runs[key]
+        self.runs_started += 1
         spec["bandwidth"] = bandwidth
         key_with = json.dumps(spec, sort_keys=True)
         tag = f"{method}-{budget}-{n}" + ("" if mkl_pool else "-nomklpool")

@@ -24,6 +24,16 @@ def contention_note(machine: dict[str, Any]) -> str | None:
             "compression fractions are affected less than absolute times.")
 
 
+def _timing(r: BenchResult) -> str:
+    """``N s``, and which of its worker runs an earlier benchmark of the invocation had run already."""
+    text = f"{r.seconds:.0f} s"
+    if r.runs_reused and not r.runs_started:
+        return text + f": its {r.runs_reused} worker runs were made by an earlier benchmark of this invocation (alone it runs them)"
+    if r.runs_reused:
+        return text + f"; {r.runs_reused} of its {r.runs_reused + r.runs_started} worker runs were made by an earlier benchmark"
+    return text
+
+
 def render(machine: dict[str, Any], results: list[BenchResult], command: str, notes: list[str],
            json_dir: str = "benchmarks/out/") -> str:
     """The whole Markdown page (``json_dir``: where the run wrote its JSON, as the page names it)."""
@@ -56,11 +66,10 @@ def render(machine: dict[str, Any], results: list[BenchResult], command: str, no
     if extra:
         lines += ["## Notes", ""] + [f"- {n}" for n in extra] + [""]
     lines += ["## Targets", ""]
-    rows = [[r.name, t.name, t.measured, t.target, t.verdict + (f" ({t.note})" if t.note else "")]
-            for r in results for t in r.targets]
-    lines += [table(["benchmark", "target", "measured", "target value", "result"], rows) if rows else "(none)", ""]
+    rows = [[r.name, t.name, t.measured, t.target, t.verdict, t.note] for r in results for t in r.targets]
+    lines += [table(["benchmark", "target", "measured", "target value", "result", "note"], rows) if rows else "(none)", ""]
     for r in results:
-        lines += [f"## {r.title}", "", f"`{COMMAND} --only {r.name}` ({r.seconds:.0f} s)", ""]
+        lines += [f"## {r.title}", "", f"`{COMMAND} --only {r.name}` ({_timing(r)})", ""]
         if r.skipped:
             lines += [f"Skipped: {r.skipped}", ""]
             continue

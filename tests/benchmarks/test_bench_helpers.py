@@ -45,10 +45,16 @@ def test_table_and_report_show_every_target_verdict():
     page = render(machine, [res], "python -m benchmarks", ["a note"])
     rows = [[c.strip() for c in line.strip("|").split("|")] for line in page.splitlines() if line.startswith("| decode")]
     assert rows == [
-        ["decode", "speed-up", "1.20×", "≥ 1.5×", "FAIL"],
-        ["decode", "floor", "1.4×", "≤ 2×", "PASS"],
-        ["decode", "kvpress", "-", "≤ 0.9×", "SKIP (kvpress not importable)"],
+        ["decode", "speed-up", "1.20×", "≥ 1.5×", "FAIL", ""],
+        ["decode", "floor", "1.4×", "≤ 2×", "PASS", ""],
+        ["decode", "kvpress", "-", "≤ 0.9×", "SKIP", "kvpress not importable"],
     ]
+    assert "`python -m benchmarks --only decode` (0 s)" in page
+    res.runs_reused, res.seconds = 8, 0.2  # every worker run memoised from the engine benchmark
+    assert ("`python -m benchmarks --only decode` (0 s: its 8 worker runs were made by an earlier benchmark of this "
+            "invocation (alone it runs them))") in render(machine, [res], "python -m benchmarks", [])
+    res.runs_started = 2
+    assert "(0 s; 8 of its 10 worker runs were made by an earlier benchmark)" in render(machine, [res], "c", [])
     assert "CPU contention" in page and "- a note" in page
     assert "JSON for every benchmark under `benchmarks/out/`" in page
     assert "under `/tmp/elsewhere/`" in render(machine, [res], "python -m benchmarks --out /tmp/elsewhere", [],
@@ -109,6 +115,7 @@ def test_worker_runs_are_memoised_and_bandwidth_is_measured_only_when_asked(tmp_
     assert ctx.engine_run("snapkv", 0.25, 512)["read_bandwidth_Bps"] == 1.0  # rerun: the floor needs it
     ctx.engine_run("snapkv", 0.25, 512, bandwidth=False)  # served by the run with bandwidth
     assert calls == [False, True]
+    assert (ctx.runs_started, ctx.runs_reused) == (2, 2)  # the summary's per-benchmark counts
 
 
 def test_memory_workers_run_without_mkls_buffer_pool_and_are_memoised_apart(tmp_path, monkeypatch):
