@@ -188,7 +188,14 @@ class NIAHTask(Task):
                 log.warning("task.context_lengths: %s; skipped (reported in summary.json)", reason)
                 self.skipped.append({"context_length": length, "samples": len(self.cfg["depth_percents"]), "reason": reason})
                 continue
-            budget = max(0, length - overhead - buffer - len(needle_ids))
+            fixed = overhead + buffer + len(needle_ids)  # template, question, needle (and buffer): no haystack
+            if length <= fixed:
+                reason = (f"context length {length} tokens leaves no room for the haystack: the template, question "
+                          f"and needle{' and final_context_buffer' if buffer else ''} take {fixed} tokens")
+                log.warning("task.context_lengths: %s; skipped (reported in summary.json)", reason)
+                self.skipped.append({"context_length": length, "samples": len(self.cfg["depth_percents"]), "reason": reason})
+                continue
+            budget = length - fixed
             if budget > len(hay_ids):
                 reps = budget // max(1, len(hay_ids)) + 1
                 context_ids = (hay_ids * reps)[:budget]

@@ -10,7 +10,7 @@ from pathlib import Path
 
 COMMANDS = {
     "run": "run a job or a sweep (Hydra overrides, as python run.py)",
-    "report": "rebuild the papers' tables and figures from a results root",
+    "report": "score tables of any sweep and the papers' tables and figures, from a results root",
     "score": "score a folder of LongBench prediction jsonl files (official result.json)",
     "mask-heads": "NIAH score drop when the top-k SRH / TRH heads are masked (CompressKV Table 2a)",
 }

@@ -401,20 +401,26 @@ def _complete_summary(store: JobStore, cfg: dict) -> dict | None:
 
 def _loop(engine: Engine, loaded: LoadedModel, task: Task, todo: list[Sample], store: JobStore, quiet: bool) -> int:
     from tqdm import tqdm
+    from tqdm.contrib.logging import logging_redirect_tqdm
 
     failed = 0
+    scores: list[float] = []
     bar = tqdm(todo, desc="samples", unit="sample", disable=quiet or not todo, dynamic_ncols=True)
-    for sample in bar:
-        crash_point("sample")
-        rec = run_sample(engine, loaded, task, sample)
-        try:
-            store.append(rec)
-        except (TypeError, ValueError) as e:  # not storable as JSON: store the failure instead
-            rec = error_record({k: rec.get(k) for k in ("id", "dataset", "answers", "all_classes", "length")}, e)
-            store.append(rec)
-        failed += rec["error"] is not None
-        if rec["error"] is None:
-            bar.set_postfix(score=f"{rec['score']:.2f}", tok_s=f"{rec['decode_tok_s']:.1f}")
+    # Log lines (warnings) are printed above the bar instead of into its line.
+    with logging_redirect_tqdm():
+        for sample in bar:
+            crash_point("sample")
+            rec = run_sample(engine, loaded, task, sample)
+            try:
+                store.append(rec)
+            except (TypeError, ValueError) as e:  # not storable as JSON: store the failure instead
+                rec = error_record({k: rec.get(k) for k in ("id", "dataset", "answers", "all_classes", "length")}, e)
+                store.append(rec)
+            failed += rec["error"] is not None
+            if rec["error"] is None:
+                scores.append(float(rec["score"]))
+                # the running mean of this run's samples, x100 like the summary table (not the last sample's)
+                bar.set_postfix(mean_score=f"{100 * sum(scores) / len(scores):.2f}", tok_s=f"{rec['decode_tok_s']:.1f}")
     return failed
 
 

@@ -8,12 +8,14 @@ decode path.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import logging
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Iterator
 
 from methods.base import ConfigError, HeadLayout
 
@@ -250,21 +252,34 @@ def _load_cached(cache: Path, dtype: Any, model_kwargs: dict) -> tuple[Any, Any]
 
     if not gguf_cache_complete(cache):
         return None
-    from transformers.utils import logging as hf_logging
-
-    bars = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()  # a cached load takes seconds: no per-tensor bar
     try:
-        meta = json.loads((cache / "tokenizer_meta.json").read_text(encoding="utf-8"))
-        tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(cache / "tokenizer.json"), **meta)
-        model = AutoModelForCausalLM.from_pretrained(cache, dtype=dtype, **model_kwargs)
+        with _progress_bars(off=True):  # a cached load takes seconds: no per-tensor bar
+            meta = json.loads((cache / "tokenizer_meta.json").read_text(encoding="utf-8"))
+            tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(cache / "tokenizer.json"), **meta)
+            model = AutoModelForCausalLM.from_pretrained(cache, dtype=dtype, **model_kwargs)
     except (OSError, ValueError, KeyError) as err:  # a damaged cache: convert again
         log.warning("GGUF cache %s unreadable (%s); converting the GGUF file again", cache, err)
         return None
-    finally:
-        if bars:
-            hf_logging.enable_progress_bar()
     return tokenizer, model
+
+
+@contextlib.contextmanager
+def _progress_bars(off: bool) -> Iterator[None]:
+    """Turn transformers' per-tensor loading bars off inside the block when ``off`` (restored after).
+
+    Off for cached loads (seconds), and when stderr is not a terminal: in a log file the bar's
+    redraws become one line of hundreds of updates.
+    """
+    from transformers.utils import logging as hf_logging
+
+    before = hf_logging.is_progress_bar_enabled()
+    if off:
+        hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if off and before:
+            hf_logging.enable_progress_bar()
 
 
 STALE_TEMP_S = 600  # seconds: an unfinished conversion temp folder older than this is abandoned
@@ -358,7 +373,8 @@ def load_model(model_cfg: dict, device: str = "auto") -> LoadedModel:
             tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
             # the cache keeps the exact dequantized float32 weights: convert in float32, cast after
             first = torch.float32 if cache is not None else dtype
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=first, **{**model_kwargs, **kwargs})
+            with _progress_bars(off=not sys.stderr.isatty()):
+                model = AutoModelForCausalLM.from_pretrained(path, dtype=first, **{**model_kwargs, **kwargs})
         except OSError as err:  # Hub unreachable / repo not cached
             if Path(path).exists():
                 raise

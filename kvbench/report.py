@@ -1,7 +1,8 @@
 """``kvbench report RESULTS_ROOT [--out DIR] [--only NAME...] [--latency FILE]``.
 
 Reads every job folder under a results root into one frame (:func:`load_results`) and writes
-each of the seed papers' tables and figures whose inputs exist:
+an overview score table per task × model (``scores_<task>_<model>``: every job configuration
+of any sweep) and each of the seed papers' tables and figures whose inputs exist:
 
 * tables as Markdown (``.md``), LaTeX (``.tex``) and CSV (``.csv``): a missing cell is ``–``
   in Markdown, ``--`` in LaTeX and empty in CSV, never zero;
@@ -36,6 +37,11 @@ from .report_tables import Table, round2
 __all__ = ["ARTIFACTS", "load_results", "load_latency", "build", "write_table", "main"]
 
 
+DESCRIPTION = ("Write, from the job folders under RESULTS_ROOT, a score table per task and model "
+               "(scores_<task>_<model>: every method, variant and budget of any sweep) and each of the seed papers' "
+               "tables and figures whose inputs exist; index.md lists what was written and what had no inputs.")
+
+
 @dataclass
 class Context:
     """What artifact builders read: the results root, its frame, latency records (or None)."""
@@ -48,6 +54,7 @@ class Context:
 
 # family name -> (builder, output names it may produce: patterns for --only)
 ARTIFACTS: dict[str, tuple[Callable[[Context], list], list[str]]] = {
+    "scores": (lambda c: rt.score_tables(c.df), ["scores_*"]),
     "selkv_table1": (lambda c: rt.selkv_table1(c.df), ["selkv_table1"]),
     "selkv_table2": (lambda c: ra.selkv_table2(c.df), ["selkv_table2"]),
     "selkv_table3": (lambda c: ra.selkv_table3(c.df), ["selkv_table3"]),
@@ -202,7 +209,7 @@ def build(ctx: Context, only: list[str] | None = None) -> dict[str, list | Excep
 
 def main(argv: list[str] | None = None) -> int:
     """CLI entry point; returns the exit status (1 when an artifact failed to build)."""
-    p = argparse.ArgumentParser(prog="kvbench report", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="kvbench report", description=DESCRIPTION)
     p.add_argument("root", metavar="RESULTS_ROOT", help="results root holding the job folders")
     p.add_argument("--out", help="output folder (default: RESULTS_ROOT/report)")
     p.add_argument("--only", nargs="+", metavar="NAME", help="artifact names or patterns: " + ", ".join(ARTIFACTS))

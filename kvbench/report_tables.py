@@ -1,4 +1,5 @@
-"""The seed papers' tables, rebuilt from a results frame.
+"""The seed papers' tables, rebuilt from a results frame, and the overview score tables of any
+sweep (:func:`score_tables`).
 
 Each builder takes the frame of :func:`kvbench.report_data.load_results` and returns a list
 of :class:`Table` (empty when its inputs are absent). Numbers are kept unrounded in
@@ -7,6 +8,7 @@ of :class:`Table` (empty when its inputs are absent). Numbers are kept unrounded
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from dataclasses import dataclass, field
@@ -21,9 +23,11 @@ from .report_data import (
     LONGBENCH_CATEGORIES,
     budget_semantics,
     budget_text,
+    cell_scores,
     is_ratio_budget,
     method_sort_key,
     order_datasets,
+    variants,
 )
 from .report_grid import Grid, average_rank, model_sort_key, score_grid
 
@@ -286,3 +290,111 @@ def compresskv_table1(df: pd.DataFrame, budgets: tuple[float, ...] = (256, 1024)
     groups = [("", 1)] + [(mk, len(grids)) for mk in models]
     return [_table("compresskv_table1", caption, rows, ["Method", *cols], merged, bold=bold, groups=groups,
                    notes=list(dict.fromkeys(notes)))]
+
+
+def _variant_labels(groups: list[tuple], rows: pd.DataFrame) -> dict[tuple, tuple[str, tuple]]:
+    """Per configuration key ``(name, label, params, budget)`` of one table: the method fields that
+    tell its variant apart from the label's other variants (``kernel_size=3, window_size=32``;
+    ``""`` for a label with one variant) and the variant's sort key (the default variant, see
+    :func:`report_data.variants`, first; then the differing fields, numbers numerically)."""
+    out: dict[tuple, tuple[str, tuple]] = {}
+    for label in dict.fromkeys(k[1] for k in groups):
+        found = variants(rows[rows["method"] == label])
+        all_params = [p for p, _r in found]
+        varying = sorted(k for k in set().union(*all_params) if len({json.dumps(p.get(k)) for p in all_params}) > 1)
+        for key in (k for k in groups if k[1] == label):
+            own = json.loads(key[2])
+            values = [own.get(k, "–") for k in varying]
+            order = tuple((0, float(v), "") if isinstance(v, (int, float)) and not isinstance(v, bool)
+                          else (1, 0.0, json.dumps(v)) for v in values)
+            out[key] = (", ".join(f"{k}={v}" for k, v in zip(varying, values)), (own != all_params[0], order))
+    return out
+
+
+def score_tables(df: pd.DataFrame) -> list[Table]:
+    """Overview of a results root (any sweep): one table per task × model key of every job
+    configuration's per-dataset scores.
+
+    Reads the frame of :func:`kvbench.report_data.load_results`: a row is one configuration,
+    i.e. method label, method fields (``params``: a *variant*, shown in a ``Variant`` column
+    when a label has several) and budget; jobs of one configuration (reruns, shards) are
+    merged by :func:`report_data.cell_scores`, and the full cache, which ignores the budget,
+    is one row per variant with no budget (``–``). Rows are sorted by method
+    (:func:`report_data.method_sort_key`), then budget, then variant (default first).
+    Columns: the datasets present in LongBench order (:func:`report_data.order_datasets`),
+    ``Avg`` (mean over the table's datasets, missing when the row lacks one) and ``n`` (scored
+    samples over the row's datasets). Best compressed configuration per column in bold.
+
+    Returns:
+        One :class:`Table` per (task, model key) with at least one scored dataset, named
+        ``scores_<task>_<model>`` (slugs), in task then paper model order; ``[]`` when no job
+        has a score.
+    """
+    scored = df[df["score"].notna()]
+    pairs = sorted({(t, mk) for t, mk in zip(scored["task"], scored["model_key"])},
+                   key=lambda p: (p[0], model_sort_key(p[1])))
+    out: list[Table] = []
+    used_names: set[str] = set()
+    for task, mk in pairs:
+        sel = df[(df["task"] == task) & (df["model_key"] == mk)]
+        datasets = order_datasets(sel["dataset"])
+        groups: dict[tuple, list[int]] = {}
+        for idx, name, label, params, budget in zip(sel.index, sel["method_name"], sel["method"], sel["params"],
+                                                    sel["budget"]):
+            b = None if name == FULL or math.isnan(budget) else float(budget)
+            groups.setdefault((name, label, params, b), []).append(idx)
+        vlabels = _variant_labels(list(groups), sel)
+        texts = {k: text for k, (text, _o) in vlabels.items()}
+        order = sorted(groups, key=lambda k: (method_sort_key(k[0], k[1]), -1.0 if k[3] is None else k[3],
+                                              vlabels[k][1], k[2]))
+        show_variant = any(texts.values())
+        rows: list[dict] = []
+        sources: set[str] = set()
+        notes: list[str] = []
+        for key in order:
+            name, label, _params, budget = key
+            rows_k = sel.loc[groups[key]]
+            scores, used = cell_scores(rows_k)
+            sources.update(used)
+            n_by_ds: dict[str, int] = {}  # n of the job each score came from (used: best job first)
+            for job in used:
+                jr = rows_k[(rows_k["job"] == job) & rows_k["score"].notna()]
+                for d, n in zip(jr["dataset"], jr["n"].fillna(0)):
+                    n_by_ds.setdefault(d, int(n))
+            vals = [scores.get(d, math.nan) for d in datasets]
+            what = label + (f" ({texts[key]})" if texts[key] else "")
+            btext = None if budget is None else budget_text(budget)
+            rows.append({"Method": label, **({"Variant": texts[key]} if show_variant else {}),
+                         "Budget": btext, **dict(zip(datasets, vals)),
+                         "Avg": math.nan if any(math.isnan(v) for v in vals) else sum(vals) / len(vals),
+                         "n": str(sum(n_by_ds.values())) if n_by_ds else None})
+            lacking = [d for d in datasets if d not in scores]
+            if lacking:
+                notes.append(f"absent: {what}" + (f" at budget {btext}" if btext else "")
+                             + f" has no score for {', '.join(lacking)}")
+            pending: dict[str, int] = {}
+            for job, complete, n in zip(rows_k["job"], rows_k["complete"], rows_k["n"].fillna(0)):
+                if not complete:
+                    pending[job] = pending.get(job, 0) + int(n)
+            notes += [f"incomplete: {job} ({n} samples scored, summary says not complete)"
+                      for job, n in pending.items()]
+        comp = [i for i, key in enumerate(order) if key[0] != FULL]
+        bold = set().union(*(bold_best(rows, comp, c) for c in [*datasets, "Avg"]))
+        budgets = [k[3] for k in order if k[3] is not None]
+        full_text = (" The full cache ignores the budget (–)." if any(k[0] == FULL for k in order) else "")
+        caption = (f"Scores of every job configuration of {mk} on {task} ({len(datasets)} dataset"
+                   f"{'s' if len(datasets) != 1 else ''}; one row per method"
+                   + (", method variant" if show_variant else "") + " and budget"
+                   + (f"; {budget_semantics(budgets)}" if budgets else "") + "). "
+                   "Each dataset's score is round(100·mean, 2) of the task's per-sample scores in [0, 1] "
+                   "(LongBench's rule); Avg: mean over the table's datasets, missing when a row lacks one; "
+                   f"n: scored samples.{full_text} Best compressed configuration per column in bold.")
+        table_name = base = f"scores_{_slug(task)}_{_slug(mk)}"
+        suffix = 2
+        while table_name in used_names:  # two model keys with one slug
+            table_name, suffix = f"{base}_{suffix}", suffix + 1
+        used_names.add(table_name)
+        cols = ["Method", *(["Variant"] if show_variant else []), "Budget", *datasets, "Avg", "n"]
+        out.append(_table(table_name, caption, rows, cols, bold=bold, sources=sorted(sources),
+                          notes=list(dict.fromkeys(notes)), headers={d: DATASET_ABBR.get(d, d) for d in datasets}))
+    return out

@@ -110,7 +110,7 @@ def check_output_root(root: Any) -> Path:
         with tempfile.TemporaryFile(dir=probe):
             pass
     except OSError as e:
-        raise ConfigError(f"output_root={root}: not writable ({probe}: {e.strerror}); pass a writable folder") from None
+        raise ConfigError(f"output_root={root}: not writable (cannot create a file in {probe}: {e.strerror}); pass a writable folder") from None
     return path
 
 
@@ -283,6 +283,29 @@ def _hub_offline() -> bool:
     return any(os.environ.get(v, "").lower() in ("1", "true", "yes", "on") for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
 
 
+HUB_PROBE_TIMEOUT_S = 5.0  # seconds for the Hub reachability probe
+
+
+def _hub_unreachable() -> str | None:
+    """Why the Hugging Face Hub cannot be reached (one line), or None when it answers.
+
+    One HEAD request to the endpoint (``HF_ENDPOINT``; proxies from the environment), at most
+    :data:`HUB_PROBE_TIMEOUT_S` seconds: without it an uncached Hub id on an offline machine
+    fails only after huggingface_hub's retries (about a minute) in the job.
+    """
+    try:
+        import httpx
+        from huggingface_hub import constants
+    except ImportError:  # pragma: no cover - huggingface_hub depends on httpx
+        return None
+    endpoint = constants.ENDPOINT
+    try:
+        httpx.head(endpoint, timeout=HUB_PROBE_TIMEOUT_S, follow_redirects=False)
+    except httpx.HTTPError as e:
+        return f"{endpoint} unreachable: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}".rstrip(": ")
+    return None
+
+
 def _missing_requirements(module: str) -> str | None:
     """The first declared dependency of an installed package that is not installed, or None."""
     from importlib import metadata
@@ -310,7 +333,7 @@ def check_model_source(model_cfg: dict) -> tuple[str, str | None] | None:
 
     Raises:
         ConfigError: missing package, a GGUF file with bad magic bytes, no such path, a Hub id
-            that is malformed or, while offline, not in the local cache.
+            that is malformed or, while offline or with the Hub unreachable, not in the local cache.
     """
     from .models import check_gguf, missing_chunk_error, package_dir, resolve_source
 
@@ -336,6 +359,14 @@ def check_model_source(model_cfg: dict) -> tuple[str, str | None] | None:
             f"(HF_HUB_OFFLINE=1); download it where the Hub is reachable (`hf download {source} --local-dir DIR`) "
             f"and pass model.source=DIR"
         )
+    if not cached:
+        why = _hub_unreachable()
+        if why is not None:
+            raise ConfigError(
+                f"model.source={source}: no such file or folder, not in the Hugging Face cache, and the Hub is not "
+                f"reachable ({why}); download it where the Hub is reachable (`hf download {source} --local-dir DIR`) "
+                f"and pass model.source=DIR"
+            )
     return None
 
 
@@ -431,6 +462,7 @@ def validate(cfg: dict, layout: bool = True, experiment: str | None = None) -> t
         raise ConfigError(
             f"budget={budget}: smaller than the {method.min_budget()} tokens method {method.name} always keeps "
             f"(observation window + recent window + sinks); use budget >= {method.min_budget()}"
+            + ("; an integer budget counts tokens: budget=1.0 keeps every token" if int(budget) == 1 else "")
         )
     check_device_available(check_device_name(cfg.get("device", "auto")))
     found = model_layout(cfg["model"]) if layout else None

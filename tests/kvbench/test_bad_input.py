@@ -75,6 +75,9 @@ CASES = [
     ("budget-below-window", ["method=snapkv", "budget=16"],
      "budget=16: smaller than the 32 tokens method snapkv always keeps (observation window + recent window + sinks); "
      "use budget >= 32"),
+    ("budget-one-token", ["method=snapkv", "budget=1"],
+     "budget=1: smaller than the 32 tokens method snapkv always keeps (observation window + recent window + sinks); "
+     "use budget >= 32; an integer budget counts tokens: budget=1.0 keeps every token"),
     ("budget-below-sinks", ["method=streamingllm", "budget=3"],
      "budget=3: smaller than the 5 tokens method streamingllm always keeps (observation window + recent window + sinks); "
      "use budget >= 5"),
@@ -201,3 +204,33 @@ def test_preset_helper_keys_are_the_interpolated_or_tool_read_ones():
     assert "compresskv_max_length" not in top_level_keys("") and "budget" in top_level_keys("")
     text = "budjet: 0.1\ntable:\n  a: 1\ntask:\n  max_length: ${oc.select:table.${model.name},null}\n"
     assert _is_helper_key("table", text) and not _is_helper_key("budjet", text)
+
+
+def test_uncached_hub_id_with_the_hub_unreachable_fails_at_once(monkeypatch):
+    """Without HF_HUB_OFFLINE, an uncached Hub id on a machine that cannot reach the Hub is one
+    line from the pre-check (one HEAD probe), not a minute of huggingface_hub retries in the job."""
+    import httpx
+
+    from kvbench import validate
+    from methods.base import ConfigError
+
+    for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        monkeypatch.delenv(var, raising=False)
+    calls = []
+
+    def down(url, **kw):
+        calls.append((url, kw["timeout"]))
+        raise httpx.ConnectError("[Errno -2] Name or service not known")
+
+    monkeypatch.setattr(httpx, "head", down)
+    cfg = {"name": "x", "source": "nobody/no-such-model"}
+    from huggingface_hub import constants
+
+    with pytest.raises(ConfigError) as err:
+        validate.check_model_source(cfg)
+    assert str(err.value).startswith(
+        "model.source=nobody/no-such-model: no such file or folder, not in the Hugging Face cache, and the Hub is not "
+        f"reachable ({constants.ENDPOINT} unreachable: ConnectError: [Errno -2] Name or service not known); ")
+    assert calls == [(constants.ENDPOINT, validate.HUB_PROBE_TIMEOUT_S)]
+    monkeypatch.setattr(httpx, "head", lambda url, **kw: None)  # reachable: the job downloads it
+    assert validate.check_model_source(cfg) is None

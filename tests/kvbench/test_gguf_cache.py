@@ -144,3 +144,21 @@ def test_conversion_temp_folders_left_by_a_kill_are_removed_once_stale(tmp_path)
     os.utime(other, (old, old))
     models._remove_stale_temps(cache)
     assert not stale.exists() and fresh.exists() and other.exists()
+
+
+def test_loading_bars_are_off_inside_the_block_and_restored_after():
+    from transformers.utils import logging as hf_logging
+
+    from kvbench.models import _progress_bars
+
+    hf_logging.enable_progress_bar()
+    with _progress_bars(off=True):
+        assert not hf_logging.is_progress_bar_enabled()
+    assert hf_logging.is_progress_bar_enabled()
+    with _progress_bars(off=False):
+        assert hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    with _progress_bars(off=True):
+        pass
+    assert not hf_logging.is_progress_bar_enabled()  # a user's "off" stays off
+    hf_logging.enable_progress_bar()

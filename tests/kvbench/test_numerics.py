@@ -115,3 +115,22 @@ def test_niah_lengths_over_the_model_input_are_skipped_and_reported():
     job = {"task": {"name": "niah"}, "model": {"name": "tiny"}, "method": {"name": "full"}, "budget": 1.0}
     summary = summarize(job, task, [], [s.id for s in samples], "job", task.skipped)
     assert summary["n_skipped"] == 4 and summary["skipped"] == task.skipped
+
+
+def test_niah_lengths_too_short_for_a_haystack_are_skipped_and_reported():
+    """A length that the template, question and needle alone fill would be a haystack-free prompt
+    stored under that length's label: it is skipped with its reason, like an over-long one."""
+    tok = byte_tokenizer()
+    cfg = {
+        "name": "niah", "context_lengths": [16, 300], "depth_percents": [50], "haystack_source": "embedded",
+        "haystack_dir": None, "needle": "\nThe secret code is 4711.\n", "question": "What is the secret code?",
+        "answer": "4711", "prompt_style": "kvcf", "max_new_tokens": 4, "final_context_buffer": 0,
+    }
+    task = NIAHTask(cfg, tok, max_input_tokens=1000)
+    samples = list(task.samples())
+    assert [s.id for s in samples] == ["niah/300/50"]
+    fixed = len(tok.encode(task._template().format(context="", question=cfg["question"]), add_special_tokens=False))
+    fixed += len(tok.encode(cfg["needle"], add_special_tokens=False))
+    assert fixed > 16
+    assert task.skipped == [{"context_length": 16, "samples": 1, "reason": (
+        f"context length 16 tokens leaves no room for the haystack: the template, question and needle take {fixed} tokens")}]

@@ -1,0 +1,147 @@
+"""Tests of the report's overview score tables (``scores_<task>_<model>``, :func:`report_tables.score_tables`).
+
+The fixture is a small sweep as a researcher would run it (``python run.py -m method=snapkv,selkv
+budget=0.25,256 task=...``): two methods × two budgets (a retention ratio and a token budget) on
+NIAH, and the same on a LongBench-like task with two datasets, plus a full-cache job; the
+SelKV job at 256 tokens lacks hotpotqa (and is incomplete). Job folders are written by
+``tests/test_report.py``'s ``make_job`` (config.yaml + summary.json, as the engine writes them).
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+from pathlib import Path
+
+import pandas as pd
+import pytest
+from test_report import make_job
+
+from kvbench import report
+from kvbench.report_data import budget_semantics
+from kvbench.report_tables import score_tables
+
+NIAH = {("snapkv", 0.25): 40.0, ("snapkv", 256): 62.5, ("selkv", 0.25): 55.0, ("selkv", 256): 75.0}
+LONGBENCH = {  # {(method, budget): {dataset: score}}; selkv @256 lacks hotpotqa
+    ("full", 1.0): {"hotpotqa": 45.0, "qasper": 35.0},
+    ("snapkv", 0.25): {"hotpotqa": 40.0, "qasper": 30.0},
+    ("snapkv", 256): {"hotpotqa": 41.0, "qasper": 32.5},
+    ("selkv", 0.25): {"hotpotqa": 44.0, "qasper": 31.25},
+    ("selkv", 256): {"qasper": 33.0},
+}
+
+
+def build_sweep(root: Path) -> Path:
+    """The fixture results root (see module docstring); summaries say n = 5 per dataset."""
+    for (method, budget), score in NIAH.items():
+        make_job(root, task="niah", model="tiny", method=method, budget=budget, scores={"niah": score})
+    for (method, budget), scores in LONGBENCH.items():
+        make_job(root, task="longbench", model="tiny", method=method, budget=budget, scores=scores,
+                 complete=(method, budget) != ("selkv", 256))
+    return root
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory) -> Path:
+    return build_sweep(tmp_path_factory.mktemp("sweep"))
+
+
+@pytest.fixture(scope="module")
+def tables(sweep) -> dict:
+    return {t.name: t for t in score_tables(report.load_results(sweep))}
+
+
+def records(table) -> list[dict]:
+    return table.data.to_dict("records")
+
+
+def test_one_table_per_task_and_model(tables):
+    assert list(tables) == ["scores_longbench_tiny", "scores_niah_tiny"]
+
+
+def test_niah_table_rows_budget_labels_and_bold(tables):
+    t = tables["scores_niah_tiny"]
+    assert list(t.data.columns) == ["Method", "Budget", "niah", "Avg", "n"]
+    assert [(r["Method"], r["Budget"], r["niah"], r["Avg"], r["n"]) for r in records(t)] == [
+        ("SnapKV", "25%", 40.0, 40.0, "5"), ("SnapKV", "256", 62.5, 62.5, "5"),
+        ("SelKV", "25%", 55.0, 55.0, "5"), ("SelKV", "256", 75.0, 75.0, "5")]
+    assert t.bold == {(3, "niah"), (3, "Avg")}
+    assert "tiny" in t.caption and "niah" in t.caption and "round(100·mean, 2)" in t.caption
+    assert budget_semantics([0.25, 256]) in t.caption  # ratio and token budgets in one table
+    assert sorted(t.sources) == sorted(f"niah/tiny/{m}/b{b}" for m, b in NIAH) and not t.notes
+
+
+def test_longbench_table_cells_missing_avg_and_bold(tables):
+    t = tables["scores_longbench_tiny"]
+    assert list(t.data.columns) == ["Method", "Budget", "qasper", "hotpotqa", "Avg", "n"]  # LongBench order
+    assert t.headers["qasper"] == "Qasp" and t.headers["hotpotqa"] == "HpQA"
+    rows = records(t)
+    assert [(r["Method"], None if pd.isna(r["Budget"]) else r["Budget"]) for r in rows] == [
+        ("Full Cache", None), ("SnapKV", "25%"), ("SnapKV", "256"), ("SelKV", "25%"), ("SelKV", "256")]
+    assert [(r["qasper"], r["hotpotqa"], r["Avg"], r["n"]) for r in rows[:4]] == [
+        (35.0, 45.0, 40.0, "10"), (30.0, 40.0, 35.0, "10"), (32.5, 41.0, 36.75, "10"), (31.25, 44.0, 37.625, "10")]
+    assert rows[4]["qasper"] == 33.0 and math.isnan(rows[4]["hotpotqa"]) and math.isnan(rows[4]["Avg"])
+    assert rows[4]["n"] == "5"  # scored samples of the datasets it has
+    # best compressed configuration per column (the full cache is the reference, never bold)
+    assert t.bold == {(4, "qasper"), (3, "hotpotqa"), (3, "Avg")}
+    assert t.notes == ["absent: SelKV at budget 256 has no score for hotpotqa",
+                       "incomplete: longbench/tiny/selkv/b256 (5 samples scored, summary says not complete)"]
+    assert "The full cache ignores the budget" in t.caption
+
+
+def test_cli_only_scores_writes_only_them(sweep, tmp_path):
+    from kvbench.cli import main as kvbench_cli
+
+    out = tmp_path / "report"
+    assert kvbench_cli(["report", str(sweep), "--out", str(out), "--only", "scores"]) == 0
+    assert {p.name for p in out.iterdir()} == {"index.md"} | {
+        f"scores_{t}_tiny.{ext}" for t in ("longbench", "niah") for ext in ("md", "tex", "csv", "sources.txt")}
+    index = (out / "index.md").read_text()
+    assert "- scores_longbench_tiny: scores_longbench_tiny.md, scores_longbench_tiny.tex, scores_longbench_tiny.csv" \
+        " (5 jobs, 2 note(s) on missing inputs)" in index
+    assert "- scores_niah_tiny: " in index and "selkv_table1" not in index
+    md = (out / "scores_longbench_tiny.md").read_text()
+    assert "| Method | Budget | Qasp | HpQA | Avg | n |" in md
+    assert "| Full Cache | – | 35.00 | 45.00 | 40.00 | 10 |" in md
+    assert "| SelKV | 25% | 31.25 | **44.00** | **37.63** | 10 |" in md  # 37.625 rounds half-up
+    assert "| SelKV | 256 | **33.00** | – | – | 5 |" in md
+    with open(out / "scores_longbench_tiny.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert rows[0] == {"Method": "Full Cache", "Budget": "", "qasper": "35.0", "hotpotqa": "45.0", "Avg": "40.0",
+                       "n": "10"}
+    assert rows[4] == {"Method": "SelKV", "Budget": "256", "qasper": "33.0", "hotpotqa": "", "Avg": "", "n": "5"}
+    tex = (out / "scores_longbench_tiny.tex").read_text()
+    assert r"SelKV & 256 & \textbf{33.00} & -- & -- & 5 \\" in tex and r"25\%" in tex
+    srcs = (out / "scores_niah_tiny.sources.txt").read_text()
+    assert "niah/tiny/selkv/b0.25\n" in srcs and "longbench" not in srcs.split("\n", 2)[2]
+
+
+def test_full_report_lists_scores_next_to_paper_artifacts(sweep, tmp_path):
+    out = tmp_path / "all"
+    assert report.main([str(sweep), "--out", str(out)]) == 0
+    index = (out / "index.md").read_text()
+    assert "- scores_niah_tiny: " in index and "- selkv_fig3: no inputs in this results root" in index
+
+
+def test_variants_and_reruns(tmp_path):
+    """A W sweep of one label is told apart by a Variant column (default variant first); a
+    tagged rerun with the default's fields fills the default's missing dataset."""
+    make_job(tmp_path, method="selkv", budget=0.25, params={"window_size": 32}, scores={"qasper": 30.0})
+    make_job(tmp_path, method="selkv", budget=0.25, params={"window_size": 32}, folder_tag="rerun",
+             scores={"qasper": 99.0, "hotpotqa": 40.0})
+    for w, score in [(16, 28.0), (4, 27.0)]:
+        make_job(tmp_path, method="selkv", budget=0.25, params={"window_size": w}, folder_tag=f"w{w}",
+                 scores={"qasper": score, "hotpotqa": 39.0})
+    (t,) = score_tables(report.load_results(tmp_path))
+    assert list(t.data.columns) == ["Method", "Variant", "Budget", "qasper", "hotpotqa", "Avg", "n"]
+    assert [(r["Variant"], r["qasper"], r["hotpotqa"]) for r in records(t)] == [
+        ("window_size=32", 30.0, 40.0), ("window_size=4", 27.0, 39.0), ("window_size=16", 28.0, 39.0)]
+    assert records(t)[0]["Avg"] == 35.0 and "longbench/llama31/selkv/b0.25-rerun" in t.sources
+
+
+def test_no_scored_job_means_no_inputs(tmp_path):
+    make_job(tmp_path, task="niah", model="tiny", method="snapkv", summary=False,
+             records=[{"id": "niah/256/10", "dataset": "niah", "score": None, "error": {"type": "X"}}])
+    assert score_tables(report.load_results(tmp_path)) == []
+    assert report.main([str(tmp_path), "--out", str(tmp_path / "r"), "--only", "scores"]) == 0
+    assert "- scores: no inputs in this results root" in (tmp_path / "r" / "index.md").read_text()
