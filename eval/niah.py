@@ -150,6 +150,11 @@ class NIAHTask(Task):
             raise TaskConfigError(f"task.context_lengths={_show(lengths)}: must be a non-empty list of positive integers (tokens)")
         if not isinstance(depths, (list, tuple)) or not depths or any(not number(x) or not 0 <= x <= 100 for x in depths):
             raise TaskConfigError(f"task.depth_percents={_show(depths)}: must be a non-empty list of numbers in [0, 100]")
+        for key, values in (("context_lengths", lengths), ("depth_percents", depths)):
+            repeated = sorted({float(x) for x in values if sum(float(y) == float(x) for y in values) > 1})
+            if repeated:
+                raise TaskConfigError(f"task.{key}={_show(values)}: {', '.join(f'{x:g}' for x in repeated)} "
+                                      "given more than once; list each value once")
         if cfg.get("prompt_style", "kvcf") not in ("kvcf", "chat"):
             raise TaskConfigError(f"task.prompt_style={cfg.get('prompt_style')!r}: accepted values are kvcf, chat")
         for key, low in (("max_new_tokens", 1), ("final_context_buffer", 0)):

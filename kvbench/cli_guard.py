@@ -95,7 +95,10 @@ class _Composer:
             fail("hydra/launcher=parallel: needs the joblib launcher plugin; run `pip install hydra-joblib-launcher`")
         if str(value) not in options:
             accepted = ", ".join(options) if options else f"(none: conf/{key}/ holds no .yaml file)"
-            fail(f"{shown}={value}: unknown {key.split('/')[-1]}; accepted values are {accepted}")
+            from .values import did_you_mean
+
+            fail(f"{shown}={value}: unknown {key.split('/')[-1]}{did_you_mean(str(value), options)}; "
+                 f"accepted values are {accepted}")
 
     def compose(self, overrides: list[str]) -> Any:
         """Compose with ``overrides`` (hydra node included) or exit with one line."""

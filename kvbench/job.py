@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 import eval as tasks
-from eval.base import Sample, Task
+from eval.base import Sample, Task, TaskConfigError
 from methods.base import ConfigError, is_ratio
 
 from .engine import Engine
@@ -246,23 +246,38 @@ def run_job(cfg: dict, method_preset: str | None = None, method_overrides: list[
             print_summary(done_summary, store.path)
             return EXIT_SAMPLE_FAILED if done_summary["n_failed"] else EXIT_OK
         _check_same_job(store, cfg, relpath)
+        fresh = not (store.path / "config.yaml").exists()
         store.write_config(config_text, same=lambda stored: _same_run(stored, cfg))
-        if cfg.get("threads"):
-            torch.set_num_threads(int(cfg["threads"]))
-        random.seed(cfg.get("seed", 0))
-        torch.manual_seed(int(cfg.get("seed", 0)))
         try:
-            loaded = load_model(cfg["model"], cfg.get("device", "auto"))
-        except OSError as e:  # a local folder or file transformers cannot read (missing or corrupt weights)
-            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-            raise ConfigError(f"model.source={cfg['model'].get('source')}: cannot load the model ({first})") from None
-        method.layout = loaded.layout
-        method.check_layout(loaded.layout)
-        max_input = int(cfg["task"].get("max_length") or loaded.max_input_length)
-        task = tasks.get_task_class(cfg["task"]["name"])(
-            cfg["task"], loaded.tokenizer, max_input, encode=lambda s: encode_prompt(loaded, s)
-        )
-        samples = list(task.samples())
+            if cfg.get("threads"):
+                torch.set_num_threads(int(cfg["threads"]))
+            random.seed(cfg.get("seed", 0))
+            torch.manual_seed(int(cfg.get("seed", 0)))
+            try:
+                loaded = load_model(cfg["model"], cfg.get("device", "auto"))
+            except OSError as e:  # a local folder or file transformers cannot read (missing or corrupt weights)
+                first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+                raise ConfigError(f"model.source={cfg['model'].get('source')}: cannot load the model ({first})") from None
+            method.layout = loaded.layout
+            method.check_layout(loaded.layout)
+            max_input = int(cfg["task"].get("max_length") or loaded.max_input_length)
+            task = tasks.get_task_class(cfg["task"]["name"])(
+                cfg["task"], loaded.tokenizer, max_input, encode=lambda s: encode_prompt(loaded, s)
+            )
+            samples = list(task.samples())
+            skipped = getattr(task, "skipped", None) or []
+            if not samples and skipped:  # the task's rules left nothing to run: a config error, not "0/0 done"
+                key = "task.context_lengths" if all("context_length" in s for s in skipped) else "task"
+                given = cfg["task"].get("context_lengths") if key == "task.context_lengths" else cfg["task"].get("name")
+                raise TaskConfigError(f"{key}={given}: every sample was skipped ({skipped[0]['reason']}"
+                                      + (f"; {len(skipped) - 1} more skipped" if len(skipped) > 1 else "") + "); nothing to run")
+        except (ConfigError, TaskConfigError):
+            # A setting refused before any sample was stored leaves no config.yaml behind, so the
+            # corrected command (often the one the error suggests) can use this folder.
+            if fresh and not store.predictions.exists():
+                (store.path / "config.yaml").unlink(missing_ok=True)
+            raise
+        samples = _unique(samples)
         expected = [s.id for s in samples]
         mine = [s for i, s in enumerate(samples) if i % shard[1] == shard[0]]
         if cfg.get("max_samples"):
@@ -397,6 +412,17 @@ def _complete_summary(store: JobStore, cfg: dict) -> dict | None:
     if len(store.done_ids()) < int(summary.get("n_expected", 0)):
         return None
     return summary
+
+
+def _unique(samples: list[Sample]) -> list[Sample]:
+    """The samples with duplicate ids dropped (first kept): a sample id is stored once."""
+    seen: set[str] = set()
+    out = []
+    for sample in samples:
+        if sample.id not in seen:
+            seen.add(sample.id)
+            out.append(sample)
+    return out
 
 
 def _loop(engine: Engine, loaded: LoadedModel, task: Task, todo: list[Sample], store: JobStore, quiet: bool) -> int:

@@ -351,6 +351,7 @@ def score_tables(df: pd.DataFrame) -> list[Table]:
         rows: list[dict] = []
         sources: set[str] = set()
         notes: list[str] = []
+        incomplete: set[int] = set()  # row indices with a job whose summary says not complete
         for key in order:
             name, label, _params, budget = key
             rows_k = sel.loc[groups[key]]
@@ -378,7 +379,11 @@ def score_tables(df: pd.DataFrame) -> list[Table]:
                     pending[job] = pending.get(job, 0) + int(n)
             notes += [f"incomplete: {job} ({n} samples scored, summary says not complete)"
                       for job, n in pending.items()]
-        comp = [i for i, key in enumerate(order) if key[0] != FULL]
+            if pending:
+                incomplete.add(len(rows) - 1)
+        # bold candidates: complete rows of compressed configurations (not the full cache, not 100 %)
+        comp = [i for i, key in enumerate(order)
+                if key[0] != FULL and key[3] != 1.0 and i not in incomplete]
         bold = set().union(*(bold_best(rows, comp, c) for c in [*datasets, "Avg"]))
         budgets = [k[3] for k in order if k[3] is not None]
         full_text = (" The full cache ignores the budget (–)." if any(k[0] == FULL for k in order) else "")
@@ -388,7 +393,8 @@ def score_tables(df: pd.DataFrame) -> list[Table]:
                    + (f"; {budget_semantics(budgets)}" if budgets else "") + "). "
                    "Each dataset's score is round(100·mean, 2) of the task's per-sample scores in [0, 1] "
                    "(LongBench's rule); Avg: mean over the table's datasets, missing when a row lacks one; "
-                   f"n: scored samples.{full_text} Best compressed configuration per column in bold.")
+                   f"n: scored samples.{full_text} Best complete compressed configuration (budget below 100 %) per column "
+                   "in bold.")
         table_name = base = f"scores_{_slug(task)}_{_slug(mk)}"
         suffix = 2
         while table_name in used_names:  # two model keys with one slug

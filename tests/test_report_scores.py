@@ -82,8 +82,9 @@ def test_longbench_table_cells_missing_avg_and_bold(tables):
         (35.0, 45.0, 40.0, "10"), (30.0, 40.0, 35.0, "10"), (32.5, 41.0, 36.75, "10"), (31.25, 44.0, 37.625, "10")]
     assert rows[4]["qasper"] == 33.0 and math.isnan(rows[4]["hotpotqa"]) and math.isnan(rows[4]["Avg"])
     assert rows[4]["n"] == "5"  # scored samples of the datasets it has
-    # best compressed configuration per column (the full cache is the reference, never bold)
-    assert t.bold == {(4, "qasper"), (3, "hotpotqa"), (3, "Avg")}
+    # best complete compressed configuration per column: the full cache is the reference and the
+    # incomplete SelKV b256 job (33.00 on qasper, the highest) is never bold
+    assert t.bold == {(2, "qasper"), (3, "hotpotqa"), (3, "Avg")}
     assert t.notes == ["absent: SelKV at budget 256 has no score for hotpotqa",
                        "incomplete: longbench/tiny/selkv/b256 (5 samples scored, summary says not complete)"]
     assert "The full cache ignores the budget" in t.caption
@@ -104,14 +105,15 @@ def test_cli_only_scores_writes_only_them(sweep, tmp_path):
     assert "| Method | Budget | Qasp | HpQA | Avg | n |" in md
     assert "| Full Cache | – | 35.00 | 45.00 | 40.00 | 10 |" in md
     assert "| SelKV | 25% | 31.25 | **44.00** | **37.63** | 10 |" in md  # 37.625 rounds half-up
-    assert "| SelKV | 256 | **33.00** | – | – | 5 |" in md
+    assert "| SnapKV | 256 | **32.50** | 41.00 | 36.75 | 10 |" in md
+    assert "| SelKV | 256 | 33.00 | – | – | 5 |" in md  # incomplete: not bold
     with open(out / "scores_longbench_tiny.csv") as f:
         rows = list(csv.DictReader(f))
     assert rows[0] == {"Method": "Full Cache", "Budget": "", "qasper": "35.0", "hotpotqa": "45.0", "Avg": "40.0",
                        "n": "10"}
     assert rows[4] == {"Method": "SelKV", "Budget": "256", "qasper": "33.0", "hotpotqa": "", "Avg": "", "n": "5"}
     tex = (out / "scores_longbench_tiny.tex").read_text()
-    assert r"SelKV & 256 & \textbf{33.00} & -- & -- & 5 \\" in tex and r"25\%" in tex
+    assert r"SelKV & 256 & 33.00 & -- & -- & 5 \\" in tex and r"25\%" in tex
     srcs = (out / "scores_niah_tiny.sources.txt").read_text()
     assert "niah/tiny/selkv/b0.25\n" in srcs and "longbench" not in srcs.split("\n", 2)[2]
 

@@ -14,6 +14,7 @@ import pytest
 import yaml
 
 from tests.kvbench.cli_util import ROOT, run_cli
+from kvbench.values import did_you_mean
 
 CONF = ROOT / "conf"
 
@@ -39,9 +40,13 @@ BUDGET_RULE = "a retention ratio must be in (0, 1] and a token budget must be an
 # (id, command-line arguments, expected stderr line); {tmp} is the test's temporary folder.
 # Cases about SnapKV's fields name method=snapkv (the default method is selkv).
 CASES = [
-    ("unknown-model", ["model=llama4"], f"model=llama4: unknown model; accepted values are {options('model')}"),
-    ("unknown-method", ["method=snapkvv"], f"method=snapkvv: unknown method; accepted values are {options('method')}"),
-    ("unknown-task", ["task=longbenchh"], f"task=longbenchh: unknown task; accepted values are {options('task')}"),
+    ("unknown-model", ["model=mistral99"],
+     f"model=mistral99: unknown model{did_you_mean('mistral99', options('model').split(', '))}; "
+     f"accepted values are {options('model')}"),
+    ("unknown-method", ["method=snapkvv"],
+     f"method=snapkvv: unknown method (did you mean snapkv?); accepted values are {options('method')}"),
+    ("unknown-task", ["task=longbenchh"],
+     f"task=longbenchh: unknown task (did you mean longbench?); accepted values are {options('task')}"),
     ("unknown-experiment", ["experiment=table99"],  # run.py accepts experiment=NAME as +experiment=NAME
      f"+experiment=table99: unknown experiment; accepted values are {options('experiment')}"),
     ("unknown-experiment-plus", ["+experiment=table99"],
@@ -107,6 +112,10 @@ CASES = [
     ("niah-depth-over-100", ["task.depth_percents=[50,150]"],
      "task.depth_percents=[50, 150]: must be a non-empty list of numbers in [0, 100]"),
     ("niah-max-new-tokens", ["task.max_new_tokens=0"], "task.max_new_tokens=0: must be an integer >= 1"),
+    ("niah-duplicate-length", ["task.context_lengths=[512,512]"],
+     "task.context_lengths=[512, 512]: 512 given more than once; list each value once"),
+    ("niah-duplicate-depth", ["task.depth_percents=[50,50.0,10]"],
+     "task.depth_percents=[50, 50.0, 10]: 50 given more than once; list each value once"),
     ("niah-prompt-style", ["task.prompt_style=xml"], "task.prompt_style='xml': accepted values are kvcf, chat"),
     ("unknown-task-key", ["+task.foo=1"], None),  # message built in the test (lists the niah keys)
     ("haystack-missing", ["task.haystack_dir={tmp}/nope"], "task.haystack_dir={tmp}/nope: no such folder"),

@@ -215,3 +215,32 @@ def test_a_changed_setting_never_reuses_stored_samples(tiny_model_dir, haystack_
     out = run_cli(args)
     assert "already complete (2 samples stored)" in out.stdout + out.stderr
     assert (job / "predictions.jsonl").read_text() == before
+
+
+def test_a_setting_refused_before_any_sample_leaves_the_folder_usable(tiny_model_dir, haystack_dir, tmp_path):
+    """A job that stops on a config error after its folder was made (here: the Hub haystack,
+    offline, is read only after the model loads) leaves no config.yaml, so the corrected command is not refused
+    as 'another setting'; a folder with stored samples still refuses one."""
+    base = [*tiny_model_args(tiny_model_dir), "task.context_lengths=[300]", "task.depth_percents=[50]",
+            "method=streamingllm", "budget=0.5", "task.max_new_tokens=2", "quiet=true",
+            f"output_root={tmp_path}", "run_name=job"]
+    bad = run_cli([*base, "task.haystack_source=hub"])  # offline (run_cli): refused when the haystack is read
+    assert bad.returncode == 2 and "haystack_source" in bad.stderr, bad.stderr[-2000:]
+    assert not (tmp_path / "job" / "config.yaml").exists()
+    good = run_cli([*base, f"task.haystack_dir={haystack_dir}"])
+    assert good.returncode == 0, good.stderr[-2000:]
+    assert len(read_lines(tmp_path / "job" / "predictions.jsonl")) == 1
+    other = run_cli([*base, f"task.haystack_dir={haystack_dir}", "task.max_new_tokens=3"])
+    assert other.returncode == 2 and "already holds samples run with another setting" in other.stderr
+
+
+def test_a_grid_the_task_skips_entirely_is_a_config_error(tiny_model_dir, tmp_path):
+    """Lengths the template, question and needle alone fill are skipped; when nothing is left the
+    job exits 2 with one line (not "complete; 0/0 samples") and leaves no config.yaml."""
+    out = run_cli([*tiny_model_args(tiny_model_dir), "task.context_lengths=[5,6]", "task.depth_percents=[50]",
+                   "method=streamingllm", "budget=0.5", "quiet=true", f"output_root={tmp_path}", "run_name=job"])
+    assert out.returncode == 2, out.stderr[-2000:]
+    line = out.stderr.strip().splitlines()[-1]
+    assert line.startswith("error: task.context_lengths=[5, 6]: every sample was skipped (context length 5 tokens "
+                           "leaves no room for the haystack") and line.endswith("; 1 more skipped); nothing to run")
+    assert not (tmp_path / "job" / "config.yaml").exists()
