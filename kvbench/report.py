@@ -54,7 +54,7 @@ class Context:
 
 # family name -> (builder, output names it may produce: patterns for --only)
 ARTIFACTS: dict[str, tuple[Callable[[Context], list], list[str]]] = {
-    "scores": (lambda c: rt.score_tables(c.df), ["scores_*"]),
+    "scores": (lambda c: rt.score_tables(c.df, c.root), ["scores_*"]),
     "selkv_table1": (lambda c: rt.selkv_table1(c.df), ["selkv_table1"]),
     "selkv_table2": (lambda c: ra.selkv_table2(c.df), ["selkv_table2"]),
     "selkv_table3": (lambda c: ra.selkv_table3(c.df), ["selkv_table3"]),

@@ -12,6 +12,8 @@ import json
 import math
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable
 
 import pandas as pd
 
@@ -311,7 +313,24 @@ def _variant_labels(groups: list[tuple], rows: pd.DataFrame) -> dict[tuple, tupl
     return out
 
 
-def score_tables(df: pd.DataFrame) -> list[Table]:
+def _niah_grids(root: Path | None, jobs: Iterable[str]) -> dict[str, str]:
+    """Per NIAH job folder (relative to ``root``): its grid as its ``summary.json`` records it
+    (``lengths [..] × depths [..]``); jobs without a recorded grid are left out."""
+    out: dict[str, str] = {}
+    if root is None:
+        return out
+    for job in jobs:
+        try:
+            sel = json.loads((Path(root) / job / "summary.json").read_text()).get("selection") or {}
+        except (OSError, ValueError, AttributeError):
+            continue
+        lengths, depths = sel.get("task.context_lengths"), sel.get("task.depth_percents")
+        if isinstance(lengths, list) and isinstance(depths, list):
+            out[job] = f"lengths {lengths} × depths {depths}"
+    return out
+
+
+def score_tables(df: pd.DataFrame, root: Path | None = None) -> list[Table]:
     """Overview of a results root (any sweep): one table per task × model key of every job
     configuration's per-dataset scores.
 
@@ -382,6 +401,15 @@ def score_tables(df: pd.DataFrame) -> list[Table]:
             if pending:
                 incomplete.add(len(rows) - 1)
         # bold candidates: complete rows of compressed configurations (not the full cache, not 100 %)
+        if task == "niah":  # scores of different grids are not comparable: say so
+            grids = _niah_grids(root, sorted(sources))
+            by_grid: dict[str, list[str]] = {}
+            for job, grid in grids.items():
+                by_grid.setdefault(grid, []).append(job)
+            if len(by_grid) > 1:
+                notes.append("different NIAH grids, scores not comparable across them: " + "; ".join(
+                    f"{grid}: " + (", ".join(jobs) if len(jobs) <= 3 else f"{len(jobs)} jobs ({jobs[0]}, ...)")
+                    for grid, jobs in by_grid.items()))
         comp = [i for i, key in enumerate(order)
                 if key[0] != FULL and key[3] != 1.0 and i not in incomplete]
         bold = set().union(*(bold_best(rows, comp, c) for c in [*datasets, "Avg"]))

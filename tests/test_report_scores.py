@@ -147,3 +147,28 @@ def test_no_scored_job_means_no_inputs(tmp_path):
     assert score_tables(report.load_results(tmp_path)) == []
     assert report.main([str(tmp_path), "--out", str(tmp_path / "r"), "--only", "scores"]) == 0
     assert "- scores: no inputs in this results root" in (tmp_path / "r" / "index.md").read_text()
+
+
+def test_niah_jobs_on_different_grids_are_noted(tmp_path):
+    """Scores of NIAH jobs run on different length × depth grids are not comparable: the table
+    says which jobs ran on which grid (from each summary's ``selection``); one grid: no note."""
+    import json
+
+    root = build_sweep(tmp_path / "root")
+    grids = {("snapkv", 0.25): ([512], [50]), ("snapkv", 256): ([512], [50]), ("selkv", 0.25): ([512], [50]),
+             ("selkv", 256): ([2048], [10, 90])}
+    for (method, budget), (lengths, depths) in grids.items():
+        path = root / "niah" / "tiny" / method / f"b{budget}" / "summary.json"
+        summary = json.loads(path.read_text())
+        summary["selection"] = {"task.context_lengths": lengths, "task.depth_percents": depths}
+        path.write_text(json.dumps(summary))
+    table = {t.name: t for t in score_tables(report.load_results(root), root)}["scores_niah_tiny"]
+    assert table.notes == ["different NIAH grids, scores not comparable across them: lengths [512] × depths [50]: "
+                           "niah/tiny/selkv/b0.25, niah/tiny/snapkv/b0.25, niah/tiny/snapkv/b256; "
+                           "lengths [2048] × depths [10, 90]: niah/tiny/selkv/b256"]
+    summary_path = root / "niah" / "tiny" / "selkv" / "b256" / "summary.json"
+    summary = json.loads(summary_path.read_text())
+    summary["selection"] = {"task.context_lengths": [512], "task.depth_percents": [50]}
+    summary_path.write_text(json.dumps(summary))
+    table = {t.name: t for t in score_tables(report.load_results(root), root)}["scores_niah_tiny"]
+    assert table.notes == []
