@@ -446,7 +446,8 @@ def _loop(engine: Engine, loaded: LoadedModel, task: Task, todo: list[Sample], s
             if rec["error"] is None:
                 scores.append(float(rec["score"]))
                 # the running mean of this run's samples, x100 like the summary table (not the last sample's)
-                bar.set_postfix(mean_score=f"{100 * sum(scores) / len(scores):.2f}", tok_s=f"{rec['decode_tok_s']:.1f}")
+                bar.set_postfix(mean_score=f"{100 * sum(scores) / len(scores):.2f}", tok_s=f"{rec['decode_tok_s']:.1f}",
+                                refresh=False)  # shown with the count that includes this sample
     return failed
 
 
