@@ -19,7 +19,8 @@ on the machine, and how far the step's arithmetic and small operations are from 
 
 from __future__ import annotations
 
-from .common import FULL_LENGTHS, MB, RATIO_25, BenchResult, Target, off_target_length
+from .common import (FULL_LENGTHS, MB, PROBE_CACHE_MULTIPLE, PROBE_MIN_BYTES, RATIO_25, BenchResult, Target,
+                     off_target_length)
 from .context import Context
 
 NAME = "decode"
@@ -43,7 +44,8 @@ def _probe_note(r: dict) -> str:
     if not r.get("read_probe_bytes"):
         return ""
     llc = r.get("last_level_cache_bytes") or 0
-    cache = f" (at least 256 MiB and 4 × the {llc / (1 << 20):.0f} MiB last-level cache)" if llc else ""
+    cache = (f" (at least {PROBE_MIN_BYTES >> 20} MiB and {PROBE_CACHE_MULTIPLE} × the {llc / (1 << 20):.0f} MiB "
+             "last-level cache)") if llc else ""
     return f" over a {r['read_probe_bytes'] / (1 << 20):.0f} MiB tensor{cache}"
 
 

@@ -186,17 +186,17 @@ class NIAHTask(Task):
             overhead = len(tok.encode(frame, add_special_tokens=False))
         buffer = int(self.cfg.get("final_context_buffer", 0))
         limit = self.max_input_tokens or max(self.cfg["context_lengths"])
+        fixed = overhead + buffer + len(needle_ids)  # template, question, needle (and buffer): no haystack
         self.skipped: list[dict[str, Any]] = []
         for length in self.cfg["context_lengths"]:
             if length > limit:
                 reason = f"context length {length} tokens exceeds the model's max input {limit} tokens"
-                log.warning("task.context_lengths: %s; skipped (reported in summary.json)", reason)
-                self.skipped.append({"context_length": length, "samples": len(self.cfg["depth_percents"]), "reason": reason})
-                continue
-            fixed = overhead + buffer + len(needle_ids)  # template, question, needle (and buffer): no haystack
-            if length <= fixed:
+            elif length <= fixed:
                 reason = (f"context length {length} tokens leaves no room for the haystack: the template, question "
                           f"and needle{' and final_context_buffer' if buffer else ''} take {fixed} tokens")
+            else:
+                reason = None
+            if reason is not None:
                 log.warning("task.context_lengths: %s; skipped (reported in summary.json)", reason)
                 self.skipped.append({"context_length": length, "samples": len(self.cfg["depth_percents"]), "reason": reason})
                 continue
@@ -220,6 +220,12 @@ class NIAHTask(Task):
                     length=length,
                     meta={"context_length": length, "depth_percent": depth},
                 )
+        if len(self.skipped) == len(self.cfg["context_lengths"]):  # nothing left: a config error, not "0/0 done"
+            more = len(self.skipped) - 1
+            raise TaskConfigError(
+                f"task.context_lengths={_show(self.cfg['context_lengths'])}: every sample was skipped "
+                f"({self.skipped[0]['reason']}{f'; {more} more skipped' if more else ''}); nothing to run"
+            )
 
     def _insert(self, context_ids: list[int], needle_ids: list[int], depth: float) -> list[int]:
         """Insert the needle at ``depth`` % of the context, moved back to a sentence end."""

@@ -264,13 +264,7 @@ def run_job(cfg: dict, method_preset: str | None = None, method_overrides: list[
             task = tasks.get_task_class(cfg["task"]["name"])(
                 cfg["task"], loaded.tokenizer, max_input, encode=lambda s: encode_prompt(loaded, s)
             )
-            samples = list(task.samples())
-            skipped = getattr(task, "skipped", None) or []
-            if not samples and skipped:  # the task's rules left nothing to run: a config error, not "0/0 done"
-                key = "task.context_lengths" if all("context_length" in s for s in skipped) else "task"
-                given = cfg["task"].get("context_lengths") if key == "task.context_lengths" else cfg["task"].get("name")
-                raise TaskConfigError(f"{key}={given}: every sample was skipped ({skipped[0]['reason']}"
-                                      + (f"; {len(skipped) - 1} more skipped" if len(skipped) > 1 else "") + "); nothing to run")
+            samples = list(task.samples())  # a task whose rules leave nothing to run raises here
         except (ConfigError, TaskConfigError):
             # A setting refused before any sample was stored leaves no config.yaml behind, so the
             # corrected command (often the one the error suggests) can use this folder.

@@ -86,16 +86,27 @@ def read_predictions(path: Path) -> list[dict]:
     return records
 
 
-def niah_grid_records(job_dir: Path) -> list[dict]:
-    """A NIAH job's records on the grid its ``summary.json`` counts (the last run's
-    ``task.context_lengths`` × ``task.depth_percents``), so that a heatmap and the job's score
-    describe the same samples. Every record when the summary records no grid (older jobs).
-    """
-    records = read_predictions(job_dir / "predictions.jsonl")
-    selection = (_read_json(job_dir / "summary.json") or {}).get("selection") or {}
+def niah_grid(job_dir: Path) -> tuple[list, list] | None:
+    """A NIAH job's grid as its ``summary.json`` records it (the last run's
+    ``(task.context_lengths, task.depth_percents)``); None when it records none (older jobs)."""
+    summary = _read_json(job_dir / "summary.json")
+    selection = (summary.get("selection") if isinstance(summary, dict) else None) or {}
     lengths, depths = selection.get("task.context_lengths"), selection.get("task.depth_percents")
     if not isinstance(lengths, list) or not isinstance(depths, list):
+        return None
+    return lengths, depths
+
+
+def niah_grid_records(job_dir: Path) -> list[dict]:
+    """A NIAH job's records on the grid its ``summary.json`` counts (:func:`niah_grid`), so that
+    a heatmap and the job's score describe the same samples. Every record when the summary
+    records no grid (older jobs).
+    """
+    records = read_predictions(job_dir / "predictions.jsonl")
+    grid_lists = niah_grid(job_dir)
+    if grid_lists is None:
         return records
+    lengths, depths = grid_lists
     grid = {(int(n), float(d)) for n in lengths for d in depths}
 
     def on_grid(r: dict) -> bool:

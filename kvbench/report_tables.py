@@ -28,6 +28,7 @@ from .report_data import (
     cell_scores,
     is_ratio_budget,
     method_sort_key,
+    niah_grid,
     order_datasets,
     variants,
 )
@@ -314,20 +315,12 @@ def _variant_labels(groups: list[tuple], rows: pd.DataFrame) -> dict[tuple, tupl
 
 
 def _niah_grids(root: Path | None, jobs: Iterable[str]) -> dict[str, str]:
-    """Per NIAH job folder (relative to ``root``): its grid as its ``summary.json`` records it
-    (``lengths [..] × depths [..]``); jobs without a recorded grid are left out."""
-    out: dict[str, str] = {}
+    """Per NIAH job folder (relative to ``root``): its grid (:func:`report_data.niah_grid`) as
+    ``lengths [..] × depths [..]``; jobs without a recorded grid are left out."""
     if root is None:
-        return out
-    for job in jobs:
-        try:
-            sel = json.loads((Path(root) / job / "summary.json").read_text()).get("selection") or {}
-        except (OSError, ValueError, AttributeError):
-            continue
-        lengths, depths = sel.get("task.context_lengths"), sel.get("task.depth_percents")
-        if isinstance(lengths, list) and isinstance(depths, list):
-            out[job] = f"lengths {lengths} × depths {depths}"
-    return out
+        return {}
+    grids = {job: niah_grid(Path(root) / job) for job in jobs}
+    return {job: f"lengths {g[0]} × depths {g[1]}" for job, g in grids.items() if g is not None}
 
 
 def score_tables(df: pd.DataFrame, root: Path | None = None) -> list[Table]:
@@ -400,7 +393,6 @@ def score_tables(df: pd.DataFrame, root: Path | None = None) -> list[Table]:
                       for job, n in pending.items()]
             if pending:
                 incomplete.add(len(rows) - 1)
-        # bold candidates: complete rows of compressed configurations (not the full cache, not 100 %)
         if task == "niah":  # scores of different grids are not comparable: say so
             grids = _niah_grids(root, sorted(sources))
             by_grid: dict[str, list[str]] = {}
@@ -410,6 +402,7 @@ def score_tables(df: pd.DataFrame, root: Path | None = None) -> list[Table]:
                 notes.append("different NIAH grids, scores not comparable across them: " + "; ".join(
                     f"{grid}: " + (", ".join(jobs) if len(jobs) <= 3 else f"{len(jobs)} jobs ({jobs[0]}, ...)")
                     for grid, jobs in by_grid.items()))
+        # bold candidates: complete rows of compressed configurations (not the full cache, not 100 %)
         comp = [i for i, key in enumerate(order)
                 if key[0] != FULL and key[3] != 1.0 and i not in incomplete]
         bold = set().union(*(bold_best(rows, comp, c) for c in [*datasets, "Avg"]))
