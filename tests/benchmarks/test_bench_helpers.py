@@ -13,6 +13,7 @@ from benchmarks.common import BenchResult, Settings, Target, table
 from benchmarks.compression import fit_exponent, lookm_score_flops, prefill_flops
 from benchmarks.memory import decode_phase_bytes, drop_suffices
 from benchmarks.report import contention_note, render
+from benchmarks.vs_kvpress import paired_ratios
 from benchmarks.worker import release_freed_memory
 
 
@@ -233,3 +234,32 @@ def test_bandwidth_probe_is_four_times_the_last_level_cache(tmp_path, monkeypatc
     assert common.probe_bytes() == 1 << 30  # capped at a quarter of free memory
     monkeypatch.setattr(common, "_available_bytes", lambda device: 256 << 20)
     assert common.probe_bytes() == 256 << 20  # never below the minimum
+
+
+def test_kvpress_paired_ratios_pair_each_repetition():
+    times = {"kvbench": [5.0, 4.5, 6.0], "kvpress": [5.5, 5.0, 5.0]}
+    assert paired_ratios(times) == pytest.approx([5.0 / 5.5, 0.9, 1.2])
+
+
+def test_kvpress_result_reports_the_ratio_of_medians_and_each_repetition(monkeypatch, tmp_path):
+    import json
+    import subprocess
+
+    from benchmarks import vs_kvpress
+    from benchmarks.worker import MARKER
+
+    data = {"times_s": {"kvbench": [5.0, 4.5, 6.0], "kvpress": [5.5, 5.0, 5.0]},
+            "median_s": {"kvbench": 5.0, "kvpress": 5.0}, "new_tokens": 32,
+            "prompt_tokens": {"kvbench": 2048, "kvpress": 2048}, "kept": {"kvbench": 512, "kvpress": 510},
+            "answers": {}, "same_answer": True, "setting": {}}
+
+    def fake_run(cmd, **kwargs):
+        out = "kvpress 0.5.5 transformers 5.2.0" if "-c" in cmd else MARKER + json.dumps(data)
+        return subprocess.CompletedProcess(cmd, 0, stdout=out, stderr="")
+
+    monkeypatch.setattr(vs_kvpress.subprocess, "run", fake_run)
+    ctx = SimpleNamespace(settings=Settings(out=str(tmp_path)), logs=tmp_path)
+    res = vs_kvpress.run(ctx)
+    assert res.targets[0].passed is False and res.targets[0].measured == "1.000×"  # 5.0 / 5.0 > 0.9
+    assert res.data["paired_ratios"] == pytest.approx([5.0 / 5.5, 0.9, 1.2])
+    assert "own ratios (kvbench / the adjacent kvpress run): 0.900–1.200, median 0.909" in " ".join(res.notes)
