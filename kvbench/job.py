@@ -425,10 +425,13 @@ def _loop(engine: Engine, loaded: LoadedModel, task: Task, todo: list[Sample], s
 
     failed = 0
     scores: list[float] = []
-    bar = tqdm(todo, desc="samples", unit="sample", disable=quiet or not todo, dynamic_ncols=True)
+    # A terminal gets a progress bar; a log file (SLURM, nohup, a pipe) gets one plain line per
+    # sample instead of the bar's carriage-return redraws.
+    interactive = sys.stderr.isatty()
+    bar = tqdm(todo, desc="samples", unit="sample", disable=quiet or not todo or not interactive, dynamic_ncols=True)
     # Log lines (warnings) are printed above the bar instead of into its line.
     with logging_redirect_tqdm():
-        for sample in bar:
+        for i, sample in enumerate(bar, 1):
             crash_point("sample")
             rec = run_sample(engine, loaded, task, sample)
             try:
@@ -442,6 +445,11 @@ def _loop(engine: Engine, loaded: LoadedModel, task: Task, todo: list[Sample], s
                 # the running mean of this run's samples, x100 like the summary table (not the last sample's)
                 bar.set_postfix(mean_score=f"{100 * sum(scores) / len(scores):.2f}", tok_s=f"{rec['decode_tok_s']:.1f}",
                                 refresh=False)  # shown with the count that includes this sample
+            if not interactive and not quiet:
+                outcome = (f"score {100 * rec['score']:.2f}, {rec['decode_tok_s']:.1f} tok/s" if rec["error"] is None
+                           else f"failed ({rec['error']['type']})")
+                mean = f"mean_score {100 * sum(scores) / len(scores):.2f}" if scores else "no score yet"
+                log.info("sample %d/%d %s: %s; %s", i, len(todo), rec["id"], outcome, mean)
     return failed
 
 

@@ -18,10 +18,11 @@ pytestmark = pytest.mark.skipif(
 GRID = ["task.context_lengths=[256,512]", "task.depth_percents=[20,80]", "task.max_new_tokens=16", "quiet=true"]
 
 
-def run_job(tmp: Path, *overrides: str) -> subprocess.CompletedProcess:
+def run_job(tmp: Path, *overrides: str, quiet: bool = True) -> subprocess.CompletedProcess:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
+    grid = GRID if quiet else [o for o in GRID if not o.startswith("quiet=")]
     return subprocess.run(
-        [sys.executable, str(ROOT / "run.py"), f"output_root={tmp}", *GRID, *overrides],
+        [sys.executable, str(ROOT / "run.py"), f"output_root={tmp}", *grid, *overrides],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
     )
 
@@ -53,8 +54,13 @@ def test_full_scores_on_real_haystack_and_snapkv_budget_one_equals_full(tmp_path
 
 
 def test_rerun_resumes_without_duplicates(tmp_path):
-    first = run_job(tmp_path, "method=snapkv", "budget=0.5", "task.haystack_source=embedded")
+    first = run_job(tmp_path, "method=snapkv", "budget=0.5", "task.haystack_source=embedded", quiet=False)
     assert first.returncode == 0, first.stderr[-2000:]
+    # the output is a pipe, not a terminal: one plain progress line per sample, no bar redraws
+    output = first.stdout + first.stderr
+    progress = [ln for ln in output.splitlines() if " sample " in ln and "/4 niah/" in ln]
+    assert [ln.split(" sample ")[1].split()[0] for ln in progress] == ["1/4", "2/4", "3/4", "4/4"], output[-2000:]
+    assert "mean_score" in progress[-1] and "\r" not in output
     job = tmp_path / "niah/smollm2/snapkv/b0.5"
     before = (job / "predictions.jsonl").read_text()
     again = run_job(tmp_path, "method=snapkv", "budget=0.5", "task.haystack_source=embedded")
