@@ -9,7 +9,8 @@
 
 Exit codes: 0 ok, 1 some samples failed (recorded in the store), 2 configuration error,
 3 the job shard is locked by another process, 130 interrupted (Ctrl-C; rerun to resume),
-143 terminated (SIGTERM; rerun to resume).
+143 terminated (SIGTERM; rerun to resume). A local sweep (-m) runs every job, ends with one line
+per failed job and the largest exit code, and stops as a whole on Ctrl-C/SIGTERM.
 Guarantees and the tests that prove them: docs/RELIABILITY.md.
 """
 
@@ -35,4 +36,7 @@ if __name__ == "__main__":
     # Bad configuration: one line `error: ...`, exit code 2, before Hydra starts (kvbench.cli_guard).
     sys.argv[1:] = normalize_argv(sys.argv[1:])
     precheck_argv(sys.argv[1:])
-    main()
+    main()  # a single run exits inside; a sweep returns here when its last job is done
+    from kvbench.runner import finish_sweep
+
+    sys.exit(finish_sweep())  # a local sweep: one line per failed job, exit code > 0 if any

@@ -13,7 +13,7 @@ from eval.base import TaskConfigError
 from methods.base import ConfigError
 
 from .job import EXIT_CONFIG, EXIT_INTERRUPTED, EXIT_LOCKED, EXIT_TERMINATED, run_job
-from .store import JobLockedError
+from .store import JobLockedError, job_relpath
 
 
 class Terminated(KeyboardInterrupt):
@@ -36,17 +36,58 @@ def _on_sigterm() -> bool:
     return True
 
 
+#: ``(job folder, exit code)`` of every job this process ran in a local sweep (Hydra's basic
+#: launcher runs them one after another in this process); read by :func:`finish_sweep`.
+SWEEP_JOBS: list[tuple[str, int]] = []
+
+_EXIT_MEANING = {1: "some samples failed (stored with their error; rerun to retry them)",
+                 EXIT_CONFIG: "configuration error", EXIT_LOCKED: "job locked by another process"}
+
+
+def _local_sweep(hc) -> bool:
+    """Whether this multirun job runs in Hydra's basic launcher (``hydra/launcher=local``): in this
+    process, one job after another, so that a signal here is the user's and stops the sweep."""
+    return str(OmegaConf.select(hc, "launcher._target_", default="")).endswith("BasicLauncher")
+
+
+def _job_name(cfg: dict, choice: str | None, method_overrides: list[str]) -> str:
+    """The job's folder under ``output_root`` (its name in the results store), for messages."""
+    try:
+        return job_relpath(cfg, choice, method_overrides)
+    except Exception:  # noqa: BLE001 - a config too broken for a folder name: name it by its method and budget
+        return f"method={OmegaConf.select(OmegaConf.create(cfg), 'method.name')} budget={cfg.get('budget')}"
+
+
+def finish_sweep() -> int:
+    """After a local sweep: one line per job that did not exit 0, and the sweep's exit code
+    (0 when every job did, else the largest job exit code). 0 when no local sweep ran."""
+    failed = [(job, code) for job, code in SWEEP_JOBS if code != 0]
+    for job, code in failed:
+        print(f"error: sweep job {job} exited {code}: {_EXIT_MEANING.get(code, 'failed')}", file=sys.stderr, flush=True)
+    if failed:
+        print(f"sweep: {len(failed)} of {len(SWEEP_JOBS)} jobs did not finish cleanly; rerun the same command "
+              "to retry them (finished jobs are skipped)", file=sys.stderr, flush=True)
+    return max((code for _, code in failed), default=0)
+
+
 def hydra_main(cfg: DictConfig) -> int:
     """Run the job Hydra composed. A single run exits the process with the job's exit code
-    (0 ok, 1 failed samples, 2 configuration error, 3 locked, 130 interrupted, 143 terminated by SIGTERM);
-    inside a sweep (-m) a failing job
-    raises so that the launcher marks it failed, and the sweep goes on to the next job."""
+    (0 ok, 1 failed samples, 2 configuration error, 3 locked, 130 interrupted, 143 terminated by SIGTERM).
+
+    Inside a sweep (-m): with the local launcher a job's exit code is kept for
+    :func:`finish_sweep` (``run.py`` prints one line per failed job when the sweep ends), and
+    Ctrl-C or SIGTERM stops the whole sweep with 130/143 after the running job stored its
+    finished samples; with other launchers (SLURM, joblib) a failing job raises so that the
+    launcher marks it failed, and the sweep goes on to the next job.
+    """
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
+    local = False
     try:
         hc = HydraConfig.get()
         multirun = hc.mode == RunMode.MULTIRUN
+        local = multirun and _local_sweep(hc)
         choice = hc.runtime.choices.get("method")
         experiment = hc.runtime.choices.get("experiment") or ""
         method_overrides = [o for o in hc.overrides.task if o.lstrip("+~").startswith("method.")]
@@ -56,7 +97,7 @@ def hydra_main(cfg: DictConfig) -> int:
     for noisy in ("transformers", "datasets", "httpx", "urllib3", "huggingface_hub"):
         logging.getLogger(noisy).setLevel(logging.ERROR)
     plain = OmegaConf.to_container(cfg, resolve=True)
-    if not multirun:
+    if not multirun or local:
         _on_sigterm()
     try:
         code = run_job(plain, choice, method_overrides, experiment)
@@ -70,6 +111,11 @@ def hydra_main(cfg: DictConfig) -> int:
         what = "terminated (SIGTERM)" if isinstance(e, Terminated) else "interrupted"
         print(f"{what}: every finished sample is stored; rerun the same command to resume", file=sys.stderr, flush=True)
         code = EXIT_TERMINATED if isinstance(e, Terminated) else EXIT_INTERRUPTED
+    if local:
+        if code in (EXIT_INTERRUPTED, EXIT_TERMINATED):
+            raise SystemExit(code)  # the user stopped the sweep, not just this job (Hydra lets SystemExit through)
+        SWEEP_JOBS.append((_job_name(plain, choice, method_overrides), code))
+        return code
     if multirun:
         if code != 0:
             raise RuntimeError(f"kvbench job failed with exit code {code}")
