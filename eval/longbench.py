@@ -14,7 +14,7 @@ Per sample (Bai et al., 2024, LongBench v1 code):
 5. scoring by :mod:`eval.metrics` (first-line cut for trec, triviaqa, samsum, lsht; max over
    answers; ``round(100·mean, 2)`` per dataset; LongBench-E buckets by ``length``).
 
-``max_length`` is ``task.max_length`` when set, else the model's ``max_input_tokens``
+``max_length`` is ``task.max_length`` when set, else the model's ``model.max_input_length``
 (official: 3,500 for the 4k-context chat models, 31,500 for longchat-v1.5-7b-32k).
 The two JSON files hold the official ``config/dataset2prompt.json`` and
 ``config/dataset2maxlen.json`` of THUDM/LongBench (LongBench/config at commit 2e00731)
@@ -146,7 +146,7 @@ class LongBenchTask(Task):
     Task keys (``conf/task/longbench.yaml``): ``datasets`` (names and groups ``en16``,
     ``zh5``, ``all21``, ``e13``), ``n_samples`` (first n rows of each dataset, null = all),
     ``data_dir`` (folder of the official jsonl files; null = the Hub), ``max_length`` (input
-    tokens; null = the model's ``max_input_tokens``), ``hub_dataset``, ``hub_revision``,
+    tokens; null = the model's ``model.max_input_length``), ``hub_dataset``, ``hub_revision``,
     ``hub_data_files`` (the Hub parquet copy, see :mod:`eval.longbench_data`).
 
     Sample ids are ``<dataset>/<row index>``; ``meta`` holds the row's ``_id``, the untruncated

@@ -187,7 +187,7 @@ def _offline_error(model_cfg: dict, err: Exception) -> ConfigError:
 
 #: GGUF files up to this size are converted once and cached (``model.gguf_cache: auto``).
 GGUF_CACHE_AUTO_MAX_BYTES = 2 * 1024**3
-_GGUF_CACHE_VERSION = 1
+_GGUF_CACHE_VERSION = 2  # 2: tokenizers carry the GGUF file's BOS/EOS settings (gguf_special_tokens)
 
 
 def gguf_cache_root() -> Path:
@@ -299,6 +299,43 @@ def _remove_stale_temps(cache: Path) -> None:
         pass
 
 
+def gguf_special_tokens(tokenizer: Any, gguf_path: Path) -> None:
+    """Give a tokenizer converted from a GGUF file that file's BOS/EOS tokens and BOS/EOS flags.
+
+    transformers' GGUF conversion (5.x) ignores ``tokenizer.ggml.add_bos_token`` and can name
+    the wrong EOS token: SmolLM2-135M-Instruct's file says ``add_bos_token = false`` and
+    ``eos_token_id = 2`` (``<|im_end|>``), but the converted tokenizer prepended
+    ``<|im_start|>`` to every plain prompt and named it EOS too. The original Hugging Face
+    tokenizer adds no BOS, and llama.cpp follows the file: so does kvbench. Plain prompts
+    (LongBench's no-template datasets, ``prompt_style=kvcf``) and their truncation budget
+    count exactly the text's tokens again.
+
+    Args:
+        tokenizer: the converted fast tokenizer (modified in place).
+        gguf_path: the GGUF file it came from (its metadata is read; the tensors are not).
+    """
+    import gguf
+
+    fields = gguf.GGUFReader(str(gguf_path)).fields
+
+    def value(key: str) -> Any:
+        field = fields.get(f"tokenizer.ggml.{key}")
+        return None if field is None else field.contents()
+
+    for role in ("bos", "eos"):
+        token_id = value(f"{role}_token_id")
+        if token_id is not None and 0 <= int(token_id) < len(tokenizer):
+            setattr(tokenizer, f"{role}_token", tokenizer.convert_ids_to_tokens(int(token_id)))
+    changed = False
+    for role in ("bos", "eos"):
+        flag = value(f"add_{role}_token")
+        if flag is not None and hasattr(tokenizer, f"add_{role}_token"):
+            setattr(tokenizer, f"add_{role}_token", bool(flag))
+            changed = True
+    if changed and hasattr(tokenizer, "update_post_processor"):
+        tokenizer.update_post_processor()
+
+
 def _write_cache(cache: Path, tokenizer: Any, model: Any) -> None:
     """Write the converted tokenizer and float32 model into ``cache`` atomically (temp folder + rename).
 
@@ -371,6 +408,8 @@ def load_model(model_cfg: dict, device: str = "auto") -> LoadedModel:
     else:
         try:
             tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
+            if gguf_file:
+                gguf_special_tokens(tokenizer, Path(path, gguf_file))
             # the cache keeps the exact dequantized float32 weights: convert in float32, cast after
             first = torch.float32 if cache is not None else dtype
             with _progress_bars(off=not sys.stderr.isatty()):

@@ -53,6 +53,11 @@ def test_cached_load_equals_the_conversion(tmp_path, monkeypatch):
     )
     assert (first.stop_ids, first.layout, first.chat_template) == (second.stop_ids, second.layout, second.chat_template)
     assert first.model.generation_config.eos_token_id == second.model.generation_config.eos_token_id
+    # the GGUF file's own settings (tokenizer.ggml.add_bos_token = false, eos_token_id = 2), in both
+    for tok in (ta, tb):
+        assert tok("hello").input_ids == tok.encode("hello", add_special_tokens=False)  # no BOS prepended
+        assert (tok.bos_token, tok.eos_token, tok.eos_token_id) == ("<|im_start|>", "<|im_end|>", 2)
+    assert first.stop_ids == [2]
 
 
 def test_cache_key_and_modes(tmp_path, monkeypatch):
