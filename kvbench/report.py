@@ -106,7 +106,7 @@ def to_markdown(table: Table) -> str:
         lines.append("| " + " | ".join("–" if t is None else (f"**{t}**" if b else t) for t, b in row) + " |")
     lines.append("")
     if table.notes:
-        lines += ["Missing inputs (shown as –):", *[f"- {n}" for n in table.notes], ""]
+        lines += ["Notes (a missing cell is shown as –):", *[f"- {n}" for n in table.notes], ""]
     lines.append(f"Built from {len(table.sources)} job folder(s), listed in `{table.name}.sources.txt`.")
     return "\n".join(lines) + "\n"
 

@@ -14,6 +14,7 @@ import math
 import pandas as pd
 
 from .report_data import (
+    n_datasets,
     DATASET_ABBR,
     budget_semantics,
     budget_text,
@@ -159,7 +160,7 @@ def sensitivity_table(df: pd.DataFrame, name: str, method_name: str, budget: flo
              + ", ".join(d for d in datasets if math.isnan(r.get(d, 0.0))) for r in rows
              if per_dataset and any(math.isnan(r[d]) for d in datasets)]
     caption = (f"Sensitivity of {method_name} to {', '.join(PARAM_HEADERS.get(k, k) for k in keys)} on LongBench "
-               f"({len(datasets)} datasets, {budget_text(budget)} KV budget; {budget_semantics([budget])}). "
+               f"({n_datasets(len(datasets))}, {budget_text(budget)} KV budget; {budget_semantics([budget])}). "
                f"Δ default: gap to the default configuration (✓). " + _models_text(sorted({r['Model'] for r in rows})))
     cols = ["Model", *keys, "Default", *(datasets if per_dataset else []), "Avg", "Δ default"]
     return [_table(name, caption, rows, cols, bold=bold, signed={"Δ default"}, sources=sorted(sources), notes=notes,

@@ -58,7 +58,7 @@ TIMING_COLUMNS = ["prefill_s", "compress_s", "decode_s", "decode_tok_s"]
 CACHE_COLUMNS = ["prompt_tokens", "kept_tokens", "cache_bytes_before", "cache_bytes_after"]
 COLUMNS = [
     "job", "task", "model", "model_key", "method", "method_name", "preset", "budget", "setting", "max_input_tokens",
-    "params", "tagged", "dataset", "score", "n", "n_failed", "n_expected", "complete",
+    "params", "tagged", "dataset", "score", "n", "n_failed", "n_expected", "complete", "subset",
     *TIMING_COLUMNS, *CACHE_COLUMNS,
 ]
 
@@ -152,6 +152,18 @@ def _max_input_tokens(cfg: dict, setting: str) -> float:
     return float(m.group(1)) if m else math.nan
 
 
+def _subset(cfg: dict) -> str:
+    """The keys that limited a job to part of each dataset (``task.n_samples=1``,
+    ``max_samples=5``), as typed; ``""`` for a job over whole datasets (or a NIAH grid)."""
+    task = cfg.get("task") or {}
+    parts = []
+    if task.get("name") != "niah" and task.get("n_samples") is not None:
+        parts.append(f"task.n_samples={task['n_samples']}")
+    if cfg.get("max_samples") is not None:
+        parts.append(f"max_samples={cfg['max_samples']}")
+    return " ".join(parts)
+
+
 def _job_rows(root: Path, job_dir: Path) -> list[dict]:
     cfg = yaml.safe_load((job_dir / "config.yaml").read_text()) or {}
     summary = _read_json(job_dir / "summary.json") or {}
@@ -180,6 +192,7 @@ def _job_rows(root: Path, job_dir: Path) -> list[dict]:
         "tagged": bool(tag) and tag != setting,
         "n_expected": summary.get("n_expected"),
         "complete": bool(summary.get("complete", False)),
+        "subset": _subset(cfg),
     }
     by_ds: dict[str, list[dict]] = {}
     for r in records:
@@ -337,6 +350,11 @@ def is_ratio_budget(budget: float) -> bool:
 def budget_text(budget: float) -> str:
     """``25%`` (``100%`` for 1.0) for a retention ratio, ``256`` for a token budget."""
     return f"{budget * 100:g}%" if is_ratio_budget(budget) else f"{budget:g}"
+
+
+def n_datasets(n: int) -> str:
+    """``1 dataset`` / ``16 datasets``: the caption phrase for a count of datasets."""
+    return f"{n} dataset" + ("" if n == 1 else "s")
 
 
 def budget_semantics(budgets: Iterable[float]) -> str:

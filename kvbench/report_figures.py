@@ -16,6 +16,7 @@ from matplotlib.patches import Patch
 
 from .plots import SCORE_LABEL, add_caption, draw_niah_heatmap, plt
 from .report_data import (
+    n_datasets,
     FULL,
     budget_semantics,
     budget_text,
@@ -84,7 +85,7 @@ def selkv_fig2(df: pd.DataFrame, budget: float = 0.25, task: str = "longbench") 
     ax.set_ylabel(f"Δ LongBench average vs {grid.full_label} (points)")
     ax.set_title("Performance gap to the full cache (closer to 0 is better)")
     ax.legend(fontsize=7)
-    caption = (f"Task: LongBench ({len(grid.datasets)} datasets); models: {', '.join(grid.models)}; "
+    caption = (f"Task: LongBench ({n_datasets(len(grid.datasets))}); models: {', '.join(grid.models)}; "
                f"{budget_semantics([budget])}, ρ = {budget_text(budget)}.")
     return [_finish("selkv_fig2", fig, caption, grid.sources, grid.notes)]
 

@@ -145,7 +145,12 @@ def score_grid(df: pd.DataFrame, task: str, budget: float, models: list[str] | N
             if not complete:
                 scored[job] = scored.get(job, 0) + int(n)
         for job, n in scored.items():
-            grid.note(mk, f"incomplete: {job} ({n} samples scored, summary says not complete)")
+            grid.note(mk, f"incomplete: {job} ({n} samples scored; the job has not finished: rerun it)")
+        for job in grid.cell_jobs[(mk, key)]:
+            subset = rows.loc[rows["job"] == job, "subset"].iloc[0]
+            if subset:
+                grid.note(mk, f"subset: {job} scored part of each dataset only ({subset}); not comparable to "
+                              "whole-dataset scores")
 
     for mk in model_keys:
         frows = full_rows(df, task, mk)

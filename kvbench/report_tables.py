@@ -18,6 +18,7 @@ from typing import Iterable
 import pandas as pd
 
 from .report_data import (
+    n_datasets,
     DATASET_ABBR,
     DATASET_CATEGORY,
     FULL,
@@ -123,7 +124,7 @@ def selkv_table1(df: pd.DataFrame, budget: float = 0.25, task: str = "longbench"
         for col in [*grid.datasets, "Avg", "Δ"]:
             bold |= bold_best(rows, comp, col)
         bold |= bold_best(rows, comp, "Avg Rank", higher=False)
-    caption = (f"LongBench results ({len(grid.datasets)} datasets) at a {budget_text(budget)} KV budget "
+    caption = (f"LongBench results ({n_datasets(len(grid.datasets))}) at a {budget_text(budget)} KV budget "
                f"({budget_semantics([budget])}). Δ: gap to {grid.full_label or 'the full cache'} within each model. "
                "Avg Rank: mean over datasets of the per-dataset rank among compressed methods (lower is better; "
                "ties share the better rank). Best compressed method per column in bold. " + _models_text(grid.models))
@@ -224,7 +225,7 @@ def selkv_ratio_tables(df: pd.DataFrame, task: str = "longbench") -> list[Table]
             merged.merge_notes(grids[b], [mk])
         notes = merged.notes + [n for n in missing_notes(rows, cols, lambda r, c: (
             f"{mk} / {r['Method']} at ratio {c} (no job, or a dataset missing)")) if n not in merged.notes]
-        caption = (f"LongBench average ({len(datasets)} datasets) of {mk} at different KV retention ratios "
+        caption = (f"LongBench average ({n_datasets(len(datasets))}) of {mk} at different KV retention ratios "
                    f"({budget_semantics(budgets)}). The full cache does not depend on the ratio. "
                    "Best compressed method per ratio in bold.")
         out.append(_table(name, caption, rows, ["Method", *cols], merged, bold=bold, notes=notes))
@@ -249,7 +250,7 @@ def selkv_table7(df: pd.DataFrame, budget: float = 0.25, task: str = "longbench"
                          "Δ": math.nan if label == grid.full_label else avg - full_avg})
         bold |= bold_best(rows, [i for i in range(start, len(rows)) if rows[i]["Method"] != grid.full_label], "Avg")
     ctx = sorted({int(t) for t in df.loc[df["model_key"].isin(grid.models), "max_input_tokens"].dropna()})
-    caption = (f"LongBench average ({len(grid.datasets)} datasets) with long inputs "
+    caption = (f"LongBench average ({n_datasets(len(grid.datasets))}) with long inputs "
                f"({', '.join(map(str, ctx))} tokens), "
                f"{budget_text(budget)} KV budget ({budget_semantics([budget])}). " + _models_text(grid.models))
     return [_table("selkv_table7", caption, rows, ["Model", "Method", "Avg", "Δ"], grid, bold=bold, signed={"Δ"},
@@ -363,7 +364,7 @@ def score_tables(df: pd.DataFrame, root: Path | None = None) -> list[Table]:
         rows: list[dict] = []
         sources: set[str] = set()
         notes: list[str] = []
-        incomplete: set[int] = set()  # row indices with a job whose summary says not complete
+        incomplete: set[int] = set()  # row indices with a job that has not finished
         for key in order:
             name, label, _params, budget = key
             rows_k = sel.loc[groups[key]]
@@ -389,8 +390,13 @@ def score_tables(df: pd.DataFrame, root: Path | None = None) -> list[Table]:
             for job, complete, n in zip(rows_k["job"], rows_k["complete"], rows_k["n"].fillna(0)):
                 if not complete:
                     pending[job] = pending.get(job, 0) + int(n)
-            notes += [f"incomplete: {job} ({n} samples scored, summary says not complete)"
+            notes += [f"incomplete: {job} ({n} samples scored; the job has not finished: rerun it)"
                       for job, n in pending.items()]
+            for job in used:
+                subset = rows_k.loc[rows_k["job"] == job, "subset"].iloc[0]
+                if subset:
+                    notes.append(f"subset: {job} scored part of each dataset only ({subset}); not comparable "
+                                 "to whole-dataset scores")
             if pending:
                 incomplete.add(len(rows) - 1)
         if task == "niah":  # scores of different grids are not comparable: say so

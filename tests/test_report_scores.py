@@ -86,7 +86,7 @@ def test_longbench_table_cells_missing_avg_and_bold(tables):
     # incomplete SelKV b256 job (33.00 on qasper, the highest) is never bold
     assert t.bold == {(2, "qasper"), (3, "hotpotqa"), (3, "Avg")}
     assert t.notes == ["absent: SelKV at budget 256 has no score for hotpotqa",
-                       "incomplete: longbench/tiny/selkv/b256 (5 samples scored, summary says not complete)"]
+                       "incomplete: longbench/tiny/selkv/b256 (5 samples scored; the job has not finished: rerun it)"]
     assert "The full cache ignores the budget" in t.caption
 
 
@@ -172,3 +172,27 @@ def test_niah_jobs_on_different_grids_are_noted(tmp_path):
     summary_path.write_text(json.dumps(summary))
     table = {t.name: t for t in score_tables(report.load_results(root), root)}["scores_niah_tiny"]
     assert table.notes == []
+
+
+def test_jobs_over_part_of_each_dataset_are_noted_in_score_and_paper_tables(tmp_path):
+    import yaml
+
+    from kvbench.report_data import n_datasets
+    from kvbench.report_grid import score_grid
+
+    for method, budget in (("full", 1.0), ("snapkv", 0.25)):
+        job = make_job(tmp_path, task="longbench", model="tiny", method=method, budget=budget,
+                       scores={"multi_news": 12.35})
+        if method == "snapkv":  # run with task.n_samples=1
+            cfg = yaml.safe_load((job / "config.yaml").read_text())
+            cfg["task"]["n_samples"] = 1
+            (job / "config.yaml").write_text(yaml.safe_dump(cfg))
+    df = report.load_results(tmp_path)
+    note = ("subset: longbench/tiny/snapkv/b0.25 scored part of each dataset only (task.n_samples=1); "
+            "not comparable to whole-dataset scores")
+    (table,) = score_tables(df)
+    assert table.notes == [note]
+    grid = score_grid(df, "longbench", 0.25)
+    assert grid.notes == [note]  # the full-cache job ran whole datasets: no note
+    assert "Notes (a missing cell is shown as –):\n- " + note in report.to_markdown(table)
+    assert (n_datasets(1), n_datasets(16)) == ("1 dataset", "16 datasets")
