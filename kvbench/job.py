@@ -7,6 +7,7 @@ and the job goes on; the exit code is 1 when any sample failed.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
@@ -157,6 +158,9 @@ def run_sample(engine: Engine, loaded: LoadedModel, task: Task, sample: Sample) 
         "all_classes": sample.all_classes,
         "length": sample.length,
         "meta": sample.meta,
+        # the prompt as the task built it (truncated, before the chat template): audit it against a
+        # prompt rebuilt by the official script without storing long contexts in every record
+        "prompt_sha256": hashlib.sha256(sample.prompt.encode("utf-8")).hexdigest(),
     }
     try:
         with injected(sample.id, loaded.model):  # KVBENCH_FAIL_SAMPLES (tests); inert otherwise
@@ -227,6 +231,7 @@ def run_job(cfg: dict, method_preset: str | None = None, method_overrides: list[
     from omegaconf import OmegaConf
 
     method, _ = validate(cfg, experiment=experiment)
+    cfg = absolute_paths(cfg)  # stored and compared absolute (messages above name the paths as typed)
     root = check_output_root(cfg.get("output_root", "results"))
     relpath = job_relpath(cfg, method_preset, method_overrides)
     if method.name == "full" and not (is_ratio(cfg["budget"]) and cfg["budget"] == 1.0):  # budget=1 is 1 token
@@ -334,6 +339,28 @@ def run_selection(cfg: dict) -> dict[str, Any]:
     return {k: v for k, v in sorted(flat.items()) if _under(k, keys)}
 
 
+#: Local paths a job reads its inputs from. They are stored absolute (:func:`absolute_paths`), so
+#: that a rerun from another working directory that would read other files is seen as another
+#: setting, and one that reads the same files is not.
+PATH_KEYS = (("task", "data_dir"), ("task", "haystack_dir"), ("model", "source"))
+
+
+def absolute_paths(cfg: dict) -> dict:
+    """``cfg`` with its relative local input paths (:data:`PATH_KEYS`) made absolute, from the
+    current working directory. ``model.source`` changes only when it names an existing path (a Hub
+    id or ``pypi:`` source stays as written); ``null`` and absolute paths stay as they are."""
+    out = json.loads(json.dumps(cfg, default=str))
+    for section, key in PATH_KEYS:
+        node = out.get(section)
+        value = node.get(key) if isinstance(node, dict) else None
+        if not isinstance(value, str) or not value or Path(value).is_absolute():
+            continue
+        if key == "source" and (value.startswith("pypi") or not Path(value).exists()):
+            continue
+        node[key] = str(Path(value).resolve())
+    return out
+
+
 def _config_changes(stored_text: str, cfg: dict, free: tuple[str, ...]) -> dict[str, tuple[Any, Any]] | None:
     """``{dotted key: (stored, ours)}`` for the keys that differ, keys under ``free`` aside.
 
@@ -347,7 +374,8 @@ def _config_changes(stored_text: str, cfg: dict, free: tuple[str, ...]) -> dict[
         return None
     if not isinstance(stored, dict):
         return None
-    old, new = _flatten(stored), _flatten(json.loads(json.dumps(cfg, default=str)))
+    # a config.yaml stored before paths were made absolute: read its paths from here, as its run did
+    old, new = _flatten(absolute_paths(stored)), _flatten(absolute_paths(cfg))
     return {
         k: (old.get(k), new.get(k))
         for k in sorted(old.keys() | new.keys())

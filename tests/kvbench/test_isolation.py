@@ -66,8 +66,10 @@ def engine_for(loaded, method=None, budget=1.0):
 
 
 def test_a_good_sample_is_scored(loaded):
-    rec = run_sample(engine_for(loaded), loaded, ConstTask(), sample("ok"))
+    rec = run_sample(engine_for(loaded), loaded, ConstTask(), sample("ok", prompt="héllo wörld"))
     assert rec["error"] is None and rec["score"] == 1.0 and rec["generated_tokens"] == 3
+    # sha256 of the UTF-8 prompt text (printf 'héllo wörld' | sha256sum)
+    assert rec["prompt_sha256"] == "a1003f7d04a4115711d0b48a2eaf1359ce565d2d2a6fd65098dfcffadeeef59f"
 
 
 @pytest.mark.parametrize(
@@ -244,3 +246,30 @@ def test_a_grid_the_task_skips_entirely_is_a_config_error(tiny_model_dir, tmp_pa
     assert line.startswith("error: task.context_lengths=[5, 6]: every sample was skipped (context length 5 tokens "
                            "leaves no room for the haystack") and line.endswith("; 1 more skipped); nothing to run")
     assert not (tmp_path / "job" / "config.yaml").exists()
+
+
+def test_a_relative_input_path_is_stored_absolute_and_checked_by_what_it_reads(tiny_model_dir, tmp_path):
+    """``task.haystack_dir=essays`` from two working directories names two folders: the job stores
+    the absolute path, so the rerun from elsewhere (other essays) is refused as another setting,
+    and the rerun from the first directory resumes."""
+    import yaml
+
+    from tests.kvbench.cli_util import make_haystack_dir
+
+    first, second = tmp_path / "a", tmp_path / "b"
+    make_haystack_dir(first / "essays")
+    (second / "essays").mkdir(parents=True)
+    (second / "essays" / "other.txt").write_text("A different essay about mountains and snow. " * 60)
+    args = [*tiny_model_args(tiny_model_dir), "task.context_lengths=[300]", "task.depth_percents=[0,50]",
+            "task.haystack_dir=essays", "method=streamingllm", "budget=0.5", "task.max_new_tokens=2", "quiet=true",
+            f"output_root={tmp_path / 'out'}", "run_name=job", "max_samples=1"]
+    assert run_cli(args, cwd=first).returncode == 0
+    job = tmp_path / "out" / "job"
+    stored = yaml.safe_load((job / "config.yaml").read_text())
+    assert stored["task"]["haystack_dir"] == str((first / "essays").resolve())
+    elsewhere = run_cli([a for a in args if a != "max_samples=1"], cwd=second)
+    assert elsewhere.returncode == 2, elsewhere.stderr[-2000:]
+    assert "task.haystack_dir" in elsewhere.stderr and "another setting" in elsewhere.stderr
+    again = run_cli([a for a in args if a != "max_samples=1"], cwd=first)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert [r["id"] for r in read_lines(job / "predictions.jsonl")] == ["niah/300/0", "niah/300/50"]
