@@ -18,25 +18,41 @@ from __future__ import annotations
 
 import sys
 
-import hydra
-from omegaconf import DictConfig
-
-from kvbench.cli_guard import normalize_argv, precheck_argv
+from kvbench.signals import stop_at_once, stop_code, stop_message  # standard library only
 
 
-@hydra.main(version_base="1.3", config_path="conf", config_name="config")
-def main(cfg: DictConfig) -> int:
-    """Run one job (or one job of a sweep); see kvbench.runner.hydra_main."""
-    from kvbench.runner import hydra_main  # imported here: torch loads after the pre-check
+def run() -> int:
+    """Pre-check the command line, then run the Hydra app; returns the exit code of a sweep (a
+    single run exits inside). Hydra, torch and the project import here, inside the caller's
+    Ctrl-C/SIGTERM guard."""
+    import hydra
+    from omegaconf import DictConfig
 
-    return hydra_main(cfg)
+    from kvbench.cli_guard import normalize_argv, precheck_argv
 
+    @hydra.main(version_base="1.3", config_path="conf", config_name="config")
+    def main(cfg: DictConfig) -> int:
+        """Run one job (or one job of a sweep); see kvbench.runner.hydra_main."""
+        from kvbench.runner import hydra_main  # imported here: torch loads after the pre-check
 
-if __name__ == "__main__":
+        return hydra_main(cfg)
+
     # Bad configuration: one line `error: ...`, exit code 2, before Hydra starts (kvbench.cli_guard).
     sys.argv[1:] = normalize_argv(sys.argv[1:])
     precheck_argv(sys.argv[1:])
     main()  # a single run exits inside; a sweep returns here when its last job is done
     from kvbench.runner import finish_sweep
 
-    sys.exit(finish_sweep())  # a local sweep: one line per failed job, exit code > 0 if any
+    return finish_sweep()  # a local sweep: one line per failed job, exit code > 0 if any
+
+
+if __name__ == "__main__":
+    # Ctrl-C / SIGTERM outside the sample loop (start-up, imports, model load, between the jobs of
+    # a local sweep): the same one line and exit code as inside it, at once (kvbench.signals).
+    stop_at_once()
+    try:
+        code = run()
+    except KeyboardInterrupt as stop:
+        print(stop_message(stop), file=sys.stderr, flush=True)
+        code = stop_code(stop)
+    sys.exit(code)

@@ -7,6 +7,7 @@ and the job goes on; the exit code is 1 when any sample failed.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -247,7 +248,8 @@ def run_job(cfg: dict, method_preset: str | None = None, method_overrides: list[
         config_text = OmegaConf.to_yaml(OmegaConf.create(cfg))
         done_summary = _complete_summary(store, cfg)
         if done_summary is not None:  # a resubmitted sweep: this job is finished, no model load
-            log.info("job %s: already complete (%d samples stored); nothing to do", relpath, done_summary["n_samples"])
+            n = done_summary["n_samples"]
+            log.info("job %s: already complete (%d sample%s stored); nothing to do", relpath, n, "" if n == 1 else "s")
             print_summary(done_summary, store.path)
             return EXIT_SAMPLE_FAILED if done_summary["n_failed"] else EXIT_OK
         _check_same_job(store, cfg, relpath)
@@ -447,6 +449,24 @@ def _unique(samples: list[Sample]) -> list[Sample]:
     return out
 
 
+@contextlib.contextmanager
+def _stops_by_exception():
+    """Ctrl-C/SIGTERM raise inside the block (the sample loop) when the process stops at once
+    outside it (``run.py``'s :func:`kvbench.signals.stop_at_once`); restored after."""
+    import signal
+
+    from .signals import _exit_now, stop_at_once, stop_by_exception
+
+    at_once = signal.getsignal(signal.SIGINT) is _exit_now
+    if at_once:
+        stop_by_exception()
+    try:
+        yield
+    finally:
+        if at_once:
+            stop_at_once()
+
+
 def _loop(engine: Engine, loaded: LoadedModel, task: Task, todo: list[Sample], store: JobStore, quiet: bool) -> int:
     from tqdm import tqdm
     from tqdm.contrib.logging import logging_redirect_tqdm
@@ -457,8 +477,9 @@ def _loop(engine: Engine, loaded: LoadedModel, task: Task, todo: list[Sample], s
     # sample instead of the bar's carriage-return redraws.
     interactive = sys.stderr.isatty()
     bar = tqdm(todo, desc="samples", unit="sample", disable=quiet or not todo or not interactive, dynamic_ncols=True)
-    # Log lines (warnings) are printed above the bar instead of into its line.
-    with logging_redirect_tqdm():
+    # Log lines (warnings) are printed above the bar instead of into its line. Ctrl-C/SIGTERM
+    # raise here, between whole records (kvbench.signals); outside the loop they exit at once.
+    with logging_redirect_tqdm(), _stops_by_exception():
         for i, sample in enumerate(bar, 1):
             crash_point("sample")
             rec = run_sample(engine, loaded, task, sample)
@@ -476,8 +497,8 @@ def _loop(engine: Engine, loaded: LoadedModel, task: Task, todo: list[Sample], s
             if not interactive and not quiet:
                 outcome = (f"score {100 * rec['score']:.2f}, {rec['decode_tok_s']:.1f} tok/s" if rec["error"] is None
                            else f"failed ({rec['error']['type']})")
-                mean = f"mean_score {100 * sum(scores) / len(scores):.2f}" if scores else "no score yet"
-                log.info("sample %d/%d %s: %s; %s", i, len(todo), rec["id"], outcome, mean)
+                mean = f"; mean_score {100 * sum(scores) / len(scores):.2f}" if scores else ""
+                log.info("sample %d/%d %s: %s%s", i, len(todo), rec["id"], outcome, mean)
     return failed
 
 

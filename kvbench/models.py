@@ -270,16 +270,28 @@ def _progress_bars(off: bool) -> Iterator[None]:
     Off for cached loads (seconds), and when stderr is not a terminal: in a log file the bar's
     redraws become one line of hundreds of updates.
     """
+    import functools
+
     from transformers.utils import logging as hf_logging
 
     before = hf_logging.is_progress_bar_enabled()
+    # The GGUF de-quantizing loop uses tqdm directly, not transformers' switchable bar
+    gguf_utils = sys.modules.get("transformers.modeling_gguf_pytorch_utils")
+    if off and gguf_utils is None:
+        with contextlib.suppress(ImportError):
+            import transformers.modeling_gguf_pytorch_utils as gguf_utils
+    gguf_tqdm = getattr(gguf_utils, "tqdm", None)
     if off:
         hf_logging.disable_progress_bar()
+        if gguf_tqdm is not None:
+            gguf_utils.tqdm = functools.partial(gguf_tqdm, disable=True)
     try:
         yield
     finally:
         if off and before:
             hf_logging.enable_progress_bar()
+        if off and gguf_tqdm is not None:
+            gguf_utils.tqdm = gguf_tqdm
 
 
 STALE_TEMP_S = 600  # seconds: an unfinished conversion temp folder older than this is abandoned
@@ -419,7 +431,8 @@ def load_model(model_cfg: dict, device: str = "auto") -> LoadedModel:
                 raise
             raise _offline_error(model_cfg, err) from None
         if cache is not None:
-            _write_cache(cache, tokenizer, model)
+            with _progress_bars(off=not sys.stderr.isatty()):  # save_pretrained's shard bar
+                _write_cache(cache, tokenizer, model)
             model.to(dtype)
     if not model_cfg.get("device_map"):
         model.to(dev)

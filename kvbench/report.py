@@ -244,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
             index.append(f"- {family}: no inputs in this results root")
         for a in arts:
             paths = write_table(a, out) if isinstance(a, Table) else write_figure(a, out)
-            missing = f", {len(a.notes)} note(s) on missing inputs" if a.notes else ""
+            missing = f", {len(a.notes)} note(s): missing inputs, unfinished or partial jobs" if a.notes else ""
             index.append(f"- {a.name}: {', '.join(q.name for q in paths)} ({len(a.sources)} job{'s' if len(a.sources) != 1 else ''}{missing})")
             print(f"wrote {a.name}{missing}")
     out.mkdir(parents=True, exist_ok=True)

@@ -152,15 +152,23 @@ def _max_input_tokens(cfg: dict, setting: str) -> float:
     return float(m.group(1)) if m else math.nan
 
 
-def _subset(cfg: dict) -> str:
-    """The keys that limited a job to part of each dataset (``task.n_samples=1``,
-    ``max_samples=5``), as typed; ``""`` for a job over whole datasets (or a NIAH grid)."""
+def _subset(cfg: dict, summary: dict) -> str:
+    """The keys that limited a job's scored run to part of each dataset (``task.n_samples=1``,
+    ``max_samples=5``); ``""`` for a run over whole datasets (or a NIAH grid).
+
+    Read from the summary's ``selection`` (the run the summary scores: a rerun may change the
+    sample count), else from ``config.yaml`` (the first run's)."""
+    selection = summary.get("selection") if isinstance(summary.get("selection"), dict) else None
     task = cfg.get("task") or {}
+    if selection is not None:
+        n_samples, max_samples = selection.get("task.n_samples"), selection.get("max_samples")
+    else:
+        n_samples, max_samples = task.get("n_samples"), cfg.get("max_samples")
     parts = []
-    if task.get("name") != "niah" and task.get("n_samples") is not None:
-        parts.append(f"task.n_samples={task['n_samples']}")
-    if cfg.get("max_samples") is not None:
-        parts.append(f"max_samples={cfg['max_samples']}")
+    if task.get("name") != "niah" and n_samples is not None:
+        parts.append(f"task.n_samples={n_samples}")
+    if max_samples is not None:
+        parts.append(f"max_samples={max_samples}")
     return " ".join(parts)
 
 
@@ -192,7 +200,7 @@ def _job_rows(root: Path, job_dir: Path) -> list[dict]:
         "tagged": bool(tag) and tag != setting,
         "n_expected": summary.get("n_expected"),
         "complete": bool(summary.get("complete", False)),
-        "subset": _subset(cfg),
+        "subset": _subset(cfg, summary),
     }
     by_ds: dict[str, list[dict]] = {}
     for r in records:

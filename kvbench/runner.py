@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import logging
-import signal
 import sys
-import threading
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -13,27 +11,8 @@ from eval.base import TaskConfigError
 from methods.base import ConfigError
 
 from .job import EXIT_CONFIG, EXIT_INTERRUPTED, EXIT_LOCKED, EXIT_TERMINATED, run_job
+from .signals import on_sigterm, stop_code, stop_message
 from .store import JobLockedError, job_relpath
-
-
-class Terminated(KeyboardInterrupt):
-    """SIGTERM in a single run (``kill PID``, ``scancel`` of a plain ``sbatch`` job): raised like
-    Ctrl-C, so the job stops the same way (finished samples stored, nothing half-written kept)."""
-
-
-def _raise_terminated(signum, frame):  # noqa: ARG001 - signal handler signature
-    raise Terminated()
-
-
-def _on_sigterm() -> bool:
-    """Turn SIGTERM into :class:`Terminated` in the main thread, unless a launcher owns the signal
-    (submitit installs its own handlers for preemption and requeueing). Returns whether it did."""
-    if threading.current_thread() is not threading.main_thread():
-        return False
-    if signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, None):
-        return False
-    signal.signal(signal.SIGTERM, _raise_terminated)
-    return True
 
 
 #: ``(job folder, exit code)`` of every job this process ran in a local sweep (Hydra's basic
@@ -65,7 +44,8 @@ def finish_sweep() -> int:
     for job, code in failed:
         print(f"error: sweep job {job} exited {code}: {_EXIT_MEANING.get(code, 'failed')}", file=sys.stderr, flush=True)
     if failed:
-        print(f"sweep: {len(failed)} of {len(SWEEP_JOBS)} jobs did not finish cleanly; rerun the same command "
+        fix = "fix the configuration errors above, then " if any(code == EXIT_CONFIG for _, code in failed) else ""
+        print(f"sweep: {len(failed)} of {len(SWEEP_JOBS)} jobs did not finish cleanly; {fix}rerun the same command "
               "to retry them (finished jobs are skipped)", file=sys.stderr, flush=True)
     return max((code for _, code in failed), default=0)
 
@@ -98,7 +78,7 @@ def hydra_main(cfg: DictConfig) -> int:
         logging.getLogger(noisy).setLevel(logging.ERROR)
     plain = OmegaConf.to_container(cfg, resolve=True)
     if not multirun or local:
-        _on_sigterm()
+        on_sigterm()  # outside run.py (tests); run.py has made both signals stop at once outside the sample loop
     try:
         code = run_job(plain, choice, method_overrides, experiment)
     except (ConfigError, TaskConfigError) as e:
@@ -108,9 +88,8 @@ def hydra_main(cfg: DictConfig) -> int:
         print(f"error: {e}", file=sys.stderr, flush=True)
         code = EXIT_LOCKED
     except KeyboardInterrupt as e:
-        what = "terminated (SIGTERM)" if isinstance(e, Terminated) else "interrupted"
-        print(f"{what}: every finished sample is stored; rerun the same command to resume", file=sys.stderr, flush=True)
-        code = EXIT_TERMINATED if isinstance(e, Terminated) else EXIT_INTERRUPTED
+        print(stop_message(e), file=sys.stderr, flush=True)
+        code = stop_code(e)
     if local:
         if code in (EXIT_INTERRUPTED, EXIT_TERMINATED):
             raise SystemExit(code)  # the user stopped the sweep, not just this job (Hydra lets SystemExit through)

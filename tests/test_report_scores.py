@@ -10,6 +10,7 @@ SelKV job at 256 tokens lacks hotpotqa (and is incomplete). Job folders are writ
 from __future__ import annotations
 
 import csv
+import json
 import math
 from pathlib import Path
 
@@ -99,7 +100,7 @@ def test_cli_only_scores_writes_only_them(sweep, tmp_path):
         f"scores_{t}_tiny.{ext}" for t in ("longbench", "niah") for ext in ("md", "tex", "csv", "sources.txt")}
     index = (out / "index.md").read_text()
     assert "- scores_longbench_tiny: scores_longbench_tiny.md, scores_longbench_tiny.tex, scores_longbench_tiny.csv" \
-        " (5 jobs, 2 note(s) on missing inputs)" in index
+        " (5 jobs, 2 note(s): missing inputs, unfinished or partial jobs)" in index
     assert "- scores_niah_tiny: " in index and "selkv_table1" not in index
     md = (out / "scores_longbench_tiny.md").read_text()
     assert "| Method | Budget | Qasp | HpQA | Avg | n |" in md
@@ -196,3 +197,8 @@ def test_jobs_over_part_of_each_dataset_are_noted_in_score_and_paper_tables(tmp_
     assert grid.notes == [note]  # the full-cache job ran whole datasets: no note
     assert "Notes (a missing cell is shown as –):\n- " + note in report.to_markdown(table)
     assert (n_datasets(1), n_datasets(16)) == ("1 dataset", "16 datasets")
+    # the summary's selection (its run) wins over config.yaml (the first run): rerun on whole datasets
+    summary_path = tmp_path / "longbench/tiny/snapkv/b0.25/summary.json"
+    summary = json.loads(summary_path.read_text())
+    summary_path.write_text(json.dumps({**summary, "selection": {"task.n_samples": None, "max_samples": None}}))
+    assert score_tables(report.load_results(tmp_path))[0].notes == []

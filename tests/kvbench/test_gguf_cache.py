@@ -156,10 +156,14 @@ def test_loading_bars_are_off_inside_the_block_and_restored_after():
 
     from kvbench.models import _progress_bars
 
+    import transformers.modeling_gguf_pytorch_utils as gguf_utils
+
     hf_logging.enable_progress_bar()
+    original = gguf_utils.tqdm
     with _progress_bars(off=True):
         assert not hf_logging.is_progress_bar_enabled()
-    assert hf_logging.is_progress_bar_enabled()
+        assert gguf_utils.tqdm([1]).disable  # the GGUF de-quantizing loop's own tqdm bar too
+    assert hf_logging.is_progress_bar_enabled() and gguf_utils.tqdm is original
     with _progress_bars(off=False):
         assert hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()

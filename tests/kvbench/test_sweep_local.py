@@ -62,3 +62,21 @@ def test_a_signal_stops_the_whole_sweep_and_the_same_command_resumes(tiny_model_
     for method in ("snapkv", "pyramidkv"):
         ids = [r["id"] for r in read_lines(tmp_path / f"niah/tiny/{method}/b0.5/predictions.jsonl")]
         assert len(ids) == len(set(ids)) == 6
+
+
+@pytest.mark.parametrize("sig, code, what", [(signal.SIGINT, 130, "interrupted"),
+                                             (signal.SIGTERM, 143, "terminated (SIGTERM)")])
+def test_a_signal_during_start_up_gives_the_line_not_a_traceback(tiny_model_dir, haystack_dir, tmp_path, sig, code,
+                                                                 what):
+    """Ctrl-C or SIGTERM while run.py still imports Hydra and torch (no job running yet): the same
+    one line and exit code as inside a job."""
+    args = [*tiny_model_args(tiny_model_dir), *GRID, f"task.haystack_dir={haystack_dir}", f"output_root={tmp_path}"]
+    proc = subprocess.Popen([sys.executable, str(ROOT / "run.py"), *args], cwd=ROOT, env=cli_env(),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    time.sleep(0.8)  # the interpreter is up; the imports take seconds
+    assert proc.poll() is None
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == code, err[-2000:]
+    assert "Traceback" not in err and err.strip().splitlines()[-1] == (
+        f"{what}: every finished sample is stored; rerun the same command to resume")

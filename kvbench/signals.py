@@ -1,0 +1,83 @@
+"""Ctrl-C and SIGTERM as one clean stop: one line, exit code 130 or 143, nothing lost.
+
+Two modes, switched by the job (standard library only, so ``run.py`` can set the first before
+importing Hydra or torch):
+
+* :func:`stop_at_once` (start-up, model load, between the jobs of a local sweep, after the
+  last): print the line and exit at once. Nothing is half-written there that a ``kill -9``
+  would not also leave safely (the results store is kill-safe: atomic files, ``flock``), and an
+  exception raised inside a library's import or loading code may be caught and re-raised as
+  another error (transformers' lazy imports turn it into ``ModuleNotFoundError``).
+* :func:`stop_by_exception` (while samples run, :func:`kvbench.job._loop`): raise
+  ``KeyboardInterrupt`` / :class:`Terminated` so the job finishes writing the current record
+  boundary cleanly and its caller prints the line.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+
+EXIT_INTERRUPTED, EXIT_TERMINATED = 130, 143
+STOP_HINT = "every finished sample is stored; rerun the same command to resume"
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (``kill PID``, ``scancel`` of a plain ``sbatch`` job): raised like Ctrl-C, so the
+    job stops the same way (finished samples stored, nothing half-written kept)."""
+
+
+def _raise_terminated(signum, frame):  # noqa: ARG001 - signal handler signature
+    raise Terminated()
+
+
+def on_sigterm() -> bool:
+    """Turn SIGTERM into :class:`Terminated` in the main thread, unless a launcher owns the signal
+    (submitit installs its own handlers for preemption and requeueing). Returns whether it did."""
+    if threading.current_thread() is not threading.main_thread():
+        return False
+    if signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, None, _raise_terminated):
+        return False  # a launcher's handler, or run.py's stop_at_once (kept)
+    signal.signal(signal.SIGTERM, _raise_terminated)
+    return True
+
+
+def stop_message(err: KeyboardInterrupt) -> str:
+    """The one line printed for a stop: ``interrupted: …`` or ``terminated (SIGTERM): …``."""
+    return f"{'terminated (SIGTERM)' if isinstance(err, Terminated) else 'interrupted'}: {STOP_HINT}"
+
+
+def stop_code(err: KeyboardInterrupt) -> int:
+    """130 for Ctrl-C, 143 for SIGTERM."""
+    return EXIT_TERMINATED if isinstance(err, Terminated) else EXIT_INTERRUPTED
+
+
+def _exit_now(signum, frame):  # noqa: ARG001 - signal handler signature
+    err = Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
+    os.write(2, (stop_message(err) + "\n").encode())
+    os._exit(stop_code(err))
+
+
+def _owned_by_launcher() -> bool:
+    return signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, None, _raise_terminated, _exit_now)
+
+
+def stop_at_once() -> None:
+    """Ctrl-C and SIGTERM print the stop line and exit at once (main thread only; SIGTERM left to a
+    launcher that installed its own handler, e.g. submitit)."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    signal.signal(signal.SIGINT, _exit_now)
+    if not _owned_by_launcher():
+        signal.signal(signal.SIGTERM, _exit_now)
+
+
+def stop_by_exception() -> None:
+    """Ctrl-C raises ``KeyboardInterrupt`` and SIGTERM :class:`Terminated` (main thread only; SIGTERM
+    left to a launcher that installed its own handler)."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    if not _owned_by_launcher():
+        signal.signal(signal.SIGTERM, _raise_terminated)
