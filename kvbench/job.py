@@ -7,7 +7,6 @@ and the job goes on; the exit code is 1 when any sample failed.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import logging
@@ -27,12 +26,13 @@ from methods.base import ConfigError, is_ratio
 from .engine import Engine
 from .faults import crash_point, injected
 from .models import LoadedModel, load_model
+from .signals import stops_by_exception
 from .store import JobStore, job_relpath
 from .validate import check_output_root, validate
 
 log = logging.getLogger("kvbench")
 
-EXIT_OK, EXIT_SAMPLE_FAILED, EXIT_CONFIG, EXIT_LOCKED, EXIT_INTERRUPTED, EXIT_TERMINATED = 0, 1, 2, 3, 130, 143
+EXIT_OK, EXIT_SAMPLE_FAILED, EXIT_CONFIG, EXIT_LOCKED = 0, 1, 2, 3  # 130/143: kvbench.signals
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -449,24 +449,6 @@ def _unique(samples: list[Sample]) -> list[Sample]:
     return out
 
 
-@contextlib.contextmanager
-def _stops_by_exception():
-    """Ctrl-C/SIGTERM raise inside the block (the sample loop) when the process stops at once
-    outside it (``run.py``'s :func:`kvbench.signals.stop_at_once`); restored after."""
-    import signal
-
-    from .signals import _exit_now, stop_at_once, stop_by_exception
-
-    at_once = signal.getsignal(signal.SIGINT) is _exit_now
-    if at_once:
-        stop_by_exception()
-    try:
-        yield
-    finally:
-        if at_once:
-            stop_at_once()
-
-
 def _loop(engine: Engine, loaded: LoadedModel, task: Task, todo: list[Sample], store: JobStore, quiet: bool) -> int:
     from tqdm import tqdm
     from tqdm.contrib.logging import logging_redirect_tqdm
@@ -479,7 +461,7 @@ def _loop(engine: Engine, loaded: LoadedModel, task: Task, todo: list[Sample], s
     bar = tqdm(todo, desc="samples", unit="sample", disable=quiet or not todo or not interactive, dynamic_ncols=True)
     # Log lines (warnings) are printed above the bar instead of into its line. Ctrl-C/SIGTERM
     # raise here, between whole records (kvbench.signals); outside the loop they exit at once.
-    with logging_redirect_tqdm(), _stops_by_exception():
+    with logging_redirect_tqdm(), stops_by_exception():
         for i, sample in enumerate(bar, 1):
             crash_point("sample")
             rec = run_sample(engine, loaded, task, sample)

@@ -14,12 +14,12 @@ import math
 import pandas as pd
 
 from .report_data import (
-    n_datasets,
     DATASET_ABBR,
     budget_semantics,
     budget_text,
     cell_scores,
     main_labels,
+    n_datasets,
     order_datasets,
     variants,
 )

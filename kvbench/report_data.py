@@ -152,6 +152,17 @@ def _max_input_tokens(cfg: dict, setting: str) -> float:
     return float(m.group(1)) if m else math.nan
 
 
+def subset_notes(rows: pd.DataFrame, jobs: Iterable[str]) -> list[str]:
+    """One note per job of ``jobs`` that scored only part of each dataset (its ``subset`` column)."""
+    notes = []
+    for job in jobs:
+        subset = rows.loc[rows["job"] == job, "subset"].iloc[0]
+        if subset:
+            notes.append(f"subset: {job} scored part of each dataset only ({subset}); not comparable to "
+                         "whole-dataset scores")
+    return notes
+
+
 def _subset(cfg: dict, summary: dict) -> str:
     """The keys that limited a job's scored run to part of each dataset (``task.n_samples=1``,
     ``max_samples=5``); ``""`` for a run over whole datasets (or a NIAH grid).

@@ -16,12 +16,12 @@ from matplotlib.patches import Patch
 
 from .plots import SCORE_LABEL, add_caption, draw_niah_heatmap, plt
 from .report_data import (
-    n_datasets,
     FULL,
     budget_semantics,
     budget_text,
     is_ratio_budget,
     method_sort_key,
+    n_datasets,
     niah_grid_records,
     order_datasets,
 )

@@ -23,6 +23,7 @@ from .report_data import (
     method_sort_key,
     order_datasets,
     pick_variant,
+    subset_notes,
 )
 
 MODEL_ORDER = ["llama31", "gemma2", "longchat", "mistral", "qwen25_14b", "qwen25_32b"]
@@ -146,11 +147,8 @@ def score_grid(df: pd.DataFrame, task: str, budget: float, models: list[str] | N
                 scored[job] = scored.get(job, 0) + int(n)
         for job, n in scored.items():
             grid.note(mk, f"incomplete: {job} ({n} samples scored; the job has not finished: rerun it)")
-        for job in grid.cell_jobs[(mk, key)]:
-            subset = rows.loc[rows["job"] == job, "subset"].iloc[0]
-            if subset:
-                grid.note(mk, f"subset: {job} scored part of each dataset only ({subset}); not comparable to "
-                              "whole-dataset scores")
+        for note in subset_notes(rows, grid.cell_jobs[(mk, key)]):
+            grid.note(mk, note)
 
     for mk in model_keys:
         frows = full_rows(df, task, mk)

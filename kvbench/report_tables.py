@@ -18,7 +18,6 @@ from typing import Iterable
 import pandas as pd
 
 from .report_data import (
-    n_datasets,
     DATASET_ABBR,
     DATASET_CATEGORY,
     FULL,
@@ -29,8 +28,10 @@ from .report_data import (
     cell_scores,
     is_ratio_budget,
     method_sort_key,
+    n_datasets,
     niah_grid,
     order_datasets,
+    subset_notes,
     variants,
 )
 from .report_grid import Grid, average_rank, model_sort_key, score_grid
@@ -392,11 +393,7 @@ def score_tables(df: pd.DataFrame, root: Path | None = None) -> list[Table]:
                     pending[job] = pending.get(job, 0) + int(n)
             notes += [f"incomplete: {job} ({n} samples scored; the job has not finished: rerun it)"
                       for job, n in pending.items()]
-            for job in used:
-                subset = rows_k.loc[rows_k["job"] == job, "subset"].iloc[0]
-                if subset:
-                    notes.append(f"subset: {job} scored part of each dataset only ({subset}); not comparable "
-                                 "to whole-dataset scores")
+            notes += subset_notes(rows_k, used)
             if pending:
                 incomplete.add(len(rows) - 1)
         if task == "niah":  # scores of different grids are not comparable: say so

@@ -10,8 +10,8 @@ from omegaconf import DictConfig, OmegaConf
 from eval.base import TaskConfigError
 from methods.base import ConfigError
 
-from .job import EXIT_CONFIG, EXIT_INTERRUPTED, EXIT_LOCKED, EXIT_TERMINATED, run_job
-from .signals import on_sigterm, stop_code, stop_message
+from .job import EXIT_CONFIG, EXIT_LOCKED, run_job
+from .signals import EXIT_INTERRUPTED, EXIT_TERMINATED, stop_code, stop_message
 from .store import JobLockedError, job_relpath
 
 
@@ -77,8 +77,6 @@ def hydra_main(cfg: DictConfig) -> int:
     for noisy in ("transformers", "datasets", "httpx", "urllib3", "huggingface_hub"):
         logging.getLogger(noisy).setLevel(logging.ERROR)
     plain = OmegaConf.to_container(cfg, resolve=True)
-    if not multirun or local:
-        on_sigterm()  # outside run.py (tests); run.py has made both signals stop at once outside the sample loop
     try:
         code = run_job(plain, choice, method_overrides, experiment)
     except (ConfigError, TaskConfigError) as e:

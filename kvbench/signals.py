@@ -8,16 +8,18 @@ importing Hydra or torch):
   would not also leave safely (the results store is kill-safe: atomic files, ``flock``), and an
   exception raised inside a library's import or loading code may be caught and re-raised as
   another error (transformers' lazy imports turn it into ``ModuleNotFoundError``).
-* :func:`stop_by_exception` (while samples run, :func:`kvbench.job._loop`): raise
+* :func:`stops_by_exception` (while samples run, :func:`kvbench.job._loop`): raise
   ``KeyboardInterrupt`` / :class:`Terminated` so the job finishes writing the current record
   boundary cleanly and its caller prints the line.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
+from typing import Iterator
 
 EXIT_INTERRUPTED, EXIT_TERMINATED = 130, 143
 STOP_HINT = "every finished sample is stored; rerun the same command to resume"
@@ -30,17 +32,6 @@ class Terminated(KeyboardInterrupt):
 
 def _raise_terminated(signum, frame):  # noqa: ARG001 - signal handler signature
     raise Terminated()
-
-
-def on_sigterm() -> bool:
-    """Turn SIGTERM into :class:`Terminated` in the main thread, unless a launcher owns the signal
-    (submitit installs its own handlers for preemption and requeueing). Returns whether it did."""
-    if threading.current_thread() is not threading.main_thread():
-        return False
-    if signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, None, _raise_terminated):
-        return False  # a launcher's handler, or run.py's stop_at_once (kept)
-    signal.signal(signal.SIGTERM, _raise_terminated)
-    return True
 
 
 def stop_message(err: KeyboardInterrupt) -> str:
@@ -59,25 +50,32 @@ def _exit_now(signum, frame):  # noqa: ARG001 - signal handler signature
     os._exit(stop_code(err))
 
 
-def _owned_by_launcher() -> bool:
-    return signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, None, _raise_terminated, _exit_now)
-
-
 def stop_at_once() -> None:
     """Ctrl-C and SIGTERM print the stop line and exit at once (main thread only; SIGTERM left to a
     launcher that installed its own handler, e.g. submitit)."""
     if threading.current_thread() is not threading.main_thread():
         return
     signal.signal(signal.SIGINT, _exit_now)
-    if not _owned_by_launcher():
+    if signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None):  # else a launcher's own handler
         signal.signal(signal.SIGTERM, _exit_now)
 
 
-def stop_by_exception() -> None:
-    """Ctrl-C raises ``KeyboardInterrupt`` and SIGTERM :class:`Terminated` (main thread only; SIGTERM
-    left to a launcher that installed its own handler)."""
-    if threading.current_thread() is not threading.main_thread():
+@contextlib.contextmanager
+def stops_by_exception() -> Iterator[None]:
+    """Inside the block (the sample loop) Ctrl-C raises ``KeyboardInterrupt`` and SIGTERM
+    :class:`Terminated`, so the job stops between whole records, where :func:`stop_at_once` is in
+    force (``run.py``); the handlers from before the block are restored after it. Elsewhere (a
+    launcher's worker process, another thread) the block runs with the handlers it has.
+    """
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is not _exit_now:
+        yield
         return
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    if not _owned_by_launcher():
+    if before[signal.SIGTERM] is _exit_now:  # not a launcher's own handler
         signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        yield
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
