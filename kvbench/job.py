@@ -131,6 +131,7 @@ def summarize(
         "n_samples": len(ok),
         "n_failed": sum(1 for r in records if r.get("error") is not None),
         "n_expected": len(expected_ids),
+        "n_reused": sum(1 for r in ok if r.get("reused_from")),  # copied from a full-cache job of another budget
         "complete": set(expected_ids) <= done,
         "selection": run_selection(cfg),
         "failed": [{"id": r["id"], **(r.get("error") or {})} for r in records if r.get("error") is not None][:100],
@@ -237,7 +238,8 @@ def run_job(cfg: dict, method_preset: str | None = None, method_overrides: list[
     relpath = job_relpath(cfg, method_preset, method_overrides)
     if method.name == "full" and not (is_ratio(cfg["budget"]) and cfg["budget"] == 1.0):  # budget=1 is 1 token
         log.warning("method=full keeps every token: budget=%s does not change what this job computes "
-                    "(its folder is %s; budget=1.0 names the usual full-cache job)", cfg["budget"], relpath)
+                    "(its folder is %s; budget=1.0 names the usual full-cache job; samples a full-cache job of "
+                    "another budget has stored are copied, not recomputed: reuse_full)", cfg["budget"], relpath)
     if not (root / relpath).resolve().is_relative_to(root):
         raise ConfigError(f"job folder {relpath}: resolves outside output_root={root}; check run_name and model.name")
     shard = (int(cfg["shard"]["index"]), int(cfg["shard"]["count"]))
@@ -288,6 +290,8 @@ def run_job(cfg: dict, method_preset: str | None = None, method_overrides: list[
         env["haystack_source"] = getattr(task, "haystack_source", None)
         store.write_json("env.json" if shard[1] == 1 else f"env.shard{shard[0]}.json", env)
         done = store.done_ids()
+        if method.name == "full" and cfg.get("reuse_full", True) and not cfg.get("run_name"):
+            done |= reuse_full_cache_samples(store, root, cfg, [s for s in mine if s.id not in done])
         todo = [s for s in mine if s.id not in done]
         log.info(
             "job %s: samples in this shard: %d, already stored: %d, to run: %d (compressible layers: %d of %d)",
@@ -309,7 +313,7 @@ def run_job(cfg: dict, method_preset: str | None = None, method_overrides: list[
 
 #: Keys that control how a job runs, not what it computes: a rerun that differs only in these
 #: is the same job (no new ``config.<time>.yaml``, and a finished job is not run again).
-RUN_CONTROL_KEYS = ("quiet", "lock_wait_s", "output_root", "threads")
+RUN_CONTROL_KEYS = ("quiet", "lock_wait_s", "output_root", "threads", "reuse_full")
 
 
 #: Keys that may differ between runs of one job folder: they choose which samples run (the
@@ -407,6 +411,63 @@ def _check_same_job(store: JobStore, cfg: dict, relpath: str) -> None:
             f"{key}={diff[key][1]}: job folder {relpath} already holds samples run with another setting ({shown}); "
             "pass run_tag=NAME (a separate job folder) or another output_root to keep both"
         )
+
+
+def reuse_full_cache_samples(store: JobStore, root: Path, cfg: dict, todo: list[Sample]) -> set[str]:
+    """Copy into ``store`` the finished samples of ``todo`` that a full-cache job of another budget holds.
+
+    The full cache keeps every token, so a ``method=full`` job computes the same predictions at
+    every budget; a paper preset's sweep (method × budget) would otherwise compute them once per
+    budget. A sibling is another folder of this job's ``<task>/<model>/<method preset>/`` whose
+    ``config.yaml`` is a full-cache job equal to ``cfg`` in every key but ``budget`` (and the
+    sample-selection and run-control keys, :data:`SAMPLE_SELECTION_KEYS`,
+    :data:`RUN_CONTROL_KEYS`). A sample is copied only from a record stored without error
+    whose ``prompt_sha256`` is the hash of this sample's prompt; the copy is the sibling's
+    record (predictions, scores, timings of the run that computed it) plus ``reused_from``:
+    the job folder, relative to ``output_root``, that computed it. Siblings are read as they
+    are when this job starts: jobs running at the same time (SLURM array tasks) do not wait
+    for one another, and each computes what no finished sibling holds.
+
+    Args:
+        store: this job's folder (lock held).
+        root: ``output_root`` (absolute).
+        cfg: this job's resolved config (``method.name == "full"``).
+        todo: this shard's samples not yet stored here.
+
+    Returns:
+        The ids copied (now stored here).
+    """
+    if not todo:
+        return set()
+    wanted = {s.id: hashlib.sha256(s.prompt.encode("utf-8")).hexdigest() for s in todo}
+    copied: set[str] = set()
+    for folder in sorted(p for p in store.path.parent.iterdir() if p.is_dir() and p != store.path):
+        config = folder / "config.yaml"
+        if not config.is_file() or not (folder / "predictions.jsonl").is_file():
+            continue
+        try:
+            diff = _config_changes(config.read_text(encoding="utf-8"), cfg,
+                                   RUN_CONTROL_KEYS + SAMPLE_SELECTION_KEYS + ("budget",))
+        except OSError:
+            continue
+        if diff != {}:
+            continue
+        source = folder.relative_to(root).as_posix()
+        found = []
+        for rec in JobStore(folder).records():
+            sid = rec.get("id")
+            if sid in wanted and sid not in copied and rec.get("error") is None and rec.get("prompt_sha256") == wanted[sid]:
+                found.append({**rec, "reused_from": rec.get("reused_from") or source})
+        for rec in found:
+            store.append(rec)
+            copied.add(rec["id"])
+        if found:
+            log.info("job %s: %d sample%s copied from the full-cache job %s (the same computation at another budget; "
+                     "reuse_full=false recomputes them)", store.path.relative_to(root).as_posix(), len(found),
+                     "" if len(found) == 1 else "s", source)
+        if len(copied) == len(wanted):
+            break
+    return copied
 
 
 def _same_run(stored_text: str, cfg: dict) -> bool:
@@ -507,6 +568,8 @@ def print_summary(summary: dict, path: Path) -> None:
     lines += [f"{ds:<{width}}  {('%.2f' % s) if s is not None else '-':>7}  {n:>4}" for ds, s, n in rows]
     for f in summary.get("failed", [])[:10]:
         lines.append(f"failed: {f['id']}: {f.get('type')}: {str(f.get('message', '')).splitlines()[0][:160] if f.get('message') else ''}")
+    if summary.get("n_reused"):
+        lines.append(f"copied from a full-cache job of another budget: {summary['n_reused']} (see reused_from in the records)")
     if summary.get("n_skipped"):
         lines.append(f"skipped by the task: {summary['n_skipped']} ({'; '.join(str(s.get('reason', s)) for s in summary['skipped'][:3])})")
     t, c = summary["timings"], summary["cache"]

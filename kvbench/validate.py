@@ -188,8 +188,9 @@ def check_top_level(cfg: dict, experiment: str | None = None) -> None:
     wait = cfg.get("lock_wait_s", 0)
     if isinstance(wait, bool) or not isinstance(wait, (int, float)) or wait < 0:
         raise ConfigError(f"lock_wait_s={show(wait)}: must be a number of seconds >= 0")
-    if not isinstance(cfg.get("quiet", False), bool):
-        raise ConfigError(f"quiet={show(cfg.get('quiet'))}: must be true or false")
+    for key in ("quiet", "reuse_full"):
+        if not isinstance(cfg.get(key, False), bool):
+            raise ConfigError(f"{key}={show(cfg.get(key))}: must be true or false")
     check_paths(cfg)
     check_output_root(cfg.get("output_root", "results"))
 
@@ -439,7 +440,7 @@ def validate(cfg: dict, layout: bool = True, experiment: str | None = None) -> t
     not know (then any preset's top-level helper keys are accepted; see :func:`top_level_keys`).
 
     Checks, in order: top-level keys and values (budget: a ratio in (0, 1] or an integer >= 1;
-    seed; device name; shard; max_samples; lock_wait_s; quiet; run_name/run_tag; output root
+    seed; device name; shard; max_samples; lock_wait_s; quiet; reuse_full; run_name/run_tag; output root
     writable), the task (name, keys, its own validation: grid values, data folders), the model
     (keys, dtype, source: package, GGUF magic bytes, path, Hub cache when offline), the method
     (name, keys, field types and values, budget not below what it always keeps), the device's

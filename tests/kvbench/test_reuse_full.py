@@ -1,0 +1,76 @@
+"""Full-cache jobs of a method × budget sweep compute their samples once (``reuse_full``).
+
+The full cache keeps every token, so ``method=full`` at budget 0.25 computes what it computes
+at 0.5: the second job copies the first one's records (``reused_from``) instead of running
+the model on them, and only when every setting but the budget is the same.
+"""
+
+from __future__ import annotations
+
+import json
+
+from tests.kvbench.cli_util import read_lines, run_cli, tiny_model_args
+
+GRID = ["task.context_lengths=[300]", "task.depth_percents=[0,100]", "task.max_new_tokens=4", "quiet=true"]
+
+
+def _args(model_dir, haystack_dir, root, *extra: str) -> list[str]:
+    return [*tiny_model_args(model_dir), *GRID, f"task.haystack_dir={haystack_dir}", f"output_root={root}",
+            "method=full", *extra]
+
+
+def test_a_sweep_over_budgets_computes_the_full_cache_once(tiny_model_dir, haystack_dir, tmp_path):
+    out = run_cli(["-m", *_args(tiny_model_dir, haystack_dir, tmp_path, "budget=0.5,0.25")])
+    assert out.returncode == 0, out.stderr[-2000:]
+    first = read_lines(tmp_path / "niah/tiny/full/b0.5/predictions.jsonl")
+    second = read_lines(tmp_path / "niah/tiny/full/b0.25/predictions.jsonl")
+    assert [r["id"] for r in first] == ["niah/300/0", "niah/300/100"]
+    assert all("reused_from" not in r for r in first)
+    assert [r.pop("reused_from") for r in second] == ["niah/tiny/full/b0.5"] * 2
+    assert second == first  # the same records, timings included: nothing was recomputed
+    assert "2 samples copied from the full-cache job niah/tiny/full/b0.5" in out.stdout + out.stderr
+    summary = json.loads((tmp_path / "niah/tiny/full/b0.25/summary.json").read_text())
+    assert summary["complete"] and summary["n_samples"] == 2 and summary["n_reused"] == 2
+    assert summary["budget"] == 0.25
+
+
+def test_only_missing_samples_are_copied_and_the_rest_run(tiny_model_dir, haystack_dir, tmp_path):
+    """The sibling holds one of the two samples (max_samples=1): one copied, one computed here."""
+    one = run_cli(_args(tiny_model_dir, haystack_dir, tmp_path, "budget=0.5", "max_samples=1"))
+    assert one.returncode == 0, one.stderr[-2000:]
+    both = run_cli(_args(tiny_model_dir, haystack_dir, tmp_path, "budget=0.25"))
+    assert both.returncode == 0, both.stderr[-2000:]
+    records = {r["id"]: r for r in read_lines(tmp_path / "niah/tiny/full/b0.25/predictions.jsonl")}
+    assert records["niah/300/0"]["reused_from"] == "niah/tiny/full/b0.5"
+    assert "reused_from" not in records["niah/300/100"]
+
+
+def test_no_reuse_across_settings_or_when_turned_off(tiny_model_dir, haystack_dir, tmp_path):
+    base = run_cli(_args(tiny_model_dir, haystack_dir, tmp_path, "budget=0.5", "task.max_new_tokens=3"))
+    assert base.returncode == 0, base.stderr[-2000:]
+    # another generation length is another computation: nothing copied
+    other = run_cli(_args(tiny_model_dir, haystack_dir, tmp_path, "budget=0.25"))
+    assert other.returncode == 0, other.stderr[-2000:]
+    assert all("reused_from" not in r for r in read_lines(tmp_path / "niah/tiny/full/b0.25/predictions.jsonl"))
+    # the same setting with reuse_full=false: computed again (and reuse_full is not a new setting)
+    off = run_cli(_args(tiny_model_dir, haystack_dir, tmp_path, "budget=0.75", "task.max_new_tokens=3",
+                        "reuse_full=false"))
+    assert off.returncode == 0, off.stderr[-2000:]
+    assert all("reused_from" not in r for r in read_lines(tmp_path / "niah/tiny/full/b0.75/predictions.jsonl"))
+    again = run_cli(_args(tiny_model_dir, haystack_dir, tmp_path, "budget=0.75", "task.max_new_tokens=3"))
+    assert again.returncode == 0 and "already complete" in again.stdout + again.stderr, again.stderr[-2000:]
+
+
+def test_a_compressed_method_never_copies(tiny_model_dir, haystack_dir, tmp_path):
+    full = run_cli(_args(tiny_model_dir, haystack_dir, tmp_path, "budget=1.0"))
+    assert full.returncode == 0, full.stderr[-2000:]
+    args = [a for a in _args(tiny_model_dir, haystack_dir, tmp_path, "budget=1.0") if a != "method=full"]
+    snap = run_cli([*args, "method=snapkv"])
+    assert snap.returncode == 0, snap.stderr[-2000:]
+    assert all("reused_from" not in r for r in read_lines(tmp_path / "niah/tiny/snapkv/b1.0/predictions.jsonl"))
+
+
+def test_reuse_full_must_be_a_boolean(tiny_model_dir, tmp_path):
+    out = run_cli([*tiny_model_args(tiny_model_dir), f"output_root={tmp_path}", "reuse_full=maybe"])
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines()[-1] == "error: reuse_full=maybe: must be true or false"
