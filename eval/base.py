@@ -80,6 +80,9 @@ class Task:
         self.tokenizer = tokenizer
         self.max_input_tokens = max_input_tokens
         self.encode = encode
+        #: datasets of which :meth:`samples` yielded only the first rows (a sample limit such as
+        #: LongBench's ``task.n_samples`` left rows out); filled while :meth:`samples` runs
+        self.cut_datasets: list[str] = []
 
     @classmethod
     def validate(cls, cfg: dict) -> None:

@@ -226,14 +226,25 @@ class LongBenchTask(Task):
     # ---------------------------------------------------------------- samples
 
     def rows(self, dataset: str) -> list[dict]:
-        """The first ``n_samples`` official rows of ``dataset`` (from ``data_dir`` or the Hub)."""
+        """The first ``n_samples`` official rows of ``dataset`` (from ``data_dir`` or the Hub).
+
+        A dataset that has more rows than ``n_samples`` is added to ``cut_datasets`` (one row
+        more is read to tell), so that the job's summary says its score covers part of it.
+        """
         config = dataset + self.file_suffix
+        limit = None if self.n_samples is None else self.n_samples + 1
         if self.cfg.get("data_dir"):
             (path,) = data.check_data_dir(self.cfg["data_dir"], [config])
-            return data.read_jsonl(path, self.n_samples)
-        return data.read_hub(
-            self.hub["hub_dataset"], self.hub["hub_revision"], self.hub["hub_data_files"], config, self.n_samples
-        )
+            rows = data.read_jsonl(path, limit)
+        else:
+            rows = data.read_hub(
+                self.hub["hub_dataset"], self.hub["hub_revision"], self.hub["hub_data_files"], config, limit
+            )
+        if self.n_samples is not None and len(rows) > self.n_samples:
+            if dataset not in self.cut_datasets:
+                self.cut_datasets.append(dataset)
+            rows = rows[: self.n_samples]
+        return rows
 
     def make_sample(self, dataset: str, index: int, row: dict, max_length: int) -> Sample:
         """One official sample: prompt built and middle-truncated to ``max_length`` tokens."""

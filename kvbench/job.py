@@ -109,13 +109,16 @@ def this_run(records: list[dict], expected_ids: list[str]) -> list[dict]:
 
 
 def summarize(
-    cfg: dict, task: Task, records: list[dict], expected_ids: list[str], relpath: str, skipped: list[dict] | None = None
+    cfg: dict, task: Task, records: list[dict], expected_ids: list[str], relpath: str, skipped: list[dict] | None = None,
+    subset: str = "",
 ) -> dict[str, Any]:
     """The ``summary.json`` of a job from all its stored records (every shard).
 
     ``failed`` lists the failed samples (id, error type and message; first 100), ``skipped``
     what the task left out by its own rule (e.g. NIAH lengths over the model's max input, each
-    entry with its number of ``samples``), ``n_skipped`` the samples so left out.
+    entry with its number of ``samples``), ``n_skipped`` the samples so left out, ``subset``
+    the keys that limited the run to part of a dataset (``"task.n_samples=50"``; ``""``: whole
+    datasets or the whole grid).
     """
     records = this_run(records, expected_ids)  # others stay stored
     ok = [r for r in records if r.get("error") is None]
@@ -134,6 +137,7 @@ def summarize(
         "n_reused": sum(1 for r in ok if r.get("reused_from")),  # copied from a full-cache job of another budget
         "complete": set(expected_ids) <= done,
         "selection": run_selection(cfg),
+        "subset": subset,
         "failed": [{"id": r["id"], **(r.get("error") or {})} for r in records if r.get("error") is not None][:100],
         "n_skipped": sum(int(s.get("samples", 1)) for s in skipped or []),
         "skipped": list(skipped or []),
@@ -283,7 +287,11 @@ def run_job(cfg: dict, method_preset: str | None = None, method_overrides: list[
         samples = _unique(samples)
         expected = [s.id for s in samples]
         mine = [s for i, s in enumerate(samples) if i % shard[1] == shard[0]]
+        # what limited this run to part of each dataset (the report flags such scores)
+        subset = [f"task.n_samples={cfg['task'].get('n_samples')}"] if task.cut_datasets else []
         if cfg.get("max_samples"):
+            if len(mine) > int(cfg["max_samples"]):
+                subset.append(f"max_samples={cfg['max_samples']}")
             mine = mine[: int(cfg["max_samples"])]
             expected = [s.id for s in mine] if shard[1] == 1 else expected
         env = environment(loaded, cfg.get("device", "auto"))
@@ -302,7 +310,7 @@ def run_job(cfg: dict, method_preset: str | None = None, method_overrides: list[
         failed = _loop(engine, loaded, task, todo, store, quiet=bool(cfg.get("quiet")))
         with store._append_lock():  # shards finishing together: the last summary written sees every record
             records = store.records()
-            summary = summarize(cfg, task, records, expected, relpath, getattr(task, "skipped", None))
+            summary = summarize(cfg, task, records, expected, relpath, getattr(task, "skipped", None), " ".join(subset))
             store.write_json("summary.json", summary)
         if cfg["task"]["name"] == "niah":
             _heatmap(store, this_run(records, expected), cfg)  # the summary's samples

@@ -167,8 +167,12 @@ def _subset(cfg: dict, summary: dict) -> str:
     """The keys that limited a job's scored run to part of each dataset (``task.n_samples=1``,
     ``max_samples=5``); ``""`` for a run over whole datasets (or a NIAH grid).
 
-    Read from the summary's ``selection`` (the run the summary scores: a rerun may change the
-    sample count), else from ``config.yaml`` (the first run's)."""
+    The summary's ``subset`` (written by the job, which knows whether a limit left rows out:
+    ``task.n_samples=200`` on a 200-row dataset scores all of it); for a summary written before
+    that field, the limits of the summary's ``selection`` (the run it scores: a rerun may change
+    the sample count), else of ``config.yaml`` (the first run's)."""
+    if isinstance(summary.get("subset"), str):
+        return summary["subset"]
     selection = summary.get("selection") if isinstance(summary.get("selection"), dict) else None
     task = cfg.get("task") or {}
     if selection is not None:

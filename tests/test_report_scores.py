@@ -202,3 +202,9 @@ def test_jobs_over_part_of_each_dataset_are_noted_in_score_and_paper_tables(tmp_
     summary = json.loads(summary_path.read_text())
     summary_path.write_text(json.dumps({**summary, "selection": {"task.n_samples": None, "max_samples": None}}))
     assert score_tables(report.load_results(tmp_path))[0].notes == []
+    # the job's own subset (it knows whether n_samples left rows out) wins over the selection keys:
+    # task.n_samples=200 on datasets of at most 200 rows scored all of them
+    summary_path.write_text(json.dumps({**summary, "selection": {"task.n_samples": 200}, "subset": ""}))
+    assert score_tables(report.load_results(tmp_path))[0].notes == []
+    summary_path.write_text(json.dumps({**summary, "selection": {"task.n_samples": 200}, "subset": "task.n_samples=200"}))
+    assert score_tables(report.load_results(tmp_path))[0].notes == [note.replace("n_samples=1", "n_samples=200")]

@@ -213,6 +213,20 @@ def test_sample_flags_per_dataset(tmp_path):
     assert by["qasper"].meta == {"_id": "id0", "prompt_tokens_full": len(by["qasper"].prompt) + 1, "truncated": False}
 
 
+def test_n_samples_marks_only_the_datasets_it_cut(tmp_path):
+    """``cut_datasets``: the datasets with rows beyond ``task.n_samples`` (the summary's ``subset``)."""
+    write_jsonl(tmp_path / "trec.jsonl", [row(i, all_classes=["A"]) for i in range(3)])
+    write_jsonl(tmp_path / "qasper.jsonl", [row(i) for i in range(2)])
+    cfg = {"data_dir": str(tmp_path), "datasets": ["trec", "qasper"]}
+    cuts = {}
+    for n in (1, 2, 3, None):
+        task = LongBenchTask({**cfg, "n_samples": n}, CharTokenizer(), 10_000)
+        ids = [s.id for s in task.samples()]
+        assert len(ids) == min(n or 3, 3) + min(n or 2, 2)
+        cuts[n] = task.cut_datasets
+    assert cuts == {1: ["trec", "qasper"], 2: ["trec"], 3: [], None: []}
+
+
 def test_max_length_override_and_missing(tmp_path):
     write_jsonl(tmp_path / "trec.jsonl", [row(0, context="x" * 200, all_classes=["A"])])
     cfg = {"data_dir": str(tmp_path), "datasets": ["trec"]}

@@ -43,6 +43,9 @@ def test_only_missing_samples_are_copied_and_the_rest_run(tiny_model_dir, haysta
     records = {r["id"]: r for r in read_lines(tmp_path / "niah/tiny/full/b0.25/predictions.jsonl")}
     assert records["niah/300/0"]["reused_from"] == "niah/tiny/full/b0.5"
     assert "reused_from" not in records["niah/300/100"]
+    # the summaries say which run scored part of the grid (max_samples cut it) and which the whole
+    subsets = [json.loads((tmp_path / f"niah/tiny/full/{b}/summary.json").read_text())["subset"] for b in ("b0.5", "b0.25")]
+    assert subsets == ["max_samples=1", ""]
 
 
 def test_no_reuse_across_settings_or_when_turned_off(tiny_model_dir, haystack_dir, tmp_path):
