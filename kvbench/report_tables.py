@@ -405,9 +405,15 @@ def score_tables(df: pd.DataFrame, root: Path | None = None) -> list[Table]:
                 notes.append("different NIAH grids, scores not comparable across them: " + "; ".join(
                     f"{grid}: " + (", ".join(jobs) if len(jobs) <= 3 else f"{len(jobs)} jobs ({jobs[0]}, ...)")
                     for grid, jobs in by_grid.items()))
-        # bold candidates: complete rows of compressed configurations (not the full cache, not 100 %)
+        # bold candidates: complete rows of compressed configurations (not the full cache, not 100 %,
+        # not a budget that kept every prompt whole: a token budget above the prompt lengths)
+        kept_all = {i for i, key in enumerate(order)
+                    if (sel.loc[groups[key], "compressed_fraction"] == 0).all()}
         comp = [i for i, key in enumerate(order)
-                if key[0] != FULL and key[3] != 1.0 and i not in incomplete]
+                if key[0] != FULL and key[3] != 1.0 and i not in incomplete and i not in kept_all]
+        notes += [f"uncompressed: {rows[i]['Method']} at budget {rows[i]['Budget']} kept every prompt whole "
+                  "(the budget is not below the prompt lengths), not a compressed configuration"
+                  for i in sorted(kept_all) if order[i][0] != FULL and order[i][3] != 1.0]
         bold = set().union(*(bold_best(rows, comp, c) for c in [*datasets, "Avg"]))
         budgets = [k[3] for k in order if k[3] is not None]
         full_text = (" The full cache ignores the budget (–)." if any(k[0] == FULL for k in order) else "")
@@ -417,8 +423,8 @@ def score_tables(df: pd.DataFrame, root: Path | None = None) -> list[Table]:
                    + (f"; {budget_semantics(budgets)}" if budgets else "") + "). "
                    "Each dataset's score is round(100·mean, 2) of the task's per-sample scores in [0, 1] "
                    "(LongBench's rule); Avg: mean over the table's datasets, missing when a row lacks one; "
-                   f"n: scored samples.{full_text} Best complete compressed configuration (budget below 100 %) per column "
-                   "in bold.")
+                   f"n: scored samples.{full_text} Best complete compressed configuration (budget below 100 %, "
+                   "at least one prompt compressed) per column in bold.")
         table_name = base = f"scores_{_slug(task)}_{_slug(mk)}"
         suffix = 2
         while table_name in used_names:  # two model keys with one slug

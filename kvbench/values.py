@@ -15,9 +15,13 @@ from methods.base import ConfigError
 
 
 def did_you_mean(key: str, accepted: typing.Iterable[str]) -> str:
-    """`` (did you mean <close key>?)`` for a likely typo, else ``""``."""
-    close = difflib.get_close_matches(key, list(accepted), n=1, cutoff=0.6)
-    return f" (did you mean {close[0]}?)" if close else ""
+    """`` (did you mean <close key>?)`` for a likely typo (case ignored: ``SnapKV`` → ``snapkv``), else ``""``."""
+    accepted = list(accepted)
+    by_lower = {a.lower(): a for a in accepted}
+    if key.lower() in by_lower:
+        return f" (did you mean {by_lower[key.lower()]}?)"
+    close = difflib.get_close_matches(key.lower(), list(by_lower), n=1, cutoff=0.6)
+    return f" (did you mean {by_lower[close[0]]}?)" if close else ""
 
 
 def unknown_key_error(prefix: str, key: str, value: Any, accepted: typing.Iterable[str], what: str) -> ConfigError:

@@ -179,6 +179,8 @@ def check_budget(budget: float | int) -> None:
     """Raise :class:`ConfigError` for a budget that is neither a ratio in (0, 1] nor an integer ≥ 1."""
     if isinstance(budget, bool) or not isinstance(budget, (int, float)):
         raise ConfigError(f"budget={budget!r}: must be a retention ratio in (0, 1] or an integer token count >= 1")
+    if not math.isfinite(budget):
+        raise ConfigError(f"budget={budget}: must be a retention ratio in (0, 1] or an integer token count >= 1")
     if budget <= 0:
         raise ConfigError(f"budget={budget}: must be > 0 (a retention ratio in (0, 1] or an integer token count >= 1)")
     if not is_ratio(budget) and float(budget) != int(budget):

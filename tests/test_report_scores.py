@@ -91,6 +91,21 @@ def test_longbench_table_cells_missing_avg_and_bold(tables):
     assert "The full cache ignores the budget" in t.caption
 
 
+def test_a_budget_that_kept_every_prompt_whole_is_never_bold(tmp_path):
+    """snapkv at 4096 tokens on 512-token prompts compresses nothing (records ``compressed: false``): it
+    scores like the full cache, so it is named in the notes and the best compressing row is bold."""
+    for budget, score, compressed in ((0.25, 40.0, True), (4096, 100.0, False)):
+        recs = [{"id": f"niah/512/{i}", "dataset": "niah", "score": score / 100, "error": None, "compressed": compressed,
+                 "prompt_tokens": 512} for i in range(2)]
+        make_job(tmp_path, task="niah", model="tiny", method="snapkv", budget=budget, scores={"niah": score},
+                 records=recs)
+    (t,) = score_tables(report.load_results(tmp_path))
+    assert [(r["Budget"], r["niah"]) for r in records(t)] == [("25%", 40.0), ("4096", 100.0)]
+    assert t.bold == {(0, "niah"), (0, "Avg")}
+    assert t.notes == ["uncompressed: SnapKV at budget 4096 kept every prompt whole (the budget is not below the "
+                       "prompt lengths), not a compressed configuration"]
+
+
 def test_cli_only_scores_writes_only_them(sweep, tmp_path):
     from kvbench.cli import main as kvbench_cli
 

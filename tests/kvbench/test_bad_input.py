@@ -45,6 +45,8 @@ CASES = [
      f"accepted values are {options('model')}"),
     ("unknown-method", ["method=snapkvv"],
      f"method=snapkvv: unknown method (did you mean snapkv?); accepted values are {options('method')}"),
+    ("method-case", ["method=SnapKV"],
+     f"method=SnapKV: unknown method (did you mean snapkv?); accepted values are {options('method')}"),
     ("unknown-task", ["task=longbenchh"],
      f"task=longbenchh: unknown task (did you mean longbench?); accepted values are {options('task')}"),
     ("unknown-experiment", ["experiment=table99"],  # run.py accepts experiment=NAME as +experiment=NAME
@@ -77,6 +79,8 @@ CASES = [
     ("ratio-over-one", ["budget=1.5"], f"budget=1.5: {BUDGET_RULE}"),
     ("fractional-tokens", ["budget=100.5"], f"budget=100.5: {BUDGET_RULE}"),
     ("budget-text", ["budget=abc"], "budget='abc': must be a retention ratio in (0, 1] or an integer token count >= 1"),
+    ("budget-inf", ["budget=inf"], "budget=inf: must be a retention ratio in (0, 1] or an integer token count >= 1"),
+    ("budget-nan", ["budget=nan"], "budget=nan: must be a retention ratio in (0, 1] or an integer token count >= 1"),
     ("budget-below-window", ["method=snapkv", "budget=16"],
      "budget=16: smaller than the 32 tokens method snapkv always keeps (observation window + recent window + sinks); "
      "use budget >= 32"),
