@@ -311,9 +311,9 @@ def run_job(cfg: dict, method_preset: str | None = None, method_overrides: list[
         with store._append_lock():  # shards finishing together: the last summary written sees every record
             records = store.records()
             summary = summarize(cfg, task, records, expected, relpath, getattr(task, "skipped", None), " ".join(subset))
+            if cfg["task"]["name"] == "niah":  # before the summary: a job stopped here is not finished
+                _heatmap(store, this_run(records, expected), cfg)  # the summary's samples
             store.write_json("summary.json", summary)
-        if cfg["task"]["name"] == "niah":
-            _heatmap(store, this_run(records, expected), cfg)  # the summary's samples
         print_summary(summary, store.path)
     any_failed = failed or summary["n_failed"] > 0
     return EXIT_SAMPLE_FAILED if any_failed else EXIT_OK
@@ -486,8 +486,9 @@ def _same_run(stored_text: str, cfg: dict) -> bool:
 def _complete_summary(store: JobStore, cfg: dict) -> dict | None:
     """The stored summary when the job is complete with this very config (single shard), else None.
 
-    "This very config" ignores :data:`RUN_CONTROL_KEYS` (``quiet``, ``lock_wait_s``, ``output_root``),
-    and the summary must be of this sample selection (its ``selection`` field).
+    "This very config": ``config.yaml`` equal to ``cfg`` but for :data:`RUN_CONTROL_KEYS` and
+    :data:`SAMPLE_SELECTION_KEYS` (a rerun may have changed the grid), and the summary of this
+    sample selection (its ``selection`` field).
     """
     summary_path, config_path = store.path / "summary.json", store.path / "config.yaml"
     if store.shard[1] != 1 or not summary_path.exists() or not config_path.exists():
@@ -496,7 +497,9 @@ def _complete_summary(store: JobStore, cfg: dict) -> dict | None:
         summary = json.loads(summary_path.read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError):
         return None
-    if not summary.get("complete") or not _same_run(config_path.read_text(encoding="utf-8"), cfg):
+    # the grid may differ from config.yaml (the first run's): the summary's selection decides below
+    stored = config_path.read_text(encoding="utf-8")
+    if not summary.get("complete") or _config_changes(stored, cfg, RUN_CONTROL_KEYS + SAMPLE_SELECTION_KEYS) != {}:
         return None
     # config.yaml is the first run's config; the summary is the last run's. A grid changed in
     # between (other depths, datasets, sample count) makes the stored summary another run's.
@@ -554,13 +557,22 @@ def _loop(engine: Engine, loaded: LoadedModel, task: Task, todo: list[Sample], s
 
 
 def _heatmap(store: JobStore, records: list[dict], cfg: dict) -> None:
+    """Draw the job's ``heatmap.png`` and ``heatmap.pdf``, each written whole (temp file, rename)."""
+    import os
+
+    tmp = store.path / f".heatmap.tmp-{os.getpid()}.png"  # a killed run's is removed by clean_stale_temp
     try:
         from .plots import plot_niah_heatmap
 
         title = f"NIAH — {cfg['model']['name']} — {cfg['method'].get('label', cfg['method']['name'])} — budget {cfg['budget']}"
-        plot_niah_heatmap([r for r in records if r.get("error") is None], store.path / "heatmap.png", title)
+        if plot_niah_heatmap([r for r in records if r.get("error") is None], tmp, title) is not None:
+            for suffix in (".pdf", ".png"):
+                os.replace(tmp.with_suffix(suffix), store.path / f"heatmap{suffix}")
     except Exception as e:  # noqa: BLE001 - a plot never fails a job
         log.warning("heatmap not written: %s", e)
+    finally:
+        for suffix in (".png", ".pdf"):
+            tmp.with_suffix(suffix).unlink(missing_ok=True)
 
 
 def print_summary(summary: dict, path: Path) -> None:

@@ -291,6 +291,9 @@ class JobStore:
     def write_config(self, text: str, same: Callable[[str], bool] | None = None) -> Path:
         """Write ``config.yaml``; if a different one is stored, keep it and write ``config.<time>.yaml``.
 
+        A run whose config equals the newest ``config.<time>.yaml`` (the same changed grid run
+        again) writes nothing new.
+
         Args:
             text: the job's resolved config as YAML.
             same: optional test of the stored text; when it returns True the stored file is
@@ -301,6 +304,11 @@ class JobStore:
             stored = path.read_text(encoding="utf-8")
             if stored == text or (same is not None and same(stored)):
                 return path
+            snapshots = sorted(self.path.glob("config.*.yaml"))
+            if snapshots:
+                newest = snapshots[-1].read_text(encoding="utf-8")
+                if newest == text or (same is not None and same(newest)):
+                    return snapshots[-1]
             path = self.path / f"config.{time.strftime('%Y%m%d-%H%M%S')}.yaml"
         atomic_write(path, text)
         return path

@@ -205,6 +205,12 @@ def test_a_changed_setting_never_reuses_stored_samples(tiny_model_dir, haystack_
     assert (summary["n_samples"], summary["n_expected"], summary["complete"]) == (1, 1, True)
     assert summary["datasets"]["niah"]["n"] == 1
     assert (job / "predictions.jsonl").read_text() == before  # nothing re-run, nothing lost
+    snapshots = sorted(p.name for p in job.glob("config.*.yaml"))
+    assert len(snapshots) == 1  # the changed grid's config, next to the first run's config.yaml
+    # the changed grid once more: finished, so no model load, and no second snapshot of the same config
+    out = run_cli(subset)
+    assert "already complete (1 sample stored)" in out.stdout + out.stderr, out.stderr[-2000:]
+    assert sorted(p.name for p in job.glob("config.*.yaml")) == snapshots
     # Back to the first grid (config.yaml's): the stored summary is the [50] run's, so the
     # finished-job shortcut must not take it; the summary is rebuilt over both samples.
     out = run_cli(args)
