@@ -296,10 +296,11 @@ def run_job(cfg: dict, method_preset: str | None = None, method_overrides: list[
             expected = [s.id for s in mine] if shard[1] == 1 else expected
         env = environment(loaded, cfg.get("device", "auto"))
         env["haystack_source"] = getattr(task, "haystack_source", None)
+        _check_same_environment(store, env, relpath)
         store.write_json("env.json" if shard[1] == 1 else f"env.shard{shard[0]}.json", env)
         done = store.done_ids()
         if method.name == "full" and cfg.get("reuse_full", True) and not cfg.get("run_name"):
-            done |= reuse_full_cache_samples(store, root, cfg, [s for s in mine if s.id not in done])
+            done |= reuse_full_cache_samples(store, root, cfg, [s for s in mine if s.id not in done], env)
         todo = [s for s in mine if s.id not in done]
         log.info(
             "job %s: samples in this shard: %d, already stored: %d, to run: %d (compressible layers: %d of %d)",
@@ -421,7 +422,8 @@ def _check_same_job(store: JobStore, cfg: dict, relpath: str) -> None:
         )
 
 
-def reuse_full_cache_samples(store: JobStore, root: Path, cfg: dict, todo: list[Sample]) -> set[str]:
+def reuse_full_cache_samples(store: JobStore, root: Path, cfg: dict, todo: list[Sample],
+                             env: Mapping[str, Any] | None = None) -> set[str]:
     """Copy into ``store`` the finished samples of ``todo`` that a full-cache job of another budget holds.
 
     The full cache keeps every token, so a ``method=full`` job computes the same predictions at
@@ -429,7 +431,8 @@ def reuse_full_cache_samples(store: JobStore, root: Path, cfg: dict, todo: list[
     budget. A sibling is another folder of this job's ``<task>/<model>/<method preset>/`` whose
     ``config.yaml`` is a full-cache job equal to ``cfg`` in every key but ``budget`` (and the
     sample-selection and run-control keys, :data:`SAMPLE_SELECTION_KEYS`,
-    :data:`RUN_CONTROL_KEYS`). A sample is copied only from a record stored without error
+    :data:`RUN_CONTROL_KEYS`) and whose ``env*.json`` resolved ``auto`` settings as this run
+    did (:data:`ENV_KEYS`: device type, dtype, haystack source). A sample is copied only from a record stored without error
     whose ``prompt_sha256`` is the hash of this sample's prompt; the copy is the sibling's
     record (predictions, scores, timings of the run that computed it) plus ``reused_from``:
     the job folder, relative to ``output_root``, that computed it. Siblings are read as they
@@ -441,6 +444,7 @@ def reuse_full_cache_samples(store: JobStore, root: Path, cfg: dict, todo: list[
         root: ``output_root`` (absolute).
         cfg: this job's resolved config (``method.name == "full"``).
         todo: this shard's samples not yet stored here.
+        env: this run's ``env.json`` content (None: not compared).
 
     Returns:
         The ids copied (now stored here).
@@ -458,7 +462,7 @@ def reuse_full_cache_samples(store: JobStore, root: Path, cfg: dict, todo: list[
                                    RUN_CONTROL_KEYS + SAMPLE_SELECTION_KEYS + ("budget",))
         except OSError:
             continue
-        if diff != {}:
+        if diff != {} or (env is not None and _env_differences(folder, env)):
             continue
         source = folder.relative_to(root).as_posix()
         found = []
@@ -476,6 +480,59 @@ def reuse_full_cache_samples(store: JobStore, root: Path, cfg: dict, todo: list[
         if len(copied) == len(wanted):
             break
     return copied
+
+
+#: What ``auto`` settings resolve to at run time (``device=auto``: CUDA + bf16 or CPU float32;
+#: ``task.haystack_source=auto``: the Hub or the embedded text), as ``env.json`` records it: the
+#: stored samples of a folder, and samples copied from another folder, must share them.
+ENV_KEYS = ("device_type", "dtype", "haystack_source")
+
+
+def _resolved(env: Mapping[str, Any]) -> dict[str, Any]:
+    """The :data:`ENV_KEYS` of an ``env.json`` (``device_type``: ``cuda`` of ``cuda:1``)."""
+    device = env.get("device")
+    return {"device_type": str(device).split(":")[0] if device else None, "dtype": env.get("dtype"),
+            "haystack_source": env.get("haystack_source")}
+
+
+def _env_differences(folder: Path, env: Mapping[str, Any]) -> dict[str, tuple[Any, Any]]:
+    """``{key: (stored, now)}`` for the :data:`ENV_KEYS` in which a stored ``env*.json`` of ``folder``
+    differs from ``env`` (keys a stored file lacks are not compared)."""
+    now = _resolved(env)
+    for path in sorted(folder.glob("env*.json")):
+        try:
+            stored = _resolved(json.loads(path.read_text(encoding="utf-8")))
+        except (OSError, ValueError, AttributeError):
+            continue
+        diff = {k: (stored[k], now[k]) for k in ENV_KEYS if stored[k] is not None and stored[k] != now[k]}
+        if diff:
+            return diff
+    return {}
+
+
+def _check_same_environment(store: JobStore, env: Mapping[str, Any], relpath: str) -> None:
+    """Refuse to add samples computed on another device type, dtype or haystack to a folder.
+
+    ``device=auto`` and ``task.haystack_source=auto`` are stored as ``auto`` in ``config.yaml``,
+    so :func:`_check_same_job` cannot see that a resume on a GPU machine (bf16) or with the Hub
+    reachable would compute differently; ``env.json`` records what they resolved to.
+
+    Raises:
+        ConfigError: a stored ``env*.json`` of a folder with stored samples differs in
+            :data:`ENV_KEYS` (the model is loaded by then; nothing is written).
+    """
+    if not store.records():
+        return
+    diff = _env_differences(store.path, env)
+    if diff:
+        shown = ", ".join(f"{k}: {a} -> {b}" for k, (a, b) in diff.items())
+        key = next(iter(diff))
+        hint = ("task.haystack_source / task.haystack_dir" if key == "haystack_source"
+                else "device (e.g. device=cpu) or model.dtype")
+        raise ConfigError(
+            f"{key}={diff[key][1]}: job folder {relpath} holds samples computed with {key}={diff[key][0]} "
+            f"({shown}, as the stored env.json says); set {hint} to match, or pass run_tag=NAME for a separate job folder"
+        )
 
 
 def _same_run(stored_text: str, cfg: dict) -> bool:

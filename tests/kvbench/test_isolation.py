@@ -225,6 +225,35 @@ def test_a_changed_setting_never_reuses_stored_samples(tiny_model_dir, haystack_
     assert (job / "predictions.jsonl").read_text() == before
 
 
+@pytest.mark.parametrize("stored, key, message", [
+    ({"device": "cuda:0", "dtype": "bfloat16"}, "device_type",
+     "device_type=cpu: job folder job holds samples computed with device_type=cuda (device_type: cuda -> cpu, "
+     "dtype: bfloat16 -> float32, as the stored env.json says); set device (e.g. device=cpu) or model.dtype to "
+     "match, or pass run_tag=NAME for a separate job folder"),
+    ({"haystack_source": "hub:opencompass/NeedleBench"}, "haystack_source",
+     "haystack_source=dir:{hay}: job folder job holds samples computed with haystack_source=hub:opencompass/NeedleBench "
+     "(haystack_source: hub:opencompass/NeedleBench -> dir:{hay}, as the stored env.json says); set "
+     "task.haystack_source / task.haystack_dir to match, or pass run_tag=NAME for a separate job folder"),
+])
+def test_a_resume_whose_auto_settings_resolve_otherwise_is_refused(tiny_model_dir, haystack_dir, tmp_path, stored,
+                                                                    key, message):
+    """device=auto / task.haystack_source=auto are stored as 'auto': the resolved device type, dtype and
+    haystack in env.json decide whether a resume computes like the stored samples."""
+    args = [*tiny_model_args(tiny_model_dir), "task.context_lengths=[300]", "task.depth_percents=[0,50]",
+            f"task.haystack_dir={haystack_dir}", "method=streamingllm", "budget=0.5", "task.max_new_tokens=3",
+            "quiet=true", f"output_root={tmp_path}", "run_name=job"]
+    assert run_cli([*args, "max_samples=1"]).returncode == 0
+    job = tmp_path / "job"
+    env = json.loads((job / "env.json").read_text())
+    (job / "env.json").write_text(json.dumps({**env, **stored}))
+    before = (job / "predictions.jsonl").read_text()
+    out = run_cli(args)
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines()[-1] == "error: " + message.format(hay=haystack_dir)
+    assert (job / "predictions.jsonl").read_text() == before
+    assert json.loads((job / "env.json").read_text())["dtype"] == stored.get("dtype", "float32")  # kept
+
+
 def test_a_setting_refused_before_any_sample_leaves_the_folder_usable(tiny_model_dir, haystack_dir, tmp_path):
     """A job that stops on a config error after its folder was made (here: the Hub haystack,
     offline, is read only after the model loads) leaves no config.yaml, so the corrected command is not refused

@@ -77,3 +77,15 @@ def test_reuse_full_must_be_a_boolean(tiny_model_dir, tmp_path):
     out = run_cli([*tiny_model_args(tiny_model_dir), f"output_root={tmp_path}", "reuse_full=maybe"])
     assert out.returncode == 2
     assert out.stderr.strip().splitlines()[-1] == "error: reuse_full=maybe: must be true or false"
+
+
+def test_no_reuse_from_a_job_whose_auto_settings_resolved_otherwise(tiny_model_dir, haystack_dir, tmp_path):
+    """device=auto is stored as 'auto': a sibling run on a GPU (env.json: cuda, bfloat16) is not copied."""
+    base = run_cli(_args(tiny_model_dir, haystack_dir, tmp_path, "budget=0.5"))
+    assert base.returncode == 0, base.stderr[-2000:]
+    env_path = tmp_path / "niah/tiny/full/b0.5/env.json"
+    env = json.loads(env_path.read_text())
+    env_path.write_text(json.dumps({**env, "device": "cuda:0", "dtype": "bfloat16"}))
+    other = run_cli(_args(tiny_model_dir, haystack_dir, tmp_path, "budget=0.25"))
+    assert other.returncode == 0, other.stderr[-2000:]
+    assert all("reused_from" not in r for r in read_lines(tmp_path / "niah/tiny/full/b0.25/predictions.jsonl"))
