@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import contextlib
 import io
+import itertools
+import math
 import os
 import re
 import sys
@@ -174,14 +176,49 @@ def _sweep_values(override: Any) -> list[str]:
         )
 
 
+#: A sweep of at most this many jobs is pre-checked job by job; a larger one one swept key at a time.
+MAX_CHECKED_JOBS = 128
+
+
 def _variants(base: list[str], sweeps: list[tuple[str, list[str]]]) -> list[list[str]]:
-    """Override lists that take every value of every swept key once, one key at a time."""
+    """Override lists to pre-check: every job of the sweep (the product of the swept values) when
+    there are at most :data:`MAX_CHECKED_JOBS`, else every value of every swept key once, one key
+    at a time (the others at their first value)."""
+    n_jobs = math.prod(len(values) for _, values in sweeps) if sweeps else 1
+    if n_jobs <= MAX_CHECKED_JOBS:
+        combos = itertools.product(*[[f"{key}={v}" for v in values] for key, values in sweeps])
+        return [base + list(combo) for combo in combos]
     first = base + [f"{key}={values[0]}" for key, values in sweeps]
     out = [first]
     for i, (key, values) in enumerate(sweeps):
         for value in values[1:]:
             out.append(base + [f"{k}={(value if j == i else vs[0])}" for j, (k, vs) in enumerate(sweeps)])
     return out
+
+
+def _check_sweep(variants: list[list[str]], errors: dict[int, str], n_base: int) -> None:
+    """Decide on the pre-checked jobs of a sweep (``errors``: variant index → one-line error).
+
+    Exits (code 2, one line) when a swept value fails in every checked job that has it (an
+    unknown method, ``budget=abc``: no job with it can run) or every job fails. Otherwise the
+    jobs whose combination fails (a token budget below the window of one of the swept methods)
+    are listed as warnings and the sweep runs: those jobs stop with the same error before their
+    model loads, the others run, and the sweep ends with one line per failed job.
+    """
+    if not errors:
+        return
+    if len(errors) == len(variants):
+        fail(errors[0])
+    for overrides in {o for v in variants for o in v[n_base:]}:
+        having = [i for i, v in enumerate(variants) if overrides in v[n_base:]]
+        if all(i in errors for i in having):
+            fail(errors[having[0]])
+    for n, (i, message) in enumerate(sorted(errors.items())):
+        if n == 5:
+            print(f"warning: {len(errors) - 5} more sweep jobs will stop with a configuration error", file=sys.stderr)
+            break
+        print(f"warning: sweep job {' '.join(variants[i][n_base:])} will stop with a configuration error "
+              f"(the other jobs run): {message}", file=sys.stderr)
 
 
 def _experiment_choice(cfg: Any) -> str:
@@ -207,7 +244,8 @@ def _job_config(cfg: Any) -> tuple[dict, str]:
         fail(f"{key + ': ' if key else ''}cannot resolve the config ({_first_line(e)})")
 
 
-def _validate(job: dict, experiment: str) -> None:
+def _validation_error(job: dict, experiment: str) -> str | None:
+    """The one-line error of a job config (``kvbench.validate.validate``), None when it is valid."""
     from eval.base import TaskConfigError
     from methods.base import ConfigError
 
@@ -216,11 +254,12 @@ def _validate(job: dict, experiment: str) -> None:
     try:
         validate(job, layout=False, experiment=experiment)  # the job checks the layout before loading the weights
     except (ConfigError, TaskConfigError) as e:
-        fail(str(e))
+        return str(e)
     except Exception as e:  # noqa: BLE001 - a bug or an input no check foresaw: still one line
         if os.environ.get("KVBENCH_DEBUG") == "1":
             raise
-        fail(f"invalid configuration ({type(e).__name__}: {_first_line(e)}); set KVBENCH_DEBUG=1 for a traceback")
+        return f"invalid configuration ({type(e).__name__}: {_first_line(e)}); set KVBENCH_DEBUG=1 for a traceback"
+    return None
 
 
 def normalize_argv(argv: list[str]) -> list[str]:
@@ -298,5 +337,8 @@ def precheck_argv(argv: list[str]) -> None:
         configs = [cfg] + [composer.compose(v) for v in variants[1:]]
         if args.cfg is not None:
             return
-        for c in configs:
-            _validate(*_job_config(c))
+        errors = {i: e for i, c in enumerate(configs) if (e := _validation_error(*_job_config(c))) is not None}
+        if args.multirun:
+            _check_sweep(variants, errors, len(base))
+        elif errors:
+            fail(errors[0])

@@ -247,3 +247,29 @@ def test_uncached_hub_id_with_the_hub_unreachable_fails_at_once(monkeypatch):
     assert calls == [(constants.ENDPOINT, validate.HUB_PROBE_TIMEOUT_S)]
     monkeypatch.setattr(httpx, "head", lambda url, **kw: None)  # reachable: the job downloads it
     assert validate.check_model_source(cfg) is None
+
+
+@pytest.mark.parametrize("order", [("snapkv,streamingllm", "20,0.2"), ("streamingllm,snapkv", "0.2,20")])
+def test_a_sweep_with_one_impossible_combination_runs_the_others_in_any_order(order, capsys):
+    """snapkv cannot keep 20 tokens (its window is 32) but streamingllm can, and snapkv can keep 20 %:
+    whichever order the values are listed in, the pre-check lets the sweep run and names the one job
+    that will stop (before, a failing first combination refused the whole sweep)."""
+    from kvbench.cli_guard import precheck_argv
+
+    methods, budgets = order
+    precheck_argv(["-m", f"method={methods}", f"budget={budgets}"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["warning: sweep job method=snapkv budget=20 will stop with a configuration error (the other jobs "
+                   "run): budget=20: smaller than the 32 tokens method snapkv always keeps (observation window + "
+                   "recent window + sinks); use budget >= 32"]
+
+
+def test_a_swept_value_no_job_can_run_refuses_the_sweep(capsys):
+    """budget=20 is impossible for both swept methods: nothing with it can run, so the sweep is refused."""
+    from kvbench.cli_guard import precheck_argv
+
+    with pytest.raises(SystemExit) as stop:
+        precheck_argv(["-m", "method=snapkv,pyramidkv", "budget=0.2,20"])
+    assert stop.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith(
+        "error: budget=20: smaller than the 32 tokens method snapkv always keeps")
