@@ -260,7 +260,9 @@ def run_job(cfg: dict, method_preset: str | None = None, method_overrides: list[
             return EXIT_SAMPLE_FAILED if done_summary["n_failed"] else EXIT_OK
         _check_same_job(store, cfg, relpath)
         fresh = not (store.path / "config.yaml").exists()
-        store.write_config(config_text, same=lambda stored: _same_run(stored, cfg))
+        before = set(store.path.glob("config*.yaml"))
+        written = store.write_config(config_text, same=lambda stored: _same_run(stored, cfg))
+        new_snapshot = written if written not in before and written.name != "config.yaml" else None
         try:
             if cfg.get("threads"):
                 torch.set_num_threads(int(cfg["threads"]))
@@ -296,7 +298,13 @@ def run_job(cfg: dict, method_preset: str | None = None, method_overrides: list[
             expected = [s.id for s in mine] if shard[1] == 1 else expected
         env = environment(loaded, cfg.get("device", "auto"))
         env["haystack_source"] = getattr(task, "haystack_source", None)
-        _check_same_environment(store, env, relpath)
+        try:
+            _check_same_environment(store, env, relpath)
+            _check_same_prompts(store, cfg, mine, relpath)
+        except ConfigError:
+            if new_snapshot is not None:  # a refused run leaves no config of its own behind
+                new_snapshot.unlink(missing_ok=True)
+            raise
         store.write_json("env.json" if shard[1] == 1 else f"env.shard{shard[0]}.json", env)
         done = store.done_ids()
         if method.name == "full" and cfg.get("reuse_full", True) and not cfg.get("run_name"):
@@ -412,7 +420,7 @@ def _check_same_job(store: JobStore, cfg: dict, relpath: str) -> None:
     path = store.path / "config.yaml"
     if not path.exists():
         return
-    diff = _config_changes(path.read_text(encoding="utf-8"), cfg, RUN_CONTROL_KEYS + SAMPLE_SELECTION_KEYS)
+    diff = _config_changes(path.read_text(encoding="utf-8", errors="replace"), cfg, RUN_CONTROL_KEYS + SAMPLE_SELECTION_KEYS)
     if diff:
         shown = ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in list(diff.items())[:3]) + (", ..." if len(diff) > 3 else "")
         key = next(iter(diff))
@@ -453,6 +461,7 @@ def reuse_full_cache_samples(store: JobStore, root: Path, cfg: dict, todo: list[
         return set()
     wanted = {s.id: hashlib.sha256(s.prompt.encode("utf-8")).hexdigest() for s in todo}
     copied: set[str] = set()
+    own = store.path.relative_to(root).as_posix()
     for folder in sorted(p for p in store.path.parent.iterdir() if p.is_dir() and p != store.path):
         config = folder / "config.yaml"
         if not config.is_file() or not (folder / "predictions.jsonl").is_file():
@@ -460,7 +469,7 @@ def reuse_full_cache_samples(store: JobStore, root: Path, cfg: dict, todo: list[
         try:
             diff = _config_changes(config.read_text(encoding="utf-8"), cfg,
                                    RUN_CONTROL_KEYS + SAMPLE_SELECTION_KEYS + ("budget",))
-        except OSError:
+        except (OSError, ValueError):  # unreadable or not UTF-8: not a sibling to copy from
             continue
         if diff != {} or (env is not None and _env_differences(folder, env)):
             continue
@@ -469,7 +478,8 @@ def reuse_full_cache_samples(store: JobStore, root: Path, cfg: dict, todo: list[
         for rec in JobStore(folder).records():
             sid = rec.get("id")
             if sid in wanted and sid not in copied and rec.get("error") is None and rec.get("prompt_sha256") == wanted[sid]:
-                found.append({**rec, "reused_from": rec.get("reused_from") or source})
+                origin = rec.get("reused_from") or source  # the job that computed it (not this one)
+                found.append({**rec, "reused_from": source if origin == own else origin})
         for rec in found:
             store.append(rec)
             copied.add(rec["id"])
@@ -527,12 +537,37 @@ def _check_same_environment(store: JobStore, env: Mapping[str, Any], relpath: st
     if diff:
         shown = ", ".join(f"{k}: {a} -> {b}" for k, (a, b) in diff.items())
         key = next(iter(diff))
-        hint = ("task.haystack_source / task.haystack_dir" if key == "haystack_source"
-                else "device (e.g. device=cpu) or model.dtype")
+        what = "task.haystack_source=auto" if key == "haystack_source" else "device=auto"
         raise ConfigError(
             f"{key}={diff[key][1]}: job folder {relpath} holds samples computed with {key}={diff[key][0]} "
-            f"({shown}, as the stored env.json says); set {hint} to match, or pass run_tag=NAME for a separate job folder"
+            f"({shown}, as the stored env.json says; {what} resolves otherwise here); run it where it resolves as "
+            "before, or pass run_tag=NAME for a separate job folder"
         )
+
+
+def _check_same_prompts(store: JobStore, cfg: dict, samples: list[Sample], relpath: str) -> None:
+    """Refuse a resume whose inputs changed under the same config: a stored sample's
+    ``prompt_sha256`` differs from the prompt this run builds for it (the haystack or data
+    files were edited, the embedded haystack of another Python version).
+
+    Raises:
+        ConfigError: names the input key, the first such sample and both hashes (nothing written).
+    """
+    wanted = {s.id: s for s in samples}
+    for rec in store.records():
+        sample = wanted.get(rec.get("id"))
+        if sample is None or rec.get("error") is not None or not rec.get("prompt_sha256"):
+            continue
+        now = hashlib.sha256(sample.prompt.encode("utf-8")).hexdigest()
+        if now != rec["prompt_sha256"]:
+            task = cfg["task"]
+            key = ("task.data_dir" if "data_dir" in task else "task.haystack_dir" if task.get("haystack_dir")
+                   else "task.haystack_source")
+            raise ConfigError(
+                f"{key}={task.get(key.split('.', 1)[1])}: the stored sample {rec['id']} of job folder "
+                f"{relpath} was run on another prompt (prompt_sha256 {rec['prompt_sha256'][:12]} -> "
+                f"{now[:12]}): the task's input files changed; pass run_tag=NAME for a separate job folder"
+            )
 
 
 def _same_run(stored_text: str, cfg: dict) -> bool:

@@ -238,12 +238,15 @@ def _job_rows(root: Path, job_dir: Path) -> list[dict]:
             else:
                 section = summary.get("timings" if col in TIMING_COLUMNS else "cache") or {}
                 row[col] = float(section[col]) if section.get(col) is not None else math.nan
-        # share of the samples whose cache was compressed (0: the budget kept every prompt whole)
-        if any("compressed" in r for r in ok):
+        # share of the samples whose cache was compressed (0: the budget kept every prompt whole): the
+        # summary's (its run's samples) when there is one, else the records'
+        frac = (summary.get("cache") or {}).get("compressed_fraction")
+        if frac is not None:
+            row["compressed_fraction"] = float(frac)
+        elif any("compressed" in r for r in ok):
             row["compressed_fraction"] = _mean(1.0 if r["compressed"] else 0.0 for r in ok if "compressed" in r)
         else:
-            frac = (summary.get("cache") or {}).get("compressed_fraction")
-            row["compressed_fraction"] = float(frac) if frac is not None else math.nan
+            row["compressed_fraction"] = math.nan
         rows.append(row)
     if not rows:  # a job folder with nothing scored yet: keep it visible as absent data
         rows.append(dict(base, dataset=None, score=math.nan, n=0, n_failed=0))

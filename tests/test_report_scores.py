@@ -104,6 +104,16 @@ def test_a_budget_that_kept_every_prompt_whole_is_never_bold(tmp_path):
     assert t.bold == {(0, "niah"), (0, "Avg")}
     assert t.notes == ["uncompressed: SnapKV at budget 4096 kept every prompt whole (the budget is not below the "
                        "prompt lengths), not a compressed configuration"]
+    # the summary (its run's samples) decides over records of an earlier, longer grid that compressed
+    job = tmp_path / "niah/tiny/snapkv/b4096"
+    (job / "predictions.jsonl").write_text("".join(
+        json.dumps({"id": f"niah/{n}/0", "dataset": "niah", "score": 1.0, "error": None, "compressed": n > 4096}) + "\n"
+        for n in (512, 8192)))
+    summary = json.loads((job / "summary.json").read_text())
+    summary["cache"]["compressed_fraction"] = 0.0
+    (job / "summary.json").write_text(json.dumps(summary))
+    (t,) = score_tables(report.load_results(tmp_path))
+    assert t.bold == {(0, "niah"), (0, "Avg")} and len(t.notes) == 1
 
 
 def test_cli_only_scores_writes_only_them(sweep, tmp_path):

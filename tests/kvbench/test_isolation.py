@@ -228,12 +228,13 @@ def test_a_changed_setting_never_reuses_stored_samples(tiny_model_dir, haystack_
 @pytest.mark.parametrize("stored, key, message", [
     ({"device": "cuda:0", "dtype": "bfloat16"}, "device_type",
      "device_type=cpu: job folder job holds samples computed with device_type=cuda (device_type: cuda -> cpu, "
-     "dtype: bfloat16 -> float32, as the stored env.json says); set device (e.g. device=cpu) or model.dtype to "
-     "match, or pass run_tag=NAME for a separate job folder"),
+     "dtype: bfloat16 -> float32, as the stored env.json says; device=auto resolves otherwise here); run it where "
+     "it resolves as before, or pass run_tag=NAME for a separate job folder"),
     ({"haystack_source": "hub:opencompass/NeedleBench"}, "haystack_source",
      "haystack_source=dir:{hay}: job folder job holds samples computed with haystack_source=hub:opencompass/NeedleBench "
-     "(haystack_source: hub:opencompass/NeedleBench -> dir:{hay}, as the stored env.json says); set "
-     "task.haystack_source / task.haystack_dir to match, or pass run_tag=NAME for a separate job folder"),
+     "(haystack_source: hub:opencompass/NeedleBench -> dir:{hay}, as the stored env.json says; "
+     "task.haystack_source=auto resolves otherwise here); run it where it resolves as before, or pass run_tag=NAME "
+     "for a separate job folder"),
 ])
 def test_a_resume_whose_auto_settings_resolve_otherwise_is_refused(tiny_model_dir, haystack_dir, tmp_path, stored,
                                                                     key, message):
@@ -308,3 +309,26 @@ def test_a_relative_input_path_is_stored_absolute_and_checked_by_what_it_reads(t
     again = run_cli([a for a in args if a != "max_samples=1"], cwd=first)
     assert again.returncode == 0, again.stderr[-2000:]
     assert [r["id"] for r in read_lines(job / "predictions.jsonl")] == ["niah/300/0", "niah/300/50"]
+
+
+def test_a_resume_after_the_haystack_files_changed_is_refused(tiny_model_dir, tmp_path):
+    """Same config, edited haystack file: the stored sample's prompt_sha256 no longer matches the
+    prompt this run builds, so the resume is refused (exit 2) and nothing is written."""
+    from tests.kvbench.cli_util import make_haystack_dir
+
+    hay = make_haystack_dir(tmp_path / "hay")
+    args = [*tiny_model_args(tiny_model_dir), "task.context_lengths=[300]", "task.depth_percents=[0,50]",
+            f"task.haystack_dir={hay}", "method=streamingllm", "budget=0.5", "task.max_new_tokens=3",
+            "quiet=true", f"output_root={tmp_path}", "run_name=job"]
+    assert run_cli([*args, "max_samples=1"]).returncode == 0
+    job = tmp_path / "job"
+    before = (job / "predictions.jsonl").read_text()
+    (hay / "a.txt").write_text("Entirely different essay text about mountains and snow. " * 40)
+    out = run_cli(args)
+    assert out.returncode == 2, out.stderr[-2000:]
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"error: task.haystack_dir={hay}: the stored sample niah/300/0 of job folder job was run "
+                           "on another prompt (prompt_sha256 "), last
+    assert last.endswith("the task's input files changed; pass run_tag=NAME for a separate job folder")
+    assert (job / "predictions.jsonl").read_text() == before
+    assert not list(job.glob("config.*.yaml"))  # the refused run left no config snapshot
