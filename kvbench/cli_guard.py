@@ -26,7 +26,7 @@ import os
 import re
 import sys
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, Iterator, NoReturn
 
 import yaml
 
@@ -180,20 +180,59 @@ def _sweep_values(override: Any) -> list[str]:
 MAX_CHECKED_JOBS = 128
 
 
-def _variants(base: list[str], sweeps: list[tuple[str, list[str]]]) -> list[list[str]]:
-    """Override lists to pre-check: every job of the sweep (the product of the swept values) when
-    there are at most :data:`MAX_CHECKED_JOBS`, else every value of every swept key once, one key
-    at a time (the others at their first value)."""
+def _jobs(base: list[str], sweeps: list[tuple[str, list[str]]]) -> Iterator[list[str]]:
+    """Every job of the sweep (the product of the swept values, in Hydra's order) as overrides."""
+    for combo in itertools.product(*[[f"{key}={v}" for v in values] for key, values in sweeps]):
+        yield base + list(combo)
+
+
+def _around(base: list[str], sweeps: list[tuple[str, list[str]]], center: list[str]) -> list[list[str]]:
+    """``center`` (a job's overrides) and every job that differs from it in one swept value."""
+    swept = center[len(base):]
+    out = [center]
+    for i, (key, values) in enumerate(sweeps):
+        for value in values:
+            if f"{key}={value}" != swept[i]:
+                out.append(base + swept[:i] + [f"{key}={value}"] + swept[i + 1:])
+    return out
+
+
+def _checked_jobs(composer: "_Composer", base: list[str], sweeps: list[tuple[str, list[str]]],
+                  first: Any) -> tuple[list[list[str]], dict[int, str]]:
+    """The jobs to pre-check and their errors (index → one-line error).
+
+    Every job when the sweep has at most :data:`MAX_CHECKED_JOBS`; else the first valid job of
+    the sweep's order (at most that many tried), every job one swept value away from it and, for
+    each of those that fails, the first valid job with its value (at most that many tried), so
+    that whether a value is refused does not depend on the order in which values are listed.
+    ``first``: the composed config of the sweep's first job (already composed by the caller).
+    """
+    def error(overrides: list[str], cfg: Any = None) -> str | None:
+        return _validation_error(*_job_config(cfg if cfg is not None else composer.compose(overrides)))
+
+    jobs = _jobs(base, sweeps)
     n_jobs = math.prod(len(values) for _, values in sweeps) if sweeps else 1
     if n_jobs <= MAX_CHECKED_JOBS:
-        combos = itertools.product(*[[f"{key}={v}" for v in values] for key, values in sweeps])
-        return [base + list(combo) for combo in combos]
-    first = base + [f"{key}={values[0]}" for key, values in sweeps]
-    out = [first]
-    for i, (key, values) in enumerate(sweeps):
-        for value in values[1:]:
-            out.append(base + [f"{k}={(value if j == i else vs[0])}" for j, (k, vs) in enumerate(sweeps)])
-    return out
+        variants = list(jobs)
+        errors = {i: e for i, v in enumerate(variants) if (e := error(v, first if i == 0 else None)) is not None}
+        return variants, errors
+    first_error = None
+    for i, job in enumerate(itertools.islice(jobs, MAX_CHECKED_JOBS)):
+        e = error(job, first if i == 0 else None)
+        if e is None:
+            variants = _around(base, sweeps, job)
+            errors = {k: e for k, v in enumerate(variants[1:], 1) if (e := error(v)) is not None}
+            for k in list(errors):  # a value failing next to this job may suit other values of other keys
+                i = next(j for j, (a, b) in enumerate(zip(variants[k][len(base):], job[len(base):])) if a != b)
+                key, value = variants[k][len(base) + i].split("=", 1)
+                pinned = sweeps[:i] + [(key, [value])] + sweeps[i + 1:]
+                valid = next((v for v in itertools.islice(_jobs(base, pinned), MAX_CHECKED_JOBS) if error(v) is None),
+                             None)
+                if valid is not None:
+                    variants.append(valid)
+            return variants, errors
+        first_error = first_error or e
+    return [base], {0: first_error}
 
 
 def _check_sweep(variants: list[list[str]], errors: dict[int, str], n_base: int) -> None:
@@ -308,8 +347,7 @@ def precheck_argv(argv: list[str]) -> None:
                 sweeps.append((o.get_key_element(), values))
             else:
                 base.append(o.input_line)
-        variants = _variants(base, sweeps)
-        cfg = composer.compose(variants[0])
+        cfg = composer.compose(next(_jobs(base, sweeps)))
         params = cfg.hydra.sweeper.get("params") if "sweeper" in cfg.hydra else None
         if params and not args.multirun and args.cfg is None:
             # A preset's sweep (hydra.sweeper.params) only runs with -m; without it Hydra would run
@@ -332,12 +370,10 @@ def precheck_argv(argv: list[str]) -> None:
                     fail(f"hydra.sweeper.params.{key}={text}: cannot parse ({_first_line(e)})")
                 extra.append((o.get_key_element(), _sweep_values(o) if o.is_sweep_override() else [str(text)]))
             if extra:
-                variants = _variants(base, sweeps + extra)
-                cfg = composer.compose(variants[0])
-        configs = [cfg] + [composer.compose(v) for v in variants[1:]]
+                cfg = composer.compose(next(_jobs(base, sweeps + extra)))
         if args.cfg is not None:
             return
-        errors = {i: e for i, c in enumerate(configs) if (e := _validation_error(*_job_config(c))) is not None}
+        variants, errors = _checked_jobs(composer, base, sweeps + extra if args.multirun else sweeps, cfg)
         if args.multirun:
             _check_sweep(variants, errors, len(base))
         elif errors:

@@ -273,3 +273,21 @@ def test_a_swept_value_no_job_can_run_refuses_the_sweep(capsys):
     assert stop.value.code == 2
     assert capsys.readouterr().err.strip().splitlines()[-1].startswith(
         "error: budget=20: smaller than the 32 tokens method snapkv always keeps")
+
+
+@pytest.mark.parametrize("methods, budgets, accepted", [("snapkv,streamingllm", "20,0.2", True),
+                                                        ("streamingllm,snapkv", "0.2,20", True),
+                                                        ("snapkv,pyramidkv", "0.2,20", False)])
+def test_a_sweep_too_large_to_check_job_by_job_gets_the_same_verdict_in_any_order(methods, budgets, accepted):
+    """160 jobs (more than MAX_CHECKED_JOBS): budget=20 suits streamingllm, so the sweep runs whatever
+    the order; with no swept method able to keep 20 tokens it is refused."""
+    from kvbench.cli_guard import MAX_CHECKED_JOBS, precheck_argv
+
+    argv = ["-m", f"method={methods}", f"budget={budgets}", "seed=range(0,40)"]
+    assert 2 * 2 * 40 > MAX_CHECKED_JOBS
+    if accepted:
+        precheck_argv(argv)
+    else:
+        with pytest.raises(SystemExit) as stop:
+            precheck_argv(argv)
+        assert stop.value.code == 2
