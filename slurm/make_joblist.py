@@ -17,6 +17,9 @@ sweeper (the cartesian product of the comma lists, the last key varying fastest)
 write into the same job folder. Each override is shell-quoted (``'task.context_lengths=[256]'``)
 so that a line can also be pasted after ``python run.py`` in a shell.
 
+An experiment preset (``+experiment=NAME``) contributes its own sweep (``hydra.sweeper.params``,
+keys given on the command line win), as with ``run.py -m``.
+
 Sweep syntax accepted: comma lists (``a=1,2``), ``range()``, ``choice()``; plain overrides
 (``a=1``, ``+a=1``, ``~a``) are copied to every line. ``glob()`` and ``interval()`` are
 rejected (they need a config loader or a sweeper plugin).
@@ -80,6 +83,29 @@ def expand(overrides: list[str], shards: int = 1) -> list[list[str]]:
     return [job + [f"shard.index={k}", f"shard.count={shards}"] for job in jobs for k in range(shards)]
 
 
+def preset_sweeps(overrides: list[str]) -> list[str]:
+    """The sweep of an experiment preset named in ``overrides`` (``+experiment=NAME``), as overrides.
+
+    ``run.py -m +experiment=NAME`` sweeps the preset's ``hydra.sweeper.params``; a job list must
+    list those jobs too (a line with the preset alone would refuse to run without ``-m``). Keys
+    given on the command line win, as in Hydra.
+
+    Raises:
+        SweepSpecError: the preset file does not exist.
+    """
+    import yaml
+
+    names = [o.split("=", 1)[1] for o in overrides if o.lstrip("+").startswith("experiment=")]
+    if not names:
+        return []
+    path = Path(__file__).resolve().parents[1] / "conf" / "experiment" / f"{names[-1]}.yaml"
+    if not path.is_file():
+        raise SweepSpecError(f"experiment={names[-1]}: no such preset ({path})")
+    params = (((yaml.safe_load(path.read_text()) or {}).get("hydra") or {}).get("sweeper") or {}).get("params") or {}
+    given = {o.lstrip("+~").split("=", 1)[0] for o in overrides}
+    return [f"{key}={value}" for key, value in params.items() if key not in given]
+
+
 def format_line(job: list[str]) -> str:
     """One job-list line: the overrides, each shell-quoted, separated by single spaces."""
     return " ".join(shlex.quote(override) for override in job)
@@ -98,6 +124,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-check", action="store_true",
                         help="skip validating the sweep with run.py's checks (unknown names, keys, values)")
     args = parser.parse_args(argv)
+    try:
+        args.overrides = [("+" + o if o.startswith("experiment=") else o) for o in args.overrides]
+        args.overrides += preset_sweeps(args.overrides)  # a preset's own sweep, one line per job
+    except SweepSpecError as error:
+        print(f"make_joblist: {error}", file=sys.stderr)
+        return 2
     if not args.no_check:
         sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root (run as a script)
         from kvbench.cli_guard import precheck_argv

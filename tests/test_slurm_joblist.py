@@ -83,6 +83,25 @@ def test_main_writes_one_line_per_job(tmp_path, capsys):
         assert exit_.value.code == 2 and capsys.readouterr().err.startswith(line)
 
 
+def test_a_preset_contributes_its_own_sweep_and_each_line_runs_alone(tmp_path, capsys):
+    """+experiment=NAME sweeps the preset's hydra.sweeper.params (one line per method), keys given on the
+    command line win, and each line passes run.py's pre-check without -m."""
+    from kvbench.cli_guard import precheck_argv
+
+    out = tmp_path / "jobs.txt"
+    assert main(["experiment=selkv_table2_smoke", "output_root=r", "-o", str(out)]) == 0
+    lines = out.read_text().splitlines()
+    assert lines == [f"+experiment=selkv_table2_smoke output_root=r method={m}"
+                     for m in ("full", "selkv_evict", "selkv_merge_all", "selkv_gate", "selkv_gate_comp")]
+    precheck_argv(lines[2].split())  # no "add --multirun" refusal
+    assert main(["+experiment=selkv_table2_smoke", "method=full,selkv_gate", "-o", str(out)]) == 0
+    assert out.read_text().splitlines() == ["+experiment=selkv_table2_smoke method=full",
+                                            "+experiment=selkv_table2_smoke method=selkv_gate"]
+    capsys.readouterr()
+    assert main(["+experiment=nope", "-o", str(out)]) == 2
+    assert capsys.readouterr().err.startswith("make_joblist: experiment=nope: no such preset")
+
+
 @pytest.mark.skipif(shutil.which("bash") is None, reason="bash not found")
 @pytest.mark.parametrize("task_id", [1, 2])
 def test_array_sbatch_runs_run_py_with_the_overrides_of_its_line(tmp_path, task_id):
