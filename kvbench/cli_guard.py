@@ -197,6 +197,35 @@ def _around(base: list[str], sweeps: list[tuple[str, list[str]]], center: list[s
     return out
 
 
+def _job_folder(cfg: Any, overrides: list[str]) -> tuple[str, Any, Any] | None:
+    """(job folder, shard index, shard count) of a valid composed job, as ``run.py`` names it."""
+    from omegaconf import OmegaConf
+
+    from .store import job_relpath
+
+    try:
+        job, _ = _job_config(cfg)
+        choice = OmegaConf.select(cfg, "hydra.runtime.choices.method", default=None)
+        method_overrides = [o for o in overrides if o.lstrip("+~").startswith("method.")]
+        shard = job.get("shard") or {}
+        return job_relpath(job, choice, method_overrides), shard.get("index"), shard.get("count")
+    except Exception:  # noqa: BLE001 - no folder name for this config: nothing to compare
+        return None
+
+
+def _check_folders(folders: dict[int, tuple], variants: list[list[str]], n_base: int) -> None:
+    """Exit with one line when two checked jobs of a sweep would write the same job folder (and
+    shard): the second would stop on the first one's lock or stored setting."""
+    seen: dict[tuple, int] = {}
+    for i, folder in sorted(folders.items()):
+        if folder in seen and variants[seen[folder]][n_base:] != variants[i][n_base:]:
+            a, b = (" ".join(variants[k][n_base:]) for k in (seen[folder], i))
+            fail(f"sweep jobs {a} and {b} write the same job folder {folder[0]} (its name holds task, model, method "
+                 "preset, budget, run_tag and the method.* overrides); list each value once, or give each job its "
+                 "own run_tag, e.g. 'run_tag=seed${seed}'")
+        seen.setdefault(folder, i)
+
+
 def _checked_jobs(composer: "_Composer", base: list[str], sweeps: list[tuple[str, list[str]]],
                   first: Any) -> tuple[list[list[str]], dict[int, str]]:
     """The jobs to pre-check and their errors (index → one-line error).
@@ -207,14 +236,21 @@ def _checked_jobs(composer: "_Composer", base: list[str], sweeps: list[tuple[str
     that whether a value is refused does not depend on the order in which values are listed.
     ``first``: the composed config of the sweep's first job (already composed by the caller).
     """
-    def error(overrides: list[str], cfg: Any = None) -> str | None:
-        return _validation_error(*_job_config(cfg if cfg is not None else composer.compose(overrides)))
+    folders: dict[int, tuple] = {}
+
+    def error(overrides: list[str], cfg: Any = None, index: int | None = None) -> str | None:
+        cfg = cfg if cfg is not None else composer.compose(overrides)
+        message = _validation_error(*_job_config(cfg))
+        if message is None and index is not None and (folder := _job_folder(cfg, overrides)) is not None:
+            folders[index] = folder
+        return message
 
     jobs = _jobs(base, sweeps)
     n_jobs = math.prod(len(values) for _, values in sweeps) if sweeps else 1
     if n_jobs <= MAX_CHECKED_JOBS:
         variants = list(jobs)
-        errors = {i: e for i, v in enumerate(variants) if (e := error(v, first if i == 0 else None)) is not None}
+        errors = {i: e for i, v in enumerate(variants) if (e := error(v, first if i == 0 else None, i)) is not None}
+        _check_folders(folders, variants, len(base))
         return variants, errors
     first_error = None
     for i, job in enumerate(itertools.islice(jobs, MAX_CHECKED_JOBS)):

@@ -291,3 +291,19 @@ def test_a_sweep_too_large_to_check_job_by_job_gets_the_same_verdict_in_any_orde
         with pytest.raises(SystemExit) as stop:
             precheck_argv(argv)
         assert stop.value.code == 2
+
+
+def test_sweep_jobs_that_would_share_a_job_folder_are_refused(capsys):
+    """seed is not in the folder name: two seeds would write one folder (the second refused as another
+    setting, or locked on SLURM); a run_tag per job, or shards of one job, are fine."""
+    from kvbench.cli_guard import precheck_argv
+
+    with pytest.raises(SystemExit) as stop:
+        precheck_argv(["-m", "method=streamingllm", "budget=0.2", "seed=0,1"])
+    assert stop.value.code == 2
+    assert capsys.readouterr().err.strip() == (
+        "error: sweep jobs seed=0 and seed=1 write the same job folder niah/smollm2/streamingllm/b0.2 (its name holds "
+        "task, model, method preset, budget, run_tag and the method.* overrides); list each value once, or give each "
+        "job its own run_tag, e.g. 'run_tag=seed${seed}'")
+    precheck_argv(["-m", "method=streamingllm", "budget=0.2", "seed=0,1", "run_tag=seed${seed}"])
+    precheck_argv(["-m", "method=streamingllm", "budget=0.2", "shard.index=0,1", "shard.count=2"])
