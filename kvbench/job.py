@@ -292,10 +292,12 @@ def run_job(cfg: dict, method_preset: str | None = None, method_overrides: list[
         # what limited this run to part of each dataset (the report flags such scores)
         subset = [f"task.n_samples={cfg['task'].get('n_samples')}"] if task.cut_datasets else []
         if cfg.get("max_samples"):
-            if len(mine) > int(cfg["max_samples"]):
-                subset.append(f"max_samples={cfg['max_samples']}")
-            mine = mine[: int(cfg["max_samples"])]
-            expected = [s.id for s in mine] if shard[1] == 1 else expected
+            cap = int(cfg["max_samples"])
+            if any(len(samples[k :: shard[1]]) > cap for k in range(shard[1])):
+                subset.append(f"max_samples={cap}")
+            mine = mine[:cap]
+            # every shard runs its first max_samples samples: the job expects all of those
+            expected = [s.id for k in range(shard[1]) for s in samples[k :: shard[1]][:cap]]
         env = environment(loaded, cfg.get("device", "auto"))
         env["haystack_source"] = getattr(task, "haystack_source", None)
         try:

@@ -332,3 +332,17 @@ def test_a_resume_after_the_haystack_files_changed_is_refused(tiny_model_dir, tm
     assert last.endswith("the task's input files changed; pass run_tag=NAME for a separate job folder")
     assert (job / "predictions.jsonl").read_text() == before
     assert not list(job.glob("config.*.yaml"))  # the refused run left no config snapshot
+
+
+def test_a_sharded_job_with_max_samples_completes(tiny_model_dir, haystack_dir, tmp_path):
+    """max_samples caps each shard: the job expects each shard's first max_samples samples (it
+    could never complete when it expected every sample)."""
+    args = [*tiny_model_args(tiny_model_dir), "task.context_lengths=[300]", "task.depth_percents=[0,50,100]",
+            f"task.haystack_dir={haystack_dir}", "method=streamingllm", "budget=0.5", "task.max_new_tokens=2",
+            "quiet=true", f"output_root={tmp_path}", "run_name=job", "max_samples=1", "shard.count=2"]
+    for index in (0, 1):
+        out = run_cli([*args, f"shard.index={index}"])
+        assert out.returncode == 0, out.stderr[-2000:]
+    summary = json.loads((tmp_path / "job" / "summary.json").read_text())
+    assert (summary["n_samples"], summary["n_expected"], summary["complete"]) == (2, 2, True)
+    assert summary["subset"] == "max_samples=1"  # shard 0 had 2 samples (0 and 100), 1 was run
