@@ -155,6 +155,12 @@ def summarize(
     return summary
 
 
+def prompt_sha256(sample: Sample) -> str:
+    """SHA-256 (hex) of the sample's prompt as the task built it (truncated, before the chat
+    template): the record's ``prompt_sha256``, and what a resume or a copy is checked against."""
+    return hashlib.sha256(sample.prompt.encode("utf-8")).hexdigest()
+
+
 def run_sample(engine: Engine, loaded: LoadedModel, task: Task, sample: Sample) -> dict[str, Any]:
     """Generate and score one sample; never raises (errors become an error record)."""
     base = {
@@ -166,7 +172,7 @@ def run_sample(engine: Engine, loaded: LoadedModel, task: Task, sample: Sample) 
         "meta": sample.meta,
         # the prompt as the task built it (truncated, before the chat template): audit it against a
         # prompt rebuilt by the official script without storing long contexts in every record
-        "prompt_sha256": hashlib.sha256(sample.prompt.encode("utf-8")).hexdigest(),
+        "prompt_sha256": prompt_sha256(sample),
     }
     try:
         with injected(sample.id, loaded.model):  # KVBENCH_FAIL_SAMPLES (tests); inert otherwise
@@ -301,8 +307,10 @@ def run_job(cfg: dict, method_preset: str | None = None, method_overrides: list[
         env = environment(loaded, cfg.get("device", "auto"))
         env["haystack_source"] = getattr(task, "haystack_source", None)
         try:
-            _check_same_environment(store, env, relpath)
-            _check_same_prompts(store, cfg, mine, relpath)
+            stored = store.records()
+            if stored:  # a resume: the stored samples must have been computed as this run would
+                _check_same_environment(store, env, relpath)
+                _check_same_prompts(stored, cfg, mine, relpath)
         except ConfigError:
             if new_snapshot is not None:  # a refused run leaves no config of its own behind
                 new_snapshot.unlink(missing_ok=True)
@@ -461,7 +469,7 @@ def reuse_full_cache_samples(store: JobStore, root: Path, cfg: dict, todo: list[
     """
     if not todo:
         return set()
-    wanted = {s.id: hashlib.sha256(s.prompt.encode("utf-8")).hexdigest() for s in todo}
+    wanted = {s.id: prompt_sha256(s) for s in todo}
     copied: set[str] = set()
     own = store.path.relative_to(root).as_posix()
     for folder in sorted(p for p in store.path.parent.iterdir() if p.is_dir() and p != store.path):
@@ -487,7 +495,7 @@ def reuse_full_cache_samples(store: JobStore, root: Path, cfg: dict, todo: list[
             copied.add(rec["id"])
         if found:
             log.info("job %s: %d sample%s copied from the full-cache job %s (the same computation at another budget; "
-                     "reuse_full=false recomputes them)", store.path.relative_to(root).as_posix(), len(found),
+                     "reuse_full=false recomputes them)", own, len(found),
                      "" if len(found) == 1 else "s", source)
         if len(copied) == len(wanted):
             break
@@ -530,11 +538,9 @@ def _check_same_environment(store: JobStore, env: Mapping[str, Any], relpath: st
     reachable would compute differently; ``env.json`` records what they resolved to.
 
     Raises:
-        ConfigError: a stored ``env*.json`` of a folder with stored samples differs in
-            :data:`ENV_KEYS` (the model is loaded by then; nothing is written).
+        ConfigError: a stored ``env*.json`` of the folder (called when it holds samples) differs
+            in :data:`ENV_KEYS` (the model is loaded by then; nothing is written).
     """
-    if not store.records():
-        return
     diff = _env_differences(store.path, env)
     if diff:
         shown = ", ".join(f"{k}: {a} -> {b}" for k, (a, b) in diff.items())
@@ -547,7 +553,7 @@ def _check_same_environment(store: JobStore, env: Mapping[str, Any], relpath: st
         )
 
 
-def _check_same_prompts(store: JobStore, cfg: dict, samples: list[Sample], relpath: str) -> None:
+def _check_same_prompts(records: list[dict], cfg: dict, samples: list[Sample], relpath: str) -> None:
     """Refuse a resume whose inputs changed under the same config: a stored sample's
     ``prompt_sha256`` differs from the prompt this run builds for it (the haystack or data
     files were edited, the embedded haystack of another Python version).
@@ -556,11 +562,11 @@ def _check_same_prompts(store: JobStore, cfg: dict, samples: list[Sample], relpa
         ConfigError: names the input key, the first such sample and both hashes (nothing written).
     """
     wanted = {s.id: s for s in samples}
-    for rec in store.records():
+    for rec in records:
         sample = wanted.get(rec.get("id"))
         if sample is None or rec.get("error") is not None or not rec.get("prompt_sha256"):
             continue
-        now = hashlib.sha256(sample.prompt.encode("utf-8")).hexdigest()
+        now = prompt_sha256(sample)
         if now != rec["prompt_sha256"]:
             task = cfg["task"]
             key = ("task.data_dir" if "data_dir" in task else "task.haystack_dir" if task.get("haystack_dir")
