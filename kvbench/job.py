@@ -23,6 +23,9 @@ import eval as tasks
 from eval.base import Sample, Task, TaskConfigError
 from methods.base import ConfigError, is_ratio
 
+from .config_keys import RUN_CONTROL_KEYS, SAMPLE_SELECTION_KEYS
+from .config_keys import flatten as _flatten
+from .config_keys import under as _under
 from .engine import Engine
 from .faults import crash_point, injected
 from .models import LoadedModel, load_model
@@ -336,32 +339,6 @@ def run_job(cfg: dict, method_preset: str | None = None, method_overrides: list[
         print_summary(summary, store.path)
     any_failed = failed or summary["n_failed"] > 0
     return EXIT_SAMPLE_FAILED if any_failed else EXIT_OK
-
-
-#: Keys that control how a job runs, not what it computes: a rerun that differs only in these
-#: is the same job (no new ``config.<time>.yaml``, and a finished job is not run again).
-RUN_CONTROL_KEYS = ("quiet", "lock_wait_s", "output_root", "threads", "reuse_full")
-
-
-#: Keys that may differ between runs of one job folder: they choose which samples run (the
-#: sample ids encode them), not how a sample is computed; plus the run-control keys.
-SAMPLE_SELECTION_KEYS = (
-    "max_samples", "shard", "task.context_lengths", "task.depth_percents", "task.datasets", "task.n_samples",
-    "model.gguf_cache",
-)
-
-
-def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
-    """``{"a": {"b": 1}}`` → ``{"a.b": 1}`` (an empty node stays a leaf)."""
-    out: dict[str, Any] = {}
-    for k, v in d.items():
-        out.update(_flatten(v, f"{prefix}{k}.") if isinstance(v, dict) and v else {f"{prefix}{k}": v})
-    return out
-
-
-def _under(key: str, prefixes) -> bool:
-    """Whether dotted ``key`` is one of ``prefixes`` or lies under one."""
-    return any(key == f or key.startswith(f + ".") for f in prefixes)
 
 
 def run_selection(cfg: dict) -> dict[str, Any]:

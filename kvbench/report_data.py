@@ -32,6 +32,8 @@ from typing import Any, Iterable
 import pandas as pd
 import yaml
 
+from .config_keys import RUN_CONTROL_KEYS, SAMPLE_SELECTION_KEYS, flatten, under
+
 # LongBench v1 English datasets by category (SelKV Table 1 / Table 4 layout).
 LONGBENCH_CATEGORIES: dict[str, list[str]] = {
     "Single-Doc QA": ["narrativeqa", "qasper", "multifieldqa_en"],
@@ -58,7 +60,7 @@ TIMING_COLUMNS = ["prefill_s", "compress_s", "decode_s", "decode_tok_s"]
 CACHE_COLUMNS = ["prompt_tokens", "kept_tokens", "cache_bytes_before", "cache_bytes_after"]
 COLUMNS = [
     "job", "task", "model", "model_key", "method", "method_name", "preset", "budget", "setting", "max_input_tokens",
-    "params", "tagged", "dataset", "score", "n", "n_failed", "n_expected", "complete", "subset",
+    "params", "settings", "tagged", "dataset", "score", "n", "n_failed", "n_expected", "complete", "subset",
     *TIMING_COLUMNS, *CACHE_COLUMNS, "compressed_fraction",
 ]
 
@@ -187,6 +189,30 @@ def _subset(cfg: dict, summary: dict) -> str:
     return " ".join(parts)
 
 
+#: Config keys that are not a job's *setting* in the report: the method and budget (table rows
+#: and columns), the folder naming, run control and sample selection, and the truncation keys
+#: (``max_input_tokens`` covers them). ``device`` is replaced by what ``env.json`` says it resolved to.
+_NOT_SETTINGS = ("method", "budget", "run_tag", "run_name", "device", "task.max_length", "task.max_input_tokens",
+                 "model.max_input_length", "model.max_input_tokens", "hydra") + RUN_CONTROL_KEYS + SAMPLE_SELECTION_KEYS
+
+
+def _settings(cfg: dict, job_dir: Path) -> str:
+    """The job's other settings as sorted JSON ``{dotted key: value}``: every config key that can
+    change what a sample computes besides the method, the budget and the truncation length (e.g.
+    ``task.max_new_tokens``, ``model.chat_template``, ``task.data_dir``), plus ``env.device_type``
+    and ``env.dtype`` from the job's ``env.json`` (``device=auto`` may be CUDA bf16 or CPU float32).
+    :func:`_model_keys` splits a model's rows by it, so that a table never pairs jobs of different
+    settings in one cell or against one full-cache reference."""
+    flat = {k: v for k, v in flatten(json.loads(json.dumps(cfg, default=str))).items() if not under(k, _NOT_SETTINGS)}
+    for path in sorted(job_dir.glob("env*.json")):
+        env = _read_json(path)
+        if isinstance(env, dict) and env.get("device"):
+            flat["env.device_type"] = str(env["device"]).split(":")[0]
+            flat["env.dtype"] = env.get("dtype")
+            break
+    return json.dumps(flat, sort_keys=True)
+
+
 def _job_rows(root: Path, job_dir: Path) -> list[dict]:
     cfg = yaml.safe_load((job_dir / "config.yaml").read_text()) or {}
     summary = _read_json(job_dir / "summary.json") or {}
@@ -212,6 +238,7 @@ def _job_rows(root: Path, job_dir: Path) -> list[dict]:
         "setting": setting,
         "max_input_tokens": _max_input_tokens(cfg, setting),
         "params": json.dumps(params, sort_keys=True, default=str),
+        "settings": _settings(cfg, job_dir),
         "tagged": bool(tag) and tag != setting,
         "n_expected": summary.get("n_expected"),
         "complete": bool(summary.get("complete", False)),
@@ -253,21 +280,42 @@ def _job_rows(root: Path, job_dir: Path) -> list[dict]:
     return rows
 
 
+def _first_suffix(row) -> str:
+    """The run tag, else the truncation length (``3500 tok``), else ``default``."""
+    if row["setting"]:
+        return row["setting"]
+    if not math.isnan(row["max_input_tokens"]):
+        return f"{int(row['max_input_tokens'])} tok"
+    return "default"
+
+
+def _differing(settings: Iterable[str]) -> list[str]:
+    """Keys whose values differ among the ``settings`` (JSON texts) that have them (a key that older
+    jobs lack is compared among the jobs that have it only)."""
+    values: dict[str, set[str]] = {}
+    for text in settings:
+        for k, v in json.loads(text).items():
+            values.setdefault(k, set()).add(json.dumps(v, sort_keys=True))
+    return sorted(k for k, vs in values.items() if len(vs) > 1)
+
+
 def _model_keys(df: pd.DataFrame) -> pd.Series:
-    """Model name, suffixed where one (task, model) has several settings (run tag / truncation)."""
+    """Model name, suffixed where one (task, model) has several settings: the run tag, else the
+    truncation length (``llama31 [ctx31500]``, ``llama31 [3500 tok]``), and where jobs still differ
+    in other settings (:func:`_settings`), the keys that differ (``smollm2 [task.max_new_tokens=64]``)."""
     keys = df["model"].copy()
     for (_task, _model), grp in df.groupby(["task", "model"]):
-        combos = grp[["setting", "max_input_tokens"]].drop_duplicates()
-        if len(combos) < 2:
-            continue
-        for idx, row in grp.iterrows():
-            if row["setting"]:
-                suffix = f"[{row['setting']}]"
-            elif not math.isnan(row["max_input_tokens"]):
-                suffix = f"[{int(row['max_input_tokens'])} tok]"
-            else:
-                suffix = "[default]"
-            keys.at[idx] = f"{row['model']} {suffix}"
+        first = grp.apply(_first_suffix, axis=1)
+        split_by_first = first.nunique() > 1
+        for suffix, sub in grp.groupby(first):
+            differ = _differing(sub["settings"].unique())
+            for idx, row in sub.iterrows():
+                parts = [suffix] if split_by_first else []
+                values = json.loads(row["settings"])
+                if any(k in values for k in differ):
+                    parts.append(", ".join(f"{k}={values[k]}" for k in differ if k in values))
+                if parts:
+                    keys.at[idx] = f"{row['model']} [{'; '.join(parts)}]"
     return keys
 
 

@@ -233,3 +233,49 @@ def test_jobs_over_part_of_each_dataset_are_noted_in_score_and_paper_tables(tmp_
     assert score_tables(report.load_results(tmp_path))[0].notes == []
     summary_path.write_text(json.dumps({**summary, "selection": {"task.n_samples": 200}, "subset": "task.n_samples=200"}))
     assert score_tables(report.load_results(tmp_path))[0].notes == [note.replace("n_samples=1", "n_samples=200")]
+
+
+def _edit_config(job: Path, **task_keys) -> None:
+    import yaml
+
+    cfg = yaml.safe_load((job / "config.yaml").read_text())
+    cfg["task"].update(task_keys)
+    (job / "config.yaml").write_text(yaml.safe_dump(cfg))
+
+
+def test_jobs_of_other_settings_get_their_own_model_key_and_full_cache_reference(tmp_path):
+    """A full-cache job run with task.max_new_tokens=64 (folder b0.25) next to the default one
+    (b1.0): the 64-token SnapKV job is compared with the 64-token full cache only, and the
+    model keys name the key that differs."""
+    for method, budget, new, scores in [("full", 1.0, 32, {"qasper": 30.0}), ("full", 0.25, 64, {"qasper": 50.0}),
+                                        ("snapkv", 0.25, 64, {"qasper": 45.0}), ("snapkv", 0.5, 32, {"qasper": 20.0})]:
+        job = make_job(tmp_path, model="tiny", method=method, budget=budget, scores=scores)
+        _edit_config(job, max_new_tokens=new, data_dir="/data/lb")
+        if method == "snapkv" and new == 64:
+            (job / "env.json").write_text(json.dumps({"device": "cpu", "dtype": "float32"}))
+    df = report.load_results(tmp_path)
+    keys = dict(zip(df["job"], df["model_key"]))
+    assert keys == {"longbench/tiny/full/b1.0": "tiny [task.max_new_tokens=32]",
+                    "longbench/tiny/full/b0.25": "tiny [task.max_new_tokens=64]",
+                    "longbench/tiny/snapkv/b0.25": "tiny [task.max_new_tokens=64]",  # env.json: in no other job
+                    "longbench/tiny/snapkv/b0.5": "tiny [task.max_new_tokens=32]"}
+    tabs = {t.name: t for t in score_tables(df)}
+    assert set(tabs) == {"scores_longbench_tiny_task_max_new_tokens_32", "scores_longbench_tiny_task_max_new_tokens_64"}
+    pairs = {}
+    for t in tabs.values():
+        rows = {r["Method"]: r for r in records(t)}
+        pairs[rows["SnapKV"]["Budget"]] = (rows["Full Cache"]["qasper"], rows["SnapKV"]["qasper"])
+    assert pairs == {"25%": (50.0, 45.0), "50%": (30.0, 20.0)}  # before: one table, one full row (30 or 50) for both
+
+
+def test_env_dtype_splits_model_keys_and_keys_missing_in_older_jobs_do_not(tmp_path):
+    a = make_job(tmp_path, model="tiny", method="full", budget=1.0, scores={"qasper": 30.0})
+    b = make_job(tmp_path, model="tiny", method="snapkv", budget=0.25, scores={"qasper": 20.0})
+    c = make_job(tmp_path, model="tiny", method="snapkv", budget=0.5, scores={"qasper": 25.0})
+    (a / "env.json").write_text(json.dumps({"device": "cuda:0", "dtype": "bfloat16"}))
+    (b / "env.json").write_text(json.dumps({"device": "cpu", "dtype": "float32"}))
+    _edit_config(c, max_new_tokens=32)  # an older job: no env.json; the only job with this key
+    keys = dict(zip(*[report.load_results(tmp_path)[k] for k in ("job", "model_key")]))
+    assert keys["longbench/tiny/full/b1.0"] == "tiny [env.device_type=cuda, env.dtype=bfloat16]"
+    assert keys["longbench/tiny/snapkv/b0.25"] == "tiny [env.device_type=cpu, env.dtype=float32]"
+    assert keys["longbench/tiny/snapkv/b0.5"] == "tiny"  # no env.json; task.max_new_tokens: in no other job
