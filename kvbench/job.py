@@ -318,7 +318,9 @@ def run_job(cfg: dict, method_preset: str | None = None, method_overrides: list[
             if new_snapshot is not None:  # a refused run leaves no config of its own behind
                 new_snapshot.unlink(missing_ok=True)
             raise
-        store.write_json("env.json" if shard[1] == 1 else f"env.shard{shard[0]}.json", env)
+        # written with this run's first record: an attempt that stores no sample (a GPU run that
+        # failed before its first one) must not make the folder's samples look computed there
+        store.write_json_with_first_record("env.json" if shard[1] == 1 else f"env.shard{shard[0]}.json", env)
         done = store.done_ids()
         if method.name == "full" and cfg.get("reuse_full", True) and not cfg.get("run_name"):
             done |= reuse_full_cache_samples(store, root, cfg, [s for s in mine if s.id not in done], env)

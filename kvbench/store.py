@@ -123,6 +123,7 @@ class JobStore:
         self.shard = shard
         self.predictions = self.path / PREDICTIONS
         self._lock_fd: int | None = None
+        self._with_first_record: dict[str, Any] = {}
 
     # --- locking ------------------------------------------------------------------------
     def acquire(self, wait_s: float = 0.0) -> None:
@@ -273,6 +274,8 @@ class JobStore:
                 (nothing is written).
         """
         line = (json.dumps(record, ensure_ascii=False, allow_nan=False) + "\n").encode("utf-8")
+        for name in list(self._with_first_record):  # metadata of the records this run stores
+            self.write_json(name, self._with_first_record.pop(name))
         with self._append_lock():
             self._repair_locked()
             with open(self.predictions, "ab") as f:
@@ -312,6 +315,12 @@ class JobStore:
             path = self.path / f"config.{time.strftime('%Y%m%d-%H%M%S')}.yaml"
         atomic_write(path, text)
         return path
+
+    def write_json_with_first_record(self, name: str, obj: Any) -> None:
+        """Write ``name`` (as :meth:`write_json`) just before this object's next record is
+        appended, so that it describes stored samples: a run that stores nothing (it failed
+        before its first sample, or had nothing to do) leaves the stored file as it was."""
+        self._with_first_record[name] = obj
 
     def write_json(self, name: str, obj: Any) -> None:
         """Atomically write ``name`` as indented JSON."""

@@ -255,6 +255,25 @@ def test_a_resume_whose_auto_settings_resolve_otherwise_is_refused(tiny_model_di
     assert json.loads((job / "env.json").read_text())["dtype"] == stored.get("dtype", "float32")  # kept
 
 
+def test_an_attempt_that_stored_no_sample_leaves_no_env_file(tiny_model_dir, haystack_dir, tmp_path):
+    """env*.json describes stored samples: a shard killed before its first sample (e.g. a GPU
+    attempt) writes none, so it cannot block a resume of another shard on a CPU; the shard's
+    file appears with its first record."""
+    args = [*tiny_model_args(tiny_model_dir), "task.context_lengths=[300]", "task.depth_percents=[0,50]",
+            f"task.haystack_dir={haystack_dir}", "method=streamingllm", "budget=0.5", "task.max_new_tokens=3",
+            "quiet=true", f"output_root={tmp_path}", "run_name=job", "shard.count=2"]
+    job = tmp_path / "job"
+    assert run_cli([*args, "shard.index=1"]).returncode == 0
+    assert sorted(p.name for p in job.glob("env*.json")) == ["env.shard1.json"]
+    out = run_cli([*args, "shard.index=0"], KVBENCH_CRASH_AT="sample:1")  # killed before its first sample
+    assert out.returncode == -9
+    assert sorted(p.name for p in job.glob("env*.json")) == ["env.shard1.json"]
+    out = run_cli([*args, "shard.index=0"])
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert sorted(p.name for p in job.glob("env*.json")) == ["env.shard0.json", "env.shard1.json"]
+    assert json.loads((job / "summary.json").read_text())["complete"] is True
+
+
 def test_a_setting_refused_before_any_sample_leaves_the_folder_usable(tiny_model_dir, haystack_dir, tmp_path):
     """A job that stops on a config error after its folder was made (here: the Hub haystack,
     offline, is read only after the model loads) leaves no config.yaml, so the corrected command is not refused
