@@ -473,9 +473,11 @@ def reuse_full_cache_samples(store: JobStore, root: Path, cfg: dict, todo: list[
             store.append(rec)
             copied.add(rec["id"])
         if found:
-            log.info("job %s: %d sample%s copied from the full-cache job %s (the same computation at another budget; "
-                     "reuse_full=false recomputes them)", own, len(found),
-                     "" if len(found) == 1 else "s", source)
+            origins = sorted({rec["reused_from"] for rec in found} - {source})
+            computed = f", computed by {', '.join(origins)}" if origins else ""
+            log.info("job %s: %d sample%s copied from the full-cache job %s%s (the same computation at another "
+                     "budget; reuse_full=false recomputes them)", own, len(found),
+                     "" if len(found) == 1 else "s", source, computed)
         if len(copied) == len(wanted):
             break
     return copied

@@ -20,7 +20,7 @@ def _args(model_dir, haystack_dir, root, *extra: str) -> list[str]:
 
 
 def test_a_sweep_over_budgets_computes_the_full_cache_once(tiny_model_dir, haystack_dir, tmp_path):
-    out = run_cli(["-m", *_args(tiny_model_dir, haystack_dir, tmp_path, "budget=0.5,0.25")])
+    out = run_cli(["-m", *_args(tiny_model_dir, haystack_dir, tmp_path, "budget=0.5,0.25,0.75")])
     assert out.returncode == 0, out.stderr[-2000:]
     first = read_lines(tmp_path / "niah/tiny/full/b0.5/predictions.jsonl")
     second = read_lines(tmp_path / "niah/tiny/full/b0.25/predictions.jsonl")
@@ -28,7 +28,12 @@ def test_a_sweep_over_budgets_computes_the_full_cache_once(tiny_model_dir, hayst
     assert all("reused_from" not in r for r in first)
     assert [r.pop("reused_from") for r in second] == ["niah/tiny/full/b0.5"] * 2
     assert second == first  # the same records, timings included: nothing was recomputed
-    assert "2 samples copied from the full-cache job niah/tiny/full/b0.5" in out.stdout + out.stderr
+    assert "2 samples copied from the full-cache job niah/tiny/full/b0.5 (" in out.stdout + out.stderr
+    # b0.75 reads b0.25 first (folders in name order): the records and the log name the job that computed them
+    third = read_lines(tmp_path / "niah/tiny/full/b0.75/predictions.jsonl")
+    assert [r["reused_from"] for r in third] == ["niah/tiny/full/b0.5"] * 2
+    assert ("2 samples copied from the full-cache job niah/tiny/full/b0.25, computed by niah/tiny/full/b0.5 ("
+            in out.stdout + out.stderr)
     summary = json.loads((tmp_path / "niah/tiny/full/b0.25/summary.json").read_text())
     assert summary["complete"] and summary["n_samples"] == 2 and summary["n_reused"] == 2
     assert summary["budget"] == 0.25
