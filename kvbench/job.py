@@ -256,6 +256,9 @@ def run_job(cfg: dict, method_preset: str | None = None, method_overrides: list[
     if not (root / relpath).resolve().is_relative_to(root):
         raise ConfigError(f"job folder {relpath}: resolves outside output_root={root}; check run_name and model.name")
     shard = (int(cfg["shard"]["index"]), int(cfg["shard"]["count"]))
+    folders = [root / relpath, *(root / relpath).parents]
+    folders = folders[: folders.index(root)] if root in folders else folders[:1]  # below output_root
+    created = next((p for p in reversed(folders) if not p.exists()), None)  # the highest this run makes
     store = JobStore(root / relpath, shard)
     with store.locked(float(cfg.get("lock_wait_s") or 0)):
         store.repair()  # a truncated last line (kill -9 mid-write) is moved aside and its sample redone
@@ -294,6 +297,8 @@ def run_job(cfg: dict, method_preset: str | None = None, method_overrides: list[
             # corrected command (often the one the error suggests) can use this folder.
             if fresh and not store.predictions.exists():
                 (store.path / "config.yaml").unlink(missing_ok=True)
+                if created is not None:  # a folder this run made holds nothing: remove it
+                    store.discard_if_empty(created)
             raise
         samples = _unique(samples)
         expected = [s.id for s in samples]

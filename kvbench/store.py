@@ -159,6 +159,33 @@ class JobStore:
             os.close(self._lock_fd)
             self._lock_fd = None
 
+    def discard_if_empty(self, created: Path) -> bool:
+        """Remove this job folder, and its parents up to ``created``, when it holds nothing but
+        this shard's lock file and the append lock: what a run refused before storing anything
+        leaves behind in a folder it created. Call it with the lock held; anything else in the
+        folder (another shard's lock, a config, records) keeps it.
+
+        Args:
+            created: the highest folder this run created (the job folder or one of its parents).
+
+        Returns:
+            True when the job folder was removed.
+        """
+        mine = {f".lock.shard{self.shard[0]}-of-{self.shard[1]}", ".append.lock"}
+        try:
+            if any(p.name not in mine for p in self.path.iterdir()):
+                return False
+            for name in mine:
+                (self.path / name).unlink(missing_ok=True)
+            folder = self.path
+            while True:
+                folder.rmdir()  # OSError when not empty (another job made a folder there meanwhile)
+                if folder == created:
+                    return True
+                folder = folder.parent
+        except OSError:
+            return not self.path.exists()
+
     @contextmanager
     def locked(self, wait_s: float = 0.0) -> Iterator["JobStore"]:
         self.acquire(wait_s)

@@ -300,7 +300,14 @@ def test_a_grid_the_task_skips_entirely_is_a_config_error(tiny_model_dir, tmp_pa
     line = out.stderr.strip().splitlines()[-1]
     assert line.startswith("error: task.context_lengths=[5, 6]: every sample was skipped (context length 5 tokens "
                            "leaves no room for the haystack") and line.endswith("; 1 more skipped); nothing to run")
-    assert not (tmp_path / "job" / "config.yaml").exists()
+    assert not (tmp_path / "job").exists()  # the folder it made held only its lock file: removed
+    # default naming: the folders it made (niah/tiny/streamingllm/b0.5) go; output_root and a folder
+    # that existed before stay
+    (tmp_path / "niah").mkdir()
+    out = run_cli([*tiny_model_args(tiny_model_dir), "task.context_lengths=[5,6]", "task.depth_percents=[50]",
+                   "method=streamingllm", "budget=0.5", "quiet=true", f"output_root={tmp_path}"])
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert tmp_path.is_dir() and list((tmp_path / "niah").iterdir()) == []
 
 
 def test_a_relative_input_path_is_stored_absolute_and_checked_by_what_it_reads(tiny_model_dir, tmp_path):

@@ -249,3 +249,25 @@ def test_a_token_budget_names_one_folder_however_it_is_written():
     assert rel(0.25) == "niah/m/snapkv/b0.25"
     assert rel(1.0) == "niah/m/snapkv/b1.0"  # the ratio 1.0 (everything) is not the 1-token budget
     assert rel(1) == "niah/m/snapkv/b1"
+
+
+def test_discard_if_empty_removes_only_a_folder_holding_nothing_but_its_locks(tmp_path):
+    created = tmp_path / "niah"
+    job = JobStore(created / "m" / "b0.5", shard=(0, 2))
+    with job.locked():
+        (job.path / ".lock.shard1-of-2").write_text("")  # another shard runs here: kept
+        assert job.discard_if_empty(created) is False
+        assert job.path.is_dir()
+        (job.path / ".lock.shard1-of-2").unlink()
+        assert job.discard_if_empty(created) is True
+    assert not created.exists() and tmp_path.is_dir()
+    kept = JobStore(tmp_path / "a" / "b")
+    (tmp_path / "a" / "other").mkdir()  # a sibling made by another job: the parent stays
+    with kept.locked():
+        assert kept.discard_if_empty(tmp_path / "a") is True
+    assert sorted(p.name for p in (tmp_path / "a").iterdir()) == ["other"]
+    held = JobStore(tmp_path / "c")
+    with held.locked():
+        (held.path / "config.yaml").write_text("x: 1\n")
+        assert held.discard_if_empty(held.path) is False
+        assert (held.path / "config.yaml").exists()
