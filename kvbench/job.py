@@ -268,6 +268,11 @@ def run_job(cfg: dict, method_preset: str | None = None, method_overrides: list[
         if done_summary is not None:  # a resubmitted sweep: this job is finished, no model load
             n = done_summary["n_samples"]
             log.info("job %s: already complete (%d sample%s stored); nothing to do", relpath, n, "" if n == 1 else "s")
+            if cfg["task"]["name"] == "niah" and _heatmap_stale(store):
+                from .report_data import niah_grid_records
+
+                _heatmap(store, niah_grid_records(store.path), cfg)  # redrawn from the summary's grid
+                _date_heatmaps_as_summary(store)
             print_summary(done_summary, store.path)
             return EXIT_SAMPLE_FAILED if done_summary["n_failed"] else EXIT_OK
         _check_same_job(store, cfg, relpath)
@@ -640,6 +645,26 @@ def _loop(engine: Engine, loaded: LoadedModel, task: Task, todo: list[Sample], s
                 mean = f"; mean_score {100 * sum(scores) / len(scores):.2f}" if scores else ""
                 log.info("sample %d/%d %s: %s%s", i, len(todo), rec["id"], outcome, mean)
     return failed
+
+
+def _heatmap_stale(store: JobStore) -> bool:
+    """Whether a finished NIAH job's ``heatmap.png`` may not be its summary's: missing, or newer
+    than ``summary.json`` (a run of another grid drew it and was killed before its summary: the
+    heatmaps are written just before the summary)."""
+    try:
+        return (store.path / "heatmap.png").stat().st_mtime > (store.path / "summary.json").stat().st_mtime
+    except FileNotFoundError:
+        return True
+
+
+def _date_heatmaps_as_summary(store: JobStore) -> None:
+    """Give redrawn heatmaps the summary's modification time (they are its, see :func:`_heatmap_stale`)."""
+    import os
+
+    stat = (store.path / "summary.json").stat()
+    for name in ("heatmap.png", "heatmap.pdf"):
+        if (store.path / name).exists():
+            os.utime(store.path / name, ns=(stat.st_atime_ns, stat.st_mtime_ns))
 
 
 def _heatmap(store: JobStore, records: list[dict], cfg: dict) -> None:

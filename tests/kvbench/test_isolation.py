@@ -274,6 +274,31 @@ def test_an_attempt_that_stored_no_sample_leaves_no_env_file(tiny_model_dir, hay
     assert json.loads((job / "summary.json").read_text())["complete"] is True
 
 
+def test_a_finished_niah_job_redraws_a_heatmap_that_is_not_its_summarys(tiny_model_dir, haystack_dir, tmp_path):
+    """A run of another grid that drew its heatmap and was killed before its summary left a heatmap
+    newer than summary.json: the finished job's rerun (no model load) redraws it from the summary's
+    grid, once; a missing heatmap is drawn the same way."""
+    import os
+
+    args = [*tiny_model_args(tiny_model_dir), "task.context_lengths=[300]", "task.depth_percents=[0,50]",
+            f"task.haystack_dir={haystack_dir}", "method=streamingllm", "budget=0.5", "task.max_new_tokens=3",
+            "quiet=true", f"output_root={tmp_path}", "run_name=job"]
+    assert run_cli(args).returncode == 0
+    job = tmp_path / "job"
+    summary_ns = (job / "summary.json").stat().st_mtime_ns
+    (job / "heatmap.png").write_bytes(b"another grid's heatmap")
+    os.utime(job / "heatmap.png", ns=(summary_ns + 10**9, summary_ns + 10**9))
+    out = run_cli(args)
+    assert out.returncode == 0 and "already complete (2 samples stored)" in out.stdout + out.stderr
+    png = (job / "heatmap.png").read_bytes()
+    assert png.startswith(b"\x89PNG") and (job / "heatmap.png").stat().st_mtime_ns == summary_ns
+    (job / "heatmap.pdf").unlink()
+    (job / "heatmap.png").unlink()
+    assert run_cli(args).returncode == 0
+    assert (job / "heatmap.png").read_bytes().startswith(b"\x89PNG") and (job / "heatmap.pdf").exists()
+    assert (job / "summary.json").stat().st_mtime_ns == summary_ns  # the summary itself is not rewritten
+
+
 def test_a_setting_refused_before_any_sample_leaves_the_folder_usable(tiny_model_dir, haystack_dir, tmp_path):
     """A job that stops on a config error after its folder was made (here: the Hub haystack,
     offline, is read only after the model loads) leaves no config.yaml, so the corrected command is not refused
