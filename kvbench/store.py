@@ -321,8 +321,8 @@ class JobStore:
     def write_config(self, text: str, same: Callable[[str], bool] | None = None) -> Path:
         """Write ``config.yaml``; if a different one is stored, keep it and write ``config.<time>.yaml``.
 
-        A run whose config equals the newest ``config.<time>.yaml`` (the same changed grid run
-        again) writes nothing new.
+        A run whose config equals a stored ``config.<time>.yaml`` (a changed grid run again, or
+        two grids run in turn) writes nothing new; the summary's ``selection`` says which ran last.
 
         Args:
             text: the job's resolved config as YAML.
@@ -334,12 +334,16 @@ class JobStore:
             stored = path.read_text(encoding="utf-8")
             if stored == text or (same is not None and same(stored)):
                 return path
-            snapshots = sorted(self.path.glob("config.*.yaml"))
-            if snapshots:
-                newest = snapshots[-1].read_text(encoding="utf-8")
-                if newest == text or (same is not None and same(newest)):
-                    return snapshots[-1]
-            path = self.path / f"config.{time.strftime('%Y%m%d-%H%M%S')}.yaml"
+            for snapshot in sorted(self.path.glob("config.*.yaml"), reverse=True):  # newest first
+                older = snapshot.read_text(encoding="utf-8", errors="replace")
+                if older == text or (same is not None and same(older)):
+                    return snapshot
+            stamp = time.strftime("%Y%m%d-%H%M%S")
+            path = self.path / f"config.{stamp}.yaml"
+            n = 1
+            while path.exists():  # another config within the same second: never overwrite one
+                n += 1
+                path = self.path / f"config.{stamp}-{n}.yaml"
         atomic_write(path, text)
         return path
 

@@ -204,6 +204,11 @@ def test_write_config_keeps_a_different_stored_config(tmp_path):
     assert (tmp_path / "config.yaml").read_text() == "budget: 0.25\n"
     others = [p for p in tmp_path.glob("config.*.yaml")]
     assert len(others) == 1 and others[0].read_text() == "budget: 0.5\n"
+    # two grids in turn (within one second here): one snapshot each, none overwritten
+    for text in ("budget: 0.75\n", "budget: 0.5\n", "budget: 0.75\n", "budget: 0.25\n"):
+        store.write_config(text)
+    texts = sorted(p.read_text() for p in tmp_path.glob("config*.yaml"))
+    assert texts == ["budget: 0.25\n", "budget: 0.5\n", "budget: 0.75\n"]
 
 
 def test_cli_exits_3_when_the_job_is_locked(tmp_path, tiny_model_dir):
