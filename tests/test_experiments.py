@@ -63,3 +63,18 @@ def test_smoke_presets_use_shared_data_by_path():
         data_dir = (data.get("task") or {}).get("data_dir")
         if data_dir:
             assert data_dir == "../shared/data/longbench", name
+
+
+def test_method_presets_have_distinct_labels_without_comment_text():
+    """Reports key rows by label: two presets sharing one would merge in a cell, and a YAML comment
+    without a space before '#' becomes part of the label."""
+    import yaml
+
+    labels = {}
+    for path in sorted((Path(__file__).resolve().parents[1] / "conf" / "method").glob("*.yaml")):
+        label = (yaml.safe_load(path.read_text()) or {}).get("label")
+        assert label is None or "#" not in str(label), f"{path.name}: label {label!r}"
+        if label is not None:
+            assert label not in labels, f"{path.name} and {labels[label]} share the label {label!r}"
+            labels[label] = path.name
+    assert labels["PyramidKV (CompressKV)"] == "pyramidkv_compresskv.yaml"
