@@ -417,15 +417,26 @@ def _check_same_job(store: JobStore, cfg: dict, relpath: str) -> None:
         ConfigError: the stored ``config.yaml`` differs in such keys (up to three are named).
     """
     path = store.path / "config.yaml"
-    if not path.exists():
+    elsewhere = ("pass another run_name" if cfg.get("run_name") else "pass run_tag=NAME (a separate job folder)") + \
+        " or another output_root"
+    diff = (_config_changes(path.read_text(encoding="utf-8", errors="replace"), cfg, RUN_CONTROL_KEYS + SAMPLE_SELECTION_KEYS)
+            if path.exists() else None)
+    if diff is None:  # no readable config.yaml: the stored samples' setting is unknown
+        n = len(store.records())
+        if n:
+            what = "an unreadable config.yaml" if path.exists() else "no config.yaml"
+            raise ConfigError(
+                f"config.yaml: job folder {relpath} holds {n} stored sample{'' if n == 1 else 's'} but {what}, so their "
+                f"setting is unknown; restore its config.yaml (a config.<time>.yaml there may be a copy), or {elsewhere}"
+            )
         return
-    diff = _config_changes(path.read_text(encoding="utf-8", errors="replace"), cfg, RUN_CONTROL_KEYS + SAMPLE_SELECTION_KEYS)
     if diff:
-        shown = ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in list(diff.items())[:3]) + (", ..." if len(diff) > 3 else "")
-        key = next(iter(diff))
+        keys = sorted(diff, key=lambda k: k != "method.name")  # another method is named as such
+        shown = ", ".join(f"{k}: {diff[k][0]!r} -> {diff[k][1]!r}" for k in keys[:3]) + (", ..." if len(diff) > 3 else "")
+        key = keys[0]
         raise ConfigError(
             f"{key}={diff[key][1]}: job folder {relpath} already holds samples run with another setting ({shown}); "
-            "pass run_tag=NAME (a separate job folder) or another output_root to keep both"
+            f"{elsewhere} to keep both"
         )
 
 

@@ -196,7 +196,7 @@ def test_a_changed_setting_never_reuses_stored_samples(tiny_model_dir, haystack_
     assert out.returncode == 2 and out.stdout == ""
     assert out.stderr == (
         "error: task.max_new_tokens=5: job folder job already holds samples run with another setting "
-        "(task.max_new_tokens: 3 -> 5); pass run_tag=NAME (a separate job folder) or another output_root to keep both\n"
+        "(task.max_new_tokens: 3 -> 5); pass another run_name or another output_root to keep both\n"
     )
     assert (job / "predictions.jsonl").read_text() == before
     subset = [a for a in args if a != "task.depth_percents=[0,50]"] + ["task.depth_percents=[50]"]
@@ -297,6 +297,37 @@ def test_a_finished_niah_job_redraws_a_heatmap_that_is_not_its_summarys(tiny_mod
     assert run_cli(args).returncode == 0
     assert (job / "heatmap.png").read_bytes().startswith(b"\x89PNG") and (job / "heatmap.pdf").exists()
     assert (job / "summary.json").stat().st_mtime_ns == summary_ns  # the summary itself is not rewritten
+
+
+def test_stored_samples_without_a_readable_config_are_never_resumed(tiny_model_dir, haystack_dir, tmp_path):
+    """config.yaml deleted or garbled: the stored samples' setting is unknown, so a run (of any
+    setting) is refused before the model loads instead of adding to them; with run_name the advice
+    is another run_name, and a changed method is named by method.name."""
+    args = [*tiny_model_args(tiny_model_dir), "task.context_lengths=[300]", "task.depth_percents=[0,50]",
+            f"task.haystack_dir={haystack_dir}", "method=streamingllm", "budget=0.5", "task.max_new_tokens=3",
+            "quiet=true", f"output_root={tmp_path}", "run_name=job", "max_samples=1"]
+    assert run_cli(args).returncode == 0
+    job = tmp_path / "job"
+    before = (job / "predictions.jsonl").read_text()
+    stored = (job / "config.yaml").read_text()
+    for text in (None, "{{{ not yaml"):
+        if text is None:
+            (job / "config.yaml").unlink()
+        else:
+            (job / "config.yaml").write_text(text)
+        out = run_cli([*args[:-1], "task.max_new_tokens=5"])
+        assert out.returncode == 2
+        what = "no config.yaml" if text is None else "an unreadable config.yaml"
+        assert out.stderr.strip().splitlines()[-1] == (
+            f"error: config.yaml: job folder job holds 1 stored sample but {what}, so their setting is unknown; "
+            "restore its config.yaml (a config.<time>.yaml there may be a copy), or pass another run_name or another "
+            "output_root")
+        assert (job / "predictions.jsonl").read_text() == before
+    (job / "config.yaml").write_text(stored)
+    out = run_cli([*args, "method=snapkv"])
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines()[-1].startswith("error: method.name=snapkv: job folder job already holds")
+    assert out.stderr.strip().endswith("pass another run_name or another output_root to keep both")
 
 
 def test_a_setting_refused_before_any_sample_leaves_the_folder_usable(tiny_model_dir, haystack_dir, tmp_path):
