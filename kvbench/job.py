@@ -293,6 +293,11 @@ def run_job(cfg: dict, method_preset: str | None = None, method_overrides: list[
             method.layout = loaded.layout
             method.check_layout(loaded.layout)
             max_input = int(cfg["task"].get("max_length") or loaded.max_input_length)
+            window = getattr(loaded.model.config, "max_position_embeddings", None)
+            if isinstance(window, int) and max_input > window:
+                log.warning("task.max_length / model.max_input_length = %d tokens is more than the model's context "
+                            "window (max_position_embeddings = %d): longer prompts run past the positions it was "
+                            "trained on", max_input, window)
             task = tasks.get_task_class(cfg["task"]["name"])(
                 cfg["task"], loaded.tokenizer, max_input, encode=lambda s: encode_prompt(loaded, s)
             )
