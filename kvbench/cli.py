@@ -20,12 +20,14 @@ def main(argv: list[str] | None = None) -> int:
     """Dispatch ``kvbench <command> ...``."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
-        bad = bool(argv) and argv[0] not in ("-h", "--help")
+        bad = not argv or argv[0] not in ("-h", "--help")  # no command is a usage error (exit 2), as in argparse
         out = sys.stderr if bad else sys.stdout
         print(f"usage: kvbench {{{','.join(COMMANDS)}}} ...\n", file=out)
         for name, text in COMMANDS.items():
             print(f"  {name:<12}{text}", file=out)
-        if bad:
+        if bad and not argv:
+            print(f"error: kvbench: a command is required; accepted values are {', '.join(COMMANDS)}", file=sys.stderr)
+        elif bad:
             print(f"error: kvbench {argv[0]}: unknown command; accepted values are {', '.join(COMMANDS)}", file=sys.stderr)
         return 2 if bad else 0
     cmd, rest = argv[0], argv[1:]

@@ -154,6 +154,12 @@ def _max_input_tokens(cfg: dict, setting: str) -> float:
     return float(m.group(1)) if m else math.nan
 
 
+def incomplete_note(job: str, n: int) -> str:
+    """The note on a job whose summary is not complete (samples not run yet, or failed)."""
+    return (f"incomplete: {job} ({n} sample{'' if n == 1 else 's'} scored; the job has not finished or some samples "
+            "failed: rerun it)")
+
+
 def subset_notes(rows: pd.DataFrame, jobs: Iterable[str]) -> list[str]:
     """One note per job of ``jobs`` that scored only part of each dataset (its ``subset`` column)."""
     notes = []

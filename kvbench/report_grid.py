@@ -19,6 +19,7 @@ from .report_data import (
     budget_text,
     cell_scores,
     full_rows,
+    incomplete_note,
     main_labels,
     method_sort_key,
     order_datasets,
@@ -146,7 +147,7 @@ def score_grid(df: pd.DataFrame, task: str, budget: float, models: list[str] | N
             if not complete:
                 scored[job] = scored.get(job, 0) + int(n)
         for job, n in scored.items():
-            grid.note(mk, f"incomplete: {job} ({n} samples scored; the job has not finished: rerun it)")
+            grid.note(mk, incomplete_note(job, n))
         for note in subset_notes(rows, grid.cell_jobs[(mk, key)]):
             grid.note(mk, note)
 

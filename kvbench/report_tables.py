@@ -26,6 +26,7 @@ from .report_data import (
     budget_semantics,
     budget_text,
     cell_scores,
+    incomplete_note,
     is_ratio_budget,
     method_sort_key,
     n_datasets,
@@ -391,8 +392,7 @@ def score_tables(df: pd.DataFrame, root: Path | None = None) -> list[Table]:
             for job, complete, n in zip(rows_k["job"], rows_k["complete"], rows_k["n"].fillna(0)):
                 if not complete:
                     pending[job] = pending.get(job, 0) + int(n)
-            notes += [f"incomplete: {job} ({n} samples scored; the job has not finished: rerun it)"
-                      for job, n in pending.items()]
+            notes += [incomplete_note(job, n) for job, n in pending.items()]
             notes += subset_notes(rows_k, used)
             if pending:
                 incomplete.add(len(rows) - 1)

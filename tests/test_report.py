@@ -358,6 +358,11 @@ def test_unknown_kvbench_command_is_an_error(capsys):
     err = capsys.readouterr().err
     assert err.strip().splitlines()[-1] == "error: kvbench nosuch: unknown command; accepted values are run, report, score, mask-heads"
     assert kvbench_cli(["--help"]) == 0 and "usage: kvbench" in capsys.readouterr().out
+    assert kvbench_cli([]) == 2  # no command: a usage error, like argparse's
+    err = capsys.readouterr().err
+    assert "usage: kvbench" in err
+    assert err.strip().splitlines()[-1] == ("error: kvbench: a command is required; accepted values are run, report, "
+                                            "score, mask-heads")
 
 
 def test_plot_niah_heatmap(tmp_path):

@@ -87,7 +87,8 @@ def test_longbench_table_cells_missing_avg_and_bold(tables):
     # incomplete SelKV b256 job (33.00 on qasper, the highest) is never bold
     assert t.bold == {(2, "qasper"), (3, "hotpotqa"), (3, "Avg")}
     assert t.notes == ["absent: SelKV at budget 256 has no score for hotpotqa",
-                       "incomplete: longbench/tiny/selkv/b256 (5 samples scored; the job has not finished: rerun it)"]
+                       "incomplete: longbench/tiny/selkv/b256 (5 samples scored; the job has not finished or some samples "
+                       "failed: rerun it)"]
     assert "The full cache ignores the budget" in t.caption
 
 
