@@ -188,7 +188,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, help="timed runs per method and length (default 1)")
     p.add_argument("--out", help="output JSON (default: latency.out, else <output_root>/latency.json)")
     args = p.parse_args(argv)
-    cfg = compose(args.overrides)
+    for flag, values in (("--lengths", args.lengths), ("--new-tokens", [args.new_tokens]), ("--repeats", [args.repeats])):
+        bad = [v for v in values or [] if v is not None and v < 1]
+        if bad:
+            p.error(f"{flag} {bad[0]}: must be an integer >= 1")
+    known = sorted(f.stem for f in (CONF_DIR / "method").glob("*.yaml"))
+    for preset in args.methods or []:
+        if preset not in known:
+            p.error(f"--methods {preset}: unknown method preset; accepted values are {', '.join(known)}")
+    try:
+        cfg = compose(args.overrides)
+    except Exception as e:  # noqa: BLE001 - Hydra's override and config errors: one line, not a traceback
+        p.error(f"{' '.join(args.overrides)}: {str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}")
     lat = OmegaConf.to_container(cfg.get("latency") or OmegaConf.create({}), resolve=True)
     model_cfg = OmegaConf.to_container(cfg.model, resolve=True)
     presets = args.methods or lat.get("methods") or ["full", cfg.method.name]
@@ -196,12 +207,15 @@ def main(argv: list[str] | None = None) -> int:
     for preset in dict.fromkeys(presets):
         sub = compose([o for o in args.overrides if not o.startswith("method=")] + [f"method={preset}"])
         method_cfgs[preset] = OmegaConf.to_container(sub.method, resolve=True)
-    new_tokens = args.new_tokens or lat.get("max_new_tokens") or DEFAULT_NEW_TOKENS
+    new_tokens = args.new_tokens if args.new_tokens is not None else lat.get("max_new_tokens") or DEFAULT_NEW_TOKENS
     lengths = args.lengths or lat.get("lengths") or default_lengths(8192)
     out = Path(args.out or lat.get("out") or Path(cfg.get("output_root", "results")) / "latency.json")
-    run_latency(model_cfg, method_cfgs, float(cfg.budget), list(lengths), int(new_tokens),
-                int(args.repeats or lat.get("repeats") or 1), out,
-                engine_factory(model_cfg, float(cfg.budget), str(cfg.get("device", "auto"))))
+    records = run_latency(model_cfg, method_cfgs, float(cfg.budget), list(lengths), int(new_tokens),
+                          int(args.repeats or lat.get("repeats") or 1), out,
+                          engine_factory(model_cfg, float(cfg.budget), str(cfg.get("device", "auto"))))
+    if not records:
+        print(f"error: no latency records (every prompt length was skipped); {out} not written", file=sys.stderr)
+        return 1
     print(f"latency records written to {out}")
     return 0
 
