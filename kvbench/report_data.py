@@ -372,11 +372,35 @@ def order_datasets(datasets: Iterable[str]) -> list[str]:
 def main_labels(rows: pd.DataFrame) -> set[str]:
     """Per method name, its main label: that of the preset named like the method (``conf/method/
     selkv.yaml``, the job folder ``.../selkv/...``) when such jobs exist, else the shortest label
-    (``SelKV`` over ``SelKV (evict only)``). Ablation presets thus stay out of the main tables."""
-    out = set()
+    (``SelKV`` over ``SelKV (evict only)``). Ablation presets thus stay out of the main tables
+    whenever the main preset was run; :func:`main_label_fallbacks` names the stand-ins."""
+    return {label for label, _preset in _main_label_presets(rows).values()}
+
+
+def main_label_fallbacks(rows: pd.DataFrame) -> dict[str, tuple[str, str]]:
+    """Main labels that stand in for a method whose own preset has no job among ``rows``.
+
+    Returns:
+        ``{label: (method_name, presets)}``, e.g. ``{"SelKV (+gate)": ("selkv", "selkv_gate")}``
+        when only SelKV's Table 2 presets ran, or ``{"SnapKV (W8 K5)": ("snapkv",
+        "snapkv_compresskv")}`` for CompressKV's baseline preset; ``presets`` joins the presets
+        that carry the label with ", ". Tables note these so that a stand-in does not pass as
+        the method's main preset.
+    """
+    out = {}
+    for name, (label, own) in _main_label_presets(rows).items():
+        if not own:
+            presets = sorted(rows.loc[(rows["method_name"] == name) & (rows["method"] == label), "preset"].unique())
+            out[label] = (name, ", ".join(presets))
+    return out
+
+
+def _main_label_presets(rows: pd.DataFrame) -> dict[str, tuple[str, bool]]:
+    """``{method_name: (main label, whether it is the preset named like the method)}``."""
+    out = {}
     for name, grp in rows.groupby("method_name"):
         own = grp[grp["preset"] == name]
-        out.add(min((own if len(own) else grp)["method"].unique(), key=lambda s: (len(s), s)))
+        out[name] = (min((own if len(own) else grp)["method"].unique(), key=lambda s: (len(s), s)), bool(len(own)))
     return out
 
 

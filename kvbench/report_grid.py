@@ -20,6 +20,7 @@ from .report_data import (
     cell_scores,
     full_rows,
     incomplete_note,
+    main_label_fallbacks,
     main_labels,
     method_sort_key,
     order_datasets,
@@ -126,8 +127,10 @@ def score_grid(df: pd.DataFrame, task: str, budget: float, models: list[str] | N
         comp = comp[comp["method_name"].isin(method_names)]
     if models is not None:
         comp = comp[comp["model_key"].isin(models)]
+    stand_ins: dict[str, tuple[str, str]] = {}
     if labels is None:
         labels = list(main_labels(comp))
+        stand_ins = main_label_fallbacks(comp)
     comp = comp[comp["method"].isin(labels)]
     if comp.empty:
         return None
@@ -162,8 +165,12 @@ def score_grid(df: pd.DataFrame, task: str, budget: float, models: list[str] | N
             rows = comp[(comp["model_key"] == mk) & (comp["method"] == label)]
             if rows.empty:
                 grid.note(mk, f"absent: no job for {mk} / {label} ({where})")
-            else:
-                add_cell(mk, label, rows)
+                continue
+            add_cell(mk, label, rows)
+            if label in stand_ins:
+                name, presets = stand_ins[label]
+                grid.note(mk, f"stand-in: the {name} row is {label} (preset {presets}): preset {name}, "
+                              f"{name}'s main configuration, has no job for {mk} ({where})")
     if full_labels:
         grid.full_label = max(set(full_labels), key=full_labels.count)
         grid.names[grid.full_label] = FULL

@@ -212,6 +212,25 @@ def test_selkv_table1_numbers(df):
     assert "longbench/gemma2/snapkv/b0.25" in t.sources and "gemma2/selkv/b0.25-w16k5" not in " ".join(t.sources)
 
 
+def test_main_table_notes_an_ablation_preset_standing_in_for_the_main_one(tmp_path):
+    """Only SelKV's Table 2 presets ran: the shortest label fills the SelKV row and the table says
+    that it stands in for preset selkv; once selkv ran, its label is the row and no note remains."""
+    scores = {"qasper": 30.0}
+    make_job(tmp_path, method="full", scores={"qasper": 40.0})
+    make_job(tmp_path, method="selkv", preset="selkv_gate", label="SelKV (+gate)", params=SELKV, scores=scores)
+    make_job(tmp_path, method="selkv", preset="selkv_evict", label="SelKV (evict only)", params={"gate": "off"},
+             scores={"qasper": 20.0})
+    (t,) = selkv_table1(report.load_results(tmp_path))
+    assert list(t.data["Method"]) == ["Full Cache", "SelKV (+gate)"]
+    assert [n for n in t.notes if n.startswith("stand-in")] == [
+        "stand-in: the selkv row is SelKV (+gate) (preset selkv_gate): preset selkv, selkv's main configuration, "
+        "has no job for llama31 (longbench, budget 25%)"]
+    make_job(tmp_path, method="selkv", params=SELKV, scores={"qasper": 35.0})
+    (t,) = selkv_table1(report.load_results(tmp_path))
+    assert list(t.data["Method"]) == ["Full Cache", "SelKV"] and list(t.data["qasper"]) == [40.0, 35.0]
+    assert not [n for n in t.notes if n.startswith("stand-in")]
+
+
 def test_paper_table1_ranks_reproduced(tmp_path):
     """The SelKV paper's Gemma-2 block of Table 1: Avg and Avg Rank as printed (42.16, 2.06, ...)."""
     paper = {
