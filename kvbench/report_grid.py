@@ -142,9 +142,12 @@ def score_grid(df: pd.DataFrame, task: str, budget: float, models: list[str] | N
     full_labels: list[str] = []
     where = f"{task}, budget {budget_text(budget)}"
 
+    subsets: dict[str, str] = {}  # job -> the keys that limited its scored samples ("" = whole datasets)
+
     def add_cell(mk: str, key: str, rows: pd.DataFrame) -> None:
         rows = pick_variant(rows)
         grid.cells[(mk, key)], grid.cell_jobs[(mk, key)] = cell_scores(rows)
+        subsets.update(zip(rows["job"], rows["subset"]))
         scored: dict[str, int] = {}
         for job, complete, n in zip(rows["job"], rows["complete"], rows["n"].fillna(0)):
             if not complete:
@@ -178,6 +181,12 @@ def score_grid(df: pd.DataFrame, task: str, budget: float, models: list[str] | N
             if (mk, "\0full") in grid.cells:
                 grid.cells[(mk, grid.full_label)] = grid.cells.pop((mk, "\0full"))
                 grid.cell_jobs[(mk, grid.full_label)] = grid.cell_jobs.pop((mk, "\0full"))
+    for mk in model_keys:
+        kinds = sorted({subsets[j] or "whole datasets" for (m, _l), jobs in grid.cell_jobs.items() if m == mk
+                        for j in jobs})
+        if len(kinds) > 1:
+            grid.note(mk, f"mixed samples: the rows of {mk} were scored on different sample sets "
+                          f"({' / '.join(kinds)}; {where}); compare them with care")
     grid.datasets = order_datasets(d for cell in grid.cells.values() for d in cell)
     for (mk, label), cell in grid.cells.items():
         lacking = [d for d in grid.datasets if d not in cell]

@@ -367,11 +367,14 @@ def score_tables(df: pd.DataFrame, root: Path | None = None) -> list[Table]:
         sources: set[str] = set()
         notes: list[str] = []
         incomplete: set[int] = set()  # row indices with a job that has not finished
+        row_jobs: list[list[str]] = []  # per row, the jobs its scores came from
+        job_subset = dict(zip(sel["job"], sel["subset"]))
         for key in order:
             name, label, _params, budget = key
             rows_k = sel.loc[groups[key]]
             scores, used = cell_scores(rows_k)
             sources.update(used)
+            row_jobs.append(used)
             n_by_ds: dict[str, int] = {}  # n of the job each score came from (used: best job first)
             for job in used:
                 jr = rows_k[(rows_k["job"] == job) & rows_k["score"].notna()]
@@ -396,8 +399,8 @@ def score_tables(df: pd.DataFrame, root: Path | None = None) -> list[Table]:
             notes += subset_notes(rows_k, used)
             if pending:
                 incomplete.add(len(rows) - 1)
+        grids = _niah_grids(root, sorted(sources)) if task == "niah" else {}
         if task == "niah":  # scores of different grids are not comparable: say so
-            grids = _niah_grids(root, sorted(sources))
             by_grid: dict[str, list[str]] = {}
             for job, grid in grids.items():
                 by_grid.setdefault(grid, []).append(job)
@@ -411,6 +414,19 @@ def score_tables(df: pd.DataFrame, root: Path | None = None) -> list[Table]:
                     if (sel.loc[groups[key], "compressed_fraction"] == 0).all()}
         comp = [i for i, key in enumerate(order)
                 if key[0] != FULL and key[3] != 1.0 and i not in incomplete and i not in kept_all]
+        # rows scored on different sample sets (task.n_samples, max_samples) or NIAH grids do not
+        # compete for bold: only those of the most common kind (ties: the whole datasets first)
+        kinds = [" / ".join(sorted({" ".join(filter(None, [grids.get(j), job_subset.get(j)])) for j in jobs}))
+                 for jobs in row_jobs]
+        if task != "niah" and len(set(kinds)) > 1:
+            notes.append("mixed samples: rows scored on different sample sets (" + "; ".join(
+                sorted({k or "whole datasets" for k in kinds})) + "), scores not comparable across them")
+        comp_kinds = [kinds[i] for i in comp]
+        if len(set(comp_kinds)) > 1:
+            main_kind = max(sorted(set(comp_kinds)), key=comp_kinds.count)
+            notes.append("bold: only among rows scored on " + (main_kind or "whole datasets")
+                         + f" ({comp_kinds.count(main_kind)} of {len(comp)} compressed rows)")
+            comp = [i for i in comp if kinds[i] == main_kind]
         notes += [f"uncompressed: {rows[i]['Method']} at budget {rows[i]['Budget']} kept every prompt whole "
                   "(the budget is not below the prompt lengths), not a compressed configuration"
                   for i in sorted(kept_all) if order[i][0] != FULL and order[i][3] != 1.0]

@@ -192,7 +192,11 @@ def test_niah_jobs_on_different_grids_are_noted(tmp_path):
     table = {t.name: t for t in score_tables(report.load_results(root), root)}["scores_niah_tiny"]
     assert table.notes == ["different NIAH grids, scores not comparable across them: lengths [512] × depths [50]: "
                            "niah/tiny/selkv/b0.25, niah/tiny/snapkv/b0.25, niah/tiny/snapkv/b256; "
-                           "lengths [2048] × depths [10, 90]: niah/tiny/selkv/b256"]
+                           "lengths [2048] × depths [10, 90]: niah/tiny/selkv/b256",
+                           "bold: only among rows scored on lengths [512] × depths [50] (3 of 4 compressed rows)"]
+    # selkv at 256 tokens (75.0, the column's best) ran another grid: snapkv at 256 (62.5) is bold
+    bold_rows = {(r["Method"], r["Budget"]) for i, r in enumerate(records(table)) if (i, "niah") in table.bold}
+    assert bold_rows == {("SnapKV", "256")}
     summary_path = root / "niah" / "tiny" / "selkv" / "b256" / "summary.json"
     summary = json.loads(summary_path.read_text())
     summary["selection"] = {"task.context_lengths": [512], "task.depth_percents": [50]}
@@ -218,9 +222,11 @@ def test_jobs_over_part_of_each_dataset_are_noted_in_score_and_paper_tables(tmp_
     note = ("subset: longbench/tiny/snapkv/b0.25 scored part of each dataset only (task.n_samples=1); "
             "not comparable to whole-dataset scores")
     (table,) = score_tables(df)
-    assert table.notes == [note]
+    assert table.notes == [note, "mixed samples: rows scored on different sample sets (task.n_samples=1; whole "
+                                 "datasets), scores not comparable across them"]
     grid = score_grid(df, "longbench", 0.25)
-    assert grid.notes == [note]  # the full-cache job ran whole datasets: no note
+    assert grid.notes == [note, "mixed samples: the rows of tiny were scored on different sample sets "
+                                "(task.n_samples=1 / whole datasets; longbench, budget 25%); compare them with care"]
     assert "Notes (a missing cell is shown as –):\n- " + note in report.to_markdown(table)
     assert (n_datasets(1), n_datasets(16)) == ("1 dataset", "16 datasets")
     # the summary's selection (its run) wins over config.yaml (the first run): rerun on whole datasets
@@ -233,7 +239,9 @@ def test_jobs_over_part_of_each_dataset_are_noted_in_score_and_paper_tables(tmp_
     summary_path.write_text(json.dumps({**summary, "selection": {"task.n_samples": 200}, "subset": ""}))
     assert score_tables(report.load_results(tmp_path))[0].notes == []
     summary_path.write_text(json.dumps({**summary, "selection": {"task.n_samples": 200}, "subset": "task.n_samples=200"}))
-    assert score_tables(report.load_results(tmp_path))[0].notes == [note.replace("n_samples=1", "n_samples=200")]
+    assert score_tables(report.load_results(tmp_path))[0].notes == [
+        note.replace("n_samples=1", "n_samples=200"), "mixed samples: rows scored on different sample sets "
+        "(task.n_samples=200; whole datasets), scores not comparable across them"]
 
 
 def _edit_config(job: Path, **task_keys) -> None:
