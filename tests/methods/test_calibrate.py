@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from methods.attention_probe import reserved_cache
-from methods.calibrate import AttentionProbe, build_parser
+from methods.calibrate import AttentionProbe, build_parser, main
 
 transformers = pytest.importorskip("transformers")
 
@@ -81,6 +81,34 @@ def test_reserved_cache_gives_the_same_logits_and_rows_as_dynamic_cache(reserve)
 def test_cli_parses_both_commands():
     p = build_parser()
     a = p.parse_args(["heads", "--lengths", "1000,2000", "--kinds", "srh"])
-    assert a.command == "heads" and a.lengths == "1000,2000" and a.name == "smollm2"
+    assert a.command == "heads" and a.lengths == [1000, 2000] and a.kinds == ["srh"] and a.name == "smollm2"
+    assert a.depths == [0.0, 50.0, 100.0]  # the defaults go through the same parsing
     b = p.parse_args(["layers", "--data", "x.jsonl", "--budget", "32"])
     assert b.command == "layers" and b.data == ["x.jsonl"] and b.budget == 32
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["heads", "--lengths", "1000,abc"], "argument --lengths: '1000,abc': comma-separated ints expected"),
+    (["heads", "--lengths", "0"], "argument --lengths: '0': each value >= 1"),
+    (["heads", "--depths", "50,101"], "argument --depths: '50,101': each value in [0, 100]"),
+    (["heads", "--kinds", "srh,xx"], "argument --kinds: 'srh,xx': accepted values are trh, srh, r2"),
+])
+def test_cli_rejects_bad_lists_in_one_line(argv, message, capsys):
+    with pytest.raises(SystemExit) as stop:
+        build_parser().parse_args(argv)
+    assert stop.value.code == 2 and capsys.readouterr().err.strip().splitlines()[-1].endswith(message)
+
+
+def test_bad_model_is_one_line_before_loading(tmp_path, capsys, monkeypatch):
+    """A missing path, a folder without a model and an uncached Hub id (offline) are one line, exit 2."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    data = tmp_path / "data"
+    data.mkdir()
+    cases = {"/no/such/model": "--model='/no/such/model': no such file or folder",
+             str(tmp_path): f"--model='{tmp_path}': not a model folder (no config.json in it)",
+             "no-org/no-such-model-kvbench": "--model='no-org/no-such-model-kvbench': cannot load it from the "
+                                             "Hugging Face Hub"}
+    for model, message in cases.items():
+        assert main(["heads", "--model", model, "--data-dir", str(data)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: {message}") and len(err.strip().splitlines()) == 1, err
