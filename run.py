@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import sys
 
-from kvbench.signals import stop_at_once, stop_code, stop_message  # standard library only
+from kvbench.signals import quiet_broken_pipe, stop_at_once, stop_code, stop_message  # standard library only
 
 
 def run() -> int:
@@ -51,7 +51,7 @@ if __name__ == "__main__":
     # a local sweep): the same one line and exit code as inside it, at once (kvbench.signals).
     stop_at_once()
     try:
-        code = run()
+        code = quiet_broken_pipe(run)()  # `python run.py --help | head`: exit 141, no traceback
     except KeyboardInterrupt as stop:
         print(stop_message(stop), file=sys.stderr, flush=True)
         code = stop_code(stop)

@@ -35,6 +35,8 @@ import time  # noqa: E402
 import traceback  # noqa: E402
 from pathlib import Path  # noqa: E402
 
+from kvbench.signals import quiet_broken_pipe  # noqa: E402
+
 from .common import ROOT, BenchResult, Settings, apply_threads, log, machine_info, table  # noqa: E402
 
 BENCHMARKS = ["engine", "overhead", "kvpress", "compression", "decode", "memory"]
@@ -95,6 +97,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+@quiet_broken_pipe
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     import logging

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from .signals import quiet_broken_pipe
+
 COMMANDS = {
     "run": "run a job or a sweep (Hydra overrides, as python run.py)",
     "report": "score tables of any sweep and the papers' tables and figures, from a results root",
@@ -16,6 +18,7 @@ COMMANDS = {
 }
 
 
+@quiet_broken_pipe
 def main(argv: list[str] | None = None) -> int:
     """Dispatch ``kvbench <command> ...``."""
     argv = list(sys.argv[1:] if argv is None else argv)

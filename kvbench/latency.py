@@ -33,6 +33,8 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
+from .signals import quiet_broken_pipe
+
 DEFAULT_NEW_TOKENS = 256  # SelKV Figure 3 generates 256 tokens
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 
@@ -174,6 +176,7 @@ def compose(overrides: list[str]) -> Any:
         return hydra_compose(config_name="config", overrides=overrides)
 
 
+@quiet_broken_pipe
 def main(argv: list[str] | None = None) -> int:
     """CLI entry point (see the module docstring)."""
     from omegaconf import OmegaConf

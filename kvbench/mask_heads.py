@@ -45,6 +45,7 @@ from methods.artifacts import (
 from methods.base import ConfigError
 
 from .head_mask import MODES, PHASES, HeadMask
+from .signals import quiet_broken_pipe
 
 ROOT = Path(__file__).resolve().parents[1]
 KINDS = ("srh", "trh", "random")
@@ -368,6 +369,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+@quiet_broken_pipe
 def main(argv: list[str] | None = None) -> int:
     """Run the ablation. Returns 0, or 2 on a user error (one line on stderr)."""
     args = build_parser().parse_args(argv)

@@ -33,6 +33,7 @@ from . import report_tables as rt
 from .plots import plt
 from .report_data import load_results
 from .report_tables import Table, round2
+from .signals import quiet_broken_pipe
 
 __all__ = ["ARTIFACTS", "load_results", "load_latency", "build", "write_table", "main"]
 
@@ -207,6 +208,7 @@ def build(ctx: Context, only: list[str] | None = None) -> dict[str, list | Excep
     return built
 
 
+@quiet_broken_pipe
 def main(argv: list[str] | None = None) -> int:
     """CLI entry point; returns the exit status (1 when an artifact failed to build)."""
     p = argparse.ArgumentParser(prog="kvbench report", description=DESCRIPTION)

@@ -16,12 +16,15 @@ importing Hydra or torch):
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import signal
+import sys
 import threading
-from typing import Iterator
+from typing import Callable, Iterator
 
 EXIT_INTERRUPTED, EXIT_TERMINATED = 130, 143
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, what a shell reports for `yes | head`
 STOP_HINT = "every finished sample is stored; rerun the same command to resume"
 
 
@@ -79,3 +82,24 @@ def stops_by_exception() -> Iterator[None]:
     finally:
         for sig, handler in before.items():
             signal.signal(sig, handler)
+
+
+def quiet_broken_pipe(main: Callable[..., int]) -> Callable[..., int]:
+    """Wrap a command's ``main`` so that a reader that closes its end early (``kvbench report
+    --help | head``) ends it quietly with exit code 141 (128 + SIGPIPE), as a shell tool, instead
+    of a ``BrokenPipeError`` traceback. Standard output is flushed inside the wrapper (a pipe may
+    break on the last flush) and then pointed at ``/dev/null`` so that the interpreter's own
+    flush at exit stays silent."""
+
+    @functools.wraps(main)
+    def wrapper(*args, **kwargs) -> int:
+        try:
+            code = main(*args, **kwargs)
+            sys.stdout.flush()
+            return code
+        except BrokenPipeError:
+            with contextlib.suppress(OSError, ValueError):
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            return EXIT_BROKEN_PIPE
+
+    return wrapper

@@ -196,6 +196,24 @@ def test_help_and_cfg_still_work(tmp):
     assert out.returncode == 2 and out.stderr.startswith("error: budgett=0.5: unknown config key")
 
 
+def test_help_into_a_closed_pipe_is_quiet():
+    """`python run.py --help | head -1`: the reader closes early; the command ends with 141
+    (128 + SIGPIPE, as a shell tool) and no BrokenPipeError traceback."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.kvbench.cli_util import cli_env
+
+    for cmd in ([str(ROOT / "run.py"), "--help"], ["-m", "kvbench.cli", "--help"]):
+        r, w = os.pipe()
+        os.close(r)  # the reader is gone before the command writes
+        proc = subprocess.run([sys.executable, *cmd], cwd=ROOT, env=cli_env(), stdout=w, stderr=subprocess.PIPE,
+                              text=True, timeout=120)
+        os.close(w)
+        assert (proc.returncode, proc.stderr) == (141, ""), cmd
+
+
 def test_parallel_launcher_without_its_plugin(tmp):
     import importlib.util
 
