@@ -196,6 +196,26 @@ def output_stem(out_dir: Path, name: str) -> Path:
         n += 1
 
 
+def out_stem(out: str, name: str) -> Path:
+    """Where ``--out`` puts the ``.json/.csv/.md`` files: a folder (``name`` inside it), or a file
+    name ending in one of those suffixes (``--out drop.json``: ``drop.json``, ``drop.csv``,
+    ``drop.md``); either way the first stem with no file yet (:func:`output_stem`).
+
+    Raises:
+        ConfigError: ``out`` is an existing file that is not one of those outputs' names, or
+            lies under one.
+    """
+    path = Path(out)
+    if path.suffix in (".json", ".csv", ".md"):
+        if path.parent.exists() and not path.parent.is_dir():
+            raise ConfigError(f"--out={out!r}: {path.parent} is a file, not a folder")
+        return output_stem(path.parent, path.stem)
+    blocker = next((p for p in (path, *path.parents) if p.exists() and not p.is_dir()), None)
+    if blocker is not None:
+        raise ConfigError(f"--out={out!r}: {blocker} is a file; give a folder or a name ending in .json, .csv or .md")
+    return output_stem(path, name)
+
+
 # --------------------------------------------------------------------------- running
 def run_condition(engine, loaded, task, samples, heads, mode: str, phase: str) -> dict:
     """Generate every sample with ``heads`` masked; NIAH score = 100 × mean ROUGE-1 recall.
@@ -303,7 +323,7 @@ def run(args) -> int:
         raise ConfigError(f"--srh-scores/--trh-scores: the files cover different layer x head grids {sorted(grids)}")
     plan = conditions(scores, ks, kinds, args.seed)
     task_cfg = niah_config(args)
-    stem = output_stem(Path(args.out), f"mask_heads_{args.model}_{args.mode}-{args.phase}")
+    stem = out_stem(args.out, f"mask_heads_{args.model}_{args.mode}-{args.phase}")
     print(f"writing {stem}.{{json,csv,md}}", file=sys.stderr)
 
     import torch
@@ -365,7 +385,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=None, help="generation limit (default conf/task/niah.yaml)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
-    p.add_argument("--out", default="results/mask_heads", help="output folder (existing files are never overwritten)")
+    p.add_argument("--out", default="results/mask_heads",
+                   help="output folder, or a file name ending in .json/.csv/.md for the three files (existing files "
+                        "are never overwritten: -2, -3... is added)")
     return p
 
 

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from kvbench import mask_heads
-from kvbench.mask_heads import conditions, main, output_stem, random_heads, render_markdown, write_report
+from kvbench.mask_heads import conditions, main, out_stem, output_stem, random_heads, render_markdown, write_report
 from methods.artifacts import load_head_scores
 from methods.base import ConfigError
 
@@ -48,6 +48,21 @@ def test_random_heads_distinct_within_grid_and_seed_dependent():
     assert random_heads(30, 9, 30, seed=1, exclude={(0, 0)}) != a
     with pytest.raises(ConfigError, match="only 2 heads are left"):
         random_heads(2, 2, 3, seed=0, exclude={(0, 0), (1, 1)})
+
+
+def test_out_is_a_folder_or_the_files_name(tmp_path):
+    """--out drop.json names the three files (drop.json/.csv/.md), no folder called drop.json;
+    a folder gets the default name; an existing file in the way is one ConfigError."""
+    assert out_stem(str(tmp_path / "drop.json"), "mask_heads_x") == tmp_path / "drop"
+    assert out_stem(str(tmp_path / "sub" / "drop.md"), "mask_heads_x") == tmp_path / "sub" / "drop"
+    assert out_stem(str(tmp_path / "o"), "mask_heads_x") == tmp_path / "o" / "mask_heads_x"
+    (tmp_path / "drop.json").write_text("{}")  # never overwritten: the next free stem
+    assert out_stem(str(tmp_path / "drop.csv"), "mask_heads_x") == tmp_path / "drop-2"
+    (tmp_path / "notes.txt").write_text("x")
+    for out in ("notes.txt", "notes.txt/o", "notes.txt/drop.json"):
+        with pytest.raises(ConfigError, match=r"^--out=.*notes.txt is a file"):
+            out_stem(str(tmp_path / out), "mask_heads_x")
+    assert [p for p in tmp_path.iterdir() if p.is_dir()] == []  # nothing created before the run writes
 
 
 def test_output_stem_and_write_never_overwrite(tmp_path):
