@@ -29,6 +29,7 @@ import re
 from pathlib import Path
 from typing import Any, Iterable
 
+import numpy as np
 import pandas as pd
 import yaml
 
@@ -452,14 +453,18 @@ def full_rows(df: pd.DataFrame, task: str, model_key: str) -> pd.DataFrame:
 
 def is_ratio_budget(budget: float) -> bool:
     """Whether a stored budget is a retention ratio: ``budget <= 1``. The report sees budgets as
-    floats, so ``1.0`` (keep everything) and a 1-token budget look alike; a 1-token budget is
-    below every compressing method's minimum (validation rejects it), so 1 is the ratio 100 %."""
+    floats, so ``1.0`` (keep everything) and a 1-token budget would look alike; validation rejects
+    the integer budget 1 (:func:`kvbench.validate.validate`), so 1 is the ratio 100 %."""
     return budget <= 1
 
 
 def budget_text(budget: float) -> str:
-    """``25%`` (``100%`` for 1.0) for a retention ratio, ``256`` for a token budget."""
-    return f"{budget * 100:g}%" if is_ratio_budget(budget) else f"{budget:g}"
+    """``25%`` (``100%`` for 1.0, ``0.0001%`` for 1e-6: never an exponent) for a retention ratio,
+    ``256`` for a token budget."""
+    if not is_ratio_budget(budget):
+        return f"{budget:g}"
+    text = f"{budget * 100:g}"
+    return (np.format_float_positional(float(text), trim="-") if "e" in text else text) + "%"
 
 
 def n_datasets(n: int) -> str:

@@ -171,6 +171,10 @@ def check_top_level(cfg: dict, experiment: str | None = None) -> None:
         if not isinstance(cfg[node], dict):
             raise ConfigError(f"{node}={show(cfg[node])}: must be a config node; pick one with {node}=NAME")
     check_budget(cfg["budget"])
+    if not is_ratio(cfg["budget"]) and int(cfg["budget"]) == 1:  # reports store budgets as floats: 1 == 1.0
+        raise ConfigError("budget=1: an integer budget counts tokens, and a 1-token cache is not a configuration a "
+                          "report can tell from the 100 % ratio; use budget=1.0 to keep every token, or an integer "
+                          ">= 2 for a token budget")
     check_int(cfg, "seed")
     check_device_name(cfg.get("device", "auto"))
     shard = cfg.get("shard") or {}

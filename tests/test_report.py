@@ -473,6 +473,7 @@ def test_budget_one_is_the_full_retention_ratio_not_one_token():
     from kvbench.report_data import budget_semantics, budget_text, is_ratio_budget
 
     assert budget_text(1.0) == "100%" and budget_text(0.25) == "25%" and budget_text(256.0) == "256"
+    assert (budget_text(1e-9), budget_text(2e-5), budget_text(0.125)) == ("0.0000001%", "0.002%", "12.5%")  # no exponent
     assert is_ratio_budget(1.0) and not is_ratio_budget(2.0)
     assert budget_semantics([0.25, 1.0]) == "budget = retention ratio ρ of prompt tokens"
     assert budget_semantics([64.0, 256.0]).startswith("budget = tokens kept")

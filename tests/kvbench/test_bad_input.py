@@ -85,8 +85,11 @@ CASES = [
      "budget=16: smaller than the 32 tokens method snapkv always keeps (observation window + recent window + sinks); "
      "use budget >= 32"),
     ("budget-one-token", ["method=snapkv", "budget=1"],
-     "budget=1: smaller than the 32 tokens method snapkv always keeps (observation window + recent window + sinks); "
-     "use budget >= 32; an integer budget counts tokens: budget=1.0 keeps every token"),
+     "budget=1: an integer budget counts tokens, and a 1-token cache is not a configuration a report can tell from "
+     "the 100 % ratio; use budget=1.0 to keep every token, or an integer >= 2 for a token budget"),
+    ("budget-one-token-streaming", ["method=streamingllm", "method.n_sinks=0", "budget=1"],
+     "budget=1: an integer budget counts tokens, and a 1-token cache is not a configuration a report can tell from "
+     "the 100 % ratio; use budget=1.0 to keep every token, or an integer >= 2 for a token budget"),
     ("budget-below-sinks", ["method=streamingllm", "budget=3"],
      "budget=3: smaller than the 5 tokens method streamingllm always keeps (observation window + recent window + sinks); "
      "use budget >= 5"),
