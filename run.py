@@ -9,8 +9,9 @@
 
 Exit codes: 0 ok, 1 some samples failed (recorded in the store), 2 configuration error,
 3 the job shard is locked by another process, 130 interrupted (Ctrl-C; rerun to resume),
-143 terminated (SIGTERM; rerun to resume). A local sweep (-m) runs every job, ends with one line
-per failed job and the largest exit code, and stops as a whole on Ctrl-C/SIGTERM.
+143 terminated (SIGTERM; rerun to resume). A sweep (-m; local, parallel or slurm launcher) runs
+every job and ends with one line per failed job and the largest exit code; a local sweep stops as
+a whole on Ctrl-C/SIGTERM.
 Guarantees and the tests that prove them: docs/RELIABILITY.md.
 """
 
@@ -43,7 +44,7 @@ def run() -> int:
     main()  # a single run exits inside; a sweep returns here when its last job is done
     from kvbench.runner import finish_sweep
 
-    return finish_sweep()  # a local sweep: one line per failed job, exit code > 0 if any
+    return finish_sweep()  # a sweep: one line per failed job, exit code > 0 if any
 
 
 if __name__ == "__main__":

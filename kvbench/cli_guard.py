@@ -337,6 +337,27 @@ def _validation_error(job: dict, experiment: str) -> str | None:
     return None
 
 
+def _check_slurm_reachable(timeout_s: float = 60) -> None:
+    """Before a SLURM sweep submits anything: exit with one line when ``sbatch`` is not on PATH or
+    the controller does not answer ``sinfo`` (submitit would end the sweep in a traceback)."""
+    import shutil
+    import subprocess
+
+    if shutil.which("sbatch") is None or shutil.which("sinfo") is None:
+        fail("hydra/launcher=slurm: sbatch/sinfo not found on PATH; submit from a SLURM login node, or drop "
+             "hydra/launcher=slurm to run the sweep here")
+    try:
+        proc = subprocess.run(["sinfo", "--noheader", "--format=%P"], capture_output=True, text=True,
+                              timeout=timeout_s)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        fail(f"hydra/launcher=slurm: the SLURM controller did not answer sinfo ({_first_line(e)}); check it with "
+             "`scontrol ping`")
+    if proc.returncode != 0:
+        lines = (proc.stderr or proc.stdout or "").strip().splitlines()
+        said = lines[0].strip() if lines else f"exit {proc.returncode}"
+        fail(f"hydra/launcher=slurm: cannot reach the SLURM controller (sinfo: {said}); check it with `scontrol ping`")
+
+
 def normalize_argv(argv: list[str]) -> list[str]:
     """Accept ``experiment=NAME`` as well as Hydra's ``+experiment=NAME`` (the experiment group is
     not in the defaults list, so Hydra itself only takes the ``+`` form)."""
@@ -360,6 +381,7 @@ def precheck_argv(argv: list[str]) -> None:
     from hydra import initialize_config_dir
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import OverrideParseException
+    from omegaconf import OmegaConf
 
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3", job_name="kvbench_precheck"):
         composer = _Composer(args.config_name or "config")
@@ -394,6 +416,14 @@ def precheck_argv(argv: list[str]) -> None:
                 experiment = _experiment_choice(cfg) or "the config"
                 fail(f"experiment={experiment} sweeps {', '.join(unset)} (hydra.sweeper.params): add --multirun (-m) "
                      f"to run its jobs, or set {'it' if len(unset) == 1 else 'each'} on the command line for one job")
+        launcher = str(OmegaConf.select(cfg, "hydra.launcher._target_", default="") or "")
+        if not args.multirun and args.cfg is None and launcher and not launcher.endswith("BasicLauncher"):
+            # Hydra uses a launcher for a sweep only: without -m the job would run here, in this process
+            choice = OmegaConf.select(cfg, "hydra.runtime.choices.hydra/launcher", default=None) or launcher
+            fail(f"hydra/launcher={choice}: a launcher runs the jobs of a sweep only; add --multirun (-m) "
+                 "(without it this command would run the one job here, on this machine)")
+        if args.multirun and launcher.endswith("SlurmLauncher"):
+            _check_slurm_reachable()
         if args.multirun:
             swept = {k.lstrip("+~") for k, _ in sweeps}
             extra = []

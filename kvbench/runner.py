@@ -13,6 +13,7 @@ from methods.base import ConfigError
 from .job import EXIT_CONFIG, EXIT_LOCKED, run_job
 from .signals import EXIT_INTERRUPTED, EXIT_TERMINATED, stop_code, stop_message
 from .store import JobLockedError, job_relpath
+from .sweep_ledger import collect, record
 
 
 #: ``(job folder, exit code)`` of every job this process ran in a local sweep (Hydra's basic
@@ -38,14 +39,17 @@ def _job_name(cfg: dict, choice: str | None, method_overrides: list[str]) -> str
 
 
 def finish_sweep() -> int:
-    """After a local sweep: one line per job that did not exit 0, and the sweep's exit code
-    (0 when every job did, else the largest job exit code). 0 when no local sweep ran."""
-    failed = [(job, code) for job, code in SWEEP_JOBS if code != 0]
+    """After a sweep: one line per job that did not exit 0, and the sweep's exit code (0 when
+    every job did, else the largest job exit code). The jobs are those this process ran (local
+    launcher, :data:`SWEEP_JOBS`) and those that ran elsewhere and left their exit code in the
+    sweep's ledger (parallel and SLURM launchers, :mod:`kvbench.sweep_ledger`). 0 when no sweep ran."""
+    jobs = SWEEP_JOBS + collect()
+    failed = [(job, code) for job, code in jobs if code != 0]
     for job, code in failed:
         print(f"error: sweep job {job} exited {code}: {_EXIT_MEANING.get(code, 'failed')}", file=sys.stderr, flush=True)
     if failed:
         fix = "fix the configuration errors above, then " if any(code == EXIT_CONFIG for _, code in failed) else ""
-        print(f"sweep: {len(failed)} of {len(SWEEP_JOBS)} jobs did not finish cleanly; {fix}rerun the same command "
+        print(f"sweep: {len(failed)} of {len(jobs)} jobs did not finish cleanly; {fix}rerun the same command "
               "to retry them (finished jobs are skipped)", file=sys.stderr, flush=True)
     return max((code for _, code in failed), default=0)
 
@@ -57,17 +61,20 @@ def hydra_main(cfg: DictConfig) -> int:
     Inside a sweep (-m): with the local launcher a job's exit code is kept for
     :func:`finish_sweep` (``run.py`` prints one line per failed job when the sweep ends), and
     Ctrl-C or SIGTERM stops the whole sweep with 130/143 after the running job stored its
-    finished samples; with other launchers (SLURM, joblib) a failing job raises so that the
-    launcher marks it failed, and the sweep goes on to the next job.
+    finished samples; with other launchers (SLURM, joblib) every job writes its exit code into
+    the sweep's ledger (:mod:`kvbench.sweep_ledger`) for :func:`finish_sweep` in the submitting
+    process, and returns it; without a ledger (a sweep not started by ``run.py``) a failing job
+    raises so that the launcher marks it failed.
     """
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
-    local = False
+    local, job_num = False, 0
     try:
         hc = HydraConfig.get()
         multirun = hc.mode == RunMode.MULTIRUN
         local = multirun and _local_sweep(hc)
+        job_num = int(OmegaConf.select(hc, "job.num", default=0) or 0)
         choice = hc.runtime.choices.get("method")
         experiment = hc.runtime.choices.get("experiment") or ""
         method_overrides = [o for o in hc.overrides.task if o.lstrip("+~").startswith("method.")]
@@ -94,7 +101,7 @@ def hydra_main(cfg: DictConfig) -> int:
         SWEEP_JOBS.append((_job_name(plain, choice, method_overrides), code))
         return code
     if multirun:
-        if code != 0:
+        if not record(job_num, _job_name(plain, choice, method_overrides), code) and code != 0:
             raise RuntimeError(f"kvbench job failed with exit code {code}")
         return code
     sys.exit(code)

@@ -55,7 +55,8 @@ CASES = [
      f"+experiment=table99: unknown experiment; accepted values are {options('experiment')}"),
     ("unknown-launcher", ["hydra/launcher=nope"],
      "hydra/launcher=nope: unknown launcher; accepted values are "
-     + ", ".join(sorted({"basic", "submitit_local", "submitit_slurm"} | {p.stem for p in (CONF / "hydra" / "launcher").glob("*.yaml")}))),
+     + ", ".join(sorted({"basic", "joblib", "submitit_local", "submitit_slurm"}  # the plugins' (joblib: test extra)
+                        | {p.stem for p in (CONF / "hydra" / "launcher").glob("*.yaml")}))),
     ("unknown-top-key", ["budgett=0.1"], f"budgett=0.1: unknown config key (did you mean budget?); accepted keys are {top_keys()}"),
     ("added-top-key", ["+foo=1"], f"foo=1: unknown config key; accepted keys are {top_keys()}"),
     # a preset's helper key (the latency table of selkv_fig3) is not a key of a plain run ...
@@ -90,6 +91,9 @@ CASES = [
     ("budget-one-token-streaming", ["method=streamingllm", "method.n_sinks=0", "budget=1"],
      "budget=1: an integer budget counts tokens, and a 1-token cache is not a configuration a report can tell from "
      "the 100 % ratio; use budget=1.0 to keep every token, or an integer >= 2 for a token budget"),
+    ("launcher-without-multirun", ["hydra/launcher=slurm"],
+     "hydra/launcher=slurm: a launcher runs the jobs of a sweep only; add --multirun (-m) (without it this command "
+     "would run the one job here, on this machine)"),
     ("budget-below-sinks", ["method=streamingllm", "budget=3"],
      "budget=3: smaller than the 5 tokens method streamingllm always keeps (observation window + recent window + sinks); "
      "use budget >= 5"),
@@ -217,14 +221,60 @@ def test_help_into_a_closed_pipe_is_quiet():
         assert (proc.returncode, proc.stderr) == (141, ""), cmd
 
 
-def test_parallel_launcher_without_its_plugin(tmp):
-    import importlib.util
+def test_parallel_launcher_without_its_plugin(monkeypatch, capsys):
+    """Without hydra-joblib-launcher (an optional extra; the test extra installs it), composing
+    hydra/launcher=parallel misses its `joblib` base config: the pre-check says what to install.
+    The plugin's absence is simulated: Hydra's compose cannot load hydra/launcher/joblib and the
+    launcher group lists no `joblib` option."""
+    import hydra
+    from hydra.errors import MissingConfigException
 
-    if importlib.util.find_spec("hydra_plugins.hydra_joblib_launcher") is not None:
-        pytest.skip("hydra-joblib-launcher is installed: hydra/launcher=parallel works here")
-    out = run_cli(["-m", "hydra/launcher=parallel", "budget=0.1,0.2", f"output_root={tmp}/out"])
-    assert out.stderr == "error: hydra/launcher=parallel: needs the joblib launcher plugin; run `pip install hydra-joblib-launcher`\n"
-    assert out.returncode == 2
+    from kvbench import cli_guard
+
+    real_compose, real_options = hydra.compose, cli_guard._Composer.options
+
+    def compose(config_name=None, overrides=(), **kwargs):
+        if "hydra/launcher=parallel" in overrides:
+            raise MissingConfigException("In 'hydra/launcher/parallel': Could not load 'hydra/launcher/joblib'.",
+                                         missing_cfg_file="hydra/launcher/joblib")
+        return real_compose(config_name, overrides=overrides, **kwargs)
+
+    monkeypatch.setattr(hydra, "compose", compose)
+    monkeypatch.setattr(cli_guard._Composer, "options", lambda self, group: [
+        o for o in real_options(self, group) if (group, o) != ("hydra/launcher", "joblib")])
+    with pytest.raises(SystemExit) as stop:
+        cli_guard.precheck_argv(["-m", "hydra/launcher=parallel", "budget=0.1,0.2"])
+    assert stop.value.code == 2
+    assert capsys.readouterr().err == ("error: hydra/launcher=parallel: needs the joblib launcher plugin; run "
+                                       "`pip install hydra-joblib-launcher`\n")
+
+
+@pytest.mark.parametrize("sinfo, expected", [
+    ("echo 'sinfo: error: Unable to contact slurm controller (connect failure)' >&2; exit 1",
+     "hydra/launcher=slurm: cannot reach the SLURM controller (sinfo: sinfo: error: Unable to contact slurm "
+     "controller (connect failure)); check it with `scontrol ping`"),
+    (None, "hydra/launcher=slurm: sbatch/sinfo not found on PATH; submit from a SLURM login node, or drop "
+           "hydra/launcher=slurm to run the sweep here"),
+])
+def test_slurm_sweep_without_a_reachable_controller_is_one_line(tmp_path, sinfo, expected):
+    """Before submitting, a SLURM sweep asks the controller (sinfo); a fake sinfo that fails as a
+    down slurmctld does, or no SLURM tools on PATH, is one line and exit 2, nothing submitted."""
+    import os
+    import sys
+
+    tmp = tmp_path
+    bin_dir = tmp / "bin"
+    bin_dir.mkdir()
+    if sinfo is not None:
+        for tool, body in (("sbatch", "echo sbatch must not run >&2; exit 1"), ("sinfo", sinfo)):
+            (bin_dir / tool).write_text(f"#!/bin/sh\n{body}\n")
+            (bin_dir / tool).chmod(0o755)
+    path = os.pathsep.join([str(bin_dir), str(Path(sys.executable).parent), "/usr/local/bin", "/bin"])
+    if sinfo is None:
+        path = os.pathsep.join([str(bin_dir), str(Path(sys.executable).parent)])  # no SLURM tools at all
+    out = run_cli(["-m", "hydra/launcher=slurm", "budget=0.1,0.2", f"output_root={tmp}/out"], PATH=path)
+    assert (out.returncode, out.stderr) == (2, f"error: {expected}\n")
+    assert not (tmp / "out").exists()
 
 
 def test_preset_helper_keys_are_the_interpolated_or_tool_read_ones():

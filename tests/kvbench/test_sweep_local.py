@@ -1,4 +1,5 @@
-"""A local sweep (``python run.py -m``, Hydra's basic launcher) through the real command line:
+"""Sweeps on this machine through the real command line (``python run.py -m``; Hydra's basic
+launcher, and the parallel and submitit_local launchers whose jobs run in other processes):
 failed jobs are listed one line each at the end, and Ctrl-C / SIGTERM stop the whole sweep."""
 
 from __future__ import annotations
@@ -36,6 +37,31 @@ def test_failed_jobs_are_listed_one_line_each_without_a_traceback(tiny_model_dir
     again = run_cli(_args(tiny_model_dir, haystack_dir, tmp_path))  # the failed samples are retried
     assert again.returncode == 0, again.stderr[-2000:]
     assert "sweep:" not in again.stderr
+
+
+@pytest.mark.parametrize("launcher", ["parallel", "submitit_local"])
+def test_jobs_run_by_other_processes_end_the_sweep_the_same_way(tiny_model_dir, haystack_dir, tmp_path, launcher):
+    """hydra/launcher=parallel (joblib worker processes) and submitit_local (one process per job, as
+    SLURM array tasks are): every job leaves its exit code in the sweep's ledger, so the sweep ends
+    with the same one line per failed job and the largest exit code as a local one, not Hydra's
+    traceback of the first failure (kvbench/sweep_ledger.py)."""
+    args = ["-m", "method=snapkv,streamingllm", "budget=0.5,24", *tiny_model_args(tiny_model_dir), *GRID,
+            f"task.haystack_dir={haystack_dir}", f"output_root={tmp_path}", f"hydra/launcher={launcher}",
+            "hydra.launcher.n_jobs=2" if launcher == "parallel" else "hydra.launcher.timeout_min=10"]
+    out = run_cli(args, KVBENCH_FAIL_SAMPLES="niah/300/50")
+    assert out.returncode == 2, out.stderr[-3000:]  # the largest exit code: snapkv at 24 tokens (below its window)
+    assert "Traceback" not in out.stderr and "Error executing job" not in out.stderr
+    failed = "exited 1: some samples failed (stored with their error; rerun to retry them)"
+    assert out.stderr.strip().splitlines()[-5:] == [
+        f"error: sweep job niah/tiny/snapkv/b0.5 {failed}",
+        "error: sweep job niah/tiny/snapkv/b24 exited 2: configuration error",
+        f"error: sweep job niah/tiny/streamingllm/b0.5 {failed}",
+        f"error: sweep job niah/tiny/streamingllm/b24 {failed}",
+        "sweep: 4 of 4 jobs did not finish cleanly; fix the configuration errors above, then rerun the same command "
+        "to retry them (finished jobs are skipped)",
+    ]
+    again = run_cli([a if a != "budget=0.5,24" else "budget=0.5" for a in args])  # resumed: failed samples retried
+    assert again.returncode == 0 and "sweep:" not in again.stderr, again.stderr[-3000:]
 
 
 @pytest.mark.parametrize("sig, code, what", [(signal.SIGINT, 130, "interrupted"),
