@@ -92,7 +92,7 @@ def selkv_table2(df: pd.DataFrame, budget: float = 0.25, task: str = "longbench"
         n_ds = max(n_ds, len(grid.datasets))
     if not rows:
         return []
-    caption = (f"Ablation of {method_name} on LongBench ({n_ds} datasets, {budget_text(budget)} KV budget; "
+    caption = (f"Ablation of {method_name} on LongBench ({n_datasets(n_ds)}, {budget_text(budget)} KV budget; "
                f"{budget_semantics([budget])}). Δ prev: change from the row above; Δ full: gap to the full cache. "
                "'Evict only' drops evicted tokens; 'merge all' merges without gate or compensation.")
     cols = ["Model", "Configuration", "Gate", "Comp", "Merge", "Avg", "Δ prev", "Δ full"]

@@ -433,8 +433,7 @@ def score_tables(df: pd.DataFrame, root: Path | None = None) -> list[Table]:
         bold = set().union(*(bold_best(rows, comp, c) for c in [*datasets, "Avg"]))
         budgets = [k[3] for k in order if k[3] is not None]
         full_text = (" The full cache ignores the budget (–)." if any(k[0] == FULL for k in order) else "")
-        caption = (f"Scores of every job configuration of {mk} on {task} ({len(datasets)} dataset"
-                   f"{'s' if len(datasets) != 1 else ''}; one row per method"
+        caption = (f"Scores of every job configuration of {mk} on {task} ({n_datasets(len(datasets))}; one row per method"
                    + (", method variant" if show_variant else "") + " and budget"
                    + (f"; {budget_semantics(budgets)}" if budgets else "") + "). "
                    "Each dataset's score is round(100·mean, 2) of the task's per-sample scores in [0, 1] "
