@@ -10,6 +10,9 @@
     ``append`` (half of a record line written and fsync-ed, the rest never),
     ``atomic_write`` (the temporary file written, not yet renamed),
     ``sample`` (before generating a sample).
+``KVBENCH_SAMPLE_DELAY_S=seconds``
+    Sleep this long before computing each sample (a slow model), so that jobs started together
+    are still running together (``tests/kvbench/test_reuse_full.py``).
 
 Used by ``tests/kvbench/test_crash.py`` and ``tests/kvbench/test_isolation.py`` through the
 real command line; see docs/RELIABILITY.md.
@@ -24,6 +27,7 @@ from typing import Any, Iterator
 
 FAIL_ENV = "KVBENCH_FAIL_SAMPLES"
 CRASH_ENV = "KVBENCH_CRASH_AT"
+DELAY_ENV = "KVBENCH_SAMPLE_DELAY_S"
 FAIL_KINDS = ("error", "oom", "nan")
 
 _passes: dict[str, int] = {}
@@ -72,6 +76,15 @@ def injected(sample_id: str, model: Any) -> Iterator[None]:
             handle.remove()
         return
     raise InjectedFailure(f"injected failure for sample {sample_id} ({FAIL_ENV})")
+
+
+def sample_delay() -> None:
+    """Sleep ``KVBENCH_SAMPLE_DELAY_S`` seconds (before a sample is computed), if set."""
+    delay = os.environ.get(DELAY_ENV)
+    if delay:
+        import time
+
+        time.sleep(float(delay))
 
 
 def crash_armed(point: str) -> bool:

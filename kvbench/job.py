@@ -17,7 +17,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 import eval as tasks
 from eval.base import Sample, Task, TaskConfigError
@@ -27,7 +27,8 @@ from .config_keys import RUN_CONTROL_KEYS, SAMPLE_SELECTION_KEYS
 from .config_keys import flatten as _flatten
 from .config_keys import under as _under
 from .engine import Engine
-from .faults import crash_point, injected
+from .faults import crash_point, injected, sample_delay
+from .full_share import FullCacheShare
 from .models import LoadedModel, load_model
 from .signals import stops_by_exception
 from .store import JobStore, job_relpath
@@ -337,8 +338,11 @@ def run_job(cfg: dict, method_preset: str | None = None, method_overrides: list[
         # failed before its first one) must not make the folder's samples look computed there
         store.write_json_with_first_record("env.json" if shard[1] == 1 else f"env.shard{shard[0]}.json", env)
         done = store.done_ids()
+        share = None
         if method.name == "full" and cfg.get("reuse_full", True) and not cfg.get("run_name"):
             done |= reuse_full_cache_samples(store, root, cfg, [s for s in mine if s.id not in done], env)
+            share = FullCacheShare(store.path, root, {s.id: prompt_sha256(s) for s in mine if s.id not in done},
+                                   lambda folder: full_cache_sibling(folder, cfg, env))
         todo = [s for s in mine if s.id not in done]
         log.info(
             "job %s: samples in this shard: %d, already stored: %d, to run: %d (compressible layers: %d of %d)",
@@ -346,7 +350,7 @@ def run_job(cfg: dict, method_preset: str | None = None, method_overrides: list[
             loaded.layout.num_layers,
         )
         engine = Engine(loaded, method, cfg["budget"])
-        failed = _loop(engine, loaded, task, todo, store, quiet=bool(cfg.get("quiet")))
+        failed = _loop(engine, loaded, task, todo, store, quiet=bool(cfg.get("quiet")), share=share)
         with store._append_lock():  # shards finishing together: the last summary written sees every record
             records = store.records()
             summary = summarize(cfg, task, records, expected, relpath, getattr(task, "skipped", None), " ".join(subset))
@@ -459,8 +463,8 @@ def reuse_full_cache_samples(store: JobStore, root: Path, cfg: dict, todo: list[
     whose ``prompt_sha256`` is the hash of this sample's prompt; the copy is the sibling's
     record (predictions, scores, timings of the run that computed it) plus ``reused_from``:
     the job folder, relative to ``output_root``, that computed it. Siblings are read as they
-    are when this job starts: jobs running at the same time (SLURM array tasks) do not wait
-    for one another, and each computes what no finished sibling holds.
+    are when this job starts; siblings running at the same time (SLURM array tasks) share the
+    rest sample by sample (:mod:`kvbench.full_share`).
 
     Args:
         store: this job's folder (lock held).
@@ -478,15 +482,7 @@ def reuse_full_cache_samples(store: JobStore, root: Path, cfg: dict, todo: list[
     copied: set[str] = set()
     own = store.path.relative_to(root).as_posix()
     for folder in sorted(p for p in store.path.parent.iterdir() if p.is_dir() and p != store.path):
-        config = folder / "config.yaml"
-        if not config.is_file() or not (folder / "predictions.jsonl").is_file():
-            continue
-        try:
-            diff = _config_changes(config.read_text(encoding="utf-8"), cfg,
-                                   RUN_CONTROL_KEYS + SAMPLE_SELECTION_KEYS + ("budget",))
-        except (OSError, ValueError):  # unreadable or not UTF-8: not a sibling to copy from
-            continue
-        if diff != {} or (env is not None and _env_differences(folder, env)):
+        if not (folder / "predictions.jsonl").is_file() or not full_cache_sibling(folder, cfg, env):
             continue
         source = folder.relative_to(root).as_posix()
         found = []
@@ -507,6 +503,21 @@ def reuse_full_cache_samples(store: JobStore, root: Path, cfg: dict, todo: list[
         if len(copied) == len(wanted):
             break
     return copied
+
+
+def full_cache_sibling(folder: Path, cfg: dict, env: Mapping[str, Any] | None = None) -> bool:
+    """Whether ``folder`` (in the preset folder of a full-cache job with config ``cfg``) is a
+    full-cache job of the same setting: its ``config.yaml`` equals ``cfg`` in every key but
+    ``budget``, :data:`SAMPLE_SELECTION_KEYS` and :data:`RUN_CONTROL_KEYS`, and its ``env*.json``
+    resolved ``auto`` as ``env`` did (:data:`ENV_KEYS`; None: not compared). An unreadable config
+    is not a sibling."""
+    config = folder / "config.yaml"
+    try:
+        diff = _config_changes(config.read_text(encoding="utf-8"), cfg,
+                               RUN_CONTROL_KEYS + SAMPLE_SELECTION_KEYS + ("budget",))
+    except (OSError, ValueError):  # missing, unreadable or not UTF-8
+        return False
+    return diff == {} and not (env is not None and _env_differences(folder, env))
 
 
 #: What ``auto`` settings resolve to at run time (``device=auto``: CUDA + bf16 or CPU float32;
@@ -628,7 +639,26 @@ def _unique(samples: list[Sample]) -> list[Sample]:
     return out
 
 
-def _loop(engine: Engine, loaded: LoadedModel, task: Task, todo: list[Sample], store: JobStore, quiet: bool) -> int:
+def _claimed(todo: list[Sample], share: FullCacheShare | None) -> Iterator[tuple[Sample, int | None]]:
+    """The samples in order, each with its claim when ``share`` is set (:mod:`kvbench.full_share`):
+    a sample another full-cache job of this setting holds is put off to the end and then waited
+    for. The caller releases each claim once the sample's record is stored."""
+    if share is None:
+        yield from ((s, None) for s in todo)
+        return
+    later = []
+    for sample in todo:
+        fd = share.claim(prompt_sha256(sample), wait=False)
+        if fd is None:
+            later.append(sample)
+        else:
+            yield sample, fd
+    for sample in later:
+        yield sample, share.claim(prompt_sha256(sample), wait=True)
+
+
+def _loop(engine: Engine, loaded: LoadedModel, task: Task, todo: list[Sample], store: JobStore, quiet: bool,
+          share: FullCacheShare | None = None) -> int:
     from tqdm import tqdm
     from tqdm.contrib.logging import logging_redirect_tqdm
 
@@ -637,18 +667,28 @@ def _loop(engine: Engine, loaded: LoadedModel, task: Task, todo: list[Sample], s
     # A terminal gets a progress bar; a log file (SLURM, nohup, a pipe) gets one plain line per
     # sample instead of the bar's carriage-return redraws.
     interactive = sys.stderr.isatty()
-    bar = tqdm(todo, desc="samples", unit="sample", disable=quiet or not todo or not interactive, dynamic_ncols=True)
+    bar = tqdm(total=len(todo), desc="samples", unit="sample", disable=quiet or not todo or not interactive,
+               dynamic_ncols=True)
     # Log lines (warnings) are printed above the bar instead of into its line. Ctrl-C/SIGTERM
     # raise here, between whole records (kvbench.signals); outside the loop they exit at once.
     with logging_redirect_tqdm(), stops_by_exception():
-        for i, sample in enumerate(bar, 1):
-            crash_point("sample")
-            rec = run_sample(engine, loaded, task, sample)
+        for i, (sample, claim) in enumerate(_claimed(todo, share), 1):
             try:
-                store.append(rec)
-            except (TypeError, ValueError) as e:  # not storable as JSON: store the failure instead
-                rec = error_record({k: rec.get(k) for k in ("id", "dataset", "answers", "all_classes", "length")}, e)
-                store.append(rec)
+                # a full-cache job of this setting running at the same time may have stored it meanwhile
+                rec = share.copy_of(sample.id) if share is not None else None
+                if rec is None:
+                    crash_point("sample")
+                    sample_delay()
+                    rec = run_sample(engine, loaded, task, sample)
+                try:
+                    store.append(rec)
+                except (TypeError, ValueError) as e:  # not storable as JSON: store the failure instead
+                    rec = error_record({k: rec.get(k) for k in ("id", "dataset", "answers", "all_classes", "length")}, e)
+                    store.append(rec)
+            finally:
+                if claim is not None:
+                    share.release(claim)
+            bar.update(1)
             failed += rec["error"] is not None
             if rec["error"] is None:
                 scores.append(float(rec["score"]))
@@ -658,8 +698,11 @@ def _loop(engine: Engine, loaded: LoadedModel, task: Task, todo: list[Sample], s
             if not interactive and not quiet:
                 outcome = (f"score {100 * rec['score']:.2f}, {rec['decode_tok_s']:.1f} tok/s" if rec["error"] is None
                            else f"failed ({rec['error']['type']})")
+                if rec.get("reused_from") and share is not None:
+                    outcome += f", copied from {rec['reused_from']} (computed there meanwhile)"
                 mean = f"; mean_score {100 * sum(scores) / len(scores):.2f}" if scores else ""
                 log.info("sample %d/%d %s: %s%s", i, len(todo), rec["id"], outcome, mean)
+    bar.close()
     return failed
 
 

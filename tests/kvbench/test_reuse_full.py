@@ -94,3 +94,55 @@ def test_no_reuse_from_a_job_whose_auto_settings_resolved_otherwise(tiny_model_d
     other = run_cli(_args(tiny_model_dir, haystack_dir, tmp_path, "budget=0.25"))
     assert other.returncode == 0, other.stderr[-2000:]
     assert all("reused_from" not in r for r in read_lines(tmp_path / "niah/tiny/full/b0.25/predictions.jsonl"))
+
+
+def test_concurrent_full_jobs_compute_each_sample_once(tiny_model_dir, haystack_dir, tmp_path):
+    """Three full-cache jobs of one setting at once (hydra/launcher=parallel, as SLURM array tasks
+    run): each sample is computed by one of them and copied by the others (kvbench/full_share.py),
+    whether they overlapped or one started after another finished. Samples are slowed down
+    (KVBENCH_SAMPLE_DELAY_S) so that the jobs do run together."""
+    grid = ["task.context_lengths=[300,400]", "task.depth_percents=[0,50,100]"]
+    args = ["-m", *_args(tiny_model_dir, haystack_dir, tmp_path, "budget=0.25,0.5,0.75"), *grid,
+            "hydra/launcher=parallel", "hydra.launcher.n_jobs=3", "threads=1"]
+    out = run_cli(args, KVBENCH_SAMPLE_DELAY_S="0.7")
+    assert out.returncode == 0, out.stderr[-3000:]
+    computed: dict[str, list[str]] = {}
+    for budget in ("b0.25", "b0.5", "b0.75"):
+        records = read_lines(tmp_path / "niah/tiny/full" / budget / "predictions.jsonl")
+        assert sorted(r["id"] for r in records) == sorted(f"niah/{n}/{d}" for n in (300, 400) for d in (0, 50, 100))
+        assert all(r["error"] is None for r in records)
+        for r in records:
+            computed.setdefault(r["id"], []).append(r.get("reused_from") or f"niah/tiny/full/{budget}")
+        assert json.loads((tmp_path / "niah/tiny/full" / budget / "summary.json").read_text())["complete"]
+    assert all(len(set(jobs)) == 1 for jobs in computed.values()), computed  # one computing job per sample
+
+
+def test_a_claimed_sample_is_copied_once_its_holder_stored_it(tmp_path):
+    """Two jobs' claims on one sample (flock on one stripe file; two descriptors conflict even in
+    one process): the second cannot take it while the first holds it, and once the first has
+    stored the record and released the claim, the second copies it instead of computing it."""
+    from kvbench.full_share import FullCacheShare
+
+    preset = tmp_path / "niah/tiny/full"
+    a, b = preset / "b0.25", preset / "b0.5"
+    a.mkdir(parents=True), b.mkdir(parents=True)
+    sha = "ab" * 32
+    share_a = FullCacheShare(a, tmp_path, {"s1": sha}, lambda folder: True)
+    share_b = FullCacheShare(b, tmp_path, {"s1": sha}, lambda folder: folder == a)
+    held = share_a.claim(sha, wait=False)
+    assert held is not None and share_b.claim(sha, wait=False) is None
+    assert share_b.copy_of("s1") is None
+    (a / "predictions.jsonl").write_text(json.dumps({"id": "s1", "error": None, "prompt_sha256": sha, "score": 1.0})
+                                         + "\n" + '{"id": "s2", "err')  # and half a line being written
+    share_a.release(held)
+    mine = share_b.claim(sha, wait=True)
+    assert share_b.copy_of("s1") == {"id": "s1", "error": None, "prompt_sha256": sha, "score": 1.0,
+                                     "reused_from": "niah/tiny/full/b0.25"}
+    share_b.release(mine)
+    # a record of another prompt (the sample id reused for other text) or with an error is never copied
+    c = preset / "b0.75"
+    c.mkdir()
+    (c / "predictions.jsonl").write_text(json.dumps({"id": "s1", "error": None, "prompt_sha256": "cd" * 32}) + "\n")
+    share_c = FullCacheShare(c, tmp_path, {"s1": "ef" * 32}, lambda folder: True)
+    assert share_c.copy_of("s1") is None
+    assert sorted(p.name for p in preset.iterdir()) == [".full_claims", "b0.25", "b0.5", "b0.75"]
