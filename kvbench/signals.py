@@ -21,6 +21,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from typing import Callable, Iterator
 
 EXIT_INTERRUPTED, EXIT_TERMINATED = 130, 143
@@ -47,15 +48,65 @@ def stop_code(err: KeyboardInterrupt) -> int:
     return EXIT_TERMINATED if isinstance(err, Terminated) else EXIT_INTERRUPTED
 
 
+_raised_for_workers = False
+
+
+def _loky_executor():
+    """joblib's reusable loky executor when this process started one (``hydra/launcher=parallel``), else None."""
+    return getattr(sys.modules.get("joblib.externals.loky.reusable_executor"), "_executor", None)
+
+
 def _exit_now(signum, frame):  # noqa: ARG001 - signal handler signature
+    global _raised_for_workers
     err = Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
+    if _loky_executor() is not None and not _raised_for_workers:
+        # a parallel sweep's parent waits in joblib, whose own Ctrl-C path stops the workers and
+        # removes its temporary files; run.py then prints the line (a second signal exits at once)
+        _raised_for_workers = True
+        raise err
     os.write(2, (stop_message(err) + "\n").encode())
+    stop_workers()
     os._exit(stop_code(err))
+
+
+def stop_workers(grace_s: float = 3.0) -> list[int]:
+    """Stop the worker processes this process started for a parallel sweep (joblib's loky
+    executor, ``hydra/launcher=parallel``) before it exits at once (a second Ctrl-C/SIGTERM; the
+    first one goes through joblib's own abort, see :func:`_exit_now`): each gets SIGINT (it
+    stops between whole records), then the executor's shutdown sentinel, and after ``grace_s``
+    seconds SIGKILL if still there (the store is kill-safe). Without this an interrupted sweep
+    left its workers behind, blocked on the dead parent's queue, each holding a model in memory.
+
+    Returns:
+        The pids signalled (``[]`` when no loky executor was started).
+    """
+    executor = _loky_executor()
+    pids = [int(pid) for pid in list(getattr(executor, "_processes", None) or {})]
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGINT)
+    with contextlib.suppress(Exception):  # then the executor's sentinels: idle workers exit cleanly
+        executor.shutdown(wait=False)
+    alive, deadline = set(pids), time.monotonic() + grace_s
+    while alive and time.monotonic() < deadline:
+        for pid in list(alive):
+            try:
+                if os.waitpid(pid, os.WNOHANG)[0]:
+                    alive.discard(pid)
+            except ChildProcessError:  # not our child (already reaped)
+                alive.discard(pid)
+        time.sleep(0.05)
+    for pid in alive:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+    return pids
 
 
 def stop_at_once() -> None:
     """Ctrl-C and SIGTERM print the stop line and exit at once (main thread only; SIGTERM left to a
-    launcher that installed its own handler, e.g. submitit)."""
+    launcher that installed its own handler, e.g. submitit). In the parent of a parallel sweep the
+    first one raises instead, so that joblib stops its workers (:func:`_exit_now`)."""
     if threading.current_thread() is not threading.main_thread():
         return
     signal.signal(signal.SIGINT, _exit_now)

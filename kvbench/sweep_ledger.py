@@ -38,6 +38,11 @@ class SweepLedger(Callback):
         first job that records: a local sweep, whose jobs run in this process, leaves none)."""
         folder = Path(str(config.hydra.sweep.dir)).resolve() / ".exit_codes" / f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
         os.environ[LEDGER_ENV] = str(folder)
+        # A parallel sweep stopped by Ctrl-C leaves its queues' semaphores to the resource tracker
+        # process, which removes them and warns about each on stderr after run.py's one stop line.
+        quiet = "ignore:resource_tracker:UserWarning"
+        if quiet not in os.environ.get("PYTHONWARNINGS", ""):
+            os.environ["PYTHONWARNINGS"] = ",".join(filter(None, [os.environ.get("PYTHONWARNINGS"), quiet]))
 
 
 def record(job_num: int, job: str, code: int) -> bool:

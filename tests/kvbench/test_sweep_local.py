@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -83,6 +84,58 @@ def test_a_signal_stops_the_whole_sweep_and_the_same_command_resumes(tiny_model_
     assert "Traceback" not in err
     assert err.strip().splitlines()[-1] == f"{what}: every finished sample is stored; rerun the same command to resume"
     assert not (tmp_path / "niah/tiny/pyramidkv").exists()  # the second job never started
+    again = run_cli(args)
+    assert again.returncode == 0, again.stderr[-2000:]
+    for method in ("snapkv", "pyramidkv"):
+        ids = [r["id"] for r in read_lines(tmp_path / f"niah/tiny/{method}/b0.5/predictions.jsonl")]
+        assert len(ids) == len(set(ids)) == 6
+
+
+def _children(pid: int) -> set[int]:
+    """Pids whose parent is ``pid`` (from /proc)."""
+    out = set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            out.add(int(stat.parent.name))
+    return out
+
+
+@pytest.mark.parametrize("sig, code, what", [(signal.SIGINT, 130, "interrupted"),
+                                             (signal.SIGTERM, 143, "terminated (SIGTERM)")])
+def test_a_stopped_parallel_sweep_leaves_no_worker_behind(tiny_model_dir, haystack_dir, tmp_path, sig, code, what):
+    """Ctrl-C / SIGTERM sent to run.py alone (not its process group) during a hydra/launcher=parallel
+    sweep: its joblib workers are stopped too (they used to stay, blocked on the dead parent's
+    queue, a model in memory each), and the same command resumes the jobs."""
+    args = [*_args(tiny_model_dir, haystack_dir, tmp_path), "hydra/launcher=parallel", "hydra.launcher.n_jobs=2",
+            "threads=1"]
+    first = tmp_path / "niah/tiny/snapkv/b0.5/predictions.jsonl"
+    proc = subprocess.Popen([sys.executable, str(ROOT / "run.py"), *args], cwd=ROOT,
+                            env=cli_env(KVBENCH_SAMPLE_DELAY_S="0.5"), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 240
+    while proc.poll() is None and not (first.exists() and first.read_bytes().count(b"\n") >= 1) \
+            and time.monotonic() < deadline:
+        time.sleep(0.05)
+    workers = _children(proc.pid)
+    assert proc.poll() is None and workers, "the sweep ended before the signal"
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == code and "Traceback" not in err, err[-2000:]
+    assert err.strip().splitlines()[-1] == f"{what}: every finished sample is stored; rerun the same command to resume"
+    def running(pid: int) -> bool:
+        try:
+            return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+        except OSError:
+            return False
+
+    deadline = time.monotonic() + 30  # joblib stops them as it aborts; they take a moment to exit
+    while any(running(pid) for pid in workers) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [pid for pid in workers if running(pid)]
     again = run_cli(args)
     assert again.returncode == 0, again.stderr[-2000:]
     for method in ("snapkv", "pyramidkv"):
