@@ -180,7 +180,10 @@ def write_figure(fig: rf.FigureOut, out: Path) -> list[Path]:
 def load_latency(path: str | Path) -> list[dict]:
     """Latency records (kvbench.latency's JSON: a list of records, or ``{"records": [...]}``)."""
     data = json.loads(Path(path).read_text())
-    return list(data["records"] if isinstance(data, dict) else data)
+    records = data["records"] if isinstance(data, dict) else data
+    if not isinstance(records, list) or not all(isinstance(r, dict) for r in records):
+        raise ValueError("expected a list of records (objects) or {\"records\": [...]}")
+    return list(records)
 
 
 def _selected(family: str, outputs: list[str], only: list[str] | None) -> bool:
@@ -225,14 +228,24 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"--only {pattern!r}: no such artifact; accepted names: "
                     + ", ".join(sorted({o for _b, outs in ARTIFACTS.values() for o in outs} | set(ARTIFACTS))))
     out = Path(args.out) if args.out else root / "report"
+    blocker = next((q for q in (out, *out.parents) if q.exists() and not q.is_dir()), None)
+    if blocker is not None:
+        p.error(f"--out {str(out)!r}: {blocker} is a file, not a folder")
     lat_path = Path(args.latency) if args.latency else root / "latency.json"
     if args.latency and not lat_path.is_file():
         p.error(f"--latency {str(lat_path)!r}: no such file")
-    latency = load_latency(lat_path) if lat_path.is_file() else None
+    try:
+        latency = load_latency(lat_path) if lat_path.is_file() else None
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        p.error(f"--latency {str(lat_path)!r}: not a latency file of python -m kvbench.latency ({type(e).__name__}: "
+                f"{str(e).splitlines()[0] if str(e) else ''})")
     df = load_results(root)
     ctx = Context(root, df, latency, str(lat_path))
     n_jobs = df["job"].nunique()
     index, failed = [f"# Report of {root}", "", f"{n_jobs} job folder{'s' if n_jobs != 1 else ''} read.", ""], 0
+    for line in df.attrs.get("unreadable", []):
+        print(f"warning: job folder {line}; left out of the report", file=sys.stderr)
+        index.insert(-1, f"Left out (unreadable): {line}")
     if n_jobs == 0:
         print(f"warning: no job folders under {root} (a job folder holds config.yaml and summary.json or "
               "predictions.jsonl); the report is empty", file=sys.stderr)

@@ -220,8 +220,17 @@ def _settings(cfg: dict, job_dir: Path) -> str:
     return json.dumps(flat, sort_keys=True)
 
 
+class UnreadableJob(ValueError):
+    """A job folder whose ``config.yaml`` cannot be read as a mapping (hand-edited, damaged)."""
+
+
 def _job_rows(root: Path, job_dir: Path) -> list[dict]:
-    cfg = yaml.safe_load((job_dir / "config.yaml").read_text()) or {}
+    try:
+        cfg = yaml.safe_load((job_dir / "config.yaml").read_text(encoding="utf-8")) or {}
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
+        raise UnreadableJob(f"config.yaml cannot be read ({type(e).__name__})") from None
+    if not isinstance(cfg, dict):
+        raise UnreadableJob(f"config.yaml holds a {type(cfg).__name__}, not a mapping")
     summary = _read_json(job_dir / "summary.json") or {}
     records = read_predictions(job_dir / "predictions.jsonl")
     method = dict(cfg.get("method") or {})
@@ -340,6 +349,8 @@ def load_results(root: str | Path) -> pd.DataFrame:
 
     Returns:
         A DataFrame with columns :data:`COLUMNS`; empty (with those columns) when no job exists.
+        ``df.attrs["unreadable"]`` lists the job folders left out because their ``config.yaml``
+        cannot be read (``"<job>: <why>"``).
 
     Raises:
         FileNotFoundError: ``root`` is not a directory.
@@ -347,8 +358,14 @@ def load_results(root: str | Path) -> pd.DataFrame:
     root = Path(root)
     if not root.is_dir():
         raise FileNotFoundError(f"results root {str(root)!r} is not a directory")
-    rows = [row for d in _job_dirs(root) for row in _job_rows(root, d)]
+    rows, unreadable = [], []
+    for d in _job_dirs(root):
+        try:
+            rows += _job_rows(root, d)
+        except UnreadableJob as e:
+            unreadable.append(f"{d.relative_to(root).as_posix()}: {e}")
     df = pd.DataFrame(rows, columns=[c for c in COLUMNS if c != "model_key"])
+    df.attrs["unreadable"] = unreadable
     df["model_key"] = _model_keys(df) if len(df) else pd.Series(dtype=object)
     for col in ["budget", "score", "max_input_tokens", *TIMING_COLUMNS, *CACHE_COLUMNS]:
         df[col] = pd.to_numeric(df[col], errors="coerce")

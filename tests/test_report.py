@@ -450,6 +450,28 @@ def test_report_cli_rejects_unknown_artifact(tree, capsys):
     assert e.value.code == 2 and "no such artifact" in capsys.readouterr().err
 
 
+def test_bad_report_inputs_are_one_line_and_an_unreadable_job_is_left_out(tmp_path, capsys):
+    """--out under a file and a --latency file that is not JSON records: one line, exit 2. A job
+    folder whose config.yaml cannot be parsed is left out with a warning and an index.md line,
+    instead of ending the whole report in a YAML traceback."""
+    make_job(tmp_path / "root", method="full", scores={"qasper": 40.0})
+    bad = make_job(tmp_path / "root", method="snapkv", scores={"qasper": 30.0})
+    (tmp_path / "afile").write_text("x")
+    (tmp_path / "lat.json").write_text("{not json")
+    for argv, message in ([["--out", str(tmp_path / "afile" / "rep")], "is a file, not a folder"],
+                          [["--latency", str(tmp_path / "lat.json")], "not a latency file of python -m kvbench.latency"]):
+        with pytest.raises(SystemExit) as stop:
+            report.main([str(tmp_path / "root"), *argv])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert stop.value.code == 2 and message in err[-1] and "Traceback" not in "".join(err)
+    (bad / "config.yaml").write_text("budget: [unclosed\n")
+    assert report.main([str(tmp_path / "root"), "--out", str(tmp_path / "rep")]) == 0
+    assert ("warning: job folder longbench/llama31/snapkv/b0.25: config.yaml cannot be read (ParserError); left out "
+            "of the report") in capsys.readouterr().err
+    index = (tmp_path / "rep" / "index.md").read_text()
+    assert "1 job folder read." in index and "Left out (unreadable): longbench/llama31/snapkv/b0.25" in index
+
+
 def test_niah_heatmap_records_follow_the_summarys_grid(tmp_path):
     """After a rerun with a smaller grid, summary.json counts that grid: the report's heatmap too."""
     import json
