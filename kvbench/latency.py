@@ -207,8 +207,17 @@ def main(argv: list[str] | None = None) -> int:
     model_cfg = OmegaConf.to_container(cfg.model, resolve=True)
     presets = args.methods or lat.get("methods") or ["full", cfg.method.name]
     method_cfgs = {}
+    from eval.base import TaskConfigError
+    from methods.base import ConfigError
+
+    from .validate import validate
+
     for preset in dict.fromkeys(presets):
         sub = compose([o for o in args.overrides if not o.startswith("method=")] + [f"method={preset}"])
+        try:  # the job runner's checks (budget, method fields, model source), before the model loads
+            validate(OmegaConf.to_container(sub, resolve=True), layout=False)
+        except (ConfigError, TaskConfigError) as e:
+            p.error(f"method={preset}: {e}" if args.methods or len(presets) > 1 else str(e))
         method_cfgs[preset] = OmegaConf.to_container(sub.method, resolve=True)
     new_tokens = args.new_tokens if args.new_tokens is not None else lat.get("max_new_tokens") or DEFAULT_NEW_TOKENS
     lengths = args.lengths or lat.get("lengths") or default_lengths(8192)

@@ -171,10 +171,6 @@ def check_top_level(cfg: dict, experiment: str | None = None) -> None:
         if not isinstance(cfg[node], dict):
             raise ConfigError(f"{node}={show(cfg[node])}: must be a config node; pick one with {node}=NAME")
     check_budget(cfg["budget"])
-    if not is_ratio(cfg["budget"]) and int(cfg["budget"]) == 1:  # reports store budgets as floats: 1 == 1.0
-        raise ConfigError("budget=1: an integer budget counts tokens, and a 1-token cache is not a configuration a "
-                          "report can tell from the 100 % ratio; use budget=1.0 to keep every token, or an integer "
-                          ">= 2 for a token budget")
     check_int(cfg, "seed")
     check_device_name(cfg.get("device", "auto"))
     shard = cfg.get("shard") or {}
@@ -443,7 +439,7 @@ def validate(cfg: dict, layout: bool = True, experiment: str | None = None) -> t
     ``experiment``: the selected experiment preset, ``""`` for none, None when the caller does
     not know (then any preset's top-level helper keys are accepted; see :func:`top_level_keys`).
 
-    Checks, in order: top-level keys and values (budget: a ratio in (0, 1] or an integer >= 1;
+    Checks, in order: top-level keys and values (budget: a ratio in (0, 1] or an integer >= 2;
     seed; device name; shard; max_samples; lock_wait_s; quiet; reuse_full; run_name/run_tag; output root
     writable), the task (name, keys, its own validation: grid values, data folders), the model
     (keys, dtype, source: package, GGUF magic bytes, path, Hub cache when offline), the method

@@ -176,24 +176,29 @@ def is_ratio(budget: float | int) -> bool:
 
 
 def check_budget(budget: float | int) -> None:
-    """Raise :class:`ConfigError` for a budget that is neither a ratio in (0, 1] nor an integer ≥ 1."""
+    """Raise :class:`ConfigError` for a budget that is neither a ratio in (0, 1] nor an integer ≥ 2
+    (the integer 1, one token, would read as the ratio 1.0 in reports)."""
     if isinstance(budget, bool) or not isinstance(budget, (int, float)):
-        raise ConfigError(f"budget={budget!r}: must be a retention ratio in (0, 1] or an integer token count >= 1")
+        raise ConfigError(f"budget={budget!r}: must be a retention ratio in (0, 1] or an integer token count >= 2")
     if not math.isfinite(budget):
-        raise ConfigError(f"budget={budget}: must be a retention ratio in (0, 1] or an integer token count >= 1")
+        raise ConfigError(f"budget={budget}: must be a retention ratio in (0, 1] or an integer token count >= 2")
     if budget <= 0:
-        raise ConfigError(f"budget={budget}: must be > 0 (a retention ratio in (0, 1] or an integer token count >= 1)")
+        raise ConfigError(f"budget={budget}: must be > 0 (a retention ratio in (0, 1] or an integer token count >= 2)")
     if not is_ratio(budget) and float(budget) != int(budget):
         raise ConfigError(
-            f"budget={budget}: a retention ratio must be in (0, 1] and a token budget must be an integer >= 1"
+            f"budget={budget}: a retention ratio must be in (0, 1] and a token budget must be an integer >= 2"
         )
+    if not is_ratio(budget) and int(budget) == 1:  # reports store budgets as floats: 1 would read as 1.0
+        raise ConfigError("budget=1: an integer budget counts tokens, and a 1-token cache is not a configuration a "
+                          "report can tell from the 100 % ratio; use budget=1.0 to keep every token, or an integer "
+                          ">= 2 for a token budget")
 
 
 def resolve_budget(budget: float | int, n_tokens: int) -> int:
     """Tokens per KV head for a prompt of ``n_tokens`` tokens.
 
     A ratio ρ in (0, 1] (a float) gives m = ⌊ρ·n⌋ (SelKV Sec. 3.2; ``1.0`` keeps all n tokens);
-    an integer ≥ 1 is a token count (average per layer per KV head). The result is capped at n.
+    an integer ≥ 2 is a token count (average per layer per KV head). The result is capped at n.
 
     Raises:
         ConfigError: budget ≤ 0, a float ratio > 1 that is not integral.

@@ -35,7 +35,7 @@ def top_keys(experiment: str | None = None) -> str:
 
 
 SNAPKV_KEYS = "gqa_aggregation, kernel_size, label, pooling, window_size"
-BUDGET_RULE = "a retention ratio must be in (0, 1] and a token budget must be an integer >= 1"
+BUDGET_RULE = "a retention ratio must be in (0, 1] and a token budget must be an integer >= 2"
 
 # (id, command-line arguments, expected stderr line); {tmp} is the test's temporary folder.
 # Cases about SnapKV's fields name method=snapkv (the default method is selkv).
@@ -75,13 +75,13 @@ CASES = [
      "budget=[1: cannot parse this override (no viable alternative at input '[1'); write key=value, see python run.py --help"),
     ("sweep-without-m", ["budget=0.1,0.2"],
      "budget=0.1,0.2: several values need --multirun (-m) to sweep; for a list value write budget=[...]"),
-    ("budget-zero", ["budget=0"], "budget=0: must be > 0 (a retention ratio in (0, 1] or an integer token count >= 1)"),
-    ("budget-negative", ["budget=-0.5"], "budget=-0.5: must be > 0 (a retention ratio in (0, 1] or an integer token count >= 1)"),
+    ("budget-zero", ["budget=0"], "budget=0: must be > 0 (a retention ratio in (0, 1] or an integer token count >= 2)"),
+    ("budget-negative", ["budget=-0.5"], "budget=-0.5: must be > 0 (a retention ratio in (0, 1] or an integer token count >= 2)"),
     ("ratio-over-one", ["budget=1.5"], f"budget=1.5: {BUDGET_RULE}"),
     ("fractional-tokens", ["budget=100.5"], f"budget=100.5: {BUDGET_RULE}"),
-    ("budget-text", ["budget=abc"], "budget='abc': must be a retention ratio in (0, 1] or an integer token count >= 1"),
-    ("budget-inf", ["budget=inf"], "budget=inf: must be a retention ratio in (0, 1] or an integer token count >= 1"),
-    ("budget-nan", ["budget=nan"], "budget=nan: must be a retention ratio in (0, 1] or an integer token count >= 1"),
+    ("budget-text", ["budget=abc"], "budget='abc': must be a retention ratio in (0, 1] or an integer token count >= 2"),
+    ("budget-inf", ["budget=inf"], "budget=inf: must be a retention ratio in (0, 1] or an integer token count >= 2"),
+    ("budget-nan", ["budget=nan"], "budget=nan: must be a retention ratio in (0, 1] or an integer token count >= 2"),
     ("budget-below-window", ["method=snapkv", "budget=16"],
      "budget=16: smaller than the 32 tokens method snapkv always keeps (observation window + recent window + sinks); "
      "use budget >= 32"),
@@ -97,7 +97,7 @@ CASES = [
     ("budget-below-sinks", ["method=streamingllm", "budget=3"],
      "budget=3: smaller than the 5 tokens method streamingllm always keeps (observation window + recent window + sinks); "
      "use budget >= 5"),
-    ("sweep-bad-value", ["-m", "budget=0.5,-1"], "budget=-1: must be > 0 (a retention ratio in (0, 1] or an integer token count >= 1)"),
+    ("sweep-bad-value", ["-m", "budget=0.5,-1"], "budget=-1: must be > 0 (a retention ratio in (0, 1] or an integer token count >= 2)"),
     ("window-zero", ["method=snapkv", "method.window_size=0"], "method.window_size=0: must be an integer >= 1"),
     ("window-text", ["method=snapkv", "method.window_size=wide"], "method.window_size=wide: must be an integer"),
     ("kernel-even", ["method=snapkv", "method.kernel_size=4"], "method.kernel_size=4: must be an odd integer >= 1"),
