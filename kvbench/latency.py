@@ -6,7 +6,9 @@ full cache and compressed caches over prompt lengths (SelKV Figure 3).
 
 The model, budget and methods come from the Hydra config (``conf/``); an experiment preset
 may carry a ``latency:`` node (``methods``, ``lengths``, ``max_new_tokens``, ``repeats``,
-``out``) that the command-line flags override. Prompt lengths longer than the model's context
+``out``) that the command-line flags override; ``method.*`` overrides apply to every method
+but the full cache, and each method config passes the job runner's validation before the model
+loads (one line, exit 2). Prompt lengths longer than the model's context
 window (``max_position_embeddings`` minus the generated tokens) are skipped with a message.
 Generation ignores stop tokens, so every request decodes exactly ``max_new_tokens`` tokens.
 
@@ -213,7 +215,13 @@ def main(argv: list[str] | None = None) -> int:
     from .validate import validate
 
     for preset in dict.fromkeys(presets):
-        sub = compose([o for o in args.overrides if not o.startswith("method=")] + [f"method={preset}"])
+        # method.* overrides tune the compressed methods; the full-cache baseline has none of their fields
+        keep = [o for o in args.overrides if not o.startswith("method=")
+                and not (preset == "full" and o.lstrip("+~").startswith("method."))]
+        try:
+            sub = compose(keep + [f"method={preset}"])
+        except Exception as e:  # noqa: BLE001 - a method.* key this preset lacks: one line
+            p.error(f"method={preset}: {str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}")
         try:  # the job runner's checks (budget, method fields, model source), before the model loads
             validate(OmegaConf.to_container(sub, resolve=True), layout=False)
         except (ConfigError, TaskConfigError) as e:

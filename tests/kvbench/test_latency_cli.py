@@ -13,6 +13,13 @@ from kvbench import latency
     (["--lengths", "512", "-5"], "--lengths -5: must be an integer >= 1"),
     (["--new-tokens", "0"], "--new-tokens 0: must be an integer >= 1"),
     (["--repeats", "0"], "--repeats 0: must be an integer >= 1"),
+    # the job runner's validation, per method config, before the model loads
+    (["budget=0", "--methods", "full", "snapkv"], "method=full: budget=0: must be > 0"),
+    (["budget=abc", "--methods", "snapkv"], "method=snapkv: budget='abc': must be a retention ratio"),
+    (["budget=16", "--methods", "full", "snapkv"], "method=snapkv: budget=16: smaller than the 32 tokens"),
+    (["budget=0.25", "method.window_size=0"], "method=selkv: method.window_size=0: must be an integer >= 1"),
+    (["method.window_size=8", "--methods", "full", "streamingllm"], "method=streamingllm: Could not override "
+                                                                   "'method.window_size'."),
 ])
 def test_bad_input_is_one_line(argv, line, capsys):
     with pytest.raises(SystemExit) as exc:
