@@ -144,7 +144,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.output is None:
         sys.stdout.write(text)
         return 0
-    args.output.write_text(text)
+    try:
+        args.output.write_text(text)
+    except OSError as error:  # a folder that does not exist, a file in the path, no permission
+        print(f"make_joblist: -o {args.output}: cannot write it ({error.strerror or type(error).__name__})",
+              file=sys.stderr)
+        return 2
     print(
         f"{len(jobs)} jobs written to {args.output}; submit with:\n"
         f"  sbatch --array=1-{len(jobs)}%{args.parallel} slurm/array.sbatch {args.output}",

@@ -81,6 +81,9 @@ def test_main_writes_one_line_per_job(tmp_path, capsys):
         with pytest.raises(SystemExit) as exit_:  # run.py's own checks, before any job list is written
             main(bad)
         assert exit_.value.code == 2 and capsys.readouterr().err.startswith(line)
+    (tmp_path / "afile").write_text("x")  # -o under a file: one line, not a NotADirectoryError traceback
+    assert main(["method=full", "budget=0.5", "-o", str(tmp_path / "afile" / "jobs.txt")]) == 2
+    assert capsys.readouterr().err == f"make_joblist: -o {tmp_path / 'afile' / 'jobs.txt'}: cannot write it (Not a directory)\n"
 
 
 def test_a_preset_contributes_its_own_sweep_and_each_line_runs_alone(tmp_path, capsys):
