@@ -190,7 +190,8 @@ class NIAHTask(Task):
         self.skipped: list[dict[str, Any]] = []
         for length in self.cfg["context_lengths"]:
             if length > limit:
-                reason = f"context length {length} tokens exceeds the model's max input {limit} tokens"
+                reason = (f"context length {length} tokens exceeds the prompt budget of {limit} tokens "
+                          "(task.max_length, else model.max_input_length)")
             elif length <= fixed:
                 reason = (f"context length {length} tokens leaves no room for the haystack: the template, question "
                           f"and needle{' and final_context_buffer' if buffer else ''} take {fixed} tokens")

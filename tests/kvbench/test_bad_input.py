@@ -91,6 +91,9 @@ CASES = [
     ("budget-one-token-streaming", ["method=streamingllm", "method.n_sinks=0", "budget=1"],
      "budget=1: an integer budget counts tokens, and a 1-token cache is not a configuration a report can tell from "
      "the 100 % ratio; use budget=1.0 to keep every token, or an integer >= 2 for a token budget"),
+    ("niah-max-length-below-grid", ["task.max_length=100"],  # a key of niah.yaml: no leading + needed
+     "task.context_lengths=[512, 1024, 2048]: every length exceeds the prompt budget of 100 tokens "
+     "(model.max_input_length / task.max_length); use lengths <= 100 or raise model.max_input_length"),
     ("launcher-without-multirun", ["hydra/launcher=slurm"],
      "hydra/launcher=slurm: a launcher runs the jobs of a sweep only; add --multirun (-m) (without it this command "
      "would run the one job here, on this machine)"),

@@ -111,7 +111,8 @@ def test_niah_lengths_over_the_model_input_are_skipped_and_reported():
     for s in samples:
         assert abs(len(tok.encode(s.prompt, add_special_tokens=False)) - 300) <= 4
     assert [(s["context_length"], s["samples"]) for s in task.skipped] == [(400, 2), (500, 2)]
-    assert task.skipped[0]["reason"] == "context length 400 tokens exceeds the model's max input 350 tokens"
+    assert task.skipped[0]["reason"] == ("context length 400 tokens exceeds the prompt budget of 350 tokens "
+                                         "(task.max_length, else model.max_input_length)")
     job = {"task": {"name": "niah"}, "model": {"name": "tiny"}, "method": {"name": "full"}, "budget": 1.0}
     summary = summarize(job, task, [], [s.id for s in samples], "job", task.skipped)
     assert summary["n_skipped"] == 4 and summary["skipped"] == task.skipped
