@@ -283,11 +283,12 @@ def _check_sweep(variants: list[list[str]], errors: dict[int, str], n_base: int)
     if not errors:
         return
     if len(errors) == len(variants):
-        fail(errors[0])
-    for overrides in {o for v in variants for o in v[n_base:]}:
+        fail(f"{errors[0]}; no job of the sweep was started (none of them can run)")
+    for overrides in sorted({o for v in variants for o in v[n_base:]}):
         having = [i for i, v in enumerate(variants) if overrides in v[n_base:]]
         if all(i in errors for i in having):
-            fail(errors[having[0]])
+            fail(f"{errors[having[0]]}; no job of the sweep was started (no job with {overrides} can run: drop "
+                 "that value)")
     for n, (i, message) in enumerate(sorted(errors.items())):
         if n == 5:
             print(f"warning: {len(errors) - 5} more sweep jobs will stop with a configuration error", file=sys.stderr)

@@ -100,7 +100,8 @@ CASES = [
     ("budget-below-sinks", ["method=streamingllm", "budget=3"],
      "budget=3: smaller than the 5 tokens method streamingllm always keeps (observation window + recent window + sinks); "
      "use budget >= 5"),
-    ("sweep-bad-value", ["-m", "budget=0.5,-1"], "budget=-1: must be > 0 (a retention ratio in (0, 1] or an integer token count >= 2)"),
+    ("sweep-bad-value", ["-m", "budget=0.5,-1"], "budget=-1: must be > 0 (a retention ratio in (0, 1] or an integer token "
+     "count >= 2); no job of the sweep was started (no job with budget=-1 can run: drop that value)"),
     ("window-zero", ["method=snapkv", "method.window_size=0"], "method.window_size=0: must be an integer >= 1"),
     ("window-text", ["method=snapkv", "method.window_size=wide"], "method.window_size=wide: must be an integer"),
     ("kernel-even", ["method=snapkv", "method.kernel_size=4"], "method.kernel_size=4: must be an odd integer >= 1"),
