@@ -766,7 +766,9 @@ def print_summary(summary: dict, path: Path) -> None:
     if t.get("prefill_s") is not None:
         lines.append(
             f"mean prefill {t['prefill_s']:.3f}s  compress {t['compress_s']:.4f}s  decode {t['decode_s']:.3f}s "
-            f"({t['decode_tok_s']:.1f} tok/s)  kept {c['kept_tokens']:.0f}/{c['prompt_tokens']:.0f} tokens"
+            f"({t['decode_tok_s']:.1f} tok/s)  kept {c['kept_tokens']:.0f}/{c['prompt_tokens']:.0f} tokens per "
+            "compressible layer" + (f", cache {c['cache_bytes_before'] / 1e6:.1f} -> {c['cache_bytes_after'] / 1e6:.1f} MB"
+                                    if c.get("cache_bytes_before") and c.get("cache_bytes_after") is not None else "")
         )
     lines.append(f"results: {path}")
     print("\n".join(lines), flush=True)
