@@ -91,7 +91,13 @@ def _cells(table: Table) -> list[list[tuple[str | None, bool]]]:
 
 
 def _numeric(table: Table, col: str) -> bool:
-    return pd.api.types.is_numeric_dtype(table.data[col])
+    """Right-aligned: numeric columns, and text columns holding only integers (a count kept as
+    text so that it prints without a decimal point, e.g. the score tables' ``n``)."""
+    data = table.data[col]
+    if pd.api.types.is_numeric_dtype(data):
+        return True
+    present = [v for v in data if v is not None and not (isinstance(v, float) and math.isnan(v))]
+    return bool(present) and all(isinstance(v, str) and v.isdigit() for v in present)
 
 
 def to_markdown(table: Table) -> str:
