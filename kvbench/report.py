@@ -91,12 +91,15 @@ def _cells(table: Table) -> list[list[tuple[str | None, bool]]]:
 
 
 def _numeric(table: Table, col: str) -> bool:
-    """Right-aligned: numeric columns, and text columns holding only integers (a count kept as
-    text so that it prints without a decimal point, e.g. the score tables' ``n``)."""
-    data = table.data[col]
-    if pd.api.types.is_numeric_dtype(data):
+    return pd.api.types.is_numeric_dtype(table.data[col])
+
+
+def _right_aligned(table: Table, col: str) -> bool:
+    """Markdown alignment: numeric columns, and text columns holding only integers (a count kept
+    as text so that it prints without a decimal point, e.g. the score tables' ``n``)."""
+    if _numeric(table, col):
         return True
-    present = [v for v in data if v is not None and not (isinstance(v, float) and math.isnan(v))]
+    present = [v for v in table.data[col] if v is not None and not (isinstance(v, float) and math.isnan(v))]
     return bool(present) and all(isinstance(v, str) and v.isdigit() for v in present)
 
 
@@ -108,7 +111,7 @@ def to_markdown(table: Table) -> str:
     if table.groups and any(g for g, _ in table.groups):
         lines += ["Column groups: " + "; ".join(f"{g} ({n})" for g, n in table.groups if g), ""]
     lines.append("| " + " | ".join(head) + " |")
-    lines.append("|" + "|".join("---:" if _numeric(table, c) else "---" for c in cols) + "|")
+    lines.append("|" + "|".join("---:" if _right_aligned(table, c) else "---" for c in cols) + "|")
     for row in _cells(table):
         lines.append("| " + " | ".join("–" if t is None else (f"**{t}**" if b else t) for t, b in row) + " |")
     lines.append("")
