@@ -495,8 +495,11 @@ def reuse_full_cache_samples(store: JobStore, root: Path, cfg: dict, todo: list[
             store.append(rec)
             copied.add(rec["id"])
         if found:
-            origins = sorted({rec["reused_from"] for rec in found} - {source})
-            computed = f", computed by {', '.join(origins)}" if origins else ""
+            counts: dict[str, int] = {}
+            for rec in found:
+                counts[rec["reused_from"]] = counts.get(rec["reused_from"], 0) + 1
+            computed = ("" if set(counts) == {source} else ", computed by " + ", ".join(
+                f"{origin} ({n})" for origin, n in sorted(counts.items())))
             log.info("job %s: %d sample%s copied from the full-cache job %s%s (the same computation at another "
                      "budget; reuse_full=false recomputes them)", own, len(found),
                      "" if len(found) == 1 else "s", source, computed)

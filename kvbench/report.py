@@ -132,7 +132,7 @@ def _tex(text: str) -> str:
 def to_latex(table: Table) -> str:
     """A booktabs ``table`` environment; missing cells are ``--``; sources as comments."""
     cols = list(table.data.columns)
-    spec = "".join("r" if _numeric(table, c) else "l" for c in cols)
+    spec = "".join("r" if _right_aligned(table, c) else "l" for c in cols)
     lines = [r"\begin{table}[t]", r"\centering", r"\small", rf"\caption{{{_tex(table.caption)}}}",
              rf"\label{{tab:{table.name}}}", rf"\begin{{tabular}}{{{spec}}}", r"\toprule"]
     if table.groups and any(g for g, _ in table.groups):
@@ -236,6 +236,9 @@ def main(argv: list[str] | None = None) -> int:
         if not any(_selected(family, outputs, [pattern]) for family, (_b, outputs) in ARTIFACTS.items()):
             p.error(f"--only {pattern!r}: no such artifact; accepted names: "
                     + ", ".join(sorted({o for _b, outs in ARTIFACTS.values() for o in outs} | set(ARTIFACTS))))
+    if (root / "config.yaml").is_file() and any((root / n).is_file() for n in ("summary.json", "predictions.jsonl")):
+        p.error(f"{str(root)!r} is a job folder; pass the results root above it (output_root, e.g. "
+                f"{str(root.parents[3]) if len(root.parents) > 3 else 'results'!r})")
     out = Path(args.out) if args.out else root / "report"
     blocker = next((q for q in (out, *out.parents) if q.exists() and not q.is_dir()), None)
     if blocker is not None:

@@ -470,6 +470,11 @@ def test_bad_report_inputs_are_one_line_and_an_unreadable_job_is_left_out(tmp_pa
             "of the report") in capsys.readouterr().err
     index = (tmp_path / "rep" / "index.md").read_text()
     assert "1 job folder read." in index and "Left out (unreadable): longbench/llama31/snapkv/b0.25" in index
+    job = tmp_path / "root" / "longbench" / "llama31" / "full" / "b0.25"  # a job folder instead of the root
+    with pytest.raises(SystemExit) as stop:
+        report.main([str(job)])
+    assert stop.value.code == 2 and f"{str(job)!r} is a job folder; pass the results root above it" in \
+        capsys.readouterr().err
 
 
 def test_niah_heatmap_records_follow_the_summarys_grid(tmp_path):

@@ -32,7 +32,7 @@ def test_a_sweep_over_budgets_computes_the_full_cache_once(tiny_model_dir, hayst
     # b0.75 reads b0.25 first (folders in name order): the records and the log name the job that computed them
     third = read_lines(tmp_path / "niah/tiny/full/b0.75/predictions.jsonl")
     assert [r["reused_from"] for r in third] == ["niah/tiny/full/b0.5"] * 2
-    assert ("2 samples copied from the full-cache job niah/tiny/full/b0.25, computed by niah/tiny/full/b0.5 ("
+    assert ("2 samples copied from the full-cache job niah/tiny/full/b0.25, computed by niah/tiny/full/b0.5 (2) ("
             in out.stdout + out.stderr)
     summary = json.loads((tmp_path / "niah/tiny/full/b0.25/summary.json").read_text())
     assert summary["complete"] and summary["n_samples"] == 2 and summary["n_reused"] == 2
