@@ -36,6 +36,13 @@ STRIPES = 256
 CLAIMS_DIR = ".full_claims"
 
 
+def copied_record(rec: dict[str, Any], source: str, own: str) -> dict[str, Any]:
+    """A sibling's record as this job stores its copy: ``reused_from`` names the job that computed
+    it (``source``, or the job ``source`` copied it from), never this job (``own``) itself."""
+    origin = rec.get("reused_from") or source
+    return {**rec, "reused_from": source if origin == own else origin}
+
+
 class FullCacheShare:
     """Claims and sibling records of one running full-cache job (see the module docstring).
 
@@ -61,10 +68,12 @@ class FullCacheShare:
         self._found: dict[str, tuple[dict[str, Any], str]] = {}  # id -> (record, sibling folder relative to root)
 
     # --- claims ---------------------------------------------------------------------------
-    def claim(self, prompt_sha: str, wait: bool) -> int | None:
-        """Take the claim of a sample (its prompt's SHA-256, hex): a file descriptor to pass to
-        :meth:`release`, or None when ``wait`` is false and another process holds it."""
-        fd = os.open(self.claims / f"{int(prompt_sha[:8], 16) % STRIPES:03d}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    def claim(self, sample_id: str, wait: bool) -> int | None:
+        """Take the claim of a sample of :attr:`wanted` (its stripe: from its prompt's SHA-256): a
+        file descriptor to pass to :meth:`release`, or None when ``wait`` is false and another
+        process holds it."""
+        stripe = int(self.wanted[sample_id][:8], 16) % STRIPES
+        fd = os.open(self.claims / f"{stripe:03d}.lock", os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
         except BaseException as e:  # KeyboardInterrupt while waiting, too
@@ -90,9 +99,7 @@ class FullCacheShare:
         hit = self._found.get(sample_id)
         if hit is None:
             return None
-        rec, source = hit
-        origin = rec.get("reused_from") or source
-        return {**rec, "reused_from": source if origin == self.own else origin}
+        return copied_record(*hit, self.own)
 
     def _refresh(self) -> None:
         """Read the records the sibling folders appended since the last call."""

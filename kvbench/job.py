@@ -28,7 +28,7 @@ from .config_keys import flatten as _flatten
 from .config_keys import under as _under
 from .engine import Engine
 from .faults import crash_point, injected, sample_delay
-from .full_share import FullCacheShare
+from .full_share import FullCacheShare, copied_record
 from .models import LoadedModel, load_model
 from .signals import stops_by_exception
 from .store import JobStore, job_relpath
@@ -489,8 +489,7 @@ def reuse_full_cache_samples(store: JobStore, root: Path, cfg: dict, todo: list[
         for rec in JobStore(folder).records():
             sid = rec.get("id")
             if sid in wanted and sid not in copied and rec.get("error") is None and rec.get("prompt_sha256") == wanted[sid]:
-                origin = rec.get("reused_from") or source  # the job that computed it (not this one)
-                found.append({**rec, "reused_from": source if origin == own else origin})
+                found.append(copied_record(rec, source, own))
         for rec in found:
             store.append(rec)
             copied.add(rec["id"])
@@ -651,13 +650,13 @@ def _claimed(todo: list[Sample], share: FullCacheShare | None) -> Iterator[tuple
         return
     later = []
     for sample in todo:
-        fd = share.claim(prompt_sha256(sample), wait=False)
+        fd = share.claim(sample.id, wait=False)
         if fd is None:
             later.append(sample)
         else:
             yield sample, fd
     for sample in later:
-        yield sample, share.claim(prompt_sha256(sample), wait=True)
+        yield sample, share.claim(sample.id, wait=True)
 
 
 def _loop(engine: Engine, loaded: LoadedModel, task: Task, todo: list[Sample], store: JobStore, quiet: bool,

@@ -129,13 +129,13 @@ def test_a_claimed_sample_is_copied_once_its_holder_stored_it(tmp_path):
     sha = "ab" * 32
     share_a = FullCacheShare(a, tmp_path, {"s1": sha}, lambda folder: True)
     share_b = FullCacheShare(b, tmp_path, {"s1": sha}, lambda folder: folder == a)
-    held = share_a.claim(sha, wait=False)
-    assert held is not None and share_b.claim(sha, wait=False) is None
+    held = share_a.claim("s1", wait=False)
+    assert held is not None and share_b.claim("s1", wait=False) is None
     assert share_b.copy_of("s1") is None
     (a / "predictions.jsonl").write_text(json.dumps({"id": "s1", "error": None, "prompt_sha256": sha, "score": 1.0})
                                          + "\n" + '{"id": "s2", "err')  # and half a line being written
     share_a.release(held)
-    mine = share_b.claim(sha, wait=True)
+    mine = share_b.claim("s1", wait=True)
     assert share_b.copy_of("s1") == {"id": "s1", "error": None, "prompt_sha256": sha, "score": 1.0,
                                      "reused_from": "niah/tiny/full/b0.25"}
     share_b.release(mine)
