@@ -128,6 +128,33 @@ def rouge1_recall(prediction: str, answer: str) -> float:
     return 100.0 * scorer.score(answer, prediction)["rouge1"].recall
 
 
+def check_answer_in_needle(needle: Any, answer: Any) -> None:
+    """Refuse an expected answer that a perfect retrieval could not score 100 on.
+
+    The score is ROUGE-1 recall of ``answer`` (``rouge-score``'s tokenizer: lower-cased
+    a-z/0-9 words, others dropped), so every word of the answer must be a word of the needle:
+    otherwise a model that repeats the needle word for word scores below 100 (a custom
+    ``task.needle`` with the default ``task.answer`` scores ~0 whatever the cache keeps).
+
+    Raises:
+        TaskConfigError: the answer has no word ROUGE-1 can score, or words the needle lacks.
+    """
+    if not isinstance(needle, str) or not isinstance(answer, str) or not answer.strip():
+        return  # the non-empty-string checks name these
+    from rouge_score import tokenize
+
+    answer_words = tokenize.tokenize(answer, None)
+    if not answer_words:
+        raise TaskConfigError(f"task.answer={answer!r}: has no word ROUGE-1 can score (rouge-score keeps the "
+                              "letters a-z and digits 0-9 only); use an answer in those characters")
+    needle_words = set(tokenize.tokenize(needle, None))
+    missing = list(dict.fromkeys(w for w in answer_words if w not in needle_words))
+    if missing:
+        raise TaskConfigError(f"task.answer={answer!r}: {', '.join(missing)} not in task.needle, so repeating the "
+                              "needle word for word scores below 100; set task.answer to the needle's fact "
+                              "(both keys change together)")
+
+
 class NIAHTask(Task):
     """Needle-in-a-Haystack over ``context_lengths`` × ``depth_percents``.
 
@@ -164,6 +191,7 @@ class NIAHTask(Task):
         for key in ("needle", "question", "answer"):
             if key in cfg and (not isinstance(cfg[key], str) or not cfg[key].strip()):
                 raise TaskConfigError(f"task.{key}={cfg[key]!r}: must be a non-empty string")
+        check_answer_in_needle(cfg.get("needle"), cfg.get("answer"))
         src = cfg.get("haystack_source", "auto")
         if src not in ("auto", "dir", "hub", "embedded"):
             raise TaskConfigError(f"task.haystack_source={src!r}: accepted values are auto, dir, hub, embedded")

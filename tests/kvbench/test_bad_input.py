@@ -124,6 +124,13 @@ CASES = [
      "task.context_lengths=[9000, 16000]: every length exceeds the prompt budget of 7500 tokens "
      "(model.max_input_length / task.max_length); use lengths <= 7500 or raise model.max_input_length"),
     ("niah-empty-needle", ["task.needle="], "task.needle='': must be a non-empty string"),
+    ("niah-needle-without-answer", ["task.needle=The secret code is 4711."],
+     "task.answer='eat a sandwich and sit in Dolores Park on a sunny day': eat, a, sandwich, and, sit, in, dolores, "
+     "park, on, sunny, day not in task.needle, so repeating the needle word for word scores below 100; set "
+     "task.answer to the needle's fact (both keys change together)"),
+    ("niah-answer-unscorable", ["task.needle='密码是四七一一'", "task.answer='四七一一'"],
+     "task.answer='四七一一': has no word ROUGE-1 can score (rouge-score keeps the letters a-z and digits 0-9 only); "
+     "use an answer in those characters"),
     ("niah-depth-over-100", ["task.depth_percents=[50,150]"],
      "task.depth_percents=[50, 150]: must be a non-empty list of numbers in [0, 100]"),
     ("niah-max-new-tokens", ["task.max_new_tokens=0"], "task.max_new_tokens=0: must be an integer >= 1"),
