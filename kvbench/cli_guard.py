@@ -197,16 +197,19 @@ def _around(base: list[str], sweeps: list[tuple[str, list[str]]], center: list[s
     return out
 
 
-def _job_folder(cfg: Any, overrides: list[str]) -> tuple[str, Any, Any] | None:
-    """(job folder, shard index, shard count) of a valid composed job, as ``run.py`` names it."""
+def _job_folder(cfg: Any, overrides: list[str], config_name: str = "config") -> tuple[str, Any, Any] | None:
+    """(job folder, shard index, shard count) of a valid composed job, as ``run.py`` names it
+    (inside :func:`precheck`'s ``initialize_config_dir``)."""
+    from hydra import compose
     from omegaconf import OmegaConf
 
-    from .store import job_relpath
+    from .store import folder_method_overrides, job_relpath
 
     try:
         job, _ = _job_config(cfg)
         choice = OmegaConf.select(cfg, "hydra.runtime.choices.method", default=None)
-        method_overrides = [o for o in overrides if o.lstrip("+~").startswith("method.")]
+        method_overrides = folder_method_overrides(overrides, job.get("method") or {},
+                                                   lambda ov: compose(config_name, overrides=ov))
         shard = job.get("shard") or {}
         return job_relpath(job, choice, method_overrides), shard.get("index"), shard.get("count")
     except Exception:  # noqa: BLE001 - no folder name for this config: nothing to compare
@@ -241,7 +244,7 @@ def _checked_jobs(composer: "_Composer", base: list[str], sweeps: list[tuple[str
     def error(overrides: list[str], cfg: Any = None, index: int | None = None) -> str | None:
         cfg = cfg if cfg is not None else composer.compose(overrides)
         message = _validation_error(*_job_config(cfg))
-        if message is None and index is not None and (folder := _job_folder(cfg, overrides)) is not None:
+        if message is None and index is not None and (folder := _job_folder(cfg, overrides, composer.config_name)) is not None:
             folders[index] = folder
         return message
 

@@ -12,7 +12,7 @@ from methods.base import ConfigError
 
 from .job import EXIT_CONFIG, EXIT_LOCKED, run_job
 from .signals import EXIT_INTERRUPTED, EXIT_TERMINATED, stop_code, stop_message
-from .store import JobLockedError, job_relpath
+from .store import JobLockedError, folder_method_overrides, job_relpath
 from .sweep_ledger import collect, record
 
 
@@ -36,6 +36,23 @@ def _job_name(cfg: dict, choice: str | None, method_overrides: list[str]) -> str
         return job_relpath(cfg, choice, method_overrides)
     except Exception:  # noqa: BLE001 - a config too broken for a folder name: name it by its method and budget
         return f"method={OmegaConf.select(OmegaConf.create(cfg), 'method.name')} budget={cfg.get('budget')}"
+
+
+def _compose(config_name: str):
+    """Hydra's compose API for this run's config (inside the running app, or in a process that
+    has not initialized Hydra: the project's ``conf/``), for :func:`folder_method_overrides`."""
+    def compose(overrides: list[str]):
+        from hydra import compose as hydra_compose, initialize_config_dir
+        from hydra.core.global_hydra import GlobalHydra
+
+        if GlobalHydra.instance().is_initialized():
+            return hydra_compose(config_name, overrides=overrides)
+        from .cli_guard import CONF
+
+        with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+            return hydra_compose(config_name, overrides=overrides)
+
+    return compose
 
 
 def finish_sweep() -> int:
@@ -77,7 +94,8 @@ def hydra_main(cfg: DictConfig) -> int:
         job_num = int(OmegaConf.select(hc, "job.num", default=0) or 0)
         choice = hc.runtime.choices.get("method")
         experiment = hc.runtime.choices.get("experiment") or ""
-        method_overrides = [o for o in hc.overrides.task if o.lstrip("+~").startswith("method.")]
+        method_overrides = folder_method_overrides(list(hc.overrides.task), OmegaConf.to_container(
+            cfg.method, resolve=True) if "method" in cfg else {}, _compose(hc.job.config_name or "config"))
     except ValueError:  # called outside Hydra (tests)
         multirun, choice, method_overrides, experiment = False, None, [], None
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s] %(levelname)s %(name)s: %(message)s")

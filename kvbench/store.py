@@ -88,6 +88,50 @@ def method_tag(method_overrides: list[str]) -> str:
     return hashlib.sha1("\n".join(items).encode()).hexdigest()[:8]
 
 
+def _lookup(node: Any, dotted: str) -> tuple[bool, Any]:
+    """``(found, value)`` of a dotted key in nested dicts."""
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return False, None
+        node = node[part]
+    return True, node
+
+
+def folder_method_overrides(overrides: list[str], method_cfg: dict, compose: Callable[[list[str]], Any]) -> list[str]:
+    """The ``method.*`` overrides that name the job's folder: those that change the method config.
+
+    An override that sets a key to the value the preset (and experiment) already give it, e.g.
+    ``method.window_size=32`` on SelKV, computes the preset's own job, so it keeps the preset's
+    folder (no hash) and resumes its samples; a W × K sweep's default point is therefore the
+    main job, not a copy of it. A deletion (``~method.x``) or a key the preset lacks always counts.
+
+    Args:
+        overrides: the job's task overrides (command line or sweep), in Hydra's syntax.
+        method_cfg: the job's resolved ``method`` node (overrides applied).
+        compose: composes the config with a list of overrides (hydra node not needed); called
+            once, with ``overrides`` less the ``method.*`` ones. When it raises, every
+            ``method.*`` override counts (the folder name of earlier versions).
+    """
+    method = [o for o in overrides if o.lstrip("+~").startswith("method.")]
+    if not method:
+        return []
+    try:
+        from omegaconf import OmegaConf
+
+        base = compose([o for o in overrides if o not in method])
+        base_method = OmegaConf.to_container(OmegaConf.select(base, "method"), resolve=True)
+    except Exception:  # noqa: BLE001 - no baseline: name the folder by every override
+        return method
+    kept = []
+    for o in method:
+        key = o.lstrip("+~").split("=", 1)[0][len("method."):]
+        had, old = _lookup(base_method, key)
+        has, new = _lookup(method_cfg, key)
+        if o.startswith("~") or not (had and has) or old != new or isinstance(old, bool) != isinstance(new, bool):
+            kept.append(o)
+    return kept
+
+
 def job_relpath(cfg: dict, method_preset: str | None = None, method_overrides: list[str] | None = None) -> str:
     """``<task>/<model>/<method preset>/b<budget>[-<run_tag>][-<hash>]`` (or ``run_name``), see docs/RESULTS.md.
 

@@ -11,7 +11,7 @@ import textwrap
 
 import pytest
 
-from kvbench.store import JobLockedError, JobStore, atomic_write
+from kvbench.store import JobLockedError, JobStore, atomic_write, folder_method_overrides, job_relpath
 from tests.kvbench.cli_util import ROOT, cli_env
 
 
@@ -276,3 +276,32 @@ def test_discard_if_empty_removes_only_a_folder_holding_nothing_but_its_locks(tm
         (held.path / "config.yaml").write_text("x: 1\n")
         assert held.discard_if_empty(held.path) is False
         assert (held.path / "config.yaml").exists()
+
+
+def test_folder_hash_counts_only_overrides_that_change_the_method():
+    """``method.window_size=32`` on a preset with 32 is the preset's job (its folder, no hash);
+    changed values, deletions and new keys name a hashed folder; no baseline: every override."""
+    from omegaconf import OmegaConf
+
+    preset = {"name": "snapkv", "window_size": 32, "kernel_size": 5, "flag": True, "sub": {"a": 1}}
+    calls = []
+
+    def compose(overrides):
+        calls.append(overrides)
+        return OmegaConf.create({"method": preset, "budget": 0.5})
+
+    job = {**preset, "window_size": 32.0, "kernel_size": 7, "flag": 1, "sub": {"a": 1}, "new": 3}
+    ovr = ["budget=0.5", "method.window_size=32.0", "method.kernel_size=7", "method.flag=1", "method.sub.a=1",
+           "+method.new=3", "~method.gone"]
+    assert folder_method_overrides(ovr, job, compose) == [
+        "method.kernel_size=7", "method.flag=1", "+method.new=3", "~method.gone"]
+    assert calls == [["budget=0.5"]]  # the baseline: the same job without its method.* overrides
+    assert folder_method_overrides(["budget=0.5"], job, compose) == []
+
+    def broken(overrides):
+        raise RuntimeError("no config")
+
+    assert folder_method_overrides(ovr[:2], job, broken) == ["method.window_size=32.0"]
+    cfg = {"task": {"name": "niah"}, "model": {"name": "smollm2"}, "method": job, "budget": 0.5}
+    same = folder_method_overrides(["method.window_size=32"], job, compose)
+    assert job_relpath(cfg, "snapkv", same) == "niah/smollm2/snapkv/b0.5"
