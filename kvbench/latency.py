@@ -20,8 +20,9 @@ it measured), read by ``kvbench report`` (``RESULTS_ROOT/latency.json`` or ``--l
      "generated_tokens": 256, "decode_tok_s": 50.2, "peak_mem_bytes": 17400000000,
      "cache_bytes_before": 1073741824, "cache_bytes_after": 268435456, "device": "cuda:NVIDIA H100"}
 
-``peak_mem_bytes`` is the engine's peak CUDA memory of the generation on GPU, else the process
-peak RSS. Timings are seconds; throughput is generated tokens per decode second.
+``peak_mem_bytes`` is the engine's peak CUDA memory of the generation on GPU, else the process's
+peak RSS during the generation (model included). The full cache's records carry budget 1.0.
+Timings are seconds; throughput is generated tokens per decode second.
 """
 
 from __future__ import annotations
@@ -88,8 +89,14 @@ def measure(engine: Any, ids: list[int], max_new_tokens: int) -> dict:
     so every run decodes exactly ``max_new_tokens``); returns the record's measured fields.
 
     ``peak_mem_bytes`` is the engine's ``peak_rss_bytes``: peak CUDA memory of this generation on
-    GPU, the process peak RSS on CPU.
+    GPU; on CPU the process's peak resident set during this generation (the loaded model
+    included): the peak is restarted first (:func:`kvbench.engine.reset_peak_rss`), so an
+    earlier, longer prompt's peak does not carry over (where ``/proc/self/clear_refs`` is
+    missing it is the process's peak so far).
     """
+    from .engine import reset_peak_rss
+
+    reset_peak_rss()
     res = engine.generate(ids, max_new_tokens, stop_ids=[])
     return {"prompt_tokens": len(ids), "prefill_s": res.prefill_s, "compress_s": res.compress_s,
             "decode_s": res.decode_s, "generated_tokens": res.generated_tokens, "decode_tok_s": res.decode_tok_s,
@@ -129,7 +136,7 @@ def run_latency(model_cfg: dict, method_cfgs: dict[str, dict], budget: float, le
     Args:
         model_cfg: the model's Hydra node as a dict (``model.name``...).
         method_cfgs: ``{preset name: method node}``; the record's ``method`` is the node's ``label``.
-        budget: compressed methods' budget (the full cache ignores it).
+        budget: compressed methods' budget (the full cache ignores it; its records say 1.0).
         lengths: prompt lengths in tokens; those over the model's context window (minus the
             generated tokens) are skipped with a message.
         max_new_tokens: tokens generated per request.
@@ -155,7 +162,8 @@ def run_latency(model_cfg: dict, method_cfgs: dict[str, dict], budget: float, le
         for n in todo:
             for rep in range(repeats):
                 rec = {"model": model_cfg.get("name"), "method": method_cfg.get("label") or method_cfg.get("name"),
-                       "method_name": method_cfg.get("name"), "preset": preset, "budget": float(budget),
+                       "method_name": method_cfg.get("name"), "preset": preset,
+                       "budget": 1.0 if method_cfg.get("name") == "full" else float(budget),  # full keeps all
                        "repeat": rep, **measure(engine, prompt_ids(n, vocab), max_new_tokens),
                        "device": _device_name(engine)}
                 records.append(rec)

@@ -220,6 +220,30 @@ def build(ctx: Context, only: list[str] | None = None) -> dict[str, list | Excep
     return built
 
 
+def _index_name(line: str) -> str | None:
+    """The artifact or family an ``index.md`` line is about (``- name: ...``), else None."""
+    return line[2:].split(":", 1)[0] if line.startswith("- ") and ":" in line else None
+
+
+def _earlier_index_lines(path: Path, index: list[str], only: list[str]) -> list[str]:
+    """The lines of an earlier ``index.md`` about artifacts a ``--only`` run did not rebuild, so
+    that the index still lists every artifact of the folder (a heading marks them as earlier)."""
+    try:
+        old = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    except OSError:
+        return []
+    new = {_index_name(line) for line in index} - {None}
+    whole = [(family, outputs) for family, (_b, outputs) in ARTIFACTS.items()
+             if any(fnmatch.fnmatch(family, p) for p in only)]  # families rebuilt in full
+
+    def rebuilt(name: str) -> bool:
+        return name in new or any(name == family or any(fnmatch.fnmatch(name, o) for o in outputs)
+                                  for family, outputs in whole)
+
+    kept = [line for line in old if (name := _index_name(line)) is not None and not rebuilt(name)]
+    return ["", f"Earlier report runs (not rebuilt by --only {' '.join(only)}):", *kept] if kept else []
+
+
 @quiet_broken_pipe
 def main(argv: list[str] | None = None) -> int:
     """CLI entry point; returns the exit status (1 when an artifact failed to build)."""
@@ -275,6 +299,8 @@ def main(argv: list[str] | None = None) -> int:
             index.append(f"- {a.name}: {', '.join(q.name for q in paths)} ({len(a.sources)} job{'s' if len(a.sources) != 1 else ''}{missing})")
             print(f"wrote {a.name}{missing}")
     out.mkdir(parents=True, exist_ok=True)
+    if args.only:
+        index += _earlier_index_lines(out / "index.md", index, args.only)
     (out / "index.md").write_text("\n".join(index) + "\n")
     print(f"report written to {out}")
     return 1 if failed else 0

@@ -395,6 +395,21 @@ def main_labels(rows: pd.DataFrame) -> set[str]:
     return {label for label, _preset in _main_label_presets(rows).values()}
 
 
+#: The project's Hydra config folder (method presets carry the paper's display label).
+CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+
+
+def method_display_name(method_name: str) -> str:
+    """The paper's name of a method for captions: the ``label`` of ``conf/method/<method_name>.yaml``
+    (``selkv`` -> ``SelKV``), else ``method_name`` itself (a preset folder that is not there, or
+    a label that is not a string)."""
+    try:
+        label = (yaml.safe_load((CONF_DIR / "method" / f"{method_name}.yaml").read_text()) or {}).get("label")
+    except (OSError, yaml.YAMLError, AttributeError):
+        return method_name
+    return label if isinstance(label, str) and label.strip() else method_name
+
+
 def main_label_fallbacks(rows: pd.DataFrame) -> dict[str, tuple[str, str]]:
     """Main labels that stand in for a method whose own preset has no job among ``rows``.
 

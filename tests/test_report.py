@@ -263,6 +263,7 @@ def test_selkv_table2_ablation(df):
     assert math.isnan(rows[1]["Δ prev"])
     assert [r["Δ prev"] for r in rows[2:]] == pytest.approx([-0.7, 0.8, 0.2])
     assert rows[1]["Δ full"] == pytest.approx(sel - 0.3 - 265 / 6)
+    assert t.caption.startswith("Ablation of SelKV on LongBench")  # the paper's name, not the registry's
 
 
 def test_selkv_table3_wk_sensitivity(df):
@@ -273,6 +274,7 @@ def test_selkv_table3_wk_sensitivity(df):
     assert [r["Avg"] for r in rows] == pytest.approx([223 / 6 + 0.25, 223 / 6 - 0.5, 223 / 6])
     assert [r["Δ default"] for r in rows] == pytest.approx([0.25, -0.5, 0.0])
     assert rows[0]["qasper"] == 29.75
+    assert t.caption.startswith("Sensitivity of SelKV to ")
 
 
 def test_selkv_table4_category_means(df):
@@ -358,6 +360,17 @@ def test_report_only_and_partial_tree(tree, tmp_path):
     assert kvbench_cli(["report", str(tree), "--out", str(out), "--only", "selkv_table1", "niah_panel_*"]) == 0
     assert {p.name for p in out.glob("*.md") if p.name != "index.md"} == {"selkv_table1.md"}
     assert (out / "niah_panel_smollm2.png").exists() and not (out / "niah").exists()
+    # a second --only run keeps the first run's artifacts in index.md (under an "earlier" heading)
+    assert kvbench_cli(["report", str(tree), "--out", str(out), "--only", "selkv_table2"]) == 0
+    index = (out / "index.md").read_text()
+    head, _, earlier = index.partition("Earlier report runs (not rebuilt by --only selkv_table2):")
+    assert "- selkv_table2: selkv_table2.md" in head and "selkv_table1" not in head
+    assert "- selkv_table1: selkv_table1.md" in earlier and "- niah_panel_smollm2:" in earlier
+    assert "selkv_table2" not in earlier
+    assert kvbench_cli(["report", str(tree), "--out", str(out), "--only", "selkv_table1"]) == 0
+    index = (out / "index.md").read_text()
+    assert index.count("- selkv_table1:") == 1 and index.count("- selkv_table2:") == 1
+    assert index.count("Earlier report runs") == 1
     empty = tmp_path / "empty"
     empty.mkdir()
     assert report.main([str(empty), "--out", str(out / "e")]) == 0
@@ -423,10 +436,13 @@ class FakeEngine:
         return FakeResult(len(prompt_ids), self.budget)
 
 
-def test_latency_records_feed_figure3(tmp_path):
-    from kvbench import latency
+def test_latency_records_feed_figure3(tmp_path, monkeypatch):
+    from kvbench import engine, latency
     from kvbench.report_figures import selkv_fig3
 
+    resets = []  # each timed generation's peak starts afresh (not the process's peak so far)
+    monkeypatch.setattr(engine, "reset_peak_rss", lambda: resets.append(len(FakeEngine.calls)) or True)
+    FakeEngine.calls = []
     out = tmp_path / "latency.json"
     recs = latency.run_latency({"name": "tiny"},
                                {"full": {"name": "full", "label": "Full Cache"}, "snapkv": {"name": "snapkv"}},
@@ -436,6 +452,8 @@ def test_latency_records_feed_figure3(tmp_path):
     assert [(r["method"], r["prompt_tokens"]) for r in recs[::2]] == [
         ("Full Cache", 256), ("Full Cache", 512), ("snapkv", 256), ("snapkv", 512)]  # 1024 + 8 > 1000: skipped
     assert recs[-1]["cache_bytes_after"] == 1280 and recs[-1]["peak_mem_bytes"] == 123 and recs[-1]["budget"] == 0.25
+    assert recs[0]["budget"] == 1.0  # the full cache keeps every token, whatever budget= says
+    assert resets == [1, 2, 3, 4, 6, 7, 8, 9]  # before each timed call (after each method's warm-up)
     timed = [c for c in FakeEngine.calls if c[1] == 8]
     assert len(timed) == 8 and all(stop == [] and in_vocab for _n, _m, stop, in_vocab in timed)
     assert latency.default_lengths(5000) == [512, 1024, 2048, 4096]
