@@ -98,7 +98,8 @@ def _haystack_files(hdir: Any) -> list[Path]:
         raise TaskConfigError("task.haystack_source=dir needs task.haystack_dir=/path/to/folder/of/txt")
     path = Path(str(hdir)).expanduser()
     if not path.is_dir():
-        raise TaskConfigError(f"task.haystack_dir={hdir}: no such folder")
+        relative = "" if path.is_absolute() else f" (looked for {os.path.abspath(path)})"
+        raise TaskConfigError(f"task.haystack_dir={hdir}: no such folder{relative}")
     files = sorted(p for p in path.glob("*.txt") if p.stat().st_size > 0)
     if not files:
         raise TaskConfigError(f"task.haystack_dir={hdir}: holds no non-empty .txt files")

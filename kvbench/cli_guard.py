@@ -362,10 +362,38 @@ def _check_slurm_reachable(timeout_s: float = 60) -> None:
         fail(f"hydra/launcher=slurm: cannot reach the SLURM controller (sinfo: {said}); check it with `scontrol ping`")
 
 
+def _options_first(argv: list[str]) -> list[str]:
+    """Hydra's options (``-m``, ``--cfg job``, ``-p PKG``...) moved before the overrides, each with
+    its value, the rest in its order: argparse rejects ``run.py budget=0.5 -m`` ("unrecognized
+    arguments") although an option after the overrides is a common way to write a command.
+    Tokens that are no Hydra option stay where they are (argparse names them)."""
+    from hydra._internal.utils import get_args_parser
+
+    actions = {s: a for a in get_args_parser()._actions for s in a.option_strings}
+    options, rest, i = [], [], 0
+    while i < len(argv):
+        token = argv[i]
+        action = actions.get(token.split("=", 1)[0]) if token.startswith("-") else None
+        if action is None:
+            rest.append(token)
+            i += 1
+            continue
+        take = 1
+        if "=" not in token and i + 1 < len(argv):
+            if action.nargs is None:  # one value: the next token
+                take = 2
+            elif action.nargs == "?" and action.choices is not None and argv[i + 1] in action.choices:
+                take = 2
+        options += argv[i : i + take]
+        i += take
+    return options + rest
+
+
 def normalize_argv(argv: list[str]) -> list[str]:
-    """Accept ``experiment=NAME`` as well as Hydra's ``+experiment=NAME`` (the experiment group is
-    not in the defaults list, so Hydra itself only takes the ``+`` form)."""
-    return ["+" + a if a.startswith("experiment=") else a for a in argv]
+    """Hydra's options first (:func:`_options_first`), and ``experiment=NAME`` accepted as well as
+    Hydra's ``+experiment=NAME`` (the experiment group is not in the defaults list, so Hydra itself
+    only takes the ``+`` form)."""
+    return ["+" + a if a.startswith("experiment=") else a for a in _options_first(argv)]
 
 
 def precheck_argv(argv: list[str]) -> None:

@@ -212,6 +212,23 @@ def test_help_and_cfg_still_work(tmp):
     assert cfg["budget"] == 0.5 and cfg["method"]["name"] == "streamingllm"
     out = run_cli(["--cfg", "job", "budgett=0.5"])  # --cfg composes, so a typo is still one line
     assert out.returncode == 2 and out.stderr.startswith("error: budgett=0.5: unknown config key")
+    # options after (or between) the overrides work as before them (argparse alone refused them)
+    out = run_cli(["budget=0.5", "--cfg", "job", "method=streamingllm"])
+    assert out.returncode == 0, out.stderr
+    assert yaml.safe_load(out.stdout)["method"]["name"] == "streamingllm"
+    out = run_cli(["budgett=0.5", "-m"])
+    assert out.returncode == 2 and out.stderr.startswith("error: budgett=0.5: unknown config key")
+
+
+def test_hydra_options_move_before_the_overrides():
+    from kvbench.cli_guard import normalize_argv
+
+    assert normalize_argv(["budget=0.3", "-m", "method=a,b"]) == ["-m", "budget=0.3", "method=a,b"]
+    assert normalize_argv(["x=1", "-p", "hydra.launcher", "--cfg=hydra", "experiment=e"]) == [
+        "-p", "hydra.launcher", "--cfg=hydra", "x=1", "+experiment=e"]
+    assert normalize_argv(["x=1", "--info", "plugins", "y=2"]) == ["--info", "plugins", "x=1", "y=2"]
+    assert normalize_argv(["--info", "y=2"]) == ["--info", "y=2"]  # y=2 is no --info topic
+    assert normalize_argv(["x=1", "--bogus"]) == ["x=1", "--bogus"]  # argparse names what it does not know
 
 
 def test_help_into_a_closed_pipe_is_quiet():
@@ -389,3 +406,13 @@ def test_sweep_jobs_that_would_share_a_job_folder_are_refused(capsys):
         "job its own run_tag, e.g. 'run_tag=seed${seed}'")
     precheck_argv(["-m", "method=streamingllm", "budget=0.2", "seed=0,1", "run_tag=seed${seed}"])
     precheck_argv(["-m", "method=streamingllm", "budget=0.2", "shard.index=0,1", "shard.count=2"])
+
+
+def test_a_missing_relative_folder_names_where_it_was_looked_for(tmp):
+    """A relative path resolves against the directory run.py was started in: the error says which."""
+    out = run_cli(["task.haystack_dir=../no_such_essays", f"output_root={tmp}/out"], cwd=tmp)
+    assert out.stderr == ("error: task.haystack_dir=../no_such_essays: no such folder "
+                          f"(looked for {tmp.parent}/no_such_essays)\n")
+    out = run_cli(["task=longbench", "task.data_dir=lb_data", f"output_root={tmp}/out"], cwd=tmp)
+    assert out.stderr.startswith(f"error: task.data_dir=lb_data: no such directory (looked for {tmp}/lb_data); ")
+    assert out.returncode == 2
