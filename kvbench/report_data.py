@@ -23,6 +23,7 @@ Identity of a job in the reports:
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
@@ -399,15 +400,32 @@ def main_labels(rows: pd.DataFrame) -> set[str]:
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 
 
+@functools.lru_cache(maxsize=None)
+def _preset_file(preset: str) -> dict | None:
+    """``conf/method/<preset>.yaml`` as a mapping, None when absent or unreadable."""
+    if not re.fullmatch(r"[\w.-]+", preset or ""):
+        return None
+    try:
+        data = yaml.safe_load((CONF_DIR / "method" / f"{preset}.yaml").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
 def method_display_name(method_name: str) -> str:
     """The paper's name of a method for captions: the ``label`` of ``conf/method/<method_name>.yaml``
-    (``selkv`` -> ``SelKV``), else ``method_name`` itself (a preset folder that is not there, or
+    (``selkv`` -> ``SelKV``), else ``method_name`` itself (a preset file that is not there, or
     a label that is not a string)."""
-    try:
-        label = (yaml.safe_load((CONF_DIR / "method" / f"{method_name}.yaml").read_text()) or {}).get("label")
-    except (OSError, yaml.YAMLError, AttributeError):
-        return method_name
+    label = (_preset_file(method_name) or {}).get("label")
     return label if isinstance(label, str) and label.strip() else method_name
+
+
+def preset_params(preset: str) -> dict | None:
+    """The method fields of ``conf/method/<preset>.yaml`` as this checkout has them (``name`` and
+    ``label`` left out), the reference a job's ``params`` are compared with to tell a variant
+    (``method.*`` overrides) from the preset itself; None when the preset file is not here."""
+    data = _preset_file(preset)
+    return None if data is None else {k: v for k, v in data.items() if k not in ("name", "label")}
 
 
 def main_label_fallbacks(rows: pd.DataFrame) -> dict[str, tuple[str, str]]:

@@ -32,6 +32,7 @@ from .report_data import (
     n_datasets,
     niah_grid,
     order_datasets,
+    preset_params,
     subset_notes,
     variants,
 )
@@ -300,14 +301,22 @@ def compresskv_table1(df: pd.DataFrame, budgets: tuple[float, ...] = (256, 1024)
 
 def _variant_labels(groups: list[tuple], rows: pd.DataFrame) -> dict[tuple, tuple[str, tuple]]:
     """Per configuration key ``(name, label, params, budget)`` of one table: the method fields that
-    tell its variant apart from the label's other variants (``kernel_size=3, window_size=32``;
-    ``""`` for a label with one variant) and the variant's sort key (the default variant, see
+    tell its variant apart from the label's other variants or from its preset file
+    (:func:`report_data.preset_params`: ``method.alpha=1.5`` shows as ``alpha=1.5`` even with
+    no default job beside it) (``kernel_size=3, window_size=32``; ``""`` for a label whose only
+    variant is its preset's) and the variant's sort key (the default variant, see
     :func:`report_data.variants`, first; then the differing fields, numbers numerically)."""
     out: dict[tuple, tuple[str, tuple]] = {}
     for label in dict.fromkeys(k[1] for k in groups):
         found = variants(rows[rows["method"] == label])
         all_params = [p for p, _r in found]
-        varying = sorted(k for k in set().union(*all_params) if len({json.dumps(p.get(k)) for p in all_params}) > 1)
+        varying = {k for k in set().union(*all_params) if len({json.dumps(p.get(k)) for p in all_params}) > 1}
+        presets = rows.loc[rows["method"] == label, "preset"].unique()
+        reference = preset_params(str(presets[0])) if len(presets) == 1 else None
+        if reference:  # a lone variant that overrides the preset's fields is marked too
+            varying |= {k for p in all_params for k in p
+                        if k in reference and json.dumps(p[k]) != json.dumps(reference[k])}
+        varying = sorted(varying)
         for key in (k for k in groups if k[1] == label):
             own = json.loads(key[2])
             values = [own.get(k, "–") for k in varying]

@@ -493,6 +493,12 @@ def test_bad_report_inputs_are_one_line_and_an_unreadable_job_is_left_out(tmp_pa
         report.main([str(job)])
     assert stop.value.code == 2 and f"{str(job)!r} is a job folder; pass the results root above it" in \
         capsys.readouterr().err
+    for inner in (job.parent, job.parents[1], job.parents[2]):  # a method, model or task folder
+        with pytest.raises(SystemExit) as stop:
+            report.main([str(inner)])
+        assert stop.value.code == 2 and (f"{str(inner)!r} is a task, model or method folder inside the results root "
+                                         f"{str(tmp_path / 'root')!r}") in capsys.readouterr().err
+    assert not (job.parent / "report").exists()
 
 
 def test_niah_heatmap_records_follow_the_summarys_grid(tmp_path):

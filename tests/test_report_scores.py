@@ -168,6 +168,25 @@ def test_variants_and_reruns(tmp_path):
     assert records(t)[0]["Avg"] == 35.0 and "longbench/llama31/selkv/b0.25-rerun" in t.sources
 
 
+def test_a_lone_variant_is_marked_against_its_preset_file(tmp_path):
+    """``method.alpha=1.5`` alone in a results root (no default SelKV job beside it) still shows
+    its field in the Variant column: the reference is ``conf/method/selkv.yaml`` (alpha 0.5);
+    a job whose fields equal the preset's has no Variant column."""
+    make_job(tmp_path, task="niah", model="tiny", method="selkv", params={"alpha": 0.5, "window_size": 32},
+             scores={"niah": 50.0})
+    (t,) = score_tables(report.load_results(tmp_path))
+    assert "Variant" not in t.data.columns
+    job = make_job(tmp_path / "b", task="niah", model="tiny", method="selkv", params={"alpha": 1.5, "window_size": 32},
+                   folder_tag="c289d2ea", scores={"niah": 25.0})
+    (t,) = score_tables(report.load_results(tmp_path / "b"))
+    assert [(r["Method"], r["Variant"]) for r in records(t)] == [("SelKV", "alpha=1.5")]
+    assert "method variant" in t.caption
+    # with the default job beside it both rows say their alpha, the default first
+    job.rename(tmp_path / "niah/tiny/selkv" / job.name)
+    (t,) = score_tables(report.load_results(tmp_path))
+    assert [(r["Variant"], r["niah"]) for r in records(t)] == [("alpha=0.5", 50.0), ("alpha=1.5", 25.0)]
+
+
 def test_no_scored_job_means_no_inputs(tmp_path):
     make_job(tmp_path, task="niah", model="tiny", method="snapkv", summary=False,
              records=[{"id": "niah/256/10", "dataset": "niah", "score": None, "error": {"type": "X"}}])
