@@ -71,7 +71,9 @@ def environment(loaded: LoadedModel | None, device: str) -> dict[str, Any]:
         rev = subprocess.run(
             ["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5
         ).stdout.strip() or None
-        dirty = bool(subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain"], capture_output=True, text=True, timeout=5).stdout.strip())
+        # tracked files changed since HEAD (untracked files, e.g. notebooks or a data link, do not count)
+        dirty = bool(subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"],
+                                    capture_output=True, text=True, timeout=5).stdout.strip())
     except (OSError, subprocess.SubprocessError):
         rev, dirty = None, None
     env: dict[str, Any] = {
@@ -250,6 +252,11 @@ def run_job(cfg: dict, method_preset: str | None = None, method_overrides: list[
     cfg = absolute_paths(cfg)  # stored and compared absolute (messages above name the paths as typed)
     root = check_output_root(cfg.get("output_root", "results"))
     relpath = job_relpath(cfg, method_preset, method_overrides)
+    dropped = ([f"run_tag={cfg['run_tag']}"] if cfg.get("run_tag") else []) + \
+        (["the hash of the method.* overrides"] if method_overrides else [])
+    if cfg.get("run_name") and dropped:
+        log.warning("run_name=%s names the whole job folder, so %s is not part of its name (config.yaml keeps "
+                    "every key)", cfg["run_name"], " and ".join(dropped))
     if method.name == "full" and not (is_ratio(cfg["budget"]) and cfg["budget"] == 1.0):  # budget=1 is 1 token
         log.warning("method=full keeps every token: budget=%s does not change what this job computes "
                     "(its folder is %s; budget=1.0 names the usual full-cache job; samples a full-cache job of "

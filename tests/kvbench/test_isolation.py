@@ -428,3 +428,23 @@ def test_a_sharded_job_with_max_samples_completes(tiny_model_dir, haystack_dir, 
     summary = json.loads((tmp_path / "job" / "summary.json").read_text())
     assert (summary["n_samples"], summary["n_expected"], summary["complete"]) == (2, 2, True)
     assert summary["subset"] == "max_samples=1"  # shard 0 had 2 samples (0 and 100), 1 was run
+
+
+def test_folder_names_count_only_overrides_that_change_the_preset(tiny_model_dir, haystack_dir, tmp_path):
+    """Through run.py: ``method.n_sinks=4`` (StreamingLLM's own value) is the preset's job, in its
+    folder without a hash; ``method.n_sinks=2`` gets a hashed folder; ``run_name`` with a
+    ``run_tag`` warns that the tag is not part of the folder name."""
+    args = [*tiny_model_args(tiny_model_dir), "task.context_lengths=[300]", "task.depth_percents=[50]",
+            f"task.haystack_dir={haystack_dir}", "method=streamingllm", "budget=0.5", "task.max_new_tokens=3",
+            "quiet=true", f"output_root={tmp_path}"]
+    out = run_cli([*args, "method.n_sinks=4"])
+    assert out.returncode == 0, out.stderr[-2000:]
+    out = run_cli([*args, "method.n_sinks=2"])
+    assert out.returncode == 0, out.stderr[-2000:]
+    folders = sorted(p.name for p in (tmp_path / "niah/tiny/streamingllm").iterdir())
+    assert folders[0] == "b0.5" and len(folders) == 2 and folders[1].startswith("b0.5-")
+    out = run_cli([*[a for a in args if a != "quiet=true"], "run_name=mine/job", "run_tag=x"])
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert ("run_name=mine/job names the whole job folder, so run_tag=x is not part of its name (config.yaml keeps "
+            "every key)") in out.stdout + out.stderr
+    assert (tmp_path / "mine/job/summary.json").is_file()
