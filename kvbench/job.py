@@ -11,6 +11,7 @@ import hashlib
 import json
 import logging
 import math
+import os
 import platform
 import random
 import subprocess
@@ -31,7 +32,7 @@ from .faults import crash_point, injected, sample_delay
 from .full_share import FullCacheShare, copied_record
 from .models import LoadedModel, load_model
 from .signals import stops_by_exception
-from .store import JobStore, job_relpath
+from .store import JobStore, job_relpath, normalized_budget
 from .validate import check_output_root, validate
 
 log = logging.getLogger("kvbench")
@@ -248,6 +249,8 @@ def run_job(cfg: dict, method_preset: str | None = None, method_overrides: list[
     import torch
     from omegaconf import OmegaConf
 
+    if "budget" in cfg:  # range(0.1, 0.4, 0.1) yields 0.30000000000000004: the ratio 0.3 (folder b0.3)
+        cfg = {**cfg, "budget": normalized_budget(cfg["budget"])}
     method, _ = validate(cfg, experiment=experiment)
     cfg = absolute_paths(cfg)  # stored and compared absolute (messages above name the paths as typed)
     root = check_output_root(cfg.get("output_root", "results"))
@@ -263,6 +266,7 @@ def run_job(cfg: dict, method_preset: str | None = None, method_overrides: list[
                     "another budget has stored are copied, not recomputed: reuse_full)", cfg["budget"], relpath)
     if not (root / relpath).resolve().is_relative_to(root):
         raise ConfigError(f"job folder {relpath}: resolves outside output_root={root}; check run_name and model.name")
+    _check_not_nested(root, relpath, cfg.get("run_name"))
     shard = (int(cfg["shard"]["index"]), int(cfg["shard"]["count"]))
     folders = [root / relpath, *(root / relpath).parents]
     folders = folders[: folders.index(root)] if root in folders else folders[:1]  # below output_root
@@ -419,6 +423,29 @@ def _config_changes(stored_text: str, cfg: dict, free: tuple[str, ...]) -> dict[
         for k in sorted(old.keys() | new.keys())
         if old.get(k) != new.get(k) and not _under(k, free)
     }
+
+
+def _check_not_nested(root: Path, relpath: str, run_name: Any) -> None:
+    """Refuse a job folder inside another job's folder, or one that would hold other jobs' folders
+    (``run_name=niah`` over ``niah/<model>/...``): reports and resumes read a folder with a
+    ``config.yaml`` as one job, so the two would mix (before the model loads; nothing written).
+
+    Raises:
+        ConfigError: names ``run_name`` (or the job folder) and the other job's folder.
+    """
+    folder = root / relpath
+    what = f"run_name={run_name}" if run_name else f"job folder {relpath}"
+    for parent in list(folder.parents)[: len(Path(relpath).parts) - 1]:  # between output_root and the folder
+        if (parent / "config.yaml").is_file():
+            raise ConfigError(f"{what}: inside the job folder {parent.relative_to(root).as_posix()}; choose a "
+                              "run_name that is not below another job's folder")
+    if folder.is_dir():
+        for dirpath, dirnames, filenames in os.walk(folder):
+            dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+            if dirpath != str(folder) and "config.yaml" in filenames:
+                inner = Path(dirpath).relative_to(root).as_posix()
+                raise ConfigError(f"{what}: the folder holds the job folder {inner}; choose a run_name that is not "
+                                  "above other jobs' folders (e.g. runs/NAME)")
 
 
 def _check_same_job(store: JobStore, cfg: dict, relpath: str) -> None:

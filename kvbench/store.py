@@ -19,6 +19,7 @@ import fcntl
 import hashlib
 import json
 import logging
+import math
 import os
 import time
 from collections.abc import Callable
@@ -77,7 +78,17 @@ def _fmt_budget(budget: Any) -> str:
     (``budget=32`` and ``budget=32.0`` are the same 32-token budget: ``b32``)."""
     if isinstance(budget, float) and budget > 1.0 and budget.is_integer():
         budget = int(budget)
+    elif isinstance(budget, float):
+        budget = normalized_budget(budget)
     return f"b{budget}"
+
+
+def normalized_budget(budget: Any) -> Any:
+    """A float budget rounded to 12 significant digits (``range(0.1, 0.4, 0.1)`` yields
+    0.30000000000000004: that is the ratio 0.3, its folder ``b0.3``); anything else unchanged."""
+    if isinstance(budget, float) and math.isfinite(budget):
+        return float(f"{budget:.12g}")
+    return budget
 
 
 def method_tag(method_overrides: list[str]) -> str:
@@ -127,9 +138,28 @@ def folder_method_overrides(overrides: list[str], method_cfg: dict, compose: Cal
         key = o.lstrip("+~").split("=", 1)[0][len("method."):]
         had, old = _lookup(base_method, key)
         has, new = _lookup(method_cfg, key)
-        if o.startswith("~") or not (had and has) or old != new or isinstance(old, bool) != isinstance(new, bool):
+        if o.startswith("~") or not has:
             kept.append(o)
-    return kept
+        elif not had or old != new or isinstance(old, bool) != isinstance(new, bool):
+            kept.append(f"method.{key}={_canonical(new, old if had else None)}")
+    return sorted(set(kept), key=kept.index)
+
+
+def _canonical(value: Any, reference: Any = None) -> str:
+    """One spelling per value for the folder hash: ``method.alpha=2``, ``2.0`` and ``2e0`` on a
+    float field are all ``2.0`` (an integer given for a float field counts as that float), ``16``
+    stays ``16``, booleans ``true``/``false``, lists and mappings as compact JSON."""
+    if isinstance(value, int) and not isinstance(value, bool) and isinstance(reference, float):
+        value = float(value)
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if value is None:
+        return "null"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return value
+    return json.dumps(value, separators=(",", ":"), sort_keys=True, default=str)
 
 
 def job_relpath(cfg: dict, method_preset: str | None = None, method_overrides: list[str] | None = None) -> str:
@@ -346,6 +376,7 @@ class JobStore:
         """
         line = (json.dumps(record, ensure_ascii=False, allow_nan=False) + "\n").encode("utf-8")
         for name in list(self._with_first_record):  # metadata of the records this run stores
+            self._keep_previous(name)
             self.write_json(name, self._with_first_record.pop(name))
         with self._append_lock():
             self._repair_locked()
@@ -391,10 +422,29 @@ class JobStore:
         atomic_write(path, text)
         return path
 
+    def _keep_previous(self, name: str) -> None:
+        """Copy a stored ``name`` (an earlier run's ``env.json``) to ``<stem>.<time>.json``, the
+        time its run wrote it, before this run replaces it: the provenance of every run that
+        stored samples stays in the folder (never overwritten: ``-2``... within one second)."""
+        path = self.path / name
+        try:
+            text = path.read_text(encoding="utf-8", errors="replace")
+            stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(path.stat().st_mtime))
+        except FileNotFoundError:
+            return
+        snapshot, n = self.path / f"{path.stem}.{stamp}{path.suffix}", 1
+        while snapshot.exists():
+            if snapshot.read_text(encoding="utf-8", errors="replace") == text:
+                return  # kept already
+            n += 1
+            snapshot = self.path / f"{path.stem}.{stamp}-{n}{path.suffix}"
+        atomic_write(snapshot, text)
+
     def write_json_with_first_record(self, name: str, obj: Any) -> None:
         """Write ``name`` (as :meth:`write_json`) just before this object's next record is
         appended, so that it describes stored samples: a run that stores nothing (it failed
-        before its first sample, or had nothing to do) leaves the stored file as it was."""
+        before its first sample, or had nothing to do) leaves the stored file as it was. A
+        stored ``name`` of an earlier run is kept as ``<stem>.<time>.json`` first."""
         self._with_first_record[name] = obj
 
     def write_json(self, name: str, obj: Any) -> None:

@@ -448,3 +448,11 @@ def test_folder_names_count_only_overrides_that_change_the_preset(tiny_model_dir
     assert ("run_name=mine/job names the whole job folder, so run_tag=x is not part of its name (config.yaml keeps "
             "every key)") in out.stdout + out.stderr
     assert (tmp_path / "mine/job/summary.json").is_file()
+    # a run_name above other jobs' folders, or inside one, would mix them: one line, exit 2
+    out = run_cli([*args, "run_name=niah"])
+    assert out.returncode == 2 and out.stderr == (
+        "error: run_name=niah: the folder holds the job folder niah/tiny/streamingllm/b0.5; choose a run_name that "
+        "is not above other jobs' folders (e.g. runs/NAME)\n")
+    out = run_cli([*args, "run_name=mine/job/inner"])
+    assert out.returncode == 2 and out.stderr.startswith("error: run_name=mine/job/inner: inside the job folder mine/job;")
+    assert not (tmp_path / "niah/config.yaml").exists() and not (tmp_path / "mine/job/inner").exists()

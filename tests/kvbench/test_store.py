@@ -294,7 +294,7 @@ def test_folder_hash_counts_only_overrides_that_change_the_method():
     ovr = ["budget=0.5", "method.window_size=32.0", "method.kernel_size=7", "method.flag=1", "method.sub.a=1",
            "+method.new=3", "~method.gone"]
     assert folder_method_overrides(ovr, job, compose) == [
-        "method.kernel_size=7", "method.flag=1", "+method.new=3", "~method.gone"]
+        "method.kernel_size=7", "method.flag=1", "method.new=3", "~method.gone"]
     assert calls == [["budget=0.5"]]  # the baseline: the same job without its method.* overrides
     assert folder_method_overrides(["budget=0.5"], job, compose) == []
 
@@ -302,6 +302,36 @@ def test_folder_hash_counts_only_overrides_that_change_the_method():
         raise RuntimeError("no config")
 
     assert folder_method_overrides(ovr[:2], job, broken) == ["method.window_size=32.0"]
+    # one spelling per value: 2, 2.0 and 2e0 on a float field are one folder; lists as compact JSON
+    preset["alpha"] = 0.5
+    for typed, value in (("2", 2), ("2.0", 2.0), ("2e0", 2.0)):
+        assert folder_method_overrides([f"method.alpha={typed}"], {**preset, "alpha": value}, compose) == [
+            "method.alpha=2.0"]
+    assert folder_method_overrides(["method.sub=[1, 2]"], {**preset, "sub": [1, 2]}, compose) == ["method.sub=[1,2]"]
+    assert job_relpath({"task": {"name": "niah"}, "model": {"name": "smollm2"}, "method": preset,
+                        "budget": 0.30000000000000004}) == "niah/smollm2/snapkv/b0.3"
     cfg = {"task": {"name": "niah"}, "model": {"name": "smollm2"}, "method": job, "budget": 0.5}
     same = folder_method_overrides(["method.window_size=32"], job, compose)
     assert job_relpath(cfg, "snapkv", same) == "niah/smollm2/snapkv/b0.5"
+
+
+def test_an_earlier_runs_env_file_is_kept_when_a_rerun_stores_samples(tmp_path):
+    """env.json describes the latest run that stored samples; the earlier one's is kept as
+    env.<time>.json (its write time), never overwritten, and not copied twice."""
+    store = JobStore(tmp_path / "job")
+    store.write_json_with_first_record("env.json", {"run": 1})
+    store.append({"id": "a", "score": 1.0})
+    os.utime(store.path / "env.json", (1_700_000_000, 1_700_000_000))
+    store.write_json_with_first_record("env.json", {"run": 2})
+    store.append({"id": "b", "score": 1.0})
+    kept = sorted(p.name for p in store.path.glob("env.*.json"))
+    assert len(kept) == 1 and kept[0].startswith("env.2023")
+    first = kept[0]
+    assert json.loads((store.path / kept[0]).read_text()) == {"run": 1}
+    assert json.loads((store.path / "env.json").read_text()) == {"run": 2}
+    os.utime(store.path / "env.json", (1_700_000_000, 1_700_000_000))  # same second as the kept one
+    store.write_json_with_first_record("env.json", {"run": 3})
+    store.append({"id": "c", "score": 1.0})
+    kept = sorted(p.name for p in store.path.glob("env.*.json"))
+    assert {k: json.loads((store.path / k).read_text()) for k in kept} == {
+        first: {"run": 1}, first.replace(".json", "-2.json"): {"run": 2}}
