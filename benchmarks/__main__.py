@@ -35,6 +35,7 @@ import time  # noqa: E402
 import traceback  # noqa: E402
 from pathlib import Path  # noqa: E402
 
+from kvbench.cli_parser import OneLineParser  # noqa: E402
 from kvbench.signals import quiet_broken_pipe  # noqa: E402
 
 from .common import ROOT, BenchResult, Settings, apply_threads, log, machine_info, table  # noqa: E402
@@ -58,7 +59,7 @@ def _method_names() -> list[str]:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     intro, _, rest = __doc__.partition("\n\n")
-    p = argparse.ArgumentParser(prog="python -m benchmarks", description=intro, epilog=rest,
+    p = OneLineParser(prog="python -m benchmarks", description=intro, epilog=rest,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="short prompts (256, 512 tokens), few repetitions")
     p.add_argument("--only", action="append", metavar="NAME",

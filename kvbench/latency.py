@@ -27,7 +27,6 @@ Timings are seconds; throughput is generated tokens per decode second.
 
 from __future__ import annotations
 
-import argparse
 import gc
 import json
 import os
@@ -36,6 +35,7 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
+from .cli_parser import OneLineParser
 from .signals import quiet_broken_pipe
 
 DEFAULT_NEW_TOKENS = 256  # SelKV Figure 3 generates 256 tokens
@@ -191,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     """CLI entry point (see the module docstring)."""
     from omegaconf import OmegaConf
 
-    p = argparse.ArgumentParser(prog="python -m kvbench.latency", description=__doc__.split("\n\n")[0])
+    p = OneLineParser(prog="python -m kvbench.latency", description=__doc__.split("\n\n")[0])
     p.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. +experiment=selkv_fig3 model=llama31")
     p.add_argument("--methods", nargs="+", help="method presets (conf/method/*.yaml); default: latency.methods "
                    "or full + the configured method")

@@ -44,6 +44,7 @@ from methods.artifacts import (
 )
 from methods.base import ConfigError
 
+from .cli_parser import OneLineParser
 from .head_mask import MODES, PHASES, HeadMask
 from .signals import quiet_broken_pipe
 
@@ -369,7 +370,7 @@ def run(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kvbench mask-heads", description=__doc__.split("\n\n")[0])
+    p = OneLineParser(prog="kvbench mask-heads", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2", help="conf/model/<name>.yaml; also names methods/artifacts/<name>/")
     p.add_argument("--model-source", default=None, help="override model.source (a local folder or file)")
     p.add_argument("--k", default="10,20,30", help="numbers of top heads to mask, comma-separated")

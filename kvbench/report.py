@@ -16,7 +16,6 @@ Also runnable as ``python -m kvbench.report``. Artifact names: see :data:`ARTIFA
 
 from __future__ import annotations
 
-import argparse
 import fnmatch
 import json
 import math
@@ -31,6 +30,7 @@ import yaml
 from . import report_ablations as ra
 from . import report_figures as rf
 from . import report_tables as rt
+from .cli_parser import OneLineParser
 from .plots import plt
 from .report_data import load_results
 from .report_tables import Table, round2
@@ -245,6 +245,27 @@ def _store_root_above(root: Path) -> Path | None:
     return tops.pop() if len(tops) == 1 else None
 
 
+def _out_inside_store(root: Path, out: Path, jobs) -> str:
+    """Why ``out`` would mix report files with stored jobs (``""`` when it would not): it is the
+    results root itself (the report's ``niah/`` figures would land in the task folder) or lies
+    in a folder of the root that holds job folders (a task folder, a job folder)."""
+    try:
+        rel = out.resolve().relative_to(root.resolve())
+    except ValueError:
+        return ""  # outside the results root
+    if not rel.parts:
+        return "the results root itself"
+    holders = {str(job).split("/", 1)[0] for job in jobs}
+    return f"inside {str(root / rel.parts[0])!r}, which holds job folders" if rel.parts[0] in holders else ""
+
+
+def note_kinds(notes: list[str]) -> str:
+    """The kinds of an artifact's notes for the index and the console (``absent, incomplete``):
+    each note's lead word(s), before its first colon or comma."""
+    kinds = [n.split(":", 1)[0].split(",", 1)[0].strip() for n in notes]
+    return ", ".join(dict.fromkeys(k for k in kinds if k)) or "see the notes"
+
+
 def _index_name(line: str) -> str | None:
     """The artifact or family an ``index.md`` line is about (``- name: ...``), else None."""
     return line[2:].split(":", 1)[0] if line.startswith("- ") and ":" in line else None
@@ -272,7 +293,7 @@ def _earlier_index_lines(path: Path, index: list[str], only: list[str]) -> list[
 @quiet_broken_pipe
 def main(argv: list[str] | None = None) -> int:
     """CLI entry point; returns the exit status (1 when an artifact failed to build)."""
-    p = argparse.ArgumentParser(prog="kvbench report", description=DESCRIPTION)
+    p = OneLineParser(prog="kvbench report", description=DESCRIPTION)
     p.add_argument("root", metavar="RESULTS_ROOT", help="results root holding the job folders")
     p.add_argument("--out", help="output folder (default: RESULTS_ROOT/report)")
     p.add_argument("--only", nargs="+", metavar="NAME", help="artifact names or patterns: " + ", ".join(ARTIFACTS))
@@ -305,6 +326,10 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--latency {str(lat_path)!r}: not a latency file of python -m kvbench.latency ({type(e).__name__}: "
                 f"{str(e).splitlines()[0] if str(e) else ''})")
     df = load_results(root)
+    inside = _out_inside_store(root, out, df["job"])
+    if inside:
+        p.error(f"--out {str(out)!r}: {inside}; write the report beside the job folders (default: RESULTS_ROOT/report) "
+                "or outside the results root")
     ctx = Context(root, df, latency, str(lat_path))
     n_jobs = df["job"].nunique()
     index, failed = [f"# Report of {root}", "", f"{n_jobs} job folder{'s' if n_jobs != 1 else ''} read.", ""], 0
@@ -324,7 +349,7 @@ def main(argv: list[str] | None = None) -> int:
             index.append(f"- {family}: no inputs in this results root")
         for a in arts:
             paths = write_table(a, out) if isinstance(a, Table) else write_figure(a, out)
-            missing = f", {len(a.notes)} note(s): missing inputs, unfinished or partial jobs" if a.notes else ""
+            missing = f", {len(a.notes)} note(s): {note_kinds(a.notes)}" if a.notes else ""
             index.append(f"- {a.name}: {', '.join(q.name for q in paths)} ({len(a.sources)} job{'s' if len(a.sources) != 1 else ''}{missing})")
             print(f"wrote {a.name}{missing}")
     out.mkdir(parents=True, exist_ok=True)

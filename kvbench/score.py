@@ -12,12 +12,13 @@ Usage: ``kvbench score DIR [--e] [--out PATH]`` or ``python -m kvbench.score DIR
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
 
 from eval.metrics import dataset2metric, score_dataset
+
+from .cli_parser import OneLineParser
 
 REQUIRED = ("pred", "answers", "all_classes")
 
@@ -87,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     Returns:
         0 on success, 2 on a user error (printed as one line on stderr).
     """
-    parser = argparse.ArgumentParser(prog="kvbench score", description=__doc__.split("\n\n")[0])
+    parser = OneLineParser(prog="kvbench score", description=__doc__.split("\n\n")[0])
     parser.add_argument("dir", type=Path, help="folder of <dataset>.jsonl prediction files")
     parser.add_argument("--e", action="store_true", help="LongBench-E: score by length bucket")
     parser.add_argument("--out", type=Path, default=None, help="output file (default: DIR/result.json)")

@@ -48,6 +48,8 @@ from pathlib import Path
 
 import torch
 
+from kvbench.cli_parser import OneLineParser
+
 from .artifacts import ARTIFACTS_ROOT, load_head_ranking, ranking_from_scores
 from .attention_probe import AttentionProbe, reserved_cache
 from .base import ConfigError, HeadLayout, LayerContext
@@ -402,7 +404,7 @@ def _number_list(kind: type, low: float = 0, high: float = math.inf, choices: tu
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m methods.calibrate", description=__doc__.split("\n\n")[0])
+    p = OneLineParser(prog="python -m methods.calibrate", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
     shared = os.environ.get("KVBENCH_SHARED_DATA", str(Path(__file__).resolve().parents[1] / ".." / "shared" / "data"))
     default_data = str(Path(shared) / "retrieval_head_calibration")

@@ -499,6 +499,13 @@ def test_bad_report_inputs_are_one_line_and_an_unreadable_job_is_left_out(tmp_pa
         assert stop.value.code == 2 and (f"{str(inner)!r} is a task, model or method folder inside the results root "
                                          f"{str(tmp_path / 'root')!r}") in capsys.readouterr().err
     assert not (job.parent / "report").exists()
+    for out, why in ((job, f"inside {str(tmp_path / 'root' / 'longbench')!r}, which holds job folders"),
+                     (tmp_path / "root", "the results root itself")):
+        with pytest.raises(SystemExit) as stop:
+            report.main([str(tmp_path / "root"), "--out", str(out)])
+        assert stop.value.code == 2 and f"--out {str(out)!r}: {why}; write the report beside" in capsys.readouterr().err
+    assert not (job / "index.md").exists() and not (tmp_path / "root" / "index.md").exists()
+    assert report.main([str(tmp_path / "root"), "--out", str(tmp_path / "root" / "rep2")]) == 0
 
 
 def test_niah_heatmap_records_follow_the_summarys_grid(tmp_path):

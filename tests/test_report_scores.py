@@ -126,7 +126,7 @@ def test_cli_only_scores_writes_only_them(sweep, tmp_path):
         f"scores_{t}_tiny.{ext}" for t in ("longbench", "niah") for ext in ("md", "tex", "csv", "sources.txt")}
     index = (out / "index.md").read_text()
     assert "- scores_longbench_tiny: scores_longbench_tiny.md, scores_longbench_tiny.tex, scores_longbench_tiny.csv" \
-        " (5 jobs, 2 note(s): missing inputs, unfinished or partial jobs)" in index
+        " (5 jobs, 2 note(s): absent, incomplete)" in index
     assert "- scores_niah_tiny: " in index and "selkv_table1" not in index
     md = (out / "scores_longbench_tiny.md").read_text()
     assert "| Method | Budget | Qasp | HpQA | Avg | n |" in md
