@@ -23,6 +23,7 @@ verbatim in content, typo "asconcisely" included.
 
 from __future__ import annotations
 
+import difflib
 import json
 from pathlib import Path
 from typing import Any, Iterator
@@ -189,8 +190,11 @@ class LongBenchTask(Task):
             elif item in cls.valid_datasets:
                 names.append(item)
             else:
+                close = difflib.get_close_matches(str(item).lower(), [*groups, *cls.valid_datasets], n=1, cutoff=0.6)
+                shown = "[" + ", ".join(map(str, items)) + "]" if not isinstance(value, str) else value
                 raise TaskConfigError(
-                    f"task.datasets: unknown {cls.name} dataset {item!r}; accepted: groups "
+                    f"task.datasets={shown}: unknown {cls.name} dataset {item!r}"
+                    f"{f' (did you mean {close[0]}?)' if close else ''}; accepted: groups "
                     f"{', '.join(groups)} or datasets {', '.join(cls.valid_datasets)}"
                 )
         if not names:

@@ -90,7 +90,8 @@ def test_registry_and_groups():
 @pytest.mark.parametrize(
     "cfg, match",
     [
-        ({"datasets": ["multi_newz"]}, r"unknown longbench dataset 'multi_newz'; accepted: groups en16, zh5, all21, e13"),
+        ({"datasets": ["multi_newz"]}, r"task.datasets=\[multi_newz\]: unknown longbench dataset 'multi_newz' \(did you mean multi_news\?\); "
+                                        r"accepted: groups en16, zh5, all21, e13"),
         ({"datasets": []}, "task.datasets is empty"),
         ({"n_samples": 0}, r"task.n_samples=0: expected an integer >= 1 or null"),
         ({"n_samples": -3}, "task.n_samples=-3"),
