@@ -9,7 +9,9 @@ tensors) and scores predictions with the benchmark's official metric. The engine
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Iterator
 
 
@@ -18,6 +20,13 @@ class TaskConfigError(ValueError):
 
     Raised before any model loads (from :meth:`Task.validate`) wherever possible.
     """
+
+
+def looked_for(path: Path) -> str:
+    """`` (looked for <absolute path>)`` for a relative path (resolved against the working
+    directory, which may not be the one the user thinks of), ``""`` for an absolute one: the
+    tail of a "no such folder" error."""
+    return "" if path.is_absolute() else f" (looked for {os.path.abspath(path)})"
 
 
 @dataclass

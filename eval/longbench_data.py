@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote, urlparse
 
-from .base import TaskConfigError
+from .base import TaskConfigError, looked_for
 
 REQUIRED_FIELDS = ("input", "context", "answers", "length", "all_classes")
 """Fields the prompt, the scorer and LongBench-E need in every row."""
@@ -81,12 +81,6 @@ def read_jsonl(path: Path, limit: int | None = None) -> list[dict]:
     return rows
 
 
-def _resolved(path: Path) -> str:
-    """`` (looked for <absolute path>)`` for a relative path (resolved against the working
-    directory, which may not be the one the user thinks of), ``""`` for an absolute one."""
-    return "" if path.is_absolute() else f" (looked for {os.path.abspath(path)})"
-
-
 def check_data_dir(data_dir: str, configs: list[str]) -> list[Path]:
     """Paths of ``<config>.jsonl`` for each config in ``data_dir``.
 
@@ -96,7 +90,7 @@ def check_data_dir(data_dir: str, configs: list[str]) -> list[Path]:
     root = Path(os.path.expanduser(str(data_dir)))
     if not root.is_dir():
         raise TaskConfigError(
-            f"task.data_dir={data_dir}: no such directory{_resolved(root)}; pass the folder of the official LongBench "
+            f"task.data_dir={data_dir}: no such directory{looked_for(root)}; pass the folder of the official LongBench "
             "jsonl files (the data/ folder of data.zip)"
         )
     present = sorted(p.name for p in root.glob("*.jsonl"))

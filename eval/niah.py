@@ -26,7 +26,7 @@ import socket
 from pathlib import Path
 from typing import Any, Iterator
 
-from .base import Sample, Task, TaskConfigError
+from .base import Sample, Task, TaskConfigError, looked_for
 
 log = logging.getLogger(__name__)
 
@@ -98,8 +98,7 @@ def _haystack_files(hdir: Any) -> list[Path]:
         raise TaskConfigError("task.haystack_source=dir needs task.haystack_dir=/path/to/folder/of/txt")
     path = Path(str(hdir)).expanduser()
     if not path.is_dir():
-        relative = "" if path.is_absolute() else f" (looked for {os.path.abspath(path)})"
-        raise TaskConfigError(f"task.haystack_dir={hdir}: no such folder{relative}")
+        raise TaskConfigError(f"task.haystack_dir={hdir}: no such folder{looked_for(path)}")
     files = sorted(p for p in path.glob("*.txt") if p.stat().st_size > 0)
     if not files:
         raise TaskConfigError(f"task.haystack_dir={hdir}: holds no non-empty .txt files")

@@ -244,7 +244,8 @@ def _checked_jobs(composer: "_Composer", base: list[str], sweeps: list[tuple[str
     def error(overrides: list[str], cfg: Any = None, index: int | None = None) -> str | None:
         cfg = cfg if cfg is not None else composer.compose(overrides)
         message = _validation_error(*_job_config(cfg))
-        if message is None and index is not None and (folder := _job_folder(cfg, overrides, composer.config_name)) is not None:
+        folder = _job_folder(cfg, overrides, composer.config_name) if message is None and index is not None else None
+        if folder is not None:
             folders[index] = folder
         return message
 

@@ -25,7 +25,6 @@ from pathlib import Path
 from typing import Callable
 
 import pandas as pd
-import yaml
 
 from . import report_ablations as ra
 from . import report_figures as rf
@@ -221,27 +220,19 @@ def build(ctx: Context, only: list[str] | None = None) -> dict[str, list | Excep
     return built
 
 
-def _store_root_above(root: Path) -> Path | None:
+def _store_root_above(root: Path, df: pd.DataFrame) -> Path | None:
     """The results root above ``root`` when ``root`` is one of its task, model or method folders:
-    every job folder found under ``root`` sits fewer than 4 levels down, and its own
-    ``<task>/<model>/<preset>/<job>`` path (task and model as its ``config.yaml`` names them)
-    leads to one folder above ``root``. None for a results root (or jobs named by ``run_name``)."""
-    from .report_data import _job_dirs
-
+    every job read under ``root`` (:func:`load_results`) sits fewer than 4 levels down, and its own
+    ``<task>/<model>/<preset>/<job>`` path (task and model as its config names them) leads to one
+    folder above ``root``. None for a results root (or jobs named by ``run_name``)."""
     tops = set()
-    for job in _job_dirs(root):
-        depth = len(job.relative_to(root).parts)
-        if depth >= 4 or len(job.parents) < 4:
+    for job, task, model in df[["job", "task", "model"]].drop_duplicates().itertuples(index=False):
+        folder = root / job
+        if len(Path(job).parts) >= 4 or len(folder.parents) < 4:
             return None
-        try:
-            cfg = yaml.safe_load((job / "config.yaml").read_text(encoding="utf-8")) or {}
-        except (OSError, UnicodeDecodeError, yaml.YAMLError):
-            continue  # left out of any report as unreadable: the other jobs tell where the root is
-        if not (isinstance(cfg, dict) and isinstance(cfg.get("task"), dict) and isinstance(cfg.get("model"), dict)):
+        if (task, model) != (folder.parents[2].name, folder.parents[1].name):
             return None
-        if (cfg["task"].get("name"), cfg["model"].get("name")) != (job.parents[2].name, job.parents[1].name):
-            return None
-        tops.add(job.parents[3])
+        tops.add(folder.parents[3])
     return tops.pop() if len(tops) == 1 else None
 
 
@@ -309,10 +300,6 @@ def main(argv: list[str] | None = None) -> int:
     if (root / "config.yaml").is_file() and any((root / n).is_file() for n in ("summary.json", "predictions.jsonl")):
         p.error(f"{str(root)!r} is a job folder; pass the results root above it (output_root, e.g. "
                 f"{str(root.parents[3]) if len(root.parents) > 3 else 'results'!r})")
-    above = _store_root_above(root)
-    if above is not None:
-        p.error(f"{str(root)!r} is a task, model or method folder inside the results root {str(above)!r}; pass "
-                "that results root (reports group jobs by task, model and method from there)")
     out = Path(args.out) if args.out else root / "report"
     blocker = next((q for q in (out, *out.parents) if q.exists() and not q.is_dir()), None)
     if blocker is not None:
@@ -326,6 +313,10 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--latency {str(lat_path)!r}: not a latency file of python -m kvbench.latency ({type(e).__name__}: "
                 f"{str(e).splitlines()[0] if str(e) else ''})")
     df = load_results(root)
+    above = _store_root_above(root, df)
+    if above is not None:
+        p.error(f"{str(root)!r} is a task, model or method folder inside the results root {str(above)!r}; pass "
+                "that results root (reports group jobs by task, model and method from there)")
     inside = _out_inside_store(root, out, df["job"])
     if inside:
         p.error(f"--out {str(out)!r}: {inside}; write the report beside the job folders (default: RESULTS_ROOT/report) "

@@ -93,7 +93,8 @@ def selkv_table2(df: pd.DataFrame, budget: float = 0.25, task: str = "longbench"
         n_ds = max(n_ds, len(grid.datasets))
     if not rows:
         return []
-    caption = (f"Ablation of {method_display_name(method_name)} on LongBench ({n_datasets(n_ds)}, {budget_text(budget)} KV budget; "
+    caption = (f"Ablation of {method_display_name(method_name)} on LongBench ({n_datasets(n_ds)}, "
+               f"{budget_text(budget)} KV budget; "
                f"{budget_semantics([budget])}). Δ prev: change from the row above; Δ full: gap to the full cache. "
                "'Evict only' drops evicted tokens; 'merge all' merges without gate or compensation.")
     cols = ["Model", "Configuration", "Gate", "Comp", "Merge", "Avg", "Δ prev", "Δ full"]
@@ -160,7 +161,8 @@ def sensitivity_table(df: pd.DataFrame, name: str, method_name: str, budget: flo
     notes = [f"absent: {r['Model']} variant {', '.join(f'{k}={r[k]}' for k in keys)} has no score for "
              + ", ".join(d for d in datasets if math.isnan(r.get(d, 0.0))) for r in rows
              if per_dataset and any(math.isnan(r[d]) for d in datasets)]
-    caption = (f"Sensitivity of {method_display_name(method_name)} to {', '.join(PARAM_HEADERS.get(k, k) for k in keys)} on LongBench "
+    caption = (f"Sensitivity of {method_display_name(method_name)} to "
+               f"{', '.join(PARAM_HEADERS.get(k, k) for k in keys)} on LongBench "
                f"({n_datasets(len(datasets))}, {budget_text(budget)} KV budget; {budget_semantics([budget])}). "
                f"Δ default: gap to the default configuration (✓). " + _models_text(sorted({r['Model'] for r in rows})))
     cols = ["Model", *keys, "Default", *(datasets if per_dataset else []), "Avg", "Δ default"]

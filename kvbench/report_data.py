@@ -34,6 +34,7 @@ import numpy as np
 import pandas as pd
 import yaml
 
+from .cli_guard import CONF
 from .config_keys import RUN_CONTROL_KEYS, SAMPLE_SELECTION_KEYS, flatten, under
 
 # LongBench v1 English datasets by category (SelKV Table 1 / Table 4 layout).
@@ -396,17 +397,13 @@ def main_labels(rows: pd.DataFrame) -> set[str]:
     return {label for label, _preset in _main_label_presets(rows).values()}
 
 
-#: The project's Hydra config folder (method presets carry the paper's display label).
-CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
-
-
 @functools.lru_cache(maxsize=None)
 def _preset_file(preset: str) -> dict | None:
     """``conf/method/<preset>.yaml`` as a mapping, None when absent or unreadable."""
     if not re.fullmatch(r"[\w.-]+", preset or ""):
         return None
     try:
-        data = yaml.safe_load((CONF_DIR / "method" / f"{preset}.yaml").read_text(encoding="utf-8"))
+        data = yaml.safe_load((CONF / "method" / f"{preset}.yaml").read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, yaml.YAMLError):
         return None
     return data if isinstance(data, dict) else None

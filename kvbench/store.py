@@ -142,7 +142,7 @@ def folder_method_overrides(overrides: list[str], method_cfg: dict, compose: Cal
             kept.append(o)
         elif not had or old != new or isinstance(old, bool) != isinstance(new, bool):
             kept.append(f"method.{key}={_canonical(new, old if had else None)}")
-    return sorted(set(kept), key=kept.index)
+    return list(dict.fromkeys(kept))
 
 
 def _canonical(value: Any, reference: Any = None) -> str:
