@@ -13,7 +13,8 @@ window (``max_position_embeddings`` minus the generated tokens) are skipped with
 Generation ignores stop tokens, so every request decodes exactly ``max_new_tokens`` tokens.
 
 Output: a JSON list of records, rewritten after every measurement (a killed run keeps what
-it measured), read by ``kvbench report`` (``RESULTS_ROOT/latency.json`` or ``--latency``)::
+it measured); an earlier run's file is first kept beside it as ``latency.<time>.json``, and
+``--out`` that is a folder, a job's file or inside a job folder is refused. It is read by ``kvbench report`` (``RESULTS_ROOT/latency.json`` or ``--latency``)::
 
     {"model": "llama31", "method": "SelKV", "method_name": "selkv", "budget": 0.25,
      "prompt_tokens": 8192, "repeat": 0, "prefill_s": 0.81, "compress_s": 0.03, "decode_s": 5.1,
@@ -29,13 +30,13 @@ from __future__ import annotations
 
 import gc
 import json
-import os
 import random
 import sys
 from pathlib import Path
 from typing import Any, Callable
 
 from .cli_parser import OneLineParser
+from .store import atomic_write, keep_previous, output_file_refusal
 from .signals import quiet_broken_pipe
 
 DEFAULT_NEW_TOKENS = 256  # SelKV Figure 3 generates 256 tokens
@@ -105,11 +106,9 @@ def measure(engine: Any, ids: list[int], max_new_tokens: int) -> dict:
 
 
 def write_records(path: Path, records: list[dict]) -> None:
-    """Atomically rewrite the JSON list."""
+    """Atomically rewrite the JSON list (:func:`kvbench.store.atomic_write`)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(records, indent=1) + "\n")
-    os.replace(tmp, path)
+    atomic_write(path, json.dumps(records, indent=1) + "\n")
 
 
 def engine_factory(model_cfg: dict, budget: float, device: str = "auto") -> Callable[[dict], Any]:
@@ -149,6 +148,7 @@ def run_latency(model_cfg: dict, method_cfgs: dict[str, dict], budget: float, le
     """
     make_engine = make_engine or engine_factory(model_cfg, budget)
     records: list[dict] = []
+    kept = False
     for preset, method_cfg in method_cfgs.items():
         engine = make_engine(dict(method_cfg))
         limit = context_limit(getattr(engine, "model", None))
@@ -167,6 +167,11 @@ def run_latency(model_cfg: dict, method_cfgs: dict[str, dict], budget: float, le
                        "repeat": rep, **measure(engine, prompt_ids(n, vocab), max_new_tokens),
                        "device": _device_name(engine)}
                 records.append(rec)
+                if not kept:  # an earlier run's records stay beside the new ones, never replaced
+                    kept = True
+                    snapshot = keep_previous(out)
+                    if snapshot:
+                        log(f"{out} of an earlier run is kept as {snapshot.name}")
                 write_records(out, records)
                 log(f"{rec['method']:>24} n={n:>7}: prefill {rec['prefill_s']:.3f} s, compress "
                     f"{rec['compress_s']:.3f} s, decode {rec['decode_tok_s']:.1f} tok/s")
@@ -200,7 +205,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--new-tokens", type=int, help=f"generated tokens per request (default {DEFAULT_NEW_TOKENS})")
     p.add_argument("--repeats", type=int, help="timed runs per method and length (default 1)")
     p.add_argument("--out", help="output JSON (default: latency.out, else <output_root>/latency.json)")
-    args = p.parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    at = _hydra_overrides(argv)
+    args = p.parse_args([a for i, a in enumerate(argv) if i not in at])
+    args.overrides = [argv[i] for i in sorted(at)] + args.overrides
     for flag, values in (("--lengths", args.lengths), ("--new-tokens", [args.new_tokens]), ("--repeats", [args.repeats])):
         bad = [v for v in values or [] if v is not None and v < 1]
         if bad:
@@ -238,6 +246,9 @@ def main(argv: list[str] | None = None) -> int:
     new_tokens = args.new_tokens if args.new_tokens is not None else lat.get("max_new_tokens") or DEFAULT_NEW_TOKENS
     lengths = args.lengths or lat.get("lengths") or default_lengths(8192)
     out = Path(args.out or lat.get("out") or Path(cfg.get("output_root", "results")) / "latency.json")
+    why = _out_refusal(out)
+    if why:
+        p.error(f"--out {str(out)!r}: {why}")
     records = run_latency(model_cfg, method_cfgs, float(cfg.budget), list(lengths), int(new_tokens),
                           int(args.repeats or lat.get("repeats") or 1), out,
                           engine_factory(model_cfg, float(cfg.budget), str(cfg.get("device", "auto"))))
@@ -246,6 +257,25 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     print(f"latency records written to {out}")
     return 0
+
+
+def _hydra_overrides(argv: list[str]) -> set[int]:
+    """The positions of the Hydra overrides in ``argv`` wherever they stand (``key=value``,
+    ``+key=value``, ``~key``), so that they may follow the options: ``--methods full snapkv
+    budget=0.3`` would otherwise read ``budget=0.3`` as a preset. The value of ``--out`` is
+    never one."""
+    return {i for i, token in enumerate(argv)
+            if not token.startswith("-") and ("=" in token or token.startswith("~"))
+            and not (i and argv[i - 1] == "--out")}
+
+
+def _out_refusal(out: Path) -> str:
+    """Why the records must not be written to ``out`` (``""`` when they may): a folder, a
+    results-store file or a path in a job folder (:func:`kvbench.store.output_file_refusal`), or
+    an existing file that is not a latency record list (an earlier list is kept, see
+    :func:`run_latency`)."""
+    return output_file_refusal(out, "a latency record list", lambda old: isinstance(old, list) and all(
+        isinstance(r, dict) and "prompt_tokens" in r for r in old), "<output_root>/latency.json")
 
 
 if __name__ == "__main__":

@@ -47,6 +47,7 @@ from methods.base import ConfigError
 from .cli_parser import OneLineParser
 from .head_mask import MODES, PHASES, HeadMask
 from .signals import quiet_broken_pipe
+from .store import store_write_refusal
 
 ROOT = Path(__file__).resolve().parents[1]
 KINDS = ("srh", "trh", "random")
@@ -203,10 +204,13 @@ def out_stem(out: str, name: str) -> Path:
     ``drop.md``); either way the first stem with no file yet (:func:`output_stem`).
 
     Raises:
-        ConfigError: ``out`` is an existing file that is not one of those outputs' names, or
-            lies under one.
+        ConfigError: ``out`` is an existing file that is not one of those outputs' names, lies
+            under one, or lies in a job folder (:func:`kvbench.store.store_write_refusal`).
     """
     path = Path(out)
+    why = store_write_refusal(path if path.suffix not in (".json", ".csv", ".md") else path.parent)
+    if why:
+        raise ConfigError(f"--out={out!r}: {why}; pass a folder outside the job folders")
     if path.suffix in (".json", ".csv", ".md"):
         if path.parent.exists() and not path.parent.is_dir():
             raise ConfigError(f"--out={out!r}: {path.parent} is a file, not a folder")

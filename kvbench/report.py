@@ -34,6 +34,7 @@ from .plots import plt
 from .report_data import load_results
 from .report_tables import Table, round2
 from .signals import quiet_broken_pipe
+from .store import store_write_refusal
 
 __all__ = ["ARTIFACTS", "load_results", "load_latency", "build", "write_table", "main"]
 
@@ -257,6 +258,20 @@ def note_kinds(notes: list[str]) -> str:
     return ", ".join(dict.fromkeys(k for k in kinds if k)) or "see the notes"
 
 
+REPORT_SUFFIXES = (".md", ".tex", ".csv", ".png", ".pdf")
+
+
+def _earlier_files(out: Path, written: set[Path]) -> list[str]:
+    """Table and figure files under the report folder ``out`` that this run did not write
+    (relative paths, sorted; ``index.md`` aside): outputs of earlier runs whose inputs changed.
+    They are kept (nothing is deleted) and listed, so they are not read as current."""
+    if not out.is_dir():
+        return []
+    return sorted(p.relative_to(out).as_posix() for p in out.rglob("*")
+                  if p.is_file() and p.suffix in REPORT_SUFFIXES and p.name != "index.md"
+                  and p.resolve() not in written and not any(part.startswith(".") for part in p.relative_to(out).parts))
+
+
 def _index_name(line: str) -> str | None:
     """The artifact or family an ``index.md`` line is about (``- name: ...``), else None."""
     return line[2:].split(":", 1)[0] if line.startswith("- ") and ":" in line else None
@@ -317,11 +332,13 @@ def main(argv: list[str] | None = None) -> int:
     if above is not None:
         p.error(f"{str(root)!r} is a task, model or method folder inside the results root {str(above)!r}; pass "
                 "that results root (reports group jobs by task, model and method from there)")
-    inside = _out_inside_store(root, out, df["job"])
+    inside = _out_inside_store(root, out, df["job"]) or store_write_refusal(out)
     if inside:
         p.error(f"--out {str(out)!r}: {inside}; write the report beside the job folders (default: RESULTS_ROOT/report) "
                 "or outside the results root")
     ctx = Context(root, df, latency, str(lat_path))
+    written: set[Path] = set()
+    earlier_report = (out / "index.md").is_file()  # a report folder: its other files are earlier outputs
     n_jobs = df["job"].nunique()
     index, failed = [f"# Report of {root}", "", f"{n_jobs} job folder{'s' if n_jobs != 1 else ''} read.", ""], 0
     for line in df.attrs.get("unreadable", []):
@@ -340,12 +357,21 @@ def main(argv: list[str] | None = None) -> int:
             index.append(f"- {family}: no inputs in this results root")
         for a in arts:
             paths = write_table(a, out) if isinstance(a, Table) else write_figure(a, out)
+            written.update(q.resolve() for q in paths)
             missing = f", {len(a.notes)} note(s): {note_kinds(a.notes)}" if a.notes else ""
             index.append(f"- {a.name}: {', '.join(q.name for q in paths)} ({len(a.sources)} job{'s' if len(a.sources) != 1 else ''}{missing})")
             print(f"wrote {a.name}{missing}")
     out.mkdir(parents=True, exist_ok=True)
     if args.only:
         index += _earlier_index_lines(out / "index.md", index, args.only)
+    else:
+        stale = _earlier_files(out, written) if earlier_report else []
+        if stale:
+            index += ["", "Files of earlier report runs that this run did not write (their inputs changed, e.g. a "
+                      "table renamed when jobs of another setting joined, or are gone); kept, not current:",
+                      *[f"- {name}" for name in stale]]
+            print(f"warning: {len(stale)} file(s) in {out} are from earlier report runs and were not rewritten "
+                  f"(listed in index.md): {', '.join(stale[:3])}{', ...' if len(stale) > 3 else ''}", file=sys.stderr)
     (out / "index.md").write_text("\n".join(index) + "\n")
     print(f"report written to {out}")
     return 1 if failed else 0

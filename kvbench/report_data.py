@@ -51,7 +51,9 @@ DATASET_CATEGORY: dict[str, str] = {d: c for c, ds in LONGBENCH_CATEGORIES.items
 DATASET_ABBR: dict[str, str] = dict(zip(DATASET_ORDER, [
     "NrtQA", "Qasp", "MF-en", "HpQA", "2Wiki", "Musi", "GovR", "QMSm", "MNws",
     "TREC", "TrvQA", "SAMs", "PCnt", "PRet", "LCC", "RB-P",
-]))
+])) | {  # the Chinese datasets, so that a table mixing both has abbreviated headers only
+    "multifieldqa_zh": "MF-zh", "dureader": "DuRd", "vcsum": "VCSum", "lsht": "LSHT", "passage_retrieval_zh": "PRet-zh",
+}
 # Row order of methods in every table and legend (registry names; unknown names go last).
 METHOD_ORDER: list[str] = [
     "full", "streamingllm", "snapkv", "lookm", "pyramidkv", "cake", "headkv", "adakv", "selkv", "compresskv",
@@ -93,13 +95,19 @@ def read_predictions(path: Path) -> list[dict]:
 
 def niah_grid(job_dir: Path) -> tuple[list, list] | None:
     """A NIAH job's grid as its ``summary.json`` records it (the last run's
-    ``(task.context_lengths, task.depth_percents)``); None when it records none (older jobs)."""
+    ``(task.context_lengths, task.depth_percents)``), as sorted distinct numbers (tokens as int,
+    percents as int when whole), so that ``[512, 256]`` and ``[256, 512]``, ``[50.0]`` and ``[50]``
+    are one grid; None when it records none (older jobs) or a value is not a number."""
     summary = _read_json(job_dir / "summary.json")
     selection = (summary.get("selection") if isinstance(summary, dict) else None) or {}
     lengths, depths = selection.get("task.context_lengths"), selection.get("task.depth_percents")
     if not isinstance(lengths, list) or not isinstance(depths, list):
         return None
-    return lengths, depths
+    try:
+        return (sorted({int(n) for n in lengths}),
+                [int(d) if float(d).is_integer() else float(d) for d in sorted({float(d) for d in depths})])
+    except (TypeError, ValueError):
+        return None
 
 
 def niah_grid_records(job_dir: Path) -> list[dict]:

@@ -304,8 +304,9 @@ def _variant_labels(groups: list[tuple], rows: pd.DataFrame) -> dict[tuple, tupl
     tell its variant apart from the label's other variants or from its preset file
     (:func:`report_data.preset_params`: ``method.alpha=1.5`` shows as ``alpha=1.5`` even with
     no default job beside it) (``kernel_size=3, window_size=32``; ``""`` for a label whose only
-    variant is its preset's) and the variant's sort key (the default variant, see
-    :func:`report_data.variants`, first; then the differing fields, numbers numerically)."""
+    variant is its preset's) and the variant's sort key (the preset's own variant first, or
+    without the preset file the preferred one of :func:`report_data.variants`; then the
+    differing fields, numbers numerically: ``alpha=1.0`` before ``alpha=2``)."""
     out: dict[tuple, tuple[str, tuple]] = {}
     for label in dict.fromkeys(k[1] for k in groups):
         found = variants(rows[rows["method"] == label])
@@ -322,7 +323,9 @@ def _variant_labels(groups: list[tuple], rows: pd.DataFrame) -> dict[tuple, tupl
             values = [own.get(k, "–") for k in varying]
             order = tuple((0, float(v), "") if isinstance(v, (int, float)) and not isinstance(v, bool)
                           else (1, 0.0, json.dumps(v)) for v in values)
-            out[key] = (", ".join(f"{k}={v}" for k, v in zip(varying, values)), (own != all_params[0], order))
+            default = (all(json.dumps(own.get(k)) == json.dumps(reference.get(k)) for k in varying) if reference
+                       else own == all_params[0])
+            out[key] = (", ".join(f"{k}={v}" for k, v in zip(varying, values)), (not default, order))
     return out
 
 

@@ -19,6 +19,7 @@ from pathlib import Path
 from eval.metrics import dataset2metric, score_dataset
 
 from .cli_parser import OneLineParser
+from .store import atomic_write, keep_previous, output_file_refusal
 
 REQUIRED = ("pred", "answers", "all_classes")
 
@@ -99,11 +100,26 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kvbench score: {e}", file=sys.stderr)
         return 2
     out = args.out or args.dir / "result.json"
+    why = _out_refusal(out, args.dir)
+    if why:
+        parser.error(f"--out {str(out)!r}: {why}")
     text = json.dumps(scores, ensure_ascii=False, indent=4)
-    out.write_text(text, encoding="utf-8")
+    kept = keep_previous(out) if out.exists() and out.read_text(encoding="utf-8", errors="replace") != text else None
+    out.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write(out, text)
     print(text)
-    print(f"wrote {out}", file=sys.stderr)
+    print(f"wrote {out}" + (f" (the earlier scores are kept as {kept.name})" if kept else ""), file=sys.stderr)
     return 0
+
+
+def _out_refusal(out: Path, pred_dir: Path) -> str:
+    """Why the scores must not be written to ``out`` (``""`` when they may): a folder, one of the
+    prediction files scored, a results-store file or a path inside a job folder
+    (:func:`kvbench.store.output_file_refusal`), or an existing file that is not a score file."""
+    if out.suffix == ".jsonl" and out.absolute().parent == pred_dir.absolute():
+        return "is a prediction file of DIR; pass another file (default: DIR/result.json)"
+    return output_file_refusal(out, "a scores file (a JSON object)", lambda old: isinstance(old, dict),
+                               "DIR/result.json")
 
 
 if __name__ == "__main__":

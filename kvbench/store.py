@@ -183,6 +183,83 @@ def job_relpath(cfg: dict, method_preset: str | None = None, method_overrides: l
     return f"{cfg['task']['name']}/{cfg['model']['name']}/{method}/{'-'.join(parts)}"
 
 
+STORE_FILES = ("predictions.jsonl", "summary.json", "config.yaml")
+"""The files that make a folder a job folder (see docs/RESULTS.md)."""
+
+
+def is_job_folder(folder: Path) -> bool:
+    """Whether ``folder`` is a job folder: it holds ``config.yaml`` and ``predictions.jsonl`` or
+    ``summary.json`` (what the report and the resume read as one job)."""
+    return (folder / "config.yaml").is_file() and any((folder / n).exists() for n in STORE_FILES[:2])
+
+
+def store_write_refusal(out: Path) -> str:
+    """Why a command's output path ``out`` (a file or a folder) must not be written (``""`` when
+    it may): it is a job's own file (``predictions.jsonl``, ``summary.json``, ``config.yaml``,
+    ``env*.json``, ``config.*.yaml``) or lies inside a job folder. Writing there would replace
+    stored samples or mix other files into a job (reports and resumes read the folder as one job).
+    """
+    out = Path(out).absolute()
+    name = out.name
+    if name in STORE_FILES or (name.startswith("env") and name.endswith(".json")) or \
+            (name.startswith("config.") and name.endswith(".yaml")):
+        return f"{name} is a job folder's own file (results store)"
+    for folder in [out, *out.parents]:
+        if is_job_folder(folder):
+            return f"inside the job folder {folder}"
+    return ""
+
+
+def output_file_refusal(out: Path, kind: str, is_kind: Callable[[Any], bool], default: str) -> str:
+    """Why a command must not write its JSON output file ``out`` (``""`` when it may): ``out`` is
+    a folder, a results-store path (:func:`store_write_refusal`), or an existing file whose JSON
+    content fails ``is_kind`` (another kind of file: writing would replace it).
+
+    Args:
+        out: the output file.
+        kind: what the command writes, for the message (``a scores file (a JSON object)``).
+        is_kind: whether an existing file's parsed JSON is an earlier output of that kind.
+        default: the command's default output, for the message (``DIR/result.json``).
+    """
+    if out.is_dir():
+        return f"is a folder; pass a file path (default: {default})"
+    why = store_write_refusal(out)
+    if why:
+        return why + "; pass a file outside the job folders"
+    if out.exists():
+        try:
+            old = json.loads(out.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return f"exists and is not {kind}; pass a new file"
+        if not is_kind(old):
+            return f"exists and is not {kind}; pass a new file"
+    return ""
+
+
+def keep_previous(path: Path) -> Path | None:
+    """Copy an existing file ``path`` to ``<stem>.<time><suffix>`` beside it (the time it was
+    last written; ``-2``, ``-3``... within one second, never overwriting) before a new run
+    replaces it, so that no earlier output is lost.
+
+    Returns:
+        The copy's path (an identical earlier copy is reused), or None if ``path`` is absent.
+    """
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8", errors="replace")
+        stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(path.stat().st_mtime))
+    except FileNotFoundError:
+        return None
+    snapshot, n = path.with_name(f"{path.stem}.{stamp}{path.suffix}"), 1
+    while snapshot.exists():
+        if snapshot.read_text(encoding="utf-8", errors="replace") == text:
+            return snapshot  # kept already
+        n += 1
+        snapshot = path.with_name(f"{path.stem}.{stamp}-{n}{path.suffix}")
+    atomic_write(snapshot, text)
+    return snapshot
+
+
 class JobStore:
     """One job folder.
 
@@ -423,22 +500,10 @@ class JobStore:
         return path
 
     def _keep_previous(self, name: str) -> None:
-        """Copy a stored ``name`` (an earlier run's ``env.json``) to ``<stem>.<time>.json``, the
-        time its run wrote it, before this run replaces it: the provenance of every run that
-        stored samples stays in the folder (never overwritten: ``-2``... within one second)."""
-        path = self.path / name
-        try:
-            text = path.read_text(encoding="utf-8", errors="replace")
-            stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(path.stat().st_mtime))
-        except FileNotFoundError:
-            return
-        snapshot, n = self.path / f"{path.stem}.{stamp}{path.suffix}", 1
-        while snapshot.exists():
-            if snapshot.read_text(encoding="utf-8", errors="replace") == text:
-                return  # kept already
-            n += 1
-            snapshot = self.path / f"{path.stem}.{stamp}-{n}{path.suffix}"
-        atomic_write(snapshot, text)
+        """Copy a stored ``name`` (an earlier run's ``env.json``) to ``<stem>.<time>.json`` before
+        this run replaces it (:func:`keep_previous`): the provenance of every run that stored
+        samples stays in the folder."""
+        keep_previous(self.path / name)
 
     def write_json_with_first_record(self, name: str, obj: Any) -> None:
         """Write ``name`` (as :meth:`write_json`) just before this object's next record is

@@ -535,3 +535,26 @@ def test_budget_one_is_the_full_retention_ratio_not_one_token():
     assert is_ratio_budget(1.0) and not is_ratio_budget(2.0)
     assert budget_semantics([0.25, 1.0]) == "budget = retention ratio ρ of prompt tokens"
     assert budget_semantics([64.0, 256.0]).startswith("budget = tokens kept")
+
+
+def test_files_of_earlier_report_runs_are_listed_not_deleted(tmp_path, capsys):
+    """A full report into a folder that holds an earlier report keeps the files it did not rewrite
+    (a table renamed since, e.g. scores_longbench_llama31 -> scores_longbench_llama31_3500_tok)
+    and lists them in index.md as earlier, not current; a folder with no index.md is left alone."""
+    make_job(tmp_path / "root", method="full", scores={"qasper": 40.0})
+    out = tmp_path / "rep"
+    assert report.main([str(tmp_path / "root"), "--out", str(out)]) == 0
+    assert "earlier report runs" not in (out / "index.md").read_text()
+    (out / "scores_longbench_old.md").write_text("| stale |\n")
+    capsys.readouterr()
+    assert report.main([str(tmp_path / "root"), "--out", str(out)]) == 0
+    index = (out / "index.md").read_text()
+    head, _, earlier = index.partition("Files of earlier report runs that this run did not write")
+    assert earlier.splitlines()[1:] == ["- scores_longbench_old.md"] and "scores_longbench_llama31" in head
+    assert (out / "scores_longbench_old.md").read_text() == "| stale |\n"
+    assert "1 file(s) in" in capsys.readouterr().err
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.md").write_text("x")
+    assert report.main([str(tmp_path / "root"), "--out", str(mine)]) == 0
+    assert "earlier report runs" not in (mine / "index.md").read_text()

@@ -185,6 +185,12 @@ def test_a_lone_variant_is_marked_against_its_preset_file(tmp_path):
     job.rename(tmp_path / "niah/tiny/selkv" / job.name)
     (t,) = score_tables(report.load_results(tmp_path))
     assert [(r["Variant"], r["niah"]) for r in records(t)] == [("alpha=0.5", 50.0), ("alpha=1.5", 25.0)]
+    # without the preset's own job, variants go in numeric order (alpha=2's folder is preferred by path)
+    for alpha, tag in ((2, "aaaa1111"), (1.0, "bbbb2222")):
+        make_job(tmp_path / "c", task="niah", model="tiny", method="selkv", params={"alpha": alpha, "window_size": 32},
+                 folder_tag=tag, scores={"niah": 10.0 * alpha})
+    (t,) = score_tables(report.load_results(tmp_path / "c"))
+    assert [r["Variant"] for r in records(t)] == ["alpha=1.0", "alpha=2"]
 
 
 def test_no_scored_job_means_no_inputs(tmp_path):
@@ -218,10 +224,14 @@ def test_niah_jobs_on_different_grids_are_noted(tmp_path):
     assert bold_rows == {("SnapKV", "256")}
     summary_path = root / "niah" / "tiny" / "selkv" / "b256" / "summary.json"
     summary = json.loads(summary_path.read_text())
-    summary["selection"] = {"task.context_lengths": [512], "task.depth_percents": [50]}
+    summary["selection"] = {"task.context_lengths": [512, 512], "task.depth_percents": [50.0]}  # the same grid
     summary_path.write_text(json.dumps(summary))
     table = {t.name: t for t in score_tables(report.load_results(root), root)}["scores_niah_tiny"]
     assert table.notes == []
+    summary["selection"] = {"task.context_lengths": [2048, 512], "task.depth_percents": [90, 10.5, 10.5]}
+    summary_path.write_text(json.dumps(summary))
+    table = {t.name: t for t in score_tables(report.load_results(root), root)}["scores_niah_tiny"]
+    assert "lengths [512, 2048] × depths [10.5, 90]: niah/tiny/selkv/b256" in table.notes[0]  # sorted, distinct
 
 
 def test_jobs_over_part_of_each_dataset_are_noted_in_score_and_paper_tables(tmp_path):
@@ -307,3 +317,10 @@ def test_env_dtype_splits_model_keys_and_keys_missing_in_older_jobs_do_not(tmp_p
     assert keys["longbench/tiny/full/b1.0"] == "tiny [env.device_type=cuda, env.dtype=bfloat16]"
     assert keys["longbench/tiny/snapkv/b0.25"] == "tiny [env.device_type=cpu, env.dtype=float32]"
     assert keys["longbench/tiny/snapkv/b0.5"] == "tiny"  # no env.json; task.max_new_tokens: in no other job
+
+
+def test_english_and_chinese_headers_are_all_abbreviated(tmp_path):
+    make_job(tmp_path, method="snapkv", scores={"qasper": 30.0, "dureader": 20.0, "passage_retrieval_zh": 10.0})
+    (t,) = score_tables(report.load_results(tmp_path))
+    assert [t.headers.get(c, c) for c in t.data.columns if c in ("qasper", "dureader", "passage_retrieval_zh")] == [
+        "Qasp", "DuRd", "PRet-zh"]

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from kvbench.score import main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -78,3 +80,38 @@ def test_python_dash_m(tmp_path):
     )
     assert done.returncode == 0, done.stderr
     assert json.loads((tmp_path / "result.json").read_text(encoding="utf-8")) == {"lcc": 50.0}
+
+
+def test_out_never_replaces_stored_files(tmp_path, capsys):
+    """--out that is a job's file, lies in a job folder, is a folder, is a scored prediction file
+    or is some other file: one line, exit 2, nothing written. A missing parent folder is made, and
+    earlier scores that differ are kept as result.<time>.json."""
+    make_dir(tmp_path)
+    job = tmp_path / "results" / "longbench" / "m" / "snapkv" / "b0.25"
+    job.mkdir(parents=True)
+    for name, text in (("config.yaml", "budget: 0.25\n"), ("predictions.jsonl", '{"id": 1}\n'), ("summary.json", "{}")):
+        (job / name).write_text(text)
+    (tmp_path / "notes.txt").write_text("mine")
+    cases = [(job / "predictions.jsonl", "predictions.jsonl is a job folder's own file"),
+             (tmp_path / "elsewhere" / "summary.json", "summary.json is a job folder's own file"),
+             (job / "scores.json", f"inside the job folder {job}"),
+             (tmp_path / "results", "is a folder; pass a file path"),
+             (tmp_path / "trec.jsonl", "is a prediction file of DIR"),
+             (tmp_path / "notes.txt", "exists and is not a scores file")]
+    for out, message in cases:
+        with pytest.raises(SystemExit) as stop:
+            main([str(tmp_path), "--out", str(out)])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert stop.value.code == 2 and len(err) == 1 and message in err[0], (out, err)
+    assert (job / "predictions.jsonl").read_text() == '{"id": 1}\n' and (tmp_path / "notes.txt").read_text() == "mine"
+    assert not (job / "scores.json").exists() and not (tmp_path / "elsewhere").exists()
+    out = tmp_path / "new" / "deeper" / "scores.json"
+    assert main([str(tmp_path), "--out", str(out)]) == 0  # parents made
+    first = out.read_text(encoding="utf-8")
+    write(tmp_path, "passage_count.jsonl", [pred("3", ["3"])])
+    assert main([str(tmp_path), "--out", str(out)]) == 0
+    assert json.loads(out.read_text(encoding="utf-8"))["passage_count"] == 100.0
+    (kept,) = out.parent.glob("scores.*.json")
+    assert kept.read_text(encoding="utf-8") == first and "the earlier scores are kept as" in capsys.readouterr().err
+    assert main([str(tmp_path), "--out", str(out)]) == 0  # the same scores again: nothing more kept
+    assert len(list(out.parent.glob("scores.*.json"))) == 1

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from kvbench import latency
@@ -18,6 +20,9 @@ from kvbench import latency
     (["budget=abc", "--methods", "snapkv"], "method=snapkv: budget='abc': must be a retention ratio"),
     (["budget=16", "--methods", "full", "snapkv"], "method=snapkv: budget=16: smaller than the 32 tokens"),
     (["budget=0.25", "method.window_size=0"], "method=selkv: method.window_size=0: must be an integer >= 1"),
+    # overrides after the options are overrides, not presets or lengths
+    (["--methods", "full", "snapkv", "budget=0"], "method=full: budget=0: must be > 0"),
+    (["--lengths", "512", "1024", "budget=16", "--methods", "snapkv"], "method=snapkv: budget=16: smaller than"),
     (["method.window_size=8", "--methods", "full", "streamingllm"], "method=streamingllm: Could not override "
                                                                    "'method.window_size'."),
 ])
@@ -27,3 +32,49 @@ def test_bad_input_is_one_line(argv, line, capsys):
     assert exc.value.code == 2
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert last.startswith(f"python -m kvbench.latency: error: {line}")
+
+
+def test_out_never_replaces_stored_files(tmp_path, capsys):
+    """--out that is a job's file, lies in a job folder, is a folder or is another kind of file:
+    one line, exit 2, before any model loads; nothing written."""
+    job = tmp_path / "results" / "niah" / "m" / "full" / "b1"
+    job.mkdir(parents=True)
+    for name in ("config.yaml", "predictions.jsonl", "summary.json"):
+        (job / name).write_text("kept\n")
+    (tmp_path / "notes.json").write_text('{"a": 1}')
+    for out, message in ((job / "summary.json", "summary.json is a job folder's own file"),
+                         (job / "latency.json", f"inside the job folder {job}"),
+                         (tmp_path / "results", "is a folder; pass a file path"),
+                         (tmp_path / "notes.json", "exists and is not a latency record list")):
+        with pytest.raises(SystemExit) as exc:
+            latency.main(["--methods", "full", "--out", str(out), "budget=0.5"])
+        last = capsys.readouterr().err.strip().splitlines()[-1]
+        assert exc.value.code == 2 and f"--out {str(out)!r}: {message}" in last, last
+    assert all((job / n).read_text() == "kept\n" for n in ("config.yaml", "predictions.jsonl", "summary.json"))
+    assert not (job / "latency.json").exists()
+
+
+def test_an_earlier_latency_file_is_kept(tmp_path):
+    """A second run to the same --out keeps the first run's records as latency.<time>.json."""
+    from types import SimpleNamespace
+
+    class Engine:
+        model = SimpleNamespace(config=SimpleNamespace(vocab_size=100, max_position_embeddings=4096))
+
+        def __init__(self, _cfg):
+            pass
+
+        def generate(self, ids, n, stop_ids):
+            return SimpleNamespace(prefill_s=0.1, compress_s=0.0, decode_s=0.2, generated_tokens=n,
+                                   decode_tok_s=n / 0.2, peak_rss_bytes=1, cache_bytes_before=8,
+                                   cache_bytes_after=8)
+
+    out = tmp_path / "latency.json"
+    first = latency.run_latency({"name": "tiny"}, {"full": {"name": "full"}}, 0.25, [64], 4, 1, out,
+                                make_engine=Engine, log=lambda _m: None)
+    logged = []
+    latency.run_latency({"name": "tiny"}, {"full": {"name": "full"}}, 0.25, [128], 4, 1, out,
+                        make_engine=Engine, log=logged.append)
+    (kept,) = tmp_path.glob("latency.*.json")
+    assert json.loads(kept.read_text()) == first and json.loads(out.read_text())[0]["prompt_tokens"] == 128
+    assert f"{out} of an earlier run is kept as {kept.name}" in logged
