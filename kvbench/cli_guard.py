@@ -425,6 +425,13 @@ def precheck_argv(argv: list[str]) -> None:
                 parsed.extend(parser.parse_overrides([text]))
             except OverrideParseException as e:
                 fail(f"{text}: cannot parse this override ({_first_line(e)}); write key=value, see python run.py --help")
+        seen: dict[str, str] = {}
+        for o in parsed:  # Hydra keeps the last of two values silently (a script's defaults, then a change)
+            key = o.key_or_group.lstrip("+~")
+            if key in seen and seen[key] != o.input_line:
+                print(f"warning: {key} is given twice ({seen[key]}, {o.input_line}); the last one is used",
+                      file=sys.stderr)
+            seen[key] = o.input_line
         base, sweeps = [], []
         for o in parsed:
             key = o.key_or_group

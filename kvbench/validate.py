@@ -111,14 +111,54 @@ def check_output_root(root: Any) -> Path:
             pass
     except OSError as e:
         raise ConfigError(f"output_root={root}: not writable (cannot create a file in {probe}: {e.strerror}); pass a writable folder") from None
+    _check_root_not_nested(root, path)
     return path
+
+
+def _check_root_not_nested(shown: str, path: Path) -> None:
+    """Refuse an ``output_root`` inside a job folder, or one that is a task, model or method folder
+    of another results root (``results/niah``): the report and resumes of that root would read
+    this root's jobs as its own. A results root is recognised by its standard job folders
+    ``<task>/<model>/<method>/b<budget>...`` (their ``config.yaml`` names the task and model).
+
+    Raises:
+        ConfigError: names ``output_root`` and the job folder or results root it lies in.
+    """
+    from .store import is_job_folder
+
+    for folder in (path, *path.parents):
+        if is_job_folder(folder):
+            raise ConfigError(f"output_root={shown}: inside the job folder {folder}; pass a folder outside it")
+    for k, above in enumerate(path.parents[:3], 1):
+        rel = path.relative_to(above).parts  # path is a task (k=1), model (2) or method (3) folder of above?
+        pattern = "/".join([*rel[:-1], *["*"] * (5 - k), "config.yaml"])
+        for n, hit in enumerate(above.glob(pattern)):
+            if n >= 20:
+                break
+            job = hit.parent.relative_to(above).parts
+            try:
+                cfg = yaml.safe_load(hit.read_text(encoding="utf-8")) or {}
+            except (OSError, yaml.YAMLError):
+                continue
+            if not isinstance(cfg, dict) or cfg.get("run_name") or not is_job_folder(hit.parent):
+                continue
+            task, model = (cfg.get("task") or {}).get("name"), (cfg.get("model") or {}).get("name")
+            if (task, model) == job[:2]:
+                raise ConfigError(f"output_root={shown}: a folder inside the results root {above} (it holds the job "
+                                  f"folder {'/'.join(job)}); pass {above} or a folder outside it")
+
+
+RESERVED_FOLDERS = ("report", "latency.json")
+"""Names in ``output_root`` that are not job folders: ``kvbench report``'s default output
+folder and the latency benchmark's default file."""
 
 
 def check_paths(cfg: dict) -> None:
     """``run_name`` must stay inside ``output_root``; ``run_tag`` must be one folder-name-safe word.
 
     Raises:
-        ConfigError: an absolute ``run_name``, one with ``..``, or a ``run_tag`` with other characters.
+        ConfigError: an absolute ``run_name``, one with ``..`` or one in :data:`RESERVED_FOLDERS`,
+            or a ``run_tag`` with other characters.
     """
     name = cfg.get("run_name")
     if name is not None:
@@ -130,6 +170,9 @@ def check_paths(cfg: dict) -> None:
     tag = cfg.get("run_tag")
     if tag is not None and not (isinstance(tag, (str, int)) and _TAG.fullmatch(str(tag))):
         raise ConfigError(f"run_tag={show(tag)}: must be one word of letters, digits and . _ + = -")
+    if name is not None and PurePosixPath(str(name)).parts[0] in RESERVED_FOLDERS:
+        raise ConfigError(f"run_name={show(name)}: {PurePosixPath(str(name)).parts[0]}/ is where kvbench report and "
+                          "kvbench.latency write in output_root; choose another name")
 
 
 def check_device_name(device: Any) -> str:

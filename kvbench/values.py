@@ -96,7 +96,7 @@ def coerce(key: str, value: Any, hint: Any) -> Any:
     if hint is int:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
-        raise bad
+        raise ConfigError(f"{key}={show(value)}: must be {describe(hint)}{_whole_hint(value)}")
     if hint is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool) and value == value and abs(value) != float("inf"):
             return float(value)
@@ -118,6 +118,14 @@ def coerce(key: str, value: Any, hint: Any) -> Any:
     return value
 
 
+def _whole_hint(value: Any) -> str:
+    """`` (write 16, not 16.0)`` for a whole float given for an integer key (``1.6e1`` reads as
+    16.0 in YAML), else ``""``."""
+    if isinstance(value, float) and value.is_integer():
+        return f" (write {int(value)}, not {value!r})"
+    return ""
+
+
 def check_int(cfg: dict, key: str, *, minimum: int | None = None, allow_none: bool = False, label: str | None = None) -> int | None:
     """``cfg[key]`` as an integer (not a bool) >= ``minimum`` (None allowed if ``allow_none``).
 
@@ -129,7 +137,8 @@ def check_int(cfg: dict, key: str, *, minimum: int | None = None, allow_none: bo
     if value is None and allow_none:
         return None
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(f"{name}={show(value)}: must be an integer" + (" or null" if allow_none else ""))
+        raise ConfigError(f"{name}={show(value)}: must be an integer" + (" or null" if allow_none else "")
+                          + _whole_hint(value))
     if minimum is not None and value < minimum:
         raise ConfigError(f"{name}={value}: must be an integer >= {minimum}" + (" or null" if allow_none else ""))
     return value

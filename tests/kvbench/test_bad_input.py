@@ -151,6 +151,7 @@ CASES = [
     ("dtype", ["model.dtype.cpu=float64"], "model.dtype.cpu=float64: accepted values are float32, bfloat16, float16"),
     ("gguf-cache", ["model.gguf_cache=maybe"], "model.gguf_cache=maybe: accepted values are auto, true, false"),
     ("threads-zero", ["threads=0"], "threads=0: must be an integer >= 1 or null"),
+    ("int-as-float", ["max_samples=2.0"], "max_samples=2.0: must be an integer or null (write 2, not 2.0)"),
     ("output-root-under-file", ["output_root={tmp}/afile/results"],
      "output_root={tmp}/afile/results: not writable ({tmp}/afile is a file, not a folder); pass a writable folder"),
     ("run-name-escapes", ["run_name=../../elsewhere"],
@@ -416,3 +417,15 @@ def test_a_missing_relative_folder_names_where_it_was_looked_for(tmp):
     out = run_cli(["task=longbench", "task.data_dir=lb_data", f"output_root={tmp}/out"], cwd=tmp)
     assert out.stderr.startswith(f"error: task.data_dir=lb_data: no such directory (looked for {tmp}/lb_data); ")
     assert out.returncode == 2
+
+
+def test_a_key_given_twice_warns_and_the_last_value_is_used(capsys):
+    """Hydra keeps the last value of a repeated key (a script's defaults, then a change): a warning
+    names both, so a typo'd command line does not run another setting silently."""
+    from kvbench.cli_guard import precheck_argv
+
+    precheck_argv(["method=streamingllm", "budget=0.25", "budget=0.5"])
+    assert capsys.readouterr().err.strip() == ("warning: budget is given twice (budget=0.25, budget=0.5); the last "
+                                               "one is used")
+    precheck_argv(["method=streamingllm", "budget=0.5", "budget=0.5"])  # the same value twice: nothing to say
+    assert capsys.readouterr().err == ""

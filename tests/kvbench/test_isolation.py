@@ -456,3 +456,17 @@ def test_folder_names_count_only_overrides_that_change_the_preset(tiny_model_dir
     out = run_cli([*args, "run_name=mine/job/inner"])
     assert out.returncode == 2 and out.stderr.startswith("error: run_name=mine/job/inner: inside the job folder mine/job;")
     assert not (tmp_path / "niah/config.yaml").exists() and not (tmp_path / "mine/job/inner").exists()
+    # an output_root inside a job folder, or a task/model/method folder of this results root, would
+    # nest results roots (the report of the outer root reads the inner jobs as its own)
+    base = [a for a in args if not a.startswith("output_root=")]
+    for inner in ("niah", "niah/tiny", "niah/tiny/snapkv"):
+        out = run_cli([*base, f"output_root={tmp_path}/{inner}"])
+        assert out.returncode == 2 and out.stderr == (
+            f"error: output_root={tmp_path}/{inner}: a folder inside the results root {tmp_path} (it holds the job "
+            f"folder niah/tiny/streamingllm/b0.5); pass {tmp_path} or a folder outside it\n"), out.stderr
+    out = run_cli([*base, f"output_root={tmp_path}/mine/job/sub"])
+    assert out.returncode == 2 and out.stderr == (f"error: output_root={tmp_path}/mine/job/sub: inside the job folder "
+                                                  f"{tmp_path}/mine/job; pass a folder outside it\n"), out.stderr
+    out = run_cli([*args, "run_name=report/x"])  # kvbench report's default output folder
+    assert out.returncode == 2 and out.stderr.startswith("error: run_name=report/x: report/ is where kvbench report")
+    assert not (tmp_path / "niah/niah").exists() and not (tmp_path / "report").exists()
