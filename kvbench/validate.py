@@ -148,9 +148,9 @@ def _check_root_not_nested(shown: str, path: Path) -> None:
                                   f"folder {'/'.join(job)}); pass {above} or a folder outside it")
 
 
-RESERVED_FOLDERS = ("report", "latency.json")
-"""Names in ``output_root`` that are not job folders: ``kvbench report``'s default output
-folder and the latency benchmark's default file."""
+RESERVED_FOLDERS = {"report": "kvbench report's default output folder",
+                    "latency.json": "python -m kvbench.latency's default output file"}
+"""Names in ``output_root`` that are not job folders, and what they are."""
 
 
 def check_paths(cfg: dict) -> None:
@@ -170,9 +170,10 @@ def check_paths(cfg: dict) -> None:
     tag = cfg.get("run_tag")
     if tag is not None and not (isinstance(tag, (str, int)) and _TAG.fullmatch(str(tag))):
         raise ConfigError(f"run_tag={show(tag)}: must be one word of letters, digits and . _ + = -")
-    if name is not None and PurePosixPath(str(name)).parts[0] in RESERVED_FOLDERS:
-        raise ConfigError(f"run_name={show(name)}: {PurePosixPath(str(name)).parts[0]}/ is where kvbench report and "
-                          "kvbench.latency write in output_root; choose another name")
+    first = PurePosixPath(str(name)).parts[0] if name is not None else None
+    if first in RESERVED_FOLDERS:
+        raise ConfigError(f"run_name={show(name)}: {first} in output_root is {RESERVED_FOLDERS[first]}; choose "
+                          "another name")
 
 
 def check_device_name(device: Any) -> str:

@@ -468,5 +468,5 @@ def test_folder_names_count_only_overrides_that_change_the_preset(tiny_model_dir
     assert out.returncode == 2 and out.stderr == (f"error: output_root={tmp_path}/mine/job/sub: inside the job folder "
                                                   f"{tmp_path}/mine/job; pass a folder outside it\n"), out.stderr
     out = run_cli([*args, "run_name=report/x"])  # kvbench report's default output folder
-    assert out.returncode == 2 and out.stderr.startswith("error: run_name=report/x: report/ is where kvbench report")
+    assert out.returncode == 2 and out.stderr.startswith("error: run_name=report/x: report in output_root is kvbench report's default output folder")
     assert not (tmp_path / "niah/niah").exists() and not (tmp_path / "report").exists()
