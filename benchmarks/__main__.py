@@ -37,6 +37,7 @@ from pathlib import Path  # noqa: E402
 
 from kvbench.cli_parser import OneLineParser  # noqa: E402
 from kvbench.signals import quiet_broken_pipe  # noqa: E402
+from kvbench.store import store_write_refusal  # noqa: E402
 
 from .common import ROOT, BenchResult, Settings, apply_threads, log, machine_info, table  # noqa: E402
 
@@ -95,6 +96,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if bad:
         p.error(f"--lengths {bad[0]}: must be an integer number of tokens >= {MIN_LENGTH}")
     args.prompt_lengths = sorted({int(x) for x in lengths}) or None
+    for flag, path in (("--out", Path(args.out)), ("--doc", Path(args.doc) if args.doc else None)):
+        why = store_write_refusal(path) if path is not None else ""
+        if why:
+            p.error(f"{flag} {str(path)!r}: {why}; pass a path outside the job folders")
+    if args.doc and Path(args.doc).is_file() and not Path(args.doc).read_text(
+            encoding="utf-8", errors="replace").startswith("# Performance"):
+        p.error(f"--doc {args.doc!r}: exists and is not a performance summary of python -m benchmarks; pass a new file")
     return args
 
 

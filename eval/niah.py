@@ -184,6 +184,10 @@ class NIAHTask(Task):
                                       "given more than once; list each value once")
         if cfg.get("prompt_style", "kvcf") not in ("kvcf", "chat"):
             raise TaskConfigError(f"task.prompt_style={cfg.get('prompt_style')!r}: accepted values are kvcf, chat")
+        max_length = cfg.get("max_length")
+        if max_length is not None and (isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 2):
+            raise TaskConfigError(f"task.max_length={_show(max_length)}: must be null (the model's max_input_length) "
+                                  "or an integer >= 2 (tokens)")
         for key, low in (("max_new_tokens", 1), ("final_context_buffer", 0)):
             value = cfg.get(key, low)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:

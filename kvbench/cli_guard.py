@@ -413,6 +413,7 @@ def precheck_argv(argv: list[str]) -> None:
         return
     from hydra import initialize_config_dir
     from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.core.override_parser.types import Glob
     from hydra.errors import OverrideParseException
     from omegaconf import OmegaConf
 
@@ -435,7 +436,13 @@ def precheck_argv(argv: list[str]) -> None:
         base, sweeps = [], []
         for o in parsed:
             key = o.key_or_group
-            values = _sweep_values(o) if o.is_sweep_override() else [o.value()]
+            if isinstance(o.value(), Glob) and composer.is_group(key):  # glob(snap*) over a group's options
+                values = o.value().filter(composer.options(key))
+                if not values:
+                    fail(f"{o.input_line}: matches no {key} option; accepted values are "
+                         f"{', '.join(composer.options(key))}")
+            else:
+                values = _sweep_values(o) if o.is_sweep_override() else [o.value()]
             if o.is_sweep_override() and not args.multirun:
                 fail(f"{o.input_line}: several values need --multirun (-m) to sweep; for a list value write {key}=[...]")
             if composer.is_group(key) and not o.is_delete():

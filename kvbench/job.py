@@ -32,7 +32,7 @@ from .faults import crash_point, injected, sample_delay
 from .full_share import FullCacheShare, copied_record
 from .models import LoadedModel, load_model
 from .signals import stops_by_exception
-from .store import JobStore, job_relpath, normalized_budget
+from .store import JobStore, job_relpath, keep_previous, normalized_budget
 from .validate import check_output_root, validate
 
 log = logging.getLogger("kvbench")
@@ -456,6 +456,9 @@ def _check_same_job(store: JobStore, cfg: dict, relpath: str) -> None:
     source, the haystack, the generation limit, the seed, the device...) would otherwise
     reuse the stored samples of the old setting under the new one.
 
+    A stored ``config.yaml`` with no sample beside it (its run stopped before the first one)
+    and no other shard running is kept as ``config.<time>.yaml`` and replaced.
+
     Raises:
         ConfigError: the stored ``config.yaml`` differs in such keys (up to three are named).
     """
@@ -472,6 +475,14 @@ def _check_same_job(store: JobStore, cfg: dict, relpath: str) -> None:
                 f"config.yaml: job folder {relpath} holds {n} stored sample{'' if n == 1 else 's'} but {what}, so their "
                 f"setting is unknown; restore its config.yaml (a config.<time>.yaml there may be a copy), or {elsewhere}"
             )
+        return
+    if diff and not store.records() and not store.other_shards_running():
+        # a run that stopped (Ctrl-C, SIGTERM, a crash) before its first sample: nothing is stored
+        # under the old setting, so the folder takes the new one (the old file is kept)
+        kept = keep_previous(path)
+        path.unlink()
+        log.info("job %s: its config.yaml is of a run that stored no sample (kept as %s); this run's setting "
+                 "replaces it", relpath, kept.name if kept else "-")
         return
     if diff:
         keys = sorted(diff, key=lambda k: k != "method.name")  # another method is named as such

@@ -548,6 +548,8 @@ def stop_token_ids(tokenizer: Any, model: Any, model_cfg: dict) -> list[int]:
         tid = tokenizer.convert_tokens_to_ids(tok)
         if tid is not None and tid != tokenizer.unk_token_id:
             ids.append(int(tid))
+        else:
+            log.warning("model.stop_tokens: %r is not a token of this tokenizer; it does not stop generation", tok)
     eos = getattr(model.generation_config, "eos_token_id", None)
     if eos is None:
         eos = tokenizer.eos_token_id

@@ -5,7 +5,9 @@ official script) holds one JSON object per line with ``pred``, ``answers``, ``al
 and ``length`` (the official ``pred.py`` format). The result is written as the official
 ``result.json``: ``{dataset: score}``, or with ``--e`` (LongBench-E) ``{dataset: {"0-4k": s,
 "4-8k": s, "8k+": s}}`` where an empty bucket is ``null`` (the official script writes NaN).
-As officially, a file's last line gives the dataset's ``all_classes``.
+As officially, a file's last line gives the dataset's ``all_classes``. Unlike the official
+script (whose last file read wins), two files of one dataset (``qasper.jsonl`` and
+``qasper.old.jsonl``) are refused, and so is an empty file or a line with a wrongly typed field.
 
 Usage: ``kvbench score DIR [--e] [--out PATH]`` or ``python -m kvbench.score DIR``.
 """
@@ -44,11 +46,20 @@ def read_predictions(path: Path, need_length: bool) -> tuple[list[str], list[lis
                 row = json.loads(line)
             except json.JSONDecodeError as e:
                 raise ScoreInputError(f"{path} line {lineno}: not valid JSON ({e.msg})") from None
+            if not isinstance(row, dict):
+                raise ScoreInputError(f"{path} line {lineno}: not a JSON object")
             missing = [k for k in REQUIRED + (("length",) if need_length else ()) if k not in row]
             if missing:
-                raise ScoreInputError(f"{path} line {lineno}: missing field {', '.join(map(repr, missing))}")
-            if not isinstance(row["answers"], list):
-                raise ScoreInputError(f"{path} line {lineno}: 'answers' must be a list")
+                hint = ("; this is kvbench's own predictions.jsonl (its job folder's summary.json holds the scores): "
+                        "kvbench score reads the official pred.py format" if "prediction" in row else "")
+                raise ScoreInputError(f"{path} line {lineno}: missing field {', '.join(map(repr, missing))}{hint}")
+            if not isinstance(row["pred"], str):
+                raise ScoreInputError(f"{path} line {lineno}: 'pred' must be a string, not {type(row['pred']).__name__}")
+            if not isinstance(row["answers"], list) or not all(isinstance(a, str) for a in row["answers"]):
+                raise ScoreInputError(f"{path} line {lineno}: 'answers' must be a list of strings")
+            if need_length and (isinstance(row["length"], bool) or not isinstance(row["length"], (int, float))):
+                raise ScoreInputError(f"{path} line {lineno}: 'length' must be a number (the context's length in "
+                                      "words, LongBench's field), not " + repr(row["length"]))
             preds.append(row["pred"])
             answers.append(row["answers"])
             all_classes = row["all_classes"]
@@ -68,14 +79,20 @@ def score_dir(folder: Path, longbench_e: bool = False) -> dict:
     files = sorted(p for p in folder.iterdir() if p.name.endswith("jsonl") and p.is_file())
     if not files:
         raise ScoreInputError(f"{folder}: no prediction files (<dataset>.jsonl)")
-    scores = {}
+    scores, seen = {}, {}
     for path in files:
         dataset = path.name.split(".")[0]
         if dataset not in dataset2metric:
             raise ScoreInputError(
                 f"{path}: unknown LongBench dataset {dataset!r}; file names must be one of {', '.join(dataset2metric)}"
             )
+        if dataset in seen:  # the official eval.py keeps whichever it reads last
+            raise ScoreInputError(f"{path}: {seen[dataset].name} in the same folder is dataset {dataset!r} too (the "
+                                  "name up to its first dot); move one of them out")
+        seen[dataset] = path
         preds, answers, all_classes, lengths = read_predictions(path, need_length=longbench_e)
+        if not preds:
+            raise ScoreInputError(f"{path}: no prediction lines")
         try:
             scores[dataset] = score_dataset(dataset, preds, answers, all_classes, lengths if longbench_e else None)
         except (ValueError, TypeError) as e:

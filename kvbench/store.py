@@ -337,6 +337,26 @@ class JobStore:
         except OSError:
             return not self.path.exists()
 
+    def other_shards_running(self) -> bool:
+        """Whether another process holds a shard lock of this folder (another shard, or a run
+        with another ``shard.count``), tested without blocking."""
+        mine = f".lock.shard{self.shard[0]}-of-{self.shard[1]}"
+        for lock in self.path.glob(".lock.shard*"):
+            if lock.name == mine:
+                continue
+            try:
+                fd = os.open(lock, os.O_RDWR)
+            except OSError:
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                fcntl.flock(fd, fcntl.LOCK_UN)
+            except OSError:
+                return True
+            finally:
+                os.close(fd)
+        return False
+
     @contextmanager
     def locked(self, wait_s: float = 0.0) -> Iterator["JobStore"]:
         self.acquire(wait_s)

@@ -270,6 +270,10 @@ def build_method(method_cfg: dict, layout: HeadLayout | None = None) -> Method:
         hints = typing.get_type_hints(cls.Config) if fields else {}
     except Exception:  # noqa: BLE001 - unresolvable annotations: skip the type check, keep the rest
         hints = {}
+    label = method_cfg.get("label")
+    if label is not None and not (isinstance(label, str) and label.strip()):
+        raise ConfigError(f"method.label={show(label)}: must be a non-empty text (the method's name in reports), "
+                          "or null for the preset's name")
     values = {k: v for k, v in method_cfg.items() if k not in _META_KEYS}
     for key, value in values.items():
         if key not in fields:
@@ -305,6 +309,13 @@ def check_model(model_cfg: dict) -> None:
             raise ConfigError(f"model.{key}={show(model_cfg[key])}: must be true or false")
     if "max_input_length" in model_cfg:
         check_int(model_cfg, "max_input_length", minimum=1, label="model.max_input_length")
+    ids = model_cfg.get("stop_ids")
+    if ids is not None and not (isinstance(ids, list) and all(
+            isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids)):
+        raise ConfigError(f"model.stop_ids={show(ids)}: must be a list of token ids (integers >= 0), e.g. [2, 32000]")
+    tokens = model_cfg.get("stop_tokens")
+    if tokens is not None and not (isinstance(tokens, list) and all(isinstance(t, str) and t for t in tokens)):
+        raise ConfigError(f"model.stop_tokens={show(tokens)}: must be a list of token strings, e.g. ['<|im_end|>']")
     cache = model_cfg.get("gguf_cache", "auto")
     if not isinstance(cache, bool) and cache != "auto":
         raise ConfigError(f"model.gguf_cache={show(cache)}: accepted values are auto, true, false")

@@ -144,7 +144,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.output is None:
         sys.stdout.write(text)
         return 0
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root (run as a script)
+    from kvbench.store import keep_previous, store_write_refusal
+
+    why = store_write_refusal(args.output) or ("is a folder" if args.output.is_dir() else "")
+    if why:
+        print(f"make_joblist: -o {args.output}: {why}; pass a job list file outside the job folders", file=sys.stderr)
+        return 2
     try:
+        kept = keep_previous(args.output) if args.output.is_file() and args.output.read_text() != text else None
+        if kept:
+            print(f"make_joblist: the earlier {args.output.name} is kept as {kept.name}", file=sys.stderr)
         args.output.write_text(text)
     except OSError as error:  # a folder that does not exist, a file in the path, no permission
         print(f"make_joblist: -o {args.output}: cannot write it ({error.strerror or type(error).__name__})",

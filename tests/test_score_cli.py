@@ -71,6 +71,19 @@ def test_score_dir_errors_are_one_line(tmp_path, capsys):
     write(tmp_path, "qasper.jsonl", [{"pred": "y", "answers": ["y"], "all_classes": None}])
     assert main([str(tmp_path), "--e"]) == 2
     assert "missing field 'length'" in capsys.readouterr().err
+    for rows, message in (([{"pred": None, "answers": ["y"], "all_classes": None, "length": 1}], "line 1: 'pred' must be a string"),
+                          ([pred("y", [1])], "line 1: 'answers' must be a list of strings"),
+                          ([pred("y", ["y"], length="long")], "line 1: 'length' must be a number"),
+                          ([{"prediction": "y", "answers": ["y"], "length": 1}], "this is kvbench's own predictions.jsonl"),
+                          ([], "qasper.jsonl: no prediction lines")):
+        write(tmp_path, "qasper.jsonl", rows)
+        assert main([str(tmp_path), "--e"]) == 2
+        err = capsys.readouterr().err
+        assert message in err and err.count("\n") == 1, err
+    write(tmp_path, "qasper.jsonl", [pred("y", ["y"])])
+    write(tmp_path, "qasper.old.jsonl", [pred("n", ["y"])])  # the official script: the last file read wins
+    assert main([str(tmp_path)]) == 2
+    assert "qasper.jsonl in the same folder is dataset 'qasper' too" in capsys.readouterr().err
 
 
 def test_python_dash_m(tmp_path):

@@ -84,6 +84,20 @@ def test_main_writes_one_line_per_job(tmp_path, capsys):
     (tmp_path / "afile").write_text("x")  # -o under a file: one line, not a NotADirectoryError traceback
     assert main(["method=full", "budget=0.5", "-o", str(tmp_path / "afile" / "jobs.txt")]) == 2
     assert capsys.readouterr().err == f"make_joblist: -o {tmp_path / 'afile' / 'jobs.txt'}: cannot write it (Not a directory)\n"
+    job = tmp_path / "results" / "niah" / "m" / "full" / "b1"  # a job folder: its files are never replaced
+    job.mkdir(parents=True)
+    for name in ("config.yaml", "predictions.jsonl"):
+        (job / name).write_text("kept\n")
+    for target, why in ((job / "predictions.jsonl", "predictions.jsonl is a job folder's own file (results store)"),
+                        (job / "jobs.txt", f"inside the job folder {job}"), (tmp_path, "is a folder")):
+        assert main(["method=full", "budget=0.5", "-o", str(target)]) == 2
+        assert capsys.readouterr().err == (f"make_joblist: -o {target}: {why}; pass a job list file outside the job "
+                                           "folders\n")
+    assert (job / "predictions.jsonl").read_text() == "kept\n" and not (job / "jobs.txt").exists()
+    assert main(["method=snapkv", "budget=0.5", "-o", str(out)]) == 0  # another list: the earlier one is kept
+    (kept,) = tmp_path.glob("jobs.*.txt")
+    assert kept.read_text() == "method=full budget=0.5\nmethod=snapkv budget=0.5\n"
+    assert f"the earlier jobs.txt is kept as {kept.name}" in capsys.readouterr().err
 
 
 def test_a_preset_contributes_its_own_sweep_and_each_line_runs_alone(tmp_path, capsys):

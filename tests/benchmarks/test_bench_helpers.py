@@ -263,3 +263,18 @@ def test_kvpress_result_reports_the_ratio_of_medians_and_each_repetition(monkeyp
     assert res.targets[0].passed is False and res.targets[0].measured == "1.000×"  # 5.0 / 5.0 > 0.9
     assert res.data["paired_ratios"] == pytest.approx([5.0 / 5.5, 0.9, 1.2])
     assert "own ratios (kvbench / the adjacent kvpress run): 0.900–1.200, median 0.909" in " ".join(res.notes)
+
+
+def test_out_and_doc_never_write_into_a_job_folder(tmp_path, capsys):
+    job = tmp_path / "niah" / "m" / "full" / "b1"
+    job.mkdir(parents=True)
+    for name in ("config.yaml", "predictions.jsonl"):
+        (job / name).write_text("kept\n")
+    (tmp_path / "notes.md").write_text("# My notes\n")
+    for argv, message in ((["--out", str(job)], f"--out {str(job)!r}: inside the job folder {job}"),
+                          (["--doc", str(job / "predictions.jsonl")], "predictions.jsonl is a job folder's own file"),
+                          (["--doc", str(tmp_path / "notes.md")], "exists and is not a performance summary")):
+        with pytest.raises(SystemExit) as stop:
+            parse_args(argv)
+        assert stop.value.code == 2 and message in capsys.readouterr().err
+    assert (job / "predictions.jsonl").read_text() == "kept\n"

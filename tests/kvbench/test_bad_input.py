@@ -152,6 +152,13 @@ CASES = [
     ("gguf-cache", ["model.gguf_cache=maybe"], "model.gguf_cache=maybe: accepted values are auto, true, false"),
     ("threads-zero", ["threads=0"], "threads=0: must be an integer >= 1 or null"),
     ("int-as-float", ["max_samples=2.0"], "max_samples=2.0: must be an integer or null (write 2, not 2.0)"),
+    ("niah-max-length", ["task.max_length=-5"],
+     "task.max_length=-5: must be null (the model's max_input_length) or an integer >= 2 (tokens)"),
+    ("stop-ids", ["model.stop_ids=abc"], "model.stop_ids=abc: must be a list of token ids (integers >= 0), e.g. [2, 32000]"),
+    ("stop-tokens", ["model.stop_tokens=[123]"],
+     "model.stop_tokens=[123]: must be a list of token strings, e.g. ['<|im_end|>']"),
+    ("label-empty", ["method.label="],
+     "method.label='': must be a non-empty text (the method's name in reports), or null for the preset's name"),
     ("output-root-under-file", ["output_root={tmp}/afile/results"],
      "output_root={tmp}/afile/results: not writable ({tmp}/afile is a file, not a folder); pass a writable folder"),
     ("run-name-escapes", ["run_name=../../elsewhere"],
@@ -429,3 +436,15 @@ def test_a_key_given_twice_warns_and_the_last_value_is_used(capsys):
                                                "one is used")
     precheck_argv(["method=streamingllm", "budget=0.5", "budget=0.5"])  # the same value twice: nothing to say
     assert capsys.readouterr().err == ""
+
+
+def test_a_glob_sweep_over_a_group_is_accepted(capsys):
+    """Hydra's basic sweeper expands glob() over a config group's options; the pre-check does too
+    (it used to refuse it as an interval() sweep), and a glob matching nothing is one line."""
+    from kvbench.cli_guard import precheck_argv
+
+    precheck_argv(["-m", "method=glob(snap*)", "budget=0.1"])
+    with pytest.raises(SystemExit) as stop:
+        precheck_argv(["-m", "method=glob(zzz*)"])
+    assert stop.value.code == 2 and capsys.readouterr().err.startswith(
+        "error: method=glob(zzz*): matches no method option; accepted values are adacompresskv, ")

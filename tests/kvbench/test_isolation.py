@@ -299,6 +299,25 @@ def test_a_finished_niah_job_redraws_a_heatmap_that_is_not_its_summarys(tiny_mod
     assert (job / "summary.json").stat().st_mtime_ns == summary_ns  # the summary itself is not rewritten
 
 
+def test_a_run_that_stored_no_sample_does_not_pin_the_folder_setting(tiny_model_dir, haystack_dir, tmp_path):
+    """A run stopped before its first sample (Ctrl-C while the model loads) leaves config.yaml and
+    nothing else: a rerun with another setting takes the folder (the old config.yaml is kept as
+    config.<time>.yaml) instead of being refused for samples that do not exist."""
+    args = [*tiny_model_args(tiny_model_dir), "task.context_lengths=[300]", "task.depth_percents=[50]",
+            f"task.haystack_dir={haystack_dir}", "method=streamingllm", "budget=0.5", "task.max_new_tokens=3",
+            "quiet=true", f"output_root={tmp_path}", "run_name=job"]
+    assert run_cli(args).returncode == 0
+    job = tmp_path / "job"
+    for p in job.iterdir():  # as if that run had stopped before its first sample
+        if p.name != "config.yaml" and p.is_file():
+            p.unlink()
+    out = run_cli([a for a in args if a != "task.max_new_tokens=3"] + ["task.max_new_tokens=5"])
+    assert out.returncode == 0, out.stderr[-2000:]
+    (kept,) = job.glob("config.*.yaml")
+    assert "max_new_tokens: 3" in kept.read_text() and "max_new_tokens: 5" in (job / "config.yaml").read_text()
+    assert json.loads((job / "summary.json").read_text())["n_samples"] == 1
+
+
 def test_stored_samples_without_a_readable_config_are_never_resumed(tiny_model_dir, haystack_dir, tmp_path):
     """config.yaml deleted or garbled: the stored samples' setting is unknown, so a run (of any
     setting) is refused before the model loads instead of adding to them; with run_name the advice
