@@ -300,11 +300,15 @@ def _earlier_index_lines(path: Path, index: list[str], only: list[str]) -> list[
 def main(argv: list[str] | None = None) -> int:
     """CLI entry point; returns the exit status (1 when an artifact failed to build)."""
     p = OneLineParser(prog="kvbench report", description=DESCRIPTION)
-    p.add_argument("root", metavar="RESULTS_ROOT", help="results root holding the job folders")
+    p.add_argument("root", metavar="RESULTS_ROOT", nargs="?", help="results root holding the job folders")
     p.add_argument("--out", help="output folder (default: RESULTS_ROOT/report)")
     p.add_argument("--only", nargs="+", metavar="NAME", help="artifact names or patterns: " + ", ".join(ARTIFACTS))
     p.add_argument("--latency", help="latency benchmark JSON for selkv_fig3 (default: RESULTS_ROOT/latency.json)")
     args = p.parse_args(argv)
+    if args.root is None and args.only and len(args.only) > 1 and Path(args.only[-1]).is_dir():
+        args.root = args.only.pop()  # `--only scores ROOT`: --only took the root too
+    if args.root is None:
+        p.error("the following arguments are required: RESULTS_ROOT")
     root = Path(args.root)
     if not root.is_dir():
         p.error(f"RESULTS_ROOT {str(root)!r} is not a directory")
@@ -336,6 +340,15 @@ def main(argv: list[str] | None = None) -> int:
     if inside:
         p.error(f"--out {str(out)!r}: {inside}; write the report beside the job folders (default: RESULTS_ROOT/report) "
                 "or outside the results root")
+    from methods.base import ConfigError
+
+    from .validate import check_not_in_store
+
+    try:  # outside this root: not in another results root's task, model or method folder either
+        if not out.resolve().is_relative_to(root.resolve()):
+            check_not_in_store(f"--out {str(out)!r}", out)
+    except ConfigError as e:
+        p.error(str(e))
     ctx = Context(root, df, latency, str(lat_path))
     written: set[Path] = set()
     earlier_report = (out / "index.md").is_file()  # a report folder: its other files are earlier outputs

@@ -328,15 +328,21 @@ def _differing(settings: Iterable[str]) -> list[str]:
 def _model_keys(df: pd.DataFrame) -> pd.Series:
     """Model name, suffixed where one (task, model) has several settings: the run tag, else the
     truncation length (``llama31 [ctx31500]``, ``llama31 [3500 tok]``), and where jobs still differ
-    in other settings (:func:`_settings`), the keys that differ (``smollm2 [task.max_new_tokens=64]``)."""
+    in other settings (:func:`_settings`), the keys that differ (``smollm2 [task.max_new_tokens=64]``).
+    Untagged jobs keep the plain name when every job of the model has their truncation length
+    (only the tagged jobs differ, so only they are suffixed)."""
     keys = df["model"].copy()
     for (_task, _model), grp in df.groupby(["task", "model"]):
         first = grp.apply(_first_suffix, axis=1)
         split_by_first = first.nunique() > 1
+        untagged = first[grp["setting"] == ""].unique()
+        # untagged jobs of the one truncation length all jobs share keep the plain name: "[7500 tok]"
+        # would tell them from nothing (a tagged job joining must not rename their tables)
+        plain = untagged[0] if len(untagged) == 1 and grp["max_input_tokens"].nunique(dropna=False) == 1 else None
         for suffix, sub in grp.groupby(first):
             differ = _differing(sub["settings"].unique())
             for idx, row in sub.iterrows():
-                parts = [suffix] if split_by_first else []
+                parts = [suffix] if split_by_first and suffix != plain else []
                 values = json.loads(row["settings"])
                 if any(k in values for k in differ):
                     parts.append(", ".join(f"{k}={values[k]}" for k in differ if k in values))

@@ -66,8 +66,9 @@ def selkv_fig2(df: pd.DataFrame, budget: float = 0.25, task: str = "longbench") 
     fig, axes = _axes_grid(1, 1, w=max(4.5, 1.6 * len(grid.models) + 2))
     ax = axes[0, 0]
     width = 0.8 / max(1, len(grid.labels))
+    unfinished = False
     for j, lab in enumerate(grid.labels):
-        xs, ys = [], []
+        xs, ys, open_ = [], [], []
         for i, mk in enumerate(grid.models):
             delta = grid.average(mk, lab) - grid.average(mk, grid.full_label)
             x = i - 0.4 + width * (j + 0.5)
@@ -77,16 +78,23 @@ def selkv_fig2(df: pd.DataFrame, budget: float = 0.25, task: str = "longbench") 
             else:
                 xs.append(x)
                 ys.append(delta)
-        ax.bar(xs, ys, width, label=lab)
+                open_.append(not (grid.complete(mk, lab) and grid.complete(mk, grid.full_label)))
+        bars = ax.bar(xs, ys, width, label=lab)
+        for bar, is_open in zip(bars, open_):
+            if is_open:  # an unfinished job's average covers fewer samples
+                bar.set_hatch("///")
+                bar.set_alpha(0.5)
+                unfinished = True
     ax.axhline(0, color="black", linewidth=0.8)
     ax.margins(y=0.15)
     ax.set_xticks(range(len(grid.models)), grid.models)
     ax.set_xlabel("Model")
     ax.set_ylabel(f"Δ LongBench average vs {grid.full_label} (points)")
-    ax.set_title("Performance gap to the full cache (closer to 0 is better)")
+    ax.set_title("Gap to the full cache\n(closer to 0 is better)", fontsize=10)
     ax.legend(fontsize=7)
     caption = (f"Task: LongBench ({n_datasets(len(grid.datasets))}); models: {', '.join(grid.models)}; "
-               f"{budget_semantics([budget])}, ρ = {budget_text(budget)}.")
+               f"{budget_semantics([budget])}, ρ = {budget_text(budget)}."
+               + (" Hatched, pale bars: an unfinished job (fewer samples scored)." if unfinished else ""))
     return [_finish("selkv_fig2", fig, caption, grid.sources, grid.notes)]
 
 

@@ -68,6 +68,12 @@ class Grid:
     cell_jobs: dict[tuple[str, str], list[str]] = field(default_factory=dict)
     sources: list[str] = field(default_factory=list)
     model_notes: list[tuple[str, str]] = field(default_factory=list)
+    incomplete: set[tuple[str, str]] = field(default_factory=set)  # (model key, label) cells of unfinished jobs
+
+    def complete(self, model: str, label: str) -> bool:
+        """Whether every job of a cell finished (an unfinished job's scores cover fewer samples, so
+        its cell is never bold)."""
+        return (model, label) not in self.incomplete
 
     @property
     def notes(self) -> list[str]:
@@ -154,6 +160,8 @@ def score_grid(df: pd.DataFrame, task: str, budget: float, models: list[str] | N
                 scored[job] = scored.get(job, 0) + int(n)
         for job, n in scored.items():
             grid.note(mk, incomplete_note(job, n))
+        if scored:
+            grid.incomplete.add((mk, key))
         for note in subset_notes(rows, grid.cell_jobs[(mk, key)]):
             grid.note(mk, note)
 

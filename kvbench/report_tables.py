@@ -97,6 +97,12 @@ def _table(name: str, caption: str, rows: list[dict], columns: list[str], grid: 
     return Table(name, caption, data, sources=kw.pop("sources", srcs), notes=kw.pop("notes", notes), **kw)
 
 
+def _unfinished_text(*grids: Grid) -> str:
+    """`` (unfinished jobs' rows excluded)`` for a caption when a cell of ``grids`` is of an
+    unfinished job (its scores cover fewer samples: never bold), else ``""``."""
+    return " (rows of unfinished jobs excluded)" if any(g.incomplete for g in grids) else ""
+
+
 def _models_text(models: list[str]) -> str:
     return "Models: " + ", ".join(models) + "."
 
@@ -123,14 +129,16 @@ def selkv_table1(df: pd.DataFrame, budget: float = 0.25, task: str = "longbench"
             rows.append({"Model": mk, "Method": label, **{d: grid.score(mk, label, d) for d in grid.datasets},
                          "Avg": avg, "Δ": math.nan if is_full else avg - full_avg,
                          "Avg Rank": math.nan if is_full else ranks[label]})
-        comp = [i for i in range(start, len(rows)) if rows[i]["Method"] != grid.full_label]
+        comp = [i for i in range(start, len(rows)) if rows[i]["Method"] != grid.full_label
+                and grid.complete(mk, rows[i]["Method"])]
         for col in [*grid.datasets, "Avg", "Δ"]:
             bold |= bold_best(rows, comp, col)
         bold |= bold_best(rows, comp, "Avg Rank", higher=False)
     caption = (f"LongBench results ({n_datasets(len(grid.datasets))}) at a {budget_text(budget)} KV budget "
                f"({budget_semantics([budget])}). Δ: gap to {grid.full_label or 'the full cache'} within each model. "
                "Avg Rank: mean over datasets of the per-dataset rank among compressed methods (lower is better; "
-               "ties share the better rank). Best compressed method per column in bold. " + _models_text(grid.models))
+               "ties share the better rank). Best compressed method per column in bold" + _unfinished_text(grid)
+               + ". " + _models_text(grid.models))
     cols = ["Model", "Method", *grid.datasets, "Avg", "Δ", "Avg Rank"]
     return [_table("selkv_table1", caption, rows, cols, grid, bold=bold, signed={"Δ"},
                    headers={d: DATASET_ABBR.get(d, d) for d in grid.datasets},
@@ -155,11 +163,18 @@ def selkv_table4(df: pd.DataFrame, budget: float = 0.25, task: str = "longbench"
             if not ds:
                 continue
             rows.append({"Model": mk, "Category": cat, **{lab: grid.average(mk, lab, ds) for lab in grid.row_labels()}})
-            vals = {lab: round2(rows[-1][lab]) for lab in grid.labels if not math.isnan(rows[-1][lab])}
+            vals = {lab: round2(rows[-1][lab]) for lab in grid.labels
+                    if not math.isnan(rows[-1][lab]) and grid.complete(mk, lab)}
             bold |= {(len(rows) - 1, lab) for lab, v in vals.items() if v == max(vals.values())}
     caption = (f"Category-level averages on LongBench ({budget_text(budget)} KV budget; {budget_semantics([budget])}). "
-               "Best compressed method per category in bold. " + _models_text(grid.models))
-    return [_table("selkv_table4", caption, rows, ["Model", "Category", *grid.row_labels()], grid, bold=bold)]
+               "Best compressed method per category in bold" + _unfinished_text(grid) + ". "
+               + _models_text(grid.models))
+    partial = [f"partial category: {cat} averages {len(ds)} of its {len(members)} datasets ({', '.join(ds)}); not "
+               "comparable to the paper's category score"
+               for cat, members in LONGBENCH_CATEGORIES.items()
+               if 0 < len(ds := [d for d in grid.datasets if d in members]) < len(members)]
+    return [_table("selkv_table4", caption, rows, ["Model", "Category", *grid.row_labels()], grid, bold=bold,
+                   notes=grid.notes + partial)]
 
 
 RATIO_TABLE_NAMES = {"llama31": "selkv_table5", "gemma2": "selkv_table6"}
@@ -251,7 +266,8 @@ def selkv_table7(df: pd.DataFrame, budget: float = 0.25, task: str = "longbench"
             avg = grid.average(mk, label)
             rows.append({"Model": mk, "Method": label, "Avg": avg,
                          "Δ": math.nan if label == grid.full_label else avg - full_avg})
-        bold |= bold_best(rows, [i for i in range(start, len(rows)) if rows[i]["Method"] != grid.full_label], "Avg")
+        bold |= bold_best(rows, [i for i in range(start, len(rows)) if rows[i]["Method"] != grid.full_label
+                                 and grid.complete(mk, rows[i]["Method"])], "Avg")
     ctx = sorted({int(t) for t in df.loc[df["model_key"].isin(grid.models), "max_input_tokens"].dropna()})
     caption = (f"LongBench average ({n_datasets(len(grid.datasets))}) with long inputs "
                f"({', '.join(map(str, ctx))} tokens), "
@@ -288,12 +304,14 @@ def compresskv_table1(df: pd.DataFrame, budgets: tuple[float, ...] = (256, 1024)
         merged.merge_notes(g)
     rows = [{"Method": lab, **{c: values.get((lab, c), math.nan) for c in cols}} for lab in labels]
     comp = [i for i, r in enumerate(rows) if r["Method"] != full]
-    bold = set().union(*(bold_best(rows, comp, c) for c in cols))
+    bold = set().union(*(bold_best(rows, [i for i in comp if grids[b].complete(mk, rows[i]["Method"])], f"{mk} @{b:g}")
+                         for mk in models for b in grids))
     notes = merged.notes + missing_notes(rows, cols, lambda r, c: (
         f"{c.split(' @')[0]} / {r['Method']} at budget {c.split(' @')[1]} (no job, or a dataset missing)"))
     caption = (f"Average LongBench scores under fixed KV budgets ({budget_semantics(list(grids))}). "
                f"{full or 'The full cache'} is uncompressed and does not depend on the budget. "
-               "Best compressed method per column in bold. " + _models_text(models))
+               "Best compressed method per column in bold" + _unfinished_text(*grids.values()) + ". "
+               + _models_text(models))
     groups = [("", 1)] + [(mk, len(grids)) for mk in models]
     return [_table("compresskv_table1", caption, rows, ["Method", *cols], merged, bold=bold, groups=groups,
                    notes=list(dict.fromkeys(notes)))]

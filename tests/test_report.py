@@ -206,7 +206,9 @@ def test_selkv_table1_numbers(df):
     assert "SelKV (evict only)" not in set(t.data["Method"])  # ablation presets stay out
     pos = {(r["Model"], r["Method"]): i for i, r in enumerate(t.data.to_dict("records"))}
     assert (pos[(L, "SelKV")], "qasper") in t.bold and (pos[(L, "PyramidKV")], "musique") in t.bold
-    assert (pos[(G, "SnapKV")], "hotpotqa") in t.bold and (pos[(G, "SelKV")], "hotpotqa") in t.bold  # tie
+    # gemma2 SnapKV ties SelKV on hotpotqa, but its job is unfinished (no summary): never bold
+    assert (pos[(G, "SnapKV")], "hotpotqa") not in t.bold and (pos[(G, "SelKV")], "hotpotqa") in t.bold
+    assert "(rows of unfinished jobs excluded)" in t.caption
     assert (pos[(G, "SelKV")], "Avg Rank") in t.bold
     assert any("gemma2 / PyramidKV" in n for n in t.notes) and any("lcc" in n for n in t.notes)
     assert "longbench/gemma2/snapkv/b0.25" in t.sources and "gemma2/selkv/b0.25-w16k5" not in " ".join(t.sources)
@@ -286,6 +288,11 @@ def test_selkv_table4_category_means(df):
     assert math.isnan(code["SnapKV"]) and code["PyramidKV"] == 59.0
     assert "Synthetic" not in {c for _m, c in rows}  # no synthetic dataset in the fixture
     assert math.isnan(rows[("gemma2", "Few-shot Learning")]["PyramidKV"])
+    partial = [n for n in t.notes if n.startswith("partial category")]
+    assert partial == [f"partial category: {cat} averages {k} of its 3 datasets ({ds}); not comparable to the paper's "
+                       "category score" for cat, k, ds in [("Single-Doc QA", 1, "qasper"), ("Multi-Doc QA", 2,
+                       "hotpotqa, musique"), ("Summarization", 1, "multi_news"), ("Few-shot Learning", 1, "trec")]] + [
+        "partial category: Code averages 1 of its 2 datasets (lcc); not comparable to the paper's category score"]
 
 
 def test_ratio_table(df):
@@ -367,7 +374,7 @@ def test_report_only_and_partial_tree(tree, tmp_path):
     assert "- selkv_table2: selkv_table2.md" in head and "selkv_table1" not in head
     assert "- selkv_table1: selkv_table1.md" in earlier and "- niah_panel_smollm2:" in earlier
     assert "selkv_table2" not in earlier
-    assert kvbench_cli(["report", str(tree), "--out", str(out), "--only", "selkv_table1"]) == 0
+    assert kvbench_cli(["report", "--out", str(out), "--only", "selkv_table1", str(tree)]) == 0  # root last
     index = (out / "index.md").read_text()
     assert index.count("- selkv_table1:") == 1 and index.count("- selkv_table2:") == 1
     assert index.count("Earlier report runs") == 1
@@ -482,6 +489,14 @@ def test_bad_report_inputs_are_one_line_and_an_unreadable_job_is_left_out(tmp_pa
             report.main([str(tmp_path / "root"), *argv])
         err = capsys.readouterr().err.strip().splitlines()
         assert stop.value.code == 2 and message in err[-1] and "Traceback" not in "".join(err)
+    other = make_job(tmp_path / "other", method="full", scores={"qasper": 40.0})  # another results root
+    with pytest.raises(SystemExit) as stop:
+        report.main([str(tmp_path / "root"), "--out", str(tmp_path / "other" / "longbench")])
+    assert stop.value.code == 2 and f"a folder inside the results root {tmp_path / 'other'} (it holds the job folder " \
+        "longbench/llama31/full/b0.25)" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as stop:
+        report.main([str(tmp_path / "root"), "--out", str(other / "rep")])
+    assert stop.value.code == 2 and f"inside the job folder {other}" in capsys.readouterr().err
     (bad / "config.yaml").write_text("budget: [unclosed\n")
     assert report.main([str(tmp_path / "root"), "--out", str(tmp_path / "rep")]) == 0
     assert ("warning: job folder longbench/llama31/snapkv/b0.25: config.yaml cannot be read (ParserError); left out "
@@ -558,3 +573,16 @@ def test_files_of_earlier_report_runs_are_listed_not_deleted(tmp_path, capsys):
     (mine / "notes.md").write_text("x")
     assert report.main([str(tmp_path / "root"), "--out", str(mine)]) == 0
     assert "earlier report runs" not in (mine / "index.md").read_text()
+
+
+def test_selkv_fig2_marks_the_bar_of_an_unfinished_job(df):
+    """gemma2's SnapKV job is unfinished (no summary): its bar is hatched and pale, the caption
+    says so; finished jobs' bars are plain."""
+    from kvbench.report_figures import selkv_fig2
+
+    (fig,) = selkv_fig2(df)
+    ax = fig.fig.axes[0]
+    hatched = [p for p in ax.patches if p.get_hatch()]
+    assert len(hatched) == 1 and hatched[0].get_alpha() == 0.5
+    assert "Hatched, pale bars: an unfinished job" in fig.caption
+    assert ax.get_title() == "Gap to the full cache\n(closer to 0 is better)"

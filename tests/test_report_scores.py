@@ -324,3 +324,17 @@ def test_english_and_chinese_headers_are_all_abbreviated(tmp_path):
     (t,) = score_tables(report.load_results(tmp_path))
     assert [t.headers.get(c, c) for c in t.data.columns if c in ("qasper", "dureader", "passage_retrieval_zh")] == [
         "Qasp", "DuRd", "PRet-zh"]
+
+
+def test_a_tagged_job_does_not_rename_the_untagged_jobs_table(tmp_path):
+    """Untagged jobs of the truncation length every job shares keep the plain model key (and the
+    table name scores_<task>_<model>) when a run_tag job joins; only the tagged job is suffixed.
+    With another truncation length in play the untagged jobs say theirs (llama31 [3500 tok])."""
+    make_job(tmp_path, model="tiny", method="full", budget=1.0, scores={"qasper": 30.0}, ctx=7500)
+    make_job(tmp_path, model="tiny", method="snapkv", scores={"qasper": 20.0}, ctx=7500)
+    make_job(tmp_path, model="tiny", method="snapkv", scores={"qasper": 25.0}, ctx=7500, run_tag="t1")
+    keys = dict(zip(*[report.load_results(tmp_path)[k] for k in ("job", "model_key")]))
+    assert keys == {"longbench/tiny/full/b1.0": "tiny", "longbench/tiny/snapkv/b0.25": "tiny",
+                    "longbench/tiny/snapkv/b0.25-t1": "tiny [t1]"}
+    assert {t.name for t in score_tables(report.load_results(tmp_path))} == {"scores_longbench_tiny",
+                                                                             "scores_longbench_tiny_t1"}
