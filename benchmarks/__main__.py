@@ -38,6 +38,8 @@ from pathlib import Path  # noqa: E402
 from kvbench.cli_parser import OneLineParser  # noqa: E402
 from kvbench.signals import quiet_broken_pipe  # noqa: E402
 from kvbench.store import store_write_refusal  # noqa: E402
+from kvbench.validate import check_not_in_store  # noqa: E402
+from methods.base import ConfigError  # noqa: E402
 
 from .common import ROOT, BenchResult, Settings, apply_threads, log, machine_info, table  # noqa: E402
 
@@ -100,6 +102,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         why = store_write_refusal(path) if path is not None else ""
         if why:
             p.error(f"{flag} {str(path)!r}: {why}; pass a path outside the job folders")
+    try:  # a results root's task, model or method folder
+        check_not_in_store(f"--out {args.out!r}", Path(args.out))
+    except ConfigError as e:
+        p.error(str(e))
     if args.doc and Path(args.doc).is_file() and not Path(args.doc).read_text(
             encoding="utf-8", errors="replace").startswith("# Performance"):
         p.error(f"--doc {args.doc!r}: exists and is not a performance summary of python -m benchmarks; pass a new file")

@@ -41,6 +41,25 @@ def fail(message: str) -> NoReturn:
     sys.exit(EXIT_CONFIG)
 
 
+def composition_error(overrides: list[str], config_name: str = "config") -> str | None:
+    """The one-line diagnosis ``run.py`` gives when ``overrides`` cannot be composed (an unknown key
+    lists the node's accepted keys, with a "did you mean"), without ``error: `` and without
+    exiting; None when they compose. For the other command-line tools (``kvbench.latency``)."""
+    import contextlib
+    import io
+
+    from hydra import initialize_config_dir
+
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err), initialize_config_dir(
+                config_dir=str(CONF), version_base="1.3", job_name="kvbench_compose"):
+            _Composer(config_name).compose(overrides)
+    except SystemExit:
+        return err.getvalue().strip().removeprefix("error: ") or None
+    return None
+
+
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return text.splitlines()[0].rstrip(".") if text else type(exc).__name__
@@ -221,7 +240,7 @@ def _check_folders(folders: dict[int, tuple], variants: list[list[str]], n_base:
     shard): the second would stop on the first one's lock or stored setting."""
     seen: dict[tuple, int] = {}
     for i, folder in sorted(folders.items()):
-        if folder in seen and variants[seen[folder]][n_base:] != variants[i][n_base:]:
+        if folder in seen:  # other values (seed=0,1) or one value twice (budget=0.1,0.1)
             a, b = (" ".join(variants[k][n_base:]) for k in (seen[folder], i))
             fail(f"sweep jobs {a} and {b} write the same job folder {folder[0]} (its name holds task, model, method "
                  "preset, budget, run_tag and the method.* overrides); list each value once, or give each job its "
@@ -425,7 +444,9 @@ def precheck_argv(argv: list[str]) -> None:
             try:
                 parsed.extend(parser.parse_overrides([text]))
             except OverrideParseException as e:
-                fail(f"{text}: cannot parse this override ({_first_line(e)}); write key=value, see python run.py --help")
+                hint = ("; a path starting with ~ needs quotes (key='~/x') or $HOME"
+                        if "=~" in text or "=[~" in text else "; write key=value, see python run.py --help")
+                fail(f"{text}: cannot parse this override ({_first_line(e)}){hint}")
         seen: dict[str, str] = {}
         for o in parsed:  # Hydra keeps the last of two values silently (a script's defaults, then a change)
             key = o.key_or_group.lstrip("+~")

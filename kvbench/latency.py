@@ -198,9 +198,9 @@ def main(argv: list[str] | None = None) -> int:
 
     p = OneLineParser(prog="python -m kvbench.latency", description=__doc__.split("\n\n")[0])
     p.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. +experiment=selkv_fig3 model=llama31")
-    p.add_argument("--methods", nargs="+", help="method presets (conf/method/*.yaml); default: latency.methods "
+    p.add_argument("--methods", nargs="+", action="extend", help="method presets (conf/method/*.yaml); default: latency.methods "
                    "or full + the configured method")
-    p.add_argument("--lengths", nargs="+", type=int, help="prompt lengths (tokens); default: latency.lengths or "
+    p.add_argument("--lengths", nargs="+", type=int, action="extend", help="prompt lengths (tokens); default: latency.lengths or "
                    "powers of two from 512 to 8192 (lengths over the model's context window are skipped)")
     p.add_argument("--new-tokens", type=int, help=f"generated tokens per request (default {DEFAULT_NEW_TOKENS})")
     p.add_argument("--repeats", type=int, help="timed runs per method and length (default 1)")
@@ -220,7 +220,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = compose(args.overrides)
     except Exception as e:  # noqa: BLE001 - Hydra's override and config errors: one line, not a traceback
-        p.error(f"{' '.join(args.overrides)}: {str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}")
+        from .cli_guard import composition_error
+
+        p.error(composition_error(args.overrides) or f"{' '.join(args.overrides)}: "
+                f"{str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}")
     lat = OmegaConf.to_container(cfg.get("latency") or OmegaConf.create({}), resolve=True)
     model_cfg = OmegaConf.to_container(cfg.model, resolve=True)
     presets = args.methods or lat.get("methods") or ["full", cfg.method.name]
@@ -237,14 +240,18 @@ def main(argv: list[str] | None = None) -> int:
         try:
             sub = compose(keep + [f"method={preset}"])
         except Exception as e:  # noqa: BLE001 - a method.* key this preset lacks: one line
-            p.error(f"method={preset}: {str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}")
+            from .cli_guard import composition_error
+
+            why = composition_error(keep + [f"method={preset}"])
+            p.error(f"method={preset}: " + (why or (str(e).strip().splitlines()[0] if str(e).strip()
+                                                    else type(e).__name__)))
         try:  # the job runner's checks (budget, method fields, model source), before the model loads
             validate(OmegaConf.to_container(sub, resolve=True), layout=False)
         except (ConfigError, TaskConfigError) as e:
             p.error(f"method={preset}: {e}" if args.methods or len(presets) > 1 else str(e))
         method_cfgs[preset] = OmegaConf.to_container(sub.method, resolve=True)
     new_tokens = args.new_tokens if args.new_tokens is not None else lat.get("max_new_tokens") or DEFAULT_NEW_TOKENS
-    lengths = args.lengths or lat.get("lengths") or default_lengths(8192)
+    lengths = list(dict.fromkeys(args.lengths or lat.get("lengths") or default_lengths(8192)))  # each length once
     out = Path(args.out or lat.get("out") or Path(cfg.get("output_root", "results")) / "latency.json")
     why = _out_refusal(out)
     if why:

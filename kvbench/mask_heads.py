@@ -166,13 +166,14 @@ def niah_config(args) -> dict:
         ConfigError: a bad grid or haystack folder (the task's own one-line message).
     """
     cfg = yaml.safe_load((ROOT / "conf" / "task" / "niah.yaml").read_text(encoding="utf-8"))
-    try:
-        if args.lengths:
-            cfg["context_lengths"] = [int(x) for x in args.lengths.split(",")]
-        if args.depths:
-            cfg["depth_percents"] = [float(x) for x in args.depths.split(",")]
-    except ValueError:
-        raise ConfigError(f"--lengths={args.lengths!r} / --depths={args.depths!r}: comma-separated numbers") from None
+    for flag, key, kind in (("lengths", "context_lengths", int), ("depths", "depth_percents", float)):
+        text = getattr(args, flag)
+        if text:
+            try:
+                cfg[key] = [kind(x) for x in text.split(",")]
+            except ValueError:
+                raise ConfigError(f"--{flag}={text!r}: comma-separated {'integers' if kind is int else 'numbers'}") \
+                    from None
     if args.haystack_dir:
         cfg["haystack_dir"], cfg["haystack_source"] = args.haystack_dir, "dir"
     if args.max_new_tokens is not None:

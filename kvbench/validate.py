@@ -111,24 +111,34 @@ def check_output_root(root: Any) -> Path:
             pass
     except OSError as e:
         raise ConfigError(f"output_root={root}: not writable (cannot create a file in {probe}: {e.strerror}); pass a writable folder") from None
-    _check_root_not_nested(root, path)
+    check_not_in_store(f"output_root={root}", path)
+    code = Path(__file__).resolve().parents[1]
+    for folder in ("kvbench", "methods", "eval", "conf", "slurm", "benchmarks", "tests", "notebooks"):
+        if path.is_relative_to(code / folder):
+            raise ConfigError(f"output_root={root}: inside kvbench's own {folder}/ folder; pass a folder for results "
+                              "(default: results)")
     return path
 
 
-def _check_root_not_nested(shown: str, path: Path) -> None:
-    """Refuse an ``output_root`` inside a job folder, or one that is a task, model or method folder
-    of another results root (``results/niah``): the report and resumes of that root would read
-    this root's jobs as its own. A results root is recognised by its standard job folders
+def check_not_in_store(shown: str, path: Path) -> None:
+    """Refuse a folder (``output_root``, a tool's ``--out``) inside a job folder, or one that is a
+    task, model or method folder of a results root (``results/niah``): the report and resumes of
+    that root would read what is written there as its own. A results root is recognised by its standard job folders
     ``<task>/<model>/<method>/b<budget>...`` (their ``config.yaml`` names the task and model).
 
+    Args:
+        shown: the setting as the message names it (``output_root=results/niah``, ``--out 'x'``).
+        path: the folder, resolved.
+
     Raises:
-        ConfigError: names ``output_root`` and the job folder or results root it lies in.
+        ConfigError: names ``shown`` and the job folder or results root it lies in.
     """
     from .store import is_job_folder
 
+    path = path.resolve()
     for folder in (path, *path.parents):
         if is_job_folder(folder):
-            raise ConfigError(f"output_root={shown}: inside the job folder {folder}; pass a folder outside it")
+            raise ConfigError(f"{shown}: inside the job folder {folder}; pass a folder outside it")
     for k, above in enumerate(path.parents[:3], 1):
         rel = path.relative_to(above).parts  # path is a task (k=1), model (2) or method (3) folder of above?
         pattern = "/".join([*rel[:-1], *["*"] * (5 - k), "config.yaml"])
@@ -144,7 +154,7 @@ def _check_root_not_nested(shown: str, path: Path) -> None:
                 continue
             task, model = (cfg.get("task") or {}).get("name"), (cfg.get("model") or {}).get("name")
             if (task, model) == job[:2]:
-                raise ConfigError(f"output_root={shown}: a folder inside the results root {above} (it holds the job "
+                raise ConfigError(f"{shown}: a folder inside the results root {above} (it holds the job "
                                   f"folder {'/'.join(job)}); pass {above} or a folder outside it")
 
 

@@ -151,6 +151,8 @@ CASES = [
     ("dtype", ["model.dtype.cpu=float64"], "model.dtype.cpu=float64: accepted values are float32, bfloat16, float16"),
     ("gguf-cache", ["model.gguf_cache=maybe"], "model.gguf_cache=maybe: accepted values are auto, true, false"),
     ("threads-zero", ["threads=0"], "threads=0: must be an integer >= 1 or null"),
+    ("output-root-in-code", ["output_root=methods/results"],
+     "output_root=methods/results: inside kvbench's own methods/ folder; pass a folder for results (default: results)"),
     ("int-as-float", ["max_samples=2.0"], "max_samples=2.0: must be an integer or null (write 2, not 2.0)"),
     ("niah-max-length", ["task.max_length=-5"],
      "task.max_length=-5: must be null (the model's max_input_length) or an integer >= 2 (tokens)"),
@@ -412,6 +414,10 @@ def test_sweep_jobs_that_would_share_a_job_folder_are_refused(capsys):
         "error: sweep jobs seed=0 and seed=1 write the same job folder niah/smollm2/streamingllm/b0.2 (its name holds "
         "task, model, method preset, budget, run_tag and the method.* overrides); list each value once, or give each "
         "job its own run_tag, e.g. 'run_tag=seed${seed}'")
+    with pytest.raises(SystemExit) as stop:  # one value twice: two jobs would race for one folder's lock
+        precheck_argv(["-m", "method=streamingllm", "budget=0.1,0.1"])
+    assert stop.value.code == 2 and "sweep jobs budget=0.1 and budget=0.1 write the same job folder" in \
+        capsys.readouterr().err
     precheck_argv(["-m", "method=streamingllm", "budget=0.2", "seed=0,1", "run_tag=seed${seed}"])
     precheck_argv(["-m", "method=streamingllm", "budget=0.2", "shard.index=0,1", "shard.count=2"])
 

