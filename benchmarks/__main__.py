@@ -8,8 +8,9 @@ write the Markdown summary.
     python -m benchmarks --kvpress-python /path/to/venv/bin/python   # kvpress lives in another environment
 
 The summary goes to ``docs/PERFORMANCE.md`` for a complete, non-quick run, else to
-``<out>/PERFORMANCE.md`` (so quick or partial runs never overwrite the committed page);
-``--doc PATH`` chooses. ``--methods``/``--lengths`` also make a run partial.
+``<out>/PERFORMANCE.md`` (so quick or partial runs, and runs where every target was skipped,
+never overwrite the committed page); ``--doc PATH`` chooses. ``--methods``/``--lengths`` also
+make a run partial. ``--device`` and ``--threads`` are checked before anything runs.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from pathlib import Path  # noqa: E402
 from kvbench.cli_parser import OneLineParser  # noqa: E402
 from kvbench.signals import quiet_broken_pipe  # noqa: E402
 from kvbench.store import store_write_refusal  # noqa: E402
-from kvbench.validate import check_not_in_store  # noqa: E402
+from kvbench.validate import check_device_flag, check_not_in_store  # noqa: E402
 from methods.base import ConfigError  # noqa: E402
 
 from .common import ROOT, BenchResult, Settings, apply_threads, log, machine_info, table  # noqa: E402
@@ -102,8 +103,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         why = store_write_refusal(path) if path is not None else ""
         if why:
             p.error(f"{flag} {str(path)!r}: {why}; pass a path outside the job folders")
-    try:  # a results root's task, model or method folder
+    try:  # a results root's task, model or method folder; a device this machine lacks
         check_not_in_store(f"--out {args.out!r}", Path(args.out))
+        check_device_flag("--device", args.device, args.threads)
     except ConfigError as e:
         p.error(str(e))
     if args.doc and Path(args.doc).is_file() and not Path(args.doc).read_text(
@@ -167,7 +169,11 @@ def main(argv: list[str] | None = None) -> int:
     from . import report
 
     complete = not args.quick and args.names == BENCHMARKS and not args.method_names and not args.prompt_lengths
-    doc = Path(args.doc) if args.doc else (ROOT / "docs" / "PERFORMANCE.md" if complete else out / "PERFORMANCE.md")
+    measured = any(t.verdict in ("PASS", "FAIL") for r in results for t in r.targets)
+    if complete and not measured and not args.doc:  # nothing measured: the committed summary stays as it is
+        print(f"no target was measured; docs/PERFORMANCE.md is left as it was (summary in {out}/)")
+    doc = Path(args.doc) if args.doc else (ROOT / "docs" / "PERFORMANCE.md" if complete and measured
+                                           else out / "PERFORMANCE.md")
     resolved = out.resolve()
     json_dir = (f"{resolved.relative_to(ROOT.resolve())}/" if resolved.is_relative_to(ROOT.resolve())
                 else f"{resolved}/")

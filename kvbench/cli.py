@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import importlib
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -20,7 +21,14 @@ COMMANDS = {
 
 @quiet_broken_pipe
 def main(argv: list[str] | None = None) -> int:
-    """Dispatch ``kvbench <command> ...``."""
+    """Dispatch ``kvbench <command> ...``.
+
+    ``kvbench run`` from the command line (``argv`` None) replaces this process by ``python
+    run.py`` (same pid), so that Ctrl-C, ``kill`` and ``scancel`` reach the job itself: it stops
+    cleanly, releases its lock and exits 130/143 as ``python run.py`` does. Called with ``argv``
+    from Python, it runs ``run.py`` as a child process and returns its exit code.
+    """
+    exec_run = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
         bad = not argv or argv[0] not in ("-h", "--help")  # no command is a usage error (exit 2), as in argparse
@@ -36,6 +44,10 @@ def main(argv: list[str] | None = None) -> int:
     cmd, rest = argv[0], argv[1:]
     if cmd == "run":
         run_py = Path(__file__).resolve().parents[1] / "run.py"
+        if exec_run:  # a child would be orphaned by a signal to this wrapper, keeping the job's lock
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os.execv(sys.executable, [sys.executable, str(run_py), *rest])
         return subprocess.call([sys.executable, str(run_py), *rest])
     module = importlib.import_module(f"kvbench.{cmd.replace('-', '_')}")
     return int(module.main(rest) or 0)

@@ -317,6 +317,9 @@ def _cpu_seconds() -> float:
 
 def run(args) -> int:
     """Validate everything, then load the model and run the no-mask and masked NIAH grids."""
+    from .validate import check_device_flag
+
+    check_device_flag("--device", args.device, args.threads)
     model_cfg = model_config(args.model, args.model_source)
     kinds = [k for k in args.kinds.split(",") if k]
     if not kinds or any(k not in KINDS for k in kinds) or kinds == ["random"]:

@@ -193,6 +193,21 @@ def check_device_name(device: Any) -> str:
     return device
 
 
+def check_device_flag(flag: str, device: Any, threads: Any = None) -> None:
+    """A tool's ``--device`` (:func:`check_device_name`, :func:`check_device_available`) and
+    ``--threads`` (an integer >= 1 or None), checked before anything loads.
+
+    Raises:
+        ConfigError: ``--device gpu: accepted values are ...`` / ``--threads 0: must be ...``.
+    """
+    try:
+        check_device_available(check_device_name(device))
+    except ConfigError as e:
+        raise ConfigError(f"{flag} {str(e).split('=', 1)[1]}") from None
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+        raise ConfigError(f"--threads {threads}: must be an integer >= 1")
+
+
 def check_device_available(device: str) -> None:
     """Raise :class:`ConfigError` if a CUDA/MPS device is asked for and not present (imports torch then)."""
     if device.startswith("cuda"):

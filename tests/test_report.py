@@ -573,6 +573,13 @@ def test_files_of_earlier_report_runs_are_listed_not_deleted(tmp_path, capsys):
     (mine / "notes.md").write_text("x")
     assert report.main([str(tmp_path / "root"), "--out", str(mine)]) == 0
     assert "earlier report runs" not in (mine / "index.md").read_text()
+    docs = tmp_path / "docs"  # a folder with the user's own index.md: refused, the file kept
+    docs.mkdir()
+    (docs / "index.md").write_text("my notes\n")
+    with pytest.raises(SystemExit) as stop:
+        report.main([str(tmp_path / "root"), "--out", str(docs)])
+    assert stop.value.code == 2 and "holds an index.md that is not a kvbench report's" in capsys.readouterr().err
+    assert (docs / "index.md").read_text() == "my notes\n" and len(list(docs.iterdir())) == 1
 
 
 def test_selkv_fig2_marks_the_bar_of_an_unfinished_job(df):

@@ -278,3 +278,11 @@ def test_out_and_doc_never_write_into_a_job_folder(tmp_path, capsys):
             parse_args(argv)
         assert stop.value.code == 2 and message in capsys.readouterr().err
     assert (job / "predictions.jsonl").read_text() == "kept\n"
+
+
+def test_device_and_threads_are_checked_before_anything_runs(capsys):
+    for argv, message in ((["--device", "gpu"], "--device gpu: accepted values are auto, cpu, cuda, cuda:<index>, mps"),
+                          (["--threads", "0"], "--threads 0: must be an integer >= 1")):
+        with pytest.raises(SystemExit) as stop:
+            parse_args(argv)
+        assert stop.value.code == 2 and message in capsys.readouterr().err

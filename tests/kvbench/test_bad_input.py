@@ -8,6 +8,7 @@ GGUF check reads 4 bytes); cases that name a method import it (torch), the other
 from __future__ import annotations
 
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -454,3 +455,23 @@ def test_a_glob_sweep_over_a_group_is_accepted(capsys):
         precheck_argv(["-m", "method=glob(zzz*)"])
     assert stop.value.code == 2 and capsys.readouterr().err.startswith(
         "error: method=glob(zzz*): matches no method option; accepted values are adacompresskv, ")
+
+
+def test_kvbench_run_becomes_run_py_so_signals_reach_the_job(monkeypatch):
+    """`kvbench run ...` from the shell replaces itself by `python run.py ...` (same pid): a
+    child process would be orphaned by `kill` on the wrapper and keep the job's lock."""
+    import os
+
+    from kvbench import cli
+
+    calls = []
+
+    def execv(exe, args):  # the real one never returns
+        calls.append((exe, args))
+        raise SystemExit(0)
+
+    monkeypatch.setattr(sys, "argv", ["kvbench", "run", "budget=0.5"])
+    monkeypatch.setattr(os, "execv", execv)
+    with pytest.raises(SystemExit):
+        cli.main()
+    assert calls == [(sys.executable, [sys.executable, str(ROOT / "run.py"), "budget=0.5"])]

@@ -96,6 +96,9 @@ def no_model_load(monkeypatch):
     (["--kinds", "srh,foo"], "--kinds='srh,foo': comma-separated values among srh, trh, random"),
     (["--model", "llama31"], "--srh-scores: model llama31 has only the published per-layer SRH ranking"),
     (["--lengths", "0"], "task.context_lengths=[0]: must be a non-empty list of positive integers"),
+    (["--lengths", "abc"], "--lengths='abc': comma-separated integers"),
+    (["--device", "gpu"], "--device gpu: accepted values are auto, cpu, cuda, cuda:<index>, mps"),
+    (["--threads", "0"], "--threads 0: must be an integer >= 1"),
 ])
 def test_user_errors_are_one_line_before_loading_a_model(args, text, tmp_path, capsys, no_model_load):
     assert main([*args, "--out", str(tmp_path)]) == 2
