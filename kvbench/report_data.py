@@ -36,6 +36,7 @@ import yaml
 
 from .cli_guard import CONF
 from .config_keys import RUN_CONTROL_KEYS, SAMPLE_SELECTION_KEYS, flatten, under
+from .store import is_job_folder
 
 # LongBench v1 English datasets by category (SelKV Table 1 / Table 4 layout).
 LONGBENCH_CATEGORIES: dict[str, list[str]] = {
@@ -143,13 +144,13 @@ def _kept(record: dict) -> Any:
 
 
 def _job_dirs(root: Path) -> list[Path]:
-    """Folders under ``root`` holding ``config.yaml`` plus a summary or predictions (hidden folders skipped)."""
+    """Job folders under ``root`` (:func:`kvbench.store.is_job_folder`; hidden folders skipped)."""
     dirs = []
     for cfg in sorted(root.rglob("config.yaml")):
         d = cfg.parent
         if any(part.startswith(".") for part in d.relative_to(root).parts):
             continue  # Hydra's own .hydra/config.yaml copies
-        if (d / "summary.json").is_file() or (d / "predictions.jsonl").is_file():
+        if is_job_folder(d):
             dirs.append(d)
     return dirs
 

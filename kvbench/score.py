@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     if why:
         parser.error(f"--out {str(out)!r}: {why}")
     text = json.dumps(scores, ensure_ascii=False, indent=4)
-    kept = keep_previous(out) if out.exists() and out.read_text(encoding="utf-8", errors="replace") != text else None
+    kept = keep_previous(out, replacing=text)
     out.parent.mkdir(parents=True, exist_ok=True)
     atomic_write(out, text)
     print(text)

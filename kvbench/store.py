@@ -204,10 +204,13 @@ def store_write_refusal(out: Path) -> str:
     if name in STORE_FILES or (name.startswith("env") and name.endswith(".json")) or \
             (name.startswith("config.") and name.endswith(".yaml")):
         return f"{name} is a job folder's own file (results store)"
-    for folder in [out, *out.parents]:
-        if is_job_folder(folder):
-            return f"inside the job folder {folder}"
-    return ""
+    job = job_folder_around(out)
+    return f"inside the job folder {job}" if job is not None else ""
+
+
+def job_folder_around(path: Path) -> Path | None:
+    """The job folder (:func:`is_job_folder`) that ``path`` is or lies in, else None."""
+    return next((folder for folder in (path, *path.parents) if is_job_folder(folder)), None)
 
 
 def output_file_refusal(out: Path, kind: str, is_kind: Callable[[Any], bool], default: str) -> str:
@@ -228,27 +231,34 @@ def output_file_refusal(out: Path, kind: str, is_kind: Callable[[Any], bool], de
         return why + "; pass a file outside the job folders"
     if out.exists():
         try:
-            old = json.loads(out.read_text(encoding="utf-8"))
+            ok = is_kind(json.loads(out.read_text(encoding="utf-8")))
         except (OSError, ValueError):
-            return f"exists and is not {kind}; pass a new file"
-        if not is_kind(old):
+            ok = False
+        if not ok:
             return f"exists and is not {kind}; pass a new file"
     return ""
 
 
-def keep_previous(path: Path) -> Path | None:
+def keep_previous(path: Path, replacing: str | None = None) -> Path | None:
     """Copy an existing file ``path`` to ``<stem>.<time><suffix>`` beside it (the time it was
     last written; ``-2``, ``-3``... within one second, never overwriting) before a new run
     replaces it, so that no earlier output is lost.
 
+    Args:
+        path: the file about to be replaced.
+        replacing: the new text, when known: a file that already holds it is not copied.
+
     Returns:
-        The copy's path (an identical earlier copy is reused), or None if ``path`` is absent.
+        The copy's path (an identical earlier copy is reused), or None if ``path`` is absent
+        or already holds ``replacing``.
     """
     path = Path(path)
     try:
         text = path.read_text(encoding="utf-8", errors="replace")
         stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(path.stat().st_mtime))
     except FileNotFoundError:
+        return None
+    if text == replacing:
         return None
     snapshot, n = path.with_name(f"{path.stem}.{stamp}{path.suffix}"), 1
     while snapshot.exists():

@@ -133,12 +133,12 @@ def check_not_in_store(shown: str, path: Path) -> None:
     Raises:
         ConfigError: names ``shown`` and the job folder or results root it lies in.
     """
-    from .store import is_job_folder
+    from .store import is_job_folder, job_folder_around
 
     path = path.resolve()
-    for folder in (path, *path.parents):
-        if is_job_folder(folder):
-            raise ConfigError(f"{shown}: inside the job folder {folder}; pass a folder outside it")
+    job = job_folder_around(path)
+    if job is not None:
+        raise ConfigError(f"{shown}: inside the job folder {job}; pass a folder outside it")
     for k, above in enumerate(path.parents[:3], 1):
         rel = path.relative_to(above).parts  # path is a task (k=1), model (2) or method (3) folder of above?
         pattern = "/".join([*rel[:-1], *["*"] * (5 - k), "config.yaml"])

@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"make_joblist: -o {args.output}: {why}; pass a job list file outside the job folders", file=sys.stderr)
         return 2
     try:
-        kept = keep_previous(args.output) if args.output.is_file() and args.output.read_text() != text else None
+        kept = keep_previous(args.output, replacing=text)
         if kept:
             print(f"make_joblist: the earlier {args.output.name} is kept as {kept.name}", file=sys.stderr)
         args.output.write_text(text)
