@@ -9,7 +9,9 @@ may carry a ``latency:`` node (``methods``, ``lengths``, ``max_new_tokens``, ``r
 ``out``) that the command-line flags override; ``method.*`` overrides apply to every method
 but the full cache, and each method config passes the job runner's validation before the model
 loads (one line, exit 2). Prompt lengths longer than the model's context
-window (``max_position_embeddings`` minus the generated tokens) are skipped with a message.
+window (``max_position_embeddings`` minus the generated tokens) are skipped with a message;
+when every length is over it (or ``--new-tokens`` alone is), the run is refused before the
+model loads (the window is read from the model's config, :func:`kvbench.validate.context_window`).
 Generation ignores stop tokens, so every request decodes exactly ``max_new_tokens`` tokens.
 
 Output: a JSON list of records, rewritten after every measurement (a killed run keeps what
@@ -256,6 +258,18 @@ def main(argv: list[str] | None = None) -> int:
     why = _out_refusal(out)
     if why:
         p.error(f"--out {str(out)!r}: {why}")
+    from .validate import context_window
+
+    try:
+        limit = context_window(model_cfg)  # from the config alone: no weights load for a run that would skip all
+    except ConfigError as e:
+        p.error(str(e))
+    if limit is not None and int(new_tokens) >= limit:
+        p.error(f"--new-tokens {new_tokens}: not below the context window {limit} of model={model_cfg.get('name')}")
+    if limit is not None and all(n + int(new_tokens) > limit for n in lengths):
+        key = "--lengths" if args.lengths else "latency.lengths"
+        p.error(f"{key} {' '.join(map(str, lengths))}: every prompt length is over the context window {limit} "
+                f"of model={model_cfg.get('name')} minus {new_tokens} new tokens (at most {limit - int(new_tokens)})")
     records = run_latency(model_cfg, method_cfgs, float(cfg.budget), list(lengths), int(new_tokens),
                           int(args.repeats or lat.get("repeats") or 1), out,
                           engine_factory(model_cfg, float(cfg.budget), str(cfg.get("device", "auto"))))

@@ -457,11 +457,39 @@ def model_layout(model_cfg: dict) -> HeadLayout | None:
     Raises:
         ConfigError: see :func:`check_model_source`; a folder without a readable model config.
     """
+    from .models import head_layout
+
+    config = local_model_config(model_cfg)
+    return None if config is None else head_layout(config, str(model_cfg.get("name", "")))
+
+
+def context_window(model_cfg: dict) -> int | None:
+    """The model's context window in tokens (``max_position_embeddings`` of its text config) from
+    its config alone (no weights); None when unknown or not readable locally (a Hub id).
+
+    Raises:
+        ConfigError: see :func:`model_layout`.
+    """
+    config = local_model_config(model_cfg)
+    if config is None:
+        return None
+    text_cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
+    value = getattr(text_cfg, "max_position_embeddings", None)
+    return int(value) if isinstance(value, int) and value > 0 else None
+
+
+def local_model_config(model_cfg: dict) -> Any | None:
+    """The transformers config of ``model.source`` read locally (no weights), or None for a Hub id
+    that is not in a local folder.
+
+    Raises:
+        ConfigError: see :func:`check_model_source`; a folder without a readable model config.
+    """
     local = check_model_source(model_cfg)
     if local is None:
         return None
     path, gguf_file = local
-    trust, name = bool(model_cfg.get("trust_remote_code", False)), str(model_cfg.get("name", ""))
+    trust = bool(model_cfg.get("trust_remote_code", False))
     if gguf_file:
         # A converted copy (kvbench.models.gguf_cache_dir, keyed by the file's content) holds the
         # same config as a plain config.json: reading it takes milliseconds, parsing the GGUF
@@ -470,21 +498,19 @@ def model_layout(model_cfg: dict) -> HeadLayout | None:
 
         cache = gguf_cache_dir(path, gguf_file, model_cfg.get("gguf_cache", "auto"))
         if gguf_cache_complete(cache) and (cache / "config.json").is_file():
-            return _read_layout(str(cache), None, trust, name)
-    return _read_layout(path, gguf_file, trust, name)
+            return _read_config(str(cache), None, trust)
+    return _read_config(path, gguf_file, trust)
 
 
 @functools.lru_cache(maxsize=8)
-def _read_layout(path: str, gguf_file: str | None, trust: bool, name: str) -> HeadLayout:
+def _read_config(path: str, gguf_file: str | None, trust: bool) -> Any:
     from transformers import AutoConfig
-
-    from .models import head_layout
 
     kwargs: dict[str, Any] = {"trust_remote_code": trust}
     if gguf_file:
         kwargs["gguf_file"] = gguf_file
     try:
-        return head_layout(AutoConfig.from_pretrained(path, **kwargs), name)
+        return AutoConfig.from_pretrained(path, **kwargs)
     except (OSError, ValueError, KeyError) as e:
         raise ConfigError(f"model.source={path}: cannot read a model config there ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
 

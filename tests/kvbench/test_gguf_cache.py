@@ -118,7 +118,7 @@ def test_layout_of_a_gguf_file_comes_from_its_converted_copy(tmp_path, monkeypat
     instead of parsing the GGUF metadata (seconds) when a complete copy exists."""
     from transformers import LlamaConfig
 
-    from kvbench.validate import _read_layout, model_layout
+    from kvbench.validate import _read_config, context_window, model_layout
 
     monkeypatch.setenv("KVBENCH_CACHE_DIR", str(tmp_path / "cache"))
     gguf = tmp_path / "m.gguf"
@@ -126,11 +126,13 @@ def test_layout_of_a_gguf_file_comes_from_its_converted_copy(tmp_path, monkeypat
     cfg = {"name": "m", "source": str(gguf), "gguf_cache": "auto"}
     cache = gguf_cache_dir(str(tmp_path), "m.gguf")
     cache.mkdir(parents=True)
-    LlamaConfig(num_hidden_layers=3, num_attention_heads=6, num_key_value_heads=2, hidden_size=96).save_pretrained(cache)
+    LlamaConfig(num_hidden_layers=3, num_attention_heads=6, num_key_value_heads=2, hidden_size=96,
+                max_position_embeddings=1234).save_pretrained(cache)
     (cache / "COMPLETE").write_text("")
-    _read_layout.cache_clear()
+    _read_config.cache_clear()
     layout = model_layout(cfg)
     assert (layout.num_layers, layout.num_q_heads, layout.num_kv_heads) == (3, 6, 2)
+    assert context_window(cfg) == 1234  # what kvbench.latency checks its prompt lengths against
 
 
 def test_conversion_temp_folders_left_by_a_kill_are_removed_once_stale(tmp_path):

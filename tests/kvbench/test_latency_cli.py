@@ -78,3 +78,22 @@ def test_an_earlier_latency_file_is_kept(tmp_path):
     (kept,) = tmp_path.glob("latency.*.json")
     assert json.loads(kept.read_text()) == first and json.loads(out.read_text())[0]["prompt_tokens"] == 128
     assert f"{out} of an earlier run is kept as {kept.name}" in logged
+
+
+def test_lengths_over_the_context_window_are_refused_before_loading(tmp_path, capsys, monkeypatch):
+    """The context window comes from the model's config alone: a run that would skip every
+    length is refused up front (it used to load the model, then exit 1)."""
+    from transformers import LlamaConfig
+
+    LlamaConfig(max_position_embeddings=1000).save_pretrained(tmp_path / "m")
+    monkeypatch.setattr(latency, "run_latency", lambda *a, **k: pytest.fail("would load the model"))
+    src = f"model.source={tmp_path / 'm'}"
+    for argv, line in ((["--lengths", "900", "2000", "--methods", "full"],
+                        "--lengths 900 2000: every prompt length is over the context window 1000 of model=smollm2 "
+                        "minus 256 new tokens (at most 744)"),
+                       (["--new-tokens", "1000", "--methods", "full"],
+                        "--new-tokens 1000: not below the context window 1000 of model=smollm2")):
+        with pytest.raises(SystemExit) as exc:
+            latency.main([src, "model.gguf_file=null", *argv])
+        assert exc.value.code == 2
+        assert capsys.readouterr().err.strip().splitlines()[-1] == f"python -m kvbench.latency: error: {line}"
