@@ -180,8 +180,13 @@ def niah_config(args) -> dict:
         cfg["max_new_tokens"] = args.max_new_tokens
     try:
         NIAHTask.validate(cfg)
-    except TaskConfigError as e:
-        raise ConfigError(str(e)) from None
+    except TaskConfigError as e:  # name this command's flags, not the task keys they set
+        text = str(e)
+        for flag, key in (("lengths", "context_lengths"), ("depths", "depth_percents"),
+                          ("haystack-dir", "haystack_dir"), ("max-new-tokens", "max_new_tokens")):
+            if text.startswith(f"task.{key}=") and getattr(args, flag.replace("-", "_")) is not None:
+                text = f"--{flag}={getattr(args, flag.replace('-', '_'))!r}" + text[text.find(": ", len(key) + 6):]
+        raise ConfigError(text) from None
     return cfg
 
 
