@@ -42,7 +42,7 @@ from kvbench.store import store_write_refusal  # noqa: E402
 from kvbench.validate import check_device_flag, check_not_in_store  # noqa: E402
 from methods.base import ConfigError  # noqa: E402
 
-from .common import ROOT, BenchResult, Settings, apply_threads, log, machine_info, table  # noqa: E402
+from .common import ROOT, BenchResult, Settings, apply_threads, log, machine_info, save, table  # noqa: E402
 
 BENCHMARKS = ["engine", "overhead", "kvpress", "compression", "decode", "memory"]
 MODULES = {"kvpress": "vs_kvpress"}  # benchmark name -> module, where they differ
@@ -158,11 +158,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {t.verdict}: {t.name}: {t.measured} (target {t.target}){' - ' + t.note if t.note else ''}")
         for note in res.notes:
             print(f"  note: {note}")
-        (out / f"{name}.json").write_text(json.dumps(res.to_json(), indent=2, default=str))
+        save(out / f"{name}.json", json.dumps(res.to_json(), indent=2, default=str))
     machine["load_average_end"] = list(os.getloadavg())
     machine["wall_s"] = time.perf_counter() - t_start
     command = "python -m benchmarks" + ("" if len(sys.argv) <= 1 else " " + " ".join(sys.argv[1:]))
-    (out / "summary.json").write_text(json.dumps({
+    save(out / "summary.json", json.dumps({
         "machine": machine, "command": command,
         "targets": [dict(benchmark=r.name, **t.__dict__, verdict=t.verdict) for r in results for t in r.targets],
     }, indent=2, default=str))
@@ -177,7 +177,9 @@ def main(argv: list[str] | None = None) -> int:
     resolved = out.resolve()
     json_dir = (f"{resolved.relative_to(ROOT.resolve())}/" if resolved.is_relative_to(ROOT.resolve())
                 else f"{resolved}/")
-    report.write(doc, machine, results, command, args.note, json_dir)
+    # docs/PERFORMANCE.md is under version control: its history is git's; any other summary is kept
+    report.write(doc, machine, results, command, args.note, json_dir,
+                 keep=doc.resolve() != (ROOT / "docs" / "PERFORMANCE.md").resolve())
     counts = Counter(t.verdict for r in results for t in r.targets)
     print("\ntargets: " + (", ".join(f"{counts[v]} {v}" for v in ("PASS", "FAIL", "INFO", "SKIP") if counts[v]) or "none"))
     print(f"summary: {doc}; JSON: {out}/ (wall time {machine['wall_s'] / 60:.1f} min)")

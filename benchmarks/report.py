@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from .common import BenchResult, table
+from .common import BenchResult, save, table
 
 COMMAND = "python -m benchmarks"
 
@@ -80,6 +80,14 @@ def render(machine: dict[str, Any], results: list[BenchResult], command: str, no
 
 
 def write(path: Path, machine: dict[str, Any], results: list[BenchResult], command: str, notes: list[str],
-          json_dir: str = "benchmarks/out/") -> None:
+          json_dir: str = "benchmarks/out/", keep: bool = True) -> None:
+    """Write the Markdown summary to ``path``; with ``keep``, an earlier, different summary there is
+    first kept beside it as ``<stem>.<time>.md`` (:func:`benchmarks.common.save`)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(render(machine, results, command, notes, json_dir))
+    text = render(machine, results, command, notes, json_dir)
+    if keep:
+        save(path, text)
+    else:
+        from kvbench.store import atomic_write
+
+        atomic_write(path, text)

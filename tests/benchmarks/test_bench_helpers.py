@@ -63,6 +63,31 @@ def test_table_and_report_show_every_target_verdict():
     assert contention_note(dict(machine, load_average_start=[1.0], load_average_end=[1.5])) is None
 
 
+def test_a_new_run_keeps_the_earlier_outputs(tmp_path, capsys):
+    """JSON and a summary outside docs/ are kept as <stem>.<time><suffix> before a rerun
+    replaces them (nothing measured is lost); an unchanged file is not copied."""
+    from benchmarks.common import save
+    from benchmarks.report import write
+
+    save(tmp_path / "decode.json", "{}")
+    save(tmp_path / "decode.json", "{}")
+    assert [p.name for p in tmp_path.iterdir()] == ["decode.json"]
+    save(tmp_path / "decode.json", '{"a": 1}')
+    kept = sorted(p.name for p in tmp_path.iterdir() if p.name != "decode.json")
+    assert len(kept) == 1 and kept[0].startswith("decode.") and (tmp_path / kept[0]).read_text() == "{}"
+    assert (tmp_path / "decode.json").read_text() == '{"a": 1}'
+    machine = {"date": "today", "cpu": "cpu", "cores": 2, "ram_bytes": 2**31, "device": "cpu", "torch": "t",
+               "transformers": "tf", "python": "3", "torch_threads": 2, "omp_wait_policy": "",
+               "load_average_start": [1.0], "load_average_end": [1.0], "model": "smollm2", "wall_s": 60}
+    doc = tmp_path / "PERFORMANCE.md"
+    write(doc, machine, [], "python -m benchmarks", ["first"])
+    write(doc, machine, [], "python -m benchmarks", ["second"])
+    earlier = [p for p in tmp_path.glob("PERFORMANCE.*.md")]
+    assert len(earlier) == 1 and "- first" in earlier[0].read_text() and "- second" in doc.read_text()
+    write(doc, machine, [], "python -m benchmarks", ["third"], keep=False)  # docs/PERFORMANCE.md: git keeps it
+    assert len(list(tmp_path.glob("PERFORMANCE.*.md"))) == 1 and "- third" in doc.read_text()
+
+
 def test_methods_and_lengths_options_restrict_the_run():
     args = parse_args(["--only", "compression", "--methods", "lookm,selkv", "--lengths", "4096", "--lengths", "2048"])
     assert args.names == ["compression"] and args.method_names == ["lookm", "selkv"]
