@@ -492,6 +492,12 @@ def precheck_argv(argv: list[str]) -> None:
                  "(without it this command would run the one job here, on this machine)")
         if args.multirun and launcher.endswith("SlurmLauncher"):
             _check_slurm_reachable()
+        if args.multirun and launcher.endswith("JoblibLauncher"):
+            n_par = OmegaConf.select(cfg, "hydra.launcher.n_jobs", default=None)
+            cores = os.cpu_count() or 1
+            if isinstance(n_par, int) and (n_par == 0 or n_par < -cores):
+                fail(f"hydra.launcher.n_jobs={n_par}: must be the number of jobs run at once (>= 1) or between "
+                     f"-{cores} and -1 (joblib's -k: CPU cores + 1 - k; -1 runs one job per core)")
         if args.multirun:
             swept = {k.lstrip("+~") for k, _ in sweeps}
             extra = []

@@ -111,13 +111,25 @@ def check_output_root(root: Any) -> Path:
             pass
     except OSError as e:
         raise ConfigError(f"output_root={root}: not writable (cannot create a file in {probe}: {e.strerror}); pass a writable folder") from None
-    check_not_in_store(f"output_root={root}", path)
-    code = Path(__file__).resolve().parents[1]
-    for folder in ("kvbench", "methods", "eval", "conf", "slurm", "benchmarks", "tests", "notebooks"):
-        if path.is_relative_to(code / folder):
-            raise ConfigError(f"output_root={root}: inside kvbench's own {folder}/ folder; pass a folder for results "
+    code = CHECKOUT
+    if path == code:
+        raise ConfigError(f"output_root={root}: the kvbench checkout itself (its job folders would sit among the "
+                          "code, and every results root inside it would lie in this one); pass a folder for results "
+                          "(default: results)")
+    if path.is_relative_to(code):
+        top = path.relative_to(code).parts[0]
+        if top in CODE_FOLDERS or top.startswith("."):
+            raise ConfigError(f"output_root={root}: inside kvbench's own {top}/ folder; pass a folder for results "
                               "(default: results)")
+    check_not_in_store(f"output_root={root}", path)
     return path
+
+
+CHECKOUT = Path(__file__).resolve().parents[1]
+"""The kvbench checkout (the folder holding run.py, conf/, kvbench/...)."""
+
+CODE_FOLDERS = ("kvbench", "methods", "eval", "conf", "slurm", "benchmarks", "tests", "notebooks", "docs", "venv")
+"""Folders of the checkout that ``output_root`` may not be in (nor any hidden folder: .git, .venv...)."""
 
 
 def check_not_in_store(shown: str, path: Path) -> None:
@@ -153,6 +165,10 @@ def check_not_in_store(shown: str, path: Path) -> None:
             if not isinstance(cfg, dict) or cfg.get("run_name") or not is_job_folder(hit.parent):
                 continue
             task, model = (cfg.get("task") or {}).get("name"), (cfg.get("model") or {}).get("name")
+            if (task, model) == job[:2] and above == CHECKOUT:  # left by an earlier output_root=.
+                raise ConfigError(f"{shown}: the kvbench checkout {above} holds the job folder {'/'.join(job)} "
+                                  f"(a run with output_root=.?); move {job[0]}/ into a results folder "
+                                  f"(e.g. results/{job[0]}/) and run again")
             if (task, model) == job[:2]:
                 raise ConfigError(f"{shown}: a folder inside the results root {above} (it holds the job "
                                   f"folder {'/'.join(job)}); pass {above} or a folder outside it")

@@ -7,6 +7,8 @@ GGUF check reads 4 bytes); cases that name a method import it (torch), the other
 
 from __future__ import annotations
 
+import os
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -101,6 +103,9 @@ CASES = [
     ("budget-below-sinks", ["method=streamingllm", "budget=3"],
      "budget=3: smaller than the 5 tokens method streamingllm always keeps (observation window + recent window + sinks); "
      "use budget >= 5"),
+    ("parallel-zero-jobs", ["-m", "hydra/launcher=parallel", "hydra.launcher.n_jobs=0", "budget=0.25,0.5"],
+     f"hydra.launcher.n_jobs=0: must be the number of jobs run at once (>= 1) or between -{os.cpu_count()} and -1 "
+     "(joblib's -k: CPU cores + 1 - k; -1 runs one job per core)"),
     ("sweep-bad-value", ["-m", "budget=0.5,-1"], "budget=-1: must be > 0 (a retention ratio in (0, 1] or an integer token "
      "count >= 2); no job of the sweep was started (no job with budget=-1 can run: drop that value)"),
     ("window-zero", ["method=snapkv", "method.window_size=0"], "method.window_size=0: must be an integer >= 1"),
@@ -475,3 +480,31 @@ def test_kvbench_run_becomes_run_py_so_signals_reach_the_job(monkeypatch):
     with pytest.raises(SystemExit):
         cli.main()
     assert calls == [(sys.executable, [sys.executable, str(ROOT / "run.py"), "budget=0.5"])]
+
+
+def test_output_root_is_never_the_checkout_or_its_docs_or_hidden_folders(tmp_path, monkeypatch):
+    """output_root=. would put job folders among the code and make the checkout a results root
+    around results/; docs/, .git/, .venv/ and any hidden folder are code too."""
+    from kvbench import validate
+    from kvbench.validate import ConfigError, check_output_root
+
+    monkeypatch.chdir(validate.CHECKOUT)
+    for root, text in ((".", "output_root=.: the kvbench checkout itself"),
+                       ("docs/res", "output_root=docs/res: inside kvbench's own docs/ folder"),
+                       (".git/res", "output_root=.git/res: inside kvbench's own .git/ folder"),
+                       (".venv-x/res", "output_root=.venv-x/res: inside kvbench's own .venv-x/ folder")):
+        with pytest.raises(ConfigError, match="^" + re.escape(text)):
+            check_output_root(root)
+    assert check_output_root("results_smoke") == validate.CHECKOUT / "results_smoke"  # nothing is created
+    assert not (validate.CHECKOUT / "results_smoke").exists() or (validate.CHECKOUT / "results_smoke").is_dir()
+    # a job folder an earlier output_root=. left in a checkout: the message says to move it
+    monkeypatch.setattr(validate, "CHECKOUT", tmp_path)
+    job = tmp_path / "niah" / "m" / "full" / "b1"
+    job.mkdir(parents=True)
+    (job / "config.yaml").write_text("task: {name: niah}\nmodel: {name: m}\n")
+    (job / "predictions.jsonl").write_text("")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError, match=re.escape(f"output_root=results: the kvbench checkout {tmp_path} holds "
+                                                    "the job folder niah/m/full/b1 (a run with output_root=.?); "
+                                                    "move niah/ into a results folder")):
+        check_output_root("results")
