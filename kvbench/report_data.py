@@ -468,12 +468,31 @@ def _main_label_presets(rows: pd.DataFrame) -> dict[str, tuple[str, bool]]:
 
 
 def _job_preference(rows: pd.DataFrame) -> list[str]:
-    """Jobs best first: untagged folders (the method's defaults), complete, most datasets, path."""
+    """Jobs best first: untagged folders (the method's defaults), complete, most datasets, most
+    scored samples (a larger NIAH grid, more LongBench samples), then path."""
     stats: dict[str, list] = {}
-    for job, tagged, complete, score in zip(rows["job"], rows["tagged"], rows["complete"], rows["score"]):
-        st = stats.setdefault(job, [bool(tagged), not complete, 0, job])
-        st[2] -= int(not math.isnan(score))
-    return [st[3] for st in sorted(stats.values())]
+    for job, tagged, complete, score, n in zip(rows["job"], rows["tagged"], rows["complete"], rows["score"],
+                                               rows["n"].fillna(0)):
+        st = stats.setdefault(job, [bool(tagged), not complete, 0, 0, job])
+        scored = not math.isnan(score)
+        st[2] -= int(scored)
+        st[3] -= int(n) if scored else 0
+    return [st[4] for st in sorted(stats.values())]
+
+
+def left_out_note(what: str, rows: pd.DataFrame, used: list[str]) -> str | None:
+    """The note naming the jobs of one table cell or row that gave no score to it (another job of
+    the same setting was preferred, :func:`_job_preference`), or None when every job was used."""
+    left = [j for j in dict.fromkeys(rows["job"]) if j not in used]
+    if not left:
+        return None
+    done = dict(zip(rows["job"], rows["complete"]))
+    n = rows.groupby("job")["n"].sum(min_count=1)
+    shown = [f"{j} ({int(n[j]) if not math.isnan(n[j]) else 0} samples{'' if done[j] else ', unfinished'})"
+             for j in left]
+    return (f"left out: {what}: " + ", ".join(shown[:3]) + (f" and {len(shown) - 3} more" if len(shown) > 3 else "")
+            + f"; the scores are {'those' if len(used) > 1 else 'the job'} of " + ", ".join(used)
+            + " (preferred: untagged, complete, most datasets, most samples)")
 
 
 def pick_variant(rows: pd.DataFrame) -> pd.DataFrame:
@@ -493,12 +512,15 @@ def cell_scores(rows: pd.DataFrame) -> tuple[dict[str, float], list[str]]:
     """Per-dataset score from the given jobs (best job first) and the jobs actually used."""
     scores: dict[str, float] = {}
     used: list[str] = []
-    for job in _job_preference(rows):
+    order = _job_preference(rows)
+    for job in order:
         jr = rows[(rows["job"] == job) & rows["score"].notna()]
         fresh = {d: s for d, s in zip(jr["dataset"], jr["score"]) if d not in scores}
         scores.update(fresh)
-        if fresh or job not in used:
+        if fresh:
             used.append(job)
+    if not used and order:  # no job has a score yet: the cell is the best job's (unfinished, absent)
+        used.append(order[0])
     return scores, used
 
 

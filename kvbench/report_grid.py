@@ -24,6 +24,7 @@ from .report_data import (
     main_labels,
     method_sort_key,
     order_datasets,
+    left_out_note,
     pick_variant,
     subset_notes,
 )
@@ -153,11 +154,15 @@ def score_grid(df: pd.DataFrame, task: str, budget: float, models: list[str] | N
     def add_cell(mk: str, key: str, rows: pd.DataFrame) -> None:
         rows = pick_variant(rows)
         grid.cells[(mk, key)], grid.cell_jobs[(mk, key)] = cell_scores(rows)
+        used = grid.cell_jobs[(mk, key)]
         subsets.update(zip(rows["job"], rows["subset"]))
         scored: dict[str, int] = {}
         for job, complete, n in zip(rows["job"], rows["complete"], rows["n"].fillna(0)):
-            if not complete:
+            if not complete and job in used:  # an unused job (left out, noted below) does not count
                 scored[job] = scored.get(job, 0) + int(n)
+        left = left_out_note(f"{mk} / {'full cache' if key == chr(0) + 'full' else key} ({where})", rows, used)
+        if left:
+            grid.note(mk, left)
         for job, n in scored.items():
             grid.note(mk, incomplete_note(job, n))
         if scored:

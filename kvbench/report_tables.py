@@ -28,6 +28,7 @@ from .report_data import (
     cell_scores,
     incomplete_note,
     is_ratio_budget,
+    left_out_note,
     method_sort_key,
     n_datasets,
     niah_grid,
@@ -423,9 +424,12 @@ def score_tables(df: pd.DataFrame, root: Path | None = None) -> list[Table]:
                              + f" has no score for {', '.join(lacking)}")
             pending: dict[str, int] = {}
             for job, complete, n in zip(rows_k["job"], rows_k["complete"], rows_k["n"].fillna(0)):
-                if not complete:
+                if not complete and job in used:  # an unused job is named by the left-out note
                     pending[job] = pending.get(job, 0) + int(n)
             notes += [incomplete_note(job, n) for job, n in pending.items()]
+            left = left_out_note(what + (f" at budget {btext}" if btext else ""), rows_k, used)
+            if left:
+                notes.append(left)
             notes += subset_notes(rows_k, used)
             if pending:
                 incomplete.add(len(rows) - 1)

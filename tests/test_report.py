@@ -593,3 +593,35 @@ def test_selkv_fig2_marks_the_bar_of_an_unfinished_job(df):
     assert len(hatched) == 1 and hatched[0].get_alpha() == 0.5
     assert "Hatched, pale bars: an unfinished job" in fig.caption
     assert ax.get_title() == "Gap to the full cache\n(closer to 0 is better)"
+
+
+def test_jobs_of_one_setting_the_report_leaves_out_are_named(tmp_path):
+    """Two finished jobs of one setting: the one with more scored samples fills the row, the
+    other is named in a note (it used to vanish, the path order deciding); an unfinished
+    duplicate that gave no score does not keep a finished row out of bold."""
+    from kvbench.report_data import load_results
+    from kvbench.report_tables import score_tables
+
+    for root, n in ((tmp_path / "exp2", 2), (tmp_path / "exp3", 4)):
+        job = make_job(root, task="niah", model="smollm2", method="streamingllm", scores={"niah": 5.0 * n})
+        summary = json.loads((job / "summary.json").read_text())
+        summary["datasets"]["niah"]["n"] = n
+        (job / "summary.json").write_text(json.dumps(summary))
+    make_job(tmp_path / "exp2", task="niah", model="smollm2", method="snapkv", scores={"niah": 30.0})
+    make_job(tmp_path / "exp2", task="niah", model="smollm2", method="snapkv", scores={"niah": 5.0},
+             folder_tag="x", complete=False)  # an interrupted duplicate under another folder name
+    make_job(tmp_path / "exp2", task="niah", model="smollm2", method="snapkv", budget=0.5, scores={"niah": 20.0})
+    df = load_results(tmp_path)
+    (table,) = score_tables(df, tmp_path)
+    rows = table.data.to_dict("records")
+    row = {r["Method"] + r["Budget"]: r for r in rows}
+    assert row["StreamingLLM25%"]["niah"] == 20.0 and row["StreamingLLM25%"]["n"] == "4"
+    assert any(n.startswith("left out: StreamingLLM at budget 25%: exp2/niah/smollm2/streamingllm/b0.25 (2 samples); "
+                            "the scores are the job of exp3/niah/smollm2/streamingllm/b0.25") for n in table.notes), \
+        table.notes
+    assert any(n.startswith("left out: SnapKV at budget 25%: exp2/niah/smollm2/snapkv/b0.25-x (5 samples, unfinished)")
+               for n in table.notes), table.notes
+    assert not any(n.startswith("incomplete:") for n in table.notes)
+    assert row["SnapKV25%"]["niah"] == 30.0
+    snap25 = next(i for i, r in enumerate(rows) if r["Method"] == "SnapKV" and r["Budget"] == "25%")
+    assert (snap25, "niah") in table.bold  # the best finished compressed row (30 > 20), the duplicate aside
