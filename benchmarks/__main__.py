@@ -42,7 +42,7 @@ from kvbench.store import store_write_refusal  # noqa: E402
 from kvbench.validate import check_device_flag, check_not_in_store  # noqa: E402
 from methods.base import ConfigError  # noqa: E402
 
-from .common import ROOT, BenchResult, Settings, apply_threads, log, machine_info, save, table  # noqa: E402
+from .common import ROOT, BenchResult, Settings, apply_threads, log, machine_info, model_config, save, table  # noqa: E402
 
 BENCHMARKS = ["engine", "overhead", "kvpress", "compression", "decode", "memory"]
 MODULES = {"kvpress": "vs_kvpress"}  # benchmark name -> module, where they differ
@@ -108,6 +108,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         check_device_flag("--device", args.device, args.threads)
     except ConfigError as e:
         p.error(str(e))
+    try:  # the model config exists (its source is checked when the suite loads it)
+        model_config(args.model)
+    except SystemExit as e:
+        p.error(str(e).removeprefix("error: "))
     if args.doc and Path(args.doc).is_file() and not Path(args.doc).read_text(
             encoding="utf-8", errors="replace").startswith("# Performance"):
         p.error(f"--doc {args.doc!r}: exists and is not a performance summary of python -m benchmarks; pass a new file")

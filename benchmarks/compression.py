@@ -134,6 +134,13 @@ def run(ctx: Context) -> BenchResult:
     from kvbench.engine import Engine
 
     s = ctx.settings
+    outside = [m for m in s.methods or [] if m not in METHODS]
+    why_outside = (f"--methods {', '.join(outside)}: not measured by this benchmark (it times the score-based "
+                   f"methods: {', '.join(METHODS)})") if outside else None
+    if outside:
+        log(f"compression: {why_outside}")
+    if not s.selected(METHODS):  # before the model loads
+        return BenchResult(NAME, TITLE, skipped=why_outside)
     loaded = ctx.loaded
     layout = loaded.layout
     lengths = s.lengths if s.quick or s.prompt_lengths else FULL_LENGTHS
@@ -179,6 +186,8 @@ def run(ctx: Context) -> BenchResult:
         headers=["method"] + [f"{n} tok: ms (% prefill)" for n in lengths] + ["exponent"],
         data={"prefill_s": prefill, "compress_s": seconds, "unavailable": unavailable, "budget": RATIO_25},
     )
+    if why_outside:
+        res.notes.append(why_outside)
     target_n = TARGET_LENGTH if TARGET_LENGTH in lengths else lengths[-1]
     for name in s.selected(METHODS):
         if name in unavailable:

@@ -79,6 +79,19 @@ def run(ctx: Context) -> BenchResult:
     # bytes a step must read, full over 25 %: the largest speed-up a memory-bound step allows
     floor_ratio = (full["weight_bytes"] + full["cache_bytes_after"]) / (comp["weight_bytes"] + comp["cache_bytes_after"])
     off = off_target_length(n_max, TARGET_LENGTH)
+    # A step (or its bare read pattern) faster than its own floor read faster than the machine's
+    # measured bandwidth: the probe and the step ran under different load (other processes on the
+    # cores). The numbers of such a run say nothing about the targets: reported, not judged.
+    below = {(n, label): f"{r['prompt_tokens']} tokens {label}: step {_step_ms(r) / _floor_ms(r):.2f}×"
+             + (f", read pattern {_pattern_ms(r) / _floor_ms(r):.2f}×" if _pattern_ms(r) else "")
+             for n in s.lengths for label, r in by_n[n].items()
+             if _step_ms(r) < _floor_ms(r) or (_pattern_ms(r) or _floor_ms(r)) < _floor_ms(r)}
+    if below:
+        res.notes.append("unreliable: measured below the memory-traffic floor (" + "; ".join(below.values())
+                         + "): the bandwidth probe and the steps ran under different CPU load; rerun on an idle "
+                         "machine")
+        if any(n == n_max for n, _label in below):
+            off = off or f"unreliable: a step at {full['prompt_tokens']} tokens measured below its floor (CPU contention)"
     res.targets.append(Target(
         f"25% cache decode speed-up over full at {full['prompt_tokens']} tokens", f"{speedup:.2f}×", f"≥ {SPEEDUP}×",
         speedup >= SPEEDUP, note=f"bytes read per step, full / 25 %: {floor_ratio:.2f}× (the most a memory-bound step allows)",
