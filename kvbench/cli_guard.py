@@ -294,7 +294,8 @@ def _checked_jobs(composer: "_Composer", base: list[str], sweeps: list[tuple[str
     return [base], {0: first_error}
 
 
-def _check_sweep(variants: list[list[str]], errors: dict[int, str], n_base: int) -> None:
+def _check_sweep(variants: list[list[str]], errors: dict[int, str], n_base: int,
+                 nothing_done: str = "no job of the sweep was started") -> None:
     """Decide on the pre-checked jobs of a sweep (``errors``: variant index → one-line error).
 
     Exits (code 2, one line) when a swept value fails in every checked job that has it (an
@@ -306,11 +307,11 @@ def _check_sweep(variants: list[list[str]], errors: dict[int, str], n_base: int)
     if not errors:
         return
     if len(errors) == len(variants):
-        fail(f"{errors[0]}; no job of the sweep was started (none of them can run)")
+        fail(f"{errors[0]}; {nothing_done} (none of them can run)")
     for overrides in sorted({o for v in variants for o in v[n_base:]}):
         having = [i for i, v in enumerate(variants) if overrides in v[n_base:]]
         if all(i in errors for i in having):
-            fail(f"{errors[having[0]]}; no job of the sweep was started (no job with {overrides} can run: drop "
+            fail(f"{errors[having[0]]}; {nothing_done} (no job with {overrides} can run: drop "
                  "that value)")
     for n, (i, message) in enumerate(sorted(errors.items())):
         if n == 5:
@@ -416,10 +417,12 @@ def normalize_argv(argv: list[str]) -> list[str]:
     return ["+" + a if a.startswith("experiment=") else a for a in _options_first(argv)]
 
 
-def precheck_argv(argv: list[str]) -> None:
+def precheck_argv(argv: list[str], nothing_done: str = "no job of the sweep was started") -> None:
     """Exit with code 2 and one line if the command line cannot make a valid job (or sweep).
 
     Returns normally when the configuration is valid, or for the options left to Hydra.
+    ``nothing_done`` ends the line of a sweep none of whose jobs (or none with one value) can
+    run: what the caller did not do (``slurm/make_joblist.py``: no job list was written).
     """
     args = _parse_args(argv)
     if args is None:
@@ -515,6 +518,6 @@ def precheck_argv(argv: list[str]) -> None:
             return
         variants, errors = _checked_jobs(composer, base, sweeps + extra if args.multirun else sweeps, cfg)
         if args.multirun:
-            _check_sweep(variants, errors, len(base))
+            _check_sweep(variants, errors, len(base), nothing_done)
         elif errors:
             fail(errors[0])

@@ -151,7 +151,7 @@ def conditions(scores: dict, ks: list[int], kinds: list[str], seed: int) -> list
     grid = tuple(next(iter(scores.values())).shape)
     out = []
     for k in ks:
-        chosen = {kind: top_heads(scores[kind], k, "--k") for kind in ("srh", "trh") if kind in kinds}
+        chosen = {kind: top_heads(scores[kind], k, "--k", lowest=1) for kind in ("srh", "trh") if kind in kinds}
         out += [{"kind": kind, "k": k, "heads": [list(h) for h in heads]} for kind, heads in chosen.items()]
         if "random" in kinds:
             exclude = {h for heads in chosen.values() for h in heads}

@@ -76,6 +76,12 @@ def score_dir(folder: Path, longbench_e: bool = False) -> dict:
     """
     if not folder.is_dir():
         raise ScoreInputError(f"{folder}: no such directory")
+    from .store import is_job_folder
+
+    if is_job_folder(folder):
+        raise ScoreInputError(f"{folder}: a kvbench job folder (its summary.json holds the scores, "
+                              "`kvbench report` tabulates them); kvbench score reads a folder of the official "
+                              "pred.py files <dataset>.jsonl")
     files = sorted(p for p in folder.iterdir() if p.name.endswith("jsonl") and p.is_file())
     if not files:
         raise ScoreInputError(f"{folder}: no prediction files (<dataset>.jsonl)")

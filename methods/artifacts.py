@@ -273,7 +273,7 @@ def ranking_from_scores(scores: torch.Tensor) -> list[list[int]]:
     return order.tolist()
 
 
-def top_heads(scores: torch.Tensor, k: int, key: str = "k") -> list[tuple[int, int]]:
+def top_heads(scores: torch.Tensor, k: int, key: str = "k", lowest: int = 0) -> list[tuple[int, int]]:
     """The k heads with the highest score across all layers, best first.
 
     The head set of the masking test of Wu et al. (2025) that CompressKV Sec. 4.3 / Table 2a
@@ -286,15 +286,17 @@ def top_heads(scores: torch.Tensor, k: int, key: str = "k") -> list[tuple[int, i
         scores: ``(L, H_q)`` per-head mean scores (:func:`load_head_scores`).
         k: how many heads, ``0 <= k <= L * H_q``.
         key: the option named in errors.
+        lowest: the smallest k the caller accepts (named in the error).
 
     Returns:
         k ``(layer, query-head id)`` pairs, highest score first.
 
     Raises:
-        ConfigError: k negative or larger than the number of heads.
+        ConfigError: k below ``lowest`` or larger than the number of heads.
     """
     n_layers, n_heads = scores.shape
-    if not 0 <= k <= n_layers * n_heads:
-        raise ConfigError(f"{key}={k}: must be between 0 and the {n_layers}x{n_heads} = {n_layers * n_heads} heads of the score file")
+    if not lowest <= k <= n_layers * n_heads:
+        raise ConfigError(f"{key}={k}: must be between {lowest} and the {n_layers}x{n_heads} = {n_layers * n_heads} "
+                          "heads of the score file")
     order = torch.sort(scores.double().flatten(), descending=True, stable=True).indices[:k]
     return [(int(i) // n_heads, int(i) % n_heads) for i in order]

@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root (run as a script)
         from kvbench.cli_guard import precheck_argv
 
-        precheck_argv(["-m", *args.overrides])  # the job runner's own checks: one line, exit 2
+        precheck_argv(["-m", *args.overrides], "no job list was written")  # the job runner's checks: one line, exit 2
     try:
         jobs = expand(args.overrides, args.shards)
     except SweepSpecError as error:

@@ -118,6 +118,10 @@ def test_out_never_replaces_stored_files(tmp_path, capsys):
         assert stop.value.code == 2 and len(err) == 1 and message in err[0], (out, err)
     assert (job / "predictions.jsonl").read_text() == '{"id": 1}\n' and (tmp_path / "notes.txt").read_text() == "mine"
     assert not (job / "scores.json").exists() and not (tmp_path / "elsewhere").exists()
+    assert main([str(job)]) == 2  # a job folder is not a folder of official prediction files
+    err = capsys.readouterr().err.strip()
+    assert err == (f"kvbench score: {job}: a kvbench job folder (its summary.json holds the scores, `kvbench report` "
+                   "tabulates them); kvbench score reads a folder of the official pred.py files <dataset>.jsonl")
     out = tmp_path / "new" / "deeper" / "scores.json"
     assert main([str(tmp_path), "--out", str(out)]) == 0  # parents made
     first = out.read_text(encoding="utf-8")

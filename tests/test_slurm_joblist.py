@@ -76,6 +76,9 @@ def test_main_writes_one_line_per_job(tmp_path, capsys):
         (["budget=interval(0,1)"], "error: budget=interval(0,1): interval() sweeps need a sampling sweeper plugin "
                                    "(Optuna, Nevergrad); use a comma list, range() or choice()"),
         (["method=snapkv,nope"], "error: method=nope: unknown method; accepted values are "),
+        (["method=snapkv", "budget=0.25,16"], "error: budget=16: smaller than the 32 tokens method snapkv always keeps "
+                                              "(observation window + recent window + sinks); use budget >= 32; no job "
+                                              "list was written (no job with budget=16 can run: drop that value)"),
     ]:
         capsys.readouterr()
         with pytest.raises(SystemExit) as exit_:  # run.py's own checks, before any job list is written

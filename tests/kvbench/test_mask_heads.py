@@ -91,7 +91,7 @@ def no_model_load(monkeypatch):
 @pytest.mark.parametrize("args,text", [
     (["--model", "nope"], "--model='nope': no conf/model/nope.yaml; accepted values are"),
     (["--model", "gemma3_270m"], "semantic_retrieval_heads.json': file not found; make it with `python -m methods.calibrate heads --name gemma3_270m`"),
-    (["--k", "10,271"], "--k=271: must be between 0 and the 30x9 = 270 heads of the score file"),
+    (["--k", "10,271"], "--k=271: must be between 1 and the 30x9 = 270 heads of the score file"),
     (["--k", "10,10"], "--k='10,10': must be distinct positive integers"),
     (["--kinds", "srh,foo"], "--kinds='srh,foo': comma-separated values among srh, trh, random"),
     (["--model", "llama31"], "--srh-scores: model llama31 has only the published per-layer SRH ranking"),
@@ -112,7 +112,7 @@ def test_user_errors_are_one_line_before_loading_a_model(args, text, tmp_path, c
 def test_k_larger_than_a_hand_made_grid(tmp_path, capsys, no_model_load):
     s = _score_file(tmp_path / "s.json", SRH)
     assert main(["--srh-scores", str(s), "--kinds", "srh", "--k", "9", "--out", str(tmp_path / "o")]) == 2
-    assert capsys.readouterr().err.strip() == "kvbench mask-heads: --k=9: must be between 0 and the 2x4 = 8 heads of the score file"
+    assert capsys.readouterr().err.strip() == "kvbench mask-heads: --k=9: must be between 1 and the 2x4 = 8 heads of the score file"
 
 
 def test_end_to_end_on_a_tiny_model(tiny_model_dir, haystack_dir, tmp_path, capsys):
@@ -152,4 +152,4 @@ def test_published_trh_scores_of_llama31_are_found_and_checked_before_loading(tm
         pytest.skip(f"published CompressKV files not found under {shared}")
     monkeypatch.setenv("KVBENCH_SHARED_DATA", str(shared))
     assert main(["--model", "llama31", "--kinds", "trh,random", "--k", "30,1025", "--out", str(tmp_path)]) == 2
-    assert capsys.readouterr().err.strip().endswith("--k=1025: must be between 0 and the 32x32 = 1024 heads of the score file")
+    assert capsys.readouterr().err.strip().endswith("--k=1025: must be between 1 and the 32x32 = 1024 heads of the score file")
