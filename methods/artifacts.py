@@ -25,9 +25,11 @@ name, in ``$KVBENCH_ARTIFACTS_DIR`` or ``<data>/head_scores/compresskv`` with ``
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -35,6 +37,7 @@ import torch
 from .base import ConfigError, HeadLayout
 
 __all__ = [
+    "keyed_errors",
     "ARTIFACTS_ROOT",
     "FILE_NAMES",
     "PUBLISHED",
@@ -118,6 +121,19 @@ def artifact_path(kind: str, model_name: str, explicit: str | None, key: str) ->
             f"`python -m methods.calibrate {command} --name {who}` or give an existing path{hint}"
         )
     return path
+
+
+@contextlib.contextmanager
+def keyed_errors(key: str, path: Path) -> Iterator[None]:
+    """Re-raise a loader's ``ConfigError`` about ``path`` (``<path>: line 1 is not valid JSON``)
+    as ``<key>='<path>': ...``, so the one-line error names the config key to change."""
+    try:
+        yield
+    except ConfigError as e:
+        text = str(e)
+        if text.startswith(f"{path}: "):
+            raise ConfigError(f"{key}={str(path)!r}: {text[len(str(path)) + 2:]}") from None
+        raise
 
 
 def _read_json(path: Path) -> object:

@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from .allocation import adaptive_head_budgets, keep_topk_per_head
-from .artifacts import artifact_path, load_head_ranking, load_layer_scores
+from .artifacts import artifact_path, keyed_errors, load_head_ranking, load_layer_scores
 from .base import CompressResult, ConfigError, HeadLayout, LayerContext, Method, Plan, gather_tokens, resolve_budget
 from .headkv import HeadKV, HeadKVConfig, check_window_fields, headkv_head_budgets, pack_head_budgets
 from .packing import pack_kept, packing_stats
@@ -290,13 +290,16 @@ class CompressKV(Method):
         name = layout.model_name
         if config.selection == "srh":
             path = artifact_path("srh_head_idx", name, config.head_idx_path, "method.head_idx_path")
-            out["ranking"] = load_head_ranking(path, layout)
+            with keyed_errors("method.head_idx_path", path):
+                out["ranking"] = load_head_ranking(path, layout)
         elif config.selection == "trh":
             path = artifact_path("trh_head_idx", name, config.trh_idx_path, "method.trh_idx_path")
-            out["ranking"] = load_head_ranking(path, layout)
+            with keyed_errors("method.trh_idx_path", path):
+                out["ranking"] = load_head_ranking(path, layout)
         if config.head_allocation != "headkv" and config.layer_allocation == "error_aware":
             path = artifact_path("layer_score", name, config.layer_score_path, "method.layer_score_path")
-            out["layer_scores"] = load_layer_scores(path, layout, config.layer_score_key)
+            with keyed_errors("method.layer_score_path", path):
+                out["layer_scores"] = load_layer_scores(path, layout, config.layer_score_key)
         if config.head_allocation == "headkv":
             out.update(HeadKV.load_artifacts(self._headkv_config(), layout))
         return out

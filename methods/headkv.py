@@ -36,7 +36,7 @@ from typing import ClassVar
 import torch
 
 from .allocation import keep_topk_per_head
-from .artifacts import artifact_path, load_head_scores
+from .artifacts import artifact_path, keyed_errors, load_head_scores
 from .base import CompressResult, ConfigError, HeadLayout, LayerContext, Method, Plan, resolve_budget
 from .packing import pack_kept, packing_stats
 from .snapkv import check_window_fields, snapkv_scores
@@ -172,7 +172,8 @@ class HeadKV(Method):
         """
         kind = _SCORE_KINDS[config.head_scores]
         path = artifact_path(kind, layout.model_name, config.head_scores_path, "method.head_scores_path")
-        q_scores = load_head_scores(path, layout)
+        with keyed_errors("method.head_scores_path", path):
+            q_scores = load_head_scores(path, layout)
         scores = kv_head_scores(q_scores, layout.num_kv_heads, config.gqa_score_aggregation)
         layers = list(layout.compressible_layers) or list(range(layout.num_layers))
         if not (scores[layers] > 0).any():

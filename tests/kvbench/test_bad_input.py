@@ -148,6 +148,8 @@ CASES = [
     ("unknown-task-key", ["+task.foo=1"], None),  # message built in the test (lists the niah keys)
     ("haystack-missing", ["task.haystack_dir={tmp}/nope"], "task.haystack_dir={tmp}/nope: no such folder"),
     ("haystack-empty", ["task.haystack_dir={tmp}/empty"], "task.haystack_dir={tmp}/empty: holds no non-empty .txt files"),
+    ("bad-artifact-file", ["method=compresskv", "budget=64", "method.layer_score_path={tmp}/afile"],
+     "method.layer_score_path='{tmp}/afile': line 1 is not valid JSON (Expecting value)"),
     ("not-gguf", ["model.source={tmp}/fake.gguf"], "model.source='{tmp}/fake.gguf': not a GGUF file (bad magic bytes)"),
     ("missing-model-path", ["model.source={tmp}/no_model"], "model.source='{tmp}/no_model': no such file or folder"),
     ("hub-id-offline", ["model.source=nobody/no-such-model", "model.gguf_file=null"],
