@@ -64,6 +64,7 @@ SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 CONF_MODEL_DIR = Path(__file__).resolve().parents[1] / "conf" / "model"  # run.py's model configs
 QUESTION = "Based on the content of the book, Question: {question}\nAnswer:"
 CONTEXT_BUFFER = 200  # tokens left for the question (reference `final_context_length_buffer`)
+MIN_LENGTH = CONTEXT_BUFFER + 100  # shortest --lengths value: a haystack of ~100 tokens, the needle inside
 NO_CHAT_DATASETS = {"trec", "triviaqa", "samsum", "lsht", "lcc", "repobench-p"}  # LongBench protocol
 
 
@@ -286,7 +287,8 @@ def cmd_heads(args) -> int:
         jobs.append(("needles.jsonl", first))
     if "r2" in kinds_wanted and not r2_on_retrieval:
         jobs.append(("needles_reasoning.jsonl", ["r2"]))
-    meta["r2_needles"] = "needles.jsonl" if r2_on_retrieval else "needles_reasoning.jsonl"
+    if "r2" in kinds_wanted:
+        meta["r2_needles"] = "needles.jsonl" if r2_on_retrieval else "needles_reasoning.jsonl"
     for fname, kinds in jobs:
         needles = [json.loads(l) for l in (data_dir / fname).read_text().splitlines() if l.strip()]
         n_done = 0
@@ -329,8 +331,11 @@ def cmd_heads(args) -> int:
             write_artifact(out / f"{k}_head_idx.json", json.dumps(ranking, indent=2) + "\n")
     meta["seconds"] = round(time.time() - t0, 1)
     meta["cpu_seconds"] = round(_cpu_seconds(), 1)
-    write_artifact(out / "heads_meta.json", json.dumps(meta, indent=2) + "\n")
-    print(f"wrote {out} in {meta['seconds']} s; accepted {meta['accepted']} of {meta['samples']}")
+    if len(failed) < len(kinds_wanted):  # the meta file describes the score files beside it
+        write_artifact(out / "heads_meta.json", json.dumps(meta, indent=2) + "\n")
+        print(f"wrote {out} in {meta['seconds']} s; accepted {meta['accepted']} of {meta['samples']}")
+    else:
+        print(f"nothing written to {out}: accepted {meta['accepted']} of {meta['samples']}")
     if failed:
         print(f"error: no sample was answered correctly for {', '.join(failed)}; nothing written for it "
               "(try --chat-template on, more --lengths/--depths, or --r2-needles retrieval)", file=sys.stderr)
@@ -414,6 +419,8 @@ def cmd_layers(args) -> int:
         per_dataset[dataset] = per_dataset.get(dataset, 0) + probe.errors.clone()
         print(f"[{time.time() - t0:6.0f}s] {dataset} n={ids.shape[1]}", flush=True)
     probe.selector = None
+    if not per_dataset:
+        raise ConfigError("--data: no prompt was read (empty files?); nothing written")
     result = {d: (e / e.sum().clamp(min=1e-12)).tolist() for d, e in per_dataset.items()}
     mean = torch.tensor(list(result.values()), dtype=torch.float64).mean(dim=0)
     result["avg_score"] = (mean / (mean.sum() + 1e-12)).tolist()
@@ -458,7 +465,8 @@ def build_parser() -> argparse.ArgumentParser:
         s.add_argument("--threads", type=int, default=2, help="torch CPU threads")
         s.add_argument("--data-dir", default=default_data, help="needles.jsonl, needles_reasoning.jsonl, part1..3/")
         s.add_argument("--lengths", default="1000,2000,3000", type=_number_list(int, 1),
-                       help="haystack lengths in tokens, comma-separated")
+                       help="context lengths in tokens, comma-separated (the reference's context_length: the "
+                            f"haystack gets each length minus {CONTEXT_BUFFER} tokens for the question; >= {MIN_LENGTH})")
         s.add_argument("--chat-template", choices=("off", "on"), default="on",
                        help="chat prompt (reference for Mistral/Qwen; the embedded model needs it) or plain (reference Llama)")
     h = sub.choices["heads"]
@@ -514,14 +522,84 @@ def artifact_name(model: str | None, name: str | None) -> str:
                       "go to; use the model's conf/model name so that jobs with model=<name> find them)")
 
 
+def check_args(args) -> None:
+    """Every flag checked before the model loads (one line, exit 2).
+
+    Raises:
+        ConfigError: a bad number (``--threads 0``, ``--samples 0``, ``--min-score 150``), a
+            length with no haystack left, ``--gguf-file`` without ``--model``, a missing needle
+            or data file, an unreadable ``--prompt-config``, a missing ``--head-idx``.
+    """
+    low = {"threads": 1, "max_new_tokens": 1, "samples": 1, "max_tokens": 2, "budget": 1, "window": 1,
+           "num_heads": 1}
+    for key, least in low.items():
+        value = getattr(args, key, None)
+        if value is not None and value < least:
+            raise ConfigError(f"--{key.replace('_', '-')}={value}: must be an integer >= {least}")
+    if hasattr(args, "min_score") and not 0 <= args.min_score <= 100:
+        raise ConfigError(f"--min-score={args.min_score:g}: must be in [0, 100] (ROUGE-1 recall / QA-F1 in percent)")
+    short = [n for n in args.lengths if n < MIN_LENGTH]
+    if short and (args.command == "heads" or not args.data):
+        raise ConfigError(f"--lengths={short[0]}: must be >= {MIN_LENGTH} tokens (each length is the "
+                          f"prompt's token budget; {CONTEXT_BUFFER} of them are left for the question, so the haystack "
+                          "gets the rest)")
+    if args.gguf_file and args.model is None:
+        raise ConfigError(f"--gguf-file={args.gguf_file!r}: needs --model (the folder or package holding it)")
+    if args.out is not None:
+        from kvbench.store import store_write_refusal
+
+        why = store_write_refusal(Path(args.out))
+        if why:
+            raise ConfigError(f"--out={args.out!r}: {why}; pass a folder outside the results store")
+        from kvbench.validate import check_not_in_store
+
+        check_not_in_store(f"--out={args.out!r}", Path(args.out))  # a results root's task/model/method folder
+    data_dir = Path(args.data_dir)
+    if args.command == "heads" or not args.data:
+        needed = ["needles.jsonl"] + (["needles_reasoning.jsonl"] if args.command == "heads" and "r2" in args.kinds
+                                      and args.r2_needles == "reasoning" else [])
+        if not data_dir.is_dir():
+            raise ConfigError(f"--data-dir={str(data_dir)!r}: not a folder (needles.jsonl, part1..3/*.txt)")
+        for name in needed + ["part1", "part2", "part3"]:
+            if not (data_dir / name).exists():
+                raise ConfigError(f"--data-dir={str(data_dir)!r}: has no {name} (needles.jsonl, "
+                                  "needles_reasoning.jsonl, part1..3/*.txt: the retrieval-head calibration layout)")
+    if args.command == "layers":
+        for f in args.data or []:
+            if not Path(f).is_file():
+                raise ConfigError(f"--data={f!r}: file not found (LongBench jsonl with context/input)")
+            with open(f, encoding="utf-8") as fh:
+                first = next((line for line in fh if line.strip()), "")
+            try:
+                row = json.loads(first)
+            except json.JSONDecodeError:
+                row = None
+            if not isinstance(row, dict) or "context" not in row:
+                raise ConfigError(f"--data={f!r}: not LongBench jsonl (one JSON object per line, with context and input)")
+        if args.prompt_config:
+            try:
+                templates = json.loads(Path(args.prompt_config).read_text(encoding="utf-8"))
+            except (OSError, json.JSONDecodeError) as e:
+                raise ConfigError(f"--prompt-config={args.prompt_config!r}: not a readable JSON file "
+                                  f"({type(e).__name__}); pass LongBench's dataset2prompt.json") from None
+            if not isinstance(templates, dict):
+                raise ConfigError(f"--prompt-config={args.prompt_config!r}: not a {{dataset: template}} object")
+        head_idx = Path(args.head_idx or Path(args.out or ARTIFACTS_ROOT / args.name) / "srh_head_idx.json")
+        if not head_idx.is_file():
+            raise ConfigError(f"--head-idx={str(head_idx)!r}: not found; run `python -m methods.calibrate heads` first")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        if args.out is not None and not str(args.out).strip():
+            raise ConfigError("--out='': empty; pass a folder (default methods/artifacts/<name>)")
         check_model(args.model, args.gguf_file)
         args.name = artifact_name(args.model, args.name or (Path(args.out).name if args.out else None))
         out = Path(args.out or ARTIFACTS_ROOT / args.name)
         if out.exists() and not out.is_dir():
             raise ConfigError(f"--out={str(out)!r}: a file, not a folder (the calibration files are written into it)")
+        check_args(args)
         return cmd_heads(args) if args.command == "heads" else cmd_layers(args)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)

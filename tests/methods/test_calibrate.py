@@ -105,7 +105,10 @@ def test_bad_model_is_one_line_before_loading(tmp_path, capsys, monkeypatch):
     """A missing path, a folder without a model and an uncached Hub id (offline) are one line, exit 2."""
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     data = tmp_path / "data"
-    data.mkdir()
+    for part in ("part1", "part2", "part3"):
+        (data / part).mkdir(parents=True)
+    (data / "needles.jsonl").write_text("")
+    (data / "needles_reasoning.jsonl").write_text("")
     cases = {"/no/such/model": "--model='/no/such/model': no such file or folder",
              str(tmp_path): f"--model='{tmp_path}': not a model folder (no config.json in it)",
              "no-org/no-such-model-kvbench": "--model='no-org/no-such-model-kvbench': cannot load it from the "
@@ -191,3 +194,32 @@ def test_a_new_calibration_keeps_the_earlier_files(tmp_path, capsys):
     assert path.read_text() == "new\n" and len(kept) == 1 and kept[0].read_text() == "old\n"
     assert kept[0].name.startswith("srh_head_idx.") and kept[0].suffix == ".json"
     assert f"kept the earlier srh_head_idx.json as {kept[0].name}" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["heads", "--threads", "0"], "--threads=0: must be an integer >= 1"),
+    (["layers", "--samples", "0"], "--samples=0: must be an integer >= 1"),
+    (["heads", "--min-score", "150"], "--min-score=150: must be in [0, 100]"),
+    (["heads", "--lengths", "50"], "--lengths=50: must be >= 300 tokens"),
+    (["heads", "--gguf-file", "x.gguf"], "--gguf-file='x.gguf': needs --model"),
+    (["heads", "--out", ""], "--out='': empty; pass a folder"),
+    (["heads", "--data-dir", "{tmp}"], "--data-dir='{tmp}': has no needles.jsonl"),
+    (["layers", "--data", "{tmp}/prompts.json", "--out", "{tmp}"], "--data='{tmp}/prompts.json': not LongBench jsonl"),
+    (["layers", "--data", "{tmp}/lb.jsonl", "--prompt-config", "{tmp}/nope.json", "--out", "{tmp}"],
+     "--prompt-config='{tmp}/nope.json': not a readable JSON file (FileNotFoundError)"),
+    (["layers", "--data", "{tmp}/lb.jsonl", "--out", "{tmp}"], "--head-idx='{tmp}/srh_head_idx.json': not found"),
+    (["heads", "--out", "{tmp}/res/niah/m/full/b1"], "--out='{tmp}/res/niah/m/full/b1': inside the job folder"),
+])
+def test_every_flag_is_checked_before_the_model_loads(argv, message, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr("methods.calibrate.load_model", lambda *a: pytest.fail("model loaded"))
+    (tmp_path / "prompts.json").write_text('{"trec": "{context}"}')
+    (tmp_path / "lb.jsonl").write_text('{"context": "c", "input": "q", "answers": ["a"]}\n')
+    job = tmp_path / "res" / "niah" / "m" / "full" / "b1"
+    job.mkdir(parents=True)
+    (job / "config.yaml").write_text("task: {name: niah}\nmodel: {name: m}\n")
+    (job / "predictions.jsonl").write_text("")
+    argv = [a.format(tmp=tmp_path) for a in argv]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: " + message.format(tmp=tmp_path)) and len(err.strip().splitlines()) == 1, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["lb.jsonl", "prompts.json", "res"]
