@@ -109,9 +109,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     except ConfigError as e:
         p.error(str(e))
     try:  # the model config exists (its source is checked when the suite loads it)
-        model_config(args.model)
+        model_cfg = model_config(args.model)
     except SystemExit as e:
         p.error(str(e).removeprefix("error: "))
+    if Path(args.out).exists() and not Path(args.out).is_dir():
+        p.error(f"--out {args.out!r}: a file, not a folder (the JSON files and worker logs are written into it)")
+    if args.prompt_lengths:
+        from kvbench.validate import context_window
+
+        try:  # from the model's config alone (no weights)
+            window = context_window(model_cfg)
+        except ConfigError as e:
+            p.error(str(e))
+        longest = max(args.prompt_lengths)
+        if window is not None and longest + 32 > window:  # 32: the decode benchmark's generated tokens
+            p.error(f"--lengths {longest}: over the context window {window} of --model={args.model} minus 32 "
+                    f"generated tokens (at most {window - 32})")
     if args.doc and Path(args.doc).is_file() and not Path(args.doc).read_text(
             encoding="utf-8", errors="replace").startswith("# Performance"):
         p.error(f"--doc {args.doc!r}: exists and is not a performance summary of python -m benchmarks; pass a new file")

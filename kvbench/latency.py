@@ -270,6 +270,10 @@ def main(argv: list[str] | None = None) -> int:
         key = "--lengths" if args.lengths else "latency.lengths"
         p.error(f"{key} {' '.join(map(str, lengths))}: every prompt length is over the context window {limit} "
                 f"of model={model_cfg.get('name')} minus {new_tokens} new tokens (at most {limit - int(new_tokens)})")
+    if cfg.get("threads"):  # as a job does: torch's CPU threads, before the model loads
+        import torch
+
+        torch.set_num_threads(int(cfg.threads))
     records = run_latency(model_cfg, method_cfgs, float(cfg.budget), list(lengths), int(new_tokens),
                           int(args.repeats or lat.get("repeats") or 1), out,
                           engine_factory(model_cfg, float(cfg.budget), str(cfg.get("device", "auto"))))

@@ -305,9 +305,14 @@ def test_out_and_doc_never_write_into_a_job_folder(tmp_path, capsys):
     assert (job / "predictions.jsonl").read_text() == "kept\n"
 
 
-def test_device_and_threads_are_checked_before_anything_runs(capsys):
+def test_device_and_threads_are_checked_before_anything_runs(capsys, tmp_path):
+    (tmp_path / "afile").write_text("x")
     for argv, message in ((["--device", "gpu"], "--device gpu: accepted values are auto, cpu, cuda, cuda:<index>, mps"),
-                          (["--threads", "0"], "--threads 0: must be an integer >= 1")):
+                          (["--threads", "0"], "--threads 0: must be an integer >= 1"),
+                          (["--model", "nomodel"], "--model=nomodel: no such model config; accepted values are "),
+                          (["--out", str(tmp_path / "afile")], "a file, not a folder"),
+                          (["--lengths", "100000"], "--lengths 100000: over the context window 8192 of "
+                                                    "--model=smollm2 minus 32 generated tokens (at most 8160)")):
         with pytest.raises(SystemExit) as stop:
             parse_args(argv)
         assert stop.value.code == 2 and message in capsys.readouterr().err

@@ -97,3 +97,18 @@ def test_lengths_over_the_context_window_are_refused_before_loading(tmp_path, ca
             latency.main([src, "model.gguf_file=null", *argv])
         assert exc.value.code == 2
         assert capsys.readouterr().err.strip().splitlines()[-1] == f"python -m kvbench.latency: error: {line}"
+
+
+def test_threads_key_sets_torchs_threads_before_measuring(tmp_path, monkeypatch):
+    """threads=1 is validated and applied, as in a job (it was accepted and ignored)."""
+    import torch
+
+    seen = []
+    monkeypatch.setattr(latency, "run_latency", lambda *a, **k: seen.append(torch.get_num_threads()) or [{"x": 1}])
+    before = torch.get_num_threads()
+    try:
+        assert latency.main(["threads=1", "--methods", "full", "--lengths", "256",
+                             "--out", str(tmp_path / "lat.json")]) == 0
+    finally:
+        torch.set_num_threads(before)
+    assert seen == [1]
