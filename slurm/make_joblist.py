@@ -111,6 +111,16 @@ def format_line(job: list[str]) -> str:
     return " ".join(shlex.quote(override) for override in job)
 
 
+def is_job_list(path: Path) -> bool:
+    """Whether ``path`` holds a job list of this script: every non-empty line is shell words of
+    the form ``key=value`` (an empty file counts). A README, a script or notes do not."""
+    try:
+        lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+        return all(all("=" in word and not word.startswith("=") for word in shlex.split(line)) for line in lines)
+    except (OSError, UnicodeDecodeError, ValueError):  # unreadable, binary, unbalanced quotes
+        return False
+
+
 def main(argv: list[str] | None = None) -> int:
     """Command line: write the job list and print the matching sbatch command to stderr."""
     parser = argparse.ArgumentParser(
@@ -123,7 +133,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--parallel", type=int, default=16, help="array tasks at once, for the printed command")
     parser.add_argument("--no-check", action="store_true",
                         help="skip validating the sweep with run.py's checks (unknown names, keys, values)")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # overrides may follow the options, as with run.py
+    if args.parallel < 1:
+        parser.error(f"--parallel {args.parallel}: must be an integer >= 1 (array tasks run at once)")
+    if args.shards < 1:
+        parser.error(f"--shards {args.shards}: must be an integer >= 1")
+    given = [o for o in args.overrides if o.lstrip("+~").startswith("shard.")]
+    if given and args.shards > 1:
+        parser.error(f"{given[0]}: --shards {args.shards} sets shard.index and shard.count on every line; "
+                     "give one or the other")
     try:
         args.overrides = [("+" + o if o.startswith("experiment=") else o) for o in args.overrides]
         args.overrides += preset_sweeps(args.overrides)  # a preset's own sweep, one line per job
@@ -147,9 +165,13 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root (run as a script)
     from kvbench.store import keep_previous, store_write_refusal
 
-    why = store_write_refusal(args.output) or ("is a folder" if args.output.is_dir() else "")
+    why = (store_write_refusal(args.output) or ("is a folder" if args.output.is_dir() else "")
+           or ("exists and is not a job list (every line: key=value overrides)"
+               if args.output.is_file() and not is_job_list(args.output) else ""))
     if why:
-        print(f"make_joblist: -o {args.output}: {why}; pass a job list file outside the job folders", file=sys.stderr)
+        advice = ("pass a new file or an earlier job list" if why.startswith("exists and")
+                  else "pass a job list file outside the job folders")
+        print(f"make_joblist: -o {args.output}: {why}; {advice}", file=sys.stderr)
         return 2
     try:
         kept = keep_previous(args.output, replacing=text)

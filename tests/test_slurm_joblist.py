@@ -60,6 +60,28 @@ def test_zero_shards_is_rejected():
         expand(["method=full"], shards=0)
 
 
+def test_output_is_never_a_file_that_is_not_a_job_list_and_flags_are_checked(tmp_path, capsys):
+    """-o README.md would have replaced the README (kept aside, but still); an earlier job list
+    is replaced (and kept); overrides may follow options; --parallel/--shards are checked."""
+    readme = tmp_path / "README.md"
+    readme.write_text("# My project\n\nSome text.\n")
+    assert main(["method=full", "--no-check", "-o", str(readme)]) == 2
+    assert capsys.readouterr().err == (f"make_joblist: -o {readme}: exists and is not a job list (every line: "
+                                       "key=value overrides); pass a new file or an earlier job list\n")
+    assert readme.read_text() == "# My project\n\nSome text.\n" and len(list(tmp_path.iterdir())) == 1
+    jobs = tmp_path / "jobs.txt"
+    assert main(["method=full", "--no-check", "-o", str(jobs), "budget=0.5"]) == 0
+    assert jobs.read_text() == "method=full budget=0.5\n"
+    assert main(["method=snapkv", "--no-check", "-o", str(jobs)]) == 0  # a job list: replaced, kept aside
+    assert jobs.read_text() == "method=snapkv\n" and len(list(tmp_path.glob("jobs.*.txt"))) == 1
+    for argv, message in ((["method=full", "--parallel", "0"], "--parallel 0: must be an integer >= 1"),
+                          (["method=full", "shard.count=3", "--shards", "2"],
+                           "shard.count=3: --shards 2 sets shard.index and shard.count on every line")):
+        with pytest.raises(SystemExit) as stop:
+            main(argv)
+        assert stop.value.code == 2 and message in capsys.readouterr().err
+
+
 def test_format_line_quotes_only_what_the_shell_would_mangle():
     assert format_line(["method=snapkv", "task.depth_percents=[10,50]", "run_tag=a b"]) == (
         "method=snapkv 'task.depth_percents=[10,50]' 'run_tag=a b'"
