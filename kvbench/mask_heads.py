@@ -214,9 +214,13 @@ def out_stem(out: str, name: str) -> Path:
             under one, or lies in a job folder (:func:`kvbench.store.store_write_refusal`).
     """
     path = Path(out)
-    why = store_write_refusal(path if path.suffix not in (".json", ".csv", ".md") else path.parent)
+    folder = path if path.suffix not in (".json", ".csv", ".md") else path.parent
+    why = store_write_refusal(folder)
     if why:
         raise ConfigError(f"--out={out!r}: {why}; pass a folder outside the job folders")
+    from .validate import check_not_in_code
+
+    check_not_in_code(f"--out={out!r}", folder, "the ablation's files (default: results/mask_heads)")
     if path.suffix in (".json", ".csv", ".md"):
         if path.parent.exists() and not path.parent.is_dir():
             raise ConfigError(f"--out={out!r}: {path.parent} is a file, not a folder")

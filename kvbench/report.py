@@ -342,9 +342,10 @@ def main(argv: list[str] | None = None) -> int:
                 "or outside the results root")
     from methods.base import ConfigError
 
-    from .validate import check_not_in_store
+    from .validate import check_not_in_code, check_not_in_store
 
     try:  # outside this root: not in another results root's task, model or method folder either
+        check_not_in_code(f"--out {str(out)!r}", out, "the report (default: RESULTS_ROOT/report)")
         if not out.resolve().is_relative_to(root.resolve()):
             check_not_in_store(f"--out {str(out)!r}", out)
     except ConfigError as e:

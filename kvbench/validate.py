@@ -111,18 +111,31 @@ def check_output_root(root: Any) -> Path:
             pass
     except OSError as e:
         raise ConfigError(f"output_root={root}: not writable (cannot create a file in {probe}: {e.strerror}); pass a writable folder") from None
-    code = CHECKOUT
-    if path == code:
-        raise ConfigError(f"output_root={root}: the kvbench checkout itself (its job folders would sit among the "
-                          "code, and every results root inside it would lie in this one); pass a folder for results "
-                          "(default: results)")
-    if path.is_relative_to(code):
-        top = path.relative_to(code).parts[0]
-        if top in CODE_FOLDERS or top.startswith("."):
-            raise ConfigError(f"output_root={root}: inside kvbench's own {top}/ folder; pass a folder for results "
-                              "(default: results)")
+    check_not_in_code(f"output_root={root}", path, "results (default: results)")
     check_not_in_store(f"output_root={root}", path)
     return path
+
+
+def check_not_in_code(shown: str, path: Path, what: str) -> None:
+    """Refuse a folder that is the kvbench checkout itself or lies in one of its code folders
+    (:data:`CODE_FOLDERS`, or any hidden folder such as ``.git`` or ``.venv``).
+
+    Args:
+        shown: the setting as the message names it (``output_root=.``, ``--out 'docs'``).
+        path: the folder.
+        what: what to pass instead, for the message (``results (default: results)``).
+
+    Raises:
+        ConfigError: names ``shown`` and the folder.
+    """
+    path = Path(os.path.expanduser(str(path))).resolve()
+    if path == CHECKOUT:
+        raise ConfigError(f"{shown}: the kvbench checkout itself (its files would sit among the code, and a results "
+                          f"root there would hold every other one); pass a folder for {what}")
+    if path.is_relative_to(CHECKOUT):
+        top = path.relative_to(CHECKOUT).parts[0]
+        if top in CODE_FOLDERS or top.startswith("."):
+            raise ConfigError(f"{shown}: inside kvbench's own {top}/ folder; pass a folder for {what}")
 
 
 CHECKOUT = Path(__file__).resolve().parents[1]

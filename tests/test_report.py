@@ -625,3 +625,14 @@ def test_jobs_of_one_setting_the_report_leaves_out_are_named(tmp_path):
     assert row["SnapKV25%"]["niah"] == 30.0
     snap25 = next(i for i, r in enumerate(rows) if r["Method"] == "SnapKV" and r["Budget"] == "25%")
     assert (snap25, "niah") in table.bold  # the best finished compressed row (30 > 20), the duplicate aside
+
+
+def test_report_out_in_the_checkout_or_its_code_folders_is_refused(tree, capsys):
+    from kvbench import validate
+
+    for out, text in ((validate.CHECKOUT, "the kvbench checkout itself"),
+                      (validate.CHECKOUT / "docs", "inside kvbench's own docs/ folder")):
+        with pytest.raises(SystemExit) as stop:
+            report.main([str(tree), "--out", str(out)])
+        err = capsys.readouterr().err.strip()
+        assert stop.value.code == 2 and text in err and "\n" not in err, err

@@ -153,3 +153,15 @@ def test_published_trh_scores_of_llama31_are_found_and_checked_before_loading(tm
     monkeypatch.setenv("KVBENCH_SHARED_DATA", str(shared))
     assert main(["--model", "llama31", "--kinds", "trh,random", "--k", "30,1025", "--out", str(tmp_path)]) == 2
     assert capsys.readouterr().err.strip().endswith("--k=1025: must be between 1 and the 32x32 = 1024 heads of the score file")
+
+
+def test_out_in_the_checkout_or_its_docs_is_refused(capsys, no_model_load):
+    """--out . / docs/ / README.md would scatter the ablation's files among the code."""
+    from kvbench import validate
+
+    for out, text in ((str(validate.CHECKOUT), "the kvbench checkout itself"),
+                      (str(validate.CHECKOUT / "docs"), "inside kvbench's own docs/ folder"),
+                      (str(validate.CHECKOUT / "README.md"), "the kvbench checkout itself")):
+        assert main(["--out", out]) == 2
+        err = capsys.readouterr().err.strip()
+        assert text in err and "\n" not in err, err
