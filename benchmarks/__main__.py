@@ -37,7 +37,7 @@ import traceback  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 from kvbench.cli_parser import OneLineParser  # noqa: E402
-from kvbench.signals import quiet_broken_pipe  # noqa: E402
+from kvbench.signals import one_line_stop, quiet_broken_pipe  # noqa: E402
 from kvbench.store import store_write_refusal  # noqa: E402
 from kvbench.validate import check_device_flag, check_not_in_store  # noqa: E402
 from methods.base import ConfigError  # noqa: E402
@@ -132,6 +132,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 @quiet_broken_pipe
+@one_line_stop("the JSON of each finished benchmark is in --out; no summary (docs/PERFORMANCE.md) was written")
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     import logging

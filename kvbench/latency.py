@@ -39,7 +39,7 @@ from typing import Any, Callable
 
 from .cli_parser import OneLineParser
 from .store import atomic_write, keep_previous, output_file_refusal
-from .signals import quiet_broken_pipe
+from .signals import one_line_stop, quiet_broken_pipe
 
 DEFAULT_NEW_TOKENS = 256  # SelKV Figure 3 generates 256 tokens
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
@@ -194,6 +194,7 @@ def compose(overrides: list[str]) -> Any:
 
 
 @quiet_broken_pipe
+@one_line_stop("the records measured so far are in the output file (rewritten after each one); an earlier file is kept as latency.<time>.json")
 def main(argv: list[str] | None = None) -> int:
     """CLI entry point (see the module docstring)."""
     from omegaconf import OmegaConf

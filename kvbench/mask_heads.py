@@ -46,7 +46,7 @@ from methods.base import ConfigError
 
 from .cli_parser import OneLineParser
 from .head_mask import MODES, PHASES, HeadMask
-from .signals import quiet_broken_pipe
+from .signals import one_line_stop, quiet_broken_pipe
 from .store import store_write_refusal
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -410,6 +410,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 @quiet_broken_pipe
+@one_line_stop("nothing was written (the ablation's files are written when every condition has run); rerun the command")
 def main(argv: list[str] | None = None) -> int:
     """Run the ablation. Returns 0, or 2 on a user error (one line on stderr)."""
     args = build_parser().parse_args(argv)

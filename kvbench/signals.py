@@ -154,3 +154,27 @@ def quiet_broken_pipe(main: Callable[..., int]) -> Callable[..., int]:
             return EXIT_BROKEN_PIPE
 
     return wrapper
+
+
+def one_line_stop(kept: str) -> Callable[[Callable[..., int]], Callable[..., int]]:
+    """Wrap a tool's ``main`` (latency, mask-heads, benchmarks, calibration) so that Ctrl-C ends
+    it with one line, ``interrupted: <kept>``, and exit code 130 (143 for :class:`Terminated`)
+    instead of a ``KeyboardInterrupt`` traceback.
+
+    Args:
+        kept: what of the run is kept, for the message (``nothing was written``...).
+    """
+
+    def wrap(main: Callable[..., int]) -> Callable[..., int]:
+        @functools.wraps(main)
+        def wrapper(*args, **kwargs) -> int:
+            try:
+                return main(*args, **kwargs)
+            except KeyboardInterrupt as err:
+                word = "terminated (SIGTERM)" if isinstance(err, Terminated) else "interrupted"
+                print(f"\n{word}: {kept}", file=sys.stderr, flush=True)
+                return stop_code(err)
+
+        return wrapper
+
+    return wrap

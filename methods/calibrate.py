@@ -590,6 +590,13 @@ def check_args(args) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from kvbench.signals import one_line_stop
+
+    stop = one_line_stop("nothing was written (the calibration files are written at the end); rerun the command")
+    return stop(_main)(argv)
+
+
+def _main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         if args.out is not None and not str(args.out).strip():

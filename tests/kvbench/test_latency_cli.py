@@ -112,3 +112,34 @@ def test_threads_key_sets_torchs_threads_before_measuring(tmp_path, monkeypatch)
     finally:
         torch.set_num_threads(before)
     assert seen == [1]
+
+
+def test_ctrl_c_in_the_tools_is_one_line_and_exit_130(capsys, monkeypatch):
+    """latency, mask-heads, benchmarks and calibration end a Ctrl-C with one line saying what is
+    kept (they printed a KeyboardInterrupt traceback)."""
+    import benchmarks.__main__ as bench
+    import methods.calibrate as calibrate
+    from kvbench import mask_heads
+    from kvbench.signals import Terminated
+
+    def stop(*_a, **_k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(latency, "compose", stop)
+    assert latency.main(["--methods", "full"]) == 130
+    assert capsys.readouterr().err.strip() == ("interrupted: the records measured so far are in the output file "
+                                               "(rewritten after each one); an earlier file is kept as "
+                                               "latency.<time>.json")
+    monkeypatch.setattr(mask_heads, "build_parser", stop)
+    assert mask_heads.main([]) == 130
+    assert capsys.readouterr().err.strip().startswith("interrupted: nothing was written")
+    monkeypatch.setattr(bench, "parse_args", stop)
+    assert bench.main([]) == 130
+    assert "no summary (docs/PERFORMANCE.md) was written" in capsys.readouterr().err
+
+    def term(*_a, **_k):
+        raise Terminated
+
+    monkeypatch.setattr(calibrate, "build_parser", term)
+    assert calibrate.main([]) == 143
+    assert capsys.readouterr().err.strip().startswith("terminated (SIGTERM): nothing was written")
