@@ -341,8 +341,14 @@ def run(args) -> int:
         raise ConfigError(f"--srh-scores/--trh-scores: the files cover different layer x head grids {sorted(grids)}")
     plan = conditions(scores, ks, kinds, args.seed)
     task_cfg = niah_config(args)
+    lengths = [int(x) for x in task_cfg["context_lengths"]]
+    from .models import max_input_length
+
+    limit = max_input_length(model_cfg)
+    if min(lengths) > limit:  # the task would skip every length once the model is loaded
+        raise ConfigError(f"--lengths={','.join(map(str, lengths))}: every length exceeds the prompt budget of {limit} "
+                          f"tokens of model {args.model} (model.max_input_length); use lengths <= {limit}")
     stem = out_stem(args.out, f"mask_heads_{args.model}_{args.mode}-{args.phase}")
-    print(f"writing {stem}.{{json,csv,md}}", file=sys.stderr)
 
     import torch
 
@@ -356,6 +362,7 @@ def run(args) -> int:
         torch.set_num_threads(args.threads)
     t0, c0 = time.time(), _cpu_seconds()
     loaded = load_model(model_cfg, args.device)
+    print(f"writing {stem}.{{json,csv,md}} when every condition has run", file=sys.stderr)
     for kind, path in files.items():
         load_head_scores(path, loaded.layout)  # the score grid must be the model's layers x query heads
     task = NIAHTask(task_cfg, loaded.tokenizer, loaded.max_input_length, encode=lambda s: encode_prompt(loaded, s))

@@ -98,6 +98,7 @@ def no_model_load(monkeypatch):
     (["--lengths", "0"], "--lengths='0': must be a non-empty list of positive integers"),
     (["--depths", "50,150"], "--depths='50,150': must be a non-empty list of numbers in [0, 100]"),
     (["--max-new-tokens", "0"], "--max-new-tokens=0: must be an integer >= 1"),
+    (["--lengths", "100000"], "--lengths=100000: every length exceeds the prompt budget of 7500 tokens of model smollm2"),
     (["--lengths", "abc"], "--lengths='abc': comma-separated integers"),
     (["--device", "gpu"], "--device gpu: accepted values are auto, cpu, cuda, cuda:<index>, mps"),
     (["--threads", "0"], "--threads 0: must be an integer >= 1"),
