@@ -266,7 +266,7 @@ def _job_rows(root: Path, job_dir: Path) -> list[dict]:
         "max_input_tokens": _max_input_tokens(cfg, setting),
         "params": json.dumps(params, sort_keys=True, default=str),
         "settings": _settings(cfg, job_dir),
-        "tagged": bool(tag) and tag != setting,
+        "tagged": (bool(tag) and tag != setting) or bool(cfg.get("run_name")),  # not the standard folder
         "n_expected": summary.get("n_expected"),
         "complete": bool(summary.get("complete", False)),
         "subset": _subset(cfg, summary),

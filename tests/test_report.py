@@ -636,3 +636,20 @@ def test_report_out_in_the_checkout_or_its_code_folders_is_refused(tree, capsys)
             report.main([str(tree), "--out", str(out)])
         err = capsys.readouterr().err.strip()
         assert stop.value.code == 2 and text in err and "\n" not in err, err
+
+
+def test_a_run_name_job_does_not_displace_the_standard_job_of_its_setting(tmp_path):
+    """Same setting and scores under run_name=myrun and under niah/<model>/snapkv/b0.25: the
+    standard folder fills the row (the path order picked myrun), myrun is left out."""
+    from kvbench.report_data import load_results
+    from kvbench.report_tables import score_tables
+
+    make_job(tmp_path, task="niah", model="smollm2", method="snapkv", scores={"niah": 30.0})
+    other = make_job(tmp_path / "tmp", task="niah", model="smollm2", method="snapkv", scores={"niah": 30.0})
+    (tmp_path / "myrun").parent.mkdir(exist_ok=True)
+    other.rename(tmp_path / "myrun")
+    cfg = yaml.safe_load((tmp_path / "myrun" / "config.yaml").read_text())
+    (tmp_path / "myrun" / "config.yaml").write_text(yaml.safe_dump({**cfg, "run_name": "myrun"}))
+    (table,) = score_tables(load_results(tmp_path), tmp_path)
+    assert table.sources == ["niah/smollm2/snapkv/b0.25"]
+    assert any(n.startswith("left out: SnapKV at budget 25%: myrun (5 samples)") for n in table.notes), table.notes
