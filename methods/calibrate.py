@@ -380,6 +380,8 @@ def _haystack_prompts(tok, data_dir: Path, lengths: list[int], chat: bool):
 def cmd_layers(args) -> int:
     lm, tok = load_model(args.model, args.gguf_file, args.threads)
     layout = model_layout(lm, args.name)
+    if args.num_heads > layout.num_q_heads:
+        raise ConfigError(f"--num-heads={args.num_heads}: the model has {layout.num_q_heads} query heads per layer")
     out = Path(args.out or ARTIFACTS_ROOT / args.name)
     head_idx = Path(args.head_idx or out / "srh_head_idx.json")
     if not head_idx.is_file():
