@@ -522,11 +522,10 @@ MB = 1e6
 
 def save(path: Path, text: str) -> None:
     """Write one output of the suite atomically; an earlier, different file of that name is kept
-    beside it as ``<stem>.<time><suffix>`` first (:func:`kvbench.store.keep_previous`): a new run
+    beside it as ``<stem>.<time><suffix>`` first (:func:`kvbench.store.replace_keeping`): a new run
     never loses an earlier run's measurements."""
-    from kvbench.store import atomic_write, keep_previous
+    from kvbench.store import replace_keeping
 
-    kept = keep_previous(path, replacing=text)
+    kept = replace_keeping(path, text)
     if kept is not None:
         log(f"kept the earlier {path.name} as {kept.name}")
-    atomic_write(path, text)

@@ -21,7 +21,7 @@ from pathlib import Path
 from eval.metrics import dataset2metric, score_dataset
 
 from .cli_parser import OneLineParser
-from .store import atomic_write, keep_previous, output_file_refusal
+from .store import output_file_refusal, replace_keeping
 
 REQUIRED = ("pred", "answers", "all_classes")
 
@@ -127,9 +127,8 @@ def main(argv: list[str] | None = None) -> int:
     if why:
         parser.error(f"--out {str(out)!r}: {why}")
     text = json.dumps(scores, ensure_ascii=False, indent=4)
-    kept = keep_previous(out, replacing=text)
     out.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write(out, text)
+    kept = replace_keeping(out, text)
     print(text)
     print(f"wrote {out}" + (f" (the earlier scores are kept as {kept.name})" if kept else ""), file=sys.stderr)
     return 0

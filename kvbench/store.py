@@ -239,6 +239,21 @@ def output_file_refusal(out: Path, kind: str, is_kind: Callable[[Any], bool], de
     return ""
 
 
+def replace_keeping(path: Path, text: str) -> Path | None:
+    """Write ``text`` to ``path`` atomically (:func:`atomic_write`) after keeping an earlier,
+    different file there beside it (:func:`keep_previous`).
+
+    Returns:
+        The kept copy's path, or None when there was no earlier file or it held ``text``.
+
+    Raises:
+        OSError: the folder cannot be written (nothing is replaced).
+    """
+    kept = keep_previous(path, replacing=text)
+    atomic_write(path, text)
+    return kept
+
+
 def keep_previous(path: Path, replacing: str | None = None) -> Path | None:
     """Copy an existing file ``path`` to ``<stem>.<time><suffix>`` beside it (the time it was
     last written; ``-2``, ``-3``... within one second, never overwriting) before a new run

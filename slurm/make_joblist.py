@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.write(text)
         return 0
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root (run as a script)
-    from kvbench.store import keep_previous, store_write_refusal
+    from kvbench.store import replace_keeping, store_write_refusal
 
     why = (store_write_refusal(args.output) or ("is a folder" if args.output.is_dir() else "")
            or ("exists and is not a job list (every line: key=value overrides)"
@@ -174,10 +174,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"make_joblist: -o {args.output}: {why}; {advice}", file=sys.stderr)
         return 2
     try:
-        kept = keep_previous(args.output, replacing=text)
+        kept = replace_keeping(args.output, text)
         if kept:
             print(f"make_joblist: the earlier {args.output.name} is kept as {kept.name}", file=sys.stderr)
-        args.output.write_text(text)
     except OSError as error:  # a folder that does not exist, a file in the path, no permission
         print(f"make_joblist: -o {args.output}: cannot write it ({error.strerror or type(error).__name__})",
               file=sys.stderr)
