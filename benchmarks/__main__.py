@@ -172,6 +172,8 @@ def main(argv: list[str] | None = None) -> int:
         results.append(res)
         print(f"\n## {res.title}  [{res.seconds:.0f} s]")
         print(f"skipped: {res.skipped}" if res.skipped else table(res.headers, res.rows))
+        for extra in [] if res.skipped else res.tables:
+            print(f"\n{extra['title']}:\n{table(extra['headers'], extra['rows'])}")
         for t in res.targets:
             print(f"  {t.verdict}: {t.name}: {t.measured} (target {t.target}){' - ' + t.note if t.note else ''}")
         for note in res.notes:

@@ -69,6 +69,11 @@ class Settings:
         return 8 if self.quick else 32
 
     @property
+    def pair_rounds(self) -> int:
+        """Rounds of the decode benchmark's in-process A/B (full and 25 % cache alternating)."""
+        return 2 if self.quick else 3
+
+    @property
     def reps(self) -> int:
         """Repetitions of in-process timings (median reported)."""
         return 2 if self.quick else 5
@@ -478,6 +483,8 @@ class BenchResult:
     targets: list[Target] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     data: dict[str, Any] = field(default_factory=dict)
+    #: further tables after the main one: ``{"title": str, "headers": [...], "rows": [[...]]}``
+    tables: list[dict[str, Any]] = field(default_factory=list)
     skipped: str | None = None
     seconds: float = 0.0
     runs_started: int = 0  # worker runs this benchmark started

@@ -87,14 +87,56 @@ class Context:
             return self._runs[key]
         self.runs_started += 1
         spec["bandwidth"] = bandwidth
-        key_with = json.dumps(spec, sort_keys=True)
         tag = f"{method}-{budget}-{n}" + ("" if mkl_pool else "-nomklpool")
-        log_path = self.logs / f"worker-{tag}.log"
         log(f"worker: {method} budget={budget} n={n} ...")
+        result = self._spawn(spec, tag, mkl_pool)
+        self._runs[key] = result
+        return result
+
+    def paired_run(self, configs: list[tuple[str, str, float]], n: int, rounds: int,
+                   new_tokens: int | None = None) -> dict[str, Any]:
+        """A decode A/B in one worker process (memoised): ``configs`` alternate for ``rounds`` rounds.
+
+        Args:
+            configs: ``(label, method, budget)`` per configuration, run in this order each round.
+            n: prompt tokens.
+            rounds: rounds (each runs every configuration once).
+
+        Returns:
+            The worker's result (:func:`benchmarks.worker.run_pair`).
+
+        Raises:
+            WorkerError: the worker failed (its log file is named).
+        """
+        spec = {
+            "settings": json.loads(self.settings.to_json()),
+            "configs": [list(c) for c in configs],
+            "n": n,
+            "rounds": rounds,
+            "new_tokens": new_tokens or self.settings.new_tokens,
+        }
+        key = json.dumps(spec, sort_keys=True)
+        if key in self._runs:
+            self.runs_reused += 1
+            return self._runs[key]
+        self.runs_started += 1
+        tag = "pair-" + "-".join(label.rstrip("%") for label, _m, _b in configs) + f"-{n}"
+        log(f"worker: {' / '.join(label for label, _m, _b in configs)} alternating, {rounds} rounds, n={n} ...")
+        result = self._spawn(spec, tag)
+        self._runs[key] = result
+        return result
+
+    def _spawn(self, spec: dict[str, Any], tag: str, mkl_pool: bool = True) -> dict[str, Any]:
+        """Run ``python -m benchmarks.worker <spec>``; its result with ``worker_s`` (seconds) added.
+
+        Raises:
+            WorkerError: the worker failed (its log file is named).
+        """
+        log_path = self.logs / f"worker-{tag}.log"
         t0 = time.perf_counter()
         with open(log_path, "w") as err:
             proc = subprocess.run(
-                [sys.executable, "-m", "benchmarks.worker", key_with],
+                [sys.executable, "-m", "benchmarks.worker", json.dumps(spec, sort_keys=True)],
                 cwd=ROOT, env=worker_env(mkl_pool), stdout=subprocess.PIPE, stderr=err, text=True,
             )
         lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(MARKER)]
@@ -103,6 +145,5 @@ class Context:
             raise WorkerError(f"{tag}: worker exited with {proc.returncode}: {tail[0]} (log: {log_path})")
         result = json.loads(lines[-1][len(MARKER):])
         result["worker_s"] = time.perf_counter() - t0
-        self._runs[key] = result
         log(f"worker: {tag} done in {result['worker_s']:.0f} s")
         return result

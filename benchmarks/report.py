@@ -75,6 +75,8 @@ def render(machine: dict[str, Any], results: list[BenchResult], command: str, no
             continue
         if r.rows:
             lines += [table(r.headers, r.rows), ""]
+        for extra in r.tables:
+            lines += [f"{extra['title']}:", "", table(extra["headers"], extra["rows"]), ""]
         lines += [f"- {n}" for n in r.notes] + ([""] if r.notes else [])
     return "\n".join(lines).rstrip() + "\n"
 

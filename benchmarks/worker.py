@@ -1,5 +1,7 @@
 """One engine configuration in a fresh process: ``python -m benchmarks.worker '<json spec>'``.
 
+(A spec with ``configs`` instead runs a decode A/B in one process, :func:`run_pair`.)
+
 Every configuration whose memory is reported runs here, alone, so that no other
 configuration's heap, allocator pools or peak enter its numbers. The spec names the method, budget, prompt length
 and generated tokens; the worker loads the model, warms up on a short prompt, runs
@@ -148,6 +150,78 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def run_pair(spec: dict[str, Any]) -> dict[str, Any]:
+    """Decode A/B in one process: the configurations ``spec["configs"]`` alternate for ``spec["rounds"]`` rounds.
+
+    Separate worker processes measure each configuration at a different time and with its own
+    memory placement; on a machine whose speed drifts by up to 25 % within an hour that moves a
+    ratio of two steps more than the effect it measures. Here one process loads the model
+    once, warms up every configuration, then runs them in turn (round 1: A, B; round 2: A, B;
+    ...). After each generation it measures the read bandwidth (the floor's denominator) and
+    the step's read pattern on that generation's cache, then frees the cache.
+
+    Args:
+        spec: ``settings``, ``configs`` (``[[label, method, budget], ...]``), ``n`` (prompt
+            tokens), ``new_tokens``, ``rounds``.
+
+    Returns:
+        ``{"rounds": [{label: {...}}, ...], "weight_bytes", "read_probe_bytes",
+        "last_level_cache_bytes", "threads"}``; each ``{...}`` has ``prompt_tokens``,
+        ``decode_step_median_ms`` (median of that generation's per-step times, the first step
+        left out), ``cache_bytes_after``, ``read_bandwidth_Bps`` and ``step_read_pattern_s``.
+    """
+    import torch
+
+    from kvbench.engine import Engine
+
+    settings = Settings.from_json(json.dumps(spec["settings"]))
+    apply_threads(settings)
+    loaded = load(settings)
+    dev = loaded.device
+    prompt = build_prompt(loaded.tokenizer, int(spec["n"]))
+    engines = {label: Engine(loaded, build_method(method, loaded.layout), budget)
+               for label, method, budget in spec["configs"]}
+    for engine in engines.values():
+        engine.generate(prompt.ids[: min(256, len(prompt.ids))], 2, stop_ids=[])  # warm-up: lazy inits, kernels
+        engine.last_state, engine.last_logits = None, []
+    nbytes = probe_bytes(str(dev))
+    rounds = []
+    for _ in range(int(spec["rounds"])):
+        this_round = {}
+        for label, engine in engines.items():
+            release_freed_memory()
+            starts: list[float] = []
+
+            def on_decode_step(step: int) -> None:
+                if dev.type == "cuda":
+                    torch.cuda.synchronize(dev)
+                starts.append(time.perf_counter())
+
+            engine.on_decode_step = on_decode_step
+            try:
+                res = engine.generate(prompt.ids, int(spec["new_tokens"]), stop_ids=[])
+            finally:
+                engine.on_decode_step = None
+            steps = [b - a for a, b in zip(starts[1:], starts[2:])]  # as run(): the first step left out
+            pattern = step_read_pattern(loaded.model, engine.last_state.cache)
+            this_round[label] = {
+                "prompt_tokens": res.prompt_tokens,
+                "decode_step_median_ms": 1000 * statistics.median(steps) if steps else None,
+                "cache_bytes_after": res.cache_bytes_after,
+                "read_bandwidth_Bps": read_bandwidth(str(dev), nbytes),
+                "step_read_pattern_s": pattern["seconds"],
+            }
+            engine.last_state, engine.last_logits = None, []
+        rounds.append(this_round)
+    return {
+        "rounds": rounds,
+        "weight_bytes": sum(p.numel() * p.element_size() for p in loaded.model.parameters()),
+        "read_probe_bytes": nbytes,
+        "last_level_cache_bytes": last_level_cache_bytes(str(dev)),
+        "threads": torch.get_num_threads(),
+    }
+
+
 def main(argv: list[str]) -> int:
     import logging
     import warnings
@@ -155,7 +229,7 @@ def main(argv: list[str]) -> int:
     warnings.filterwarnings("ignore")
     logging.disable(logging.WARNING)
     spec = json.loads(argv[1])
-    result = run(spec)
+    result = run_pair(spec) if "configs" in spec else run(spec)
     print(MARKER + json.dumps(result), flush=True)
     return 0
 
