@@ -83,7 +83,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lengths", action="append", metavar="N",
                    help="prompt lengths in tokens (repeat or comma-separate) for compression, engine and decode, "
                         "and the longest for memory (default: 2048,4096,8000 for compression, 1024,2048,4096,8000 "
-                        "otherwise; --quick: 256,512); overhead and kvpress keep their fixed lengths")
+                        "otherwise; --quick: 256,512); overhead and kvpress keep their fixed lengths; each at most the "
+                        "model's context window minus the tokens a sample generates (32; 8 with --quick)")
     args = p.parse_args(argv)
     names = _csv(args.only)
     unknown = [x for x in names if x not in BENCHMARKS]
@@ -122,9 +123,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         except ConfigError as e:
             p.error(str(e))
         longest = max(args.prompt_lengths)
-        if window is not None and longest + 32 > window:  # 32: the decode benchmark's generated tokens
-            p.error(f"--lengths {longest}: over the context window {window} of --model={args.model} minus 32 "
-                    f"generated tokens (at most {window - 32})")
+        new = Settings(quick=args.quick).new_tokens  # tokens each sample generates (8 with --quick, else 32)
+        if window is not None and longest + new > window:
+            p.error(f"--lengths {longest}: over the context window {window} of --model={args.model} minus {new} "
+                    f"generated tokens (at most {window - new})")
     if args.doc and Path(args.doc).is_file() and not Path(args.doc).read_text(
             encoding="utf-8", errors="replace").startswith("# Performance"):
         p.error(f"--doc {args.doc!r}: exists and is not a performance summary of python -m benchmarks; pass a new file")

@@ -339,6 +339,17 @@ def _decode_suite(runs, rounds):
     return decode.run(ctx)
 
 
+def test_lengths_leave_room_for_the_tokens_a_sample_generates(capsys):
+    """32 generated tokens in a full run, 8 with --quick: 8180 + 8 fits SmolLM2's 8192-token window."""
+    assert parse_args(["--quick", "--lengths", "8180"]).prompt_lengths == [8180]
+    with pytest.raises(SystemExit) as stop:
+        parse_args(["--lengths", "8180"])
+    assert stop.value.code == 2 and "minus 32 generated tokens (at most 8160)" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse_args(["--quick", "--lengths", "8190"])
+    assert "minus 8 generated tokens (at most 8184)" in capsys.readouterr().err
+
+
 def test_decode_targets_are_judged_on_the_alternating_rounds():
     """Speed-up = median of the rounds' own ratios; step / floor = median over the rounds. The
     separate processes (here a 1.25× "speed-up" from a slow 25 % process) are reported, not judged."""
