@@ -469,6 +469,22 @@ def test_latency_records_feed_figure3(tmp_path, monkeypatch):
     assert (tmp_path / "selkv_fig3.png").stat().st_size > 5000
 
 
+def test_a_root_with_only_a_latency_file_draws_figure3_without_warning(tmp_path, capsys):
+    root = tmp_path / "latency_root"
+    root.mkdir()
+    recs = [{"model": "tiny", "method": m, "prompt_tokens": n, "budget": b, "prefill_s": 0.1 * n / 256,
+             "decode_s": 0.2, "decode_tok_s": 40.0, "generated_tokens": 8, "cache_bytes_after": 1000 * n * b,
+             "peak_mem_bytes": 10**6} for m, b in (("Full Cache", 1.0), ("snapkv", 0.25)) for n in (256, 512)]
+    (root / "latency.json").write_text(json.dumps(recs))
+    assert report.main([str(root), "--only", "selkv_fig3", "--out", str(tmp_path / "r")]) == 0
+    err = capsys.readouterr().err
+    assert "no job folders" not in err and (tmp_path / "r" / "selkv_fig3.png").stat().st_size > 5000
+    assert report.main([str(root), "--out", str(tmp_path / "r2")]) == 0
+    assert (f"warning: no job folders under {root} (a job folder holds config.yaml and summary.json or "
+            f"predictions.jsonl); only the latency figure (selkv_fig3, from {root / 'latency.json'}) can be drawn"
+            ) in capsys.readouterr().err
+
+
 def test_report_cli_rejects_unknown_artifact(tree, capsys):
     with pytest.raises(SystemExit) as e:
         report.main([str(tree), "--only", "selkv_tabel1"])
