@@ -19,9 +19,14 @@ The published CompressKV files for Llama-3.1-8B / Mistral-7B carry no SRH scores
 ``--srh-scores`` or leave ``srh`` out of ``--kinds``.
 
 Writes ``<out>/mask_heads_<model>_<mode>-<phase>.{json,csv,md}`` and never overwrites: when a
-file of that name exists, the next free ``…-2``, ``…-3`` is used. User errors (unknown model,
-missing score files, k larger than the number of heads, bad grid) stop it with one line before
-any model is loaded.
+file of that name exists, the next free ``…-2``, ``…-3`` is used. While it runs, the conditions
+finished so far are kept in ``<stem>.partial.json`` (rewritten atomically after each one); an
+interrupted run (Ctrl-C, SIGTERM, a crash) is resumed by the same command, which skips the
+finished conditions, and the progress file is removed once the three files are written. A
+progress file of other settings (model, grid, k, kinds, seed, score files, mode, phase, device)
+is never touched: that run writes to the next free stem. User errors (unknown model, missing
+score files, k larger than the number of heads, bad grid) stop it with one line before any
+model is loaded.
 """
 
 from __future__ import annotations
@@ -47,10 +52,11 @@ from methods.base import ConfigError
 from .cli_parser import OneLineParser
 from .head_mask import MODES, PHASES, HeadMask
 from .signals import one_line_stop, quiet_broken_pipe
-from .store import store_write_refusal
+from .store import atomic_write, store_write_refusal
 
 ROOT = Path(__file__).resolve().parents[1]
 KINDS = ("srh", "trh", "random")
+PARTIAL = ".partial.json"  # progress file beside the outputs (see run)
 _SCORE_KIND = {"srh": ("semantic_retrieval_heads", "srh_head_idx"), "trh": ("retrieval_heads", "trh_head_idx")}
 
 
@@ -194,20 +200,41 @@ def _with(stem: Path, suffix: str) -> Path:
     return stem.parent / (stem.name + suffix)  # not with_suffix: a model name may hold a dot
 
 
-def output_stem(out_dir: Path, name: str) -> Path:
-    """``out_dir/name``, or ``name-2``, ``name-3``… : the first stem with no ``.json/.csv/.md`` file."""
+def partial_path(stem: Path) -> Path:
+    """``stem.partial.json``: the conditions finished so far, rewritten after each one."""
+    return _with(stem, PARTIAL)
+
+
+def read_partial(stem: Path) -> dict | None:
+    """The progress file of ``stem`` (None when there is none or it cannot be read as one)."""
+    try:
+        data = json.loads(partial_path(stem).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) and isinstance(data.get("settings"), dict) else None
+
+
+def output_stem(out_dir: Path, name: str, settings: dict | None = None) -> Path:
+    """``out_dir/name``, or ``name-2``, ``name-3``… : the first stem with no ``.json/.csv/.md`` file
+    and no progress file (``.partial.json``) of other ``settings`` (one of the same settings is
+    resumed: see :func:`run`)."""
     n = 1
     while True:
         stem = out_dir / (name if n == 1 else f"{name}-{n}")
         if not any(_with(stem, s).exists() for s in (".json", ".csv", ".md")):
-            return stem
+            if not partial_path(stem).exists():
+                return stem
+            partial = read_partial(stem)
+            if settings is not None and partial is not None and partial["settings"] == settings:
+                return stem
         n += 1
 
 
-def out_stem(out: str, name: str) -> Path:
+def out_stem(out: str, name: str, settings: dict | None = None) -> Path:
     """Where ``--out`` puts the ``.json/.csv/.md`` files: a folder (``name`` inside it), or a file
     name ending in one of those suffixes (``--out drop.json``: ``drop.json``, ``drop.csv``,
-    ``drop.md``); either way the first stem with no file yet (:func:`output_stem`).
+    ``drop.md``); either way the first stem with no file yet, or with the progress file of an
+    interrupted run of the same ``settings`` (:func:`output_stem`).
 
     Raises:
         ConfigError: ``out`` is an existing file that is not one of those outputs' names, lies
@@ -224,11 +251,11 @@ def out_stem(out: str, name: str) -> Path:
     if path.suffix in (".json", ".csv", ".md"):
         if path.parent.exists() and not path.parent.is_dir():
             raise ConfigError(f"--out={out!r}: {path.parent} is a file, not a folder")
-        return output_stem(path.parent, path.stem)
+        return output_stem(path.parent, path.stem, settings)
     blocker = next((p for p in (path, *path.parents) if p.exists() and not p.is_dir()), None)
     if blocker is not None:
         raise ConfigError(f"--out={out!r}: {blocker} is a file; give a folder or a name ending in .json, .csv or .md")
-    return output_stem(path, name)
+    return output_stem(path, name, settings)
 
 
 # --------------------------------------------------------------------------- running
@@ -348,7 +375,17 @@ def run(args) -> int:
     if min(lengths) > limit:  # the task would skip every length once the model is loaded
         raise ConfigError(f"--lengths={','.join(map(str, lengths))}: every length exceeds the prompt budget of {limit} "
                           f"tokens of model {args.model} (model.max_input_length); use lengths <= {limit}")
-    stem = out_stem(args.out, f"mask_heads_{args.model}_{args.mode}-{args.phase}")
+    # What the results depend on: a progress file of exactly these settings is resumed.
+    settings = {"model": args.model, "model_source": args.model_source, "device": args.device, "mode": args.mode,
+                "phase": args.phase, "k": ks, "kinds": kinds, "seed": args.seed,
+                "score_files": {k: str(p) for k, p in files.items()},
+                "plan": [[c["kind"], c["k"], [list(h) for h in c["heads"]]] for c in plan],
+                "grid": {k: task_cfg.get(k) for k in ("context_lengths", "depth_percents", "haystack_source",
+                                                      "haystack_dir", "max_new_tokens")}}
+    settings = json.loads(json.dumps(settings, default=str))  # as a progress file holds them (lists, strings)
+    stem = out_stem(args.out, f"mask_heads_{args.model}_{args.mode}-{args.phase}", settings)
+    progress = partial_path(stem)
+    earlier = read_partial(stem) if progress.exists() else None
 
     import torch
 
@@ -362,7 +399,7 @@ def run(args) -> int:
         torch.set_num_threads(args.threads)
     t0, c0 = time.time(), _cpu_seconds()
     loaded = load_model(model_cfg, args.device)
-    print(f"writing {stem}.{{json,csv,md}} when every condition has run", file=sys.stderr)
+    print(f"writing {stem}.{{json,csv,md}} when every condition has run (progress: {progress})", file=sys.stderr)
     for kind, path in files.items():
         load_head_scores(path, loaded.layout)  # the score grid must be the model's layers x query heads
     task = NIAHTask(task_cfg, loaded.tokenizer, loaded.max_input_length, encode=lambda s: encode_prompt(loaded, s))
@@ -378,16 +415,36 @@ def run(args) -> int:
                  "skipped": getattr(task, "skipped", [])},
         "env": environment(loaded, args.device),
     }
-    report["no_mask"] = run_condition(engine, loaded, task, samples, [], args.mode, args.phase)
+    before_s = before_cpu = 0.0
+    done: list[dict] = []
+    if earlier is not None:  # an interrupted run of the same settings: keep what it finished
+        report["no_mask"] = earlier.get("no_mask")
+        done = [c for c in earlier.get("conditions", []) if isinstance(c, dict)][: len(plan)]
+        before_s, before_cpu = float(earlier.get("seconds", 0.0)), float(earlier.get("cpu_seconds", 0.0))
+        print(f"resuming from {progress}: {'no mask and ' if report['no_mask'] else ''}{len(done)} of {len(plan)} "
+              "masked conditions already run", file=sys.stderr, flush=True)
+
+    def save_progress() -> None:
+        elapsed = {"seconds": round(before_s + time.time() - t0, 1),
+                   "cpu_seconds": round(before_cpu + _cpu_seconds() - c0, 1)}
+        progress.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write(progress, json.dumps({**report, **elapsed, "settings": settings}, indent=2, ensure_ascii=False))
+
+    if not report.get("no_mask"):
+        report["no_mask"] = run_condition(engine, loaded, task, samples, [], args.mode, args.phase)
+        report["conditions"] = []
+        save_progress()
     print(f"[{time.time() - t0:6.0f}s] no mask: {report['no_mask']['score']}", file=sys.stderr, flush=True)
-    report["conditions"] = []
-    for cond in plan:
+    report["conditions"] = done
+    for cond in plan[len(done):]:
         result = run_condition(engine, loaded, task, samples, cond["heads"], args.mode, args.phase)
         report["conditions"].append({**cond, **result})
+        save_progress()
         print(f"[{time.time() - t0:6.0f}s] {cond['kind']} top-{cond['k']}: {result['score']}", file=sys.stderr, flush=True)
-    report["seconds"] = round(time.time() - t0, 1)
-    report["cpu_seconds"] = round(_cpu_seconds() - c0, 1)
+    report["seconds"] = round(before_s + time.time() - t0, 1)
+    report["cpu_seconds"] = round(before_cpu + _cpu_seconds() - c0, 1)
     written = write_report(stem, report)
+    progress.unlink(missing_ok=True)  # the outputs hold all of it now
     print(render_markdown(report))
     print(f"wrote {', '.join(str(p) for p in written)} in {report['seconds']} s ({report['cpu_seconds']} CPU s)", file=sys.stderr)
     return 0
@@ -417,7 +474,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 @quiet_broken_pipe
-@one_line_stop("nothing was written (the ablation's files are written when every condition has run); rerun the command")
+@one_line_stop("the conditions that finished are kept in <out>/<name>.partial.json; the same command resumes from "
+               "them (the .json/.csv/.md files are written when every condition has run)")
 def main(argv: list[str] | None = None) -> int:
     """Run the ablation. Returns 0, or 2 on a user error (one line on stderr)."""
     args = build_parser().parse_args(argv)

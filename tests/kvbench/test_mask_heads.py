@@ -136,6 +136,47 @@ def test_end_to_end_on_a_tiny_model(tiny_model_dir, haystack_dir, tmp_path, caps
     assert json.loads((out / "mask_heads_smollm2_uniform-decode.json").read_text())["seconds"] == report["seconds"]
 
 
+def test_an_interrupted_run_keeps_its_finished_conditions_and_the_same_command_resumes(
+        tiny_model_dir, haystack_dir, tmp_path, capsys, monkeypatch):
+    s = _score_file(tmp_path / "s.json", SRH)
+    out = tmp_path / "out"
+    argv = ["--model-source", str(tiny_model_dir), "--srh-scores", str(s), "--kinds", "srh,random", "--k", "1,2",
+            "--lengths", "400", "--depths", "50", "--haystack-dir", str(haystack_dir), "--max-new-tokens", "2",
+            "--threads", "1", "--out", str(out)]
+    real, calls = mask_heads.run_condition, []
+
+    def stop_at_the_third(*args, **kwargs):  # no mask, srh top-1, then Ctrl-C
+        calls.append(args[4])
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(mask_heads, "run_condition", stop_at_the_third)
+    assert main(argv) == 130
+    assert "conditions that finished are kept in <out>/<name>.partial.json" in capsys.readouterr().err
+    partial = out / "mask_heads_smollm2_uniform-decode.partial.json"
+    kept = json.loads(partial.read_text())
+    assert kept["no_mask"]["n"] == 1 and [(c["kind"], c["k"]) for c in kept["conditions"]] == [("srh", 1)]
+    assert sorted(p.name for p in out.iterdir()) == [partial.name]  # no final files yet
+
+    # other settings (another seed) never touch that progress file: they write to the next stem
+    calls.clear()
+    monkeypatch.setattr(mask_heads, "run_condition", real)
+    assert main([*argv, "--seed", "1", "--k", "1"]) == 0
+    assert (out / "mask_heads_smollm2_uniform-decode-2.json").is_file()
+    assert json.loads(partial.read_text()) == kept
+
+    monkeypatch.setattr(mask_heads, "run_condition", lambda *a, **k: calls.append(a[4]) or real(*a, **k))
+    assert main(argv) == 0
+    assert "resuming from" in capsys.readouterr().err and len(calls) == 3  # random top-1, srh top-2, random top-2
+    report = json.loads((out / "mask_heads_smollm2_uniform-decode.json").read_text())
+    assert [(c["kind"], c["k"]) for c in report["conditions"]] == [("srh", 1), ("random", 1), ("srh", 2),
+                                                                     ("random", 2)]
+    assert report["conditions"][0] == kept["conditions"][0] and report["no_mask"] == kept["no_mask"]
+    assert "settings" not in report and not partial.exists()
+    assert report["seconds"] >= kept["seconds"]
+
+
 def test_cli_dispatches_mask_heads(capsys, no_model_load, tmp_path):
     from kvbench.cli import main as kvbench_main
 
