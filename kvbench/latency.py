@@ -21,11 +21,15 @@ it measured); an earlier run's file is first kept beside it as ``latency.<time>.
     {"model": "llama31", "method": "SelKV", "method_name": "selkv", "budget": 0.25,
      "prompt_tokens": 8192, "repeat": 0, "prefill_s": 0.81, "compress_s": 0.03, "decode_s": 5.1,
      "generated_tokens": 256, "decode_tok_s": 50.2, "peak_mem_bytes": 17400000000,
-     "cache_bytes_before": 1073741824, "cache_bytes_after": 268435456, "device": "cuda:NVIDIA H100"}
+     "cache_bytes_before": 1073741824, "cache_bytes_after": 268435456, "load_1min": 0.4, "cpu_cores": 16,
+     "device": "cuda:NVIDIA H100"}
 
 ``peak_mem_bytes`` is the engine's peak CUDA memory of the generation on GPU, else the process's
 peak RSS during the generation (model included). The full cache's records carry budget 1.0.
-Timings are seconds; throughput is generated tokens per decode second.
+Timings are seconds; throughput is generated tokens per decode second. ``load_1min`` is the
+larger of the 1-minute load average before and after the generation and ``cpu_cores`` the cores
+the process may use: on CPU, a load above the cores means other processes shared them and the
+times are inflated (the report's Figure 3 says so in its notes).
 """
 
 from __future__ import annotations
@@ -100,11 +104,33 @@ def measure(engine: Any, ids: list[int], max_new_tokens: int) -> dict:
     from .engine import reset_peak_rss
 
     reset_peak_rss()
+    load_before = _load_1min()
     res = engine.generate(ids, max_new_tokens, stop_ids=[])
     return {"prompt_tokens": len(ids), "prefill_s": res.prefill_s, "compress_s": res.compress_s,
             "decode_s": res.decode_s, "generated_tokens": res.generated_tokens, "decode_tok_s": res.decode_tok_s,
             "peak_mem_bytes": res.peak_rss_bytes, "cache_bytes_before": res.cache_bytes_before,
-            "cache_bytes_after": res.cache_bytes_after}
+            "cache_bytes_after": res.cache_bytes_after,
+            "load_1min": max(load_before, _load_1min()), "cpu_cores": _cpu_cores()}
+
+
+def _load_1min() -> float:
+    """The 1-minute load average (-1.0 where the OS has none)."""
+    import os
+
+    try:
+        return round(os.getloadavg()[0], 2)
+    except (AttributeError, OSError):
+        return -1.0
+
+
+def _cpu_cores() -> int:
+    """CPU cores this process may run on."""
+    import os
+
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
 
 
 def write_records(path: Path, records: list[dict]) -> None:

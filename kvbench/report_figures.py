@@ -255,7 +255,26 @@ def selkv_fig3(latency: list[dict], source: str = "latency.json") -> list[Figure
                f"{f'{gen.mean():.0f} generated tokens; ' if len(gen) else ''}"
                f"compressed at budget {', '.join(budget_text(b) for b in budgets if not math.isnan(b)) or '?'} "
                f"({budget_semantics(budgets)}).")
-    return [_finish("selkv_fig3", fig, caption, [source], [])]
+    return [_finish("selkv_fig3", fig, caption, [source], contention_notes(latency))]
+
+
+def contention_notes(latency: list[dict]) -> list[str]:
+    """A note when CPU measurements of a latency file ran with more load than cores.
+
+    Records of ``kvbench.latency`` carry ``load_1min`` (the 1-minute load average around the
+    generation) and ``cpu_cores``; a CPU record whose load exceeds its cores was measured while
+    other processes shared the CPU, so its times are inflated. GPU records and records without
+    those fields (older files) are not judged.
+    """
+    cpu = [r for r in latency if not str(r.get("device", "cpu")).startswith("cuda")
+           and isinstance(r.get("load_1min"), (int, float)) and isinstance(r.get("cpu_cores"), int)]
+    busy = [r for r in cpu if r["load_1min"] > r["cpu_cores"]]
+    if not busy:
+        return []
+    worst = max(busy, key=lambda r: r["load_1min"])
+    return [f"CPU contention: {len(busy)} of {len(cpu)} measurements ran with a 1-minute load average above the "
+            f"cores (up to {worst['load_1min']:.1f} on {worst['cpu_cores']}): other processes shared the CPU, so "
+            "those times are inflated; rerun on an idle machine"]
 
 
 def niah_figures(df: pd.DataFrame, root: Path) -> list[FigureOut]:

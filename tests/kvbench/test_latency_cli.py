@@ -132,7 +132,7 @@ def test_ctrl_c_in_the_tools_is_one_line_and_exit_130(capsys, monkeypatch):
                                                "latency.<time>.json")
     monkeypatch.setattr(mask_heads, "build_parser", stop)
     assert mask_heads.main([]) == 130
-    assert capsys.readouterr().err.strip().startswith("interrupted: nothing was written")
+    assert capsys.readouterr().err.strip().startswith("interrupted: the conditions that finished are kept in")
     monkeypatch.setattr(bench, "parse_args", stop)
     assert bench.main([]) == 130
     assert "no summary (docs/PERFORMANCE.md) was written" in capsys.readouterr().err
