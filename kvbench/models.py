@@ -273,8 +273,14 @@ def _load_cached(cache: Path, dtype: Any, model_kwargs: dict) -> tuple[Any, Any]
             meta = json.loads((cache / "tokenizer_meta.json").read_text(encoding="utf-8"))
             tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(cache / "tokenizer.json"), **meta)
             model = AutoModelForCausalLM.from_pretrained(cache, dtype=dtype, **model_kwargs)
-    except (OSError, ValueError, KeyError) as err:  # a damaged cache: convert again
-        log.warning("GGUF cache %s unreadable (%s); converting the GGUF file again", cache, err)
+    except Exception as err:  # noqa: BLE001 - any damage (truncated safetensors, bad JSON...): convert again
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        log.warning("GGUF cache %s unreadable (%s: %s); converting the GGUF file again", cache, type(err).__name__,
+                    first)
+        # Move it aside so that the new conversion can take its place; the next conversion
+        # removes it with the other abandoned temp folders (_remove_stale_temps).
+        with contextlib.suppress(OSError):
+            os.rename(cache, cache.parent / f".{cache.name}.damaged-{os.getpid()}")
         return None
     return tokenizer, model
 
@@ -491,6 +497,7 @@ def load_model(model_cfg: dict, device: str = "auto") -> LoadedModel:
             the model and how to use a local copy.
     """
     import torch
+    from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from .attention import ATTN_IMPLEMENTATION, register
@@ -520,7 +527,10 @@ def load_model(model_cfg: dict, device: str = "auto") -> LoadedModel:
             # the cache keeps the exact dequantized float32 weights: convert in float32, cast after
             first = torch.float32 if cache is not None else dtype
             with _progress_bars(off=not sys.stderr.isatty()):
-                model = AutoModelForCausalLM.from_pretrained(path, dtype=first, **{**model_kwargs, **kwargs})
+                try:
+                    model = AutoModelForCausalLM.from_pretrained(path, dtype=first, **{**model_kwargs, **kwargs})
+                except SafetensorError as err:  # a truncated or damaged weights file in a local folder
+                    raise OSError(f"unreadable weights file ({err})") from None
         except OSError as err:  # Hub unreachable / repo not cached
             if Path(path).exists():
                 raise

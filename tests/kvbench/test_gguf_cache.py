@@ -88,6 +88,45 @@ def test_incomplete_or_damaged_cache_is_not_used(tmp_path):
     assert models._load_cached(cache, torch.float32, {}) is None  # marker but no files: converted again
 
 
+def test_a_damaged_cache_is_moved_aside_and_replaced_by_the_next_conversion(tiny_model_dir, tmp_path):
+    """A truncated weights file in a complete cache (a full disk, a hand edit) is not a traceback:
+    the load converts again, and the new copy replaces the damaged one."""
+    import os
+    import shutil
+
+    cache = tmp_path / "m-0"
+    shutil.copytree(tiny_model_dir, cache)
+    (cache / "tokenizer_meta.json").write_text("{}")
+    (cache / "COMPLETE").write_text("")
+    assert models._load_cached(cache, torch.float32, {}) is not None  # readable as it is
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    # the conversion's result (not the cache's memory-mapped copy, which the truncation below would break)
+    tokenizer, model = AutoTokenizer.from_pretrained(tiny_model_dir), AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    weights = cache / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+    assert models._load_cached(cache, torch.float32, {}) is None
+    (aside,) = [p for p in tmp_path.iterdir() if p.name.startswith(".m-0.damaged-")]
+    assert not cache.exists()
+    os.utime(aside, (0, 0))  # as if abandoned long ago: the next conversion removes it
+    models._write_cache(cache, tokenizer, model)
+    assert models.gguf_cache_complete(cache) and not aside.exists()
+    again, again_model = models._load_cached(cache, torch.float32, {})
+    assert torch.equal(again_model.lm_head.weight, model.lm_head.weight)
+
+
+def test_damaged_weights_in_a_local_model_folder_are_an_os_error(tiny_model_dir, tmp_path):
+    """The job turns OSError from load_model into one line (model.source=...: cannot load the model)."""
+    import shutil
+
+    folder = shutil.copytree(tiny_model_dir, tmp_path / "m")
+    weights = folder / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+    with pytest.raises(OSError, match="unreadable weights file"):
+        load_model({"name": "tiny", "source": str(folder), "gguf_file": None, "stop_tokens": [],
+                    "chat_template": False, "max_input_length": 1000}, "cpu")
+
+
 def test_assembled_package_with_a_missing_chunk_is_a_config_error(monkeypatch):
     """Installed with --no-deps, the Gemma 3 package lacks its chunk packages: one line, before loading."""
     from importlib import metadata
