@@ -66,8 +66,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = OneLineParser(prog="python -m benchmarks", description=intro, epilog=rest,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="short prompts (256, 512 tokens), few repetitions")
-    p.add_argument("--only", action="append", metavar="NAME",
-                   help=f"run only these benchmarks (repeat or comma-separate): {', '.join(BENCHMARKS)}")
+    p.add_argument("--only", nargs="+", action="extend", metavar="NAME",
+                   help=f"run only these benchmarks (space- or comma-separated, or repeated): {', '.join(BENCHMARKS)}")
     p.add_argument("--model", default="smollm2", help="conf/model/<name>.yaml name or a YAML path (default: smollm2)")
     p.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:N or auto")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "out"), help="output folder (default: benchmarks/out/)")
@@ -75,13 +75,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kvpress-python", default=os.environ.get("KVBENCH_KVPRESS_PYTHON"),
                    help="python with kvpress installed, for the kvpress benchmark (default: this one; "
                         "env KVBENCH_KVPRESS_PYTHON)")
-    p.add_argument("--doc", default=None, help="where to write the Markdown summary (see above)")
+    p.add_argument("--doc", default=None, help="where to write the Markdown summary (default: docs/PERFORMANCE.md "
+                   "for a complete, non-quick run, else <out>/PERFORMANCE.md; an existing file must be such a summary)")
     p.add_argument("--note", action="append", default=[], help="a note to add to the summary (repeatable)")
-    p.add_argument("--methods", action="append", metavar="NAME",
-                   help="restrict the per-method benchmarks (compression, memory) to these methods (repeat or "
-                        f"comma-separate): {', '.join(_method_names())}")
-    p.add_argument("--lengths", action="append", metavar="N",
-                   help="prompt lengths in tokens (repeat or comma-separate) for compression, engine and decode, "
+    p.add_argument("--methods", nargs="+", action="extend", metavar="NAME",
+                   help="restrict the per-method benchmarks (compression, memory) to these methods (space- or "
+                        f"comma-separated, or repeated): {', '.join(_method_names())}")
+    p.add_argument("--lengths", nargs="+", action="extend", metavar="N",
+                   help="prompt lengths in tokens (space- or comma-separated, or repeated) for compression, engine and decode, "
                         "and the longest for memory (default: 2048,4096,8000 for compression, 1024,2048,4096,8000 "
                         "otherwise; --quick: 256,512); overhead and kvpress keep their fixed lengths; each at most the "
                         "model's context window minus the tokens a sample generates (32; 8 with --quick)")

@@ -227,10 +227,11 @@ def main(argv: list[str] | None = None) -> int:
 
     p = OneLineParser(prog="python -m kvbench.latency", description=__doc__.split("\n\n")[0])
     p.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. +experiment=selkv_fig3 model=llama31")
-    p.add_argument("--methods", nargs="+", action="extend", help="method presets (conf/method/*.yaml); default: latency.methods "
-                   "or full + the configured method")
-    p.add_argument("--lengths", nargs="+", type=int, action="extend", help="prompt lengths (tokens); default: latency.lengths or "
-                   "powers of two from 512 to 8192 (lengths over the model's context window are skipped)")
+    p.add_argument("--methods", nargs="+", action="extend", help="method presets (conf/method/*.yaml), space- or "
+                   "comma-separated; default: latency.methods or full + the configured method")
+    p.add_argument("--lengths", nargs="+", action="extend", help="prompt lengths (tokens), space- or comma-separated; "
+                   "default: latency.lengths or powers of two from 512 to 8192 (lengths over the model's context "
+                   "window are skipped)")
     p.add_argument("--new-tokens", type=int, help=f"generated tokens per request (default {DEFAULT_NEW_TOKENS})")
     p.add_argument("--repeats", type=int, help="timed runs per method and length (default 1)")
     p.add_argument("--out", help="output JSON (default: latency.out, else <output_root>/latency.json)")
@@ -238,6 +239,13 @@ def main(argv: list[str] | None = None) -> int:
     at = _hydra_overrides(argv)
     args = p.parse_args([a for i, a in enumerate(argv) if i not in at])
     args.overrides = [argv[i] for i in sorted(at)] + args.overrides
+    # "--lengths 256 512", "--lengths 256,512" and repeated flags all give one list (as in benchmarks, mask-heads)
+    args.methods = [x for item in args.methods or [] for x in item.split(",") if x.strip()] or None
+    lengths = [x.strip() for item in args.lengths or [] for x in item.split(",") if x.strip()]
+    bad = [x for x in lengths if not x.lstrip("-").isdigit()]
+    if bad:
+        p.error(f"--lengths {bad[0]}: must be an integer number of tokens")
+    args.lengths = [int(x) for x in lengths] or None
     for flag, values in (("--lengths", args.lengths), ("--new-tokens", [args.new_tokens]), ("--repeats", [args.repeats])):
         bad = [v for v in values or [] if v is not None and v < 1]
         if bad:

@@ -454,15 +454,20 @@ def build_parser() -> argparse.ArgumentParser:
     p = OneLineParser(prog="kvbench mask-heads", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2", help="conf/model/<name>.yaml; also names methods/artifacts/<name>/")
     p.add_argument("--model-source", default=None, help="override model.source (a local folder or file)")
-    p.add_argument("--k", default="10,20,30", help="numbers of top heads to mask, comma-separated")
-    p.add_argument("--kinds", default="srh,trh,random", help=f"head rankings: {', '.join(KINDS)} (random: seeded control)")
+    p.add_argument("--k", nargs="+", action="extend", default=None,
+                   help="numbers of top heads to mask, comma- or space-separated (default 10,20,30)")
+    p.add_argument("--kinds", nargs="+", action="extend", default=None,
+                   help=f"head rankings: {', '.join(KINDS)} (random: seeded control), comma- or space-separated "
+                        "(default srh,trh,random)")
     p.add_argument("--srh-scores", default=None, help="SRH head-score file (default methods/artifacts/<model>/semantic_retrieval_heads.json)")
     p.add_argument("--trh-scores", default=None, help="TRH head-score file (default methods/artifacts/<model>/retrieval_heads.json or the published one)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random-heads control")
     p.add_argument("--mode", choices=MODES, default="uniform", help="uniform (default): query set to 0, uniform attention (Wu et al.'s code, which CompressKV Sec. 4.3 follows); zero: head output before W_O set to 0")
     p.add_argument("--phase", choices=PHASES, default="decode", help="decode (default): the last prompt position and decoded tokens (Wu et al.'s code); all: every position")
-    p.add_argument("--lengths", default=None, help="NIAH context lengths in tokens, comma-separated (default conf/task/niah.yaml)")
-    p.add_argument("--depths", default=None, help="NIAH needle depths in percent, comma-separated (default conf/task/niah.yaml)")
+    p.add_argument("--lengths", nargs="+", action="extend", default=None,
+                   help="NIAH context lengths in tokens, comma- or space-separated (default conf/task/niah.yaml)")
+    p.add_argument("--depths", nargs="+", action="extend", default=None,
+                   help="NIAH needle depths in percent, comma- or space-separated (default conf/task/niah.yaml)")
     p.add_argument("--haystack-dir", default=None, help="folder of .txt haystack files (default: the task's haystack_source)")
     p.add_argument("--max-new-tokens", type=int, default=None, help="generation limit (default conf/task/niah.yaml)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1")
@@ -479,6 +484,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Run the ablation. Returns 0, or 2 on a user error (one line on stderr)."""
     args = build_parser().parse_args(argv)
+    # list flags: "--k 10 20", "--k 10,20" and repeated flags are one comma-separated value
+    for flag, default in (("k", "10,20,30"), ("kinds", "srh,trh,random"), ("lengths", None), ("depths", None)):
+        values = getattr(args, flag)
+        setattr(args, flag, ",".join(values) if values else default)
     try:
         return run(args)
     except ConfigError as e:

@@ -339,6 +339,14 @@ def _decode_suite(runs, rounds):
     return decode.run(ctx)
 
 
+def test_list_flags_take_spaces_commas_or_repeats():
+    for argv in (["--lengths", "256", "512", "--only", "decode", "memory"], ["--lengths", "256,512", "--only",
+                                                                             "decode,memory"],
+                 ["--lengths", "512", "--lengths", "256", "--only", "memory", "--only", "decode"]):
+        args = parse_args(argv)
+        assert args.prompt_lengths == [256, 512] and args.names == ["decode", "memory"]
+
+
 def test_lengths_leave_room_for_the_tokens_a_sample_generates(capsys):
     """32 generated tokens in a full run, 8 with --quick: 8180 + 8 fits SmolLM2's 8192-token window."""
     assert parse_args(["--quick", "--lengths", "8180"]).prompt_lengths == [8180]

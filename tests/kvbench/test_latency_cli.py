@@ -99,6 +99,17 @@ def test_lengths_over_the_context_window_are_refused_before_loading(tmp_path, ca
         assert capsys.readouterr().err.strip().splitlines()[-1] == f"python -m kvbench.latency: error: {line}"
 
 
+def test_lengths_and_methods_take_spaces_or_commas(tmp_path, monkeypatch):
+    seen = []
+    monkeypatch.setattr(latency, "run_latency", lambda model, methods, budget, lengths, *a, **k:
+                        seen.append((list(methods), lengths)) or [{"x": 1}])
+    for argv in (["--methods", "full,snapkv", "--lengths", "256,300"], ["--methods", "full", "snapkv", "--lengths",
+                                                                          "256", "300"],
+                 ["--methods", "full", "--methods", "snapkv", "--lengths", "256", "--lengths", "300"]):
+        assert latency.main([*argv, "--out", str(tmp_path / "lat.json")]) == 0
+    assert seen == [(["full", "snapkv"], [256, 300])] * 3
+
+
 def test_threads_key_sets_torchs_threads_before_measuring(tmp_path, monkeypatch):
     """threads=1 is validated and applied, as in a job (it was accepted and ignored)."""
     import torch

@@ -162,7 +162,7 @@ def test_an_interrupted_run_keeps_its_finished_conditions_and_the_same_command_r
     # other settings (another seed) never touch that progress file: they write to the next stem
     calls.clear()
     monkeypatch.setattr(mask_heads, "run_condition", real)
-    assert main([*argv, "--seed", "1", "--k", "1"]) == 0
+    assert main([*(a if a != "1,2" else "1" for a in argv), "--seed", "1"]) == 0
     assert (out / "mask_heads_smollm2_uniform-decode-2.json").is_file()
     assert json.loads(partial.read_text()) == kept
 
@@ -175,6 +175,15 @@ def test_an_interrupted_run_keeps_its_finished_conditions_and_the_same_command_r
     assert report["conditions"][0] == kept["conditions"][0] and report["no_mask"] == kept["no_mask"]
     assert "settings" not in report and not partial.exists()
     assert report["seconds"] >= kept["seconds"]
+
+
+def test_list_flags_take_commas_spaces_or_repeats(tmp_path, capsys, no_model_load):
+    """--k 10 20, --k 10,20 and --k 10 --k 20 are one list, as in kvbench.latency and benchmarks."""
+    s = _score_file(tmp_path / "s.json", SRH)
+    for ks in (["--k", "9", "1"], ["--k", "9,1"], ["--k", "9", "--k", "1"]):
+        assert main(["--srh-scores", str(s), "--kinds", "srh", *ks, "--out", str(tmp_path / "o")]) == 2
+        assert capsys.readouterr().err.strip() == ("kvbench mask-heads: --k=9: must be between 1 and the 2x4 = 8 heads "
+                                                   "of the score file")
 
 
 def test_cli_dispatches_mask_heads(capsys, no_model_load, tmp_path):
