@@ -461,8 +461,10 @@ def score_tables(df: pd.DataFrame, root: Path | None = None) -> list[Table]:
             notes.append("bold: only among rows scored on " + (main_kind or "whole datasets")
                          + f" ({comp_kinds.count(main_kind)} of {len(comp)} compressed rows)")
             comp = [i for i in comp if kinds[i] == main_kind]
-        notes += [f"uncompressed: {rows[i]['Method']} at budget {rows[i]['Budget']} kept every prompt whole "
-                  "(the budget is not below the prompt lengths), not a compressed configuration"
+        notes += [f"uncompressed: {rows[i]['Method']} at budget {rows[i]['Budget']} kept every prompt whole (no "
+                  "sample was compressed: the budget is not below the prompt lengths, or not below the tokens the "
+                  "method always keeps, e.g. its observation window, attention sinks or recent tokens; the job's log "
+                  "says which), not a compressed configuration"
                   for i in sorted(kept_all) if order[i][0] != FULL and order[i][3] != 1.0]
         bold = set().union(*(bold_best(rows, comp, c) for c in [*datasets, "Avg"]))
         budgets = [k[3] for k in order if k[3] is not None]

@@ -103,8 +103,10 @@ def test_a_budget_that_kept_every_prompt_whole_is_never_bold(tmp_path):
     (t,) = score_tables(report.load_results(tmp_path))
     assert [(r["Budget"], r["niah"]) for r in records(t)] == [("25%", 40.0), ("4096", 100.0)]
     assert t.bold == {(0, "niah"), (0, "Avg")}
-    assert t.notes == ["uncompressed: SnapKV at budget 4096 kept every prompt whole (the budget is not below the "
-                       "prompt lengths), not a compressed configuration"]
+    assert t.notes == ["uncompressed: SnapKV at budget 4096 kept every prompt whole (no sample was compressed: the "
+                       "budget is not below the prompt lengths, or not below the tokens the method always keeps, e.g. "
+                       "its observation window, attention sinks or recent tokens; the job's log says which), not a "
+                       "compressed configuration"]
     # the summary (its run's samples) decides over records of an earlier, longer grid that compressed
     job = tmp_path / "niah/tiny/snapkv/b4096"
     (job / "predictions.jsonl").write_text("".join(
