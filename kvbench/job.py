@@ -41,6 +41,38 @@ EXIT_OK, EXIT_SAMPLE_FAILED, EXIT_CONFIG, EXIT_LOCKED = 0, 1, 2, 3  # 130/143: k
 ROOT = Path(__file__).resolve().parents[1]
 
 
+
+#: 1-minute load average from which a job with threads=null warns (another busy thread shares the cores)
+BUSY_LOAD = 1.0
+
+
+def warn_busy_cpu(threads: int, load: float | None = None) -> bool:
+    """Warn (once, one line) when other processes keep the CPU busy and the job uses all its threads.
+
+    With ``threads: null`` torch runs one thread per core; when another busy process shares those
+    cores, OpenMP's threads wait on each other at every operation and a decode step of hundreds
+    of small operations can run many times slower (measured on 2 cores with one other busy
+    process: 1 token/s instead of 27). ``threads=1`` (or fewer threads than idle cores) avoids it.
+
+    Args:
+        threads: torch's intra-op threads for this job.
+        load: the 1-minute load average (default: the OS's).
+
+    Returns:
+        Whether it warned.
+    """
+    if load is None:
+        try:
+            load = os.getloadavg()[0]
+        except (AttributeError, OSError):
+            return False
+    if threads < 2 or load < BUSY_LOAD:
+        return False
+    log.warning("the CPU is busy (1-minute load average %.1f) and threads=null runs %d torch threads: sharing "
+                "cores with other processes can make decoding many times slower; set threads=1, or fewer threads "
+                "than the idle cores", load, threads)
+    return True
+
 def encode_prompt(loaded: LoadedModel, sample: Sample) -> list[int]:
     """Token ids of a sample's prompt: the chat template (one user turn) when the sample and the
     model use it, else the plain tokenizer with its special tokens (LongBench's ``pred.py``)."""
@@ -295,6 +327,8 @@ def run_job(cfg: dict, method_preset: str | None = None, method_overrides: list[
         try:
             if cfg.get("threads"):
                 torch.set_num_threads(int(cfg["threads"]))
+            elif str(cfg.get("device", "auto")) in ("auto", "cpu") and not torch.cuda.is_available():
+                warn_busy_cpu(torch.get_num_threads())
             random.seed(cfg.get("seed", 0))
             torch.manual_seed(int(cfg.get("seed", 0)))
             try:

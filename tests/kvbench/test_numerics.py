@@ -135,3 +135,17 @@ def test_niah_lengths_too_short_for_a_haystack_are_skipped_and_reported():
     assert fixed > 16
     assert task.skipped == [{"context_length": 16, "samples": 1, "reason": (
         f"context length 16 tokens leaves no room for the haystack: the template, question and needle take {fixed} tokens")}]
+
+
+def test_a_job_on_a_busy_cpu_with_all_threads_warns_once(caplog):
+    """threads=null on a CPU another process keeps busy: one warning naming threads=1."""
+    from kvbench.job import warn_busy_cpu
+
+    with caplog.at_level("WARNING", logger="kvbench"):
+        assert not warn_busy_cpu(2, load=0.3)  # idle machine
+        assert not warn_busy_cpu(1, load=3.0)  # one thread cannot wait on another
+        assert warn_busy_cpu(2, load=1.8)
+    (rec,) = caplog.records
+    assert rec.getMessage() == ("the CPU is busy (1-minute load average 1.8) and threads=null runs 2 torch threads: "
+                                "sharing cores with other processes can make decoding many times slower; set "
+                                "threads=1, or fewer threads than the idle cores")
