@@ -174,9 +174,13 @@ class NIAHTask(Task):
             return isinstance(x, (int, float)) and not isinstance(x, bool)
 
         if not isinstance(lengths, (list, tuple)) or not lengths or any(isinstance(x, bool) or not isinstance(x, int) or x <= 0 for x in lengths):
-            raise TaskConfigError(f"task.context_lengths={_show(lengths)}: must be a non-empty list of positive integers (tokens)")
+            hint = f" (a list: task.context_lengths=[{lengths}])" if isinstance(lengths, int) and lengths > 0 else ""
+            raise TaskConfigError(f"task.context_lengths={_show(lengths)}: must be a non-empty list of positive integers "
+                                  f"(tokens){hint}")
         if not isinstance(depths, (list, tuple)) or not depths or any(not number(x) or not 0 <= x <= 100 for x in depths):
-            raise TaskConfigError(f"task.depth_percents={_show(depths)}: must be a non-empty list of numbers in [0, 100]")
+            hint = (f" (a list: task.depth_percents=[{depths:g}])" if number(depths) and 0 <= depths <= 100 else "")
+            raise TaskConfigError(f"task.depth_percents={_show(depths)}: must be a non-empty list of numbers in "
+                                  f"[0, 100]{hint}")
         for key, values in (("context_lengths", lengths), ("depth_percents", depths)):
             repeated = sorted({float(x) for x in values if sum(float(y) == float(x) for y in values) > 1})
             if repeated:
