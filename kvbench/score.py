@@ -119,8 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         scores = score_dir(args.dir, longbench_e=args.e)
-    except ScoreInputError as e:
-        print(f"kvbench score: {e}", file=sys.stderr)
+    except ScoreInputError as e:  # one line, worded as the argument errors (OneLineParser.error)
+        print(f"kvbench score: error: {e}", file=sys.stderr)
         return 2
     out = args.out or args.dir / "result.json"
     why = _out_refusal(out, args.dir)

@@ -120,7 +120,7 @@ def test_out_never_replaces_stored_files(tmp_path, capsys):
     assert not (job / "scores.json").exists() and not (tmp_path / "elsewhere").exists()
     assert main([str(job)]) == 2  # a job folder is not a folder of official prediction files
     err = capsys.readouterr().err.strip()
-    assert err == (f"kvbench score: {job}: a kvbench job folder (its summary.json holds the scores, `kvbench report` "
+    assert err == (f"kvbench score: error: {job}: a kvbench job folder (its summary.json holds the scores, `kvbench report` "
                    "tabulates them); kvbench score reads a folder of the official pred.py files <dataset>.jsonl")
     out = tmp_path / "new" / "deeper" / "scores.json"
     assert main([str(tmp_path), "--out", str(out)]) == 0  # parents made
