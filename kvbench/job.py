@@ -22,6 +22,7 @@ from typing import Any, Iterator, Mapping
 
 import eval as tasks
 from eval.base import Sample, Task, TaskConfigError
+from methods import artifacts as method_artifacts
 from methods.base import ConfigError, is_ratio
 
 from .config_keys import RUN_CONTROL_KEYS, SAMPLE_SELECTION_KEYS
@@ -337,7 +338,10 @@ def run_job(cfg: dict, method_preset: str | None = None, method_overrides: list[
                 first = (str(e).strip().splitlines() or [type(e).__name__])[0]
                 raise ConfigError(f"model.source={cfg['model'].get('source')}: cannot load the model ({first})") from None
             method.layout = loaded.layout
+            method_artifacts.reset_files_read()
             method.check_layout(loaded.layout)
+            artifact_files = method_artifacts.files_read()  # head / layer score files this method reads
+            _check_artifacts(store, artifact_files, relpath, cfg)
             max_input = int(cfg["task"].get("max_length") or loaded.max_input_length)
             window = getattr(loaded.model.config, "max_position_embeddings", None)
             if isinstance(window, int) and max_input > window:
@@ -353,6 +357,7 @@ def run_job(cfg: dict, method_preset: str | None = None, method_overrides: list[
             # corrected command (often the one the error suggests) can use this folder.
             if fresh and not store.predictions.exists():
                 (store.path / "config.yaml").unlink(missing_ok=True)
+                (store.path / ARTIFACTS_FILE).unlink(missing_ok=True)
                 if created is not None:  # a folder this run made holds nothing: remove it
                     store.discard_if_empty(created)
             raise
@@ -370,6 +375,8 @@ def run_job(cfg: dict, method_preset: str | None = None, method_overrides: list[
             expected = [s.id for k in range(shard[1]) for s in samples[k :: shard[1]][:cap]]
         env = environment(loaded, cfg.get("device", "auto"))
         env["haystack_source"] = getattr(task, "haystack_source", None)
+        if artifact_files:
+            env["artifacts"] = artifact_files  # {file: sha256}, also in the folder's artifacts.json
         try:
             stored = store.records()
             if stored:  # a resume: the stored samples must have been computed as this run would
@@ -482,6 +489,53 @@ def _check_not_nested(root: Path, relpath: str, run_name: Any) -> None:
                                   "above other jobs' folders (e.g. runs/NAME)")
 
 
+ARTIFACTS_FILE = "artifacts.json"  # {artifact file: sha256} the job folder's samples were computed with
+
+
+def _elsewhere(cfg: dict) -> str:
+    """How to keep a job folder and run another setting beside it (for error messages)."""
+    return ("pass another run_name" if cfg.get("run_name") else "pass run_tag=NAME (a separate job folder)") + \
+        " or another output_root"
+
+
+def _check_artifacts(store: JobStore, files: dict[str, str], relpath: str, cfg: dict) -> None:
+    """Refuse to add samples computed with other artifact files (head / layer scores) to a job folder.
+
+    ``config.yaml`` names an artifact only by its path (``method.head_idx_path: null`` is the
+    default file of the model), so a recalibration (``python -m methods.calibrate`` rewrites
+    ``methods/artifacts/<model>/``) would otherwise mix samples of two head rankings in one
+    folder. The folder's ``artifacts.json`` records ``{file: sha256}`` of what its samples read;
+    a resume reading other contents stops with one line. A folder of an earlier version without
+    the file gets it on its next run.
+
+    Args:
+        files: :func:`methods.artifacts.files_read` after the method loaded its artifacts.
+
+    Raises:
+        ConfigError: the folder holds samples and its recorded files differ from ``files``.
+    """
+    path = store.path / ARTIFACTS_FILE
+    try:
+        stored = json.loads(path.read_text(encoding="utf-8")) if path.exists() else None
+    except (OSError, ValueError):
+        stored = None
+    if isinstance(stored, dict) and store.records():
+        changed = [k for k in sorted(stored.keys() | files.keys()) if stored.get(k) != files.get(k)]
+        if changed:
+            name = changed[0]
+            was, now = stored.get(name), files.get(name)
+            what = "changed" if was and now else ("is not read any more" if was else "is read now")
+            raise ConfigError(
+                f"method artifacts: {name} {what} since the samples in job folder {relpath} were computed (sha256 "
+                f"{(was or '-')[:12]} -> {(now or '-')[:12]}); restore that file (methods.calibrate keeps an "
+                f"earlier one as <name>.<time>.json beside it), or {_elsewhere(cfg)} to keep both"
+            )
+    if files and stored != files:
+        from .store import atomic_write
+
+        atomic_write(path, json.dumps(files, indent=1) + "\n")
+
+
 def _check_same_job(store: JobStore, cfg: dict, relpath: str) -> None:
     """Refuse to add samples of a different setting to a job folder (before the model loads).
 
@@ -497,8 +551,7 @@ def _check_same_job(store: JobStore, cfg: dict, relpath: str) -> None:
         ConfigError: the stored ``config.yaml`` differs in such keys (up to three are named).
     """
     path = store.path / "config.yaml"
-    elsewhere = ("pass another run_name" if cfg.get("run_name") else "pass run_tag=NAME (a separate job folder)") + \
-        " or another output_root"
+    elsewhere = _elsewhere(cfg)
     diff = (_config_changes(path.read_text(encoding="utf-8", errors="replace"), cfg, RUN_CONTROL_KEYS + SAMPLE_SELECTION_KEYS)
             if path.exists() else None)
     if diff is None:  # no readable config.yaml: the stored samples' setting is unknown

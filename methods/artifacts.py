@@ -26,6 +26,7 @@ name, in ``$KVBENCH_ARTIFACTS_DIR`` or ``<data>/head_scores/compresskv`` with ``
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import math
 import os
@@ -38,6 +39,8 @@ from .base import ConfigError, HeadLayout
 
 __all__ = [
     "keyed_errors",
+    "files_read",
+    "reset_files_read",
     "ARTIFACTS_ROOT",
     "FILE_NAMES",
     "PUBLISHED",
@@ -136,9 +139,38 @@ def keyed_errors(key: str, path: Path) -> Iterator[None]:
         raise
 
 
+#: files read by the loaders since the last :func:`reset_files_read`: name -> SHA-256 of the bytes
+_FILES_READ: dict[str, str] = {}
+
+
+def _read_text(path: Path) -> str:
+    """The file's text; its SHA-256 is recorded for :func:`files_read` (a job's provenance)."""
+    data = Path(path).read_bytes()
+    _FILES_READ[artifact_name(path)] = hashlib.sha256(data).hexdigest()
+    return data.decode("utf-8")
+
+
+def artifact_name(path: str | Path) -> str:
+    """How a job records an artifact file: relative to ``methods/artifacts/`` when inside it (so a
+    moved checkout reads the same), else the absolute path."""
+    resolved = Path(path).resolve()
+    return (resolved.relative_to(ARTIFACTS_ROOT).as_posix() if resolved.is_relative_to(ARTIFACTS_ROOT)
+            else str(resolved))
+
+
+def reset_files_read() -> None:
+    """Forget the files recorded so far (a job calls it before its method loads its artifacts)."""
+    _FILES_READ.clear()
+
+
+def files_read() -> dict[str, str]:
+    """``{file: sha256}`` of every artifact file the loaders read since :func:`reset_files_read`."""
+    return dict(sorted(_FILES_READ.items()))
+
+
 def _read_json(path: Path) -> object:
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        return json.loads(_read_text(path))
     except json.JSONDecodeError as e:
         raise ConfigError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
 
@@ -242,7 +274,7 @@ def load_layer_scores(path: str | Path, layout: HeadLayout | None = None, key: s
         ConfigError: unreadable file, unknown key, lists of different lengths, negative values.
     """
     path = Path(path)
-    text = path.read_text(encoding="utf-8")
+    text = _read_text(path)
     try:
         data = json.loads(text)
     except json.JSONDecodeError:

@@ -489,3 +489,30 @@ def test_folder_names_count_only_overrides_that_change_the_preset(tiny_model_dir
     out = run_cli([*args, "run_name=report/x"])  # kvbench report's default output folder
     assert out.returncode == 2 and out.stderr.startswith("error: run_name=report/x: report in output_root is kvbench report's default output folder")
     assert not (tmp_path / "niah/niah").exists() and not (tmp_path / "report").exists()
+
+
+def test_samples_of_other_artifact_files_are_never_mixed_into_a_job_folder(tiny_model_dir, haystack_dir, tmp_path):
+    """config.yaml names a head ranking by its path only; a recalibrated file behind the same path
+    would mix two rankings in one folder. artifacts.json records what the samples read."""
+    ranking = tmp_path / "srh.json"
+    ranking.write_text(json.dumps({"0": [0, 1, 2, 3], "1": [3, 2, 1, 0]}))
+    args = [*tiny_model_args(tiny_model_dir), "task.context_lengths=[300]", "task.depth_percents=[50]",
+            f"task.haystack_dir={haystack_dir}", "method=compresskv", "method.layer_allocation=uniform",
+            "method.num_heads=2", "method.window_size=4", f"method.head_idx_path={ranking}", "budget=64",
+            "task.max_new_tokens=2", "quiet=true", f"output_root={tmp_path / 'out'}", "run_name=job"]
+    assert run_cli(args).returncode == 0
+    job = tmp_path / "out" / "job"
+    recorded = json.loads((job / "artifacts.json").read_text())
+    assert list(recorded) == [str(ranking.resolve())] and len(recorded[str(ranking.resolve())]) == 64
+    assert json.loads((job / "env.json").read_text())["artifacts"] == recorded
+    before = (job / "predictions.jsonl").read_text()
+    ranking.write_text(json.dumps({"0": [3, 2, 1, 0], "1": [0, 1, 2, 3]}))  # recalibrated in place
+    more = [a for a in args if not a.startswith("task.depth_percents")] + ["task.depth_percents=[0,50]"]
+    out = run_cli(more)
+    err = out.stderr.strip().splitlines()[-1]
+    assert out.returncode == 2 and err.startswith(f"error: method artifacts: {ranking.resolve()} changed since the "
+                                                  "samples in job folder job were computed (sha256 "), out.stderr
+    assert (job / "predictions.jsonl").read_text() == before
+    ranking.write_text(json.dumps({"0": [0, 1, 2, 3], "1": [3, 2, 1, 0]}))  # the file the samples read: resumes
+    assert run_cli(more).returncode == 0
+    assert len((job / "predictions.jsonl").read_text().splitlines()) == 2
