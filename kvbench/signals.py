@@ -159,7 +159,8 @@ def quiet_broken_pipe(main: Callable[..., int]) -> Callable[..., int]:
 def one_line_stop(kept: str) -> Callable[[Callable[..., int]], Callable[..., int]]:
     """Wrap a tool's ``main`` (latency, mask-heads, benchmarks, calibration) so that Ctrl-C ends
     it with one line, ``interrupted: <kept>``, and exit code 130 (143 for :class:`Terminated`)
-    instead of a ``KeyboardInterrupt`` traceback.
+    instead of a ``KeyboardInterrupt`` traceback. While ``main`` runs, SIGTERM (when its handler
+    is the default one) raises :class:`Terminated`: the same line, ``terminated (SIGTERM): ...``.
 
     Args:
         kept: what of the run is kept, for the message (``nothing was written``...).
@@ -168,12 +169,20 @@ def one_line_stop(kept: str) -> Callable[[Callable[..., int]], Callable[..., int
     def wrap(main: Callable[..., int]) -> Callable[..., int]:
         @functools.wraps(main)
         def wrapper(*args, **kwargs) -> int:
+            # SIGTERM (kill, a scheduler's stop) ends it the same way, not silently with the default action
+            term = threading.current_thread() is threading.main_thread() and \
+                signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None)
+            if term:
+                signal.signal(signal.SIGTERM, _raise_terminated)
             try:
                 return main(*args, **kwargs)
             except KeyboardInterrupt as err:
                 word = "terminated (SIGTERM)" if isinstance(err, Terminated) else "interrupted"
                 print(f"\n{word}: {kept}", file=sys.stderr, flush=True)
                 return stop_code(err)
+            finally:
+                if term:
+                    signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
         return wrapper
 

@@ -154,3 +154,19 @@ def test_ctrl_c_in_the_tools_is_one_line_and_exit_130(capsys, monkeypatch):
     monkeypatch.setattr(calibrate, "build_parser", term)
     assert calibrate.main([]) == 143
     assert capsys.readouterr().err.strip().startswith("terminated (SIGTERM): nothing was written")
+
+
+def test_sigterm_in_a_tool_is_the_same_one_line_stop(capsys):
+    import os
+    import signal
+
+    from kvbench.signals import one_line_stop
+
+    @one_line_stop("the records so far are kept")
+    def tool() -> int:
+        os.kill(os.getpid(), signal.SIGTERM)
+        return 0
+
+    assert tool() == 143
+    assert capsys.readouterr().err.strip() == "terminated (SIGTERM): the records so far are kept"
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # restored
