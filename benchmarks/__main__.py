@@ -87,6 +87,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "otherwise; --quick: 256,512); overhead and kvpress keep their fixed lengths; each at most the "
                         "model's context window minus the tokens a sample generates (32; 8 with --quick)")
     args = p.parse_args(argv)
+    for flag, values in (("--only", args.only), ("--methods", args.methods), ("--lengths", args.lengths)):
+        if values is not None and not _csv(values):  # an empty shell variable must not mean "everything"
+            p.error(f"{flag} {' '.join(values)!r}: empty; name at least one value (or leave the flag out)")
     names = _csv(args.only)
     unknown = [x for x in names if x not in BENCHMARKS]
     if unknown:
@@ -131,6 +134,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.doc and Path(args.doc).is_file() and not Path(args.doc).read_text(
             encoding="utf-8", errors="replace").startswith("# Performance"):
         p.error(f"--doc {args.doc!r}: exists and is not a performance summary of python -m benchmarks; pass a new file")
+    if args.kvpress_python and "kvpress" in args.names and not (
+            Path(args.kvpress_python).is_file() and os.access(args.kvpress_python, os.X_OK)):
+        p.error(f"--kvpress-python {args.kvpress_python!r}: not an executable file; pass the python of an "
+                "environment with kvpress installed")
+    from kvbench.validate import check_creatable
+
+    try:  # the last check: the JSON folder exists before anything runs
+        check_creatable(f"--out {args.out!r}", Path(args.out))
+    except ConfigError as e:
+        p.error(str(e))
     return args
 
 

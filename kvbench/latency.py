@@ -240,7 +240,10 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args([a for i, a in enumerate(argv) if i not in at])
     args.overrides = [argv[i] for i in sorted(at)] + args.overrides
     # "--lengths 256 512", "--lengths 256,512" and repeated flags all give one list (as in benchmarks, mask-heads)
-    args.methods = [x for item in args.methods or [] for x in item.split(",") if x.strip()] or None
+    for flag, values in (("--methods", args.methods), ("--lengths", args.lengths)):
+        if values is not None and not any(x.strip() for item in values for x in item.split(",")):
+            p.error(f"{flag} {' '.join(values)!r}: empty; name at least one value (or leave the flag out)")
+    args.methods = [x.strip() for item in args.methods or [] for x in item.split(",") if x.strip()] or None
     lengths = [x.strip() for item in args.lengths or [] for x in item.split(",") if x.strip()]
     bad = [x for x in lengths if not x.lstrip("-").isdigit()]
     if bad:
@@ -293,7 +296,15 @@ def main(argv: list[str] | None = None) -> int:
     why = _out_refusal(out)
     if why:
         p.error(f"--out {str(out)!r}: {why}")
-    from .validate import context_window
+    from .validate import check_creatable, context_window
+
+    try:  # not in a results root's task/model/method folder; its folder exists before the model loads
+        from .validate import check_not_in_store
+
+        check_not_in_store(f"--out {str(out)!r}", out.parent)
+        check_creatable(f"--out {str(out)!r}", out.parent)
+    except ConfigError as e:
+        p.error(str(e))
 
     try:
         limit = context_window(model_cfg)  # from the config alone: no weights load for a run that would skip all

@@ -35,6 +35,7 @@ import argparse
 import csv
 import io
 import json
+import os
 import resource
 import sys
 import time
@@ -245,9 +246,10 @@ def out_stem(out: str, name: str, settings: dict | None = None) -> Path:
     why = store_write_refusal(folder)
     if why:
         raise ConfigError(f"--out={out!r}: {why}; pass a folder outside the job folders")
-    from .validate import check_not_in_code
+    from .validate import check_not_in_code, check_not_in_store
 
     check_not_in_code(f"--out={out!r}", folder, "the ablation's files (default: results/mask_heads)")
+    check_not_in_store(f"--out={out!r}", folder)  # a results root's task, model or method folder
     if path.suffix in (".json", ".csv", ".md"):
         if path.parent.exists() and not path.parent.is_dir():
             raise ConfigError(f"--out={out!r}: {path.parent} is a file, not a folder")
@@ -346,6 +348,34 @@ def write_report(stem: Path, report: dict) -> list[Path]:
     return written
 
 
+def _lock_stem(stem: Path, out: str):
+    """Hold an exclusive lock on ``stem`` (``.<name>.lock`` beside it) for this process's life.
+
+    Two runs of the same settings pick the same stem and progress file; the second would redo
+    every condition and then fail to write. It stops at once instead.
+
+    Returns:
+        The open lock file (keep a reference; the OS releases the lock when the process ends).
+
+    Raises:
+        ConfigError: another live process holds the lock.
+    """
+    import fcntl
+
+    handle = open(stem.parent / f".{stem.name}.lock", "a+")  # noqa: SIM115 - held until the process ends
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.close()
+        raise ConfigError(f"--out={out!r}: {stem.name} is being written by another kvbench mask-heads run of the "
+                          "same settings; wait for it (its results resume here) or pass another --out") from None
+    handle.seek(0)
+    handle.truncate()
+    handle.write(f"{os.getpid()}\n")
+    handle.flush()
+    return handle
+
+
 def _cpu_seconds() -> float:
     r = resource.getrusage(resource.RUSAGE_SELF)
     return r.ru_utime + r.ru_stime
@@ -386,6 +416,10 @@ def run(args) -> int:
     stem = out_stem(args.out, f"mask_heads_{args.model}_{args.mode}-{args.phase}", settings)
     progress = partial_path(stem)
     earlier = read_partial(stem) if progress.exists() else None
+    from .validate import check_creatable
+
+    check_creatable(f"--out={args.out!r}", stem.parent)  # before the model loads, not after the first condition
+    lock = _lock_stem(stem, args.out)  # held to the end: one run per stem (the same command twice at once)
 
     import torch
 
@@ -403,7 +437,10 @@ def run(args) -> int:
     for kind, path in files.items():
         load_head_scores(path, loaded.layout)  # the score grid must be the model's layers x query heads
     task = NIAHTask(task_cfg, loaded.tokenizer, loaded.max_input_length, encode=lambda s: encode_prompt(loaded, s))
-    samples = list(task.samples())
+    try:
+        samples = list(task.samples())
+    except TaskConfigError as e:  # e.g. every length too short for the needle and question: one line, exit 2
+        raise ConfigError(str(e).replace("task.context_lengths=", "--lengths=")) from None
     engine = Engine(loaded, FullCache(None, loaded.layout), budget=1.0)
     report = {
         "model": args.model, "mode": args.mode, "phase": args.phase, "k": ks, "kinds": kinds, "seed": args.seed,
@@ -447,6 +484,8 @@ def run(args) -> int:
     progress.unlink(missing_ok=True)  # the outputs hold all of it now
     print(render_markdown(report))
     print(f"wrote {', '.join(str(p) for p in written)} in {report['seconds']} s ({report['cpu_seconds']} CPU s)", file=sys.stderr)
+    Path(lock.name).unlink(missing_ok=True)  # the outputs exist: a later run takes the next stem
+    lock.close()
     return 0
 
 
@@ -487,7 +526,12 @@ def main(argv: list[str] | None = None) -> int:
     # list flags: "--k 10 20", "--k 10,20" and repeated flags are one comma-separated value
     for flag, default in (("k", "10,20,30"), ("kinds", "srh,trh,random"), ("lengths", None), ("depths", None)):
         values = getattr(args, flag)
-        setattr(args, flag, ",".join(values) if values else default)
+        pieces = [x for item in values or [] for x in item.replace(",", " ").split()]  # "1, 2", "1 2", "1,2"
+        if values is not None and not pieces:  # an empty shell variable must not mean "the default"
+            print(f"kvbench mask-heads: --{flag.replace('_', '-')}={' '.join(values)!r}: empty; name at least one "
+                  "value (or leave the flag out)", file=sys.stderr)
+            return 2
+        setattr(args, flag, ",".join(pieces) if pieces else default)
     try:
         return run(args)
     except ConfigError as e:

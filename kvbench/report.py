@@ -354,6 +354,12 @@ def main(argv: list[str] | None = None) -> int:
     if index_md.is_file() and not index_md.read_text(encoding="utf-8", errors="replace").startswith("# Report of "):
         p.error(f"--out {str(out)!r}: holds an index.md that is not a kvbench report's (it would be replaced); pass "
                 "another folder")
+    from .validate import check_creatable
+
+    try:  # the report folder exists before the tables are built (not a traceback after them)
+        check_creatable(f"--out {str(out)!r}", out)
+    except ConfigError as e:
+        p.error(str(e))
     ctx = Context(root, df, latency, str(lat_path))
     written: set[Path] = set()
     earlier_report = (out / "index.md").is_file()  # a report folder: its other files are earlier outputs

@@ -15,6 +15,7 @@ Usage: ``kvbench score DIR [--e] [--out PATH]`` or ``python -m kvbench.score DIR
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -115,8 +116,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = OneLineParser(prog="kvbench score", description=__doc__.split("\n\n")[0])
     parser.add_argument("dir", type=Path, help="folder of <dataset>.jsonl prediction files")
     parser.add_argument("--e", action="store_true", help="LongBench-E: score by length bucket")
-    parser.add_argument("--out", type=Path, default=None, help="output file (default: DIR/result.json)")
+    parser.add_argument("--out", default=None, help="output file (default: DIR/result.json; a path ending in / is a "
+                        "folder: result.json inside it)")
     args = parser.parse_args(argv)
+    if args.out is not None:  # "new/" names a folder (Path would drop the slash and write a file "new")
+        args.out = Path(args.out) / "result.json" if args.out.endswith(("/", os.sep)) else Path(args.out)
     try:
         scores = score_dir(args.dir, longbench_e=args.e)
     except ScoreInputError as e:  # one line, worded as the argument errors (OneLineParser.error)
@@ -127,7 +131,14 @@ def main(argv: list[str] | None = None) -> int:
     if why:
         parser.error(f"--out {str(out)!r}: {why}")
     text = json.dumps(scores, ensure_ascii=False, indent=4)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    from methods.base import ConfigError
+
+    from .validate import check_creatable
+
+    try:
+        check_creatable(f"--out {str(out)!r}", out.parent)
+    except ConfigError as e:
+        parser.error(str(e))
     kept = replace_keeping(out, text)
     print(text)
     print(f"wrote {out}" + (f" (the earlier scores are kept as {kept.name})" if kept else ""), file=sys.stderr)

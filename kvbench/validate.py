@@ -118,6 +118,25 @@ def check_output_root(root: Any) -> Path:
     return path
 
 
+def check_creatable(shown: str, folder: Path) -> None:
+    """Make ``folder`` (and its parents) now, before any work, so that an output folder that
+    cannot exist (a path under a file, ``/proc``, no permission) is one line at the start
+    instead of a traceback after the run. An existing folder is left as it is.
+
+    Args:
+        shown: the setting as the message names it (``--out 'x'``).
+
+    Raises:
+        ConfigError: the folder cannot be created (the OS's reason).
+    """
+    try:
+        Path(folder).mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        blocker = next((q for q in (Path(folder), *Path(folder).parents) if q.exists() and not q.is_dir()), None)
+        why = f"{blocker} is a file" if blocker is not None else (e.strerror or type(e).__name__)
+        raise ConfigError(f"{shown}: cannot create the folder {folder} ({why}); pass a writable folder") from None
+
+
 def check_not_in_code(shown: str, path: Path, what: str) -> None:
     """Refuse a folder that is the kvbench checkout itself or lies in one of its code folders
     (:data:`CODE_FOLDERS`, or any hidden folder such as ``.git`` or ``.venv``).

@@ -614,6 +614,9 @@ def _main(argv: list[str] | None = None) -> int:
         if out.exists() and not out.is_dir():
             raise ConfigError(f"--out={str(out)!r}: a file, not a folder (the calibration files are written into it)")
         check_args(args)
+        from kvbench.validate import check_creatable
+
+        check_creatable(f"--out={str(out)!r}", out)  # the last check: now, not after the calibration
         return cmd_heads(args) if args.command == "heads" else cmd_layers(args)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)

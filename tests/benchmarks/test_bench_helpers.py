@@ -339,6 +339,19 @@ def _decode_suite(runs, rounds):
     return decode.run(ctx)
 
 
+def test_empty_lists_unmakeable_out_and_a_missing_kvpress_python_stop_before_anything_runs(capsys, tmp_path):
+    (tmp_path / "afile").write_text("x")
+    for argv, message in ((["--only", ""], "--only '': empty; name at least one value"),
+                          (["--lengths", " "], "--lengths ' ': empty"),
+                          (["--out", str(tmp_path / "afile" / "x")], f"cannot create the folder {tmp_path / 'afile' / 'x'} "
+                                                                      f"({tmp_path / 'afile'} is a file)"),
+                          (["--only", "kvpress", "--kvpress-python", str(tmp_path / "nope")],
+                           "not an executable file; pass the python of an environment with kvpress installed")):
+        with pytest.raises(SystemExit) as stop:
+            parse_args(argv)
+        assert stop.value.code == 2 and message in capsys.readouterr().err
+
+
 def test_list_flags_take_spaces_commas_or_repeats():
     for argv in (["--lengths", "256", "512", "--only", "decode", "memory"], ["--lengths", "256,512", "--only",
                                                                              "decode,memory"],

@@ -156,6 +156,17 @@ def test_ctrl_c_in_the_tools_is_one_line_and_exit_130(capsys, monkeypatch):
     assert capsys.readouterr().err.strip().startswith("terminated (SIGTERM): nothing was written")
 
 
+def test_empty_lists_and_an_out_that_cannot_exist_are_refused_before_loading(tmp_path, capsys):
+    (tmp_path / "afile").write_text("x")
+    for argv, message in ((["--methods", ""], "--methods '': empty; name at least one value"),
+                          (["--methods", "full", "--lengths", ","], "--lengths ',': empty"),
+                          (["--methods", "full", "--out", str(tmp_path / "afile" / "l.json")],
+                           f"cannot create the folder {tmp_path / 'afile'} ({tmp_path / 'afile'} is a file)")):
+        with pytest.raises(SystemExit) as stop:
+            latency.main(argv)
+        assert stop.value.code == 2 and message in capsys.readouterr().err
+
+
 def test_sigterm_in_a_tool_is_the_same_one_line_stop(capsys):
     import os
     import signal

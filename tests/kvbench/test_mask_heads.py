@@ -157,7 +157,7 @@ def test_an_interrupted_run_keeps_its_finished_conditions_and_the_same_command_r
     partial = out / "mask_heads_smollm2_uniform-decode.partial.json"
     kept = json.loads(partial.read_text())
     assert kept["no_mask"]["n"] == 1 and [(c["kind"], c["k"]) for c in kept["conditions"]] == [("srh", 1)]
-    assert sorted(p.name for p in out.iterdir()) == [partial.name]  # no final files yet
+    assert sorted(p.name for p in out.iterdir() if not p.name.startswith(".")) == [partial.name]  # no final files yet
 
     # other settings (another seed) never touch that progress file: they write to the next stem
     calls.clear()
@@ -175,6 +175,14 @@ def test_an_interrupted_run_keeps_its_finished_conditions_and_the_same_command_r
     assert report["conditions"][0] == kept["conditions"][0] and report["no_mask"] == kept["no_mask"]
     assert "settings" not in report and not partial.exists()
     assert report["seconds"] >= kept["seconds"]
+
+
+def test_a_second_run_on_the_same_stem_stops_at_once(tmp_path):
+    first = mask_heads._lock_stem(tmp_path / "mask_heads_x", "o")
+    with pytest.raises(ConfigError, match="is being written by another kvbench mask-heads run of the same settings"):
+        mask_heads._lock_stem(tmp_path / "mask_heads_x", "o")
+    first.close()  # the first run ended: the stem is free again
+    mask_heads._lock_stem(tmp_path / "mask_heads_x", "o").close()
 
 
 def test_list_flags_take_commas_spaces_or_repeats(tmp_path, capsys, no_model_load):
