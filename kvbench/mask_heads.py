@@ -46,7 +46,8 @@ import yaml
 from eval.base import TaskConfigError
 from eval.niah import NIAHTask
 from methods.artifacts import (
-    ARTIFACTS_ROOT, PUBLISHED, artifact_path, load_head_ranking, load_head_scores, ranking_from_scores, top_heads,
+    ARTIFACTS_ROOT, PUBLISHED, artifact_path, keyed_errors, load_head_ranking, load_head_scores, ranking_from_scores,
+    top_heads,
 )
 from methods.base import ConfigError
 
@@ -392,7 +393,10 @@ def run(args) -> int:
         raise ConfigError(f"--kinds={args.kinds!r}: comma-separated values among {', '.join(KINDS)}, at least one of srh, trh")
     ks = parse_ks(args.k)
     files = {kind: score_file(kind, args.model, getattr(args, f"{kind}_scores")) for kind in ("srh", "trh") if kind in kinds}
-    scores = {kind: load_head_scores(path) for kind, path in files.items()}
+    scores = {}
+    for kind, path in files.items():
+        with keyed_errors(f"--{kind}-scores", path):  # the error names the flag to change
+            scores[kind] = load_head_scores(path)
     grids = {tuple(s.shape) for s in scores.values()}
     if len(grids) > 1:
         raise ConfigError(f"--srh-scores/--trh-scores: the files cover different layer x head grids {sorted(grids)}")

@@ -302,11 +302,14 @@ def main(argv: list[str] | None = None) -> int:
     p = OneLineParser(prog="kvbench report", description=DESCRIPTION)
     p.add_argument("root", metavar="RESULTS_ROOT", nargs="?", help="results root holding the job folders")
     p.add_argument("--out", help="output folder (default: RESULTS_ROOT/report)")
-    p.add_argument("--only", nargs="+", metavar="NAME", help="artifact names or patterns: " + ", ".join(ARTIFACTS))
+    p.add_argument("--only", nargs="+", metavar="NAME", help="artifact names or patterns, space- or comma-separated: "
+                   + ", ".join(ARTIFACTS))
     p.add_argument("--latency", help="latency benchmark JSON for selkv_fig3 (default: RESULTS_ROOT/latency.json)")
     args = p.parse_args(argv)
     if args.root is None and args.only and len(args.only) > 1 and Path(args.only[-1]).is_dir():
         args.root = args.only.pop()  # `--only scores ROOT`: --only took the root too
+    if args.only is not None:  # "--only scores,niah" as in the other tools (names hold no commas)
+        args.only = [x.strip() for item in args.only for x in item.split(",") if x.strip()] or args.only
     if args.root is None:
         p.error("the following arguments are required: RESULTS_ROOT")
     root = Path(args.root)

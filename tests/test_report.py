@@ -681,3 +681,10 @@ def test_a_run_name_job_does_not_displace_the_standard_job_of_its_setting(tmp_pa
     (table,) = score_tables(load_results(tmp_path), tmp_path)
     assert table.sources == ["niah/smollm2/snapkv/b0.25"]
     assert any(n.startswith("left out: SnapKV at budget 25%: myrun (5 samples)") for n in table.notes), table.notes
+
+
+def test_only_takes_commas_as_the_other_tools(tree, tmp_path, capsys):
+    assert report.main([str(tree), "--only", "scores,niah", "--out", str(tmp_path / "r")]) == 0
+    assert report.main([str(tree), "--only", "scores", "niah", "--out", str(tmp_path / "r2")]) == 0
+    names = lambda d: sorted(p.name for p in d.rglob("*") if p.is_file() and p.name != "index.md")  # noqa: E731
+    assert names(tmp_path / "r") == names(tmp_path / "r2") and names(tmp_path / "r")

@@ -102,6 +102,8 @@ def no_model_load(monkeypatch):
     (["--lengths", "abc"], "--lengths='abc': comma-separated integers"),
     (["--device", "gpu"], "--device gpu: accepted values are auto, cpu, cuda, cuda:<index>, mps"),
     (["--threads", "0"], "--threads 0: must be an integer >= 1"),
+    (["--srh-scores", "README.md", "--kinds", "srh"], "--srh-scores='README.md': not valid JSON"),
+    (["--lengths", ""], "--lengths='': empty; name at least one value"),
 ])
 def test_user_errors_are_one_line_before_loading_a_model(args, text, tmp_path, capsys, no_model_load):
     assert main([*args, "--out", str(tmp_path)]) == 2
