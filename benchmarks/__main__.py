@@ -49,10 +49,6 @@ MODULES = {"kvpress": "vs_kvpress"}  # benchmark name -> module, where they diff
 MIN_LENGTH = 64  # shortest --lengths value (the question frame of the prompt alone is ~40 tokens)
 
 
-def _csv(values: list[str] | None) -> list[str]:
-    return [x.strip() for item in values or [] for x in item.split(",") if x.strip()]
-
-
 def _method_names() -> list[str]:
     """Methods the per-method benchmarks know (compression and memory), in their order."""
     from .compression import METHODS as COMPRESSION
@@ -87,19 +83,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "otherwise; --quick: 256,512); overhead and kvpress keep their fixed lengths; each at most the "
                         "model's context window minus the tokens a sample generates (32; 8 with --quick)")
     args = p.parse_args(argv)
-    for flag, values in (("--only", args.only), ("--methods", args.methods), ("--lengths", args.lengths)):
-        if values is not None and not _csv(values):  # an empty shell variable must not mean "everything"
-            p.error(f"{flag} {' '.join(values)!r}: empty; name at least one value (or leave the flag out)")
-    names = _csv(args.only)
+    names = p.list_arg("--only", args.only) or []
     unknown = [x for x in names if x not in BENCHMARKS]
     if unknown:
         p.error(f"--only {unknown[0]}: unknown benchmark; accepted values are {', '.join(BENCHMARKS)}")
     args.names = [b for b in BENCHMARKS if b in names] if names else list(BENCHMARKS)
-    args.method_names = _csv(args.methods) or None
+    args.method_names = p.list_arg("--methods", args.methods)
     bad = [x for x in args.method_names or [] if x not in _method_names()]
     if bad:
         p.error(f"--methods {bad[0]}: unknown method; accepted values are {', '.join(_method_names())}")
-    lengths = _csv(args.lengths)
+    lengths = p.list_arg("--lengths", args.lengths) or []
     bad = [x for x in lengths if not x.isdigit() or int(x) < MIN_LENGTH]
     if bad:
         p.error(f"--lengths {bad[0]}: must be an integer number of tokens >= {MIN_LENGTH}")

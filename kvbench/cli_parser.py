@@ -19,3 +19,23 @@ class OneLineParser(argparse.ArgumentParser):
         """Print ``<prog>: error: <message>`` (first line of the message) to stderr and exit 2."""
         first = message.splitlines()[0] if message else ""
         self.exit(2, f"{self.prog}: error: {first}\n")
+
+    def list_arg(self, flag: str, values: list[str] | None) -> list[str] | None:
+        """:func:`split_list` of a list flag; None when the flag was not given.
+
+        Raises:
+            SystemExit: the flag was given but names nothing (``--only ''``, an empty shell
+                variable), which must not mean "the default" (one line, exit 2).
+        """
+        if values is None:
+            return None
+        items = split_list(values)
+        if not items:
+            self.error(f"{flag} {' '.join(values)!r}: empty; name at least one value (or leave the flag out)")
+        return items
+
+
+def split_list(values: list[str] | None) -> list[str]:
+    """The items of a list flag given space- or comma-separated, or repeated
+    (``--k 1 2``, ``--k 1,2``, ``--k 1 --k 2``, ``--k "1, 2"``): ``["1", "2"]``; empty pieces dropped."""
+    return [x for item in values or [] for x in item.replace(",", " ").split()]

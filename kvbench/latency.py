@@ -240,11 +240,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args([a for i, a in enumerate(argv) if i not in at])
     args.overrides = [argv[i] for i in sorted(at)] + args.overrides
     # "--lengths 256 512", "--lengths 256,512" and repeated flags all give one list (as in benchmarks, mask-heads)
-    for flag, values in (("--methods", args.methods), ("--lengths", args.lengths)):
-        if values is not None and not any(x.strip() for item in values for x in item.split(",")):
-            p.error(f"{flag} {' '.join(values)!r}: empty; name at least one value (or leave the flag out)")
-    args.methods = [x.strip() for item in args.methods or [] for x in item.split(",") if x.strip()] or None
-    lengths = [x.strip() for item in args.lengths or [] for x in item.split(",") if x.strip()]
+    args.methods = p.list_arg("--methods", args.methods)
+    lengths = p.list_arg("--lengths", args.lengths) or []
     bad = [x for x in lengths if not x.lstrip("-").isdigit()]
     if bad:
         p.error(f"--lengths {bad[0]}: must be an integer number of tokens")

@@ -51,7 +51,7 @@ from methods.artifacts import (
 )
 from methods.base import ConfigError
 
-from .cli_parser import OneLineParser
+from .cli_parser import OneLineParser, split_list
 from .head_mask import MODES, PHASES, HeadMask
 from .signals import one_line_stop, quiet_broken_pipe
 from .store import atomic_write, store_write_refusal
@@ -530,7 +530,7 @@ def main(argv: list[str] | None = None) -> int:
     # list flags: "--k 10 20", "--k 10,20" and repeated flags are one comma-separated value
     for flag, default in (("k", "10,20,30"), ("kinds", "srh,trh,random"), ("lengths", None), ("depths", None)):
         values = getattr(args, flag)
-        pieces = [x for item in values or [] for x in item.replace(",", " ").split()]  # "1, 2", "1 2", "1,2"
+        pieces = split_list(values)  # "1, 2", "1 2", "1,2"
         if values is not None and not pieces:  # an empty shell variable must not mean "the default"
             print(f"kvbench mask-heads: --{flag.replace('_', '-')}={' '.join(values)!r}: empty; name at least one "
                   "value (or leave the flag out)", file=sys.stderr)

@@ -29,7 +29,7 @@ import pandas as pd
 from . import report_ablations as ra
 from . import report_figures as rf
 from . import report_tables as rt
-from .cli_parser import OneLineParser
+from .cli_parser import OneLineParser, split_list
 from .plots import plt
 from .report_data import load_results
 from .report_tables import Table, round2
@@ -309,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.root is None and args.only and len(args.only) > 1 and Path(args.only[-1]).is_dir():
         args.root = args.only.pop()  # `--only scores ROOT`: --only took the root too
     if args.only is not None:  # "--only scores,niah" as in the other tools (names hold no commas)
-        args.only = [x.strip() for item in args.only for x in item.split(",") if x.strip()] or args.only
+        args.only = split_list(args.only) or args.only
     if args.root is None:
         p.error("the following arguments are required: RESULTS_ROOT")
     root = Path(args.root)
