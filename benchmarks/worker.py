@@ -69,6 +69,38 @@ def release_freed_memory() -> bool:
     return True
 
 
+def timed_generate(engine, ids: list[int], new_tokens: int, before_step=None):
+    """``engine.generate(ids, new_tokens)`` with stop tokens off, timing each decode step.
+
+    ``before_step(step)`` (optional) runs before each step, outside its time. A callback, not
+    forward hooks: a hooked model decodes through its modules, not the fused decode step that
+    jobs use (:mod:`kvbench.fused_decode`).
+
+    Returns:
+        ``(result, step_seconds)``: the :class:`kvbench.engine.GenerationResult` and the time
+        from each step's start to the next one's (argmax, token read, forward), the first step
+        left out (it follows the prefill and, in :func:`run`, a ``malloc_trim``).
+    """
+    import torch
+
+    dev = engine.loaded.device
+    starts: list[float] = []
+
+    def on_decode_step(step: int) -> None:
+        if before_step is not None:
+            before_step(step)
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        starts.append(time.perf_counter())
+
+    engine.on_decode_step = on_decode_step
+    try:
+        res = engine.generate(ids, new_tokens, stop_ids=[])
+    finally:
+        engine.on_decode_step = None
+    return res, [b - a for a, b in zip(starts[1:], starts[2:])]
+
+
 def run(spec: dict[str, Any]) -> dict[str, Any]:
     """Run the configuration ``spec`` (keys: settings, method, overrides, budget, n, new_tokens, bandwidth)."""
     import torch
@@ -95,29 +127,17 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     after_load = _mem_now(dev)
 
     phases: dict[str, list[int]] = {"prefill_peak": [], "decode": []}
-    step_starts: list[float] = []
 
-    def on_decode_step(step: int) -> None:
-        # Called before each decode step (after the previous step's forward). Step 0: prefill
-        # and compression are over; record their peak and drop freed heap before decoding.
+    def memory_by_phase(step: int) -> None:
+        # Step 0: prefill and compression are over; record their peak and drop freed heap before decoding.
         if step == 0:
             phases["prefill_peak"].append(peak_memory_bytes(dev))
             release_freed_memory()
         else:
             phases["decode"].append(_mem_now(dev))
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
-        step_starts.append(time.perf_counter())
 
-    # A callback, not forward hooks: a hooked model decodes through its modules, not the
-    # fused decode step that jobs use (kvbench.fused_decode).
-    engine.on_decode_step = on_decode_step
-    try:
-        res = engine.generate(prompt.ids, int(spec["new_tokens"]), stop_ids=[])
-    finally:
-        engine.on_decode_step = None
+    res, step_times = timed_generate(engine, prompt.ids, int(spec["new_tokens"]), memory_by_phase)
     peak = peak_memory_bytes(dev)
-    step_times = [b - a for a, b in zip(step_starts[1:], step_starts[2:])]  # step 0 includes malloc_trim
     steps = max(1, res.generated_tokens - 1)  # decode forwards (the first token comes from prefill)
     out = {
         "method": spec["method"],
@@ -190,19 +210,7 @@ def run_pair(spec: dict[str, Any]) -> dict[str, Any]:
         this_round = {}
         for label, engine in engines.items():
             release_freed_memory()
-            starts: list[float] = []
-
-            def on_decode_step(step: int) -> None:
-                if dev.type == "cuda":
-                    torch.cuda.synchronize(dev)
-                starts.append(time.perf_counter())
-
-            engine.on_decode_step = on_decode_step
-            try:
-                res = engine.generate(prompt.ids, int(spec["new_tokens"]), stop_ids=[])
-            finally:
-                engine.on_decode_step = None
-            steps = [b - a for a, b in zip(starts[1:], starts[2:])]  # as run(): the first step left out
+            res, steps = timed_generate(engine, prompt.ids, int(spec["new_tokens"]))
             pattern = step_read_pattern(loaded.model, engine.last_state.cache)
             this_round[label] = {
                 "prompt_tokens": res.prompt_tokens,
