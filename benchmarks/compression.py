@@ -62,6 +62,7 @@ def _compress_all(method, contexts: dict[int, Any], n: int, layout, reserve: int
     """Seconds to plan and compress every recorded layer with ``method`` (as the engine would)."""
     from kvbench.kvcache import PreallocatedLayer, store_layer
 
+    sums, in_prefill_s = _in_prefill_scores(method, contexts)
     t0 = time.perf_counter()
     plan = method.plan(n, RATIO_25, layout)
     results = {}
@@ -73,6 +74,7 @@ def _compress_all(method, contexts: dict[int, Any], n: int, layout, reserve: int
             budget=int(plan.layer_budgets[i]),
             head_budget=plan.head_budgets[i] if plan.head_budgets is not None else None,
             artifacts=method.artifacts,
+            prompt_attention=sums.get(i),
         )
         result = method.compress(layer_ctx)
         result.keys, result.values = store_layer(PreallocatedLayer(reserve), result.keys, result.values)
@@ -80,7 +82,38 @@ def _compress_all(method, contexts: dict[int, Any], n: int, layout, reserve: int
     finalize = getattr(method, "finalize", None)
     if callable(finalize):
         finalize(results)
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0 + in_prefill_s
+
+
+def _in_prefill_scores(method, contexts: dict[int, Any]) -> tuple[dict[int, Any], float]:
+    """Column sums the engine would compute inside the prefill attention, and what that costs.
+
+    For a method whose ``wants_prompt_attention`` is true on the contexts' device (LOOK-M on
+    CPU) the engine replaces each compressible layer's SDPA call by
+    :func:`methods.lookm.attention_with_column_sums`; that extra prefill time belongs to the
+    method. Per layer, the engine's SDPA prefill attention and the fused one run back to back
+    on the recorded queries, keys and values; the returned seconds are the summed difference.
+    Other methods: ``({}, 0.0)``.
+    """
+    from kvbench.attention import _prefill_attention, fuse_prompt_attention
+    from methods.lookm import attention_with_column_sums
+
+    first = next(iter(contexts.values()), None)
+    if first is None or not method.wants_prompt_attention(first.keys.device):
+        return {}, 0.0
+    chunk = getattr(method.config, "query_chunk", 512)
+    sums, extra = {}, 0.0
+    for i, ctx in contexts.items():
+        q, k, v = ctx.window_queries, ctx.keys, ctx.values
+        if q.shape[2] != k.shape[2] or not fuse_prompt_attention(method, q, k, None, ctx.softcap):
+            continue
+        t0 = time.perf_counter()
+        _prefill_attention(None, q, k, v, None, ctx.scaling, ctx.softcap)
+        t1 = time.perf_counter()
+        out, sums[i] = attention_with_column_sums(q, k, v, ctx.scaling, ctx.softcap, chunk)
+        out.transpose(1, 2).contiguous()
+        extra += (time.perf_counter() - t1) - (t1 - t0)
+    return sums, extra
 
 
 def fit_exponent(lengths: list[int], seconds: list[float]) -> float | None:
@@ -209,33 +242,48 @@ def run(ctx: Context) -> BenchResult:
                                       off_target=off_target_lengths(lengths, FULL_LENGTHS)))
     res.rows.append(["(prefill s)"] + [f"{prefill[n]:.2f}" for n in lengths] + [fit_exponent(lengths, [prefill[n] for n in lengths])])
     if "lookm" in seconds:
-        _lookm_floor(res, loaded.model.config, lengths, target_n)
+        _lookm_floor(res, loaded.model.config, lengths, target_n,
+                     methods["lookm"].wants_prompt_attention(loaded.model.device))
     res.notes.append("compression = plan + per-layer compress + write into the cache (+ finalize), on the contexts "
                      "recorded from one engine prefill per length; mean of 2 passes (one pass when a pass takes over "
                      f"{SLOW_S:.0f} s); budget 25 %.")
     return res
 
 
-def _lookm_floor(res: BenchResult, config: Any, lengths: list[int], target_n: int) -> None:
-    """Add LOOK-M's FLOP floor (score FLOPs / prefill FLOPs) to the data, its targets and the notes."""
+def _lookm_floor(res: BenchResult, config: Any, lengths: list[int], target_n: int, fused: bool) -> None:
+    """Add LOOK-M's FLOP floor (score FLOPs / prefill FLOPs) to the data, its targets and the notes.
+
+    ``fused``: whether the measured LOOK-M computed its score inside the prefill attention.
+    """
     floor = {n: lookm_score_flops(config, n) / prefill_flops(config, n) for n in lengths}
     res.data["lookm_flop_floor"] = floor
+    res.data["lookm_fused_score"] = fused
+    how = ("score fused into the prefill attention (fused_score); " if fused else "")
     for t in res.targets:
         extra = ""
         if t.name.startswith("lookm: compression"):
-            extra = f"faithful floor ≈ {floor[target_n]:.0%} of the prefill's FLOPs at {target_n} tokens, see notes"
+            extra = f"{how}a separate score pass needs ≈ {floor[target_n]:.0%} of the prefill's FLOPs at {target_n} tokens, see notes"
         elif t.name.startswith("lookm: exponent"):
             extra = "the score is quadratic in n by definition (every query × every earlier key)"
         if extra:  # after a "not judged" note, if any
             t.note = "; ".join(x for x in (t.note, extra) if x)
     shares = ", ".join(f"{100 * floor[n]:.1f} % at {n}" for n in lengths)
+    fused_note = (
+        "Here (CPU, LOOK-M's `fused_score: auto`) the engine computes the score inside the prefill attention "
+        "(`methods.lookm.attention_with_column_sums`): one blocked float32 pass gives the attention output and "
+        "the column sums, instead of SDPA plus that second pass. LOOK-M's time above = that attention's extra "
+        "time over SDPA (both run back to back per layer on the recorded tensors) + eviction and merging. "
+        "What remains: the blocked pass writes the probabilities that SDPA's flash kernel never materialises, "
+        "and the pivotal merge compares every evicted key with every kept key (E·m·d multiply-adds per head, "
+        "quadratic at a ratio budget). "
+        if fused else
+        "This run scored in a separate pass (`method.fused_score=off`, or a device where `auto` keeps SDPA). ")
     res.notes.append(
-        "LOOK-M floor: its score is the attention every prompt query pays to every earlier key (Wan et al. 2024, "
-        "text-only), so it needs QK^T over the causal triangle — H_q·d multiply-adds and one exp per (query, key) "
-        "pair and layer, half of the prefill's attention matmuls — once more after the prefill: "
-        f"{shares} tokens of this model's prefill FLOPs (matmuls only; the exps equal the prefill softmax's). "
-        "A faithful LOOK-M cannot meet ≤ 5 % at 4k here, and its time grows like n² (exponent → 2). Only a fused "
-        "attention kernel that accumulates the column sums inside the prefill (SDPA/flash never materialises "
-        "the probabilities) could avoid the extra pass; `method.window_size=W > 0` (an opt-in, non-faithful "
-        "variant) scores only the last W queries and costs like SnapKV."
+        "LOOK-M: its score is the attention every prompt query pays to every earlier key (Wan et al. 2024, "
+        "text-only), the column sums of the causal attention matrix. A separate pass after the prefill needs "
+        "QK^T over the causal triangle once more — H_q·d multiply-adds and one exp per (query, key) pair and "
+        f"layer, half of the prefill's attention matmuls: {shares} tokens of this model's prefill FLOPs "
+        "(matmuls only). " + fused_note +
+        "A faithful LOOK-M's time grows like n² (exponent → 2); `method.window_size=W > 0` (an opt-in, "
+        "non-faithful variant) scores only the last W queries and costs like SnapKV."
     )

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from methods.base import CompressResult, HeadLayout, LayerContext, Method, Plan
+from methods.lookm import attention_with_column_sums
 
 from .kvcache import store_layer
 
@@ -53,7 +54,9 @@ class CompressionState:
         phase: ``prefill`` or ``decode``.
         results: per-layer :class:`CompressResult` of this sample (layer index → result).
         bias: per-layer decode bias ``(B, H, 1, m + max_new_tokens)`` in the query dtype.
-        compress_s: seconds spent in the method during prefill (wall clock, synchronised).
+        compress_s: seconds spent in the method during prefill (wall clock, synchronised); a
+            score computed inside the prefill attention (LOOK-M's ``fused_score``) counts as
+            prefill, not here.
         rotary: callable positions → (cos, sin) for methods that re-position keys.
         max_new_tokens: decode budget (tokens), the bias buffers' free slots.
         reference_decode: decode with :func:`grouped_attention` instead of the fast path (tests).
@@ -269,8 +272,24 @@ def _split_kv_attention(rows, key, value, attn_bias, scaling: float, chunks: int
     return merged.to(rows.dtype).view(b, h, g, d)
 
 
-def _compress_layer(state: CompressionState, module, query, key, value, scaling, softcap) -> None:
-    """Run the method on one layer at the end of prefill and write its result into the cache."""
+def fuse_prompt_attention(method: Method, query: torch.Tensor, key: torch.Tensor, mask, softcap) -> bool:
+    """Whether this prefill call computes the method's column sums with the attention output.
+
+    Args: the method, ``query (B, H_q, q, d)``, ``key (B, H_kv, T, d)``, the layer's mask
+    (None when causal SDPA suffices) and soft-capping value of one prefill attention call.
+
+    Only for a whole causal prompt in one call (queries = keys, no mask: transformers passes
+    none when causal SDPA suffices) without soft-capping, and when the method asks for it.
+    """
+    return (mask is None and not softcap and query.shape[2] == key.shape[2] > 1
+            and method.wants_prompt_attention(key.device))
+
+
+def _compress_layer(state: CompressionState, module, query, key, value, scaling, softcap, prompt_attention=None) -> None:
+    """Run the method on one layer at the end of prefill and write its result into the cache.
+
+    ``prompt_attention``: ``(B, H_q, n)`` column sums from the prefill attention, or None.
+    """
     layer_idx = module.layer_idx
     sync = key.device.type == "cuda"
     if sync:
@@ -292,6 +311,7 @@ def _compress_layer(state: CompressionState, module, query, key, value, scaling,
         positions=torch.arange(n, device=key.device),
         rotary=state.rotary,
         artifacts=state.method.artifacts,
+        prompt_attention=prompt_attention,
     )
     result = state.method.compress(ctx)
     # The cache keeps its own copy (a preallocated buffer with room for the decoded tokens);
@@ -331,9 +351,17 @@ def kvbench_attention(
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
     state = kvbench_state
     if state is None or state.phase == "prefill":
-        out = _prefill_attention(module, query, key, value, attention_mask, scaling, softcap)
-        if state is not None and state.compressing and module.layer_idx in state.layout.compressible_layers:
-            _compress_layer(state, module, query, key, value, scaling, softcap)
+        compress = state is not None and state.compressing and module.layer_idx in state.layout.compressible_layers
+        sums = None
+        if compress and fuse_prompt_attention(state.method, query, key, attention_mask, softcap):
+            # the method's whole-prompt score comes out of this attention (LOOK-M): one pass, not two
+            out, sums = attention_with_column_sums(
+                query, key, value, scaling, softcap, getattr(state.method.config, "query_chunk", 512))
+            out = out.transpose(1, 2).contiguous()
+        else:
+            out = _prefill_attention(module, query, key, value, attention_mask, scaling, softcap)
+        if compress:
+            _compress_layer(state, module, query, key, value, scaling, softcap, sums)
         return out, None
     out = _decode_attention(
         query, key, value, attention_mask, scaling, softcap, state.bias.get(module.layer_idx), state.reference_decode

@@ -44,7 +44,8 @@ class GenerationResult:
             (valid slots, averaged over KV heads) and of stored slots per KV head.
         cache_bytes_before / cache_bytes_after: KV cache bytes of all layers right after prefill,
             before and after compression (bias buffers included after).
-        prefill_s: prefill seconds excluding compression; compress_s: compression seconds;
+        prefill_s: prefill seconds excluding compression (a score computed inside the
+            prefill attention, LOOK-M's ``fused_score``, is prefill); compress_s: compression seconds;
         decode_s: seconds from the first decode step to the last; generated_tokens;
         decode_tok_s: generated tokens per decode second.
         peak_rss_bytes: process peak resident memory so far (CPU) or peak CUDA memory.

@@ -120,6 +120,10 @@ class LayerContext:
         rotary: callable ``positions (k,) -> (cos, sin)`` each ``(k, d)``, the model's RoPE
             tables, for methods that re-position keys (SelKV Eq. 7); ``None`` if unavailable.
         artifacts: parsed artifacts (head scores, layer scores) or empty.
+        prompt_attention: ``(B, H_q, n)`` float32 column sums of the whole causal prompt
+            attention (the H2O / LOOK-M cumulative score), computed by the engine inside the
+            prefill attention when the method's :meth:`Method.wants_prompt_attention` is
+            true; ``None`` otherwise (the method then computes what it needs itself).
     """
 
     layer_idx: int
@@ -134,6 +138,7 @@ class LayerContext:
     positions: torch.Tensor | None = None
     rotary: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None
     artifacts: dict[str, Any] = field(default_factory=dict)
+    prompt_attention: torch.Tensor | None = None
 
     @property
     def n_tokens(self) -> int:
@@ -304,6 +309,16 @@ class Method:
 
     def check_layout(self, layout: HeadLayout) -> None:
         """Raise :class:`ConfigError` if the method cannot run on this attention layout."""
+
+    def wants_prompt_attention(self, device: torch.device) -> bool:
+        """Whether the engine should compute the prefill attention with its column sums.
+
+        When true (and the layer's prefill is one causal call without a mask or soft-capping),
+        the engine replaces SDPA by :func:`methods.lookm.attention_with_column_sums` and hands
+        the sums to :meth:`compress` as ``LayerContext.prompt_attention``; their cost then
+        counts as prefill time. Default: false (LOOK-M: true on CPU, see its ``fused_score``).
+        """
+        return False
 
     # --- per sample ---------------------------------------------------------------------
     def plan(self, n_tokens: int, budget: float, layout: HeadLayout) -> Plan:

@@ -50,6 +50,7 @@ from .scoring import group_scores
 
 MERGES = ("avg", "pivot", "weighted")
 FILTERS = ("auto", "on", "off")
+FUSED = ("auto", "on", "off")
 GATES = ("none", "soft")
 _WHOLE_PROMPT = 1 << 40  # window_size=0: the engine caps W at n, i.e. every prompt query
 BLOCK_ELEMS = 1 << 21  # float32 logits per query block of the cumulative attention (8 MiB)
@@ -72,6 +73,10 @@ class LookMConfig:
         query_chunk: at most this many queries per block when accumulating attention (tokens);
             blocks are also capped at :data:`BLOCK_ELEMS` logits (8 MiB), which bounds memory.
         merge_chunk: evicted tokens per block when finding merge targets (bounds memory).
+        fused_score: ``auto`` (on for a CPU prefill), ``on`` or ``off``: with ``window_size: 0``
+            compute the cumulative score inside the prefill attention
+            (:func:`attention_with_column_sums`, one pass over QK^T instead of SDPA plus a
+            second pass); the scores are the same. ``auto`` leaves CUDA on SDPA/flash.
     """
 
     window_size: int = 0
@@ -83,6 +88,7 @@ class LookMConfig:
     gqa_aggregation: str = "mean"
     query_chunk: int = 512
     merge_chunk: int = 1024
+    fused_score: str = "auto"
 
 
 def _query_blocks(first: int, w: int, h_q: int, chunk: int) -> list[tuple[int, int]]:
@@ -120,6 +126,7 @@ def cumulative_attention(
 
     Cost: ``H_q · d`` multiply-adds and one ``exp`` per causal (query, key) pair, about
     ``H_q · d · n²/2`` MACs per layer for W = n (see benchmarks/README.md, LOOK-M floor).
+    :func:`attention_with_column_sums` gets the same sums from the prefill's own attention.
 
     Args:
         queries: ``(B, H_q, W, d)``, the last W prompt queries after RoPE.
@@ -131,12 +138,50 @@ def cumulative_attention(
     Returns:
         ``(B, H_q, n)`` float32.
     """
+    return _blocked_attention(queries, keys, None, scaling, softcap, chunk)[0]
+
+
+def attention_with_column_sums(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float, softcap: float | None, chunk: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal prompt attention and, from the same probabilities, LOOK-M's cumulative score.
+
+    One pass computes what the prefill needs, ``softmax(QK^T·scaling + causal mask)·V``, and
+    the column sums of the softmax matrix that :func:`cumulative_attention` would compute in
+    a second pass over QK^T (W = n). The extra work over a plain attention is one batched
+    product with a ones vector per block; the blocks, GQA grouping and float32 arithmetic
+    are those of :func:`cumulative_attention`, so the sums are bit-equal to it. Used by the
+    engine during prefill for methods whose ``wants_prompt_attention`` is true (LOOK-M on CPU).
+
+    Args:
+        query: ``(B, H_q, n, d)``, every prompt query after RoPE.
+        key, value: ``(B, H_kv, n, d)``.
+        scaling, softcap: as in :func:`methods.scoring.window_attention`.
+        chunk: at most this many query rows per block (tokens).
+
+    Returns:
+        ``(out (B, H_q, n, d) in value's dtype, sums (B, H_q, n) float32)``.
+
+    Raises:
+        ValueError: if the query count differs from the key count (a prefill continuing a cache).
+    """
+    if query.shape[2] != key.shape[2]:
+        raise ValueError(f"attention_with_column_sums: {query.shape[2]} queries for {key.shape[2]} keys; "
+                         "it computes a whole prompt's causal attention (queries = keys)")
+    total, out = _blocked_attention(query, key, value, scaling, softcap, chunk)
+    return out.to(value.dtype), total
+
+
+def _blocked_attention(queries, keys, values, scaling, softcap, chunk):
+    """Column sums ``(B, H_q, n)`` and, when ``values`` is given, the output ``(B, H_q, W, d)``."""
     b, h_q, w, d = queries.shape
     h_kv, n = keys.shape[1], keys.shape[2]
     g, bh, first = h_q // h_kv, b * h_kv, n - w
     dev = keys.device
     k = keys.float().reshape(bh, n, d)
     q = queries.float().reshape(bh, g, w, d)
+    v = values.float().reshape(bh, n, d) if values is not None else None
+    out = torch.empty(bh, g, w, d, device=dev) if v is not None else None
     if not softcap:  # scale the W·d queries instead of the W·n logits
         q = q * scaling
     blocks = _query_blocks(first, w, h_q, chunk)
@@ -157,7 +202,9 @@ def cumulative_attention(
         probs = probs_buf[: bh * g * c * end].view(bh * g, c, end)
         torch.softmax(rows, dim=-1, out=probs)
         total[:, :, :end].baddbmm_(ones[:, :, :c], probs)  # column sums over the block's query rows
-    return total.view(b, h_q, n)
+        if out is not None:
+            out[:, :, start:stop] = torch.bmm(probs.view(bh, g * c, end), v[:, :end]).view(bh, g, c, d)
+    return total.view(b, h_q, n), (out.view(b, h_q, w, d) if out is not None else None)
 
 
 def nearest_kept(evicted_keys: torch.Tensor, kept_keys: torch.Tensor, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -227,6 +274,7 @@ class LookM(Method):
             (c.merge in MERGES, f"method.merge={c.merge!r}: accepted values are {', '.join(MERGES)}"),
             (c.similarity_filter in FILTERS, f"method.similarity_filter={c.similarity_filter!r}: accepted values are {', '.join(FILTERS)}"),
             (c.gate in GATES, f"method.gate={c.gate!r}: accepted values are {', '.join(GATES)}"),
+            (c.fused_score in FUSED, f"method.fused_score={c.fused_score!r}: accepted values are {', '.join(FUSED)}"),
             (c.gqa_aggregation in ("mean", "max"), f"method.gqa_aggregation={c.gqa_aggregation!r}: accepted values are mean, max"),
             (c.query_chunk >= 1 and c.merge_chunk >= 1, "method.query_chunk/merge_chunk: must be integers >= 1"),
         ]
@@ -241,11 +289,19 @@ class LookM(Method):
     def min_budget(self) -> int:
         return self.config.n_sinks + 1
 
+    def wants_prompt_attention(self, device: torch.device) -> bool:
+        """True for the whole-prompt score (``window_size: 0``) with ``fused_score`` on (auto: CPU)."""
+        c = self.config
+        return c.window_size == 0 and (c.fused_score == "on" or (c.fused_score == "auto" and device.type == "cpu"))
+
     def select(self, ctx: LayerContext) -> torch.Tensor:
         """Keep mask ``(B, H_kv, n)``: sinks, top cumulative-attention tokens, recent tokens."""
         c = self.config
         n, m = ctx.n_tokens, min(ctx.budget, ctx.n_tokens)
-        scores = cumulative_attention(ctx.window_queries, ctx.keys, ctx.scaling, ctx.softcap, c.query_chunk)
+        if ctx.prompt_attention is not None:  # computed with the prefill attention (same sums)
+            scores = ctx.prompt_attention.clone()
+        else:
+            scores = cumulative_attention(ctx.window_queries, ctx.keys, ctx.scaling, ctx.softcap, c.query_chunk)
         scores = group_scores(scores, ctx.layout.num_kv_heads, c.gqa_aggregation)  # (B, H_kv, n)
         recent = min(int(m * c.recent_fraction), m)
         scores[..., : c.n_sinks] = float("inf")

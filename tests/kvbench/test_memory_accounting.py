@@ -81,3 +81,24 @@ def test_generate_releases_the_previous_sample_before_prefill():
     engine.method = Probe(LookMConfig(), engine.loaded.layout)
     engine.generate(PROMPT, NEW, stop_ids=[])
     assert alive_at_compress == [False, False]  # the first sample's cache was gone before the second prefill
+
+
+def test_lookm_fused_score_equals_the_separate_pass():
+    """fused_score on (score from the prefill attention) and off (a second pass) decode the same."""
+    loaded = loaded_for(tiny_model("llama", n_kv=H_KV, n_q=H_Q, layers=2))
+    seen = {}
+
+    class Spy(LookM):
+        def compress(self, ctx):
+            seen.setdefault(self.config.fused_score, []).append(ctx.prompt_attention)
+            return super().compress(ctx)
+
+    runs = {}
+    for fused in ("on", "off"):
+        engine = Engine(loaded, Spy(LookMConfig(fused_score=fused), loaded.layout), BUDGET)
+        res = engine.generate(PROMPT, NEW, stop_ids=[])
+        runs[fused] = (res.tokens, {i: r.kept_indices for i, r in engine.last_state.results.items()})
+    assert all(s is not None and s.shape == (1, H_Q, N) for s in seen["on"])
+    assert seen["off"] == [None, None]
+    assert runs["on"][0] == runs["off"][0]
+    assert all(torch.equal(runs["on"][1][i], runs["off"][1][i]) for i in runs["off"][1])

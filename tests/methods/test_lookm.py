@@ -178,3 +178,37 @@ def test_config_errors_and_whole_prompt_window():
         LookM(LookMConfig(gate="hard"))
     assert LookM(LookMConfig(window_size=0)).window_size > 10**9
     assert LookM(LookMConfig(window_size=32)).window_size == 32
+    with pytest.raises(ConfigError, match="method.fused_score='yes'.*auto, on, off"):
+        LookM(LookMConfig(fused_score="yes"))
+
+
+@pytest.mark.parametrize("fused,window,device,expected", [
+    ("auto", 0, "cpu", True), ("auto", 0, "cuda", False), ("on", 0, "cuda", True),
+    ("off", 0, "cpu", False), ("auto", 32, "cpu", False),  # a window score is not the column sums
+])
+def test_wants_prompt_attention(fused, window, device, expected):
+    method = LookM(LookMConfig(fused_score=fused, window_size=window))
+    assert method.wants_prompt_attention(torch.device(device)) is expected
+
+
+@pytest.mark.parametrize("n,h_q,h_kv,chunk,block", [
+    (48, 4, 2, 512, 1 << 21),  # GQA, one block
+    (48, 6, 2, 7, 300),  # rows capped by query_chunk and by BLOCK_ELEMS
+    (33, 2, 2, 512, 1),  # MHA, one row per block
+])
+def test_attention_with_column_sums_is_sdpa_and_the_cumulative_score(monkeypatch, n, h_q, h_kv, chunk, block):
+    monkeypatch.setattr(lookm, "BLOCK_ELEMS", block)
+    g = torch.Generator().manual_seed(n + h_q)
+    q, k, v = (2 * torch.randn(1, h, n, 8, generator=g) for h in (h_q, h_kv, h_kv))
+    out, sums = lookm.attention_with_column_sums(q, k, v, 0.35, None, chunk)
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.35, enable_gqa=True)
+    assert out.shape == (1, h_q, n, 8) and sums.shape == (1, h_q, n)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    assert torch.equal(sums, cumulative_attention(q, k, 0.35, None, chunk))  # the same blocks, bit-equal
+    torch.testing.assert_close(sums.double(), _naive_column_sums(q, k, 0.35, None), rtol=1e-5, atol=1e-5)
+
+
+def test_attention_with_column_sums_refuses_a_continued_prefill():
+    q, kv = torch.randn(1, 2, 3, 8), torch.randn(1, 2, 5, 8)
+    with pytest.raises(ValueError, match="3 queries for 5 keys"):
+        lookm.attention_with_column_sums(q, kv, kv, 0.35, None, 16)
