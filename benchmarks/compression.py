@@ -58,8 +58,12 @@ def _recorder(layout, window: int):
     return Recorder()
 
 
-def _compress_all(method, contexts: dict[int, Any], n: int, layout, reserve: int) -> float:
-    """Seconds to plan and compress every recorded layer with ``method`` (as the engine would)."""
+def _compress_all(method, contexts: dict[int, Any], n: int, layout, reserve: int) -> tuple[float, float]:
+    """Seconds to plan and compress every recorded layer with ``method`` (as the engine would).
+
+    Returns ``(total, in_prefill)``: the total includes ``in_prefill``, the extra time of a
+    score computed inside the prefill attention (:func:`_in_prefill_scores`; 0 for most methods).
+    """
     from kvbench.kvcache import PreallocatedLayer, store_layer
 
     sums, in_prefill_s = _in_prefill_scores(method, contexts)
@@ -82,7 +86,7 @@ def _compress_all(method, contexts: dict[int, Any], n: int, layout, reserve: int
     finalize = getattr(method, "finalize", None)
     if callable(finalize):
         finalize(results)
-    return time.perf_counter() - t0 + in_prefill_s
+    return time.perf_counter() - t0 + in_prefill_s, in_prefill_s
 
 
 def _in_prefill_scores(method, contexts: dict[int, Any]) -> tuple[dict[int, Any], float]:
@@ -192,6 +196,7 @@ def run(ctx: Context) -> BenchResult:
     window = max([m.window_size for m in methods.values()] + [1])
     prefill: dict[int, float] = {}
     seconds: dict[str, dict[int, float]] = {m: {} for m in methods}
+    in_prefill: dict[str, dict[int, float]] = {}  # of which: score inside the prefill attention
     for n in lengths:
         rec = _recorder(layout, window)
         prompt = build_prompt(loaded.tokenizer, n)
@@ -203,21 +208,24 @@ def run(ctx: Context) -> BenchResult:
             for name, m in list(methods.items()):
                 try:
                     times = [_compress_all(m, rec.contexts, r.prompt_tokens, layout, s.new_tokens + 1)]
-                    if times[0] < SLOW_S:  # a second pass for fast methods; slow ones once (time budget)
+                    if times[0][0] < SLOW_S:  # a second pass for fast methods; slow ones once (time budget)
                         times.append(_compress_all(m, rec.contexts, r.prompt_tokens, layout, s.new_tokens + 1))
                 except Exception as e:  # noqa: BLE001 - report the method as failed, keep the others
                     unavailable[name] = f"failed at n={n} ({type(e).__name__}: {str(e).splitlines()[0][:120]})"
                     log(f"compression: {name}: {unavailable[name]}")
                     del methods[name], seconds[name]
                     continue
-                seconds[name][n] = sum(times) / len(times)
+                seconds[name][n] = sum(t for t, _ in times) / len(times)
+                if any(p for _, p in times):
+                    in_prefill.setdefault(name, {})[n] = sum(p for _, p in times) / len(times)
         log(f"compression: n={n} prefill {prefill[n]:.2f} s; " +
             ", ".join(f"{k} {v[n] * 1000:.0f} ms" for k, v in seconds.items()))
         del rec
     res = BenchResult(
         NAME, TITLE,
         headers=["method"] + [f"{n} tok: ms (% prefill)" for n in lengths] + ["exponent"],
-        data={"prefill_s": prefill, "compress_s": seconds, "unavailable": unavailable, "budget": RATIO_25},
+        data={"prefill_s": prefill, "compress_s": seconds, "in_prefill_s": in_prefill, "unavailable": unavailable,
+              "budget": RATIO_25},
     )
     if why_outside:
         res.notes.append(why_outside)
@@ -241,6 +249,9 @@ def run(ctx: Context) -> BenchResult:
                                       f"≈ 1 (≤ {MAX_EXPONENT})", expo <= MAX_EXPONENT,
                                       off_target=off_target_lengths(lengths, FULL_LENGTHS)))
     res.rows.append(["(prefill s)"] + [f"{prefill[n]:.2f}" for n in lengths] + [fit_exponent(lengths, [prefill[n] for n in lengths])])
+    for name, per in in_prefill.items():
+        res.notes.append(f"{name}: of which its score inside the prefill attention (extra time over SDPA): " +
+                         ", ".join(f"{per[n]:.2f} s at {n}" for n in lengths if n in per) + " tokens.")
     if "lookm" in seconds:
         _lookm_floor(res, loaded.model.config, lengths, target_n,
                      methods["lookm"].wants_prompt_attention(loaded.model.device))

@@ -421,3 +421,29 @@ def test_compression_names_the_methods_it_does_not_time():
     res = compression.run(ctx)
     assert res.skipped == ("--methods streamingllm: not measured by this benchmark (it times the score-based "
                            "methods: snapkv, pyramidkv, adakv, headkv, lookm, selkv, compresskv)")
+
+
+@pytest.mark.parametrize("fused", ["on", "off"])
+def test_compression_counts_lookms_score_inside_the_prefill_attention(fused):
+    """LOOK-M fused: the recorded layers' column sums are computed and their extra time is added."""
+    import torch
+
+    from benchmarks.compression import _compress_all, _in_prefill_scores
+    from methods.base import HeadLayout, LayerContext
+    from methods.lookm import LookM, LookMConfig, cumulative_attention
+
+    layout = HeadLayout(num_layers=2, num_q_heads=4, num_kv_heads=2, head_dim=8, compressible_layers=(0, 1))
+    g = torch.Generator().manual_seed(3)
+    contexts = {i: LayerContext(layer_idx=i, layout=layout, keys=torch.randn(1, 2, 40, 8, generator=g),
+                                values=torch.randn(1, 2, 40, 8, generator=g),
+                                window_queries=torch.randn(1, 4, 40, 8, generator=g), scaling=0.35, budget=40)
+                for i in range(2)}
+    method = LookM(LookMConfig(fused_score=fused), layout)
+    sums, extra = _in_prefill_scores(method, contexts)
+    total, in_prefill = _compress_all(method, contexts, 40, layout, reserve=2)
+    if fused == "off":
+        assert (sums, extra, in_prefill) == ({}, 0.0, 0.0) and total > 0
+        return
+    assert sorted(sums) == [0, 1] and isinstance(extra, float) and total >= in_prefill
+    for i, ctx in contexts.items():
+        assert torch.equal(sums[i], cumulative_attention(ctx.window_queries, ctx.keys, 0.35, None, 512))
