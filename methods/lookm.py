@@ -25,10 +25,12 @@ least the layer mean (w_j = 0 otherwise; the code compares the j-th evicted slot
 and (b) ``gate: soft`` multiplies w_j by SelKV's soft cosine gate g_j = max(cos(v_j, v_t), 0)
 (SelKV Eq. 4; g = 0 drops, g = 1 merges fully).
 
-Cost: the whole-prompt score is the column sums of the causal attention matrix, one more
-QK^T over the causal triangle after the prefill (H_q·d·n²/2 multiply-adds per layer: 20 % of
-SmolLM2-135M's prefill FLOPs at 4k, see benchmarks/README.md); :func:`cumulative_attention`
-does exactly that work, no more.
+Cost: the whole-prompt score is the column sums of the causal attention matrix. As a
+separate pass (:func:`cumulative_attention`, ``fused_score: off``) that is one more QK^T over
+the causal triangle after the prefill (H_q·d·n²/2 multiply-adds per layer: 20 % of
+SmolLM2-135M's prefill FLOPs at 4k, see benchmarks/README.md). With ``fused_score`` (default
+``auto``: on for a CPU prefill) the engine computes the prefill attention itself with
+:func:`attention_with_column_sums`, which returns the output and the same sums in one pass.
 
 Deviation from the reference code, on purpose: its ``avg`` variant pairs the filtered targets
 with the first evicted rows (``src`` unfiltered, ``index`` filtered); here each filtered token
