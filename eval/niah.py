@@ -43,8 +43,12 @@ CHAT_TEMPLATE = (
 )
 
 
+def _offline_env() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE") == "1" or os.environ.get("HF_DATASETS_OFFLINE") == "1"
+
+
 def _hub_reachable(timeout: float = 3.0) -> bool:
-    if os.environ.get("HF_HUB_OFFLINE") == "1" or os.environ.get("HF_DATASETS_OFFLINE") == "1":
+    if _offline_env():
         return False
     try:
         socket.create_connection(("huggingface.co", 443), timeout=timeout).close()
@@ -73,7 +77,8 @@ def load_haystack(cfg: dict) -> tuple[str, str]:
     if source == "auto":
         source = "dir" if hdir else ("hub" if _hub_reachable() else "embedded")
         if source == "embedded":
-            log.warning("task.haystack_source=auto: Hub unreachable and no haystack_dir; using the embedded haystack")
+            why = "offline mode (HF_HUB_OFFLINE/HF_DATASETS_OFFLINE)" if _offline_env() else "Hub unreachable"
+            log.warning(f"task.haystack_source=auto: {why} and no haystack_dir; using the embedded haystack")
     if source == "dir":
         files = _haystack_files(hdir)
         return "\n\n".join(f.read_text(encoding="utf-8", errors="replace") for f in files), f"dir:{hdir}"

@@ -360,6 +360,8 @@ def run_job(cfg: dict, method_preset: str | None = None, method_overrides: list[
                 (store.path / ARTIFACTS_FILE).unlink(missing_ok=True)
                 if created is not None:  # a folder this run made holds nothing: remove it
                     store.discard_if_empty(created)
+            if new_snapshot is not None:  # nor the config snapshot of a refused run in a folder with samples
+                new_snapshot.unlink(missing_ok=True)
             raise
         samples = _unique(samples)
         expected = [s.id for s in samples]
@@ -402,7 +404,8 @@ def run_job(cfg: dict, method_preset: str | None = None, method_overrides: list[
             loaded.layout.num_layers,
         )
         engine = Engine(loaded, method, cfg["budget"])
-        failed = _loop(engine, loaded, task, todo, store, quiet=bool(cfg.get("quiet")), share=share)
+        failed = _loop(engine, loaded, task, todo, store, quiet=bool(cfg.get("quiet")), share=share,
+                       resumed=len(todo) < len(mine))
         with store._append_lock():  # shards finishing together: the last summary written sees every record
             records = store.records()
             summary = summarize(cfg, task, records, expected, relpath, getattr(task, "skipped", None), " ".join(subset))
@@ -792,7 +795,12 @@ def _claimed(todo: list[Sample], share: FullCacheShare | None) -> Iterator[tuple
 
 
 def _loop(engine: Engine, loaded: LoadedModel, task: Task, todo: list[Sample], store: JobStore, quiet: bool,
-          share: FullCacheShare | None = None) -> int:
+          share: FullCacheShare | None = None, resumed: bool = False) -> int:
+    """Run ``todo``, appending one record per sample; returns the number of failed samples.
+
+    ``resumed``: the job already holds samples, so the logged running mean covers only this
+    run's samples (said in the log line).
+    """
     from tqdm import tqdm
     from tqdm.contrib.logging import logging_redirect_tqdm
 
@@ -834,7 +842,8 @@ def _loop(engine: Engine, loaded: LoadedModel, task: Task, todo: list[Sample], s
                            else f"failed ({rec['error']['type']})")
                 if rec.get("reused_from") and share is not None:
                     outcome += f", copied from {rec['reused_from']} (computed there meanwhile)"
-                mean = f"; mean_score {100 * sum(scores) / len(scores):.2f}" if scores else ""
+                mean = (f"; mean_score {100 * sum(scores) / len(scores):.2f}"
+                        + (" (this run's samples)" if resumed else "")) if scores else ""
                 log.info("sample %d/%d %s: %s%s", i, len(todo), rec["id"], outcome, mean)
     bar.close()
     return failed

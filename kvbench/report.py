@@ -29,7 +29,7 @@ import pandas as pd
 from . import report_ablations as ra
 from . import report_figures as rf
 from . import report_tables as rt
-from .cli_parser import OneLineParser, split_list
+from .cli_parser import OneLineParser
 from .plots import plt
 from .report_data import load_results
 from .report_tables import Table, round2
@@ -296,6 +296,11 @@ def _earlier_index_lines(path: Path, index: list[str], only: list[str]) -> list[
     return ["", f"Earlier report runs (not rebuilt by --only {' '.join(only)}):", *kept] if kept else []
 
 
+def _artifact_names() -> list[str]:
+    """Every name ``--only`` accepts: the artifact families and each of their outputs."""
+    return sorted({o for _b, outs in ARTIFACTS.values() for o in outs} | set(ARTIFACTS))
+
+
 @quiet_broken_pipe
 def main(argv: list[str] | None = None) -> int:
     """CLI entry point; returns the exit status (1 when an artifact failed to build)."""
@@ -303,13 +308,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("root", metavar="RESULTS_ROOT", nargs="?", help="results root holding the job folders")
     p.add_argument("--out", help="output folder (default: RESULTS_ROOT/report)")
     p.add_argument("--only", nargs="+", metavar="NAME", help="artifact names or patterns, space- or comma-separated: "
-                   + ", ".join(ARTIFACTS))
+                   + ", ".join(_artifact_names()))
     p.add_argument("--latency", help="latency benchmark JSON for selkv_fig3 (default: RESULTS_ROOT/latency.json)")
     args = p.parse_args(argv)
     if args.root is None and args.only and len(args.only) > 1 and Path(args.only[-1]).is_dir():
         args.root = args.only.pop()  # `--only scores ROOT`: --only took the root too
-    if args.only is not None:  # "--only scores,niah" as in the other tools (names hold no commas)
-        args.only = split_list(args.only) or args.only
+    args.only = p.list_arg("--only", args.only)  # "--only scores,niah" as in the other tools; '' refused
     if args.root is None:
         p.error("the following arguments are required: RESULTS_ROOT")
     root = Path(args.root)
@@ -317,8 +321,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"RESULTS_ROOT {str(root)!r} is not a directory")
     for pattern in args.only or []:
         if not any(_selected(family, outputs, [pattern]) for family, (_b, outputs) in ARTIFACTS.items()):
-            p.error(f"--only {pattern!r}: no such artifact; accepted names: "
-                    + ", ".join(sorted({o for _b, outs in ARTIFACTS.values() for o in outs} | set(ARTIFACTS))))
+            p.error(f"--only {pattern!r}: no such artifact; accepted names: " + ", ".join(_artifact_names()))
     if (root / "config.yaml").is_file() and any((root / n).is_file() for n in ("summary.json", "predictions.jsonl")):
         p.error(f"{str(root)!r} is a job folder; pass the results root above it (output_root, e.g. "
                 f"{str(root.parents[3]) if len(root.parents) > 3 else 'results'!r})")

@@ -469,15 +469,18 @@ def _main_label_presets(rows: pd.DataFrame) -> dict[str, tuple[str, bool]]:
 
 def _job_preference(rows: pd.DataFrame) -> list[str]:
     """Jobs best first: untagged folders (the method's defaults), complete, most datasets, most
-    scored samples (a larger NIAH grid, more LongBench samples), then path."""
+    scored samples (a larger NIAH grid, more LongBench samples), a full cache's usual ``b1.0``
+    folder before one named by another budget (its samples are often copies), then path."""
     stats: dict[str, list] = {}
-    for job, tagged, complete, score, n in zip(rows["job"], rows["tagged"], rows["complete"], rows["score"],
-                                               rows["n"].fillna(0)):
-        st = stats.setdefault(job, [bool(tagged), not complete, 0, 0, job])
+    usual = [not (m == FULL and b != 1.0) for m, b in zip(rows.get("method_name", [""] * len(rows)),
+                                                           rows.get("budget", [1.0] * len(rows)))]
+    for job, tagged, complete, score, n, ok in zip(rows["job"], rows["tagged"], rows["complete"], rows["score"],
+                                                   rows["n"].fillna(0), usual):
+        st = stats.setdefault(job, [bool(tagged), not complete, 0, 0, not ok, job])
         scored = not math.isnan(score)
         st[2] -= int(scored)
         st[3] -= int(n) if scored else 0
-    return [st[4] for st in sorted(stats.values())]
+    return [st[5] for st in sorted(stats.values())]
 
 
 def left_out_note(what: str, rows: pd.DataFrame, used: list[str]) -> str | None:
@@ -492,7 +495,7 @@ def left_out_note(what: str, rows: pd.DataFrame, used: list[str]) -> str | None:
              for j in left]
     return (f"left out: {what}: " + ", ".join(shown[:3]) + (f" and {len(shown) - 3} more" if len(shown) > 3 else "")
             + f"; the scores are {'those' if len(used) > 1 else 'the job'} of " + ", ".join(used)
-            + " (preferred: untagged, complete, most datasets, most samples)")
+            + " (preferred: untagged, complete, most datasets, most samples, a full cache's b1.0 folder)")
 
 
 def pick_variant(rows: pd.DataFrame) -> pd.DataFrame:

@@ -357,6 +357,27 @@ def _niah_grids(root: Path | None, jobs: Iterable[str]) -> dict[str, str]:
     return {job: f"lengths {g[0]} × depths {g[1]}" for job, g in grids.items() if g is not None}
 
 
+def _raised_ratios(sel, groups, order, skip) -> dict[int, float]:
+    """Rows ``{index: kept / prompt tokens}`` whose retention ratio ρ < 1 the method raised.
+
+    A method keeps at least its observation window, sinks and recent tokens, so ``budget=0.001``
+    on short prompts keeps far more than 0.1 %; flagged when the mean kept tokens per layer and KV
+    head over the mean prompt tokens exceed ``max(1.5·ρ, ρ + 0.02)`` (rounding ρ·n never does).
+    """
+    raised = {}
+    for i, key in enumerate(order):
+        rho = key[3]
+        if key[0] == FULL or i in skip or not isinstance(rho, (int, float)) or not 0 < rho < 1:
+            continue
+        part = sel.loc[groups[key]]
+        if "kept_tokens" not in part or "prompt_tokens" not in part:
+            continue
+        kept, prompt = part["kept_tokens"].mean(), part["prompt_tokens"].mean()
+        if prompt > 0 and kept / prompt > max(1.5 * rho, rho + 0.02):  # NaN compares False
+            raised[i] = float(kept / prompt)
+    return raised
+
+
 def score_tables(df: pd.DataFrame, root: Path | None = None) -> list[Table]:
     """Overview of a results root (any sweep): one table per task × model key of every job
     configuration's per-dataset scores.
@@ -446,8 +467,9 @@ def score_tables(df: pd.DataFrame, root: Path | None = None) -> list[Table]:
         # not a budget that kept every prompt whole: a token budget above the prompt lengths)
         kept_all = {i for i, key in enumerate(order)
                     if (sel.loc[groups[key], "compressed_fraction"] == 0).all()}
+        raised = _raised_ratios(sel, groups, order, kept_all)
         comp = [i for i, key in enumerate(order)
-                if key[0] != FULL and key[3] != 1.0 and i not in incomplete and i not in kept_all]
+                if key[0] != FULL and key[3] != 1.0 and i not in incomplete and i not in kept_all and i not in raised]
         # rows scored on different sample sets (task.n_samples, max_samples) or NIAH grids do not
         # compete for bold: only those of the most common kind (ties: the whole datasets first)
         kinds = [" / ".join(sorted({" ".join(filter(None, [grids.get(j), job_subset.get(j)])) for j in jobs}))
@@ -466,6 +488,10 @@ def score_tables(df: pd.DataFrame, root: Path | None = None) -> list[Table]:
                   "method always keeps, e.g. its observation window, attention sinks or recent tokens; the job's log "
                   "says which), not a compressed configuration"
                   for i in sorted(kept_all) if order[i][0] != FULL and order[i][3] != 1.0]
+        notes += [f"raised: {rows[i]['Method']} at budget {rows[i]['Budget']} kept {100 * eff:.1f} % of the prompt "
+                  "tokens on average (mean kept_tokens / prompt_tokens), more than its label: the method always keeps "
+                  "its observation window, attention sinks or recent tokens (the job's log warned), so the row is not "
+                  "a configuration at that ratio and is not bold" for i, eff in sorted(raised.items())]
         bold = set().union(*(bold_best(rows, comp, c) for c in [*datasets, "Avg"]))
         budgets = [k[3] for k in order if k[3] is not None]
         full_text = (" The full cache ignores the budget (–)." if any(k[0] == FULL for k in order) else "")

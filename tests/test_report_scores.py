@@ -340,3 +340,30 @@ def test_a_tagged_job_does_not_rename_the_untagged_jobs_table(tmp_path):
                     "longbench/tiny/snapkv/b0.25-t1": "tiny [t1]"}
     assert {t.name for t in score_tables(report.load_results(tmp_path))} == {"scores_longbench_tiny",
                                                                              "scores_longbench_tiny_t1"}
+
+
+def test_a_ratio_the_method_raised_is_named_and_never_bold(tmp_path):
+    """budget=0.001 on 511-token prompts: SelKV keeps its 16-token window (3.1 %), not 0.1 %."""
+    for budget, score, kept in ((0.001, 80.0, 16), (0.25, 60.0, 127)):
+        recs = [{"id": f"niah/512/{i}", "dataset": "niah", "score": score / 100, "error": None, "compressed": True,
+                 "prompt_tokens": 511, "kept_tokens": {"mean": kept, "min": kept, "max": kept}} for i in range(2)]
+        make_job(tmp_path, task="niah", model="tiny", method="selkv", budget=budget, scores={"niah": score},
+                 records=recs)
+    (t,) = score_tables(report.load_results(tmp_path))
+    assert [(r["Budget"], r["niah"]) for r in records(t)] == [("0.1%", 80.0), ("25%", 60.0)]
+    assert t.bold == {(1, "niah"), (1, "Avg")}  # the honest 25 % row, not the raised one
+    assert t.notes == ["raised: SelKV at budget 0.1% kept 3.1 % of the prompt tokens on average (mean kept_tokens / "
+                       "prompt_tokens), more than its label: the method always keeps its observation window, attention "
+                       "sinks or recent tokens (the job's log warned), so the row is not a configuration at that ratio "
+                       "and is not bold"]
+
+
+def test_the_usual_full_cache_folder_is_preferred_over_a_copy(tmp_path):
+    """method=full budget=0.5 copies the b1.0 job's samples: same scores and counts; b1.0 is used."""
+    for budget in (1.0, 0.5):
+        make_job(tmp_path, task="niah", model="tiny", method="full", budget=budget, scores={"niah": 90.0})
+    (t,) = score_tables(report.load_results(tmp_path))
+    assert t.sources == ["niah/tiny/full/b1.0"]
+    assert t.notes == ["left out: Full Cache: niah/tiny/full/b0.5 (5 samples); the scores are the job of "
+                       "niah/tiny/full/b1.0 (preferred: untagged, complete, most datasets, most samples, a full "
+                       "cache's b1.0 folder)"]

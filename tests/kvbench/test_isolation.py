@@ -516,3 +516,20 @@ def test_samples_of_other_artifact_files_are_never_mixed_into_a_job_folder(tiny_
     ranking.write_text(json.dumps({"0": [0, 1, 2, 3], "1": [3, 2, 1, 0]}))  # the file the samples read: resumes
     assert run_cli(more).returncode == 0
     assert len((job / "predictions.jsonl").read_text().splitlines()) == 2
+
+
+def test_a_grid_skipped_entirely_leaves_a_job_with_samples_as_it_was(tiny_model_dir, tmp_path):
+    """A rerun of a folder that holds samples with a grid the task skips entirely: exit 2, and
+    neither its config snapshot nor anything else is left behind."""
+    base = [*tiny_model_args(tiny_model_dir), "task.depth_percents=[50]", "method=streamingllm", "budget=0.5",
+            "quiet=true", f"output_root={tmp_path}", "run_name=job"]
+    good = run_cli([*base, "task.context_lengths=[320]"])
+    assert good.returncode == 0, good.stderr[-2000:]
+    job = tmp_path / "job"
+    def files():  # the lock file holds the pid of the last run
+        return {p.name: p.read_bytes() for p in job.iterdir() if p.is_file() and not p.name.startswith(".lock")}
+
+    before = files()
+    out = run_cli([*base, "task.context_lengths=[5,6]"])
+    assert out.returncode == 2 and "every sample was skipped" in out.stderr, out.stderr[-2000:]
+    assert files() == before
