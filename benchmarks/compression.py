@@ -99,23 +99,17 @@ def _in_prefill_scores(method, contexts: dict[int, Any]) -> tuple[dict[int, Any]
     on the recorded queries, keys and values; the returned seconds are the summed difference.
     Other methods: ``({}, 0.0)``.
     """
-    from kvbench.attention import _prefill_attention, fuse_prompt_attention
-    from methods.lookm import attention_with_column_sums
+    from kvbench.attention import _prefill_attention, fuse_prompt_attention, fused_prefill_attention
 
-    first = next(iter(contexts.values()), None)
-    if first is None or not method.wants_prompt_attention(first.keys.device):
-        return {}, 0.0
-    chunk = getattr(method.config, "query_chunk", 512)
     sums, extra = {}, 0.0
     for i, ctx in contexts.items():
         q, k, v = ctx.window_queries, ctx.keys, ctx.values
-        if q.shape[2] != k.shape[2] or not fuse_prompt_attention(method, q, k, None, ctx.softcap):
+        if not fuse_prompt_attention(method, q, k, None, ctx.softcap):
             continue
         t0 = time.perf_counter()
         _prefill_attention(None, q, k, v, None, ctx.scaling, ctx.softcap)
         t1 = time.perf_counter()
-        out, sums[i] = attention_with_column_sums(q, k, v, ctx.scaling, ctx.softcap, chunk)
-        out.transpose(1, 2).contiguous()
+        _out, sums[i] = fused_prefill_attention(method, q, k, v, ctx.scaling, ctx.softcap)
         extra += (time.perf_counter() - t1) - (t1 - t0)
     return sums, extra
 

@@ -285,6 +285,20 @@ def fuse_prompt_attention(method: Method, query: torch.Tensor, key: torch.Tensor
             and method.wants_prompt_attention(key.device))
 
 
+def fused_prefill_attention(method: Method, query, key, value, scaling: float, softcap) -> tuple[torch.Tensor, torch.Tensor]:
+    """The prefill attention of :func:`fuse_prompt_attention`'s case, with the method's column sums.
+
+    :func:`methods.lookm.attention_with_column_sums` with the method's ``query_chunk``.
+
+    Returns:
+        ``(out (B, q, H_q, d), sums (B, H_q, n) float32)``: the output as the attention
+        function returns it, the sums as ``LayerContext.prompt_attention``.
+    """
+    out, sums = attention_with_column_sums(query, key, value, scaling, softcap,
+                                           getattr(method.config, "query_chunk", 512))
+    return out.transpose(1, 2).contiguous(), sums
+
+
 def _compress_layer(state: CompressionState, module, query, key, value, scaling, softcap, prompt_attention=None) -> None:
     """Run the method on one layer at the end of prefill and write its result into the cache.
 
@@ -355,9 +369,7 @@ def kvbench_attention(
         sums = None
         if compress and fuse_prompt_attention(state.method, query, key, attention_mask, softcap):
             # the method's whole-prompt score comes out of this attention (LOOK-M): one pass, not two
-            out, sums = attention_with_column_sums(
-                query, key, value, scaling, softcap, getattr(state.method.config, "query_chunk", 512))
-            out = out.transpose(1, 2).contiguous()
+            out, sums = fused_prefill_attention(state.method, query, key, value, scaling, softcap)
         else:
             out = _prefill_attention(module, query, key, value, attention_mask, scaling, softcap)
         if compress:

@@ -472,8 +472,7 @@ def _job_preference(rows: pd.DataFrame) -> list[str]:
     scored samples (a larger NIAH grid, more LongBench samples), a full cache's usual ``b1.0``
     folder before one named by another budget (its samples are often copies), then path."""
     stats: dict[str, list] = {}
-    usual = [not (m == FULL and b != 1.0) for m, b in zip(rows.get("method_name", [""] * len(rows)),
-                                                           rows.get("budget", [1.0] * len(rows)))]
+    usual = [not (m == FULL and b != 1.0) for m, b in zip(rows["method_name"], rows["budget"])]
     for job, tagged, complete, score, n, ok in zip(rows["job"], rows["tagged"], rows["complete"], rows["score"],
                                                    rows["n"].fillna(0), usual):
         st = stats.setdefault(job, [bool(tagged), not complete, 0, 0, not ok, job])
