@@ -54,7 +54,7 @@ from methods.base import ConfigError
 from .cli_parser import OneLineParser, split_list
 from .head_mask import MODES, PHASES, HeadMask
 from .signals import one_line_stop, quiet_broken_pipe
-from .store import atomic_write, store_write_refusal
+from .store import atomic_write, store_write_refusal, try_lock_file
 
 ROOT = Path(__file__).resolve().parents[1]
 KINDS = ("srh", "trh", "random")
@@ -349,6 +349,10 @@ def write_report(stem: Path, report: dict) -> list[Path]:
     return written
 
 
+def _lock_path(stem: Path) -> Path:
+    return stem.parent / f".{stem.name}.lock"
+
+
 def _lock_stem(stem: Path, out: str):
     """Hold an exclusive lock on ``stem`` (``.<name>.lock`` beside it) for this process's life.
 
@@ -356,25 +360,16 @@ def _lock_stem(stem: Path, out: str):
     every condition and then fail to write. It stops at once instead.
 
     Returns:
-        The open lock file (keep a reference; the OS releases the lock when the process ends).
+        The lock file, open (keep a reference: closing it, or the process ending, releases the lock).
 
     Raises:
         ConfigError: another live process holds the lock.
     """
-    import fcntl
-
-    handle = open(stem.parent / f".{stem.name}.lock", "a+")  # noqa: SIM115 - held until the process ends
-    try:
-        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        handle.close()
+    fd = try_lock_file(_lock_path(stem))
+    if fd is None:
         raise ConfigError(f"--out={out!r}: {stem.name} is being written by another kvbench mask-heads run of the "
-                          "same settings; wait for it (its results resume here) or pass another --out") from None
-    handle.seek(0)
-    handle.truncate()
-    handle.write(f"{os.getpid()}\n")
-    handle.flush()
-    return handle
+                          "same settings; wait for it (its results resume here) or pass another --out")
+    return os.fdopen(fd, "r+")
 
 
 def _cpu_seconds() -> float:
@@ -488,7 +483,7 @@ def run(args) -> int:
     progress.unlink(missing_ok=True)  # the outputs hold all of it now
     print(render_markdown(report))
     print(f"wrote {', '.join(str(p) for p in written)} in {report['seconds']} s ({report['cpu_seconds']} CPU s)", file=sys.stderr)
-    Path(lock.name).unlink(missing_ok=True)  # the outputs exist: a later run takes the next stem
+    _lock_path(stem).unlink(missing_ok=True)  # the outputs exist: a later run takes the next stem
     lock.close()
     return 0
 

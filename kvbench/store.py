@@ -59,6 +59,30 @@ def atomic_write(path: Path, text: str) -> None:
     _fsync_dir(path.parent)
 
 
+def try_lock_file(lock_path: Path) -> int | None:
+    """Take an exclusive ``flock`` on ``lock_path`` (created if missing) without waiting, and
+    write this process's pid into it (what a refused run names).
+
+    Returns:
+        The open file descriptor (the lock lasts until it is closed or the process ends), or
+        None when another process holds the lock.
+
+    Raises:
+        OSError: the file cannot be opened, or ``flock`` fails for another reason.
+    """
+    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        os.close(fd)
+        if e.errno in (errno.EAGAIN, errno.EACCES):
+            return None
+        raise
+    os.ftruncate(fd, 0)
+    os.write(fd, f"{os.getpid()}\n".encode())
+    return fd
+
+
 def _fsync_dir(folder: Path) -> None:
     """Make a rename in ``folder`` durable (best effort: not every file system allows it)."""
     try:
@@ -309,24 +333,22 @@ class JobStore:
             JobLockedError: still held by another process after ``wait_s`` seconds.
         """
         lock_path = self.path / f".lock.shard{self.shard[0]}-of-{self.shard[1]}"
-        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
         deadline = time.monotonic() + wait_s
         while True:
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                fd = try_lock_file(lock_path)
+            except OSError:  # not a lock held elsewhere: no point in waiting
+                fd, deadline = None, 0.0
+            if fd is not None:
                 break
-            except OSError as e:
-                if e.errno not in (errno.EAGAIN, errno.EACCES) or time.monotonic() >= deadline:
-                    os.close(fd)
-                    holder = lock_path.read_text(errors="replace").strip() or "?"
-                    waited = f" after waiting {wait_s:g} s" if wait_s > 0 else ""
-                    raise JobLockedError(
-                        f"job folder {self.path} (shard {self.shard[0]} of {self.shard[1]}) is in use by process "
-                        f"{holder}{waited}; wait for it to finish or set lock_wait_s=SECONDS to wait"
-                    ) from None
-                time.sleep(min(1.0, max(0.05, deadline - time.monotonic())))
-        os.ftruncate(fd, 0)
-        os.write(fd, f"{os.getpid()}\n".encode())
+            if time.monotonic() >= deadline:
+                holder = lock_path.read_text(errors="replace").strip() or "?"
+                waited = f" after waiting {wait_s:g} s" if wait_s > 0 else ""
+                raise JobLockedError(
+                    f"job folder {self.path} (shard {self.shard[0]} of {self.shard[1]}) is in use by process "
+                    f"{holder}{waited}; wait for it to finish or set lock_wait_s=SECONDS to wait"
+                ) from None
+            time.sleep(min(1.0, max(0.05, deadline - time.monotonic())))
         self._lock_fd = fd
 
     def release(self) -> None:
