@@ -23,7 +23,8 @@ reported the parent's 2.9 GB. On CUDA the same fields are CUDA allocator bytes (
 peak allocated, the peak restarted after the warm-up).
 
 Resident memory counts heap pages that were freed but not yet returned to the system: glibc
-keeps freed blocks below its (dynamic, up to 32 MiB) mmap threshold in the heap, so a method
+keeps freed blocks below its mmap threshold in the heap (dynamic, up to 32 MiB, by default;
+1 GiB under a CPU engine's heap policy, :mod:`kvbench.heap`), so a method
 whose compression frees a few MB-sized temporaries could look as if it held them during
 decode (LOOK-M's score blocks did: −29.6 MB "drop" at 512 tokens). The worker therefore
 drops the warm-up's state and returns freed heap memory to the system (``malloc_trim``)

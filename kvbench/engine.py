@@ -21,6 +21,7 @@ from methods.base import Method, apply_budget_floor
 
 from .attention import CompressionState, build_decode_bias
 from .fused_decode import FusedDecoder, has_hooks
+from .heap import keep_freed_heap
 from .kvcache import preallocated_cache
 from .models import LoadedModel
 
@@ -165,6 +166,10 @@ class Engine:
         self.on_decode_step = None  # callable(step) before each decode step (benchmarks: memory by phase)
         self.last_decode_path = ""  # "fused" or "modules": how the last generation decoded
         FusedDecoder.for_model(self.model)  # fuse the weights now (once per model), not inside a timed sample
+        if self.loaded.device.type == "cpu":
+            # Freed activations stay in the C heap: no page faults per prefill (kvbench.heap;
+            # KVBENCH_KEEP_HEAP=0 turns it off).
+            keep_freed_heap()
         self.last_state: CompressionState | None = None  # the state of the last generation (tests, cross-checks)
         self.last_logits: list[torch.Tensor] = []
         self._floor_warned = False  # the budget-floor warning is logged once per engine

@@ -267,11 +267,9 @@ def test_kvpress_paired_ratios_pair_each_repetition():
 
 
 def test_kvpress_result_reports_the_ratio_of_medians_and_each_repetition(monkeypatch, tmp_path):
-    import json
     import subprocess
 
     from benchmarks import vs_kvpress
-    from benchmarks.worker import MARKER
 
     data = {"times_s": {"kvbench": [5.0, 4.5, 6.0], "kvpress": [5.5, 5.0, 5.0]},
             "median_s": {"kvbench": 5.0, "kvpress": 5.0}, "new_tokens": 32,
@@ -279,15 +277,65 @@ def test_kvpress_result_reports_the_ratio_of_medians_and_each_repetition(monkeyp
             "answers": {}, "same_answer": True, "setting": {}}
 
     def fake_run(cmd, **kwargs):
-        out = "kvpress 0.5.5 transformers 5.2.0" if "-c" in cmd else MARKER + json.dumps(data)
-        return subprocess.CompletedProcess(cmd, 0, stdout=out, stderr="")
+        return subprocess.CompletedProcess(cmd, 0, stdout="kvpress 0.5.5 transformers 5.2.0", stderr="")
 
     monkeypatch.setattr(vs_kvpress.subprocess, "run", fake_run)
+    monkeypatch.setattr(vs_kvpress, "_alternate", lambda ctx, pythons, reps: data)
     ctx = SimpleNamespace(settings=Settings(out=str(tmp_path)), logs=tmp_path)
     res = vs_kvpress.run(ctx)
     assert res.targets[0].passed is False and res.targets[0].measured == "1.000×"  # 5.0 / 5.0 > 0.9
     assert res.data["paired_ratios"] == pytest.approx([5.0 / 5.5, 0.9, 1.2])
     assert "own ratios (kvbench / the adjacent kvpress run): 0.900–1.200, median 0.909" in " ".join(res.notes)
+
+
+def test_kvpress_sides_run_in_their_own_processes_alternately(monkeypatch, tmp_path):
+    from benchmarks import vs_kvpress
+
+    events = []
+
+    class FakeSide:
+        def __init__(self, ctx, name, python):
+            self.name, self.runs = name, 0
+            events.append(("start", name, python))
+
+        def reply(self):  # the ready line
+            events.append(("ready", self.name))
+            return {"ready": self.name, "answer": " same ", "prompt_tokens": 2048,
+                    "kept": 512.0 if self.name == "kvbench" else 510}
+
+        def run(self):
+            self.runs += 1
+            events.append(("run", self.name))
+            seconds = {"kvbench": 4.0, "kvpress": 5.0}[self.name] + self.runs / 10
+            return {"seconds": seconds, "answer": "same"}
+
+        def close(self):
+            events.append(("close", self.name))
+
+    monkeypatch.setattr(vs_kvpress, "_Side", FakeSide)
+    ctx = SimpleNamespace(settings=Settings(out=str(tmp_path)), logs=tmp_path)
+    data = vs_kvpress._alternate(ctx, {"kvbench": "/py/ours", "kvpress": "/py/theirs"}, reps=3)
+    # Loads one after the other (each waits for the previous one's ready line), then A B, B A, A B.
+    assert events[:4] == [("start", "kvbench", "/py/ours"), ("ready", "kvbench"),
+                          ("start", "kvpress", "/py/theirs"), ("ready", "kvpress")]
+    assert [e[1] for e in events if e[0] == "run"] == ["kvbench", "kvpress", "kvpress", "kvbench", "kvbench", "kvpress"]
+    assert events[-2:] == [("close", "kvbench"), ("close", "kvpress")]
+    assert data["times_s"] == {"kvbench": pytest.approx([4.1, 4.2, 4.3]), "kvpress": pytest.approx([5.1, 5.2, 5.3])}
+    assert data["median_s"] == {"kvbench": pytest.approx(4.2), "kvpress": pytest.approx(5.2)}
+    assert data["kept"] == {"kvbench": 512.0, "kvpress": 510} and data["same_answer"] is True
+
+
+def test_kvpress_side_that_dies_names_its_log(tmp_path):
+    import sys as _sys
+
+    from benchmarks import vs_kvpress
+
+    ctx = SimpleNamespace(settings=Settings(out=str(tmp_path)), logs=tmp_path)
+    side = vs_kvpress._Side(ctx, "kvpress", _sys.executable)
+    side.proc.kill()  # whatever it was doing: it never answers
+    with pytest.raises(RuntimeError, match=r"the kvpress process failed .*\(log: .*kvpress\.log\)"):
+        side.reply()
+    side.close()
 
 
 def test_out_and_doc_never_write_into_a_job_folder(tmp_path, capsys):
