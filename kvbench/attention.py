@@ -60,6 +60,9 @@ class CompressionState:
         rotary: callable positions → (cos, sin) for methods that re-position keys.
         max_new_tokens: decode budget (tokens), the bias buffers' free slots.
         reference_decode: decode with :func:`grouped_attention` instead of the fast path (tests).
+        last_row_layer: index of the layer whose prefill attention output is needed for the
+            prompt's last token only (the model's last layer, see
+            :func:`kvbench.engine.last_row_prefill`), or None.
     """
 
     method: Method | None
@@ -73,6 +76,7 @@ class CompressionState:
     rotary: Any = None
     max_new_tokens: int = 0
     reference_decode: bool = False
+    last_row_layer: int | None = None
 
     @property
     def compressing(self) -> bool:
@@ -366,14 +370,25 @@ def kvbench_attention(
     state = kvbench_state
     if state is None or state.phase == "prefill":
         compress = state is not None and state.compressing and module.layer_idx in state.layout.compressible_layers
+        # The model's last layer: only the last prompt token's output reaches the logits.
+        last_only = state is not None and state.last_row_layer == module.layer_idx and query.shape[2] > 1
         sums = None
         if compress and fuse_prompt_attention(state.method, query, key, attention_mask, softcap):
             # the method's whole-prompt score comes out of this attention (LOOK-M): one pass, not two
             out, sums = fused_prefill_attention(state.method, query, key, value, scaling, softcap)
+            if last_only:
+                out = out[:, -1:]
+        elif last_only:
+            mask = attention_mask[:, :, -1:] if attention_mask is not None else None
+            out = _prefill_attention(module, query[:, :, -1:], key, value, mask, scaling, softcap)
         else:
             out = _prefill_attention(module, query, key, value, attention_mask, scaling, softcap)
         if compress:
             _compress_layer(state, module, query, key, value, scaling, softcap, sums)
+        if last_only:
+            # (B, q, H_q, d) as the module expects; every row is the last token's (a stride-0
+            # view; the module's o_proj reads only the last row under last_row_prefill)
+            out = out.expand(out.shape[0], query.shape[2], *out.shape[2:])
         return out, None
     out = _decode_attention(
         query, key, value, attention_mask, scaling, softcap, state.bias.get(module.layer_idx), state.reference_decode
