@@ -16,7 +16,7 @@ inside each process and includes tokenisation; medians. (Until 2026-12-01 both p
 shared one process and one model, so kvpress ran on kvbench's CPU weight layout.)
 Target: kvbench ≤ 0.9 × kvpress.
 
-kvpress is an optional extra (``pip install "kvbench[kvpress]"``; 0.5.x pins
+kvpress is an optional extra (``pip install -e ".[kvpress]"``; 0.5.x pins
 transformers < 5.3). The kvpress side runs with ``--kvpress-python`` (default: this
 interpreter) and the benchmark is skipped with a message when kvpress cannot be imported there.
 """
@@ -56,7 +56,7 @@ def run(ctx: Context) -> BenchResult:
     if probe.returncode != 0:
         why = (probe.stderr.strip().splitlines() or ["import failed"])[-1]
         msg = (f"kvpress is not importable with {python} ({why}); install the optional extra "
-               "(`pip install \"kvbench[kvpress]\"`, transformers<5.3) or pass --kvpress-python PATH")
+               "(`pip install -e \".[kvpress]\"` in the kvbench checkout, transformers<5.3) or pass --kvpress-python PATH")
         log(f"kvpress: skipped: {msg}")
         return BenchResult(NAME, TITLE, skipped=msg,
                            targets=[Target("kvbench / kvpress per-sample time (SnapKV)", "-", f"≤ {TARGET}×", None, msg)])

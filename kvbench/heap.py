@@ -19,10 +19,32 @@ import os
 log = logging.getLogger(__name__)
 
 ENV = "KVBENCH_KEEP_HEAP"  # "0": leave glibc's malloc policy as it is
+_ON, _OFF = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 LIMIT_BYTES = 1 << 30  # blocks up to this size come from the heap; this much freed top is kept
 _M_TRIM_THRESHOLD = -1  # glibc <malloc.h>
 _M_MMAP_THRESHOLD = -3
 _applied = False
+
+
+def wanted() -> bool:
+    """Whether ``KVBENCH_KEEP_HEAP`` asks for the policy (unset or empty: yes).
+
+    Raises:
+        ValueError: any other value than 1/true/yes/on or 0/false/no/off (case-insensitive),
+            one line naming the variable and the accepted values.
+    """
+    value = os.environ.get(ENV, "").strip().lower()
+    if value in ("",) + _ON:
+        return True
+    if value in _OFF:
+        return False
+    raise ValueError(f"{ENV}={os.environ[ENV]!r}: accepted values are 1/true/yes/on (the default) or "
+                     "0/false/no/off (keep glibc's malloc policy)")
+
+
+def in_effect() -> bool:
+    """Whether :func:`keep_freed_heap` has applied the policy in this process (``env.json`` records it)."""
+    return _applied
 
 
 def keep_freed_heap(limit_bytes: int = LIMIT_BYTES) -> bool:
@@ -41,11 +63,14 @@ def keep_freed_heap(limit_bytes: int = LIMIT_BYTES) -> bool:
         limit_bytes: the largest block served from the heap and the freed heap top kept (bytes).
 
     Returns:
-        True when the policy is in effect; False when ``KVBENCH_KEEP_HEAP=0`` is set, the C
-        library is not glibc (no ``mallopt``), or glibc refused the values.
+        True when the policy is in effect; False when ``KVBENCH_KEEP_HEAP`` turns it off
+        (:func:`wanted`), the C library is not glibc (no ``mallopt``), or glibc refused the values.
+
+    Raises:
+        ValueError: ``KVBENCH_KEEP_HEAP`` has a value :func:`wanted` does not accept.
     """
     global _applied
-    if os.environ.get(ENV, "1").strip() == "0":
+    if not wanted():
         return False
     if _applied:
         return True

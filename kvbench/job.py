@@ -25,6 +25,7 @@ from eval.base import Sample, Task, TaskConfigError
 from methods import artifacts as method_artifacts
 from methods.base import ConfigError, is_ratio
 
+from . import heap
 from .config_keys import RUN_CONTROL_KEYS, SAMPLE_SELECTION_KEYS
 from .config_keys import flatten as _flatten
 from .config_keys import under as _under
@@ -121,6 +122,10 @@ def environment(loaded: LoadedModel | None, device: str) -> dict[str, Any]:
         "device": device,
         "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
         "attention_implementation": "kvbench (SDPA prefill, grouped SDPA decode with per-layer logit bias)",
+        # the C-heap policy of a CPU engine (kvbench.heap, applied here as the engine would):
+        # whether it is in effect for this run
+        "keep_heap": (heap.keep_freed_heap() if loaded is not None and loaded.device.type == "cpu"
+                      else heap.in_effect()),
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "argv": sys.argv,
     }

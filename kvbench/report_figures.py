@@ -17,13 +17,16 @@ from matplotlib.patches import Patch
 from .plots import SCORE_LABEL, add_caption, draw_niah_heatmap, plt
 from .report_data import (
     FULL,
+    _job_preference,
     budget_semantics,
     budget_text,
+    incomplete_note,
     is_ratio_budget,
     method_sort_key,
     n_datasets,
     niah_grid_records,
     order_datasets,
+    preset_params,
 )
 from .report_grid import Grid, model_sort_key, score_grid
 from .report_tables import _slug, ratio_grids, sweep_series
@@ -277,6 +280,23 @@ def contention_notes(latency: list[dict]) -> list[str]:
             "those times are inflated; rerun on an idle machine"]
 
 
+def _cell_variant(row: pd.Series, title: str) -> tuple[str, str | None]:
+    """A panel cell's title with what the score table also says about its job: the method fields
+    it overrides in its preset (``method.alpha=2`` → ``alpha=2``, on a second line) and
+    ``(unfinished)`` when its samples are not all scored; returns ``(title, note or None)``."""
+    import json
+
+    reference = preset_params(str(row.get("preset"))) or {}
+    own = json.loads(row["params"]) if isinstance(row.get("params"), str) else {}
+    changed = [f"{k}={own[k]}" for k in sorted(own) if k in reference and json.dumps(own[k]) != json.dumps(reference[k])]
+    if changed:
+        title += "\n" + ", ".join(changed)
+    if bool(row.get("complete", True)):
+        return title, None
+    n = row.get("n")
+    return title + " (unfinished)", incomplete_note(str(row["job"]), int(n) if n == n and n is not None else 0)
+
+
 def niah_figures(df: pd.DataFrame, root: Path) -> list[FigureOut]:
     """NIAH heatmaps (needle depth × context length): one per job (``niah/<job>``) and one panel
     per model (rows = budgets, columns = methods, full cache in the first column)."""
@@ -304,10 +324,13 @@ def niah_figures(df: pd.DataFrame, root: Path) -> list[FigureOut]:
         im, sources, notes = None, list(fulls), []
         for i, b in enumerate(budgets):
             for j, lab in enumerate(cols):
-                jobs = fulls if lab == "full" else list(comp[(comp["method"] == lab) & (comp["budget"] == b)]["job"])
+                jobs = fulls if lab == "full" else _job_preference(comp[(comp["method"] == lab) & (comp["budget"] == b)])
                 name = sel.loc[sel["job"] == jobs[0], "method"].iloc[0] if jobs else lab
                 title = f"{name}" + ("" if lab == "full" else f", budget {budget_text(b)}")
-                if not jobs:
+                if jobs:
+                    title, note = _cell_variant(sel[sel["job"] == jobs[0]].iloc[0], title)
+                    notes += [note] if note else []
+                else:
                     notes.append(f"absent: {mk} / {lab} at budget {budget_text(b)}")
                 im = draw_niah_heatmap(axes[i, j], records[jobs[0]] if jobs else [], title, labels=False) or im
                 sources += jobs[:1]

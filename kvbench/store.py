@@ -346,7 +346,8 @@ class JobStore:
                 waited = f" after waiting {wait_s:g} s" if wait_s > 0 else ""
                 raise JobLockedError(
                     f"job folder {self.path} (shard {self.shard[0]} of {self.shard[1]}) is in use by process "
-                    f"{holder}{waited}; wait for it to finish or set lock_wait_s=SECONDS to wait"
+                    f"{holder}{waited}; wait for it to finish or "
+                    + (f"set a longer lock_wait_s (now {wait_s:g})" if wait_s > 0 else "set lock_wait_s=SECONDS to wait")
                 ) from None
             time.sleep(min(1.0, max(0.05, deadline - time.monotonic())))
         self._lock_fd = fd

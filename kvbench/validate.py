@@ -29,6 +29,7 @@ import methods
 from eval.base import TaskConfigError
 from methods.base import ConfigError, HeadLayout, Method, check_budget, is_ratio
 
+from . import heap
 from .values import check_int, coerce, show, unknown_key_error
 
 CHECKOUT = Path(__file__).resolve().parents[1]
@@ -597,7 +598,7 @@ def validate(cfg: dict, layout: bool = True, experiment: str | None = None) -> t
     writable), the task (name, keys, its own validation: grid values, data folders), the model
     (keys, dtype, source: package, GGUF magic bytes, path, Hub cache when offline), the method
     (name, keys, field types and values, budget not below what it always keeps), the device's
-    availability, and, when ``layout`` is true, the method against the model's attention layout
+    availability, the ``KVBENCH_KEEP_HEAP`` environment variable (:mod:`kvbench.heap`), and, when ``layout`` is true, the method against the model's attention layout
     (this reads the model's config: seconds for a GGUF file without a converted copy, see
     :func:`model_layout`; ``run.py``'s pre-check skips it,
     the job does it before loading the weights).
@@ -619,6 +620,10 @@ def validate(cfg: dict, layout: bool = True, experiment: str | None = None) -> t
             + ("; an integer budget counts tokens: budget=1.0 keeps every token" if int(budget) == 1 else "")
         )
     check_device_available(check_device_name(cfg.get("device", "auto")))
+    try:
+        heap.wanted()
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
     found = model_layout(cfg["model"]) if layout else None
     if found is not None:
         method.layout = found

@@ -688,3 +688,22 @@ def test_only_takes_commas_as_the_other_tools(tree, tmp_path, capsys):
     assert report.main([str(tree), "--only", "scores", "niah", "--out", str(tmp_path / "r2")]) == 0
     names = lambda d: sorted(p.name for p in d.rglob("*") if p.is_file() and p.name != "index.md")  # noqa: E731
     assert names(tmp_path / "r") == names(tmp_path / "r2") and names(tmp_path / "r")
+
+
+def test_a_niah_panel_cell_names_its_variant_and_an_unfinished_job():
+    import json
+
+    import pandas as pd
+
+    from kvbench.report_data import preset_params
+    from kvbench.report_figures import _cell_variant
+
+    params = dict(preset_params("selkv"), alpha=2)
+    row = pd.Series({"preset": "selkv", "params": json.dumps(params, sort_keys=True), "complete": False, "n": 6.0,
+                     "job": "niah/smollm2/selkv/b0.25-14bc91b3"})
+    title, note = _cell_variant(row, "SelKV, budget 25%")
+    assert title == "SelKV, budget 25%\nalpha=2 (unfinished)"
+    assert note.startswith("incomplete: niah/smollm2/selkv/b0.25-14bc91b3 (6 samples scored;")
+    done = row.copy()
+    done["params"], done["complete"] = json.dumps(preset_params("selkv"), sort_keys=True), True
+    assert _cell_variant(done, "SelKV, budget 25%") == ("SelKV, budget 25%", None)  # the preset itself: as before

