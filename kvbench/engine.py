@@ -143,7 +143,6 @@ def _stats(values: list[float]) -> dict[str, float]:
     return {"mean": round(sum(values) / len(values), 3), "min": min(values), "max": max(values)}
 
 
-
 def _last_row_forward(forward):
     """``forward`` applied to the last row of its input ``(B, q, ·)`` only: ``(B, 1, ·)`` out."""
 

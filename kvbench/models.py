@@ -13,7 +13,6 @@ import functools
 import importlib.util
 import logging
 import os
-import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -111,11 +110,13 @@ def known_model_packages() -> set[str]:
     """Import names of the model packages the ``conf/model/*.yaml`` presets name
     (``source: pypi:<module>`` or ``pypi-assemble:<module>``): the ones whose pip command an
     error may suggest (an unknown name could be anyone's package on PyPI)."""
-    folder = Path(__file__).resolve().parents[1] / "conf" / "model"
+    import yaml
+
     names = set()
-    for path in folder.glob("*.yaml"):
-        for match in re.finditer(r"^source:\s*pypi(?:-assemble)?:([A-Za-z0-9_.]+)", path.read_text(), re.M):
-            names.add(match.group(1))
+    for path in (Path(__file__).resolve().parents[1] / "conf" / "model").glob("*.yaml"):
+        scheme, _, module = str((yaml.safe_load(path.read_text()) or {}).get("source") or "").partition(":")
+        if scheme in ("pypi", "pypi-assemble") and module:
+            names.add(module)
     return names
 
 

@@ -440,6 +440,12 @@ def preset_params(preset: str) -> dict | None:
     return None if data is None else {k: v for k, v in data.items() if k not in ("name", "label")}
 
 
+def preset_overrides(params: dict, reference: dict) -> list[str]:
+    """The method fields of a job's ``params`` that its preset (:func:`preset_params`) has with
+    another value, sorted: what a ``method.<field>=...`` override changed."""
+    return sorted(k for k in params if k in reference and json.dumps(params[k]) != json.dumps(reference[k]))
+
+
 def main_label_fallbacks(rows: pd.DataFrame) -> dict[str, tuple[str, str]]:
     """Main labels that stand in for a method whose own preset has no job among ``rows``.
 

@@ -26,6 +26,7 @@ from .report_data import (
     n_datasets,
     niah_grid_records,
     order_datasets,
+    preset_overrides,
     preset_params,
 )
 from .report_grid import Grid, model_sort_key, score_grid
@@ -286,15 +287,14 @@ def _cell_variant(row: pd.Series, title: str) -> tuple[str, str | None]:
     ``(unfinished)`` when its samples are not all scored; returns ``(title, note or None)``."""
     import json
 
-    reference = preset_params(str(row.get("preset"))) or {}
     own = json.loads(row["params"]) if isinstance(row.get("params"), str) else {}
-    changed = [f"{k}={own[k]}" for k in sorted(own) if k in reference and json.dumps(own[k]) != json.dumps(reference[k])]
+    changed = preset_overrides(own, preset_params(str(row.get("preset"))) or {})
     if changed:
-        title += "\n" + ", ".join(changed)
+        title += "\n" + ", ".join(f"{k}={own[k]}" for k in changed)
     if bool(row.get("complete", True)):
         return title, None
     n = row.get("n")
-    return title + " (unfinished)", incomplete_note(str(row["job"]), int(n) if n == n and n is not None else 0)
+    return title + " (unfinished)", incomplete_note(str(row["job"]), int(n) if pd.notna(n) else 0)
 
 
 def niah_figures(df: pd.DataFrame, root: Path) -> list[FigureOut]:

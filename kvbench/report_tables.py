@@ -33,6 +33,7 @@ from .report_data import (
     n_datasets,
     niah_grid,
     order_datasets,
+    preset_overrides,
     preset_params,
     subset_notes,
     variants,
@@ -334,8 +335,7 @@ def _variant_labels(groups: list[tuple], rows: pd.DataFrame) -> dict[tuple, tupl
         presets = rows.loc[rows["method"] == label, "preset"].unique()
         reference = preset_params(str(presets[0])) if len(presets) == 1 else None
         if reference:  # a lone variant that overrides the preset's fields is marked too
-            varying |= {k for p in all_params for k in p
-                        if k in reference and json.dumps(p[k]) != json.dumps(reference[k])}
+            varying |= {k for p in all_params for k in preset_overrides(p, reference)}
         varying = sorted(varying)
         for key in (k for k in groups if k[1] == label):
             own = json.loads(key[2])
