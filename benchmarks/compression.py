@@ -255,6 +255,13 @@ def run(ctx: Context) -> BenchResult:
     return res
 
 
+def _c_kernel() -> bool:
+    """Whether LOOK-M's compiled CPU kernels (:mod:`methods.cpu_kernels`) load here."""
+    from methods import cpu_kernels
+
+    return cpu_kernels.unavailable_reason() is None
+
+
 def _lookm_floor(res: BenchResult, config: Any, lengths: list[int], target_n: int, fused: bool) -> None:
     """Add LOOK-M's FLOP floor (score FLOPs / prefill FLOPs) to the data, its targets and the notes.
 
@@ -269,18 +276,21 @@ def _lookm_floor(res: BenchResult, config: Any, lengths: list[int], target_n: in
         if t.name.startswith("lookm: compression"):
             extra = f"{how}a separate score pass needs ≈ {floor[target_n]:.0%} of the prefill's FLOPs at {target_n} tokens, see notes"
         elif t.name.startswith("lookm: exponent"):
-            extra = "the score is quadratic in n by definition (every query × every earlier key)"
+            extra = ("the score and the merge targets are quadratic in n by definition (every query × every "
+                     "earlier key; every evicted × every kept key)")
         if extra:  # after a "not judged" note, if any
             t.note = "; ".join(x for x in (t.note, extra) if x)
     shares = ", ".join(f"{100 * floor[n]:.1f} % at {n}" for n in lengths)
+    kernel = "the compiled CPU kernel (`methods.cpu_kernels`, `method.kernel: auto`)" if _c_kernel() else \
+        "PyTorch operations (`methods.lookm._blocked_attention`; the compiled kernels are unavailable here)"
     fused_note = (
         "Here (CPU, LOOK-M's `fused_score: auto`) the engine computes the score inside the prefill attention "
-        "(`methods.lookm.attention_with_column_sums`): one blocked float32 pass gives the attention output and "
-        "the column sums, instead of SDPA plus that second pass. LOOK-M's time above = that attention's extra "
-        "time over SDPA (both run back to back per layer on the recorded tensors) + eviction and merging. "
-        "What remains: the blocked pass writes the probabilities that SDPA's flash kernel never materialises, "
-        "and the pivotal merge compares every evicted key with every kept key (E·m·d multiply-adds per head, "
-        "quadratic at a ratio budget). "
+        f"(`methods.lookm.attention_with_column_sums`, with {kernel}): each block of query rows gives the "
+        "attention output and the column sums from the same probabilities, instead of SDPA plus that second "
+        "pass. LOOK-M's time above = that attention's extra time over SDPA (both run back to back per layer on "
+        "the recorded tensors; it can be negative) + eviction and merging. What grows like n² is the merge: "
+        "every evicted key is compared with every kept key (E·m·d multiply-adds per head, quadratic at a "
+        "ratio budget), so the exponent target cannot be met by a faithful LOOK-M. "
         if fused else
         "This run scored in a separate pass (`method.fused_score=off`, or a device where `auto` keeps SDPA). ")
     res.notes.append(

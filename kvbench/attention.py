@@ -292,14 +292,15 @@ def fuse_prompt_attention(method: Method, query: torch.Tensor, key: torch.Tensor
 def fused_prefill_attention(method: Method, query, key, value, scaling: float, softcap) -> tuple[torch.Tensor, torch.Tensor]:
     """The prefill attention of :func:`fuse_prompt_attention`'s case, with the method's column sums.
 
-    :func:`methods.lookm.attention_with_column_sums` with the method's ``query_chunk``.
+    :func:`methods.lookm.attention_with_column_sums` with the method's ``query_chunk`` and ``kernel``.
 
     Returns:
         ``(out (B, q, H_q, d), sums (B, H_q, n) float32)``: the output as the attention
         function returns it, the sums as ``LayerContext.prompt_attention``.
     """
     out, sums = attention_with_column_sums(query, key, value, scaling, softcap,
-                                           getattr(method.config, "query_chunk", 512))
+                                           getattr(method.config, "query_chunk", 512),
+                                           getattr(method.config, "kernel", "auto"))
     return out.transpose(1, 2).contiguous(), sums
 
 

@@ -142,6 +142,21 @@ def environment(loaded: LoadedModel | None, device: str) -> dict[str, Any]:
     return env
 
 
+def lookm_kernel(method_cfg: Mapping[str, Any], loaded: LoadedModel | None) -> str | None:
+    """How LOOK-M's quadratic steps run in this job, for ``env.json``: ``c`` (the compiled CPU
+    kernels of :mod:`methods.cpu_kernels`), ``torch`` (set so, or a CUDA model) or ``torch
+    (<why the kernels are unavailable>)``; None for a method without a ``kernel`` setting."""
+    kernel = method_cfg.get("kernel") if hasattr(method_cfg, "get") else None
+    if kernel is None:
+        return None
+    if kernel == "torch" or (loaded is not None and loaded.device.type != "cpu"):
+        return "torch"
+    from methods import cpu_kernels
+
+    reason = cpu_kernels.unavailable_reason()
+    return "c" if reason is None else f"torch ({reason})"
+
+
 def _mean(values: list[float]) -> float | None:
     vals = [v for v in values if v is not None]
     return round(sum(vals) / len(vals), 6) if vals else None
@@ -382,6 +397,9 @@ def run_job(cfg: dict, method_preset: str | None = None, method_overrides: list[
             expected = [s.id for k in range(shard[1]) for s in samples[k :: shard[1]][:cap]]
         env = environment(loaded, cfg.get("device", "auto"))
         env["haystack_source"] = getattr(task, "haystack_source", None)
+        kernel = lookm_kernel(cfg.get("method") or {}, loaded)
+        if kernel is not None:
+            env["lookm_kernel"] = kernel
         if artifact_files:
             env["artifacts"] = artifact_files  # {file: sha256}, also in the folder's artifacts.json
         try:

@@ -54,6 +54,7 @@ MERGES = ("avg", "pivot", "weighted")
 FILTERS = ("auto", "on", "off")
 FUSED = ("auto", "on", "off")
 GATES = ("none", "soft")
+KERNELS = ("auto", "c", "torch")
 _WHOLE_PROMPT = 1 << 40  # window_size=0: the engine caps W at n, i.e. every prompt query
 BLOCK_ELEMS = 1 << 21  # float32 logits per query block of the cumulative attention (8 MiB)
 
@@ -79,6 +80,12 @@ class LookMConfig:
             compute the cumulative score inside the prefill attention
             (:func:`attention_with_column_sums`, one pass over QK^T instead of SDPA plus a
             second pass); the scores are the same. ``auto`` leaves CUDA on SDPA/flash.
+        kernel: ``auto``, ``c`` or ``torch``: how the two quadratic steps (the cumulative score,
+            fused or not, and the merge targets) and the merge run on CPU. ``c``: the compiled kernels of
+            :mod:`methods.cpu_kernels` (cache-sized blocks, the probabilities and similarities
+            never leave the cache); ``torch``: PyTorch operations; ``auto``: ``c`` when the
+            kernels build here, else ``torch``. Same results within float32 rounding. CUDA
+            tensors always use PyTorch operations.
     """
 
     window_size: int = 0
@@ -91,6 +98,20 @@ class LookMConfig:
     query_chunk: int = 512
     merge_chunk: int = 1024
     fused_score: str = "auto"
+    kernel: str = "auto"
+
+
+def use_c_kernel(kernel: str, *tensors: torch.Tensor) -> bool:
+    """Whether :mod:`methods.cpu_kernels` computes this step (``kernel`` of :class:`LookMConfig`).
+
+    ``torch``: never; ``c``/``auto``: for CPU tensors when the kernels load (``c`` was checked
+    when the method was built, so it only falls back if they stopped loading).
+    """
+    if kernel == "torch" or any(t.device.type != "cpu" for t in tensors):
+        return False
+    from . import cpu_kernels
+
+    return cpu_kernels.load() is not None
 
 
 def _query_blocks(first: int, w: int, h_q: int, chunk: int) -> list[tuple[int, int]]:
@@ -109,7 +130,7 @@ def _query_blocks(first: int, w: int, h_q: int, chunk: int) -> list[tuple[int, i
 
 
 def cumulative_attention(
-    queries: torch.Tensor, keys: torch.Tensor, scaling: float, softcap: float | None, chunk: int
+    queries: torch.Tensor, keys: torch.Tensor, scaling: float, softcap: float | None, chunk: int, kernel: str = "auto"
 ) -> torch.Tensor:
     """Attention each key receives, summed over the given (last) prompt queries (H2O score).
 
@@ -135,16 +156,24 @@ def cumulative_attention(
         keys: ``(B, H_kv, n, d)``.
         scaling, softcap: as in :func:`methods.scoring.window_attention`.
         chunk: at most this many query rows per block (tokens); blocks are also capped at
-            :data:`BLOCK_ELEMS` float32 logits.
+            :data:`BLOCK_ELEMS` float32 logits (:data:`methods.cpu_kernels.BLOCK_FLOATS` in the
+            compiled kernel).
+        kernel: ``auto``, ``c`` or ``torch`` (:func:`use_c_kernel`): the compiled CPU kernel
+            (:func:`methods.cpu_kernels.attention_column_sums`) or the PyTorch operations above.
 
     Returns:
         ``(B, H_q, n)`` float32.
     """
+    if use_c_kernel(kernel, queries, keys):
+        from . import cpu_kernels
+
+        return cpu_kernels.attention_column_sums(queries, keys, None, scaling, softcap, chunk)[0]
     return _blocked_attention(queries, keys, None, scaling, softcap, chunk)[0]
 
 
 def attention_with_column_sums(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float, softcap: float | None, chunk: int
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float, softcap: float | None, chunk: int,
+    kernel: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal prompt attention and, from the same probabilities, LOOK-M's cumulative score.
 
@@ -160,9 +189,13 @@ def attention_with_column_sums(
         key, value: ``(B, H_kv, n, d)``.
         scaling, softcap: as in :func:`methods.scoring.window_attention`.
         chunk: at most this many query rows per block (tokens).
+        kernel: ``auto``, ``c`` or ``torch`` (:func:`use_c_kernel`). The compiled kernel
+            (:func:`methods.cpu_kernels.attention_column_sums`) costs about what SDPA alone
+            costs; it equals :func:`cumulative_attention` with the same ``kernel`` bit for bit.
 
     Returns:
-        ``(out (B, H_q, n, d) in value's dtype, sums (B, H_q, n) float32)``.
+        ``(out (B, H_q, n, d) in value's dtype, sums (B, H_q, n) float32)``; with the compiled
+        kernel ``out`` is a view of a ``(B, n, H_q, d)`` contiguous tensor.
 
     Raises:
         ValueError: if the query count differs from the key count (a prefill continuing a cache).
@@ -170,6 +203,11 @@ def attention_with_column_sums(
     if query.shape[2] != key.shape[2]:
         raise ValueError(f"attention_with_column_sums: {query.shape[2]} queries for {key.shape[2]} keys; "
                          "it computes a whole prompt's causal attention (queries = keys)")
+    if use_c_kernel(kernel, query, key, value):
+        from . import cpu_kernels
+
+        total, out = cpu_kernels.attention_column_sums(query, key, value, scaling, softcap, chunk)
+        return out.to(value.dtype), total
     total, out = _blocked_attention(query, key, value, scaling, softcap, chunk)
     return out.to(value.dtype), total
 
@@ -209,17 +247,28 @@ def _blocked_attention(queries, keys, values, scaling, softcap, chunk):
     return total.view(b, h_q, n), (out.view(b, h_q, w, d) if out is not None else None)
 
 
-def nearest_kept(evicted_keys: torch.Tensor, kept_keys: torch.Tensor, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+def nearest_kept(
+    evicted_keys: torch.Tensor, kept_keys: torch.Tensor, chunk: int, kernel: str = "auto"
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Most cosine-similar kept key of every evicted key (LOOK-M merge target).
+
+    E·m·d multiply-adds per head: quadratic in n at a ratio budget.
 
     Args:
         evicted_keys: ``(B, H, E, d)``.
         kept_keys: ``(B, H, m, d)``.
         chunk: evicted rows per block (memory ``B·H·chunk·m`` floats).
+        kernel: ``auto``, ``c`` or ``torch`` (:func:`use_c_kernel`): the compiled CPU kernel
+            (:func:`methods.cpu_kernels.nearest_kept`, similarities in cache-sized blocks) or
+            PyTorch operations.
 
     Returns:
         ``(max_similarity (B, H, E) float32, target (B, H, E) long index into m)``.
     """
+    if kept_keys.shape[2] > 0 and use_c_kernel(kernel, evicted_keys, kept_keys):
+        from . import cpu_kernels
+
+        return cpu_kernels.nearest_kept(evicted_keys, kept_keys, chunk)
     kept = F.normalize(kept_keys.float(), dim=-1, eps=1e-6)
     sims, targets = [], []
     for start in range(0, evicted_keys.shape[2], chunk):  # loop over blocks of evicted tokens
@@ -231,7 +280,8 @@ def nearest_kept(evicted_keys: torch.Tensor, kept_keys: torch.Tensor, chunk: int
 
 
 def merge_into_targets(
-    kept: torch.Tensor, evicted: torch.Tensor, target: torch.Tensor, weight: torch.Tensor, merge: str, sim: torch.Tensor
+    kept: torch.Tensor, evicted: torch.Tensor, target: torch.Tensor, weight: torch.Tensor, merge: str, sim: torch.Tensor,
+    kernel: str = "torch",
 ) -> torch.Tensor:
     """x_t ← (x_t + Σ_{j→t} w_j·c_j) / (1 + Σ_{j→t} w_j) for one of the LOOK-M variants.
 
@@ -242,10 +292,17 @@ def merge_into_targets(
         weight: ``(B, H, E)`` float32 w_j (0 = not merged).
         merge: ``avg``, ``pivot`` or ``weighted``.
         sim: ``(B, H, E)`` float32 cosine similarity to the target (``weighted``).
+        kernel: ``auto``, ``c`` or ``torch`` (:func:`use_c_kernel`): the compiled CPU kernel
+            (:func:`methods.cpu_kernels.merge_into_targets`, one pass per head) or PyTorch
+            operations.
 
     Returns:
         ``(B, H, m, d)`` merged rows, in ``kept``'s dtype.
     """
+    if evicted.shape[2] > 0 and use_c_kernel(kernel, kept, evicted):
+        from . import cpu_kernels
+
+        return cpu_kernels.merge_into_targets(kept, evicted, target, weight, merge, sim)
     x_t = kept.float()
     x_j = evicted.float()
     idx = target.unsqueeze(-1).expand_as(x_j)
@@ -277,12 +334,20 @@ class LookM(Method):
             (c.similarity_filter in FILTERS, f"method.similarity_filter={c.similarity_filter!r}: accepted values are {', '.join(FILTERS)}"),
             (c.gate in GATES, f"method.gate={c.gate!r}: accepted values are {', '.join(GATES)}"),
             (c.fused_score in FUSED, f"method.fused_score={c.fused_score!r}: accepted values are {', '.join(FUSED)}"),
+            (c.kernel in KERNELS, f"method.kernel={c.kernel!r}: accepted values are {', '.join(KERNELS)}"),
             (c.gqa_aggregation in ("mean", "max"), f"method.gqa_aggregation={c.gqa_aggregation!r}: accepted values are mean, max"),
             (c.query_chunk >= 1 and c.merge_chunk >= 1, "method.query_chunk/merge_chunk: must be integers >= 1"),
         ]
         for ok, msg in checks:
             if not ok:
                 raise ConfigError(msg)
+        if c.kernel == "c":
+            from . import cpu_kernels
+
+            reason = cpu_kernels.unavailable_reason()
+            if reason is not None:
+                raise ConfigError(f"method.kernel=c: the compiled LOOK-M CPU kernels are unavailable here ({reason}); "
+                                  f"accepted values are {', '.join(KERNELS)} (auto falls back to torch)")
 
     @property
     def window_size(self) -> int:
@@ -303,7 +368,7 @@ class LookM(Method):
         if ctx.prompt_attention is not None:  # computed with the prefill attention (same sums)
             scores = ctx.prompt_attention.clone()
         else:
-            scores = cumulative_attention(ctx.window_queries, ctx.keys, ctx.scaling, ctx.softcap, c.query_chunk)
+            scores = cumulative_attention(ctx.window_queries, ctx.keys, ctx.scaling, ctx.softcap, c.query_chunk, c.kernel)
         scores = group_scores(scores, ctx.layout.num_kv_heads, c.gqa_aggregation)  # (B, H_kv, n)
         recent = min(int(m * c.recent_fraction), m)
         scores[..., : c.n_sinks] = float("inf")
@@ -324,7 +389,7 @@ class LookM(Method):
         if evicted_idx.shape[-1] == 0:
             return CompressResult(keys=keys, values=values, kept_indices=kept_idx, stats={"merged": 0.0, "dropped": 0.0})
         ev_keys, ev_values = gather_tokens(ctx.keys, evicted_idx), gather_tokens(ctx.values, evicted_idx)
-        sim, target = nearest_kept(ev_keys, keys, c.merge_chunk)  # (B, H, E)
+        sim, target = nearest_kept(ev_keys, keys, c.merge_chunk, c.kernel)  # (B, H, E)
         weight = torch.ones_like(sim)
         use_filter = c.similarity_filter == "on" or (c.similarity_filter == "auto" and c.merge != "pivot")
         if use_filter:  # reference code: slot-wise head-mean max similarity ≥ layer mean
@@ -332,8 +397,8 @@ class LookM(Method):
             weight = weight * (slot_mean >= sim.mean(dim=(1, 2), keepdim=True)).float()
         if c.gate == "soft":
             weight = weight * soft_cosine_gate(ev_values, values.gather(2, target.unsqueeze(-1).expand_as(ev_values)))
-        merged_keys = merge_into_targets(keys, ev_keys, target, weight, c.merge, sim)
-        merged_values = merge_into_targets(values, ev_values, target, weight, c.merge, sim)
+        merged_keys = merge_into_targets(keys, ev_keys, target, weight, c.merge, sim, c.kernel)
+        merged_values = merge_into_targets(values, ev_values, target, weight, c.merge, sim, c.kernel)
         n_merged = float((weight > 0).sum())
         return CompressResult(
             keys=merged_keys,

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from methods import lookm
+from methods import cpu_kernels, lookm
 from methods.base import ConfigError, HeadLayout, LayerContext
 from methods.lookm import LookM, LookMConfig, cumulative_attention, merge_into_targets, nearest_kept, soft_cosine_gate
 
@@ -27,26 +27,29 @@ W1 = torch.ones(1, 1, 1)
         ("weighted", 0.5, [1.0, 0.0]),  # (1 + 0.5*2)/2
     ],
 )
-def test_merge_variants_one_token(merge, sim, expected):
-    out = merge_into_targets(KEPT, ONE_EVICTED, TARGET0, W1, merge, torch.full((1, 1, 1), sim))
+@pytest.mark.parametrize("kernel", ["torch", "c"])
+def test_merge_variants_one_token(merge, sim, expected, kernel):
+    out = merge_into_targets(KEPT, ONE_EVICTED, TARGET0, W1, merge, torch.full((1, 1, 1), sim), kernel)
     assert out[0, 0, 0].tolist() == expected
     assert out[0, 0, 1].tolist() == [0.0, 1.0]  # untouched target
 
 
-def test_avg_merge_of_two_tokens_and_gate_weight():
+@pytest.mark.parametrize("kernel", ["torch", "c"])
+def test_avg_merge_of_two_tokens_and_gate_weight(kernel):
     ev = t([[2.0, 0.0], [4.0, 0.0]])
     tgt = torch.tensor([[[0, 0]]])
-    out = merge_into_targets(KEPT, ev, tgt, torch.ones(1, 1, 2), "avg", torch.ones(1, 1, 2))
+    out = merge_into_targets(KEPT, ev, tgt, torch.ones(1, 1, 2), "avg", torch.ones(1, 1, 2), kernel)
     assert out[0, 0, 0, 0].item() == pytest.approx(7 / 3)
-    gated = merge_into_targets(KEPT, ev[:, :, :1], tgt[..., :1], torch.full((1, 1, 1), 0.5), "avg", torch.ones(1, 1, 1))
+    gated = merge_into_targets(KEPT, ev[:, :, :1], tgt[..., :1], torch.full((1, 1, 1), 0.5), "avg", torch.ones(1, 1, 1), kernel)
     assert gated[0, 0, 0, 0].item() == pytest.approx((1 + 0.5 * 2) / 1.5)
-    dropped = merge_into_targets(KEPT, ev, tgt, torch.zeros(1, 1, 2), "pivot", torch.ones(1, 1, 2))
+    dropped = merge_into_targets(KEPT, ev, tgt, torch.zeros(1, 1, 2), "pivot", torch.ones(1, 1, 2), kernel)
     assert torch.equal(dropped, KEPT)  # w = 0: pure eviction
 
 
-def test_nearest_kept_is_cosine_argmax():
+@pytest.mark.parametrize("kernel", ["torch", "c"])
+def test_nearest_kept_is_cosine_argmax(kernel):
     kept = t([[1.0, 0.0], [0.0, 1.0], [1.0, 1.1]])
-    sim, target = nearest_kept(t([[2.0, 2.0], [0.0, 3.0], [-1.0, 0.0]]), kept, chunk=2)
+    sim, target = nearest_kept(t([[2.0, 2.0], [0.0, 3.0], [-1.0, 0.0]]), kept, chunk=2, kernel=kernel)
     assert target.tolist() == [[[2, 1, 1]]]  # [-1, 0]: cos 0 with [0, 1], below 0 elsewhere
     assert sim[0, 0, 0].item() == pytest.approx((1 + 1.1) / (2**0.5 * (1 + 1.21) ** 0.5))
     assert sim[0, 0, 1:].tolist() == pytest.approx([1.0, 0.0])
@@ -90,11 +93,13 @@ def _naive_column_sums(q, k, scaling, softcap=None):
         (40, 40, 3, 1, 9, 200, 5.0),  # soft-capping (Gemma 2)
     ],
 )
-def test_cumulative_attention_equals_naive_softmax_column_sums(monkeypatch, n, w, h_q, h_kv, chunk, block, softcap):
+@pytest.mark.parametrize("kernel", ["torch", "c"])
+def test_cumulative_attention_equals_naive_softmax_column_sums(monkeypatch, n, w, h_q, h_kv, chunk, block, softcap, kernel):
     monkeypatch.setattr(lookm, "BLOCK_ELEMS", block)
+    monkeypatch.setattr(cpu_kernels, "BLOCK_FLOATS", block)
     g = torch.Generator().manual_seed(n + w + h_q)
     q, k = 2 * torch.randn(1, h_q, w, 8, generator=g), 2 * torch.randn(1, h_kv, n, 8, generator=g)
-    out = cumulative_attention(q, k, 0.35, softcap, chunk)
+    out = cumulative_attention(q, k, 0.35, softcap, chunk, kernel)
     assert out.dtype == torch.float32 and out.shape == (1, h_q, n)
     torch.testing.assert_close(out.double(), _naive_column_sums(q, k, 0.35, softcap), rtol=1e-5, atol=1e-5)
 
@@ -196,15 +201,17 @@ def test_wants_prompt_attention(fused, window, device, expected):
     (48, 6, 2, 7, 300),  # rows capped by query_chunk and by BLOCK_ELEMS
     (33, 2, 2, 512, 1),  # MHA, one row per block
 ])
-def test_attention_with_column_sums_is_sdpa_and_the_cumulative_score(monkeypatch, n, h_q, h_kv, chunk, block):
+@pytest.mark.parametrize("kernel", ["torch", "c"])
+def test_attention_with_column_sums_is_sdpa_and_the_cumulative_score(monkeypatch, n, h_q, h_kv, chunk, block, kernel):
     monkeypatch.setattr(lookm, "BLOCK_ELEMS", block)
+    monkeypatch.setattr(cpu_kernels, "BLOCK_FLOATS", block)
     g = torch.Generator().manual_seed(n + h_q)
     q, k, v = (2 * torch.randn(1, h, n, 8, generator=g) for h in (h_q, h_kv, h_kv))
-    out, sums = lookm.attention_with_column_sums(q, k, v, 0.35, None, chunk)
+    out, sums = lookm.attention_with_column_sums(q, k, v, 0.35, None, chunk, kernel)
     ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.35, enable_gqa=True)
     assert out.shape == (1, h_q, n, 8) and sums.shape == (1, h_q, n)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
-    assert torch.equal(sums, cumulative_attention(q, k, 0.35, None, chunk))  # the same blocks, bit-equal
+    assert torch.equal(sums, cumulative_attention(q, k, 0.35, None, chunk, kernel))  # the same blocks, bit-equal
     torch.testing.assert_close(sums.double(), _naive_column_sums(q, k, 0.35, None), rtol=1e-5, atol=1e-5)
 
 
