@@ -434,10 +434,32 @@ def run_job(cfg: dict, method_preset: str | None = None, method_overrides: list[
             summary = summarize(cfg, task, records, expected, relpath, getattr(task, "skipped", None), " ".join(subset))
             if cfg["task"]["name"] == "niah":  # before the summary: a job stopped here is not finished
                 _heatmap(store, this_run(records, expected), cfg)  # the summary's samples
+            earlier = keep_other_selection_summary(store.path / "summary.json", summary)
             store.write_json("summary.json", summary)
         print_summary(summary, store.path)
+        stored = len({r.get("id") for r in records if r.get("error") is None})
+        if stored > summary["n_samples"] or earlier is not None:
+            print(f"predictions.jsonl holds {stored} samples; this summary scores the {summary['n_samples']} of this "
+                  "run's selection" + (f"; the previous summary.json (another selection) is kept as {earlier.name}"
+                                       if earlier is not None else ""), flush=True)
     any_failed = failed or summary["n_failed"] > 0
     return EXIT_SAMPLE_FAILED if any_failed else EXIT_OK
+
+
+def keep_other_selection_summary(path: Path, summary: Mapping[str, Any]) -> Path | None:
+    """Keep a job's ``summary.json`` beside it (:func:`store.keep_previous`) before a summary of
+    another sample selection replaces it (``selection`` or ``n_expected`` differ: a rerun with
+    ``max_samples``, a narrower grid...), so the earlier scores stay readable; a summary of the
+    same selection is simply updated. Returns the copy, or None."""
+    try:
+        previous = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(previous, dict):
+        return None
+    if (previous.get("selection"), previous.get("n_expected")) == (summary.get("selection"), summary.get("n_expected")):
+        return None
+    return keep_previous(path)
 
 
 def run_selection(cfg: dict) -> dict[str, Any]:

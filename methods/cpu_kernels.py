@@ -28,7 +28,8 @@ for the whole process once the library loads), into
 ``$KVBENCH_CACHE_DIR/kernels`` (default ``~/.cache/kvbench/kernels``), named after a hash of
 the source, the flags, the compiler's version and the CPU's feature flags (a cache shared by
 machines of different CPUs keeps one library per CPU); written to a temporary name and renamed,
-so concurrent jobs never load a half-written file. About 0.3 s, once per machine.
+so concurrent jobs never load a half-written file. About 0.3 s, once per machine. A cache
+folder that cannot be created gives a warning and ``$TMPDIR/kvbench-kernels-<uid>``.
 
 When the kernels cannot be used (no C compiler, a PyTorch without MKL's ``sgemm``, not Linux)
 :func:`unavailable_reason` says why and :mod:`methods.lookm` uses its PyTorch operations
@@ -63,6 +64,7 @@ BLOCK_FLOATS = 1 << 20  # float32 scratch per thread and block (4 MiB; measured 
 _lock = threading.Lock()
 _loaded: _Kernels | None = None
 _reason: str | None = None
+_warned = False
 
 
 class _Kernels:
@@ -133,8 +135,11 @@ def _build() -> Path:
     folder = cache_dir()
     try:
         folder.mkdir(parents=True, exist_ok=True)
-    except OSError:
-        folder = Path(tempfile.gettempdir()) / f"kvbench-kernels-{os.getuid()}"
+    except OSError as exc:
+        fallback = Path(tempfile.gettempdir()) / f"kvbench-kernels-{os.getuid()}"
+        log.warning("kernel cache %s is not writable (%s): building the LOOK-M CPU kernels in %s",
+                    folder, exc.strerror or exc, fallback)
+        folder = fallback
         folder.mkdir(parents=True, exist_ok=True)
     target = folder / f"lookm_cpu-{key}.so"
     if target.exists():
@@ -157,11 +162,8 @@ def _build() -> Path:
     return target
 
 
-def load() -> _Kernels | None:
-    """The kernels, built and loaded once per process; None when they cannot be used.
-
-    Never raises: the reason is kept for :func:`unavailable_reason` and logged once.
-    """
+def _load_quietly() -> _Kernels | None:
+    """Build and load the kernels once per process; None (the reason kept) when they cannot be used."""
     global _loaded, _reason
     with _lock:
         if _loaded is None and _reason is None:
@@ -172,19 +174,32 @@ def load() -> _Kernels | None:
                 _loaded = _Kernels(ctypes.CDLL(str(_build())), sgemm, threads)
             except (OSError, subprocess.SubprocessError) as exc:
                 _reason = str(exc)
-                log.warning("LOOK-M CPU kernels unavailable, using PyTorch operations: %s", _reason)
         return _loaded
 
 
+def load() -> _Kernels | None:
+    """The kernels, built and loaded once per process; None when they cannot be used.
+
+    For the computations that fall back to PyTorch operations (``method.kernel: auto``): the
+    first fallback logs one warning with the reason. Never raises.
+    """
+    global _warned
+    kernels = _load_quietly()
+    if kernels is None and not _warned:
+        _warned = True
+        log.warning("LOOK-M CPU kernels unavailable, using PyTorch operations: %s", _reason)
+    return kernels
+
+
 def unavailable_reason() -> str | None:
-    """Why the kernels cannot be used here (one line), or None when they can (builds them)."""
-    load()
+    """Why the kernels cannot be used here (one line), or None when they can (builds them; logs nothing)."""
+    _load_quietly()
     return _reason
 
 
 def _require() -> _Kernels:
     """The loaded kernels; RuntimeError with :func:`unavailable_reason` when there are none."""
-    k = load()
+    k = _load_quietly()
     if k is None:
         raise RuntimeError(f"LOOK-M CPU kernels unavailable: {_reason}")
     return k
@@ -277,10 +292,13 @@ def nearest_kept(evicted_keys: torch.Tensor, kept_keys: torch.Tensor, chunk: int
 
     Raises:
         RuntimeError: the kernels are unavailable (:func:`unavailable_reason`).
+        ValueError: no kept key (m = 0).
     """
     k = _require()
     b, h, e, d = evicted_keys.shape
     m = kept_keys.shape[2]
+    if m == 0:
+        raise ValueError("nearest_kept: no kept key to merge into (m = 0)")
     ev = torch.nn.functional.normalize(evicted_keys.float(), dim=-1, eps=1e-6).contiguous()
     kept = torch.nn.functional.normalize(kept_keys.float(), dim=-1, eps=1e-6).contiguous()
     kept_t = kept.transpose(-1, -2).contiguous() if k.avx512 else None  # (B, H, d, m)

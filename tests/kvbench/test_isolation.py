@@ -435,6 +435,26 @@ def test_a_resume_after_the_haystack_files_changed_is_refused(tiny_model_dir, tm
     assert not list(job.glob("config.*.yaml"))  # the refused run left no config snapshot
 
 
+def test_a_narrower_rerun_keeps_the_earlier_summary(tiny_model_dir, haystack_dir, tmp_path):
+    """A rerun of a finished job with max_samples scores only its own selection; the summary of
+    the whole grid is kept beside it and the run says so."""
+    args = [*tiny_model_args(tiny_model_dir), "task.context_lengths=[300]", "task.depth_percents=[0,50]",
+            f"task.haystack_dir={haystack_dir}", "method=streamingllm", "budget=0.5", "task.max_new_tokens=2",
+            "quiet=true", f"output_root={tmp_path}", "run_name=job"]
+    assert run_cli(args).returncode == 0
+    job = tmp_path / "job"
+    whole = json.loads((job / "summary.json").read_text())
+    out = run_cli([*args, "max_samples=1"])
+    assert out.returncode == 0, out.stderr[-2000:]
+    (kept,) = job.glob("summary.*.json")
+    assert json.loads(kept.read_text()) == whole and whole["n_samples"] == 2
+    assert json.loads((job / "summary.json").read_text())["n_samples"] == 1
+    assert (f"predictions.jsonl holds 2 samples; this summary scores the 1 of this run's selection; the previous "
+            f"summary.json (another selection) is kept as {kept.name}") in out.stdout
+    assert run_cli([*args, "max_samples=1"]).returncode == 0
+    assert len(list(job.glob("summary.*.json"))) == 1  # the same selection again: nothing more kept
+
+
 def test_a_sharded_job_with_max_samples_completes(tiny_model_dir, haystack_dir, tmp_path):
     """max_samples caps each shard: the job expects each shard's first max_samples samples (it
     could never complete when it expected every sample)."""

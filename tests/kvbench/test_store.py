@@ -335,3 +335,21 @@ def test_an_earlier_runs_env_file_is_kept_when_a_rerun_stores_samples(tmp_path):
     kept = sorted(p.name for p in store.path.glob("env.*.json"))
     assert {k: json.loads((store.path / k).read_text()) for k in kept} == {
         first: {"run": 1}, first.replace(".json", "-2.json"): {"run": 2}}
+
+
+def test_a_summary_of_another_selection_is_kept_before_it_is_replaced(tmp_path):
+    import json as _json
+
+    from kvbench.job import keep_other_selection_summary
+
+    path = tmp_path / "summary.json"
+    assert keep_other_selection_summary(path, {"selection": {}, "n_expected": 9}) is None  # nothing there yet
+    whole = {"selection": {"max_samples": None}, "n_expected": 9, "n_samples": 9, "score": 54.63}
+    path.write_text(_json.dumps(whole))
+    assert keep_other_selection_summary(path, dict(whole, n_samples=8)) is None  # same selection: updated in place
+    assert list(tmp_path.iterdir()) == [path]
+    kept = keep_other_selection_summary(path, {"selection": {"max_samples": 1}, "n_expected": 1})
+    assert kept is not None and kept.name.startswith("summary.") and kept.suffix == ".json"
+    assert _json.loads(kept.read_text()) == whole  # the 9-sample scores stay readable
+    path.write_text("{broken")
+    assert keep_other_selection_summary(path, {"selection": {}, "n_expected": 1}) is None  # unreadable: nothing to keep

@@ -19,6 +19,7 @@ def fresh_state(monkeypatch, tmp_path):
     monkeypatch.setenv("KVBENCH_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(cpu_kernels, "_loaded", None)
     monkeypatch.setattr(cpu_kernels, "_reason", None)
+    monkeypatch.setattr(cpu_kernels, "_warned", False)
     return tmp_path
 
 
@@ -39,16 +40,33 @@ def test_build_is_cached_per_source_and_cpu(fresh_state):
     assert [p.name for p in first.parent.iterdir()] == [first.name]  # no temporary file left behind
 
 
-def test_without_a_compiler_auto_falls_back_and_c_is_refused(fresh_state, monkeypatch):
+def test_without_a_compiler_auto_falls_back_and_c_is_refused(fresh_state, monkeypatch, caplog):
     monkeypatch.setenv("CC", "kvbench-no-such-compiler")
+    with pytest.raises(ConfigError, match=r"method.kernel=c: .*no C compiler.*accepted values are auto, c, torch"):
+        LookM(LookMConfig(kernel="c"))
+    assert "using PyTorch operations" not in caplog.text  # the refusal is the only message
+
     assert "no C compiler ('kvbench-no-such-compiler' is not on PATH; set CC)" in cpu_kernels.unavailable_reason()
     g = torch.Generator().manual_seed(0)
     q, k = torch.randn(1, 4, 20, 8, generator=g), torch.randn(1, 2, 20, 8, generator=g)
     auto = lookm.cumulative_attention(q, k, 0.35, None, 512, "auto")
     assert torch.equal(auto, lookm.cumulative_attention(q, k, 0.35, None, 512, "torch"))
-    with pytest.raises(ConfigError, match=r"method.kernel=c: .*no C compiler.*accepted values are auto, c, torch"):
-        LookM(LookMConfig(kernel="c"))
+    assert caplog.text.count("LOOK-M CPU kernels unavailable, using PyTorch operations: no C compiler") == 1
+    lookm.cumulative_attention(q, k, 0.35, None, 512, "auto")
+    assert caplog.text.count("using PyTorch operations") == 1  # once per process
     LookM(LookMConfig(kernel="auto"))  # auto is not an error
+
+
+def test_an_unusable_cache_folder_builds_in_the_temporary_folder_with_a_warning(fresh_state, monkeypatch, caplog):
+    monkeypatch.setenv("KVBENCH_CACHE_DIR", "/dev/null/kvbench")
+    monkeypatch.setattr(cpu_kernels.tempfile, "tempdir", str(fresh_state))
+    if shutil.which(os.environ.get("CC") or "cc") is None:  # _build stops before it looks for a folder
+        with pytest.raises(OSError, match="no C compiler"):
+            cpu_kernels._build()
+        return
+    path = cpu_kernels._build()
+    assert path.parent == fresh_state / f"kvbench-kernels-{os.getuid()}"
+    assert "kernel cache /dev/null/kvbench/kernels is not writable" in caplog.text
 
 
 def test_a_failing_compiler_is_reported_with_its_output(fresh_state, monkeypatch):
@@ -123,6 +141,11 @@ def test_merge_equals_the_pytorch_path(merge):
     untouched = torch.ones(40, dtype=torch.bool)
     untouched[target[0, 0][weight[0, 0] > 0]] = False
     assert torch.equal(out[0, 0, untouched], kept[0, 0, untouched])  # rows nobody merges into stay bit-equal
+
+
+def test_nearest_kept_refuses_an_empty_kept_set():
+    with pytest.raises(ValueError, match="m = 0"):
+        cpu_kernels.nearest_kept(torch.ones(1, 1, 3, 8), torch.ones(1, 1, 0, 8), 64)
 
 
 def test_merge_refuses_a_target_outside_the_kept_rows():
