@@ -17,8 +17,9 @@ cache-sized block at a time:
 The matrix products call the ``sgemm`` of the MKL inside PyTorch's CPU library, one thread per
 call; the blocks are shared out in ``torch.get_num_threads()`` parts of about equal work, run
 by an OpenMP region on torch's own OpenMP threads (the library links ``libgomp.so.1``, the
-runtime torch has loaded). Each part always covers the same blocks, so results do not depend on
-thread scheduling. Results equal the PyTorch-operation paths of :mod:`methods.lookm`
+runtime torch has loaded; inside the region MKL runs each product on the calling thread, and no
+thread-local MKL setting is left behind on the thread that runs torch's own products). Each part
+always covers the same blocks, so results do not depend on thread scheduling. Results equal the PyTorch-operation paths of :mod:`methods.lookm`
 within float32 rounding (the exponential is glibc's vector ``expf``; tests:
 ``tests/methods/test_cpu_kernels.py``).
 
@@ -68,15 +69,15 @@ _warned = False
 
 
 class _Kernels:
-    def __init__(self, lib: ctypes.CDLL, sgemm: int, set_threads: int | None):
-        self.sgemm, self.set_threads = sgemm, set_threads
+    def __init__(self, lib: ctypes.CDLL, sgemm: int):
+        self.sgemm = sgemm
         i64, ptr, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
         self.attention = lib.kvb_attention_column_sums
         self.attention.restype = ctypes.c_int
-        self.attention.argtypes = [ptr] * 8 + [i64] * 6 + [f32, f32] + [i64] * 2 + [ptr]
+        self.attention.argtypes = [ptr] * 7 + [i64] * 6 + [f32, f32] + [i64] * 2 + [ptr]
         self.nearest = lib.kvb_nearest_kept
         self.nearest.restype = ctypes.c_int
-        self.nearest.argtypes = [ptr] * 8 + [i64] * 7 + [ptr]
+        self.nearest.argtypes = [ptr] * 7 + [i64] * 7 + [ptr]
         lib.kvb_has_avx512.restype = ctypes.c_int
         self.avx512 = bool(lib.kvb_has_avx512())
         self.merge = lib.kvb_merge_into_targets
@@ -98,10 +99,8 @@ def _cpu_flags() -> str:
         return platform.processor()
 
 
-def _blas() -> tuple[int, int | None]:
-    """Addresses of torch's MKL ``sgemm_`` and ``MKL_SET_NUM_THREADS_LOCAL`` (None if absent).
-
-    Both are the Fortran interface (arguments by reference), as ``csrc/lookm_cpu.c`` calls them.
+def _blas() -> int:
+    """Address of torch's MKL ``sgemm_`` (Fortran interface, as ``csrc/lookm_cpu.c`` calls it).
 
     Raises:
         OSError: torch's CPU library has no ``sgemm_`` (a build without MKL).
@@ -109,14 +108,9 @@ def _blas() -> tuple[int, int | None]:
     path = Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"
     lib = ctypes.CDLL(str(path))  # already loaded by torch: this only looks symbols up
     try:
-        sgemm = ctypes.cast(lib.sgemm_, ctypes.c_void_p).value
+        return ctypes.cast(lib.sgemm_, ctypes.c_void_p).value
     except AttributeError:
         raise OSError(f"{path.name} exports no BLAS sgemm_ (a PyTorch built without MKL)") from None
-    try:
-        threads = ctypes.cast(lib.MKL_SET_NUM_THREADS_LOCAL, ctypes.c_void_p).value
-    except AttributeError:
-        threads = None
-    return sgemm, threads
 
 
 def _build() -> Path:
@@ -170,8 +164,7 @@ def _load_quietly() -> _Kernels | None:
             try:
                 if platform.system() != "Linux":
                     raise OSError(f"built for Linux only (this is {platform.system()})")
-                sgemm, threads = _blas()
-                _loaded = _Kernels(ctypes.CDLL(str(_build())), sgemm, threads)
+                _loaded = _Kernels(ctypes.CDLL(str(_build())), _blas())
             except (OSError, subprocess.SubprocessError) as exc:
                 _reason = str(exc)
         return _loaded
@@ -265,7 +258,7 @@ def attention_column_sums(
     out = torch.empty(b, h_kv, w, g, d) if vv is not None else None
     sums = torch.zeros(parts, b, h_kv, g, n)
     scratch = torch.empty(parts, block * g * n)
-    _check(k.attention(k.sgemm, k.set_threads, q.data_ptr(), kk.data_ptr(), vv.data_ptr() if vv is not None else None,
+    _check(k.attention(k.sgemm, q.data_ptr(), kk.data_ptr(), vv.data_ptr() if vv is not None else None,
                        out.data_ptr() if out is not None else None, sums.data_ptr(), scratch.data_ptr(),
                        scratch.shape[1], heads, g, w, n, d, float(scaling), float(softcap or 0.0), block, parts,
                        cuts.data_ptr()))
@@ -311,7 +304,7 @@ def nearest_kept(evicted_keys: torch.Tensor, kept_keys: torch.Tensor, chunk: int
     parts = _threads(items)
     cuts = _cuts(torch.ones(items), parts)
     scratch = torch.empty(parts, block * m)
-    _check(k.nearest(k.sgemm, k.set_threads, ev.data_ptr(), kept.data_ptr(),
+    _check(k.nearest(k.sgemm, ev.data_ptr(), kept.data_ptr(),
                      kept_t.data_ptr() if kept_t is not None else None, sim.data_ptr(), target.data_ptr(),
                      scratch.data_ptr(), scratch.shape[1], b * h, e, m, d, block, parts, cuts.data_ptr()))
     return sim, target

@@ -11,8 +11,10 @@
  *    (LOOK-M's merge target), one block of evicted rows at a time: S = E_blk·K^T (sgemm) and a
  *    row argmax in the cache (first index of the maximum, as torch.max on CPU).
  *
- * The BLAS sgemm (Fortran interface) and MKL's thread-local thread setter come as pointers
- * (torch's own MKL, resolved by the Python side). Work is split into `parts` contiguous ranges of
+ * The BLAS sgemm (Fortran interface) comes as a pointer (torch's own MKL, resolved by the Python
+ * side). Called inside the OpenMP region, MKL runs each product on the calling thread. (Setting
+ * MKL's thread-local thread count here would outlive the region on the calling thread, the
+ * one that runs torch's own matrix products: measured 2x slower linear layers afterwards.) Work is split into `parts` contiguous ranges of
  * work items, cuts[p] .. cuts[p+1] (the Python side balances them); an OpenMP parallel region
  * runs the parts, each part single-threaded with its own scratch (and column-sum buffer). This
  * library links libgomp.so.1, the OpenMP runtime torch has already loaded, so the parts run on
@@ -34,19 +36,11 @@
 typedef void (*kvb_sgemm_t)(const char *, const char *, const int *, const int *, const int *, const float *,
                             const float *, const int *, const float *, const int *, const float *, float *,
                             const int *);
-typedef void (*kvb_set_threads_t)(const int *);
-
-static void kvb_one_thread(void *set_threads) {
-  static const int one = 1;
-  if (set_threads) ((kvb_set_threads_t)set_threads)(&one);
-}
-
-static int attention_part(void *sgemm_p, void *set_threads, const float *q, const float *k, const float *v,
+static int attention_part(void *sgemm_p, const float *q, const float *k, const float *v,
                           float *out, float *sums, float *scratch, int64_t heads, int64_t g, int64_t w, int64_t n,
                           int64_t d, float scale, float softcap, int64_t block, int64_t item_begin,
                           int64_t item_end) {
   kvb_sgemm_t sgemm = (kvb_sgemm_t)sgemm_p;
-  kvb_one_thread(set_threads);
   const int64_t nblocks = (w + block - 1) / block, first = n - w;
   const float one = 1.0f, zero = 0.0f;
   const float alpha = softcap > 0.0f ? 1.0f : scale;
@@ -156,11 +150,10 @@ static void kvb_nearest4_avx512(const float *e, const float *kT, int64_t m, int6
 
 /* 2. evicted (heads, E, d), kept (heads, m, d), both unit rows; kept_t (heads, d, m) the same
  *    keys transposed (used with AVX-512; NULL otherwise); sim, target (heads, E). */
-static int nearest_part(void *sgemm_p, void *set_threads, const float *evicted, const float *kept,
+static int nearest_part(void *sgemm_p, const float *evicted, const float *kept,
                         const float *kept_t, float *sim, int64_t *target, float *scratch, int64_t heads, int64_t e,
                         int64_t m, int64_t d, int64_t block, int64_t item_begin, int64_t item_end) {
   kvb_sgemm_t sgemm = (kvb_sgemm_t)sgemm_p;
-  kvb_one_thread(set_threads);
   const int64_t nblocks = (e + block - 1) / block;
   const float one = 1.0f, zero = 0.0f;
   const int di = (int)d, mi = (int)m;
@@ -191,25 +184,25 @@ static int nearest_part(void *sgemm_p, void *set_threads, const float *evicted, 
   return 0;
 }
 
-int kvb_attention_column_sums(void *sgemm_p, void *set_threads, const float *q, const float *k, const float *v,
+int kvb_attention_column_sums(void *sgemm_p, const float *q, const float *k, const float *v,
                               float *out, float *sums, float *scratch, int64_t scratch_stride, int64_t heads,
                               int64_t g, int64_t w, int64_t n, int64_t d, float scale, float softcap, int64_t block,
                               int64_t parts, const int64_t *cuts) {
   int status = 0;
 #pragma omp parallel num_threads((int)parts) reduction(| : status)
   for (int64_t p = omp_get_thread_num(); p < parts; p += omp_get_num_threads())
-    status |= attention_part(sgemm_p, set_threads, q, k, v, out, sums + p * heads * g * n, scratch + p * scratch_stride,
+    status |= attention_part(sgemm_p, q, k, v, out, sums + p * heads * g * n, scratch + p * scratch_stride,
                              heads, g, w, n, d, scale, softcap, block, cuts[p], cuts[p + 1]);
   return status;
 }
 
-int kvb_nearest_kept(void *sgemm_p, void *set_threads, const float *evicted, const float *kept, const float *kept_t,
+int kvb_nearest_kept(void *sgemm_p, const float *evicted, const float *kept, const float *kept_t,
                      float *sim, int64_t *target, float *scratch, int64_t scratch_stride, int64_t heads, int64_t e,
                      int64_t m, int64_t d, int64_t block, int64_t parts, const int64_t *cuts) {
   int status = 0;
 #pragma omp parallel num_threads((int)parts) reduction(| : status)
   for (int64_t p = omp_get_thread_num(); p < parts; p += omp_get_num_threads())
-    status |= nearest_part(sgemm_p, set_threads, evicted, kept, kept_t, sim, target, scratch + p * scratch_stride,
+    status |= nearest_part(sgemm_p, evicted, kept, kept_t, sim, target, scratch + p * scratch_stride,
                            heads, e, m, d, block, cuts[p], cuts[p + 1]);
   return status;
 }

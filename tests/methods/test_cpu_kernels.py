@@ -189,3 +189,20 @@ def test_loading_the_kernels_keeps_subnormal_floats():
     assert cpu_kernels.load() is not None or shutil.which("cc") is None
     tiny = torch.tensor([1e-40], dtype=torch.float32)  # a float32 subnormal
     assert (tiny * 1.0).item() != 0.0 and (tiny + 0.0).item() == pytest.approx(1e-40, rel=1e-3)
+
+
+def test_the_kernels_leave_mkls_threads_on_the_calling_thread_alone():
+    """MKL's thread count of the calling thread (the one that runs torch's own matrix products)
+    is what it was before: a thread-local setting left behind halved the linear layers' speed."""
+    import ctypes
+    from pathlib import Path
+
+    lib = ctypes.CDLL(str(Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"))
+    max_threads = lib.MKL_GET_MAX_THREADS
+    max_threads.restype = ctypes.c_int
+    before = max_threads()
+    g = torch.Generator().manual_seed(11)
+    q, k = torch.randn(1, 6, 90, 16, generator=g), torch.randn(1, 2, 90, 16, generator=g)
+    lookm.attention_with_column_sums(q, k, k, 0.25, None, 16, "c")
+    lookm.nearest_kept(k[:, :, :40], k[:, :, 40:], 8, "c")
+    assert max_threads() == before == torch.get_num_threads()
