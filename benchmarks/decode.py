@@ -122,10 +122,13 @@ def run(ctx: Context) -> BenchResult:
              if _step_ms(r) < _floor_ms(r) or (_pattern_ms(r) or _floor_ms(r)) < _floor_ms(r)]
     if below:
         res.notes.append("unreliable: measured below the memory-traffic floor (" + "; ".join(below)
-                         + "): the bandwidth probe and the steps ran under different CPU load; rerun on an idle "
-                         "machine")
+                         + "): the bandwidth probe and the steps ran under different CPU load, or the probe "
+                         "(one long sum) reads slower than this machine's few-MB reads; rerun on an idle machine")
         if any(str(n_max) + " tokens" in b for b in below):
-            off = off or f"unreliable: a step at {full['prompt_tokens']} tokens measured below its floor (CPU contention)"
+            steps_below = any(str(n_max) + " tokens" in name and _step_ms(r) < _floor_ms(r) for name, r in measured)
+            what = "a step" if steps_below else "a step's read pattern"
+            off = off or (f"unreliable: {what} at {full['prompt_tokens']} tokens measured below the floor (CPU "
+                          "contention, or a probe slower than the step's reads)")
     res.targets.append(Target(
         f"25% cache decode speed-up over full at {full['prompt_tokens']} tokens",
         f"{speedup:.2f}× (median of {len(rounds)} alternating rounds: {', '.join(f'{x:.2f}' for x in ratios)})",

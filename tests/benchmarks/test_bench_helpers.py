@@ -460,6 +460,14 @@ def test_decode_steps_below_their_floor_are_reported_not_judged():
     assert note.startswith("unreliable: measured below the memory-traffic floor (8000 tokens 25%, round 3 in one "
                            "process: step 0.92×, read pattern 1.27×)")
     assert [t.verdict for t in res.targets] == ["INFO", "INFO", "INFO"]
+    assert all("not judged: unreliable: a step at 8000 tokens measured below the floor" in t.note for t in res.targets)
+    # only the read pattern below its floor (the step itself 1.65× above it): named as such
+    res = _decode_suite(runs, good[:2] + [(_decode_run(150.0, 80.0, 369), _decode_run(100.0, 80.0, 92))])
+    (note,) = [n for n in res.notes if n.startswith("unreliable")]
+    assert "8000 tokens full, round 3 in one process: step 1.65×, read pattern 0.88×" in note
+    assert [t.verdict for t in res.targets] == ["INFO", "INFO", "INFO"]
+    assert all("not judged: unreliable: a step's read pattern at 8000 tokens measured below the floor" in t.note
+               for t in res.targets)
 
 
 def test_compression_names_the_methods_it_does_not_time():
