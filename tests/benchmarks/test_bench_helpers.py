@@ -470,6 +470,22 @@ def test_decode_steps_below_their_floor_are_reported_not_judged():
                for t in res.targets)
 
 
+def test_compression_builds_lookms_kernels_before_it_times_anything(monkeypatch):
+    """A first use compiles the kernels: the benchmark loads them before its timed passes, for LOOK-M on CPU only."""
+    import torch
+
+    from benchmarks.compression import prepare_kernels
+    from methods import cpu_kernels
+
+    calls = []
+    monkeypatch.setattr(cpu_kernels, "load", lambda: calls.append(1) or object())
+    assert not prepare_kernels({"snapkv": None}, torch.device("cpu")) and not calls
+    assert not prepare_kernels({"lookm": None}, torch.device("cuda")) and not calls
+    assert prepare_kernels({"snapkv": None, "lookm": None}, torch.device("cpu")) and calls == [1]
+    monkeypatch.setattr(cpu_kernels, "load", lambda: None)  # no compiler: LOOK-M uses PyTorch operations
+    assert not prepare_kernels({"lookm": None}, torch.device("cpu"))
+
+
 def test_compression_names_the_methods_it_does_not_time():
     from benchmarks import compression
 
