@@ -8,9 +8,15 @@ from __future__ import annotations
 
 from typing import Any, Iterable
 
+#: ``method.*`` fields that choose how a method's arithmetic runs, not what it computes:
+#: ``kernel`` (LOOK-M's compiled CPU kernels or PyTorch operations, equal within float32
+#: rounding). They do not name the job's folder and do not make a report variant.
+METHOD_RUN_CONTROL_FIELDS = ("kernel",)
+
 #: Keys that control how a job runs, not what it computes: a rerun that differs only in these
 #: is the same job (no new ``config.<time>.yaml``, and a finished job is not run again).
-RUN_CONTROL_KEYS = ("quiet", "lock_wait_s", "output_root", "threads", "reuse_full")
+RUN_CONTROL_KEYS = ("quiet", "lock_wait_s", "output_root", "threads", "reuse_full") + tuple(
+    f"method.{f}" for f in METHOD_RUN_CONTROL_FIELDS)
 
 #: Keys that may differ between runs of one job folder: they choose which samples run (the
 #: sample ids encode them), not how a sample is computed; plus the run-control keys.

@@ -35,7 +35,7 @@ import pandas as pd
 import yaml
 
 from .cli_guard import CONF
-from .config_keys import RUN_CONTROL_KEYS, SAMPLE_SELECTION_KEYS, flatten, under
+from .config_keys import METHOD_RUN_CONTROL_FIELDS, RUN_CONTROL_KEYS, SAMPLE_SELECTION_KEYS, flatten, under
 from .store import is_job_folder
 
 # LongBench v1 English datasets by category (SelKV Table 1 / Table 4 layout).
@@ -249,7 +249,7 @@ def _job_rows(root: Path, job_dir: Path) -> list[dict]:
     parts = job_dir.relative_to(root).parts
     preset = parts[-2] if len(parts) >= 4 and not cfg.get("run_name") else name
     label = str(method.get("label") or preset)  # an unlabelled preset is named by its file
-    params = {k: v for k, v in method.items() if k not in ("name", "label")}
+    params = {k: v for k, v in method.items() if k not in ("name", "label") + METHOD_RUN_CONTROL_FIELDS}
     setting = str(cfg.get("run_tag") or "")
     budget = float(cfg.get("budget", summary.get("budget", math.nan)))
     folder = job_dir.name
@@ -442,8 +442,10 @@ def preset_params(preset: str) -> dict | None:
 
 def preset_overrides(params: dict, reference: dict) -> list[str]:
     """The method fields of a job's ``params`` that its preset (:func:`preset_params`) has with
-    another value, sorted: what a ``method.<field>=...`` override changed."""
-    return sorted(k for k in params if k in reference and json.dumps(params[k]) != json.dumps(reference[k]))
+    another value, sorted: what a ``method.<field>=...`` override changed (run-control fields
+    such as ``kernel`` aside)."""
+    return sorted(k for k in params if k in reference and k not in METHOD_RUN_CONTROL_FIELDS
+                  and json.dumps(params[k]) != json.dumps(reference[k]))
 
 
 def main_label_fallbacks(rows: pd.DataFrame) -> dict[str, tuple[str, str]]:

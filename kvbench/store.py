@@ -27,6 +27,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
+from .config_keys import METHOD_RUN_CONTROL_FIELDS
 from .faults import crash_armed, crash_point
 
 PREDICTIONS = "predictions.jsonl"
@@ -139,6 +140,8 @@ def folder_method_overrides(overrides: list[str], method_cfg: dict, compose: Cal
     ``method.window_size=32`` on SelKV, computes the preset's own job, so it keeps the preset's
     folder (no hash) and resumes its samples; a W × K sweep's default point is therefore the
     main job, not a copy of it. A deletion (``~method.x``) or a key the preset lacks always counts.
+    :data:`kvbench.config_keys.METHOD_RUN_CONTROL_FIELDS` (``method.kernel``) never count: they
+    choose how the arithmetic runs, not what it computes.
 
     Args:
         overrides: the job's task overrides (command line or sweep), in Hydra's syntax.
@@ -147,7 +150,8 @@ def folder_method_overrides(overrides: list[str], method_cfg: dict, compose: Cal
             once, with ``overrides`` less the ``method.*`` ones. When it raises, every
             ``method.*`` override counts (the folder name of earlier versions).
     """
-    method = [o for o in overrides if o.lstrip("+~").startswith("method.")]
+    method = [o for o in overrides if o.lstrip("+~").startswith("method.")
+              and o.lstrip("+~").split("=", 1)[0][len("method."):] not in METHOD_RUN_CONTROL_FIELDS]
     if not method:
         return []
     try:

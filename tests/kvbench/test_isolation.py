@@ -511,6 +511,28 @@ def test_folder_names_count_only_overrides_that_change_the_preset(tiny_model_dir
     assert not (tmp_path / "niah/niah").exists() and not (tmp_path / "report").exists()
 
 
+def test_lookms_kernel_choice_is_run_control_not_another_job(tiny_model_dir, haystack_dir, tmp_path):
+    """``method.kernel`` (compiled CPU kernels or PyTorch operations, equal within float32
+    rounding) is like ``threads``: no hashed folder, a rerun with another kernel resumes the job,
+    and the report shows one LOOK-M row, not a ``kernel=torch`` variant."""
+    from kvbench.report_data import load_results, preset_overrides, preset_params
+
+    args = [*tiny_model_args(tiny_model_dir), f"task.haystack_dir={haystack_dir}", "method=lookm", "budget=0.5",
+            "task.context_lengths=[300]", "task.max_new_tokens=3", "quiet=true", f"output_root={tmp_path}"]
+    out = run_cli([*args, "task.depth_percents=[50]", "method.kernel=torch"])
+    assert out.returncode == 0, out.stderr[-2000:]
+    out = run_cli([*args, "task.depth_percents=[50,90]", "method.kernel=auto"])
+    assert out.returncode == 0, out.stderr[-2000:]
+    job = tmp_path / "niah/tiny/lookm"
+    assert [p.name for p in job.iterdir()] == ["b0.5"]
+    lines = (job / "b0.5/predictions.jsonl").read_text().splitlines()
+    assert len(lines) == 2 and len({json.loads(x)["id"] for x in lines}) == 2  # the 50 % sample resumed, not rerun
+    assert len(list((job / "b0.5").glob("env*.json"))) == 2  # each run's kernel is on record
+    rows = load_results(tmp_path)
+    assert len(rows) == 1 and "kernel" not in json.loads(rows["params"].iloc[0])
+    assert preset_overrides({"kernel": "torch"}, preset_params("lookm")) == []
+
+
 def test_samples_of_other_artifact_files_are_never_mixed_into_a_job_folder(tiny_model_dir, haystack_dir, tmp_path):
     """config.yaml names a head ranking by its path only; a recalibrated file behind the same path
     would mix two rankings in one folder. artifacts.json records what the samples read."""

@@ -297,6 +297,9 @@ def test_folder_hash_counts_only_overrides_that_change_the_method():
         "method.kernel_size=7", "method.flag=1", "method.new=3", "~method.gone"]
     assert calls == [["budget=0.5"]]  # the baseline: the same job without its method.* overrides
     assert folder_method_overrides(["budget=0.5"], job, compose) == []
+    # run-control fields (how the arithmetic runs, not what it computes) never name a folder
+    assert folder_method_overrides(["method.kernel=torch", "+method.kernel=c", "method.kernel_size=7"],
+                                   {**job, "kernel": "torch"}, compose) == ["method.kernel_size=7"]
 
     def broken(overrides):
         raise RuntimeError("no config")
