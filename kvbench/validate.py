@@ -251,7 +251,8 @@ def check_device_flag(flag: str, device: Any, threads: Any = None) -> None:
     try:
         check_device_available(check_device_name(device))
     except ConfigError as e:
-        raise ConfigError(f"{flag} {str(e).split('=', 1)[1]}") from None
+        message = str(e).split("=", 1)[1].replace("use device=auto or device=cpu", f"use {flag} auto or {flag} cpu")
+        raise ConfigError(f"{flag} {message}") from None
     if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
         raise ConfigError(f"--threads {threads}: must be an integer >= 1")
 
@@ -616,7 +617,7 @@ def validate(cfg: dict, layout: bool = True, experiment: str | None = None) -> t
     if not is_ratio(budget) and method.name != "full" and int(budget) < method.min_budget():
         raise ConfigError(
             f"budget={budget}: smaller than the {method.min_budget()} tokens method {method.name} always keeps "
-            f"(observation window + recent window + sinks); use budget >= {method.min_budget()}"
+            f"(the windows and attention sinks it is configured with); use budget >= {method.min_budget()}"
             + ("; an integer budget counts tokens: budget=1.0 keeps every token" if int(budget) == 1 else "")
         )
     check_device_available(check_device_name(cfg.get("device", "auto")))

@@ -122,7 +122,8 @@ def _build() -> Path:
     compiler = os.environ.get("CC") or "cc"
     exe = shutil.which(compiler)
     if exe is None:
-        raise OSError(f"no C compiler ({compiler!r} is not on PATH; set CC)")
+        where = "does not exist or is not executable" if os.sep in compiler else "is not on PATH"
+        raise OSError(f"no C compiler ({compiler!r} {where}; set CC)")
     version = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=60).stdout
     key = hashlib.sha256("\0".join([SOURCE.read_text(encoding="utf-8"), *FLAGS, *LINK, *LIBS, version, _cpu_flags()])
                          .encode()).hexdigest()[:16]

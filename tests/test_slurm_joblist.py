@@ -99,7 +99,7 @@ def test_main_writes_one_line_per_job(tmp_path, capsys):
                                    "(Optuna, Nevergrad); use a comma list, range() or choice()"),
         (["method=snapkv,nope"], "error: method=nope: unknown method; accepted values are "),
         (["method=snapkv", "budget=0.25,16"], "error: budget=16: smaller than the 32 tokens method snapkv always keeps "
-                                              "(observation window + recent window + sinks); use budget >= 32; no job "
+                                              "(the windows and attention sinks it is configured with); use budget >= 32; no job "
                                               "list was written (no job with budget=16 can run: drop that value)"),
     ]:
         capsys.readouterr()

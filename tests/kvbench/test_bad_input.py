@@ -86,7 +86,7 @@ CASES = [
     ("budget-inf", ["budget=inf"], "budget=inf: must be a retention ratio in (0, 1] or an integer token count >= 2"),
     ("budget-nan", ["budget=nan"], "budget=nan: must be a retention ratio in (0, 1] or an integer token count >= 2"),
     ("budget-below-window", ["method=snapkv", "budget=16"],
-     "budget=16: smaller than the 32 tokens method snapkv always keeps (observation window + recent window + sinks); "
+     "budget=16: smaller than the 32 tokens method snapkv always keeps (the windows and attention sinks it is configured with); "
      "use budget >= 32"),
     ("budget-one-token", ["method=snapkv", "budget=1"],
      "budget=1: an integer budget counts tokens, and a 1-token cache is not a configuration a report can tell from "
@@ -101,7 +101,7 @@ CASES = [
      "hydra/launcher=slurm: a launcher runs the jobs of a sweep only; add --multirun (-m) (without it this command "
      "would run the one job here, on this machine)"),
     ("budget-below-sinks", ["method=streamingllm", "budget=3"],
-     "budget=3: smaller than the 5 tokens method streamingllm always keeps (observation window + recent window + sinks); "
+     "budget=3: smaller than the 5 tokens method streamingllm always keeps (the windows and attention sinks it is configured with); "
      "use budget >= 5"),
     ("parallel-zero-jobs", ["-m", "hydra/launcher=parallel", "hydra.launcher.n_jobs=0", "budget=0.25,0.5"],
      f"hydra.launcher.n_jobs=0: must be the number of jobs run at once (>= 1) or between -{os.cpu_count()} and -1 "
@@ -378,8 +378,8 @@ def test_a_sweep_with_one_impossible_combination_runs_the_others_in_any_order(or
     precheck_argv(["-m", f"method={methods}", f"budget={budgets}"])
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["warning: sweep job method=snapkv budget=20 will stop with a configuration error (the other jobs "
-                   "run): budget=20: smaller than the 32 tokens method snapkv always keeps (observation window + "
-                   "recent window + sinks); use budget >= 32"]
+                   "run): budget=20: smaller than the 32 tokens method snapkv always keeps (the windows and "
+                   "attention sinks it is configured with); use budget >= 32"]
 
 
 def test_a_swept_value_no_job_can_run_refuses_the_sweep(capsys):

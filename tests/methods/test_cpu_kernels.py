@@ -57,6 +57,12 @@ def test_without_a_compiler_auto_falls_back_and_c_is_refused(fresh_state, monkey
     LookM(LookMConfig(kernel="auto"))  # auto is not an error
 
 
+def test_a_compiler_path_that_does_not_exist_is_named_as_such(fresh_state, monkeypatch):
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    assert "no C compiler ('/nonexistent/cc' does not exist or is not executable; set CC)" in (
+        cpu_kernels.unavailable_reason())
+
+
 def test_an_unusable_cache_folder_builds_in_the_temporary_folder_with_a_warning(fresh_state, monkeypatch, caplog):
     monkeypatch.setenv("KVBENCH_CACHE_DIR", "/dev/null/kvbench")
     monkeypatch.setattr(cpu_kernels.tempfile, "tempdir", str(fresh_state))
