@@ -142,6 +142,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 @quiet_broken_pipe
 @one_line_stop("the JSON of each finished benchmark is in --out; no summary (docs/PERFORMANCE.md) was written")
+def busy_warning(load: float, cores: int, device: str) -> str | None:
+    """The warning printed before a CPU suite starts on a busy machine, else None.
+
+    Every benchmark times work on the CPU's cores; another process on them inflates the times
+    and, worse, the ratios of things measured at different moments (compression / prefill,
+    decode steps / floor). ``load``: the 1-minute load average; busy from half the cores on.
+    """
+    if device not in ("cpu", "auto") or load < max(1.0, cores / 2):
+        return None
+    return (f"warning: the CPU is busy (1-minute load average {load:.1f} on {cores} cores): if other processes "
+            "still run, they share the cores the suite times, and its times and ratios come out inflated and noisy "
+            "(a compression share or a decode step can be several times too high); run it on an idle machine")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     import logging
@@ -162,6 +176,9 @@ def main(argv: list[str] | None = None) -> int:
     machine["load_average_start"] = machine.pop("load_average")
     log(f"suite: {', '.join(args.names)} ({'quick' if args.quick else 'full'}) on {machine['cpu']}, "
         f"{machine['cores']} cores, {machine['torch_threads']} torch threads, load {machine['load_average_start'][0]:.1f}")
+    busy = busy_warning(machine["load_average_start"][0], machine["cores"], settings.device)
+    if busy:
+        print(busy, file=sys.stderr)
     ctx = Context(settings)
     results: list[BenchResult] = []
     crashed = False
@@ -209,6 +226,9 @@ def main(argv: list[str] | None = None) -> int:
     # docs/PERFORMANCE.md is under version control: its history is git's; any other summary is kept
     report.write(doc, machine, results, command, args.note, json_dir,
                  keep=doc.resolve() != (ROOT / "docs" / "PERFORMANCE.md").resolve())
+    contention = report.contention_note(machine)
+    if contention:
+        print("\n" + contention.replace("**", ""))
     counts = Counter(t.verdict for r in results for t in r.targets)
     print("\ntargets: " + (", ".join(f"{counts[v]} {v}" for v in ("PASS", "FAIL", "INFO", "SKIP") if counts[v]) or "none"))
     print(f"summary: {doc}; JSON: {out}/ (wall time {machine['wall_s'] / 60:.1f} min)")

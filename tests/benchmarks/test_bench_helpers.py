@@ -353,6 +353,15 @@ def test_out_and_doc_never_write_into_a_job_folder(tmp_path, capsys):
     assert (job / "predictions.jsonl").read_text() == "kept\n"
 
 
+def test_a_busy_cpu_is_named_before_the_suite_starts():
+    from benchmarks.__main__ import busy_warning
+
+    assert busy_warning(0.4, 2, "cpu") is None and busy_warning(0.9, 2, "cpu") is None
+    assert busy_warning(3.1, 2, "cpu").startswith("warning: the CPU is busy (1-minute load average 3.1 on 2 cores)")
+    assert busy_warning(1.0, 2, "auto") and not busy_warning(3.1, 2, "cuda")  # a GPU suite times the GPU
+    assert busy_warning(3.0, 16, "cpu") is None and busy_warning(8.0, 16, "cpu")
+
+
 def test_device_and_threads_are_checked_before_anything_runs(capsys, tmp_path):
     (tmp_path / "afile").write_text("x")
     for argv, message in ((["--device", "gpu"], "--device gpu: accepted values are auto, cpu, cuda, cuda:<index>, mps"),
@@ -364,6 +373,13 @@ def test_device_and_threads_are_checked_before_anything_runs(capsys, tmp_path):
         with pytest.raises(SystemExit) as stop:
             parse_args(argv)
         assert stop.value.code == 2 and message in capsys.readouterr().err
+    import torch
+
+    if not torch.cuda.is_available():  # this tool's own flag syntax in the advice, not run.py's
+        with pytest.raises(SystemExit):
+            parse_args(["--device", "cuda"])
+        assert ("--device cuda: CUDA is not available on this machine; use --device auto or --device cpu"
+                in capsys.readouterr().err)
 
 
 def _decode_run(step_ms, pattern_ms, cache_mb, bandwidth=10e9):
