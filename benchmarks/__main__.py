@@ -140,8 +140,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-@quiet_broken_pipe
-@one_line_stop("the JSON of each finished benchmark is in --out; no summary (docs/PERFORMANCE.md) was written")
 def busy_warning(load: float, cores: int, device: str) -> str | None:
     """The warning printed before a CPU suite starts on a busy machine, else None.
 
@@ -156,6 +154,8 @@ def busy_warning(load: float, cores: int, device: str) -> str | None:
             "(a compression share or a decode step can be several times too high); run it on an idle machine")
 
 
+@quiet_broken_pipe
+@one_line_stop("the JSON of each finished benchmark is in --out; no summary (docs/PERFORMANCE.md) was written")
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     import logging
