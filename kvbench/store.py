@@ -150,8 +150,10 @@ def folder_method_overrides(overrides: list[str], method_cfg: dict, compose: Cal
             once, with ``overrides`` less the ``method.*`` ones. When it raises, every
             ``method.*`` override counts (the folder name of earlier versions).
     """
-    method = [o for o in overrides if o.lstrip("+~").startswith("method.")
-              and o.lstrip("+~").split("=", 1)[0][len("method."):] not in METHOD_RUN_CONTROL_FIELDS]
+    def field(o: str) -> str:  # "+method.sub.a=1" -> "sub.a"
+        return o.lstrip("+~").split("=", 1)[0][len("method."):]
+
+    method = [o for o in overrides if o.lstrip("+~").startswith("method.") and field(o) not in METHOD_RUN_CONTROL_FIELDS]
     if not method:
         return []
     try:
@@ -163,7 +165,7 @@ def folder_method_overrides(overrides: list[str], method_cfg: dict, compose: Cal
         return method
     kept = []
     for o in method:
-        key = o.lstrip("+~").split("=", 1)[0][len("method."):]
+        key = field(o)
         had, old = _lookup(base_method, key)
         has, new = _lookup(method_cfg, key)
         if o.startswith("~") or not has:

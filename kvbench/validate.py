@@ -249,30 +249,33 @@ def check_device_flag(flag: str, device: Any, threads: Any = None) -> None:
         ConfigError: ``--device gpu: accepted values are ...`` / ``--threads 0: must be ...``.
     """
     try:
-        check_device_available(check_device_name(device))
+        name = check_device_name(device)
     except ConfigError as e:
-        message = str(e).split("=", 1)[1].replace("use device=auto or device=cpu", f"use {flag} auto or {flag} cpu")
-        raise ConfigError(f"{flag} {message}") from None
+        raise ConfigError(f"{flag} {str(e).split('=', 1)[1]}") from None
+    check_device_available(name, spell=f"{flag} ")
     if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
         raise ConfigError(f"--threads {threads}: must be an integer >= 1")
 
 
-def check_device_available(device: str) -> None:
-    """Raise :class:`ConfigError` if a CUDA/MPS device is asked for and not present (imports torch then)."""
+def check_device_available(device: str, spell: str = "device=") -> None:
+    """Raise :class:`ConfigError` if a CUDA/MPS device is asked for and not present (imports torch then).
+
+    ``spell``: how the message writes the setting, ``device=`` (a job's key) or ``--device `` (a tool's flag).
+    """
     if device.startswith("cuda"):
         import torch
 
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if count == 0:
-            raise ConfigError(f"device={device}: CUDA is not available on this machine; use device=auto or device=cpu")
+            raise ConfigError(f"{spell}{device}: CUDA is not available on this machine; use {spell}auto or {spell}cpu")
         index = int(device.split(":", 1)[1]) if ":" in device else 0
         if index >= count:
-            raise ConfigError(f"device={device}: only {count} CUDA device(s) visible (cuda:0 to cuda:{count - 1})")
+            raise ConfigError(f"{spell}{device}: only {count} CUDA device(s) visible (cuda:0 to cuda:{count - 1})")
     elif device == "mps":
         import torch
 
         if not torch.backends.mps.is_available():
-            raise ConfigError("device=mps: MPS is not available on this machine; use device=auto or device=cpu")
+            raise ConfigError(f"{spell}mps: MPS is not available on this machine; use {spell}auto or {spell}cpu")
 
 
 def check_top_level(cfg: dict, experiment: str | None = None) -> None:

@@ -19,8 +19,8 @@ call; the blocks are shared out in ``torch.get_num_threads()`` parts of about eq
 by an OpenMP region on torch's own OpenMP threads (the library links ``libgomp.so.1``, the
 runtime torch has loaded; inside the region MKL runs each product on the calling thread, and no
 thread-local MKL setting is left behind on the thread that runs torch's own products). Each part
-always covers the same blocks, so results do not depend on thread scheduling. Results equal the PyTorch-operation paths of :mod:`methods.lookm`
-within float32 rounding (the exponential is glibc's vector ``expf``; tests:
+always covers the same blocks, so results do not depend on thread scheduling. Results equal the
+PyTorch-operation paths of :mod:`methods.lookm` within float32 rounding (the exponential is glibc's vector ``expf``; tests:
 ``tests/methods/test_cpu_kernels.py``).
 
 Build: ``$CC`` (default ``cc``) ``-O3 -march=native -ffast-math -fopenmp -fPIC``, then linked

@@ -14,9 +14,9 @@
  * The BLAS sgemm (Fortran interface) comes as a pointer (torch's own MKL, resolved by the Python
  * side). Called inside the OpenMP region, MKL runs each product on the calling thread. (Setting
  * MKL's thread-local thread count here would outlive the region on the calling thread, the
- * one that runs torch's own matrix products: measured 2x slower linear layers afterwards.) Work is split into `parts` contiguous ranges of
- * work items, cuts[p] .. cuts[p+1] (the Python side balances them); an OpenMP parallel region
- * runs the parts, each part single-threaded with its own scratch (and column-sum buffer). This
+ * one that runs torch's own matrix products: measured 2x slower linear layers afterwards.)
+ * Work is split into `parts` contiguous ranges of work items, cuts[p] .. cuts[p+1] (the Python
+ * side balances them); an OpenMP parallel region runs the parts, each part single-threaded with its own scratch (and column-sum buffer). This
  * library links libgomp.so.1, the OpenMP runtime torch has already loaded, so the parts run on
  * torch's own intra-op threads (no second thread pool competing for the cores). Part p always
  * covers the same items, whichever thread runs it: results do not depend on scheduling.
@@ -36,6 +36,7 @@
 typedef void (*kvb_sgemm_t)(const char *, const char *, const int *, const int *, const int *, const float *,
                             const float *, const int *, const float *, const int *, const float *, float *,
                             const int *);
+
 static int attention_part(void *sgemm_p, const float *q, const float *k, const float *v,
                           float *out, float *sums, float *scratch, int64_t heads, int64_t g, int64_t w, int64_t n,
                           int64_t d, float scale, float softcap, int64_t block, int64_t item_begin,
