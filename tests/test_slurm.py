@@ -369,8 +369,13 @@ def test_killed_and_preempted_tasks_resume_to_the_uninterrupted_store(smoke, swe
     # Array task 0 SIGKILLs itself just before its second sample: a fault-injection variable
     # (kvbench/faults.py) that a line of the batch script sets for that task only.
     crash = _launcher_setup('[ "$SLURM_ARRAY_TASK_ID" = 0 ] && export KVBENCH_CRASH_AT=sample:2')
+    # Both jobs are full-cache jobs of one setting (two budgets), which by default copy each
+    # other's finished samples (reuse_full): had task 1 stored sample 2 first, task 0 would copy
+    # it without passing the crash point and finish. reuse_full=false (run control: same folders)
+    # makes each task compute its own samples, so task 0 always dies at its second sample.
     first = subprocess.Popen(
-        _sweep_cmd(root, tmp_path / "sweep1", "kvbench-kill", [*overrides, crash]), cwd=ROOT, env=_env(),
+        _sweep_cmd(root, tmp_path / "sweep1", "kvbench-kill", [*overrides, "reuse_full=false", crash]), cwd=ROOT,
+        env=_env(),
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
     t0 = time.monotonic()
