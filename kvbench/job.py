@@ -933,6 +933,15 @@ def _heatmap(store: JobStore, records: list[dict], cfg: dict) -> None:
             tmp.with_suffix(suffix).unlink(missing_ok=True)
 
 
+def _n_uncompressed(summary: dict) -> int:
+    """How many of a compressing job's scored samples kept their whole prompt (n ≤ budget, or
+    budget=1.0): from the summary's ``cache.compressed_fraction``; 0 for method=full."""
+    frac = (summary.get("cache") or {}).get("compressed_fraction")
+    if summary.get("method") == "full" or frac is None or not summary.get("n_samples"):
+        return 0
+    return round((1.0 - frac) * summary["n_samples"])
+
+
 def print_summary(summary: dict, path: Path) -> None:
     """Print the per-dataset score table of a job."""
     rows = [(ds, v.get("score"), v.get("n")) for ds, v in (summary.get("datasets") or {}).items()]
@@ -951,6 +960,10 @@ def print_summary(summary: dict, path: Path) -> None:
     if summary.get("n_skipped"):
         lines.append(f"skipped by the task: {summary['n_skipped']} ({'; '.join(str(s.get('reason', s)) for s in summary['skipped'][:3])})")
     t, c = summary["timings"], summary["cache"]
+    uncompressed = _n_uncompressed(summary)
+    if uncompressed:
+        lines.append(f"not compressed: {uncompressed}/{summary['n_samples']} samples (prompt within budget="
+                     f"{summary['budget']}: every prompt token kept; record field compressed=false)")
     if t.get("prefill_s") is not None:
         lines.append(
             f"mean prefill {t['prefill_s']:.3f}s  compress {t['compress_s']:.4f}s  decode {t['decode_s']:.3f}s "

@@ -149,3 +149,22 @@ def test_a_job_on_a_busy_cpu_with_all_threads_warns_once(caplog):
     assert rec.getMessage() == ("the CPU is busy (1-minute load average 1.8) and threads=null runs 2 torch threads: "
                                 "sharing cores with other processes can make decoding many times slower; set "
                                 "threads=1, or fewer threads than the idle cores")
+
+
+def test_the_printed_summary_counts_samples_whose_prompt_was_within_the_budget(capsys, tmp_path):
+    """budget=4096 tokens on prompts of 3000 and 5000 tokens: the 3000-token sample keeps its
+    whole prompt, which the printed summary says; a full-cache job never gets the line."""
+    from kvbench.job import print_summary
+
+    summary = {
+        "job": "niah/m/snapkv/b4096", "complete": True, "n_samples": 4, "n_expected": 4, "n_failed": 0,
+        "method": "snapkv", "budget": 4096, "datasets": {"niah": {"score": 50.0, "n": 4}},
+        "timings": {"prefill_s": None}, "cache": {"compressed_fraction": 0.25},
+    }
+    print_summary(summary, tmp_path)
+    out = capsys.readouterr().out
+    assert ("not compressed: 3/4 samples (prompt within budget=4096: every prompt token kept; record field "
+            "compressed=false)") in out.splitlines()
+    for method, frac in (("full", 0.0), ("snapkv", 1.0)):
+        print_summary({**summary, "method": method, "cache": {"compressed_fraction": frac}}, tmp_path)
+        assert "not compressed" not in capsys.readouterr().out
