@@ -457,17 +457,29 @@ def keep_other_selection_summary(path: Path, summary: Mapping[str, Any]) -> Path
         return None
     if not isinstance(previous, dict):
         return None
-    if (previous.get("selection"), previous.get("n_expected")) == (summary.get("selection"), summary.get("n_expected")):
+    if same_selection(previous.get("selection"), summary.get("selection")) and \
+            previous.get("n_expected") == summary.get("n_expected"):
         return None
     return keep_previous(path)
 
 
 def run_selection(cfg: dict) -> dict[str, Any]:
     """The sample-selection keys of ``cfg`` (:data:`SAMPLE_SELECTION_KEYS`, ``model.gguf_cache``
-    aside), flattened and JSON-normalised: what ``summary.json`` records as ``selection``."""
+    and ``shard`` aside), flattened and JSON-normalised: what ``summary.json`` records as
+    ``selection``. A summary scores the whole job whichever shard wrote it, so the shard is not
+    part of its selection."""
     flat = _flatten(json.loads(json.dumps(cfg, default=str)))
-    keys = [k for k in SAMPLE_SELECTION_KEYS if k != "model.gguf_cache"]
+    keys = [k for k in SAMPLE_SELECTION_KEYS if k not in ("model.gguf_cache", "shard")]
     return {k: v for k, v in sorted(flat.items()) if _under(k, keys)}
+
+
+def same_selection(a: Any, b: Any) -> bool:
+    """Whether two summaries' ``selection`` fields name the same samples: equal but for ``shard.*``
+    (which summaries written before the shard was left out still record)."""
+    def whole_job(sel: Any) -> Any:
+        return {k: v for k, v in sel.items() if not _under(k, ["shard"])} if isinstance(sel, dict) else sel
+
+    return whole_job(a) == whole_job(b)
 
 
 #: Local paths a job reads its inputs from. They are stored absolute (:func:`absolute_paths`), so
@@ -779,8 +791,9 @@ def _check_same_prompts(records: list[dict], cfg: dict, samples: list[Sample], r
 
 
 def _same_run(stored_text: str, cfg: dict) -> bool:
-    """Whether a stored ``config.yaml`` describes the same job as ``cfg`` (run-control keys aside)."""
-    return _config_changes(stored_text, cfg, RUN_CONTROL_KEYS) == {}
+    """Whether a stored ``config.yaml`` describes the same job as ``cfg`` (run-control keys and
+    the shard aside: the shards of a job write one ``config.yaml``, not one snapshot each)."""
+    return _config_changes(stored_text, cfg, RUN_CONTROL_KEYS + ("shard",)) == {}
 
 
 def _complete_summary(store: JobStore, cfg: dict) -> dict | None:
@@ -803,7 +816,7 @@ def _complete_summary(store: JobStore, cfg: dict) -> dict | None:
         return None
     # config.yaml is the first run's config; the summary is the last run's. A grid changed in
     # between (other depths, datasets, sample count) makes the stored summary another run's.
-    if summary.get("selection") != run_selection(cfg):
+    if not same_selection(summary.get("selection"), run_selection(cfg)):
         return None
     if len(store.done_ids()) < int(summary.get("n_expected", 0)):
         return None

@@ -464,9 +464,14 @@ def test_a_sharded_job_with_max_samples_completes(tiny_model_dir, haystack_dir, 
     for index in (0, 1):
         out = run_cli([*args, f"shard.index={index}"])
         assert out.returncode == 0, out.stderr[-2000:]
+        assert "another selection" not in out.stdout + out.stderr
     summary = json.loads((tmp_path / "job" / "summary.json").read_text())
     assert (summary["n_samples"], summary["n_expected"], summary["complete"]) == (2, 2, True)
     assert summary["subset"] == "max_samples=1"  # shard 0 had 2 samples (0 and 100), 1 was run
+    # the shards of one job share its config.yaml and summary.json: no snapshot per shard
+    assert "shard.index" not in summary["selection"] and "shard.count" not in summary["selection"]
+    assert sorted(p.name for p in (tmp_path / "job").glob("*.yaml")) == ["config.yaml"]
+    assert sorted(p.name for p in (tmp_path / "job").glob("summary*.json")) == ["summary.json"]
 
 
 def test_folder_names_count_only_overrides_that_change_the_preset(tiny_model_dir, haystack_dir, tmp_path):
