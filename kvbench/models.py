@@ -301,6 +301,8 @@ def _load_cached(cache: Path, dtype: Any, model_kwargs: dict) -> tuple[Any, Any]
             tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(cache / "tokenizer.json"), **meta)
             model = AutoModelForCausalLM.from_pretrained(cache, dtype=dtype, **model_kwargs)
     except Exception as err:  # noqa: BLE001 - any damage (truncated safetensors, bad JSON...): convert again
+        if _cache_files_intact(cache):  # not the cache: a setting of this load (raised as it is)
+            raise
         first = (str(err).strip().splitlines() or [type(err).__name__])[0]
         log.warning("GGUF cache %s unreadable (%s: %s); converting the GGUF file again", cache, type(err).__name__,
                     first)
@@ -310,6 +312,32 @@ def _load_cached(cache: Path, dtype: Any, model_kwargs: dict) -> tuple[Any, Any]
             os.rename(cache, cache.parent / f".{cache.name}.damaged-{os.getpid()}")
         return None
     return tokenizer, model
+
+
+def _cache_files_intact(cache: Path) -> bool:
+    """Whether a cache folder's files read whole: its JSON files parse, and each ``.safetensors``
+    file is exactly as long as its header says (8-byte header length, JSON header, tensor data
+    up to the largest ``data_offsets`` end). A load from intact files that fails anyway failed on
+    something else (a bad ``model.device_map``, memory), which converting again would not fix."""
+    import json
+    import struct
+
+    try:
+        for name in ("config.json", "tokenizer.json", "tokenizer_meta.json"):
+            json.loads((cache / name).read_text(encoding="utf-8"))
+        weights = sorted(cache.glob("*.safetensors"))
+        if not weights:
+            return False
+        for path in weights:
+            with path.open("rb") as f:
+                (size,) = struct.unpack("<Q", f.read(8))
+                header = json.loads(f.read(size))
+            end = max((int(t["data_offsets"][1]) for k, t in header.items() if k != "__metadata__"), default=0)
+            if path.stat().st_size != 8 + size + end:
+                return False
+    except (OSError, ValueError, KeyError, TypeError, IndexError, struct.error, MemoryError, OverflowError):
+        return False
+    return True
 
 
 @contextlib.contextmanager

@@ -292,7 +292,9 @@ def check_top_level(cfg: dict, experiment: str | None = None) -> None:
         if not isinstance(cfg[node], dict):
             raise ConfigError(f"{node}={show(cfg[node])}: must be a config node; pick one with {node}=NAME")
     check_budget(cfg["budget"])
-    check_int(cfg, "seed")
+    seed = check_int(cfg, "seed")
+    if not -(2**63) <= seed < 2**64:  # what torch.manual_seed takes
+        raise ConfigError(f"seed={seed}: must be an integer from -2**63 to 2**64 - 1 (torch.manual_seed's range)")
     check_device_name(cfg.get("device", "auto"))
     shard = cfg.get("shard") or {}
     if not isinstance(shard, dict):
@@ -396,6 +398,37 @@ def check_model(model_cfg: dict) -> None:
     cache = model_cfg.get("gguf_cache", "auto")
     if not isinstance(cache, bool) and cache != "auto":
         raise ConfigError(f"model.gguf_cache={show(cache)}: accepted values are auto, true, false")
+    check_device_map(model_cfg.get("device_map"))
+
+
+#: ``model.device_map`` strategies that accelerate computes from the model's size and the devices.
+DEVICE_MAP_STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")
+
+
+def check_device_map(device_map: Any) -> None:
+    """``model.device_map`` as ``from_pretrained`` takes it: null, a strategy
+    (:data:`DEVICE_MAP_STRATEGIES`), one device (``cpu``, ``cuda``, ``cuda:1``, a GPU index) or a
+    mapping of module names to devices. Checked before the model loads (a bad value would
+    otherwise fail inside the load).
+
+    Raises:
+        ConfigError: ``model.device_map=<value>: accepted values are ...``.
+    """
+    import torch
+
+    if device_map is None or device_map == "" or isinstance(device_map, dict) or device_map in DEVICE_MAP_STRATEGIES:
+        return
+    if isinstance(device_map, int) and not isinstance(device_map, bool) and device_map >= 0:
+        return
+    if isinstance(device_map, str):
+        try:
+            torch.device(device_map)
+            return
+        except (RuntimeError, ValueError):
+            pass
+    raise ConfigError(f"model.device_map={show(device_map)}: accepted values are null, "
+                      f"{', '.join(DEVICE_MAP_STRATEGIES)}, a device (cpu, cuda, cuda:1, a GPU index) or a mapping "
+                      "of module names to devices")
 
 
 def _hub_cached(repo: str) -> bool | None:

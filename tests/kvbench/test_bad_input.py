@@ -159,6 +159,11 @@ CASES = [
      "and pass model.source=DIR"),
     ("dtype", ["model.dtype.cpu=float64"], "model.dtype.cpu=float64: accepted values are float32, bfloat16, float16"),
     ("gguf-cache", ["model.gguf_cache=maybe"], "model.gguf_cache=maybe: accepted values are auto, true, false"),
+    ("device-map", ["model.device_map=foo"],
+     "model.device_map=foo: accepted values are null, auto, balanced, balanced_low_0, sequential, a device (cpu, "
+     "cuda, cuda:1, a GPU index) or a mapping of module names to devices"),
+    ("seed-over-64-bits", ["seed=18446744073709551616"],
+     "seed=18446744073709551616: must be an integer from -2**63 to 2**64 - 1 (torch.manual_seed's range)"),
     ("threads-zero", ["threads=0"], "threads=0: must be an integer >= 1 or null"),
     ("output-root-in-code", ["output_root=methods/results"],
      "output_root=methods/results: inside kvbench's own methods/ folder; pass a folder for results (default: results)"),

@@ -115,6 +115,27 @@ def test_a_damaged_cache_is_moved_aside_and_replaced_by_the_next_conversion(tiny
     assert torch.equal(again_model.lm_head.weight, model.lm_head.weight)
 
 
+def test_a_load_that_fails_on_an_intact_cache_keeps_the_cache(tiny_model_dir, tmp_path):
+    """A load error that is not the cache's (here a device_map from_pretrained refuses) is raised
+    as it is; the intact cache stays in place (it used to be moved aside and converted again)."""
+    import shutil
+
+    cache = tmp_path / "m-0"
+    shutil.copytree(tiny_model_dir, cache)
+    (cache / "tokenizer_meta.json").write_text("{}")
+    (cache / "COMPLETE").write_text("")
+    assert models._cache_files_intact(cache)
+    with pytest.raises(ValueError, match="device_map"):
+        models._load_cached(cache, torch.float32, {"device_map": "foo"})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m-0"] and models.gguf_cache_complete(cache)
+    weights = cache / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data + b"\0")  # one byte too many: not what the header says
+    assert not models._cache_files_intact(cache)
+    weights.write_bytes(data[:-1])  # one byte short
+    assert not models._cache_files_intact(cache)
+
+
 def test_damaged_weights_in_a_local_model_folder_are_an_os_error(tiny_model_dir, tmp_path):
     """The job turns OSError from load_model into one line (model.source=...: cannot load the model)."""
     import shutil
