@@ -155,7 +155,8 @@ def busy_warning(load: float, cores: int, device: str) -> str | None:
 
 
 @quiet_broken_pipe
-@one_line_stop("the JSON of each finished benchmark is in --out; no summary (docs/PERFORMANCE.md) was written")
+@one_line_stop("the JSON of each finished benchmark is in --out; no summary page (--doc, default docs/PERFORMANCE.md) "
+               "was written")
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     import logging

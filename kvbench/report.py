@@ -304,7 +304,9 @@ def _artifact_names() -> list[str]:
 @quiet_broken_pipe
 def main(argv: list[str] | None = None) -> int:
     """CLI entry point; returns the exit status (1 when an artifact failed to build)."""
-    p = OneLineParser(prog="kvbench report", description=DESCRIPTION)
+    # RESULTS_ROOT is required (checked below); nargs="?" only lets `--only NAME ROOT` hand it back
+    p = OneLineParser(prog="kvbench report", description=DESCRIPTION,
+                      usage="kvbench report [-h] RESULTS_ROOT [--out OUT] [--only NAME [NAME ...]] [--latency LATENCY]")
     p.add_argument("root", metavar="RESULTS_ROOT", nargs="?", help="results root holding the job folders")
     p.add_argument("--out", help="output folder (default: RESULTS_ROOT/report)")
     p.add_argument("--only", nargs="+", metavar="NAME", help="artifact names or patterns, space- or comma-separated: "

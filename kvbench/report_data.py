@@ -498,7 +498,8 @@ def left_out_note(what: str, rows: pd.DataFrame, used: list[str]) -> str | None:
         return None
     done = dict(zip(rows["job"], rows["complete"]))
     n = rows.groupby("job")["n"].sum(min_count=1)
-    shown = [f"{j} ({int(n[j]) if not math.isnan(n[j]) else 0} samples{'' if done[j] else ', unfinished'})"
+    counts = {j: int(n[j]) if not math.isnan(n[j]) else 0 for j in left}
+    shown = [f"{j} ({counts[j]} sample{'' if counts[j] == 1 else 's'}{'' if done[j] else ', unfinished'})"
              for j in left]
     return (f"left out: {what}: " + ", ".join(shown[:3]) + (f" and {len(shown) - 3} more" if len(shown) > 3 else "")
             + f"; the scores are {'those' if len(used) > 1 else 'the job'} of " + ", ".join(used)

@@ -146,7 +146,7 @@ def test_ctrl_c_in_the_tools_is_one_line_and_exit_130(capsys, monkeypatch):
     assert capsys.readouterr().err.strip().startswith("interrupted: the conditions that finished are kept in")
     monkeypatch.setattr(bench, "parse_args", stop)
     assert bench.main([]) == 130
-    assert "no summary (docs/PERFORMANCE.md) was written" in capsys.readouterr().err
+    assert "no summary page (--doc, default docs/PERFORMANCE.md) was written" in capsys.readouterr().err
 
     def term(*_a, **_k):
         raise Terminated
