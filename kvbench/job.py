@@ -465,19 +465,20 @@ def keep_other_selection_summary(path: Path, summary: Mapping[str, Any]) -> Path
 
 def run_selection(cfg: dict) -> dict[str, Any]:
     """The sample-selection keys of ``cfg`` (:data:`SAMPLE_SELECTION_KEYS`, ``model.gguf_cache``
-    and ``shard`` aside), flattened and JSON-normalised: what ``summary.json`` records as
-    ``selection``. A summary scores the whole job whichever shard wrote it, so the shard is not
-    part of its selection."""
+    and ``shard.index`` aside), flattened and JSON-normalised: what ``summary.json`` records as
+    ``selection``. A summary scores the whole job whichever shard wrote it, so the shard's index
+    is not part of its selection; the shard count is (with ``max_samples`` it decides which
+    samples the job expects: each shard's first ones)."""
     flat = _flatten(json.loads(json.dumps(cfg, default=str)))
-    keys = [k for k in SAMPLE_SELECTION_KEYS if k not in ("model.gguf_cache", "shard")]
-    return {k: v for k, v in sorted(flat.items()) if _under(k, keys)}
+    keys = [k for k in SAMPLE_SELECTION_KEYS if k != "model.gguf_cache"]
+    return {k: v for k, v in sorted(flat.items()) if _under(k, keys) and k != "shard.index"}
 
 
 def same_selection(a: Any, b: Any) -> bool:
-    """Whether two summaries' ``selection`` fields name the same samples: equal but for ``shard.*``
-    (which summaries written before the shard was left out still record)."""
+    """Whether two summaries' ``selection`` fields name the same samples: equal but for
+    ``shard.index`` (which summaries written before it was left out still record)."""
     def whole_job(sel: Any) -> Any:
-        return {k: v for k, v in sel.items() if not _under(k, ["shard"])} if isinstance(sel, dict) else sel
+        return {k: v for k, v in sel.items() if k != "shard.index"} if isinstance(sel, dict) else sel
 
     return whole_job(a) == whole_job(b)
 
@@ -792,8 +793,8 @@ def _check_same_prompts(records: list[dict], cfg: dict, samples: list[Sample], r
 
 def _same_run(stored_text: str, cfg: dict) -> bool:
     """Whether a stored ``config.yaml`` describes the same job as ``cfg`` (run-control keys and
-    the shard aside: the shards of a job write one ``config.yaml``, not one snapshot each)."""
-    return _config_changes(stored_text, cfg, RUN_CONTROL_KEYS + ("shard",)) == {}
+    ``shard.index`` aside: the shards of a job write one ``config.yaml``, not one snapshot each)."""
+    return _config_changes(stored_text, cfg, RUN_CONTROL_KEYS + ("shard.index",)) == {}
 
 
 def _complete_summary(store: JobStore, cfg: dict) -> dict | None:

@@ -469,7 +469,7 @@ def test_a_sharded_job_with_max_samples_completes(tiny_model_dir, haystack_dir, 
     assert (summary["n_samples"], summary["n_expected"], summary["complete"]) == (2, 2, True)
     assert summary["subset"] == "max_samples=1"  # shard 0 had 2 samples (0 and 100), 1 was run
     # the shards of one job share its config.yaml and summary.json: no snapshot per shard
-    assert "shard.index" not in summary["selection"] and "shard.count" not in summary["selection"]
+    assert "shard.index" not in summary["selection"] and summary["selection"]["shard.count"] == 2
     assert sorted(p.name for p in (tmp_path / "job").glob("*.yaml")) == ["config.yaml"]
     assert sorted(p.name for p in (tmp_path / "job").glob("summary*.json")) == ["summary.json"]
 
