@@ -566,7 +566,7 @@ def load_model(model_cfg: dict, device: str = "auto") -> LoadedModel:
     if gguf_file:
         kwargs["gguf_file"] = gguf_file
     device_map = model_cfg.get("device_map")
-    model_kwargs = {"attn_implementation": ATTN_IMPLEMENTATION, "device_map": device_map if device_map else None,
+    model_kwargs = {"attn_implementation": ATTN_IMPLEMENTATION, "device_map": None if device_map in (None, "") else device_map,
                     "trust_remote_code": trust}
     cache = gguf_cache_dir(path, gguf_file, model_cfg.get("gguf_cache", "auto")) if gguf_file else None
     loaded = _load_cached(cache, dtype, model_kwargs) if cache is not None else None
@@ -594,7 +594,7 @@ def load_model(model_cfg: dict, device: str = "auto") -> LoadedModel:
             with _progress_bars(off=not sys.stderr.isatty()):  # save_pretrained's shard bar
                 _write_cache(cache, tokenizer, model)
             model.to(dtype)
-    if not model_cfg.get("device_map"):
+    if model_cfg.get("device_map") in (None, ""):  # 0 is a device map (GPU 0), not "none"
         model.to(dev)
     model.eval()
     layout = head_layout(model.config, str(model_cfg.get("name", "")))

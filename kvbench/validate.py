@@ -278,6 +278,22 @@ def check_device_available(device: str, spell: str = "device=") -> None:
             raise ConfigError(f"{spell}mps: MPS is not available on this machine; use {spell}auto or {spell}cpu")
 
 
+def check_device_map_available(device_map: Any) -> None:
+    """A ``model.device_map`` naming one device (``cuda:1``, ``mps``, a GPU index) that this
+    machine lacks: :class:`ConfigError` before the model loads, as for ``device``.
+    Strategies (``auto``...) and mappings are left to accelerate."""
+    if device_map in (None, "") or isinstance(device_map, (bool, dict)) or device_map in DEVICE_MAP_STRATEGIES:
+        return
+    if isinstance(device_map, int):  # a GPU index
+        try:
+            check_device_available(f"cuda:{device_map}", spell="model.device_map=")
+        except ConfigError as err:
+            raise ConfigError(str(err).replace(f"model.device_map=cuda:{device_map}:",
+                                               f"model.device_map={device_map} (cuda:{device_map}):", 1)) from None
+    elif isinstance(device_map, str):
+        check_device_available(device_map, spell="model.device_map=")
+
+
 def check_top_level(cfg: dict, experiment: str | None = None) -> None:
     """Required keys present, no unknown keys (``experiment``: see :func:`top_level_keys`), and
     the scalar keys well typed and in range."""
@@ -657,6 +673,7 @@ def validate(cfg: dict, layout: bool = True, experiment: str | None = None) -> t
             + ("; an integer budget counts tokens: budget=1.0 keeps every token" if int(budget) == 1 else "")
         )
     check_device_available(check_device_name(cfg.get("device", "auto")))
+    check_device_map_available(cfg["model"].get("device_map"))
     try:
         heap.wanted()
     except ValueError as err:

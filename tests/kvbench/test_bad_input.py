@@ -220,6 +220,12 @@ def test_cuda_device_on_a_cpu_machine(tmp):
     out = run_cli(["device=cuda", f"output_root={tmp}/out"])
     assert out.stderr == "error: device=cuda: CUDA is not available on this machine; use device=auto or device=cpu\n"
     assert out.returncode == 2
+    # model.device_map naming a GPU is checked the same way, before anything is written
+    advice = "CUDA is not available on this machine; use model.device_map=auto or model.device_map=cpu"
+    for value, shown in (("cuda:1", "cuda:1"), ("0", "0 (cuda:0)")):
+        out = run_cli([f"model.device_map={value}", f"output_root={tmp}/map"])
+        assert (out.returncode, out.stderr) == (2, f"error: model.device_map={shown}: {advice}\n")
+    assert not (tmp / "map").exists()
 
 
 def test_bad_input_table_is_large_enough():
