@@ -465,20 +465,31 @@ def keep_other_selection_summary(path: Path, summary: Mapping[str, Any]) -> Path
 
 def run_selection(cfg: dict) -> dict[str, Any]:
     """The sample-selection keys of ``cfg`` (:data:`SAMPLE_SELECTION_KEYS`, ``model.gguf_cache``
-    and ``shard.index`` aside), flattened and JSON-normalised: what ``summary.json`` records as
-    ``selection``. A summary scores the whole job whichever shard wrote it, so the shard's index
-    is not part of its selection; the shard count is (with ``max_samples`` it decides which
-    samples the job expects: each shard's first ones)."""
+    aside), flattened and JSON-normalised: what ``summary.json`` records as ``selection``.
+
+    A summary scores the whole job whichever shard wrote it, so the shard is not part of its
+    selection (:func:`_shard_keys_ignored`), except ``shard.count`` with ``max_samples``: that
+    pair decides which samples the job expects (each shard's first ones)."""
     flat = _flatten(json.loads(json.dumps(cfg, default=str)))
     keys = [k for k in SAMPLE_SELECTION_KEYS if k != "model.gguf_cache"]
-    return {k: v for k, v in sorted(flat.items()) if _under(k, keys) and k != "shard.index"}
+    ignored = _shard_keys_ignored(flat.get("max_samples"))
+    return {k: v for k, v in sorted(flat.items()) if _under(k, keys) and k not in ignored}
+
+
+def _shard_keys_ignored(max_samples: Any) -> tuple[str, ...]:
+    """The shard keys that do not change which samples a job expects: the index always, the
+    count unless ``max_samples`` caps each shard."""
+    return ("shard.index",) if max_samples else ("shard.index", "shard.count")
 
 
 def same_selection(a: Any, b: Any) -> bool:
-    """Whether two summaries' ``selection`` fields name the same samples: equal but for
-    ``shard.index`` (which summaries written before it was left out still record)."""
+    """Whether two summaries' ``selection`` fields name the same samples: equal but for the shard
+    keys that do not change them (which summaries written before they were left out record)."""
     def whole_job(sel: Any) -> Any:
-        return {k: v for k, v in sel.items() if k != "shard.index"} if isinstance(sel, dict) else sel
+        if not isinstance(sel, dict):
+            return sel
+        ignored = _shard_keys_ignored(sel.get("max_samples"))
+        return {k: v for k, v in sel.items() if k not in ignored}
 
     return whole_job(a) == whole_job(b)
 
@@ -793,8 +804,9 @@ def _check_same_prompts(records: list[dict], cfg: dict, samples: list[Sample], r
 
 def _same_run(stored_text: str, cfg: dict) -> bool:
     """Whether a stored ``config.yaml`` describes the same job as ``cfg`` (run-control keys and
-    ``shard.index`` aside: the shards of a job write one ``config.yaml``, not one snapshot each)."""
-    return _config_changes(stored_text, cfg, RUN_CONTROL_KEYS + ("shard.index",)) == {}
+    the shard keys that do not change the job's samples aside: the shards of a job write one
+    ``config.yaml``, not one snapshot each)."""
+    return _config_changes(stored_text, cfg, RUN_CONTROL_KEYS + _shard_keys_ignored(cfg.get("max_samples"))) == {}
 
 
 def _complete_summary(store: JobStore, cfg: dict) -> dict | None:
@@ -962,7 +974,8 @@ def print_summary(summary: dict, path: Path) -> None:
     width = max([len("dataset")] + [len(r[0]) for r in rows])
     lines = [
         f"\njob {summary['job']}  ({'complete' if summary['complete'] else 'incomplete'}; "
-        f"{summary['n_samples']}/{summary['n_expected']} samples, {summary['n_failed']} failed)",
+        f"{summary['n_samples']}/{summary['n_expected']} samples, {summary['n_failed']} failed"
+        + (f"; part of the grid or datasets only: {summary['subset']}" if summary.get("subset") else "") + ")",
         f"{'dataset':<{width}}  {'score':>7}  {'n':>4}",
         f"{'-' * width}  {'-' * 7}  {'-' * 4}",
     ]

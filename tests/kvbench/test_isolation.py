@@ -474,6 +474,25 @@ def test_a_sharded_job_with_max_samples_completes(tiny_model_dir, haystack_dir, 
     assert sorted(p.name for p in (tmp_path / "job").glob("summary*.json")) == ["summary.json"]
 
 
+def test_another_shard_count_without_max_samples_is_the_same_selection(tiny_model_dir, haystack_dir, tmp_path):
+    """Without max_samples the shard count does not change a job's samples: shard 0 of 2, then
+    the job unsharded (it runs the rest), then again unsharded ('already complete', no model
+    load): one config.yaml, one summary.json, no 'another selection'."""
+    args = [*tiny_model_args(tiny_model_dir), "task.context_lengths=[300]", "task.depth_percents=[0,50,100]",
+            f"task.haystack_dir={haystack_dir}", "method=streamingllm", "budget=0.5", "task.max_new_tokens=2",
+            f"output_root={tmp_path}", "run_name=job"]
+    runs = [run_cli([*args, "shard.index=0", "shard.count=2"]), run_cli(args), run_cli(args)]
+    for out in runs:
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert "another selection" not in out.stdout + out.stderr
+    assert "already complete (3 samples stored)" in runs[2].stdout + runs[2].stderr
+    summary = json.loads((tmp_path / "job" / "summary.json").read_text())
+    assert (summary["n_samples"], summary["n_expected"], summary["complete"]) == (3, 3, True)
+    assert not any(k.startswith("shard.") for k in summary["selection"])
+    assert sorted(p.name for p in (tmp_path / "job").glob("*.yaml")) == ["config.yaml"]
+    assert sorted(p.name for p in (tmp_path / "job").glob("summary*.json")) == ["summary.json"]
+
+
 def test_folder_names_count_only_overrides_that_change_the_preset(tiny_model_dir, haystack_dir, tmp_path):
     """Through run.py: ``method.n_sinks=4`` (StreamingLLM's own value) is the preset's job, in its
     folder without a hash; ``method.n_sinks=2`` gets a hashed folder; ``run_name`` with a

@@ -165,6 +165,10 @@ def test_the_printed_summary_counts_samples_whose_prompt_was_within_the_budget(c
     out = capsys.readouterr().out
     assert ("not compressed: 3/4 samples (prompt within budget=4096: every prompt token kept; record field "
             "compressed=false)") in out.splitlines()
+    assert "job niah/m/snapkv/b4096  (complete; 4/4 samples, 0 failed)" in out
+    print_summary({**summary, "subset": "max_samples=4"}, tmp_path)
+    assert ("job niah/m/snapkv/b4096  (complete; 4/4 samples, 0 failed; part of the grid or datasets only: "
+            "max_samples=4)") in capsys.readouterr().out
     for method, frac in (("full", 0.0), ("snapkv", 1.0)):
         print_summary({**summary, "method": method, "cache": {"compressed_fraction": frac}}, tmp_path)
         assert "not compressed" not in capsys.readouterr().out
