@@ -316,28 +316,23 @@ def _load_cached(cache: Path, dtype: Any, model_kwargs: dict) -> tuple[Any, Any]
 
 def _cache_files_intact(cache: Path) -> bool:
     """Whether a cache folder's files read whole: its JSON files parse, and each ``.safetensors``
-    file is exactly as long as its header says (8-byte header length, JSON header, tensor data
-    up to the largest ``data_offsets`` end). A load from intact files that fails anyway failed on
-    something else (a bad ``model.device_map``, memory), which converting again would not fix."""
+    file opens (``safetensors.safe_open`` checks that the file is exactly as long as its header
+    says). A load from intact files that fails anyway failed on something else (a bad
+    ``model.device_map``, memory), which converting again would not fix."""
     import json
-    import struct
+
+    from safetensors import SafetensorError, safe_open
 
     try:
         for name in ("config.json", "tokenizer.json", "tokenizer_meta.json"):
             json.loads((cache / name).read_text(encoding="utf-8"))
         weights = sorted(cache.glob("*.safetensors"))
-        if not weights:
-            return False
         for path in weights:
-            with path.open("rb") as f:
-                (size,) = struct.unpack("<Q", f.read(8))
-                header = json.loads(f.read(size))
-            end = max((int(t["data_offsets"][1]) for k, t in header.items() if k != "__metadata__"), default=0)
-            if path.stat().st_size != 8 + size + end:
-                return False
-    except (OSError, ValueError, KeyError, TypeError, IndexError, struct.error, MemoryError, OverflowError):
+            with safe_open(str(path), framework="pt"):
+                pass
+    except (OSError, ValueError, SafetensorError):
         return False
-    return True
+    return bool(weights)
 
 
 @contextlib.contextmanager
@@ -566,7 +561,8 @@ def load_model(model_cfg: dict, device: str = "auto") -> LoadedModel:
     if gguf_file:
         kwargs["gguf_file"] = gguf_file
     device_map = model_cfg.get("device_map")
-    model_kwargs = {"attn_implementation": ATTN_IMPLEMENTATION, "device_map": None if device_map in (None, "") else device_map,
+    device_map = None if device_map == "" else device_map  # 0 is a device map (GPU 0), not "none"
+    model_kwargs = {"attn_implementation": ATTN_IMPLEMENTATION, "device_map": device_map,
                     "trust_remote_code": trust}
     cache = gguf_cache_dir(path, gguf_file, model_cfg.get("gguf_cache", "auto")) if gguf_file else None
     loaded = _load_cached(cache, dtype, model_kwargs) if cache is not None else None
@@ -594,7 +590,7 @@ def load_model(model_cfg: dict, device: str = "auto") -> LoadedModel:
             with _progress_bars(off=not sys.stderr.isatty()):  # save_pretrained's shard bar
                 _write_cache(cache, tokenizer, model)
             model.to(dtype)
-    if model_cfg.get("device_map") in (None, ""):  # 0 is a device map (GPU 0), not "none"
+    if device_map is None:
         model.to(dev)
     model.eval()
     layout = head_layout(model.config, str(model_cfg.get("name", "")))
