@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from methods.base import CompressResult, HeadLayout, LayerContext, Method, Plan
 from methods.lookm import attention_with_column_sums
 
+from . import cpu_decode
 from .kvcache import store_layer
 
 ATTN_IMPLEMENTATION = "kvbench"
@@ -163,7 +164,9 @@ def _decode_attention(query, key, value, mask, scaling, softcap, bias_buf, refer
     The fast path (one query token, no soft-capping) views the G query heads of each KV head
     as G query rows, ``(B, H_kv, G, d)``, and calls SDPA against the un-repeated cache
     ``(B, H_kv, T, d)``: no repeated keys/values, no GQA broadcast inside SDPA (measured
-    fastest on CPU for q_len=1, ahead of SDPA ``enable_gqa`` and of a grouped matmul). Query
+    fastest on CPU for q_len=1, ahead of SDPA ``enable_gqa`` and of a grouped matmul); on CPU in
+    float32 without a mask, the compiled kernel :func:`kvbench.cpu_decode.attention` computes the
+    same (split-K online softmax, read at close to the machine's bandwidth) when it is built. Query
     head h belongs to KV head h // G (transformers' ``repeat_kv`` order), so the bias
     ``(B, H_q, 1, T)`` views as ``(B, H_kv, G, T)``. ``reference=True``, soft-capping or
     several query tokens take :func:`grouped_attention` (float32 softmax).
@@ -191,6 +194,11 @@ def _decode_attention(query, key, value, mask, scaling, softcap, bias_buf, refer
             attn_bias = attn_bias.masked_fill(~mask, float("-inf"))
         else:
             attn_bias = attn_bias + mask
+    if key.device.type == "cpu" and mask is None and key.dtype == torch.float32:
+        kernels = cpu_decode.kernels()
+        out = cpu_decode.attention(kernels, rows, key, value, attn_bias, scaling) if kernels is not None else None
+        if out is not None:
+            return out.reshape(b, 1, h_q, d)
     chunks = split_kv_chunks(b * h_kv, t) if key.device.type == "cpu" else 1
     if chunks > 1 and (attn_bias is None or attn_bias.is_floating_point()):
         out = _split_kv_attention(rows, key, value, attn_bias, scaling, chunks)

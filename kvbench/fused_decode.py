@@ -11,11 +11,15 @@ tensor code:
 * the model's modules are re-pointed to row slices of those concatenated weights, so the
   weights are stored once and the module path (prefill, hooks, tests) computes what it
   computed before;
-* on CPU every projection (the fused ones, ``o_proj``, ``down_proj``) is stored input-major,
-  its transpose contiguous (:func:`_input_major`): the decode step's matrix-vector products
-  stream it faster. The modules' weights are views with the same values; their matrix
-  products may round differently in the last bits (another operand layout for the BLAS), the
-  same order of difference as another thread count;
+* on CPU in float32 the projections and the LM head run through the compiled matrix-vector
+  kernel of :mod:`kvbench.cpu_decode` (weights in PyTorch's layout, rows split over the
+  threads), and the attention through its decode-attention kernel (via
+  :func:`kvbench.attention._decode_attention`); without those kernels every projection (the
+  fused ones, ``o_proj``, ``down_proj``) is stored input-major, its transpose contiguous
+  (:func:`_input_major`), which MKL's matrix-vector product streams faster. The modules'
+  weights are views with the same values; their matrix products may round differently in the
+  last bits (another operand layout for the BLAS), the same order of difference as another
+  thread count;
 * RMSNorm, RoPE, the cache write and the attention (the fast path of
   :func:`kvbench.attention._decode_attention`, with the layer's compensation/validity bias) are
   the same operations, in the same order and
@@ -24,7 +28,8 @@ tensor code:
 
 On CPU, building the decoder also copies the model's other parameters (see
 :func:`_own_cpu_weights`), so the resident set briefly holds the weights twice at start-up.
-``FusedDecoder.INPUT_MAJOR_ON_CPU = False`` (before the decoder is built) keeps PyTorch's layout.
+``FusedDecoder.INPUT_MAJOR_ON_CPU = False`` (before the decoder is built) keeps PyTorch's layout;
+``KVBENCH_DECODE_KERNELS=0`` in the environment turns the compiled kernels off.
 
 Supported: ``model_type`` llama, mistral, qwen2 (q/k/v bias), qwen3 (q/k RMSNorm), every layer
 full attention (no sliding window), plain ``nn.Linear`` projections on one device. Anything
@@ -35,13 +40,14 @@ masking, fault injection, user hooks): hooks see exactly the calls they expect.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from . import attention
+from . import attention, cpu_decode
 
 SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -227,7 +233,11 @@ class FusedDecoder:
         # Plain tensors even when built inside inference mode: the re-pointed parameters are
         # the model's, used by every later forward.
         # CPU: projections stored input-major (see _input_major); CUDA keeps PyTorch's layout.
-        self.input_major = self.INPUT_MAJOR_ON_CPU and self.embed.device.type == "cpu"
+        # CPU float32 with the compiled kernels (kvbench.cpu_decode): PyTorch's output-major
+        # layout, which the kernel's matrix-vector product reads row by row.
+        on_cpu = self.embed.device.type == "cpu"
+        self.kernels = cpu_decode.kernels() if on_cpu and self.embed.dtype == torch.float32 else None
+        self.input_major = self.INPUT_MAJOR_ON_CPU and on_cpu and self.kernels is None
         input_major = self.input_major
         with torch.inference_mode(False), torch.no_grad():
             for idx, layer in enumerate(base.layers):
@@ -255,6 +265,12 @@ class FusedDecoder:
 
             if self.embed.device.type == "cpu":
                 _own_cpu_weights(model, self.layers, input_major)
+        self._linear = F.linear
+        if self.kernels is not None and all(
+            cpu_decode.linear_applies(w, b) for fl in self.layers
+            for w, b in ((fl.w_qkv, fl.b_qkv), (fl.w_o, fl.b_o), (fl.w_gu, fl.b_gu), (fl.w_down, fl.b_down))
+        ) and cpu_decode.linear_applies(self.lm_head, self.lm_head_bias):
+            self._linear = functools.partial(cpu_decode.linear, self.kernels)
 
     def _still_fused(self) -> bool:
         base = self.model.model
@@ -298,13 +314,14 @@ class FusedDecoder:
         Returns:
             logits ``(V,)`` of the next token, in the model's dtype.
         """
+        linear = self._linear
         h = F.embedding(token, self.embed)  # (1, 1, D)
         cos, sin = self.rotary(h, position.view(1, 1))  # (1, 1, d)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # (1, 1, 1, d): broadcast over heads
         d, h_q, h_kv = self.head_dim, self.num_q, self.num_kv
         for fl in self.layers:
             x = _rms_norm(h, fl.ln1, fl.ln1_eps)
-            qkv = F.linear(x, fl.w_qkv, fl.b_qkv).view(1, 1, h_q + 2 * h_kv, d)
+            qkv = linear(x, fl.w_qkv, fl.b_qkv).view(1, 1, h_q + 2 * h_kv, d)
             if fl.q_norm is None:
                 # Queries and keys get the same elementwise RoPE: one call on both.
                 qk = _rotate(qkv[:, :, : h_q + h_kv], cos, sin)  # (1, 1, H_q + H_kv, d)
@@ -317,9 +334,9 @@ class FusedDecoder:
             out = attention._decode_attention(
                 q.transpose(1, 2), keys, values, None, fl.scaling, None, biases.get(fl.idx)
             )  # (1, 1, H_q, d): the module path's decode attention, bias and all
-            h = h + F.linear(out.view(1, 1, h_q * d), fl.w_o, fl.b_o)
+            h = h + linear(out.view(1, 1, h_q * d), fl.w_o, fl.b_o)
             x = _rms_norm(h, fl.ln2, fl.ln2_eps)
-            gate, up = F.linear(x, fl.w_gu, fl.b_gu).chunk(2, dim=-1)
-            h = h + F.linear(fl.act(gate) * up, fl.w_down, fl.b_down)
+            gate, up = linear(x, fl.w_gu, fl.b_gu).chunk(2, dim=-1)
+            h = h + linear(fl.act(gate) * up, fl.w_down, fl.b_down)
         h = _rms_norm(h, self.norm, self.norm_eps)
-        return F.linear(h, self.lm_head, self.lm_head_bias)[0, -1]
+        return linear(h, self.lm_head, self.lm_head_bias)[0, -1]

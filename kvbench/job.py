@@ -122,6 +122,9 @@ def environment(loaded: LoadedModel | None, device: str) -> dict[str, Any]:
         "device": device,
         "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
         "attention_implementation": "kvbench (SDPA prefill, grouped SDPA decode with per-layer logit bias)",
+        # the decode step's projections and attention: the compiled CPU kernels (kvbench.cpu_decode,
+        # float32 on CPU) or PyTorch's operations, with the reason the kernels are not used
+        "decode_kernels": decode_kernels(loaded),
         # the C-heap policy of a CPU engine (kvbench.heap, applied here as the engine would):
         # whether it is in effect for this run
         "keep_heap": (heap.keep_freed_heap() if loaded is not None and loaded.device.type == "cpu"
@@ -140,6 +143,22 @@ def environment(loaded: LoadedModel | None, device: str) -> dict[str, Any]:
             compressible_layers=list(loaded.layout.compressible_layers),
         )
     return env
+
+
+def decode_kernels(loaded: LoadedModel | None) -> str | None:
+    """How the decode step computes its projections and attention, for ``env.json``: ``c`` (the
+    compiled CPU kernels of :mod:`kvbench.cpu_decode`), ``torch`` (a GPU or a non-float32
+    model) or ``torch (<why the kernels are unavailable>)``; None before a model is loaded."""
+    import torch
+
+    if loaded is None:
+        return None
+    if loaded.device.type != "cpu" or loaded.dtype != torch.float32:
+        return "torch"
+    from . import cpu_decode
+
+    reason = cpu_decode.unavailable_reason()
+    return "c" if reason is None else f"torch ({reason})"
 
 
 def lookm_kernel(method_cfg: Mapping[str, Any], loaded: LoadedModel | None) -> str | None:

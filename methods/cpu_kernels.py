@@ -40,17 +40,13 @@ When the kernels cannot be used (no C compiler, a PyTorch without MKL's ``sgemm`
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
-import os
 import platform
-import shutil
-import subprocess
-import tempfile
-import threading
 from pathlib import Path
 
 import torch
+
+from kvbench import ckernels
 
 log = logging.getLogger(__name__)
 
@@ -62,10 +58,6 @@ LINK = ("-shared", "-fopenmp")
 LIBS = ("-lm",)
 BLOCK_FLOATS = 1 << 20  # float32 scratch per thread and block (4 MiB; measured on SmolLM2 at 2k–8k tokens)
 
-_lock = threading.Lock()
-_loaded: _Kernels | None = None
-_reason: str | None = None
-_warned = False
 
 
 class _Kernels:
@@ -83,20 +75,6 @@ class _Kernels:
         self.merge = lib.kvb_merge_into_targets
         self.merge.restype = ctypes.c_int
         self.merge.argtypes = [ptr] * 5 + [i64] + [ptr] * 2 + [i64] * 5 + [ptr]
-
-
-def cache_dir() -> Path:
-    """``$KVBENCH_CACHE_DIR/kernels`` (default ``~/.cache/kvbench/kernels``)."""
-    base = os.environ.get("KVBENCH_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "kvbench")
-    return Path(base) / "kernels"
-
-
-def _cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            return next((line for line in f if line.startswith(("flags", "Features"))), platform.processor())
-    except OSError:
-        return platform.processor()
 
 
 def _blas() -> int:
@@ -117,58 +95,18 @@ def _build() -> Path:
     """Compile :data:`SOURCE` into the kernel cache (or reuse it); returns the library's path.
 
     Raises:
-        OSError: no compiler, or the compiler failed (its last output lines in the message).
+        OSError: no compiler, or the compiler failed (:func:`kvbench.ckernels.build`).
     """
-    compiler = os.environ.get("CC") or "cc"
-    exe = shutil.which(compiler)
-    if exe is None:
-        where = "does not exist or is not executable" if os.sep in compiler else "is not on PATH"
-        raise OSError(f"no C compiler ({compiler!r} {where}; set CC)")
-    version = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=60).stdout
-    key = hashlib.sha256("\0".join([SOURCE.read_text(encoding="utf-8"), *FLAGS, *LINK, *LIBS, version, _cpu_flags()])
-                         .encode()).hexdigest()[:16]
-    folder = cache_dir()
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        fallback = Path(tempfile.gettempdir()) / f"kvbench-kernels-{os.getuid()}"
-        log.warning("kernel cache %s is not writable (%s): building the LOOK-M CPU kernels in %s",
-                    folder, exc.strerror or exc, fallback)
-        folder = fallback
-        folder.mkdir(parents=True, exist_ok=True)
-    target = folder / f"lookm_cpu-{key}.so"
-    if target.exists():
-        return target
-    fd, tmp = tempfile.mkstemp(prefix=target.name + ".", suffix=".tmp", dir=folder)
-    os.close(fd)
-    obj = tmp + ".o"
-    try:
-        for cmd in ([exe, *FLAGS, "-c", "-o", obj, str(SOURCE)], [exe, *LINK, "-o", tmp, obj, *LIBS]):
-            run = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-            if run.returncode != 0:
-                tail = " | ".join((run.stderr or run.stdout).strip().splitlines()[-3:])
-                raise OSError(f"{compiler} failed on {SOURCE.name} (exit {run.returncode}): {tail}")
-        os.replace(tmp, target)  # atomic: a concurrent job loads a whole file or builds its own
-    finally:
-        for path in (tmp, obj):
-            if os.path.exists(path):
-                os.unlink(path)
-    log.info("built the LOOK-M CPU kernels: %s", target)
-    return target
+    return ckernels.build(SOURCE, FLAGS, LINK, LIBS, "the LOOK-M CPU kernels")
 
 
-def _load_quietly() -> _Kernels | None:
-    """Build and load the kernels once per process; None (the reason kept) when they cannot be used."""
-    global _loaded, _reason
-    with _lock:
-        if _loaded is None and _reason is None:
-            try:
-                if platform.system() != "Linux":
-                    raise OSError(f"built for Linux only (this is {platform.system()})")
-                _loaded = _Kernels(ctypes.CDLL(str(_build())), _blas())
-            except (OSError, subprocess.SubprocessError) as exc:
-                _reason = str(exc)
-        return _loaded
+def _open() -> _Kernels:
+    if platform.system() != "Linux":
+        raise OSError(f"built for Linux only (this is {platform.system()})")
+    return _Kernels(ctypes.CDLL(str(_build())), _blas())
+
+
+LIBRARY = ckernels.Library("LOOK-M CPU kernels", _open, "using PyTorch operations")
 
 
 def load() -> _Kernels | None:
@@ -177,25 +115,20 @@ def load() -> _Kernels | None:
     For the computations that fall back to PyTorch operations (``method.kernel: auto``): the
     first fallback logs one warning with the reason. Never raises.
     """
-    global _warned
-    kernels = _load_quietly()
-    if kernels is None and not _warned:
-        _warned = True
-        log.warning("LOOK-M CPU kernels unavailable, using PyTorch operations: %s", _reason)
-    return kernels
+    return LIBRARY.get()
 
 
 def unavailable_reason() -> str | None:
     """Why the kernels cannot be used here (one line), or None when they can (builds them; logs nothing)."""
-    _load_quietly()
-    return _reason
+    LIBRARY.get_quietly()
+    return LIBRARY.reason
 
 
 def _require() -> _Kernels:
     """The loaded kernels; RuntimeError with :func:`unavailable_reason` when there are none."""
-    k = _load_quietly()
+    k = LIBRARY.get_quietly()
     if k is None:
-        raise RuntimeError(f"LOOK-M CPU kernels unavailable: {_reason}")
+        raise RuntimeError(f"LOOK-M CPU kernels unavailable: {LIBRARY.reason}")
     return k
 
 

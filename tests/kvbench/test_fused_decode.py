@@ -11,7 +11,7 @@ from kvbench.engine import Engine
 from kvbench.fused_decode import FusedDecoder, unsupported_reason
 from methods.full import FullCache
 from methods.selkv import SelKV, SelKVConfig
-from tests.conftest import loaded_for, tiny_model
+from tests.conftest import loaded_for, switch_off_decode_kernels, tiny_model
 from tests.kvbench.test_decode_fastpath import RandomBiasAndValidity
 
 FAMILIES = {  # name -> (family, tiny_model kwargs)
@@ -78,8 +78,10 @@ def test_fused_decode_bfloat16():
     torch.testing.assert_close(fused_logits[0], ref_logits[0], atol=2e-2, rtol=2e-2)
 
 
-def test_fusing_keeps_one_copy_and_module_outputs():
-    """The modules are re-pointed to rows of the fused weights: same storage, same forward."""
+def test_fusing_keeps_one_copy_and_module_outputs(monkeypatch):
+    """The modules are re-pointed to rows of the fused weights: same storage, same forward
+    (without the compiled decode kernels, which keep PyTorch's layout: tests/kvbench/test_cpu_decode.py)."""
+    switch_off_decode_kernels(monkeypatch)
     model = tiny_model("qwen2", n_kv=2, n_q=4)
     ids = torch.tensor([_ids(17)])
     with torch.no_grad():

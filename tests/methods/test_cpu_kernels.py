@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import tempfile
 
 import pytest
 import torch
@@ -17,9 +18,9 @@ from methods.lookm import LookM, LookMConfig
 def fresh_state(monkeypatch, tmp_path):
     """A process state in which the kernels were never loaded, with an empty kernel cache."""
     monkeypatch.setenv("KVBENCH_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(cpu_kernels, "_loaded", None)
-    monkeypatch.setattr(cpu_kernels, "_reason", None)
-    monkeypatch.setattr(cpu_kernels, "_warned", False)
+    monkeypatch.setattr(cpu_kernels.LIBRARY, "loaded", None)
+    monkeypatch.setattr(cpu_kernels.LIBRARY, "reason", None)
+    monkeypatch.setattr(cpu_kernels.LIBRARY, "told", False)
     return tmp_path
 
 
@@ -65,7 +66,7 @@ def test_a_compiler_path_that_does_not_exist_is_named_as_such(fresh_state, monke
 
 def test_an_unusable_cache_folder_builds_in_the_temporary_folder_with_a_warning(fresh_state, monkeypatch, caplog):
     monkeypatch.setenv("KVBENCH_CACHE_DIR", "/dev/null/kvbench")
-    monkeypatch.setattr(cpu_kernels.tempfile, "tempdir", str(fresh_state))
+    monkeypatch.setattr(tempfile, "tempdir", str(fresh_state))
     if shutil.which(os.environ.get("CC") or "cc") is None:  # _build stops before it looks for a folder
         with pytest.raises(OSError, match="no C compiler"):
             cpu_kernels._build()
@@ -184,7 +185,7 @@ def test_env_json_names_the_lookm_kernel_path(fresh_state, monkeypatch):
     assert lookm_kernel({"name": "lookm", "kernel": "torch"}, None) == "torch"
     monkeypatch.setenv("CC", "kvbench-no-such-compiler")
     assert lookm_kernel({"name": "lookm", "kernel": "auto"}, None).startswith("torch (no C compiler")
-    monkeypatch.setattr(cpu_kernels, "_reason", None)
+    monkeypatch.setattr(cpu_kernels.LIBRARY, "reason", None)
     monkeypatch.delenv("CC")
     if shutil.which("cc"):
         assert lookm_kernel({"name": "lookm", "kernel": "auto"}, None) == "c"
