@@ -12,7 +12,8 @@ within 2× of its floor.
 
 The targets are judged on a separate A/B at the longest length: one worker process
 (:func:`benchmarks.worker.run_pair`) alternates the full and the 25 % cache for
-:attr:`benchmarks.common.Settings.pair_rounds` rounds, each generation followed by its own
+:attr:`benchmarks.common.Settings.pair_rounds` rounds (round 1 prefills and compresses each
+cache, later rounds decode the same caches again), each decode followed by its own
 bandwidth probe and read pattern; the speed-up is the median of the rounds' own ratios, each
 step / floor the median of its rounds. The per-length table (separate processes, each
 configuration at its own time) is reported as well: this machine's speed drifts by up to 25 %
@@ -164,8 +165,8 @@ def run(ctx: Context) -> BenchResult:
         "speed-up if both read at the same bandwidth; the full cache's attention reads its keys and values slower "
         "than the weights are read, so the measured speed-up can exceed it); read bandwidth is measured by each "
         f"worker right after each decode{_probe_note(full)}; the targets are judged on the in-process A/B "
-        "(second table: full and 25 % alternating, each generation with its own probe; speed-up = median of the "
-        "rounds' own ratios); "
+        "(second table: full and 25 % alternating, each decode with its own probe; one prefill per cache, later "
+        "rounds decode the same compressed caches again; speed-up = median of the rounds' own ratios); "
         "read-pattern ms = the "
         "median time to read the bytes a step reads the way the step reads them, each weight matrix and each "
         "layer's keys and values as its own call to torch's sum kernel, layer by layer "

@@ -70,12 +70,13 @@ def release_freed_memory() -> bool:
     return True
 
 
-def timed_generate(engine, ids: list[int], new_tokens: int, before_step=None):
+def timed_generate(engine, ids: list[int], new_tokens: int, before_step=None, again: bool = False):
     """``engine.generate(ids, new_tokens)`` with stop tokens off, timing each decode step.
 
     ``before_step(step)`` (optional) runs before each step, outside its time. A callback, not
     forward hooks: a hooked model decodes through its modules, not the fused decode step that
-    jobs use (:mod:`kvbench.fused_decode`).
+    jobs use (:mod:`kvbench.fused_decode`). ``again``: decode the engine's last compressed
+    cache once more instead (:meth:`kvbench.engine.Engine.decode_again`, no prefill).
 
     Returns:
         ``(result, step_seconds)``: the :class:`kvbench.engine.GenerationResult` and the time
@@ -96,7 +97,7 @@ def timed_generate(engine, ids: list[int], new_tokens: int, before_step=None):
 
     engine.on_decode_step = on_decode_step
     try:
-        res = engine.generate(ids, new_tokens, stop_ids=[])
+        res = engine.decode_again(new_tokens) if again else engine.generate(ids, new_tokens, stop_ids=[])
     finally:
         engine.on_decode_step = None
     return res, [b - a for a, b in zip(starts[1:], starts[2:])]
@@ -178,8 +179,10 @@ def run_pair(spec: dict[str, Any]) -> dict[str, Any]:
     memory placement; on a machine whose speed drifts by up to 25 % within an hour that moves a
     ratio of two steps more than the effect it measures. Here one process loads the model
     once, warms up every configuration, then runs them in turn (round 1: A, B; round 2: A, B;
-    ...). After each generation it measures the read bandwidth (the floor's denominator) and
-    the step's read pattern on that generation's cache, then frees the cache.
+    ...). Round 1 prefills and compresses each configuration's cache; later rounds decode the
+    same compressed caches again (:meth:`kvbench.engine.Engine.decode_again`: the decode steps
+    are what is compared, and an 8k prefill costs 30 s a round). After each decode it measures
+    the read bandwidth (the floor's denominator) and the step's read pattern on that cache.
 
     Args:
         spec: ``settings``, ``configs`` (``[[label, method, budget], ...]``), ``n`` (prompt
@@ -207,11 +210,12 @@ def run_pair(spec: dict[str, Any]) -> dict[str, Any]:
         engine.last_state, engine.last_logits = None, []
     nbytes = probe_bytes(str(dev))
     rounds = []
-    for _ in range(int(spec["rounds"])):
+    for i in range(int(spec["rounds"])):
         this_round = {}
         for label, engine in engines.items():
             release_freed_memory()
-            res, steps = timed_generate(engine, prompt.ids, int(spec["new_tokens"]))
+            # round 1 prefills and compresses; later rounds decode the same compressed cache again
+            res, steps = timed_generate(engine, prompt.ids, int(spec["new_tokens"]), again=i > 0)
             pattern = step_read_pattern(loaded.model, engine.last_state.cache)
             this_round[label] = {
                 "prompt_tokens": res.prompt_tokens,
@@ -220,8 +224,9 @@ def run_pair(spec: dict[str, Any]) -> dict[str, Any]:
                 "read_bandwidth_Bps": read_bandwidth(str(dev), nbytes),
                 "step_read_pattern_s": pattern["seconds"],
             }
-            engine.last_state, engine.last_logits = None, []
         rounds.append(this_round)
+    for engine in engines.values():
+        engine.last_state, engine.last_logits = None, []
     return {
         "rounds": rounds,
         "weight_bytes": sum(p.numel() * p.element_size() for p in loaded.model.parameters()),

@@ -23,7 +23,7 @@ from methods.base import Method, apply_budget_floor
 from .attention import CompressionState, build_decode_bias
 from .fused_decode import FusedDecoder, has_hooks
 from .heap import keep_freed_heap
-from .kvcache import preallocated_cache
+from .kvcache import PreallocatedLayer, preallocated_cache
 from .models import LoadedModel
 
 log = logging.getLogger(__name__)
@@ -227,6 +227,7 @@ class Engine:
             # KVBENCH_KEEP_HEAP=0 turns it off).
             keep_freed_heap()
         self.last_state: CompressionState | None = None  # the state of the last generation (tests, cross-checks)
+        self._replay: dict[str, Any] | None = None  # what decode_again repeats (see generate)
         self.last_logits: list[torch.Tensor] = []
         self._floor_warned = False  # the budget-floor warning is logged once per engine
 
@@ -279,7 +280,7 @@ class Engine:
             raise ValueError("empty prompt: nothing to prefill")
         # The previous sample's state holds its whole cache: release it before this prefill
         # (else a job's peak memory holds two samples' caches).
-        self.last_state, self.last_logits = None, []
+        self.last_state, self.last_logits, self._replay = None, [], None
         if self.preallocate:
             cache = preallocated_cache(model.config, reserve=max_new_tokens + 1)
         else:
@@ -326,6 +327,76 @@ class Engine:
 
         state.phase = "decode"
         self.last_state = state
+        # what decode_again needs to run this decode once more on the same compressed cache
+        self._replay = dict(logits=logits, next_pos=next_pos, stops=stops, min_new_tokens=min_new_tokens,
+                            lengths=[layer.keys.shape[-2] if layer.keys is not None else 0 for layer in cache.layers],
+                            n=n, kept=kept, stored=stored, mstats=mstats, before=before, after=after,
+                            prefill_s=max(0.0, prefill_total - state.compress_s), compress_s=state.compress_s)
+        tokens, decode_s = self._decode(state, logits, next_pos, max_new_tokens, stops, min_new_tokens)
+        return self._result(tokens, decode_s)
+
+    def _result(self, tokens: list[int], decode_s: float) -> GenerationResult:
+        r = self._replay
+        return GenerationResult(
+            tokens=tokens,
+            text=self.loaded.tokenizer.decode(tokens, skip_special_tokens=True),
+            prompt_tokens=r["n"],
+            compressed=bool(self.last_state.results),
+            kept_tokens=r["kept"],
+            stored_tokens=r["stored"],
+            cache_bytes_before=r["before"],
+            cache_bytes_after=r["after"],
+            prefill_s=r["prefill_s"],
+            compress_s=r["compress_s"],
+            decode_s=decode_s,
+            generated_tokens=len(tokens),
+            decode_tok_s=len(tokens) / decode_s if decode_s > 0 else 0.0,
+            peak_rss_bytes=peak_memory_bytes(self.loaded.device),
+            method_stats=r["mstats"],
+        )
+
+    @torch.inference_mode()
+    def decode_again(self, max_new_tokens: int) -> GenerationResult:
+        """Decode the last generation's compressed cache once more, from the prefill's logits.
+
+        For decode measurements (the benchmarks' A/B rounds): the cache is cut back to what it
+        held after compression (the decoded tokens' slots are overwritten), so every round
+        decodes the same cache without another prefill. Prefill and compression fields of the
+        result are the last generation's.
+
+        Args:
+            max_new_tokens: decode steps (tokens), at most the last generation's ``max_new_tokens``
+                (the cache's reserve).
+
+        Returns:
+            A :class:`GenerationResult`.
+
+        Raises:
+            RuntimeError: no generation to repeat, the last one decoded through the model's
+                modules (only the fused step leaves the state as compression left it), or a
+                cache layer that cannot be cut back (e.g. a sliding window).
+        """
+        state = self.last_state
+        if state is None or getattr(self, "_replay", None) is None:
+            raise RuntimeError("decode_again: no generation to repeat (generate first)")
+        if self.last_decode_path != "fused":
+            raise RuntimeError("decode_again: the last generation decoded through the model's modules")
+        if max_new_tokens > state.max_new_tokens:
+            raise RuntimeError(f"decode_again: {max_new_tokens} tokens > the cache's reserve ({state.max_new_tokens})")
+        r = self._replay
+        for layer, m in zip(state.cache.layers, r["lengths"]):
+            if not isinstance(layer, PreallocatedLayer):
+                raise RuntimeError(f"decode_again: a {type(layer).__name__} cannot be cut back")
+            layer.truncate(m)
+        tokens, decode_s = self._decode(state, r["logits"], r["next_pos"], max_new_tokens, r["stops"],
+                                        r["min_new_tokens"])
+        return self._result(tokens, decode_s)
+
+    def _decode(self, state: CompressionState, logits: torch.Tensor, next_pos: int, max_new_tokens: int,
+                stops: set[int], min_new_tokens: int) -> tuple[list[int], float]:
+        """Greedy decode loop from the prefill's ``logits`` ``(V,)``; returns (tokens, seconds)."""
+        model, dev, cache = self.model, self.loaded.device, state.cache
+        sync = dev.type == "cuda"
         self.last_logits = []
         tokens: list[int] = []
         # Decode inputs stay on the device: the next token is the argmax tensor itself and the
@@ -366,25 +437,7 @@ class Engine:
                 logits = out.logits[0, -1]
         if sync:
             torch.cuda.synchronize()
-        decode_s = time.perf_counter() - t1
-        text = self.loaded.tokenizer.decode(tokens, skip_special_tokens=True)
-        return GenerationResult(
-            tokens=tokens,
-            text=text,
-            prompt_tokens=n,
-            compressed=bool(state.results),
-            kept_tokens=kept,
-            stored_tokens=stored,
-            cache_bytes_before=before,
-            cache_bytes_after=after,
-            prefill_s=max(0.0, prefill_total - state.compress_s),
-            compress_s=state.compress_s,
-            decode_s=decode_s,
-            generated_tokens=len(tokens),
-            decode_tok_s=len(tokens) / decode_s if decode_s > 0 else 0.0,
-            peak_rss_bytes=peak_memory_bytes(dev),
-            method_stats=mstats,
-        )
+        return tokens, time.perf_counter() - t1
 
     def _decoder(self) -> FusedDecoder | None:
         """The fused decode step for this generation, or None to decode through the model's modules

@@ -71,6 +71,17 @@ class PreallocatedLayer(DynamicLayer):
         self._rebuffer(keys, values, keys.shape[-2] + self.reserve)
         return self.keys, self.values
 
+    def truncate(self, length: int) -> None:
+        """Cut the filled part back to its first ``length`` tokens (the buffers keep their slots).
+
+        Raises:
+            ValueError: ``length`` is more than the layer holds, or the layer holds no buffer.
+        """
+        if not self._owns_current() or not 0 <= length <= self.keys.shape[-2]:
+            raise ValueError(f"truncate({length}): the layer holds {self.keys.shape[-2] if self.keys is not None else 0} "
+                             "tokens in its own buffer")
+        self.keys, self.values = self._key_buf[:, :, :length], self._value_buf[:, :, :length]
+
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, cache_kwargs: dict[str, Any] | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -192,3 +192,30 @@ def test_a_model_with_its_decoder_can_be_deep_copied(kernels):
     ids = torch.tensor([_ids(9)])
     with torch.no_grad():
         assert torch.equal(twin(input_ids=ids).logits, model(input_ids=ids).logits)
+
+
+def test_decode_again_repeats_the_decode_on_the_same_compressed_cache():
+    from kvbench.engine import Engine
+    from methods.snapkv import SnapKV, SnapKVConfig
+
+    model = tiny_model("llama", layers=2, n_kv=2, n_q=4)
+    loaded = loaded_for(model)
+    eng = Engine(loaded, SnapKV(SnapKVConfig(window_size=4, kernel_size=3), loaded.layout), 0.5)
+    eng.record_logits = True
+    with pytest.raises(RuntimeError, match="no generation to repeat"):
+        eng.decode_again(3)
+    first = eng.generate(_ids(40), 6, stop_ids=[])
+    logits = list(eng.last_logits)
+    lengths = [layer.keys.shape[-2] for layer in eng.last_state.cache.layers]
+    again = eng.decode_again(6)
+    assert first.compressed and again.tokens == first.tokens and again.prefill_s == first.prefill_s
+    assert all(torch.equal(a, b) for a, b in zip(eng.last_logits, logits))
+    assert [layer.keys.shape[-2] for layer in eng.last_state.cache.layers] == lengths  # 5 tokens appended again
+    shorter = eng.decode_again(2)
+    assert shorter.tokens == first.tokens[:2]
+    with pytest.raises(RuntimeError, match="7 tokens > the cache's reserve"):
+        eng.decode_again(7)
+    eng.fused_decode = False
+    eng.generate(_ids(40), 3, stop_ids=[])
+    with pytest.raises(RuntimeError, match="decoded through the model's modules"):
+        eng.decode_again(3)
