@@ -133,7 +133,7 @@ def _require() -> _Kernels:
 
 
 def _check(status: int) -> None:
-    if status:  # bit 1: a work item beyond the heads; bit 2: a merge target outside [0, m)
+    if status:  # bit 1: a work item beyond the heads; bit 2: a merge target outside [0, m); bit 3: scratch too small
         raise RuntimeError(f"LOOK-M CPU kernel: index out of range (status {status})")
 
 
@@ -191,7 +191,7 @@ def attention_column_sums(
     cuts = _cuts(weights, parts)
     out = torch.empty(b, h_kv, w, g, d) if vv is not None else None
     sums = torch.zeros(parts, b, h_kv, g, n)
-    scratch = torch.empty(parts, block * g * n)
+    scratch = torch.empty(parts, block * g * (n + 1))  # the block's logits, then its rows' 1 / Σ exp
     _check(k.attention(k.sgemm, q.data_ptr(), kk.data_ptr(), vv.data_ptr() if vv is not None else None,
                        out.data_ptr() if out is not None else None, sums.data_ptr(), scratch.data_ptr(),
                        scratch.shape[1], heads, g, w, n, d, float(scaling), float(softcap or 0.0), block, parts,

@@ -5,8 +5,9 @@
  *    cumulative score, Wan et al. 2024; H2O's accumulated attention). One block of query rows at a
  *    time: S = scale·Q_blk·K^T (BLAS sgemm) into a cache-sized buffer, an exact row softmax over
  *    the keys each row may see (one exp per causal (query, key) pair, no online rescaling since
- *    the whole row is in the buffer), the column sums, then O_blk = P·V (sgemm). The probabilities
- *    never leave the cache.
+ *    the whole row is in the buffer), the column sums, then O_blk = E·V (sgemm, E = the
+ *    unnormalised exponentials) with each row scaled by its 1 / Σ exp (one write pass over the
+ *    buffer fewer than normalising it). The probabilities never leave the cache.
  * 2. kvb_nearest_kept: for unit-norm evicted keys, the most cosine-similar unit-norm kept key
  *    (LOOK-M's merge target), one block of evicted rows at a time: S = E_blk·K^T (sgemm) and a
  *    row argmax in the cache (first index of the maximum, as torch.max on CPU).
@@ -46,6 +47,7 @@ static int attention_part(void *sgemm_p, const float *q, const float *k, const f
   const float one = 1.0f, zero = 0.0f;
   const float alpha = softcap > 0.0f ? 1.0f : scale;
   const int di = (int)d;
+  float *row_inv = scratch + block * g * n; /* block·g floats after the logits */
   for (int64_t it = item_begin; it < item_end; ++it) {
     const int64_t blk = it % nblocks, bh = it / nblocks;
     if (bh >= heads) return 1;
@@ -71,17 +73,17 @@ static int attention_part(void *sgemm_p, const float *q, const float *k, const f
         total += e;
       }
       const float inv = 1.0f / total;
-      for (int64_t j = 0; j < visible; ++j) {
-        const float p = s[j] * inv;
-        s[j] = p;
-        col[j] += p;
-      }
+      for (int64_t j = 0; j < visible; ++j) col[j] += s[j] * inv; /* S keeps exp(s - max): no write pass */
+      row_inv[rr] = inv;
       for (int64_t j = visible; j < keys; ++j) s[j] = 0.0f;
     }
     if (out) {
-      /* O_blk (rows × d) = P · V: column-major O^T = V^T · P^T */
-      sgemm("N", "N", &di, &rows, &keys, &one, v + bh * n * d, &di, scratch, &keys, &zero,
-            out + (bh * w + r0) * g * d, &di);
+      /* O_blk (rows × d) = P · V: column-major O^T = V^T · E^T with E = exp(S - row max), then
+       * each row scaled by its 1 / Σ exp */
+      float *o = out + (bh * w + r0) * g * d;
+      sgemm("N", "N", &di, &rows, &keys, &one, v + bh * n * d, &di, scratch, &keys, &zero, o, &di);
+      for (int rr = 0; rr < rows; ++rr)
+        for (int64_t c = 0; c < d; ++c) o[(int64_t)rr * d + c] *= row_inv[rr];
     }
   }
   return 0;
@@ -190,6 +192,7 @@ int kvb_attention_column_sums(void *sgemm_p, const float *q, const float *k, con
                               int64_t g, int64_t w, int64_t n, int64_t d, float scale, float softcap, int64_t block,
                               int64_t parts, const int64_t *cuts) {
   int status = 0;
+  if (scratch_stride < block * g * (n + 1)) return 4; /* logits and the rows' 1 / Σ exp */
 #pragma omp parallel num_threads((int)parts) reduction(| : status)
   for (int64_t p = omp_get_thread_num(); p < parts; p += omp_get_num_threads())
     status |= attention_part(sgemm_p, q, k, v, out, sums + p * heads * g * n, scratch + p * scratch_stride,
