@@ -62,6 +62,18 @@ def _probe_note(r: dict) -> str:
     return f" over a {r['read_probe_bytes'] / (1 << 20):.0f} MiB tensor{cache}"
 
 
+def _below_floor(r: dict) -> list[str]:
+    """What of run ``r`` is impossible on an undisturbed machine: a step or its bare read pattern
+    faster than the floor, or a step faster than reading its own tensors (the read pattern)."""
+    step, floor, pattern = _step_ms(r), _floor_ms(r), _pattern_ms(r)
+    why = [f"step {step / floor:.2f}× the floor"] if step < floor else []
+    if pattern and pattern < floor:
+        why.append(f"read pattern {pattern / floor:.2f}× the floor")
+    if pattern and step < pattern:
+        why.append(f"step {step / pattern:.2f}× its read pattern")
+    return why
+
+
 def _pattern_ms(r: dict) -> float | None:
     """Median ms to read the step's tensors as the step reads them (None for older runs)."""
     return 1000 * r["step_read_pattern_s"] if r.get("step_read_pattern_s") else None
@@ -112,24 +124,28 @@ def run(ctx: Context) -> BenchResult:
                  for i, r in enumerate(rounds) for label, one in r.items()],
     })
     # A step (or its bare read pattern) faster than its own floor read faster than the machine's
-    # measured bandwidth: the probe and the step ran under different load (other processes on the
+    # measured bandwidth, and a step faster than its read pattern read its bytes faster than a bare
+    # read of them: the probes and the step ran under different load (other processes on the
     # cores). The numbers of such a run say nothing about the targets: reported, not judged.
     measured = [(f"{r['prompt_tokens']} tokens {label}", r) for n in s.lengths for label, r in by_n[n].items()]
     measured += [(f"{one['prompt_tokens']} tokens {label}, round {i + 1} in one process", one)
                  for i, r in enumerate(rounds) for label, one in r.items()]
-    below = [f"{name}: step {_step_ms(r) / _floor_ms(r):.2f}×"
-             + (f", read pattern {_pattern_ms(r) / _floor_ms(r):.2f}×" if _pattern_ms(r) else "")
-             for name, r in measured
-             if _step_ms(r) < _floor_ms(r) or (_pattern_ms(r) or _floor_ms(r)) < _floor_ms(r)]
+    below = [f"{name}: " + ", ".join(why) for name, r in measured if (why := _below_floor(r))]
     if below:
-        res.notes.append("unreliable: measured below the memory-traffic floor (" + "; ".join(below)
+        res.notes.append("unreliable: measured below the memory-traffic floor or faster than its own reads ("
+                         + "; ".join(below)
                          + "): the bandwidth probe and the steps ran under different CPU load, or the probe "
                          "(one long sum) reads slower than this machine's few-MB reads; rerun on an idle machine")
-        if any(str(n_max) + " tokens" in b for b in below):
-            steps_below = any(str(n_max) + " tokens" in name and _step_ms(r) < _floor_ms(r) for name, r in measured)
-            what = "a step" if steps_below else "a step's read pattern"
-            off = off or (f"unreliable: {what} at {full['prompt_tokens']} tokens measured below the floor (CPU "
-                          "contention, or a probe slower than the step's reads)")
+        at_n = [r for name, r in measured if str(n_max) + " tokens" in name and _below_floor(r)]
+        if at_n:
+            if any(_step_ms(r) < _floor_ms(r) for r in at_n):
+                what = "a step at {n} tokens measured below the floor"
+            elif any((_pattern_ms(r) or _floor_ms(r)) < _floor_ms(r) for r in at_n):
+                what = "a step's read pattern at {n} tokens measured below the floor"
+            else:
+                what = "a step at {n} tokens measured faster than reading its own tensors"
+            off = off or (f"unreliable: {what.format(n=full['prompt_tokens'])} (CPU contention, or a probe slower "
+                          "than the step's reads)")
     res.targets.append(Target(
         f"25% cache decode speed-up over full at {full['prompt_tokens']} tokens",
         f"{speedup:.2f}× (median of {len(rounds)} alternating rounds: {', '.join(f'{x:.2f}' for x in ratios)})",

@@ -5,7 +5,7 @@ Layout and record schema: ``docs/RESULTS.md``. Guarantees:
 * records are appended (never rewritten) under an exclusive ``flock`` and ``fsync``-ed, so
   shards of one job can share its folder and a ``kill -9`` loses at most the sample in flight;
 * a truncated last line (a crash mid-write) is detected on open, moved aside to
-  ``predictions.jsonl.partial-<time>`` and that sample is redone;
+  ``predictions.jsonl.partial-<time>`` and a run whose samples include that one computes it again;
 * a process holds ``.lock.shard<k>`` for the whole run of shard k: a second process on the
   same shard waits up to ``lock_wait_s`` and then exits with a clear message;
 * ``config.yaml``, ``env.json`` and ``summary.json`` are written atomically (temp file + rename);
@@ -483,7 +483,7 @@ class JobStore:
             f.flush()
             os.fsync(f.fileno())
         log.warning(
-            "%s ended with a truncated record (%d bytes, a crash mid-write); moved to %s, that sample is redone",
+            "%s ended with a truncated record (%d bytes, a crash mid-write); moved to %s; a run whose samples include it computes it again",
             self.predictions, len(data) - cut, partial.name,
         )
         return len(data) - cut
