@@ -477,20 +477,17 @@ def test_decode_steps_below_their_floor_are_reported_not_judged():
                            "tokens 25%, round 3 in one process: step 0.92× the floor, step 0.72× its read pattern)")
     assert [t.verdict for t in res.targets] == ["INFO", "INFO", "INFO"]
     assert all("not judged: unreliable: a step at 8000 tokens measured below the floor" in t.note for t in res.targets)
-    # only the read pattern below its floor (the step itself 1.65× above it): named as such
-    res = _decode_suite(runs, good[:2] + [(_decode_run(150.0, 80.0, 369), _decode_run(100.0, 80.0, 92))])
-    (note,) = [n for n in res.notes if n.startswith("unreliable")]
-    assert "8000 tokens full, round 3 in one process: read pattern 0.88× the floor" in note
-    assert [t.verdict for t in res.targets] == ["INFO", "INFO", "INFO"]
-    assert all("not judged: unreliable: a step's read pattern at 8000 tokens measured below the floor" in t.note
-               for t in res.targets)
-    # a step above its floor but faster than a bare read of its own tensors (the read pattern, 1.5 x its step)
-    res = _decode_suite(runs, good[:2] + [(_decode_run(150.0, 225.0, 369), _decode_run(100.0, 80.0, 92))])
-    (note,) = [n for n in res.notes if n.startswith("unreliable")]
-    assert "8000 tokens full, round 3 in one process: step 0.67× its read pattern)" in note
-    assert [t.verdict for t in res.targets] == ["INFO", "INFO", "INFO"]
-    assert all("not judged: unreliable: a step at 8000 tokens measured faster than reading its own tensors" in t.note
-               for t in res.targets)
+    # only the read pattern below its floor (the step itself 1.65× above it): named as such; then a step
+    # above its floor but faster than a bare read of its own tensors (the read pattern, 1.5× its step)
+    for pattern_ms, named, off in [
+        (80.0, "read pattern 0.88× the floor", "a step's read pattern at 8000 tokens measured below the floor"),
+        (225.0, "step 0.67× its read pattern", "a step at 8000 tokens measured faster than reading its own tensors"),
+    ]:
+        res = _decode_suite(runs, good[:2] + [(_decode_run(150.0, pattern_ms, 369), _decode_run(100.0, 80.0, 92))])
+        (note,) = [n for n in res.notes if n.startswith("unreliable")]
+        assert f"8000 tokens full, round 3 in one process: {named})" in note
+        assert [t.verdict for t in res.targets] == ["INFO", "INFO", "INFO"]
+        assert all(f"not judged: unreliable: {off}" in t.note for t in res.targets)
 
 
 def test_compression_builds_lookms_kernels_before_it_times_anything(monkeypatch):
