@@ -195,7 +195,7 @@ def _decode_attention(query, key, value, mask, scaling, softcap, bias_buf, refer
         else:
             attn_bias = attn_bias + mask
     if key.device.type == "cpu" and mask is None and key.dtype == torch.float32:
-        kernels = cpu_decode.kernels()
+        kernels = cpu_decode.load()
         out = cpu_decode.attention(kernels, rows, key, value, attn_bias, scaling) if kernels is not None else None
         if out is not None:
             return out.reshape(b, 1, h_q, d)

@@ -50,7 +50,6 @@ MIN_CHUNK = 256  # keys per attention task at least (a task's fixed cost is abou
 MAX_GROUP, MAX_HEAD_DIM = 16, 256  # the kernel's limits (query heads per KV head, head dim)
 
 
-
 class _Kernels:
     """The loaded library's entry points (one per process; copies of a model share it)."""
 
@@ -89,11 +88,9 @@ def load() -> _Kernels | None:
     """The kernels, built and loaded once per process; None when they cannot be used (never raises).
 
     The first None logs the reason once at INFO: PyTorch's operations compute the same step.
+    Cheap once the outcome is known (no lock): the decode step calls it per layer.
     """
     return LIBRARY.get()
-
-
-kernels = load  # the decode step's per-call check (no lock once the outcome is known)
 
 
 def unavailable_reason() -> str | None:

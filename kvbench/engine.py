@@ -377,7 +377,7 @@ class Engine:
                 cache layer that cannot be cut back (e.g. a sliding window).
         """
         state = self.last_state
-        if state is None or getattr(self, "_replay", None) is None:
+        if state is None or self._replay is None:
             raise RuntimeError("decode_again: no generation to repeat (generate first)")
         if self.last_decode_path != "fused":
             raise RuntimeError("decode_again: the last generation decoded through the model's modules")

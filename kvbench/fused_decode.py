@@ -236,7 +236,7 @@ class FusedDecoder:
         # CPU float32 with the compiled kernels (kvbench.cpu_decode): PyTorch's output-major
         # layout, which the kernel's matrix-vector product reads row by row.
         on_cpu = self.embed.device.type == "cpu"
-        self.kernels = cpu_decode.kernels() if on_cpu and self.embed.dtype == torch.float32 else None
+        self.kernels = cpu_decode.load() if on_cpu and self.embed.dtype == torch.float32 else None
         self.input_major = self.INPUT_MAJOR_ON_CPU and on_cpu and self.kernels is None
         input_major = self.input_major
         with torch.inference_mode(False), torch.no_grad():
