@@ -5,7 +5,14 @@ import torch
 
 from methods import lookm
 from methods.base import ConfigError, HeadLayout, LayerContext
-from methods.lookm import LookM, LookMConfig, cumulative_attention, merge_into_targets, nearest_kept, soft_cosine_gate
+from methods.lookm import (
+    LookM,
+    LookMConfig,
+    cumulative_attention,
+    merge_into_targets,
+    nearest_kept,
+    soft_cosine_gate,
+)
 
 
 def t(rows):
