@@ -1,23 +1,18 @@
 """kvbench's attention function, registered with transformers' ``AttentionInterface``.
 
-The model is loaded with ``attn_implementation="kvbench"``; no global monkey-patching. Each
-forward call carries a :class:`CompressionState` in the model's keyword arguments
-(``kvbench_state=...``), which transformers passes down to every attention call.
+The model is loaded with ``attn_implementation="kvbench"``; no global monkey-patching. Every
+forward call (prefill and each decode step) runs the model's own modules and carries a
+:class:`CompressionState` in its keyword arguments (``kvbench_state=...``), which transformers
+passes down to every attention call.
 
-* **Prefill** (``state.phase == "prefill"``): attention is SDPA (or a chunked float32 path when
-  the model soft-caps logits, Gemma 2). Then, for each compressible layer, the last W queries
-  of the prompt — exactly the model's own queries after q-norm and RoPE, so every family's
-  specifics are respected — and the full cache of the layer are handed to the method
-  (:class:`methods.base.LayerContext`); its result replaces the layer's cache. Nothing n×n is
-  built: the window attention is ``(H_q, W, n)``.
-* **Decode**: each compressed layer's additive logit bias ``(B, H, m)`` (compensation, and −inf
-  on invalid padded slots of per-head variable-length caches) is added to the first m
-  positions' logits; tokens appended during decoding get bias 0. Grouped-query attention runs
-  against the un-repeated cache (each GQA group's queries as rows of one SDPA call), never
-  materialising repeated keys/values; on CPU, long caches are split into key chunks merged by
-  log-sum-exp (:func:`_split_kv_attention`) so that every thread streams keys. The cache is
-  preallocated (:mod:`kvbench.kvcache`): a decode step writes its key/value in place instead of
-  copying the cache.
+* **Prefill** (``state.phase == "prefill"``): SDPA (chunked float32 attention when the model
+  soft-caps logits, Gemma 2). Then each compressible layer's last W queries (the model's own,
+  after q-norm and RoPE) and full cache go to the method (:class:`methods.base.LayerContext`);
+  its result replaces the layer's cache. Nothing n×n is built.
+* **Decode**: each compressed layer's additive logit bias ``(B, H_q, m)`` (compensation, and −inf
+  on invalid padded slots of per-head variable-length caches) is added to the first m logits;
+  decoded tokens get bias 0. GQA runs against the un-repeated cache: the G query heads of a KV
+  head are G query rows of one SDPA call.
 """
 
 from __future__ import annotations
@@ -32,15 +27,10 @@ import torch.nn.functional as F
 from methods.base import CompressResult, HeadLayout, LayerContext, Method, Plan
 from methods.lookm import attention_with_column_sums
 
-from . import cpu_decode
 from .kvcache import store_layer
 
 ATTN_IMPLEMENTATION = "kvbench"
 _PREFILL_CHUNK = 1024  # query rows per block in the soft-capping prefill path
-# Split-KV decode on CPU (see _split_kv_attention): from this many cached tokens on (measured:
-# no gain at 2k on SmolLM2-135M, 2 threads; 12 % of the attention time at 4k and 8k).
-SPLIT_KV_MIN_TOKENS = 3072
-_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
 @dataclass
@@ -48,22 +38,17 @@ class CompressionState:
     """Per-generation state of the compressed cache, passed to the attention function.
 
     Attributes:
-        method: the compression method (None for no compression).
-        plan: the per-sample :class:`methods.base.Plan`.
-        layout: the model's head layout.
-        cache: the ``DynamicCache`` being filled.
+        method, plan, layout: the compression method, its per-sample :class:`methods.base.Plan`,
+            the model's head layout.
+        cache: the transformers cache being filled.
         phase: ``prefill`` or ``decode``.
         results: per-layer :class:`CompressResult` of this sample (layer index → result).
-        bias: per-layer decode bias ``(B, H, 1, m + max_new_tokens)`` in the query dtype.
-        compress_s: seconds spent in the method during prefill (wall clock, synchronised); a
-            score computed inside the prefill attention (LOOK-M's ``fused_score``) counts as
-            prefill, not here.
+        bias: per-layer decode bias ``(B, H_q, 1, m + max_new_tokens + 1)`` in the model dtype.
+        compress_s: seconds spent in the method during prefill (synchronised on CUDA); a score
+            computed inside the prefill attention (LOOK-M's ``fused_score``) counts as prefill.
         rotary: callable positions → (cos, sin) for methods that re-position keys.
         max_new_tokens: decode budget (tokens), the bias buffers' free slots.
-        reference_decode: decode with :func:`grouped_attention` instead of the fast path (tests).
-        last_row_layer: index of the layer whose prefill attention output is needed for the
-            prompt's last token only (the model's last layer, see
-            :func:`kvbench.engine.last_row_prefill`), or None.
+        reference_decode: decode with :func:`grouped_attention` (float32 softmax; tests).
     """
 
     method: Method | None
@@ -77,7 +62,6 @@ class CompressionState:
     rotary: Any = None
     max_new_tokens: int = 0
     reference_decode: bool = False
-    last_row_layer: int | None = None
 
     @property
     def compressing(self) -> bool:
@@ -85,96 +69,66 @@ class CompressionState:
 
 
 def _apply_mask(logits: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """``logits`` with transformers' mask applied (bool keep-mask or additive float)."""
     if mask is None:
         return logits
-    if mask.dtype == torch.bool:
-        return logits.masked_fill(~mask, float("-inf"))
-    return logits + mask
+    return logits.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else logits + mask
 
 
-def grouped_attention(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    scaling: float,
-    bias: torch.Tensor | None = None,
-    mask: torch.Tensor | None = None,
-    softcap: float | None = None,
-    causal_offset: int | None = None,
-) -> torch.Tensor:
+def grouped_attention(query, key, value, scaling: float, bias=None, mask=None, softcap=None, causal_offset=None):
     """Reference attention for GQA without repeating keys/values, float32 softmax.
 
     Args:
-        query: ``(B, H_q, q, d)``.
-        key, value: ``(B, H_kv, T, d)``.
-        scaling: logit scale.
-        bias: optional additive ``(B, H_q, q or 1, T)`` logits bias.
+        query: ``(B, H_q, q, d)``; key, value: ``(B, H_kv, T, d)`` (query head h uses KV head h // G).
+        scaling: logit scale; softcap: Gemma-2 logit soft-capping (``tanh(x/c)·c``).
+        bias: optional additive ``(B, H_q, q or 1, T)`` logit bias.
         mask: optional transformers mask ``(B, 1, q, T)`` (bool keep-mask or additive float).
-        softcap: Gemma-2 logit soft-capping.
-        causal_offset: if given, query row i (absolute position ``causal_offset + i``) sees keys
-            ``j <= causal_offset + i`` (used when no mask is passed in prefill).
+        causal_offset: without a mask, query row i (position ``causal_offset + i``) sees keys ``≤`` it.
 
     Returns:
         ``(B, q, H_q, d)`` (transformers' attention output layout).
     """
     b, h_q, q, d = query.shape
     h_kv, t = key.shape[1], key.shape[2]
-    g = h_q // h_kv
-    qg = query.reshape(b, h_kv, g * q, d)
-    logits = torch.matmul(qg, key.transpose(-1, -2)).float().view(b, h_kv, g, q, t) * scaling
+    logits = torch.matmul(query.reshape(b, h_kv, -1, d), key.transpose(-1, -2)).float() * scaling
     if softcap:
         logits = torch.tanh(logits / softcap) * softcap
-    logits = logits.view(b, h_q, q, t)
-    if bias is not None:
-        logits = logits + bias
-    logits = _apply_mask(logits, mask)
+    logits = _apply_mask(logits.view(b, h_q, q, t) + (bias if bias is not None else 0), mask)
     if causal_offset is not None and mask is None and q > 1:
         rows = torch.arange(q, device=key.device).unsqueeze(1) + causal_offset
-        cols = torch.arange(t, device=key.device).unsqueeze(0)
-        logits = logits.masked_fill(cols > rows, float("-inf"))
-    probs = torch.softmax(logits, dim=-1).to(value.dtype).view(b, h_kv, g * q, t)
-    out = torch.matmul(probs, value).view(b, h_q, q, d)
-    return out.transpose(1, 2).contiguous()
+        logits = logits.masked_fill(torch.arange(t, device=key.device) > rows, float("-inf"))
+    probs = torch.softmax(logits, dim=-1).to(value.dtype).view(b, h_kv, -1, t)
+    return torch.matmul(probs, value).view(b, h_q, q, d).transpose(1, 2).contiguous()
 
 
-def _prefill_attention(module, query, key, value, mask, scaling, softcap) -> torch.Tensor:
-    """Prefill attention: SDPA with native GQA, or chunked float32 attention when soft-capping."""
+def _prefill_attention(query, key, value, mask, scaling, softcap) -> torch.Tensor:
+    """Prefill attention ``(B, q, H_q, d)``: SDPA with native GQA, or blocked float32 when soft-capping."""
     if not softcap:
-        is_causal = mask is None and query.shape[2] > 1
-        out = F.scaled_dot_product_attention(
-            query, key, value, attn_mask=mask, scale=scaling, is_causal=is_causal, enable_gqa=True
-        )
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling,
+                                             is_causal=mask is None and query.shape[2] > 1, enable_gqa=True)
         return out.transpose(1, 2).contiguous()
     q_len, t = query.shape[2], key.shape[2]
-    outs = []
-    for start in range(0, q_len, _PREFILL_CHUNK):
-        stop = min(q_len, start + _PREFILL_CHUNK)
-        m = mask[:, :, start:stop] if mask is not None else None
-        outs.append(
-            grouped_attention(
-                query[:, :, start:stop], key, value, scaling, mask=m, softcap=softcap, causal_offset=t - q_len + start
-            )
-        )
-    return torch.cat(outs, dim=1)
+    return torch.cat([
+        grouped_attention(query[:, :, s : s + _PREFILL_CHUNK], key, value, scaling, softcap=softcap,
+                          mask=mask[:, :, s : s + _PREFILL_CHUNK] if mask is not None else None,
+                          causal_offset=t - q_len + s)
+        for s in range(0, q_len, _PREFILL_CHUNK)
+    ], dim=1)
 
 
 def _decode_attention(query, key, value, mask, scaling, softcap, bias_buf, reference=False) -> torch.Tensor:
     """Decode attention over the (compressed) cache with the layer's logit bias.
 
-    The fast path (one query token, no soft-capping) views the G query heads of each KV head
-    as G query rows, ``(B, H_kv, G, d)``, and calls SDPA against the un-repeated cache
-    ``(B, H_kv, T, d)``: no repeated keys/values, no GQA broadcast inside SDPA (measured
-    fastest on CPU for q_len=1, ahead of SDPA ``enable_gqa`` and of a grouped matmul); on CPU in
-    float32 without a mask, the compiled kernel :func:`kvbench.cpu_decode.attention` computes the
-    same (split-K online softmax, read at close to the machine's bandwidth) when it is built. Query
-    head h belongs to KV head h // G (transformers' ``repeat_kv`` order), so the bias
-    ``(B, H_q, 1, T)`` views as ``(B, H_kv, G, T)``. ``reference=True``, soft-capping or
-    several query tokens take :func:`grouped_attention` (float32 softmax).
+    One query token without soft-capping: the G query heads of each KV head are viewed as G
+    query rows ``(B, H_kv, G, d)`` of one SDPA call against the un-repeated cache
+    ``(B, H_kv, T, d)`` (no repeated keys/values); the bias ``(B, H_q, 1, T)`` views as
+    ``(B, H_kv, G, T)`` (query head h = kv·G + g, transformers' ``repeat_kv`` order). Otherwise
+    (``reference``, soft-capping, several query tokens): :func:`grouped_attention`.
 
     Args:
         query: ``(B, H_q, q, d)``; key, value: ``(B, H_kv, T, d)`` (views of a preallocated cache allowed).
         mask: transformers' mask ``(B, 1, q, T)`` (bool keep-mask or additive float) or None.
-        bias_buf: the layer's bias buffer ``(B, H_q, 1, m + max_new)`` or None.
+        bias_buf: the layer's bias buffer ``(B, H_q, 1, ≥ T)`` or None.
 
     Returns:
         ``(B, q, H_q, d)``.
@@ -184,132 +138,20 @@ def _decode_attention(query, key, value, mask, scaling, softcap, bias_buf, refer
     bias = bias_buf[..., :t] if bias_buf is not None else None
     if reference or softcap or q_len > 1:
         return grouped_attention(query, key, value, scaling, bias=bias, mask=mask, softcap=softcap)
-    g = h_q // h_kv
-    rows = query.reshape(b, h_kv, g, d)  # (B, H_kv, G, d): the GQA group as query rows
-    attn_bias = bias.view(b, h_kv, g, t) if bias is not None else None
+    attn_bias = bias.view(b, h_kv, h_q // h_kv, t) if bias is not None else None
     if mask is not None:  # (B, 1, 1, T) broadcasts over (B, H_kv, G, T)
-        if attn_bias is None:
-            attn_bias = mask
-        elif mask.dtype == torch.bool:
-            attn_bias = attn_bias.masked_fill(~mask, float("-inf"))
-        else:
-            attn_bias = attn_bias + mask
-    if key.device.type == "cpu" and mask is None and key.dtype == torch.float32:
-        kernels = cpu_decode.load()
-        out = cpu_decode.attention(kernels, rows, key, value, attn_bias, scaling) if kernels is not None else None
-        if out is not None:
-            return out.reshape(b, 1, h_q, d)
-    chunks = split_kv_chunks(b * h_kv, t) if key.device.type == "cpu" else 1
-    if chunks > 1 and (attn_bias is None or attn_bias.is_floating_point()):
-        out = _split_kv_attention(rows, key, value, attn_bias, scaling, chunks)
-    else:
-        out = F.scaled_dot_product_attention(rows, key, value, attn_mask=attn_bias, scale=scaling)  # (B, H_kv, G, d)
+        attn_bias = mask if attn_bias is None else _apply_mask(attn_bias, mask)
+    rows = query.reshape(b, h_kv, h_q // h_kv, d)
+    out = F.scaled_dot_product_attention(rows, key, value, attn_mask=attn_bias, scale=scaling)
     return out.reshape(b, 1, h_q, d)
 
 
-def split_kv_chunks(heads: int, t: int) -> int:
-    """Number of key chunks for :func:`_split_kv_attention` (1: no split).
-
-    PyTorch's CPU flash attention runs one task per (batch, head) pair of the call: with 3 KV
-    heads on 2 threads one thread reads two heads' keys while the other idles half the time.
-    Splitting the keys into C chunks gives ``heads·C`` tasks; C is the smallest ≥ 2 with a
-    multiple of the thread count and at least two tasks per thread. No split below
-    :data:`SPLIT_KV_MIN_TOKENS` cached tokens, on one thread, or without the CPU flash kernel.
-
-    Args:
-        heads: ``B·H_kv`` (batch × KV heads).
-        t: cached tokens.
-    """
-    threads = torch.get_num_threads()
-    if _FLASH_CPU is None or t < SPLIT_KV_MIN_TOKENS or threads < 2:
-        return 1
-    c = 2
-    while c < 2 * threads and ((heads * c) % threads or heads * c < 2 * threads):
-        c += 1
-    return c
-
-
-def _flash_part(query, key, value, bias, chunks: int, size: int, scaling: float):
-    """One flash call over ``chunks`` consecutive key chunks of ``size`` tokens each.
-
-    query ``(B, H, G, d)``; key/value ``(B, H, chunks·size, d)`` (views allowed); bias ``(B, H|1,
-    G|1, chunks·size)`` or None. Returns ``out (B·H, chunks, G, d)`` and ``lse (B·H, chunks, G)``
-    (float32 natural-log sum of exp of the scaled, biased logits, −inf for a chunk whose keys
-    are all masked: the kernel itself reports 0 there).
-    """
-    b, h, g, d = query.shape
-    q = query.unsqueeze(2).expand(b, h, chunks, g, d).flatten(0, 1)  # (B·H, C, G, d)
-    k = key.unflatten(2, (chunks, size)).flatten(0, 1)  # (B·H, C, n, d), a view of the cache
-    v = value.unflatten(2, (chunks, size)).flatten(0, 1)
-    m = None
-    if bias is not None:
-        m = bias.unflatten(-1, (chunks, size)).movedim(3, 2)  # (B, H|1, C, G|1, n)
-        m = m.expand(b, h, chunks, g, size).flatten(0, 1)  # (B·H, C, G, n)
-    out, lse = _FLASH_CPU(q, k, v, attn_mask=m, scale=scaling)
-    if m is not None:
-        lse = lse.masked_fill(torch.isneginf(m).all(-1), float("-inf"))
-    return out, lse
-
-
-def _split_kv_attention(rows, key, value, attn_bias, scaling: float, chunks: int) -> torch.Tensor:
-    """Decode attention with the keys split into chunks, merged by log-sum-exp (flash-decoding).
-
-    Each chunk's attention ``o_c`` and log-sum-exp ``l_c`` come from PyTorch's CPU flash kernel
-    (the one ``F.scaled_dot_product_attention`` calls); the result is
-    ``Σ_c softmax_c(l)·o_c``, which is the softmax over all keys (Dao et al. 2023,
-    "Flash-Decoding for long-context inference"). Equal to one SDPA call within float32
-    rounding (tests: ``tests/kvbench/test_decode_fastpath.py``).
-
-    Args:
-        rows: ``(B, H_kv, G, d)`` queries (a GQA group's heads as rows).
-        key, value: ``(B, H_kv, T, d)``, views of the preallocated cache allowed.
-        attn_bias: additive float ``(B, H_kv|1, G|1, T)`` or None (−inf: masked).
-        chunks: key chunks (:func:`split_kv_chunks`); tokens beyond ``chunks·⌊T/chunks⌋`` get a call of their own.
-
-    Returns:
-        ``(B, H_kv, G, d)`` in the query dtype.
-    """
-    b, h, g, d = rows.shape
-    t = key.shape[2]
-    size = t // chunks
-    main = size * chunks
-    out, lse = _flash_part(rows, key[:, :, :main], value[:, :, :main],
-                           attn_bias[..., :main] if attn_bias is not None else None, chunks, size, scaling)
-    if main < t:
-        o2, l2 = _flash_part(rows, key[:, :, main:], value[:, :, main:],
-                             attn_bias[..., main:] if attn_bias is not None else None, 1, t - main, scaling)
-        out, lse = torch.cat((out, o2), dim=1), torch.cat((lse, l2), dim=1)
-    weights = torch.softmax(lse, dim=1).unsqueeze(-1)  # (B·H, C, G, 1)
-    merged = (out.float() * weights).sum(dim=1)  # float32 merge (a no-op cast for float32)
-    return merged.to(rows.dtype).view(b, h, g, d)
-
-
-def fuse_prompt_attention(method: Method, query: torch.Tensor, key: torch.Tensor, mask, softcap) -> bool:
-    """Whether this prefill call computes the method's column sums with the attention output.
-
-    Args: the method, ``query (B, H_q, q, d)``, ``key (B, H_kv, T, d)``, the layer's mask
-    (None when causal SDPA suffices) and soft-capping value of one prefill attention call.
-
-    Only for a whole causal prompt in one call (queries = keys, no mask: transformers passes
-    none when causal SDPA suffices) without soft-capping, and when the method asks for it.
-    """
+def fuse_prompt_attention(method: Method, query, key, mask, softcap) -> bool:
+    """Whether this prefill call computes the method's column sums with its output (LOOK-M):
+    a whole causal prompt in one call (queries = keys, no mask), no soft-capping, and the
+    method asks for it (``wants_prompt_attention``)."""
     return (mask is None and not softcap and query.shape[2] == key.shape[2] > 1
             and method.wants_prompt_attention(key.device))
-
-
-def fused_prefill_attention(method: Method, query, key, value, scaling: float, softcap) -> tuple[torch.Tensor, torch.Tensor]:
-    """The prefill attention of :func:`fuse_prompt_attention`'s case, with the method's column sums.
-
-    :func:`methods.lookm.attention_with_column_sums` with the method's ``query_chunk`` and ``kernel``.
-
-    Returns:
-        ``(out (B, q, H_q, d), sums (B, H_q, n) float32)``: the output as the attention
-        function returns it, the sums as ``LayerContext.prompt_attention``.
-    """
-    out, sums = attention_with_column_sums(query, key, value, scaling, softcap,
-                                           getattr(method.config, "query_chunk", 512),
-                                           getattr(method.config, "kernel", "auto"))
-    return out.transpose(1, 2).contiguous(), sums
 
 
 def _compress_layer(state: CompressionState, module, query, key, value, scaling, softcap, prompt_attention=None) -> None:
@@ -317,57 +159,36 @@ def _compress_layer(state: CompressionState, module, query, key, value, scaling,
 
     ``prompt_attention``: ``(B, H_q, n)`` column sums from the prefill attention, or None.
     """
-    layer_idx = module.layer_idx
     sync = key.device.type == "cuda"
     if sync:
         torch.cuda.synchronize()
     t0 = time.perf_counter()
-    n = key.shape[2]
+    idx, n, plan = module.layer_idx, key.shape[2], state.plan
     w = min(state.method.window_size, n)
-    plan = state.plan
     ctx = LayerContext(
-        layer_idx=layer_idx,
-        layout=state.layout,
-        keys=key,
-        values=value,
-        window_queries=query[:, :, n - w :] if w > 0 else query[:, :, :0],
-        scaling=float(scaling),
-        budget=int(plan.layer_budgets[layer_idx]),
-        softcap=softcap,
-        head_budget=plan.head_budgets[layer_idx] if plan.head_budgets is not None else None,
-        positions=torch.arange(n, device=key.device),
-        rotary=state.rotary,
-        artifacts=state.method.artifacts,
+        layer_idx=idx, layout=state.layout, keys=key, values=value, window_queries=query[:, :, n - w :],
+        scaling=float(scaling), budget=int(plan.layer_budgets[idx]), softcap=softcap,
+        head_budget=plan.head_budgets[idx] if plan.head_budgets is not None else None,
+        positions=torch.arange(n, device=key.device), rotary=state.rotary, artifacts=state.method.artifacts,
         prompt_attention=prompt_attention,
     )
     result = state.method.compress(ctx)
-    # The cache keeps its own copy (a preallocated buffer with room for the decoded tokens);
-    # the result points at it so that the method's tensors can be freed.
-    result.keys, result.values = store_layer(state.cache.layers[layer_idx], result.keys, result.values)
-    state.results[layer_idx] = result
+    # the cache keeps its own copy (room for the decoded tokens); the result points at it
+    result.keys, result.values = store_layer(state.cache.layers[idx], result.keys, result.values)
+    state.results[idx] = result
     if sync:
         torch.cuda.synchronize()
     state.compress_s += time.perf_counter() - t0
 
 
-def kvbench_attention(
-    module: torch.nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    scaling: float | None = None,
-    dropout: float = 0.0,
-    softcap: float | None = None,
-    kvbench_state: CompressionState | None = None,
-    **kwargs: Any,
-) -> tuple[torch.Tensor, None]:
+def kvbench_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, softcap=None,
+                      kvbench_state: CompressionState | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
     """The attention function behind ``attn_implementation="kvbench"``.
 
     Args:
         module: the attention module (its ``layer_idx`` names the cache layer).
-        query: ``(B, H_q, q, d)`` after q-norm and RoPE.
-        key, value: ``(B, H_kv, T, d)``, the whole cache of the layer after the update.
+        query: ``(B, H_q, q, d)`` after q-norm and RoPE; key, value: ``(B, H_kv, T, d)``, the
+            layer's whole cache after the update.
         attention_mask: transformers' mask for this layer (None when causal SDPA suffices).
         scaling: logit scale; softcap: Gemma-2 soft-capping.
         kvbench_state: the :class:`CompressionState` of this generation (None: plain attention).
@@ -377,55 +198,39 @@ def kvbench_attention(
     """
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
     state = kvbench_state
-    if state is None or state.phase == "prefill":
-        compress = state is not None and state.compressing and module.layer_idx in state.layout.compressible_layers
-        # The model's last layer: only the last prompt token's output reaches the logits.
-        last_only = state is not None and state.last_row_layer == module.layer_idx and query.shape[2] > 1
-        sums = None
-        if compress and fuse_prompt_attention(state.method, query, key, attention_mask, softcap):
-            # the method's whole-prompt score comes out of this attention (LOOK-M): one pass, not two
-            out, sums = fused_prefill_attention(state.method, query, key, value, scaling, softcap)
-            if last_only:
-                out = out[:, -1:]
-        elif last_only:
-            mask = attention_mask[:, :, -1:] if attention_mask is not None else None
-            out = _prefill_attention(module, query[:, :, -1:], key, value, mask, scaling, softcap)
-        else:
-            out = _prefill_attention(module, query, key, value, attention_mask, scaling, softcap)
-        if compress:
-            _compress_layer(state, module, query, key, value, scaling, softcap, sums)
-        if last_only:
-            # (B, q, H_q, d) as the module expects; every row is the last token's (a stride-0
-            # view; the module's o_proj reads only the last row under last_row_prefill)
-            out = out.expand(out.shape[0], query.shape[2], *out.shape[2:])
-        return out, None
-    out = _decode_attention(
-        query, key, value, attention_mask, scaling, softcap, state.bias.get(module.layer_idx), state.reference_decode
-    )
+    if state is not None and state.phase == "decode":
+        bias = state.bias.get(module.layer_idx)
+        return _decode_attention(query, key, value, attention_mask, scaling, softcap, bias, state.reference_decode), None
+    compress = state is not None and state.compressing and module.layer_idx in state.layout.compressible_layers
+    sums = None
+    if compress and fuse_prompt_attention(state.method, query, key, attention_mask, softcap):
+        # LOOK-M's whole-prompt score comes out of this attention: one pass over QK^T, not two
+        out, sums = attention_with_column_sums(query, key, value, scaling, softcap,
+                                               getattr(state.method.config, "query_chunk", 512))
+        out = out.transpose(1, 2).contiguous()
+    else:
+        out = _prefill_attention(query, key, value, attention_mask, scaling, softcap)
+    if compress:
+        _compress_layer(state, module, query, key, value, scaling, softcap, sums)
     return out, None
 
 
 def build_decode_bias(state: CompressionState, dtype: torch.dtype) -> None:
-    """Turn per-layer method results into decode-time bias buffers ``(B, H, 1, m + max_new)``.
+    """Turn per-layer method results into decode bias buffers ``(B, H_q, 1, m + max_new_tokens + 1)``.
 
-    The bias is the method's logit bias (0 where absent) with −inf on invalid slots; positions
-    appended during decoding get 0. Layers without bias or mask get no buffer (plain SDPA).
+    The bias is the method's logit bias (0 where absent) with −inf on invalid slots; the slots
+    of decoded tokens get 0. Layers without bias or validity mask get no buffer (plain SDPA).
     """
-    g = state.layout.group_size
     for idx, res in state.results.items():
         if res.logit_bias is None and res.valid is None:
             continue
         b, h_kv, m, _ = res.keys.shape
         bias = res.logit_bias.float() if res.logit_bias is not None else torch.zeros(b, h_kv, m, device=res.keys.device)
         if res.valid is not None:
-            valid = res.valid
-            if bias.shape[1] != valid.shape[1]:
-                valid = valid.repeat_interleave(bias.shape[1] // valid.shape[1], dim=1)
-            bias = bias.masked_fill(~valid, float("-inf"))
-        if bias.shape[1] != state.layout.num_q_heads:
-            bias = bias.repeat_interleave(g, dim=1)
-        buf = F.pad(bias, (0, state.max_new_tokens + 1)).unsqueeze(2)  # (B, H_q, 1, m + new)
-        state.bias[idx] = buf.to(dtype)
+            bias = bias.masked_fill(~res.valid.repeat_interleave(bias.shape[1] // res.valid.shape[1], dim=1),
+                                    float("-inf"))
+        bias = bias.repeat_interleave(state.layout.num_q_heads // bias.shape[1], dim=1)
+        state.bias[idx] = F.pad(bias, (0, state.max_new_tokens + 1)).unsqueeze(2).to(dtype)
 
 
 _registered = False

@@ -1,14 +1,15 @@
-"""One-shot compression engine: prefill with SDPA, compress once, decode greedily.
+"""One-shot compression engine: prefill, compress once, decode greedily, all through the model's own modules.
 
-The protocol of every paper reproduced here: batch size 1, greedy decoding, the prompt's
-KV cache compressed once at the end of prefill (each layer right after its own prefill
-attention, so that every layer's prefill output is computed with the full cache), new
-tokens appended uncompressed.
+The protocol of every paper reproduced here: batch size 1, greedy decoding, the prompt's KV
+cache compressed once at the end of prefill (each layer right after its own prefill attention,
+so every layer's prefill output is computed with the full cache), new tokens appended
+uncompressed. Prefill and every decode step are the model's own forward with
+``attn_implementation="kvbench"`` (:mod:`kvbench.attention`), so every family computes what
+its Hugging Face modules compute.
 """
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import logging
 import resource
@@ -21,9 +22,7 @@ import torch
 from methods.base import Method, apply_budget_floor
 
 from .attention import CompressionState, build_decode_bias
-from .fused_decode import FusedDecoder, has_hooks
-from .heap import keep_freed_heap
-from .kvcache import PreallocatedLayer, preallocated_cache
+from .kvcache import preallocated_cache
 from .models import LoadedModel
 
 log = logging.getLogger(__name__)
@@ -143,119 +142,49 @@ def _stats(values: list[float]) -> dict[str, float]:
     return {"mean": round(sum(values) / len(values), 3), "min": min(values), "max": max(values)}
 
 
-def _last_row_forward(forward):
-    """``forward`` applied to the last row of its input ``(B, q, ·)`` only: ``(B, 1, ·)`` out."""
-
-    def last_row(hidden_states, *args, **kwargs):
-        return forward(hidden_states[:, -1:], *args, **kwargs)
-
-    return last_row
-
-
-@contextlib.contextmanager
-def last_row_prefill(model: torch.nn.Module, state: CompressionState):
-    """During one prefill, compute the model's last layer for the prompt's last token only.
-
-    Only the last prompt token's logits are used (``logits_to_keep=1``), so of the last
-    decoder layer only its keys and values (the cache) and the last token's path matter. Within
-    this context that layer's attention output (:func:`kvbench.attention.kvbench_attention`,
-    via ``state.last_row_layer``), ``o_proj`` and MLP see the last row only; the residual adds
-    broadcast it over the other rows, which nothing reads. Every layer's cache and every
-    method's scores (computed from the layer's queries and keys) are unchanged; the logits equal
-    the full computation's within float32 rounding (a one-row product instead of a row of a
-    matrix product). Saves about 1/L of the prefill (L layers; measured on SmolLM2-135M: see
-    ``benchmarks/README.md``).
-
-    Applies to decoder layers with ``self_attn.o_proj`` and ``mlp`` modules (Llama, Mistral,
-    Qwen2/3, Gemma 2/3) when no forward hook is registered anywhere in the model (hooks see the
-    calls they expect); otherwise a no-op. The modules' ``forward`` is overridden on the
-    instances for the duration and restored on exit, exceptions included.
-    """
-    layers = getattr(getattr(model, "model", None), "layers", None)
-    layer = layers[-1] if layers is not None and len(layers) else None
-    attn = getattr(layer, "self_attn", None)
-    o_proj, mlp = getattr(attn, "o_proj", None), getattr(layer, "mlp", None)
-    idx = getattr(attn, "layer_idx", None)
-    modules = [m for m in (o_proj, mlp) if isinstance(m, torch.nn.Module)]
-    if len(modules) != 2 or idx is None or has_hooks(model):
-        yield
-        return
-    saved = [(m, m.__dict__.get("forward")) for m in modules]
-    for m in modules:
-        m.forward = _last_row_forward(m.forward)
-    state.last_row_layer = idx
-    try:
-        yield
-    finally:
-        state.last_row_layer = None
-        for m, own in saved:
-            if own is None:
-                del m.forward
-            else:
-                m.forward = own
-
-
 class Engine:
     """Greedy generation with one-shot KV-cache compression.
 
     Args:
-        loaded: a :class:`kvbench.models.LoadedModel`.
+        loaded: a :class:`kvbench.models.LoadedModel` (loaded with ``attn_implementation="kvbench"``).
         method: the compression method (``methods.full.FullCache`` for none).
         budget: the job's budget (ratio < 1 or tokens ≥ 1, see ARCHITECTURE.md).
+
+    Switches (tests, benchmarks): ``record_logits`` keeps every step's logits in ``last_logits``;
+    ``preallocate`` (default True) decodes into :func:`kvbench.kvcache.preallocated_cache`, else
+    a ``DynamicCache``; ``reference_decode`` runs decode attention through
+    :func:`kvbench.attention.grouped_attention`; ``on_decode_step(step)`` is called before each
+    step. ``last_state`` holds the last generation's :class:`CompressionState`.
     """
 
     def __init__(self, loaded: LoadedModel, method: Method, budget: float):
-        self.loaded = loaded
-        self.model = loaded.model
-        self.method = method
-        self.budget = budget
+        self.loaded, self.model, self.method, self.budget = loaded, loaded.model, method, budget
         self._rotary = self._make_rotary()
-        self.record_logits = False  # tests: keep every step's logits in ``last_logits``
-        self.preallocate = True  # decode into a preallocated cache (kvbench.kvcache); False: DynamicCache
-        self.reference_decode = False  # tests: decode attention through the reference path
-        # The last layer's prefill for the last prompt token only (last_row_prefill); False:
-        # the whole layer, as the model computes it (tests, cross-checks).
-        self.last_row_prefill = True
-        # Decode steps through kvbench.fused_decode (Llama/Mistral/Qwen2/Qwen3) instead of the
-        # model's modules; False (tests, cross-checks): always the module path.
-        self.fused_decode = True
-        self.on_decode_step = None  # callable(step) before each decode step (benchmarks: memory by phase)
-        self.last_decode_path = ""  # "fused" or "modules": how the last generation decoded
-        FusedDecoder.for_model(self.model)  # fuse the weights now (once per model), not inside a timed sample
-        if self.loaded.device.type == "cpu":
-            # Freed activations stay in the C heap: no page faults per prefill (kvbench.heap;
-            # KVBENCH_KEEP_HEAP=0 turns it off).
-            keep_freed_heap()
-        self.last_state: CompressionState | None = None  # the state of the last generation (tests, cross-checks)
-        self._replay: dict[str, Any] | None = None  # what decode_again repeats (see generate)
+        self.record_logits = False
+        self.preallocate = True
+        self.reference_decode = False
+        self.on_decode_step = None
+        self.last_state: CompressionState | None = None
         self.last_logits: list[torch.Tensor] = []
         self._floor_warned = False  # the budget-floor warning is logged once per engine
 
     def _make_rotary(self):
-        """Callable positions (k,) → (cos, sin) ``(k, d)`` of the full-attention layers' RoPE."""
-        base = getattr(self.model, "model", self.model)
-        rope = getattr(base, "rotary_emb", None)
+        """Callable positions (k,) → (cos, sin) ``(k, d)`` float32 of the full-attention layers' RoPE."""
+        rope = getattr(getattr(self.model, "model", self.model), "rotary_emb", None)
         if rope is None:
             return None
-        takes_type = "layer_type" in inspect.signature(rope.forward).parameters
+        extra = ("full_attention",) if "layer_type" in inspect.signature(rope.forward).parameters else ()
         dtype = self.loaded.dtype
 
         def rotary(positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            x = torch.zeros(1, dtype=dtype, device=positions.device)
-            args = (x, positions.view(1, -1))
-            cos, sin = rope(*args, "full_attention") if takes_type else rope(*args)
+            cos, sin = rope(torch.zeros(1, dtype=dtype, device=positions.device), positions.view(1, -1), *extra)
             return cos[0].float(), sin[0].float()
 
         return rotary
 
     @torch.inference_mode()
-    def generate(
-        self,
-        prompt_ids: list[int],
-        max_new_tokens: int,
-        stop_ids: list[int] | None = None,
-        min_new_tokens: int = 0,
-    ) -> GenerationResult:
+    def generate(self, prompt_ids: list[int], max_new_tokens: int, stop_ids: list[int] | None = None,
+                 min_new_tokens: int = 0) -> GenerationResult:
         """Prefill ``prompt_ids``, compress the cache once, decode greedily.
 
         Args:
@@ -269,22 +198,19 @@ class Engine:
             A :class:`GenerationResult`.
 
         Raises:
+            ValueError: an empty prompt.
             NonFiniteLogitsError: NaN/inf logits at any step.
         """
         from transformers import DynamicCache
 
         model, layout, dev = self.model, self.loaded.layout, self.loaded.device
-        stops = set(self.loaded.stop_ids if stop_ids is None else stop_ids)
+        stops = sorted(set(self.loaded.stop_ids if stop_ids is None else stop_ids))
         n = len(prompt_ids)
         if n == 0:
             raise ValueError("empty prompt: nothing to prefill")
-        # The previous sample's state holds its whole cache: release it before this prefill
-        # (else a job's peak memory holds two samples' caches).
-        self.last_state, self.last_logits, self._replay = None, [], None
-        if self.preallocate:
-            cache = preallocated_cache(model.config, reserve=max_new_tokens + 1)
-        else:
-            cache = DynamicCache(config=model.config)
+        self.last_state, self.last_logits = None, []  # free the previous sample's cache before this prefill
+        reserve = max_new_tokens + 1
+        cache = preallocated_cache(model.config, reserve) if self.preallocate else DynamicCache(config=model.config)
         planned = self.method.plan(n, self.budget, layout)
         plan = apply_budget_floor(planned, n, self.method.min_budget())
         if plan is not planned and not self._floor_warned:
@@ -295,117 +221,34 @@ class Engine:
                 self.budget, self.method.min_budget(), self.method.name, n, self.method.min_budget(),
                 "" if plan.compress else " (here all n: the cache is not compressed)",
             )
-        state = CompressionState(
-            method=self.method, plan=plan, layout=layout, cache=cache, rotary=self._rotary,
-            max_new_tokens=max_new_tokens, reference_decode=self.reference_decode,
-        )
+        state = CompressionState(method=self.method, plan=plan, layout=layout, cache=cache, rotary=self._rotary,
+                                 max_new_tokens=max_new_tokens, reference_decode=self.reference_decode)
         sync = dev.type == "cuda"
         if sync:
             torch.cuda.reset_peak_memory_stats(dev)
-        input_ids = torch.tensor([prompt_ids], device=dev)
-        trim = last_row_prefill(model, state) if self.last_row_prefill and n > 1 else contextlib.nullcontext()
         t0 = time.perf_counter()
-        with trim:
-            out = model(
-                input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1, kvbench_state=state
-            )
+        out = model(input_ids=torch.tensor([prompt_ids], device=dev), past_key_values=cache, use_cache=True,
+                    logits_to_keep=1, kvbench_state=state)
         logits = out.logits[0, -1]
         if sync:
             torch.cuda.synchronize()
-        prefill_total = time.perf_counter() - t0
-        before = cache_bytes(cache) if not state.results else self._bytes_before(cache, state, n)
+        prefill_s = max(0.0, time.perf_counter() - t0 - state.compress_s)
+        before = self._bytes_before(cache, state, n) if state.results else cache_bytes(cache)
         finalize = getattr(self.method, "finalize", None)
         if state.results and callable(finalize):
             finalize(state.results)
         build_decode_bias(state, model.dtype)
         after = cache_bytes(cache) + sum(b.numel() * b.element_size() for b in state.bias.values())
-        next_pos = n
-        repositioned = [r.next_position for r in state.results.values() if r.next_position is not None]
-        if repositioned:
-            next_pos = max(repositioned)
+        next_pos = max([r.next_position for r in state.results.values() if r.next_position is not None], default=n)
         kept, stored, mstats = self._cache_stats(state, n)
-
         state.phase = "decode"
         self.last_state = state
-        # what decode_again needs to run this decode once more on the same compressed cache
-        self._replay = dict(logits=logits, next_pos=next_pos, stops=stops, min_new_tokens=min_new_tokens,
-                            lengths=[layer.keys.shape[-2] if layer.keys is not None else 0 for layer in cache.layers],
-                            n=n, kept=kept, stored=stored, mstats=mstats, before=before, after=after,
-                            prefill_s=max(0.0, prefill_total - state.compress_s), compress_s=state.compress_s)
-        tokens, decode_s = self._decode(state, logits, next_pos, max_new_tokens, stops, min_new_tokens)
-        return self._result(tokens, decode_s)
 
-    def _result(self, tokens: list[int], decode_s: float) -> GenerationResult:
-        r = self._replay
-        return GenerationResult(
-            tokens=tokens,
-            text=self.loaded.tokenizer.decode(tokens, skip_special_tokens=True),
-            prompt_tokens=r["n"],
-            compressed=bool(self.last_state.results),
-            kept_tokens=r["kept"],
-            stored_tokens=r["stored"],
-            cache_bytes_before=r["before"],
-            cache_bytes_after=r["after"],
-            prefill_s=r["prefill_s"],
-            compress_s=r["compress_s"],
-            decode_s=decode_s,
-            generated_tokens=len(tokens),
-            decode_tok_s=len(tokens) / decode_s if decode_s > 0 else 0.0,
-            peak_rss_bytes=peak_memory_bytes(self.loaded.device),
-            method_stats=r["mstats"],
-        )
-
-    @torch.inference_mode()
-    def decode_again(self, max_new_tokens: int) -> GenerationResult:
-        """Decode the last generation's compressed cache once more, from the prefill's logits.
-
-        For decode measurements (the benchmarks' A/B rounds): the cache is cut back to what it
-        held after compression (the decoded tokens' slots are overwritten), so every round
-        decodes the same cache without another prefill. Prefill and compression fields of the
-        result are the last generation's.
-
-        Args:
-            max_new_tokens: decode steps (tokens), at most the last generation's ``max_new_tokens``
-                (the cache's reserve).
-
-        Returns:
-            A :class:`GenerationResult`.
-
-        Raises:
-            RuntimeError: no generation to repeat, the last one decoded through the model's
-                modules (only the fused step leaves the state as compression left it), or a
-                cache layer that cannot be cut back (e.g. a sliding window).
-        """
-        state = self.last_state
-        if state is None or self._replay is None:
-            raise RuntimeError("decode_again: no generation to repeat (generate first)")
-        if self.last_decode_path != "fused":
-            raise RuntimeError("decode_again: the last generation decoded through the model's modules")
-        if max_new_tokens > state.max_new_tokens:
-            raise RuntimeError(f"decode_again: {max_new_tokens} tokens > the cache's reserve ({state.max_new_tokens})")
-        r = self._replay
-        for layer, m in zip(state.cache.layers, r["lengths"]):
-            if not isinstance(layer, PreallocatedLayer):
-                raise RuntimeError(f"decode_again: a {type(layer).__name__} cannot be cut back")
-            layer.truncate(m)
-        tokens, decode_s = self._decode(state, r["logits"], r["next_pos"], max_new_tokens, r["stops"],
-                                        r["min_new_tokens"])
-        return self._result(tokens, decode_s)
-
-    def _decode(self, state: CompressionState, logits: torch.Tensor, next_pos: int, max_new_tokens: int,
-                stops: set[int], min_new_tokens: int) -> tuple[list[int], float]:
-        """Greedy decode loop from the prefill's ``logits`` ``(V,)``; returns (tokens, seconds)."""
-        model, dev, cache = self.model, self.loaded.device, state.cache
-        sync = dev.type == "cuda"
-        self.last_logits = []
-        tokens: list[int] = []
-        # Decode inputs stay on the device: the next token is the argmax tensor itself and the
-        # positions are slices of one tensor, so a step's only host-device sync is reading the
-        # token (and the finiteness flag with it) for the stop test.
+        # Decode: the next token is the argmax tensor itself and the positions are slices of one
+        # tensor, so a step's only host-device sync is reading the token (and the finiteness flag).
         positions = torch.arange(next_pos, next_pos + max(1, max_new_tokens), device=dev)
-        stop_index = torch.tensor(sorted(stops), dtype=torch.long, device=dev)
-        fused = self._decoder()
-        self.last_decode_path = "fused" if fused is not None else "modules"
+        stop_index = torch.tensor(stops, dtype=torch.long, device=dev)
+        tokens: list[int] = []
         t1 = time.perf_counter()
         for step in range(max_new_tokens):
             if self.on_decode_step is not None:
@@ -423,29 +266,20 @@ class Engine:
             if step == max_new_tokens - 1:
                 break
             pos = positions[step : step + 1]
-            if fused is not None:
-                logits = fused.step(next_tok, pos, cache, state.bias)
-            else:
-                out = model(
-                    input_ids=next_tok,
-                    past_key_values=cache,
-                    use_cache=True,
-                    position_ids=pos.view(1, 1),
-                    cache_position=pos,
-                    kvbench_state=state,
-                )
-                logits = out.logits[0, -1]
+            out = model(input_ids=next_tok, past_key_values=cache, use_cache=True, position_ids=pos.view(1, 1),
+                        cache_position=pos, kvbench_state=state)
+            logits = out.logits[0, -1]
         if sync:
             torch.cuda.synchronize()
-        return tokens, time.perf_counter() - t1
-
-    def _decoder(self) -> FusedDecoder | None:
-        """The fused decode step for this generation, or None to decode through the model's modules
-        (unsupported model, preallocation or fused decoding switched off, reference decoding, or a
-        forward hook registered anywhere in the model: hooks must see the calls they expect)."""
-        if not (self.fused_decode and self.preallocate) or self.reference_decode or has_hooks(self.model):
-            return None
-        return FusedDecoder.for_model(self.model)
+        decode_s = time.perf_counter() - t1
+        return GenerationResult(
+            tokens=tokens, text=self.loaded.tokenizer.decode(tokens, skip_special_tokens=True), prompt_tokens=n,
+            compressed=bool(state.results), kept_tokens=kept, stored_tokens=stored,
+            cache_bytes_before=before, cache_bytes_after=after, prefill_s=prefill_s, compress_s=state.compress_s,
+            decode_s=decode_s, generated_tokens=len(tokens),
+            decode_tok_s=len(tokens) / decode_s if decode_s > 0 else 0.0,
+            peak_rss_bytes=peak_memory_bytes(dev), method_stats=mstats,
+        )
 
     @staticmethod
     def _bytes_before(cache: Any, state: CompressionState, n: int) -> int:
@@ -458,15 +292,15 @@ class Engine:
         return total
 
     def _cache_stats(self, state: CompressionState, n: int):
-        kept, stored = [], []
-        mstats: dict[str, float] = {}
+        """(kept, stored, method_stats): per-layer kept/stored token stats and summed method stats."""
+        if not state.results:
+            comp = len(self.loaded.layout.compressible_layers)
+            return _stats([float(n)] * comp), _stats([n] * comp), {}
+        kept, stored, mstats = [], [], {}
         for res in state.results.values():
             m = res.keys.shape[-2]
             stored.append(m)
             kept.append(float(res.valid.float().sum(-1).mean()) if res.valid is not None else float(m))
             for k, v in res.stats.items():
                 mstats[k] = mstats.get(k, 0.0) + float(v)
-        if not state.results:
-            comp = len(self.loaded.layout.compressible_layers)
-            kept, stored = [float(n)] * comp, [n] * comp
         return _stats(kept), _stats(stored), mstats

@@ -25,12 +25,10 @@ least the layer mean (w_j = 0 otherwise; the code compares the j-th evicted slot
 and (b) ``gate: soft`` multiplies w_j by SelKV's soft cosine gate g_j = max(cos(v_j, v_t), 0)
 (SelKV Eq. 4; g = 0 drops, g = 1 merges fully).
 
-Cost: the whole-prompt score is the column sums of the causal attention matrix. As a
-separate pass (:func:`cumulative_attention`, ``fused_score: off``) that is one more QK^T over
-the causal triangle after the prefill (H_q·d·n²/2 multiply-adds per layer: 20 % of
-SmolLM2-135M's prefill FLOPs at 4k, see benchmarks/README.md). With ``fused_score`` (default
-``auto``: on for a CPU prefill) the engine computes the prefill attention itself with
-:func:`attention_with_column_sums`, which returns the output and the same sums in one pass.
+Cost: the whole-prompt score is the column sums of the causal attention matrix, H_q·d·n²/2
+MACs per layer: a second pass over QK^T (:func:`cumulative_attention`), or with ``fused_score``
+the prefill attention itself (:func:`attention_with_column_sums`, output and sums in one pass),
+in query blocks sized for the device (:func:`block_elems`, :func:`block_count`).
 
 Deviation from the reference code, on purpose: its ``avg`` variant pairs the filtered targets
 with the first evicted rows (``src`` unfiltered, ``index`` filtered); here each filtered token
@@ -54,9 +52,9 @@ MERGES = ("avg", "pivot", "weighted")
 FILTERS = ("auto", "on", "off")
 FUSED = ("auto", "on", "off")
 GATES = ("none", "soft")
-KERNELS = ("auto", "c", "torch")
 _WHOLE_PROMPT = 1 << 40  # window_size=0: the engine caps W at n, i.e. every prompt query
-BLOCK_ELEMS = 1 << 21  # float32 logits per query block of the cumulative attention (8 MiB)
+# float32 logits per query block: 8 MiB on CPU (cache-sized), 512 MiB on CUDA (few large kernels)
+BLOCK_ELEMS = {"cpu": 1 << 21, "cuda": 1 << 27}
 
 
 @dataclass
@@ -74,18 +72,11 @@ class LookMConfig:
         gate: ``none`` or ``soft`` (SelKV soft cosine gate on values).
         gqa_aggregation: ``mean`` or ``max`` over the G query heads of a KV head.
         query_chunk: at most this many queries per block when accumulating attention (tokens);
-            blocks are also capped at :data:`BLOCK_ELEMS` logits (8 MiB), which bounds memory.
+            blocks are also capped at :func:`block_elems` logits, which bounds memory.
         merge_chunk: evicted tokens per block when finding merge targets (bounds memory).
         fused_score: ``auto`` (on for a CPU prefill), ``on`` or ``off``: with ``window_size: 0``
-            compute the cumulative score inside the prefill attention
-            (:func:`attention_with_column_sums`, one pass over QK^T instead of SDPA plus a
-            second pass); the scores are the same. ``auto`` leaves CUDA on SDPA/flash.
-        kernel: ``auto``, ``c`` or ``torch``: how the two quadratic steps (the cumulative score,
-            fused or not, and the merge targets) and the merge run on CPU. ``c``: the compiled kernels of
-            :mod:`methods.cpu_kernels` (cache-sized blocks, the probabilities and similarities
-            never leave the cache); ``torch``: PyTorch operations; ``auto``: ``c`` when the
-            kernels build here, else ``torch``. Same results within float32 rounding. CUDA
-            tensors always use PyTorch operations.
+            compute the same score inside the prefill attention (:func:`attention_with_column_sums`,
+            one pass over QK^T instead of SDPA plus a second pass); ``auto`` leaves CUDA on SDPA.
     """
 
     window_size: int = 0
@@ -98,24 +89,25 @@ class LookMConfig:
     query_chunk: int = 512
     merge_chunk: int = 1024
     fused_score: str = "auto"
-    kernel: str = "auto"
 
 
-def use_c_kernel(kernel: str, *tensors: torch.Tensor) -> bool:
-    """Whether :mod:`methods.cpu_kernels` computes this step (``kernel`` of :class:`LookMConfig`).
+def block_elems(device_type: str) -> int:
+    """Float32 logits per query block on a device kind (``cpu``, ``cuda``, other: as CPU)."""
+    return BLOCK_ELEMS.get(device_type, BLOCK_ELEMS["cpu"])
 
-    ``torch``: never; ``c``/``auto``: for CPU tensors when the kernels load (``c`` was checked
-    when the method was built, so it only falls back if they stopped loading).
+
+def block_count(n: int, heads: int, device_type: str, chunk: int = 512) -> int:
+    """Query blocks (Python iterations) of the whole-prompt cumulative attention of one layer.
+
+    Args:
+        n: prompt tokens (W = n); heads: H_q (times the batch); device_type: ``cpu`` or ``cuda``;
+        chunk: ``query_chunk``, at most this many query rows per block.
     """
-    if kernel == "torch" or any(t.device.type != "cpu" for t in tensors):
-        return False
-    from . import cpu_kernels
-
-    return cpu_kernels.load() is not None
+    return len(_query_blocks(0, n, heads, chunk, block_elems(device_type)))
 
 
-def _query_blocks(first: int, w: int, h_q: int, chunk: int) -> list[tuple[int, int]]:
-    """Query blocks ``[start, stop)`` (window rows) whose causal logits fit in :data:`BLOCK_ELEMS`.
+def _query_blocks(first: int, w: int, h_q: int, chunk: int, elems: int) -> list[tuple[int, int]]:
+    """Query blocks ``[start, stop)`` (window rows) whose causal logits fit in ``elems`` floats.
 
     Row ``start`` of the window is at absolute position ``first + start``; a block of c rows
     sees ``first + stop`` keys, so it holds ``H_q · c · (first + stop)`` logits. Blocks get
@@ -123,108 +115,74 @@ def _query_blocks(first: int, w: int, h_q: int, chunk: int) -> list[tuple[int, i
     """
     blocks, start = [], 0
     while start < w:
-        rows = max(1, min(chunk, w - start, BLOCK_ELEMS // (h_q * min(first + start + chunk, first + w))))
+        rows = max(1, min(chunk, w - start, elems // (h_q * min(first + start + chunk, first + w))))
         blocks.append((start, start + rows))
         start += rows
     return blocks
 
 
 def cumulative_attention(
-    queries: torch.Tensor, keys: torch.Tensor, scaling: float, softcap: float | None, chunk: int, kernel: str = "auto"
+    queries: torch.Tensor, keys: torch.Tensor, scaling: float, softcap: float | None, chunk: int
 ) -> torch.Tensor:
     """Attention each key receives, summed over the given (last) prompt queries (H2O score).
 
     s_j = Σ_i softmax(q_i·K^T·scaling + causal mask)_j over the W query rows i (absolute
     positions n−W … n−1); with W = n (LOOK-M) every prompt query, i.e. the column sums of the
-    whole causal attention matrix. Exact (no approximation); the work is arranged for speed:
-
-    * causal blocks: a block of query rows at absolute positions ``[p, p + c)`` multiplies
-      only the keys ``[0, p + c)`` it may see (the lower triangle of QK^T, half the work for
-      W = n); only the block's diagonal ``c × c`` corner is masked;
-    * GQA: the G query heads of a KV head are rows of one matmul against un-repeated keys;
-    * blocks of at most :data:`BLOCK_ELEMS` logits, written into reused buffers (cache-sized
-      blocks are several times faster on CPU than long ones; no allocation per block);
-    * the scaling is applied to the W·d queries, not the W·n logits (without soft-capping);
-      column sums of a block are one batched product with a ones vector.
-
-    Cost: ``H_q · d`` multiply-adds and one ``exp`` per causal (query, key) pair, about
-    ``H_q · d · n²/2`` MACs per layer for W = n (see benchmarks/README.md, LOOK-M floor).
-    :func:`attention_with_column_sums` gets the same sums from the prefill's own attention.
+    whole causal attention matrix. Exact, in float32. A block of query rows at positions
+    ``[p, p + c)`` multiplies only the keys ``[0, p + c)`` it may see (the causal triangle);
+    the G query heads of a KV head are rows of one matmul against un-repeated keys; blocks hold
+    at most :func:`block_elems` logits for the device, in reused buffers.
 
     Args:
         queries: ``(B, H_q, W, d)``, the last W prompt queries after RoPE.
         keys: ``(B, H_kv, n, d)``.
         scaling, softcap: as in :func:`methods.scoring.window_attention`.
-        chunk: at most this many query rows per block (tokens); blocks are also capped at
-            :data:`BLOCK_ELEMS` float32 logits (:data:`methods.cpu_kernels.BLOCK_FLOATS` in the
-            compiled kernel).
-        kernel: ``auto``, ``c`` or ``torch`` (:func:`use_c_kernel`): the compiled CPU kernel
-            (:func:`methods.cpu_kernels.attention_column_sums`) or the PyTorch operations above.
+        chunk: at most this many query rows per block (tokens).
 
     Returns:
         ``(B, H_q, n)`` float32.
     """
-    if use_c_kernel(kernel, queries, keys):
-        from . import cpu_kernels
-
-        return cpu_kernels.attention_column_sums(queries, keys, None, scaling, softcap, chunk)[0]
     return _blocked_attention(queries, keys, None, scaling, softcap, chunk)[0]
 
 
 def attention_with_column_sums(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float, softcap: float | None, chunk: int,
-    kernel: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal prompt attention and, from the same probabilities, LOOK-M's cumulative score.
 
-    One pass computes what the prefill needs, ``softmax(QK^T·scaling + causal mask)·V``, and
-    the column sums of the softmax matrix that :func:`cumulative_attention` would compute in
-    a second pass over QK^T (W = n). The extra work over a plain attention is one batched
-    product with a ones vector per block; the blocks, GQA grouping and float32 arithmetic
-    are those of :func:`cumulative_attention`, so the sums are bit-equal to it. Used by the
-    engine during prefill for methods whose ``wants_prompt_attention`` is true (LOOK-M on CPU).
+    One pass computes the prefill's ``softmax(QK^T·scaling + causal mask)·V`` and the column
+    sums of the softmax matrix, bit-equal to :func:`cumulative_attention` with W = n (same
+    blocks and float32 arithmetic). The engine uses it when ``wants_prompt_attention`` is true.
 
     Args:
         query: ``(B, H_q, n, d)``, every prompt query after RoPE.
         key, value: ``(B, H_kv, n, d)``.
         scaling, softcap: as in :func:`methods.scoring.window_attention`.
         chunk: at most this many query rows per block (tokens).
-        kernel: ``auto``, ``c`` or ``torch`` (:func:`use_c_kernel`). The compiled kernel
-            (:func:`methods.cpu_kernels.attention_column_sums`) costs about what SDPA alone
-            costs; it equals :func:`cumulative_attention` with the same ``kernel`` bit for bit.
 
     Returns:
-        ``(out (B, H_q, n, d) in value's dtype, sums (B, H_q, n) float32)``; with the compiled
-        kernel ``out`` is a view of a ``(B, n, H_q, d)`` contiguous tensor.
+        ``(out (B, H_q, n, d) in value's dtype, sums (B, H_q, n) float32)``.
 
     Raises:
         ValueError: if the query count differs from the key count (a prefill continuing a cache).
     """
     if query.shape[2] != key.shape[2]:
-        raise ValueError(f"attention_with_column_sums: {query.shape[2]} queries for {key.shape[2]} keys; "
-                         "it computes a whole prompt's causal attention (queries = keys)")
-    if use_c_kernel(kernel, query, key, value):
-        from . import cpu_kernels
-
-        total, out = cpu_kernels.attention_column_sums(query, key, value, scaling, softcap, chunk)
-        return out.to(value.dtype), total
+        raise ValueError(f"attention_with_column_sums: {query.shape[2]} queries for {key.shape[2]} keys (must be equal)")
     total, out = _blocked_attention(query, key, value, scaling, softcap, chunk)
     return out.to(value.dtype), total
 
 
 def _blocked_attention(queries, keys, values, scaling, softcap, chunk):
     """Column sums ``(B, H_q, n)`` and, when ``values`` is given, the output ``(B, H_q, W, d)``."""
-    b, h_q, w, d = queries.shape
-    h_kv, n = keys.shape[1], keys.shape[2]
+    (b, h_q, w, d), (h_kv, n), dev = queries.shape, keys.shape[1:3], keys.device
     g, bh, first = h_q // h_kv, b * h_kv, n - w
-    dev = keys.device
     k = keys.float().reshape(bh, n, d)
     q = queries.float().reshape(bh, g, w, d)
     v = values.float().reshape(bh, n, d) if values is not None else None
     out = torch.empty(bh, g, w, d, device=dev) if v is not None else None
     if not softcap:  # scale the W·d queries instead of the W·n logits
         q = q * scaling
-    blocks = _query_blocks(first, w, h_q, chunk)
+    blocks = _query_blocks(first, w, h_q, chunk, block_elems(dev.type))
     size = max(bh * g * (stop - start) * (first + stop) for start, stop in blocks)
     logits_buf, probs_buf = torch.empty(size, device=dev), torch.empty(size, device=dev)
     rows_max = max(stop - start for start, stop in blocks)
@@ -247,64 +205,37 @@ def _blocked_attention(queries, keys, values, scaling, softcap, chunk):
     return total.view(b, h_q, n), (out.view(b, h_q, w, d) if out is not None else None)
 
 
-def nearest_kept(
-    evicted_keys: torch.Tensor, kept_keys: torch.Tensor, chunk: int, kernel: str = "auto"
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Most cosine-similar kept key of every evicted key (LOOK-M merge target).
-
-    E·m·d multiply-adds per head: quadratic in n at a ratio budget.
+def nearest_kept(evicted_keys: torch.Tensor, kept_keys: torch.Tensor, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Most cosine-similar kept key of every evicted key (LOOK-M merge target); E·m·d MACs per head.
 
     Args:
-        evicted_keys: ``(B, H, E, d)``.
-        kept_keys: ``(B, H, m, d)``.
+        evicted_keys: ``(B, H, E, d)``; kept_keys: ``(B, H, m ≥ 1, d)``.
         chunk: evicted rows per block (memory ``B·H·chunk·m`` floats).
-        kernel: ``auto``, ``c`` or ``torch`` (:func:`use_c_kernel`): the compiled CPU kernel
-            (:func:`methods.cpu_kernels.nearest_kept`, similarities in cache-sized blocks) or
-            PyTorch operations.
 
     Returns:
         ``(max_similarity (B, H, E) float32, target (B, H, E) long index into m)``.
     """
-    if kept_keys.shape[2] > 0 and use_c_kernel(kernel, evicted_keys, kept_keys):
-        from . import cpu_kernels
-
-        return cpu_kernels.nearest_kept(evicted_keys, kept_keys, chunk)
     kept = F.normalize(kept_keys.float(), dim=-1, eps=1e-6)
-    sims, targets = [], []
-    for start in range(0, evicted_keys.shape[2], chunk):  # loop over blocks of evicted tokens
-        ev = F.normalize(evicted_keys[:, :, start : start + chunk].float(), dim=-1, eps=1e-6)
-        s, t = torch.matmul(ev, kept.transpose(-1, -2)).max(dim=-1)
-        sims.append(s)
-        targets.append(t)
-    return torch.cat(sims, dim=-1), torch.cat(targets, dim=-1)
+    best = [torch.matmul(F.normalize(ev.float(), dim=-1, eps=1e-6), kept.transpose(-1, -2)).max(dim=-1)
+            for ev in evicted_keys.split(chunk, dim=2)]  # blocks of evicted tokens
+    return torch.cat([s for s, _ in best], dim=-1), torch.cat([t for _, t in best], dim=-1)
 
 
 def merge_into_targets(
     kept: torch.Tensor, evicted: torch.Tensor, target: torch.Tensor, weight: torch.Tensor, merge: str, sim: torch.Tensor,
-    kernel: str = "torch",
 ) -> torch.Tensor:
     """x_t ← (x_t + Σ_{j→t} w_j·c_j) / (1 + Σ_{j→t} w_j) for one of the LOOK-M variants.
 
     Args:
-        kept: ``(B, H, m, d)`` kept rows (keys or values).
-        evicted: ``(B, H, E, d)`` evicted rows.
-        target: ``(B, H, E)`` long merge target of each evicted row.
-        weight: ``(B, H, E)`` float32 w_j (0 = not merged).
-        merge: ``avg``, ``pivot`` or ``weighted``.
-        sim: ``(B, H, E)`` float32 cosine similarity to the target (``weighted``).
-        kernel: ``auto``, ``c`` or ``torch`` (:func:`use_c_kernel`): the compiled CPU kernel
-            (:func:`methods.cpu_kernels.merge_into_targets`, one pass per head) or PyTorch
-            operations.
+        kept: ``(B, H, m, d)`` kept rows (keys or values); evicted: ``(B, H, E, d)`` evicted rows.
+        target: ``(B, H, E)`` long merge target of each evicted row; weight: ``(B, H, E)`` float32
+            w_j (0 = not merged); merge: ``avg``, ``pivot`` or ``weighted``; sim: ``(B, H, E)``
+            float32 cosine similarity to the target (``weighted``).
 
     Returns:
         ``(B, H, m, d)`` merged rows, in ``kept``'s dtype.
     """
-    if evicted.shape[2] > 0 and use_c_kernel(kernel, kept, evicted):
-        from . import cpu_kernels
-
-        return cpu_kernels.merge_into_targets(kept, evicted, target, weight, merge, sim)
-    x_t = kept.float()
-    x_j = evicted.float()
+    x_t, x_j = kept.float(), evicted.float()
     idx = target.unsqueeze(-1).expand_as(x_j)
     if merge == "avg":
         contrib = x_j
@@ -330,24 +261,15 @@ class LookM(Method):
             (c.window_size >= 0, f"method.window_size={c.window_size}: must be an integer >= 0 (0 = whole prompt)"),
             (0.0 <= c.recent_fraction <= 1.0, f"method.recent_fraction={c.recent_fraction}: must be in [0, 1]"),
             (c.n_sinks >= 0, f"method.n_sinks={c.n_sinks}: must be an integer >= 0"),
-            (c.merge in MERGES, f"method.merge={c.merge!r}: accepted values are {', '.join(MERGES)}"),
-            (c.similarity_filter in FILTERS, f"method.similarity_filter={c.similarity_filter!r}: accepted values are {', '.join(FILTERS)}"),
-            (c.gate in GATES, f"method.gate={c.gate!r}: accepted values are {', '.join(GATES)}"),
-            (c.fused_score in FUSED, f"method.fused_score={c.fused_score!r}: accepted values are {', '.join(FUSED)}"),
-            (c.kernel in KERNELS, f"method.kernel={c.kernel!r}: accepted values are {', '.join(KERNELS)}"),
-            (c.gqa_aggregation in ("mean", "max"), f"method.gqa_aggregation={c.gqa_aggregation!r}: accepted values are mean, max"),
             (c.query_chunk >= 1 and c.merge_chunk >= 1, "method.query_chunk/merge_chunk: must be integers >= 1"),
         ]
+        choices = {"merge": MERGES, "similarity_filter": FILTERS, "gate": GATES, "fused_score": FUSED,
+                   "gqa_aggregation": ("mean", "max")}
+        checks[3:3] = [(getattr(c, key) in ok, f"method.{key}={getattr(c, key)!r}: accepted values are {', '.join(ok)}")
+                       for key, ok in choices.items()]
         for ok, msg in checks:
             if not ok:
                 raise ConfigError(msg)
-        if c.kernel == "c":
-            from . import cpu_kernels
-
-            reason = cpu_kernels.unavailable_reason()
-            if reason is not None:
-                raise ConfigError(f"method.kernel=c: the compiled LOOK-M CPU kernels are unavailable here ({reason}); "
-                                  f"accepted values are {', '.join(KERNELS)} (auto falls back to torch)")
 
     @property
     def window_size(self) -> int:
@@ -368,7 +290,7 @@ class LookM(Method):
         if ctx.prompt_attention is not None:  # computed with the prefill attention (same sums)
             scores = ctx.prompt_attention.clone()
         else:
-            scores = cumulative_attention(ctx.window_queries, ctx.keys, ctx.scaling, ctx.softcap, c.query_chunk, c.kernel)
+            scores = cumulative_attention(ctx.window_queries, ctx.keys, ctx.scaling, ctx.softcap, c.query_chunk)
         scores = group_scores(scores, ctx.layout.num_kv_heads, c.gqa_aggregation)  # (B, H_kv, n)
         recent = min(int(m * c.recent_fraction), m)
         scores[..., : c.n_sinks] = float("inf")
@@ -389,7 +311,7 @@ class LookM(Method):
         if evicted_idx.shape[-1] == 0:
             return CompressResult(keys=keys, values=values, kept_indices=kept_idx, stats={"merged": 0.0, "dropped": 0.0})
         ev_keys, ev_values = gather_tokens(ctx.keys, evicted_idx), gather_tokens(ctx.values, evicted_idx)
-        sim, target = nearest_kept(ev_keys, keys, c.merge_chunk, c.kernel)  # (B, H, E)
+        sim, target = nearest_kept(ev_keys, keys, c.merge_chunk)  # (B, H, E)
         weight = torch.ones_like(sim)
         use_filter = c.similarity_filter == "on" or (c.similarity_filter == "auto" and c.merge != "pivot")
         if use_filter:  # reference code: slot-wise head-mean max similarity ≥ layer mean
@@ -397,8 +319,8 @@ class LookM(Method):
             weight = weight * (slot_mean >= sim.mean(dim=(1, 2), keepdim=True)).float()
         if c.gate == "soft":
             weight = weight * soft_cosine_gate(ev_values, values.gather(2, target.unsqueeze(-1).expand_as(ev_values)))
-        merged_keys = merge_into_targets(keys, ev_keys, target, weight, c.merge, sim, c.kernel)
-        merged_values = merge_into_targets(values, ev_values, target, weight, c.merge, sim, c.kernel)
+        merged_keys = merge_into_targets(keys, ev_keys, target, weight, c.merge, sim)
+        merged_values = merge_into_targets(values, ev_values, target, weight, c.merge, sim)
         n_merged = float((weight > 0).sum())
         return CompressResult(
             keys=merged_keys,

@@ -24,14 +24,6 @@ class StubTokenizer:
         return " ".join(str(i) for i in ids)
 
 
-def switch_off_decode_kernels(monkeypatch) -> None:
-    """Make :mod:`kvbench.cpu_decode` unavailable for one test (as without a compiler or AVX-512)."""
-    from kvbench import cpu_decode
-
-    monkeypatch.setattr(cpu_decode.LIBRARY, "loaded", None)
-    monkeypatch.setattr(cpu_decode.LIBRARY, "reason", "switched off by the test")
-
-
 def tiny_model(family: str = "llama", n_kv: int = 2, n_q: int = 4, layers: int = 2, seed: int = 0, **extra):
     """A tiny random causal LM of ``family`` (llama, mistral, qwen2, qwen3, gemma2, gemma3) on CPU, float32."""
     import transformers as tf

@@ -128,16 +128,7 @@ def _run(model, method_factory, fast: bool, ids, steps=6):
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 @pytest.mark.parametrize("kind", ["full", "bias_validity_kv", "bias_validity_q"])
-@pytest.mark.parametrize("split_kv", [False, True])
-def test_engine_fast_decode_equals_reference_decode(monkeypatch, layout, kind, split_kv):
-    """``split_kv``: the fast path's split-KV attention forced on from 8 cached tokens, 2 threads."""
-    from kvbench import attention
-
-    if split_kv:
-        if attention._FLASH_CPU is None:
-            pytest.skip("no CPU flash kernel: the split path is never taken")
-        monkeypatch.setattr(attention, "SPLIT_KV_MIN_TOKENS", 8)
-        monkeypatch.setattr(attention, "split_kv_chunks", lambda heads, t: 3 if t >= 8 else 1)
+def test_engine_fast_decode_equals_reference_decode(layout, kind):
     h_q, h_kv = LAYOUTS[layout]
     model = tiny_model("llama", n_kv=h_kv, n_q=h_q, layers=2, head_dim=16, hidden_size=96 if h_q == 6 else 64)
     ids = torch.randint(0, 128, (33,), generator=torch.Generator().manual_seed(7)).tolist()
@@ -154,62 +145,3 @@ def test_engine_fast_decode_equals_reference_decode(monkeypatch, layout, kind, s
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
     if kind != "full":
         assert fast.compressed and fast.kept_tokens["min"] < fast.stored_tokens["max"]
-
-
-# --- split-KV decode on CPU (flash-decoding over key chunks) ---------------------------------
-
-
-@pytest.mark.parametrize("layout", sorted(LAYOUTS))
-@pytest.mark.parametrize("t", [64, 67])  # 67: a remainder chunk of its own
-@pytest.mark.parametrize("bias_kind", [None, "random", "dead_chunk", "bf16"])
-def test_split_kv_decode_equals_one_sdpa_call(monkeypatch, layout, t, bias_kind):
-    """Forced to split at short caches: equal to the unsplit fast path and to float64 attention,
-    including a per-head validity mask that masks whole chunks (the CPU kernel reports a
-    log-sum-exp of 0 there, which must not count)."""
-    from kvbench import attention
-
-    if attention._FLASH_CPU is None:
-        pytest.skip("this torch has no CPU flash kernel: the split path is never taken")
-    h_q, h_kv = LAYOUTS[layout]
-    query, key, value, bias_buf, scaling = _inputs(h_q, h_kv, t=t, seed=3)
-    buf = None
-    if bias_kind is not None:
-        buf = bias_buf.clone()
-        if bias_kind == "dead_chunk":  # head 0's first 40 slots invalid: chunk 0 (and part of 1) dead
-            buf[:, 0, :, :40] = float("-inf")
-    if bias_kind == "bf16":
-        query, key, value, buf = (x.to(torch.bfloat16) for x in (query, key, value, buf))
-    monkeypatch.setattr(attention, "SPLIT_KV_MIN_TOKENS", 1 << 30)
-    unsplit = _decode_attention(query, key, value, None, scaling, None, buf)
-    monkeypatch.setattr(attention, "SPLIT_KV_MIN_TOKENS", 16)
-    with_threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        assert attention.split_kv_chunks(h_kv, t) >= 2
-        split = _decode_attention(query, key, value, None, scaling, None, buf)
-    finally:
-        torch.set_num_threads(with_threads)
-    expected = naive_attention(query, key, value, scaling, bias=buf[..., :t] if buf is not None else None)
-    tol = 2e-2 if bias_kind == "bf16" else 1e-5
-    assert split.dtype == query.dtype and split.shape == unsplit.shape
-    assert torch.allclose(split.float(), expected, atol=tol, rtol=tol)
-    assert torch.allclose(split.float(), unsplit.float(), atol=tol, rtol=tol)
-
-
-def test_split_kv_chunks_give_every_thread_work(monkeypatch):
-    from kvbench import attention
-
-    if attention._FLASH_CPU is None:
-        pytest.skip("no CPU flash kernel")
-    with_threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(2)
-        assert attention.split_kv_chunks(3, 8000) == 2  # 3 KV heads: 6 tasks, 3 per thread
-        assert attention.split_kv_chunks(3, attention.SPLIT_KV_MIN_TOKENS - 1) == 1  # short cache: one call
-        torch.set_num_threads(4)
-        assert attention.split_kv_chunks(3, 8000) == 4  # 12 tasks over 4 threads
-        assert attention.split_kv_chunks(8, 8000) == 2
-        torch.set_num_threads(1)
-        assert attention.split_kv_chunks(3, 8000) == 1  # one thread: nothing to balance
-    finally:
-        torch.set_num_threads(with_threads)

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 import kvbench.attention
 from kvbench.engine import Engine
 from methods.selkv import SelKV, SelKVConfig
-from tests.conftest import loaded_for, switch_off_decode_kernels, tiny_model
+from tests.conftest import loaded_for, tiny_model
 
 LAYERS = 2
 
@@ -41,7 +41,6 @@ class RecordingF:
 def generate(monkeypatch, loaded, ids, **cfg):
     calls: list = []
     monkeypatch.setattr(kvbench.attention, "F", RecordingF(calls))
-    switch_off_decode_kernels(monkeypatch)  # the decode attention through SDPA, which RecordingF sees
     config = SelKVConfig(window_size=8, kernel_size=3, recent_window=4, bucket_size=8, **cfg)
     eng = Engine(loaded, SelKV(config, loaded.layout), 0.5)
     eng.generate(ids, 3, stop_ids=[])

@@ -3,9 +3,16 @@
 import pytest
 import torch
 
-from methods import cpu_kernels, lookm
+from methods import lookm
 from methods.base import ConfigError, HeadLayout, LayerContext
-from methods.lookm import LookM, LookMConfig, cumulative_attention, merge_into_targets, nearest_kept, soft_cosine_gate
+from methods.lookm import (
+    LookM,
+    LookMConfig,
+    cumulative_attention,
+    merge_into_targets,
+    nearest_kept,
+    soft_cosine_gate,
+)
 
 
 def t(rows):
@@ -27,29 +34,26 @@ W1 = torch.ones(1, 1, 1)
         ("weighted", 0.5, [1.0, 0.0]),  # (1 + 0.5*2)/2
     ],
 )
-@pytest.mark.parametrize("kernel", ["torch", "c"])
-def test_merge_variants_one_token(merge, sim, expected, kernel):
-    out = merge_into_targets(KEPT, ONE_EVICTED, TARGET0, W1, merge, torch.full((1, 1, 1), sim), kernel)
+def test_merge_variants_one_token(merge, sim, expected):
+    out = merge_into_targets(KEPT, ONE_EVICTED, TARGET0, W1, merge, torch.full((1, 1, 1), sim))
     assert out[0, 0, 0].tolist() == expected
     assert out[0, 0, 1].tolist() == [0.0, 1.0]  # untouched target
 
 
-@pytest.mark.parametrize("kernel", ["torch", "c"])
-def test_avg_merge_of_two_tokens_and_gate_weight(kernel):
+def test_avg_merge_of_two_tokens_and_gate_weight():
     ev = t([[2.0, 0.0], [4.0, 0.0]])
     tgt = torch.tensor([[[0, 0]]])
-    out = merge_into_targets(KEPT, ev, tgt, torch.ones(1, 1, 2), "avg", torch.ones(1, 1, 2), kernel)
+    out = merge_into_targets(KEPT, ev, tgt, torch.ones(1, 1, 2), "avg", torch.ones(1, 1, 2))
     assert out[0, 0, 0, 0].item() == pytest.approx(7 / 3)
-    gated = merge_into_targets(KEPT, ev[:, :, :1], tgt[..., :1], torch.full((1, 1, 1), 0.5), "avg", torch.ones(1, 1, 1), kernel)
+    gated = merge_into_targets(KEPT, ev[:, :, :1], tgt[..., :1], torch.full((1, 1, 1), 0.5), "avg", torch.ones(1, 1, 1))
     assert gated[0, 0, 0, 0].item() == pytest.approx((1 + 0.5 * 2) / 1.5)
-    dropped = merge_into_targets(KEPT, ev, tgt, torch.zeros(1, 1, 2), "pivot", torch.ones(1, 1, 2), kernel)
+    dropped = merge_into_targets(KEPT, ev, tgt, torch.zeros(1, 1, 2), "pivot", torch.ones(1, 1, 2))
     assert torch.equal(dropped, KEPT)  # w = 0: pure eviction
 
 
-@pytest.mark.parametrize("kernel", ["torch", "c"])
-def test_nearest_kept_is_cosine_argmax(kernel):
+def test_nearest_kept_is_cosine_argmax():
     kept = t([[1.0, 0.0], [0.0, 1.0], [1.0, 1.1]])
-    sim, target = nearest_kept(t([[2.0, 2.0], [0.0, 3.0], [-1.0, 0.0]]), kept, chunk=2, kernel=kernel)
+    sim, target = nearest_kept(t([[2.0, 2.0], [0.0, 3.0], [-1.0, 0.0]]), kept, chunk=2)
     assert target.tolist() == [[[2, 1, 1]]]  # [-1, 0]: cos 0 with [0, 1], below 0 elsewhere
     assert sim[0, 0, 0].item() == pytest.approx((1 + 1.1) / (2**0.5 * (1 + 1.21) ** 0.5))
     assert sim[0, 0, 1:].tolist() == pytest.approx([1.0, 0.0])
@@ -93,21 +97,18 @@ def _naive_column_sums(q, k, scaling, softcap=None):
         (40, 40, 3, 1, 9, 200, 5.0),  # soft-capping (Gemma 2)
     ],
 )
-@pytest.mark.parametrize("kernel", ["torch", "c"])
-def test_cumulative_attention_equals_naive_softmax_column_sums(monkeypatch, n, w, h_q, h_kv, chunk, block, softcap, kernel):
-    monkeypatch.setattr(lookm, "BLOCK_ELEMS", block)
-    monkeypatch.setattr(cpu_kernels, "BLOCK_FLOATS", block)
+def test_cumulative_attention_equals_naive_softmax_column_sums(monkeypatch, n, w, h_q, h_kv, chunk, block, softcap):
+    monkeypatch.setitem(lookm.BLOCK_ELEMS, "cpu", block)
     g = torch.Generator().manual_seed(n + w + h_q)
     q, k = 2 * torch.randn(1, h_q, w, 8, generator=g), 2 * torch.randn(1, h_kv, n, 8, generator=g)
-    out = cumulative_attention(q, k, 0.35, softcap, chunk, kernel)
+    out = cumulative_attention(q, k, 0.35, softcap, chunk)
     assert out.dtype == torch.float32 and out.shape == (1, h_q, n)
     torch.testing.assert_close(out.double(), _naive_column_sums(q, k, 0.35, softcap), rtol=1e-5, atol=1e-5)
 
 
-def test_query_blocks_cover_the_window_within_the_block_size(monkeypatch):
-    monkeypatch.setattr(lookm, "BLOCK_ELEMS", 1000)
+def test_query_blocks_cover_the_window_within_the_block_size():
     first, w, h_q = 30, 70, 4
-    blocks = lookm._query_blocks(first, w, h_q, chunk=16)
+    blocks = lookm._query_blocks(first, w, h_q, chunk=16, elems=1000)
     assert blocks[0][0] == 0 and blocks[-1][1] == w
     assert all(a[1] == b[0] for a, b in zip(blocks, blocks[1:]))  # contiguous, no overlap
     for start, stop in blocks:
@@ -201,17 +202,15 @@ def test_wants_prompt_attention(fused, window, device, expected):
     (48, 6, 2, 7, 300),  # rows capped by query_chunk and by BLOCK_ELEMS
     (33, 2, 2, 512, 1),  # MHA, one row per block
 ])
-@pytest.mark.parametrize("kernel", ["torch", "c"])
-def test_attention_with_column_sums_is_sdpa_and_the_cumulative_score(monkeypatch, n, h_q, h_kv, chunk, block, kernel):
-    monkeypatch.setattr(lookm, "BLOCK_ELEMS", block)
-    monkeypatch.setattr(cpu_kernels, "BLOCK_FLOATS", block)
+def test_attention_with_column_sums_is_sdpa_and_the_cumulative_score(monkeypatch, n, h_q, h_kv, chunk, block):
+    monkeypatch.setitem(lookm.BLOCK_ELEMS, "cpu", block)
     g = torch.Generator().manual_seed(n + h_q)
     q, k, v = (2 * torch.randn(1, h, n, 8, generator=g) for h in (h_q, h_kv, h_kv))
-    out, sums = lookm.attention_with_column_sums(q, k, v, 0.35, None, chunk, kernel)
+    out, sums = lookm.attention_with_column_sums(q, k, v, 0.35, None, chunk)
     ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.35, enable_gqa=True)
     assert out.shape == (1, h_q, n, 8) and sums.shape == (1, h_q, n)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
-    assert torch.equal(sums, cumulative_attention(q, k, 0.35, None, chunk, kernel))  # the same blocks, bit-equal
+    assert torch.equal(sums, cumulative_attention(q, k, 0.35, None, chunk))  # the same blocks, bit-equal
     torch.testing.assert_close(sums.double(), _naive_column_sums(q, k, 0.35, None), rtol=1e-5, atol=1e-5)
 
 
@@ -219,3 +218,14 @@ def test_attention_with_column_sums_refuses_a_continued_prefill():
     q, kv = torch.randn(1, 2, 3, 8), torch.randn(1, 2, 5, 8)
     with pytest.raises(ValueError, match="3 queries for 5 keys"):
         lookm.attention_with_column_sums(q, kv, kv, 0.35, None, 16)
+
+
+def test_block_count_is_sized_for_the_device():
+    """A 128k prompt on an 8B model (32 query heads): CPU-sized 8 MiB blocks are ~1 row each (a
+    Python iteration per token); CUDA blocks hold 2^27 logits, a few thousand per layer."""
+    n, heads = 128 * 1024, 32
+    cpu, cuda = lookm.block_count(n, heads, "cpu"), lookm.block_count(n, heads, "cuda")
+    assert cpu > 100_000  # 2^21 // (32 · 128k) = 0: one row per block for the last 120k rows
+    assert 256 <= cuda <= 3000  # ≥ n / query_chunk; ≈ H_q·n²/2 / 2^27 ≈ 2048
+    assert lookm.block_count(n, heads, "mps") == cpu  # other devices: as CPU
+    assert lookm.block_count(1000, 4, "cuda") == 2  # short prompt: query_chunk (512) rows per block
