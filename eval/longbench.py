@@ -221,7 +221,8 @@ class LongBenchTask(Task):
         _positive_int_or_none(cfg, "max_length", 2)
         if cfg.get("data_dir"):
             for path in data.check_data_dir(cfg["data_dir"], [d + cls.file_suffix for d in datasets]):
-                data.read_jsonl(path, n)
+                if not data.read_jsonl(path, n):
+                    raise TaskConfigError(f"task.data_dir={cfg['data_dir']}: {path.name} holds no samples")
         else:
             if not isinstance(cfg.get("hub_dataset") or DEFAULT_HUB["hub_dataset"], str):
                 raise TaskConfigError(f"task.hub_dataset={cfg.get('hub_dataset')!r}: expected a Hub dataset id")
