@@ -99,6 +99,7 @@ class ModelConfig:
     stop_ids: list = field(default_factory=list)
     device_map: Any = None
     trust_remote_code: bool = False
+    generation_config: bool = True  # apply the model's generation_config logits processors (greedy), as model.generate
 
     def __post_init__(self):
         if self.gguf_cache not in ("auto", True, False):

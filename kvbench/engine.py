@@ -249,13 +249,18 @@ class Engine:
         positions = torch.arange(next_pos, next_pos + max(1, max_new_tokens), device=dev)
         stop_index = torch.tensor(stops, dtype=torch.long, device=dev)
         tokens: list[int] = []
+        processors = self.loaded.processors
+        seq = torch.tensor([prompt_ids + [0] * max_new_tokens], device=dev) if processors else None
         t1 = time.perf_counter()
         for step in range(max_new_tokens):
             if self.on_decode_step is not None:
                 self.on_decode_step(step)
             if self.record_logits:
                 self.last_logits.append(logits.float().clone())
-            masked = logits.index_fill(0, stop_index, float("-inf")) if step < min_new_tokens and stops else logits
+            scores = logits
+            for proc in processors:  # the model's generation config, as model.generate applies it
+                scores = proc(seq[:, : n + step], scores.view(1, -1))[0]
+            masked = scores.index_fill(0, stop_index, float("-inf")) if step < min_new_tokens and stops else scores
             next_tok = masked.argmax().view(1, 1)
             tok, finite = torch.stack([next_tok[0, 0], torch.isfinite(logits).all().long()]).tolist()
             if not finite:
@@ -263,6 +268,8 @@ class Engine:
             if tok in stops:
                 break
             tokens.append(tok)
+            if processors:
+                seq[0, n + step] = next_tok[0, 0]
             if step == max_new_tokens - 1:
                 break
             pos = positions[step : step + 1]

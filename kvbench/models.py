@@ -19,7 +19,7 @@ import os
 import shutil
 import sys
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -47,6 +47,9 @@ class LoadedModel:
         chat_template: whether prompts of chat tasks are wrapped in the chat template.
         max_input_length: prompt budget in tokens (task truncation).
         source: where the weights came from (path or Hub id), for ``env.json``.
+        processors: the greedy logits processors of the model's generation config (repetition
+            penalty, no-repeat n-gram, bad words...), applied at each step as ``model.generate``
+            does; empty with ``model.generation_config=false``.
     """
 
     model: Any
@@ -58,6 +61,18 @@ class LoadedModel:
     chat_template: bool
     max_input_length: int
     source: str
+    processors: list = field(default_factory=list)
+
+
+def greedy_processors(model: Any) -> list:
+    """The logits processors ``model.generate(do_sample=False, num_beams=1)`` builds from the model's
+    ``generation_config`` (LongBench's ``pred.py`` generates so: Qwen2.5 ships a repetition penalty
+    of 1.05). Sampling warpers do not apply to greedy decoding; the length limits are the task's."""
+    import copy
+
+    cfg = copy.deepcopy(model.generation_config)
+    cfg.update(do_sample=False, num_beams=1, max_length=None, min_length=0, min_new_tokens=None)
+    return list(model._get_logits_processor(cfg, device=str(model.device)))
 
 
 def resolve_device(device: str = "auto") -> torch.device:
@@ -378,6 +393,7 @@ def load_model(model_cfg: dict, device: str = "auto") -> LoadedModel:
         stop_ids=stop_token_ids(tokenizer, model, model_cfg),
         chat_template=bool(model_cfg.get("chat_template", True)) and tokenizer.chat_template is not None,
         max_input_length=int(model_cfg.get("max_input_length") or 3500), source=str(model_cfg.get("source")),
+        processors=greedy_processors(model) if model_cfg.get("generation_config", True) else [],
     )
 
 
