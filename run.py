@@ -26,7 +26,8 @@ def main() -> int:
 
     os.environ["HYDRA_FULL_ERROR"] = "1"  # errors reach the handler below instead of Hydra's report
     args = [f"+{a}" if a.startswith("experiment=") else a for a in sys.argv[1:]]  # experiment=NAME means +experiment=NAME
-    if any(a.startswith("hydra/launcher=") for a in args) and not {"-m", "--multirun"} & set(args):
+    modes = {"-m", "--multirun", "-c", "--cfg", "--info", "-h", "--help", "--hydra-help", "-sc", "--shell-completion"}
+    if any(a.startswith("hydra/launcher=") for a in args) and not modes & set(args):
         args.append("--multirun")  # a launcher runs sweeps: without -m it would run the job here
     sys.argv[1:] = args
 
