@@ -1,26 +1,21 @@
-"""Offline calibration of head scores and layer scores: ``python -m methods.calibrate heads|layers``.
+"""Offline calibration of head and layer scores: ``python -m methods.calibrate heads|layers``.
 
-``heads``: the retrieval-head detection protocol (Wu et al. 2025, as used by HeadKV and
-CompressKV). A needle is put at several depths of haystacks of several token lengths; the model
-answers greedily (at most 50 tokens, stopping at a newline) and at each step the attention row of
-the step's query is scored (:mod:`methods.head_scores`). A sample counts if the answer is right
-(ROUGE-1 recall of the needle > 50; for R2, QA-F1 > 50). Writes ``retrieval_heads.json`` (TRH),
-``semantic_retrieval_heads.json`` (SRH, CompressKV Eq. 1), ``retrieval_reasoning_heads.json``
-(HeadKV R2, from ``needles_reasoning.jsonl``), all ``{"<layer>-<head>": [score per accepted
-sample]}``, plus ``srh_head_idx.json`` / ``trh_head_idx.json`` (``{layer: [head ids, best
-first]}``) and ``heads_meta.json``.
+``heads``: the retrieval-head detection protocol (Wu et al. 2025, used by HeadKV and CompressKV):
+a needle at several depths of haystacks of several token lengths; the model answers greedily (at
+most 50 tokens, up to a newline) and each step's attention row is scored (:mod:`methods.head_scores`);
+a sample counts if the answer is right (ROUGE-1 recall > 50; R2: QA-F1 > 50). Writes
+``retrieval_heads.json`` (TRH), ``semantic_retrieval_heads.json`` (SRH, CompressKV Eq. 1),
+``retrieval_reasoning_heads.json`` (HeadKV R2), each ``{"<layer>-<head>": [score per accepted
+sample]}``, ``srh_head_idx.json`` / ``trh_head_idx.json`` (``{layer: [heads, best first]}``) and
+``heads_meta.json``.
 
-``layers``: error-aware layer scores (CompressKV Eq. 2-4). The model decodes greedily with its
-full cache; at each step every layer's attention output (after W_O) is also computed with a
-minimally compressed cache (CompressKV with ``--budget`` 32 tokens: SRH top-4, W = 8, K = 5, avg
-pooling, chosen at the end of prefill) and e_l += ‖O_full − O_comp‖_F / (‖O_full‖_F + ε). Per
-dataset the sums are L1-normalised; ``avg_score`` is their mean, L1-normalised. Writes
-``layer_score.jsonl`` (CompressKV's format); needs ``srh_head_idx.json`` (run ``heads`` first).
+``layers``: CompressKV Eq. 2-4. While the model decodes greedily with its full cache, each layer's
+attention output (after W_O) is also computed with a minimally compressed cache (CompressKV, budget
+32: SRH top-4, W = 8, K = 5, avg pooling) and e_l += ‖O_full − O_comp‖_F / (‖O_full‖_F + ε); sums
+are L1-normalised per dataset, ``avg_score`` is their normalised mean. Writes ``layer_score.jsonl``.
 
-The model (default: the embedded SmolLM2-135M-Instruct GGUF; ``--model`` takes a ``conf/model``
-name or anything ``model.source`` takes) loads as in a job (:func:`kvbench.models.load_model`,
-CPU, float32); the attention rows come from :mod:`methods.attention_probe`. Files go to
-``--out``, default ``methods/artifacts/<name>/``.
+The model (default: the embedded SmolLM2-135M GGUF; ``--model``: a ``conf/model`` name or any
+``model.source``) loads as in a job, CPU float32. Files go to ``--out`` (``methods/artifacts/<name>``).
 """
 
 from __future__ import annotations
@@ -36,6 +31,8 @@ from pathlib import Path
 
 import torch
 import yaml
+
+from kvbench.store import atomic_write
 
 from .artifacts import ARTIFACTS_ROOT, load_head_ranking, ranking_from_scores
 from .attention_probe import AttentionProbe, reserved_cache
@@ -54,8 +51,7 @@ FILES = {"trh": "retrieval_heads.json", "srh": "semantic_retrieval_heads.json", 
 
 def is_conf_name(model: str) -> bool:
     """Whether ``--model`` names ``conf/model/<model>.yaml`` (and no local file or folder)."""
-    return "/" not in model and not model.endswith(".gguf") and (CONF_MODEL_DIR / f"{model}.yaml").is_file() \
-        and not Path(model).exists()
+    return "/" not in model and (CONF_MODEL_DIR / f"{model}.yaml").is_file() and not Path(model).exists()
 
 
 def model_config(model: str | None, gguf_file: str | None) -> dict:
@@ -96,22 +92,11 @@ def artifact_name(model: str | None, name: str | None) -> str:
 
 
 def load_model(model: str | None, gguf_file: str | None, threads: int):
-    """The :class:`kvbench.models.LoadedModel` of ``--model`` on the CPU, float32, as a job loads it.
-
-    Raises:
-        ConfigError: a bad source (naming ``--model`` / ``--gguf-file``).
-    """
+    """The :class:`kvbench.models.LoadedModel` of ``--model`` on the CPU, float32, as a job loads it."""
     from kvbench.models import load_model as load_job_model
 
     torch.set_num_threads(threads)
-    try:
-        return load_job_model(model_config(model, gguf_file), device="cpu")
-    except ConfigError as err:
-        raise _flag_names(err) from None
-
-
-def _flag_names(err: ConfigError) -> ConfigError:
-    return ConfigError(str(err).replace("model.source=", "--model=").replace("model.gguf_file=", "--gguf-file="))
+    return load_job_model(model_config(model, gguf_file), device="cpu")
 
 
 # --------------------------------------------------------------------------- prompts
@@ -252,13 +237,13 @@ def cmd_heads(args, out: Path) -> int:
         stacked = torch.stack(accepted[k])  # (samples, L, H)
         scores = {f"{l}-{h}": [round(float(x), 6) for x in stacked[:, l, h]]
                   for l in range(stacked.shape[1]) for h in range(stacked.shape[2])}
-        _write(out / FILES[k], json.dumps(scores) + "\n")
+        atomic_write(out / FILES[k], json.dumps(scores) + "\n")
         if k in ("trh", "srh"):
             ranking = {str(l): ids for l, ids in enumerate(ranking_from_scores(stacked.mean(dim=0)))}
-            _write(out / f"{k}_head_idx.json", json.dumps(ranking, indent=2) + "\n")
+            atomic_write(out / f"{k}_head_idx.json", json.dumps(ranking, indent=2) + "\n")
     meta["seconds"], meta["cpu_seconds"] = round(time.time() - t0, 1), round(time.process_time(), 1)
     if len(failed) < len(args.kinds):  # the meta file describes the score files beside it
-        _write(out / "heads_meta.json", json.dumps(meta, indent=2) + "\n")
+        atomic_write(out / "heads_meta.json", json.dumps(meta, indent=2) + "\n")
     print(f"{out}: accepted {meta['accepted']} of {meta['samples']} in {meta['seconds']} s")
     if failed:
         print(f"error: no sample was answered correctly for {', '.join(failed)}; nothing written for it "
@@ -337,18 +322,12 @@ def cmd_layers(args, out: Path) -> int:
     mean = torch.tensor(list(result.values()), dtype=torch.float64).mean(dim=0)
     result["avg_score"] = (mean / (mean.sum() + 1e-12)).tolist()
     out.mkdir(parents=True, exist_ok=True)
-    _write(out / "layer_score.jsonl", json.dumps(result, indent=2) + "\n")
+    atomic_write(out / "layer_score.jsonl", json.dumps(result, indent=2) + "\n")
     print(f"wrote {out / 'layer_score.jsonl'} in {time.time() - t0:.0f} s")
     return 0
 
 
 # --------------------------------------------------------------------------- CLI
-def _write(path: Path, text: str) -> None:
-    from kvbench.store import atomic_write
-
-    atomic_write(path, text)
-
-
 def _list(kind: type, low: float = 0, high: float = float("inf"), choices: tuple[str, ...] = ()):
     """argparse type: a comma-separated list of numbers in [``low``, ``high``] (or of ``choices``)."""
     def parse(text: str) -> list:
@@ -378,12 +357,10 @@ def build_parser() -> argparse.ArgumentParser:
     shared = os.environ.get("KVBENCH_SHARED_DATA", str(Path(__file__).resolve().parents[1] / ".." / "shared" / "data"))
     for name in ("heads", "layers"):
         s = sub.add_parser(name)
-        s.add_argument("--model", default=None, help="conf/model name, Hub id, local folder, .gguf file or "
-                       "pypi:<module> (default: the embedded SmolLM2 GGUF)")
-        s.add_argument("--gguf-file", default=None, help="GGUF file name inside --model")
-        s.add_argument("--name", default=None, help="artifact folder methods/artifacts/<name> (default: smollm2 or "
-                       "the conf/model name; required for any other --model)")
-        s.add_argument("--out", default=None, help="output folder (default methods/artifacts/<name>)")
+        s.add_argument("--model", help="conf/model name or a model.source (default: the embedded SmolLM2)")
+        s.add_argument("--gguf-file", help="GGUF file name inside --model")
+        s.add_argument("--name", help="methods/artifacts/<name> (default: smollm2 or the conf/model name)")
+        s.add_argument("--out", help="output folder (default methods/artifacts/<name>)")
         s.add_argument("--threads", type=_number(int, 1), default=2, help="torch CPU threads")
         s.add_argument("--data-dir", default=str(Path(shared) / "retrieval_head_calibration"),
                        help="needles.jsonl, needles_reasoning.jsonl, part1..3/")
@@ -397,18 +374,17 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--r2-needles", choices=("reasoning", "retrieval"), default="reasoning",
                    help="R2 scores from needles_reasoning.jsonl (HeadKV) or from the retrieval needles' decoding")
     h.add_argument("--max-new-tokens", type=_number(int, 1), default=50)
-    h.add_argument("--min-score", type=_number(float, 0, 100), default=50.0, help="answer score (0-100) above which a "
-                   "sample counts")
+    h.add_argument("--min-score", type=_number(float, 0, 100), default=50.0, help="answer score (0-100) to count")
     l = sub.choices["layers"]
     l.add_argument("--data", action="append", help="LongBench-format jsonl (repeatable); default: haystack prompts")
-    l.add_argument("--prompt-config", default=None, help="LongBench dataset2prompt.json")
+    l.add_argument("--prompt-config", help="LongBench dataset2prompt.json")
     l.add_argument("--samples", type=_number(int, 1), default=2, help="samples per --data file")
     l.add_argument("--max-tokens", type=_number(int, 2), default=1500, help="prompt middle-truncation length (tokens)")
     l.add_argument("--max-new-tokens", type=_number(int, 1), default=24)
     l.add_argument("--budget", type=_number(int, 1), default=32, help="tokens kept per layer for O_comp")
     l.add_argument("--window", type=_number(int, 1), default=8)
     l.add_argument("--num-heads", type=_number(int, 1), default=4, help="SRHs per layer for the selection")
-    l.add_argument("--head-idx", default=None, help="SRH ranking (default <out>/srh_head_idx.json)")
+    l.add_argument("--head-idx", help="SRH ranking (default <out>/srh_head_idx.json)")
     return p
 
 
@@ -420,10 +396,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.gguf_file and args.model is None:
             raise ConfigError(f"--gguf-file={args.gguf_file!r}: needs --model (the folder or package holding it)")
-        try:
-            resolve_source(model_config(args.model, args.gguf_file))  # a bad source, before anything loads
-        except ConfigError as err:
-            raise _flag_names(err) from None
+        resolve_source(model_config(args.model, args.gguf_file))  # a bad source, before anything loads
         args.name = artifact_name(args.model, args.name or (Path(args.out).name if args.out else None))
         out = Path(args.out or ARTIFACTS_ROOT / args.name)
         if out.exists() and not out.is_dir():
@@ -440,8 +413,9 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(f"--head-idx={str(args.head_idx or out / 'srh_head_idx.json')!r}: not found; run "
                               "`python -m methods.calibrate heads` first")
         return cmd_heads(args, out) if args.command == "heads" else cmd_layers(args, out)
-    except (ConfigError, OSError, ValueError, KeyError) as e:
-        print(f"error: {type(e).__name__ + ': ' if not isinstance(e, ConfigError) else ''}{e}", file=sys.stderr)
+    except (ConfigError, OSError, ValueError, KeyError) as e:  # one line, naming this command's flags
+        text = str(e).replace("model.source=", "--model=").replace("model.gguf_file=", "--gguf-file=")
+        print(f"error: {'' if isinstance(e, ConfigError) else type(e).__name__ + ': '}{text}", file=sys.stderr)
         return 2
 
 
