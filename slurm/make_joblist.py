@@ -1,29 +1,16 @@
 #!/usr/bin/env python
-"""Expand a Hydra sweep into a job list: one line per job, holding that job's overrides.
+"""Expand a Hydra sweep into a job list for ``slurm/array.sbatch``: one line of overrides per job.
 
-The job list feeds ``slurm/array.sbatch`` (array task *i* runs line *i*), or any other
-scheduler: each line is a ready-made argument list for ``python run.py``. The sweep is
-written exactly as for ``python run.py -m`` and expands in the same order as Hydra's basic
-sweeper (the cartesian product of the comma lists, the last key varying fastest)::
+Array task *i* runs ``python run.py <line i>``. Jobs come in the order of Hydra's basic sweeper
+(the cartesian product of the comma lists, the last key varying fastest)::
 
     python slurm/make_joblist.py method=snapkv,selkv budget=0.1,0.25 task=niah -o jobs.txt
-    # jobs.txt:
-    #   method=snapkv budget=0.1 task=niah
-    #   method=snapkv budget=0.25 task=niah
-    #   method=selkv budget=0.1 task=niah
-    #   method=selkv budget=0.25 task=niah
 
-``--shards N`` splits every job into N array tasks (``shard.index=k shard.count=N``) that
-write into the same job folder. Each override is shell-quoted (``'task.context_lengths=[256]'``)
-so that a line can also be pasted after ``python run.py`` in a shell.
-
-An experiment preset (``+experiment=NAME``) contributes its own sweep (``hydra.sweeper.params``,
-keys given on the command line win), as with ``run.py -m``. The overrides are not validated here:
-each array task's job checks its own config and exits 2 on a bad one.
-
-Sweep syntax accepted: comma lists (``a=1,2``), ``range()``, ``choice()``; plain overrides
-(``a=1``, ``+a=1``, ``~a``) are copied to every line. ``glob()`` and ``interval()`` are
-rejected (they need a config loader or a sweeper plugin).
+``--shards N`` splits every job into N array tasks (``shard.index=k shard.count=N``) writing
+into one job folder. Overrides are shell-quoted, so a line can be pasted after ``python run.py``.
+An experiment preset (``+experiment=NAME``) adds its own sweep (``hydra.sweeper.params``; keys
+on the command line win). Comma lists, ``range()`` and ``choice()`` expand; ``glob()`` and
+``interval()`` are refused. The overrides are not validated here: each job checks its own config.
 """
 
 from __future__ import annotations
@@ -44,30 +31,19 @@ class SweepSpecError(ValueError):
 
 
 def _choices(override: Override) -> list[str]:
-    """The override strings one sweep key contributes, e.g. ``['budget=0.1', 'budget=0.25']``.
-
-    Raises:
-        SweepSpecError: ``glob()`` or ``interval()`` sweeps.
-    """
+    """The override strings one key contributes (``['budget=0.1', 'budget=0.25']``); SweepSpecError
+    for ``glob()`` or ``interval()``."""
     if not override.is_sweep_override():
         return [override.input_line]
     if not override.is_discrete_sweep() or isinstance(override.value(), Glob):
-        raise SweepSpecError(
-            f"{override.input_line!r}: only comma lists, range() and choice() can be expanded into a job list"
-        )
+        raise SweepSpecError(f"{override.input_line!r}: only comma lists, range() and choice() can be expanded")
     key = override.get_key_element()
     return [f"{key}={value}" for value in override.sweep_string_iterator()]
 
 
 def expand(overrides: list[str], shards: int = 1) -> list[list[str]]:
-    """Expand sweep overrides into one override list per job, in Hydra's multirun order.
-
-    Args:
-        overrides: command-line overrides as given to ``run.py -m``.
-        shards: split each job into this many shards (adds ``shard.index``/``shard.count``).
-
-    Returns:
-        ``n_jobs * shards`` override lists, the shards of one job next to each other.
+    """``n_jobs * shards`` override lists (the shards of a job side by side, with ``shard.index`` and
+    ``shard.count``) from the overrides of ``run.py -m``, in Hydra's multirun order.
 
     Raises:
         SweepSpecError: an override that does not parse or cannot be expanded, or shards < 1.
@@ -85,15 +61,8 @@ def expand(overrides: list[str], shards: int = 1) -> list[list[str]]:
 
 
 def preset_sweeps(overrides: list[str]) -> list[str]:
-    """The sweep of an experiment preset named in ``overrides`` (``+experiment=NAME``), as overrides.
-
-    ``run.py -m +experiment=NAME`` sweeps the preset's ``hydra.sweeper.params``; a job list must
-    list those jobs too (a line with the preset alone would refuse to run without ``-m``). Keys
-    given on the command line win, as in Hydra.
-
-    Raises:
-        SweepSpecError: the preset file does not exist.
-    """
+    """The ``hydra.sweeper.params`` of the preset named by ``+experiment=NAME`` in ``overrides``, as
+    overrides, without the keys given on the command line. SweepSpecError: no such preset."""
     import yaml
 
     names = [o.split("=", 1)[1] for o in overrides if o.lstrip("+").startswith("experiment=")]
