@@ -1,21 +1,12 @@
 """``kvbench mask-heads``: the head-masking ablation of CompressKV Table 2a (Sec. 4.3).
 
-Following the causal test of Wu et al. (2025), the k heads with the highest score across all
-layers (k = 10, 20, 30 by default) are masked (:class:`kvbench.head_mask.HeadMask`) and the model
-runs the Needle-in-a-Haystack task with its full cache; the table gives the NIAH score without
-mask and its drop, in points, for each k and each head ranking:
-
-* ``srh``: Semantic Retrieval Heads, CompressKV Eq. 1 scores (``semantic_retrieval_heads.json``);
-* ``trh``: traditional retrieval heads, top-1 copy scores (``retrieval_heads.json``, or the
-  published ``<model>.json`` for ``llama31``/``mistral``);
-* ``random``: a control, k heads drawn with ``--seed`` outside the SRH and TRH top-k.
-
-A head's score is the mean of its list in the score file (``{"<layer>-<head>": [...]}``, query
-heads, :func:`methods.artifacts.load_head_scores`). The published CompressKV files of
-Llama-3.1-8B / Mistral-7B carry no SRH scores: give ``--srh-scores`` or leave ``srh`` out.
-
-Writes ``<out>/mask_heads_<model>_<mode>-<phase>.{json,csv,md}`` (``--out NAME.json`` names the
-three files), replacing files of that name.
+As in the causal test of Wu et al. (2025), the k heads with the highest mean score across all
+layers (k = 10, 20, 30) are masked (:class:`kvbench.head_mask.HeadMask`) while the model runs the
+NIAH task with its full cache; the table gives the no-mask score and the drop, in points, per k
+and ranking: ``srh`` (CompressKV Eq. 1, ``semantic_retrieval_heads.json``), ``trh`` (top-1 copy
+scores, ``retrieval_heads.json`` or the published file of ``llama31``/``mistral``, which have no
+SRH scores) and ``random`` (``--seed``, outside the SRH and TRH top-k). Writes
+``<out>/mask_heads_<model>_<mode>-<phase>.{json,csv,md}`` (``--out NAME.json``: those names).
 """
 
 from __future__ import annotations
@@ -48,11 +39,7 @@ _TASK_FLAGS = {"context_lengths": "lengths", "depth_percents": "depths", "haysta
 
 
 def model_config(name: str, source: str | None = None) -> dict:
-    """``conf/model/<name>.yaml`` as a dict (``source``, a file or folder, replaces ``model.source``).
-
-    Raises:
-        ConfigError: no such model config (lists the accepted names).
-    """
+    """``conf/model/<name>.yaml`` (``source`` replaces ``model.source``); ConfigError if there is none."""
     path = ROOT / "conf" / "model" / f"{name}.yaml"
     if not path.is_file():
         names = sorted(p.stem for p in path.parent.glob("*.yaml"))
@@ -64,12 +51,7 @@ def model_config(name: str, source: str | None = None) -> dict:
 
 
 def score_file(kind: str, model: str, explicit: str | None) -> Path:
-    """The head-score file of ``kind`` (``srh`` or ``trh``) for ``model``.
-
-    Raises:
-        ConfigError: not found (names the calibration command), or SRH asked for a model whose
-            published files hold only a per-layer SRH ranking.
-    """
+    """The head-score file of ``kind`` (``srh``/``trh``) for ``model``; ConfigError when there is none."""
     key = f"--{kind}-scores"
     if kind == "srh" and not explicit and model in PUBLISHED:
         if not (ARTIFACTS_ROOT / model / "semantic_retrieval_heads.json").is_file():
@@ -88,12 +70,8 @@ def ranking_agrees(kind: str, model: str, scores) -> tuple[str | None, bool | No
 
 
 def random_heads(num_layers: int, num_heads: int, k: int, seed: int, exclude: set[tuple[int, int]]) -> list[tuple[int, int]]:
-    """k distinct ``(layer, head)`` pairs drawn uniformly (one seeded permutation of all L·H_q heads,
-    so a larger k extends a smaller one), outside ``exclude``.
-
-    Raises:
-        ConfigError: fewer than k heads outside ``exclude``.
-    """
+    """k distinct ``(layer, head)`` pairs outside ``exclude`` from one seeded permutation of all L·H_q
+    heads (a larger k extends a smaller one); ConfigError when fewer are left."""
     import torch
 
     order = torch.randperm(num_layers * num_heads, generator=torch.Generator().manual_seed(seed)).tolist()
@@ -104,17 +82,8 @@ def random_heads(num_layers: int, num_heads: int, k: int, seed: int, exclude: se
 
 
 def conditions(scores: dict, ks: list[int], kinds: list[str], seed: int) -> list[dict]:
-    """The masked runs: for each k, the top-k heads of each score kind, then the random control.
-
-    Args:
-        scores: ``{kind: (L, H_q) mean scores}`` for the score kinds in ``kinds``.
-
-    Returns:
-        ``[{"kind", "k", "heads": [[layer, head], ...]}]`` (the no-mask run excluded).
-
-    Raises:
-        ConfigError: a k larger than the number of heads.
-    """
+    """``[{"kind", "k", "heads": [[layer, head], ...]}]``: for each k, the top-k heads of each
+    ``scores`` kind (``(L, H_q)`` means), then the random control. ConfigError: k > L·H_q."""
     grid = tuple(next(iter(scores.values())).shape)
     out = []
     for k in ks:
@@ -132,11 +101,7 @@ def _flag_error(err: TaskConfigError) -> ConfigError:
 
 
 def niah_config(args) -> dict:
-    """``conf/task/niah.yaml`` with the command's grid flags, validated.
-
-    Raises:
-        ConfigError: a bad grid or haystack folder (naming the flag).
-    """
+    """``conf/task/niah.yaml`` with the command's grid flags, validated (ConfigError naming the flag)."""
     cfg = yaml.safe_load((ROOT / "conf" / "task" / "niah.yaml").read_text(encoding="utf-8"))
     cfg.update({k: v for k, v in (("context_lengths", args.lengths), ("depth_percents", args.depths),
                                   ("max_new_tokens", args.max_new_tokens)) if v is not None})
@@ -150,12 +115,8 @@ def niah_config(args) -> dict:
 
 
 def run_condition(engine, loaded, task, samples, heads, mode: str, phase: str) -> dict:
-    """Generate every sample with ``heads`` masked; NIAH score = 100 × mean ROUGE-1 recall.
-
-    Returns:
-        ``{"score", "n", "failed", "samples": [{"id", "prediction", "score"}]}`` (failed samples
-        keep their error and are left out of the mean).
-    """
+    """``{"score", "n", "failed", "samples"}`` of every sample run with ``heads`` masked: score =
+    100 × mean ROUGE-1 recall of the samples that did not fail."""
     from .job import run_sample
 
     records = []
@@ -277,16 +238,14 @@ def run(args) -> int:
     return 0
 
 
-def _device(text: str) -> str:
-    if not re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", text):
-        raise ValueError(text)
-    return text
-
-
-def _positive(text: str) -> int:
-    if int(text) < 1:
-        raise ValueError(text)
-    return int(text)
+def _checked(kind, ok, what: str):
+    """argparse type: ``kind(text)`` when ``ok`` of it (else argparse's one-line error naming ``what``)."""
+    def parse(text: str):
+        if not ok(kind(text)):
+            raise ValueError(text)
+        return kind(text)
+    parse.__name__ = what
+    return parse
 
 
 def build_parser() -> ArgParser:
@@ -305,8 +264,8 @@ def build_parser() -> ArgParser:
     p.add_argument("--depths", **lst, help="NIAH needle depths in percent (default conf/task/niah.yaml)")
     p.add_argument("--haystack-dir", default=None, help="folder of .txt haystack files (default: the task's haystack_source)")
     p.add_argument("--max-new-tokens", type=int, default=None, help="generation limit (default conf/task/niah.yaml)")
-    p.add_argument("--device", type=_device, default="auto", help="auto, cpu, mps, cuda, cuda:<index>")
-    p.add_argument("--threads", type=_positive, default=None, help="torch CPU threads (default: torch's)")
+    p.add_argument("--device", type=_checked(str, lambda d: re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", d), "device"), default="auto", help="auto, cpu, mps, cuda, cuda:<index>")
+    p.add_argument("--threads", type=_checked(int, lambda n: n >= 1, "integer >= 1"), default=None, help="torch CPU threads (default: torch's)")
     p.add_argument("--out", default="results/mask_heads", help="output folder, or NAME.json/.csv/.md for the three files")
     return p
 
