@@ -21,10 +21,7 @@ import yaml
 
 from eval.base import TaskConfigError
 from eval.niah import NIAHTask
-from methods.artifacts import (
-    ARTIFACTS_ROOT, PUBLISHED, artifact_path, keyed_errors, load_head_ranking, load_head_scores, ranking_from_scores,
-    top_heads,
-)
+from methods.artifacts import artifact_path, keyed_errors, load_head_scores, top_heads
 from methods.base import ConfigError
 
 from .cli import ArgParser
@@ -33,7 +30,7 @@ from .store import atomic_write
 
 ROOT = Path(__file__).resolve().parents[1]
 KINDS = ("srh", "trh", "random")
-_SCORE_KIND = {"srh": ("semantic_retrieval_heads", "srh_head_idx"), "trh": ("retrieval_heads", "trh_head_idx")}
+_SCORE_KIND = {"srh": "semantic_retrieval_heads", "trh": "retrieval_heads"}
 _TASK_FLAGS = {"context_lengths": "lengths", "depth_percents": "depths", "haystack_dir": "haystack-dir",
                "max_new_tokens": "max-new-tokens"}
 
@@ -51,22 +48,9 @@ def model_config(name: str, source: str | None = None) -> dict:
 
 
 def score_file(kind: str, model: str, explicit: str | None) -> Path:
-    """The head-score file of ``kind`` (``srh``/``trh``) for ``model``; ConfigError when there is none."""
-    key = f"--{kind}-scores"
-    if kind == "srh" and not explicit and model in PUBLISHED:
-        if not (ARTIFACTS_ROOT / model / "semantic_retrieval_heads.json").is_file():
-            raise ConfigError(f"{key}: model {model} has only the published per-layer SRH ranking, no scores to rank "
-                              f"heads across layers; give {key}=PATH or --kinds trh,random")
-    return artifact_path(_SCORE_KIND[kind][0], model, explicit, key)
-
-
-def ranking_agrees(kind: str, model: str, scores) -> tuple[str | None, bool | None]:
-    """``(ranking file, whether it orders each layer as scores do)``, ``(None, None)`` without one."""
-    try:
-        path = artifact_path(_SCORE_KIND[kind][1], model, None, "ranking")
-        return str(path), load_head_ranking(path) == ranking_from_scores(scores)
-    except ConfigError:
-        return None, None
+    """The head-score file of ``kind`` (``srh``/``trh``) for ``model``; ConfigError when there is none
+    (the published files of ``llama31``/``mistral`` hold no SRH scores, only a per-layer ranking)."""
+    return artifact_path(_SCORE_KIND[kind], model, explicit, f"--{kind}-scores")
 
 
 def random_heads(num_layers: int, num_heads: int, k: int, seed: int, exclude: set[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -218,8 +202,6 @@ def run(args) -> int:
     report = {
         "model": args.model, "mode": args.mode, "phase": args.phase, "k": args.k, "kinds": args.kinds,
         "seed": args.seed, "score_files": {k: str(p) for k, p in files.items()},
-        "rankings": {k: dict(zip(("file", "agrees_with_scores"), ranking_agrees(k, args.model, scores[k])))
-                     for k in files if not getattr(args, f"{k}_scores")},  # only beside the default score files
         "grid": {"context_lengths": task_cfg["context_lengths"], "depth_percents": task_cfg["depth_percents"],
                  "haystack_source": getattr(task, "haystack_source", None), "samples": len(samples),
                  "skipped": getattr(task, "skipped", [])},

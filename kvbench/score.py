@@ -1,11 +1,10 @@
 """``kvbench score DIR [--e] [--out PATH]``: the official LongBench ``eval.py`` over prediction files.
 
-Each ``<dataset>.jsonl`` in DIR (the dataset is the file name up to its first dot) holds one JSON
-object per line with ``pred``, ``answers``, ``all_classes`` and ``length`` (the official
-``pred.py`` format); as officially, a file's last line gives ``all_classes``. Writes the official
-``result.json``: ``{dataset: score}``, or with ``--e`` (LongBench-E) ``{dataset: {"0-4k": s,
-"4-8k": s, "8k+": s}}`` with ``null`` for an empty bucket (the official script writes NaN). Unlike
-the official script, two files of one dataset, an empty file or a wrongly typed field are errors.
+Each ``<dataset>.jsonl`` in DIR (dataset = the name up to its first dot) holds the official
+``pred.py`` lines (``pred``, ``answers``, ``all_classes``, ``length``; the last line's
+``all_classes`` counts). Writes ``result.json``: ``{dataset: score}``, or with ``--e`` ``{dataset:
+{"0-4k": s, "4-8k": s, "8k+": s}}`` with ``null`` for an empty bucket (officially NaN). Two files
+of one dataset, an empty file or a wrongly typed field are errors (officially: the last file wins).
 """
 
 from __future__ import annotations
@@ -42,12 +41,8 @@ def _check_row(row, need_length: bool) -> str:
 
 
 def read_predictions(path: Path, need_length: bool) -> list[dict]:
-    """The prediction lines of one file (blank lines skipped).
-
-    Raises:
-        ScoreInputError: a line is not JSON, lacks ``pred``/``answers``/``all_classes`` (or
-            ``length`` when ``need_length``), or has a wrongly typed field.
-    """
+    """The prediction lines of one file (ScoreInputError: a line that is not JSON, lacks a field
+    or has a wrongly typed one; ``length`` is needed when ``need_length``)."""
     rows = []
     for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
         if line.strip():
@@ -62,12 +57,8 @@ def read_predictions(path: Path, need_length: bool) -> list[dict]:
 
 
 def score_dir(folder: Path, longbench_e: bool = False) -> dict:
-    """Official scores of every ``*.jsonl`` prediction file in ``folder``, by dataset name (sorted).
-
-    Raises:
-        ScoreInputError: no such folder, no jsonl file, an unknown or repeated dataset, an empty
-            file or a bad line.
-    """
+    """Official scores of the ``*.jsonl`` prediction files in ``folder`` by dataset (ScoreInputError:
+    no such folder or file, an unknown or repeated dataset, an empty file or a bad line)."""
     if not folder.is_dir():
         raise ScoreInputError(f"{folder}: no such directory")
     files = sorted(p for p in folder.glob("*jsonl") if p.is_file())

