@@ -47,12 +47,6 @@ def model_config(name: str, source: str | None = None) -> dict:
     return cfg
 
 
-def score_file(kind: str, model: str, explicit: str | None) -> Path:
-    """The head-score file of ``kind`` (``srh``/``trh``) for ``model``; ConfigError when there is none
-    (the published files of ``llama31``/``mistral`` hold no SRH scores, only a per-layer ranking)."""
-    return artifact_path(_SCORE_KIND[kind], model, explicit, f"--{kind}-scores")
-
-
 def random_heads(num_layers: int, num_heads: int, k: int, seed: int, exclude: set[tuple[int, int]]) -> list[tuple[int, int]]:
     """k distinct ``(layer, head)`` pairs outside ``exclude`` from one seeded permutation of all L·H_q
     heads (a larger k extends a smaller one); ConfigError when fewer are left."""
@@ -168,8 +162,8 @@ def write_report(stem: Path, report: dict) -> list[Path]:
 def run(args) -> int:
     """Check every input, then load the model and run the no-mask and masked NIAH grids."""
     model_cfg = model_config(args.model, args.model_source)
-    files = {kind: score_file(kind, args.model, getattr(args, f"{kind}_scores")) for kind in ("srh", "trh")
-             if kind in args.kinds}
+    files = {kind: artifact_path(_SCORE_KIND[kind], args.model, getattr(args, f"{kind}_scores"), f"--{kind}-scores")
+             for kind in ("srh", "trh") if kind in args.kinds}  # the published llama31/mistral files: no SRH scores
     scores = {}
     for kind, path in files.items():
         with keyed_errors(f"--{kind}-scores", path):
