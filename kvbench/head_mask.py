@@ -46,18 +46,9 @@ def _masked(keep: torch.Tensor, phase: str, x: torch.Tensor) -> torch.Tensor:
 
 
 class HeadMask:
-    """Context manager that silences query heads of a model (see the module docstring).
-
-    Args:
-        model: a transformers causal LM whose attention modules have ``q_proj`` and ``o_proj``.
-        layout: the model's :class:`methods.base.HeadLayout`.
-        heads: ``(layer, query-head id)`` pairs; empty means no mask.
-        mode: ``zero`` or ``uniform``; phase: ``all`` or ``decode``.
-
-    Raises:
-        ConfigError: unknown mode or phase, a head outside the layout, or (on entering) a model
-            without per-layer ``q_proj``/``o_proj`` of ``H_q · d`` features.
-    """
+    """Silences the ``(layer, query head)`` pairs ``heads`` of ``model`` (laid out as ``layout``) in a
+    ``with`` block, by ``mode`` and ``phase`` (module docstring). ConfigError: an unknown mode or phase,
+    a head outside the layout, or (on entering) no per-layer ``q_proj``/``o_proj`` of ``H_q·d`` features."""
 
     def __init__(self, model: torch.nn.Module, layout: HeadLayout, heads: Iterable[tuple[int, int]],
                  mode: str = "zero", phase: str = "all"):
