@@ -1,158 +1,106 @@
-"""``kvbench score DIR``: the official LongBench ``eval.py`` over a folder of prediction files.
+"""``kvbench score DIR [--e] [--out PATH]``: the official LongBench ``eval.py`` over prediction files.
 
-Each ``<dataset>.jsonl`` in DIR (the dataset is the file name up to its first dot, as in the
-official script) holds one JSON object per line with ``pred``, ``answers``, ``all_classes``
-and ``length`` (the official ``pred.py`` format). The result is written as the official
-``result.json``: ``{dataset: score}``, or with ``--e`` (LongBench-E) ``{dataset: {"0-4k": s,
-"4-8k": s, "8k+": s}}`` where an empty bucket is ``null`` (the official script writes NaN).
-As officially, a file's last line gives the dataset's ``all_classes``. Unlike the official
-script (whose last file read wins), two files of one dataset (``qasper.jsonl`` and
-``qasper.old.jsonl``) are refused, and so is an empty file or a line with a wrongly typed field.
-
-Usage: ``kvbench score DIR [--e] [--out PATH]`` or ``python -m kvbench.score DIR``.
+Each ``<dataset>.jsonl`` in DIR (dataset = the name up to its first dot) holds the official
+``pred.py`` lines (``pred``, ``answers``, ``all_classes``, ``length``; the last line's
+``all_classes`` counts). Writes ``result.json``: ``{dataset: score}``, or with ``--e`` ``{dataset:
+{"0-4k": s, "4-8k": s, "8k+": s}}`` with ``null`` for an empty bucket (officially NaN). Two files
+of one dataset, an empty file or a wrongly typed field are errors (officially: the last file wins).
 """
 
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
 from eval.metrics import dataset2metric, score_dataset
 
-from .cli_parser import OneLineParser
-from .store import output_file_refusal, replace_keeping
-
-REQUIRED = ("pred", "answers", "all_classes")
+from .cli import ArgParser
+from .store import atomic_write
 
 
 class ScoreInputError(ValueError):
     """A prediction folder or file the scorer cannot read (one line: file, line, what is wrong)."""
 
 
-def read_predictions(path: Path, need_length: bool) -> tuple[list[str], list[list[str]], list | None, list[int]]:
-    """(predictions, answers, all_classes of the last line, lengths) of one prediction file.
+def _check_row(row, need_length: bool) -> str:
+    """What is wrong with one prediction line (``""`` when nothing)."""
+    if not isinstance(row, dict):
+        return "not a JSON object"
+    missing = [k for k in ("pred", "answers", "all_classes", *(["length"] if need_length else [])) if k not in row]
+    if missing:
+        hint = "; this is kvbench's own predictions.jsonl, not the official pred.py format" if "prediction" in row else ""
+        return f"missing field {', '.join(map(repr, missing))}{hint}"
+    if not isinstance(row["pred"], str):
+        return f"'pred' must be a string, not {type(row['pred']).__name__}"
+    if not isinstance(row["answers"], list) or not all(isinstance(a, str) for a in row["answers"]):
+        return "'answers' must be a list of strings"
+    if need_length and (isinstance(row["length"], bool) or not isinstance(row["length"], (int, float))):
+        return f"'length' must be a number (the context's length in words), not {row['length']!r}"
+    return ""
 
-    Raises:
-        ScoreInputError: a line is not JSON or lacks ``pred``/``answers``/``all_classes``
-            (or ``length`` when ``need_length``).
-    """
-    preds, answers, lengths, all_classes = [], [], [], None
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
+
+def read_predictions(path: Path, need_length: bool) -> list[dict]:
+    """The prediction lines of one file (ScoreInputError: a line that is not JSON, lacks a field
+    or has a wrongly typed one; ``length`` is needed when ``need_length``)."""
+    rows = []
+    for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        if line.strip():
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
                 raise ScoreInputError(f"{path} line {lineno}: not valid JSON ({e.msg})") from None
-            if not isinstance(row, dict):
-                raise ScoreInputError(f"{path} line {lineno}: not a JSON object")
-            missing = [k for k in REQUIRED + (("length",) if need_length else ()) if k not in row]
-            if missing:
-                hint = ("; this is kvbench's own predictions.jsonl (its job folder's summary.json holds the scores): "
-                        "kvbench score reads the official pred.py format" if "prediction" in row else "")
-                raise ScoreInputError(f"{path} line {lineno}: missing field {', '.join(map(repr, missing))}{hint}")
-            if not isinstance(row["pred"], str):
-                raise ScoreInputError(f"{path} line {lineno}: 'pred' must be a string, not {type(row['pred']).__name__}")
-            if not isinstance(row["answers"], list) or not all(isinstance(a, str) for a in row["answers"]):
-                raise ScoreInputError(f"{path} line {lineno}: 'answers' must be a list of strings")
-            if need_length and (isinstance(row["length"], bool) or not isinstance(row["length"], (int, float))):
-                raise ScoreInputError(f"{path} line {lineno}: 'length' must be a number (the context's length in "
-                                      "words, LongBench's field), not " + repr(row["length"]))
-            preds.append(row["pred"])
-            answers.append(row["answers"])
-            all_classes = row["all_classes"]
-            if "length" in row:
-                lengths.append(row["length"])
-    return preds, answers, all_classes, lengths
+            if why := _check_row(row, need_length):
+                raise ScoreInputError(f"{path} line {lineno}: {why}")
+            rows.append(row)
+    return rows
 
 
 def score_dir(folder: Path, longbench_e: bool = False) -> dict:
-    """Official scores of every ``*.jsonl`` prediction file in ``folder`` (sorted by name).
-
-    Raises:
-        ScoreInputError: no such folder, no jsonl file, an unknown dataset name or a bad line.
-    """
+    """Official scores of the ``*.jsonl`` prediction files in ``folder`` by dataset (ScoreInputError:
+    no such folder or file, an unknown or repeated dataset, an empty file or a bad line)."""
     if not folder.is_dir():
         raise ScoreInputError(f"{folder}: no such directory")
-    from .store import is_job_folder
-
-    if is_job_folder(folder):
-        raise ScoreInputError(f"{folder}: a kvbench job folder (its summary.json holds the scores, "
-                              "`kvbench report` tabulates them); kvbench score reads a folder of the official "
-                              "pred.py files <dataset>.jsonl")
-    files = sorted(p for p in folder.iterdir() if p.name.endswith("jsonl") and p.is_file())
+    files = sorted(p for p in folder.glob("*jsonl") if p.is_file())
     if not files:
         raise ScoreInputError(f"{folder}: no prediction files (<dataset>.jsonl)")
     scores, seen = {}, {}
     for path in files:
         dataset = path.name.split(".")[0]
         if dataset not in dataset2metric:
-            raise ScoreInputError(
-                f"{path}: unknown LongBench dataset {dataset!r}; file names must be one of {', '.join(dataset2metric)}"
-            )
+            raise ScoreInputError(f"{path}: unknown LongBench dataset {dataset!r}; accepted: {', '.join(dataset2metric)}")
         if dataset in seen:  # the official eval.py keeps whichever it reads last
-            raise ScoreInputError(f"{path}: {seen[dataset].name} in the same folder is dataset {dataset!r} too (the "
-                                  "name up to its first dot); move one of them out")
+            raise ScoreInputError(f"{path}: {seen[dataset].name} in the same folder is dataset {dataset!r} too")
         seen[dataset] = path
-        preds, answers, all_classes, lengths = read_predictions(path, need_length=longbench_e)
-        if not preds:
+        rows = read_predictions(path, need_length=longbench_e)
+        if not rows:
             raise ScoreInputError(f"{path}: no prediction lines")
-        try:
-            scores[dataset] = score_dataset(dataset, preds, answers, all_classes, lengths if longbench_e else None)
-        except (ValueError, TypeError) as e:
-            raise ScoreInputError(f"{path}: {e}") from None
+        scores[dataset] = score_dataset(dataset, [r["pred"] for r in rows], [r["answers"] for r in rows],
+                                        rows[-1]["all_classes"], [r["length"] for r in rows] if longbench_e else None)
     return scores
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Score DIR and write ``result.json`` (``--out`` to write elsewhere); print the scores.
-
-    Returns:
-        0 on success, 2 on a user error (printed as one line on stderr).
-    """
-    parser = OneLineParser(prog="kvbench score", description=__doc__.split("\n\n")[0])
+    """Score DIR, write ``result.json`` (DIR/result.json or ``--out``) and print it. Returns 0, or 2
+    on a user error (one line on stderr)."""
+    parser = ArgParser(prog="kvbench score", description=__doc__.split("\n\n")[0])
     parser.add_argument("dir", type=Path, help="folder of <dataset>.jsonl prediction files")
     parser.add_argument("--e", action="store_true", help="LongBench-E: score by length bucket")
-    parser.add_argument("--out", default=None, help="output file (default: DIR/result.json; a path ending in / is a "
-                        "folder: result.json inside it)")
+    parser.add_argument("--out", default=None, help="output file (default DIR/result.json; a folder: result.json in it)")
     args = parser.parse_args(argv)
-    if args.out is not None:  # "new/" names a folder (Path would drop the slash and write a file "new")
-        args.out = Path(args.out) / "result.json" if args.out.endswith(("/", os.sep)) else Path(args.out)
+    out = Path(args.out) if args.out else args.dir / "result.json"
+    if args.out and (out.is_dir() or args.out.endswith("/")):
+        out = out / "result.json"
     try:
-        scores = score_dir(args.dir, longbench_e=args.e)
-    except ScoreInputError as e:  # one line, worded as the argument errors (OneLineParser.error)
+        text = json.dumps(score_dir(args.dir, longbench_e=args.e), ensure_ascii=False, indent=4)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write(out, text)
+    except (ScoreInputError, OSError) as e:
         print(f"kvbench score: error: {e}", file=sys.stderr)
         return 2
-    out = args.out or args.dir / "result.json"
-    why = _out_refusal(out, args.dir)
-    if why:
-        parser.error(f"--out {str(out)!r}: {why}")
-    text = json.dumps(scores, ensure_ascii=False, indent=4)
-    from methods.base import ConfigError
-
-    from .validate import check_creatable
-
-    try:
-        check_creatable(f"--out {str(out)!r}", out.parent)
-    except ConfigError as e:
-        parser.error(str(e))
-    kept = replace_keeping(out, text)
     print(text)
-    print(f"wrote {out}" + (f" (the earlier scores are kept as {kept.name})" if kept else ""), file=sys.stderr)
+    print(f"wrote {out}", file=sys.stderr)
     return 0
-
-
-def _out_refusal(out: Path, pred_dir: Path) -> str:
-    """Why the scores must not be written to ``out`` (``""`` when they may): a folder, one of the
-    prediction files scored, a results-store file or a path inside a job folder
-    (:func:`kvbench.store.output_file_refusal`), or an existing file that is not a score file."""
-    if out.suffix == ".jsonl" and out.absolute().parent == pred_dir.absolute():
-        return "is a prediction file of DIR; pass another file (default: DIR/result.json)"
-    return output_file_refusal(out, "a scores file (a JSON object)", lambda old: isinstance(old, dict),
-                               "DIR/result.json")
 
 
 if __name__ == "__main__":

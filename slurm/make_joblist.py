@@ -1,28 +1,16 @@
 #!/usr/bin/env python
-"""Expand a Hydra sweep into a job list: one line per job, holding that job's overrides.
+"""Expand a Hydra sweep into a job list for ``slurm/array.sbatch``: one line of overrides per job.
 
-The job list feeds ``slurm/array.sbatch`` (array task *i* runs line *i*), or any other
-scheduler: each line is a ready-made argument list for ``python run.py``. The sweep is
-written exactly as for ``python run.py -m`` and expands in the same order as Hydra's basic
-sweeper (the cartesian product of the comma lists, the last key varying fastest)::
+Array task *i* runs ``python run.py <line i>``. Jobs come in the order of Hydra's basic sweeper
+(the cartesian product of the comma lists, the last key varying fastest)::
 
     python slurm/make_joblist.py method=snapkv,selkv budget=0.1,0.25 task=niah -o jobs.txt
-    # jobs.txt:
-    #   method=snapkv budget=0.1 task=niah
-    #   method=snapkv budget=0.25 task=niah
-    #   method=selkv budget=0.1 task=niah
-    #   method=selkv budget=0.25 task=niah
 
-``--shards N`` splits every job into N array tasks (``shard.index=k shard.count=N``) that
-write into the same job folder. Each override is shell-quoted (``'task.context_lengths=[256]'``)
-so that a line can also be pasted after ``python run.py`` in a shell.
-
-An experiment preset (``+experiment=NAME``) contributes its own sweep (``hydra.sweeper.params``,
-keys given on the command line win), as with ``run.py -m``.
-
-Sweep syntax accepted: comma lists (``a=1,2``), ``range()``, ``choice()``; plain overrides
-(``a=1``, ``+a=1``, ``~a``) are copied to every line. ``glob()`` and ``interval()`` are
-rejected (they need a config loader or a sweeper plugin).
+``--shards N`` splits every job into N array tasks (``shard.index=k shard.count=N``) writing
+into one job folder. Overrides are shell-quoted, so a line can be pasted after ``python run.py``.
+An experiment preset (``+experiment=NAME``) adds its own sweep (``hydra.sweeper.params``; keys
+on the command line win). Comma lists, ``range()`` and ``choice()`` expand; ``glob()`` and
+``interval()`` are refused. The overrides are not validated here: each job checks its own config.
 """
 
 from __future__ import annotations
@@ -43,30 +31,19 @@ class SweepSpecError(ValueError):
 
 
 def _choices(override: Override) -> list[str]:
-    """The override strings one sweep key contributes, e.g. ``['budget=0.1', 'budget=0.25']``.
-
-    Raises:
-        SweepSpecError: ``glob()`` or ``interval()`` sweeps.
-    """
+    """The override strings one key contributes (``['budget=0.1', 'budget=0.25']``); SweepSpecError
+    for ``glob()`` or ``interval()``."""
     if not override.is_sweep_override():
         return [override.input_line]
     if not override.is_discrete_sweep() or isinstance(override.value(), Glob):
-        raise SweepSpecError(
-            f"{override.input_line!r}: only comma lists, range() and choice() can be expanded into a job list"
-        )
+        raise SweepSpecError(f"{override.input_line!r}: only comma lists, range() and choice() can be expanded")
     key = override.get_key_element()
     return [f"{key}={value}" for value in override.sweep_string_iterator()]
 
 
 def expand(overrides: list[str], shards: int = 1) -> list[list[str]]:
-    """Expand sweep overrides into one override list per job, in Hydra's multirun order.
-
-    Args:
-        overrides: command-line overrides as given to ``run.py -m``.
-        shards: split each job into this many shards (adds ``shard.index``/``shard.count``).
-
-    Returns:
-        ``n_jobs * shards`` override lists, the shards of one job next to each other.
+    """``n_jobs * shards`` override lists (the shards of a job side by side, with ``shard.index`` and
+    ``shard.count``) from the overrides of ``run.py -m``, in Hydra's multirun order.
 
     Raises:
         SweepSpecError: an override that does not parse or cannot be expanded, or shards < 1.
@@ -84,15 +61,8 @@ def expand(overrides: list[str], shards: int = 1) -> list[list[str]]:
 
 
 def preset_sweeps(overrides: list[str]) -> list[str]:
-    """The sweep of an experiment preset named in ``overrides`` (``+experiment=NAME``), as overrides.
-
-    ``run.py -m +experiment=NAME`` sweeps the preset's ``hydra.sweeper.params``; a job list must
-    list those jobs too (a line with the preset alone would refuse to run without ``-m``). Keys
-    given on the command line win, as in Hydra.
-
-    Raises:
-        SweepSpecError: the preset file does not exist.
-    """
+    """The ``hydra.sweeper.params`` of the preset named by ``+experiment=NAME`` in ``overrides``, as
+    overrides, without the keys given on the command line. SweepSpecError: no such preset."""
     import yaml
 
     names = [o.split("=", 1)[1] for o in overrides if o.lstrip("+").startswith("experiment=")]
@@ -111,18 +81,9 @@ def format_line(job: list[str]) -> str:
     return " ".join(shlex.quote(override) for override in job)
 
 
-def is_job_list(path: Path) -> bool:
-    """Whether ``path`` holds a job list of this script: every non-empty line is shell words of
-    the form ``key=value`` (an empty file counts). A README, a script or notes do not."""
-    try:
-        lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-        return all(all("=" in word and not word.startswith("=") for word in shlex.split(line)) for line in lines)
-    except (OSError, UnicodeDecodeError, ValueError):  # unreadable, binary, unbalanced quotes
-        return False
-
-
 def main(argv: list[str] | None = None) -> int:
-    """Command line: write the job list and print the matching sbatch command to stderr."""
+    """Command line: write the job list (``-o`` or standard output) and print the sbatch command.
+    Returns 0, or 2 on a bad sweep or an unwritable ``-o`` (one line on stderr)."""
     parser = argparse.ArgumentParser(
         description="Expand Hydra sweep overrides into a job list for slurm/array.sbatch.",
         epilog="example: python slurm/make_joblist.py method=snapkv,selkv budget=0.1,0.25 -o jobs.txt",
@@ -131,61 +92,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("-o", "--output", type=Path, help="job list file (default: standard output)")
     parser.add_argument("--shards", type=int, default=1, help="split every job into this many shards")
     parser.add_argument("--parallel", type=int, default=16, help="array tasks at once, for the printed command")
-    parser.add_argument("--no-check", action="store_true",
-                        help="skip validating the sweep with run.py's checks (unknown names, keys, values)")
     args = parser.parse_intermixed_args(argv)  # overrides may follow the options, as with run.py
     if args.parallel < 1:
         parser.error(f"--parallel {args.parallel}: must be an integer >= 1 (array tasks run at once)")
-    if args.shards < 1:
-        parser.error(f"--shards {args.shards}: must be an integer >= 1")
     given = [o for o in args.overrides if o.lstrip("+~").startswith("shard.")]
     if given and args.shards > 1:
-        parser.error(f"{given[0]}: --shards {args.shards} sets shard.index and shard.count on every line; "
-                     "give one or the other")
+        parser.error(f"{given[0]}: --shards {args.shards} sets shard.index and shard.count on every line")
     try:
-        args.overrides = [("+" + o if o.startswith("experiment=") else o) for o in args.overrides]
-        args.overrides += preset_sweeps(args.overrides)  # a preset's own sweep, one line per job
-    except SweepSpecError as error:
+        overrides = [("+" + o if o.startswith("experiment=") else o) for o in args.overrides]
+        jobs = expand(overrides + preset_sweeps(overrides), args.shards)
+        text = "".join(format_line(job) + "\n" for job in jobs)
+        if args.output is None:
+            sys.stdout.write(text)
+            return 0
+        args.output.write_text(text, encoding="utf-8")
+    except (SweepSpecError, OSError) as error:
         print(f"make_joblist: {error}", file=sys.stderr)
         return 2
-    if not args.no_check:
-        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root (run as a script)
-        from kvbench.cli_guard import precheck_argv
-
-        precheck_argv(["-m", *args.overrides], "no job list was written")  # the job runner's checks: one line, exit 2
-    try:
-        jobs = expand(args.overrides, args.shards)
-    except SweepSpecError as error:
-        print(f"make_joblist: {error}", file=sys.stderr)
-        return 2
-    text = "".join(format_line(job) + "\n" for job in jobs)
-    if args.output is None:
-        sys.stdout.write(text)
-        return 0
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root (run as a script)
-    from kvbench.store import replace_keeping, store_write_refusal
-
-    why = (store_write_refusal(args.output) or ("is a folder" if args.output.is_dir() else "")
-           or ("exists and is not a job list (every line: key=value overrides)"
-               if args.output.is_file() and not is_job_list(args.output) else ""))
-    if why:
-        advice = ("pass a new file or an earlier job list" if why.startswith("exists and")
-                  else "pass a job list file outside the job folders")
-        print(f"make_joblist: -o {args.output}: {why}; {advice}", file=sys.stderr)
-        return 2
-    try:
-        kept = replace_keeping(args.output, text)
-        if kept:
-            print(f"make_joblist: the earlier {args.output.name} is kept as {kept.name}", file=sys.stderr)
-    except OSError as error:  # a folder that does not exist, a file in the path, no permission
-        print(f"make_joblist: -o {args.output}: cannot write it ({error.strerror or type(error).__name__})",
-              file=sys.stderr)
-        return 2
-    print(
-        f"{len(jobs)} jobs written to {args.output}; submit with:\n"
-        f"  sbatch --array=1-{len(jobs)}%{args.parallel} slurm/array.sbatch {args.output}",
-        file=sys.stderr,
-    )
+    print(f"{len(jobs)} jobs written to {args.output}; submit with:\n"
+          f"  sbatch --array=1-{len(jobs)}%{args.parallel} slurm/array.sbatch {args.output}", file=sys.stderr)
     return 0
 
 

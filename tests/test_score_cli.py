@@ -95,40 +95,15 @@ def test_python_dash_m(tmp_path):
     assert json.loads((tmp_path / "result.json").read_text(encoding="utf-8")) == {"lcc": 50.0}
 
 
-def test_out_never_replaces_stored_files(tmp_path, capsys):
-    """--out that is a job's file, lies in a job folder, is a folder, is a scored prediction file
-    or is some other file: one line, exit 2, nothing written. A missing parent folder is made, and
-    earlier scores that differ are kept as result.<time>.json."""
+def test_out_is_a_file_or_a_folder_and_os_errors_are_one_line(tmp_path, capsys):
     make_dir(tmp_path)
-    job = tmp_path / "results" / "longbench" / "m" / "snapkv" / "b0.25"
-    job.mkdir(parents=True)
-    for name, text in (("config.yaml", "budget: 0.25\n"), ("predictions.jsonl", '{"id": 1}\n'), ("summary.json", "{}")):
-        (job / name).write_text(text)
-    (tmp_path / "notes.txt").write_text("mine")
-    cases = [(job / "predictions.jsonl", "predictions.jsonl is a job folder's own file"),
-             (tmp_path / "elsewhere" / "summary.json", "summary.json is a job folder's own file"),
-             (job / "scores.json", f"inside the job folder {job}"),
-             (tmp_path / "results", "is a folder; pass a file path"),
-             (tmp_path / "trec.jsonl", "is a prediction file of DIR"),
-             (tmp_path / "notes.txt", "exists and is not a scores file")]
-    for out, message in cases:
-        with pytest.raises(SystemExit) as stop:
-            main([str(tmp_path), "--out", str(out)])
-        err = capsys.readouterr().err.strip().splitlines()
-        assert stop.value.code == 2 and len(err) == 1 and message in err[0], (out, err)
-    assert (job / "predictions.jsonl").read_text() == '{"id": 1}\n' and (tmp_path / "notes.txt").read_text() == "mine"
-    assert not (job / "scores.json").exists() and not (tmp_path / "elsewhere").exists()
-    assert main([str(job)]) == 2  # a job folder is not a folder of official prediction files
-    err = capsys.readouterr().err.strip()
-    assert err == (f"kvbench score: error: {job}: a kvbench job folder (its summary.json holds the scores, `kvbench report` "
-                   "tabulates them); kvbench score reads a folder of the official pred.py files <dataset>.jsonl")
     out = tmp_path / "new" / "deeper" / "scores.json"
     assert main([str(tmp_path), "--out", str(out)]) == 0  # parents made
-    first = out.read_text(encoding="utf-8")
-    write(tmp_path, "passage_count.jsonl", [pred("3", ["3"])])
-    assert main([str(tmp_path), "--out", str(out)]) == 0
-    assert json.loads(out.read_text(encoding="utf-8"))["passage_count"] == 100.0
-    (kept,) = out.parent.glob("scores.*.json")
-    assert kept.read_text(encoding="utf-8") == first and "the earlier scores are kept as" in capsys.readouterr().err
-    assert main([str(tmp_path), "--out", str(out)]) == 0  # the same scores again: nothing more kept
-    assert len(list(out.parent.glob("scores.*.json"))) == 1
+    assert json.loads(out.read_text(encoding="utf-8"))["trec"] == 50.0
+    assert main([str(tmp_path), "--out", str(tmp_path / "new")]) == 0  # a folder: result.json in it
+    assert json.loads((tmp_path / "new" / "result.json").read_text(encoding="utf-8"))["trec"] == 50.0
+    (tmp_path / "afile").write_text("x")
+    capsys.readouterr()
+    assert main([str(tmp_path), "--out", str(tmp_path / "afile" / "r.json")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvbench score: error:") and err.count("\n") == 1

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from methods.head_scores import find_span, qa_f1, r2_step_scores, relative_output_error, srh_step_scores, trh_step_scores
+from eval.metrics import qa_f1_score as qa_f1
+from methods.head_scores import find_span, r2_step_scores, relative_output_error, srh_step_scores, trh_step_scores
 
 # 1 layer x 3 heads over n = 6 positions; answer span = positions [2, 4) holding tokens 7, 8
 PROMPT = torch.tensor([5, 6, 7, 8, 9, 10])
@@ -51,6 +52,7 @@ def test_find_span_tolerates_border_tokens():
     prompt = [1, 2, 3, 40, 11, 12, 13, 14, 5, 6]
     needle = [10, 11, 12, 13, 14]  # first token merged differently in the prompt
     assert find_span(prompt, needle) == (3, 8)
+    assert find_span([7, 1, 7, 1], [7, 2]) == (0, 2)  # the first of equally good windows
     with pytest.raises(ValueError):
         find_span([1, 2], [3])
 
@@ -61,7 +63,7 @@ def test_relative_output_error_hand_computed():
     assert relative_output_error(full, full).item() == 0.0
 
 
-def test_qa_f1():
+def test_qa_f1_of_r2_answers():  # HeadKV R2's success criterion is LongBench's QA-F1
     assert qa_f1("The cat sat.", "a cat sat") == 1.0
     assert qa_f1("cat", "cat sat") == pytest.approx(2 / 3)
     assert qa_f1("dog", "cat") == 0.0
