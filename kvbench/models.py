@@ -353,7 +353,8 @@ def load_model(model_cfg: dict, device: str = "auto") -> LoadedModel:
 
     register()
     dev = resolve_device(device)
-    dtype = getattr(torch, (model_cfg.get("dtype") or {}).get(dev.type, "bfloat16" if dev.type == "cuda" else "float32"))
+    spec = model_cfg.get("dtype") or {}  # {cuda: bfloat16, cpu: float32} or one name for every device
+    dtype = getattr(torch, spec.get(dev.type, "bfloat16" if dev.type == "cuda" else "float32") if isinstance(spec, dict) else spec)
     path, gguf_file = resolve_source(model_cfg)
     trust = bool(model_cfg.get("trust_remote_code", False))
     device_map = model_cfg.get("device_map")
