@@ -31,17 +31,7 @@ QUESTION = "What is the best thing to do in San Francisco? Answer in one sentenc
 
 @dataclass
 class Settings:
-    """Command-line settings shared by the main process and its workers.
-
-    Attributes:
-        quick: 256/512-token prompts, 8 generated tokens, 2 repetitions (a few minutes).
-        model: a ``conf/model/<name>.yaml`` name or a path to such a YAML file.
-        device: ``cpu``, ``cuda``, ``cuda:1`` or ``auto``.
-        out: output folder (one JSON per benchmark, worker logs).
-        threads: torch intra-op threads (None: torch's default).
-        methods: restrict compression and memory to these methods (None: all).
-        prompt_lengths: prompt lengths (tokens) instead of the defaults (None).
-    """
+    """The command line's settings (``python -m benchmarks --help``), shared with the workers."""
 
     quick: bool = False
     model: str = "smollm2"
@@ -53,6 +43,7 @@ class Settings:
 
     @property
     def lengths(self) -> list[int]:
+        """Prompt lengths in tokens: ``--lengths``, else 256/512 (``--quick``), else 1k, 2k, 4k, 8k."""
         return sorted(set(self.prompt_lengths or (QUICK_LENGTHS if self.quick else FULL_LENGTHS)))
 
     @property
@@ -75,13 +66,6 @@ class Settings:
         return [m for m in methods if not self.methods or m in self.methods]
 
 
-def apply_threads(settings: Settings) -> None:
-    import torch
-
-    if settings.threads:
-        torch.set_num_threads(int(settings.threads))
-
-
 def model_config(name_or_path: str) -> dict[str, Any]:
     """The model node: ``conf/model/<name>.yaml`` or a YAML file path.
 
@@ -99,8 +83,12 @@ def model_config(name_or_path: str) -> dict[str, Any]:
 
 def load(settings: Settings):
     """The benchmark model (:class:`kvbench.models.LoadedModel`) on ``settings.device``."""
+    import torch
+
     from kvbench.models import load_model
 
+    if settings.threads:
+        torch.set_num_threads(settings.threads)
     return load_model(model_config(settings.model), settings.device)
 
 
@@ -124,15 +112,6 @@ def build_method(name: str, layout=None, **overrides):
 # --- prompts -----------------------------------------------------------------------------
 
 
-@dataclass
-class Prompt:
-    """A needle-in-a-haystack prompt: ``context`` (haystack, needle at 50 %, question) and ``ids``
-    (the prompt token ids, chat template applied when the tokenizer has one)."""
-
-    context: str
-    ids: list[int]
-
-
 def wrap(tokenizer, context: str) -> str:
     """``context`` as the user turn of the chat template (or ``context + "\\nAnswer:"``)."""
     if getattr(tokenizer, "chat_template", None):
@@ -141,8 +120,9 @@ def wrap(tokenizer, context: str) -> str:
     return context + "\nAnswer:"
 
 
-def build_prompt(tokenizer, n_tokens: int) -> Prompt:
-    """A prompt of ``n_tokens`` tokens (± a few) from the NIAH task's embedded haystack (no data files)."""
+def build_prompt(tokenizer, n_tokens: int) -> tuple[str, list[int]]:
+    """``(context, ids)``: a needle-in-a-haystack prompt of ``n_tokens`` tokens (± a few) from the NIAH
+    task's embedded haystack (no data files), needle at 50 %, question last, chat template applied."""
     from eval.niah import embedded_haystack
 
     hay = tokenizer.encode(embedded_haystack(), add_special_tokens=False)
@@ -155,7 +135,7 @@ def build_prompt(tokenizer, n_tokens: int) -> Prompt:
         if len(ids) == n_tokens:
             break
         budget = max(2, budget + n_tokens - len(ids))
-    return Prompt(context, ids)
+    return context, ids
 
 
 # --- results -----------------------------------------------------------------------------
@@ -227,15 +207,11 @@ def machine_info(settings: Settings) -> dict[str, Any]:
     import torch
     import transformers
 
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").is_file() else platform.processor()
-    info = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "cpu": cpu or "unknown", "cores": os.cpu_count(),
-            "torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
-            "torch_threads": torch.get_num_threads(), "device": settings.device, "model": settings.model,
-            "quick": settings.quick}
-    if settings.device.startswith("cuda") and torch.cuda.is_available():
-        info["gpu"] = torch.cuda.get_device_name()
-    return info
+    gpu = torch.cuda.get_device_name() if settings.device != "cpu" and torch.cuda.is_available() else None
+    return {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "cpu": platform.processor() or platform.machine(),
+            "cores": os.cpu_count(), "gpu": gpu, "torch": torch.__version__, "transformers": transformers.__version__,
+            "python": platform.python_version(), "torch_threads": settings.threads or torch.get_num_threads(), "device": settings.device,
+            "model": settings.model, "quick": settings.quick}
 
 
 # --- the run context ---------------------------------------------------------------------
@@ -259,14 +235,10 @@ class Context:
 
     def worker(self, configs: list[tuple[str, str, float]], n: int, rounds: int = 1,
                live_memory: bool = False) -> list[dict[str, dict]]:
-        """Run ``configs`` (``(label, method, budget)``) in one fresh process, ``rounds`` times in
-        turn, on an ``n``-token prompt (memoised); see :mod:`benchmarks.worker`.
-
-        ``live_memory``: run with ``MKL_DISABLE_FAST_MM=1``, so that Intel MKL's buffer pool (kept
-        outside PyTorch and ``malloc_trim``) does not count as resident memory.
-
-        Returns:
-            one ``{label: measurements}`` per round (:func:`benchmarks.worker.measure`).
+        """Run ``configs`` (``(label, method, budget)``) in turn for ``rounds`` rounds on an ``n``-token
+        prompt in one fresh process (memoised; :mod:`benchmarks.worker`): one ``{label: measurements}``
+        per round. ``live_memory``: with ``MKL_DISABLE_FAST_MM=1`` (MKL's buffer pool, outside PyTorch and
+        ``malloc_trim``, not counted as resident memory).
 
         Raises:
             RuntimeError: the worker failed (its log's last line and path are named).

@@ -61,11 +61,11 @@ def run(ctx: Context) -> BenchResult:
             engines[name] = Engine(loaded, build_method(name, loaded.layout), RATIO_25)
         except Exception as e:  # noqa: BLE001 - a method that cannot be built is reported, not timed
             failed[name] = f"not available ({type(e).__name__}: {str(e).splitlines()[0][:120]})"
-    warm = build_prompt(loaded.tokenizer, QUICK_LENGTHS[0]).ids
+    warm = build_prompt(loaded.tokenizer, QUICK_LENGTHS[0])[1]
     prefill: dict[int, float] = {}
     cost: dict[str, dict[int, float]] = {name: {} for name in engines if name != "full"}
     for n in lengths:
-        ids = build_prompt(loaded.tokenizer, n).ids
+        ids = build_prompt(loaded.tokenizer, n)[1]
         for name, engine in list(engines.items()):
             try:
                 if n == lengths[0]:

@@ -44,7 +44,7 @@ def run(ctx: Context) -> BenchResult:
 
     s, loaded = ctx.settings, ctx.loaded
     model = loaded.model
-    ids = build_prompt(loaded.tokenizer, QUICK_LENGTHS[0] if s.quick else PROMPT_TOKENS).ids
+    ids = build_prompt(loaded.tokenizer, QUICK_LENGTHS[0] if s.quick else PROMPT_TOKENS)[1]
     new = s.new_tokens
     engine = Engine(loaded, build_method("full", loaded.layout), 1.0)
     input_ids = torch.tensor([ids], device=loaded.device)

@@ -39,7 +39,7 @@ def run(ctx: Context) -> BenchResult:
 
     s, loaded = ctx.settings, ctx.loaded
     model, tok = loaded.model, loaded.tokenizer
-    context = build_prompt(tok, QUICK_LENGTHS[-1] if s.quick else PROMPT_TOKENS).context
+    context = build_prompt(tok, QUICK_LENGTHS[-1] if s.quick else PROMPT_TOKENS)[0]
     new = s.new_tokens
     engine = Engine(loaded, build_method("snapkv", loaded.layout, window_size=WINDOW, kernel_size=KERNEL,
                                          pooling="avg", gqa_aggregation="mean"), KEEP)

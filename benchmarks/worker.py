@@ -24,7 +24,7 @@ import sys
 import time
 from typing import Any
 
-from .common import MARKER, Settings, apply_threads, build_method, build_prompt, load
+from .common import MARKER, Settings, build_method, build_prompt, load
 
 
 def release_freed_memory() -> bool:
@@ -113,9 +113,8 @@ def run(spec: dict[str, Any]) -> list[dict[str, dict]]:
     from kvbench.engine import Engine
 
     settings = Settings(**spec["settings"])
-    apply_threads(settings)
     loaded = load(settings)
-    ids = build_prompt(loaded.tokenizer, int(spec["n"])).ids
+    ids = build_prompt(loaded.tokenizer, int(spec["n"]))[1]
     engines = {label: Engine(loaded, build_method(method, loaded.layout), budget)
                for label, method, budget in spec["configs"]}
     for engine in engines.values():

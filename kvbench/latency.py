@@ -39,6 +39,8 @@ from .store import atomic_write
 DEFAULT_NEW_TOKENS = 256  # SelKV Figure 3 generates 256 tokens
 DEFAULT_LENGTHS = [512, 1024, 2048, 4096, 8192]
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+RESULT_FIELDS = ("prefill_s", "compress_s", "decode_s", "generated_tokens", "decode_tok_s", "cache_bytes_before",
+                 "cache_bytes_after")
 
 
 def prompt_ids(n_tokens: int, vocab_size: int, seed: int = 0) -> list[int]:
@@ -46,22 +48,6 @@ def prompt_ids(n_tokens: int, vocab_size: int, seed: int = 0) -> list[int]:
     hold most special tokens); latency does not depend on the text."""
     rng = random.Random(seed * 1_000_003 + n_tokens)
     return [rng.randrange(100, max(101, vocab_size)) for _ in range(n_tokens)]
-
-
-def measure(engine: Any, ids: list[int], max_new_tokens: int) -> dict:
-    """One timed ``engine.generate(ids, max_new_tokens, stop_ids=[])``: the record's measured fields.
-
-    The peak resident memory is restarted first (:func:`kvbench.engine.reset_peak_rss`), so an
-    earlier, longer prompt's peak does not carry over.
-    """
-    from .engine import reset_peak_rss
-
-    reset_peak_rss()
-    res = engine.generate(ids, max_new_tokens, stop_ids=[])
-    return {"prompt_tokens": len(ids), "prefill_s": res.prefill_s, "compress_s": res.compress_s,
-            "decode_s": res.decode_s, "generated_tokens": res.generated_tokens, "decode_tok_s": res.decode_tok_s,
-            "peak_mem_bytes": res.peak_rss_bytes, "cache_bytes_before": res.cache_bytes_before,
-            "cache_bytes_after": res.cache_bytes_after}
 
 
 def build_method(method_cfg: dict, layout=None):
@@ -90,22 +76,16 @@ def engine_factory(model_cfg: dict, budget: float, device: str = "auto") -> Call
 def run_latency(model_cfg: dict, method_cfgs: dict[str, dict], budget: float, lengths: list[int],
                 max_new_tokens: int, repeats: int, out: Path, make_engine: Callable[[dict], Any] | None = None,
                 log: Callable[[str], None] = print) -> list[dict]:
-    """Measure every method at every prompt length and write the records to ``out``.
-
-    Args:
-        model_cfg: the model's Hydra node as a dict.
-        method_cfgs: ``{preset name: method node}``; a record's ``method`` is the node's ``label``.
-        budget: the compressed methods' budget (the full cache's records say 1.0).
-        lengths: prompt lengths in tokens; those over the context window minus the generated
-            tokens are skipped with a message.
-        max_new_tokens: tokens generated per request.
-        repeats: timed runs per (method, length), after one untimed warm-up per method.
-        out: output JSON path (rewritten atomically after each record).
-        make_engine: ``method node -> engine`` (default :func:`engine_factory`).
-
-    Returns:
-        The records written.
+    """Measure every method (``{preset: method node}``; a record's ``method`` is the node's ``label``)
+    at every prompt length (tokens; those over the context window minus ``max_new_tokens`` skipped
+    with a message), ``repeats`` timed runs each after one warm-up per method, rewriting ``out``
+    atomically after each record. ``make_engine``: ``method node -> engine`` (default
+    :func:`engine_factory`). Returns the records. The peak memory is restarted before each run
+    (:func:`kvbench.engine.reset_peak_rss`), so an earlier, longer prompt's peak does not carry over.
     """
+    from . import engine as engine_module
+
+    reset_peak_rss = engine_module.reset_peak_rss
     make_engine = make_engine or engine_factory(model_cfg, budget)
     records: list[dict] = []
     for preset, method_cfg in method_cfgs.items():
@@ -127,10 +107,13 @@ def run_latency(model_cfg: dict, method_cfgs: dict[str, dict], budget: float, le
             device = f"cuda:{torch.cuda.get_device_name(dev)}"
         for n in todo:
             for rep in range(repeats):
+                reset_peak_rss()
+                res = engine.generate(prompt_ids(n, vocab), max_new_tokens, stop_ids=[])
                 rec = {"model": model_cfg.get("name"), "method": method_cfg.get("label") or method_cfg.get("name"),
                        "method_name": method_cfg.get("name"), "preset": preset,
-                       "budget": 1.0 if method_cfg.get("name") == "full" else float(budget),
-                       "repeat": rep, **measure(engine, prompt_ids(n, vocab), max_new_tokens), "device": device}
+                       "budget": 1.0 if method_cfg.get("name") == "full" else float(budget), "prompt_tokens": n,
+                       "repeat": rep, **{k: getattr(res, k) for k in RESULT_FIELDS},
+                       "peak_mem_bytes": res.peak_rss_bytes, "device": device}
                 records.append(rec)
                 out.parent.mkdir(parents=True, exist_ok=True)
                 atomic_write(out, json.dumps(records, indent=1) + "\n")
@@ -169,18 +152,15 @@ def main(argv: list[str] | None = None) -> int:
           and not (i and argv[i - 1] == "--out")}
     args = p.parse_args([a for i, a in enumerate(argv) if i not in at])
     overrides = [argv[i] for i in sorted(at)] + args.overrides
-    presets = [x for v in args.methods or [] for x in v.split(",") if x]
-    lengths = [x for v in args.lengths or [] for x in v.split(",") if x]
-    if args.methods is not None and not presets or args.lengths is not None and not lengths:
-        p.error(f"{'--methods' if args.methods is not None and not presets else '--lengths'}: empty; name at least one value")
-    for flag, values in (("--lengths", lengths), ("--new-tokens", [args.new_tokens]), ("--repeats", [args.repeats])):
-        bad = [v for v in values if v is not None and not (str(v).isdigit() and int(v) >= 1)]
-        if bad:
-            p.error(f"{flag} {bad[0]}: must be an integer >= 1")
+    presets, lengths = ([x for v in values or [] for x in v.split(",") if x] for values in (args.methods, args.lengths))
+    for flag, values, given in (("--methods", presets, args.methods), ("--lengths", lengths, args.lengths),
+                                ("--new-tokens", [args.new_tokens], 1), ("--repeats", [args.repeats], 1)):
+        bad = [v for v in values if v is not None and flag != "--methods" and not (str(v).isdigit() and int(v) >= 1)]
+        if given is not None and not values or bad:
+            p.error(f"{flag} {bad[0] if bad else repr('')}: " + ("must be an integer >= 1" if bad else "empty"))
     known = sorted(f.stem for f in (CONF_DIR / "method").glob("*.yaml"))
-    for preset in presets:
-        if preset not in known:
-            p.error(f"--methods {preset}: unknown method preset; accepted values are {', '.join(known)}")
+    if unknown := [x for x in presets if x not in known]:
+        p.error(f"--methods {unknown[0]}: unknown method preset; accepted values are {', '.join(known)}")
     try:
         cfg = compose(overrides)
     except Exception as e:  # noqa: BLE001 - Hydra's override and config errors: one line

@@ -84,7 +84,7 @@ def test_settings_lengths_and_target_length():
 
 
 @pytest.mark.parametrize("argv, key", [
-    (["--only", "decod"], "--only decod"), (["--only", ""], "--only"), (["--methods", "snapkvv"], "--methods snapkvv"),
+    (["--only", "decod"], "--only decod"), (["--only", ""], "--only ''"), (["--methods", "snapkvv"], "--methods snapkvv"),
     (["--lengths", "10"], "--lengths 10"), (["--lengths", "1k"], "--lengths 1k"), (["--model", "nope"], "--model nope"),
     (["--threads", "0"], "--threads 0"),
 ])
