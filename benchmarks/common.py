@@ -7,6 +7,7 @@ Units: seconds (``*_s``), milliseconds (``*_ms``), bytes (``*_bytes``), tokens (
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import platform
@@ -67,11 +68,7 @@ class Settings:
 
 
 def model_config(name_or_path: str) -> dict[str, Any]:
-    """The model node: ``conf/model/<name>.yaml`` or a YAML file path.
-
-    Raises:
-        FileNotFoundError: no such config (the message names the accepted names).
-    """
+    """The model node, ``conf/model/<name>.yaml`` or a YAML path; FileNotFoundError naming the accepted names."""
     import yaml
 
     path = Path(name_or_path) if name_or_path.endswith((".yaml", ".yml")) else ROOT / "conf" / "model" / f"{name_or_path}.yaml"
@@ -93,11 +90,7 @@ def load(settings: Settings):
 
 
 def build_method(name: str, layout=None, **overrides):
-    """A method from ``conf/method/<name>.yaml`` (+ overrides), as a job builds it.
-
-    Raises:
-        methods.base.ConfigError: unknown method or bad key.
-    """
+    """A method from ``conf/method/<name>.yaml`` (+ overrides), as a job builds it (ConfigError: a bad key)."""
     import yaml
 
     try:
@@ -178,22 +171,18 @@ class BenchResult:
         return d
 
 
-def fmt(value: Any, digits: int = 3) -> str:
-    """A table cell: floats to ``digits`` significant decimals, None as ``-``."""
-    if value is None:
-        return "-"
+def fmt(value: Any) -> str:
+    """A table cell: floats to 3 significant digits (integers from 100 on), None as ``-``."""
     if isinstance(value, float):
-        if value == 0 or abs(value) >= 100:
-            return f"{value:.0f}"
-        return f"{value:.{digits}g}" if abs(value) < 1 else f"{value:.{digits}f}".rstrip("0").rstrip(".")
-    return str(value)
+        return f"{value:.0f}" if abs(value) >= 100 else f"{value:.3g}"
+    return "-" if value is None else str(value)
 
 
 def table(headers: list[str], rows: list[list[Any]]) -> str:
     """A Markdown table."""
     cells = [[fmt(c) for c in r] for r in rows]
     widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(headers)]
-    line = lambda vals: "| " + " | ".join(v.ljust(w) for v, w in zip(vals, widths)) + " |"  # noqa: E731
+    line = lambda vals: "| " + " | ".join(v.ljust(w) for v, w in zip(vals, widths)) + " |"
     return "\n".join([line(headers), "|" + "|".join("-" * (w + 2) for w in widths) + "|"] + [line(r) for r in cells])
 
 
@@ -224,14 +213,11 @@ class Context:
         self.settings = settings
         self.logs = Path(settings.out) / "logs"
         self.logs.mkdir(parents=True, exist_ok=True)
-        self._loaded = None
         self._runs: dict[str, Any] = {}
 
-    @property
+    @functools.cached_property
     def loaded(self):
-        if self._loaded is None:
-            self._loaded = load(self.settings)
-        return self._loaded
+        return load(self.settings)
 
     def worker(self, configs: list[tuple[str, str, float]], n: int, rounds: int = 1,
                live_memory: bool = False) -> list[dict[str, dict]]:
@@ -256,7 +242,7 @@ class Context:
         path = self.logs / f"worker-{tag}.log"
         with open(path, "w") as err:
             proc = subprocess.run([sys.executable, "-m", "benchmarks.worker", key], cwd=ROOT, env=env,
-                                  stdout=subprocess.PIPE, stderr=err, text=True)
+                                  stdout=subprocess.PIPE, stderr=err, text=True, check=False)
         lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(MARKER)]
         if proc.returncode or not lines:
             tail = (path.read_text(errors="replace").strip().splitlines() or ["(no output)"])[-1]

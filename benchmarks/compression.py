@@ -14,7 +14,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from .common import QUICK_LENGTHS, RATIO_25, BenchResult, Context, Target, build_method, build_prompt, log
+from .common import (
+    QUICK_LENGTHS,
+    RATIO_25,
+    BenchResult,
+    Context,
+    Target,
+    build_method,
+    build_prompt,
+    log,
+)
 
 NAME = "compression"
 TITLE = "Compression cost per method (fraction of prefill time) and scaling with prompt length"
@@ -49,10 +58,7 @@ def targets(name: str, lengths: list[int], cost: dict[int, float], prefill: dict
 def run(ctx: Context) -> BenchResult:
     from kvbench.engine import Engine
 
-    s = ctx.settings
-    if not s.selected(METHODS):
-        return BenchResult(NAME, TITLE, skipped=f"--methods: none of {', '.join(METHODS)}")
-    loaded = ctx.loaded
+    s, loaded = ctx.settings, ctx.loaded
     lengths = s.lengths if s.quick or s.prompt_lengths else FULL_LENGTHS
     engines: dict[str, Any] = {"full": Engine(loaded, build_method("full", loaded.layout), 1.0)}
     failed: dict[str, str] = {}
@@ -61,39 +67,28 @@ def run(ctx: Context) -> BenchResult:
             engines[name] = Engine(loaded, build_method(name, loaded.layout), RATIO_25)
         except Exception as e:  # noqa: BLE001 - a method that cannot be built is reported, not timed
             failed[name] = f"not available ({type(e).__name__}: {str(e).splitlines()[0][:120]})"
-    warm = build_prompt(loaded.tokenizer, QUICK_LENGTHS[0])[1]
+    for engine in engines.values():  # warm-up
+        engine.generate(build_prompt(loaded.tokenizer, QUICK_LENGTHS[0])[1], 1, stop_ids=[])
     prefill: dict[int, float] = {}
     cost: dict[str, dict[int, float]] = {name: {} for name in engines if name != "full"}
     for n in lengths:
         ids = build_prompt(loaded.tokenizer, n)[1]
-        for name, engine in list(engines.items()):
-            try:
-                if n == lengths[0]:
-                    engine.generate(warm, 1, stop_ids=[])
-                r = engine.generate(ids, 1, stop_ids=[])
-            except Exception as e:  # noqa: BLE001 - report the method as failed, keep the others
-                failed[name] = f"failed at n={n} ({type(e).__name__}: {str(e).splitlines()[0][:120]})"
-                del engines[name], cost[name]
-                continue
-            if name == "full":
-                prefill[n] = r.prefill_s
-                continue
-            in_prefill = getattr(engine.method, "wants_prompt_attention", lambda _d: False)(loaded.device)
-            cost[name][n] = r.compress_s + (max(0.0, r.prefill_s - prefill[n]) if in_prefill else 0.0)
-        log(f"compression: n={n}: prefill {prefill[n]:.2f} s; " +
-            ", ".join(f"{k} {v[n] * 1000:.0f} ms" for k, v in cost.items()))
+        for name, engine in engines.items():
+            r = engine.generate(ids, 1, stop_ids=[])
+            prefill.setdefault(n, r.prefill_s)  # the full cache runs first
+            in_prefill = name != "full" and engine.method.wants_prompt_attention(loaded.device)
+            if name != "full":
+                cost[name][n] = r.compress_s + (max(0.0, r.prefill_s - prefill[n]) if in_prefill else 0.0)
+        log(f"compression: n={n}: prefill {prefill[n]:.2f} s; " + ", ".join(f"{k} {v[n] * 1e3:.0f} ms" for k, v in cost.items()))
     res = BenchResult(NAME, TITLE, headers=["method"] + [f"{n} tok: ms (% prefill)" for n in lengths] + ["exponent"],
                       data={"prefill_s": prefill, "compress_s": cost, "failed": failed, "budget": RATIO_25})
-    for name in s.selected(METHODS):
-        if name in failed:
-            res.rows.append([name, failed[name]] + [""] * len(lengths))
-            res.targets.append(Target(f"{name}: compression / prefill", "-", f"≤ {TARGET_FRACTION:.0%}", None,
-                                      failed[name]))
-            continue
-        per = cost[name]
+    for name, per in cost.items():
         res.rows.append([name] + [f"{per[n] * 1000:.1f} ({100 * per[n] / prefill[n]:.2f} %)" for n in lengths]
                         + [fit_exponent(lengths, [per[n] for n in lengths])])
         res.targets += targets(name, lengths, per, prefill)
+    for name, why in failed.items():
+        res.rows.append([name, why] + [""] * len(lengths))
+        res.targets.append(Target(f"{name}: compression / prefill", "-", f"≤ {TARGET_FRACTION:.0%}", None, why))
     res.rows.append(["(prefill s)"] + [f"{prefill[n]:.2f}" for n in lengths]
                     + [fit_exponent(lengths, [prefill[n] for n in lengths])])
     res.notes.append("compression = the engine's compress_s (plan, per-layer compress, cache write, finalize) plus, "

@@ -13,7 +13,15 @@ from __future__ import annotations
 import statistics
 import time
 
-from .common import QUICK_LENGTHS, BenchResult, Context, Target, build_method, build_prompt, log
+from .common import (
+    QUICK_LENGTHS,
+    BenchResult,
+    Context,
+    Target,
+    build_method,
+    build_prompt,
+    log,
+)
 
 NAME = "overhead"
 TITLE = "Harness overhead: full job vs plain transformers generate"
@@ -34,6 +42,19 @@ def alternate(fns: dict, reps: int) -> dict[str, list[float]]:
             times[name].append(time.perf_counter() - t0)
         log(f"rep {rep + 1}/{reps}: " + ", ".join(f"{k} {v[-1]:.2f} s" for k, v in times.items()))
     return times
+
+
+def ratio_result(name: str, title: str, times: dict[str, list[float]], target: str, bound: float, prompt_tokens: int,
+                 new_tokens: int, note: str = "", **data) -> BenchResult:
+    """The table and the target of a two-sided timing: ratio of the medians, first side / second ≤ ``bound``."""
+    med = {k: statistics.median(v) for k, v in times.items()}
+    first, second = times
+    ratio = med[first] / med[second]
+    return BenchResult(
+        name, title, headers=["path", "prompt tokens", "new tokens", "median s/sample", "min s", "max s", "reps"],
+        rows=[[k, prompt_tokens, new_tokens, med[k], min(v), max(v), len(v)] for k, v in times.items()],
+        targets=[Target(target, f"{ratio:.3f}×", f"≤ {bound}×", ratio <= bound, note)],
+        data=dict(data, times_s=times, median_s=med, ratio=ratio, prompt_tokens=prompt_tokens))
 
 
 def run(ctx: Context) -> BenchResult:
@@ -68,14 +89,6 @@ def run(ctx: Context) -> BenchResult:
         outputs["transformers"] = out[0, len(ids):].tolist()
 
     times = alternate({"kvbench": ours, "transformers": plain}, s.reps)
-    med = {k: statistics.median(v) for k, v in times.items()}
-    ratio = med["kvbench"] / med["transformers"]
     same = outputs["kvbench"] == outputs["transformers"]
-    return BenchResult(
-        NAME, TITLE, headers=["path", "prompt tokens", "new tokens", "median s/sample", "min s", "max s", "reps"],
-        rows=[[k, len(ids), new, med[k], min(v), max(v), len(v)] for k, v in times.items()],
-        targets=[Target("harness overhead (full job / transformers generate)", f"{ratio:.3f}×", f"≤ {TARGET}×",
-                        ratio <= TARGET, note="" if same else "generated tokens differ")],
-        data={"times_s": times, "median_s": med, "ratio": ratio, "same_tokens": same, "prompt_tokens": len(ids)},
-        notes=[f"ratio of the medians kvbench / transformers = {ratio:.3f}; identical generated tokens: {same}"],
-    )
+    return ratio_result(NAME, TITLE, times, "harness overhead (full job / transformers generate)", TARGET, len(ids),
+                        new, "" if same else "generated tokens differ", same_tokens=same)

@@ -14,10 +14,16 @@ kvpress is an optional extra (``pip install -e ".[kvpress]"``); without it the b
 
 from __future__ import annotations
 
-import statistics
-
-from .common import QUICK_LENGTHS, BenchResult, Context, Target, build_method, build_prompt, wrap
-from .overhead import alternate
+from .common import (
+    QUICK_LENGTHS,
+    BenchResult,
+    Context,
+    Target,
+    build_method,
+    build_prompt,
+    wrap,
+)
+from .overhead import alternate, ratio_result
 
 NAME = "kvpress"
 TITLE = "Against kvpress: SnapKV through kvpress's pipeline vs kvbench"
@@ -63,15 +69,8 @@ def run(ctx: Context) -> BenchResult:
             model.generation_config.eos_token_id = eos
 
     times = alternate({"kvbench": ours, "kvpress": theirs}, s.reps)
-    med = {k: statistics.median(v) for k, v in times.items()}
-    ratio = med["kvbench"] / med["kvpress"]
     same = answers["kvbench"].strip() == answers["kvpress"].strip()
-    n = len(tok.encode(wrap(tok, context), add_special_tokens=False))
-    return BenchResult(
-        NAME, TITLE, headers=["path", "prompt tokens", "new tokens", "median s/sample", "min s", "max s", "reps"],
-        rows=[[k, n, new, med[k], min(v), max(v), len(v)] for k, v in times.items()],
-        targets=[Target("kvbench / kvpress per-sample time (SnapKV)", f"{ratio:.3f}×", f"≤ {TARGET}×", ratio <= TARGET)],
-        data={"times_s": times, "median_s": med, "ratio": ratio, "answers": answers, "same_answer": same,
-              "setting": {"window_size": WINDOW, "kernel_size": KERNEL, "pooling": "avg", "gqa": "mean", "keep": KEEP}},
-        notes=[f"ratio of the medians kvbench / kvpress = {ratio:.3f}; same answer: {same}"],
-    )
+    return ratio_result(NAME, TITLE, times, "kvbench / kvpress per-sample time (SnapKV)", TARGET,
+                        len(tok.encode(wrap(tok, context), add_special_tokens=False)), new,
+                        "" if same else "answers differ", answers=answers, same_answer=same,
+                        setting={"window_size": WINDOW, "kernel_size": KERNEL, "pooling": "avg", "gqa": "mean", "keep": KEEP})

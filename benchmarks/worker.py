@@ -1,22 +1,17 @@
 """Engine configurations in a fresh process: ``python -m benchmarks.worker '<json spec>'``.
 
-Every run whose memory or decode speed is reported runs here, so that no other configuration's
-heap or allocator pools enter its numbers. The worker loads the model, builds one engine per
-configuration, warms each up on a short prompt, then runs the configurations in turn for
-``rounds`` rounds (round 1: A, B; round 2: A, B; ...: an A/B in one process sees the same
-machine state on both sides). Each run is ``Engine.generate`` on the same prompt with stop
-tokens disabled; it prints one line ``BENCH_JSON [{label: measurements}, ...]``.
-
-Decode steps are seen through a forward pre-hook on the decoder (each forward of one token
-is a decode step): their times and the resident memory between them. Resident memory counts
-freed heap pages that glibc has not returned to the system, so freed memory is returned
-(``malloc_trim``) after warm-up and before the first decode step.
+Runs whose memory or decode speed is reported run here, so that no other configuration's heap
+or allocator pools enter their numbers. The worker loads the model, builds and warms up one
+engine per configuration, then runs them in turn for ``rounds`` rounds (an A/B in one process
+sees the same machine state on both sides) and prints ``BENCH_JSON [{label: measurements}, ...]``.
+Decode steps are seen through a forward pre-hook on the decoder (a one-token forward is a step).
 """
 
 from __future__ import annotations
 
 import ctypes
 import gc
+import itertools
 import json
 import os
 import statistics
@@ -48,15 +43,12 @@ def _mem_now(device) -> int:
 
 
 def measure(engine, ids: list[int], new_tokens: int) -> dict[str, Any]:
-    """One ``engine.generate(ids, new_tokens, stop_ids=[])`` with memory by phase and per-step times.
-
-    Returns the :class:`kvbench.engine.GenerationResult` record plus: ``decode_step_ms`` (median
-    time from one decode step's start to the next, the first step left out; the mean
-    ``decode_s / (steps)`` when fewer than 3 steps were seen), ``rss_after_load_bytes`` (before
-    the sample), ``prefill_peak_bytes`` (peak of prefill + compression), ``decode_mem_bytes``
-    (largest memory between decode steps), ``peak_bytes`` (the sample's peak), ``weight_bytes``,
-    ``kept_tokens_mean`` / ``stored_tokens_mean`` (logical kept vs stored slots per KV head).
-    Peaks are restarted before the sample (CUDA peak stats, or ``/proc/self/clear_refs``).
+    """One ``engine.generate(ids, new_tokens, stop_ids=[])``: the :class:`kvbench.engine.GenerationResult`
+    record plus ``decode_step_ms`` (median from one step's start to the next, the first left out),
+    ``rss_after_load_bytes`` (before the sample), ``prefill_peak_bytes`` (prefill + compression),
+    ``decode_mem_bytes`` (largest between decode steps), ``peak_bytes``, ``weight_bytes`` and
+    ``kept_tokens_mean`` / ``stored_tokens_mean`` (logical kept vs stored slots per KV head). Peaks
+    restart before the sample; freed heap is returned to the system before it and before decoding.
     """
     import torch
 
@@ -92,7 +84,7 @@ def measure(engine, ids: list[int], new_tokens: int) -> dict[str, Any]:
         res = engine.generate(ids, new_tokens, stop_ids=[])
     finally:
         handle.remove()
-    steps = [b - a for a, b in zip(starts[1:], starts[2:])]
+    steps = [b - a for a, b in itertools.pairwise(starts[1:])]
     mean = res.decode_s / max(1, res.generated_tokens - 1)
     return {
         **res.record(),

@@ -1,27 +1,21 @@
-"""Latency benchmark: prefill time, compression time, decode throughput and peak memory of the
-full cache and compressed caches over prompt lengths (SelKV Figure 3).
+"""Latency benchmark (SelKV Figure 3): prefill and compression time, decode throughput and peak
+memory of the full cache and compressed caches over prompt lengths.
 
     python -m kvbench.latency +experiment=selkv_fig3 [hydra overrides...] [--out FILE]
     python -m kvbench.latency model=smollm2 budget=0.25 --methods full snapkv --lengths 256 512
 
-Model, budget and methods come from the Hydra config (``conf/``); an experiment preset may carry
-a ``latency:`` node (``methods``, ``lengths``, ``max_new_tokens``, ``repeats``, ``out``) that the
-flags override; ``method.*`` overrides apply to every method but the full cache. Each method
-config is built before the model loads (a bad key: one line, exit 2). Prompt lengths over the
-model's context window minus the generated tokens are skipped with a message. Stop tokens are
-off: every request decodes exactly ``max_new_tokens`` tokens.
-
-Output: a JSON list of records, rewritten atomically after every measurement, read by
-``kvbench report`` (``RESULTS_ROOT/latency.json`` or ``--latency``)::
+Model, budget and methods come from the Hydra config; a ``latency:`` node (``methods``, ``lengths``,
+``max_new_tokens``, ``repeats``, ``out``) gives defaults; ``method.*`` overrides apply to every
+method but the full cache. Stop tokens are off. Output, read by ``kvbench report``
+(``RESULTS_ROOT/latency.json`` or ``--latency``): a JSON list rewritten after every record::
 
     {"model": "llama31", "method": "SelKV", "method_name": "selkv", "preset": "selkv", "budget": 0.25,
      "prompt_tokens": 8192, "repeat": 0, "prefill_s": 0.81, "compress_s": 0.03, "decode_s": 5.1,
-     "generated_tokens": 256, "decode_tok_s": 50.2, "peak_mem_bytes": 17400000000,
-     "cache_bytes_before": 1073741824, "cache_bytes_after": 268435456, "device": "cuda:NVIDIA H100"}
+     "generated_tokens": 256, "decode_tok_s": 50.2, "cache_bytes_before": 1073741824,
+     "cache_bytes_after": 268435456, "peak_mem_bytes": 17400000000, "device": "cuda:NVIDIA H100"}
 
-Seconds; throughput in generated tokens per decode second; ``peak_mem_bytes`` is the peak CUDA
-memory of the generation on GPU, else the process's peak resident memory during it (model
-included). The full cache's records carry budget 1.0.
+Seconds, tokens per decode second, bytes; ``peak_mem_bytes``: peak CUDA memory of the generation,
+else the process's peak resident memory during it (model included). Full cache: budget 1.0.
 """
 
 from __future__ import annotations
@@ -30,8 +24,9 @@ import gc
 import json
 import random
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from .cli import ArgParser
 from .store import atomic_write
@@ -83,9 +78,11 @@ def run_latency(model_cfg: dict, method_cfgs: dict[str, dict], budget: float, le
     :func:`engine_factory`). Returns the records. The peak memory is restarted before each run
     (:func:`kvbench.engine.reset_peak_rss`), so an earlier, longer prompt's peak does not carry over.
     """
-    from . import engine as engine_module
+    import torch
 
-    reset_peak_rss = engine_module.reset_peak_rss
+    from . import (
+        engine as engine_module,  # its reset_peak_rss, looked up at each call (tests replace it)
+    )
     make_engine = make_engine or engine_factory(model_cfg, budget)
     records: list[dict] = []
     for preset, method_cfg in method_cfgs.items():
@@ -100,14 +97,10 @@ def run_latency(model_cfg: dict, method_cfgs: dict[str, dict], budget: float, le
         if todo:
             engine.generate(prompt_ids(min(todo), vocab), min(4, max_new_tokens), stop_ids=[])  # warm-up
         dev = getattr(getattr(engine, "loaded", None), "device", None)
-        device = str(dev or "unknown")
-        if getattr(dev, "type", None) == "cuda":
-            import torch
-
-            device = f"cuda:{torch.cuda.get_device_name(dev)}"
+        device = f"cuda:{torch.cuda.get_device_name(dev)}" if getattr(dev, "type", "") == "cuda" else str(dev or "unknown")
         for n in todo:
             for rep in range(repeats):
-                reset_peak_rss()
+                engine_module.reset_peak_rss()
                 res = engine.generate(prompt_ids(n, vocab), max_new_tokens, stop_ids=[])
                 rec = {"model": model_cfg.get("name"), "method": method_cfg.get("label") or method_cfg.get("name"),
                        "method_name": method_cfg.get("name"), "preset": preset,

@@ -67,7 +67,7 @@ def test_summary_shows_every_target_verdict_and_table():
         assert text in page, text
     data = json.loads(json.dumps(res.to_json()))
     assert [t["verdict"] for t in data["targets"]] == ["PASS", "FAIL", "SKIP"]
-    assert table(["a"], [[0.12345], [123.4], [1.5]]).splitlines()[2:] == ["| 0.123 |", "| 123   |", "| 1.5   |"]
+    assert table(["a"], [[0.12345], [123.4], [1.5], [0.0]]).splitlines()[2:] == ["| 0.123 |", "| 123   |", "| 1.5   |", "| 0     |"]
 
 
 def test_alternate_flips_the_order_every_repetition():
