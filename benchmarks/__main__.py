@@ -28,16 +28,7 @@ from pathlib import Path
 
 from kvbench.cli import ArgParser
 
-from .common import (
-    ROOT,
-    BenchResult,
-    Context,
-    Settings,
-    log,
-    machine_info,
-    model_config,
-    table,
-)
+from .common import ROOT, BenchResult, Context, Settings, log, machine_info, model_config, table
 
 BENCHMARKS = {"engine": "engine", "overhead": "overhead", "kvpress": "vs_kvpress", "compression": "compression",
               "decode": "decode", "memory": "memory"}  # name -> module

@@ -1,29 +1,17 @@
-"""Compression cost per method: compression time as a fraction of prefill time, and its scaling.
+"""Compression cost per method as a fraction of prefill time, and its scaling with prompt length.
 
-For each prompt length (1k, 2k, 4k tokens; ``--quick``/``--lengths`` change them) every method
-runs one sample through the engine in this process (one new token, budget 25 %), after a
-warm-up; the full cache gives the prefill time. A method's cost is its ``compress_s`` plus, for
-a method that scores inside the prefill attention (LOOK-M's column sums on CPU,
-``Method.wants_prompt_attention``), its prefill time over the full cache's. Targets at 4096
-tokens (the longest otherwise): cost ≤ 5 % of the prefill; the exponent of cost vs prompt length
-(least-squares slope of log time on log length) ≤ 1.2. LOOK-M's score (every prompt query ×
-every earlier key) and merge (every evicted × every kept key) are quadratic in n by definition.
+Per prompt length (1k, 2k, 4k) each method runs one sample through the engine in this process
+(budget 25 %, one new token) after a warm-up; the full cache gives the prefill time. Cost =
+``compress_s``, plus the extra prefill time over the full cache for a score computed inside the
+prefill attention (``Method.wants_prompt_attention``: LOOK-M on CPU). Targets at the longest
+length: cost ≤ 5 % of prefill; exponent of cost vs length (log-log least squares) ≤ 1.2.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from .common import (
-    QUICK_LENGTHS,
-    RATIO_25,
-    BenchResult,
-    Context,
-    Target,
-    build_method,
-    build_prompt,
-    log,
-)
+from .common import QUICK_LENGTHS, RATIO_25, BenchResult, Context, Target, build_method, build_prompt, log
 
 NAME = "compression"
 TITLE = "Compression cost per method (fraction of prefill time) and scaling with prompt length"

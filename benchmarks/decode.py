@@ -1,12 +1,9 @@
-"""Decode: step time vs prompt length, full vs 25 % cache.
+"""Decode step time vs prompt length, full vs 25 % cache (SnapKV at a retention ratio of 0.25).
 
-The 25 % cache is SnapKV at a retention ratio of 0.25. The per-length table reuses the
-``engine`` benchmark's worker runs (one process per configuration). The target is judged on an
-A/B in one worker process at 4096 prompt tokens (the longest with ``--quick``/``--lengths``):
-full and 25 % alternate for 3 rounds (2 with ``--quick``), each round a whole sample (prefill,
-compression, decode), and the speed-up is the median of the rounds' own ratios. Target: the
-speed-up is at least the ratio of the bytes a step reads, ``(weights + full cache) / (weights +
-25 % cache)``: what a memory-bound step gains from reading less.
+The per-length table reuses the engine benchmark's runs. The target is judged on an A/B in one
+worker at 4096 tokens (the longest with --quick/--lengths): full and 25 % alternate for 3 rounds
+(2 with --quick), each a whole sample. Target: the median of the rounds' speed-ups is at least
+the ratio of bytes a step reads, (weights + full cache) / (weights + 25 % cache).
 """
 
 from __future__ import annotations

@@ -1,9 +1,5 @@
-"""Engine: prefill, compression and decode time and peak memory vs prompt length, ``full`` and ``snapkv``.
-
-Each (method, length) runs in a fresh worker process (:mod:`benchmarks.worker`): a warm-up on a
-short prompt, then one sample of ``n`` prompt tokens, ``new_tokens`` generated (stop tokens off).
-SnapKV runs with ``conf/method/snapkv.yaml`` at a retention ratio of 25 %. No targets: the table
-is the result.
+"""Engine: prefill, compression and decode time and peak memory vs prompt length, ``full`` and
+``snapkv`` (``conf/method/snapkv.yaml`` at 25 %), one worker process each. No target.
 """
 
 from __future__ import annotations

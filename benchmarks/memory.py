@@ -1,20 +1,15 @@
-"""Memory per method: prefill + compression peak, decode-phase memory and the cache, full vs each
-method at 4096 prompt tokens (the longest with ``--quick``/``--lengths``), budget 25 %.
+"""Memory per method at 4096 prompt tokens (the longest with --quick/--lengths), budget 25 %.
 
-Every configuration runs in its own worker process (:mod:`benchmarks.worker`) with Intel MKL's
-buffer pool off (``MKL_DISABLE_FAST_MM=1``: MKL keeps the buffers of finished matrix products
-outside PyTorch and ``malloc_trim``, about 10 MB more after a method's window scoring), so
-resident memory is live memory; on CUDA the numbers are allocated bytes. Decode-phase memory is
-counted above the process's memory with the model loaded. Kept vs stored: logical tokens kept
-per KV head vs the slots stored (AdaKV and HeadKV pad each layer to its longest head).
-
-Target: the compressed run's decode-phase memory is below the full cache run's by the cache
-bytes it saved, within max(2 %, 1 MB) (allocator rounding, page granularity).
+Each configuration runs in its own worker with MKL's buffer pool off (``MKL_DISABLE_FAST_MM=1``,
+so resident memory is live memory; CUDA: allocated bytes). Decode-phase memory is counted above
+the process's memory with the model loaded; kept vs stored = logical tokens vs slots per KV head
+(AdaKV and HeadKV pad each layer to its longest head). Target: the decode-phase memory drops
+below the full cache's by the cache bytes saved, within max(2 %, 1 MB).
 """
 
 from __future__ import annotations
 
-from .common import MB, RATIO_25, BenchResult, Context, Target, log
+from .common import MB, RATIO_25, BenchResult, Context, Target
 
 NAME = "memory"
 TITLE = "Memory per method: full vs each method, budget 25 %"
@@ -40,16 +35,8 @@ def run(ctx: Context) -> BenchResult:
                                             "drop vs full MB", "peak MB"])
     runs: dict[str, dict] = {}
     for name in ["full"] + s.selected(METHODS):
-        try:
-            r = runs[name] = ctx.worker([(name, name, 1.0 if name == "full" else RATIO_25)], s.long,
-                                        live_memory=True)[0][name]
-        except RuntimeError as e:
-            log(f"memory: {name}: {e}")
-            res.rows.append([name, f"failed: {e}"] + [""] * 8)
-            res.targets.append(Target(f"{name}: decode memory drop vs full ≥ cache bytes saved", "-", TOLERANCE_TEXT,
-                                      None, str(e)))
-            continue
-        full = runs.get("full", r)
+        r = runs[name] = ctx.worker([(name, name, 1.0 if name == "full" else RATIO_25)], s.long, live_memory=True)[0][name]
+        full = runs["full"]
         saved = r["cache_bytes_before"] - r["cache_bytes_after"]
         drop = decode_phase_bytes(full) - decode_phase_bytes(r)
         res.rows.append([name, r["prompt_tokens"], r["kept_tokens_mean"], r["stored_tokens_mean"],

@@ -1,11 +1,9 @@
-"""Harness overhead: per-sample wall time of a ``full`` job vs plain transformers ``generate``.
+"""Harness overhead: per-sample time of a ``full`` job vs plain transformers ``generate``.
 
-Same process, weights, prompt and number of new tokens, greedy: kvbench's
-``Engine(loaded, full, 1.0).generate(ids, T, stop_ids, min_new_tokens=T)`` against the same
-model with ``attn_implementation="sdpa"`` and ``model.generate(do_sample=False,
-max_new_tokens=min_new_tokens=T)``; both generate exactly T tokens, the same ones. The two
-alternate (the order flipped every repetition) after one warm-up each; the ratio of the
-medians is the result. Target: kvbench ≤ 1.05 × transformers.
+Same process, weights, prompt and new tokens, greedy: ``Engine(loaded, full, 1.0).generate`` vs
+``model.generate(do_sample=False)`` with ``attn_implementation="sdpa"``, both forced to generate
+exactly T tokens (``min_new_tokens``), alternating after a warm-up each. Target: the ratio of
+the medians kvbench / transformers ≤ 1.05.
 """
 
 from __future__ import annotations
@@ -13,15 +11,7 @@ from __future__ import annotations
 import statistics
 import time
 
-from .common import (
-    QUICK_LENGTHS,
-    BenchResult,
-    Context,
-    Target,
-    build_method,
-    build_prompt,
-    log,
-)
+from .common import QUICK_LENGTHS, BenchResult, Context, Target, build_method, build_prompt, log
 
 NAME = "overhead"
 TITLE = "Harness overhead: full job vs plain transformers generate"

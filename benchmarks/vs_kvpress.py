@@ -1,28 +1,15 @@
 """Against kvpress: the same SnapKV setting through kvpress's pipeline and through kvbench.
 
-Setting: observation window W=32, pooling kernel K=5 (average), GQA mean, 25 % of the prompt
-kept (kvpress ``compression_ratio=0.75``), the same prompt with the question inside (kvpress
-gets it as ``context`` with an empty question, so its whole prompt but the chat template's
-closing tokens is compressed, as in kvbench), greedy, the same number of new tokens (stop
-tokens off on both sides). Both run in this process on the same weights, kvpress with
-``attn_implementation="sdpa"``; they alternate after one warm-up each
-(:func:`benchmarks.overhead.alternate`). Per-sample time includes tokenisation; medians.
-Target: kvbench ≤ 0.95 × kvpress.
-
-kvpress is an optional extra (``pip install -e ".[kvpress]"``); without it the benchmark is skipped.
+Window 32, average pooling kernel 5, GQA mean, 25 % of the prompt kept (kvpress
+``compression_ratio=0.75``; it gets the prompt as ``context`` with an empty question), greedy,
+the same new tokens, stop tokens off; same process and weights (kvpress with SDPA), alternating
+after a warm-up each. Target: median per-sample time kvbench / kvpress ≤ 0.95. Skipped without
+the optional extra (``pip install -e ".[kvpress]"``).
 """
 
 from __future__ import annotations
 
-from .common import (
-    QUICK_LENGTHS,
-    BenchResult,
-    Context,
-    Target,
-    build_method,
-    build_prompt,
-    wrap,
-)
+from .common import QUICK_LENGTHS, BenchResult, Context, Target, build_method, build_prompt, wrap
 from .overhead import alternate, ratio_result
 
 NAME = "kvpress"

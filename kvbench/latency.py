@@ -53,29 +53,14 @@ def build_method(method_cfg: dict, layout=None):
     return build(method_cfg, layout)
 
 
-def engine_factory(model_cfg: dict, budget: float, device: str = "auto") -> Callable[[dict], Any]:
-    """``method node -> kvbench.engine.Engine``, loading the model once (on first use)."""
-    from .engine import Engine
-    from .models import load_model
-
-    loaded: list = []
-
-    def make(method_cfg: dict) -> Any:
-        if not loaded:
-            loaded.append(load_model(model_cfg, device))
-        return Engine(loaded[0], build_method(method_cfg, loaded[0].layout), float(budget))
-
-    return make
-
-
 def run_latency(model_cfg: dict, method_cfgs: dict[str, dict], budget: float, lengths: list[int],
                 max_new_tokens: int, repeats: int, out: Path, make_engine: Callable[[dict], Any] | None = None,
-                log: Callable[[str], None] = print) -> list[dict]:
+                log: Callable[[str], None] = print, device: str = "auto") -> list[dict]:
     """Measure every method (``{preset: method node}``; a record's ``method`` is the node's ``label``)
     at every prompt length (tokens; those over the context window minus ``max_new_tokens`` skipped
     with a message), ``repeats`` timed runs each after one warm-up per method, rewriting ``out``
-    atomically after each record. ``make_engine``: ``method node -> engine`` (default
-    :func:`engine_factory`). Returns the records. The peak memory is restarted before each run
+    atomically after each record. ``make_engine``: ``method node -> engine`` (default: an engine on
+    the model loaded on ``device``). Returns the records. The peak memory is restarted before each run
     (:func:`kvbench.engine.reset_peak_rss`), so an earlier, longer prompt's peak does not carry over.
     """
     import torch
@@ -83,7 +68,12 @@ def run_latency(model_cfg: dict, method_cfgs: dict[str, dict], budget: float, le
     from . import (
         engine as engine_module,  # its reset_peak_rss, looked up at each call (tests replace it)
     )
-    make_engine = make_engine or engine_factory(model_cfg, budget)
+    if make_engine is None:
+        from .engine import Engine
+        from .models import load_model
+
+        loaded = load_model(model_cfg, device)
+        make_engine = lambda cfg: Engine(loaded, build_method(cfg, loaded.layout), float(budget))  # noqa: E731
     records: list[dict] = []
     for preset, method_cfg in method_cfgs.items():
         engine = make_engine(dict(method_cfg))
@@ -183,8 +173,7 @@ def main(argv: list[str] | None = None) -> int:
 
         torch.set_num_threads(int(cfg.threads))
     records = run_latency(model_cfg, method_cfgs, float(budget), lengths, new_tokens,
-                          int(args.repeats or lat.get("repeats") or 1), out,
-                          engine_factory(model_cfg, float(budget), str(cfg.get("device", "auto"))))
+                          int(args.repeats or lat.get("repeats") or 1), out, device=str(cfg.get("device", "auto")))
     if not records:
         print(f"error: no latency records (every prompt length was skipped); {out} not written", file=sys.stderr)
         return 1
