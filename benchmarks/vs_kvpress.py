@@ -20,12 +20,17 @@ PROMPT_TOKENS = 2048
 
 
 def run(ctx: Context) -> BenchResult:
-    try:
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    saved = dict(ALL_ATTENTION_FUNCTIONS)  # kvpress wraps every attention function at import (for
+    try:  # head-wise presses, not SnapKV; its wrapper passes kvbench's attention a wrong argument)
         from kvpress import KVPressTextGenerationPipeline, SnapKVPress
     except ImportError as e:
         why = f"kvpress is not importable ({e}); install the optional extra: pip install -e \".[kvpress]\""
         return BenchResult(NAME, TITLE, skipped=why, targets=[
             Target("kvbench / kvpress per-sample time (SnapKV)", "-", f"≤ {TARGET}×", None, why)])
+    finally:
+        ALL_ATTENTION_FUNCTIONS.update(saved)
     import torch
 
     from kvbench.engine import Engine
