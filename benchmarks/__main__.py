@@ -120,11 +120,7 @@ def main(argv: list[str] | None = None) -> int:
                         threads=args.threads, methods=args.method_names, prompt_lengths=args.prompt_lengths)
     out = Path(settings.out)
     out.mkdir(parents=True, exist_ok=True)
-    t_start = time.perf_counter()
-    machine = machine_info(settings)
-    log(f"suite: {', '.join(args.names)} ({'quick' if args.quick else 'full'}) on {machine['cpu']}, "
-        f"{machine['cores']} cores, {machine['torch_threads']} torch threads")
-    ctx = Context(settings)
+    t_start, machine, ctx = time.perf_counter(), machine_info(settings), Context(settings)
     results: list[BenchResult] = []
     crashed = False
     for name in args.names:

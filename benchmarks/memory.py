@@ -35,7 +35,8 @@ def run(ctx: Context) -> BenchResult:
                                             "drop vs full MB", "peak MB"])
     runs: dict[str, dict] = {}
     for name in ["full"] + s.selected(METHODS):
-        r = runs[name] = ctx.worker([(name, name, 1.0 if name == "full" else RATIO_25)], s.long, live_memory=True)[0][name]
+        budget = 1.0 if name == "full" else RATIO_25
+        r = runs[name] = ctx.worker([(name, name, budget)], s.long, live_memory=True)[0][name]
         full = runs["full"]
         saved = r["cache_bytes_before"] - r["cache_bytes_after"]
         drop = decode_phase_bytes(full) - decode_phase_bytes(r)

@@ -166,8 +166,6 @@ def main(argv: list[str] | None = None) -> int:
     new_tokens = int(args.new_tokens or lat.get("max_new_tokens") or DEFAULT_NEW_TOKENS)
     lengths = list(dict.fromkeys(int(x) for x in lengths or lat.get("lengths") or DEFAULT_LENGTHS))
     out = Path(args.out or lat.get("out") or Path(cfg.get("output_root", "results")) / "latency.json")
-    if out.is_dir():
-        p.error(f"--out {str(out)!r}: is a folder; pass a file path")
     if cfg.get("threads"):  # as a job does: torch's CPU threads, before the model loads
         import torch
 
