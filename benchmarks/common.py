@@ -197,7 +197,9 @@ def machine_info(settings: Settings) -> dict[str, Any]:
     import transformers
 
     gpu = torch.cuda.get_device_name() if settings.device != "cpu" and torch.cuda.is_available() else None
-    return {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "cpu": platform.processor() or platform.machine(),
+    info = Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").is_file() else []
+    cpu = next((line.split(":", 1)[1].strip() for line in info if line.startswith("model name")), platform.machine())
+    return {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "cpu": cpu,
             "cores": os.cpu_count(), "gpu": gpu, "torch": torch.__version__, "transformers": transformers.__version__,
             "python": platform.python_version(), "torch_threads": settings.threads or torch.get_num_threads(), "device": settings.device,
             "model": settings.model, "quick": settings.quick}
