@@ -183,7 +183,7 @@ def heatmap(store: JobStore, records: list[dict], cfg: dict) -> None:
         log.warning("heatmap not written: %s", e)
 
 
-def _threads(threads: Any) -> int | None:
+def resolve_threads(threads: Any) -> int | None:
     """``auto``: the cores minus the 1-minute load (at least 1): other busy processes on the same
     cores make OpenMP threads wait on each other and decoding many times slower."""
     if threads != "auto":
@@ -221,7 +221,7 @@ def run_job(job: Job) -> int:
             log.info("job %s: already complete; nothing to do", job.relpath)
             print_summary(done, store.path)
             return EXIT_SAMPLE_FAILED if done["n_failed"] else EXIT_OK
-        threads = _threads(cfg.get("threads"))
+        threads = resolve_threads(cfg.get("threads"))
         if threads:
             torch.set_num_threads(threads)
         random.seed(cfg["seed"])

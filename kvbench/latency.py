@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from .cli import ArgParser
+from .job import resolve_threads
 from .store import atomic_write
 
 DEFAULT_NEW_TOKENS = 256  # SelKV Figure 3 generates 256 tokens
@@ -166,10 +167,10 @@ def main(argv: list[str] | None = None) -> int:
     new_tokens = int(args.new_tokens or lat.get("max_new_tokens") or DEFAULT_NEW_TOKENS)
     lengths = list(dict.fromkeys(int(x) for x in lengths or lat.get("lengths") or DEFAULT_LENGTHS))
     out = Path(args.out or lat.get("out") or Path(cfg.get("output_root", "results")) / "latency.json")
-    if cfg.get("threads"):  # as a job does: torch's CPU threads, before the model loads
+    if threads := resolve_threads(cfg.get("threads")):  # as a job does, before the model loads
         import torch
 
-        torch.set_num_threads(int(cfg.threads))
+        torch.set_num_threads(threads)
     records = run_latency(model_cfg, method_cfgs, float(budget), lengths, new_tokens,
                           int(args.repeats or lat.get("repeats") or 1), out, device=str(cfg.get("device", "auto")))
     if not records:
