@@ -146,29 +146,23 @@ def _job_rows(root: Path, job: Path) -> list[dict]:
                                     if not any(k == n or k.startswith(n + ".") for n in NOT_SETTINGS)},
                                    sort_keys=True, default=str),
             "complete": bool(summary.get("complete", False)), "subset": subset}
-    recs = pd.DataFrame(read_predictions(job / "predictions.jsonl"), columns=["dataset", "score", "error"]
-                        + TIMING_COLUMNS + CACHE_COLUMNS + ["compressed"])
+    numeric = ["score", *TIMING_COLUMNS, *CACHE_COLUMNS, "compressed"]
+    recs = pd.DataFrame(read_predictions(job / "predictions.jsonl"), columns=["dataset", "error", *numeric])
     recs["kept_tokens"] = [k.get("mean") if isinstance(k, dict) else k for k in recs["kept_tokens"]]
-    ok = recs[recs["error"].isna() & recs["score"].notna()]
-    stored = summary.get("datasets") or {}
-    rows = []
-    for ds in sorted(set(recs["dataset"].astype(str)) | set(stored)):
-        mine = ok[ok["dataset"].astype(str) == ds]
-        row = dict(base, dataset=ds, n_failed=int(recs.loc[recs["dataset"].astype(str) == ds, "error"].notna().sum()))
-        if (stored.get(ds) or {}).get("score") is not None:
-            row |= {"score": float(stored[ds]["score"]), "n": int(stored[ds].get("n", len(mine)))}
-        else:
-            row |= {"score": round(100 * mine["score"].astype(float).mean(), 2) if len(mine) else math.nan,
-                    "n": len(mine)}
-        for col in TIMING_COLUMNS + CACHE_COLUMNS:
-            section = summary.get("timings" if col in TIMING_COLUMNS else "cache") or {}
-            value = pd.to_numeric(mine[col], errors="coerce").mean() if len(mine) else section.get(col)
-            row[col] = math.nan if value is None else float(value)
-        frac = (summary.get("cache") or {}).get("compressed_fraction")
-        if frac is None and mine["compressed"].notna().any():
-            frac = mine["compressed"].dropna().astype(float).mean()
-        row["compressed_fraction"] = math.nan if frac is None else float(frac)
-        rows.append(row)
+    recs = recs.assign(dataset=recs["dataset"].astype(str), failed=recs["error"].notna())
+    ok = recs[~recs["failed"] & recs["score"].notna()].astype({c: float for c in numeric}, errors="ignore")
+    ok[numeric] = ok[numeric].apply(pd.to_numeric, errors="coerce")
+    stored = {d: s for d, s in (summary.get("datasets") or {}).items() if (s or {}).get("score") is not None}
+    per = ok.groupby("dataset")[numeric].mean().reindex(sorted(set(recs["dataset"]) | set(summary.get("datasets") or {})))
+    per["score"] = ok.groupby("dataset")["score"].agg(lambda s: round(100 * sum(s) / len(s), 2))
+    per["n"], per["n_failed"] = ok.groupby("dataset").size(), recs.groupby("dataset")["failed"].sum()
+    for d, s in stored.items():
+        per.loc[d, ["score", "n"]] = float(s["score"]), s.get("n", per.at[d, "n"])
+    job_means = {**(summary.get("timings") or {}), **(summary.get("cache") or {}), "n": 0, "n_failed": 0}
+    per = per.fillna({c: v for c, v in job_means.items() if c in per and v is not None})
+    frac = (summary.get("cache") or {}).get("compressed_fraction")
+    per["compressed_fraction"] = per["compressed"] if frac is None else frac
+    rows = [dict(base, dataset=d, **r) for d, r in per.drop(columns="compressed").iterrows()]
     return rows or [dict(base, dataset=None, score=math.nan, n=0, n_failed=0)]
 
 
