@@ -147,14 +147,14 @@ def selkv_fig3(latency: list[dict], source: str = "latency.json") -> list[Artifa
                     + [Patch(facecolor="white", edgecolor="black", hatch=hatches[j % 5], label=meth)
                        for j, meth in enumerate(methods)], fontsize=6, loc="upper left")
         ax_a.set_ylim(top=ax_a.get_ylim()[1] * 1.45)
-        ax_a.set_xticks(range(len(lengths)), [f"{n:.0f}" for n in lengths], rotation=45, fontsize=7)
-        ax_a.set(xlabel="Prompt length (tokens)", ylabel="Time per request (s)")
-        ax_a.set_title(f"(a) {mk}: time breakdown", fontsize=9)
         ax_b.set_xscale("log", base=2)
-        ax_b.set_xticks(lengths, [f"{n:.0f}" for n in lengths], rotation=45, fontsize=7)
+        for ax, xs, what in ((ax_a, range(len(lengths)), "(a) time breakdown"), (ax_b, lengths, "(b) decode throughput")):
+            ax.set_xticks(xs, [f"{n:.0f}" for n in lengths], rotation=45, fontsize=7)
+            ax.set_xlabel("Prompt length (tokens)")
+            ax.set_title(f"{what[:4]}{mk}: {what[4:]}", fontsize=9)
         ax_b.minorticks_off()
-        ax_b.set(xlabel="Prompt length (tokens)", ylabel="Decode throughput (tokens/s)")
-        ax_b.set_title(f"(b) {mk}: decode throughput", fontsize=9)
+        ax_a.set_ylabel("Time per request (s)")
+        ax_b.set(ylabel="Decode throughput (tokens/s)")
         ax_b.legend(fontsize=7)
     budgets = sorted(set(pd.to_numeric(lat["budget"], errors="coerce").dropna()) - {1.0})
     devices = sorted(lat["device"].dropna().astype(str).unique()) if "device" in lat else []
@@ -173,8 +173,8 @@ def niah_figures(df: pd.DataFrame, root: Path) -> list[Artifact]:
     out = []
     for job, row in niah.groupby("job").first().iterrows():
         fig, axes = _figure(1, 1, w=5.6, h=4.0)
-        title = f"{row['model_key']} / {row['method']} / budget {budget_text(row['budget'])}"
-        if (im := draw_niah_heatmap(axes[0, 0], records[job], title)) is not None:
+        if im := draw_niah_heatmap(axes[0, 0], records[job], f"{row['model_key']} / {row['method']} / budget "
+                                   f"{budget_text(row['budget'])}"):
             fig.colorbar(im, ax=axes[0, 0], label=SCORE_LABEL)
         out.append(_done(f"niah/{slug(job)}", fig, f"Task: NIAH; model: {row['model_key']}; "
                          f"{budget_semantics([row['budget']])}.", [job], []))
@@ -188,23 +188,16 @@ def niah_figures(df: pd.DataFrame, root: Path) -> list[Artifact]:
         im, sources, notes = None, [], []
         for i, b in enumerate(budgets):
             for j, lab in enumerate(cols):
-                chosen = full if lab is None else pick(comp[(comp["method"] == lab) & at(comp, b)],
-                                                       ["method"])
-                title = (chosen["method"].iloc[0] if lab is None and len(chosen) else lab or "full") + (
-                    f", budget {budget_text(b)}" if lab is not None else "")
-                if len(chosen):
-                    r = chosen.iloc[0]
-                    title += f"\n{r['variant']}" * bool(r["variant"]) + " (unfinished)" * (not r["complete"])
-                    notes += cell_notes(sel[sel["job"] == r["job"]], chosen, f"{mk} / {title}")
-                    sources.append(r["job"])
-                else:
-                    notes.append(f"absent: {mk} / {lab} at budget {budget_text(b)}")
-                im = draw_niah_heatmap(axes[i, j], records[chosen["job"].iloc[0]] if len(chosen) else [], title,
-                                       labels=False) or im
-        for ax in axes[-1]:
-            ax.set_xlabel("Context length (tokens)")
-        for ax in axes[:, 0]:
-            ax.set_ylabel("Needle depth (%)")
+                chosen = full if lab is None else pick(comp[(comp["method"] == lab) & at(comp, b)], ["method"])
+                r = chosen.iloc[0] if len(chosen) else {"method": lab or "full", "variant": "", "complete": True}
+                title = r["method"] + f", budget {budget_text(b)}" * (lab is not None) + f"\n{r['variant']}" * bool(
+                    r["variant"]) + " (unfinished)" * (not r["complete"])
+                notes += cell_notes(sel[sel["job"] == r["job"]], chosen, f"{mk} / {title}") if len(chosen) else [
+                    f"absent: {mk} / {lab} at budget {budget_text(b)}"]
+                sources += list(chosen["job"][:1])
+                im = draw_niah_heatmap(axes[i, j], records.get(r.get("job"), []), title, labels=False) or im
+        plt.setp(axes[-1], xlabel="Context length (tokens)")
+        plt.setp(axes[:, 0], ylabel="Needle depth (%)")
         if im is not None:
             fig.colorbar(im, ax=axes, label=SCORE_LABEL, shrink=0.8)
         fig.suptitle(f"Needle-in-a-Haystack: {mk}", fontsize=10)

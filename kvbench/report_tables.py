@@ -224,29 +224,35 @@ def score_tables(df: pd.DataFrame, root: Path | None = None) -> list[Artifact]:
     return out
 
 
-def selkv_table1(df: pd.DataFrame, budget: float = 0.25, task: str = "longbench") -> list[Artifact]:
+def selkv_table1(df: pd.DataFrame, budget: float = 0.25, task: str = "longbench", long: bool = False):
     """SelKV Table 1: per model, full cache and main methods × datasets, Avg, Δ (Avg − full-cache Avg),
     Avg Rank: mean over datasets of the dense rank among compressed methods (ties share the better
-    rank, 1, 1, 2: reproduces the paper's column), NaN when a method lacks a dataset."""
-    g = grid(df, task, budget)
+    rank, 1, 1, 2: reproduces the paper's column; NaN when a method lacks a dataset). ``long``: SelKV
+    Table 7, Avg and Δ of the settings truncating prompts at >= 16,000 tokens."""
+    keys = df.loc[df["max_input_tokens"] >= LONG_CONTEXT_TOKENS, "model_key"].unique() if long else None
+    g = grid(df, task, budget, models=keys) if not long or len(keys) else None
     if g is None:
         return []
     rows = []
     for mk in g.models:
         ranks = g.scores.reindex([(mk, lab) for lab in g.labels]).rank(method="dense", ascending=False).mean(
             axis=1, skipna=False).droplevel(0)
-        rows += [{"Model": mk, "Method": lab, **g.scores.reindex([(mk, lab)]).iloc[0], "Avg": g.avg(mk, lab),
-                  "Δ": g.avg(mk, lab) - g.avg(mk, g.full) if lab != g.full else math.nan,
-                  "Avg Rank": ranks.get(lab, math.nan)} for lab in g.rows()]
-    data = pd.DataFrame(rows)
-    caption = (f"LongBench results ({_ds(len(g.datasets))}) at a {budget_text(budget)} KV budget "
-               f"({budget_semantics([budget])}). Δ: gap to {g.full or 'the full cache'} within each model. Avg Rank: "
-               "mean over datasets of the per-dataset rank among compressed methods (lower is better; ties share the "
-               f"better rank). Best compressed method per column in bold{_unfinished(g)}. Models: {', '.join(g.models)}.")
-    bold = bolds(data, [*g.datasets, "Avg", "Δ"], g.ok(data), "Model") | bolds(data, ["Avg Rank"], g.ok(data), "Model",
-                                                                              higher=False)
-    return [Artifact("selkv_table1", caption, data, bold=bold, signed={"Δ"}, sources=g.sources, notes=g.notes,
-                     headers={d: DATASET_ABBR.get(d, d) for d in g.datasets})]
+        rows += [{"Model": mk, "Method": lab, **({} if long else g.scores.reindex([(mk, lab)]).iloc[0]),
+                  "Avg": g.avg(mk, lab), "Δ": g.avg(mk, lab) - g.avg(mk, g.full) if lab != g.full else math.nan,
+                  **({} if long else {"Avg Rank": ranks.get(lab, math.nan)})} for lab in g.rows()]
+    data, ok = pd.DataFrame(rows), g.ok(pd.DataFrame(rows))
+    ctx = ", ".join(map(str, sorted({int(t) for t in df.loc[df["model_key"].isin(g.models), "max_input_tokens"]
+                                     .dropna()})))
+    caption = (f"LongBench {'average' if long else 'results'} ({_ds(len(g.datasets))})" + f" with long inputs ({ctx} "
+               "tokens)," * long + f" at a {budget_text(budget)} KV budget ({budget_semantics([budget])}). Δ: gap to "
+               f"{g.full or 'the full cache'} within each model." + " Avg Rank: mean over datasets of the per-dataset "
+               "rank among compressed methods (lower is better; ties share the better rank)." * (not long) + " Best "
+               f"compressed method per column in bold{_unfinished(g)}. Models: {', '.join(g.models)}.")
+    bold = bolds(data, ["Avg"] + [*g.datasets, "Δ"] * (not long), ok, "Model")
+    bold |= set() if long else bolds(data, ["Avg Rank"], ok, "Model", higher=False)
+    return [Artifact("selkv_table7" if long else "selkv_table1", caption, data, bold=bold, signed={"Δ"},
+                     sources=g.sources, notes=g.notes, headers={d: DATASET_ABBR.get(d, d) for d in g.datasets}
+                     | ({"Avg": f"Avg ({len(g.datasets)} ds)"} if long else {}))]
 
 
 def selkv_table4(df: pd.DataFrame, budget: float = 0.25, task: str = "longbench") -> list[Artifact]:
@@ -318,22 +324,6 @@ def selkv_ratio_tables(df: pd.DataFrame, task: str = "longbench") -> list[Artifa
         ok = data.index[data["Method"] != next(iter(grids.values())).full]
         out.append(Artifact(name, caption, data, bold=bolds(data, t.columns, ok), sources=sources, notes=dedupe(notes)))
     return out
-
-
-def selkv_table7(df: pd.DataFrame, budget: float = 0.25, task: str = "longbench") -> list[Artifact]:
-    """SelKV Table 7: LongBench average and Δ of settings truncating prompts at >= 16,000 tokens."""
-    long_keys = list(df.loc[df["max_input_tokens"] >= LONG_CONTEXT_TOKENS, "model_key"].unique())
-    g = grid(df, task, budget, models=long_keys) if long_keys else None
-    if g is None:
-        return []
-    data = pd.DataFrame([{"Model": mk, "Method": lab, "Avg": g.avg(mk, lab),
-                          "Δ": math.nan if lab == g.full else g.avg(mk, lab) - g.avg(mk, g.full)}
-                         for mk in g.models for lab in g.rows()])
-    ctx = sorted({int(t) for t in df.loc[df["model_key"].isin(g.models), "max_input_tokens"].dropna()})
-    caption = (f"LongBench average ({_ds(len(g.datasets))}) with long inputs ({', '.join(map(str, ctx))} tokens), "
-               f"{budget_text(budget)} KV budget ({budget_semantics([budget])}). Models: {', '.join(g.models)}.")
-    return [Artifact("selkv_table7", caption, data, bold=bolds(data, ["Avg"], g.ok(data), "Model"), signed={"Δ"},
-                     sources=g.sources, notes=g.notes, headers={"Avg": f"Avg ({len(g.datasets)} ds)"})]
 
 
 def compresskv_table1(df: pd.DataFrame, budgets=(256, 1024), task: str = "longbench") -> list[Artifact]:
