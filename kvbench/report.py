@@ -170,12 +170,16 @@ def main(argv: list[str] | None = None) -> int:
     names = sorted({o for _b, outs in ARTIFACTS.values() for o in outs} | set(ARTIFACTS))
     p = ArgParser(prog="kvbench report", description="Score tables of any sweep and the seed papers' tables and "
                   "figures from the job folders under RESULTS_ROOT.")
-    p.add_argument("root", metavar="RESULTS_ROOT")
+    p.add_argument("root", metavar="RESULTS_ROOT", nargs="?")
     p.add_argument("--out", help="output folder (default: RESULTS_ROOT/report)")
     p.add_argument("--only", nargs="+", metavar="NAME", help="artifact names or patterns: " + ", ".join(names))
     p.add_argument("--latency", help="latency JSON for selkv_fig3 (default: RESULTS_ROOT/latency.json)")
     args = p.parse_args(argv)
     only = [x for item in args.only or [] for x in item.split(",") if x]
+    if args.root is None and len(only) > 1 and Path(only[-1]).is_dir():  # `--only NAME ROOT`
+        args.root = only.pop()
+    if args.root is None:
+        p.error("the following arguments are required: RESULTS_ROOT")
     root, out = Path(args.root), Path(args.out or Path(args.root) / "report")
     if not root.is_dir():
         p.error(f"RESULTS_ROOT {str(root)!r} is not a directory")
@@ -187,6 +191,10 @@ def main(argv: list[str] | None = None) -> int:
         latency = load_latency(lat_path) if args.latency or lat_path.is_file() else None
     except (OSError, ValueError) as e:
         p.error(f"--latency {str(lat_path)!r}: not a latency file of python -m kvbench.latency ({type(e).__name__})")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        p.error(f"--out {str(out)!r}: {e.strerror}")
     df = load_results(root)
     index = [f"# Report of {root}", "", f"{df['job'].nunique()} job folder(s) read.", ""]
     for line in df.attrs["unreadable"]:
@@ -208,7 +216,6 @@ def main(argv: list[str] | None = None) -> int:
             index.append(f"- {a.name}: {', '.join(q.name for q in paths)} ({len(a.sources)} job(s)"
                          + (f", {len(a.notes)} note(s): {kinds}" if a.notes else "") + ")")
             print(f"wrote {a.name}" + (f", {len(a.notes)} note(s): {kinds}" if a.notes else ""))
-    out.mkdir(parents=True, exist_ok=True)
     atomic_write(out / "index.md", "\n".join(index) + "\n")
     print(f"report written to {out}")
     return 1 if failed else 0

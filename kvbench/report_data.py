@@ -19,6 +19,7 @@ import math
 from pathlib import Path
 from typing import Iterable
 
+import numpy as np
 import pandas as pd
 import yaml
 
@@ -257,7 +258,9 @@ def order_datasets(datasets: Iterable) -> list[str]:
 
 def budget_text(budget: float) -> str:
     """``25%`` for a retention ratio (budget <= 1), ``256`` for a token budget."""
-    return f"{budget * 100:.10g}%" if budget <= 1 else f"{budget:g}"
+    text = f"{budget * 100:g}"  # never an exponent: 1e-9 -> 0.0000001%
+    return (np.format_float_positional(float(text), trim="-") if "e" in text else text) + "%" if budget <= 1 \
+        else f"{budget:g}"
 
 
 def budget_semantics(budgets: Iterable[float]) -> str:

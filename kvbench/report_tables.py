@@ -62,6 +62,11 @@ def at(df: pd.DataFrame, budget: float) -> pd.Series:
     return (df["budget"] - budget).abs() < 1e-9
 
 
+def natural(text: str) -> list:
+    """Sort key with numbers compared as numbers (``w=4`` before ``w=16``)."""
+    return [(0, int(t), "") if t.isdigit() else (1, 0, t) for t in re.split(r"(\d+)", text)]
+
+
 def _ds(n: int) -> str:
     return f"{n} dataset" + "s" * (n != 1)
 
@@ -153,6 +158,9 @@ def grid(df: pd.DataFrame, task: str, budget: float, models=None, names=None, la
     for mk in models:
         notes += [f"absent: no full-cache job for {mk} ({task})"] * ((mk, full_label) not in scores.index)
         notes += [f"absent: no job for {mk} / {lab} ({where})" for _n, lab in order if (mk, lab) not in scores.index]
+    notes += [f"mixed samples: the rows of {mk} were scored on different sample sets ("
+              + " / ".join(sorted(s or "whole datasets" for s in set(u["subset"]))) + f"; {where}); compare with care"
+              for mk, u in used.groupby("model_key") if u["subset"].nunique() > 1]
     notes += [f"absent: {mk} / {lab} has no score for {', '.join(c[c.isna()].index)} ({where})"
               for (mk, lab), c in scores.iterrows() if c.isna().any()]
     return Grid(scores, full_label, dedupe(lab for _n, lab in order), {lab: n for n, lab in order},
@@ -177,8 +185,10 @@ def score_tables(df: pd.DataFrame, root: Path | None = None) -> list[Artifact]:
         used = pick(sel, ["method", "variant", "bkey"])
         datasets = order_datasets(used["dataset"])
         keys = sorted(set(zip(sel["method_name"], sel["method"], sel["variant"], sel["bkey"], ~sel["default"])),
-                      key=lambda k: (method_sort_key(k[0], k[1]), k[3], k[4], k[2]))
+                      key=lambda k: (method_sort_key(k[0], k[1]), k[3], k[4], natural(k[2])))
         show_variant = any(k[2] for k in keys)
+        grids = {j: niah_grid(Path(root) / j) for j in sorted(set(used["job"]))} if task == "niah" and root else {}
+        grids = {j: f"lengths {g[0]} × depths {g[1]}" for j, g in grids.items() if g}
         rows, notes, comp, kinds = [], [], [], []
         for name, label, variant, b, _nd in keys:
             part = sel[(sel["method"] == label) & (sel["variant"] == variant) & (sel["bkey"] == b)]
@@ -190,7 +200,8 @@ def score_tables(df: pd.DataFrame, root: Path | None = None) -> list[Artifact]:
                          **vals, "Avg": vals.mean(skipna=False), "n": f"{mine['n'].sum():.0f}" if len(mine) else None})
             notes += [f"absent: {what} has no score for {', '.join(vals.index[vals.isna()])}"] * bool(vals.isna().any())
             notes += cell_notes(part, mine, what)
-            kinds.append(" / ".join(sorted(set(mine["subset"]))))
+            kinds.append(" / ".join(sorted({" ".join(filter(None, [grids.get(j), s])) for j, s in zip(
+                mine["job"], mine["subset"])})))
             kept_all, ratio = (part["compressed_fraction"] == 0).all(), (part["kept_tokens"] / part["prompt_tokens"]).mean()
             raised = 0 < b < 1 and ratio > max(1.5 * b, b + 0.02)  # the method keeps at least its window/sinks/recent
             notes += [f"uncompressed: {label} at budget {btext} kept every prompt whole (the budget is not below the "
@@ -199,14 +210,13 @@ def score_tables(df: pd.DataFrame, root: Path | None = None) -> list[Artifact]:
                       "method always keeps its window, sinks or recent tokens); not bold"] * bool(raised)
             if name != FULL and b != 1.0 and not kept_all and not raised and mine["complete"].all():
                 comp.append(len(rows) - 1)
-        grids = {j: niah_grid(Path(root) / j) for j in sorted(set(used["job"]))} if task == "niah" and root else {}
-        if len({str(g) for g in grids.values() if g}) > 1:
-            notes.append("different NIAH grids, scores not comparable across them: "
-                         + "; ".join(f"{j}: lengths {g[0]} × depths {g[1]}" for j, g in grids.items() if g))
         if len(set(kinds)) > 1:
-            notes.append("mixed samples: rows scored on different sample sets (" + "; ".join(
+            notes.append("mixed samples: rows scored on different sample sets or NIAH grids (" + "; ".join(
                 sorted({k or "whole datasets" for k in kinds})) + "), scores not comparable across them")
-            main = max(sorted({kinds[i] for i in comp}), key=[kinds[i] for i in comp].count, default="")
+        if len({kinds[i] for i in comp}) > 1:
+            main = max(sorted({kinds[i] for i in comp}), key=[kinds[i] for i in comp].count)
+            n_main = [kinds[i] for i in comp].count(main)
+            notes.append(f"bold: only among rows scored on {main or 'whole datasets'} ({n_main} of {len(comp)} rows)")
             comp = [i for i in comp if kinds[i] == main]
         budgets = [k[3] for k in keys if k[3] >= 0]
         caption = (f"Scores of every job configuration of {mk} on {task} ({_ds(len(datasets))}; one row per method"
