@@ -160,7 +160,8 @@ def _job_rows(root: Path, job: Path) -> list[dict]:
     for d, s in stored.items():
         per.loc[d, ["score", "n"]] = float(s["score"]), s.get("n", per.at[d, "n"])
     job_means = {**(summary.get("timings") or {}), **(summary.get("cache") or {}), "n": 0, "n_failed": 0}
-    per = per.fillna({c: v for c, v in job_means.items() if c in per and v is not None})
+    bare = ~per.index.isin(ok["dataset"])  # datasets without records: the summary's job-level means
+    per.loc[bare] = per.loc[bare].fillna({c: v for c, v in job_means.items() if c in per and v is not None})
     frac = (summary.get("cache") or {}).get("compressed_fraction")
     per["compressed_fraction"] = per["compressed"] if frac is None else frac
     rows = [dict(base, dataset=d, **r) for d, r in per.drop(columns="compressed").iterrows()]
@@ -177,10 +178,10 @@ def _model_keys(df: pd.DataFrame) -> pd.Series:
             for k, v in json.loads(text).items():
                 values.setdefault(k, set()).add(json.dumps(v, sort_keys=True))
         differ = sorted(k for k, vs in values.items() if len(vs) > 1)
-        split = grp["setting"].nunique() > 1 or grp["max_input_tokens"].nunique(dropna=False) > 1
+        tags, ctxs = grp["setting"].nunique() > 1, grp["max_input_tokens"].nunique(dropna=False) > 1
         for idx, tag, ctx, text in zip(grp.index, grp["setting"], grp["max_input_tokens"], grp["settings"]):
             own = json.loads(text)
-            parts = [tag or (f"{ctx:.0f} tok" if ctx == ctx else "default")] if split else []
+            parts = [tag] if tag and tags else [f"{ctx:.0f} tok" if ctx == ctx else "default"] if ctxs else []
             parts += [", ".join(f"{k}={own[k]}" for k in differ if k in own)] if any(k in own for k in differ) else []
             if parts:
                 keys.at[idx] = f"{keys.at[idx]} [{'; '.join(parts)}]"

@@ -193,8 +193,8 @@ def score_tables(df: pd.DataFrame, root: Path | None = None) -> list[Artifact]:
         for name, label, variant, b, _nd in keys:
             part = sel[(sel["method"] == label) & (sel["variant"] == variant) & (sel["bkey"] == b)]
             mine = used[(used["method"] == label) & (used["variant"] == variant) & (used["bkey"] == b)]
-            btext = "–" if b < 0 else budget_text(b)
-            what = label + f" ({variant})" * bool(variant) + f" at budget {btext}" * (b >= 0)
+            btext = None if b < 0 else budget_text(b)
+            what = label + f" ({variant})" * bool(variant) + f" at budget {btext}" * bool(btext)
             vals = pd.Series(dict(zip(mine["dataset"], mine["score"])), dtype=float).reindex(datasets)
             rows.append({"Method": label, **({"Variant": variant} if show_variant else {}), "Budget": btext,
                          **vals, "Avg": vals.mean(skipna=False), "n": f"{mine['n'].sum():.0f}" if len(mine) else None})
