@@ -1,12 +1,6 @@
-"""``kvbench report RESULTS_ROOT [--out DIR] [--only NAME...] [--latency FILE]`` (docs/REPORTS.md).
-
-Reads the store into one tidy frame (:func:`kvbench.report_data.load_results`) and writes a score
-table per task × model key (``scores_<task>_<model>``, any sweep) and each of the seed papers'
-tables and figures whose inputs exist: tables as ``.md``, ``.tex`` (pandas ``to_latex``) and
-``.csv``, figures as ``.png`` and ``.pdf``, each with ``<name>.sources.txt`` (the job folders
-used and notes on absent inputs), plus ``index.md``. A missing cell is ``–`` / ``--`` / empty,
-never zero; an average over a row missing a dataset is missing too.
-"""
+"""``kvbench report RESULTS_ROOT [--out DIR] [--only NAME...] [--latency FILE]`` (docs/REPORTS.md): the
+score table of every task × model and the seed papers' tables (``.md``, ``.tex``, ``.csv``) and figures
+(``.png``, ``.pdf``) from the tidy frame of the store, each with ``<name>.sources.txt``, and ``index.md``."""
 
 from __future__ import annotations
 
@@ -26,9 +20,6 @@ from .plots import plt
 from .report_data import load_results
 from .report_tables import Artifact, dedupe, round2
 from .store import atomic_write
-
-__all__ = ["ARTIFACTS", "Artifact", "Context", "build", "load_latency", "load_results", "main", "write"]
-
 
 @dataclass
 class Context:

@@ -1,15 +1,8 @@
-"""One tidy frame from a results store: :func:`load_results` (one row per job × dataset).
-
-A job folder is any folder holding ``config.yaml`` and ``predictions.jsonl`` or ``summary.json``
-(``docs/RESULTS.md``). Identity comes from ``config.yaml`` only, never from folder names:
-
-* ``method`` is ``method.label`` (else ``method.name``), ``method_name`` the registry name;
-* ``model_key`` is the model name, suffixed where jobs of one (task, model) differ in another
-  setting (``llama31 [ctx31500]`` by run tag, else ``smollm2 [task.max_new_tokens=64]``);
-* ``variant`` names the method fields in which jobs of one (task, model key, label) differ, or in
-  which a job differs from its ``conf/method`` preset (``alpha=1.5``); ``default`` marks the
-  preset's own fields. Two jobs of one cell with different fields are never averaged together.
-"""
+"""One tidy frame from the store (:func:`load_results`: a row per job × dataset), identity from ``config.yaml``
+only: ``method`` is ``method.label``; ``model_key`` the model, suffixed where jobs of one (task, model) differ in a
+setting (``llama31 [ctx31500]``, ``tiny [task.max_new_tokens=64]``); ``variant`` the method fields in which jobs of one
+label differ or differ from the ``conf/method`` preset (``alpha=1.5``; ``default``: the preset's own). Jobs of one cell
+with different fields are never averaged together."""
 
 from __future__ import annotations
 
@@ -91,14 +84,6 @@ def niah_grid_records(job_dir: Path) -> list[dict]:
             if "context_length" not in m or (int(m["context_length"]), float(m["depth_percent"])) in cells]
 
 
-def flatten(d: dict, prefix: str = "") -> dict:
-    """``{"a": {"b": 1}}`` -> ``{"a.b": 1}``."""
-    out = {}
-    for k, v in d.items():
-        out |= flatten(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v}
-    return out
-
-
 @functools.cache
 def presets() -> dict[str, dict]:
     """``conf/method/<preset>.yaml`` files as ``{preset: mapping}``."""
@@ -127,7 +112,7 @@ def _job_rows(root: Path, job: Path) -> list[dict]:
     task, model = cfg.get("task") or {}, cfg.get("model") or {}
     ctx = next((v for v in (task.get("max_length"), model.get("max_input_length")) if isinstance(v, (int, float))),
                math.nan)
-    flat = flatten(json.loads(json.dumps(cfg, default=str)))
+    flat = pd.json_normalize(json.loads(json.dumps(cfg, default=str))).iloc[0].to_dict()
     env = _json(job / "env.json")
     if env.get("device"):
         flat |= {"env.device_type": str(env["device"]).split(":")[0], "env.dtype": env.get("dtype")}

@@ -1,9 +1,5 @@
-"""The report's tables: a score table per task × model key (any sweep) and the seed papers' tables.
-
-Each builder takes :func:`kvbench.report_data.load_results`'s frame and returns a list of
-:class:`Artifact` (empty without inputs). Values stay unrounded (NaN = missing, never zero);
-an average over a row missing a dataset is missing.
-"""
+"""The report's tables from the tidy frame: a score table per task × model key (any sweep) and the seed papers'
+tables. Each builder returns a list of :class:`Artifact` (empty without inputs); NaN is a missing cell, never 0."""
 
 from __future__ import annotations
 
