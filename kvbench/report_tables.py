@@ -363,43 +363,46 @@ def ablation_flags(params: dict) -> dict:
             "Merge": params.get("merge", None if gate is None else str(gate).lower() != "off")}
 
 
-def _stepped(g: Grid, mk: str, labels: list[str], extra=lambda lab: {}) -> list[dict]:
-    """Rows of ``labels`` with Avg, Δ prev (gain over the row above) and Δ full."""
-    avgs = [g.avg(mk, lab) for lab in labels]
-    return [{"Model": mk, "Method": lab, **extra(lab), "Avg": a, "Δ prev": a - p, "Δ full": a - g.avg(mk, g.full)}
-            for lab, a, p in zip(labels, avgs, [math.nan] + avgs)]
-
-
-def selkv_table2(df: pd.DataFrame, budget: float = 0.25, task: str = "longbench", method: str = "selkv"):
-    """SelKV Table 2: staged ablation, rows ordered by (merge, gate, comp); Δ prev: gain over the row
-    above; Δ full: gap to the full cache. Labels with identical fields are one row (the longer kept)."""
-    sel = df[(df["task"] == task) & (df["method_name"] == method) & at(df, budget)]
-    rows, ok, sources, notes = [], [], set(), []
+def staged_table(df: pd.DataFrame, name: str, budget: float, task: str = "longbench") -> list[Artifact]:
+    """Component analyses, per model key, Δ prev: gain over the row above, Δ full: gap to the full cache.
+    ``selkv_table2`` (SelKV Table 2): the SelKV labels (>= 2) ordered by their Merge, Gate, Comp switches
+    (:func:`ablation_flags`; labels with identical fields are one row, the longer kept), after the full
+    cache. ``compresskv_table3a`` (CompressKV Table 3a): SnapKV, CompressKV's other labels, CompressKV."""
+    sel = df[(df["task"] == task) & at(df, budget)]
+    rows, ok, sources, notes, selkv = [], [], set(), [], name == "selkv_table2"
     for mk in sorted(sel["model_key"].unique(), key=model_sort_key):
-        mine = sel[sel["model_key"] == mk]
-        if mine["method"].nunique() < 2:
+        mine = sel[(sel["model_key"] == mk) & (sel["method_name"] == ("selkv" if selkv else "compresskv"))]
+        main, snap = display_name("compresskv"), display_name("snapkv")
+        if mine["method"].nunique() < 2 or not selkv and main not in set(mine["method"]):
             continue
         by_params = {p: lab for lab, p in sorted(zip(mine["method"], mine["params"]), key=lambda x: len(x[0]))}
-        g = grid(df, task, budget, models=[mk], names=[method], labels=list(by_params.values()))
         flags = {lab: ablation_flags(json.loads(p)) for p, lab in by_params.items()}
-        order = sorted(flags, key=lambda lab: ([-1 if flags[lab][k] is None else int(flags[lab][k])
-                                                for k in ("Merge", "Gate", "Comp")], lab))
-        if g.full:
-            rows.append({"Model": mk, "Method": g.full, "Gate": "–", "Comp": "–", "Merge": "–", "Avg": g.avg(mk, g.full),
-                         "Δ prev": math.nan, "Δ full": math.nan})
+        order = sorted(flags, key=lambda lab: ([-1 if flags[lab][k] is None else int(flags[lab][k]) for k in
+                                                ("Merge", "Gate", "Comp")], lab)) if selkv else [snap] * (snap in set(
+            sel.loc[sel["model_key"] == mk, "method"])) + sorted(set(mine["method"]) - {main}) + [main]
+        g = grid(df, task, budget, models=[mk], names=["selkv"] if selkv else ["snapkv", "compresskv"], labels=order)
+        marks = {lab: {k: "?" if v is None else "✓" if v else "–" for k, v in flags[lab].items()} for lab in order
+                 } if selkv else {}
+        avgs = [g.avg(mk, lab) for lab in order]
+        if selkv and g.full:
+            rows.append({"Model": mk, "Method": g.full, **dict.fromkeys(("Gate", "Comp", "Merge"), "–"),
+                         "Avg": g.avg(mk, g.full)})
         ok += range(len(rows), len(rows) + len(order))
-        rows += _stepped(g, mk, order, lambda lab: {k: "?" if v is None else "✓" if v else "–"
-                                                    for k, v in flags[lab].items()})
+        rows += [{"Model": mk, "Method": lab, **marks.get(lab, {}), "Avg": a, "Δ prev": a - p,
+                  **({"Δ full": a - g.avg(mk, g.full)} if selkv else {})}
+                 for lab, a, p in zip(order, avgs, [math.nan] + avgs)]
         sources |= set(g.sources)
         notes += g.notes
     if not rows:
         return []
-    data = pd.DataFrame(rows).rename(columns={"Method": "Configuration"})
-    caption = (f"Ablation of {display_name(method)} on LongBench ({budget_text(budget)} KV budget; "
+    data = pd.DataFrame(rows).rename(columns={"Method": "Configuration"} if selkv else {})
+    caption = (f"Ablation of {display_name('selkv')} on LongBench ({budget_text(budget)} KV budget; "
                f"{budget_semantics([budget])}). Δ prev: change from the row above; Δ full: gap to the full cache. "
-               "'Evict only' drops evicted tokens; 'merge all' merges without gate or compensation.")
-    return [Artifact("selkv_table2", caption, data, bold=bolds(data, ["Avg"], ok, "Model"), signed={"Δ prev", "Δ full"},
-                     sources=sorted(sources), notes=dedupe(notes))]
+               "'Evict only' drops evicted tokens; 'merge all' merges without gate or compensation." if selkv else
+               f"Component analysis of CompressKV on LongBench at budget {budget:g} ({budget_semantics([budget])}). "
+               "Δ prev: change from the row above.")
+    return [Artifact(name, caption, data, bold=bolds(data, ["Avg"], ok, "Model") if selkv else set(),
+                     signed={"Δ prev", "Δ full"}, sources=sorted(sources), notes=dedupe(notes))]
 
 
 def sensitivity_table(df, name: str, method: str, budget: float, task: str = "longbench", per_dataset=True):
@@ -439,20 +442,3 @@ def sensitivity_table(df, name: str, method: str, budget: float, task: str = "lo
                      headers={**headers, **{d: DATASET_ABBR.get(d, d) for d in datasets}})]
 
 
-def compresskv_table3a(df: pd.DataFrame, budget: float = 256, task: str = "longbench") -> list[Artifact]:
-    """CompressKV Table 3a: SnapKV, CompressKV's ablation labels, then CompressKV; Δ prev: gain over the row above."""
-    sel = df[(df["task"] == task) & at(df, budget)]
-    main, snap, rows, sources, notes = display_name("compresskv"), display_name("snapkv"), [], set(), []
-    for mk in sorted(sel["model_key"].unique(), key=model_sort_key):
-        ck = set(sel.loc[(sel["model_key"] == mk) & (sel["method_name"] == "compresskv"), "method"])
-        if len(ck) < 2 or main not in ck:
-            continue
-        order = [snap] * (snap in set(sel.loc[sel["model_key"] == mk, "method"])) + sorted(ck - {main}) + [main]
-        g = grid(df, task, budget, models=[mk], names=["snapkv", "compresskv"], labels=order)
-        rows += [{k: v for k, v in r.items() if k != "Δ full"} for r in _stepped(g, mk, order)]
-        sources |= set(g.sources)
-        notes += g.notes
-    caption = (f"Component analysis of CompressKV on LongBench at budget {budget:g} ({budget_semantics([budget])}). "
-               "Δ prev: change from the row above.")
-    return [Artifact("compresskv_table3a", caption, pd.DataFrame(rows), signed={"Δ prev"}, sources=sorted(sources),
-                     notes=dedupe(notes))] if rows else []

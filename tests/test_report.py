@@ -21,12 +21,11 @@ from kvbench import report
 from kvbench.plots import niah_grid, plot_niah_heatmap
 from kvbench.report_tables import (
     compresskv_table1,
-    compresskv_table3a,
     selkv_ratio_tables,
     selkv_table1,
-    selkv_table2,
     selkv_table4,
     sensitivity_table,
+    staged_table,
 )
 
 COLUMNS = ["job", "task", "model", "model_key", "method", "method_name", "budget", "variant", "default", "dataset",
@@ -40,6 +39,14 @@ def selkv_table3(df):
 
 def compresskv_table3b(df):
     return sensitivity_table(df, "compresskv_table3b", "compresskv", 256, per_dataset=False)
+
+
+def selkv_table2(df):
+    return staged_table(df, "selkv_table2", 0.25)
+
+
+def compresskv_table3a(df):
+    return staged_table(df, "compresskv_table3a", 256)
 
 
 def selkv_table7(df):
