@@ -159,8 +159,8 @@ def build(ctx: Context, only: list[str] | None = None) -> dict[str, list | Excep
 def main(argv: list[str] | None = None) -> int:
     """CLI entry point; exit status 1 when an artifact failed to build, 2 on a usage error."""
     names = sorted({o for _b, outs in ARTIFACTS.values() for o in outs} | set(ARTIFACTS))
-    p = ArgParser(prog="kvbench report", description="Score tables of any sweep and the seed papers' tables and "
-                  "figures from the job folders under RESULTS_ROOT.")
+    p = ArgParser(prog="kvbench report", usage="kvbench report RESULTS_ROOT [--out OUT] [--only NAME ...] [--latency FILE]",
+                  description="Score tables of any sweep and the papers' tables and figures from RESULTS_ROOT's jobs.")
     p.add_argument("root", metavar="RESULTS_ROOT", nargs="?")
     p.add_argument("--out", help="output folder (default: RESULTS_ROOT/report)")
     p.add_argument("--only", nargs="+", metavar="NAME", help="artifact names or patterns: " + ", ".join(names))
