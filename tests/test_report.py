@@ -19,21 +19,38 @@ from notebook_runner import execute_figures_notebook
 
 from kvbench import report
 from kvbench.plots import niah_grid, plot_niah_heatmap
-from kvbench.report_ablations import (
-    compresskv_table3a,
-    compresskv_table3b,
-    selkv_table2,
-    selkv_table3,
-)
-from kvbench.report_data import COLUMNS
-from kvbench.report_grid import dense_ranks
 from kvbench.report_tables import (
     compresskv_table1,
     selkv_ratio_tables,
     selkv_table1,
     selkv_table4,
-    selkv_table7,
+    sensitivity_table,
+    staged_table,
 )
+
+COLUMNS = ["job", "task", "model", "model_key", "method", "method_name", "budget", "variant", "default", "dataset",
+           "score", "n", "n_failed", "complete", "subset", "prefill_s", "decode_tok_s", "kept_tokens",
+           "cache_bytes_after", "compressed_fraction"]
+
+
+def selkv_table3(df):
+    return sensitivity_table(df, "selkv_table3", "selkv", 0.25)
+
+
+def compresskv_table3b(df):
+    return sensitivity_table(df, "compresskv_table3b", "compresskv", 256, per_dataset=False)
+
+
+def selkv_table2(df):
+    return staged_table(df, "selkv_table2", 0.25)
+
+
+def compresskv_table3a(df):
+    return staged_table(df, "compresskv_table3a", 256)
+
+
+def selkv_table7(df):
+    return selkv_table1(df, long=True)
 
 REPO = Path(__file__).resolve().parents[1]
 DS = ["qasper", "hotpotqa", "musique", "multi_news", "trec", "lcc"]
@@ -59,7 +76,8 @@ LABELS = {"full": "Full Cache", "snapkv": "SnapKV", "pyramidkv": "PyramidKV", "s
 def make_job(root: Path, *, task="longbench", model="llama31", method="snapkv", preset=None, label=None,
              budget=0.25, scores: dict | None = None, params: dict | None = None, run_tag=None, ctx=None,
              folder_tag="", summary=True, complete=True, records: list | None = None) -> Path:
-    """Write one job folder as the engine would (docs/RESULTS.md): <task>/<model>/<preset>/b<budget>[-tag]."""
+    """Write one job folder (docs/RESULTS.md) under <task>/<model>/<preset>/b<budget>[-tag]; the report reads
+    its identity from config.yaml only."""
     name = f"b{budget}" + (f"-{run_tag or folder_tag}" if (folder_tag or run_tag) else "")
     job = root / task / model / (preset or method) / name
     job.mkdir(parents=True)
@@ -127,11 +145,11 @@ def build_tree(root: Path) -> Path:
     for method, by_budget in ck.items():
         for b, vals in by_budget.items():
             make_job(root, model="mistral", method=method, budget=b or 1.0, scores=dict(zip(DS[:2], vals)),
-                     params={"heads_per_layer": 4} if method == "compresskv" else None)
+                     params={"num_heads": 4} if method == "compresskv" else None)
     make_job(root, model="mistral", method="compresskv", preset="compresskv_uniform", budget=256,
-             label="CompressKV (no layer alloc)", params={"heads_per_layer": 4, "layer_alloc": False},
+             label="CompressKV (no layer alloc)", params={"num_heads": 4, "layer_alloc": False},
              scores=dict(zip(DS[:2], [36.5, 27.0])))
-    make_job(root, model="mistral", method="compresskv", budget=256, params={"heads_per_layer": 2}, folder_tag="h2",
+    make_job(root, model="mistral", method="compresskv", budget=256, params={"num_heads": 2}, folder_tag="h2",
              scores=dict(zip(DS[:2], [36.0, 27.0])))
     # NIAH on smollm2: full + snapkv at two token budgets, 2 lengths x 3 depths
     for method, b, hits in [("full", 1.0, 1.0), ("snapkv", 128, 0.0), ("snapkv", 256, 0.5)]:
@@ -171,17 +189,13 @@ def test_load_results_columns_and_values(df):
     assert set(df.loc[df["model"] == "gemma2", "model_key"]) == {"gemma2"}
 
 
-def test_unlabelled_preset_is_named_by_its_file(tmp_path):
+def test_an_unlabelled_method_is_named_by_its_registry_name(tmp_path):
     job = make_job(tmp_path, method="selkv", preset="selkv_evict", params={"gate": "off"}, scores={"qasper": 1.0})
     cfg = yaml.safe_load((job / "config.yaml").read_text())
     del cfg["method"]["label"]
     (job / "config.yaml").write_text(yaml.safe_dump(cfg))
     row = report.load_results(tmp_path).iloc[0]
-    assert (row["method"], row["method_name"], row["preset"]) == ("selkv_evict", "selkv", "selkv_evict")
-
-
-def test_dense_ranks_ties_share_better_rank():
-    assert dense_ranks({"a": 38.0, "b": 38.0, "c": 39.0, "d": math.nan}) == {"c": 1, "a": 2, "b": 2}
+    assert (row["method"], row["method_name"], row["variant"]) == ("selkv", "selkv", "")
 
 
 def test_selkv_table1_numbers(df):
@@ -225,8 +239,7 @@ def test_main_table_notes_an_ablation_preset_standing_in_for_the_main_one(tmp_pa
     (t,) = selkv_table1(report.load_results(tmp_path))
     assert list(t.data["Method"]) == ["Full Cache", "SelKV (+gate)"]
     assert [n for n in t.notes if n.startswith("stand-in")] == [
-        "stand-in: the selkv row is SelKV (+gate) (preset selkv_gate): preset selkv, selkv's main configuration, "
-        "has no job for llama31 (longbench, budget 25%)"]
+        "stand-in: the selkv row is SelKV (+gate): selkv's main preset (SelKV) has no job (longbench, budget 25%)"]
     make_job(tmp_path, method="selkv", params=SELKV, scores={"qasper": 35.0})
     (t,) = selkv_table1(report.load_results(tmp_path))
     assert list(t.data["Method"]) == ["Full Cache", "SelKV"] and list(t.data["qasper"]) == [40.0, 35.0]
@@ -329,7 +342,7 @@ def test_compresskv_tables(df):
         ("SnapKV", 31.0), ("CompressKV (no layer alloc)", 31.75), ("CompressKV", 32.25)]
     assert list(a.data["Δ prev"])[1:] == pytest.approx([0.75, 0.5])
     (b,) = compresskv_table3b(df)
-    assert [(r["heads_per_layer"], r["Avg"], r["Δ default"]) for r in b.data.to_dict("records")] == [
+    assert [(r["num_heads"], r["Avg"], r["Δ default"]) for r in b.data.to_dict("records")] == [
         ("2", 31.5, -0.75), ("4", 32.25, 0.0)]
 
 
@@ -367,41 +380,19 @@ def test_report_only_and_partial_tree(tree, tmp_path):
     assert kvbench_cli(["report", str(tree), "--out", str(out), "--only", "selkv_table1", "niah_panel_*"]) == 0
     assert {p.name for p in out.glob("*.md") if p.name != "index.md"} == {"selkv_table1.md"}
     assert (out / "niah_panel_smollm2.png").exists() and not (out / "niah").exists()
-    # a second --only run keeps the first run's artifacts in index.md (under an "earlier" heading)
-    assert kvbench_cli(["report", str(tree), "--out", str(out), "--only", "selkv_table2"]) == 0
+    assert kvbench_cli(["report", "--out", str(out), "--only", "selkv_table2", str(tree)]) == 0  # root last
     index = (out / "index.md").read_text()
-    head, _, earlier = index.partition("Earlier report runs (not rebuilt by --only selkv_table2):")
-    assert "- selkv_table2: selkv_table2.md" in head and "selkv_table1" not in head
-    assert "- selkv_table1: selkv_table1.md" in earlier and "- niah_panel_smollm2:" in earlier
-    assert "selkv_table2" not in earlier
-    assert kvbench_cli(["report", "--out", str(out), "--only", "selkv_table1", str(tree)]) == 0  # root last
-    index = (out / "index.md").read_text()
-    assert index.count("- selkv_table1:") == 1 and index.count("- selkv_table2:") == 1
-    assert index.count("Earlier report runs") == 1
+    assert "- selkv_table2: selkv_table2.md" in index and "selkv_table1" not in index
     empty = tmp_path / "empty"
     empty.mkdir()
     assert report.main([str(empty), "--out", str(out / "e")]) == 0
     assert "no inputs" in (out / "e" / "index.md").read_text()
-    assert "0 job folders read." in (out / "e" / "index.md").read_text()
+    assert "0 job folder(s) read." in (out / "e" / "index.md").read_text()
 
 
 def test_report_on_a_folder_without_jobs_says_so(tmp_path, capsys):
     assert report.main([str(tmp_path), "--out", str(tmp_path / "r")]) == 0
     assert f"warning: no job folders under {tmp_path}" in capsys.readouterr().err
-
-
-def test_unknown_kvbench_command_is_an_error(capsys):
-    from kvbench.cli import main as kvbench_cli
-
-    assert kvbench_cli(["nosuch"]) == 2
-    err = capsys.readouterr().err
-    assert err.strip().splitlines()[-1] == "error: kvbench nosuch: unknown command; accepted values are run, report, score, mask-heads"
-    assert kvbench_cli(["--help"]) == 0 and "usage: kvbench" in capsys.readouterr().out
-    assert kvbench_cli([]) == 2  # no command: a usage error, like argparse's
-    err = capsys.readouterr().err
-    assert "usage: kvbench" in err
-    assert err.strip().splitlines()[-1] == ("error: kvbench: a command is required; accepted values are run, report, "
-                                            "score, mask-heads")
 
 
 def test_plot_niah_heatmap(tmp_path):
@@ -466,7 +457,7 @@ def test_latency_records_feed_figure3(tmp_path, monkeypatch):
     assert len(timed) == 8 and all(stop == [] and in_vocab for _n, _m, stop, in_vocab in timed)
     assert latency.default_lengths(5000) == [512, 1024, 2048, 4096]
     (fig,) = selkv_fig3(recs, str(out))
-    report.write_figure(fig, tmp_path)
+    report.write(fig, tmp_path)
     assert (tmp_path / "selkv_fig3.png").stat().st_size > 5000
 
 
@@ -492,63 +483,13 @@ def test_a_root_with_only_a_latency_file_draws_figure3_without_warning(tmp_path,
     err = capsys.readouterr().err
     assert "no job folders" not in err and (tmp_path / "r" / "selkv_fig3.png").stat().st_size > 5000
     assert report.main([str(root), "--out", str(tmp_path / "r2")]) == 0
-    assert (f"warning: no job folders under {root} (a job folder holds config.yaml and summary.json or "
-            f"predictions.jsonl); only the latency figure (selkv_fig3, from {root / 'latency.json'}) can be drawn"
-            ) in capsys.readouterr().err
+    assert f"warning: no job folders under {root}" in capsys.readouterr().err
 
 
 def test_report_cli_rejects_unknown_artifact(tree, capsys):
     with pytest.raises(SystemExit) as e:
         report.main([str(tree), "--only", "selkv_tabel1"])
     assert e.value.code == 2 and "no such artifact" in capsys.readouterr().err
-
-
-def test_bad_report_inputs_are_one_line_and_an_unreadable_job_is_left_out(tmp_path, capsys):
-    """--out under a file and a --latency file that is not JSON records: one line, exit 2. A job
-    folder whose config.yaml cannot be parsed is left out with a warning and an index.md line,
-    instead of ending the whole report in a YAML traceback."""
-    make_job(tmp_path / "root", method="full", scores={"qasper": 40.0})
-    bad = make_job(tmp_path / "root", method="snapkv", scores={"qasper": 30.0})
-    (tmp_path / "afile").write_text("x")
-    (tmp_path / "lat.json").write_text("{not json")
-    for argv, message in ([["--out", str(tmp_path / "afile" / "rep")], "is a file, not a folder"],
-                          [["--latency", str(tmp_path / "lat.json")], "not a latency file of python -m kvbench.latency"]):
-        with pytest.raises(SystemExit) as stop:
-            report.main([str(tmp_path / "root"), *argv])
-        err = capsys.readouterr().err.strip().splitlines()
-        assert stop.value.code == 2 and message in err[-1] and "Traceback" not in "".join(err)
-    other = make_job(tmp_path / "other", method="full", scores={"qasper": 40.0})  # another results root
-    with pytest.raises(SystemExit) as stop:
-        report.main([str(tmp_path / "root"), "--out", str(tmp_path / "other" / "longbench")])
-    assert stop.value.code == 2 and f"a folder inside the results root {tmp_path / 'other'} (it holds the job folder " \
-        "longbench/llama31/full/b0.25)" in capsys.readouterr().err
-    with pytest.raises(SystemExit) as stop:
-        report.main([str(tmp_path / "root"), "--out", str(other / "rep")])
-    assert stop.value.code == 2 and f"inside the job folder {other}" in capsys.readouterr().err
-    (bad / "config.yaml").write_text("budget: [unclosed\n")
-    assert report.main([str(tmp_path / "root"), "--out", str(tmp_path / "rep")]) == 0
-    assert ("warning: job folder longbench/llama31/snapkv/b0.25: config.yaml cannot be read (ParserError); left out "
-            "of the report") in capsys.readouterr().err
-    index = (tmp_path / "rep" / "index.md").read_text()
-    assert "1 job folder read." in index and "Left out (unreadable): longbench/llama31/snapkv/b0.25" in index
-    job = tmp_path / "root" / "longbench" / "llama31" / "full" / "b0.25"  # a job folder instead of the root
-    with pytest.raises(SystemExit) as stop:
-        report.main([str(job)])
-    assert stop.value.code == 2 and f"{str(job)!r} is a job folder; pass the results root above it" in \
-        capsys.readouterr().err
-    for inner in (job.parent, job.parents[1], job.parents[2]):  # a method, model or task folder
-        with pytest.raises(SystemExit) as stop:
-            report.main([str(inner)])
-        assert stop.value.code == 2 and (f"{str(inner)!r} is a task, model or method folder inside the results root "
-                                         f"{str(tmp_path / 'root')!r}") in capsys.readouterr().err
-    assert not (job.parent / "report").exists()
-    for out, why in ((job, f"inside {str(tmp_path / 'root' / 'longbench')!r}, which holds job folders"),
-                     (tmp_path / "root", "the results root itself")):
-        with pytest.raises(SystemExit) as stop:
-            report.main([str(tmp_path / "root"), "--out", str(out)])
-        assert stop.value.code == 2 and f"--out {str(out)!r}: {why}; write the report beside" in capsys.readouterr().err
-    assert not (job / "index.md").exists() and not (tmp_path / "root" / "index.md").exists()
-    assert report.main([str(tmp_path / "root"), "--out", str(tmp_path / "root" / "rep2")]) == 0
 
 
 def test_niah_heatmap_records_follow_the_summarys_grid(tmp_path):
@@ -568,48 +509,6 @@ def test_niah_heatmap_records_follow_the_summarys_grid(tmp_path):
     assert [r["id"] for r in niah_grid_records(job)] == ["niah/512/50"]
 
 
-def test_budget_one_is_the_full_retention_ratio_not_one_token():
-    """A stored budget of 1.0 keeps everything (ratio 100 %): the report labels and groups it with
-    the ratios, never as a 1-token budget (a 1-token budget is rejected by validation)."""
-    from kvbench.report_data import budget_semantics, budget_text, is_ratio_budget
-
-    assert budget_text(1.0) == "100%" and budget_text(0.25) == "25%" and budget_text(256.0) == "256"
-    assert (budget_text(1e-9), budget_text(2e-5), budget_text(0.125)) == ("0.0000001%", "0.002%", "12.5%")  # no exponent
-    assert is_ratio_budget(1.0) and not is_ratio_budget(2.0)
-    assert budget_semantics([0.25, 1.0]) == "budget = retention ratio ρ of prompt tokens"
-    assert budget_semantics([64.0, 256.0]).startswith("budget = tokens kept")
-
-
-def test_files_of_earlier_report_runs_are_listed_not_deleted(tmp_path, capsys):
-    """A full report into a folder that holds an earlier report keeps the files it did not rewrite
-    (a table renamed since, e.g. scores_longbench_llama31 -> scores_longbench_llama31_3500_tok)
-    and lists them in index.md as earlier, not current; a folder with no index.md is left alone."""
-    make_job(tmp_path / "root", method="full", scores={"qasper": 40.0})
-    out = tmp_path / "rep"
-    assert report.main([str(tmp_path / "root"), "--out", str(out)]) == 0
-    assert "earlier report runs" not in (out / "index.md").read_text()
-    (out / "scores_longbench_old.md").write_text("| stale |\n")
-    capsys.readouterr()
-    assert report.main([str(tmp_path / "root"), "--out", str(out)]) == 0
-    index = (out / "index.md").read_text()
-    head, _, earlier = index.partition("Files of earlier report runs that this run did not write")
-    assert earlier.splitlines()[1:] == ["- scores_longbench_old.md"] and "scores_longbench_llama31" in head
-    assert (out / "scores_longbench_old.md").read_text() == "| stale |\n"
-    assert "1 file(s) in" in capsys.readouterr().err
-    mine = tmp_path / "mine"
-    mine.mkdir()
-    (mine / "notes.md").write_text("x")
-    assert report.main([str(tmp_path / "root"), "--out", str(mine)]) == 0
-    assert "earlier report runs" not in (mine / "index.md").read_text()
-    docs = tmp_path / "docs"  # a folder with the user's own index.md: refused, the file kept
-    docs.mkdir()
-    (docs / "index.md").write_text("my notes\n")
-    with pytest.raises(SystemExit) as stop:
-        report.main([str(tmp_path / "root"), "--out", str(docs)])
-    assert stop.value.code == 2 and "holds an index.md that is not a kvbench report's" in capsys.readouterr().err
-    assert (docs / "index.md").read_text() == "my notes\n" and len(list(docs.iterdir())) == 1
-
-
 def test_selkv_fig2_marks_the_bar_of_an_unfinished_job(df):
     """gemma2's SnapKV job is unfinished (no summary): its bar is hatched and pale, the caption
     says so; finished jobs' bars are plain."""
@@ -624,9 +523,8 @@ def test_selkv_fig2_marks_the_bar_of_an_unfinished_job(df):
 
 
 def test_jobs_of_one_setting_the_report_leaves_out_are_named(tmp_path):
-    """Two finished jobs of one setting: the one with more scored samples fills the row, the
-    other is named in a note (it used to vanish, the path order deciding); an unfinished
-    duplicate that gave no score does not keep a finished row out of bold."""
+    """Two finished jobs of one setting: the one with more scored samples fills the row, the other
+    is named in a note; an unfinished duplicate that gave no score does not keep a finished row out of bold."""
     from kvbench.report_data import load_results
     from kvbench.report_tables import score_tables
 
@@ -645,7 +543,7 @@ def test_jobs_of_one_setting_the_report_leaves_out_are_named(tmp_path):
     row = {r["Method"] + r["Budget"]: r for r in rows}
     assert row["StreamingLLM25%"]["niah"] == 20.0 and row["StreamingLLM25%"]["n"] == "4"
     assert any(n.startswith("left out: StreamingLLM at budget 25%: exp2/niah/smollm2/streamingllm/b0.25 (2 samples); "
-                            "the scores are the job of exp3/niah/smollm2/streamingllm/b0.25") for n in table.notes), \
+                            "the scores are those of exp3/niah/smollm2/streamingllm/b0.25") for n in table.notes), \
         table.notes
     assert any(n.startswith("left out: SnapKV at budget 25%: exp2/niah/smollm2/snapkv/b0.25-x (5 samples, unfinished)")
                for n in table.notes), table.notes
@@ -655,34 +553,6 @@ def test_jobs_of_one_setting_the_report_leaves_out_are_named(tmp_path):
     assert (snap25, "niah") in table.bold  # the best finished compressed row (30 > 20), the duplicate aside
 
 
-def test_report_out_in_the_checkout_or_its_code_folders_is_refused(tree, capsys):
-    from kvbench import validate
-
-    for out, text in ((validate.CHECKOUT, "the kvbench checkout itself"),
-                      (validate.CHECKOUT / "docs", "inside kvbench's own docs/ folder")):
-        with pytest.raises(SystemExit) as stop:
-            report.main([str(tree), "--out", str(out)])
-        err = capsys.readouterr().err.strip()
-        assert stop.value.code == 2 and text in err and "\n" not in err, err
-
-
-def test_a_run_name_job_does_not_displace_the_standard_job_of_its_setting(tmp_path):
-    """Same setting and scores under run_name=myrun and under niah/<model>/snapkv/b0.25: the
-    standard folder fills the row (the path order picked myrun), myrun is left out."""
-    from kvbench.report_data import load_results
-    from kvbench.report_tables import score_tables
-
-    make_job(tmp_path, task="niah", model="smollm2", method="snapkv", scores={"niah": 30.0})
-    other = make_job(tmp_path / "tmp", task="niah", model="smollm2", method="snapkv", scores={"niah": 30.0})
-    (tmp_path / "myrun").parent.mkdir(exist_ok=True)
-    other.rename(tmp_path / "myrun")
-    cfg = yaml.safe_load((tmp_path / "myrun" / "config.yaml").read_text())
-    (tmp_path / "myrun" / "config.yaml").write_text(yaml.safe_dump({**cfg, "run_name": "myrun"}))
-    (table,) = score_tables(load_results(tmp_path), tmp_path)
-    assert table.sources == ["niah/smollm2/snapkv/b0.25"]
-    assert any(n.startswith("left out: SnapKV at budget 25%: myrun (5 samples)") for n in table.notes), table.notes
-
-
 def test_only_takes_commas_as_the_other_tools(tree, tmp_path, capsys):
     assert report.main([str(tree), "--only", "scores,niah", "--out", str(tmp_path / "r")]) == 0
     assert report.main([str(tree), "--only", "scores", "niah", "--out", str(tmp_path / "r2")]) == 0
@@ -690,20 +560,47 @@ def test_only_takes_commas_as_the_other_tools(tree, tmp_path, capsys):
     assert names(tmp_path / "r") == names(tmp_path / "r2") and names(tmp_path / "r")
 
 
-def test_a_niah_panel_cell_names_its_variant_and_an_unfinished_job():
-    import json
+def test_bad_report_inputs_are_one_line_and_an_unreadable_job_is_left_out(tmp_path, capsys):
+    """--out under a file and a --latency file that is not JSON records: exit 2 naming the option.
+    A job folder whose config.yaml cannot be parsed is left out with a warning and an index.md line."""
+    make_job(tmp_path / "root", method="full", scores={"qasper": 40.0})
+    bad = make_job(tmp_path / "root", method="snapkv", scores={"qasper": 30.0})
+    (tmp_path / "afile").write_text("x")
+    (tmp_path / "lat.json").write_text("{not json")
+    for argv, key in ([["--out", str(tmp_path / "afile" / "rep")], "--out"], [["--latency", str(tmp_path / "lat.json")],
+                                                                             "--latency"], [["--only", "nosuch"], "--only"]):
+        with pytest.raises(SystemExit) as stop:
+            report.main([str(tmp_path / "root"), *argv])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert stop.value.code == 2 and len(err) == 1 and key in err[0]
+    with pytest.raises(SystemExit) as stop:
+        report.main([str(tmp_path / "nosuch")])
+    assert stop.value.code == 2 and "RESULTS_ROOT" in capsys.readouterr().err
+    (bad / "config.yaml").write_text("budget: [unclosed\n")
+    assert report.main([str(tmp_path / "root"), "--out", str(tmp_path / "rep")]) == 0
+    assert "warning: job folder longbench/llama31/snapkv/b0.25: " in capsys.readouterr().err
+    index = (tmp_path / "rep" / "index.md").read_text()
+    assert "1 job folder(s) read." in index and "Left out (unreadable): longbench/llama31/snapkv/b0.25" in index
 
-    import pandas as pd
 
-    from kvbench.report_data import preset_params
-    from kvbench.report_figures import _cell_variant
+def test_budget_one_is_the_full_retention_ratio_not_one_token():
+    from kvbench.report_data import budget_semantics, budget_text
 
-    params = dict(preset_params("selkv"), alpha=2)
-    row = pd.Series({"preset": "selkv", "params": json.dumps(params, sort_keys=True), "complete": False, "n": 6.0,
-                     "job": "niah/smollm2/selkv/b0.25-14bc91b3"})
-    title, note = _cell_variant(row, "SelKV, budget 25%")
-    assert title == "SelKV, budget 25%\nalpha=2 (unfinished)"
-    assert note.startswith("incomplete: niah/smollm2/selkv/b0.25-14bc91b3 (6 samples scored;")
-    done = row.copy()
-    done["params"], done["complete"] = json.dumps(preset_params("selkv"), sort_keys=True), True
-    assert _cell_variant(done, "SelKV, budget 25%") == ("SelKV, budget 25%", None)  # the preset itself: as before
+    assert budget_text(1.0) == "100%" and budget_text(0.25) == "25%" and budget_text(256.0) == "256"
+    assert (budget_text(1e-9), budget_text(2e-5), budget_text(0.125)) == ("0.0000001%", "0.002%", "12.5%")
+    assert budget_semantics([0.25, 1.0]) == "budget = retention ratio ρ of prompt tokens"
+    assert budget_semantics([64.0, 256.0]).startswith("budget = tokens kept")
+
+
+def test_a_niah_panel_cell_names_its_variant_and_an_unfinished_job(tmp_path):
+    from kvbench.report_figures import niah_figures
+
+    recs = [{"id": f"niah/{n}/50", "dataset": "niah", "score": 1.0, "error": None,
+             "meta": {"context_length": n, "depth_percent": 50}} for n in (256, 512)]
+    make_job(tmp_path, task="niah", model="smollm2", method="full", budget=1.0, records=recs, scores={"niah": 100.0})
+    make_job(tmp_path, task="niah", model="smollm2", method="selkv", params={"alpha": 2}, records=recs,
+             scores={"niah": 100.0}, complete=False)
+    panel = next(f for f in niah_figures(report.load_results(tmp_path), tmp_path) if f.name == "niah_panel_smollm2")
+    titles = [ax.get_title() for ax in panel.fig.axes if ax.get_title()]
+    assert titles == ["Full Cache", "SelKV, budget 25%\nalpha=2 (unfinished)"]
+    assert any(n.startswith("incomplete: niah/smollm2/selkv/b0.25 (5 samples scored;") for n in panel.notes)

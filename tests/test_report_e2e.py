@@ -39,13 +39,14 @@ def test_report_renders_smoke_sweep(smoke_root, tmp_path):
     from kvbench import report
 
     df = report.load_results(smoke_root)
-    assert sorted(df["budget"].unique()) == [64, 128] and set(df["method_name"]) == {"full", "snapkv"}
+    comp = df[df["method_name"] != "full"]
+    assert sorted(comp["budget"].unique()) == [64, 128] and set(df["method_name"]) == {"full", "snapkv"}
     assert df["score"].notna().all() and (df["n"] == 2).all()
     out = tmp_path / "report"
     assert report.main([str(smoke_root), "--out", str(out)]) == 0
     for name in ["compresskv_fig5", "niah_panel_smollm2"]:
         assert (out / f"{name}.png").stat().st_size > 5000 and (out / f"{name}.pdf").stat().st_size > 0
-    assert len(list((out / "niah").glob("*.png"))) == 4
+    assert len(list((out / "niah").glob("*.png"))) == df["job"].nunique()  # one heatmap per job folder
     index = (out / "index.md").read_text()
     assert "selkv_table1: no inputs" in index and "FAILED" not in index
 

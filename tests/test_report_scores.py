@@ -103,10 +103,7 @@ def test_a_budget_that_kept_every_prompt_whole_is_never_bold(tmp_path):
     (t,) = score_tables(report.load_results(tmp_path))
     assert [(r["Budget"], r["niah"]) for r in records(t)] == [("25%", 40.0), ("4096", 100.0)]
     assert t.bold == {(0, "niah"), (0, "Avg")}
-    assert t.notes == ["uncompressed: SnapKV at budget 4096 kept every prompt whole (no sample was compressed: the "
-                       "budget is not below the prompt lengths, or not below the tokens the method always keeps, e.g. "
-                       "its observation window, attention sinks or recent tokens; the job's log says which), not a "
-                       "compressed configuration"]
+    assert len(t.notes) == 1 and t.notes[0].startswith("uncompressed: SnapKV at budget 4096 kept every prompt whole")
     # the summary (its run's samples) decides over records of an earlier, longer grid that compressed
     job = tmp_path / "niah/tiny/snapkv/b4096"
     (job / "predictions.jsonl").write_text("".join(
@@ -128,7 +125,7 @@ def test_cli_only_scores_writes_only_them(sweep, tmp_path):
         f"scores_{t}_tiny.{ext}" for t in ("longbench", "niah") for ext in ("md", "tex", "csv", "sources.txt")}
     index = (out / "index.md").read_text()
     assert "- scores_longbench_tiny: scores_longbench_tiny.md, scores_longbench_tiny.tex, scores_longbench_tiny.csv" \
-        " (5 jobs, 2 note(s): absent, incomplete)" in index
+        " (5 job(s), 2 note(s): absent, incomplete)" in index
     assert "- scores_niah_tiny: " in index and "selkv_table1" not in index
     md = (out / "scores_longbench_tiny.md").read_text()
     assert "| Method | Budget | Qasp | HpQA | Avg | n |" in md
@@ -155,8 +152,8 @@ def test_full_report_lists_scores_next_to_paper_artifacts(sweep, tmp_path):
 
 
 def test_variants_and_reruns(tmp_path):
-    """A W sweep of one label is told apart by a Variant column (default variant first); a
-    tagged rerun with the default's fields fills the default's missing dataset."""
+    """A W sweep of one label is told apart by a Variant column (the preset's W=32 first, then W in
+    numeric order); a rerun with the default's fields fills the default's missing dataset."""
     make_job(tmp_path, method="selkv", budget=0.25, params={"window_size": 32}, scores={"qasper": 30.0})
     make_job(tmp_path, method="selkv", budget=0.25, params={"window_size": 32}, folder_tag="rerun",
              scores={"qasper": 99.0, "hotpotqa": 40.0})
@@ -165,9 +162,11 @@ def test_variants_and_reruns(tmp_path):
                  scores={"qasper": score, "hotpotqa": 39.0})
     (t,) = score_tables(report.load_results(tmp_path))
     assert list(t.data.columns) == ["Method", "Variant", "Budget", "qasper", "hotpotqa", "Avg", "n"]
-    assert [(r["Variant"], r["qasper"], r["hotpotqa"]) for r in records(t)] == [
-        ("window_size=32", 30.0, 40.0), ("window_size=4", 27.0, 39.0), ("window_size=16", 28.0, 39.0)]
-    assert records(t)[0]["Avg"] == 35.0 and "longbench/llama31/selkv/b0.25-rerun" in t.sources
+    assert [(r["Variant"], r["qasper"], r["hotpotqa"]) for r in records(t)] == [  # the job with more datasets first
+        ("window_size=32", 99.0, 40.0), ("window_size=4", 27.0, 39.0), ("window_size=16", 28.0, 39.0)]
+    assert "longbench/llama31/selkv/b0.25-rerun" in t.sources
+    assert any(n.startswith("left out: SelKV (window_size=32) at budget 25%: longbench/llama31/selkv/b0.25 (5 samples)")
+               for n in t.notes)
 
 
 def test_a_lone_variant_is_marked_against_its_preset_file(tmp_path):
@@ -187,7 +186,7 @@ def test_a_lone_variant_is_marked_against_its_preset_file(tmp_path):
     job.rename(tmp_path / "niah/tiny/selkv" / job.name)
     (t,) = score_tables(report.load_results(tmp_path))
     assert [(r["Variant"], r["niah"]) for r in records(t)] == [("alpha=0.5", 50.0), ("alpha=1.5", 25.0)]
-    # without the preset's own job, variants go in numeric order (alpha=2's folder is preferred by path)
+    # without the preset's own job, variants go in numeric order
     for alpha, tag in ((2, "aaaa1111"), (1.0, "bbbb2222")):
         make_job(tmp_path / "c", task="niah", model="tiny", method="selkv", params={"alpha": alpha, "window_size": 32},
                  folder_tag=tag, scores={"niah": 10.0 * alpha})
@@ -217,10 +216,9 @@ def test_niah_jobs_on_different_grids_are_noted(tmp_path):
         summary["selection"] = {"task.context_lengths": lengths, "task.depth_percents": depths}
         path.write_text(json.dumps(summary))
     table = {t.name: t for t in score_tables(report.load_results(root), root)}["scores_niah_tiny"]
-    assert table.notes == ["different NIAH grids, scores not comparable across them: lengths [512] × depths [50]: "
-                           "niah/tiny/selkv/b0.25, niah/tiny/snapkv/b0.25, niah/tiny/snapkv/b256; "
-                           "lengths [2048] × depths [10, 90]: niah/tiny/selkv/b256",
-                           "bold: only among rows scored on lengths [512] × depths [50] (3 of 4 compressed rows)"]
+    assert table.notes == ["mixed samples: rows scored on different sample sets or NIAH grids (lengths [2048] × "
+                           "depths [10, 90]; lengths [512] × depths [50]), scores not comparable across them",
+                           "bold: only among rows scored on lengths [512] × depths [50] (3 of 4 rows)"]
     # selkv at 256 tokens (75.0, the column's best) ran another grid: snapkv at 256 (62.5) is bold
     bold_rows = {(r["Method"], r["Budget"]) for i, r in enumerate(records(table)) if (i, "niah") in table.bold}
     assert bold_rows == {("SnapKV", "256")}
@@ -233,14 +231,13 @@ def test_niah_jobs_on_different_grids_are_noted(tmp_path):
     summary["selection"] = {"task.context_lengths": [2048, 512], "task.depth_percents": [90, 10.5, 10.5]}
     summary_path.write_text(json.dumps(summary))
     table = {t.name: t for t in score_tables(report.load_results(root), root)}["scores_niah_tiny"]
-    assert "lengths [512, 2048] × depths [10.5, 90]: niah/tiny/selkv/b256" in table.notes[0]  # sorted, distinct
+    assert "lengths [512, 2048] × depths [10.5, 90]" in table.notes[0]  # sorted, distinct
 
 
 def test_jobs_over_part_of_each_dataset_are_noted_in_score_and_paper_tables(tmp_path):
     import yaml
 
-    from kvbench.report_data import n_datasets
-    from kvbench.report_grid import score_grid
+    from kvbench.report_tables import grid as score_grid
 
     for method, budget in (("full", 1.0), ("snapkv", 0.25)):
         job = make_job(tmp_path, task="longbench", model="tiny", method=method, budget=budget,
@@ -253,13 +250,12 @@ def test_jobs_over_part_of_each_dataset_are_noted_in_score_and_paper_tables(tmp_
     note = ("subset: longbench/tiny/snapkv/b0.25 scored part of each dataset only (task.n_samples=1); "
             "not comparable to whole-dataset scores")
     (table,) = score_tables(df)
-    assert table.notes == [note, "mixed samples: rows scored on different sample sets (task.n_samples=1; whole "
-                                 "datasets), scores not comparable across them"]
+    assert table.notes == [note, "mixed samples: rows scored on different sample sets or NIAH grids (task.n_samples=1; "
+                                 "whole datasets), scores not comparable across them"]
     grid = score_grid(df, "longbench", 0.25)
     assert grid.notes == [note, "mixed samples: the rows of tiny were scored on different sample sets "
-                                "(task.n_samples=1 / whole datasets; longbench, budget 25%); compare them with care"]
+                                "(task.n_samples=1 / whole datasets; longbench, budget 25%); compare with care"]
     assert "Notes (a missing cell is shown as –):\n- " + note in report.to_markdown(table)
-    assert (n_datasets(1), n_datasets(16)) == ("1 dataset", "16 datasets")
     # the summary's selection (its run) wins over config.yaml (the first run): rerun on whole datasets
     summary_path = tmp_path / "longbench/tiny/snapkv/b0.25/summary.json"
     summary = json.loads(summary_path.read_text())
@@ -271,8 +267,8 @@ def test_jobs_over_part_of_each_dataset_are_noted_in_score_and_paper_tables(tmp_
     assert score_tables(report.load_results(tmp_path))[0].notes == []
     summary_path.write_text(json.dumps({**summary, "selection": {"task.n_samples": 200}, "subset": "task.n_samples=200"}))
     assert score_tables(report.load_results(tmp_path))[0].notes == [
-        note.replace("n_samples=1", "n_samples=200"), "mixed samples: rows scored on different sample sets "
-        "(task.n_samples=200; whole datasets), scores not comparable across them"]
+        note.replace("n_samples=1", "n_samples=200"), "mixed samples: rows scored on different sample sets or NIAH "
+        "grids (task.n_samples=200; whole datasets), scores not comparable across them"]
 
 
 def _edit_config(job: Path, **task_keys) -> None:
@@ -352,18 +348,4 @@ def test_a_ratio_the_method_raised_is_named_and_never_bold(tmp_path):
     (t,) = score_tables(report.load_results(tmp_path))
     assert [(r["Budget"], r["niah"]) for r in records(t)] == [("0.1%", 80.0), ("25%", 60.0)]
     assert t.bold == {(1, "niah"), (1, "Avg")}  # the honest 25 % row, not the raised one
-    assert t.notes == ["raised: SelKV at budget 0.1% kept 3.1 % of the prompt tokens on average (mean kept_tokens / "
-                       "prompt_tokens), more than its label: the method always keeps its observation window, attention "
-                       "sinks or recent tokens (the job's log warned), so the row is not a configuration at that ratio "
-                       "and is not bold"]
-
-
-def test_the_usual_full_cache_folder_is_preferred_over_a_copy(tmp_path):
-    """method=full budget=0.5 copies the b1.0 job's samples: same scores and counts; b1.0 is used."""
-    for budget in (1.0, 0.5):
-        make_job(tmp_path, task="niah", model="tiny", method="full", budget=budget, scores={"niah": 90.0})
-    (t,) = score_tables(report.load_results(tmp_path))
-    assert t.sources == ["niah/tiny/full/b1.0"]
-    assert t.notes == ["left out: Full Cache: niah/tiny/full/b0.5 (5 samples); the scores are the job of "
-                       "niah/tiny/full/b1.0 (preferred: untagged, complete, most datasets, most samples, a full "
-                       "cache's b1.0 folder)"]
+    assert len(t.notes) == 1 and t.notes[0].startswith("raised: SelKV at budget 0.1% kept 3.1 % of the prompt tokens")
