@@ -9,8 +9,6 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-# Fields of a record that measure time or memory: they differ between two runs of one job.
-TIMING_FIELDS = ("prefill_s", "compress_s", "decode_s", "decode_tok_s", "peak_rss_bytes")
 
 
 def cli_env(**extra: str) -> dict[str, str]:
@@ -83,11 +81,6 @@ def read_lines(path: Path) -> list[dict]:
         if line.endswith("\n"):
             out.append(json.loads(line))
     return out
-
-
-def comparable(records: list[dict]) -> dict[str, dict]:
-    """Records by id without the timing fields."""
-    return {r["id"]: {k: v for k, v in r.items() if k not in TIMING_FIELDS} for r in records}
 
 
 def make_tiny_model_dir(path: Path) -> Path:

@@ -18,7 +18,7 @@ from kvbench.store import JobStore
 from methods.full import FullCache
 from methods.snapkv import SnapKV, SnapKVConfig
 from tests.conftest import loaded_for, tiny_model
-from tests.kvbench.cli_util import check, make_haystack_dir, tiny_model_args
+from tests.kvbench.cli_util import check, tiny_model_args
 
 
 class CharTokenizer:
@@ -136,8 +136,10 @@ def relpath(args: list[str]) -> str:
 
 
 def test_a_setting_that_changes_a_result_changes_the_folder(base, tiny_model_dir, haystack_dir, tmp_path):
-    hay = make_haystack_dir(tmp_path / "hay2")
-    (hay / "c.txt").write_text("Another essay, about lighthouses. " * 20)
+    hay = shutil.copytree(haystack_dir, tmp_path / "hay2")
+    before = relpath(base + [f"task.haystack_dir={hay}"])
+    (hay / "c.txt").write_text("Another essay, about lighthouses. " * 20)  # same folder, other contents
+    assert relpath(base + [f"task.haystack_dir={hay}"]) != before
     model_copy = shutil.copytree(tiny_model_dir, tmp_path / "model_copy")
     changed = {
         "method.alpha": ["method.alpha=0.25"],

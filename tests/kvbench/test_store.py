@@ -63,9 +63,8 @@ def test_repair_moves_a_truncated_last_line_aside(tmp_path):
 def test_lock_refuses_a_second_holder_of_the_same_shard_only(tmp_path):
     store = JobStore(tmp_path)
     with store.locked():
-        with pytest.raises(JobLockedError, match="lock_wait_s"):
-            with JobStore(tmp_path).locked(wait_s=0.3):
-                pass
+        with pytest.raises(JobLockedError, match="lock_wait_s"), JobStore(tmp_path).locked(wait_s=0.3):
+            pass
         with JobStore(tmp_path, (1, 2)).locked():  # another shard of the same job is not blocked
             pass
     with JobStore(tmp_path).locked():  # released at the end of the block
@@ -84,9 +83,8 @@ def test_lock_is_released_when_the_holder_is_killed(tmp_path):
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "locked"
-        with pytest.raises(JobLockedError):
-            with JobStore(tmp_path).locked():
-                pass
+        with pytest.raises(JobLockedError), JobStore(tmp_path).locked():
+            pass
     finally:
         holder.kill()  # SIGKILL: no cleanup code runs
         holder.wait()
