@@ -1,8 +1,7 @@
 """The paper presets in conf/experiment/ compose into valid job configs.
 
-Each preset is composed with Hydra (``+experiment=NAME`` plus the first value of each swept key);
-a preset whose model/method/task files are not on this branch yet (methods written in other
-branches) is skipped with the missing files named.
+Each preset is composed with Hydra (``+experiment=NAME`` plus the first value of each swept key)
+and, where its model is local (the embedded one), checked by ``kvbench.config.check`` as a job.
 """
 
 from __future__ import annotations
@@ -33,9 +32,14 @@ def references(name: str) -> tuple[dict, list[Path]]:
 
 
 @pytest.mark.parametrize("name", PRESETS)
-def test_preset_composes(name):
+def test_preset_composes_and_its_first_job_passes_the_check(name, monkeypatch):
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
+
+    from kvbench.config import check
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
 
     text = (CONF / "experiment" / f"{name}.yaml").read_text()
     assert text.startswith("# @package _global_\n"), "a preset overrides the root config"
@@ -45,7 +49,8 @@ def test_preset_composes(name):
         pytest.skip(f"not on this branch yet: {', '.join(sorted(set(missing)))}")
     first = [f"{k}={str(v).split(',')[0].strip()}" for k, v in params.items()]
     with initialize_config_dir(config_dir=str(CONF), version_base=None):
-        cfg = OmegaConf.to_container(compose("config", overrides=[f"+experiment={name}", *first]), resolve=True)
+        node = compose("config", overrides=[f"+experiment={name}", *first])
+    cfg = OmegaConf.to_container(node, resolve=True)
     budget = cfg["budget"]
     assert budget > 0 and (budget <= 1 or float(budget).is_integer())
     assert cfg["model"]["name"] and cfg["method"]["name"] and cfg["task"]["name"]
@@ -55,6 +60,10 @@ def test_preset_composes(name):
         assert cfg["latency"]["methods"] and cfg["latency"]["lengths"]
     else:
         assert params, "a paper preset is a whole sweep (hydra.sweeper.params)"
+    local_data = cfg["task"]["name"] == "niah" or Path(cfg["task"].get("data_dir") or "/nonexistent").is_dir()
+    if cfg["model"]["source"].startswith("pypi") and local_data:  # the model and the data are on this machine
+        job = check(node, str(params.get("method", "")).split(",")[0].strip() or None)
+        assert job.relpath.startswith(f"{cfg['task']['name']}/{cfg['model']['name']}/")
 
 
 def test_smoke_presets_use_shared_data_by_path():

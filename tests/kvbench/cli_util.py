@@ -9,8 +9,6 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-# Fields of a record that measure time or memory: they differ between two runs of one job.
-TIMING_FIELDS = ("prefill_s", "compress_s", "decode_s", "decode_tok_s", "peak_rss_bytes")
 
 
 def cli_env(**extra: str) -> dict[str, str]:
@@ -53,6 +51,29 @@ def make_haystack_dir(path: Path) -> Path:
     return path
 
 
+def compose(args: list[str]):
+    """The job config ``python run.py *args`` composes (Hydra's compose API, in this process)."""
+    from hydra import compose as hydra_compose, initialize_config_dir
+
+    args = [f"+{a}" if a.startswith("experiment=") else a for a in args]
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        return hydra_compose("config", overrides=args)
+
+
+def check(args: list[str]):
+    """The checked :class:`kvbench.config.Job` of ``python run.py *args`` (no model is loaded)."""
+    from kvbench.config import check as check_cfg
+
+    preset = next((a.split("=", 1)[1] for a in args if a.startswith("method=")), "selkv")
+    return check_cfg(compose(args), preset)
+
+
+def job_dir(args: list[str]) -> Path:
+    """The folder that ``python run.py *args`` stores its job in."""
+    job = check(args)
+    return Path(job.cfg["output_root"]).resolve() / job.relpath
+
+
 def read_lines(path: Path) -> list[dict]:
     """Every complete line of a ``predictions.jsonl`` as a dict (a truncated tail is left out)."""
     out = []
@@ -60,11 +81,6 @@ def read_lines(path: Path) -> list[dict]:
         if line.endswith("\n"):
             out.append(json.loads(line))
     return out
-
-
-def comparable(records: list[dict]) -> dict[str, dict]:
-    """Records by id without the timing fields."""
-    return {r["id"]: {k: v for k, v in r.items() if k not in TIMING_FIELDS} for r in records}
 
 
 def make_tiny_model_dir(path: Path) -> Path:
