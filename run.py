@@ -16,37 +16,79 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 
 CONFIG_ERRORS = ("ConfigError", "TaskConfigError", "HydraException", "OmegaConfBaseException", "OverrideParseException")
+VALUE_FLAGS = {"-c", "--cfg", "-p", "--package", "-cn", "--config-name", "-cp", "--config-path", "-cd", "--config-dir",
+               "--info", "-sc", "--shell-completion", "--experimental-rerun"}
+
+
+def _arguments(argv: list[str]) -> list[str]:
+    """Options first (Hydra's parser takes none after an override), ``experiment=X`` as ``+experiment=X``,
+    and ``--multirun`` added when a launcher is chosen in run mode (a launcher runs sweeps only)."""
+    options, overrides, i = [], [], 0
+    while i < len(argv):
+        takes = argv[i] in VALUE_FLAGS and i + 1 < len(argv) and "=" not in argv[i + 1] and not argv[i + 1].startswith("-")
+        (options if argv[i].startswith("-") else overrides).extend(argv[i : i + 1 + takes])
+        i += 1 + takes
+    overrides = [f"+{a}" if a.startswith("experiment=") else a for a in overrides]
+    if any(a.startswith("hydra/launcher=") for a in overrides) and not options:
+        options = ["--multirun"]
+    return options + overrides
+
+
+def _one_line(e: BaseException, args: list[str]) -> str:
+    """A Hydra / OmegaConf / kvbench configuration error as one line naming the key."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    line = " ".join(str(e).split()).replace(" To append to your config use +", " Add a key with +")
+    line = line.split(" Config search path:")[0]
+    cause = e.__cause__
+    if "not in struct" in str(cause) and getattr(cause, "parent_node", None) is not None:
+        line += f"; accepted keys are {', '.join(sorted(cause.parent_node))}"
+    if type(e).__name__ == "OverrideParseException":  # name the override Hydra could not parse
+        for a in args:
+            try:
+                OverridesParser.create().parse_override(a)
+            except Exception:  # noqa: BLE001
+                return f"{a}: cannot parse this override ({line}); write key=value, see python run.py --help"
+    return line
 
 
 def main() -> int:
-    """Run the Hydra app; turn a configuration error into one line and exit code 2."""
+    """Run one job (composed once) or, with an option such as ``-m``, the Hydra app; turn a
+    configuration error into one line and exit code 2."""
     import hydra
 
     os.environ["HYDRA_FULL_ERROR"] = "1"  # errors reach the handler below instead of Hydra's report
-    args = [f"+{a}" if a.startswith("experiment=") else a for a in sys.argv[1:]]  # experiment=NAME means +experiment=NAME
-    modes = {"-m", "--multirun", "-c", "--cfg", "--info", "-h", "--help", "--hydra-help", "-sc", "--shell-completion"}
-    if any(a.startswith("hydra/launcher=") for a in args) and not modes & set(args):
-        args.append("--multirun")  # a launcher runs sweeps: without -m it would run the job here
-    sys.argv[1:] = args
-
-    @hydra.main(version_base="1.3", config_path="conf", config_name="config")
-    def app(cfg) -> int:
-        from kvbench.job import main as run_job
-
-        return run_job(cfg)
-
+    args = _arguments(sys.argv[1:])
     try:
+        if not any(a.startswith("-") for a in args):  # one job: compose once (hydra.main also composes for the mode)
+            from hydra.core.hydra_config import HydraConfig
+            from omegaconf import open_dict
+
+            from kvbench.job import main as run_job
+
+            with hydra.initialize_config_dir(config_dir=str(Path(__file__).resolve().parent / "conf"), version_base="1.3"):
+                cfg = hydra.compose("config", overrides=args, return_hydra_config=True)
+            HydraConfig.instance().set_config(cfg)
+            with open_dict(cfg):
+                del cfg["hydra"]
+            return run_job(cfg)
+        sys.argv[1:] = args
+
+        @hydra.main(version_base="1.3", config_path="conf", config_name="config")
+        def app(cfg) -> int:
+            from kvbench.job import main as run_job
+
+            return run_job(cfg)
+
         app()
     except Exception as e:  # noqa: BLE001 - one line for the user, exit code by kind
         kinds = {c.__name__ for c in type(e).__mro__}
         if not kinds & {*CONFIG_ERRORS, "OSError"}:
             raise
-        cause, line = e.__cause__, " ".join(str(e).split()).replace(" To append to your config use +", " Add a key with +")
-        if "not in struct" in str(cause) and getattr(cause, "parent_node", None) is not None:
-            line += f"; accepted keys are {', '.join(sorted(cause.parent_node))}"
-        print(f"error: {line}", file=sys.stderr, flush=True)
+        print(f"error: {_one_line(e, args)}", file=sys.stderr, flush=True)
         return 2 if kinds & set(CONFIG_ERRORS) else 1
     from kvbench.job import SWEEP_CODES
 

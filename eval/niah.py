@@ -78,7 +78,7 @@ def load_haystack(cfg: dict) -> tuple[str, str]:
         source = "dir" if hdir else ("hub" if _hub_reachable() else "embedded")
         if source == "embedded":
             why = "offline mode (HF_HUB_OFFLINE/HF_DATASETS_OFFLINE)" if _offline_env() else "Hub unreachable"
-            log.warning(f"task.haystack_source=auto: {why} and no haystack_dir; using the embedded haystack")
+            log.info(f"task.haystack_source=auto: {why} and no haystack_dir; using the embedded haystack")
     if source == "dir":
         files = _haystack_files(hdir)
         return "\n\n".join(f.read_text(encoding="utf-8", errors="replace") for f in files), f"dir:{hdir}"

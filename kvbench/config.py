@@ -157,6 +157,7 @@ def resolved_inputs(task: dict) -> dict:
         from eval.niah import load_haystack
 
         text, source = load_haystack(task)
+        source = "dir" if source.startswith("dir:") else source  # the essays' text counts, not their folder
         return {"haystack": source, "haystack_sha256": hashlib.sha256(text.encode()).hexdigest()}
     if task.get("data_dir"):
         files = sorted(Path(task["data_dir"]).expanduser().glob("*.jsonl"))
@@ -217,26 +218,6 @@ def job_relpath(cfg: dict, preset: str | None, ident: dict) -> str:
     return f"{cfg['task']['name']}/{cfg['model']['name']}/{preset or cfg['method']['name']}/{'-'.join(parts + [digest])}"
 
 
-def context_window(path: str, gguf_file: str | None) -> int | None:
-    """The model's context window in tokens (``max_position_embeddings`` of a local config, the GGUF
-    file's ``<arch>.context_length``), read without the weights; None when it cannot be read here."""
-    try:
-        if gguf_file:
-            from .models import _gguf_fields, gguf_cache_dir
-
-            cache = gguf_cache_dir(path, gguf_file, True)
-            if (cache / "config.json").is_file():  # the converted copy: no scan of the GGUF file
-                return int(json.loads((cache / "config.json").read_text())["max_position_embeddings"])
-
-            fields = _gguf_fields(str(Path(path, gguf_file)))
-            arch = fields["general.architecture"].contents()
-            return int(fields[f"{arch}.context_length"].contents())
-        config = json.loads((Path(path) / "config.json").read_text())
-        return int(config.get("max_position_embeddings") or config.get("text_config", {})["max_position_embeddings"])
-    except (OSError, KeyError, ValueError, TypeError):
-        return None
-
-
 def device_type(device: str) -> str:
     """``cuda`` or ``cpu`` (``auto``: CUDA when present).
 
@@ -260,7 +241,7 @@ def check(cfg: Any, preset: str | None = None) -> Job:
         ConfigError / TaskConfigError: the first problem found, as one line naming the key.
     """
     import methods
-    from .models import resolve_source
+    from .models import head_layout, read_config, resolve_source
 
     try:
         plain = OmegaConf.to_container(cfg, resolve=True)
@@ -290,7 +271,10 @@ def check(cfg: Any, preset: str | None = None) -> Job:
         raise TaskConfigError(f"task.context_lengths={task['context_lengths']}: every length exceeds the prompt budget "
                               f"of {limit} tokens (model.max_input_length / task.max_length)")
     source = resolve_source(plain["model"])
-    window = context_window(*source)
+    hf_config = read_config(plain["model"])  # the layout and context window, without the weights
+    method.layout = head_layout(hf_config, model.name)
+    method.check_layout(method.layout)  # reads the method's artifact files (head / layer scores)
+    window = getattr(hf_config.get_text_config(), "max_position_embeddings", None)
     if name == "niah" and window and min(max(task["context_lengths"]), limit) + task["max_new_tokens"] > window:
         raise ConfigError(f"task.max_new_tokens={task['max_new_tokens']}: the longest prompt ({min(max(task['context_lengths']), limit)} "
                           f"tokens) plus the generation exceed the model's context window of {window} tokens")

@@ -192,8 +192,10 @@ def resolve_threads(threads: Any) -> int | None:
     return max(1, cores - round(os.getloadavg()[0])) if hasattr(os, "getloadavg") else cores
 
 
-def run_job(job: Job) -> int:
+def run_job(job: Job, wait_s: float | None = None) -> int:
     """Run a checked job; returns the exit code (0 ok, 1 some samples failed).
+
+    ``wait_s``: seconds to wait for another process running the same shard (default ``lock_wait_s``).
 
     Raises:
         ConfigError: the model cannot be loaded, or the method does not fit its head layout.
@@ -211,7 +213,7 @@ def run_job(job: Job) -> int:
     cfg = job.cfg
     shard = (cfg["shard"]["index"], cfg["shard"]["count"])
     store = JobStore(Path(cfg["output_root"]).resolve() / job.relpath, shard)
-    with store.locked(float(cfg["lock_wait_s"])):
+    with store.locked(float(cfg["lock_wait_s"]) if wait_s is None else wait_s):
         store.repair()
         if not (store.path / "config.yaml").exists():
             atomic_write(store.path / "config.yaml", OmegaConf.to_yaml(OmegaConf.create(cfg)))
@@ -312,7 +314,6 @@ def main(cfg: Any) -> int:
 
     from .store import JobLockedError
 
-    logging.basicConfig(level=logging.INFO, format="[%(asctime)s] %(levelname)s %(name)s: %(message)s")
     for noisy in ("transformers", "datasets", "httpx", "urllib3", "huggingface_hub"):
         logging.getLogger(noisy).setLevel(logging.ERROR)
     hc = HydraConfig.get()
@@ -323,7 +324,9 @@ def main(cfg: Any) -> int:
         sys.exit(EXIT_CONFIG)
     try:
         job = check(cfg, hc.runtime.choices.get("method"))
-        code = run_job(job)
+        logging.basicConfig(level=logging.INFO, format="[%(asctime)s] %(levelname)s %(name)s: %(message)s")
+        # in a sweep a job may meet its twin (method=full at several budgets is one folder): wait for it
+        code = run_job(job, max(job.cfg["lock_wait_s"], 86400) if multirun else None)
     except JobLockedError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         code = EXIT_LOCKED

@@ -335,6 +335,36 @@ def gguf_spm_as_bpe(tokenizer: Any, gguf_path: Path) -> bool:
     return True
 
 
+def offline_error(source: str, err: Exception) -> ConfigError:
+    """The one-line error for a Hub id that cannot be read (offline, or no such repository)."""
+    return ConfigError(f"model.source={source!r}: cannot load it from the Hugging Face Hub ({type(err).__name__}); "
+                       f"download it where the Hub is reachable (`hf download {source} --local-dir DIR`) and pass "
+                       "model.source=DIR")
+
+
+def read_config(model_cfg: dict) -> Any:
+    """The model's transformers config, read without the weights (a GGUF file's converted copy when
+    cached, else its metadata).
+
+    Raises:
+        ConfigError: no readable config there (one line), or a Hub id that cannot be read.
+    """
+    from transformers import AutoConfig
+
+    path, gguf_file = resolve_source(model_cfg)
+    cache = gguf_cache_dir(path, gguf_file, True) if gguf_file else None
+    if cache is not None and (cache / "config.json").is_file():
+        path, gguf_file = str(cache), None
+    try:
+        return AutoConfig.from_pretrained(path, trust_remote_code=bool(model_cfg.get("trust_remote_code")),
+                                          **({"gguf_file": gguf_file} if gguf_file else {}))
+    except (OSError, ValueError, KeyError) as err:
+        if not Path(path).exists():
+            raise offline_error(model_cfg.get("source"), err) from None
+        why = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise ConfigError(f"model.source={model_cfg.get('source')!r}: cannot read a model config there ({why})") from None
+
+
 def load_model(model_cfg: dict, device: str = "auto") -> LoadedModel:
     """Load tokenizer and model as ``model_cfg`` says, the weights straight onto ``device``.
 
@@ -381,9 +411,7 @@ def load_model(model_cfg: dict, device: str = "auto") -> LoadedModel:
             why = (str(err).strip().splitlines() or [type(err).__name__])[0]
             if Path(path).exists():
                 raise ConfigError(f"model.source={src!r}: cannot load the model or its tokenizer ({why})") from None
-            raise ConfigError(f"model.source={src!r}: cannot load it from the Hugging Face Hub ({type(err).__name__}); "
-                              f"download it where the Hub is reachable (`hf download {src} --local-dir DIR`) and "
-                              "pass model.source=DIR") from None
+            raise offline_error(src, err) from None
         if cache is not None:
             _write_cache(cache, tokenizer, model)
             model.to(dtype)

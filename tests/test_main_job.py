@@ -61,8 +61,6 @@ def test_a_one_sample_job_is_validated_once_and_composed_once_for_its_run(one_sa
     assert calls["compose"].count("RUN") == 1
 
 
-@pytest.mark.xfail(strict=True, reason="Hydra 1.3's hydra.main composes the config twice: _run_hydra first calls "
-                   "Hydra.get_mode (a MULTIRUN-mode composition that reads hydra.mode), then Hydra.run composes again")
 def test_a_one_sample_job_composes_its_config_once(one_sample_job):
     assert len(one_sample_job[1]["compose"]) == 1
 
