@@ -59,3 +59,14 @@ def test_min_budget_check():
     check_min_budget(method, 0.01)  # ratios are floored at run time
     with pytest.raises(ConfigError, match="^budget=31"):
         check_min_budget(method, 31)
+
+
+def test_every_method_preset_builds():
+    import yaml
+    from pathlib import Path
+
+    presets = sorted((Path(__file__).resolve().parents[2] / "conf" / "method").glob("*.yaml"))
+    assert "knorm.yaml" in [p.name for p in presets]
+    for path in presets:
+        node = yaml.safe_load(path.read_text())
+        assert build_method(node).name == node["name"], path
