@@ -26,24 +26,11 @@ import typing
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, ClassVar, Mapping, Sequence
 
-if TYPE_CHECKING:  # annotations only: config validation (budget checks) must not import torch
+if TYPE_CHECKING:  # annotations only: budget checks do not import torch
     import torch
 
-__all__ = [
-    "HeadLayout",
-    "LayerContext",
-    "CompressResult",
-    "Plan",
-    "Method",
-    "ConfigError",
-    "MethodConfig",
-    "ScoreMethod",
-    "require",
-    "resolve_budget",
-    "is_ratio",
-    "check_budget",
-    "gather_tokens",
-]
+__all__ = ["HeadLayout", "LayerContext", "CompressResult", "Plan", "Method", "ConfigError", "MethodConfig",
+           "ScoreMethod", "require", "resolve_budget", "is_ratio", "check_budget", "gather_tokens"]
 
 
 class ConfigError(ValueError):
@@ -219,13 +206,11 @@ def check_budget(budget: float | int) -> None:
 
 
 def resolve_budget(budget: float | int, n_tokens: int) -> int:
-    """Tokens per KV head for a prompt of ``n_tokens`` tokens.
-
-    A ratio ρ in (0, 1] (a float) gives m = ⌊ρ·n⌋ (SelKV Sec. 3.2; ``1.0`` keeps all n tokens);
-    an integer ≥ 2 is a token count (average per layer per KV head). The result is capped at n.
+    """Tokens per KV head for an n-token prompt, capped at n: m = ⌊ρ·n⌋ for a ratio ρ in (0, 1]
+    (SelKV Sec. 3.2), the count itself for an integer budget.
 
     Raises:
-        ConfigError: budget ≤ 0, a float ratio > 1 that is not integral.
+        ConfigError: a budget :func:`check_budget` rejects.
     """
     check_budget(budget)
     if is_ratio(budget):
@@ -234,23 +219,16 @@ def resolve_budget(budget: float | int, n_tokens: int) -> int:
 
 
 def apply_budget_floor(plan: Plan, n_tokens: int, floor: int) -> Plan:
-    """Raise every layer (and head) budget of ``plan`` to what the method always keeps.
+    """Raise every layer (and head) budget of ``plan`` to ``min(n, floor)``, ``floor`` =
+    :meth:`Method.min_budget` (tokens per KV head).
 
-    A small retention ratio can give fewer tokens than the method's fixed part (observation
-    window, recent window, attention sinks): ``budget=0.01`` of a 200-token prompt is 2 tokens
-    while SnapKV always keeps its W = 32 window tokens. As KVCache-Factory does with its
-    window-inclusive capacity, such layers keep ``min(n, floor)`` tokens instead; token
-    budgets below the floor are rejected before the model loads
-    (:func:`methods.check_min_budget`).
-
-    Args:
-        plan: the method's plan for this sample (not modified).
-        n_tokens: n, prompt length (tokens).
-        floor: :meth:`Method.min_budget` (tokens per KV head).
+    A small ratio can give fewer tokens than the windows and sinks the method always keeps
+    (``budget=0.01`` of 200 tokens is 2, SnapKV keeps W = 32); as in KVCache-Factory such layers
+    keep the floor. Token budgets below it are rejected up front (:func:`methods.check_min_budget`).
 
     Returns:
-        The same plan when no budget is below ``min(n, floor)``, else a new :class:`Plan`
-        with the raised budgets (``compress=False`` when every layer then keeps all n).
+        ``plan`` itself when nothing is below the floor, else a new :class:`Plan`
+        (``compress=False`` when every layer then keeps all n).
     """
     low = min(n_tokens, max(int(floor), 0))
     heads = plan.head_budgets
@@ -262,19 +240,11 @@ def apply_budget_floor(plan: Plan, n_tokens: int, floor: int) -> Plan:
 
 
 def gather_tokens(x: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
-    """Gather per-head token rows: ``out[b, h, i] = x[b, h, indices[b, h, i]]``.
+    """Per-head token rows ``(B, H, m, d)``, contiguous: ``out[b, h, i] = x[b, h, indices[b, h, i]]``.
 
-    Rows are copied with one ``index_select`` over a 2-D row view of ``x`` (several times faster
-    on CPU than ``gather`` with an index expanded over d); strided views such as the
-    preallocated cache's ``[:, :, :n]`` are read in place. Falls back to ``gather`` for layouts
-    without such a row view (and then broadcasts as ``gather`` does).
-
-    Args:
-        x: ``(B, H, n, d)``.
-        indices: ``(B, H, m)`` long, positions along n.
-
-    Returns:
-        ``(B, H, m, d)``, contiguous.
+    ``x`` ``(B, H, n, d)``, ``indices`` ``(B, H, m)`` long. One ``index_select`` over a 2-D row
+    view of ``x`` (several times faster on CPU than ``gather``; strided views such as the
+    preallocated cache's ``[:, :, :n]`` are read in place), ``gather`` for other layouts.
 
     Raises:
         IndexError: an index outside [0, n).

@@ -50,13 +50,8 @@ from .headkv import HeadKV, HeadKVConfig, headkv_head_budgets, pack_head_budgets
 from .packing import pack_kept, packing_stats
 from .scoring import group_scores, topk_keep_window, window_attention
 
-__all__ = [
-    "CompressKVConfig",
-    "CompressKV",
-    "window_token_scores",
-    "selection_scores",
-    "error_aware_layer_budgets",
-]
+__all__ = ["CompressKVConfig", "CompressKV", "window_token_scores", "selection_scores",
+           "error_aware_layer_budgets"]
 
 @dataclass
 class CompressKVConfig(MethodConfig):
@@ -128,14 +123,8 @@ def window_token_scores(
 ) -> torch.Tensor:
     """SnapKV scores of every prompt token, pooled over the prefix only (CompressKV reference).
 
-    Args:
-        window_queries: ``(B, H, W, d)`` after RoPE (H query heads, each matched to ``keys[:, h]``
-            through GQA grouping: ``keys`` may have H or fewer heads, H divisible by them).
-        keys: ``(B, H_kv, n, d)`` after RoPE.
-        scaling: logit scale.
-        kernel_size: odd pooling width K.
-        pooling: ``avg`` (``count_include_pad``, zero padding) or ``max``.
-        softcap: Gemma-2 logit soft-capping or ``None``.
+    ``window_queries`` ``(B, H, W, d)`` and ``keys`` ``(B, H_kv, n, d)`` after RoPE (H a multiple
+    of H_kv, GQA grouping); ``pooling``: ``avg`` (zero padding counted) or ``max`` of width K.
 
     Returns:
         ``(B, H, n)`` float32: attention summed over the window, pooled over positions
