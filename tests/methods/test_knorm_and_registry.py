@@ -70,3 +70,17 @@ def test_every_method_preset_builds():
     for path in presets:
         node = yaml.safe_load(path.read_text())
         assert build_method(node).name == node["name"], path
+
+
+def test_snapkv_recent_window_is_separate_from_the_observation_window():
+    torch.manual_seed(0)
+    layout = HeadLayout(num_layers=1, num_q_heads=4, num_kv_heads=2, head_dim=8)
+    ctx = LayerContext(layer_idx=0, layout=layout, keys=torch.randn(1, 2, 40, 8), values=torch.randn(1, 2, 40, 8),
+                       window_queries=torch.randn(1, 4, 8, 8), scaling=8**-0.5, budget=12)
+    default = build_method({"name": "snapkv", "window_size": 8, "kernel_size": 3}).compress(ctx).kept_indices
+    same = build_method({"name": "snapkv", "window_size": 8, "recent_window": 8, "kernel_size": 3}).compress(ctx)
+    assert torch.equal(default, same.kept_indices) and (default[..., -8:] == torch.arange(32, 40)).all()
+    short = build_method({"name": "snapkv", "window_size": 8, "recent_window": 2, "kernel_size": 3}).compress(ctx)
+    kept = short.kept_indices
+    assert kept.shape == (1, 2, 12) and (kept[..., -2:] == torch.tensor([38, 39])).all()
+    assert not torch.equal(kept, default)  # 10 ranked slots now reach into the observation window
