@@ -37,20 +37,9 @@ import torch
 
 from .base import ConfigError, HeadLayout
 
-__all__ = [
-    "keyed_errors",
-    "files_read",
-    "reset_files_read",
-    "ARTIFACTS_ROOT",
-    "FILE_NAMES",
-    "PUBLISHED",
-    "artifact_path",
-    "load_head_scores",
-    "load_head_ranking",
-    "load_layer_scores",
-    "ranking_from_scores",
-    "top_heads",
-]
+__all__ = ["keyed_errors", "files_read", "reset_files_read", "ARTIFACTS_ROOT", "FILE_NAMES", "PUBLISHED",
+           "artifact_path", "load_head_scores", "load_head_ranking", "load_layer_scores", "ranking_from_scores",
+           "top_heads"]
 
 ARTIFACTS_ROOT = Path(__file__).resolve().parent / "artifacts"
 
@@ -84,23 +73,14 @@ def published_dirs() -> list[Path]:
 
 
 def artifact_path(kind: str, model_name: str, explicit: str | None, key: str) -> Path:
-    """Resolve where an artifact is read from and check that it exists.
+    """The existing file an artifact of ``kind`` (a key of :data:`FILE_NAMES`) is read from.
 
-    Order: ``explicit``; else ``methods/artifacts/<model_name>/<file>``; else, for a model in
-    :data:`PUBLISHED`, the published file in :func:`published_dirs`.
-
-    Args:
-        kind: a key of :data:`FILE_NAMES`.
-        model_name: ``HeadLayout.model_name`` (e.g. ``smollm2``), used when ``explicit`` is empty.
-        explicit: a user-given path (relative paths are relative to the working directory).
-        key: the config key named in errors (e.g. ``method.head_idx_path``).
-
-    Returns:
-        An existing file path.
+    Order: ``explicit`` (relative to the working directory); else
+    ``methods/artifacts/<model_name>/<file>``; else, for a model in :data:`PUBLISHED`, the
+    published file in :func:`published_dirs`.
 
     Raises:
-        ConfigError: no path can be derived, or the file does not exist (the message names the
-            command that makes it).
+        ConfigError: ``<key>=<path>: file not found; make it with `python -m methods.calibrate ...```.
     """
     file_name, command = FILE_NAMES[kind]
     if explicit:
@@ -176,18 +156,10 @@ def _read_json(path: Path) -> object:
 
 
 def load_head_scores(path: str | Path, layout: HeadLayout | None = None) -> torch.Tensor:
-    """Per-head mean scores from a HeadKV-format head-score file.
-
-    Args:
-        path: file ``{"<layer>-<head>": [scores...]}`` over query heads.
-        layout: if given, the file must cover exactly ``num_layers × num_q_heads`` heads.
-
-    Returns:
-        ``(L, H_q)`` float64 tensor, entry ``[l, h]`` = mean of the list of ``"l-h"``.
+    """``(L, H_q)`` float64 per-head mean scores from a file ``{"<layer>-<head>": [scores...]}``.
 
     Raises:
-        ConfigError: malformed keys, empty or non-numeric lists, missing heads, a grid that
-            does not match ``layout``.
+        ConfigError: malformed keys or lists, missing heads, a grid other than ``layout``'s.
     """
     path = Path(path)
     data = _read_json(path)
@@ -217,21 +189,11 @@ def load_head_scores(path: str | Path, layout: HeadLayout | None = None) -> torc
 
 
 def load_head_ranking(path: str | Path, layout: HeadLayout | None = None) -> list[list[int]]:
-    """Per-layer query-head rankings from a CompressKV ``*_head_idx.json`` file.
-
-    A head-score file (``{"<layer>-<head>": [...]}``, e.g. the published raw TRH scores
-    ``<model>.json``) is accepted too: its heads are ranked by mean score
-    (:func:`ranking_from_scores`).
-
-    Args:
-        path: file ``{"<layer>": [query-head ids, best first]}`` or a head-score file.
-        layout: if given, the layer count and head-id range are checked against it.
-
-    Returns:
-        A list of L lists of distinct head ids (best first), index = layer.
+    """L lists of query-head ids, best first, from a CompressKV ``*_head_idx.json`` file
+    ``{"<layer>": [ids]}``, or from a head-score file (ranked by :func:`ranking_from_scores`).
 
     Raises:
-        ConfigError: layers missing or not 0..L-1, ids repeated, negative or out of range.
+        ConfigError: layers not 0..L-1, ids repeated, negative or out of ``layout``'s range.
     """
     path = Path(path)
     data = _read_json(path)
@@ -258,17 +220,9 @@ def load_head_ranking(path: str | Path, layout: HeadLayout | None = None) -> lis
 
 
 def load_layer_scores(path: str | Path, layout: HeadLayout | None = None, key: str = "avg_score") -> torch.Tensor:
-    """Per-layer error scores from a CompressKV ``*_layer_score.jsonl`` file (Eq. 4).
-
-    Args:
-        path: one JSON object (published files) or one ``{dataset: [L scores]}`` object per line
-            (reference writer).
-        layout: if given, the number of layers is checked.
-        key: which list to return; ``avg_score`` (default) is computed from the per-dataset
-            lists when absent (mean over datasets, then L1-normalised, like ``get_avg.py``).
-
-    Returns:
-        ``(L,)`` float64 tensor of non-negative scores.
+    """``(L,)`` float64 per-layer error scores (CompressKV Eq. 4) from a ``*_layer_score.jsonl``
+    file (one JSON object, or one ``{dataset: [L scores]}`` per line); ``key`` picks the list,
+    ``avg_score`` computed when absent (mean over datasets, L1-normalised, as ``get_avg.py``).
 
     Raises:
         ConfigError: unreadable file, unknown key, lists of different lengths, negative values.
@@ -306,17 +260,8 @@ def load_layer_scores(path: str | Path, layout: HeadLayout | None = None, key: s
 
 
 def ranking_from_scores(scores: torch.Tensor) -> list[list[int]]:
-    """Rank each layer's heads by score, best first (ties keep the lower head id first).
-
-    This is what CompressKV's ``get_retrieval_head_idx_per_layer.py`` writes (a stable
-    descending sort of the per-head mean scores).
-
-    Args:
-        scores: ``(L, H)`` per-head mean scores.
-
-    Returns:
-        L lists of H head ids.
-    """
+    """L lists of H head ids, each layer's heads by ``(L, H)`` score, best first, ties to the lower
+    id (CompressKV ``get_retrieval_head_idx_per_layer.py``'s stable descending sort)."""
     order = torch.sort(scores.double(), dim=-1, descending=True, stable=True).indices
     return order.tolist()
 
@@ -330,17 +275,10 @@ def top_heads(scores: torch.Tensor, k: int, key: str = "k", lowest: int = 0) -> 
     layers). Ties keep the layer-major order of the score files (lower layer, then lower head
     first), as the reference's stable sort of the file's items does.
 
-    Args:
-        scores: ``(L, H_q)`` per-head mean scores (:func:`load_head_scores`).
-        k: how many heads, ``0 <= k <= L * H_q``.
-        key: the option named in errors.
-        lowest: the smallest k the caller accepts (named in the error).
-
-    Returns:
-        k ``(layer, query-head id)`` pairs, highest score first.
+    Returns k ``(layer, query-head id)`` pairs of the ``(L, H_q)`` scores, highest first.
 
     Raises:
-        ConfigError: k below ``lowest`` or larger than the number of heads.
+        ConfigError: ``<key>=<k>`` below ``lowest`` or above L·H_q.
     """
     n_layers, n_heads = scores.shape
     if not lowest <= k <= n_layers * n_heads:

@@ -1,53 +1,68 @@
 """The method contract: what the engine hands a compression method and what it gets back.
 
-A method is a small class with a config dataclass (its fields are its Hydra node,
-``conf/method/<name>.yaml``) and two entry points:
+A method is one module ``methods/<name>.py`` with a :class:`MethodConfig` dataclass (its
+fields are the Hydra node ``conf/method/<name>.yaml``) and a :class:`Method` subclass:
 
-* :meth:`Method.plan` is called once per sample, before prefill, with the prompt length
-  and the budget. It returns a :class:`Plan`: how many tokens each layer keeps per KV head
-  (and, for head-wise methods, per head). Layer-budget methods (PyramidKV, CompressKV's
-  error-aware budgets, HeadKV) override it; the default is a uniform budget.
-* :meth:`Method.compress` is called once per compressible attention layer at the end of
-  prefill with a :class:`LayerContext` and returns a :class:`CompressResult`.
-* :meth:`Method.finalize` (optional, default no-op) is called once per sample with every
-  layer's result, after the last layer and before decode, for methods whose output depends
-  on all layers (SelKV's layer-averaged compensation).
+* :meth:`Method.plan`, once per sample before prefill: tokens kept per layer (and per head)
+  as a :class:`Plan`; the default is a uniform budget.
+* :meth:`Method.compress`, once per compressible layer at the end of prefill:
+  :class:`LayerContext` in, :class:`CompressResult` out. A :class:`ScoreMethod` only writes
+  :meth:`ScoreMethod.score`.
+* :meth:`Method.finalize`, once per sample after the last layer (SelKV's global compensation).
 
 Methods are pure functions of tensors: they never see tasks, prompts or files (artifacts
-such as head scores are parsed by :mod:`methods.artifacts` and handed to the constructor).
+such as head scores are parsed by :mod:`methods.artifacts`).
 
-Budget semantics (ARCHITECTURE.md, "Budgets"): a float ``budget`` in (0, 1] is a retention
-ratio ρ of the prompt length n (m = ⌊ρ·n⌋, SelKV Sec. 3.2; ``1.0`` keeps everything); an
-integer ``budget >= 1`` is the average number of tokens kept per layer per KV head, recent window included (KVCache-Factory / AdaKV / HeadKV /
-CompressKV). A prompt no longer than its budget is not compressed (the engine skips
-``compress`` and records ``compressed=False``).
+Budgets (ARCHITECTURE.md, "Budgets"): a float in (0, 1] is a retention ratio ρ of the prompt
+length n (m = ⌊ρ·n⌋, SelKV Sec. 3.2); an integer ≥ 2 is the average number of tokens kept per
+layer per KV head, recent window included (KVCache-Factory / AdaKV / HeadKV / CompressKV). A
+prompt no longer than its budget is not compressed.
 """
 
 from __future__ import annotations
 
 import math
+import typing
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, ClassVar, Mapping, Sequence
 
-if TYPE_CHECKING:  # annotations only: config validation (budget checks) must not import torch
+if TYPE_CHECKING:  # annotations only: budget checks do not import torch
     import torch
 
-__all__ = [
-    "HeadLayout",
-    "LayerContext",
-    "CompressResult",
-    "Plan",
-    "Method",
-    "ConfigError",
-    "resolve_budget",
-    "is_ratio",
-    "check_budget",
-    "gather_tokens",
-]
+__all__ = ["HeadLayout", "LayerContext", "CompressResult", "Plan", "Method", "ConfigError", "MethodConfig",
+           "ScoreMethod", "require", "resolve_budget", "is_ratio", "check_budget", "gather_tokens"]
 
 
 class ConfigError(ValueError):
     """A user-caused configuration problem; the message is one line naming key and accepted values."""
+
+
+def require(ok: bool, key: str, value: Any, rule: str) -> None:
+    """Raise ``ConfigError("method.<key>=<value>: <rule>")`` unless ``ok``."""
+    if not ok:
+        raise ConfigError(f"method.{key}={value!r}: {rule}")
+
+
+@dataclass
+class MethodConfig:
+    """Base of a method's config dataclass; its fields are the Hydra node ``conf/method/<name>.yaml``.
+
+    On construction every ``Literal[...]`` field is checked against its choices, then
+    :meth:`check` runs the method's range checks.
+
+    Raises:
+        ConfigError: ``method.<key>=<value>: accepted values are ...`` or ``: must be ...``.
+    """
+
+    def __post_init__(self) -> None:
+        for key, hint in typing.get_type_hints(type(self)).items():
+            choices = typing.get_args(hint) if typing.get_origin(hint) is typing.Literal else None
+            if choices and getattr(self, key) not in choices:
+                require(False, key, getattr(self, key), f"accepted values are {', '.join(map(str, choices))}")
+        self.check()
+
+    def check(self) -> None:
+        """Range checks of the fields (override; raise with :func:`require`)."""
 
 
 @dataclass(frozen=True)
@@ -183,30 +198,19 @@ def is_ratio(budget: float | int) -> bool:
 def check_budget(budget: float | int) -> None:
     """Raise :class:`ConfigError` for a budget that is neither a ratio in (0, 1] nor an integer ≥ 2
     (the integer 1, one token, would read as the ratio 1.0 in reports)."""
-    if isinstance(budget, bool) or not isinstance(budget, (int, float)):
-        raise ConfigError(f"budget={budget!r}: must be a retention ratio in (0, 1] or an integer token count >= 2")
-    if not math.isfinite(budget):
-        raise ConfigError(f"budget={budget}: must be a retention ratio in (0, 1] or an integer token count >= 2")
-    if budget <= 0:
-        raise ConfigError(f"budget={budget}: must be > 0 (a retention ratio in (0, 1] or an integer token count >= 2)")
-    if not is_ratio(budget) and float(budget) != int(budget):
-        raise ConfigError(
-            f"budget={budget}: a retention ratio must be in (0, 1] and a token budget must be an integer >= 2"
-        )
-    if not is_ratio(budget) and int(budget) == 1:  # reports store budgets as floats: 1 would read as 1.0
-        raise ConfigError("budget=1: an integer budget counts tokens, and a 1-token cache is not a configuration a "
-                          "report can tell from the 100 % ratio; use budget=1.0 to keep every token, or an integer "
-                          ">= 2 for a token budget")
+    ok = (isinstance(budget, (int, float)) and not isinstance(budget, bool) and math.isfinite(budget) and budget > 0
+          and (is_ratio(budget) or (float(budget) == int(budget) and int(budget) >= 2)))
+    if not ok:
+        raise ConfigError(f"budget={budget!r}: must be a retention ratio in (0, 1] or an integer token count >= 2"
+                          + ("; budget=1.0 keeps every token" if budget == 1 else ""))
 
 
 def resolve_budget(budget: float | int, n_tokens: int) -> int:
-    """Tokens per KV head for a prompt of ``n_tokens`` tokens.
-
-    A ratio ρ in (0, 1] (a float) gives m = ⌊ρ·n⌋ (SelKV Sec. 3.2; ``1.0`` keeps all n tokens);
-    an integer ≥ 2 is a token count (average per layer per KV head). The result is capped at n.
+    """Tokens per KV head for an n-token prompt, capped at n: m = ⌊ρ·n⌋ for a ratio ρ in (0, 1]
+    (SelKV Sec. 3.2), the count itself for an integer budget.
 
     Raises:
-        ConfigError: budget ≤ 0, a float ratio > 1 that is not integral.
+        ConfigError: a budget :func:`check_budget` rejects.
     """
     check_budget(budget)
     if is_ratio(budget):
@@ -215,23 +219,16 @@ def resolve_budget(budget: float | int, n_tokens: int) -> int:
 
 
 def apply_budget_floor(plan: Plan, n_tokens: int, floor: int) -> Plan:
-    """Raise every layer (and head) budget of ``plan`` to what the method always keeps.
+    """Raise every layer (and head) budget of ``plan`` to ``min(n, floor)``, ``floor`` =
+    :meth:`Method.min_budget` (tokens per KV head).
 
-    A small retention ratio can give fewer tokens than the method's fixed part (observation
-    window, recent window, attention sinks): ``budget=0.01`` of a 200-token prompt is 2 tokens
-    while SnapKV always keeps its W = 32 window tokens. As KVCache-Factory does with its
-    window-inclusive capacity, such layers keep ``min(n, floor)`` tokens instead; token
-    budgets below the floor are rejected before the model loads
-    (:func:`kvbench.validate.check_config`).
-
-    Args:
-        plan: the method's plan for this sample (not modified).
-        n_tokens: n, prompt length (tokens).
-        floor: :meth:`Method.min_budget` (tokens per KV head).
+    A small ratio can give fewer tokens than the windows and sinks the method always keeps
+    (``budget=0.01`` of 200 tokens is 2, SnapKV keeps W = 32); as in KVCache-Factory such layers
+    keep the floor. Token budgets below it are rejected up front (:func:`methods.check_min_budget`).
 
     Returns:
-        The same plan when no budget is below ``min(n, floor)``, else a new :class:`Plan`
-        with the raised budgets (``compress=False`` when every layer then keeps all n).
+        ``plan`` itself when nothing is below the floor, else a new :class:`Plan`
+        (``compress=False`` when every layer then keeps all n).
     """
     low = min(n_tokens, max(int(floor), 0))
     heads = plan.head_budgets
@@ -243,19 +240,11 @@ def apply_budget_floor(plan: Plan, n_tokens: int, floor: int) -> Plan:
 
 
 def gather_tokens(x: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
-    """Gather per-head token rows: ``out[b, h, i] = x[b, h, indices[b, h, i]]``.
+    """Per-head token rows ``(B, H, m, d)``, contiguous: ``out[b, h, i] = x[b, h, indices[b, h, i]]``.
 
-    Rows are copied with one ``index_select`` over a 2-D row view of ``x`` (several times faster
-    on CPU than ``gather`` with an index expanded over d); strided views such as the
-    preallocated cache's ``[:, :, :n]`` are read in place. Falls back to ``gather`` for layouts
-    without such a row view (and then broadcasts as ``gather`` does).
-
-    Args:
-        x: ``(B, H, n, d)``.
-        indices: ``(B, H, m)`` long, positions along n.
-
-    Returns:
-        ``(B, H, m, d)``, contiguous.
+    ``x`` ``(B, H, n, d)``, ``indices`` ``(B, H, m)`` long. One ``index_select`` over a 2-D row
+    view of ``x`` (several times faster on CPU than ``gather``; strided views such as the
+    preallocated cache's ``[:, :, :n]`` are read in place), ``gather`` for other layouts.
 
     Raises:
         IndexError: an index outside [0, n).
@@ -280,52 +269,43 @@ def gather_tokens(x: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
 class Method:
     """Base class of a compression method.
 
-    Subclasses set ``name``, ``Config`` (a dataclass) and implement :meth:`compress`.
+    Subclasses set ``Config`` (a :class:`MethodConfig` dataclass) and implement :meth:`compress`.
 
     Attributes:
-        name: registry name (``method.name`` in the config).
-        window_size: W, how many trailing prompt queries the engine must rebuild (0 if none).
+        name: registry name (``method.name``): the method's module name, e.g. ``snapkv``.
+        window_size: W, how many trailing prompt queries the engine hands over (0 if none).
     """
 
-    name: ClassVar[str] = "base"
-    Config: ClassVar[type] = object
+    Config: ClassVar[type] = MethodConfig
 
     def __init__(self, config: Any = None, layout: HeadLayout | None = None, artifacts: dict | None = None):
         self.config = config if config is not None else self.Config()
         self.layout = layout
         self.artifacts = artifacts or {}
 
-    # --- static facts -------------------------------------------------------------------
+    @property
+    def name(self) -> str:
+        return type(self).__module__.rsplit(".", 1)[-1]
+
     @property
     def window_size(self) -> int:
         return int(getattr(self.config, "window_size", 0) or 0)
 
     def min_budget(self) -> int:
-        """Tokens the method always keeps (observation window + recent + sinks).
-
-        A token budget below this is a configuration error (checked before the model loads).
-        """
+        """Tokens the method always keeps (windows, sinks); a token budget below it is a config error."""
         return self.window_size
 
     def check_layout(self, layout: HeadLayout) -> None:
         """Raise :class:`ConfigError` if the method cannot run on this attention layout."""
 
     def wants_prompt_attention(self, device: torch.device) -> bool:
-        """Whether the engine should compute the prefill attention with its column sums.
-
-        When true (and the layer's prefill is one causal call without a mask or soft-capping),
-        the engine replaces SDPA by :func:`methods.lookm.attention_with_column_sums` and hands
-        the sums to :meth:`compress` as ``LayerContext.prompt_attention``; their cost then
-        counts as prefill time. Default: false (LOOK-M: true on CPU, see its ``fused_score``).
-        """
+        """Whether the engine should hand over the prefill attention's column sums
+        (``LayerContext.prompt_attention``, computed inside the prefill by
+        :func:`methods.lookm.attention_with_column_sums`). Default: false."""
         return False
 
-    # --- per sample ---------------------------------------------------------------------
     def plan(self, n_tokens: int, budget: float, layout: HeadLayout) -> Plan:
-        """Uniform per-layer budget (override for layer/head-wise allocation).
-
-        Returns a :class:`Plan` with ``compress=False`` when n ≤ budget.
-        """
+        """Uniform per-layer budget (override for layer/head-wise allocation); ``compress=False`` when n ≤ m."""
         m = resolve_budget(budget, n_tokens)
         return Plan(layer_budgets=[m] * layout.num_layers, compress=m < n_tokens)
 
@@ -333,10 +313,37 @@ class Method:
         raise NotImplementedError
 
     def finalize(self, results: Mapping[int, CompressResult] | Sequence[CompressResult | None]) -> None:
-        """Called once per sample after every layer's :meth:`compress`, before decode.
+        """Called once per sample with every layer's result (``{layer: result}``, or a sequence with
+        ``None`` for uncompressed layers), before decode; may rewrite them in place (SelKV's
+        ``compensation: global``). Default: no-op."""
 
-        ``results`` holds the layers' results: the engine passes ``{layer index: result}``
-        (a sequence with ``None`` for uncompressed layers is accepted too). A method may
-        rewrite them in place (SelKV's ``compensation: global`` replaces each layer's
-        ``logit_bias`` by one averaged over layers). Default: no-op.
-        """
+
+class ScoreMethod(Method):
+    """A method that scores every prompt token and keeps the best ones per KV head (kvpress's ScorerPress).
+
+    A subclass implements :meth:`score`. The base keeps, in every KV head, the last
+    ``recent_window`` prompt tokens and the ``budget − recent_window`` highest-scoring tokens
+    before them, and gathers their keys and values (original order kept).
+
+    ``recent_window`` is read from the config (``recent_window``; ``None`` or absent: equal to
+    ``window_size``, the observation window, as SnapKV keeps its window).
+    """
+
+    @property
+    def recent_window(self) -> int:
+        recent = getattr(self.config, "recent_window", None)
+        return self.window_size if recent is None else int(recent)
+
+    def min_budget(self) -> int:
+        return self.recent_window
+
+    def score(self, ctx: LayerContext) -> torch.Tensor:  # pragma: no cover - abstract
+        """``(B, H_kv, n)`` scores of every prompt token, higher = keep (the last ``recent_window``
+        positions are kept whatever their score)."""
+        raise NotImplementedError
+
+    def compress(self, ctx: LayerContext) -> CompressResult:
+        from .scoring import topk_keep_window
+
+        idx = topk_keep_window(self.score(ctx), ctx.budget, min(self.recent_window, ctx.n_tokens))  # (B, H_kv, m)
+        return CompressResult(keys=gather_tokens(ctx.keys, idx), values=gather_tokens(ctx.values, idx), kept_indices=idx)

@@ -36,33 +36,25 @@ Faithfulness notes: as in the reference code the token scores are pooled over th
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
 
 from .allocation import adaptive_head_budgets, keep_topk_per_head
 from .artifacts import artifact_path, keyed_errors, load_head_ranking, load_layer_scores
-from .base import CompressResult, ConfigError, HeadLayout, LayerContext, Method, Plan, gather_tokens, resolve_budget
-from .headkv import HeadKV, HeadKVConfig, check_window_fields, headkv_head_budgets, pack_head_budgets
+from .base import (
+    CompressResult, ConfigError, HeadLayout, LayerContext, Method, MethodConfig, Plan, gather_tokens, require, resolve_budget,
+)
+from .headkv import HeadKV, HeadKVConfig, headkv_head_budgets, pack_head_budgets
 from .packing import pack_kept, packing_stats
 from .scoring import group_scores, topk_keep_window, window_attention
 
-__all__ = [
-    "CompressKVConfig",
-    "CompressKV",
-    "window_token_scores",
-    "selection_scores",
-    "error_aware_layer_budgets",
-]
-
-_SELECTIONS = ("srh", "trh", "snapkv")
-_LAYER_ALLOCATIONS = ("error_aware", "uniform")
-_HEAD_ALLOCATIONS = ("none", "headkv", "adakv")
-
+__all__ = ["CompressKVConfig", "CompressKV", "window_token_scores", "selection_scores",
+           "error_aware_layer_budgets"]
 
 @dataclass
-class CompressKVConfig:
+class CompressKVConfig(MethodConfig):
     """CompressKV hyper-parameters (paper defaults).
 
     Attributes:
@@ -89,23 +81,36 @@ class CompressKVConfig:
 
     window_size: int = 8
     kernel_size: int = 5
-    pooling: str = "avg"
+    pooling: Literal["avg", "max"] = "avg"
     num_heads: int = 4
-    selection: str = "srh"
-    layer_allocation: str = "error_aware"
+    selection: Literal["srh", "trh", "snapkv"] = "srh"
+    layer_allocation: Literal["error_aware", "uniform"] = "error_aware"
     min_layer_budget: int = 32
     max_layer_factor: float = 3.0
-    head_allocation: str = "none"
+    head_allocation: Literal["none", "headkv", "adakv"] = "none"
     head_idx_path: str | None = None
     trh_idx_path: str | None = None
     layer_score_path: str | None = None
     layer_score_key: str = "avg_score"
-    headkv_scores: str = "retrieval_reasoning"
+    headkv_scores: Literal["retrieval_reasoning", "retrieval"] = "retrieval_reasoning"
     headkv_scores_path: str | None = None
     headkv_beta: float = 1.5
     headkv_temp: float = 1.0
     ada_floor_ratio: float = 0.2
     ada_normalize: bool = False
+
+    def check(self) -> None:
+        require(self.window_size >= 1, "window_size", self.window_size, "must be an integer >= 1")
+        require(self.kernel_size >= 1 and self.kernel_size % 2 == 1, "kernel_size", self.kernel_size,
+                "must be an odd integer >= 1")
+        require(self.num_heads >= 1, "num_heads", self.num_heads, "must be an integer >= 1")
+        require(self.min_layer_budget >= self.window_size, "min_layer_budget", self.min_layer_budget,
+                f"must be >= window_size={self.window_size}")
+        require(self.max_layer_factor >= 1, "max_layer_factor", self.max_layer_factor, "must be >= 1")
+        require(0.0 <= self.ada_floor_ratio <= 1.0, "ada_floor_ratio", self.ada_floor_ratio, "must be in [0, 1]")
+        require(self.head_allocation != "headkv" or self.layer_allocation == "uniform", "layer_allocation",
+                self.layer_allocation, "with head_allocation=headkv HeadKV allocates across layers itself; "
+                "accepted value: uniform")
 
 
 def window_token_scores(
@@ -118,14 +123,8 @@ def window_token_scores(
 ) -> torch.Tensor:
     """SnapKV scores of every prompt token, pooled over the prefix only (CompressKV reference).
 
-    Args:
-        window_queries: ``(B, H, W, d)`` after RoPE (H query heads, each matched to ``keys[:, h]``
-            through GQA grouping: ``keys`` may have H or fewer heads, H divisible by them).
-        keys: ``(B, H_kv, n, d)`` after RoPE.
-        scaling: logit scale.
-        kernel_size: odd pooling width K.
-        pooling: ``avg`` (``count_include_pad``, zero padding) or ``max``.
-        softcap: Gemma-2 logit soft-capping or ``None``.
+    ``window_queries`` ``(B, H, W, d)`` and ``keys`` ``(B, H_kv, n, d)`` after RoPE (H a multiple
+    of H_kv, GQA grouping); ``pooling``: ``avg`` (zero padding counted) or ``max`` of width K.
 
     Returns:
         ``(B, H, n)`` float32: attention summed over the window, pooled over positions
@@ -226,34 +225,10 @@ def error_aware_layer_budgets(scores: torch.Tensor, total: int, min_budget: int,
 class CompressKV(Method):
     """SRH-driven shared token selection with error-aware layer budgets."""
 
-    name: ClassVar[str] = "compresskv"
     Config = CompressKVConfig
 
     def __init__(self, config=None, layout=None, artifacts=None):
         super().__init__(config, layout, artifacts)
-        c = self.config
-        checks = (
-            ("selection", c.selection, _SELECTIONS),
-            ("layer_allocation", c.layer_allocation, _LAYER_ALLOCATIONS),
-            ("head_allocation", c.head_allocation, _HEAD_ALLOCATIONS),
-        )
-        for key, val, ok in checks:
-            if val not in ok:
-                raise ConfigError(f"method.{key}={val!r}: accepted values are {', '.join(ok)}")
-        check_window_fields(c)
-        if c.num_heads < 1:
-            raise ConfigError(f"method.num_heads={c.num_heads}: must be an integer >= 1")
-        if c.min_layer_budget < c.window_size:
-            raise ConfigError(f"method.min_layer_budget={c.min_layer_budget}: must be >= window_size={c.window_size}")
-        if c.max_layer_factor < 1:
-            raise ConfigError(f"method.max_layer_factor={c.max_layer_factor}: must be >= 1")
-        if not 0.0 <= c.ada_floor_ratio <= 1.0:
-            raise ConfigError(f"method.ada_floor_ratio={c.ada_floor_ratio}: must be in [0, 1]")
-        if c.head_allocation == "headkv" and c.layer_allocation != "uniform":
-            raise ConfigError(
-                f"method.layer_allocation={c.layer_allocation!r}: with head_allocation=headkv HeadKV allocates "
-                "across layers itself; accepted value: uniform"
-            )
         self._head_budgets: torch.Tensor | None = None
         if layout is not None and not self.artifacts:
             self.check_layout(layout)

@@ -2,22 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import ClassVar
-
 from .base import CompressResult, HeadLayout, LayerContext, Method, Plan
 
 
-@dataclass
-class FullConfig:
-    """No fields: the full cache keeps every prompt token."""
-
-
 class FullCache(Method):
-    """Keeps every token; ``plan`` always says no compression."""
-
-    name: ClassVar[str] = "full"
-    Config = FullConfig
+    """Keeps every token (no config fields); ``plan`` always says no compression."""
 
     def plan(self, n_tokens: int, budget: float, layout: HeadLayout) -> Plan:
         return Plan(layer_budgets=[n_tokens] * layout.num_layers, compress=False)

@@ -31,47 +31,47 @@ defaults W=8, K=7, max pooling, β=1.5, temp=1) and ``headkv_retrieval.yaml`` (r
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Literal
 
 import torch
 
 from .allocation import keep_topk_per_head
 from .artifacts import artifact_path, keyed_errors, load_head_scores
-from .base import CompressResult, ConfigError, HeadLayout, LayerContext, Method, Plan, resolve_budget
+from .base import CompressResult, ConfigError, HeadLayout, LayerContext, Plan, require, resolve_budget
 from .packing import pack_kept, packing_stats
-from .snapkv import check_window_fields, snapkv_scores
+from .snapkv import SnapKV, SnapKVConfig
 
-__all__ = ["HeadKVConfig", "HeadKV", "kv_head_scores", "headkv_head_budgets", "pack_head_budgets", "check_window_fields"]
+__all__ = ["HeadKVConfig", "HeadKV", "kv_head_scores", "headkv_head_budgets", "pack_head_budgets"]
 
-_SCORE_KINDS = {"retrieval_reasoning": "retrieval_reasoning_heads", "retrieval": "retrieval_heads"}
+_SCORE_FILES = {"retrieval_reasoning": "retrieval_reasoning_heads", "retrieval": "retrieval_heads"}
 
 
 @dataclass
-class HeadKVConfig:
-    """HeadKV hyper-parameters.
+class HeadKVConfig(SnapKVConfig):
+    """HeadKV hyper-parameters: SnapKV's token scores (W = 8, K = 7, max pooling), and
 
     Attributes:
         head_scores: ``retrieval_reasoning`` (HeadKV-R2) or ``retrieval`` (retrieval heads).
         head_scores_path: explicit head-score file; ``None`` reads
             ``methods/artifacts/<model>/<kind>_heads.json``.
-        beta: β > 1, sets the shared pool: each head keeps b − b//β, the pool is (b//β)·L·H.
+        beta: β ≥ 1, sets the shared pool: each head keeps b − b//β, the pool is (b//β)·L·H.
         temp: temperature applied to the normalised scores (s^temp, renormalised).
         gqa_score_aggregation: ``mean`` (≡ sum) or ``max`` of the query-head scores of a GQA group.
-        window_size: W, observation-window queries (tokens), always kept.
-        kernel_size: K, pooling width of the SnapKV token scores (odd, tokens).
-        pooling: ``avg`` or ``max``.
-        gqa_aggregation: ``mean`` or ``max`` of the token scores over a GQA group.
     """
 
-    head_scores: str = "retrieval_reasoning"
+    window_size: int = 8
+    kernel_size: int = 7
+    pooling: Literal["avg", "max"] = "max"
+    head_scores: Literal["retrieval_reasoning", "retrieval"] = "retrieval_reasoning"
     head_scores_path: str | None = None
     beta: float = 1.5
     temp: float = 1.0
-    gqa_score_aggregation: str = "mean"
-    window_size: int = 8
-    kernel_size: int = 7
-    pooling: str = "max"
-    gqa_aggregation: str = "mean"
+    gqa_score_aggregation: Literal["mean", "max"] = "mean"
+
+    def check(self) -> None:
+        super().check()
+        require(self.beta >= 1, "beta", self.beta, "must be a number >= 1 (reference sweep: 1.005 ... 10)")
+        require(self.temp > 0, "temp", self.temp, "must be > 0")
 
 
 def kv_head_scores(q_head_scores: torch.Tensor, num_kv_heads: int, how: str = "mean") -> torch.Tensor:
@@ -133,25 +133,13 @@ def pack_head_budgets(ctx: LayerContext, scores: torch.Tensor, head_budget: torc
                           kept_indices=packed.indices, stats=packing_stats(packed.valid))
 
 
-class HeadKV(Method):
+class HeadKV(SnapKV):
     """Head-level budgets from head-importance scores; SnapKV token scores inside each head."""
 
-    name: ClassVar[str] = "headkv"
     Config = HeadKVConfig
 
     def __init__(self, config=None, layout=None, artifacts=None):
         super().__init__(config, layout, artifacts)
-        c = self.config
-        if c.head_scores not in _SCORE_KINDS:
-            raise ConfigError(f"method.head_scores={c.head_scores!r}: accepted values are {', '.join(_SCORE_KINDS)}")
-        if not (isinstance(c.beta, (int, float)) and c.beta >= 1):
-            raise ConfigError(f"method.beta={c.beta}: must be a number >= 1 (reference sweep: 1.005 ... 10)")
-        if not c.temp > 0:
-            raise ConfigError(f"method.temp={c.temp}: must be > 0")
-        for key, val in (("gqa_score_aggregation", c.gqa_score_aggregation), ("gqa_aggregation", c.gqa_aggregation)):
-            if val not in ("mean", "max"):
-                raise ConfigError(f"method.{key}={val!r}: accepted values are mean, max")
-        check_window_fields(c)
         self._head_budgets: torch.Tensor | None = None
         if layout is not None and not self.artifacts:
             self.check_layout(layout)
@@ -170,7 +158,7 @@ class HeadKV(Method):
         Raises:
             ConfigError: missing or malformed file, grid not matching the model, all-zero scores.
         """
-        kind = _SCORE_KINDS[config.head_scores]
+        kind = _SCORE_FILES[config.head_scores]
         path = artifact_path(kind, layout.model_name, config.head_scores_path, "method.head_scores_path")
         with keyed_errors("method.head_scores_path", path):
             q_scores = load_head_scores(path, layout)
@@ -188,7 +176,7 @@ class HeadKV(Method):
         if not self.artifacts:
             self.check_layout(layout)
         m = resolve_budget(budget, n_tokens)
-        w = self.config.window_size
+        w = self.recent_window
         scores = self.artifacts["kv_head_scores"]
         layers = list(layout.compressible_layers) or list(range(layout.num_layers))
         heads = torch.full((layout.num_layers, layout.num_kv_heads), n_tokens, dtype=torch.long)
@@ -204,4 +192,4 @@ class HeadKV(Method):
             if self._head_budgets is None:
                 raise RuntimeError("HeadKV.compress needs ctx.head_budget or a prior plan() call")
             hb = self._head_budgets[ctx.layer_idx]
-        return pack_head_budgets(ctx, snapkv_scores(ctx, self.config), hb)  # scores (B, H_kv, n), window +inf
+        return pack_head_budgets(ctx, self.score(ctx), hb)  # scores (B, H_kv, n), recent window +inf

@@ -6,23 +6,10 @@ matrix: the window attention is ``(B, H_q, W, n)`` with W ≪ n.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any, Callable
-
 import torch
 import torch.nn.functional as F
 
-from .base import ConfigError
-
-__all__ = [
-    "window_attention",
-    "pool_scores",
-    "group_scores",
-    "topk_keep_window",
-    "SCORERS",
-    "available_scorers",
-    "get_scorer",
-]
+__all__ = ["window_attention", "pool_scores", "group_scores", "topk_keep_window"]
 
 
 def window_attention(
@@ -138,33 +125,3 @@ def topk_keep_window(scores: torch.Tensor, budget: int, window: int) -> torch.Te
     top = prefix.topk(n_select, dim=-1).indices if n_select > 0 else prefix.new_zeros((b, h, 0), dtype=torch.long)
     recent = torch.arange(n - window, n, device=scores.device).expand(b, h, window)
     return torch.cat([top, recent], dim=-1).sort(dim=-1).values
-
-
-# --- scorer registry ---------------------------------------------------------------------
-# A scorer maps ``(ctx: LayerContext, cfg) -> (B, H_kv, n)`` float32 per-KV-head token scores,
-# with the observation-window positions set to +inf so that any top-k keeps them. ``cfg`` is the
-# calling method's config; a scorer reads the fields it needs from it (SnapKV: window_size,
-# kernel_size, pooling, gqa_aggregation, group_before_pooling). Head-wise allocators (AdaKV,
-# and compositions such as AdaKV+SRH) pick their scorer by name (``method.scorer``).
-# Entries are "module:function", imported lazily (no import cycles, one broken scorer cannot
-# break the others). Add a scorer by adding one line here.
-SCORERS: dict[str, str] = {
-    "snapkv": "methods.snapkv:snapkv_scores",
-}
-
-
-def available_scorers() -> list[str]:
-    """Registered scorer names, sorted."""
-    return sorted(SCORERS)
-
-
-def get_scorer(name: str) -> Callable[[Any, Any], torch.Tensor]:
-    """The scorer function registered as ``name``.
-
-    Raises:
-        ConfigError: unknown name (lists the accepted ones).
-    """
-    if name not in SCORERS:
-        raise ConfigError(f"method.scorer={name!r}: unknown scorer; accepted values are {', '.join(available_scorers())}")
-    mod, fn = SCORERS[name].split(":")
-    return getattr(importlib.import_module(mod), fn)

@@ -40,26 +40,16 @@ engine from ρ or a token count).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar, Mapping, Sequence
+from typing import Literal, Mapping, Sequence
 
 import torch
 
-from .base import CompressResult, ConfigError, LayerContext, Method, gather_tokens
+from .base import CompressResult, ConfigError, LayerContext, Method, MethodConfig, gather_tokens, require
 from .merging import attention_ratio, compensation_bias, gated_merge, merge_counts, soft_cosine_gate
 from .scoring import group_scores, pool_scores, window_attention
 
-_CHOICES = {
-    "score": ("contribution", "attention"),
-    "selection": ("auto", "per_head", "union", "shared"),
-    "routing": ("bucket", "cosine"),
-    "empty_bucket": ("nearest", "drop"),
-    "gate": ("soft", "none", "off"),
-    "compensation": ("global", "layer", "count", "off"),
-}
-
-
 @dataclass
-class SelKVConfig:
+class SelKVConfig(MethodConfig):
     """SelKV hyper-parameters (defaults: Appendix F).
 
     Attributes:
@@ -82,13 +72,26 @@ class SelKVConfig:
     recent_window: int = 16
     bucket_size: int = 32
     alpha: float = 0.5
-    score: str = "contribution"
-    selection: str = "auto"
-    routing: str = "bucket"
-    empty_bucket: str = "nearest"
-    gate: str = "soft"
-    compensation: str = "global"
+    score: Literal["contribution", "attention"] = "contribution"
+    selection: Literal["auto", "per_head", "union", "shared"] = "auto"
+    routing: Literal["bucket", "cosine"] = "bucket"
+    empty_bucket: Literal["nearest", "drop"] = "nearest"
+    gate: Literal["soft", "none", "off"] = "soft"
+    compensation: Literal["global", "layer", "count", "off"] = "global"
     reposition: bool = False
+
+    def __post_init__(self) -> None:
+        for key in ("gate", "compensation"):  # YAML reads an unquoted `off` as false
+            if getattr(self, key) is False:
+                setattr(self, key, "off")
+        super().__post_init__()
+
+    def check(self) -> None:
+        for key, low in (("window_size", 1), ("bucket_size", 1), ("recent_window", 0)):
+            require(getattr(self, key) >= low, key, getattr(self, key), f"must be an integer >= {low}")
+        require(self.kernel_size >= 1 and self.kernel_size % 2 == 1, "kernel_size", self.kernel_size,
+                "must be an odd integer >= 1")
+        require(0 <= self.alpha < float("inf"), "alpha", self.alpha, "must be a finite number >= 0")
 
 
 def window_statistics(ctx: LayerContext, score: str = "contribution", kernel_size: int = 5, value_norms=None):
@@ -236,28 +239,7 @@ def reposition_keys(keys: torch.Tensor, old_positions: torch.Tensor, rotary) -> 
 class SelKV(Method):
     """SelKV: contribution-score selection, bucket routing, soft-gated merge, attention compensation."""
 
-    name: ClassVar[str] = "selkv"
     Config = SelKVConfig
-
-    def __init__(self, config=None, layout=None, artifacts=None):
-        super().__init__(config, layout, artifacts)
-        c = self.config
-        for key in ("gate", "compensation"):  # YAML reads an unquoted `off` as false
-            if getattr(c, key) is False:
-                setattr(c, key, "off")
-        for key, low in (("window_size", 1), ("bucket_size", 1), ("recent_window", 0)):
-            value = getattr(c, key)
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ConfigError(f"method.{key}={value!r}: must be an integer >= {low}")
-        if isinstance(c.kernel_size, bool) or not isinstance(c.kernel_size, int) or c.kernel_size < 1 or c.kernel_size % 2 == 0:
-            raise ConfigError(f"method.kernel_size={c.kernel_size!r}: must be an odd integer >= 1")
-        if not isinstance(c.alpha, (int, float)) or isinstance(c.alpha, bool) or not 0 <= c.alpha < float("inf"):
-            raise ConfigError(f"method.alpha={c.alpha!r}: must be a finite number >= 0")
-        for key, accepted in _CHOICES.items():
-            if getattr(c, key) not in accepted:
-                raise ConfigError(f"method.{key}={getattr(c, key)!r}: accepted values are {', '.join(accepted)}")
-        if not isinstance(c.reposition, bool):
-            raise ConfigError(f"method.reposition={c.reposition!r}: must be true or false")
 
     def min_budget(self) -> int:
         """What SelKV always keeps: the recent window m_r (the observation window is not kept)."""

@@ -2,8 +2,8 @@
 
 Each prompt token is scored by the attention it receives from the last W prompt queries
 (the observation window), summed over the window, smoothed by 1-D pooling of width K, and
-aggregated over each GQA group. Every KV head keeps the window plus its top ``budget - W``
-prefix tokens.
+aggregated over each GQA group. Every KV head keeps the recent window (default: the W window
+tokens) plus its top ``budget − W`` earlier tokens.
 
 Presets: the SelKV paper's setting (W=32, K=5, avg pooling: ``conf/method/snapkv.yaml``) and
 KVCache-Factory's (W=8, K=7, max pooling: ``conf/method/snapkv_kvcf.yaml``).
@@ -12,92 +12,76 @@ KVCache-Factory's (W=8, K=7, max pooling: ``conf/method/snapkv_kvcf.yaml``).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
 
-from .base import CompressResult, ConfigError, LayerContext, Method, gather_tokens
-from .scoring import group_scores, pool_scores, topk_keep_window, window_attention
+from .base import LayerContext, MethodConfig, ScoreMethod, require
+from .scoring import group_scores, pool_scores, window_attention
 
 
 @dataclass
-class SnapKVConfig:
+class SnapKVConfig(MethodConfig):
     """SnapKV hyper-parameters.
 
     Attributes:
-        window_size: W, observation-window queries (tokens), always kept.
+        window_size: W, observation-window queries (tokens).
+        recent_window: trailing tokens always kept; ``None``: W (SnapKV keeps its window).
         kernel_size: K, pooling width (odd, tokens).
         pooling: ``avg`` or ``max``.
         gqa_aggregation: ``mean`` or ``max`` over the G query heads of a KV head.
     """
 
     window_size: int = 32
+    recent_window: int | None = None
     kernel_size: int = 5
-    pooling: str = "avg"
-    gqa_aggregation: str = "mean"
+    pooling: Literal["avg", "max"] = "avg"
+    gqa_aggregation: Literal["mean", "max"] = "mean"
+
+    def check(self) -> None:
+        require(self.window_size >= 1, "window_size", self.window_size, "must be an integer >= 1")
+        require(self.recent_window is None or self.recent_window >= 0, "recent_window", self.recent_window,
+                "must be an integer >= 0 or null (= window_size)")
+        require(self.kernel_size >= 1 and self.kernel_size % 2 == 1, "kernel_size", self.kernel_size,
+                "must be an odd integer >= 1")
 
 
 def snapkv_scores(ctx: LayerContext, cfg: SnapKVConfig) -> torch.Tensor:
     """Per-KV-head SnapKV scores of every prompt token.
 
-    The attention of the W window queries is summed per prefix token (positions ``0..n-W-1``)
-    and pooled over the prefix only, as the SnapKV, KVCache-Factory, AdaKV and kvpress code do
+    The attention of the W window queries is summed per token before the recent window
+    (positions ``0..n−R−1``, R = ``cfg.recent_window``, default W) and pooled over those
+    positions only, as the SnapKV, KVCache-Factory, AdaKV and kvpress code do with R = W
     (pooling over the whole prompt would leak the window's own attention into the last K//2
-    prefix positions).
+    positions).
 
-    ``cfg`` may be any config with ``kernel_size``, ``pooling`` and ``gqa_aggregation``; an
-    optional ``group_before_pooling`` (default False) aggregates the GQA group before pooling
-    (AdaKV / KVCache-Factory kv-head order) instead of after it (kvpress order). The two orders
-    agree for mean+avg and max+max; they differ for mean aggregation with max pooling.
+    ``cfg`` needs ``kernel_size``, ``pooling`` and ``gqa_aggregation``; an optional
+    ``group_before_pooling`` (default False) aggregates the GQA group before pooling
+    (AdaKV / KVCache-Factory order) instead of after it (kvpress order). The two orders agree
+    for mean+avg and max+max.
 
     Returns:
-        ``(B, H_kv, n)`` float32; window positions get +inf so that any top-k keeps them.
+        ``(B, H_kv, n)`` float32; the recent positions get +inf.
     """
     attn = window_attention(ctx.window_queries, ctx.keys, ctx.scaling, ctx.softcap)  # (B, H_q, W, n)
-    w, n = attn.shape[2], attn.shape[3]
-    h_kv = ctx.layout.num_kv_heads
-    if n == w:  # nothing outside the window to rank
+    n, h_kv = attn.shape[3], ctx.layout.num_kv_heads
+    recent = getattr(cfg, "recent_window", None)
+    r = attn.shape[2] if recent is None else min(recent, n)
+    if n == r:  # nothing outside the recent window to rank
         return attn.new_full((attn.shape[0], h_kv, n), float("inf"))
-    scores = attn[..., : n - w].sum(dim=2)  # (B, H_q, n - W)
+    scores = attn[..., : n - r].sum(dim=2)  # (B, H_q, n − R)
     if getattr(cfg, "group_before_pooling", False):
         scores = pool_scores(group_scores(scores, h_kv, cfg.gqa_aggregation), cfg.kernel_size, cfg.pooling)
     else:
         scores = group_scores(pool_scores(scores, cfg.kernel_size, cfg.pooling), h_kv, cfg.gqa_aggregation)
-    return F.pad(scores, (0, w), value=float("inf"))  # (B, H_kv, n)
+    return F.pad(scores, (0, r), value=float("inf"))  # (B, H_kv, n)
 
 
-def check_window_fields(c) -> None:
-    """Validate the SnapKV-style fields ``window_size``, ``kernel_size``, ``pooling`` of a config.
-
-    Raises:
-        ConfigError: W < 1, K even or < 1, unknown pooling.
-    """
-    if c.window_size < 1:
-        raise ConfigError(f"method.window_size={c.window_size}: must be an integer >= 1")
-    if c.kernel_size < 1 or c.kernel_size % 2 == 0:
-        raise ConfigError(f"method.kernel_size={c.kernel_size}: must be an odd integer >= 1")
-    if c.pooling not in ("avg", "max"):
-        raise ConfigError(f"method.pooling={c.pooling!r}: accepted values are avg, max")
-
-
-class SnapKV(Method):
+class SnapKV(ScoreMethod):
     """SnapKV eviction: window attention scores, pooled, per-KV-head top-k."""
 
-    name: ClassVar[str] = "snapkv"
     Config = SnapKVConfig
 
-    def __init__(self, config=None, layout=None, artifacts=None):
-        super().__init__(config, layout, artifacts)
-        c = self.config
-        check_window_fields(c)
-        if c.gqa_aggregation not in ("mean", "max"):
-            raise ConfigError(f"method.gqa_aggregation={c.gqa_aggregation!r}: accepted values are mean, max")
-
-    def compress(self, ctx: LayerContext) -> CompressResult:
-        scores = snapkv_scores(ctx, self.config)
-        w = ctx.window_queries.shape[2]
-        idx = topk_keep_window(scores, ctx.budget, w)  # (B, H_kv, m)
-        return CompressResult(
-            keys=gather_tokens(ctx.keys, idx), values=gather_tokens(ctx.values, idx), kept_indices=idx
-        )
+    def score(self, ctx: LayerContext) -> torch.Tensor:
+        return snapkv_scores(ctx, self.config)

@@ -6,7 +6,6 @@ import torch
 from methods.adakv import AdaKV, AdaKVConfig
 from methods.allocation import adaptive_head_budgets, keep_topk_per_head, safeguard_keep_mask
 from methods.base import ConfigError, HeadLayout, LayerContext
-from methods.scoring import get_scorer
 
 PEAKED = [0.4, 0.3, 0.2, 0.1]
 
@@ -104,7 +103,6 @@ def test_config_errors_name_the_key():
         AdaKV(AdaKVConfig(floor_mode="soft"))
     with pytest.raises(ConfigError, match="method.floor_ratio"):
         AdaKV(AdaKVConfig(floor_ratio=1.5))
-    assert get_scorer("snapkv").__name__ == "snapkv_scores"
 
 
 def test_budget_below_window_keeps_the_last_m_tokens():

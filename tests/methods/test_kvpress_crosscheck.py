@@ -31,6 +31,7 @@ pytestmark = pytest.mark.slow  # loads the embedded model (about a minute on 2 C
 
 from methods import HeadLayout, LayerContext, get_method_class  # noqa: E402
 from methods.adakv import AdaKVConfig  # noqa: E402
+from methods.knorm import KnormConfig  # noqa: E402
 from methods.allocation import pyramid_layer_budgets  # noqa: E402
 from methods.pyramidkv import PyramidKVConfig  # noqa: E402
 from methods.snapkv import SnapKVConfig  # noqa: E402
@@ -168,6 +169,12 @@ def test_snapkv_matches_kvpress(captured):
 def test_streamingllm_matches_kvpress(captured):
     press = kvpress.StreamingLLMPress(compression_ratio=0.75, n_sink=4)
     ours = get_method_class("streamingllm")(StreamingLLMConfig(n_sinks=4), captured.layout)
+    assert_same_sets(captured, press, ours, budget=0.25, window=1)
+
+
+def test_knorm_matches_kvpress(captured):
+    press = kvpress.KnormPress(compression_ratio=0.75)
+    ours = get_method_class("knorm")(KnormConfig(recent_window=0), captured.layout)
     assert_same_sets(captured, press, ours, budget=0.25, window=1)
 
 
