@@ -263,9 +263,7 @@ def check(cfg: Any, preset: str | None = None) -> Job:
                               f"{', '.join(sorted(_task_keys(name)))}")
     task_cls.validate(task)
     budget = plain["budget"]
-    if not is_ratio(budget) and method.name != "full" and int(budget) < method.min_budget():
-        raise ConfigError(f"budget={budget}: smaller than the {method.min_budget()} tokens method {method.name} always "
-                          f"keeps; use budget >= {method.min_budget()}")
+    methods.check_min_budget(method, budget)
     limit = int(task.get("max_length") or model.max_input_length)
     if task.get("max_new_tokens") and name == "niah" and min(task["context_lengths"]) > limit:
         raise TaskConfigError(f"task.context_lengths={task['context_lengths']}: every length exceeds the prompt budget "
