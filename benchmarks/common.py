@@ -93,10 +93,8 @@ def build_method(name: str, layout=None, **overrides):
     """A method from ``conf/method/<name>.yaml`` (+ overrides), as a job builds it (ConfigError: a bad key)."""
     import yaml
 
-    try:
-        from methods import build_method as build
-    except ImportError:  # until methods.build_method lands
-        from kvbench.validate import build_method as build
+    from methods import build_method as build
+
     path = ROOT / "conf" / "method" / f"{name}.yaml"
     node = dict(yaml.safe_load(path.read_text())) if path.is_file() else {"name": name}
     return build({**node, **overrides}, layout)

@@ -28,6 +28,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from methods import build_method
+
 from .cli import ArgParser
 from .job import resolve_threads
 from .store import atomic_write
@@ -44,14 +46,6 @@ def prompt_ids(n_tokens: int, vocab_size: int, seed: int = 0) -> list[int]:
     hold most special tokens); latency does not depend on the text."""
     rng = random.Random(seed * 1_000_003 + n_tokens)
     return [rng.randrange(100, max(101, vocab_size)) for _ in range(n_tokens)]
-
-
-def build_method(method_cfg: dict, layout=None):
-    try:
-        from methods import build_method as build
-    except ImportError:  # until methods.build_method lands
-        from .validate import build_method as build
-    return build(method_cfg, layout)
 
 
 def run_latency(model_cfg: dict, method_cfgs: dict[str, dict], budget: float, lengths: list[int],
