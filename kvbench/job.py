@@ -158,16 +158,17 @@ def print_summary(summary: dict, path: Path) -> None:
              f"{summary['n_expected']} samples, {summary['n_failed']} failed)",
              f"{'dataset':<{w}}  {'score':>7}  {'n':>4}", f"{'-' * w}  {'-' * 7}  {'-' * 4}"]
     lines += [f"{ds:<{w}}  {'-' if s is None else f'{s:.2f}':>7}  {n:>4}" for ds, s, n in rows]
-    lines += [f"failed: {f['id']}: {f.get('type')}: {str(f.get('message', ''))[:160]}" for f in summary["failed"][:10]]
+    lines += [f"failed: {f['id']}: {f.get('type')}: {str(f.get('message', ''))[:160]}" for f in summary.get("failed", [])[:10]]
     if summary.get("n_skipped"):
         lines.append(f"skipped by the task: {summary['n_skipped']} ({summary['skipped'][0].get('reason', '')})")
     t, c = summary["timings"], summary["cache"]
+    if summary["method"] != "full" and (c.get("compressed_fraction") or 1) < 1:
+        lines.append(f"not compressed: {round((1 - c['compressed_fraction']) * summary['n_samples'])}/"
+                     f"{summary['n_samples']} samples (prompt within budget={summary['budget']}: every prompt token kept)")
     if t.get("prefill_s") is not None:
         lines.append(f"mean prefill {t['prefill_s']:.3f}s  compress {t['compress_s']:.4f}s  decode {t['decode_s']:.3f}s "
                      f"({t['decode_tok_s']:.1f} tok/s)  kept {c['kept_tokens']:.0f}/{c['prompt_tokens']:.0f} tokens per "
-                     "compressible layer" + (f"; {1 - c['compressed_fraction']:.0%} of the samples not compressed "
-                                             "(prompt within the budget)" if c["compressed_fraction"] < 1
-                                             and summary["method"] != "full" else ""))
+                     "compressible layer")
     lines.append(f"results: {path}")
     print("\n".join(lines), flush=True)
 
