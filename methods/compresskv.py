@@ -44,7 +44,8 @@ import torch.nn.functional as F
 from .allocation import adaptive_head_budgets, keep_topk_per_head
 from .artifacts import artifact_path, keyed_errors, load_head_ranking, load_layer_scores
 from .base import (
-    CompressResult, ConfigError, HeadLayout, LayerContext, Method, MethodConfig, Plan, gather_tokens, require, resolve_budget,
+    CompressResult, ConfigError, HeadLayout, LayerContext, Method, MethodConfig, Plan, gather_tokens, is_ratio, require,
+    resolve_budget,
 )
 from .headkv import HeadKV, HeadKVConfig, headkv_head_budgets, pack_head_budgets
 from .packing import pack_kept, packing_stats
@@ -296,12 +297,16 @@ class CompressKV(Method):
             head_budgets = heads.clamp(max=n_tokens)
             budgets = head_budgets.amax(dim=1)
         elif c.layer_allocation == "error_aware":
+            # the official script allocates a token budget before it sees the prompt, so on a prompt
+            # shorter than the average budget the layers whose own budget is below n still compress
+            avg = m if is_ratio(budget) else int(budget)
             scores = self.artifacts["layer_scores"][layers]
-            lo = min(c.min_layer_budget, m)
-            hi = max(int(c.max_layer_factor * m), lo)
-            budgets[layers] = torch.tensor(error_aware_layer_budgets(scores, m * len(layers), lo, hi))
+            lo = min(c.min_layer_budget, avg)
+            hi = max(int(c.max_layer_factor * avg), lo)
+            budgets[layers] = torch.tensor(error_aware_layer_budgets(scores, avg * len(layers), lo, hi))
         self._head_budgets = head_budgets
-        return Plan(layer_budgets=budgets.clamp(max=n_tokens).tolist(), head_budgets=head_budgets, compress=m < n_tokens)
+        compress = bool((budgets[layers] < n_tokens).any()) if head_budgets is None else m < n_tokens
+        return Plan(layer_budgets=budgets.clamp(max=n_tokens).tolist(), head_budgets=head_budgets, compress=compress)
 
     def compress(self, ctx: LayerContext) -> CompressResult:
         n = ctx.n_tokens

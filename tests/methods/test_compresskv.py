@@ -94,6 +94,21 @@ def test_plan_with_published_mistral_scores():
         assert plan.layer_budgets[lo] == min(plan.layer_budgets)
 
 
+def test_a_prompt_shorter_than_the_average_budget_compresses_the_layers_whose_own_budget_is_below_it():
+    """Issue #31.3: n=1500 at an average of 2048 tokens on Llama-3.1-8B's published layer scores. The
+    official script allocates the budgets from 2048 before it sees the prompt and compresses each
+    layer whose own budget is below n: 6 of the 32 layers; the other 26 keep every token."""
+    layout = HeadLayout(32, 32, 8, 128, tuple(range(32)), "llama31")
+    cfg = CompressKVConfig(head_idx_path=str(CKV / "Llama-3.1-8B-Instruct_head_idx.json"),
+                           layer_score_path=str(CKV / "Llama-3.1-8B-Instruct_layer_score.jsonl"))
+    m = CompressKV(cfg, layout)
+    full = m.plan(100_000, 2048, layout).layer_budgets  # the allocation itself (no layer capped by n)
+    plan = m.plan(1500, 2048, layout)
+    assert plan.compress and sum(b < 1500 for b in full) == 6
+    assert plan.layer_budgets == [min(b, 1500) for b in full]
+    assert not m.plan(100, 2048, layout).compress  # every layer's budget >= n: nothing to compress
+
+
 def test_plan_ratio_budget_and_compressible_subset(tmp_path):
     layout = HeadLayout(4, 2, 1, 8, (1, 3), "x")
     files = _files(tmp_path, {str(i): [0, 1] for i in range(4)}, [0.0, 1.0, 0.0, 3.0])
@@ -101,7 +116,8 @@ def test_plan_ratio_budget_and_compressible_subset(tmp_path):
     plan = m.plan(1000, 0.1, layout)  # m = 100 per layer on average over the 2 compressible layers
     # remaining 200 - 64 = 136 split 1:3 -> 34, 102 (cap 300 - 32 not reached)
     assert plan.layer_budgets[1] == 66 and plan.layer_budgets[3] == 134
-    assert not m.plan(80, 100, layout).compress
+    short = m.plan(80, 100, layout)  # the official rule: layer 1's own budget (66) is below n, layer 3's (134) is not
+    assert short.compress and short.layer_budgets[1] == 66 and short.layer_budgets[3] == 80
 
 
 # --------------------------------------------------------------------------- token selection
