@@ -30,6 +30,8 @@ import eval as tasks
 from eval.base import TaskConfigError
 from methods.base import ConfigError, check_budget, is_ratio
 
+from .models import CHAT_FORMATS
+
 CONF = Path(__file__).resolve().parents[1] / "conf"
 #: keys that choose which samples run (the sample ids encode them), not how one is computed
 SELECTION_KEYS = ("context_lengths", "depth_percents", "datasets", "n_samples")
@@ -94,7 +96,8 @@ class ModelConfig:
     gguf_cache: Any = "auto"  # auto | true | false: convert a GGUF once to safetensors (kvbench.models)
     max_input_length: int = 3500
     dtype: dict = field(default_factory=lambda: {"cuda": "bfloat16", "cpu": "float32"})
-    chat_template: bool = True
+    chat_template: Any = True  # true (the tokenizer's), vicuna (FastChat's, LongBench pred.py), none/false (raw prompt)
+    tokenizer: str = "fast"  # fast | slow (LongBench's pred.py loads LongChat's slow tokenizer)
     stop_tokens: list = field(default_factory=list)
     stop_ids: list = field(default_factory=list)
     device_map: Any = None
@@ -102,6 +105,11 @@ class ModelConfig:
     generation_config: bool = True  # apply the model's generation_config logits processors (greedy), as model.generate
 
     def __post_init__(self):
+        if self.chat_template not in (True, False, "none", *CHAT_FORMATS):
+            raise ConfigError(f"model.chat_template={self.chat_template}: accepted values are true (the tokenizer's "
+                              f"template), {', '.join(CHAT_FORMATS)}, none")
+        if self.tokenizer not in ("fast", "slow"):
+            raise ConfigError(f"model.tokenizer={self.tokenizer}: accepted values are fast, slow")
         if self.gguf_cache not in ("auto", True, False):
             raise ConfigError(f"model.gguf_cache={self.gguf_cache}: accepted values are auto, true, false")
         for dev, name in self.dtype.items():

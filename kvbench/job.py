@@ -35,13 +35,17 @@ SWEEP_CODES: list[int] = []
 
 
 def encode_prompt(loaded: Any, sample: Sample) -> list[int]:
-    """Token ids of a sample's prompt: the chat template (one user turn) when the sample and the
-    model use it, else the plain tokenizer with its special tokens (LongBench's ``pred.py``)."""
-    tok = loaded.tokenizer
-    if sample.chat and loaded.chat_template:
+    """Token ids of a sample's prompt, as LongBench's ``pred.py`` builds them: for a chat sample, the
+    tokenizer's chat template (one user turn) or the model's official format (``vicuna``), tokenized
+    with the tokenizer's special tokens; else the plain prompt so tokenized."""
+    from .models import CHAT_FORMATS
+
+    tok, fmt = loaded.tokenizer, loaded.chat_template if sample.chat else None
+    if fmt == "tokenizer" or fmt is True:
         out = tok.apply_chat_template([{"role": "user", "content": sample.prompt}], add_generation_prompt=True, tokenize=True)
         return [int(i) for i in (out["input_ids"] if isinstance(out, Mapping) else out)]
-    return [int(i) for i in tok(sample.prompt)["input_ids"]]
+    text = CHAT_FORMATS[fmt].format(prompt=sample.prompt) if fmt in CHAT_FORMATS else sample.prompt
+    return [int(i) for i in tok(text)["input_ids"]]
 
 
 def stop_ids_for(loaded: Any, sample: Sample) -> list[int]:

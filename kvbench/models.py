@@ -29,6 +29,13 @@ if TYPE_CHECKING:
     import torch
 
 log = logging.getLogger(__name__)
+#: chat formats of official evaluation scripts that are not the tokenizer's template (``model.chat_template``):
+#: ``vicuna`` is FastChat's vicuna_v1.1 conversation, one user turn, as LongBench's ``pred.py`` builds it for
+#: LongChat and Vicuna (``get_conversation_template("vicuna")``, then the slow tokenizer adds BOS).
+CHAT_FORMATS = {
+    "vicuna": "A chat between a curious user and an artificial intelligence assistant. The assistant gives helpful, "
+              "detailed, and polite answers to the user's questions. USER: {prompt} ASSISTANT:",
+}
 GGUF_CACHE_AUTO_MAX_BYTES = 2 * 1024**3  # model.gguf_cache=auto caches GGUF files up to this size
 _GGUF_CACHE_VERSION = 3  # bump when the conversion changes (3: SentencePiece-BPE GGUFs get a BPE model)
 
@@ -44,7 +51,8 @@ class LoadedModel:
         device: torch device of the input embeddings.
         dtype: parameter dtype.
         stop_ids: token ids that end generation (end-of-turn / eos).
-        chat_template: whether prompts of chat tasks are wrapped in the chat template.
+        chat_template: how prompts of chat tasks are wrapped: ``tokenizer`` (its chat template), a name of
+            :data:`CHAT_FORMATS`, or None (the raw prompt).
         max_input_length: prompt budget in tokens (task truncation).
         source: where the weights came from (path or Hub id), for ``env.json``.
         processors: the greedy logits processors of the model's generation config (repetition
@@ -58,7 +66,7 @@ class LoadedModel:
     device: torch.device
     dtype: torch.dtype
     stop_ids: list[int]
-    chat_template: bool
+    chat_template: str | None
     max_input_length: int
     source: str
     processors: list = field(default_factory=list)
@@ -366,6 +374,21 @@ def read_config(model_cfg: dict) -> Any:
         raise ConfigError(f"model.source={model_cfg.get('source')!r}: cannot read a model config there ({why})") from None
 
 
+def chat_format(model_cfg: dict, tokenizer: Any) -> str | None:
+    """``model.chat_template`` resolved: ``tokenizer``, a :data:`CHAT_FORMATS` name, or None (raw prompt).
+
+    Raises:
+        ConfigError: ``true`` for a tokenizer without a chat template (a chat model would silently
+            get raw prompts): name the format, or ``none`` on purpose.
+    """
+    want = model_cfg.get("chat_template", True)
+    if want is True and tokenizer.chat_template is None:
+        raise ConfigError(f"model.chat_template=true: the tokenizer of {model_cfg.get('source')} has no chat template; "
+                          f"accepted values are {', '.join(CHAT_FORMATS)} (an official script's format) or none "
+                          "(the raw prompt, on purpose)")
+    return "tokenizer" if want is True else want if want in CHAT_FORMATS else None
+
+
 def load_model(model_cfg: dict, device: str = "auto") -> LoadedModel:
     """Load tokenizer and model as ``model_cfg`` says, the weights straight onto ``device``.
 
@@ -400,9 +423,10 @@ def load_model(model_cfg: dict, device: str = "auto") -> LoadedModel:
         tokenizer, model = loaded
     else:
         kwargs = {"trust_remote_code": trust, **({"gguf_file": gguf_file} if gguf_file else {})}
+        use_fast = {"use_fast": model_cfg.get("tokenizer", "fast") != "slow"}
         src = model_cfg.get("source")
         try:
-            tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
+            tokenizer = AutoTokenizer.from_pretrained(path, **kwargs, **use_fast)
             if gguf_file:
                 gguf_special_tokens(tokenizer, Path(path, gguf_file))
                 gguf_spm_as_bpe(tokenizer, Path(path, gguf_file))
@@ -422,7 +446,7 @@ def load_model(model_cfg: dict, device: str = "auto") -> LoadedModel:
         model=model, tokenizer=tokenizer, layout=head_layout(model.config, str(model_cfg.get("name", ""))),
         device=model.get_input_embeddings().weight.device, dtype=dtype,
         stop_ids=stop_token_ids(tokenizer, model, model_cfg),
-        chat_template=bool(model_cfg.get("chat_template", True)) and tokenizer.chat_template is not None,
+        chat_template=chat_format(model_cfg, tokenizer),
         max_input_length=int(model_cfg.get("max_input_length") or 3500), source=str(model_cfg.get("source")),
         processors=greedy_processors(model) if model_cfg.get("generation_config", True) else [],
     )
