@@ -82,12 +82,14 @@ def artifact_name(model: str | None, name: str | None) -> str:
     raise ConfigError(f"--name: required with --model={model!r} (its scores go to methods/artifacts/<name>)")
 
 
-def load_model(model: str | None, gguf_file: str | None, threads: int):
-    """The :class:`kvbench.models.LoadedModel` of ``--model`` on the CPU, float32, as a job loads it."""
+def load_model(model: str | None, gguf_file: str | None, threads: int, device: str = "cpu", dtype: str | None = None):
+    """The :class:`kvbench.models.LoadedModel` of ``--model`` as a job loads it, on ``--device`` in
+    ``--dtype`` (default: the model config's dtype for that device, bf16 on CUDA, float32 on CPU)."""
     from kvbench.models import load_model as load_job_model
 
     torch.set_num_threads(threads)
-    return load_job_model(model_config(model, gguf_file), device="cpu")
+    cfg = model_config(model, gguf_file)
+    return load_job_model({**cfg, "dtype": dtype} if dtype else cfg, device=device)
 
 
 # --------------------------------------------------------------------------- prompts
@@ -152,6 +154,7 @@ def _jsonl(path: Path) -> list[dict]:
 def score_sample(lm, tok, probe, prompt_ids, span, kinds, max_new, stop_after=None):
     """``(response, {kind: (L, H_q) float64 sum of step scores})``: prefill ``prompt[:-1]``, then
     decode greedily from its last token (the reference's procedure)."""
+    prompt_ids = prompt_ids.to(lm.device)
     stop, (start, end), flat = _stop_ids(lm, tok), span, prompt_ids[0]
     out = lm(input_ids=prompt_ids[:, :-1], past_key_values=reserved_cache(lm.config, max_new + 1), use_cache=True,
              logits_to_keep=1)
@@ -171,7 +174,7 @@ def score_sample(lm, tok, probe, prompt_ids, span, kinds, max_new, stop_after=No
             generated.append(token)
             if token in stop or "\n" in tok.decode([token]) or (stop_after and len(generated) >= stop_after):
                 break
-            inp = torch.tensor([[token]])
+            inp = torch.tensor([[token]], device=lm.device)
     finally:
         probe.record_rows = False
     return tok.decode(generated, skip_special_tokens=True).strip(), sums
@@ -184,7 +187,7 @@ def cmd_heads(args, out: Path) -> int:
     from eval.metrics import qa_f1_score
 
     data_dir, lengths, depths, chat = Path(args.data_dir), args.lengths, args.depths, args.chat_template == "on"
-    loaded = load_model(args.model, args.gguf_file, args.threads)
+    loaded = load_model(args.model, args.gguf_file, args.threads, args.device, args.dtype)
     lm, tok = loaded.model, loaded.tokenizer
     probe = AttentionProbe(lm.config.num_hidden_layers)
     probe.install(lm)
@@ -267,7 +270,7 @@ def _haystack_prompts(tok, data_dir: Path, lengths: list[int], chat: bool):
 def cmd_layers(args, out: Path) -> int:
     """Calibrate the layer scores (CompressKV Eq. 2-4) into ``out/layer_score.jsonl``."""
     head_idx = Path(args.head_idx or out / "srh_head_idx.json")
-    loaded = load_model(args.model, args.gguf_file, args.threads)
+    loaded = load_model(args.model, args.gguf_file, args.threads, args.device, args.dtype)
     lm, tok = loaded.model, loaded.tokenizer
     layout = dataclasses.replace(loaded.layout, compressible_layers=tuple(range(loaded.layout.num_layers)),
                                  model_name=args.name)
@@ -280,7 +283,7 @@ def cmd_layers(args, out: Path) -> int:
 
     def selector(layer, window_queries, keys, values, scaling):
         if keys.shape[2] <= args.budget:
-            return torch.arange(keys.shape[2])
+            return torch.arange(keys.shape[2], device=keys.device)
         ctx = LayerContext(layer_idx=layer, layout=layout, keys=keys, values=values,
                            window_queries=window_queries, scaling=scaling, budget=args.budget)
         return method.compress(ctx).kept_indices[0, 0]  # one set shared by all heads
@@ -294,13 +297,13 @@ def cmd_layers(args, out: Path) -> int:
     t0 = time.time()
     for dataset, ids in prompts:
         probe.errors.zero_()
-        out_ = lm(input_ids=ids, past_key_values=reserved_cache(lm.config, args.max_new_tokens), use_cache=True,
+        out_ = lm(input_ids=ids.to(lm.device), past_key_values=reserved_cache(lm.config, args.max_new_tokens), use_cache=True,
                   logits_to_keep=1)
         past, token = out_.past_key_values, int(out_.logits[0, -1].argmax())
         for _ in range(args.max_new_tokens - 1):  # the first token comes from prefill (no compressed output)
             if token in stop:
                 break
-            out_ = lm(input_ids=torch.tensor([[token]]), past_key_values=past, use_cache=True)
+            out_ = lm(input_ids=torch.tensor([[token]], device=lm.device), past_key_values=past, use_cache=True)
             past, token = out_.past_key_values, int(out_.logits[0, -1].argmax())
         per_dataset[dataset] = per_dataset.get(dataset, 0) + probe.errors.clone()
         print(f"[{time.time() - t0:6.0f}s] {dataset} n={ids.shape[1]}", flush=True)
@@ -343,6 +346,9 @@ def build_parser() -> argparse.ArgumentParser:
         s.add_argument("--name", help="methods/artifacts/<name> (default: smollm2 or the conf/model name)")
         s.add_argument("--out", help="output folder (default methods/artifacts/<name>)")
         s.add_argument("--threads", type=_arg(int, 1, many=False), default=2, help="torch CPU threads")
+        s.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto (CUDA when present)")
+        s.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
+                       help="model dtype (default: the model config's for the device: CPU float32, CUDA bfloat16)")
         s.add_argument("--data-dir", default=str(Path(shared) / "retrieval_head_calibration"),
                        help="needles.jsonl, needles_reasoning.jsonl, part1..3/")
         s.add_argument("--lengths", default="1000,2000,3000", type=_arg(int, MIN_LENGTH),

@@ -197,3 +197,17 @@ def test_every_flag_is_checked_before_the_model_loads(argv, message, tmp_path, c
     err = capsys.readouterr().err
     assert err.startswith("error: " + message.format(tmp=tmp_path)) and len(err.strip().splitlines()) == 1, err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["lb.jsonl", "prompts.json"]
+
+
+def test_calibration_loads_on_the_device_and_dtype_asked(monkeypatch):
+    """Issue #32.4: --device and --dtype reach the job's loader (CUDA in bf16 makes artifacts for a
+    7-32B model in minutes); without --dtype the model config's dtype for the device applies."""
+    import kvbench.models
+    from methods import calibrate
+
+    seen = []
+    monkeypatch.setattr(kvbench.models, "load_model", lambda cfg, device: seen.append((cfg["dtype"], device)))
+    args = calibrate.build_parser().parse_args(["heads", "--device", "cuda:1", "--dtype", "bfloat16"])
+    calibrate.load_model(args.model, args.gguf_file, 1, args.device, args.dtype)
+    calibrate.load_model(None, None, 1, "cpu")
+    assert seen[0] == ("bfloat16", "cuda:1") and seen[1][1] == "cpu"
