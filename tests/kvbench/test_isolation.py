@@ -222,3 +222,24 @@ def test_a_failing_sample_is_stored_exit_1_and_the_rerun_retries_it(base, monkey
     code, store = run(base)
     assert code == 0 and [r["id"] for r in store.records()] == ["niah/300/0", "niah/300/50", "niah/300/50"]
     assert store.done_ids() == {"niah/300/0", "niah/300/50"}
+
+
+def test_a_finished_job_frees_its_model_before_the_next_job_loads_one(base, monkeypatch):
+    """Issue #32.3: a local sweep runs its jobs in one process; nothing of a finished job may keep
+    its model alive (two 8B models would not fit on one GPU)."""
+    import gc
+    import weakref
+
+    import kvbench.models
+
+    models, real = [], kvbench.models.load_model
+
+    def load(cfg, device):
+        loaded = real(cfg, device)
+        models.append(weakref.ref(loaded.model))
+        return loaded
+
+    monkeypatch.setattr(kvbench.models, "load_model", load)
+    assert run(base + ["max_samples=1"])[0] == 0
+    gc.collect()
+    assert len(models) == 1 and models[0]() is None
