@@ -1,4 +1,4 @@
-"""Tasks and metrics: LongBench, LongBench-E, Needle-in-a-Haystack.
+"""Tasks and metrics: LongBench, LongBench-E, Needle-in-a-Haystack, RULER.
 
 ``eval`` sees only text, never tensors, and never imports ``methods``.
 """
@@ -13,6 +13,7 @@ _TASKS: dict[str, str] = {
     "niah": "eval.niah:NIAHTask",
     "longbench": "eval.longbench:LongBenchTask",
     "longbench_e": "eval.longbench:LongBenchETask",
+    "ruler": "eval.ruler:RulerTask",
 }
 
 

@@ -34,7 +34,7 @@ from .models import CHAT_FORMATS
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 #: keys that choose which samples run (the sample ids encode them), not how one is computed
-SELECTION_KEYS = ("context_lengths", "depth_percents", "datasets", "n_samples")
+SELECTION_KEYS = ("context_lengths", "depth_percents", "datasets", "n_samples", "subtasks")
 DTYPES = ("float32", "bfloat16", "float16")
 DEVICE_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")
 
