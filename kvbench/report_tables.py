@@ -84,7 +84,8 @@ def cell_notes(rows: pd.DataFrame, used: pd.DataFrame, what: str) -> list[str]:
              for j in sorted(jobs) if not done[j]]
     notes += [f"subset: {j} scored part of each dataset only ({s}); not comparable to whole-dataset scores"
               for j, s in sorted(set(zip(used["job"], used["subset"]))) if s]
-    left = [f"{j} ({n[j]:.0f} samples{'' if done[j] else ', unfinished'})" for j in dedupe(rows["job"]) if j not in jobs]
+    left = [f"{j} ({n[j]:.0f} samples{'' if done[j] else ', unfinished'})" for j in dedupe(rows["job"])
+            if j not in jobs]
     return notes + [f"left out: {what}: {', '.join(left)}; the scores are those of {', '.join(sorted(jobs))} "
                     "(preferred: complete, most datasets, most samples)"] * bool(left)
 
@@ -200,13 +201,13 @@ def score_tables(df: pd.DataFrame, root: Path | None = None) -> list[Artifact]:
             notes += cell_notes(part, mine, what)
             kinds.append(" / ".join(sorted({" ".join(filter(None, [grids.get(j), s]))
                                             for j, s in zip(mine["job"], mine["subset"])})))
-            kept_all = (part["compressed_fraction"] == 0).all()
+            kept_all = name != FULL and (part["compressed_fraction"] == 0).all()
             ratio = (part["kept_tokens"] / part["prompt_tokens"]).mean()
             raised = 0 < b < 1 and ratio > max(1.5 * b, b + 0.02)  # the method keeps at least its window/sinks/recent
-            notes += [f"uncompressed: {label} at budget {btext} kept every prompt whole (the budget is not below the "
-                      "prompt lengths or the tokens the method always keeps); not bold"] * bool(name != FULL and kept_all)
-            notes += [f"raised: {label} at budget {btext} kept {100 * ratio:.1f} % of the prompt tokens on average (the "
-                      "method always keeps its window, sinks or recent tokens); not bold"] * bool(raised)
+            notes += [f"uncompressed: {label} at budget {btext} kept every prompt whole (the budget is not below "
+                      "the prompt lengths or the tokens the method always keeps); not bold"] * bool(kept_all)
+            notes += [f"raised: {label} at budget {btext} kept {100 * ratio:.1f} % of the prompt tokens on average "
+                      "(the method always keeps its window, sinks or recent tokens); not bold"] * bool(raised)
             if name != FULL and b != 1.0 and not kept_all and not raised and mine["complete"].all():
                 comp.append(len(rows) - 1)
         if len(set(kinds)) > 1:
@@ -220,10 +221,11 @@ def score_tables(df: pd.DataFrame, root: Path | None = None) -> list[Artifact]:
             comp = [i for i in comp if kinds[i] == main]
         budgets = [k[3] for k in keys if k[3] >= 0]
         caption = (f"Scores of every job configuration of {mk} on {task} ({_ds(len(datasets))}; one row per method"
-                   + ", method variant" * show_variant + " and budget" + f"; {budget_semantics(budgets)}" * bool(budgets)
-                   + "). Each dataset's score is round(100·mean, 2) of the per-sample scores in [0, 1]; Avg: mean over "
-                   "the table's datasets, missing when a row lacks one; n: scored samples. The full cache ignores the "
-                   "budget (–). Best complete compressed configuration per column in bold.")
+                   + ", method variant" * show_variant + " and budget"
+                   + f"; {budget_semantics(budgets)}" * bool(budgets) + "). Each dataset's score is round(100·mean, 2) of "
+                   "the per-sample scores in [0, 1]; Avg: mean over the table's datasets, missing when a row lacks one; "
+                   "n: scored samples. The full cache ignores the budget (–). Best complete compressed configuration per "
+                   "column in bold.")
         name = f"scores_{slug(task)}_{slug(mk)}"
         while name in names:
             name += "_2"
@@ -355,9 +357,9 @@ def compresskv_table1(df: pd.DataFrame, budgets=(256, 1024), task: str = "longbe
                          for c in t.columns))
     sources, notes = merged(grids.values(), models)
     notes += _absent(t, lambda c, lab: "{} / {lab} at budget {}".format(*c.split(" @"), lab=lab))
-    caption = (f"Average LongBench scores under fixed KV budgets ({budget_semantics(grids)}). {full or 'The full cache'} "
-               "is uncompressed and does not depend on the budget. Best compressed method per column in bold"
-               f"{_unfinished(*grids.values())}. Models: {', '.join(models)}.")
+    caption = (f"Average LongBench scores under fixed KV budgets ({budget_semantics(grids)}). "
+               f"{full or 'The full cache'} is uncompressed and does not depend on the budget. Best compressed method "
+               f"per column in bold{_unfinished(*grids.values())}. Models: {', '.join(models)}.")
     return [Artifact("compresskv_table1", caption, data, bold=bold, sources=sources, notes=notes)]
 
 
@@ -369,35 +371,34 @@ def ablation_flags(params: dict) -> dict:
     return {"Gate": on(gate), "Comp": on(params.get("compensation")),
             "Merge": params.get("merge", None if gate is None else str(gate).lower() != "off")}
 def staged_table(df: pd.DataFrame, name: str, budget: float, task: str = "longbench") -> list[Artifact]:
-    """Component analyses, per model key, Δ prev: gain over the row above, Δ full: gap to the full cache.
-    ``selkv_table2`` (SelKV Table 2): the SelKV labels (>= 2) ordered by their Merge, Gate, Comp switches
-    (:func:`ablation_flags`; labels with identical fields are one row, the longer kept), after the full
-    cache. ``compresskv_table3a`` (CompressKV Table 3a): SnapKV, CompressKV's other labels, CompressKV."""
+    """Component analyses per model key; Δ prev: gain over the row above, Δ full: gap to the full cache.
+    ``selkv_table2`` (SelKV Table 2): the full cache, then the SelKV labels (>= 2) ordered by their Merge, Gate,
+    Comp switches (:func:`ablation_flags`; labels with identical fields are one row, the longer kept).
+    ``compresskv_table3a`` (CompressKV Table 3a): SnapKV, CompressKV's other labels, CompressKV."""
     sel = df[(df["task"] == task) & at(df, budget)]
-    rows, ok, sources, notes, selkv = [], [], set(), [], name == "selkv_table2"
+    rows, ok, sources, notes, selkv = [], [], [], [], name == "selkv_table2"
+    main, snap = display_name("compresskv"), display_name("snapkv")
     for mk in sorted(sel["model_key"].unique(), key=model_sort_key):
         mine = sel[(sel["model_key"] == mk) & (sel["method_name"] == ("selkv" if selkv else "compresskv"))]
-        main, snap = display_name("compresskv"), display_name("snapkv")
-        if mine["method"].nunique() < 2 or not selkv and main not in set(mine["method"]):
+        labels = set(mine["method"])
+        if len(labels) < 2 or not selkv and main not in labels:
             continue
         by_params = {p: lab for lab, p in sorted(zip(mine["method"], mine["params"]), key=lambda x: len(x[0]))}
         flags = {lab: ablation_flags(json.loads(p)) for p, lab in by_params.items()}
-        order = sorted(flags, key=lambda lab: ([-1 if flags[lab][k] is None else int(flags[lab][k]) for k in
-                                                ("Merge", "Gate", "Comp")], lab)) if selkv else [snap] * (snap in set(
-            sel.loc[sel["model_key"] == mk, "method"])) + sorted(set(mine["method"]) - {main}) + [main]
+        switches = lambda lab: [-1 if flags[lab][k] is None else int(flags[lab][k]) for k in ("Merge", "Gate", "Comp")]
+        order = sorted(flags, key=lambda lab: (switches(lab), lab)) if selkv else [snap] * (snap in set(
+            sel.loc[sel["model_key"] == mk, "method"])) + sorted(labels - {main}) + [main]
         g = grid(df, task, budget, models=[mk], names=["selkv"] if selkv else ["snapkv", "compresskv"], labels=order)
-        marks = {lab: {k: "?" if v is None else "✓" if v else "–" for k, v in flags[lab].items()} for lab in order
-                 } if selkv else {}
         avgs = [g.avg(mk, lab) for lab in order]
         if selkv and g.full:
             rows.append({"Model": mk, "Method": g.full, **dict.fromkeys(("Gate", "Comp", "Merge"), "–"),
                          "Avg": g.avg(mk, g.full)})
         ok += range(len(rows), len(rows) + len(order))
-        rows += [{"Model": mk, "Method": lab, **marks.get(lab, {}), "Avg": a, "Δ prev": a - p,
+        marks = lambda lab: {k: "?" if v is None else "✓" if v else "–" for k, v in flags[lab].items()}  # noqa: E731
+        rows += [{"Model": mk, "Method": lab, **(marks(lab) if selkv else {}), "Avg": a, "Δ prev": a - p,
                   **({"Δ full": a - g.avg(mk, g.full)} if selkv else {})}
                  for lab, a, p in zip(order, avgs, [math.nan] + avgs)]
-        sources |= set(g.sources)
-        notes += g.notes
+        sources, notes = sources + g.sources, notes + g.notes
     if not rows:
         return []
     data = pd.DataFrame(rows).rename(columns={"Method": "Configuration"} if selkv else {})
@@ -407,12 +408,12 @@ def staged_table(df: pd.DataFrame, name: str, budget: float, task: str = "longbe
                f"Component analysis of CompressKV on LongBench at budget {budget:g} ({budget_semantics([budget])}). "
                "Δ prev: change from the row above.")
     return [Artifact(name, caption, data, bold=bolds(data, ["Avg"], ok, "Model") if selkv else set(),
-                     signed={"Δ prev", "Δ full"}, sources=sorted(sources), notes=dedupe(notes))]
+                     signed={"Δ prev", "Δ full"}, sources=sources, notes=notes)]
 
 
 def sensitivity_table(df, name: str, method: str, budget: float, task: str = "longbench", per_dataset=True):
-    """One row per variant (the method fields that differ) of a method's main label at one budget
-    (SelKV Table 3: W × K; CompressKV Table 3b); Δ default: gap to the preset's own fields (✓)."""
+    """One row per variant (the method fields that differ) of a method's main label at one budget (SelKV Table 3:
+    W × K; CompressKV Table 3b); Δ default: gap to the preset's own fields (✓)."""
     sel = df[(df["task"] == task) & (df["method_name"] == method) & at(df, budget)
              & (df["method"] == display_name(method))]
     used = pick(sel, ["model_key", "variant"])
@@ -426,23 +427,20 @@ def sensitivity_table(df, name: str, method: str, budget: float, task: str = "lo
         if mine["variant"].nunique() < 2:
             continue
         block = []
-        for (p, dflt), v in sorted(mine.groupby(["params", "default"]), key=lambda x: [num(params[x[0][0]].get(k))
-                                                                                    for k in keys]):
-            vals = pd.Series(dict(zip(v["dataset"], v["score"])), dtype=float).reindex(datasets)
+        for (p, dflt), v in sorted(mine.groupby(["params", "default"]),
+                                   key=lambda x: [num(params[x[0][0]].get(k)) for k in keys]):
+            vals = _scores(v, datasets)
             block.append({"Model": mk, **{k: str(params[p].get(k, "–")) for k in keys}, "Default": "✓" * bool(dflt),
                           **(vals if per_dataset else {}), "Avg": vals.mean(skipna=False)})
         ref = next((r["Avg"] for r in block if r["Default"]), math.nan)
         rows += [dict(r, **{"Δ default": r["Avg"] - ref}) for r in block]
     if not rows:
         return []
-    data = pd.DataFrame(rows)
-    headers = {"window_size": "W", "kernel_size": "K"}
+    data, headers = pd.DataFrame(rows), {"window_size": "W", "kernel_size": "K"}
     caption = (f"Sensitivity of {display_name(method)} to {', '.join(headers.get(k, k) for k in keys)} on LongBench "
-               f"({_ds(len(datasets))}, {budget_text(budget)} KV budget; {budget_semantics([budget])}). Δ default: gap "
-               "to the default configuration (✓).")
+               f"({_ds(len(datasets))}, {budget_text(budget)} KV budget; {budget_semantics([budget])}). Δ default: "
+               "gap to the default configuration (✓).")
+    notes = [f"absent: {r['Model']} variant {', '.join(f'{k}={r[k]}' for k in keys)} lacks a dataset"
+             for r in rows if math.isnan(r["Avg"])]
     return [Artifact(name, caption, data, bold=bolds(data, [*datasets] * per_dataset + ["Avg"], data.index, "Model"),
-                     signed={"Δ default"}, sources=sorted(set(used["job"])), notes=[
-                         f"absent: {r['Model']} variant {', '.join(f'{k}={r[k]}' for k in keys)} lacks a dataset"
-                         for r in rows if math.isnan(r["Avg"])],
-                     headers={**headers, **{d: DATASET_ABBR.get(d, d) for d in datasets}})]
-
+                     signed={"Δ default"}, sources=used["job"], notes=notes, headers=headers)]
