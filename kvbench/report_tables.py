@@ -222,10 +222,10 @@ def score_tables(df: pd.DataFrame, root: Path | None = None) -> list[Artifact]:
         budgets = [k[3] for k in keys if k[3] >= 0]
         caption = (f"Scores of every job configuration of {mk} on {task} ({_ds(len(datasets))}; one row per method"
                    + ", method variant" * show_variant + " and budget"
-                   + f"; {budget_semantics(budgets)}" * bool(budgets) + "). Each dataset's score is round(100·mean, 2) of "
-                   "the per-sample scores in [0, 1]; Avg: mean over the table's datasets, missing when a row lacks one; "
-                   "n: scored samples. The full cache ignores the budget (–). Best complete compressed configuration per "
-                   "column in bold.")
+                   + f"; {budget_semantics(budgets)}" * bool(budgets) + "). Each dataset's score is round(100·mean, "
+                   "2) of the per-sample scores in [0, 1]; Avg: mean over the table's datasets, missing when a row "
+                   "lacks one; n: scored samples. The full cache ignores the budget (–). Best complete compressed "
+                   "configuration per column in bold.")
         name = f"scores_{slug(task)}_{slug(mk)}"
         while name in names:
             name += "_2"
