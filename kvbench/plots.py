@@ -1,7 +1,5 @@
 """NIAH heatmaps, for a job's ``heatmap.png`` and for the reports. Matplotlib runs headless (Agg)."""
 
-from __future__ import annotations
-
 from pathlib import Path
 from typing import Iterable
 

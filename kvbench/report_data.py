@@ -4,8 +4,6 @@ setting (``llama31 [ctx31500]``, ``tiny [task.max_new_tokens=64]``); ``variant``
 label differ or differ from the ``conf/method`` preset (``alpha=1.5``; ``default``: the preset's own). Jobs of one cell
 with different fields are never averaged together."""
 
-from __future__ import annotations
-
 import functools
 import json
 import math
@@ -56,10 +54,9 @@ def read_predictions(path: Path) -> list[dict]:
 
 def _json(path: Path) -> dict:
     try:
-        data = json.loads(path.read_text())
+        return data if isinstance(data := json.loads(path.read_text()), dict) else {}
     except (OSError, ValueError):
         return {}
-    return data if isinstance(data, dict) else {}
 
 
 def niah_grid(job_dir: Path) -> tuple[list, list] | None:
@@ -88,14 +85,6 @@ def niah_grid_records(job_dir: Path) -> list[dict]:
 def presets() -> dict[str, dict]:
     """``conf/method/<preset>.yaml`` files as ``{preset: mapping}``."""
     return {p.stem: yaml.safe_load(p.read_text()) or {} for p in sorted((CONF / "method").glob("*.yaml"))}
-
-
-def preset_fields(name: str, label: str) -> dict | None:
-    """Fields (without name and label) of the preset that has this method name and label."""
-    for preset, data in presets().items():
-        if data.get("name", preset) == name and data.get("label", preset) == label:
-            return {k: v for k, v in data.items() if k not in ("name", "label", "defaults")}
-    return None
 
 
 def display_name(method_name: str) -> str:
@@ -178,7 +167,8 @@ def _variants(df: pd.DataFrame) -> pd.DataFrame:
     df["variant"], df["default"] = "", True
     for (_t, _m, label, name), grp in df.groupby(["task", "model_key", "method", "method_name"]):
         params = {p: json.loads(p) for p in grp["params"].unique()}
-        ref = preset_fields(name, label)
+        ref = next(({k: v for k, v in d.items() if k not in ("name", "label", "defaults")} for p, d in presets().items()
+                    if d.get("name", p) == name and d.get("label", p) == label), None)
         varying = {k for p in params.values() for k in p if len({json.dumps(q.get(k)) for q in params.values()}) > 1}
         varying |= {k for p in params.values() for k in p if ref and k in ref and json.dumps(p[k]) != json.dumps(ref[k])}
         for p, own in params.items():

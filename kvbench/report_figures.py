@@ -1,7 +1,5 @@
 """The seed papers' figures and the NIAH heatmaps, from the tidy frame and the latency records."""
 
-from __future__ import annotations
-
 import math
 from pathlib import Path
 

@@ -1,8 +1,6 @@
 """The report's tables from the tidy frame: a score table per task × model key (any sweep) and the seed papers'
 tables. Each builder returns a list of :class:`Artifact` (empty without inputs); NaN is a missing cell, never 0."""
 
-from __future__ import annotations
-
 import json
 import math
 import re
