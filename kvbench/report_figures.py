@@ -45,12 +45,13 @@ def selkv_fig2(df: pd.DataFrame, budget: float = 0.25, task: str = "longbench") 
                 unfinished = True
     ax.axhline(0, color="black", linewidth=0.8)
     ax.margins(y=0.15)
-    ax.set_xticks(range(len(g.models)), g.models)
-    ax.set(xlabel="Model", ylabel=f"Δ LongBench average vs {g.full} (points)")
+    ax.set(xticks=range(len(g.models)), xticklabels=g.models, xlabel="Model",
+           ylabel=f"Δ LongBench average vs {g.full} (points)")
     ax.set_title("Gap to the full cache\n(closer to 0 is better)", fontsize=10)
     ax.legend(fontsize=7)
-    caption = (f"Task: LongBench ({_ds(len(g.datasets))}); models: {', '.join(g.models)}; {budget_semantics([budget])}, "
-               f"ρ = {budget_text(budget)}." + " Hatched, pale bars: an unfinished job (fewer samples scored)." * unfinished)
+    caption = (f"Task: LongBench ({_ds(len(g.datasets))}); models: {', '.join(g.models)}; "
+               f"{budget_semantics([budget])}, ρ = {budget_text(budget)}."
+               + " Hatched, pale bars: an unfinished job (fewer samples scored)." * unfinished)
     return [_done("selkv_fig2", fig, caption, g.sources, g.notes)]
 
 
@@ -66,14 +67,12 @@ def _sweep_axes(ax, grids: dict[float, Grid], mk: str, dataset: str | None, rati
         notes += [f"absent: {mk} / {lab} at budget {budget_text(b)}" + f" ({dataset})" * bool(dataset)
                   for b in vals.index[vals.isna()]]
         ax.plot([b * 100 if ratio else b for b in vals.dropna().index], vals.dropna(), marker="o", label=lab)
-    if ratio:
-        ax.set_xlabel("KV retention ratio ρ (% of prompt tokens)")
-    else:
+    if not ratio:
         ax.set_xscale("log", base=2)
         ax.set_xticks(list(t.columns), [f"{b:g}" for b in t.columns])
         ax.minorticks_off()
-        ax.set_xlabel("KV budget (tokens per layer per KV head)")
-    ax.set_ylabel("Score (points)" if dataset else "Average score (points)")
+    ax.set(xlabel="KV retention ratio ρ (% of prompt tokens)" if ratio else "KV budget (tokens per layer per KV head)",
+           ylabel="Score (points)" if dataset else "Average score (points)")
     ax.set_title(mk + f" — {dataset}" * bool(dataset), fontsize=9)
     ax.legend(fontsize=7)
     return notes
@@ -133,13 +132,12 @@ def selkv_fig3(latency: list[dict], source: str = "latency.json") -> list[Artifa
                        for j, meth in enumerate(methods)], fontsize=6, loc="upper left")
         ax_a.set_ylim(top=ax_a.get_ylim()[1] * 1.45)
         ax_b.set_xscale("log", base=2)
-        for ax, xs, what in ((ax_a, range(len(lengths)), "(a) time breakdown"), (ax_b, lengths, "(b) decode throughput")):
+        for ax, xs, what, y in ((ax_a, range(len(lengths)), "(a) time breakdown", "Time per request (s)"),
+                                (ax_b, lengths, "(b) decode throughput", "Decode throughput (tokens/s)")):
             ax.set_xticks(xs, [f"{n:.0f}" for n in lengths], rotation=45, fontsize=7)
-            ax.set_xlabel("Prompt length (tokens)")
+            ax.set(xlabel="Prompt length (tokens)", ylabel=y)
             ax.set_title(f"{what[:4]}{mk}: {what[4:]}", fontsize=9)
         ax_b.minorticks_off()
-        ax_a.set_ylabel("Time per request (s)")
-        ax_b.set(ylabel="Decode throughput (tokens/s)")
         ax_b.legend(fontsize=7)
     budgets = sorted(set(pd.to_numeric(lat["budget"], errors="coerce").dropna()) - {1.0})
     devices = sorted(lat["device"].dropna().astype(str).unique()) if "device" in lat else []
