@@ -108,7 +108,7 @@ def selkv_fig3(latency: list[dict], source: str = "latency.json") -> list[Artifa
     if not {"model", "method", "prompt_tokens", "decode_tok_s"} <= set(lat.columns):
         return []
     stages = {"prefill_s": "prefill", "compress_s": "compression", "decode_s": "decode"}
-    lat = lat.reindex(columns=list(dict.fromkeys([*lat.columns, *stages, "budget"])))
+    lat = lat.reindex(columns=dedupe([*lat.columns, *stages, "budget", "device", "generated_tokens"]))
     means = lat.groupby(["model", "method", "prompt_tokens"]).mean(numeric_only=True).fillna({c: 0.0 for c in stages})
     models = sorted(lat["model"].unique(), key=model_sort_key)
     fig, axes = _figure(len(models), 2, w=5.2)
@@ -121,11 +121,9 @@ def selkv_fig3(latency: list[dict], source: str = "latency.json") -> list[Artifa
         for j, meth in enumerate(methods):
             mm = m.loc[meth].reindex(lengths)
             xs = [i - 0.4 + width * (j + 0.5) for i in range(len(lengths))]
-            bottom = 0
             for k, col in enumerate(stages):
-                ax_a.bar(xs, mm[col].fillna(0), width, bottom=bottom, color=f"C{k}", hatch=hatches[j % 5],
-                         edgecolor="black", linewidth=0.4)
-                bottom = bottom + mm[col].fillna(0)
+                ax_a.bar(xs, mm[col].fillna(0), width, bottom=mm[list(stages)[:k]].fillna(0).sum(axis=1),
+                         color=f"C{k}", hatch=hatches[j % 5], edgecolor="black", linewidth=0.4)
             ax_b.plot(mm.dropna(subset=["decode_tok_s"]).index, mm["decode_tok_s"].dropna(), marker="o", label=meth)
         ax_a.legend(handles=[Patch(facecolor=f"C{k}", label=s) for k, s in enumerate(stages.values())]
                     + [Patch(facecolor="white", edgecolor="black", hatch=hatches[j % 5], label=meth)
@@ -140,8 +138,7 @@ def selkv_fig3(latency: list[dict], source: str = "latency.json") -> list[Artifa
         ax_b.minorticks_off()
         ax_b.legend(fontsize=7)
     budgets = sorted(set(pd.to_numeric(lat["budget"], errors="coerce").dropna()) - {1.0})
-    devices = sorted(lat["device"].dropna().astype(str).unique()) if "device" in lat else []
-    gen = lat["generated_tokens"].dropna() if "generated_tokens" in lat else []
+    devices, gen = sorted(lat["device"].dropna().astype(str).unique()), lat["generated_tokens"].dropna()
     caption = (f"Latency{' on ' + ', '.join(devices) if devices else ''}; models: {', '.join(models)}; task: synthetic "
                f"prompts, {f'{gen.mean():.0f} generated tokens; ' if len(gen) else ''}compressed at budget "
                f"{', '.join(map(budget_text, budgets)) or '?'} ({budget_semantics(budgets or [math.nan])}).")
