@@ -192,22 +192,20 @@ def main(argv: list[str] | None = None) -> int:
     if df.empty and not (latency and only and all(fnmatch.fnmatch("selkv_fig3", x) for x in only)):
         print(f"warning: no job folders under {root} (a job folder holds config.yaml and summary.json or "
               "predictions.jsonl)", file=sys.stderr)
-    failed = 0
-    for family, arts in build(Context(root, df, latency, str(lat_path)), only).items():
+    built = build(Context(root, df, latency, str(lat_path)), only)
+    for family, arts in built.items():
         if isinstance(arts, Exception):
-            failed += 1
             index.append(f"- {family}: FAILED ({type(arts).__name__}: {arts})")
             print(f"{family}: FAILED: {type(arts).__name__}: {arts}", file=sys.stderr)
         index += [f"- {family}: no inputs in this results root"] if arts == [] else []
         for a in arts if isinstance(arts, list) else []:
-            paths = write(a, out)
             kinds = ", ".join(dedupe(n.split(":")[0] for n in a.notes))
-            index.append(f"- {a.name}: {', '.join(q.name for q in paths)} ({len(a.sources)} job(s)"
-                         + (f", {len(a.notes)} note(s): {kinds}" if a.notes else "") + ")")
-            print(f"wrote {a.name}" + (f", {len(a.notes)} note(s): {kinds}" if a.notes else ""))
+            kinds = f", {len(a.notes)} note(s): {kinds}" if a.notes else ""
+            index.append(f"- {a.name}: {', '.join(q.name for q in write(a, out))} ({len(a.sources)} job(s){kinds})")
+            print(f"wrote {a.name}{kinds}")
     atomic_write(out / "index.md", "\n".join(index) + "\n")
     print(f"report written to {out}")
-    return 1 if failed else 0
+    return int(any(isinstance(a, Exception) for a in built.values()))
 
 
 if __name__ == "__main__":
