@@ -9,7 +9,7 @@ from matplotlib.patches import Patch
 from .plots import SCORE_LABEL, draw_niah_heatmap, plt
 from .report_data import (FULL, budget_semantics, budget_text, method_sort_key, model_sort_key, niah_grid_records,
                           order_datasets)
-from .report_tables import Artifact, Grid, _ds, at, budget_grids, cell_notes, dedupe, grid, merged, pick, slug, sweep
+from .report_tables import Artifact, _ds, at, budget_grids, cell_notes, dedupe, grid, merged, pick, slug, sweep
 
 
 def _figure(n_rows: int, n_cols: int, w: float = 4.2, h: float = 3.2):
@@ -55,29 +55,6 @@ def selkv_fig2(df: pd.DataFrame, budget: float = 0.25, task: str = "longbench") 
     return [_done("selkv_fig2", fig, caption, g.sources, g.notes)]
 
 
-def _sweep_axes(ax, grids: dict[float, Grid], mk: str, dataset: str | None, ratio: bool) -> list[str]:
-    """Lines of one model's average (or one dataset's score) across budgets; full cache dashed."""
-    t = sweep(grids, mk, dataset)
-    full = next((g.full for g in grids.values() if g.full), None)
-    notes = []
-    for lab, vals in t.iterrows():
-        if lab == full:
-            ax.axhline(vals.iloc[0], color="black", linestyle="--", linewidth=1, label=lab)
-            continue
-        notes += [f"absent: {mk} / {lab} at budget {budget_text(b)}" + f" ({dataset})" * bool(dataset)
-                  for b in vals.index[vals.isna()]]
-        ax.plot([b * 100 if ratio else b for b in vals.dropna().index], vals.dropna(), marker="o", label=lab)
-    if not ratio:
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(list(t.columns), [f"{b:g}" for b in t.columns])
-        ax.minorticks_off()
-    ax.set(xlabel="KV retention ratio ρ (% of prompt tokens)" if ratio else "KV budget (tokens per layer per KV head)",
-           ylabel="Score (points)" if dataset else "Average score (points)")
-    ax.set_title(mk + f" — {dataset}" * bool(dataset), fontsize=9)
-    ax.legend(fontsize=7)
-    return notes
-
-
 def budget_sweep_figure(df, name: str, task: str, ratio: bool, title: str, per_dataset: bool = False):
     """Average vs budget, one panel per model with >= 2 budgets (SelKV Fig. 4, CompressKV Figs. 4, 5);
     ``per_dataset``: one row per model, one panel per dataset (Qasper, MuSiQue when present; SelKV Fig. 5)."""
@@ -90,9 +67,25 @@ def budget_sweep_figure(df, name: str, task: str, ratio: bool, title: str, per_d
     datasets = ([d for d in ("qasper", "musique") if d in present] or present[:4]) if per_dataset else [None]
     fig, axes = _figure(len(models) if per_dataset else 1, len(datasets) if per_dataset else len(models))
     sources, notes = merged(list(grids.values()), models)
+    full = next((g.full for g in grids.values() if g.full), None)
     for i, mk in enumerate(models):
-        for j, ds in enumerate(datasets):
-            notes += _sweep_axes(axes[i, j] if per_dataset else axes[0, i], grids, mk, ds, ratio)
+        for j, ds in enumerate(datasets):  # one model's average (or one dataset's score) across budgets
+            ax, t = axes[i, j] if per_dataset else axes[0, i], sweep(grids, mk, ds)
+            for lab, vals in t.iterrows():
+                if lab == full:
+                    ax.axhline(vals.iloc[0], color="black", linestyle="--", linewidth=1, label=lab)
+                    continue
+                notes += [f"absent: {mk} / {lab} at budget {budget_text(b)}" + f" ({ds})" * bool(ds)
+                          for b in vals.index[vals.isna()]]
+                ax.plot([b * 100 if ratio else b for b in vals.dropna().index], vals.dropna(), marker="o", label=lab)
+            if not ratio:
+                ax.set_xscale("log", base=2)
+                ax.set_xticks(list(t.columns), [f"{b:g}" for b in t.columns])
+                ax.minorticks_off()
+            ax.set(ylabel="Score (points)" if ds else "Average score (points)", xlabel="KV retention ratio ρ (% of "
+                   "prompt tokens)" if ratio else "KV budget (tokens per layer per KV head)")
+            ax.set_title(mk + f" — {ds}" * bool(ds), fontsize=9)
+            ax.legend(fontsize=7)
     if title:
         fig.suptitle(title, fontsize=10)
     what = f"per dataset ({', '.join(datasets)})" if per_dataset else _ds(len(present))
