@@ -106,22 +106,20 @@ def to_latex(t: Artifact) -> str:
 def write(a: Artifact, out: Path) -> list[Path]:
     """Write a table (``.md``, ``.tex``, ``.csv``) or a figure (``.png`` at 150 dpi, ``.pdf``; closed
     after), and ``<name>.sources.txt``; returns the paths of the table or figure files."""
-    base = out / a.name
-    base.parent.mkdir(parents=True, exist_ok=True)
+    paths = [Path(f"{out / a.name}{s}") for s in ((".png", ".pdf") if a.fig is not None else (".md", ".tex", ".csv"))]
+    paths[0].parent.mkdir(parents=True, exist_ok=True)
     if a.fig is not None:
-        paths = [base.with_name(base.name + s) for s in (".png", ".pdf")]
         a.fig.savefig(paths[0], dpi=150)
         a.fig.savefig(paths[1])
         plt.close(a.fig)
     else:
-        paths = [base.with_name(base.name + s) for s in (".md", ".tex", ".csv")]
-        numeric = a.data.select_dtypes("number").columns
-        csv = a.data.assign(**{c: a.data[c].map(lambda v: v if math.isnan(v) else round2(v)) for c in numeric})
+        csv = a.data.assign(**{c: a.data[c].map(lambda v: v if math.isnan(v) else round2(v))
+                               for c in a.data.select_dtypes("number").columns})
         for path, text in zip(paths, (to_markdown(a), to_latex(a), csv.to_csv(index=False, na_rep=""))):
             atomic_write(path, text)
     text = [f"# {a.name}: job folders this artifact was built from (relative to the results root)", f"# {a.caption}",
             *a.sources, *([""] + [f"# note: {n}" for n in a.notes] if a.notes else [])]
-    atomic_write(base.with_name(base.name + ".sources.txt"), "\n".join(text) + "\n")
+    atomic_write(Path(f"{out / a.name}.sources.txt"), "\n".join(text) + "\n")
     return paths
 
 
