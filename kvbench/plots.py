@@ -1,14 +1,14 @@
 """NIAH heatmaps, for a job's ``heatmap.png`` and for the reports. Matplotlib runs headless (Agg)."""
 
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-import pandas as pd  # noqa: E402
+import matplotlib.pyplot as plt
+import numpy as np
+import pandas as pd
 
 plt.rcParams["figure.max_open_warning"] = 0  # a report holds one figure per NIAH job before writing
 SCORE_LABEL = "Score (ROUGE-1 recall × 100)"

@@ -7,8 +7,8 @@ with different fields are never averaged together."""
 import functools
 import json
 import math
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 import numpy as np
 import pandas as pd

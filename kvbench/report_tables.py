@@ -9,8 +9,19 @@ from pathlib import Path
 
 import pandas as pd
 
-from .report_data import (DATASET_ABBR, FULL, LONG_CONTEXT_TOKENS, LONGBENCH_CATEGORIES, budget_semantics,
-                          budget_text, display_name, method_sort_key, model_sort_key, niah_grid, order_datasets)
+from .report_data import (
+    DATASET_ABBR,
+    FULL,
+    LONG_CONTEXT_TOKENS,
+    LONGBENCH_CATEGORIES,
+    budget_semantics,
+    budget_text,
+    display_name,
+    method_sort_key,
+    model_sort_key,
+    niah_grid,
+    order_datasets,
+)
 
 
 @dataclass
@@ -175,7 +186,7 @@ def score_tables(df: pd.DataFrame, root: Path | None = None) -> list[Artifact]:
     its label), among rows of one sample set."""
     out, names = [], set()
     scored = df[df["score"].notna()]
-    natural = lambda s: [(0, int(t), "") if t.isdigit() else (1, 0, t) for t in re.split(r"(\d+)", s)]  # noqa: E731
+    natural = lambda s: [(0, int(t), "") if t.isdigit() else (1, 0, t) for t in re.split(r"(\d+)", s)]
     for task, mk in sorted(set(zip(scored["task"], scored["model_key"])), key=lambda p: (p[0], model_sort_key(p[1]))):
         sel = df[(df["task"] == task) & (df["model_key"] == mk)]
         sel = sel.assign(bkey=sel["budget"].where(sel["method_name"] != FULL, -1.0).fillna(-1.0))
@@ -188,8 +199,7 @@ def score_tables(df: pd.DataFrame, root: Path | None = None) -> list[Artifact]:
         grids = {j: f"lengths {g[0]} × depths {g[1]}" for j, g in grids.items() if g}
         rows, notes, comp, kinds = [], [], [], []
         for name, label, variant, b, _nd in keys:
-            is_row = lambda t: (t["method"] == label) & (t["variant"] == variant) & (t["bkey"] == b)  # noqa: E731
-            part, mine = sel[is_row(sel)], used[is_row(used)]
+            part, mine = (t[(t["method"] == label) & (t["variant"] == variant) & (t["bkey"] == b)] for t in (sel, used))
             btext = None if b < 0 else budget_text(b)
             what = label + f" ({variant})" * bool(variant) + f" at budget {btext}" * bool(btext)
             vals = _scores(mine, datasets)
@@ -364,7 +374,7 @@ def compresskv_table1(df: pd.DataFrame, budgets=(256, 1024), task: str = "longbe
 def ablation_flags(params: dict) -> dict:
     """Gate / Comp / Merge of a SelKV config (None when it does not say): ``gate`` soft | none (merge all) | off
     (eviction only); ``compensation`` off or not; a ``merge`` field decides Merge."""
-    on = lambda v: None if v is None else str(v).lower() not in ("", "none", "off", "false", "0")  # noqa: E731
+    on = lambda v: None if v is None else str(v).lower() not in ("", "none", "off", "false", "0")
     gate = params.get("gate")
     return {"Gate": on(gate), "Comp": on(params.get("compensation")),
             "Merge": params.get("merge", None if gate is None else str(gate).lower() != "off")}
@@ -383,8 +393,9 @@ def staged_table(df: pd.DataFrame, name: str, budget: float, task: str = "longbe
             continue
         by_params = {p: lab for lab, p in sorted(zip(mine["method"], mine["params"]), key=lambda x: len(x[0]))}
         flags = {lab: ablation_flags(json.loads(p)) for p, lab in by_params.items()}
-        switches = lambda lab: [-1 if flags[lab][k] is None else int(flags[lab][k]) for k in ("Merge", "Gate", "Comp")]
-        order = sorted(flags, key=lambda lab: (switches(lab), lab)) if selkv else [snap] * (snap in set(
+        switches = {lab: ([-1 if f[k] is None else int(f[k]) for k in ("Merge", "Gate", "Comp")], lab)
+                    for lab, f in flags.items()}
+        order = sorted(flags, key=switches.get) if selkv else [snap] * (snap in set(
             sel.loc[sel["model_key"] == mk, "method"])) + sorted(labels - {main}) + [main]
         g = grid(df, task, budget, models=[mk], names=["selkv"] if selkv else ["snapkv", "compresskv"], labels=order)
         avgs = [g.avg(mk, lab) for lab in order]
@@ -392,8 +403,8 @@ def staged_table(df: pd.DataFrame, name: str, budget: float, task: str = "longbe
             rows.append({"Model": mk, "Method": g.full, **dict.fromkeys(("Gate", "Comp", "Merge"), "–"),
                          "Avg": g.avg(mk, g.full)})
         ok += range(len(rows), len(rows) + len(order))
-        marks = lambda lab: {k: "?" if v is None else "✓" if v else "–" for k, v in flags[lab].items()}  # noqa: E731
-        rows += [{"Model": mk, "Method": lab, **(marks(lab) if selkv else {}), "Avg": a, "Δ prev": a - p,
+        marks = {lab: {k: "?" if v is None else "✓" if v else "–" for k, v in f.items()} for lab, f in flags.items()}
+        rows += [{"Model": mk, "Method": lab, **(marks[lab] if selkv else {}), "Avg": a, "Δ prev": a - p,
                   **({"Δ full": a - g.avg(mk, g.full)} if selkv else {})}
                  for lab, a, p in zip(order, avgs, [math.nan] + avgs)]
         sources, notes = sources + g.sources, notes + g.notes
@@ -418,7 +429,7 @@ def sensitivity_table(df, name: str, method: str, budget: float, task: str = "lo
     datasets = order_datasets(used["dataset"])
     params = {p: json.loads(p) for p in sel["params"].unique()}
     keys = sorted({k for p in params.values() for k in p if len({json.dumps(q.get(k)) for q in params.values()}) > 1})
-    num = lambda v: (0, float(v), "") if isinstance(v, (int, float)) else (1, 0.0, str(v))  # noqa: E731
+    num = lambda v: (0, float(v), "") if isinstance(v, (int, float)) else (1, 0.0, str(v))
     rows = []
     for mk in sorted(sel["model_key"].unique(), key=model_sort_key):
         mine = used[used["model_key"] == mk]
