@@ -7,28 +7,9 @@ import pandas as pd
 from matplotlib.patches import Patch
 
 from .plots import SCORE_LABEL, draw_niah_heatmap, plt
-from .report_data import (
-    FULL,
-    budget_semantics,
-    budget_text,
-    method_sort_key,
-    model_sort_key,
-    niah_grid_records,
-    order_datasets,
-)
-from .report_tables import (
-    Artifact,
-    _ds,
-    at,
-    budget_grids,
-    cell_notes,
-    dedupe,
-    grid,
-    merged,
-    pick,
-    slug,
-    sweep,
-)
+from .report_data import (FULL, budget_semantics, budget_text, method_sort_key, model_sort_key, niah_grid_records,
+                          order_datasets)
+from .report_tables import Artifact, _ds, at, budget_grids, cell_notes, dedupe, grid, merged, pick, slug, sweep
 
 
 def _figure(n_rows: int, n_cols: int, w: float = 4.2, h: float = 3.2):

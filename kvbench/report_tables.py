@@ -9,19 +9,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from .report_data import (
-    DATASET_ABBR,
-    FULL,
-    LONG_CONTEXT_TOKENS,
-    LONGBENCH_CATEGORIES,
-    budget_semantics,
-    budget_text,
-    display_name,
-    method_sort_key,
-    model_sort_key,
-    niah_grid,
-    order_datasets,
-)
+from .report_data import (DATASET_ABBR, FULL, LONG_CONTEXT_TOKENS, LONGBENCH_CATEGORIES, budget_semantics,
+                          budget_text, display_name, method_sort_key, model_sort_key, niah_grid, order_datasets)
 
 
 @dataclass
