@@ -1,16 +1,14 @@
 """NIAH heatmaps, for a job's ``heatmap.png`` and for the reports. Matplotlib runs headless (Agg)."""
 
-from __future__ import annotations
-
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-import pandas as pd  # noqa: E402
+import matplotlib.pyplot as plt
+import numpy as np
+import pandas as pd
 
 plt.rcParams["figure.max_open_warning"] = 0  # a report holds one figure per NIAH job before writing
 SCORE_LABEL = "Score (ROUGE-1 recall × 100)"
@@ -20,9 +18,10 @@ def niah_grid(records: Iterable[dict]) -> tuple[list[int], list[float], np.ndarr
     """``(lengths, depths, grid)``: mean score in points (0-100) per (needle depth %, context length)
     cell, ``grid`` of shape ``(len(depths), len(lengths))``, NaN where no record succeeded.
     Records need ``meta.context_length`` and ``meta.depth_percent``; failed ones score nothing."""
-    cells = pd.DataFrame([(int(r["meta"]["context_length"]), float(r["meta"]["depth_percent"]), 100.0 * r["score"]
-                           if r.get("error") is None and r.get("score") is not None else np.nan) for r in records
-                          if {"context_length", "depth_percent"} <= set(r.get("meta") or {})], columns=["n", "d", "s"])
+    cells = pd.DataFrame([(int(r["meta"]["context_length"]), float(r["meta"]["depth_percent"]),
+                           100.0 * r["score"] if r.get("error") is None and r.get("score") is not None else np.nan)
+                          for r in records if {"context_length", "depth_percent"} <= set(r.get("meta") or {})],
+                         columns=["n", "d", "s"])
     grid = cells.pivot_table(index="d", columns="n", values="s", aggfunc="mean", dropna=False)
     lengths, depths = sorted(set(cells["n"])), sorted(set(cells["d"]))
     return lengths, depths, grid.reindex(index=depths, columns=lengths).to_numpy(dtype=float)
@@ -39,8 +38,8 @@ def draw_niah_heatmap(ax, records: Iterable[dict], title: str = "", labels: bool
         return None
     im = ax.imshow(np.ma.masked_invalid(grid), cmap=matplotlib.colormaps["RdYlGn"].with_extremes(bad="lightgrey"),
                    vmin=0, vmax=100, aspect="auto")
-    ax.set_xticks(range(len(lengths)), [f"{n // 1024}k" if n % 1024 == 0 else f"{n / 1000:g}k" if n >= 1000 else str(n)
-                                        for n in lengths], fontsize=7, rotation=45)
+    ticks = [f"{n // 1024}k" if n % 1024 == 0 else f"{n / 1000:g}k" if n >= 1000 else str(n) for n in lengths]
+    ax.set_xticks(range(len(lengths)), ticks, fontsize=7, rotation=45)
     ax.set_yticks(range(len(depths)), [f"{d:g}" for d in depths], fontsize=7)
     if labels:
         ax.set(xlabel="Context length (tokens)", ylabel="Needle depth (%)")
@@ -50,8 +49,9 @@ def draw_niah_heatmap(ax, records: Iterable[dict], title: str = "", labels: bool
     return im
 
 
-def niah_figure(records: Iterable[dict], title: str):
-    """A one-panel heatmap figure with its colorbar; None when no record has NIAH metadata."""
+def plot_niah_heatmap(records: Iterable[dict], path: str | Path, title: str) -> Path | None:
+    """Write a job's heatmap to ``path`` (a ``.png`` gets a ``.pdf`` beside it); None (nothing written)
+    when no record has NIAH metadata."""
     records = list(records)
     lengths, depths, _ = niah_grid(records)
     if not lengths:
@@ -59,14 +59,6 @@ def niah_figure(records: Iterable[dict], title: str):
     fig, ax = plt.subplots(figsize=(max(4.8, 1.6 + 0.8 * len(lengths)), max(3.4, 1.6 + 0.4 * len(depths))),
                            layout="constrained")
     fig.colorbar(draw_niah_heatmap(ax, records, title), ax=ax, label=SCORE_LABEL)
-    return fig
-
-
-def plot_niah_heatmap(records: Iterable[dict], path: str | Path, title: str) -> Path | None:
-    """Write a job's heatmap to ``path`` (a ``.png`` gets a ``.pdf`` beside it); None (nothing written)
-    when no record has NIAH metadata."""
-    if (fig := niah_figure(records, title)) is None:
-        return None
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=150)
     if Path(path).suffix == ".png":

@@ -2,8 +2,6 @@
 score table of every task × model and the seed papers' tables (``.md``, ``.tex``, ``.csv``) and figures
 (``.png``, ``.pdf``) from the tidy frame of the store, each with ``<name>.sources.txt``, and ``index.md``."""
 
-from __future__ import annotations
-
 import fnmatch
 import json
 import math
@@ -21,6 +19,7 @@ from .report_data import load_results
 from .report_tables import Artifact, dedupe, round2
 from .store import atomic_write
 
+
 @dataclass
 class Context:
     root: Path
@@ -29,28 +28,31 @@ class Context:
     latency_source: str = "latency.json"
 
 
-ARTIFACTS = {  # family -> (builder, output names it may produce: what --only matches)
-    "scores": (lambda c: rt.score_tables(c.df, c.root), ["scores_*"]),
-    "selkv_table1": (lambda c: rt.selkv_table1(c.df), ["selkv_table1"]),
-    "selkv_table2": (lambda c: rt.staged_table(c.df, "selkv_table2", 0.25), ["selkv_table2"]),
-    "selkv_table3": (lambda c: rt.sensitivity_table(c.df, "selkv_table3", "selkv", 0.25), ["selkv_table3"]),
-    "selkv_table4": (lambda c: rt.selkv_table4(c.df), ["selkv_table4"]),
-    "selkv_ratio_tables": (lambda c: rt.selkv_ratio_tables(c.df), ["selkv_table5", "selkv_table6", "selkv_ratios_*"]),
-    "selkv_table7": (lambda c: rt.selkv_table1(c.df, long=True), ["selkv_table7"]),
-    "selkv_fig2": (lambda c: rf.selkv_fig2(c.df), ["selkv_fig2"]),
-    "selkv_fig3": (lambda c: rf.selkv_fig3(c.latency, c.latency_source), ["selkv_fig3"]),
-    "selkv_fig4": (lambda c: rf.budget_sweep_figure(c.df, "selkv_fig4", "longbench", True,
-                                                 "LongBench average at varying KV retention ratios"), ["selkv_fig4"]),
-    "selkv_fig5": (lambda c: rf.budget_sweep_figure(c.df, "selkv_fig5", "longbench", True, "", True), ["selkv_fig5"]),
-    "compresskv_table1": (lambda c: rt.compresskv_table1(c.df), ["compresskv_table1"]),
-    "compresskv_table3": (lambda c: rt.staged_table(c.df, "compresskv_table3a", 256) + rt.sensitivity_table(
-        c.df, "compresskv_table3b", "compresskv", 256, per_dataset=False), ["compresskv_table3a", "compresskv_table3b"]),
-    "compresskv_fig4": (lambda c: rf.budget_sweep_figure(c.df, "compresskv_fig4", "longbench", False,
-                                                      "LongBench average under varying KV budgets"), ["compresskv_fig4"]),
-    "compresskv_fig5": (lambda c: rf.budget_sweep_figure(c.df, "compresskv_fig5", "niah", False,
-                                                      "Needle-in-a-Haystack average under KV budgets"), ["compresskv_fig5"]),
-    "niah": (lambda c: rf.niah_figures(c.df, c.root), ["niah/*", "niah_panel_*"]),
+def _sweep_fig(name: str, task: str, ratio: bool, title: str = "", per_dataset: bool = False):
+    return lambda c: rf.budget_sweep_figure(c.df, name, task, ratio, title, per_dataset)
+
+
+ARTIFACTS = {  # family -> builder of its artifacts
+    "scores": lambda c: rt.score_tables(c.df, c.root),
+    "selkv_table1": lambda c: rt.selkv_table1(c.df),
+    "selkv_table2": lambda c: rt.staged_table(c.df, "selkv_table2", 0.25),
+    "selkv_table3": lambda c: rt.sensitivity_table(c.df, "selkv_table3", "selkv", 0.25),
+    "selkv_table4": lambda c: rt.selkv_table4(c.df),
+    "selkv_ratio_tables": lambda c: rt.selkv_ratio_tables(c.df),
+    "selkv_table7": lambda c: rt.selkv_table1(c.df, long=True),
+    "selkv_fig2": lambda c: rf.selkv_fig2(c.df),
+    "selkv_fig3": lambda c: rf.selkv_fig3(c.latency, c.latency_source),
+    "selkv_fig4": _sweep_fig("selkv_fig4", "longbench", True, "LongBench average at varying KV retention ratios"),
+    "selkv_fig5": _sweep_fig("selkv_fig5", "longbench", True, per_dataset=True),
+    "compresskv_table1": lambda c: rt.compresskv_table1(c.df),
+    "compresskv_table3": lambda c: rt.staged_table(c.df, "compresskv_table3a", 256)
+    + rt.sensitivity_table(c.df, "compresskv_table3b", "compresskv", 256, per_dataset=False),
+    "compresskv_fig4": _sweep_fig("compresskv_fig4", "longbench", False, "LongBench average under varying KV budgets"),
+    "compresskv_fig5": _sweep_fig("compresskv_fig5", "niah", False, "Needle-in-a-Haystack average under KV budgets"),
+    "niah": lambda c: rf.niah_figures(c.df, c.root),
 }
+OUTPUTS = {"scores": ["scores_*"], "selkv_ratio_tables": ["selkv_table5", "selkv_table6", "selkv_ratios_*"],
+           "compresskv_table3": ["compresskv_table3a", "compresskv_table3b"], "niah": ["niah/*", "niah_panel_*"]}
 
 
 def fmt(value, signed: bool = False) -> str | None:
@@ -80,8 +82,9 @@ def to_markdown(t: Artifact) -> str:
 
 
 def _tex(text: str) -> str:
-    for a, b in [("\\", r"\textbackslash{}"), ("&", r"\&"), ("%", r"\%"), ("_", r"\_"), ("#", r"\#"), ("Δ", r"$\Delta$"),
-                 ("ρ", r"$\rho$"), ("✓", r"\checkmark"), ("–", "--"), ("×", r"$\times$"), ("·", r"$\cdot$")]:
+    for a, b in [("\\", r"\textbackslash{}"), ("&", r"\&"), ("%", r"\%"), ("_", r"\_"), ("#", r"\#"),
+                 ("Δ", r"$\Delta$"), ("ρ", r"$\rho$"), ("✓", r"\checkmark"), ("–", "--"), ("×", r"$\times$"),
+                 ("·", r"$\cdot$")]:
         text = text.replace(a, b)
     return text
 
@@ -103,31 +106,25 @@ def to_latex(t: Artifact) -> str:
 def write(a: Artifact, out: Path) -> list[Path]:
     """Write a table (``.md``, ``.tex``, ``.csv``) or a figure (``.png`` at 150 dpi, ``.pdf``; closed
     after), and ``<name>.sources.txt``; returns the paths of the table or figure files."""
-    base = out / a.name
-    base.parent.mkdir(parents=True, exist_ok=True)
+    paths = [Path(f"{out / a.name}{s}") for s in ((".png", ".pdf") if a.fig is not None else (".md", ".tex", ".csv"))]
+    paths[0].parent.mkdir(parents=True, exist_ok=True)
     if a.fig is not None:
-        paths = [base.with_name(base.name + s) for s in (".png", ".pdf")]
         a.fig.savefig(paths[0], dpi=150)
         a.fig.savefig(paths[1])
         plt.close(a.fig)
     else:
-        paths = [base.with_name(base.name + s) for s in (".md", ".tex", ".csv")]
-        numeric = a.data.select_dtypes("number").columns
-        csv = a.data.assign(**{c: a.data[c].map(lambda v: v if math.isnan(v) else round2(v)) for c in numeric})
+        csv = a.data.assign(**{c: a.data[c].map(lambda v: v if math.isnan(v) else round2(v))
+                               for c in a.data.select_dtypes("number").columns})
         for path, text in zip(paths, (to_markdown(a), to_latex(a), csv.to_csv(index=False, na_rep=""))):
             atomic_write(path, text)
     text = [f"# {a.name}: job folders this artifact was built from (relative to the results root)", f"# {a.caption}",
             *a.sources, *([""] + [f"# note: {n}" for n in a.notes] if a.notes else [])]
-    atomic_write(base.with_name(base.name + ".sources.txt"), "\n".join(text) + "\n")
+    atomic_write(Path(f"{out / a.name}.sources.txt"), "\n".join(text) + "\n")
     return paths
 
 
 def load_latency(path: str | Path) -> list[dict]:
-    """Records of a kvbench.latency JSON file (a list of objects, or ``{"records": [...]}``).
-
-    Raises:
-        ValueError: the file is not JSON or not a list of records.
-    """
+    """Records of a kvbench.latency JSON file (a list of objects, or ``{"records": [...]}``); ValueError if not."""
     data = json.loads(Path(path).read_text())
     records = data.get("records") if isinstance(data, dict) else data
     if not isinstance(records, list) or not all(isinstance(r, dict) for r in records):
@@ -135,20 +132,20 @@ def load_latency(path: str | Path) -> list[dict]:
     return records
 
 
-def _selected(family: str, outputs: list[str], only) -> bool:
+def _selected(family: str, only) -> bool:
     return not only or any(fnmatch.fnmatch(family, p) or any(fnmatch.fnmatch(o, p) or fnmatch.fnmatch(p, o)
-                                                             for o in outputs) for p in only)
+                                                             for o in OUTPUTS.get(family, [family])) for p in only)
 
 
 def build(ctx: Context, only: list[str] | None = None) -> dict[str, list | Exception]:
     """Run the selected builders: ``{family: [Artifact, ...]}`` (``[]``: no inputs) or the exception
     it raised (one broken artifact does not stop the others)."""
     built = {}
-    for family, (builder, outputs) in ARTIFACTS.items():
-        if _selected(family, outputs, only):
+    for family, builder in ARTIFACTS.items():
+        if _selected(family, only):
             try:
                 arts = builder(ctx)
-            except Exception as e:  # noqa: BLE001 - reported in index.md and on stderr
+            except Exception as e:
                 built[family] = e
                 continue
             whole = not only or any(fnmatch.fnmatch(family, p) for p in only)
@@ -158,9 +155,8 @@ def build(ctx: Context, only: list[str] | None = None) -> dict[str, list | Excep
 
 def main(argv: list[str] | None = None) -> int:
     """CLI entry point; exit status 1 when an artifact failed to build, 2 on a usage error."""
-    names = sorted({o for _b, outs in ARTIFACTS.values() for o in outs} | set(ARTIFACTS))
-    p = ArgParser(prog="kvbench report", usage="kvbench report RESULTS_ROOT [--out OUT] [--only NAME ...] [--latency FILE]",
-                  description="Score tables of any sweep and the papers' tables and figures from RESULTS_ROOT's jobs.")
+    names = sorted({o for f in ARTIFACTS for o in OUTPUTS.get(f, [f])} | set(ARTIFACTS))
+    p = ArgParser(prog="kvbench report", description="Score tables and the papers' tables and figures.")
     p.add_argument("root", metavar="RESULTS_ROOT", nargs="?")
     p.add_argument("--out", help="output folder (default: RESULTS_ROOT/report)")
     p.add_argument("--only", nargs="+", metavar="NAME", help="artifact names or patterns: " + ", ".join(names))
@@ -175,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     if not root.is_dir():
         p.error(f"RESULTS_ROOT {str(root)!r} is not a directory")
     for pattern in only:
-        if not any(_selected(f, o, [pattern]) for f, (_b, o) in ARTIFACTS.items()):
+        if not any(_selected(f, [pattern]) for f in ARTIFACTS):
             p.error(f"--only {pattern!r}: no such artifact; accepted: {', '.join(names)}")
     lat_path = Path(args.latency or root / "latency.json")
     try:
@@ -194,22 +190,20 @@ def main(argv: list[str] | None = None) -> int:
     if df.empty and not (latency and only and all(fnmatch.fnmatch("selkv_fig3", x) for x in only)):
         print(f"warning: no job folders under {root} (a job folder holds config.yaml and summary.json or "
               "predictions.jsonl)", file=sys.stderr)
-    failed = 0
-    for family, arts in build(Context(root, df, latency, str(lat_path)), only).items():
+    built = build(Context(root, df, latency, str(lat_path)), only)
+    for family, arts in built.items():
         if isinstance(arts, Exception):
-            failed += 1
             index.append(f"- {family}: FAILED ({type(arts).__name__}: {arts})")
             print(f"{family}: FAILED: {type(arts).__name__}: {arts}", file=sys.stderr)
         index += [f"- {family}: no inputs in this results root"] if arts == [] else []
         for a in arts if isinstance(arts, list) else []:
-            paths = write(a, out)
             kinds = ", ".join(dedupe(n.split(":")[0] for n in a.notes))
-            index.append(f"- {a.name}: {', '.join(q.name for q in paths)} ({len(a.sources)} job(s)"
-                         + (f", {len(a.notes)} note(s): {kinds}" if a.notes else "") + ")")
-            print(f"wrote {a.name}" + (f", {len(a.notes)} note(s): {kinds}" if a.notes else ""))
+            kinds = f", {len(a.notes)} note(s): {kinds}" if a.notes else ""
+            index.append(f"- {a.name}: {', '.join(q.name for q in write(a, out))} ({len(a.sources)} job(s){kinds})")
+            print(f"wrote {a.name}{kinds}")
     atomic_write(out / "index.md", "\n".join(index) + "\n")
     print(f"report written to {out}")
-    return 1 if failed else 0
+    return int(any(isinstance(a, Exception) for a in built.values()))
 
 
 if __name__ == "__main__":

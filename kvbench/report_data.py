@@ -4,13 +4,11 @@ setting (``llama31 [ctx31500]``, ``tiny [task.max_new_tokens=64]``); ``variant``
 label differ or differ from the ``conf/method`` preset (``alpha=1.5``; ``default``: the preset's own). Jobs of one cell
 with different fields are never averaged together."""
 
-from __future__ import annotations
-
 import functools
 import json
 import math
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 import numpy as np
 import pandas as pd
@@ -39,7 +37,8 @@ CACHE_COLUMNS = ["prompt_tokens", "kept_tokens", "cache_bytes_before", "cache_by
 #: config keys that are not a job's setting: table rows/columns, folder naming, run control, sample selection
 NOT_SETTINGS = ("method", "budget", "run_tag", "run_name", "hydra", "quiet", "lock_wait_s", "output_root",
                 "threads", "reuse_full", "max_samples", "shard", "task.context_lengths", "task.depth_percents",
-                "task.datasets", "task.n_samples", "model.gguf_cache", "device", "task.max_length", "model.max_input_length")
+                "task.datasets", "task.n_samples", "model.gguf_cache", "device", "task.max_length",
+                "model.max_input_length")
 RUN_CONTROL_FIELDS = ("kernel",)  # method fields that do not change a result
 
 
@@ -56,10 +55,9 @@ def read_predictions(path: Path) -> list[dict]:
 
 def _json(path: Path) -> dict:
     try:
-        data = json.loads(path.read_text())
+        return data if isinstance(data := json.loads(path.read_text()), dict) else {}
     except (OSError, ValueError):
         return {}
-    return data if isinstance(data, dict) else {}
 
 
 def niah_grid(job_dir: Path) -> tuple[list, list] | None:
@@ -88,14 +86,6 @@ def niah_grid_records(job_dir: Path) -> list[dict]:
 def presets() -> dict[str, dict]:
     """``conf/method/<preset>.yaml`` files as ``{preset: mapping}``."""
     return {p.stem: yaml.safe_load(p.read_text()) or {} for p in sorted((CONF / "method").glob("*.yaml"))}
-
-
-def preset_fields(name: str, label: str) -> dict | None:
-    """Fields (without name and label) of the preset that has this method name and label."""
-    for preset, data in presets().items():
-        if data.get("name", preset) == name and data.get("label", preset) == label:
-            return {k: v for k, v in data.items() if k not in ("name", "label", "defaults")}
-    return None
 
 
 def display_name(method_name: str) -> str:
@@ -139,7 +129,8 @@ def _job_rows(root: Path, job: Path) -> list[dict]:
     ok = recs[~recs["failed"] & recs["score"].notna()].astype({c: float for c in numeric}, errors="ignore")
     ok[numeric] = ok[numeric].apply(pd.to_numeric, errors="coerce")
     stored = {d: s for d, s in (summary.get("datasets") or {}).items() if (s or {}).get("score") is not None}
-    per = ok.groupby("dataset")[numeric].mean().reindex(sorted(set(recs["dataset"]) | set(summary.get("datasets") or {})))
+    datasets = sorted(set(recs["dataset"]) | set(summary.get("datasets") or {}))
+    per = ok.groupby("dataset")[numeric].mean().reindex(datasets)
     per["score"] = ok.groupby("dataset")["score"].agg(lambda s: round(100 * sum(s) / len(s), 2))
     per["n"], per["n_failed"] = ok.groupby("dataset").size(), recs.groupby("dataset")["failed"].sum()
     for d, s in stored.items():
@@ -154,8 +145,8 @@ def _job_rows(root: Path, job: Path) -> list[dict]:
 
 
 def _model_keys(df: pd.DataFrame) -> pd.Series:
-    """Model name, suffixed where jobs of one (task, model) differ in a setting: by run tag, else by
-    the differing keys (a key that older jobs lack is compared among the jobs that have it)."""
+    """Model name, suffixed where jobs of one (task, model) differ in a setting: by run tag, else by the differing
+    keys (a key that older jobs lack is compared among the jobs that have it)."""
     keys = df["model"].copy()
     for _, grp in df.groupby(["task", "model"]):
         values: dict[str, set] = {}
@@ -178,9 +169,11 @@ def _variants(df: pd.DataFrame) -> pd.DataFrame:
     df["variant"], df["default"] = "", True
     for (_t, _m, label, name), grp in df.groupby(["task", "model_key", "method", "method_name"]):
         params = {p: json.loads(p) for p in grp["params"].unique()}
-        ref = preset_fields(name, label)
+        ref = next(({k: v for k, v in d.items() if k not in ("name", "label", "defaults")} for p, d in presets().items()
+                    if d.get("name", p) == name and d.get("label", p) == label), None)
         varying = {k for p in params.values() for k in p if len({json.dumps(q.get(k)) for q in params.values()}) > 1}
-        varying |= {k for p in params.values() for k in p if ref and k in ref and json.dumps(p[k]) != json.dumps(ref[k])}
+        varying |= {k for p in params.values() for k in p
+                    if ref and k in ref and json.dumps(p[k]) != json.dumps(ref[k])}
         for p, own in params.items():
             idx = grp.index[grp["params"] == p]
             df.loc[idx, "variant"] = ", ".join(f"{k}={own.get(k, '–')}" for k in sorted(varying))
@@ -190,25 +183,18 @@ def _variants(df: pd.DataFrame) -> pd.DataFrame:
 
 
 def load_results(root: str | Path) -> pd.DataFrame:
-    """Every job folder under ``root`` as one tidy frame, one row per job × dataset.
-
-    Scores are ``summary.json``'s ``round(100·mean, 2)`` per dataset, else (a job still running or
-    killed) the same from ``predictions.jsonl``; timings (s, tokens/s) and cache statistics (tokens,
-    bytes) are means over successful samples. A job with nothing scored has one row with
-    ``dataset=None``. ``df.attrs["unreadable"]`` lists job folders whose config cannot be read.
-
-    Raises:
-        FileNotFoundError: ``root`` is not a directory.
-    """
+    """Every job folder under ``root`` as one tidy frame, one row per job × dataset: scores are ``summary.json``'s
+    ``round(100·mean, 2)`` per dataset, else (a job still running or killed) the same from ``predictions.jsonl``;
+    timings (s, tokens/s) and cache statistics (tokens, bytes) are means over successful samples. A job with nothing
+    scored has one row with ``dataset=None``. ``df.attrs["unreadable"]`` lists job folders whose config cannot be
+    read. Raises FileNotFoundError when ``root`` is not a directory."""
     root = Path(root)
     if not root.is_dir():
         raise FileNotFoundError(f"results root {str(root)!r} is not a directory")
     rows, bad = [], []
-    for cfg in sorted(root.rglob("config.yaml")):
-        job = cfg.parent
-        if any(p.startswith(".") for p in job.relative_to(root).parts) or not any(
-                (job / n).is_file() for n in ("predictions.jsonl", "summary.json")):
-            continue
+    for job in [c.parent for c in sorted(root.rglob("config.yaml")) if not any(
+            p.startswith(".") for p in c.parent.relative_to(root).parts) and any(
+            (c.parent / n).is_file() for n in ("predictions.jsonl", "summary.json"))]:
         try:
             rows += _job_rows(root, job)
         except (OSError, ValueError, yaml.YAMLError) as e:
@@ -252,8 +238,6 @@ def budget_text(budget: float) -> str:
 def budget_semantics(budgets: Iterable[float]) -> str:
     """The caption phrase saying what a budget counts."""
     bs = [b for b in budgets if not math.isnan(b)]
-    if bs and all(b <= 1 for b in bs):
-        return "budget = retention ratio ρ of prompt tokens"
-    if bs and all(b > 1 for b in bs):
-        return "budget = tokens kept per layer per KV head (average, recent window included)"
-    return "budget ≤ 1: retention ratio ρ of prompt tokens; budget > 1: tokens per layer per KV head"
+    return "budget = retention ratio ρ of prompt tokens" if bs and max(bs) <= 1 else \
+        "budget = tokens kept per layer per KV head (average, recent window included)" if bs and min(bs) > 1 else \
+        "budget ≤ 1: retention ratio ρ of prompt tokens; budget > 1: tokens per layer per KV head"

@@ -1,7 +1,5 @@
 """The seed papers' figures and the NIAH heatmaps, from the tidy frame and the latency records."""
 
-from __future__ import annotations
-
 import math
 from pathlib import Path
 
@@ -11,7 +9,7 @@ from matplotlib.patches import Patch
 from .plots import SCORE_LABEL, draw_niah_heatmap, plt
 from .report_data import (FULL, budget_semantics, budget_text, method_sort_key, model_sort_key, niah_grid_records,
                           order_datasets)
-from .report_tables import Artifact, Grid, _ds, at, budget_grids, cell_notes, dedupe, grid, merged, pick, slug, sweep
+from .report_tables import Artifact, _ds, at, budget_grids, cell_notes, dedupe, grid, merged, pick, slug, sweep
 
 
 def _figure(n_rows: int, n_cols: int, w: float = 4.2, h: float = 3.2):
@@ -47,38 +45,14 @@ def selkv_fig2(df: pd.DataFrame, budget: float = 0.25, task: str = "longbench") 
                 unfinished = True
     ax.axhline(0, color="black", linewidth=0.8)
     ax.margins(y=0.15)
-    ax.set_xticks(range(len(g.models)), g.models)
-    ax.set(xlabel="Model", ylabel=f"Δ LongBench average vs {g.full} (points)")
+    ax.set(xticks=range(len(g.models)), xticklabels=g.models, xlabel="Model",
+           ylabel=f"Δ LongBench average vs {g.full} (points)")
     ax.set_title("Gap to the full cache\n(closer to 0 is better)", fontsize=10)
     ax.legend(fontsize=7)
-    caption = (f"Task: LongBench ({_ds(len(g.datasets))}); models: {', '.join(g.models)}; {budget_semantics([budget])}, "
-               f"ρ = {budget_text(budget)}." + " Hatched, pale bars: an unfinished job (fewer samples scored)." * unfinished)
+    caption = (f"Task: LongBench ({_ds(len(g.datasets))}); models: {', '.join(g.models)}; "
+               f"{budget_semantics([budget])}, ρ = {budget_text(budget)}."
+               + " Hatched, pale bars: an unfinished job (fewer samples scored)." * unfinished)
     return [_done("selkv_fig2", fig, caption, g.sources, g.notes)]
-
-
-def _sweep_axes(ax, grids: dict[float, Grid], mk: str, dataset: str | None, ratio: bool) -> list[str]:
-    """Lines of one model's average (or one dataset's score) across budgets; full cache dashed."""
-    t = sweep(grids, mk, dataset)
-    full = next((g.full for g in grids.values() if g.full), None)
-    notes = []
-    for lab, vals in t.iterrows():
-        if lab == full:
-            ax.axhline(vals.iloc[0], color="black", linestyle="--", linewidth=1, label=lab)
-            continue
-        notes += [f"absent: {mk} / {lab} at budget {budget_text(b)}" + f" ({dataset})" * bool(dataset)
-                  for b in vals.index[vals.isna()]]
-        ax.plot([b * 100 if ratio else b for b in vals.dropna().index], vals.dropna(), marker="o", label=lab)
-    if ratio:
-        ax.set_xlabel("KV retention ratio ρ (% of prompt tokens)")
-    else:
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(list(t.columns), [f"{b:g}" for b in t.columns])
-        ax.minorticks_off()
-        ax.set_xlabel("KV budget (tokens per layer per KV head)")
-    ax.set_ylabel("Score (points)" if dataset else "Average score (points)")
-    ax.set_title(mk + f" — {dataset}" * bool(dataset), fontsize=9)
-    ax.legend(fontsize=7)
-    return notes
 
 
 def budget_sweep_figure(df, name: str, task: str, ratio: bool, title: str, per_dataset: bool = False):
@@ -93,9 +67,25 @@ def budget_sweep_figure(df, name: str, task: str, ratio: bool, title: str, per_d
     datasets = ([d for d in ("qasper", "musique") if d in present] or present[:4]) if per_dataset else [None]
     fig, axes = _figure(len(models) if per_dataset else 1, len(datasets) if per_dataset else len(models))
     sources, notes = merged(list(grids.values()), models)
+    full = next((g.full for g in grids.values() if g.full), None)
     for i, mk in enumerate(models):
-        for j, ds in enumerate(datasets):
-            notes += _sweep_axes(axes[i, j] if per_dataset else axes[0, i], grids, mk, ds, ratio)
+        for j, ds in enumerate(datasets):  # one model's average (or one dataset's score) across budgets
+            ax, t = axes[i, j] if per_dataset else axes[0, i], sweep(grids, mk, ds)
+            for lab, vals in t.iterrows():
+                if lab == full:
+                    ax.axhline(vals.iloc[0], color="black", linestyle="--", linewidth=1, label=lab)
+                    continue
+                notes += [f"absent: {mk} / {lab} at budget {budget_text(b)}" + f" ({ds})" * bool(ds)
+                          for b in vals.index[vals.isna()]]
+                ax.plot([b * 100 if ratio else b for b in vals.dropna().index], vals.dropna(), marker="o", label=lab)
+            if not ratio:
+                ax.set_xscale("log", base=2)
+                ax.set_xticks(list(t.columns), [f"{b:g}" for b in t.columns])
+                ax.minorticks_off()
+            ax.set(ylabel="Score (points)" if ds else "Average score (points)", xlabel="KV retention ratio ρ (% of "
+                   "prompt tokens)" if ratio else "KV budget (tokens per layer per KV head)")
+            ax.set_title(mk + f" — {ds}" * bool(ds), fontsize=9)
+            ax.legend(fontsize=7)
     if title:
         fig.suptitle(title, fontsize=10)
     what = f"per dataset ({', '.join(datasets)})" if per_dataset else _ds(len(present))
@@ -111,7 +101,7 @@ def selkv_fig3(latency: list[dict], source: str = "latency.json") -> list[Artifa
     if not {"model", "method", "prompt_tokens", "decode_tok_s"} <= set(lat.columns):
         return []
     stages = {"prefill_s": "prefill", "compress_s": "compression", "decode_s": "decode"}
-    lat = lat.reindex(columns=list(dict.fromkeys([*lat.columns, *stages, "budget"])))
+    lat = lat.reindex(columns=dedupe([*lat.columns, *stages, "budget", "device", "generated_tokens"]))
     means = lat.groupby(["model", "method", "prompt_tokens"]).mean(numeric_only=True).fillna({c: 0.0 for c in stages})
     models = sorted(lat["model"].unique(), key=model_sort_key)
     fig, axes = _figure(len(models), 2, w=5.2)
@@ -124,28 +114,24 @@ def selkv_fig3(latency: list[dict], source: str = "latency.json") -> list[Artifa
         for j, meth in enumerate(methods):
             mm = m.loc[meth].reindex(lengths)
             xs = [i - 0.4 + width * (j + 0.5) for i in range(len(lengths))]
-            bottom = 0
             for k, col in enumerate(stages):
-                ax_a.bar(xs, mm[col].fillna(0), width, bottom=bottom, color=f"C{k}", hatch=hatches[j % 5],
-                         edgecolor="black", linewidth=0.4)
-                bottom = bottom + mm[col].fillna(0)
+                ax_a.bar(xs, mm[col].fillna(0), width, bottom=mm[list(stages)[:k]].fillna(0).sum(axis=1),
+                         color=f"C{k}", hatch=hatches[j % 5], edgecolor="black", linewidth=0.4)
             ax_b.plot(mm.dropna(subset=["decode_tok_s"]).index, mm["decode_tok_s"].dropna(), marker="o", label=meth)
         ax_a.legend(handles=[Patch(facecolor=f"C{k}", label=s) for k, s in enumerate(stages.values())]
                     + [Patch(facecolor="white", edgecolor="black", hatch=hatches[j % 5], label=meth)
                        for j, meth in enumerate(methods)], fontsize=6, loc="upper left")
         ax_a.set_ylim(top=ax_a.get_ylim()[1] * 1.45)
         ax_b.set_xscale("log", base=2)
-        for ax, xs, what in ((ax_a, range(len(lengths)), "(a) time breakdown"), (ax_b, lengths, "(b) decode throughput")):
+        for ax, xs, what, y in ((ax_a, range(len(lengths)), "(a) time breakdown", "Time per request (s)"),
+                                (ax_b, lengths, "(b) decode throughput", "Decode throughput (tokens/s)")):
             ax.set_xticks(xs, [f"{n:.0f}" for n in lengths], rotation=45, fontsize=7)
-            ax.set_xlabel("Prompt length (tokens)")
+            ax.set(xlabel="Prompt length (tokens)", ylabel=y)
             ax.set_title(f"{what[:4]}{mk}: {what[4:]}", fontsize=9)
         ax_b.minorticks_off()
-        ax_a.set_ylabel("Time per request (s)")
-        ax_b.set(ylabel="Decode throughput (tokens/s)")
         ax_b.legend(fontsize=7)
     budgets = sorted(set(pd.to_numeric(lat["budget"], errors="coerce").dropna()) - {1.0})
-    devices = sorted(lat["device"].dropna().astype(str).unique()) if "device" in lat else []
-    gen = lat["generated_tokens"].dropna() if "generated_tokens" in lat else []
+    devices, gen = sorted(lat["device"].dropna().astype(str).unique()), lat["generated_tokens"].dropna()
     caption = (f"Latency{' on ' + ', '.join(devices) if devices else ''}; models: {', '.join(models)}; task: synthetic "
                f"prompts, {f'{gen.mean():.0f} generated tokens; ' if len(gen) else ''}compressed at budget "
                f"{', '.join(map(budget_text, budgets)) or '?'} ({budget_semantics(budgets or [math.nan])}).")

@@ -1,8 +1,6 @@
 """The report's tables from the tidy frame: a score table per task × model key (any sweep) and the seed papers'
 tables. Each builder returns a list of :class:`Artifact` (empty without inputs); NaN is a missing cell, never 0."""
 
-from __future__ import annotations
-
 import json
 import math
 import re
@@ -24,10 +22,15 @@ class Artifact:
     data: pd.DataFrame | None = None
     fig: object = None
     bold: set = field(default_factory=set)  # (row position, column) cells printed in bold
-    headers: dict = field(default_factory=dict)  # column -> display name (Markdown, LaTeX)
+    headers: dict = field(default_factory=dict)  # column -> display name (default: dataset abbreviations)
     signed: set = field(default_factory=set)  # columns printed with a sign (Δ)
     sources: list = field(default_factory=list)
     notes: list = field(default_factory=list)
+
+    def __post_init__(self):
+        cols = [] if self.data is None else self.data.columns
+        self.headers = {c: DATASET_ABBR[c] for c in cols if c in DATASET_ABBR} | self.headers
+        self.sources, self.notes = sorted(set(self.sources)), dedupe(self.notes)
 
 
 def round2(x: float) -> float:
@@ -36,8 +39,8 @@ def round2(x: float) -> float:
 
 
 def bolds(data: pd.DataFrame, cols, ok, by: str | None = None, higher: bool = True) -> set:
-    """``(row, col)`` cells holding the best printed value of each column among rows ``ok`` (per
-    ``by`` group; ties all bold)."""
+    """``(row, col)`` cells holding the best printed value of each column among rows ``ok`` (per ``by`` group; ties
+    all bold)."""
     out = set()
     for col in cols:
         v = data[col][list(ok)].dropna().map(round2)
@@ -58,23 +61,18 @@ def at(df: pd.DataFrame, budget: float) -> pd.Series:
     return (df["budget"] - budget).abs() < 1e-9
 
 
-def natural(text: str) -> list:
-    """Sort key with numbers compared as numbers (``w=4`` before ``w=16``)."""
-    return [(0, int(t), "") if t.isdigit() else (1, 0, t) for t in re.split(r"(\d+)", text)]
-
-
 def _ds(n: int) -> str:
     return f"{n} dataset" + "s" * (n != 1)
 
 
 def pick(rows: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
-    """One score per ``keys`` × dataset: the preferred job's (finished, most datasets, most samples,
-    then path); the key's other jobs fill only the datasets it lacks."""
+    """One score per ``keys`` × dataset: the preferred job's (finished, most datasets, most samples, then path);
+    the key's other jobs fill only the datasets it lacks."""
     scored = rows[rows["score"].notna()]
     stats = scored.groupby("job").agg(done=("complete", "max"), nds=("score", "size"), n=("n", "sum"))
     order = stats.sort_index().sort_values(["done", "nds", "n"], ascending=False, kind="stable").index
-    return scored.assign(_r=scored["job"].map({j: i for i, j in enumerate(order)})).sort_values("_r").drop_duplicates(
-        keys + ["dataset"])
+    rank = scored["job"].map({j: i for i, j in enumerate(order)})
+    return scored.assign(_r=rank).sort_values("_r").drop_duplicates(keys + ["dataset"])
 
 
 def cell_notes(rows: pd.DataFrame, used: pd.DataFrame, what: str) -> list[str]:
@@ -84,48 +82,50 @@ def cell_notes(rows: pd.DataFrame, used: pd.DataFrame, what: str) -> list[str]:
              for j in sorted(jobs) if not done[j]]
     notes += [f"subset: {j} scored part of each dataset only ({s}); not comparable to whole-dataset scores"
               for j, s in sorted(set(zip(used["job"], used["subset"]))) if s]
-    left = [f"{j} ({n[j]:.0f} samples{'' if done[j] else ', unfinished'})" for j in dedupe(rows["job"]) if j not in jobs]
+    left = [f"{j} ({n[j]:.0f} samples{'' if done[j] else ', unfinished'})" for j in dedupe(rows["job"])
+            if j not in jobs]
     return notes + [f"left out: {what}: {', '.join(left)}; the scores are those of {', '.join(sorted(jobs))} "
                     "(preferred: complete, most datasets, most samples)"] * bool(left)
 
 
+def _scores(rows: pd.DataFrame, datasets: list[str]) -> pd.Series:
+    return pd.Series(dict(zip(rows["dataset"], rows["score"])), dtype=float).reindex(datasets)
+
+
 @dataclass
 class Grid:
-    """One task at one budget: ``scores`` indexed by (model key, label), a column per dataset."""
+    """One task at one budget: ``scores`` indexed by (model key, label), a column per dataset; ``labels``: the
+    compressed labels in method order, ``names``: label -> method name, ``incomplete``: (model key, label) cells of
+    unfinished jobs."""
 
     scores: pd.DataFrame
     full: str | None
-    labels: list[str]  # compressed labels, in method order
-    names: dict  # label -> registry name
-    incomplete: set  # (model key, label) cells of unfinished jobs
+    labels: list[str]
+    names: dict
+    incomplete: set
     sources: list
     notes: list
 
-    @property
-    def models(self) -> list[str]:
-        return sorted({m for m, lab in self.scores.index if lab != self.full}, key=model_sort_key)
-
-    @property
-    def datasets(self) -> list[str]:
-        return order_datasets(self.scores.columns)
+    def __post_init__(self):
+        self.models = sorted({m for m, lab in self.scores.index if lab != self.full}, key=model_sort_key)
+        self.datasets = order_datasets(self.scores.columns)
+        self.rows = [self.full] * bool(self.full) + self.labels
 
     def avg(self, mk: str, label: str | None, datasets: list[str] | None = None) -> float:
         """Mean over ``datasets`` (default: the grid's); NaN when one is missing."""
         vals = self.scores.reindex(index=[(mk, label)], columns=datasets or self.datasets).iloc[0]
         return vals.mean() if len(vals) and vals.notna().all() else math.nan
 
-    def rows(self) -> list[str]:
-        return [self.full] * bool(self.full) + self.labels
-
     def ok(self, data: pd.DataFrame) -> list[int]:
         """Rows of ``data`` (columns Model, Method) that compete for bold: compressed, finished."""
-        return [i for i, r in data.iterrows() if r["Method"] != self.full and (r["Model"], r["Method"]) not in self.incomplete]
+        return [i for i, m, lab in zip(data.index, data["Model"], data["Method"])
+                if lab != self.full and (m, lab) not in self.incomplete]
 
 
 def grid(df: pd.DataFrame, task: str, budget: float, models=None, names=None, labels=None) -> Grid | None:
-    """Cells of one task at one budget, with each model's full cache (at any budget: it ignores it).
-    Without ``labels``, each method's main label: its ``conf/method/<name>.yaml`` preset's, else its
-    shortest (a stand-in, noted). A cell holds its default variant when it has one. None without inputs."""
+    """Cells of one task at one budget, with each model's full cache (at any budget: it ignores it). Without
+    ``labels``, each method's main label: its ``conf/method/<name>.yaml`` preset's, else its shortest (a stand-in,
+    noted). A cell holds its default variant when it has one. None without inputs."""
     comp = df[(df["task"] == task) & (df["method_name"] != FULL) & at(df, budget)]
     comp = comp[comp["model_key"].isin(models)] if models is not None else comp
     comp = comp[comp["method_name"].isin(names)] if names is not None else comp
@@ -159,9 +159,9 @@ def grid(df: pd.DataFrame, task: str, budget: float, models=None, names=None, la
               for mk, u in used.groupby("model_key") if u["subset"].nunique() > 1]
     notes += [f"absent: {mk} / {lab} has no score for {', '.join(c[c.isna()].index)} ({where})"
               for (mk, lab), c in scores.iterrows() if c.isna().any()]
+    unfinished = used[~used["complete"]]
     return Grid(scores, full_label, dedupe(lab for _n, lab in order), {lab: n for n, lab in order},
-                set(zip(used.loc[~used["complete"], "model_key"], used.loc[~used["complete"], "method"])),
-                sorted(set(used["job"])), dedupe(notes))
+                set(zip(unfinished["model_key"], unfinished["method"])), sorted(set(used["job"])), dedupe(notes))
 
 
 def _unfinished(*grids: Grid) -> str:
@@ -169,12 +169,13 @@ def _unfinished(*grids: Grid) -> str:
 
 
 def score_tables(df: pd.DataFrame, root: Path | None = None) -> list[Artifact]:
-    """One table per task × model key of every configuration (method label, variant, budget):
-    per-dataset scores, Avg and n (scored samples); the full cache is one row without budget (–).
-    Bold: the best complete compressed row per column (not full, not 100 %, not a budget that kept
-    every prompt whole or that the method raised above its label), among rows of one sample set."""
+    """One table per task × model key of every configuration (method label, variant, budget): per-dataset scores,
+    Avg and n (scored samples); the full cache is one row without budget (–). Bold: the best complete compressed
+    row per column (not full, not 100 %, not a budget that kept every prompt whole or that the method raised above
+    its label), among rows of one sample set."""
     out, names = [], set()
     scored = df[df["score"].notna()]
+    natural = lambda s: [(0, int(t), "") if t.isdigit() else (1, 0, t) for t in re.split(r"(\d+)", s)]
     for task, mk in sorted(set(zip(scored["task"], scored["model_key"])), key=lambda p: (p[0], model_sort_key(p[1]))):
         sel = df[(df["task"] == task) & (df["model_key"] == mk)]
         sel = sel.assign(bkey=sel["budget"].where(sel["method_name"] != FULL, -1.0).fillna(-1.0))
@@ -187,54 +188,56 @@ def score_tables(df: pd.DataFrame, root: Path | None = None) -> list[Artifact]:
         grids = {j: f"lengths {g[0]} × depths {g[1]}" for j, g in grids.items() if g}
         rows, notes, comp, kinds = [], [], [], []
         for name, label, variant, b, _nd in keys:
-            part = sel[(sel["method"] == label) & (sel["variant"] == variant) & (sel["bkey"] == b)]
-            mine = used[(used["method"] == label) & (used["variant"] == variant) & (used["bkey"] == b)]
+            part, mine = (t[(t["method"] == label) & (t["variant"] == variant) & (t["bkey"] == b)] for t in (sel, used))
             btext = None if b < 0 else budget_text(b)
             what = label + f" ({variant})" * bool(variant) + f" at budget {btext}" * bool(btext)
-            vals = pd.Series(dict(zip(mine["dataset"], mine["score"])), dtype=float).reindex(datasets)
+            vals = _scores(mine, datasets)
             rows.append({"Method": label, **({"Variant": variant} if show_variant else {}), "Budget": btext,
                          **vals, "Avg": vals.mean(skipna=False), "n": f"{mine['n'].sum():.0f}" if len(mine) else None})
             notes += [f"absent: {what} has no score for {', '.join(vals.index[vals.isna()])}"] * bool(vals.isna().any())
             notes += cell_notes(part, mine, what)
-            kinds.append(" / ".join(sorted({" ".join(filter(None, [grids.get(j), s])) for j, s in zip(
-                mine["job"], mine["subset"])})))
-            kept_all, ratio = (part["compressed_fraction"] == 0).all(), (part["kept_tokens"] / part["prompt_tokens"]).mean()
+            kinds.append(" / ".join(sorted({" ".join(filter(None, [grids.get(j), s]))
+                                            for j, s in zip(mine["job"], mine["subset"])})))
+            kept_all = name != FULL and (part["compressed_fraction"] == 0).all()
+            ratio = (part["kept_tokens"] / part["prompt_tokens"]).mean()
             raised = 0 < b < 1 and ratio > max(1.5 * b, b + 0.02)  # the method keeps at least its window/sinks/recent
-            notes += [f"uncompressed: {label} at budget {btext} kept every prompt whole (the budget is not below the "
-                      "prompt lengths or the tokens the method always keeps); not bold"] * bool(name != FULL and kept_all)
-            notes += [f"raised: {label} at budget {btext} kept {100 * ratio:.1f} % of the prompt tokens on average (the "
-                      "method always keeps its window, sinks or recent tokens); not bold"] * bool(raised)
+            notes += [f"uncompressed: {label} at budget {btext} kept every prompt whole (the budget is not below "
+                      "the prompt lengths or the tokens the method always keeps); not bold"] * bool(kept_all)
+            notes += [f"raised: {label} at budget {btext} kept {100 * ratio:.1f} % of the prompt tokens on average "
+                      "(the method always keeps its window, sinks or recent tokens); not bold"] * bool(raised)
             if name != FULL and b != 1.0 and not kept_all and not raised and mine["complete"].all():
                 comp.append(len(rows) - 1)
         if len(set(kinds)) > 1:
             notes.append("mixed samples: rows scored on different sample sets or NIAH grids (" + "; ".join(
                 sorted({k or "whole datasets" for k in kinds})) + "), scores not comparable across them")
-        if len({kinds[i] for i in comp}) > 1:
-            main = max(sorted({kinds[i] for i in comp}), key=[kinds[i] for i in comp].count)
-            n_main = [kinds[i] for i in comp].count(main)
-            notes.append(f"bold: only among rows scored on {main or 'whole datasets'} ({n_main} of {len(comp)} rows)")
+        comp_kinds = [kinds[i] for i in comp]
+        if len(set(comp_kinds)) > 1:
+            main = max(sorted(set(comp_kinds)), key=comp_kinds.count)
+            notes.append(f"bold: only among rows scored on {main or 'whole datasets'} "
+                         f"({comp_kinds.count(main)} of {len(comp)} rows)")
             comp = [i for i in comp if kinds[i] == main]
         budgets = [k[3] for k in keys if k[3] >= 0]
         caption = (f"Scores of every job configuration of {mk} on {task} ({_ds(len(datasets))}; one row per method"
-                   + ", method variant" * show_variant + " and budget" + f"; {budget_semantics(budgets)}" * bool(budgets)
-                   + "). Each dataset's score is round(100·mean, 2) of the per-sample scores in [0, 1]; Avg: mean over "
-                   "the table's datasets, missing when a row lacks one; n: scored samples. The full cache ignores the "
-                   "budget (–). Best complete compressed configuration per column in bold.")
+                   + ", method variant" * show_variant + " and budget"
+                   + f"; {budget_semantics(budgets)}" * bool(budgets) + "). Each dataset's score is round(100·mean, "
+                   "2) of the per-sample scores in [0, 1]; Avg: mean over the table's datasets, missing when a row "
+                   "lacks one; n: scored samples. The full cache ignores the budget (–). Best complete compressed "
+                   "configuration per column in bold.")
         name = f"scores_{slug(task)}_{slug(mk)}"
         while name in names:
             name += "_2"
         names.add(name)
         data = pd.DataFrame(rows, columns=["Method", *["Variant"] * show_variant, "Budget", *datasets, "Avg", "n"])
-        out.append(Artifact(name, caption, data, bold=bolds(data, [*datasets, "Avg"], comp), sources=sorted(set(
-            used["job"])), notes=dedupe(notes), headers={d: DATASET_ABBR.get(d, d) for d in datasets}))
+        out.append(Artifact(name, caption, data, bold=bolds(data, [*datasets, "Avg"], comp), sources=used["job"],
+                            notes=notes))
     return out
 
 
 def selkv_table1(df: pd.DataFrame, budget: float = 0.25, task: str = "longbench", long: bool = False):
-    """SelKV Table 1: per model, full cache and main methods × datasets, Avg, Δ (Avg − full-cache Avg),
-    Avg Rank: mean over datasets of the dense rank among compressed methods (ties share the better
-    rank, 1, 1, 2: reproduces the paper's column; NaN when a method lacks a dataset). ``long``: SelKV
-    Table 7, Avg and Δ of the settings truncating prompts at >= 16,000 tokens."""
+    """SelKV Table 1: per model, full cache and main methods × datasets, Avg, Δ (Avg − full-cache Avg), Avg Rank:
+    mean over datasets of the dense rank among compressed methods (ties share the better rank, 1, 1, 2: the
+    paper's column; NaN when a method lacks a dataset). ``long``: SelKV Table 7, Avg and Δ of the settings
+    truncating prompts at >= 16,000 tokens."""
     keys = df.loc[df["max_input_tokens"] >= LONG_CONTEXT_TOKENS, "model_key"].unique() if long else None
     g = grid(df, task, budget, models=keys) if not long or len(keys) else None
     if g is None:
@@ -245,8 +248,9 @@ def selkv_table1(df: pd.DataFrame, budget: float = 0.25, task: str = "longbench"
             axis=1, skipna=False).droplevel(0)
         rows += [{"Model": mk, "Method": lab, **({} if long else g.scores.reindex([(mk, lab)]).iloc[0]),
                   "Avg": g.avg(mk, lab), "Δ": g.avg(mk, lab) - g.avg(mk, g.full) if lab != g.full else math.nan,
-                  **({} if long else {"Avg Rank": ranks.get(lab, math.nan)})} for lab in g.rows()]
-    data, ok = pd.DataFrame(rows), g.ok(pd.DataFrame(rows))
+                  **({} if long else {"Avg Rank": ranks.get(lab, math.nan)})} for lab in g.rows]
+    data = pd.DataFrame(rows)
+    ok = g.ok(data)
     ctx = ", ".join(map(str, sorted({int(t) for t in df.loc[df["model_key"].isin(g.models), "max_input_tokens"]
                                      .dropna()})))
     caption = (f"LongBench {'average' if long else 'results'} ({_ds(len(g.datasets))})" + f" with long inputs ({ctx} "
@@ -257,8 +261,7 @@ def selkv_table1(df: pd.DataFrame, budget: float = 0.25, task: str = "longbench"
     bold = bolds(data, ["Avg"] + [*g.datasets, "Δ"] * (not long), ok, "Model")
     bold |= set() if long else bolds(data, ["Avg Rank"], ok, "Model", higher=False)
     return [Artifact("selkv_table7" if long else "selkv_table1", caption, data, bold=bold, signed={"Δ"},
-                     sources=g.sources, notes=g.notes, headers={d: DATASET_ABBR.get(d, d) for d in g.datasets}
-                     | ({"Avg": f"Avg ({len(g.datasets)} ds)"} if long else {}))]
+                     sources=g.sources, notes=g.notes, headers={"Avg": f"Avg ({len(g.datasets)} ds)"} if long else {})]
 
 
 def selkv_table4(df: pd.DataFrame, budget: float = 0.25, task: str = "longbench") -> list[Artifact]:
@@ -268,11 +271,12 @@ def selkv_table4(df: pd.DataFrame, budget: float = 0.25, task: str = "longbench"
         return []
     cats = {c: [d for d in g.datasets if d in m] for c, m in LONGBENCH_CATEGORIES.items()}
     cats["Other"] = [d for d in g.datasets if not any(d in m for m in LONGBENCH_CATEGORIES.values())]
-    data = pd.DataFrame([{"Model": mk, "Category": c, **{lab: g.avg(mk, lab, ds) for lab in g.rows()}}
-                         for mk in g.models for c, ds in cats.items() if ds], columns=["Model", "Category", *g.rows()])
+    data = pd.DataFrame([{"Model": mk, "Category": c, **{lab: g.avg(mk, lab, ds) for lab in g.rows}}
+                         for mk in g.models for c, ds in cats.items() if ds], columns=["Model", "Category", *g.rows])
     bold = set()
     for i, row in data.iterrows():
-        vals = {lab: round2(row[lab]) for lab in g.labels if row[lab] == row[lab] and (row["Model"], lab) not in g.incomplete}
+        vals = {lab: round2(row[lab]) for lab in g.labels
+                if row[lab] == row[lab] and (row["Model"], lab) not in g.incomplete}
         bold |= {(i, lab) for lab, v in vals.items() if v == max(vals.values())}
     partial = [f"partial category: {c} averages {len(ds)} of its {len(LONGBENCH_CATEGORIES[c])} datasets "
                f"({', '.join(ds)}); not comparable to the paper's category score"
@@ -290,8 +294,8 @@ def budget_grids(df: pd.DataFrame, task: str, ratio: bool) -> dict[float, Grid]:
 
 
 def sweep(grids: dict[float, Grid], mk: str, dataset: str | None = None) -> pd.DataFrame:
-    """One model's average over the union of datasets (or one dataset's score), label × budget; the
-    full cache's value under every budget."""
+    """One model's average over the union of datasets (or one dataset's score), label × budget; the full cache's
+    value under every budget."""
     present = {b: g for b, g in grids.items() if mk in g.models}
     ds = [dataset] if dataset else order_datasets(d for g in present.values() for d in g.datasets)
     names = {lab: n for g in present.values() for lab, n in g.names.items()}
@@ -305,13 +309,17 @@ def sweep(grids: dict[float, Grid], mk: str, dataset: str | None = None) -> pd.D
 
 def merged(grids, models: list[str]) -> tuple[list, list]:
     """Sources and notes (about ``models``) of several grids."""
-    return (sorted({j for g in grids for j in g.sources}),
-            dedupe(n for g in grids for n in g.notes if any(m in n for m in models)))
+    return [j for g in grids for j in g.sources], [n for g in grids for n in g.notes if any(m in n for m in models)]
+
+
+def _absent(t: pd.DataFrame, what) -> list[str]:
+    return [f"absent: {what(c, lab)} (no job, or a dataset missing)" for lab, row in t.iterrows() for c in t.columns
+            if math.isnan(row[c])]
 
 
 def selkv_ratio_tables(df: pd.DataFrame, task: str = "longbench") -> list[Artifact]:
-    """SelKV Tables 5 (llama31) and 6 (gemma2), else ``selkv_ratios_<model>``: LongBench average per
-    method at each retention ratio, for models with at least two ratios."""
+    """SelKV Tables 5 (llama31) and 6 (gemma2), else ``selkv_ratios_<model>``: LongBench average per method at
+    each retention ratio, for models with at least two ratios."""
     grids, out, names = budget_grids(df, task, ratio=True), [], set()
     for mk in sorted({m for g in grids.values() for m in g.models}, key=model_sort_key):
         t = sweep(grids, mk).rename(columns=budget_text)
@@ -322,13 +330,12 @@ def selkv_ratio_tables(df: pd.DataFrame, task: str = "longbench") -> list[Artifa
         name = name if name and name not in names else f"selkv_ratios_{slug(mk)}"
         names.add(name)
         sources, notes = merged([g for g in grids.values() if mk in g.models], [mk])
-        notes += [f"absent: {mk} / {lab} at ratio {c} (no job, or a dataset missing)"
-                  for lab, row in t.iterrows() for c in t.columns if math.isnan(row[c])]
+        notes += _absent(t, lambda c, lab, mk=mk: f"{mk} / {lab} at ratio {c}")
         caption = (f"LongBench average ({_ds(len(order_datasets(d for g in grids.values() for d in g.datasets)))}) of "
                    f"{mk} at different KV retention ratios ({budget_semantics(grids)}). The full cache does not depend "
                    "on the ratio. Best compressed method per ratio in bold.")
         ok = data.index[data["Method"] != next(iter(grids.values())).full]
-        out.append(Artifact(name, caption, data, bold=bolds(data, t.columns, ok), sources=sources, notes=dedupe(notes)))
+        out.append(Artifact(name, caption, data, bold=bolds(data, t.columns, ok), sources=sources, notes=notes))
     return out
 
 
@@ -346,53 +353,50 @@ def compresskv_table1(df: pd.DataFrame, budgets=(256, 1024), task: str = "longbe
     bold = set().union(*(bolds(data, [c], grids[float(c.rsplit(" @")[1])].ok(data.assign(Model=c.rsplit(" @")[0])))
                          for c in t.columns))
     sources, notes = merged(grids.values(), models)
-    notes += [f"absent: {c.split(' @')[0]} / {lab} at budget {c.split(' @')[1]} (no job, or a dataset missing)"
-              for lab, row in t.iterrows() for c in t.columns if math.isnan(row[c])]
-    caption = (f"Average LongBench scores under fixed KV budgets ({budget_semantics(grids)}). {full or 'The full cache'} "
-               "is uncompressed and does not depend on the budget. Best compressed method per column in bold"
-               f"{_unfinished(*grids.values())}. Models: {', '.join(models)}.")
-    return [Artifact("compresskv_table1", caption, data, bold=bold, sources=sources, notes=dedupe(notes))]
+    notes += _absent(t, lambda c, lab: "{} / {lab} at budget {}".format(*c.split(" @"), lab=lab))
+    caption = (f"Average LongBench scores under fixed KV budgets ({budget_semantics(grids)}). "
+               f"{full or 'The full cache'} is uncompressed and does not depend on the budget. Best compressed method "
+               f"per column in bold{_unfinished(*grids.values())}. Models: {', '.join(models)}.")
+    return [Artifact("compresskv_table1", caption, data, bold=bold, sources=sources, notes=notes)]
 
 
 def ablation_flags(params: dict) -> dict:
-    """Gate / Comp / Merge of a SelKV config (None when it does not say): ``gate`` soft | none (merge
-    all) | off (eviction only); ``compensation`` off or not; a ``merge`` field decides Merge."""
-    on = lambda v: None if v is None else str(v).lower() not in ("", "none", "off", "false", "0")  # noqa: E731
+    """Gate / Comp / Merge of a SelKV config (None when it does not say): ``gate`` soft | none (merge all) | off
+    (eviction only); ``compensation`` off or not; a ``merge`` field decides Merge."""
+    on = lambda v: None if v is None else str(v).lower() not in ("", "none", "off", "false", "0")
     gate = params.get("gate")
     return {"Gate": on(gate), "Comp": on(params.get("compensation")),
             "Merge": params.get("merge", None if gate is None else str(gate).lower() != "off")}
-
-
 def staged_table(df: pd.DataFrame, name: str, budget: float, task: str = "longbench") -> list[Artifact]:
-    """Component analyses, per model key, Δ prev: gain over the row above, Δ full: gap to the full cache.
-    ``selkv_table2`` (SelKV Table 2): the SelKV labels (>= 2) ordered by their Merge, Gate, Comp switches
-    (:func:`ablation_flags`; labels with identical fields are one row, the longer kept), after the full
-    cache. ``compresskv_table3a`` (CompressKV Table 3a): SnapKV, CompressKV's other labels, CompressKV."""
+    """Component analyses per model key; Δ prev: gain over the row above, Δ full: gap to the full cache.
+    ``selkv_table2`` (SelKV Table 2): the full cache, then the SelKV labels (>= 2) ordered by their Merge, Gate,
+    Comp switches (:func:`ablation_flags`; labels with identical fields are one row, the longer kept).
+    ``compresskv_table3a`` (CompressKV Table 3a): SnapKV, CompressKV's other labels, CompressKV."""
     sel = df[(df["task"] == task) & at(df, budget)]
-    rows, ok, sources, notes, selkv = [], [], set(), [], name == "selkv_table2"
+    rows, ok, sources, notes, selkv = [], [], [], [], name == "selkv_table2"
+    main, snap = display_name("compresskv"), display_name("snapkv")
     for mk in sorted(sel["model_key"].unique(), key=model_sort_key):
         mine = sel[(sel["model_key"] == mk) & (sel["method_name"] == ("selkv" if selkv else "compresskv"))]
-        main, snap = display_name("compresskv"), display_name("snapkv")
-        if mine["method"].nunique() < 2 or not selkv and main not in set(mine["method"]):
+        labels = set(mine["method"])
+        if len(labels) < 2 or not selkv and main not in labels:
             continue
         by_params = {p: lab for lab, p in sorted(zip(mine["method"], mine["params"]), key=lambda x: len(x[0]))}
         flags = {lab: ablation_flags(json.loads(p)) for p, lab in by_params.items()}
-        order = sorted(flags, key=lambda lab: ([-1 if flags[lab][k] is None else int(flags[lab][k]) for k in
-                                                ("Merge", "Gate", "Comp")], lab)) if selkv else [snap] * (snap in set(
-            sel.loc[sel["model_key"] == mk, "method"])) + sorted(set(mine["method"]) - {main}) + [main]
+        switches = {lab: ([-1 if f[k] is None else int(f[k]) for k in ("Merge", "Gate", "Comp")], lab)
+                    for lab, f in flags.items()}
+        order = sorted(flags, key=switches.get) if selkv else [snap] * (snap in set(
+            sel.loc[sel["model_key"] == mk, "method"])) + sorted(labels - {main}) + [main]
         g = grid(df, task, budget, models=[mk], names=["selkv"] if selkv else ["snapkv", "compresskv"], labels=order)
-        marks = {lab: {k: "?" if v is None else "✓" if v else "–" for k, v in flags[lab].items()} for lab in order
-                 } if selkv else {}
         avgs = [g.avg(mk, lab) for lab in order]
         if selkv and g.full:
             rows.append({"Model": mk, "Method": g.full, **dict.fromkeys(("Gate", "Comp", "Merge"), "–"),
                          "Avg": g.avg(mk, g.full)})
         ok += range(len(rows), len(rows) + len(order))
-        rows += [{"Model": mk, "Method": lab, **marks.get(lab, {}), "Avg": a, "Δ prev": a - p,
+        marks = {lab: {k: "?" if v is None else "✓" if v else "–" for k, v in f.items()} for lab, f in flags.items()}
+        rows += [{"Model": mk, "Method": lab, **(marks[lab] if selkv else {}), "Avg": a, "Δ prev": a - p,
                   **({"Δ full": a - g.avg(mk, g.full)} if selkv else {})}
                  for lab, a, p in zip(order, avgs, [math.nan] + avgs)]
-        sources |= set(g.sources)
-        notes += g.notes
+        sources, notes = sources + g.sources, notes + g.notes
     if not rows:
         return []
     data = pd.DataFrame(rows).rename(columns={"Method": "Configuration"} if selkv else {})
@@ -402,43 +406,39 @@ def staged_table(df: pd.DataFrame, name: str, budget: float, task: str = "longbe
                f"Component analysis of CompressKV on LongBench at budget {budget:g} ({budget_semantics([budget])}). "
                "Δ prev: change from the row above.")
     return [Artifact(name, caption, data, bold=bolds(data, ["Avg"], ok, "Model") if selkv else set(),
-                     signed={"Δ prev", "Δ full"}, sources=sorted(sources), notes=dedupe(notes))]
+                     signed={"Δ prev", "Δ full"}, sources=sources, notes=notes)]
 
 
 def sensitivity_table(df, name: str, method: str, budget: float, task: str = "longbench", per_dataset=True):
-    """One row per variant (the method fields that differ) of a method's main label at one budget
-    (SelKV Table 3: W × K; CompressKV Table 3b); Δ default: gap to the preset's own fields (✓)."""
+    """One row per variant (the method fields that differ) of a method's main label at one budget (SelKV Table 3:
+    W × K; CompressKV Table 3b); Δ default: gap to the preset's own fields (✓)."""
     sel = df[(df["task"] == task) & (df["method_name"] == method) & at(df, budget)
              & (df["method"] == display_name(method))]
     used = pick(sel, ["model_key", "variant"])
     datasets = order_datasets(used["dataset"])
     params = {p: json.loads(p) for p in sel["params"].unique()}
     keys = sorted({k for p in params.values() for k in p if len({json.dumps(q.get(k)) for q in params.values()}) > 1})
-    num = lambda v: (0, float(v), "") if isinstance(v, (int, float)) else (1, 0.0, str(v))  # noqa: E731
+    num = lambda v: (0, float(v), "") if isinstance(v, (int, float)) else (1, 0.0, str(v))
     rows = []
     for mk in sorted(sel["model_key"].unique(), key=model_sort_key):
         mine = used[used["model_key"] == mk]
         if mine["variant"].nunique() < 2:
             continue
         block = []
-        for (p, dflt), v in sorted(mine.groupby(["params", "default"]), key=lambda x: [num(params[x[0][0]].get(k))
-                                                                                    for k in keys]):
-            vals = pd.Series(dict(zip(v["dataset"], v["score"])), dtype=float).reindex(datasets)
+        for (p, dflt), v in sorted(mine.groupby(["params", "default"]),
+                                   key=lambda x: [num(params[x[0][0]].get(k)) for k in keys]):
+            vals = _scores(v, datasets)
             block.append({"Model": mk, **{k: str(params[p].get(k, "–")) for k in keys}, "Default": "✓" * bool(dflt),
                           **(vals if per_dataset else {}), "Avg": vals.mean(skipna=False)})
         ref = next((r["Avg"] for r in block if r["Default"]), math.nan)
         rows += [dict(r, **{"Δ default": r["Avg"] - ref}) for r in block]
     if not rows:
         return []
-    data = pd.DataFrame(rows)
-    headers = {"window_size": "W", "kernel_size": "K"}
+    data, headers = pd.DataFrame(rows), {"window_size": "W", "kernel_size": "K"}
     caption = (f"Sensitivity of {display_name(method)} to {', '.join(headers.get(k, k) for k in keys)} on LongBench "
-               f"({_ds(len(datasets))}, {budget_text(budget)} KV budget; {budget_semantics([budget])}). Δ default: gap "
-               "to the default configuration (✓).")
+               f"({_ds(len(datasets))}, {budget_text(budget)} KV budget; {budget_semantics([budget])}). Δ default: "
+               "gap to the default configuration (✓).")
+    notes = [f"absent: {r['Model']} variant {', '.join(f'{k}={r[k]}' for k in keys)} lacks a dataset"
+             for r in rows if math.isnan(r["Avg"])]
     return [Artifact(name, caption, data, bold=bolds(data, [*datasets] * per_dataset + ["Avg"], data.index, "Model"),
-                     signed={"Δ default"}, sources=sorted(set(used["job"])), notes=[
-                         f"absent: {r['Model']} variant {', '.join(f'{k}={r[k]}' for k in keys)} lacks a dataset"
-                         for r in rows if math.isnan(r["Avg"])],
-                     headers={**headers, **{d: DATASET_ABBR.get(d, d) for d in datasets}})]
-
-
+                     signed={"Δ default"}, sources=used["job"], notes=notes, headers=headers)]
