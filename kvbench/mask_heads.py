@@ -162,6 +162,8 @@ def write_report(stem: Path, report: dict) -> list[Path]:
 def run(args) -> int:
     """Check every input, then load the model and run the no-mask and masked NIAH grids."""
     model_cfg = model_config(args.model, args.model_source)
+    if args.chat_template:
+        model_cfg["chat_template"] = True if args.chat_template == "true" else args.chat_template
     files = {kind: artifact_path(_SCORE_KIND[kind], args.model, getattr(args, f"{kind}_scores"), f"--{kind}-scores")
              for kind in ("srh", "trh") if kind in args.kinds}  # the published llama31/mistral files: no SRH scores
     scores = {}
@@ -229,6 +231,8 @@ def build_parser() -> ArgParser:
     lst = dict(nargs="+", action="extend", default=None)  # "--k 10 20", "--k 10,20" and "--k 10 --k 20" alike
     p.add_argument("--model", default="smollm2", help="conf/model/<name>.yaml; also names methods/artifacts/<name>/")
     p.add_argument("--model-source", default=None, help="override model.source (a local folder or file)")
+    p.add_argument("--chat-template", default=None, choices=("true", "vicuna", "none"),
+                   help="override model.chat_template (none: raw prompts, for a model without a chat template)")
     p.add_argument("--k", **lst, help="numbers of top heads to mask, comma- or space-separated (default 10,20,30)")
     p.add_argument("--kinds", **lst, help=f"head rankings among {', '.join(KINDS)} (default all)")
     p.add_argument("--srh-scores", default=None, help="SRH head-score file (default methods/artifacts/<model>/semantic_retrieval_heads.json)")

@@ -118,7 +118,7 @@ def test_end_to_end_on_a_tiny_model(tiny_model_dir, haystack_dir, tmp_path, caps
     out = tmp_path / "out"
     argv = ["--model-source", str(tiny_model_dir), "--srh-scores", str(s), "--trh-scores", str(t), "--k", "1,2",
             "--lengths", "400", "--depths", "50", "--haystack-dir", str(haystack_dir), "--max-new-tokens", "3",
-            "--threads", "1", "--out", str(out)]
+            "--threads", "1", "--out", str(out), "--chat-template", "none"]
     assert main(argv) == 0
     report = json.loads((out / "mask_heads_smollm2_uniform-decode.json").read_text())
     assert report["no_mask"]["n"] == 1 and report["grid"]["samples"] == 1

@@ -87,7 +87,8 @@ def test_load_model_passes_trust_remote_code_false_by_default(tiny_model_dir, mo
             return _original(klass, *args, **kwargs)
 
         monkeypatch.setattr(cls, "from_pretrained", classmethod(spy))
-    loaded = load_model({"name": "tiny", "source": str(tiny_model_dir), "gguf_file": None, "stop_tokens": []}, "cpu")
+    loaded = load_model({"name": "tiny", "source": str(tiny_model_dir), "gguf_file": None, "stop_tokens": [],
+                         "chat_template": "none"}, "cpu")
     assert seen == [False, False]
     assert loaded.layout.num_layers == 2
 
