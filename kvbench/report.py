@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pandas as pd
 
-from . import report_figures as rf
 from . import report_tables as rt
 from .cli import ArgParser
 from .plots import plt
@@ -29,7 +28,7 @@ class Context:
 
 
 def _sweep_fig(name: str, task: str, ratio: bool, title: str = "", per_dataset: bool = False):
-    return lambda c: rf.budget_sweep_figure(c.df, name, task, ratio, title, per_dataset)
+    return lambda c: rt.budget_sweep_figure(c.df, name, task, ratio, title, per_dataset)
 
 
 ARTIFACTS = {  # family -> builder of its artifacts
@@ -40,8 +39,8 @@ ARTIFACTS = {  # family -> builder of its artifacts
     "selkv_table4": lambda c: rt.selkv_table4(c.df),
     "selkv_ratio_tables": lambda c: rt.selkv_ratio_tables(c.df),
     "selkv_table7": lambda c: rt.selkv_table1(c.df, long=True),
-    "selkv_fig2": lambda c: rf.selkv_fig2(c.df),
-    "selkv_fig3": lambda c: rf.selkv_fig3(c.latency, c.latency_source),
+    "selkv_fig2": lambda c: rt.selkv_fig2(c.df),
+    "selkv_fig3": lambda c: rt.selkv_fig3(c.latency, c.latency_source),
     "selkv_fig4": _sweep_fig("selkv_fig4", "longbench", True, "LongBench average at varying KV retention ratios"),
     "selkv_fig5": _sweep_fig("selkv_fig5", "longbench", True, per_dataset=True),
     "compresskv_table1": lambda c: rt.compresskv_table1(c.df),
@@ -49,7 +48,7 @@ ARTIFACTS = {  # family -> builder of its artifacts
     + rt.sensitivity_table(c.df, "compresskv_table3b", "compresskv", 256, per_dataset=False),
     "compresskv_fig4": _sweep_fig("compresskv_fig4", "longbench", False, "LongBench average under varying KV budgets"),
     "compresskv_fig5": _sweep_fig("compresskv_fig5", "niah", False, "Needle-in-a-Haystack average under KV budgets"),
-    "niah": lambda c: rf.niah_figures(c.df, c.root),
+    "niah": lambda c: rt.niah_figures(c.df, c.root),
 }
 OUTPUTS = {"scores": ["scores_*"], "selkv_ratio_tables": ["selkv_table5", "selkv_table6", "selkv_ratios_*"],
            "compresskv_table3": ["compresskv_table3a", "compresskv_table3b"], "niah": ["niah/*", "niah_panel_*"]}
