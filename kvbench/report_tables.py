@@ -42,8 +42,7 @@ def round2(x: float) -> float:
 
 
 def bolds(data: pd.DataFrame, cols, ok, by: str | None = None, higher: bool = True) -> set:
-    """``(row, col)`` cells holding the best printed value of each column among rows ``ok`` (per ``by`` group; ties
-    all bold)."""
+    """``(row, col)`` cells of each column's best printed value among rows ``ok`` (per ``by`` group; ties all)."""
     out = set()
     for col in cols:
         v = data[col][list(ok)].dropna().map(round2)
@@ -97,9 +96,8 @@ def _scores(rows: pd.DataFrame, datasets: list[str]) -> pd.Series:
 
 @dataclass
 class Grid:
-    """One task at one budget: ``scores`` indexed by (model key, label), a column per dataset; ``labels``: the
-    compressed labels in method order, ``names``: label -> method name, ``incomplete``: (model key, label) cells of
-    unfinished jobs."""
+    """One task at one budget: ``scores`` by (model key, label) × dataset; ``labels``: compressed labels in method
+    order; ``names``: label -> method name; ``incomplete``: (model key, label) of unfinished jobs."""
 
     scores: pd.DataFrame
     full: str | None
@@ -126,9 +124,8 @@ class Grid:
 
 
 def grid(df: pd.DataFrame, task: str, budget: float, models=None, names=None, labels=None) -> Grid | None:
-    """Cells of one task at one budget, with each model's full cache (at any budget: it ignores it). Without
-    ``labels``, each method's main label: its ``conf/method/<name>.yaml`` preset's, else its shortest (a stand-in,
-    noted). A cell holds its default variant when it has one. None without inputs."""
+    """One task at one budget with each model's full cache (any budget); default ``labels``: each method's preset
+    label, else its shortest (a stand-in, noted); a cell's default variant when it has one. None without inputs."""
     comp = df[(df["task"] == task) & (df["method_name"] != FULL) & at(df, budget)]
     comp = comp[comp["model_key"].isin(models)] if models is not None else comp
     comp = comp[comp["method_name"].isin(names)] if names is not None else comp
@@ -172,10 +169,8 @@ def _unfinished(*grids: Grid) -> str:
 
 
 def score_tables(df: pd.DataFrame, root: Path | None = None) -> list[Artifact]:
-    """One table per task × model key of every configuration (method label, variant, budget): per-dataset scores,
-    Avg and n (scored samples); the full cache is one row without budget (–). Bold: the best complete compressed
-    row per column (not full, not 100 %, not a budget that kept every prompt whole or that the method raised above
-    its label), among rows of one sample set."""
+    """A table per task × model key, a row per (label, variant, budget): dataset scores, Avg, n. Bold: best complete
+    compressed row per column (not 100 %, nor a budget that kept prompts whole or was raised) of one sample set."""
     out, names = [], set()
     scored = df[df["score"].notna()]
     natural = lambda s: [(0, int(t), "") if t.isdigit() else (1, 0, t) for t in re.split(r"(\d+)", s)]
@@ -219,13 +214,10 @@ def score_tables(df: pd.DataFrame, root: Path | None = None) -> list[Artifact]:
             notes.append(f"bold: only among rows scored on {main or 'whole datasets'} "
                          f"({comp_kinds.count(main)} of {len(comp)} rows)")
             comp = [i for i in comp if kinds[i] == main]
-        budgets = [k[3] for k in keys if k[3] >= 0]
-        caption = (f"Scores of every job configuration of {mk} on {task} ({_ds(len(datasets))}; one row per method"
-                   + ", method variant" * show_variant + " and budget"
-                   + f"; {budget_semantics(budgets)}" * bool(budgets) + "). Each dataset's score is round(100·mean, "
-                   "2) of the per-sample scores in [0, 1]; Avg: mean over the table's datasets, missing when a row "
-                   "lacks one; n: scored samples. The full cache ignores the budget (–). Best complete compressed "
-                   "configuration per column in bold.")
+        budgets = "; " + budget_semantics(bs) if (bs := [k[3] for k in keys if k[3] >= 0]) else ""
+        caption = (f"Scores of every job configuration of {mk} on {task} ({_ds(len(datasets))}; a row per method"
+                   + ", method variant" * show_variant + f" and budget{budgets}). Score: round(100·mean, 2) of per-sample scores in [0, 1]; Avg: mean over the datasets; n: "
+                   "scored samples. The full cache ignores the budget (–). Best complete compressed cell in bold.")
         name = f"scores_{slug(task)}_{slug(mk)}"
         while name in names:
             name += "_2"
@@ -237,10 +229,8 @@ def score_tables(df: pd.DataFrame, root: Path | None = None) -> list[Artifact]:
 
 
 def selkv_table1(df: pd.DataFrame, budget: float = 0.25, task: str = "longbench", long: bool = False):
-    """SelKV Table 1: per model, full cache and main methods × datasets, Avg, Δ (Avg − full-cache Avg), Avg Rank:
-    mean over datasets of the dense rank among compressed methods (ties share the better rank, 1, 1, 2: the
-    paper's column; NaN when a method lacks a dataset). ``long``: SelKV Table 7, Avg and Δ of the settings
-    truncating prompts at >= 16,000 tokens."""
+    """SelKV Table 1: per model, methods × datasets, Avg, Δ (to the full cache), Avg Rank (mean dense rank among
+    compressed methods, ties share the better). ``long``: SelKV Table 7, Avg and Δ of inputs >= 16,000 tokens."""
     keys = df.loc[df["max_input_tokens"] >= LONG_CONTEXT_TOKENS, "model_key"].unique() if long else None
     g = grid(df, task, budget, models=keys) if not long or len(keys) else None
     if g is None:
@@ -364,17 +354,15 @@ def compresskv_table1(df: pd.DataFrame, budgets=(256, 1024), task: str = "longbe
 
 
 def ablation_flags(params: dict) -> dict:
-    """Gate / Comp / Merge of a SelKV config (None when it does not say): ``gate`` soft | none (merge all) | off
-    (eviction only); ``compensation`` off or not; a ``merge`` field decides Merge."""
+    """Gate / Comp / Merge of a SelKV config (None: unsaid): ``gate`` soft | none | off (evict only); ``merge``."""
     on = lambda v: None if v is None else str(v).lower() not in ("", "none", "off", "false", "0")
     gate = params.get("gate")
     return {"Gate": on(gate), "Comp": on(params.get("compensation")),
             "Merge": params.get("merge", None if gate is None else str(gate).lower() != "off")}
 def staged_table(df: pd.DataFrame, name: str, budget: float, task: str = "longbench") -> list[Artifact]:
-    """Component analyses per model key; Δ prev: gain over the row above, Δ full: gap to the full cache.
-    ``selkv_table2`` (SelKV Table 2): the full cache, then the SelKV labels (>= 2) ordered by their Merge, Gate,
-    Comp switches (:func:`ablation_flags`; labels with identical fields are one row, the longer kept).
-    ``compresskv_table3a`` (CompressKV Table 3a): SnapKV, CompressKV's other labels, CompressKV."""
+    """Component analyses per model key (Δ prev: change from the row above). ``selkv_table2``: the full cache, then
+    SelKV's labels by Merge, Gate, Comp (:func:`ablation_flags`), Δ full. ``compresskv_table3a``: SnapKV, CompressKV's
+    other labels, CompressKV."""
     sel = df[(df["task"] == task) & at(df, budget)]
     rows, ok, sources, notes, selkv = [], [], [], [], name == "selkv_table2"
     main, snap = display_name("compresskv"), display_name("snapkv")
@@ -413,8 +401,7 @@ def staged_table(df: pd.DataFrame, name: str, budget: float, task: str = "longbe
 
 
 def sensitivity_table(df, name: str, method: str, budget: float, task: str = "longbench", per_dataset=True):
-    """One row per variant (the method fields that differ) of a method's main label at one budget (SelKV Table 3:
-    W × K; CompressKV Table 3b); Δ default: gap to the preset's own fields (✓)."""
+    """A row per variant (differing fields) of a method's main label (SelKV Table 3, CompressKV Table 3b), Δ default."""
     sel = df[(df["task"] == task) & (df["method_name"] == method) & at(df, budget)
              & (df["method"] == display_name(method))]
     used = pick(sel, ["model_key", "variant"])
