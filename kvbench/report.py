@@ -89,8 +89,7 @@ def _tex(text: str) -> str:
 
 
 def to_latex(t: Artifact) -> str:
-    """A booktabs table (pandas ``to_latex``): missing cells ``--``, best cells ``\\textbf``; notes
-    and sources as comments."""
+    """A booktabs table (``to_latex``): missing ``--``, best ``\\textbf``; notes and sources as comments."""
     cells = _cells(t)
     for c in cells:
         cells[c] = ["--" if v is None else (r"\textbf{%s}" if (i, c) in t.bold else "%s") % _tex(
@@ -103,8 +102,8 @@ def to_latex(t: Artifact) -> str:
 
 
 def write(a: Artifact, out: Path) -> list[Path]:
-    """Write a table (``.md``, ``.tex``, ``.csv``) or a figure (``.png`` at 150 dpi, ``.pdf``; closed
-    after), and ``<name>.sources.txt``; returns the paths of the table or figure files."""
+    """Write a table (``.md``, ``.tex``, ``.csv``) or figure (``.png``, ``.pdf``) and ``<name>.sources.txt``; returns
+    the table or figure paths."""
     paths = [Path(f"{out / a.name}{s}") for s in ((".png", ".pdf") if a.fig is not None else (".md", ".tex", ".csv"))]
     paths[0].parent.mkdir(parents=True, exist_ok=True)
     if a.fig is not None:
@@ -137,8 +136,7 @@ def _selected(family: str, only) -> bool:
 
 
 def build(ctx: Context, only: list[str] | None = None) -> dict[str, list | Exception]:
-    """Run the selected builders: ``{family: [Artifact, ...]}`` (``[]``: no inputs) or the exception
-    it raised (one broken artifact does not stop the others)."""
+    """Run the selected builders: ``{family: [Artifact, ...] or the exception it raised}``."""
     built = {}
     for family, builder in ARTIFACTS.items():
         if _selected(family, only):

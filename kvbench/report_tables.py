@@ -216,8 +216,8 @@ def score_tables(df: pd.DataFrame, root: Path | None = None) -> list[Artifact]:
             comp = [i for i in comp if kinds[i] == main]
         budgets = "; " + budget_semantics(bs) if (bs := [k[3] for k in keys if k[3] >= 0]) else ""
         caption = (f"Scores of every job configuration of {mk} on {task} ({_ds(len(datasets))}; a row per method"
-                   + ", method variant" * show_variant + f" and budget{budgets}). Score: round(100·mean, 2) of per-sample scores in [0, 1]; Avg: mean over the datasets; n: "
-                   "scored samples. The full cache ignores the budget (–). Best complete compressed cell in bold.")
+                   + ", method variant" * show_variant + f" and budget{budgets}). Score: round(100·mean, 2) of per-sample "
+                   "scores in [0, 1]; Avg: mean over the datasets; n: scored samples. The full cache ignores the budget (–). Best complete compressed cell in bold.")
         name = f"scores_{slug(task)}_{slug(mk)}"
         while name in names:
             name += "_2"
@@ -287,8 +287,7 @@ def budget_grids(df: pd.DataFrame, task: str, ratio: bool) -> dict[float, Grid]:
 
 
 def sweep(grids: dict[float, Grid], mk: str, dataset: str | None = None) -> pd.DataFrame:
-    """One model's average over the union of datasets (or one dataset's score), label × budget; the full cache's
-    value under every budget."""
+    """One model's average over the datasets (or one dataset's score), label × budget; full cache in every column."""
     present = {b: g for b, g in grids.items() if mk in g.models}
     ds = [dataset] if dataset else order_datasets(d for g in present.values() for d in g.datasets)
     names = {lab: n for g in present.values() for lab, n in g.names.items()}
@@ -311,8 +310,7 @@ def _absent(t: pd.DataFrame, what) -> list[str]:
 
 
 def selkv_ratio_tables(df: pd.DataFrame, task: str = "longbench") -> list[Artifact]:
-    """SelKV Tables 5 (llama31) and 6 (gemma2), else ``selkv_ratios_<model>``: LongBench average per method at
-    each retention ratio, for models with at least two ratios."""
+    """SelKV Tables 5 (llama31), 6 (gemma2), ``selkv_ratios_<model>``: LongBench average per method × ratio (>= 2)."""
     grids, out, names = budget_grids(df, task, ratio=True), [], set()
     for mk in sorted({m for g in grids.values() for m in g.models}, key=model_sort_key):
         t = sweep(grids, mk).rename(columns=budget_text)
@@ -447,8 +445,7 @@ def _done(name, fig, caption, sources, notes) -> Artifact:
 
 
 def selkv_fig2(df: pd.DataFrame, budget: float = 0.25, task: str = "longbench") -> list[Artifact]:
-    """SelKV Figure 2: Δ of each compressed method's LongBench average to the full cache, bars per
-    model; an unfinished job's bar hatched and pale."""
+    """SelKV Figure 2: bars of each method's LongBench average − the full cache's per model (unfinished: hatched)."""
     g = grid(df, task, budget)
     if g is None or g.full is None:
         return []
@@ -478,8 +475,8 @@ def selkv_fig2(df: pd.DataFrame, budget: float = 0.25, task: str = "longbench") 
 
 
 def budget_sweep_figure(df, name: str, task: str, ratio: bool, title: str, per_dataset: bool = False):
-    """Average vs budget, one panel per model with >= 2 budgets (SelKV Fig. 4, CompressKV Figs. 4, 5);
-    ``per_dataset``: one row per model, one panel per dataset (Qasper, MuSiQue when present; SelKV Fig. 5)."""
+    """Average vs budget, a panel per model with >= 2 budgets (SelKV Fig. 4, CompressKV Figs. 4, 5); ``per_dataset``
+    (SelKV Fig. 5): a row per model, a panel per dataset (Qasper, MuSiQue when present)."""
     grids = budget_grids(df, task, ratio)
     models = [m for m in sorted({m for g in grids.values() for m in g.models}, key=model_sort_key)
               if sum(m in g.models for g in grids.values()) >= 2]
@@ -517,8 +514,7 @@ def budget_sweep_figure(df, name: str, task: str, ratio: bool, title: str, per_d
 
 
 def selkv_fig3(latency: list[dict], source: str = "latency.json") -> list[Artifact]:
-    """SelKV Figure 3 from kvbench.latency records: (a) prefill/compression/decode seconds per request,
-    (b) decode tokens/s vs prompt length; one row per model, repeats averaged."""
+    """SelKV Figure 3 from kvbench.latency records, per model: (a) stage seconds, (b) decode tokens/s vs length."""
     lat = pd.DataFrame(latency or [])
     if not {"model", "method", "prompt_tokens", "decode_tok_s"} <= set(lat.columns):
         return []
@@ -561,8 +557,7 @@ def selkv_fig3(latency: list[dict], source: str = "latency.json") -> list[Artifa
 
 
 def niah_figures(df: pd.DataFrame, root: Path) -> list[Artifact]:
-    """NIAH heatmaps (depth × length): one per job (``niah/<job>``) and one panel per model key
-    (rows: budgets; columns: full cache, then methods; a cell's variant and unfinished job named)."""
+    """NIAH heatmaps: one per job (``niah/<job>``), a panel per model key (budgets × full cache, methods)."""
     niah = df[(df["task"] == "niah") & df["dataset"].notna()]
     records = {job: niah_grid_records(Path(root) / job) for job in niah["job"].unique()}
     out = []
