@@ -216,8 +216,9 @@ def score_tables(df: pd.DataFrame, root: Path | None = None) -> list[Artifact]:
             comp = [i for i in comp if kinds[i] == main]
         budgets = "; " + budget_semantics(bs) if (bs := [k[3] for k in keys if k[3] >= 0]) else ""
         caption = (f"Scores of every job configuration of {mk} on {task} ({_ds(len(datasets))}; a row per method"
-                   + ", method variant" * show_variant + f" and budget{budgets}). Score: round(100·mean, 2) of per-sample "
-                   "scores in [0, 1]; Avg: mean over the datasets; n: scored samples. The full cache ignores the budget (–). Best complete compressed cell in bold.")
+                   + ", method variant" * show_variant + f" and budget{budgets}). Score: round(100·mean, 2) of "
+                   "per-sample scores in [0, 1]; Avg: mean over the datasets; n: scored samples. The full cache "
+                   "ignores the budget (–). Best complete compressed cell in bold.")
         name = f"scores_{slug(task)}_{slug(mk)}"
         while name in names:
             name += "_2"
