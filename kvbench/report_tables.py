@@ -305,51 +305,49 @@ def merged(grids, models: list[str]) -> tuple[list, list]:
     return [j for g in grids for j in g.sources], [n for g in grids for n in g.notes if any(m in n for m in models)]
 
 
-def _absent(t: pd.DataFrame, what) -> list[str]:
-    return [f"absent: {what(c, lab)} (no job, or a dataset missing)" for lab, row in t.iterrows() for c in t.columns
-            if math.isnan(row[c])]
+def sweep_table(name: str, grids: dict[float, Grid], models: list[str], caption: str, ratio: bool) -> Artifact:
+    """Average per label × (model, budget) of ``models`` (``ratio``: one model, a column per ratio), full cache
+    first; bold: best compressed cell per column (``ratio``: unfinished ones too)."""
+    col = (lambda mk, b: budget_text(b)) if ratio else (lambda mk, b: f"{mk} @{b:g}")
+    cols = {col(mk, b): (mk, b, g) for mk in models for b, g in grids.items()}
+    t = pd.concat([sweep(grids, mk).rename(columns=lambda b, mk=mk: col(mk, b)) for mk in models], axis=1)
+    names = {lab: n for g in grids.values() for lab, n in g.names.items()}
+    full = next((g.full for g in grids.values() if g.full), None)
+    data = t.loc[sorted(t.index, key=lambda lab: (lab != full, method_sort_key(names.get(lab, ""), lab)))]
+    data = data.rename_axis("Method").reset_index()
+    bold = set().union(*(bolds(data, [c], data.index[data["Method"] != full] if ratio else cols[c][2].ok(
+        data.assign(Model=cols[c][0]))) for c in t.columns))
+    sources, notes = merged([g for g in grids.values() if set(models) & set(g.models)], models)
+    notes += [f"absent: {cols[c][0]} / {lab} at {'ratio' if ratio else 'budget'} {budget_text(cols[c][1])} (no job, "
+              "or a dataset missing)" for lab, row in t.iterrows() for c in t.columns if math.isnan(row[c])]
+    return Artifact(name, caption, data, bold=bold, sources=sources, notes=notes)
 
 
 def selkv_ratio_tables(df: pd.DataFrame, task: str = "longbench") -> list[Artifact]:
     """SelKV Tables 5 (llama31), 6 (gemma2), ``selkv_ratios_<model>``: LongBench average per method × ratio (>= 2)."""
     grids, out, names = budget_grids(df, task, ratio=True), [], set()
+    n_ds = _ds(len(order_datasets(d for g in grids.values() for d in g.datasets)))
     for mk in sorted({m for g in grids.values() for m in g.models}, key=model_sort_key):
-        t = sweep(grids, mk).rename(columns=budget_text)
-        if t.shape[1] < 2:
+        if sum(mk in g.models for g in grids.values()) < 2:
             continue
-        data = t.rename_axis("Method").reset_index()
         name = {"llama31": "selkv_table5", "gemma2": "selkv_table6"}.get(mk.split(" ")[0], "")
         name = name if name and name not in names else f"selkv_ratios_{slug(mk)}"
         names.add(name)
-        sources, notes = merged([g for g in grids.values() if mk in g.models], [mk])
-        notes += _absent(t, lambda c, lab, mk=mk: f"{mk} / {lab} at ratio {c}")
-        caption = (f"LongBench average ({_ds(len(order_datasets(d for g in grids.values() for d in g.datasets)))}) of "
-                   f"{mk} at different KV retention ratios ({budget_semantics(grids)}). The full cache does not depend "
-                   "on the ratio. Best compressed method per ratio in bold.")
-        ok = data.index[data["Method"] != next(iter(grids.values())).full]
-        out.append(Artifact(name, caption, data, bold=bolds(data, t.columns, ok), sources=sources, notes=notes))
+        out.append(sweep_table(name, grids, [mk], f"LongBench average ({n_ds}) of {mk} at different KV retention "
+                               f"ratios ({budget_semantics(grids)}). The full cache does not depend on the ratio. "
+                               "Best compressed method per ratio in bold.", ratio=True))
     return out
 
 
 def compresskv_table1(df: pd.DataFrame, budgets=(256, 1024), task: str = "longbench") -> list[Artifact]:
     """CompressKV Table 1: LongBench average per method × (model, token budget); full cache repeated."""
     grids = {float(b): g for b in budgets if (g := grid(df, task, float(b))) is not None}
-    if not grids:
-        return []
     models = sorted({m for g in grids.values() for m in g.models}, key=model_sort_key)
-    t = pd.concat([sweep(grids, mk).rename(columns=lambda b, mk=mk: f"{mk} @{b:g}") for mk in models], axis=1)
-    names = {lab: n for g in grids.values() for lab, n in g.names.items()}
     full = next((g.full for g in grids.values() if g.full), None)
-    data = t.loc[sorted(t.index, key=lambda lab: (lab != full, method_sort_key(names.get(lab, ""), lab)))]
-    data = data.rename_axis("Method").reset_index()
-    bold = set().union(*(bolds(data, [c], grids[float(c.rsplit(" @")[1])].ok(data.assign(Model=c.rsplit(" @")[0])))
-                         for c in t.columns))
-    sources, notes = merged(grids.values(), models)
-    notes += _absent(t, lambda c, lab: "{} / {lab} at budget {}".format(*c.split(" @"), lab=lab))
-    caption = (f"Average LongBench scores under fixed KV budgets ({budget_semantics(grids)}). "
-               f"{full or 'The full cache'} is uncompressed and does not depend on the budget. Best compressed method "
-               f"per column in bold{_unfinished(*grids.values())}. Models: {', '.join(models)}.")
-    return [Artifact("compresskv_table1", caption, data, bold=bold, sources=sources, notes=notes)]
+    return [sweep_table("compresskv_table1", grids, models, f"Average LongBench scores under fixed KV budgets "
+                        f"({budget_semantics(grids)}). {full or 'The full cache'} is uncompressed and does not depend "
+                        f"on the budget. Best compressed method per column in bold{_unfinished(*grids.values())}. "
+                        f"Models: {', '.join(models)}.", ratio=False)] if grids else []
 
 
 def ablation_flags(params: dict) -> dict:
