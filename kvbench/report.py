@@ -58,9 +58,7 @@ def fmt(value, signed: bool = False) -> str | None:
     """A cell as printed: text as is, numbers half-up to 2 decimals; None when missing."""
     if value is None or isinstance(value, str):
         return value
-    if math.isnan(value):
-        return None
-    return ("+" if signed and round2(value) > 0 else "") + f"{round2(value):.2f}"
+    return None if math.isnan(value) else ("+" if signed and round2(value) > 0 else "") + f"{round2(value):.2f}"
 
 
 def _cells(t: Artifact) -> pd.DataFrame:

@@ -267,11 +267,9 @@ def selkv_table4(df: pd.DataFrame, budget: float = 0.25, task: str = "longbench"
     cats["Other"] = [d for d in g.datasets if not any(d in m for m in LONGBENCH_CATEGORIES.values())]
     data = pd.DataFrame([{"Model": mk, "Category": c, **{lab: g.avg(mk, lab, ds) for lab in g.rows}}
                          for mk in g.models for c, ds in cats.items() if ds], columns=["Model", "Category", *g.rows])
-    bold = set()
-    for i, row in data.iterrows():
-        vals = {lab: round2(row[lab]) for lab in g.labels
-                if row[lab] == row[lab] and (row["Model"], lab) not in g.incomplete}
-        bold |= {(i, lab) for lab, v in vals.items() if v == max(vals.values())}
+    v = data[g.labels].where(pd.DataFrame({lab: [(m, lab) not in g.incomplete for m in data["Model"]]
+                                           for lab in g.labels})).map(round2, na_action="ignore")
+    bold = set(v[v.eq(v.max(axis=1), axis=0)].stack().index)
     partial = [f"partial category: {c} averages {len(ds)} of its {len(LONGBENCH_CATEGORIES[c])} datasets "
                f"({', '.join(ds)}); not comparable to the paper's category score"
                for c, ds in cats.items() if c != "Other" and 0 < len(ds) < len(LONGBENCH_CATEGORIES[c])]
