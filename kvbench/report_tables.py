@@ -90,10 +90,6 @@ def cell_notes(rows: pd.DataFrame, used: pd.DataFrame, what: str) -> list[str]:
                     "(preferred: complete, most datasets, most samples)"] * bool(left)
 
 
-def _scores(rows: pd.DataFrame, datasets: list[str]) -> pd.Series:
-    return pd.Series(dict(zip(rows["dataset"], rows["score"])), dtype=float).reindex(datasets)
-
-
 @dataclass
 class Grid:
     """One task at one budget: ``scores`` by (model key, label) × dataset; ``labels``: compressed labels in method
@@ -189,7 +185,7 @@ def score_tables(df: pd.DataFrame, root: Path | None = None) -> list[Artifact]:
             part, mine = (t[(t["method"] == label) & (t["variant"] == variant) & (t["bkey"] == b)] for t in (sel, used))
             btext = None if b < 0 else budget_text(b)
             what = label + f" ({variant})" * bool(variant) + f" at budget {btext}" * bool(btext)
-            vals = _scores(mine, datasets)
+            vals = mine.set_index("dataset")["score"].reindex(datasets)
             rows.append({"Method": label, **({"Variant": variant} if show_variant else {}), "Budget": btext,
                          **vals, "Avg": vals.mean(skipna=False), "n": f"{mine['n'].sum():.0f}" if len(mine) else None})
             notes += [f"absent: {what} has no score for {', '.join(vals.index[vals.isna()])}"] * bool(vals.isna().any())
@@ -412,7 +408,7 @@ def sensitivity_table(df, name: str, method: str, budget: float, task: str = "lo
         block = []
         for (p, dflt), v in sorted(mine.groupby(["params", "default"]),
                                    key=lambda x: [num(params[x[0][0]].get(k)) for k in keys]):
-            vals = _scores(v, datasets)
+            vals = v.set_index("dataset")["score"].reindex(datasets)
             block.append({"Model": mk, **{k: str(params[p].get(k, "–")) for k in keys}, "Default": "✓" * bool(dflt),
                           **(vals if per_dataset else {}), "Avg": vals.mean(skipna=False)})
         ref = next((r["Avg"] for r in block if r["Default"]), math.nan)
