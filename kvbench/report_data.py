@@ -13,13 +13,9 @@ import pandas as pd
 import yaml
 
 LONGBENCH_CATEGORIES: dict[str, list[str]] = {
-    "Single-Doc QA": ["narrativeqa", "qasper", "multifieldqa_en"],
-    "Multi-Doc QA": ["hotpotqa", "2wikimqa", "musique"],
-    "Summarization": ["gov_report", "qmsum", "multi_news"],
-    "Few-shot Learning": ["trec", "triviaqa", "samsum"],
-    "Synthetic": ["passage_count", "passage_retrieval_en"],
-    "Code": ["lcc", "repobench-p"],
-}
+    "Single-Doc QA": ["narrativeqa", "qasper", "multifieldqa_en"], "Multi-Doc QA": ["hotpotqa", "2wikimqa", "musique"],
+    "Summarization": ["gov_report", "qmsum", "multi_news"], "Few-shot Learning": ["trec", "triviaqa", "samsum"],
+    "Synthetic": ["passage_count", "passage_retrieval_en"], "Code": ["lcc", "repobench-p"]}
 DATASET_ORDER = [d for ds in LONGBENCH_CATEGORIES.values() for d in ds]
 DATASET_ABBR = dict(zip(DATASET_ORDER, "NrtQA Qasp MF-en HpQA 2Wiki Musi GovR QMSm MNws TREC TrvQA SAMs PCnt PRet "
                                        "LCC RB-P".split())) | {
