@@ -15,9 +15,8 @@ SCORE_LABEL = "Score (ROUGE-1 recall × 100)"
 
 
 def niah_grid(records: Iterable[dict]) -> tuple[list[int], list[float], np.ndarray]:
-    """``(lengths, depths, grid)``: mean score in points (0-100) per (needle depth %, context length)
-    cell, ``grid`` of shape ``(len(depths), len(lengths))``, NaN where no record succeeded.
-    Records need ``meta.context_length`` and ``meta.depth_percent``; failed ones score nothing."""
+    """``(lengths, depths, grid)``: mean score (0-100) per cell, ``grid`` of shape ``(len(depths), len(lengths))``,
+    NaN where no record (with ``meta.context_length``, ``meta.depth_percent``) succeeded."""
     cells = pd.DataFrame([(int(r["meta"]["context_length"]), float(r["meta"]["depth_percent"]),
                            100.0 * r["score"] if r.get("error") is None and r.get("score") is not None else np.nan)
                           for r in records if {"context_length", "depth_percent"} <= set(r.get("meta") or {})],
@@ -28,8 +27,7 @@ def niah_grid(records: Iterable[dict]) -> tuple[list[int], list[float], np.ndarr
 
 
 def draw_niah_heatmap(ax, records: Iterable[dict], title: str = "", labels: bool = True):
-    """Draw the depth × length heatmap on ``ax`` (0-100, grey: no score, values printed up to
-    12 × 12 cells); returns the image (for a colorbar), None when no record has NIAH metadata."""
+    """Draw the depth × length heatmap on ``ax``; returns the image (for a colorbar), None without NIAH records."""
     lengths, depths, grid = niah_grid(records)
     ax.set_title(title, fontsize=9)
     if not lengths:
@@ -50,8 +48,7 @@ def draw_niah_heatmap(ax, records: Iterable[dict], title: str = "", labels: bool
 
 
 def plot_niah_heatmap(records: Iterable[dict], path: str | Path, title: str) -> Path | None:
-    """Write a job's heatmap to ``path`` (a ``.png`` gets a ``.pdf`` beside it); None (nothing written)
-    when no record has NIAH metadata."""
+    """Write a job's heatmap to ``path`` (and a ``.pdf`` beside a ``.png``); returns it, None without NIAH records."""
     records = list(records)
     lengths, depths, _ = niah_grid(records)
     if not lengths:

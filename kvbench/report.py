@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pandas as pd
 
-from . import report_figures as rf
 from . import report_tables as rt
 from .cli import ArgParser
 from .plots import plt
@@ -29,7 +28,7 @@ class Context:
 
 
 def _sweep_fig(name: str, task: str, ratio: bool, title: str = "", per_dataset: bool = False):
-    return lambda c: rf.budget_sweep_figure(c.df, name, task, ratio, title, per_dataset)
+    return lambda c: rt.budget_sweep_figure(c.df, name, task, ratio, title, per_dataset)
 
 
 ARTIFACTS = {  # family -> builder of its artifacts
@@ -40,8 +39,8 @@ ARTIFACTS = {  # family -> builder of its artifacts
     "selkv_table4": lambda c: rt.selkv_table4(c.df),
     "selkv_ratio_tables": lambda c: rt.selkv_ratio_tables(c.df),
     "selkv_table7": lambda c: rt.selkv_table1(c.df, long=True),
-    "selkv_fig2": lambda c: rf.selkv_fig2(c.df),
-    "selkv_fig3": lambda c: rf.selkv_fig3(c.latency, c.latency_source),
+    "selkv_fig2": lambda c: rt.selkv_fig2(c.df),
+    "selkv_fig3": lambda c: rt.selkv_fig3(c.latency, c.latency_source),
     "selkv_fig4": _sweep_fig("selkv_fig4", "longbench", True, "LongBench average at varying KV retention ratios"),
     "selkv_fig5": _sweep_fig("selkv_fig5", "longbench", True, per_dataset=True),
     "compresskv_table1": lambda c: rt.compresskv_table1(c.df),
@@ -49,7 +48,7 @@ ARTIFACTS = {  # family -> builder of its artifacts
     + rt.sensitivity_table(c.df, "compresskv_table3b", "compresskv", 256, per_dataset=False),
     "compresskv_fig4": _sweep_fig("compresskv_fig4", "longbench", False, "LongBench average under varying KV budgets"),
     "compresskv_fig5": _sweep_fig("compresskv_fig5", "niah", False, "Needle-in-a-Haystack average under KV budgets"),
-    "niah": lambda c: rf.niah_figures(c.df, c.root),
+    "niah": lambda c: rt.niah_figures(c.df, c.root),
 }
 OUTPUTS = {"scores": ["scores_*"], "selkv_ratio_tables": ["selkv_table5", "selkv_table6", "selkv_ratios_*"],
            "compresskv_table3": ["compresskv_table3a", "compresskv_table3b"], "niah": ["niah/*", "niah_panel_*"]}
@@ -59,9 +58,7 @@ def fmt(value, signed: bool = False) -> str | None:
     """A cell as printed: text as is, numbers half-up to 2 decimals; None when missing."""
     if value is None or isinstance(value, str):
         return value
-    if math.isnan(value):
-        return None
-    return ("+" if signed and round2(value) > 0 else "") + f"{round2(value):.2f}"
+    return None if math.isnan(value) else ("+" if signed and round2(value) > 0 else "") + f"{round2(value):.2f}"
 
 
 def _cells(t: Artifact) -> pd.DataFrame:
@@ -90,8 +87,7 @@ def _tex(text: str) -> str:
 
 
 def to_latex(t: Artifact) -> str:
-    """A booktabs table (pandas ``to_latex``): missing cells ``--``, best cells ``\\textbf``; notes
-    and sources as comments."""
+    """A booktabs table (``to_latex``): missing ``--``, best ``\\textbf``; notes and sources as comments."""
     cells = _cells(t)
     for c in cells:
         cells[c] = ["--" if v is None else (r"\textbf{%s}" if (i, c) in t.bold else "%s") % _tex(
@@ -104,8 +100,8 @@ def to_latex(t: Artifact) -> str:
 
 
 def write(a: Artifact, out: Path) -> list[Path]:
-    """Write a table (``.md``, ``.tex``, ``.csv``) or a figure (``.png`` at 150 dpi, ``.pdf``; closed
-    after), and ``<name>.sources.txt``; returns the paths of the table or figure files."""
+    """Write a table (``.md``, ``.tex``, ``.csv``) or figure (``.png``, ``.pdf``) and ``<name>.sources.txt``; returns
+    the table or figure paths."""
     paths = [Path(f"{out / a.name}{s}") for s in ((".png", ".pdf") if a.fig is not None else (".md", ".tex", ".csv"))]
     paths[0].parent.mkdir(parents=True, exist_ok=True)
     if a.fig is not None:
@@ -138,8 +134,7 @@ def _selected(family: str, only) -> bool:
 
 
 def build(ctx: Context, only: list[str] | None = None) -> dict[str, list | Exception]:
-    """Run the selected builders: ``{family: [Artifact, ...]}`` (``[]``: no inputs) or the exception
-    it raised (one broken artifact does not stop the others)."""
+    """Run the selected builders: ``{family: [Artifact, ...] or the exception it raised}``."""
     built = {}
     for family, builder in ARTIFACTS.items():
         if _selected(family, only):

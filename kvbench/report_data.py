@@ -1,8 +1,6 @@
-"""One tidy frame from the store (:func:`load_results`: a row per job × dataset), identity from ``config.yaml``
-only: ``method`` is ``method.label``; ``model_key`` the model, suffixed where jobs of one (task, model) differ in a
-setting (``llama31 [ctx31500]``, ``tiny [task.max_new_tokens=64]``); ``variant`` the method fields in which jobs of one
-label differ or differ from the ``conf/method`` preset (``alpha=1.5``; ``default``: the preset's own). Jobs of one cell
-with different fields are never averaged together."""
+"""One tidy frame from the store (:func:`load_results`: a row per job × dataset), identity from ``config.yaml``:
+``method`` is ``method.label``; ``model_key`` the model, suffixed by a differing setting (``llama31 [ctx31500]``);
+``variant`` the method fields that differ among a label's jobs or from its preset (``alpha=1.5``)."""
 
 import functools
 import json
@@ -15,13 +13,9 @@ import pandas as pd
 import yaml
 
 LONGBENCH_CATEGORIES: dict[str, list[str]] = {
-    "Single-Doc QA": ["narrativeqa", "qasper", "multifieldqa_en"],
-    "Multi-Doc QA": ["hotpotqa", "2wikimqa", "musique"],
-    "Summarization": ["gov_report", "qmsum", "multi_news"],
-    "Few-shot Learning": ["trec", "triviaqa", "samsum"],
-    "Synthetic": ["passage_count", "passage_retrieval_en"],
-    "Code": ["lcc", "repobench-p"],
-}
+    "Single-Doc QA": ["narrativeqa", "qasper", "multifieldqa_en"], "Multi-Doc QA": ["hotpotqa", "2wikimqa", "musique"],
+    "Summarization": ["gov_report", "qmsum", "multi_news"], "Few-shot Learning": ["trec", "triviaqa", "samsum"],
+    "Synthetic": ["passage_count", "passage_retrieval_en"], "Code": ["lcc", "repobench-p"]}
 DATASET_ORDER = [d for ds in LONGBENCH_CATEGORIES.values() for d in ds]
 DATASET_ABBR = dict(zip(DATASET_ORDER, "NrtQA Qasp MF-en HpQA 2Wiki Musi GovR QMSm MNws TREC TrvQA SAMs PCnt PRet "
                                        "LCC RB-P".split())) | {
@@ -61,8 +55,7 @@ def _json(path: Path) -> dict:
 
 
 def niah_grid(job_dir: Path) -> tuple[list, list] | None:
-    """The ``(context lengths, depth percents)`` grid a NIAH job's ``summary.json`` scores, sorted;
-    None when the summary records none."""
+    """The sorted ``(context lengths, depth percents)`` a NIAH job's ``summary.json`` scores, or None."""
     sel = _json(job_dir / "summary.json").get("selection") or {}
     lengths, depths = sel.get("task.context_lengths"), sel.get("task.depth_percents")
     if not isinstance(lengths, list) or not isinstance(depths, list):
@@ -145,8 +138,7 @@ def _job_rows(root: Path, job: Path) -> list[dict]:
 
 
 def _model_keys(df: pd.DataFrame) -> pd.Series:
-    """Model name, suffixed where jobs of one (task, model) differ in a setting: by run tag, else by the differing
-    keys (a key that older jobs lack is compared among the jobs that have it)."""
+    """Model name, suffixed where jobs of one (task, model) differ in a setting: run tag, else the differing keys."""
     keys = df["model"].copy()
     for _, grp in df.groupby(["task", "model"]):
         values: dict[str, set] = {}
@@ -183,11 +175,9 @@ def _variants(df: pd.DataFrame) -> pd.DataFrame:
 
 
 def load_results(root: str | Path) -> pd.DataFrame:
-    """Every job folder under ``root`` as one tidy frame, one row per job × dataset: scores are ``summary.json``'s
-    ``round(100·mean, 2)`` per dataset, else (a job still running or killed) the same from ``predictions.jsonl``;
-    timings (s, tokens/s) and cache statistics (tokens, bytes) are means over successful samples. A job with nothing
-    scored has one row with ``dataset=None``. ``df.attrs["unreadable"]`` lists job folders whose config cannot be
-    read. Raises FileNotFoundError when ``root`` is not a directory."""
+    """Job folders under ``root``, a row per job × dataset: score ``round(100·mean, 2)`` (``summary.json``, else
+    ``predictions.jsonl``), mean timings (s, tokens/s) and cache sizes (tokens, bytes); ``dataset=None`` when nothing
+    is scored; ``df.attrs["unreadable"]``: unreadable job folders. FileNotFoundError if ``root`` is no directory."""
     root = Path(root)
     if not root.is_dir():
         raise FileNotFoundError(f"results root {str(root)!r} is not a directory")

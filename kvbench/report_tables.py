@@ -1,5 +1,5 @@
-"""The report's tables from the tidy frame: a score table per task × model key (any sweep) and the seed papers'
-tables. Each builder returns a list of :class:`Artifact` (empty without inputs); NaN is a missing cell, never 0."""
+"""The report's tables and figures from the tidy frame: a score table per task × model key, the seed papers' tables
+and figures, NIAH heatmaps. Each builder returns a list of :class:`Artifact` (empty without inputs); NaN: missing."""
 
 import json
 import math
@@ -8,9 +8,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pandas as pd
+from matplotlib.patches import Patch
 
+from .plots import SCORE_LABEL, draw_niah_heatmap, plt
 from .report_data import (DATASET_ABBR, FULL, LONG_CONTEXT_TOKENS, LONGBENCH_CATEGORIES, budget_semantics,
-                          budget_text, display_name, method_sort_key, model_sort_key, niah_grid, order_datasets)
+                          budget_text, display_name, method_sort_key, model_sort_key, niah_grid, niah_grid_records,
+                          order_datasets)
 
 
 @dataclass
@@ -39,8 +42,7 @@ def round2(x: float) -> float:
 
 
 def bolds(data: pd.DataFrame, cols, ok, by: str | None = None, higher: bool = True) -> set:
-    """``(row, col)`` cells holding the best printed value of each column among rows ``ok`` (per ``by`` group; ties
-    all bold)."""
+    """``(row, col)`` cells of each column's best printed value among rows ``ok`` (per ``by`` group; ties all)."""
     out = set()
     for col in cols:
         v = data[col][list(ok)].dropna().map(round2)
@@ -88,15 +90,10 @@ def cell_notes(rows: pd.DataFrame, used: pd.DataFrame, what: str) -> list[str]:
                     "(preferred: complete, most datasets, most samples)"] * bool(left)
 
 
-def _scores(rows: pd.DataFrame, datasets: list[str]) -> pd.Series:
-    return pd.Series(dict(zip(rows["dataset"], rows["score"])), dtype=float).reindex(datasets)
-
-
 @dataclass
 class Grid:
-    """One task at one budget: ``scores`` indexed by (model key, label), a column per dataset; ``labels``: the
-    compressed labels in method order, ``names``: label -> method name, ``incomplete``: (model key, label) cells of
-    unfinished jobs."""
+    """One task at one budget: ``scores`` by (model key, label) × dataset; ``labels``: compressed labels in method
+    order; ``names``: label -> method name; ``incomplete``: (model key, label) of unfinished jobs."""
 
     scores: pd.DataFrame
     full: str | None
@@ -123,9 +120,8 @@ class Grid:
 
 
 def grid(df: pd.DataFrame, task: str, budget: float, models=None, names=None, labels=None) -> Grid | None:
-    """Cells of one task at one budget, with each model's full cache (at any budget: it ignores it). Without
-    ``labels``, each method's main label: its ``conf/method/<name>.yaml`` preset's, else its shortest (a stand-in,
-    noted). A cell holds its default variant when it has one. None without inputs."""
+    """One task at one budget with each model's full cache (any budget); default ``labels``: each method's preset
+    label, else its shortest (a stand-in, noted); a cell's default variant when it has one. None without inputs."""
     comp = df[(df["task"] == task) & (df["method_name"] != FULL) & at(df, budget)]
     comp = comp[comp["model_key"].isin(models)] if models is not None else comp
     comp = comp[comp["method_name"].isin(names)] if names is not None else comp
@@ -169,10 +165,8 @@ def _unfinished(*grids: Grid) -> str:
 
 
 def score_tables(df: pd.DataFrame, root: Path | None = None) -> list[Artifact]:
-    """One table per task × model key of every configuration (method label, variant, budget): per-dataset scores,
-    Avg and n (scored samples); the full cache is one row without budget (–). Bold: the best complete compressed
-    row per column (not full, not 100 %, not a budget that kept every prompt whole or that the method raised above
-    its label), among rows of one sample set."""
+    """A table per task × model key, a row per (label, variant, budget): dataset scores, Avg, n. Bold: best complete
+    compressed row per column (not 100 %, nor a budget that kept prompts whole or was raised) of one sample set."""
     out, names = [], set()
     scored = df[df["score"].notna()]
     natural = lambda s: [(0, int(t), "") if t.isdigit() else (1, 0, t) for t in re.split(r"(\d+)", s)]
@@ -191,7 +185,7 @@ def score_tables(df: pd.DataFrame, root: Path | None = None) -> list[Artifact]:
             part, mine = (t[(t["method"] == label) & (t["variant"] == variant) & (t["bkey"] == b)] for t in (sel, used))
             btext = None if b < 0 else budget_text(b)
             what = label + f" ({variant})" * bool(variant) + f" at budget {btext}" * bool(btext)
-            vals = _scores(mine, datasets)
+            vals = mine.set_index("dataset")["score"].reindex(datasets)
             rows.append({"Method": label, **({"Variant": variant} if show_variant else {}), "Budget": btext,
                          **vals, "Avg": vals.mean(skipna=False), "n": f"{mine['n'].sum():.0f}" if len(mine) else None})
             notes += [f"absent: {what} has no score for {', '.join(vals.index[vals.isna()])}"] * bool(vals.isna().any())
@@ -216,13 +210,11 @@ def score_tables(df: pd.DataFrame, root: Path | None = None) -> list[Artifact]:
             notes.append(f"bold: only among rows scored on {main or 'whole datasets'} "
                          f"({comp_kinds.count(main)} of {len(comp)} rows)")
             comp = [i for i in comp if kinds[i] == main]
-        budgets = [k[3] for k in keys if k[3] >= 0]
-        caption = (f"Scores of every job configuration of {mk} on {task} ({_ds(len(datasets))}; one row per method"
-                   + ", method variant" * show_variant + " and budget"
-                   + f"; {budget_semantics(budgets)}" * bool(budgets) + "). Each dataset's score is round(100·mean, "
-                   "2) of the per-sample scores in [0, 1]; Avg: mean over the table's datasets, missing when a row "
-                   "lacks one; n: scored samples. The full cache ignores the budget (–). Best complete compressed "
-                   "configuration per column in bold.")
+        budgets = "; " + budget_semantics(bs) if (bs := [k[3] for k in keys if k[3] >= 0]) else ""
+        caption = (f"Scores of every job configuration of {mk} on {task} ({_ds(len(datasets))}; a row per method"
+                   + ", method variant" * show_variant + f" and budget{budgets}). Score: round(100·mean, 2) of "
+                   "per-sample scores in [0, 1]; Avg: mean over the datasets; n: scored samples. The full cache "
+                   "ignores the budget (–). Best complete compressed cell in bold.")
         name = f"scores_{slug(task)}_{slug(mk)}"
         while name in names:
             name += "_2"
@@ -234,10 +226,8 @@ def score_tables(df: pd.DataFrame, root: Path | None = None) -> list[Artifact]:
 
 
 def selkv_table1(df: pd.DataFrame, budget: float = 0.25, task: str = "longbench", long: bool = False):
-    """SelKV Table 1: per model, full cache and main methods × datasets, Avg, Δ (Avg − full-cache Avg), Avg Rank:
-    mean over datasets of the dense rank among compressed methods (ties share the better rank, 1, 1, 2: the
-    paper's column; NaN when a method lacks a dataset). ``long``: SelKV Table 7, Avg and Δ of the settings
-    truncating prompts at >= 16,000 tokens."""
+    """SelKV Table 1: per model, methods × datasets, Avg, Δ (to the full cache), Avg Rank (mean dense rank among
+    compressed methods, ties share the better). ``long``: SelKV Table 7, Avg and Δ of inputs >= 16,000 tokens."""
     keys = df.loc[df["max_input_tokens"] >= LONG_CONTEXT_TOKENS, "model_key"].unique() if long else None
     g = grid(df, task, budget, models=keys) if not long or len(keys) else None
     if g is None:
@@ -273,11 +263,9 @@ def selkv_table4(df: pd.DataFrame, budget: float = 0.25, task: str = "longbench"
     cats["Other"] = [d for d in g.datasets if not any(d in m for m in LONGBENCH_CATEGORIES.values())]
     data = pd.DataFrame([{"Model": mk, "Category": c, **{lab: g.avg(mk, lab, ds) for lab in g.rows}}
                          for mk in g.models for c, ds in cats.items() if ds], columns=["Model", "Category", *g.rows])
-    bold = set()
-    for i, row in data.iterrows():
-        vals = {lab: round2(row[lab]) for lab in g.labels
-                if row[lab] == row[lab] and (row["Model"], lab) not in g.incomplete}
-        bold |= {(i, lab) for lab, v in vals.items() if v == max(vals.values())}
+    v = data[g.labels].where(pd.DataFrame({lab: [(m, lab) not in g.incomplete for m in data["Model"]]
+                                           for lab in g.labels})).map(round2, na_action="ignore")
+    bold = set(v[v.eq(v.max(axis=1), axis=0)].stack().index)
     partial = [f"partial category: {c} averages {len(ds)} of its {len(LONGBENCH_CATEGORIES[c])} datasets "
                f"({', '.join(ds)}); not comparable to the paper's category score"
                for c, ds in cats.items() if c != "Other" and 0 < len(ds) < len(LONGBENCH_CATEGORIES[c])]
@@ -294,8 +282,7 @@ def budget_grids(df: pd.DataFrame, task: str, ratio: bool) -> dict[float, Grid]:
 
 
 def sweep(grids: dict[float, Grid], mk: str, dataset: str | None = None) -> pd.DataFrame:
-    """One model's average over the union of datasets (or one dataset's score), label × budget; the full cache's
-    value under every budget."""
+    """One model's average over the datasets (or one dataset's score), label × budget; full cache in every column."""
     present = {b: g for b, g in grids.items() if mk in g.models}
     ds = [dataset] if dataset else order_datasets(d for g in present.values() for d in g.datasets)
     names = {lab: n for g in present.values() for lab, n in g.names.items()}
@@ -312,66 +299,61 @@ def merged(grids, models: list[str]) -> tuple[list, list]:
     return [j for g in grids for j in g.sources], [n for g in grids for n in g.notes if any(m in n for m in models)]
 
 
-def _absent(t: pd.DataFrame, what) -> list[str]:
-    return [f"absent: {what(c, lab)} (no job, or a dataset missing)" for lab, row in t.iterrows() for c in t.columns
-            if math.isnan(row[c])]
+def sweep_table(name: str, grids: dict[float, Grid], models: list[str], caption: str, ratio: bool) -> Artifact:
+    """Average per label × (model, budget) of ``models`` (``ratio``: one model, a column per ratio), full cache
+    first; bold: best compressed cell per column (``ratio``: unfinished ones too)."""
+    col = (lambda mk, b: budget_text(b)) if ratio else (lambda mk, b: f"{mk} @{b:g}")
+    cols = {col(mk, b): (mk, b, g) for mk in models for b, g in grids.items()}
+    t = pd.concat([sweep(grids, mk).rename(columns=lambda b, mk=mk: col(mk, b)) for mk in models], axis=1)
+    names = {lab: n for g in grids.values() for lab, n in g.names.items()}
+    full = next((g.full for g in grids.values() if g.full), None)
+    data = t.loc[sorted(t.index, key=lambda lab: (lab != full, method_sort_key(names.get(lab, ""), lab)))]
+    data = data.rename_axis("Method").reset_index()
+    bold = set().union(*(bolds(data, [c], data.index[data["Method"] != full] if ratio else cols[c][2].ok(
+        data.assign(Model=cols[c][0]))) for c in t.columns))
+    sources, notes = merged([g for g in grids.values() if set(models) & set(g.models)], models)
+    notes += [f"absent: {cols[c][0]} / {lab} at {'ratio' if ratio else 'budget'} {budget_text(cols[c][1])} (no job, "
+              "or a dataset missing)" for lab, row in t.iterrows() for c in t.columns if math.isnan(row[c])]
+    return Artifact(name, caption, data, bold=bold, sources=sources, notes=notes)
 
 
 def selkv_ratio_tables(df: pd.DataFrame, task: str = "longbench") -> list[Artifact]:
-    """SelKV Tables 5 (llama31) and 6 (gemma2), else ``selkv_ratios_<model>``: LongBench average per method at
-    each retention ratio, for models with at least two ratios."""
+    """SelKV Tables 5 (llama31), 6 (gemma2), ``selkv_ratios_<model>``: LongBench average per method × ratio (>= 2)."""
     grids, out, names = budget_grids(df, task, ratio=True), [], set()
+    n_ds = _ds(len(order_datasets(d for g in grids.values() for d in g.datasets)))
     for mk in sorted({m for g in grids.values() for m in g.models}, key=model_sort_key):
-        t = sweep(grids, mk).rename(columns=budget_text)
-        if t.shape[1] < 2:
+        if sum(mk in g.models for g in grids.values()) < 2:
             continue
-        data = t.rename_axis("Method").reset_index()
         name = {"llama31": "selkv_table5", "gemma2": "selkv_table6"}.get(mk.split(" ")[0], "")
         name = name if name and name not in names else f"selkv_ratios_{slug(mk)}"
         names.add(name)
-        sources, notes = merged([g for g in grids.values() if mk in g.models], [mk])
-        notes += _absent(t, lambda c, lab, mk=mk: f"{mk} / {lab} at ratio {c}")
-        caption = (f"LongBench average ({_ds(len(order_datasets(d for g in grids.values() for d in g.datasets)))}) of "
-                   f"{mk} at different KV retention ratios ({budget_semantics(grids)}). The full cache does not depend "
-                   "on the ratio. Best compressed method per ratio in bold.")
-        ok = data.index[data["Method"] != next(iter(grids.values())).full]
-        out.append(Artifact(name, caption, data, bold=bolds(data, t.columns, ok), sources=sources, notes=notes))
+        out.append(sweep_table(name, grids, [mk], f"LongBench average ({n_ds}) of {mk} at different KV retention "
+                               f"ratios ({budget_semantics(grids)}). The full cache does not depend on the ratio. "
+                               "Best compressed method per ratio in bold.", ratio=True))
     return out
 
 
 def compresskv_table1(df: pd.DataFrame, budgets=(256, 1024), task: str = "longbench") -> list[Artifact]:
     """CompressKV Table 1: LongBench average per method × (model, token budget); full cache repeated."""
     grids = {float(b): g for b in budgets if (g := grid(df, task, float(b))) is not None}
-    if not grids:
-        return []
     models = sorted({m for g in grids.values() for m in g.models}, key=model_sort_key)
-    t = pd.concat([sweep(grids, mk).rename(columns=lambda b, mk=mk: f"{mk} @{b:g}") for mk in models], axis=1)
-    names = {lab: n for g in grids.values() for lab, n in g.names.items()}
     full = next((g.full for g in grids.values() if g.full), None)
-    data = t.loc[sorted(t.index, key=lambda lab: (lab != full, method_sort_key(names.get(lab, ""), lab)))]
-    data = data.rename_axis("Method").reset_index()
-    bold = set().union(*(bolds(data, [c], grids[float(c.rsplit(" @")[1])].ok(data.assign(Model=c.rsplit(" @")[0])))
-                         for c in t.columns))
-    sources, notes = merged(grids.values(), models)
-    notes += _absent(t, lambda c, lab: "{} / {lab} at budget {}".format(*c.split(" @"), lab=lab))
-    caption = (f"Average LongBench scores under fixed KV budgets ({budget_semantics(grids)}). "
-               f"{full or 'The full cache'} is uncompressed and does not depend on the budget. Best compressed method "
-               f"per column in bold{_unfinished(*grids.values())}. Models: {', '.join(models)}.")
-    return [Artifact("compresskv_table1", caption, data, bold=bold, sources=sources, notes=notes)]
+    return [sweep_table("compresskv_table1", grids, models, f"Average LongBench scores under fixed KV budgets "
+                        f"({budget_semantics(grids)}). {full or 'The full cache'} is uncompressed and does not depend "
+                        f"on the budget. Best compressed method per column in bold{_unfinished(*grids.values())}. "
+                        f"Models: {', '.join(models)}.", ratio=False)] if grids else []
 
 
 def ablation_flags(params: dict) -> dict:
-    """Gate / Comp / Merge of a SelKV config (None when it does not say): ``gate`` soft | none (merge all) | off
-    (eviction only); ``compensation`` off or not; a ``merge`` field decides Merge."""
+    """Gate / Comp / Merge of a SelKV config (None: unsaid): ``gate`` soft | none | off (evict only); ``merge``."""
     on = lambda v: None if v is None else str(v).lower() not in ("", "none", "off", "false", "0")
     gate = params.get("gate")
     return {"Gate": on(gate), "Comp": on(params.get("compensation")),
             "Merge": params.get("merge", None if gate is None else str(gate).lower() != "off")}
 def staged_table(df: pd.DataFrame, name: str, budget: float, task: str = "longbench") -> list[Artifact]:
-    """Component analyses per model key; Δ prev: gain over the row above, Δ full: gap to the full cache.
-    ``selkv_table2`` (SelKV Table 2): the full cache, then the SelKV labels (>= 2) ordered by their Merge, Gate,
-    Comp switches (:func:`ablation_flags`; labels with identical fields are one row, the longer kept).
-    ``compresskv_table3a`` (CompressKV Table 3a): SnapKV, CompressKV's other labels, CompressKV."""
+    """Component analyses per model key (Δ prev: change from the row above). ``selkv_table2``: the full cache, then
+    SelKV's labels by Merge, Gate, Comp (:func:`ablation_flags`), Δ full. ``compresskv_table3a``: SnapKV, CompressKV's
+    other labels, CompressKV."""
     sel = df[(df["task"] == task) & at(df, budget)]
     rows, ok, sources, notes, selkv = [], [], [], [], name == "selkv_table2"
     main, snap = display_name("compresskv"), display_name("snapkv")
@@ -410,8 +392,7 @@ def staged_table(df: pd.DataFrame, name: str, budget: float, task: str = "longbe
 
 
 def sensitivity_table(df, name: str, method: str, budget: float, task: str = "longbench", per_dataset=True):
-    """One row per variant (the method fields that differ) of a method's main label at one budget (SelKV Table 3:
-    W × K; CompressKV Table 3b); Δ default: gap to the preset's own fields (✓)."""
+    """A row per variant (differing fields) of a method's main label (SelKV Table 3, CompressKV Table 3b), Δ default."""
     sel = df[(df["task"] == task) & (df["method_name"] == method) & at(df, budget)
              & (df["method"] == display_name(method))]
     used = pick(sel, ["model_key", "variant"])
@@ -427,7 +408,7 @@ def sensitivity_table(df, name: str, method: str, budget: float, task: str = "lo
         block = []
         for (p, dflt), v in sorted(mine.groupby(["params", "default"]),
                                    key=lambda x: [num(params[x[0][0]].get(k)) for k in keys]):
-            vals = _scores(v, datasets)
+            vals = v.set_index("dataset")["score"].reindex(datasets)
             block.append({"Model": mk, **{k: str(params[p].get(k, "–")) for k in keys}, "Default": "✓" * bool(dflt),
                           **(vals if per_dataset else {}), "Avg": vals.mean(skipna=False)})
         ref = next((r["Avg"] for r in block if r["Default"]), math.nan)
@@ -442,3 +423,169 @@ def sensitivity_table(df, name: str, method: str, budget: float, task: str = "lo
              for r in rows if math.isnan(r["Avg"])]
     return [Artifact(name, caption, data, bold=bolds(data, [*datasets] * per_dataset + ["Avg"], data.index, "Model"),
                      signed={"Δ default"}, sources=used["job"], notes=notes, headers=headers)]
+
+
+def _figure(n_rows: int, n_cols: int, w: float = 4.2, h: float = 3.2):
+    height = h * n_rows + 0.6
+    fig, axes = plt.subplots(n_rows, n_cols, figsize=(w * n_cols, height), squeeze=False, layout="constrained")
+    fig.get_layout_engine().set(rect=(0, 0.45 / height, 1, 1 - 0.45 / height))
+    return fig, axes
+
+
+def _done(name, fig, caption, sources, notes) -> Artifact:
+    fig.text(0.5, 0.005, caption, ha="center", va="bottom", fontsize=7, wrap=True)
+    return Artifact(name, caption, fig=fig, sources=sorted(set(sources)), notes=dedupe(notes))
+
+
+def selkv_fig2(df: pd.DataFrame, budget: float = 0.25, task: str = "longbench") -> list[Artifact]:
+    """SelKV Figure 2: bars of each method's LongBench average − the full cache's per model (unfinished: hatched)."""
+    g = grid(df, task, budget)
+    if g is None or g.full is None:
+        return []
+    fig, axes = _figure(1, 1, w=max(4.5, 1.6 * len(g.models) + 2))
+    ax, width, unfinished = axes[0, 0], 0.8 / len(g.labels), False
+    for j, lab in enumerate(g.labels):
+        xs = [i - 0.4 + width * (j + 0.5) for i in range(len(g.models))]
+        ys = [g.avg(mk, lab) - g.avg(mk, g.full) for mk in g.models]
+        for x, y, mk, bar in zip(xs, ys, g.models, ax.bar(xs, ys, width, label=lab)):
+            if math.isnan(y):
+                ax.annotate("n/a", (x, 0), xytext=(0, -3), textcoords="offset points", ha="center", va="top",
+                            fontsize=6, rotation=90, color="grey")
+            elif {(mk, lab), (mk, g.full)} & g.incomplete:
+                bar.set_hatch("///")
+                bar.set_alpha(0.5)
+                unfinished = True
+    ax.axhline(0, color="black", linewidth=0.8)
+    ax.margins(y=0.15)
+    ax.set(xticks=range(len(g.models)), xticklabels=g.models, xlabel="Model",
+           ylabel=f"Δ LongBench average vs {g.full} (points)")
+    ax.set_title("Gap to the full cache\n(closer to 0 is better)", fontsize=10)
+    ax.legend(fontsize=7)
+    caption = (f"Task: LongBench ({_ds(len(g.datasets))}); models: {', '.join(g.models)}; "
+               f"{budget_semantics([budget])}, ρ = {budget_text(budget)}."
+               + " Hatched, pale bars: an unfinished job (fewer samples scored)." * unfinished)
+    return [_done("selkv_fig2", fig, caption, g.sources, g.notes)]
+
+
+def budget_sweep_figure(df, name: str, task: str, ratio: bool, title: str, per_dataset: bool = False):
+    """Average vs budget, a panel per model with >= 2 budgets (SelKV Fig. 4, CompressKV Figs. 4, 5); ``per_dataset``
+    (SelKV Fig. 5): a row per model, a panel per dataset (Qasper, MuSiQue when present)."""
+    grids = budget_grids(df, task, ratio)
+    models = [m for m in sorted({m for g in grids.values() for m in g.models}, key=model_sort_key)
+              if sum(m in g.models for g in grids.values()) >= 2]
+    if not models:
+        return []
+    present = order_datasets(d for g in grids.values() for d in g.datasets)
+    datasets = ([d for d in ("qasper", "musique") if d in present] or present[:4]) if per_dataset else [None]
+    fig, axes = _figure(len(models) if per_dataset else 1, len(datasets) if per_dataset else len(models))
+    sources, notes = merged(list(grids.values()), models)
+    full = next((g.full for g in grids.values() if g.full), None)
+    for i, mk in enumerate(models):
+        for j, ds in enumerate(datasets):  # one model's average (or one dataset's score) across budgets
+            ax, t = axes[i, j] if per_dataset else axes[0, i], sweep(grids, mk, ds)
+            for lab, vals in t.iterrows():
+                if lab == full:
+                    ax.axhline(vals.iloc[0], color="black", linestyle="--", linewidth=1, label=lab)
+                    continue
+                notes += [f"absent: {mk} / {lab} at budget {budget_text(b)}" + f" ({ds})" * bool(ds)
+                          for b in vals.index[vals.isna()]]
+                ax.plot([b * 100 if ratio else b for b in vals.dropna().index], vals.dropna(), marker="o", label=lab)
+            if not ratio:
+                ax.set_xscale("log", base=2)
+                ax.set_xticks(list(t.columns), [f"{b:g}" for b in t.columns])
+                ax.minorticks_off()
+            ax.set(ylabel="Score (points)" if ds else "Average score (points)", xlabel="KV retention ratio ρ (% of "
+                   "prompt tokens)" if ratio else "KV budget (tokens per layer per KV head)")
+            ax.set_title(mk + f" — {ds}" * bool(ds), fontsize=9)
+            ax.legend(fontsize=7)
+    if title:
+        fig.suptitle(title, fontsize=10)
+    what = f"per dataset ({', '.join(datasets)})" if per_dataset else _ds(len(present))
+    caption = (f"Task: {({'longbench': 'LongBench', 'niah': 'Needle-in-a-Haystack'}).get(task, task)} ({what}); "
+               f"models: {', '.join(models)}; {budget_semantics(grids)}; dashed line: full cache.")
+    return [_done(name, fig, caption, sources, notes)]
+
+
+def selkv_fig3(latency: list[dict], source: str = "latency.json") -> list[Artifact]:
+    """SelKV Figure 3 from kvbench.latency records, per model: (a) stage seconds, (b) decode tokens/s vs length."""
+    lat = pd.DataFrame(latency or [])
+    if not {"model", "method", "prompt_tokens", "decode_tok_s"} <= set(lat.columns):
+        return []
+    stages = {"prefill_s": "prefill", "compress_s": "compression", "decode_s": "decode"}
+    lat = lat.reindex(columns=dedupe([*lat.columns, *stages, "budget", "device", "generated_tokens"]))
+    means = lat.groupby(["model", "method", "prompt_tokens"]).mean(numeric_only=True).fillna({c: 0.0 for c in stages})
+    models = sorted(lat["model"].unique(), key=model_sort_key)
+    fig, axes = _figure(len(models), 2, w=5.2)
+    hatches = ["", "//", "xx", "..", "\\\\"]
+    for (ax_a, ax_b), mk in zip(axes, models):
+        m = means.loc[mk]
+        lengths = sorted(m.index.get_level_values(1).unique())
+        methods = sorted(m.index.get_level_values(0).unique(), key=lambda s: (not s.lower().startswith("full"), s))
+        width = 0.8 / len(methods)
+        for j, meth in enumerate(methods):
+            mm = m.loc[meth].reindex(lengths)
+            xs = [i - 0.4 + width * (j + 0.5) for i in range(len(lengths))]
+            for k, col in enumerate(stages):
+                ax_a.bar(xs, mm[col].fillna(0), width, bottom=mm[list(stages)[:k]].fillna(0).sum(axis=1),
+                         color=f"C{k}", hatch=hatches[j % 5], edgecolor="black", linewidth=0.4)
+            ax_b.plot(mm.dropna(subset=["decode_tok_s"]).index, mm["decode_tok_s"].dropna(), marker="o", label=meth)
+        ax_a.legend(handles=[Patch(facecolor=f"C{k}", label=s) for k, s in enumerate(stages.values())]
+                    + [Patch(facecolor="white", edgecolor="black", hatch=hatches[j % 5], label=meth)
+                       for j, meth in enumerate(methods)], fontsize=6, loc="upper left")
+        ax_a.set_ylim(top=ax_a.get_ylim()[1] * 1.45)
+        ax_b.set_xscale("log", base=2)
+        for ax, xs, what, y in ((ax_a, range(len(lengths)), "(a) time breakdown", "Time per request (s)"),
+                                (ax_b, lengths, "(b) decode throughput", "Decode throughput (tokens/s)")):
+            ax.set_xticks(xs, [f"{n:.0f}" for n in lengths], rotation=45, fontsize=7)
+            ax.set(xlabel="Prompt length (tokens)", ylabel=y)
+            ax.set_title(f"{what[:4]}{mk}: {what[4:]}", fontsize=9)
+        ax_b.minorticks_off()
+        ax_b.legend(fontsize=7)
+    budgets = sorted(set(pd.to_numeric(lat["budget"], errors="coerce").dropna()) - {1.0})
+    devices, gen = sorted(lat["device"].dropna().astype(str).unique()), lat["generated_tokens"].dropna()
+    caption = (f"Latency{' on ' + ', '.join(devices) if devices else ''}; models: {', '.join(models)}; task: synthetic "
+               f"prompts, {f'{gen.mean():.0f} generated tokens; ' if len(gen) else ''}compressed at budget "
+               f"{', '.join(map(budget_text, budgets)) or '?'} ({budget_semantics(budgets or [math.nan])}).")
+    return [_done("selkv_fig3", fig, caption, [source], [])]
+
+
+def niah_figures(df: pd.DataFrame, root: Path) -> list[Artifact]:
+    """NIAH heatmaps: one per job (``niah/<job>``), a panel per model key (budgets × full cache, methods)."""
+    niah = df[(df["task"] == "niah") & df["dataset"].notna()]
+    records = {job: niah_grid_records(Path(root) / job) for job in niah["job"].unique()}
+    out = []
+    for job, row in niah.groupby("job").first().iterrows():
+        fig, axes = _figure(1, 1, w=5.6, h=4.0)
+        if im := draw_niah_heatmap(axes[0, 0], records[job], f"{row['model_key']} / {row['method']} / budget "
+                                   f"{budget_text(row['budget'])}"):
+            fig.colorbar(im, ax=axes[0, 0], label=SCORE_LABEL)
+        out.append(_done(f"niah/{slug(job)}", fig, f"Task: NIAH; model: {row['model_key']}; "
+                         f"{budget_semantics([row['budget']])}.", [job], []))
+    for mk in sorted(niah["model_key"].unique(), key=model_sort_key):
+        sel = niah[niah["model_key"] == mk]
+        comp, full = sel[sel["method_name"] != FULL], pick(sel[sel["method_name"] == FULL], ["model_key"])
+        budgets = sorted(comp["budget"].unique()) or [math.nan]
+        cols = [None] * (len(full) > 0) + sorted(set(comp["method"]), key=lambda lab: method_sort_key(
+            comp.loc[comp["method"] == lab, "method_name"].iloc[0], lab))
+        fig, axes = _figure(len(budgets), len(cols), w=3.2, h=2.8)
+        im, sources, notes = None, [], []
+        for i, b in enumerate(budgets):
+            for j, lab in enumerate(cols):
+                chosen = full if lab is None else pick(comp[(comp["method"] == lab) & at(comp, b)], ["method"])
+                r = chosen.iloc[0] if len(chosen) else {"method": lab or "full", "variant": "", "complete": True}
+                title = r["method"] + f", budget {budget_text(b)}" * (lab is not None) + f"\n{r['variant']}" * bool(
+                    r["variant"]) + " (unfinished)" * (not r["complete"])
+                notes += cell_notes(sel[sel["job"] == r["job"]], chosen, f"{mk} / {title}") if len(chosen) else [
+                    f"absent: {mk} / {lab} at budget {budget_text(b)}"]
+                sources += list(chosen["job"][:1])
+                im = draw_niah_heatmap(axes[i, j], records.get(r.get("job"), []), title, labels=False) or im
+        plt.setp(axes[-1], xlabel="Context length (tokens)")
+        plt.setp(axes[:, 0], ylabel="Needle depth (%)")
+        if im is not None:
+            fig.colorbar(im, ax=axes, label=SCORE_LABEL, shrink=0.8)
+        fig.suptitle(f"Needle-in-a-Haystack: {mk}", fontsize=10)
+        out.append(_done(f"niah_panel_{slug(mk)}", fig, f"Task: NIAH; model: {mk}; {budget_semantics(budgets)}; score "
+                         "= mean over samples per cell (%).", sources, notes))
+    return out
+
+

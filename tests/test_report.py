@@ -436,7 +436,7 @@ class FakeEngine:
 
 def test_latency_records_feed_figure3(tmp_path, monkeypatch):
     from kvbench import engine, latency
-    from kvbench.report_figures import selkv_fig3
+    from kvbench.report_tables import selkv_fig3
 
     resets = []  # each timed generation's peak starts afresh (not the process's peak so far)
     monkeypatch.setattr(engine, "reset_peak_rss", lambda: resets.append(len(FakeEngine.calls)) or True)
@@ -499,7 +499,7 @@ def test_niah_heatmap_records_follow_the_summarys_grid(tmp_path):
 def test_selkv_fig2_marks_the_bar_of_an_unfinished_job(df):
     """gemma2's SnapKV job is unfinished (no summary): its bar is hatched and pale, the caption
     says so; finished jobs' bars are plain."""
-    from kvbench.report_figures import selkv_fig2
+    from kvbench.report_tables import selkv_fig2
 
     (fig,) = selkv_fig2(df)
     ax = fig.fig.axes[0]
@@ -580,7 +580,7 @@ def test_budget_one_is_the_full_retention_ratio_not_one_token():
 
 
 def test_a_niah_panel_cell_names_its_variant_and_an_unfinished_job(tmp_path):
-    from kvbench.report_figures import niah_figures
+    from kvbench.report_tables import niah_figures
 
     recs = [{"id": f"niah/{n}/50", "dataset": "niah", "score": 1.0, "error": None,
              "meta": {"context_length": n, "depth_percent": 50}} for n in (256, 512)]
