@@ -6,7 +6,7 @@ import fnmatch
 import json
 import math
 import sys
-from dataclasses import dataclass
+from collections import namedtuple
 from pathlib import Path
 
 import pandas as pd
@@ -19,12 +19,7 @@ from .report_tables import Artifact, dedupe, round2
 from .store import atomic_write
 
 
-@dataclass
-class Context:
-    root: Path
-    df: pd.DataFrame
-    latency: list | None = None
-    latency_source: str = "latency.json"
+Context = namedtuple("Context", "root df latency latency_source", defaults=(None, "latency.json"))
 
 
 def _sweep_fig(name: str, task: str, ratio: bool, title: str = "", per_dataset: bool = False):
@@ -79,11 +74,8 @@ def to_markdown(t: Artifact) -> str:
 
 
 def _tex(text: str) -> str:
-    for a, b in [("\\", r"\textbackslash{}"), ("&", r"\&"), ("%", r"\%"), ("_", r"\_"), ("#", r"\#"),
-                 ("Δ", r"$\Delta$"), ("ρ", r"$\rho$"), ("✓", r"\checkmark"), ("–", "--"), ("×", r"$\times$"),
-                 ("·", r"$\cdot$")]:
-        text = text.replace(a, b)
-    return text
+    return text.translate(str.maketrans({"\\": r"\textbackslash{}", "&": r"\&", "%": r"\%", "_": r"\_", "#": r"\#",
+        "Δ": r"$\Delta$", "ρ": r"$\rho$", "✓": r"\checkmark", "–": "--", "×": r"$\times$", "·": r"$\cdot$"}))
 
 
 def to_latex(t: Artifact) -> str:

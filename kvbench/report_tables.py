@@ -68,8 +68,7 @@ def _ds(n: int) -> str:
 
 
 def pick(rows: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
-    """One score per ``keys`` × dataset: the preferred job's (finished, most datasets, most samples, then path);
-    the key's other jobs fill only the datasets it lacks."""
+    """One score per ``keys`` × dataset: the preferred job's (finished, most datasets, samples); others fill gaps."""
     scored = rows[rows["score"].notna()]
     stats = scored.groupby("job").agg(done=("complete", "max"), nds=("score", "size"), n=("n", "sum"))
     order = stats.sort_index().sort_values(["done", "nds", "n"], ascending=False, kind="stable").index
@@ -92,8 +91,7 @@ def cell_notes(rows: pd.DataFrame, used: pd.DataFrame, what: str) -> list[str]:
 
 @dataclass
 class Grid:
-    """One task at one budget: ``scores`` by (model key, label) × dataset; ``labels``: compressed labels in method
-    order; ``names``: label -> method name; ``incomplete``: (model key, label) of unfinished jobs."""
+    """One task at one budget: ``scores`` (model key, label) × dataset; ``incomplete``: (model key, label) unfinished."""
 
     scores: pd.DataFrame
     full: str | None
@@ -120,8 +118,7 @@ class Grid:
 
 
 def grid(df: pd.DataFrame, task: str, budget: float, models=None, names=None, labels=None) -> Grid | None:
-    """One task at one budget with each model's full cache (any budget); default ``labels``: each method's preset
-    label, else its shortest (a stand-in, noted); a cell's default variant when it has one. None without inputs."""
+    """One task at one budget, full cache at any budget; default ``labels``: preset label, else the shortest (noted)."""
     comp = df[(df["task"] == task) & (df["method_name"] != FULL) & at(df, budget)]
     comp = comp[comp["model_key"].isin(models)] if models is not None else comp
     comp = comp[comp["method_name"].isin(names)] if names is not None else comp
@@ -165,8 +162,7 @@ def _unfinished(*grids: Grid) -> str:
 
 
 def score_tables(df: pd.DataFrame, root: Path | None = None) -> list[Artifact]:
-    """A table per task × model key, a row per (label, variant, budget): dataset scores, Avg, n. Bold: best complete
-    compressed row per column (not 100 %, nor a budget that kept prompts whole or was raised) of one sample set."""
+    """A table per task × model key, a row per (label, variant, budget): dataset scores, Avg, n; bold: see caption."""
     out, names = [], set()
     scored = df[df["score"].notna()]
     natural = lambda s: [(0, int(t), "") if t.isdigit() else (1, 0, t) for t in re.split(r"(\d+)", s)]
@@ -226,8 +222,7 @@ def score_tables(df: pd.DataFrame, root: Path | None = None) -> list[Artifact]:
 
 
 def selkv_table1(df: pd.DataFrame, budget: float = 0.25, task: str = "longbench", long: bool = False):
-    """SelKV Table 1: per model, methods × datasets, Avg, Δ (to the full cache), Avg Rank (mean dense rank among
-    compressed methods, ties share the better). ``long``: SelKV Table 7, Avg and Δ of inputs >= 16,000 tokens."""
+    """SelKV Table 1 (per model, methods × datasets, Avg, Δ, Avg Rank); ``long``: Table 7 (inputs >= 16k tokens)."""
     keys = df.loc[df["max_input_tokens"] >= LONG_CONTEXT_TOKENS, "model_key"].unique() if long else None
     g = grid(df, task, budget, models=keys) if not long or len(keys) else None
     if g is None:
@@ -300,8 +295,7 @@ def merged(grids, models: list[str]) -> tuple[list, list]:
 
 
 def sweep_table(name: str, grids: dict[float, Grid], models: list[str], caption: str, ratio: bool) -> Artifact:
-    """Average per label × (model, budget) of ``models`` (``ratio``: one model, a column per ratio), full cache
-    first; bold: best compressed cell per column (``ratio``: unfinished ones too)."""
+    """Average per label × (model, budget) (``ratio``: one model, a column per ratio); bold: best per column."""
     col = (lambda mk, b: budget_text(b)) if ratio else (lambda mk, b: f"{mk} @{b:g}")
     cols = {col(mk, b): (mk, b, g) for mk in models for b, g in grids.items()}
     t = pd.concat([sweep(grids, mk).rename(columns=lambda b, mk=mk: col(mk, b)) for mk in models], axis=1)
@@ -344,16 +338,15 @@ def compresskv_table1(df: pd.DataFrame, budgets=(256, 1024), task: str = "longbe
                         f"Models: {', '.join(models)}.", ratio=False)] if grids else []
 
 
-def ablation_flags(params: dict) -> dict:
+def ablation_flags(p: dict) -> dict:
     """Gate / Comp / Merge of a SelKV config (None: unsaid): ``gate`` soft | none | off (evict only); ``merge``."""
     on = lambda v: None if v is None else str(v).lower() not in ("", "none", "off", "false", "0")
-    gate = params.get("gate")
-    return {"Gate": on(gate), "Comp": on(params.get("compensation")),
-            "Merge": params.get("merge", None if gate is None else str(gate).lower() != "off")}
+    return {"Gate": on(p.get("gate")), "Comp": on(p.get("compensation")),
+            "Merge": p.get("merge", None if p.get("gate") is None else str(p["gate"]).lower() != "off")}
+
+
 def staged_table(df: pd.DataFrame, name: str, budget: float, task: str = "longbench") -> list[Artifact]:
-    """Component analyses per model key (Δ prev: change from the row above). ``selkv_table2``: the full cache, then
-    SelKV's labels by Merge, Gate, Comp (:func:`ablation_flags`), Δ full. ``compresskv_table3a``: SnapKV, CompressKV's
-    other labels, CompressKV."""
+    """Component analyses per model key: ``selkv_table2`` (labels by Merge, Gate, Comp), ``compresskv_table3a``."""
     sel = df[(df["task"] == task) & at(df, budget)]
     rows, ok, sources, notes, selkv = [], [], [], [], name == "selkv_table2"
     main, snap = display_name("compresskv"), display_name("snapkv")
@@ -468,8 +461,7 @@ def selkv_fig2(df: pd.DataFrame, budget: float = 0.25, task: str = "longbench") 
 
 
 def budget_sweep_figure(df, name: str, task: str, ratio: bool, title: str, per_dataset: bool = False):
-    """Average vs budget, a panel per model with >= 2 budgets (SelKV Fig. 4, CompressKV Figs. 4, 5); ``per_dataset``
-    (SelKV Fig. 5): a row per model, a panel per dataset (Qasper, MuSiQue when present)."""
+    """Average vs budget, a panel per model (SelKV Fig. 4, CompressKV Figs. 4, 5); ``per_dataset``: SelKV Fig. 5."""
     grids = budget_grids(df, task, ratio)
     models = [m for m in sorted({m for g in grids.values() for m in g.models}, key=model_sort_key)
               if sum(m in g.models for g in grids.values()) >= 2]
