@@ -130,13 +130,11 @@ def build(ctx: Context, only: list[str] | None = None) -> dict[str, list | Excep
     built = {}
     for family, builder in ARTIFACTS.items():
         if _selected(family, only):
+            whole = not only or any(fnmatch.fnmatch(family, p) for p in only)
             try:
-                arts = builder(ctx)
+                built[family] = [a for a in builder(ctx) if whole or any(fnmatch.fnmatch(a.name, p) for p in only)]
             except Exception as e:
                 built[family] = e
-                continue
-            whole = not only or any(fnmatch.fnmatch(family, p) for p in only)
-            built[family] = [a for a in arts if whole or any(fnmatch.fnmatch(a.name, p) for p in only)]
     return built
 
 

@@ -141,11 +141,8 @@ def _model_keys(df: pd.DataFrame) -> pd.Series:
     """Model name, suffixed where jobs of one (task, model) differ in a setting: run tag, else the differing keys."""
     keys = df["model"].copy()
     for _, grp in df.groupby(["task", "model"]):
-        values: dict[str, set] = {}
-        for text in grp["settings"].unique():
-            for k, v in json.loads(text).items():
-                values.setdefault(k, set()).add(json.dumps(v, sort_keys=True))
-        differ = sorted(k for k, vs in values.items() if len(vs) > 1)
+        sets = [json.loads(text) for text in grp["settings"].unique()]
+        differ = sorted({k for s in sets for k in s if len({json.dumps(q[k]) for q in sets if k in q}) > 1})
         tags, ctxs = grp["setting"].nunique() > 1, grp["max_input_tokens"].nunique(dropna=False) > 1
         for idx, tag, ctx, text in zip(grp.index, grp["setting"], grp["max_input_tokens"], grp["settings"]):
             own = json.loads(text)

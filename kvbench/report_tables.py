@@ -91,7 +91,7 @@ def cell_notes(rows: pd.DataFrame, used: pd.DataFrame, what: str) -> list[str]:
 
 @dataclass
 class Grid:
-    """One task at one budget: ``scores`` (model key, label) × dataset; ``incomplete``: (model key, label) unfinished."""
+    """One task at one budget: ``scores`` (model key, label) × dataset; ``incomplete``: unfinished (model, label)."""
 
     scores: pd.DataFrame
     full: str | None
