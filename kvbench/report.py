@@ -155,9 +155,8 @@ def main(argv: list[str] | None = None) -> int:
     root, out = Path(args.root), Path(args.out or Path(args.root) / "report")
     if not root.is_dir():
         p.error(f"RESULTS_ROOT {str(root)!r} is not a directory")
-    for pattern in only:
-        if not any(_selected(f, [pattern]) for f in ARTIFACTS):
-            p.error(f"--only {pattern!r}: no such artifact; accepted: {', '.join(names)}")
+    if bad := [x for x in only if not any(_selected(f, [x]) for f in ARTIFACTS)]:
+        p.error(f"--only {bad[0]!r}: no such artifact; accepted: {', '.join(names)}")
     lat_path = Path(args.latency or root / "latency.json")
     try:
         latency = load_latency(lat_path) if args.latency or lat_path.is_file() else None

@@ -152,9 +152,9 @@ def grid(df: pd.DataFrame, task: str, budget: float, models=None, names=None, la
               for mk, u in used.groupby("model_key") if u["subset"].nunique() > 1]
     notes += [f"absent: {mk} / {lab} has no score for {', '.join(c[c.isna()].index)} ({where})"
               for (mk, lab), c in scores.iterrows() if c.isna().any()]
-    unfinished = used[~used["complete"]]
     return Grid(scores, full_label, dedupe(lab for _n, lab in order), {lab: n for n, lab in order},
-                set(zip(unfinished["model_key"], unfinished["method"])), sorted(set(used["job"])), dedupe(notes))
+                set(used.loc[~used["complete"], ["model_key", "method"]].itertuples(index=False, name=None)),
+                sorted(set(used["job"])), dedupe(notes))
 
 
 def _unfinished(*grids: Grid) -> str:
@@ -445,8 +445,7 @@ def selkv_fig2(df: pd.DataFrame, budget: float = 0.25, task: str = "longbench") 
                 ax.annotate("n/a", (x, 0), xytext=(0, -3), textcoords="offset points", ha="center", va="top",
                             fontsize=6, rotation=90, color="grey")
             elif {(mk, lab), (mk, g.full)} & g.incomplete:
-                bar.set_hatch("///")
-                bar.set_alpha(0.5)
+                bar.set(hatch="///", alpha=0.5)
                 unfinished = True
     ax.axhline(0, color="black", linewidth=0.8)
     ax.margins(y=0.15)
