@@ -191,10 +191,9 @@ def score_tables(df: pd.DataFrame, root: Path | None = None) -> list[Artifact]:
             kept_all = name != FULL and (part["compressed_fraction"] == 0).all()
             ratio = (part["kept_tokens"] / part["prompt_tokens"]).mean()
             raised = 0 < b < 1 and ratio > max(1.5 * b, b + 0.02)  # the method keeps at least its window/sinks/recent
-            notes += [f"uncompressed: {label} at budget {btext} kept every prompt whole (the budget is not below "
-                      "the prompt lengths or the tokens the method always keeps); not bold"] * bool(kept_all)
+            notes += [f"uncompressed: {label} at budget {btext} kept every prompt whole; not bold"] * bool(kept_all)
             notes += [f"raised: {label} at budget {btext} kept {100 * ratio:.1f} % of the prompt tokens on average "
-                      "(the method always keeps its window, sinks or recent tokens); not bold"] * bool(raised)
+                      "(the method's window, sinks or recent tokens); not bold"] * bool(raised)
             if name != FULL and b != 1.0 and not kept_all and not raised and mine["complete"].all():
                 comp.append(len(rows) - 1)
         if len(set(kinds)) > 1:
@@ -207,10 +206,9 @@ def score_tables(df: pd.DataFrame, root: Path | None = None) -> list[Artifact]:
                          f"({comp_kinds.count(main)} of {len(comp)} rows)")
             comp = [i for i in comp if kinds[i] == main]
         budgets = "; " + budget_semantics(bs) if (bs := [k[3] for k in keys if k[3] >= 0]) else ""
-        caption = (f"Scores of every job configuration of {mk} on {task} ({_ds(len(datasets))}; a row per method"
-                   + ", method variant" * show_variant + f" and budget{budgets}). Score: round(100·mean, 2) of "
-                   "per-sample scores in [0, 1]; Avg: mean over the datasets; n: scored samples. The full cache "
-                   "ignores the budget (–). Best complete compressed cell in bold.")
+        caption = (f"Scores of {mk} on {task} ({_ds(len(datasets))}; a row per method" + ", method variant"
+                   * show_variant + f" and budget{budgets}). Score: round(100·mean, 2) of per-sample scores in [0, 1]; "
+                   "n: samples. The full cache ignores the budget (–). Best complete compressed cell in bold.")
         name = f"scores_{slug(task)}_{slug(mk)}"
         while name in names:
             name += "_2"
@@ -375,11 +373,9 @@ def staged_table(df: pd.DataFrame, name: str, budget: float, task: str = "longbe
     if not rows:
         return []
     data = pd.DataFrame(rows).rename(columns={"Method": "Configuration"} if selkv else {})
-    caption = (f"Ablation of {display_name('selkv')} on LongBench ({budget_text(budget)} KV budget; "
-               f"{budget_semantics([budget])}). Δ prev: change from the row above; Δ full: gap to the full cache. "
-               "'Evict only' drops evicted tokens; 'merge all' merges without gate or compensation." if selkv else
-               f"Component analysis of CompressKV on LongBench at budget {budget:g} ({budget_semantics([budget])}). "
-               "Δ prev: change from the row above.")
+    caption = ((f"Ablation of {display_name('selkv')} on LongBench ({budget_text(budget)} KV budget; " if selkv else
+                f"Component analysis of CompressKV on LongBench at budget {budget:g} (") + budget_semantics([budget])
+               + "). Δ prev: change from the row above" + "; Δ full: gap to the full cache" * selkv + ".")
     return [Artifact(name, caption, data, bold=bolds(data, ["Avg"], ok, "Model") if selkv else set(),
                      signed={"Δ prev", "Δ full"}, sources=sources, notes=notes)]
 
