@@ -238,9 +238,8 @@ def selkv_table1(df: pd.DataFrame, budget: float = 0.25, task: str = "longbench"
                                      .dropna()})))
     caption = (f"LongBench {'average' if long else 'results'} ({_ds(len(g.datasets))})" + f" with long inputs ({ctx} "
                "tokens)," * long + f" at a {budget_text(budget)} KV budget ({budget_semantics([budget])}). Δ: gap to "
-               f"{g.full or 'the full cache'} within each model." + " Avg Rank: mean over datasets of the per-dataset "
-               "rank among compressed methods (lower is better; ties share the better rank)." * (not long) + " Best "
-               f"compressed method per column in bold{_unfinished(g)}. Models: {', '.join(g.models)}.")
+               f"{g.full or 'the full cache'}." + " Avg Rank: mean rank per dataset (compressed rows)." * (not long)
+               + f" Best compressed method per column in bold{_unfinished(g)}. Models: {', '.join(g.models)}.")
     bold = bolds(data, ["Avg"] + [*g.datasets, "Δ"] * (not long), ok, "Model")
     bold |= set() if long else bolds(data, ["Avg Rank"], ok, "Model", higher=False)
     return [Artifact("selkv_table7" if long else "selkv_table1", caption, data, bold=bold, signed={"Δ"},
