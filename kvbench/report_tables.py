@@ -328,10 +328,9 @@ def compresskv_table1(df: pd.DataFrame, budgets=(256, 1024), task: str = "longbe
     """CompressKV Table 1: LongBench average per method × (model, token budget); full cache repeated."""
     grids = {float(b): g for b in budgets if (g := grid(df, task, float(b))) is not None}
     models = sorted({m for g in grids.values() for m in g.models}, key=model_sort_key)
-    full = next((g.full for g in grids.values() if g.full), None)
     return [sweep_table("compresskv_table1", grids, models, f"Average LongBench scores under fixed KV budgets "
-                        f"({budget_semantics(grids)}). {full or 'The full cache'} is uncompressed and does not depend "
-                        f"on the budget. Best compressed method per column in bold{_unfinished(*grids.values())}. "
+                        f"({budget_semantics(grids)}). The full cache does not depend on the budget. Best compressed "
+                        f"method per column in bold{_unfinished(*grids.values())}. "
                         f"Models: {', '.join(models)}.", ratio=False)] if grids else []
 
 
