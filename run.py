@@ -15,6 +15,7 @@ shard is locked by another process. A local sweep runs every job and exits with 
 from __future__ import annotations
 
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -41,11 +42,11 @@ def _one_line(e: BaseException, args: list[str]) -> str:
     """A Hydra / OmegaConf / kvbench configuration error as one line naming the key."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    line = " ".join(str(e).split()).replace(" To append to your config use +", " Add a key with +")
+    line = re.sub(r" To append to your config use \S+", "", " ".join(str(e).split()))
     line = line.split(" Config search path:")[0]
     cause = e.__cause__
     if "not in struct" in str(cause) and getattr(cause, "parent_node", None) is not None:
-        line += f"; accepted keys are {', '.join(sorted(cause.parent_node))}"
+        line = f"{line.rstrip('.')}: unknown key; accepted keys are {', '.join(sorted(cause.parent_node))}"
     if type(e).__name__ == "OverrideParseException":  # name the override Hydra could not parse
         for a in args:
             try:

@@ -33,6 +33,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"usage: kvbench {{{','.join(COMMANDS)}}} ...", file=out)
         for name, text in COMMANDS.items():
             print(f"  {name:<12}{text}", file=out)
+        if out is sys.stderr:
+            print(f"error: kvbench: {argv[0] if argv else 'a command'}: accepted values are {', '.join(COMMANDS)}",
+                  file=out)
         return 0 if out is sys.stdout else 2
     if argv[0] == "run":
         run_py = Path(__file__).resolve().parents[1] / "run.py"

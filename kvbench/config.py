@@ -81,6 +81,10 @@ class TopConfig:
                                                                     or not 1 <= self.threads <= 4 * (os.cpu_count() or 1)):
             raise ConfigError(f"threads={self.threads}: accepted values are auto, null or an integer from 1 to "
                               f"{4 * (os.cpu_count() or 1)} (4 x this machine's cores)")
+        if not str(self.output_root).strip():
+            raise ConfigError("output_root='': must name a folder for the results (default: results)")
+        if self.run_tag is not None and ("/" in str(self.run_tag) or not str(self.run_tag).strip()):
+            raise ConfigError(f"run_tag={self.run_tag}: must be a non-empty name without '/' (a suffix of the job folder)")
         if self.run_name is not None and (Path(self.run_name).is_absolute() or ".." in Path(self.run_name).parts
                                           or not self.run_name.strip()):
             raise ConfigError(f"run_name={self.run_name}: must be a relative folder path inside output_root (no '..')")

@@ -217,14 +217,18 @@ def run_job(job: Job, wait_s: float | None = None) -> int:
 
     cfg = job.cfg
     shard = (cfg["shard"]["index"], cfg["shard"]["count"])
-    store = JobStore(Path(cfg["output_root"]).resolve() / job.relpath, shard)
+    try:
+        store = JobStore(Path(cfg["output_root"]).resolve() / job.relpath, shard)
+    except OSError as e:
+        raise ConfigError(f"output_root={cfg['output_root']}: cannot make the job folder there ({e.strerror})") from None
     with store.locked(float(cfg["lock_wait_s"]) if wait_s is None else wait_s):
-        store.repair()
+        repaired = store.repair()
         if not (store.path / "config.yaml").exists():
             atomic_write(store.path / "config.yaml", OmegaConf.to_yaml(OmegaConf.create(cfg)))
             store.write_json("identity.json", job.identity)
         done = _read_summary(store)
-        if done and done.get("complete") and done.get("selection") == selection(cfg) and shard[1] == 1:
+        if (done and done.get("complete") and done.get("selection") == selection(cfg) and shard[1] == 1
+                and not repaired and len(store.done_ids()) >= done["n_samples"]):  # the records still back it
             log.info("job %s: already complete; nothing to do", job.relpath)
             print_summary(done, store.path)
             return EXIT_SAMPLE_FAILED if done["n_failed"] else EXIT_OK

@@ -112,8 +112,15 @@ class JobStore:
         """Every stored record, in file order (a retried sample's latest record wins in :meth:`latest`)."""
         if not self.predictions.exists():
             return []
+        records = []
         with open(self.predictions, encoding="utf-8") as f:
-            return [json.loads(line) for line in f if line.endswith("\n") and line.strip()]
+            for i, line in enumerate(f, 1):
+                try:
+                    records += [json.loads(line)] if line.endswith("\n") and line.strip() else []
+                except ValueError:
+                    raise OSError(f"{self.predictions}: line {i} is not a JSON record (edited by hand?); move it out "
+                                  "of the file and rerun") from None
+        return records
 
     def latest(self) -> dict[str, dict[str, Any]]:
         """``{sample id: its latest record}``."""

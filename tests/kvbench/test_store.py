@@ -153,3 +153,13 @@ def test_cli_exits_3_when_the_job_shard_is_locked(tmp_path, tiny_model_dir):
     assert out.returncode == 3, out.stderr[-2000:]
     assert out.stderr.splitlines()[-1].startswith("error: ") and str(folder) in out.stderr
     assert not (folder / "predictions.jsonl").exists()
+
+
+def test_a_corrupt_record_in_the_middle_is_one_oserror_naming_the_line(tmp_path):
+    store = JobStore(tmp_path / "job")
+    store.append({"id": "a", "error": None})
+    with open(store.predictions, "a") as f:
+        f.write("{not json\n")
+    store.append({"id": "b", "error": None})
+    with pytest.raises(OSError, match=r"predictions\.jsonl: line 2 is not a JSON record"):
+        store.records()
