@@ -281,7 +281,7 @@ def check(cfg: Any, preset: str | None = None) -> Job:
         raise TaskConfigError(f"task.context_lengths={task['context_lengths']}: every length exceeds the prompt budget "
                               f"of {limit} tokens (model.max_input_length / task.max_length)")
     source = resolve_source(plain["model"])
-    hf_config = read_config(plain["model"])  # the layout and context window, without the weights
+    hf_config = read_config(plain["model"], source)  # the layout and context window, without the weights
     method.layout = head_layout(hf_config, model.name)
     method.check_layout(method.layout)  # reads the method's artifact files (head / layer scores)
     window = getattr(hf_config.get_text_config(), "max_position_embeddings", None)

@@ -351,7 +351,7 @@ def offline_error(source: str, err: Exception) -> ConfigError:
                        "model.source=DIR")
 
 
-def read_config(model_cfg: dict) -> Any:
+def read_config(model_cfg: dict, source: tuple[str, str | None] | None = None) -> Any:
     """The model's transformers config, read without the weights (a GGUF file's converted copy when
     cached, else its metadata).
 
@@ -360,7 +360,7 @@ def read_config(model_cfg: dict) -> Any:
     """
     from transformers import AutoConfig
 
-    path, gguf_file = resolve_source(model_cfg)
+    path, gguf_file = source or resolve_source(model_cfg)  # ``source``: already resolved by the caller
     cache = gguf_cache_dir(path, gguf_file, True) if gguf_file else None
     if cache is not None and (cache / "config.json").is_file():
         path, gguf_file = str(cache), None

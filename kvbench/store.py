@@ -102,7 +102,7 @@ class JobStore:
             if not data or data.endswith(b"\n"):
                 return 0
             cut = data.rfind(b"\n") + 1
-            atomic_write(self.path / f"{PREDICTIONS}.partial-{int(time.time() * 1000)}", data[cut:].decode("utf-8", "replace"))
+            (self.path / f"{PREDICTIONS}.partial-{int(time.time() * 1000)}").write_bytes(data[cut:])  # kept as written
             with open(self.predictions, "r+b") as f:
                 f.truncate(cut)
                 os.fsync(f.fileno())
