@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import ConfigError, HeadLayout, Plan, resolve_budget
+from .base import ConfigError, HeadLayout, Plan, is_ratio, resolve_budget
 
 __all__ = ["PYRAMID_VARIANTS", "pyramid_layer_budgets", "pyramid_plan", "adaptive_head_budgets",
            "keep_topk_per_head", "safeguard_keep_mask"]
@@ -46,14 +46,16 @@ def pyramid_layer_budgets(
     exact line, so the total can exceed L·m by less than L·(L − 1)/2 tokens).
 
     ``variant="kvpress"`` follows kvpress 0.5.x ``PyramidKVPress.get_layer_budget`` with its
-    ``q_len·(1 − compression_ratio)`` equal to m: float arithmetic, the window counted inside
-    the budget, ``round`` per layer, and a uniform fall-back unless n ≥ max ≥ min ≥ W::
+    ``q_len·(1 − compression_ratio)`` equal to m (a float: :func:`pyramid_plan` passes the
+    unrounded n·ρ): float arithmetic, the window counted inside the budget, ``round`` per
+    layer, and a uniform fall-back to round(m) unless n ≥ max ≥ min ≥ W::
 
         min = m / β,  max = 2·m − min;  if max ≥ n − W: max = n − W, min = 2·m − max
         layer l keeps round(max − l·(max − min)/(L − 1))
 
     Args:
-        budget: m, average tokens kept per KV head per layer (window included), ≥ 1.
+        budget: m, average tokens kept per KV head per layer (window included), ≥ 1 (a float
+            for ``kvpress``).
         n_tokens: n, prompt length (tokens).
         num_layers: L, layers sharing the schedule.
         window: W, observation-window tokens (always kept).
@@ -72,7 +74,7 @@ def pyramid_layer_budgets(
         raise ConfigError(f"method.beta={beta}: must be >= 1")
     m, n, L, w = int(budget), int(n_tokens), int(num_layers), int(window)
     if variant == "kvpress":
-        return _pyramid_kvpress(m, n, L, w, beta)
+        return _pyramid_kvpress(float(budget), n, L, w, beta)
     if n < m:
         return [n] * L
     base = m - w
@@ -93,29 +95,32 @@ def pyramid_plan(
     """A :class:`Plan` with PyramidKV budgets over the layout's compressible layers.
 
     Layers that are not compressible keep all n tokens. ``compress=False`` when m ≥ n.
-    ``window`` is capped at n; other arguments as in :func:`pyramid_layer_budgets`.
+    ``window`` is capped at n; other arguments as in :func:`pyramid_layer_budgets`. For
+    ``kvpress`` a ratio ρ gives kvpress's unrounded n·(1 − cr), cr = 1 − ρ (at ρ = 0.5 and odd
+    n, ⌊ρ·n⌋ would fall back to uniform budgets where kvpress builds a pyramid).
     """
     m = resolve_budget(budget, n_tokens)
     budgets = [n_tokens] * layout.num_layers
     if m >= n_tokens:
         return Plan(layer_budgets=budgets, compress=False)
     layers = list(layout.compressible_layers) or list(range(layout.num_layers))
-    schedule = pyramid_layer_budgets(m, n_tokens, len(layers), min(window, n_tokens), beta, variant)
+    kept = n_tokens * (1 - (1 - budget)) if variant == "kvpress" and is_ratio(budget) else m
+    schedule = pyramid_layer_budgets(kept, n_tokens, len(layers), min(window, n_tokens), beta, variant)
     for layer, b in zip(layers, schedule):
         budgets[layer] = b
     return Plan(layer_budgets=budgets, compress=True)
 
 
-def _pyramid_kvpress(m: int, n: int, L: int, w: int, beta: float) -> list[int]:
+def _pyramid_kvpress(m: float, n: int, L: int, w: int, beta: float) -> list[int]:
     """kvpress 0.5.x PyramidKVPress budgets (see :func:`pyramid_layer_budgets`)."""
-    kept = float(m)  # kvpress: max_capacity_prompt - window_size == q_len * (1 - compression_ratio)
+    kept = (w + m) - w  # kvpress: max_capacity_prompt - window_size, the float rounding included
     min_num = kept / beta
     max_num = kept * 2 - min_num
     if max_num >= n - w:
         max_num = n - w
         min_num = kept * 2 - max_num
     if not (n >= max_num >= min_num >= w):
-        return [min(n, max(1, round(kept)))] * L
+        return [min(n, max(1, round(m)))] * L
     step = (max_num - min_num) / (L - 1) if L > 1 else 0.0
     return [round(max_num - layer * step) for layer in range(L)]
 

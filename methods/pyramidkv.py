@@ -28,11 +28,11 @@ class PyramidKVConfig(SnapKVConfig):
     """PyramidKV hyper-parameters: SnapKV's, and
 
     Attributes:
-        group_before_pooling: aggregate the GQA group before pooling (KVCache-Factory order)
-            instead of after (kvpress order).
+        group_before_pooling: as SnapKV's, default true (KVCache-Factory order).
         beta: β, pyramid steepness: the top layer keeps about (m − W)/β + W tokens.
         schedule: ``kvcf`` (the authors' KVCache-Factory arithmetic) or ``kvpress`` (kvpress
-            0.5.x PyramidKVPress arithmetic, for the cross-check).
+            0.5.x PyramidKVPress arithmetic from the unrounded n·ρ, the top layer may keep just
+            its W window tokens: as kvpress, for the cross-check).
     """
 
     group_before_pooling: bool = True
@@ -50,7 +50,8 @@ class PyramidKV(SnapKV):
     Config = PyramidKVConfig
 
     def min_budget(self) -> int:
-        return self.recent_window + 1
+        """W + 1 (KVCache-Factory asserts m > W); W for ``schedule: kvpress`` (its top layer keeps W)."""
+        return self.recent_window + (self.config.schedule == "kvcf")
 
     def plan(self, n_tokens: int, budget: float, layout: HeadLayout) -> Plan:
         """Pyramid budgets over the compressible layers (``compress=False`` when m ≥ n)."""

@@ -7,6 +7,8 @@ keys, values and RoPE tables), captured from one forward pass; our methods get a
 :class:`LayerContext` built from the same capture (window queries = the layer's q_proj of the
 last W hidden states, RoPE at their positions). The model is causal, so slicing the capture to
 the first c positions is a forward pass over those c tokens alone (kvpress's "context").
+The ``pyramidkv_kvpress`` preset is checked end to end instead: kvbench's engine against
+kvpress's own hooks, on a tiny model and odd and even prompt lengths.
 
 Where our defaults deliberately differ, a test shows the difference (docs/METHODS.md says why):
 the question stays inside the compressed prompt; budgets can be fixed token counts; PyramidKV's
@@ -33,7 +35,6 @@ from methods import HeadLayout, LayerContext, get_method_class  # noqa: E402
 from methods.adakv import AdaKVConfig  # noqa: E402
 from methods.knorm import KnormConfig  # noqa: E402
 from methods.allocation import pyramid_layer_budgets  # noqa: E402
-from methods.pyramidkv import PyramidKVConfig  # noqa: E402
 from methods.snapkv import SnapKVConfig  # noqa: E402
 from methods.streamingllm import StreamingLLMConfig  # noqa: E402
 
@@ -178,13 +179,38 @@ def test_knorm_matches_kvpress(captured):
     assert_same_sets(captured, press, ours, budget=0.25, window=1)
 
 
-def test_pyramidkv_matches_kvpress(captured):
-    press = kvpress.PyramidKVPress(compression_ratio=0.5, window_size=8, kernel_size=5)
-    cfg = PyramidKVConfig(window_size=8, kernel_size=5, pooling="avg", group_before_pooling=False, schedule="kvpress")
-    ours = get_method_class("pyramidkv")(cfg, captured.layout)
-    budgets = ours.plan(CONTEXT_TOKENS, 0.5, captured.layout).layer_budgets
-    assert budgets[0] > budgets[-1] + 300  # a real pyramid, not kvpress's uniform fall-back
-    assert_same_sets(captured, press, ours, budget=0.5, window=8)
+@pytest.mark.parametrize("n", [300, 301])
+def test_pyramidkv_kvpress_preset_matches_kvpress_through_the_engine(n):
+    """The ``pyramidkv_kvpress`` preset run by the engine keeps, per layer and KV head, exactly
+    what kvpress's own hooks keep on the same input ids. At ρ = 0.5 an odd n gives kvpress a
+    pyramid (from n·0.5 unrounded; ⌊n/2⌋ would fall back to uniform) and the top layer keeps
+    just W = 64 tokens (no W + 1 floor)."""
+    import yaml
+    from transformers import DynamicCache
+
+    from kvbench.engine import Engine
+    from methods import build_method
+    from tests.conftest import loaded_for, tiny_model
+
+    ids = torch.randint(1, 128, (1, n), generator=torch.Generator().manual_seed(n))
+    ref = tiny_model("llama", layers=4)
+    full, compressed = DynamicCache(config=ref.config), DynamicCache(config=ref.config)
+    with torch.no_grad():
+        ref(ids, past_key_values=full, use_cache=True)
+        with kvpress.PyramidKVPress(compression_ratio=0.5, window_size=64, kernel_size=5)(ref):
+            ref(ids, past_key_values=compressed, use_cache=True)
+    loaded = loaded_for(tiny_model("llama", layers=4))  # the same weights (same seed)
+    node = yaml.safe_load((ROOT / "conf" / "method" / "pyramidkv_kvpress.yaml").read_text())
+    engine = Engine(loaded, build_method(node, loaded.layout), 0.5)
+    engine.generate(ids[0].tolist(), 1, stop_ids=[])
+    results = engine.last_state.results
+    assert [results[layer].kept_indices.shape[-1] for layer in range(4)] == {
+        300: [236, 179, 121, 64], 301: [237, 179, 122, 64]}[n]  # kvpress's get_layer_budget
+    for layer in range(4):
+        for h in range(2):  # find each row kvpress kept among the full cache's rows (exact match)
+            same = (compressed.layers[layer].keys[0, h][:, None] == full.layers[layer].keys[0, h][None]).all(-1)
+            assert (same.sum(-1) == 1).all()
+            assert set(same.float().argmax(-1).tolist()) == set(results[layer].kept_indices[0, h].tolist()), (layer, h)
 
 
 def test_adakv_matches_kvpress(captured):
