@@ -63,6 +63,8 @@ class AdaKVConfig(PyramidKVConfig):
     def check(self) -> None:
         super().check()
         require(0.0 <= self.floor_ratio <= 1.0, "floor_ratio", self.floor_ratio, "must be in [0, 1]")
+        require(self.gqa_aggregation != "per_query_head", "gqa_aggregation", self.gqa_aggregation,
+                "accepted values are mean, max")
 
 
 class AdaKV(PyramidKV):

@@ -72,6 +72,8 @@ class HeadKVConfig(SnapKVConfig):
         super().check()
         require(self.beta >= 1, "beta", self.beta, "must be a number >= 1 (reference sweep: 1.005 ... 10)")
         require(self.temp > 0, "temp", self.temp, "must be > 0")
+        require(self.gqa_aggregation != "per_query_head", "gqa_aggregation", self.gqa_aggregation,
+                "accepted values are mean, max")
 
 
 def kv_head_scores(q_head_scores: torch.Tensor, num_kv_heads: int, how: str = "mean") -> torch.Tensor:

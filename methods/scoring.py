@@ -1,6 +1,6 @@
 """Shared scoring helpers: observation-window attention, pooling, GQA aggregation, top-k.
 
-All scores are computed in float32 whatever the model dtype. Nothing here builds an n×n
+Scores are computed in float32 unless a caller asks for the model's dtype. Nothing here builds an n×n
 matrix: the window attention is ``(B, H_q, W, n)`` with W ≪ n.
 """
 
@@ -18,6 +18,7 @@ def window_attention(
     scaling: float,
     softcap: float | None = None,
     first_position: int | None = None,
+    dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """Softmax attention of the last W prompt queries over all n prompt keys.
 
@@ -33,17 +34,20 @@ def window_attention(
         first_position: absolute position of the first query row (default ``n - W``: the
             queries are the last W prompt positions). Lets a caller score a long run of
             queries in chunks (LOOK-M's cumulative attention over the whole prompt).
+        dtype: of the logits and the result; other than float32 as KVCache-Factory / kvpress:
+            logits ``q·kᵀ / √d`` in ``dtype``, softmax in float32, cast back.
 
     Returns:
-        ``(B, H_q, W, n)`` float32 attention probabilities (rows sum to 1).
+        ``(B, H_q, W, n)`` attention probabilities in ``dtype`` (rows sum to 1).
     """
     b, h_q, w, d = window_queries.shape
     h_kv, n = keys.shape[1], keys.shape[2]
     g = h_q // h_kv
     # (B, H_kv, G·W, d) @ (B, H_kv, d, n): one plain batched matmul per KV head (a broadcast
     # over G would copy the keys G times and is ~15x slower on CPU)
-    q = window_queries.float().reshape(b, h_kv, g * w, d)
-    logits = torch.matmul(q, keys.float().transpose(-1, -2)).view(b, h_kv, g, w, n).mul_(scaling)
+    q = window_queries.to(dtype).reshape(b, h_kv, g * w, d)
+    logits = torch.matmul(q, keys.to(dtype).transpose(-1, -2)).view(b, h_kv, g, w, n)
+    logits = logits.mul_(scaling) if dtype == torch.float32 else logits.div_(1 / scaling)
     if softcap:
         logits = torch.tanh(logits / softcap) * softcap
     # causal mask: window row i (absolute position start+i) may not see keys j > start+i, all of
@@ -51,7 +55,7 @@ def window_attention(
     start = n - w if first_position is None else first_position
     future = torch.ones(w, n - start, dtype=torch.bool, device=keys.device).triu_(1)
     logits[..., start:].masked_fill_(future, float("-inf"))
-    return torch.softmax(logits, dim=-1).view(b, h_q, w, n)
+    return torch.softmax(logits, dim=-1, dtype=torch.float32).to(dtype).view(b, h_q, w, n)
 
 
 def pool_scores(scores: torch.Tensor, kernel_size: int, pooling: str = "avg") -> torch.Tensor:
