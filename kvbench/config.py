@@ -107,6 +107,7 @@ class ModelConfig:
     device_map: Any = None
     trust_remote_code: bool = False
     generation_config: bool = True  # apply the model's generation_config logits processors (greedy), as model.generate
+    compress_sliding_layers: bool = False  # Gemma 2/3: also compress sliding-window layers when a prompt fits their window
 
     def __post_init__(self):
         if self.chat_template not in (True, False, "none", *CHAT_FORMATS):
@@ -205,7 +206,8 @@ def identity(cfg: dict, source: tuple[str, str | None], inputs: dict, device: st
     """Every resolved setting that can change a result: model (resolved source, dtype on this
     device), method (its label excepted), task (the sample selection excepted) and its resolved
     inputs, budget (not for the full cache, which keeps every token), seed."""
-    model = {k: v for k, v in cfg["model"].items() if k not in ("name", "gguf_cache", "device_map")}
+    model = {k: v for k, v in cfg["model"].items()  # compress_sliding_layers: false is the former behaviour
+             if k not in ("name", "gguf_cache", "device_map") and (v or k != "compress_sliding_layers")}
     model.update(dtype=cfg["model"]["dtype"].get(device, "float32"),
                  source=_package(cfg["model"]["source"]) if cfg["model"]["source"].startswith("pypi") else list(source))
     return {
@@ -282,7 +284,7 @@ def check(cfg: Any, preset: str | None = None) -> Job:
                               f"of {limit} tokens (model.max_input_length / task.max_length)")
     source = resolve_source(plain["model"])
     hf_config = read_config(plain["model"], source)  # the layout and context window, without the weights
-    method.layout = head_layout(hf_config, model.name)
+    method.layout = head_layout(hf_config, model.name, model.compress_sliding_layers)
     method.check_layout(method.layout)  # reads the method's artifact files (head / layer scores)
     window = getattr(hf_config.get_text_config(), "max_position_embeddings", None)
     if name == "niah" and window and min(max(task["context_lengths"]), limit) + task["max_new_tokens"] > window:

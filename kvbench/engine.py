@@ -211,6 +211,7 @@ class Engine:
         self.last_state, self.last_logits = None, []  # free the previous sample's cache before this prefill
         reserve = max_new_tokens + 1
         cache = preallocated_cache(model.config, reserve) if self.preallocate else DynamicCache(config=model.config)
+        layout = layout.for_prompt(n, max_new_tokens)  # model.compress_sliding_layers
         planned = self.method.plan(n, self.budget, layout)
         plan = apply_budget_floor(planned, n, self.method.min_budget())
         if plan is not planned and not self._floor_warned:

@@ -147,11 +147,12 @@ def resolve_source(model_cfg: dict) -> tuple[str, str | None]:
     return source, gguf_file  # a Hub id
 
 
-def head_layout(config: Any, name: str = "") -> HeadLayout:
+def head_layout(config: Any, name: str = "", compress_sliding: bool = False) -> HeadLayout:
     """The :class:`HeadLayout` of a transformers config.
 
     Layers whose ``layer_types`` entry is ``sliding_attention`` (Gemma 2/3, some Qwen) are not
-    compressible; every other layer is.
+    compressible; every other layer is. ``compress_sliding`` (``model.compress_sliding_layers``)
+    records the sliding window: prompts short enough compress those layers too (:meth:`HeadLayout.for_prompt`).
     """
     text_cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
     n_layers = text_cfg.num_hidden_layers
@@ -163,7 +164,8 @@ def head_layout(config: Any, name: str = "") -> HeadLayout:
         comp = tuple(i for i, t in enumerate(types) if t != "sliding_attention")
     else:
         comp = tuple(range(n_layers))
-    return HeadLayout(n_layers, n_q, n_kv, head_dim, comp, name)
+    sliding = int(getattr(text_cfg, "sliding_window", None) or 0) if compress_sliding and comp != tuple(range(n_layers)) else 0
+    return HeadLayout(n_layers, n_q, n_kv, head_dim, comp, name, sliding)
 
 
 def gguf_cache_dir(folder: str, gguf_file: str, mode: Any = "auto") -> Path | None:
@@ -443,7 +445,7 @@ def load_model(model_cfg: dict, device: str = "auto") -> LoadedModel:
             model.to(dtype)
     model.eval()
     return LoadedModel(
-        model=model, tokenizer=tokenizer, layout=head_layout(model.config, str(model_cfg.get("name", ""))),
+        model=model, tokenizer=tokenizer, layout=head_layout(model.config, str(model_cfg.get("name", "")), bool(model_cfg.get("compress_sliding_layers"))),
         device=model.get_input_embeddings().weight.device, dtype=dtype,
         stop_ids=stop_token_ids(tokenizer, model, model_cfg),
         chat_template=chat_format(model_cfg, tokenizer),

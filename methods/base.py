@@ -21,6 +21,7 @@ prompt no longer than its budget is not compressed.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import typing
 from dataclasses import dataclass, field
@@ -77,6 +78,8 @@ class HeadLayout:
         compressible_layers: indices of layers whose cache may be compressed (full-attention
             layers; sliding-window layers of Gemma 2/3 are left alone).
         model_name: a short name used to look up artifacts (e.g. ``smollm2``).
+        sliding_window: with ``model.compress_sliding_layers: true``, the window (tokens) of the
+            sliding-window layers, else 0: see :meth:`for_prompt`.
     """
 
     num_layers: int
@@ -85,6 +88,14 @@ class HeadLayout:
     head_dim: int
     compressible_layers: tuple[int, ...] = ()
     model_name: str = ""
+    sliding_window: int = 0
+
+    def for_prompt(self, n_tokens: int, max_new_tokens: int) -> HeadLayout:
+        """This layout, or every layer compressible when ``sliding_window`` is set and
+        n + max_new_tokens ≤ it (the sliding layers then see the whole prompt and every decoded token)."""
+        if not self.sliding_window or n_tokens + max_new_tokens > self.sliding_window:
+            return self
+        return dataclasses.replace(self, compressible_layers=tuple(range(self.num_layers)))
 
     @property
     def group_size(self) -> int:

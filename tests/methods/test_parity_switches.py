@@ -120,3 +120,45 @@ def test_per_query_head_decodes_as_the_repeated_kv_model():
     (res_gqa, logits_gqa), (res_mha, logits_mha) = runs
     assert res_gqa.compressed and res_gqa.tokens == res_mha.tokens
     torch.testing.assert_close(logits_gqa, logits_mha, rtol=1e-4, atol=1e-5)
+
+
+def test_compress_sliding_layers_when_the_prompt_fits_the_window():
+    """Gemma 3 layout (layer 0 sliding, window 64; layer 1 global): with the switch, a prompt
+    whose n + max_new_tokens fits the window is compressed in both layers, and decoding over
+    the shortened sliding layer equals masking the dropped token (−inf bias) in place."""
+    from dataclasses import replace
+
+    from kvbench.engine import Engine
+    from kvbench.models import head_layout
+    from tests.conftest import loaded_for, tiny_model
+    from tests.kvbench.test_engine import BiasMethod
+
+    loaded = loaded_for(tiny_model("gemma3", layers=2, sliding_window=64))
+    assert loaded.layout.compressible_layers == (1,) and loaded.layout.sliding_window == 0  # the default
+    loaded = replace(loaded, layout=head_layout(loaded.model.config, "tiny", compress_sliding=True))
+    assert loaded.layout.sliding_window == 64
+
+    def minus_inf_at_7(k):
+        return torch.zeros(k.shape[:3]).index_fill_(2, torch.tensor([7]), float("-inf"))
+
+    ids = torch.randint(0, 128, (59,), generator=torch.Generator().manual_seed(3)).tolist()
+    masked, removed = Engine(loaded, BiasMethod(loaded.layout, minus_inf_at_7), 1.0), \
+        Engine(loaded, BiasMethod(loaded.layout, None, drop=7), 1.0)
+    masked.record_logits = removed.record_logits = True
+    assert masked.generate(ids, 5, stop_ids=[]).tokens == removed.generate(ids, 5, stop_ids=[]).tokens  # 59 + 5 ≤ 64
+    assert sorted(removed.last_state.results) == [0, 1] and removed.last_state.results[0].keys.shape[2] == 58
+    for a, b in zip(masked.last_logits[1:], removed.last_logits[1:]):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    removed.generate(ids, 6, stop_ids=[])  # 59 + 6 > 64: the sliding layer is left alone
+    assert sorted(removed.last_state.results) == [1]
+
+
+def test_compress_sliding_layers_false_keeps_the_job_folder():
+    from kvbench.config import identity
+
+    def ident(**model):
+        cfg = {"model": {"name": "g", "source": "s", "dtype": {"cpu": "float32"}, **model}, "method": {"name": "snapkv"},
+               "task": {"name": "niah"}, "budget": 0.5, "seed": 0}
+        return identity(cfg, ("s", None), {}, "cpu")
+
+    assert ident(compress_sliding_layers=False) == ident() != ident(compress_sliding_layers=True)
