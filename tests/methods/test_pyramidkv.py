@@ -79,3 +79,15 @@ def test_compress_keeps_layer_budget_and_window():
     assert res.kept_indices.shape == (1, 2, 20)
     assert (res.kept_indices[..., -4:] == torch.arange(60, 64)).all()
     assert torch.equal(res.keys[0, 1, 0], keys[0, 1, res.kept_indices[0, 1, 0]])
+
+
+def test_kvpress_plan_uses_the_unrounded_budget_and_keeps_w_on_top():
+    # n=301, ρ=0.5: kvpress kept = 150.5, max = n - W = 237, min = 2·150.5 - 237 = 64 = W: a
+    # pyramid (⌊150.5⌋ = 150 would give min = 63 < W: uniform), step (237 - 64)/3
+    layout = HeadLayout(num_layers=4, num_q_heads=4, num_kv_heads=2, head_dim=8, compressible_layers=(0, 1, 2, 3))
+    method = PyramidKV(PyramidKVConfig(window_size=64, kernel_size=5, schedule="kvpress"), layout)
+    assert method.plan(301, 0.5, layout).layer_budgets == [237, 179, 122, 64]
+    assert pyramid_layer_budgets(150, 301, 4, 64, variant="kvpress") == [150] * 4
+    assert method.plan(300, 0.5, layout).layer_budgets == [236, 179, 121, 64]
+    assert method.min_budget() == 64  # the top layer keeps exactly W (kvpress), not W + 1
+    assert PyramidKV(PyramidKVConfig(window_size=64), layout).min_budget() == 65  # kvcf: m > W
