@@ -164,8 +164,8 @@ def head_layout(config: Any, name: str = "", compress_sliding: bool = False) -> 
         comp = tuple(i for i, t in enumerate(types) if t != "sliding_attention")
     else:
         comp = tuple(range(n_layers))
-    sliding = int(getattr(text_cfg, "sliding_window", None) or 0) if compress_sliding and comp != tuple(range(n_layers)) else 0
-    return HeadLayout(n_layers, n_q, n_kv, head_dim, comp, name, sliding)
+    sliding = compress_sliding and comp != tuple(range(n_layers))
+    return HeadLayout(n_layers, n_q, n_kv, head_dim, comp, name, int(sliding and getattr(text_cfg, "sliding_window", 0) or 0))
 
 
 def gguf_cache_dir(folder: str, gguf_file: str, mode: Any = "auto") -> Path | None:
@@ -445,7 +445,8 @@ def load_model(model_cfg: dict, device: str = "auto") -> LoadedModel:
             model.to(dtype)
     model.eval()
     return LoadedModel(
-        model=model, tokenizer=tokenizer, layout=head_layout(model.config, str(model_cfg.get("name", "")), bool(model_cfg.get("compress_sliding_layers"))),
+        model=model, tokenizer=tokenizer,
+        layout=head_layout(model.config, str(model_cfg.get("name", "")), bool(model_cfg.get("compress_sliding_layers"))),
         device=model.get_input_embeddings().weight.device, dtype=dtype,
         stop_ids=stop_token_ids(tokenizer, model, model_cfg),
         chat_template=chat_format(model_cfg, tokenizer),
