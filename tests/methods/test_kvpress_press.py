@@ -9,8 +9,7 @@ head and the generated tokens must be equal, on a tiny random GQA Llama and on t
 from __future__ import annotations
 
 import importlib.util
-import subprocess
-import sys
+import runpy
 
 import pytest
 import torch
@@ -21,6 +20,7 @@ from kvbench.engine import Engine  # noqa: E402
 from methods import ConfigError, build_method  # noqa: E402
 from methods.kvpress_press import compression_ratio, supported  # noqa: E402
 from tests.conftest import ROOT, SHARED_DATA, loaded_for, tiny_model  # noqa: E402
+from tests.kvbench.cli_util import run_cli  # noqa: E402
 
 CR = 0.75  # kvpress compression_ratio; kvbench budget 1 - CR = 0.25 (exact in binary)
 PRESSES = [  # (press, press_kwargs)
@@ -58,6 +58,7 @@ def kvpress_run(model, press, ids: list[int], new: int):
     own, attn = model.config._attn_implementation, [layer.self_attn for layer in model.model.layers]
     model.set_attn_implementation("sdpa")
     x, n = torch.tensor([ids]), len(ids)
+    torch.manual_seed(0)  # LeverageScorePress and CompactorPress draw a Gaussian sketch
     try:
         with torch.no_grad():
             full = DynamicCache(config=model.config)
@@ -93,6 +94,7 @@ def kvpress_run(model, press, ids: list[int], new: int):
 def kvbench_run(loaded, press: str, kwargs: dict, ids: list[int], new: int):
     method = build_method({"name": "kvpress_press", "press": press, "press_kwargs": kwargs}, loaded.layout)
     eng = Engine(loaded, method, 1 - CR)
+    torch.manual_seed(0)
     res = eng.generate(ids, new, stop_ids=[])
     kept = {}
     for i, r in eng.last_state.results.items():
@@ -155,7 +157,7 @@ def test_config_errors_name_the_key():
     for cfg, key in [({"press": "NoSuchPress"}, "method.press="), ({"press": "DecodingPress"}, "method.press="),
                      ({"press": "QFilterPress"}, "method.press="),
                      ({"press": "SnapKVPress", "press_kwargs": {"compression_ratio": 0.5}}, "method.press_kwargs.compression_ratio"),
-                     ({"press": "SnapKVPress", "press_kwargs": {"windows": 8}}, "method.press_kwargs.windows"),
+                     ({"press": "SnapKVPress", "press_kwargs": {"windows": 8}}, "method.press_kwargs="),
                      ({"press": "AdaKVPress", "press_kwargs": {"press": "DMSPress"}}, "method.press_kwargs.press="),
                      ({"press": "AdaKVPress", "press_kwargs": {"alpha_safeguard": 2.0}}, "method.press_kwargs=")]:
         with pytest.raises(ConfigError) as e:
@@ -165,9 +167,8 @@ def test_config_errors_name_the_key():
             assert "KnormPress" in str(e.value)  # the accepted presses
 
 
-def test_refused_press_exits_2_before_the_model_loads(tmp_path):
-    run = subprocess.run([sys.executable, "run.py", "method=kvpress", "method.press=DMSPress", "model.source=/nonexistent",
-                          f"output_root={tmp_path}"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+def test_refused_press_exits_2_before_the_model_loads(tmp_path, capsys):
+    run = run_cli(["method=kvpress", "method.press=DMSPress", "model.source=/nonexistent", f"output_root={tmp_path}"])
     assert run.returncode == 2 and "method.press='DMSPress'" in run.stderr
-    listing = subprocess.run([sys.executable, "-m", "methods.kvpress_press"], cwd=ROOT, capture_output=True, text=True)
-    assert listing.stdout.split() == supported()
+    runpy.run_module("methods.kvpress_press", run_name="__main__")  # the documented listing command
+    assert capsys.readouterr().out.split() == supported()
