@@ -28,6 +28,7 @@ REGISTRY: dict[str, str] = {
     "selkv": "SelKV",
     "lookm": "LookM",
     "knorm": "Knorm",
+    "kvpress_press": "KVPress",
 }
 
 _TYPES = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
