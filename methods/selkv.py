@@ -288,6 +288,9 @@ class SelKV(Method):
             ev_values = gather_tokens(ctx.values, evicted)
             if c.routing == "bucket":
                 targets = bucket_targets(kept, evicted, a, c.bucket_size, c.empty_bucket)
+                occupied = torch.zeros(b, h, n // c.bucket_size + 1, dtype=torch.bool, device=a.device)
+                occupied.scatter_(2, kept // c.bucket_size, True)
+                stats["empty_bucket"] = float((~occupied.gather(2, evicted // c.bucket_size)).sum())
             else:
                 targets = cosine_targets(values, ev_values)
             if c.gate == "soft":
@@ -327,15 +330,21 @@ class SelKV(Method):
         Called by the engine once per sample after every layer is compressed, with
         ``{layer index: result}`` (or a sequence, ``None`` for skipped layers). R_ℓ is recovered
         from each layer's bias (R = exp(bias/α)), averaged slot by slot over the layers whose
-        bias has the same shape, and written back to every one of them. A no-op for the other
-        modes and for α = 0; idempotent.
+        bias has the same shape, and written back to every one of them (not for the other modes
+        or α = 0). Idempotent. Every mode: the lowest and highest per-layer fraction of evicted
+        tokens whose bucket keeps nothing (``empty_frac_min``/``_max``) go into the first layer's
+        stats only, so the engine's sum over layers records them as they are.
         """
+        rs = [r for r in (results.values() if isinstance(results, Mapping) else results) if r is not None]
+        fracs = [r.stats["empty_bucket"] / (r.stats["merged"] + r.stats["dropped"]) for r in rs if "empty_bucket" in r.stats]
+        if fracs:
+            rs[0].stats.update(empty_frac_min=min(fracs), empty_frac_max=max(fracs))
         if self.config.compensation != "global" or self.config.alpha == 0:
             return
         alpha = float(self.config.alpha)
         groups: dict[tuple, list[CompressResult]] = {}
-        for r in results.values() if isinstance(results, Mapping) else results:
-            if r is not None and r.logit_bias is not None:
+        for r in rs:
+            if r.logit_bias is not None:
                 groups.setdefault(tuple(r.logit_bias.shape), []).append(r)
         for members in groups.values():
             mean_ratio = torch.stack([torch.exp(r.logit_bias.float() / alpha) for r in members]).mean(dim=0)
