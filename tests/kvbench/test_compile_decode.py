@@ -14,7 +14,11 @@ from torch._dynamo.utils import counters
 from kvbench.engine import Engine
 from methods import build_method
 from tests.conftest import loaded_for, tiny_model
-from tests.kvbench.cli_util import make_haystack_dir, make_tiny_model_dir, tiny_model_args
+from tests.kvbench.cli_util import (
+    make_haystack_dir,
+    make_tiny_model_dir,
+    tiny_model_args,
+)
 
 
 @pytest.fixture(scope="module")
@@ -66,4 +70,4 @@ def test_job_records_compiled_decode_and_same_predictions(tmp_path, monkeypatch)
         runs[setting] = (json.loads(pred.read_text())["prediction"], json.loads((pred.parent / "env.json").read_text()))
     assert runs["true"][1]["decode_compiled"] is True
     assert runs["auto"][1]["decode_compiled"] is False  # auto: CUDA only, and this is a CPU run
-    assert runs["true"][0] == runs["auto"][0]
+    assert runs["true"][0] and runs["true"][0] == runs["auto"][0]
