@@ -189,7 +189,8 @@ class Engine:
         """The callable of a decode step: the model, or with ``compile_decode`` the model compiled once per
         engine by ``torch.compile(dynamic=True)``: the cache views ``(B, H_kv, T, d)`` grow by one token a
         step and lengths differ per layer and sample, so T is symbolic (one graph, no recompile per step;
-        inductor fuses norms, RoPE and MLP activations: fewer launches). Greedy tokens equal eager's."""
+        inductor fuses norms, RoPE and MLP activations: fewer launches). Compiles on its first call; greedy
+        tokens equal eager's (tests/kvbench/test_compile_decode.py, CPU float32)."""
         if self.compile_decode and self._compiled is None:
             import torch.fx.experimental._config as fx_config
             fx_config.use_duck_shape = False  # layers' lengths equal in one sample are no guard (recompile) for the next
