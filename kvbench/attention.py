@@ -200,7 +200,9 @@ def kvbench_attention(module, query, key, value, attention_mask, scaling=None, d
     state = kvbench_state
     if state is not None and state.phase == "decode":
         bias = state.bias.get(module.layer_idx)
-        return _decode_attention(query, key, value, attention_mask, scaling, softcap, bias, state.reference_decode), None
+        # one query sees every key its layer caches (a sliding layer caches its window only): no mask; traced
+        # (torch.compile), transformers builds an all-True one sized by layer 0's cache, wrong for per-layer budgets
+        return _decode_attention(query, key, value, None, scaling, softcap, bias, state.reference_decode), None
     compress = state is not None and state.compressing and module.layer_idx in state.layout.compressible_layers
     sums = None
     if compress and fuse_prompt_attention(state.method, query, key, attention_mask, softcap):

@@ -60,6 +60,7 @@ class TopConfig:
     lock_wait_s: float = 0.0
     quiet: bool = False
     threads: Any = "auto"
+    compile: Any = "auto"  # torch.compile the decode step: auto (CUDA, one device), true, false
     per_model: Any = None  # experiment presets: per-model helper tables for interpolations
     latency: Any = None  # the latency benchmark's node (conf/experiment/selkv_fig3*.yaml)
 
@@ -81,6 +82,8 @@ class TopConfig:
                                                                     or not 1 <= self.threads <= 4 * (os.cpu_count() or 1)):
             raise ConfigError(f"threads={self.threads}: accepted values are auto, null or an integer from 1 to "
                               f"{4 * (os.cpu_count() or 1)} (4 x this machine's cores)")
+        if self.compile not in ("auto", True, False):
+            raise ConfigError(f"compile={self.compile}: accepted values are auto, true, false")
         if not str(self.output_root).strip():
             raise ConfigError("output_root='': must name a folder for the results (default: results)")
         if self.run_tag is not None and ("/" in str(self.run_tag) or not str(self.run_tag).strip()):

@@ -154,7 +154,8 @@ class Engine:
     ``preallocate`` (default True) decodes into :func:`kvbench.kvcache.preallocated_cache`, else
     a ``DynamicCache``; ``reference_decode`` runs decode attention through
     :func:`kvbench.attention.grouped_attention`; ``on_decode_step(step)`` is called before each
-    step. ``last_state`` holds the last generation's :class:`CompressionState`.
+    step; ``compile_decode`` runs decode steps through :meth:`decode_forward`. ``last_state`` holds the
+    last generation's :class:`CompressionState`.
     """
 
     def __init__(self, loaded: LoadedModel, method: Method, budget: float):
@@ -164,6 +165,8 @@ class Engine:
         self.preallocate = True
         self.reference_decode = False
         self.on_decode_step = None
+        self.compile_decode = False
+        self._compiled = None
         self.last_state: CompressionState | None = None
         self.last_logits: list[torch.Tensor] = []
         self._floor_warned = False  # the budget-floor warning is logged once per engine
@@ -181,6 +184,18 @@ class Engine:
             return cos[0].float(), sin[0].float()
 
         return rotary
+
+    def decode_forward(self):
+        """The callable of a decode step: the model, or with ``compile_decode`` the model compiled once per
+        engine by ``torch.compile(dynamic=True)``: the cache views ``(B, H_kv, T, d)`` grow by one token a
+        step and lengths differ per layer and sample, so T is symbolic (one graph, no recompile per step;
+        inductor fuses norms, RoPE and MLP activations: fewer launches). Compiles on its first call; greedy
+        tokens equal eager's (tests/kvbench/test_compile_decode.py, CPU float32)."""
+        if self.compile_decode and self._compiled is None:
+            import torch.fx.experimental._config as fx_config
+            fx_config.use_duck_shape = False  # layers' lengths equal in one sample are no guard (recompile) for the next
+            self._compiled = torch.compile(self.model, dynamic=True)
+        return self._compiled if self.compile_decode else self.model
 
     @torch.inference_mode()
     def generate(self, prompt_ids: list[int], max_new_tokens: int, stop_ids: list[int] | None = None,
@@ -252,6 +267,7 @@ class Engine:
         tokens: list[int] = []
         processors = self.loaded.processors
         seq = torch.tensor([prompt_ids + [0] * max_new_tokens], device=dev) if processors else None
+        forward = self.decode_forward()
         t1 = time.perf_counter()
         for step in range(max_new_tokens):
             if self.on_decode_step is not None:
@@ -274,7 +290,7 @@ class Engine:
             if step == max_new_tokens - 1:
                 break
             pos = positions[step : step + 1]
-            out = model(input_ids=next_tok, past_key_values=cache, use_cache=True, position_ids=pos.view(1, 1),
+            out = forward(input_ids=next_tok, past_key_values=cache, use_cache=True, position_ids=pos.view(1, 1),
                         cache_position=pos, kvbench_state=state)
             logits = out.logits[0, -1]
         if sync:

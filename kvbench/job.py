@@ -253,7 +253,10 @@ def run_job(job: Job, wait_s: float | None = None) -> int:
         if isinstance(window, int) and longest > window:
             raise ConfigError(f"task.max_length / model.max_input_length: {max_input} prompt tokens + generation exceed "
                               f"the model's context window of {window} tokens")
-        env = {**environment(loaded, cfg["device"]), "inputs": job.inputs, "artifacts": artifacts.files_read()}
+        compiled = cfg.get("compile", "auto") is True or (cfg.get("compile", "auto") == "auto" and loaded.device.type
+                                                           == "cuda" and not cfg["model"].get("device_map"))
+        env = {**environment(loaded, cfg["device"]), "inputs": job.inputs, "artifacts": artifacts.files_read(),
+               "decode_compiled": compiled}
         env_name = "env.json" if shard[1] == 1 else f"env.shard{shard[0]}.json"
         if (store.path / env_name).exists():  # every run that stores samples keeps its provenance
             env_name = env_name.replace(".json", f".{time.strftime('%Y%m%d-%H%M%S')}.json")
@@ -262,6 +265,7 @@ def run_job(job: Job, wait_s: float | None = None) -> int:
         todo = [s for s in mine if s.id not in stored]
         log.info("job %s: %d samples in this shard, %d stored, %d to run", job.relpath, len(mine), len(mine) - len(todo), len(todo))
         engine = Engine(loaded, job.method, cfg["budget"])
+        engine.compile_decode = compiled
         _loop(engine, loaded, task, todo, store, bool(cfg.get("quiet")))
         with store.append_lock():
             records = list(store.latest().values())

@@ -26,11 +26,14 @@ class PreallocatedLayer(DynamicLayer):
         reserve: free token slots kept after the filled part (the decode budget, tokens).
     """
 
+    # keys/values assigned by other code are not views of the buffers: the next update copies them in
+    keys = property(lambda self: self._k, lambda self, t: self.__dict__.update(_k=t, _key_buf=None))
+    values = property(lambda self: self._v, lambda self, t: self.__dict__.update(_v=t, _value_buf=None))
+
     def __init__(self, reserve: int):
         super().__init__()
         self.reserve = max(1, int(reserve))
-        self._key_buf: torch.Tensor | None = None
-        self._value_buf: torch.Tensor | None = None
+        self._len = 0  # filled slots: an int, so that a compiled decode step reads no view of a buffer it writes
 
     def _rebuffer(self, keys: torch.Tensor, values: torch.Tensor, capacity: int) -> None:
         """Copy ``keys``/``values`` ``(B, H, T, d)`` into new buffers of ``capacity`` ≥ T tokens."""
@@ -39,7 +42,7 @@ class PreallocatedLayer(DynamicLayer):
         self._value_buf = values.new_empty((b, h, capacity, values.shape[-1]))
         self._key_buf[:, :, :t].copy_(keys)
         self._value_buf[:, :, :t].copy_(values)
-        self.keys, self.values = self._key_buf[:, :, :t], self._value_buf[:, :, :t]
+        self._len, self._k, self._v = t, self._key_buf[:, :, :t], self._value_buf[:, :, :t]
 
     def replace(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Replace the content by ``keys``/``values`` ``(B, H_kv, m, d)`` (e.g. the compressed cache).
@@ -56,17 +59,20 @@ class PreallocatedLayer(DynamicLayer):
         """Append ``key_states``/``value_states`` ``(B, H_kv, q, d)`` in place; return the filled views."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        if self.keys.dim() < 4:  # the first update (prefill): buffers of q + reserve tokens
-            self._rebuffer(key_states[:, :, :0], value_states[:, :, :0], key_states.shape[-2] + self.reserve)
-        t, q = self.keys.shape[-2], key_states.shape[-2]
-        owned = self._key_buf is not None and self.keys.data_ptr() == self._key_buf.data_ptr() \
-            and self.values.data_ptr() == self._value_buf.data_ptr()
-        if not owned or t + q > self._key_buf.shape[-2]:
-            self._rebuffer(self.keys, self.values, t + q + self.reserve)
+        q = key_states.shape[-2]
+        if self._key_buf is None or self._value_buf is None:  # the first update (prefill), or keys/values assigned
+            old = (self.keys, self.values) if self.keys.dim() == 4 else (key_states[:, :, :0], value_states[:, :, :0])
+            self._rebuffer(*old, old[0].shape[-2] + q + self.reserve)
+        elif self._len + q > self._key_buf.shape[-2]:
+            self._rebuffer(self.keys, self.values, self._len + q + self.reserve)
+        t = self._len
         self._key_buf[:, :, t : t + q].copy_(key_states)
         self._value_buf[:, :, t : t + q].copy_(value_states)
-        self.keys, self.values = self._key_buf[:, :, : t + q], self._value_buf[:, :, : t + q]
+        self._len, self._k, self._v = t + q, self._key_buf[:, :, : t + q], self._value_buf[:, :, : t + q]
         return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self._len if self._key_buf is not None else super().get_seq_length()
 
 
 def preallocated_cache(config: Any, reserve: int) -> DynamicCache:

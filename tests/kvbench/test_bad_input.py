@@ -41,6 +41,7 @@ CASES = [
     ("seed-over-64-bits", ["seed=18446744073709551616"], "seed"),
     ("threads-zero", ["threads=0"], "threads"),
     ("threads-10000", ["threads=10000"], "threads"),
+    ("compile", ["compile=maybe"], "compile"),
     ("run-name-escapes", ["run_name=../../elsewhere"], "run_name"),
     ("model-deleted", ["~model"], "model"),
     ("niah-length-scalar", ["task.context_lengths=512"], "task.context_lengths"),
