@@ -12,6 +12,8 @@ import numpy as np
 import pandas as pd
 import yaml
 
+from eval.niah import strict_match
+
 LONGBENCH_CATEGORIES: dict[str, list[str]] = {
     "Single-Doc QA": ["narrativeqa", "qasper", "multifieldqa_en"], "Multi-Doc QA": ["hotpotqa", "2wikimqa", "musique"],
     "Summarization": ["gov_report", "qmsum", "multi_news"], "Few-shot Learning": ["trec", "triviaqa", "samsum"],
@@ -116,16 +118,27 @@ def _job_rows(root: Path, job: Path) -> list[dict]:
                                    sort_keys=True, default=str),
             "complete": bool(summary.get("complete", False)), "subset": subset}
     numeric = ["score", *TIMING_COLUMNS, *CACHE_COLUMNS, "compressed"]
-    recs = pd.DataFrame(read_predictions(job / "predictions.jsonl"), columns=["dataset", "error", *numeric])
+    recs = pd.DataFrame(read_predictions(job / "predictions.jsonl"),
+                        columns=["id", "dataset", "error", "prediction", "answers", "scores", *numeric])
     recs["kept_tokens"] = [k.get("mean") if isinstance(k, dict) else k for k in recs["kept_tokens"]]
     recs = recs.assign(dataset=recs["dataset"].astype(str), failed=recs["error"].notna())
-    ok = recs[~recs["failed"] & recs["score"].notna()].astype({c: float for c in numeric}, errors="ignore")
+    ok = recs[~recs["failed"] & recs["score"].notna()].drop_duplicates(["dataset", "id"], keep="last")
     ok[numeric] = ok[numeric].apply(pd.to_numeric, errors="coerce")
+    if task.get("name") == "niah":  # strict match (0/1): stored ``scores.strict`` (0/100), else recomputed
+        ok["strict"] = [s["strict"] / 100 if isinstance(s, dict) and "strict" in s else max(
+            strict_match(p, str(a)) for a in q) if isinstance(p, str) and isinstance(q, list) and q else math.nan
+            for s, p, q in zip(ok["scores"], ok["prediction"], ok["answers"])]
     stored = {d: s for d, s in (summary.get("datasets") or {}).items() if (s or {}).get("score") is not None}
     datasets = sorted(set(recs["dataset"]) | set(summary.get("datasets") or {}))
-    per = ok.groupby("dataset")[numeric].mean().reindex(datasets)
-    per["score"] = ok.groupby("dataset")["score"].agg(lambda s: round(100 * sum(s) / len(s), 2))
-    per["n"], per["n_failed"] = ok.groupby("dataset").size(), recs.groupby("dataset")["failed"].sum()
+    by = ok.groupby("dataset")
+    per = by[numeric].mean().reindex(datasets)
+    per["score"] = by["score"].agg(lambda s: round(100 * sum(s) / len(s), 2))
+    per["n"], per["n_failed"], per["se"] = by.size(), recs.groupby("dataset")["failed"].sum(), 100 * by["score"].sem()
+    samples = lambda col: pd.Series({d: dict(zip(g["id"].astype(str), g[col])) for d, g in by}, dtype=object)
+    per["samples"] = samples("score")
+    if "strict" in ok:
+        per["strict"], per["strict_se"] = 100 * by["strict"].mean(), 100 * by["strict"].sem()
+        per["strict_samples"] = samples("strict")
     for d, s in stored.items():
         per.loc[d, ["score", "n"]] = float(s["score"]), s.get("n", per.at[d, "n"])
     job_means = {**(summary.get("timings") or {}), **(summary.get("cache") or {}), "n": 0, "n_failed": 0}
@@ -187,12 +200,12 @@ def load_results(root: str | Path) -> pd.DataFrame:
         except (OSError, ValueError, yaml.YAMLError) as e:
             bad.append(f"{job.relative_to(root).as_posix()}: {type(e).__name__}")
     cols = ["job", "task", "model", "method", "method_name", "budget", "setting", "max_input_tokens", "params",
-            "settings", "complete", "subset", "dataset", "score", "n", "n_failed", *TIMING_COLUMNS, *CACHE_COLUMNS,
-            "compressed_fraction"]
+            "settings", "complete", "subset", "dataset", "score", "n", "n_failed", "se", "samples", "strict", "strict_se",
+            "strict_samples", *TIMING_COLUMNS, *CACHE_COLUMNS, "compressed_fraction"]
     df = pd.DataFrame(rows, columns=cols)
     df["model_key"] = _model_keys(df) if len(df) else pd.Series(dtype=object)
     df = _variants(df) if len(df) else df.assign(variant=pd.Series(dtype=object), default=pd.Series(dtype=bool))
-    for col in ["budget", "score", "n", "max_input_tokens", *TIMING_COLUMNS, *CACHE_COLUMNS]:
+    for col in ["budget", "score", "n", "se", "strict", "strict_se", "max_input_tokens", *TIMING_COLUMNS, *CACHE_COLUMNS]:
         df[col] = pd.to_numeric(df[col], errors="coerce")
     df.attrs["unreadable"] = bad
     return df

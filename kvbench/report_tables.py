@@ -7,6 +7,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 from matplotlib.patches import Patch
 
@@ -29,6 +30,7 @@ class Artifact:
     signed: set = field(default_factory=set)  # columns printed with a sign (Δ)
     sources: list = field(default_factory=list)
     notes: list = field(default_factory=list)
+    se: pd.DataFrame | None = None  # standard errors of ``data``'s cells (same index, a subset of columns; NaN: none)
 
     def __post_init__(self):
         cols = [] if self.data is None else self.data.columns
@@ -161,8 +163,47 @@ def _unfinished(*grids: Grid) -> str:
     return " (rows of unfinished jobs excluded)" * any(g.incomplete for g in grids)
 
 
+def avg_se(se: pd.DataFrame | pd.Series) -> pd.Series | float:
+    """Standard error of a mean over ``k`` datasets (columns) from theirs: sqrt(Σ SE²) / k; NaN when one is missing."""
+    k, axis = se.shape[-1], se.ndim - 1
+    return (se.astype(float) ** 2).sum(axis=axis, min_count=k) ** 0.5 / k if k else math.nan
+
+
+def paired_bootstrap(diffs: dict, n_boot: int = 10_000, seed: int = 0) -> tuple[float, float, float, float]:
+    """Paired bootstrap of a mean over datasets of per-sample score differences (Koehn 2004, stratified by dataset).
+
+    ``diffs``: dataset -> ``(n_d,)`` differences B − A of samples matched by id (points). Each resample draws every
+    dataset's differences with replacement. Returns ``(Δ, low, high, p)``: the observed mean over datasets of the mean
+    differences, its 95 % percentile interval and the two-sided p-value 2·min(P*(Δ ≤ 0), P*(Δ ≥ 0)) (add-one, ≤ 1)."""
+    rng = np.random.default_rng(seed)
+    boot = np.mean([d[rng.integers(0, len(d), (n_boot, len(d)))].mean(axis=1) for d in diffs.values()], axis=0)
+    low, high = np.percentile(boot, [2.5, 97.5])
+    tail = min((boot <= 0).sum(), (boot >= 0).sum())
+    return float(np.mean([d.mean() for d in diffs.values()])), low, high, min(1.0, 2 * (tail + 1) / (n_boot + 1))
+
+
+def paired_table(name: str, what: str, heads: list[dict], samples: list[pd.Series], ref: int, scopes: dict):
+    """Each row vs row ``ref`` on the samples both scored (``samples``: dataset -> {id: score}), per scope (a name ->
+    datasets averaged): :func:`paired_bootstrap`. [] when no row has per-sample records to pair."""
+    rows = []
+    for i, (head, mine) in enumerate(zip(heads, samples)):
+        for scope, ds in scopes.items():
+            a, b = ([x.get(d) if isinstance(x.get(d), dict) else {} for d in ds] for x in (samples[ref], mine))
+            pairs = {d: np.array([100 * (y[k] - x[k]) for k in x.keys() & y.keys()]) for d, x, y in zip(ds, a, b)}
+            if i != ref and all(len(p) for p in pairs.values()):
+                diff, low, high, p = paired_bootstrap(pairs)
+                rows.append({**head, "Over": scope, "Pairs": str(sum(map(len, pairs.values()))), "Δ": diff,
+                             "CI low": low, "CI high": high, "p": f"{p:.4f}"})
+    caption = (f"Paired comparison on {what}: each row minus {' / '.join(filter(None, heads[ref].values()))} on the "
+               "samples both scored (matched by dataset and id; Pairs: their number). Δ: difference of the mean over "
+               "the datasets (points); 95 % CI and two-sided p: paired bootstrap, 10,000 resamples within each "
+               "dataset (seed 0).")
+    return [Artifact(name, caption, pd.DataFrame(rows), signed={"Δ", "CI low", "CI high"})] if rows else []
+
+
 def score_tables(df: pd.DataFrame, root: Path | None = None) -> list[Artifact]:
-    """A table per task × model key, a row per (label, variant, budget): dataset scores, Avg, n; bold: see caption."""
+    """A table per task × model key, a row per (label, variant, budget): dataset scores ± SE, Avg, n; bold: see caption.
+    With per-sample records, also ``paired_<task>_<model>``: each row vs the full cache (else the first row)."""
     out, names = [], set()
     scored = df[df["score"].notna()]
     natural = lambda s: [(0, int(t), "") if t.isdigit() else (1, 0, t) for t in re.split(r"(\d+)", s)]
@@ -170,21 +211,30 @@ def score_tables(df: pd.DataFrame, root: Path | None = None) -> list[Artifact]:
         sel = df[(df["task"] == task) & (df["model_key"] == mk)]
         sel = sel.assign(bkey=sel["budget"].where(sel["method_name"] != FULL, -1.0).fillna(-1.0))
         used = pick(sel, ["method", "variant", "bkey"])
+        avg_ds = order_datasets(used["dataset"])  # the NIAH strict match: a column beside each dataset, not averaged
+        strict = used[used["strict"].notna()]
+        used = pd.concat([used, strict.assign(dataset=strict["dataset"] + " strict", score=strict["strict"],
+                                              se=strict["strict_se"], samples=strict["strict_samples"])])
         datasets = order_datasets(used["dataset"])
         keys = sorted(set(zip(sel["method_name"], sel["method"], sel["variant"], sel["bkey"], ~sel["default"])),
                       key=lambda k: (method_sort_key(k[0], k[1]), k[3], k[4], natural(k[2])))
         show_variant = any(k[2] for k in keys)
         grids = {j: niah_grid(Path(root) / j) for j in sorted(set(used["job"]))} if task == "niah" and root else {}
         grids = {j: f"lengths {g[0]} × depths {g[1]}" for j, g in grids.items() if g}
-        rows, notes, comp, kinds = [], [], [], []
+        rows, errs, samples, notes, comp, kinds = [], [], [], [], [], []
         for name, label, variant, b, _nd in keys:
             part, mine = (t[(t["method"] == label) & (t["variant"] == variant) & (t["bkey"] == b)] for t in (sel, used))
             btext = None if b < 0 else budget_text(b)
             what = label + f" ({variant})" * bool(variant) + f" at budget {btext}" * bool(btext)
-            vals = mine.set_index("dataset")["score"].reindex(datasets)
+            cells = mine.set_index("dataset").reindex(datasets)
+            ns = cells.loc[avg_ds, "n"].dropna()
             rows.append({"Method": label, **({"Variant": variant} if show_variant else {}), "Budget": btext,
-                         **vals, "Avg": vals.mean(skipna=False), "n": f"{mine['n'].sum():.0f}" if len(mine) else None})
-            notes += [f"absent: {what} has no score for {', '.join(vals.index[vals.isna()])}"] * bool(vals.isna().any())
+                         **cells["score"], "Avg": cells.loc[avg_ds, "score"].mean(skipna=False),
+                         "n": None if ns.empty else f"{ns.min():.0f}" + f"–{ns.max():.0f}" * bool(ns.min() < ns.max())})
+            errs.append({**cells["se"], "Avg": avg_se(cells.loc[avg_ds, "se"])})
+            samples.append(cells["samples"])
+            notes += [f"absent: {what} has no score for {', '.join(d for d in avg_ds if math.isnan(rows[-1][d]))}"
+                      ] * bool(cells.loc[avg_ds, "score"].isna().any())
             notes += cell_notes(part, mine, what)
             kinds.append(" / ".join(sorted({" ".join(filter(None, [grids.get(j), s]))
                                             for j, s in zip(mine["job"], mine["subset"])})))
@@ -206,16 +256,23 @@ def score_tables(df: pd.DataFrame, root: Path | None = None) -> list[Artifact]:
                          f"({comp_kinds.count(main)} of {len(comp)} rows)")
             comp = [i for i in comp if kinds[i] == main]
         budgets = "; " + budget_semantics(bs) if (bs := [k[3] for k in keys if k[3] >= 0]) else ""
-        caption = (f"Scores of {mk} on {task} ({_ds(len(datasets))}; a row per method" + ", method variant"
-                   * show_variant + f" and budget{budgets}). Score: round(100·mean, 2) of per-sample scores in [0, 1]; "
-                   "n: samples. The full cache ignores the budget (–). Best complete compressed cell in bold.")
+        caption = (f"Scores of {mk} on {task} ({_ds(len(avg_ds))}; a row per method" + ", method variant"
+                   * show_variant + f" and budget{budgets}). Score: round(100·mean, 2) of per-sample scores in [0, 1]"
+                   " ± its standard error (SD/√n, where per-sample records exist; Avg: √ΣSE²/datasets); n: samples "
+                   "per cell." + " strict: the needle's answer phrase in the prediction (case and punctuation "
+                   "ignored), % of samples." * (len(datasets) > len(avg_ds)) + " The full cache ignores the budget "
+                   "(–). Best complete compressed cell in bold.")
         name = f"scores_{slug(task)}_{slug(mk)}"
         while name in names:
             name += "_2"
         names.add(name)
         data = pd.DataFrame(rows, columns=["Method", *["Variant"] * show_variant, "Budget", *datasets, "Avg", "n"])
         out.append(Artifact(name, caption, data, bold=bolds(data, [*datasets, "Avg"], comp), sources=used["job"],
-                            notes=notes))
+                            notes=notes, se=pd.DataFrame(errs, columns=[*datasets, "Avg"])))
+        heads = [{k: r[k] for k in ("Method", "Variant", "Budget") if k in r} for r in rows]
+        ref = next((i for i, k in enumerate(keys) if k[0] == FULL), 0)
+        out += paired_table(name.replace("scores_", "paired_", 1), f"{task} of {mk}", heads, samples, ref,
+                            {"Avg": avg_ds} | {d: [d] for d in datasets if d not in avg_ds})
     return out
 
 
