@@ -15,7 +15,7 @@ from . import report_tables as rt
 from .cli import ArgParser
 from .plots import plt
 from .report_data import load_results
-from .report_tables import Artifact, dedupe, round2
+from .report_tables import Artifact, dedupe, fmt, round2
 from .store import atomic_write
 
 
@@ -47,17 +47,6 @@ ARTIFACTS = {  # family -> builder of its artifacts
 }
 OUTPUTS = {"scores": ["scores_*", "paired_*"], "selkv_ratio_tables": ["selkv_table5", "selkv_table6", "selkv_ratios_*"],
            "compresskv_table3": ["compresskv_table3a", "compresskv_table3b"], "niah": ["niah/*", "niah_panel_*"]}
-
-
-def fmt(value, signed: bool = False, se=None) -> str | None:
-    """A cell as printed: text as is, numbers half-up to 2 decimals (``41.20 ± 1.30`` with a standard error); None
-    when missing."""
-    if value is None or isinstance(value, str):
-        return value
-    if math.isnan(value):
-        return None
-    return ("+" if signed and round2(value) > 0 else "") + f"{round2(value):.2f}" + (
-        f" ± {round2(se):.2f}" if se is not None and not math.isnan(se) else "")
 
 
 def _cells(t: Artifact, bold: str = "**%s**", missing: str = "–", esc=str) -> pd.DataFrame:

@@ -143,7 +143,8 @@ def _job_rows(root: Path, job: Path) -> list[dict]:
         per.loc[d, ["score", "n"]] = float(s["score"]), s.get("n", per.at[d, "n"])
     job_means = {**(summary.get("timings") or {}), **(summary.get("cache") or {}), "n": 0, "n_failed": 0}
     bare = ~per.index.isin(ok["dataset"])  # datasets without records: the summary's job-level means
-    per.loc[bare] = per.loc[bare].fillna({c: v for c, v in job_means.items() if c in per and v is not None})
+    fill = {c: v for c, v in job_means.items() if c in per and v is not None}
+    per.loc[bare, list(fill)] = per.loc[bare, list(fill)].fillna(fill)
     frac = (summary.get("cache") or {}).get("compressed_fraction")
     per["compressed_fraction"] = per["compressed"] if frac is None else frac
     rows = [dict(base, dataset=d, **r) for d, r in per.drop(columns="compressed").iterrows()]

@@ -43,6 +43,17 @@ def round2(x: float) -> float:
     return math.floor(round(x * 100, 6) + 0.5) / 100
 
 
+def fmt(value, signed: bool = False, se=None) -> str | None:
+    """A cell as printed: text as is, numbers half-up to 2 decimals (``41.20 ± 1.30`` with a standard error); None
+    when missing."""
+    if value is None or isinstance(value, str):
+        return value
+    if math.isnan(value):
+        return None
+    return ("+" if signed and round2(value) > 0 else "") + f"{round2(value):.2f}" + (
+        f" ± {round2(se):.2f}" if se is not None and not math.isnan(se) else "")
+
+
 def bolds(data: pd.DataFrame, cols, ok, by: str | None = None, higher: bool = True) -> set:
     """``(row, col)`` cells of each column's best printed value among rows ``ok`` (per ``by`` group; ties all)."""
     out = set()
@@ -93,9 +104,10 @@ def cell_notes(rows: pd.DataFrame, used: pd.DataFrame, what: str) -> list[str]:
 
 @dataclass
 class Grid:
-    """One task at one budget: ``scores`` (model key, label) × dataset; ``incomplete``: unfinished (model, label)."""
+    """One task at one budget: ``scores``, ``se`` (model key, label) × dataset; ``incomplete``: unfinished jobs."""
 
     scores: pd.DataFrame
+    se: pd.DataFrame
     full: str | None
     labels: list[str]
     names: dict
@@ -108,10 +120,10 @@ class Grid:
         self.datasets = order_datasets(self.scores.columns)
         self.rows = [self.full] * bool(self.full) + self.labels
 
-    def avg(self, mk: str, label: str | None, datasets: list[str] | None = None) -> float:
-        """Mean over ``datasets`` (default: the grid's); NaN when one is missing."""
-        vals = self.scores.reindex(index=[(mk, label)], columns=datasets or self.datasets).iloc[0]
-        return vals.mean() if len(vals) and vals.notna().all() else math.nan
+    def avg(self, mk: str, label: str | None, datasets: list[str] | None = None, se: bool = False) -> float:
+        """Mean over ``datasets`` (default: the grid's), NaN when one is missing; ``se``: its standard error."""
+        vals = (self.se if se else self.scores).reindex(index=[(mk, label)], columns=datasets or self.datasets).iloc[0]
+        return avg_se(vals) if se else vals.mean() if len(vals) and vals.notna().all() else math.nan
 
     def ok(self, data: pd.DataFrame) -> list[int]:
         """Rows of ``data`` (columns Model, Method) that compete for bold: compressed, finished."""
@@ -146,6 +158,7 @@ def grid(df: pd.DataFrame, task: str, budget: float, models=None, names=None, la
         notes += cell_notes(cell, used[(used["model_key"] == mk) & (used["method"] == lab)], f"{mk} / {lab} ({where})")
     scores = used.pivot_table(index=["model_key", "method"], columns="dataset", values="score", aggfunc="first")
     scores = scores[order_datasets(scores.columns)]
+    se = used.pivot_table(index=["model_key", "method"], columns="dataset", values="se", aggfunc="first")
     for mk in models:
         notes += [f"absent: no full-cache job for {mk} ({task})"] * ((mk, full_label) not in scores.index)
         notes += [f"absent: no job for {mk} / {lab} ({where})" for _n, lab in order if (mk, lab) not in scores.index]
@@ -154,7 +167,7 @@ def grid(df: pd.DataFrame, task: str, budget: float, models=None, names=None, la
               for mk, u in used.groupby("model_key") if u["subset"].nunique() > 1]
     notes += [f"absent: {mk} / {lab} has no score for {', '.join(c[c.isna()].index)} ({where})"
               for (mk, lab), c in scores.iterrows() if c.isna().any()]
-    return Grid(scores, full_label, dedupe(lab for _n, lab in order), {lab: n for n, lab in order},
+    return Grid(scores, se, full_label, dedupe(lab for _n, lab in order), {lab: n for n, lab in order},
                 set(used.loc[~used["complete"], ["model_key", "method"]].itertuples(index=False, name=None)),
                 sorted(set(used["job"])), dedupe(notes))
 
@@ -330,14 +343,15 @@ def budget_grids(df: pd.DataFrame, task: str, ratio: bool) -> dict[float, Grid]:
     return {x: g for x, g in grids.items() if g is not None}
 
 
-def sweep(grids: dict[float, Grid], mk: str, dataset: str | None = None) -> pd.DataFrame:
-    """One model's average over the datasets (or one dataset's score), label × budget; full cache in every column."""
+def sweep(grids: dict[float, Grid], mk: str, dataset: str | None = None, se: bool = False) -> pd.DataFrame:
+    """One model's average over the datasets (or one dataset's score; ``se``: its SE), label × budget; full cache in
+    every column."""
     present = {b: g for b, g in grids.items() if mk in g.models}
     ds = [dataset] if dataset else order_datasets(d for g in present.values() for d in g.datasets)
     names = {lab: n for g in present.values() for lab, n in g.names.items()}
     full = next((g.full for g in present.values() if g.full), None)
     labels = [full] * bool(full) + sorted(set(names), key=lambda lab: method_sort_key(names[lab], lab))
-    table = pd.DataFrame({b: {lab: g.avg(mk, lab, ds) for lab in labels} for b, g in present.items()})
+    table = pd.DataFrame({b: {lab: g.avg(mk, lab, ds, se) for lab in labels} for b, g in present.items()})
     if full and table.loc[full].notna().any():
         table.loc[full] = table.loc[full].dropna().iloc[0]
     return table
@@ -491,7 +505,8 @@ def selkv_fig2(df: pd.DataFrame, budget: float = 0.25, task: str = "longbench") 
     for j, lab in enumerate(g.labels):
         xs = [i - 0.4 + width * (j + 0.5) for i in range(len(g.models))]
         ys = [g.avg(mk, lab) - g.avg(mk, g.full) for mk in g.models]
-        for x, y, mk, bar in zip(xs, ys, g.models, ax.bar(xs, ys, width, label=lab)):
+        errs = [math.hypot(g.avg(mk, lab, se=True), g.avg(mk, g.full, se=True)) for mk in g.models]
+        for x, y, mk, bar in zip(xs, ys, g.models, ax.bar(xs, ys, width, yerr=errs, capsize=2, label=lab)):
             if math.isnan(y):
                 ax.annotate("n/a", (x, 0), xytext=(0, -3), textcoords="offset points", ha="center", va="top",
                             fontsize=6, rotation=90, color="grey")
@@ -505,7 +520,7 @@ def selkv_fig2(df: pd.DataFrame, budget: float = 0.25, task: str = "longbench") 
     ax.set_title("Gap to the full cache\n(closer to 0 is better)", fontsize=10)
     ax.legend(fontsize=7)
     caption = (f"Task: LongBench ({_ds(len(g.datasets))}); models: {', '.join(g.models)}; "
-               f"{budget_semantics([budget])}, ρ = {budget_text(budget)}."
+               f"{budget_semantics([budget])}, ρ = {budget_text(budget)}; error bars: ±1 SE, √(SE² + SE full²)."
                + " Hatched, pale bars: an unfinished job (fewer samples scored)." * unfinished)
     return [_done("selkv_fig2", fig, caption, g.sources, g.notes)]
 
@@ -524,14 +539,17 @@ def budget_sweep_figure(df, name: str, task: str, ratio: bool, title: str, per_d
     full = next((g.full for g in grids.values() if g.full), None)
     for i, mk in enumerate(models):
         for j, ds in enumerate(datasets):  # one model's average (or one dataset's score) across budgets
-            ax, t = axes[i, j] if per_dataset else axes[0, i], sweep(grids, mk, ds)
+            ax, t, err = axes[i, j] if per_dataset else axes[0, i], sweep(grids, mk, ds), sweep(grids, mk, ds, True)
             for lab, vals in t.iterrows():
                 if lab == full:
                     ax.axhline(vals.iloc[0], color="black", linestyle="--", linewidth=1, label=lab)
+                    ax.axhspan(vals.iloc[0] - err.loc[lab].iloc[0], vals.iloc[0] + err.loc[lab].iloc[0], color="grey",
+                               alpha=0.2)
                     continue
                 notes += [f"absent: {mk} / {lab} at budget {budget_text(b)}" + f" ({ds})" * bool(ds)
                           for b in vals.index[vals.isna()]]
-                ax.plot([b * 100 if ratio else b for b in vals.dropna().index], vals.dropna(), marker="o", label=lab)
+                ax.errorbar([b * 100 if ratio else b for b in vals.dropna().index], vals.dropna(),
+                            err.loc[lab, vals.dropna().index], marker="o", capsize=2, label=lab)
             if not ratio:
                 ax.set_xscale("log", base=2)
                 ax.set_xticks(list(t.columns), [f"{b:g}" for b in t.columns])
@@ -544,7 +562,8 @@ def budget_sweep_figure(df, name: str, task: str, ratio: bool, title: str, per_d
         fig.suptitle(title, fontsize=10)
     what = f"per dataset ({', '.join(datasets)})" if per_dataset else _ds(len(present))
     caption = (f"Task: {({'longbench': 'LongBench', 'niah': 'Needle-in-a-Haystack'}).get(task, task)} ({what}); "
-               f"models: {', '.join(models)}; {budget_semantics(grids)}; dashed line: full cache.")
+               f"models: {', '.join(models)}; {budget_semantics(grids)}; dashed line: full cache; error bars and band: "
+               "±1 SE.")
     return [_done(name, fig, caption, sources, notes)]
 
 
@@ -601,8 +620,10 @@ def niah_figures(df: pd.DataFrame, root: Path) -> list[Artifact]:
         if im := draw_niah_heatmap(axes[0, 0], records[job], f"{row['model_key']} / {row['method']} / budget "
                                    f"{budget_text(row['budget'])}"):
             fig.colorbar(im, ax=axes[0, 0], label=SCORE_LABEL)
+        strict = f"; strict match {fmt(row['strict'], se=row['strict_se'])} %" * (row["strict"] == row["strict"])
         out.append(_done(f"niah/{slug(job)}", fig, f"Task: NIAH; model: {row['model_key']}; "
-                         f"{budget_semantics([row['budget']])}.", [job], []))
+                         f"{budget_semantics([row['budget']])}. Mean over {row['n']:.0f} samples: ROUGE-1 recall "
+                         f"{fmt(row['score'], se=row['se'])}{strict} (± SE).", [job], []))
     for mk in sorted(niah["model_key"].unique(), key=model_sort_key):
         sel = niah[niah["model_key"] == mk]
         comp, full = sel[sel["method_name"] != FULL], pick(sel[sel["method_name"] == FULL], ["model_key"])
@@ -616,7 +637,8 @@ def niah_figures(df: pd.DataFrame, root: Path) -> list[Artifact]:
                 chosen = full if lab is None else pick(comp[(comp["method"] == lab) & at(comp, b)], ["method"])
                 r = chosen.iloc[0] if len(chosen) else {"method": lab or "full", "variant": "", "complete": True}
                 title = r["method"] + f", budget {budget_text(b)}" * (lab is not None) + f"\n{r['variant']}" * bool(
-                    r["variant"]) + " (unfinished)" * (not r["complete"])
+                    r["variant"]) + " (unfinished)" * (not r["complete"]) + f"\nstrict {r.get('strict', 0):.0f} %" * (
+                    r.get("strict", math.nan) == r.get("strict", math.nan))
                 notes += cell_notes(sel[sel["job"] == r["job"]], chosen, f"{mk} / {title}") if len(chosen) else [
                     f"absent: {mk} / {lab} at budget {budget_text(b)}"]
                 sources += list(chosen["job"][:1])
