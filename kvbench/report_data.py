@@ -14,6 +14,8 @@ import yaml
 
 from eval.niah import strict_match
 
+from .store import JobStore, is_job_folder
+
 LONGBENCH_CATEGORIES: dict[str, list[str]] = {
     "Single-Doc QA": ["narrativeqa", "qasper", "multifieldqa_en"], "Multi-Doc QA": ["hotpotqa", "2wikimqa", "musique"],
     "Summarization": ["gov_report", "qmsum", "multi_news"], "Few-shot Learning": ["trec", "triviaqa", "samsum"],
@@ -38,17 +40,6 @@ NOT_SETTINGS = ("method", "budget", "run_tag", "run_name", "hydra", "quiet", "lo
 RUN_CONTROL_FIELDS = ("kernel",)  # method fields that do not change a result
 
 
-def read_predictions(path: Path) -> list[dict]:
-    """Records of a ``predictions.jsonl``; a torn last line (a job killed mid-write) is skipped."""
-    out = []
-    for line in (path.read_text().splitlines() if path.is_file() else []):
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            pass
-    return out
-
-
 def _json(path: Path) -> dict:
     try:
         return data if isinstance(data := json.loads(path.read_text()), dict) else {}
@@ -68,7 +59,7 @@ def niah_grid(job_dir: Path) -> tuple[list, list] | None:
 
 def niah_grid_records(job_dir: Path) -> list[dict]:
     """A NIAH job's records on the grid its summary counts (every record when it records none)."""
-    records, grid = read_predictions(Path(job_dir) / "predictions.jsonl"), niah_grid(Path(job_dir))
+    records, grid = JobStore(job_dir).records(), niah_grid(Path(job_dir))
     if grid is None:
         return records
     cells = {(n, float(d)) for n in grid[0] for d in grid[1]}
@@ -118,8 +109,7 @@ def _job_rows(root: Path, job: Path) -> list[dict]:
                                    sort_keys=True, default=str),
             "complete": bool(summary.get("complete", False)), "subset": subset}
     numeric = ["score", *TIMING_COLUMNS, *CACHE_COLUMNS, "compressed"]
-    recs = pd.DataFrame(read_predictions(job / "predictions.jsonl"),
-                        columns=["id", "dataset", "error", "prediction", "answers", "scores", *numeric])
+    recs = pd.DataFrame(JobStore(job).records(), columns=["id", "dataset", "error", "prediction", "answers", "scores", *numeric])
     recs["kept_tokens"] = [k.get("mean") if isinstance(k, dict) else k for k in recs["kept_tokens"]]
     recs = recs.assign(dataset=recs["dataset"].astype(str), failed=recs["error"].notna())
     ok = recs[~recs["failed"] & recs["score"].notna()].drop_duplicates(["dataset", "id"], keep="last")
@@ -193,9 +183,8 @@ def load_results(root: str | Path) -> pd.DataFrame:
     if not root.is_dir():
         raise FileNotFoundError(f"results root {str(root)!r} is not a directory")
     rows, bad = [], []
-    for job in [c.parent for c in sorted(root.rglob("config.yaml")) if not any(
-            p.startswith(".") for p in c.parent.relative_to(root).parts) and any(
-            (c.parent / n).is_file() for n in ("predictions.jsonl", "summary.json"))]:
+    for job in [c.parent for c in sorted(root.rglob("config.yaml")) if is_job_folder(c.parent) and not any(
+            p.startswith(".") for p in c.parent.relative_to(root).parts)]:
         try:
             rows += _job_rows(root, job)
         except (OSError, ValueError, yaml.YAMLError) as e:
@@ -230,10 +219,8 @@ def order_datasets(datasets: Iterable) -> list[str]:
 
 
 def budget_text(budget: float) -> str:
-    """``25%`` for a retention ratio (budget <= 1), ``256`` for a token budget."""
-    text = f"{budget * 100:g}"  # never an exponent: 1e-9 -> 0.0000001%
-    return (np.format_float_positional(float(text), trim="-") if "e" in text else text) + "%" if budget <= 1 \
-        else f"{budget:g}"
+    """``25%`` for a retention ratio (budget <= 1; 6 significant digits, never an exponent), ``256`` for tokens."""
+    return np.format_float_positional(100 * budget, 6, fractional=False, trim="-") + "%" if budget <= 1 else f"{budget:g}"
 
 
 def budget_semantics(budgets: Iterable[float]) -> str:

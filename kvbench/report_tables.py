@@ -9,7 +9,6 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
-from matplotlib.patches import Patch
 
 from .plots import SCORE_LABEL, draw_niah_heatmap, plt
 from .report_data import (DATASET_ABBR, FULL, LONG_CONTEXT_TOKENS, LONGBENCH_CATEGORIES, budget_semantics,
@@ -568,40 +567,25 @@ def budget_sweep_figure(df, name: str, task: str, ratio: bool, title: str, per_d
 
 
 def selkv_fig3(latency: list[dict], source: str = "latency.json") -> list[Artifact]:
-    """SelKV Figure 3 from kvbench.latency records, per model: (a) stage seconds, (b) decode tokens/s vs length."""
+    """SelKV Figure 3 from kvbench.latency records (repeats averaged), per model: (a) prefill, compression and decode
+    seconds stacked per prompt length and method, (b) decode tokens/s vs prompt length."""
     lat = pd.DataFrame(latency or [])
     if not {"model", "method", "prompt_tokens", "decode_tok_s"} <= set(lat.columns):
         return []
     stages = {"prefill_s": "prefill", "compress_s": "compression", "decode_s": "decode"}
     lat = lat.reindex(columns=dedupe([*lat.columns, *stages, "budget", "device", "generated_tokens"]))
-    means = lat.groupby(["model", "method", "prompt_tokens"]).mean(numeric_only=True).fillna({c: 0.0 for c in stages})
+    means = lat.groupby(["model", "prompt_tokens", "method"]).mean(numeric_only=True).fillna({c: 0.0 for c in stages})
     models = sorted(lat["model"].unique(), key=model_sort_key)
     fig, axes = _figure(len(models), 2, w=5.2)
-    hatches = ["", "//", "xx", "..", "\\\\"]
     for (ax_a, ax_b), mk in zip(axes, models):
         m = means.loc[mk]
-        lengths = sorted(m.index.get_level_values(1).unique())
-        methods = sorted(m.index.get_level_values(0).unique(), key=lambda s: (not s.lower().startswith("full"), s))
-        width = 0.8 / len(methods)
-        for j, meth in enumerate(methods):
-            mm = m.loc[meth].reindex(lengths)
-            xs = [i - 0.4 + width * (j + 0.5) for i in range(len(lengths))]
-            for k, col in enumerate(stages):
-                ax_a.bar(xs, mm[col].fillna(0), width, bottom=mm[list(stages)[:k]].fillna(0).sum(axis=1),
-                         color=f"C{k}", hatch=hatches[j % 5], edgecolor="black", linewidth=0.4)
-            ax_b.plot(mm.dropna(subset=["decode_tok_s"]).index, mm["decode_tok_s"].dropna(), marker="o", label=meth)
-        ax_a.legend(handles=[Patch(facecolor=f"C{k}", label=s) for k, s in enumerate(stages.values())]
-                    + [Patch(facecolor="white", edgecolor="black", hatch=hatches[j % 5], label=meth)
-                       for j, meth in enumerate(methods)], fontsize=6, loc="upper left")
-        ax_a.set_ylim(top=ax_a.get_ylim()[1] * 1.45)
-        ax_b.set_xscale("log", base=2)
-        for ax, xs, what, y in ((ax_a, range(len(lengths)), "(a) time breakdown", "Time per request (s)"),
-                                (ax_b, lengths, "(b) decode throughput", "Decode throughput (tokens/s)")):
-            ax.set_xticks(xs, [f"{n:.0f}" for n in lengths], rotation=45, fontsize=7)
-            ax.set(xlabel="Prompt length (tokens)", ylabel=y)
-            ax.set_title(f"{what[:4]}{mk}: {what[4:]}", fontsize=9)
-        ax_b.minorticks_off()
-        ax_b.legend(fontsize=7)
+        m[list(stages)].rename(columns=stages).plot.bar(stacked=True, ax=ax_a, width=0.8, fontsize=7)
+        ax_a.set_xticks(range(len(m)), [f"{n:.0f} {meth}" for n, meth in m.index], rotation=60, ha="right")
+        m["decode_tok_s"].unstack("method").plot(ax=ax_b, marker="o", logx=True, fontsize=7)
+        ax_a.set(xlabel="Prompt length (tokens), method", ylabel="Time per request (s)")
+        ax_b.set(xlabel="Prompt length (tokens)", ylabel="Decode throughput (tokens/s)")
+        ax_a.set_title(f"(a) {mk}: time breakdown", fontsize=9)
+        ax_b.set_title(f"(b) {mk}: decode throughput", fontsize=9)
     budgets = sorted(set(pd.to_numeric(lat["budget"], errors="coerce").dropna()) - {1.0})
     devices, gen = sorted(lat["device"].dropna().astype(str).unique()), lat["generated_tokens"].dropna()
     caption = (f"Latency{' on ' + ', '.join(devices) if devices else ''}; models: {', '.join(models)}; task: synthetic "
@@ -620,7 +604,7 @@ def niah_figures(df: pd.DataFrame, root: Path) -> list[Artifact]:
         if im := draw_niah_heatmap(axes[0, 0], records[job], f"{row['model_key']} / {row['method']} / budget "
                                    f"{budget_text(row['budget'])}"):
             fig.colorbar(im, ax=axes[0, 0], label=SCORE_LABEL)
-        strict = f"; strict match {fmt(row['strict'], se=row['strict_se'])} %" * (row["strict"] == row["strict"])
+        strict = f"; strict match {fmt(row['strict'], se=row['strict_se'])} %" * bool(row["strict"] == row["strict"])
         out.append(_done(f"niah/{slug(job)}", fig, f"Task: NIAH; model: {row['model_key']}; "
                          f"{budget_semantics([row['budget']])}. Mean over {row['n']:.0f} samples: ROUGE-1 recall "
                          f"{fmt(row['score'], se=row['se'])}{strict} (± SE).", [job], []))
@@ -637,7 +621,7 @@ def niah_figures(df: pd.DataFrame, root: Path) -> list[Artifact]:
                 chosen = full if lab is None else pick(comp[(comp["method"] == lab) & at(comp, b)], ["method"])
                 r = chosen.iloc[0] if len(chosen) else {"method": lab or "full", "variant": "", "complete": True}
                 title = r["method"] + f", budget {budget_text(b)}" * (lab is not None) + f"\n{r['variant']}" * bool(
-                    r["variant"]) + " (unfinished)" * (not r["complete"]) + f"\nstrict {r.get('strict', 0):.0f} %" * (
+                    r["variant"]) + " (unfinished)" * (not r["complete"]) + f"\nstrict {r.get('strict', 0):.0f} %" * bool(
                     r.get("strict", math.nan) == r.get("strict", math.nan))
                 notes += cell_notes(sel[sel["job"] == r["job"]], chosen, f"{mk} / {title}") if len(chosen) else [
                     f"absent: {mk} / {lab} at budget {budget_text(b)}"]
