@@ -126,7 +126,7 @@ def word_overlap(prediction: str, answer: str) -> float:
 
 
 def strict_match(prediction: str, answer: str) -> float:
-    """1.0 when ``answer``'s words occur in ``prediction`` as one phrase (lower-cased, punctuation dropped), else 0.0."""
+    """1.0 when ``answer``'s words occur in ``prediction`` as one phrase (lower case, punctuation dropped), else 0."""
     norm = lambda text: " " + " ".join(re.findall(r"[^\W_]+", text.lower())) + " "
     return float(norm(answer).strip() != "" and norm(answer) in norm(prediction))
 

@@ -109,7 +109,8 @@ def _job_rows(root: Path, job: Path) -> list[dict]:
                                    sort_keys=True, default=str),
             "complete": bool(summary.get("complete", False)), "subset": subset}
     numeric = ["score", *TIMING_COLUMNS, *CACHE_COLUMNS, "compressed"]
-    recs = pd.DataFrame(JobStore(job).records(), columns=["id", "dataset", "error", "prediction", "answers", "scores", *numeric])
+    recs = pd.DataFrame(JobStore(job).records(),
+                        columns=["id", "dataset", "error", "prediction", "answers", "scores", *numeric])
     recs["kept_tokens"] = [k.get("mean") if isinstance(k, dict) else k for k in recs["kept_tokens"]]
     recs = recs.assign(dataset=recs["dataset"].astype(str), failed=recs["error"].notna())
     ok = recs[~recs["failed"] & recs["score"].notna()].drop_duplicates(["dataset", "id"], keep="last")
@@ -190,12 +191,13 @@ def load_results(root: str | Path) -> pd.DataFrame:
         except (OSError, ValueError, yaml.YAMLError) as e:
             bad.append(f"{job.relative_to(root).as_posix()}: {type(e).__name__}")
     cols = ["job", "task", "model", "method", "method_name", "budget", "setting", "max_input_tokens", "params",
-            "settings", "complete", "subset", "dataset", "score", "n", "n_failed", "se", "samples", "strict", "strict_se",
-            "strict_samples", *TIMING_COLUMNS, *CACHE_COLUMNS, "compressed_fraction"]
+            "settings", "complete", "subset", "dataset", "score", "n", "n_failed", "se", "samples", "strict",
+            "strict_se", "strict_samples", *TIMING_COLUMNS, *CACHE_COLUMNS, "compressed_fraction"]
     df = pd.DataFrame(rows, columns=cols)
     df["model_key"] = _model_keys(df) if len(df) else pd.Series(dtype=object)
     df = _variants(df) if len(df) else df.assign(variant=pd.Series(dtype=object), default=pd.Series(dtype=bool))
-    for col in ["budget", "score", "n", "se", "strict", "strict_se", "max_input_tokens", *TIMING_COLUMNS, *CACHE_COLUMNS]:
+    for col in ["budget", "score", "n", "se", "strict", "strict_se", "max_input_tokens", *TIMING_COLUMNS,
+                *CACHE_COLUMNS]:
         df[col] = pd.to_numeric(df[col], errors="coerce")
     df.attrs["unreadable"] = bad
     return df
@@ -220,7 +222,8 @@ def order_datasets(datasets: Iterable) -> list[str]:
 
 def budget_text(budget: float) -> str:
     """``25%`` for a retention ratio (budget <= 1; 6 significant digits, never an exponent), ``256`` for tokens."""
-    return np.format_float_positional(100 * budget, 6, fractional=False, trim="-") + "%" if budget <= 1 else f"{budget:g}"
+    return np.format_float_positional(100 * budget, 6, fractional=False, trim="-") + "%" if budget <= 1 \
+        else f"{budget:g}"
 
 
 def budget_semantics(budgets: Iterable[float]) -> str:

@@ -194,7 +194,7 @@ def paired_bootstrap(diffs: dict, n_boot: int = 10_000, seed: int = 0) -> tuple[
     return float(np.mean([d.mean() for d in diffs.values()])), low, high, min(1.0, 2 * (tail + 1) / (n_boot + 1))
 
 
-def paired_table(name: str, what: str, heads: list[dict], samples: list[pd.Series], ref: int, scopes: dict):
+def paired_table(name: str, what: str, heads: list[dict], samples: list[pd.Series], ref: int, scopes: dict, sources):
     """Each row vs row ``ref`` on the samples both scored (``samples``: dataset -> {id: score}), per scope (a name ->
     datasets averaged): :func:`paired_bootstrap`. [] when no row has per-sample records to pair."""
     rows = []
@@ -210,7 +210,8 @@ def paired_table(name: str, what: str, heads: list[dict], samples: list[pd.Serie
                "samples both scored (matched by dataset and id; Pairs: their number). Δ: difference of the mean over "
                "the datasets (points); 95 % CI and two-sided p: paired bootstrap, 10,000 resamples within each "
                "dataset (seed 0).")
-    return [Artifact(name, caption, pd.DataFrame(rows), signed={"Δ", "CI low", "CI high"})] if rows else []
+    signed = {"Δ", "CI low", "CI high"}
+    return [Artifact(name, caption, pd.DataFrame(rows), signed=signed, sources=sources)] if rows else []
 
 
 def score_tables(df: pd.DataFrame, root: Path | None = None) -> list[Artifact]:
@@ -284,7 +285,7 @@ def score_tables(df: pd.DataFrame, root: Path | None = None) -> list[Artifact]:
         heads = [{k: r[k] for k in ("Method", "Variant", "Budget") if k in r} for r in rows]
         ref = next((i for i, k in enumerate(keys) if k[0] == FULL), 0)
         out += paired_table(name.replace("scores_", "paired_", 1), f"{task} of {mk}", heads, samples, ref,
-                            {"Avg": avg_ds} | {d: [d] for d in datasets if d not in avg_ds})
+                            {"Avg": avg_ds} | {d: [d] for d in datasets if d not in avg_ds}, used["job"])
     return out
 
 
@@ -627,8 +628,9 @@ def niah_figures(df: pd.DataFrame, root: Path) -> list[Artifact]:
                 chosen = full if lab is None else pick(comp[(comp["method"] == lab) & at(comp, b)], ["method"])
                 r = chosen.iloc[0] if len(chosen) else {"method": lab or "full", "variant": "", "complete": True}
                 title = r["method"] + f", budget {budget_text(b)}" * (lab is not None) + f"\n{r['variant']}" * bool(
-                    r["variant"]) + " (unfinished)" * (not r["complete"]) + f"\nstrict {r.get('strict', 0):.0f} %" * bool(
-                    r.get("strict", math.nan) == r.get("strict", math.nan))
+                    r["variant"]) + " (unfinished)" * (not r["complete"])
+                strict = r.get("strict", math.nan)
+                title += f"\nstrict {strict:.0f} %" * bool(strict == strict)  # NIAH strict match, when known
                 notes += cell_notes(sel[sel["job"] == r["job"]], chosen, f"{mk} / {title}") if len(chosen) else [
                     f"absent: {mk} / {lab} at budget {budget_text(b)}"]
                 sources += list(chosen["job"][:1])

@@ -11,6 +11,7 @@ import json
 import math
 
 import numpy as np
+import pandas as pd
 import pytest
 from test_report import make_job
 
@@ -48,13 +49,7 @@ def test_standard_error_of_a_known_list(sweep):
     assert df.at["SnapKV", "se"] == pytest.approx(100 * np.std([0.75, 0.5, 0.25, 0.0], ddof=1) / 2)  # 16.14
     assert df.at["SnapKV", "strict"] == 25.0 and df.at["SnapKV", "strict_se"] == pytest.approx(25.0)  # [1, 0, 0, 0]
     assert df.at["Full Cache", "strict"] == 75.0  # upper case, punctuation: still the phrase
-    assert avg_se(pd_series([3.0, 4.0])) == pytest.approx(2.5) and math.isnan(avg_se(pd_series([3.0, math.nan])))
-
-
-def pd_series(values):
-    import pandas as pd
-
-    return pd.Series(values)
+    assert avg_se(pd.Series([3.0, 4.0])) == pytest.approx(2.5) and math.isnan(avg_se(pd.Series([3.0, math.nan])))
 
 
 def test_paired_bootstrap_on_a_sure_win_and_on_identical_methods():
@@ -80,3 +75,4 @@ def test_report_shows_se_n_strict_and_a_paired_comparison(sweep, tmp_path):
     assert (sel["Δ"], sel["CI low"], sel["CI high"], sel["p"]) == ("0.0", "0.0", "0.0", "1.0000")
     assert rows["SnapKV", "niah strict"]["Δ"] == "-50.0"  # strict: 1,0,0,0 vs 1,1,0,1
     assert "paired bootstrap" in (tmp_path / "paired_niah_tiny.md").read_text()
+    assert (tmp_path / "paired_niah_tiny.sources.txt").read_text().count("niah/tiny/") == 3

@@ -1,4 +1,4 @@
-"""NIAH scores of hand-made predictions: the strict match beside ROUGE-1 recall (default needle of conf/task/niah.yaml)."""
+"""NIAH scores of hand-made predictions: the strict match beside ROUGE-1 recall (conf/task/niah.yaml's needle)."""
 
 from types import SimpleNamespace
 
