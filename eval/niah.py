@@ -13,8 +13,9 @@ Haystack sources (``task.haystack_source``):
   within a few seconds, else ``embedded`` (logged).
 
 Scores: ROUGE-1 recall × 100 of the expected answer (CompressKV's protocol, ``rouge-score``
-package, the sample score stored as a fraction) and the word-overlap score (share of the
-answer's words found in the prediction, × 100).
+package, the sample score stored as a fraction), the word-overlap score (share of the
+answer's words found in the prediction, × 100) and the strict score (100 when the answer
+phrase occurs in the prediction, case and punctuation ignored, else 0).
 """
 
 from __future__ import annotations
@@ -122,6 +123,12 @@ def word_overlap(prediction: str, answer: str) -> float:
     words = re.findall(r"\w+", answer.lower())
     pred = set(re.findall(r"\w+", prediction.lower()))
     return 100.0 * sum(w in pred for w in words) / len(words) if words else 0.0
+
+
+def strict_match(prediction: str, answer: str) -> float:
+    """1.0 when ``answer``'s words occur in ``prediction`` as one phrase (lower case, punctuation dropped), else 0."""
+    norm = lambda text: " " + " ".join(re.findall(r"[^\W_]+", text.lower())) + " "
+    return float(norm(answer).strip() != "" and norm(answer) in norm(prediction))
 
 
 def rouge1_recall(prediction: str, answer: str) -> float:
@@ -289,8 +296,9 @@ class NIAHTask(Task):
         return max(rouge1_recall(prediction, a) for a in sample.answers) / 100.0
 
     def extra_scores(self, sample: Sample, prediction: str) -> dict[str, float]:
-        """Both NIAH scores of a prediction (× 100)."""
+        """The NIAH scores of a prediction (× 100): ROUGE-1 recall, word overlap, strict match (0 or 100)."""
         return {
             "rouge1_recall": round(max(rouge1_recall(prediction, a) for a in sample.answers), 4),
             "word_overlap": round(max(word_overlap(prediction, a) for a in sample.answers), 4),
+            "strict": 100.0 * max(strict_match(prediction, a) for a in sample.answers),
         }

@@ -15,7 +15,7 @@ from . import report_tables as rt
 from .cli import ArgParser
 from .plots import plt
 from .report_data import load_results
-from .report_tables import Artifact, dedupe, round2
+from .report_tables import Artifact, dedupe, fmt, round2
 from .store import atomic_write
 
 
@@ -45,29 +45,27 @@ ARTIFACTS = {  # family -> builder of its artifacts
     "compresskv_fig5": _sweep_fig("compresskv_fig5", "niah", False, "Needle-in-a-Haystack average under KV budgets"),
     "niah": lambda c: rt.niah_figures(c.df, c.root),
 }
-OUTPUTS = {"scores": ["scores_*"], "selkv_ratio_tables": ["selkv_table5", "selkv_table6", "selkv_ratios_*"],
+OUTPUTS = {"scores": ["scores_*", "paired_*"], "selkv_ratio_tables": ["selkv_table5", "selkv_table6", "selkv_ratios_*"],
            "compresskv_table3": ["compresskv_table3a", "compresskv_table3b"], "niah": ["niah/*", "niah_panel_*"]}
 
 
-def fmt(value, signed: bool = False) -> str | None:
-    """A cell as printed: text as is, numbers half-up to 2 decimals; None when missing."""
-    if value is None or isinstance(value, str):
-        return value
-    return None if math.isnan(value) else ("+" if signed and round2(value) > 0 else "") + f"{round2(value):.2f}"
-
-
-def _cells(t: Artifact) -> pd.DataFrame:
-    return pd.DataFrame({c: [fmt(v, c in t.signed) for v in t.data[c]] for c in t.data.columns})
+def _cells(t: Artifact, bold: str = "**%s**", missing: str = "–", esc=str) -> pd.DataFrame:
+    """Printed cells of ``t`` (``t.se`` beside the values), ``bold`` and ``missing`` as the format wants."""
+    se = t.se.reindex(index=t.data.index, columns=t.data.columns) if t.se is not None else None
+    cells = pd.DataFrame({c: [fmt(v, c in t.signed, None if se is None else se.at[i, c])
+                              for i, v in t.data[c].items()] for c in t.data.columns})
+    return pd.DataFrame({c: [missing if v is None else (bold if (i, c) in t.bold else "%s") % esc(v)
+                             for i, v in enumerate(cells[c])] for c in cells})
 
 
 def to_markdown(t: Artifact) -> str:
-    """Caption, table (missing: –, best: bold), notes, source count."""
+    """Caption, table (missing: –, best: bold, ``±``: standard error), notes, source count."""
     cells = _cells(t)
-    right = [pd.api.types.is_numeric_dtype(t.data[c]) or cells[c].dropna().str.isdigit().all() for c in cells]
+    right = [pd.api.types.is_numeric_dtype(t.data[c]) or cells[c][cells[c] != "–"].str.isdigit().all()
+             for c in cells]
     lines = [f"**{t.name}**: {t.caption}", "", "| " + " | ".join(t.headers.get(c, c) for c in cells) + " |",
              "|" + "|".join("---:" if r else "---" for r in right) + "|"]
-    lines += ["| " + " | ".join("–" if v is None else f"**{v}**" if (i, c) in t.bold else v for c, v in row.items())
-              + " |" for i, row in cells.iterrows()]
+    lines += ["| " + " | ".join(row) + " |" for row in cells.itertuples(index=False)]
     lines += ["", *(["Notes (a missing cell is shown as –):", *[f"- {n}" for n in t.notes], ""] if t.notes else []),
               f"Built from {len(t.sources)} job folder(s), listed in `{t.name}.sources.txt`."]
     return "\n".join(lines) + "\n"
@@ -75,15 +73,13 @@ def to_markdown(t: Artifact) -> str:
 
 def _tex(text: str) -> str:
     return text.translate(str.maketrans({"\\": r"\textbackslash{}", "&": r"\&", "%": r"\%", "_": r"\_", "#": r"\#",
-        "Δ": r"$\Delta$", "ρ": r"$\rho$", "✓": r"\checkmark", "–": "--", "×": r"$\times$", "·": r"$\cdot$"}))
+        "Δ": r"$\Delta$", "ρ": r"$\rho$", "✓": r"\checkmark", "–": "--", "×": r"$\times$", "·": r"$\cdot$",
+        "±": r"$\pm$"}))
 
 
 def to_latex(t: Artifact) -> str:
     """A booktabs table (``to_latex``): missing ``--``, best ``\\textbf``; notes and sources as comments."""
-    cells = _cells(t)
-    for c in cells:
-        cells[c] = ["--" if v is None else (r"\textbf{%s}" if (i, c) in t.bold else "%s") % _tex(
-            "$-$" + v[1:] if v.startswith("-") else v) for i, v in enumerate(cells[c])]
+    cells = _cells(t, r"\textbf{%s}", "--", lambda v: _tex("$-$" + v[1:] if v.startswith("-") else v))
     spec = "".join("r" if pd.api.types.is_numeric_dtype(t.data[c]) else "l" for c in t.data.columns)
     cells.columns = [_tex(t.headers.get(c, c)) for c in cells.columns]
     body = cells.to_latex(index=False, escape=False, caption=_tex(t.caption), label=f"tab:{t.name}", position="t",
@@ -101,8 +97,10 @@ def write(a: Artifact, out: Path) -> list[Path]:
         a.fig.savefig(paths[1])
         plt.close(a.fig)
     else:
-        csv = a.data.assign(**{c: a.data[c].map(lambda v: v if math.isnan(v) else round2(v))
-                               for c in a.data.select_dtypes("number").columns})
+        csv = a.data.join(a.se.dropna(axis=1, how="all").add_suffix(" SE")) if a.se is not None else a.data
+        csv = csv[[c for c in a.data for c in (c, f"{c} SE") if c in csv]]  # each standard error beside its value
+        csv = csv.assign(**{c: csv[c].map(lambda v: v if math.isnan(v) else round2(v))
+                            for c in csv.select_dtypes("number").columns})
         for path, text in zip(paths, (to_markdown(a), to_latex(a), csv.to_csv(index=False, na_rep=""))):
             atomic_write(path, text)
     text = [f"# {a.name}: job folders this artifact was built from (relative to the results root)", f"# {a.caption}",

@@ -12,6 +12,10 @@ import numpy as np
 import pandas as pd
 import yaml
 
+from eval.niah import strict_match
+
+from .store import JobStore, is_job_folder
+
 LONGBENCH_CATEGORIES: dict[str, list[str]] = {
     "Single-Doc QA": ["narrativeqa", "qasper", "multifieldqa_en"], "Multi-Doc QA": ["hotpotqa", "2wikimqa", "musique"],
     "Summarization": ["gov_report", "qmsum", "multi_news"], "Few-shot Learning": ["trec", "triviaqa", "samsum"],
@@ -36,17 +40,6 @@ NOT_SETTINGS = ("method", "budget", "run_tag", "run_name", "hydra", "quiet", "lo
 RUN_CONTROL_FIELDS = ("kernel",)  # method fields that do not change a result
 
 
-def read_predictions(path: Path) -> list[dict]:
-    """Records of a ``predictions.jsonl``; a torn last line (a job killed mid-write) is skipped."""
-    out = []
-    for line in (path.read_text().splitlines() if path.is_file() else []):
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            pass
-    return out
-
-
 def _json(path: Path) -> dict:
     try:
         return data if isinstance(data := json.loads(path.read_text()), dict) else {}
@@ -66,7 +59,7 @@ def niah_grid(job_dir: Path) -> tuple[list, list] | None:
 
 def niah_grid_records(job_dir: Path) -> list[dict]:
     """A NIAH job's records on the grid its summary counts (every record when it records none)."""
-    records, grid = read_predictions(Path(job_dir) / "predictions.jsonl"), niah_grid(Path(job_dir))
+    records, grid = JobStore(job_dir).records(), niah_grid(Path(job_dir))
     if grid is None:
         return records
     cells = {(n, float(d)) for n in grid[0] for d in grid[1]}
@@ -116,21 +109,33 @@ def _job_rows(root: Path, job: Path) -> list[dict]:
                                    sort_keys=True, default=str),
             "complete": bool(summary.get("complete", False)), "subset": subset}
     numeric = ["score", *TIMING_COLUMNS, *CACHE_COLUMNS, "compressed"]
-    recs = pd.DataFrame(read_predictions(job / "predictions.jsonl"), columns=["dataset", "error", *numeric])
+    recs = pd.DataFrame(JobStore(job).records(),
+                        columns=["id", "dataset", "error", "prediction", "answers", "scores", *numeric])
     recs["kept_tokens"] = [k.get("mean") if isinstance(k, dict) else k for k in recs["kept_tokens"]]
     recs = recs.assign(dataset=recs["dataset"].astype(str), failed=recs["error"].notna())
-    ok = recs[~recs["failed"] & recs["score"].notna()].astype({c: float for c in numeric}, errors="ignore")
+    ok = recs[~recs["failed"] & recs["score"].notna()].drop_duplicates(["dataset", "id"], keep="last")
     ok[numeric] = ok[numeric].apply(pd.to_numeric, errors="coerce")
+    if task.get("name") == "niah":  # strict match (0/1): stored ``scores.strict`` (0/100), else recomputed
+        ok["strict"] = [s["strict"] / 100 if isinstance(s, dict) and "strict" in s else max(
+            strict_match(p, str(a)) for a in q) if isinstance(p, str) and isinstance(q, list) and q else math.nan
+            for s, p, q in zip(ok["scores"], ok["prediction"], ok["answers"])]
     stored = {d: s for d, s in (summary.get("datasets") or {}).items() if (s or {}).get("score") is not None}
     datasets = sorted(set(recs["dataset"]) | set(summary.get("datasets") or {}))
-    per = ok.groupby("dataset")[numeric].mean().reindex(datasets)
-    per["score"] = ok.groupby("dataset")["score"].agg(lambda s: round(100 * sum(s) / len(s), 2))
-    per["n"], per["n_failed"] = ok.groupby("dataset").size(), recs.groupby("dataset")["failed"].sum()
+    by = ok.groupby("dataset")
+    per = by[numeric].mean().reindex(datasets)
+    per["score"] = by["score"].agg(lambda s: round(100 * sum(s) / len(s), 2))
+    per["n"], per["n_failed"], per["se"] = by.size(), recs.groupby("dataset")["failed"].sum(), 100 * by["score"].sem()
+    samples = lambda col: pd.Series({d: dict(zip(g["id"].astype(str), g[col])) for d, g in by}, dtype=object)
+    per["samples"] = samples("score")
+    if "strict" in ok:
+        per["strict"], per["strict_se"] = 100 * by["strict"].mean(), 100 * by["strict"].sem()
+        per["strict_samples"] = samples("strict")
     for d, s in stored.items():
         per.loc[d, ["score", "n"]] = float(s["score"]), s.get("n", per.at[d, "n"])
     job_means = {**(summary.get("timings") or {}), **(summary.get("cache") or {}), "n": 0, "n_failed": 0}
     bare = ~per.index.isin(ok["dataset"])  # datasets without records: the summary's job-level means
-    per.loc[bare] = per.loc[bare].fillna({c: v for c, v in job_means.items() if c in per and v is not None})
+    fill = {c: v for c, v in job_means.items() if c in per and v is not None}
+    per.loc[bare, list(fill)] = per.loc[bare, list(fill)].fillna(fill)
     frac = (summary.get("cache") or {}).get("compressed_fraction")
     per["compressed_fraction"] = per["compressed"] if frac is None else frac
     rows = [dict(base, dataset=d, **r) for d, r in per.drop(columns="compressed").iterrows()]
@@ -179,20 +184,20 @@ def load_results(root: str | Path) -> pd.DataFrame:
     if not root.is_dir():
         raise FileNotFoundError(f"results root {str(root)!r} is not a directory")
     rows, bad = [], []
-    for job in [c.parent for c in sorted(root.rglob("config.yaml")) if not any(
-            p.startswith(".") for p in c.parent.relative_to(root).parts) and any(
-            (c.parent / n).is_file() for n in ("predictions.jsonl", "summary.json"))]:
+    for job in [c.parent for c in sorted(root.rglob("config.yaml")) if is_job_folder(c.parent) and not any(
+            p.startswith(".") for p in c.parent.relative_to(root).parts)]:
         try:
             rows += _job_rows(root, job)
         except (OSError, ValueError, yaml.YAMLError) as e:
             bad.append(f"{job.relative_to(root).as_posix()}: {type(e).__name__}")
     cols = ["job", "task", "model", "method", "method_name", "budget", "setting", "max_input_tokens", "params",
-            "settings", "complete", "subset", "dataset", "score", "n", "n_failed", *TIMING_COLUMNS, *CACHE_COLUMNS,
-            "compressed_fraction"]
+            "settings", "complete", "subset", "dataset", "score", "n", "n_failed", "se", "samples", "strict",
+            "strict_se", "strict_samples", *TIMING_COLUMNS, *CACHE_COLUMNS, "compressed_fraction"]
     df = pd.DataFrame(rows, columns=cols)
     df["model_key"] = _model_keys(df) if len(df) else pd.Series(dtype=object)
     df = _variants(df) if len(df) else df.assign(variant=pd.Series(dtype=object), default=pd.Series(dtype=bool))
-    for col in ["budget", "score", "n", "max_input_tokens", *TIMING_COLUMNS, *CACHE_COLUMNS]:
+    for col in ["budget", "score", "n", "se", "strict", "strict_se", "max_input_tokens", *TIMING_COLUMNS,
+                *CACHE_COLUMNS]:
         df[col] = pd.to_numeric(df[col], errors="coerce")
     df.attrs["unreadable"] = bad
     return df
@@ -216,9 +221,8 @@ def order_datasets(datasets: Iterable) -> list[str]:
 
 
 def budget_text(budget: float) -> str:
-    """``25%`` for a retention ratio (budget <= 1), ``256`` for a token budget."""
-    text = f"{budget * 100:g}"  # never an exponent: 1e-9 -> 0.0000001%
-    return (np.format_float_positional(float(text), trim="-") if "e" in text else text) + "%" if budget <= 1 \
+    """``25%`` for a retention ratio (budget <= 1; 6 significant digits, never an exponent), ``256`` for tokens."""
+    return np.format_float_positional(100 * budget, 6, fractional=False, trim="-") + "%" if budget <= 1 \
         else f"{budget:g}"
 
 

@@ -7,8 +7,8 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
-from matplotlib.patches import Patch
 
 from .plots import SCORE_LABEL, draw_niah_heatmap, plt
 from .report_data import (DATASET_ABBR, FULL, LONG_CONTEXT_TOKENS, LONGBENCH_CATEGORIES, budget_semantics,
@@ -29,6 +29,7 @@ class Artifact:
     signed: set = field(default_factory=set)  # columns printed with a sign (Δ)
     sources: list = field(default_factory=list)
     notes: list = field(default_factory=list)
+    se: pd.DataFrame | None = None  # standard errors of ``data``'s cells (same index, a subset of columns; NaN: none)
 
     def __post_init__(self):
         cols = [] if self.data is None else self.data.columns
@@ -39,6 +40,17 @@ class Artifact:
 def round2(x: float) -> float:
     """Half-up to 2 decimals, the papers' printing (2.625 -> 2.63)."""
     return math.floor(round(x * 100, 6) + 0.5) / 100
+
+
+def fmt(value, signed: bool = False, se=None) -> str | None:
+    """A cell as printed: text as is, numbers half-up to 2 decimals (``41.20 ± 1.30`` with a standard error); None
+    when missing."""
+    if value is None or isinstance(value, str):
+        return value
+    if math.isnan(value):
+        return None
+    return ("+" if signed and round2(value) > 0 else "") + f"{round2(value):.2f}" + (
+        f" ± {round2(se):.2f}" if se is not None and not math.isnan(se) else "")
 
 
 def bolds(data: pd.DataFrame, cols, ok, by: str | None = None, higher: bool = True) -> set:
@@ -91,9 +103,10 @@ def cell_notes(rows: pd.DataFrame, used: pd.DataFrame, what: str) -> list[str]:
 
 @dataclass
 class Grid:
-    """One task at one budget: ``scores`` (model key, label) × dataset; ``incomplete``: unfinished (model, label)."""
+    """One task at one budget: ``scores``, ``se`` (model key, label) × dataset; ``incomplete``: unfinished jobs."""
 
     scores: pd.DataFrame
+    se: pd.DataFrame
     full: str | None
     labels: list[str]
     names: dict
@@ -106,10 +119,10 @@ class Grid:
         self.datasets = order_datasets(self.scores.columns)
         self.rows = [self.full] * bool(self.full) + self.labels
 
-    def avg(self, mk: str, label: str | None, datasets: list[str] | None = None) -> float:
-        """Mean over ``datasets`` (default: the grid's); NaN when one is missing."""
-        vals = self.scores.reindex(index=[(mk, label)], columns=datasets or self.datasets).iloc[0]
-        return vals.mean() if len(vals) and vals.notna().all() else math.nan
+    def avg(self, mk: str, label: str | None, datasets: list[str] | None = None, se: bool = False) -> float:
+        """Mean over ``datasets`` (default: the grid's), NaN when one is missing; ``se``: its standard error."""
+        vals = (self.se if se else self.scores).reindex(index=[(mk, label)], columns=datasets or self.datasets).iloc[0]
+        return avg_se(vals) if se else vals.mean() if len(vals) and vals.notna().all() else math.nan
 
     def ok(self, data: pd.DataFrame) -> list[int]:
         """Rows of ``data`` (columns Model, Method) that compete for bold: compressed, finished."""
@@ -144,6 +157,7 @@ def grid(df: pd.DataFrame, task: str, budget: float, models=None, names=None, la
         notes += cell_notes(cell, used[(used["model_key"] == mk) & (used["method"] == lab)], f"{mk} / {lab} ({where})")
     scores = used.pivot_table(index=["model_key", "method"], columns="dataset", values="score", aggfunc="first")
     scores = scores[order_datasets(scores.columns)]
+    se = used.pivot_table(index=["model_key", "method"], columns="dataset", values="se", aggfunc="first")
     for mk in models:
         notes += [f"absent: no full-cache job for {mk} ({task})"] * ((mk, full_label) not in scores.index)
         notes += [f"absent: no job for {mk} / {lab} ({where})" for _n, lab in order if (mk, lab) not in scores.index]
@@ -152,7 +166,7 @@ def grid(df: pd.DataFrame, task: str, budget: float, models=None, names=None, la
               for mk, u in used.groupby("model_key") if u["subset"].nunique() > 1]
     notes += [f"absent: {mk} / {lab} has no score for {', '.join(c[c.isna()].index)} ({where})"
               for (mk, lab), c in scores.iterrows() if c.isna().any()]
-    return Grid(scores, full_label, dedupe(lab for _n, lab in order), {lab: n for n, lab in order},
+    return Grid(scores, se, full_label, dedupe(lab for _n, lab in order), {lab: n for n, lab in order},
                 set(used.loc[~used["complete"], ["model_key", "method"]].itertuples(index=False, name=None)),
                 sorted(set(used["job"])), dedupe(notes))
 
@@ -161,8 +175,48 @@ def _unfinished(*grids: Grid) -> str:
     return " (rows of unfinished jobs excluded)" * any(g.incomplete for g in grids)
 
 
+def avg_se(se: pd.DataFrame | pd.Series) -> pd.Series | float:
+    """Standard error of a mean over ``k`` datasets (columns) from theirs: sqrt(Σ SE²) / k; NaN when one is missing."""
+    k, axis = se.shape[-1], se.ndim - 1
+    return (se.astype(float) ** 2).sum(axis=axis, min_count=k) ** 0.5 / k if k else math.nan
+
+
+def paired_bootstrap(diffs: dict, n_boot: int = 10_000, seed: int = 0) -> tuple[float, float, float, float]:
+    """Paired bootstrap of a mean over datasets of per-sample score differences (Koehn 2004, stratified by dataset).
+
+    ``diffs``: dataset -> ``(n_d,)`` differences B − A of samples matched by id (points). Each resample draws every
+    dataset's differences with replacement. Returns ``(Δ, low, high, p)``: the observed mean over datasets of the mean
+    differences, its 95 % percentile interval and the two-sided p-value 2·min(P*(Δ ≤ 0), P*(Δ ≥ 0)) (add-one, ≤ 1)."""
+    rng = np.random.default_rng(seed)
+    boot = np.mean([d[rng.integers(0, len(d), (n_boot, len(d)))].mean(axis=1) for d in diffs.values()], axis=0)
+    low, high = np.percentile(boot, [2.5, 97.5])
+    tail = min((boot <= 0).sum(), (boot >= 0).sum())
+    return float(np.mean([d.mean() for d in diffs.values()])), low, high, min(1.0, 2 * (tail + 1) / (n_boot + 1))
+
+
+def paired_table(name: str, what: str, heads: list[dict], samples: list[pd.Series], ref: int, scopes: dict, sources):
+    """Each row vs row ``ref`` on the samples both scored (``samples``: dataset -> {id: score}), per scope (a name ->
+    datasets averaged): :func:`paired_bootstrap`. [] when no row has per-sample records to pair."""
+    rows = []
+    for i, (head, mine) in enumerate(zip(heads, samples)):
+        for scope, ds in scopes.items():
+            a, b = ([x.get(d) if isinstance(x.get(d), dict) else {} for d in ds] for x in (samples[ref], mine))
+            pairs = {d: np.array([100 * (y[k] - x[k]) for k in x.keys() & y.keys()]) for d, x, y in zip(ds, a, b)}
+            if i != ref and all(len(p) for p in pairs.values()):
+                diff, low, high, p = paired_bootstrap(pairs)
+                rows.append({**head, "Over": scope, "Pairs": str(sum(map(len, pairs.values()))), "Δ": diff,
+                             "CI low": low, "CI high": high, "p": f"{p:.4f}"})
+    caption = (f"Paired comparison on {what}: each row minus {' / '.join(filter(None, heads[ref].values()))} on the "
+               "samples both scored (matched by dataset and id; Pairs: their number). Δ: difference of the mean over "
+               "the datasets (points); 95 % CI and two-sided p: paired bootstrap, 10,000 resamples within each "
+               "dataset (seed 0).")
+    signed = {"Δ", "CI low", "CI high"}
+    return [Artifact(name, caption, pd.DataFrame(rows), signed=signed, sources=sources)] if rows else []
+
+
 def score_tables(df: pd.DataFrame, root: Path | None = None) -> list[Artifact]:
-    """A table per task × model key, a row per (label, variant, budget): dataset scores, Avg, n; bold: see caption."""
+    """A table per task × model key, a row per (label, variant, budget): dataset scores ± SE, Avg, n; bold: see caption.
+    With per-sample records, also ``paired_<task>_<model>``: each row vs the full cache (else the first row)."""
     out, names = [], set()
     scored = df[df["score"].notna()]
     natural = lambda s: [(0, int(t), "") if t.isdigit() else (1, 0, t) for t in re.split(r"(\d+)", s)]
@@ -170,21 +224,30 @@ def score_tables(df: pd.DataFrame, root: Path | None = None) -> list[Artifact]:
         sel = df[(df["task"] == task) & (df["model_key"] == mk)]
         sel = sel.assign(bkey=sel["budget"].where(sel["method_name"] != FULL, -1.0).fillna(-1.0))
         used = pick(sel, ["method", "variant", "bkey"])
+        avg_ds = order_datasets(used["dataset"])  # the NIAH strict match: a column beside each dataset, not averaged
+        strict = used[used["strict"].notna()]
+        used = pd.concat([used, strict.assign(dataset=strict["dataset"] + " strict", score=strict["strict"],
+                                              se=strict["strict_se"], samples=strict["strict_samples"])])
         datasets = order_datasets(used["dataset"])
         keys = sorted(set(zip(sel["method_name"], sel["method"], sel["variant"], sel["bkey"], ~sel["default"])),
                       key=lambda k: (method_sort_key(k[0], k[1]), k[3], k[4], natural(k[2])))
         show_variant = any(k[2] for k in keys)
         grids = {j: niah_grid(Path(root) / j) for j in sorted(set(used["job"]))} if task == "niah" and root else {}
         grids = {j: f"lengths {g[0]} × depths {g[1]}" for j, g in grids.items() if g}
-        rows, notes, comp, kinds = [], [], [], []
+        rows, errs, samples, notes, comp, kinds = [], [], [], [], [], []
         for name, label, variant, b, _nd in keys:
             part, mine = (t[(t["method"] == label) & (t["variant"] == variant) & (t["bkey"] == b)] for t in (sel, used))
             btext = None if b < 0 else budget_text(b)
             what = label + f" ({variant})" * bool(variant) + f" at budget {btext}" * bool(btext)
-            vals = mine.set_index("dataset")["score"].reindex(datasets)
+            cells = mine.set_index("dataset").reindex(datasets)
+            ns = cells.loc[avg_ds, "n"].dropna()
             rows.append({"Method": label, **({"Variant": variant} if show_variant else {}), "Budget": btext,
-                         **vals, "Avg": vals.mean(skipna=False), "n": f"{mine['n'].sum():.0f}" if len(mine) else None})
-            notes += [f"absent: {what} has no score for {', '.join(vals.index[vals.isna()])}"] * bool(vals.isna().any())
+                         **cells["score"], "Avg": cells.loc[avg_ds, "score"].mean(skipna=False),
+                         "n": None if ns.empty else f"{ns.min():.0f}" + f"–{ns.max():.0f}" * bool(ns.min() < ns.max())})
+            errs.append({**cells["se"], "Avg": avg_se(cells.loc[avg_ds, "se"])})
+            samples.append(cells["samples"])
+            notes += [f"absent: {what} has no score for {', '.join(d for d in avg_ds if math.isnan(rows[-1][d]))}"
+                      ] * bool(cells.loc[avg_ds, "score"].isna().any())
             notes += cell_notes(part, mine, what)
             kinds.append(" / ".join(sorted({" ".join(filter(None, [grids.get(j), s]))
                                             for j, s in zip(mine["job"], mine["subset"])})))
@@ -206,16 +269,23 @@ def score_tables(df: pd.DataFrame, root: Path | None = None) -> list[Artifact]:
                          f"({comp_kinds.count(main)} of {len(comp)} rows)")
             comp = [i for i in comp if kinds[i] == main]
         budgets = "; " + budget_semantics(bs) if (bs := [k[3] for k in keys if k[3] >= 0]) else ""
-        caption = (f"Scores of {mk} on {task} ({_ds(len(datasets))}; a row per method" + ", method variant"
-                   * show_variant + f" and budget{budgets}). Score: round(100·mean, 2) of per-sample scores in [0, 1]; "
-                   "n: samples. The full cache ignores the budget (–). Best complete compressed cell in bold.")
+        caption = (f"Scores of {mk} on {task} ({_ds(len(avg_ds))}; a row per method" + ", method variant"
+                   * show_variant + f" and budget{budgets}). Score: round(100·mean, 2) of per-sample scores in [0, 1]"
+                   " ± its standard error (SD/√n, where per-sample records exist; Avg: √ΣSE²/datasets); n: samples "
+                   "per cell." + " strict: the needle's answer phrase in the prediction (case and punctuation "
+                   "ignored), % of samples." * (len(datasets) > len(avg_ds)) + " The full cache ignores the budget "
+                   "(–). Best complete compressed cell in bold.")
         name = f"scores_{slug(task)}_{slug(mk)}"
         while name in names:
             name += "_2"
         names.add(name)
         data = pd.DataFrame(rows, columns=["Method", *["Variant"] * show_variant, "Budget", *datasets, "Avg", "n"])
         out.append(Artifact(name, caption, data, bold=bolds(data, [*datasets, "Avg"], comp), sources=used["job"],
-                            notes=notes))
+                            notes=notes, se=pd.DataFrame(errs, columns=[*datasets, "Avg"])))
+        heads = [{k: r[k] for k in ("Method", "Variant", "Budget") if k in r} for r in rows]
+        ref = next((i for i, k in enumerate(keys) if k[0] == FULL), 0)
+        out += paired_table(name.replace("scores_", "paired_", 1), f"{task} of {mk}", heads, samples, ref,
+                            {"Avg": avg_ds} | {d: [d] for d in datasets if d not in avg_ds}, used["job"])
     return out
 
 
@@ -273,14 +343,15 @@ def budget_grids(df: pd.DataFrame, task: str, ratio: bool) -> dict[float, Grid]:
     return {x: g for x, g in grids.items() if g is not None}
 
 
-def sweep(grids: dict[float, Grid], mk: str, dataset: str | None = None) -> pd.DataFrame:
-    """One model's average over the datasets (or one dataset's score), label × budget; full cache in every column."""
+def sweep(grids: dict[float, Grid], mk: str, dataset: str | None = None, se: bool = False) -> pd.DataFrame:
+    """One model's average over the datasets (or one dataset's score; ``se``: its SE), label × budget; full cache in
+    every column."""
     present = {b: g for b, g in grids.items() if mk in g.models}
     ds = [dataset] if dataset else order_datasets(d for g in present.values() for d in g.datasets)
     names = {lab: n for g in present.values() for lab, n in g.names.items()}
     full = next((g.full for g in present.values() if g.full), None)
     labels = [full] * bool(full) + sorted(set(names), key=lambda lab: method_sort_key(names[lab], lab))
-    table = pd.DataFrame({b: {lab: g.avg(mk, lab, ds) for lab in labels} for b, g in present.items()})
+    table = pd.DataFrame({b: {lab: g.avg(mk, lab, ds, se) for lab in labels} for b, g in present.items()})
     if full and table.loc[full].notna().any():
         table.loc[full] = table.loc[full].dropna().iloc[0]
     return table
@@ -434,7 +505,8 @@ def selkv_fig2(df: pd.DataFrame, budget: float = 0.25, task: str = "longbench") 
     for j, lab in enumerate(g.labels):
         xs = [i - 0.4 + width * (j + 0.5) for i in range(len(g.models))]
         ys = [g.avg(mk, lab) - g.avg(mk, g.full) for mk in g.models]
-        for x, y, mk, bar in zip(xs, ys, g.models, ax.bar(xs, ys, width, label=lab)):
+        errs = [math.hypot(g.avg(mk, lab, se=True), g.avg(mk, g.full, se=True)) for mk in g.models]
+        for x, y, mk, bar in zip(xs, ys, g.models, ax.bar(xs, ys, width, yerr=errs, capsize=2, label=lab)):
             if math.isnan(y):
                 ax.annotate("n/a", (x, 0), xytext=(0, -3), textcoords="offset points", ha="center", va="top",
                             fontsize=6, rotation=90, color="grey")
@@ -448,7 +520,7 @@ def selkv_fig2(df: pd.DataFrame, budget: float = 0.25, task: str = "longbench") 
     ax.set_title("Gap to the full cache\n(closer to 0 is better)", fontsize=10)
     ax.legend(fontsize=7)
     caption = (f"Task: LongBench ({_ds(len(g.datasets))}); models: {', '.join(g.models)}; "
-               f"{budget_semantics([budget])}, ρ = {budget_text(budget)}."
+               f"{budget_semantics([budget])}, ρ = {budget_text(budget)}; error bars: ±1 SE, √(SE² + SE full²)."
                + " Hatched, pale bars: an unfinished job (fewer samples scored)." * unfinished)
     return [_done("selkv_fig2", fig, caption, g.sources, g.notes)]
 
@@ -467,14 +539,17 @@ def budget_sweep_figure(df, name: str, task: str, ratio: bool, title: str, per_d
     full = next((g.full for g in grids.values() if g.full), None)
     for i, mk in enumerate(models):
         for j, ds in enumerate(datasets):  # one model's average (or one dataset's score) across budgets
-            ax, t = axes[i, j] if per_dataset else axes[0, i], sweep(grids, mk, ds)
+            ax, t, err = axes[i, j] if per_dataset else axes[0, i], sweep(grids, mk, ds), sweep(grids, mk, ds, True)
             for lab, vals in t.iterrows():
                 if lab == full:
                     ax.axhline(vals.iloc[0], color="black", linestyle="--", linewidth=1, label=lab)
+                    ax.axhspan(vals.iloc[0] - err.loc[lab].iloc[0], vals.iloc[0] + err.loc[lab].iloc[0], color="grey",
+                               alpha=0.2)
                     continue
                 notes += [f"absent: {mk} / {lab} at budget {budget_text(b)}" + f" ({ds})" * bool(ds)
                           for b in vals.index[vals.isna()]]
-                ax.plot([b * 100 if ratio else b for b in vals.dropna().index], vals.dropna(), marker="o", label=lab)
+                ax.errorbar([b * 100 if ratio else b for b in vals.dropna().index], vals.dropna(),
+                            err.loc[lab, vals.dropna().index], marker="o", capsize=2, label=lab)
             if not ratio:
                 ax.set_xscale("log", base=2)
                 ax.set_xticks(list(t.columns), [f"{b:g}" for b in t.columns])
@@ -487,45 +562,37 @@ def budget_sweep_figure(df, name: str, task: str, ratio: bool, title: str, per_d
         fig.suptitle(title, fontsize=10)
     what = f"per dataset ({', '.join(datasets)})" if per_dataset else _ds(len(present))
     caption = (f"Task: {({'longbench': 'LongBench', 'niah': 'Needle-in-a-Haystack'}).get(task, task)} ({what}); "
-               f"models: {', '.join(models)}; {budget_semantics(grids)}; dashed line: full cache.")
+               f"models: {', '.join(models)}; {budget_semantics(grids)}; dashed line: full cache; error bars and band: "
+               "±1 SE.")
     return [_done(name, fig, caption, sources, notes)]
 
 
 def selkv_fig3(latency: list[dict], source: str = "latency.json") -> list[Artifact]:
-    """SelKV Figure 3 from kvbench.latency records, per model: (a) stage seconds, (b) decode tokens/s vs length."""
+    """SelKV Figure 3 from kvbench.latency records (repeats averaged), per model: (a) prefill, compression and decode
+    seconds stacked per prompt length and method, (b) decode tokens/s vs prompt length."""
     lat = pd.DataFrame(latency or [])
     if not {"model", "method", "prompt_tokens", "decode_tok_s"} <= set(lat.columns):
         return []
     stages = {"prefill_s": "prefill", "compress_s": "compression", "decode_s": "decode"}
     lat = lat.reindex(columns=dedupe([*lat.columns, *stages, "budget", "device", "generated_tokens"]))
-    means = lat.groupby(["model", "method", "prompt_tokens"]).mean(numeric_only=True).fillna({c: 0.0 for c in stages})
+    means = lat.groupby(["model", "prompt_tokens", "method"]).mean(numeric_only=True).fillna({c: 0.0 for c in stages})
     models = sorted(lat["model"].unique(), key=model_sort_key)
     fig, axes = _figure(len(models), 2, w=5.2)
-    hatches = ["", "//", "xx", "..", "\\\\"]
     for (ax_a, ax_b), mk in zip(axes, models):
         m = means.loc[mk]
-        lengths = sorted(m.index.get_level_values(1).unique())
-        methods = sorted(m.index.get_level_values(0).unique(), key=lambda s: (not s.lower().startswith("full"), s))
-        width = 0.8 / len(methods)
-        for j, meth in enumerate(methods):
-            mm = m.loc[meth].reindex(lengths)
-            xs = [i - 0.4 + width * (j + 0.5) for i in range(len(lengths))]
-            for k, col in enumerate(stages):
-                ax_a.bar(xs, mm[col].fillna(0), width, bottom=mm[list(stages)[:k]].fillna(0).sum(axis=1),
-                         color=f"C{k}", hatch=hatches[j % 5], edgecolor="black", linewidth=0.4)
-            ax_b.plot(mm.dropna(subset=["decode_tok_s"]).index, mm["decode_tok_s"].dropna(), marker="o", label=meth)
-        ax_a.legend(handles=[Patch(facecolor=f"C{k}", label=s) for k, s in enumerate(stages.values())]
-                    + [Patch(facecolor="white", edgecolor="black", hatch=hatches[j % 5], label=meth)
-                       for j, meth in enumerate(methods)], fontsize=6, loc="upper left")
-        ax_a.set_ylim(top=ax_a.get_ylim()[1] * 1.45)
+        m[list(stages)].rename(columns=stages).plot.bar(stacked=True, ax=ax_a, width=0.8, fontsize=7)
+        ax_a.set_xticks(range(len(m)), [f"{n:.0f} {meth}" for n, meth in m.index], rotation=60, ha="right")
+        tok_s = m["decode_tok_s"].unstack("method")
+        tok_s.plot(ax=ax_b, marker="o", fontsize=7)
         ax_b.set_xscale("log", base=2)
-        for ax, xs, what, y in ((ax_a, range(len(lengths)), "(a) time breakdown", "Time per request (s)"),
-                                (ax_b, lengths, "(b) decode throughput", "Decode throughput (tokens/s)")):
-            ax.set_xticks(xs, [f"{n:.0f}" for n in lengths], rotation=45, fontsize=7)
-            ax.set(xlabel="Prompt length (tokens)", ylabel=y)
-            ax.set_title(f"{what[:4]}{mk}: {what[4:]}", fontsize=9)
+        ax_b.set_xticks(tok_s.index, [f"{n:.0f}" for n in tok_s.index], minor=False)
         ax_b.minorticks_off()
-        ax_b.legend(fontsize=7)
+        ax_a.set_ylim(top=ax_a.get_ylim()[1] * 1.3)
+        ax_a.legend(fontsize=7, ncols=3, loc="upper left")
+        ax_a.set(xlabel="Prompt length (tokens), method", ylabel="Time per request (s)")
+        ax_b.set(xlabel="Prompt length (tokens)", ylabel="Decode throughput (tokens/s)")
+        ax_a.set_title(f"(a) {mk}: time breakdown", fontsize=9)
+        ax_b.set_title(f"(b) {mk}: decode throughput", fontsize=9)
     budgets = sorted(set(pd.to_numeric(lat["budget"], errors="coerce").dropna()) - {1.0})
     devices, gen = sorted(lat["device"].dropna().astype(str).unique()), lat["generated_tokens"].dropna()
     caption = (f"Latency{' on ' + ', '.join(devices) if devices else ''}; models: {', '.join(models)}; task: synthetic "
@@ -544,8 +611,10 @@ def niah_figures(df: pd.DataFrame, root: Path) -> list[Artifact]:
         if im := draw_niah_heatmap(axes[0, 0], records[job], f"{row['model_key']} / {row['method']} / budget "
                                    f"{budget_text(row['budget'])}"):
             fig.colorbar(im, ax=axes[0, 0], label=SCORE_LABEL)
+        strict = f"; strict match {fmt(row['strict'], se=row['strict_se'])} %" * bool(row["strict"] == row["strict"])
         out.append(_done(f"niah/{slug(job)}", fig, f"Task: NIAH; model: {row['model_key']}; "
-                         f"{budget_semantics([row['budget']])}.", [job], []))
+                         f"{budget_semantics([row['budget']])}. Mean over {row['n']:.0f} samples: ROUGE-1 recall "
+                         f"{fmt(row['score'], se=row['se'])}{strict} (± SE).", [job], []))
     for mk in sorted(niah["model_key"].unique(), key=model_sort_key):
         sel = niah[niah["model_key"] == mk]
         comp, full = sel[sel["method_name"] != FULL], pick(sel[sel["method_name"] == FULL], ["model_key"])
@@ -560,6 +629,8 @@ def niah_figures(df: pd.DataFrame, root: Path) -> list[Artifact]:
                 r = chosen.iloc[0] if len(chosen) else {"method": lab or "full", "variant": "", "complete": True}
                 title = r["method"] + f", budget {budget_text(b)}" * (lab is not None) + f"\n{r['variant']}" * bool(
                     r["variant"]) + " (unfinished)" * (not r["complete"])
+                strict = r.get("strict", math.nan)
+                title += f"\nstrict {strict:.0f} %" * bool(strict == strict)  # NIAH strict match, when known
                 notes += cell_notes(sel[sel["job"] == r["job"]], chosen, f"{mk} / {title}") if len(chosen) else [
                     f"absent: {mk} / {lab} at budget {budget_text(b)}"]
                 sources += list(chosen["job"][:1])

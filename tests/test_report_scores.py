@@ -52,6 +52,10 @@ def tables(sweep) -> dict:
     return {t.name: t for t in score_tables(report.load_results(sweep))}
 
 
+def scores_only(df, root=None) -> list:
+    return [t for t in score_tables(df, root) if t.name.startswith("scores_")]
+
+
 def records(table) -> list[dict]:
     return table.data.to_dict("records")
 
@@ -80,9 +84,9 @@ def test_longbench_table_cells_missing_avg_and_bold(tables):
     assert [(r["Method"], None if pd.isna(r["Budget"]) else r["Budget"]) for r in rows] == [
         ("Full Cache", None), ("SnapKV", "25%"), ("SnapKV", "256"), ("SelKV", "25%"), ("SelKV", "256")]
     assert [(r["qasper"], r["hotpotqa"], r["Avg"], r["n"]) for r in rows[:4]] == [
-        (35.0, 45.0, 40.0, "10"), (30.0, 40.0, 35.0, "10"), (32.5, 41.0, 36.75, "10"), (31.25, 44.0, 37.625, "10")]
+        (35.0, 45.0, 40.0, "5"), (30.0, 40.0, 35.0, "5"), (32.5, 41.0, 36.75, "5"), (31.25, 44.0, 37.625, "5")]
     assert rows[4]["qasper"] == 33.0 and math.isnan(rows[4]["hotpotqa"]) and math.isnan(rows[4]["Avg"])
-    assert rows[4]["n"] == "5"  # scored samples of the datasets it has
+    assert rows[4]["n"] == "5"  # samples per cell of the datasets it has
     # best complete compressed configuration per column: the full cache is the reference and the
     # incomplete SelKV b256 job (33.00 on qasper, the highest) is never bold
     assert t.bold == {(2, "qasper"), (3, "hotpotqa"), (3, "Avg")}
@@ -100,7 +104,7 @@ def test_a_budget_that_kept_every_prompt_whole_is_never_bold(tmp_path):
                  "prompt_tokens": 512} for i in range(2)]
         make_job(tmp_path, task="niah", model="tiny", method="snapkv", budget=budget, scores={"niah": score},
                  records=recs)
-    (t,) = score_tables(report.load_results(tmp_path))
+    (t,) = scores_only(report.load_results(tmp_path))
     assert [(r["Budget"], r["niah"]) for r in records(t)] == [("25%", 40.0), ("4096", 100.0)]
     assert t.bold == {(0, "niah"), (0, "Avg")}
     assert len(t.notes) == 1 and t.notes[0].startswith("uncompressed: SnapKV at budget 4096 kept every prompt whole")
@@ -112,7 +116,7 @@ def test_a_budget_that_kept_every_prompt_whole_is_never_bold(tmp_path):
     summary = json.loads((job / "summary.json").read_text())
     summary["cache"]["compressed_fraction"] = 0.0
     (job / "summary.json").write_text(json.dumps(summary))
-    (t,) = score_tables(report.load_results(tmp_path))
+    (t,) = scores_only(report.load_results(tmp_path))
     assert t.bold == {(0, "niah"), (0, "Avg")} and len(t.notes) == 1
 
 
@@ -129,14 +133,14 @@ def test_cli_only_scores_writes_only_them(sweep, tmp_path):
     assert "- scores_niah_tiny: " in index and "selkv_table1" not in index
     md = (out / "scores_longbench_tiny.md").read_text()
     assert "| Method | Budget | Qasp | HpQA | Avg | n |" in md
-    assert "| Full Cache | – | 35.00 | 45.00 | 40.00 | 10 |" in md
-    assert "| SelKV | 25% | 31.25 | **44.00** | **37.63** | 10 |" in md  # 37.625 rounds half-up
-    assert "| SnapKV | 256 | **32.50** | 41.00 | 36.75 | 10 |" in md
+    assert "| Full Cache | – | 35.00 | 45.00 | 40.00 | 5 |" in md  # summaries only: no SE, no paired table
+    assert "| SelKV | 25% | 31.25 | **44.00** | **37.63** | 5 |" in md  # 37.625 rounds half-up
+    assert "| SnapKV | 256 | **32.50** | 41.00 | 36.75 | 5 |" in md
     assert "| SelKV | 256 | 33.00 | – | – | 5 |" in md  # incomplete: not bold
     with open(out / "scores_longbench_tiny.csv") as f:
         rows = list(csv.DictReader(f))
     assert rows[0] == {"Method": "Full Cache", "Budget": "", "qasper": "35.0", "hotpotqa": "45.0", "Avg": "40.0",
-                       "n": "10"}
+                       "n": "5"}
     assert rows[4] == {"Method": "SelKV", "Budget": "256", "qasper": "33.0", "hotpotqa": "", "Avg": "", "n": "5"}
     tex = (out / "scores_longbench_tiny.tex").read_text()
     assert r"SelKV & 256 & 33.00 & -- & -- & 5 \\" in tex and r"25\%" in tex
@@ -160,7 +164,7 @@ def test_variants_and_reruns(tmp_path):
     for w, score in [(16, 28.0), (4, 27.0)]:
         make_job(tmp_path, method="selkv", budget=0.25, params={"window_size": w}, folder_tag=f"w{w}",
                  scores={"qasper": score, "hotpotqa": 39.0})
-    (t,) = score_tables(report.load_results(tmp_path))
+    (t,) = scores_only(report.load_results(tmp_path))
     assert list(t.data.columns) == ["Method", "Variant", "Budget", "qasper", "hotpotqa", "Avg", "n"]
     assert [(r["Variant"], r["qasper"], r["hotpotqa"]) for r in records(t)] == [  # the job with more datasets first
         ("window_size=32", 99.0, 40.0), ("window_size=4", 27.0, 39.0), ("window_size=16", 28.0, 39.0)]
@@ -175,7 +179,7 @@ def test_a_lone_variant_is_marked_against_its_preset_file(tmp_path):
     a job whose fields equal the preset's has no Variant column."""
     make_job(tmp_path, task="niah", model="tiny", method="selkv", params={"alpha": 0.5, "window_size": 32},
              scores={"niah": 50.0})
-    (t,) = score_tables(report.load_results(tmp_path))
+    (t,) = scores_only(report.load_results(tmp_path))
     assert "Variant" not in t.data.columns
     job = make_job(tmp_path / "b", task="niah", model="tiny", method="selkv", params={"alpha": 1.5, "window_size": 32},
                    folder_tag="c289d2ea", scores={"niah": 25.0})
@@ -184,7 +188,7 @@ def test_a_lone_variant_is_marked_against_its_preset_file(tmp_path):
     assert "method variant" in t.caption
     # with the default job beside it both rows say their alpha, the default first
     job.rename(tmp_path / "niah/tiny/selkv" / job.name)
-    (t,) = score_tables(report.load_results(tmp_path))
+    (t,) = scores_only(report.load_results(tmp_path))
     assert [(r["Variant"], r["niah"]) for r in records(t)] == [("alpha=0.5", 50.0), ("alpha=1.5", 25.0)]
     # without the preset's own job, variants go in numeric order
     for alpha, tag in ((2, "aaaa1111"), (1.0, "bbbb2222")):
@@ -319,7 +323,7 @@ def test_env_dtype_splits_model_keys_and_keys_missing_in_older_jobs_do_not(tmp_p
 
 def test_english_and_chinese_headers_are_all_abbreviated(tmp_path):
     make_job(tmp_path, method="snapkv", scores={"qasper": 30.0, "dureader": 20.0, "passage_retrieval_zh": 10.0})
-    (t,) = score_tables(report.load_results(tmp_path))
+    (t,) = scores_only(report.load_results(tmp_path))
     assert [t.headers.get(c, c) for c in t.data.columns if c in ("qasper", "dureader", "passage_retrieval_zh")] == [
         "Qasp", "DuRd", "PRet-zh"]
 
@@ -345,7 +349,7 @@ def test_a_ratio_the_method_raised_is_named_and_never_bold(tmp_path):
                  "prompt_tokens": 511, "kept_tokens": {"mean": kept, "min": kept, "max": kept}} for i in range(2)]
         make_job(tmp_path, task="niah", model="tiny", method="selkv", budget=budget, scores={"niah": score},
                  records=recs)
-    (t,) = score_tables(report.load_results(tmp_path))
+    (t,) = scores_only(report.load_results(tmp_path))
     assert [(r["Budget"], r["niah"]) for r in records(t)] == [("0.1%", 80.0), ("25%", 60.0)]
     assert t.bold == {(1, "niah"), (1, "Avg")}  # the honest 25 % row, not the raised one
     assert len(t.notes) == 1 and t.notes[0].startswith("raised: SelKV at budget 0.1% kept 3.1 % of the prompt tokens")
