@@ -13,7 +13,6 @@ import functools
 import hashlib
 import importlib
 import importlib.util
-import json
 import logging
 import os
 import shutil
@@ -36,8 +35,9 @@ CHAT_FORMATS = {
     "vicuna": "A chat between a curious user and an artificial intelligence assistant. The assistant gives helpful, "
               "detailed, and polite answers to the user's questions. USER: {prompt} ASSISTANT:",
 }
+CONF_MODEL_DIR = Path(__file__).resolve().parents[1] / "conf" / "model"
 GGUF_CACHE_AUTO_MAX_BYTES = 2 * 1024**3  # model.gguf_cache=auto caches GGUF files up to this size
-_GGUF_CACHE_VERSION = 3  # bump when the conversion changes (3: SentencePiece-BPE GGUFs get a BPE model)
+_GGUF_CACHE_VERSION = 4  # bump when the conversion changes (4: the tokenizer saved by save_pretrained)
 
 
 @dataclass
@@ -70,6 +70,18 @@ class LoadedModel:
     max_input_length: int
     source: str
     processors: list = field(default_factory=list)
+
+
+def conf_model(name: str, key: str = "--model") -> dict:
+    """``conf/model/<name>.yaml`` (or a YAML file path) as a dict. ConfigError naming ``key`` and the
+    accepted names when there is no such file."""
+    import yaml
+
+    path = Path(name) if name.endswith((".yaml", ".yml")) else CONF_MODEL_DIR / f"{name}.yaml"
+    if not path.is_file():
+        names = ", ".join(sorted(p.stem for p in CONF_MODEL_DIR.glob("*.yaml")))
+        raise ConfigError(f"{key}={name!r}: no such model config; accepted values are {names}")
+    return dict(yaml.safe_load(path.read_text(encoding="utf-8")))
 
 
 def greedy_processors(model: Any) -> list:
@@ -153,17 +165,11 @@ def head_layout(config: Any, name: str = "") -> HeadLayout:
     Layers whose ``layer_types`` entry is ``sliding_attention`` (Gemma 2/3, some Qwen) are not
     compressible; every other layer is.
     """
-    text_cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
-    n_layers = text_cfg.num_hidden_layers
-    n_q = text_cfg.num_attention_heads
-    n_kv = getattr(text_cfg, "num_key_value_heads", None) or n_q
-    head_dim = getattr(text_cfg, "head_dim", None) or text_cfg.hidden_size // n_q
-    types = getattr(text_cfg, "layer_types", None)
-    if types:
-        comp = tuple(i for i, t in enumerate(types) if t != "sliding_attention")
-    else:
-        comp = tuple(range(n_layers))
-    return HeadLayout(n_layers, n_q, n_kv, head_dim, comp, name)
+    cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
+    n_q, types = cfg.num_attention_heads, getattr(cfg, "layer_types", None) or []
+    comp = tuple(i for i in range(cfg.num_hidden_layers) if i >= len(types) or types[i] != "sliding_attention")
+    return HeadLayout(cfg.num_hidden_layers, n_q, getattr(cfg, "num_key_value_heads", None) or n_q,
+                      getattr(cfg, "head_dim", None) or cfg.hidden_size // n_q, comp, name)
 
 
 def gguf_cache_dir(folder: str, gguf_file: str, mode: Any = "auto") -> Path | None:
@@ -193,15 +199,13 @@ def _load_cached(cache: Path, dtype: Any, model_kwargs: dict) -> tuple[Any, Any]
     """Tokenizer and model from a complete cache folder (its ``COMPLETE`` marker is written last),
     or None; a damaged cache is removed (the caller converts again)."""
     from safetensors import SafetensorError
-    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if not (cache / "COMPLETE").is_file():
         return None
     try:
-        meta = json.loads((cache / "tokenizer_meta.json").read_text(encoding="utf-8"))
-        tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(cache / "tokenizer.json"), **meta)
-        return tokenizer, AutoModelForCausalLM.from_pretrained(cache, dtype=dtype, **model_kwargs)
-    except (OSError, ValueError, RuntimeError, SafetensorError) as err:
+        return AutoTokenizer.from_pretrained(cache), AutoModelForCausalLM.from_pretrained(cache, dtype=dtype, **model_kwargs)
+    except (ImportError, OSError, ValueError, RuntimeError, SafetensorError) as err:
         log.warning("GGUF cache %s unreadable (%s); converting the GGUF file again", cache, err)
         shutil.rmtree(cache, ignore_errors=True)
         return None
@@ -210,16 +214,12 @@ def _load_cached(cache: Path, dtype: Any, model_kwargs: dict) -> tuple[Any, Any]
 def _write_cache(cache: Path, tokenizer: Any, model: Any) -> None:
     """Write the converted tokenizer and float32 model into ``cache`` (temp folder + rename); a cache
     that cannot be written only costs the next load its conversion."""
-    meta = {k: v for k, v in tokenizer.special_tokens_map.items() if k != "additional_special_tokens"}
-    meta.update(chat_template=tokenizer.chat_template, model_max_length=tokenizer.model_max_length,
-                clean_up_tokenization_spaces=tokenizer.clean_up_tokenization_spaces)
     tmp = None
     try:
         cache.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{cache.name}.", dir=cache.parent))
         model.save_pretrained(tmp)
-        tokenizer.backend_tokenizer.save(str(tmp / "tokenizer.json"))
-        (tmp / "tokenizer_meta.json").write_text(json.dumps(meta, ensure_ascii=False), encoding="utf-8")
+        tokenizer.save_pretrained(tmp)
         (tmp / "COMPLETE").write_text("")
         os.rename(tmp, cache)
         tmp = None
@@ -240,37 +240,20 @@ def _gguf_fields(path: str) -> dict[str, Any]:
 
 
 def gguf_special_tokens(tokenizer: Any, gguf_path: Path) -> None:
-    """Give a tokenizer converted from a GGUF file that file's BOS/EOS tokens and BOS/EOS flags.
-
-    transformers' GGUF conversion (5.x) ignores ``tokenizer.ggml.add_bos_token`` and can name
-    the wrong EOS token: SmolLM2-135M-Instruct's file says ``add_bos_token = false`` and
-    ``eos_token_id = 2`` (``<|im_end|>``), but the converted tokenizer prepended
-    ``<|im_start|>`` to every plain prompt and named it EOS too. The original Hugging Face
-    tokenizer adds no BOS, and llama.cpp follows the file: so does kvbench. Plain prompts
-    (LongBench's no-template datasets, ``prompt_style=kvcf``) and their truncation budget
-    count exactly the text's tokens again.
-
-    Args:
-        tokenizer: the converted fast tokenizer (modified in place).
-        gguf_path: the GGUF file it came from (its metadata is read; the tensors are not).
-    """
+    """Give a tokenizer converted from the GGUF file ``gguf_path`` (modified in place) that file's
+    BOS/EOS tokens and BOS/EOS flags, as llama.cpp does. transformers' conversion (5.x) ignores
+    ``tokenizer.ggml.add_bos_token`` and can name the wrong EOS: SmolLM2-135M-Instruct's file says
+    ``add_bos_token = false``, ``eos_token_id = 2`` (``<|im_end|>``), but the converted tokenizer
+    prepended ``<|im_start|>`` to every plain prompt and named it EOS too."""
     fields = _gguf_fields(str(gguf_path))
-
-    def value(key: str) -> Any:
-        field = fields.get(f"tokenizer.ggml.{key}")
-        return None if field is None else field.contents()
-
+    value = {role: fields[f"tokenizer.ggml.{role}"].contents() for role in
+             ("bos_token_id", "eos_token_id", "add_bos_token", "add_eos_token") if f"tokenizer.ggml.{role}" in fields}
     for role in ("bos", "eos"):
-        token_id = value(f"{role}_token_id")
-        if token_id is not None and 0 <= int(token_id) < len(tokenizer):
-            setattr(tokenizer, f"{role}_token", tokenizer.convert_ids_to_tokens(int(token_id)))
-    changed = False
-    for role in ("bos", "eos"):
-        flag = value(f"add_{role}_token")
-        if flag is not None and hasattr(tokenizer, f"add_{role}_token"):
-            setattr(tokenizer, f"add_{role}_token", bool(flag))
-            changed = True
-    if changed and hasattr(tokenizer, "update_post_processor"):
+        if 0 <= int(value.get(f"{role}_token_id", -1)) < len(tokenizer):
+            setattr(tokenizer, f"{role}_token", tokenizer.convert_ids_to_tokens(int(value[f"{role}_token_id"])))
+        if f"add_{role}_token" in value and hasattr(tokenizer, f"add_{role}_token"):
+            setattr(tokenizer, f"add_{role}_token", bool(value[f"add_{role}_token"]))
+    if hasattr(tokenizer, "update_post_processor"):
         tokenizer.update_post_processor()
 
 
@@ -279,19 +262,11 @@ _GGUF_NORMAL, _GGUF_BYTE = 1, 6
 
 
 def spm_bpe_merges(tokens: list[str], scores: list[float], types: list[int]) -> list[tuple[str, str]]:
-    """BPE merges equivalent to llama.cpp's SentencePiece (``tokenizer.ggml.model = llama``)
-    tokenization: that algorithm merges, again and again, the adjacent pair whose concatenation is
-    a normal vocabulary piece of the highest score; BPE merges by rank. So every normal piece
-    ``t = l + r`` (``l``, ``r`` in the vocabulary) gives the merge ``(l, r)``, ranked by the score
-    of ``t`` (highest first; ties: lower token id first).
-
-    Args:
-        tokens, scores, types: the GGUF's ``tokenizer.ggml.tokens``, ``.scores`` and
-            ``.token_type`` (same length: the vocabulary size).
-
-    Returns:
-        ``[(left, right), ...]`` in merge priority order.
-    """
+    """``[(left, right), ...]`` in merge priority order: BPE merges equivalent to llama.cpp's
+    SentencePiece tokenization (``tokenizer.ggml.model = llama``) of the GGUF's ``tokens``, ``scores``
+    and ``types``. That algorithm merges, again and again, the adjacent pair whose concatenation is a
+    normal piece of the highest score; so every normal piece ``t = l + r`` (``l``, ``r`` in the
+    vocabulary) gives the merge ``(l, r)``, ranked by the score of ``t`` (ties: lower token id first)."""
     vocab = set(tokens)
     ranked = []
     for tid, (piece, score, kind) in enumerate(zip(tokens, scores, types)):
@@ -306,24 +281,12 @@ def spm_bpe_merges(tokens: list[str], scores: list[float], types: list[int]) -> 
 
 
 def gguf_spm_as_bpe(tokenizer: Any, gguf_path: Path) -> bool:
-    """Give a tokenizer converted from a SentencePiece-BPE GGUF (``tokenizer.ggml.model = llama``)
-    the BPE model its scores describe, when transformers made it a Unigram model.
-
-    transformers' GGUF conversion (5.2) builds Gemma 3's tokenizer as a Unigram model from
-    ``tokenizer.ggml.scores``; those scores are SentencePiece BPE merge priorities, not piece
-    log-probabilities, so Unigram's best path prefers short pieces: ``" statements"`` became
-    ``▁st at em ents`` although ``▁statements`` is one piece (id 11461), and the model read
-    garbled text (doubled letters in its answers). llama.cpp merges by the scores; the rebuilt
-    BPE model (:func:`spm_bpe_merges`, byte fallback, the converter's normalizer, pre-tokenizer,
-    decoder and added tokens kept) tokenizes as it does.
-
-    Args:
-        tokenizer: the converted fast tokenizer (modified in place).
-        gguf_path: the GGUF file it came from (its metadata is read; the tensors are not).
-
-    Returns:
-        True when the model was rebuilt (a Unigram model from a ``llama`` GGUF tokenizer).
-    """
+    """Give a tokenizer converted from a SentencePiece-BPE GGUF (``tokenizer.ggml.model = llama``;
+    modified in place) the BPE model its scores describe, when transformers made it a Unigram model;
+    True when rebuilt. transformers' conversion (5.2) builds Gemma 3's tokenizer as a Unigram model
+    whose "log-probabilities" are really merge priorities, so it prefers short pieces (``" statements"``
+    became ``▁st at em ents``) and the model read garbled text. The rebuilt BPE model
+    (:func:`spm_bpe_merges`, byte fallback; normalizer, pre-tokenizer, decoder kept) tokenizes as llama.cpp."""
     from tokenizers.models import BPE, Unigram
 
     backend = getattr(tokenizer, "backend_tokenizer", None)
@@ -389,6 +352,26 @@ def chat_format(model_cfg: dict, tokenizer: Any) -> str | None:
     return "tokenizer" if want is True else want if want in CHAT_FORMATS else None
 
 
+def load_tokenizer(model_cfg: dict, source: tuple[str, str | None] | None = None) -> Any:
+    """The model's tokenizer alone, as :func:`load_model` gives it (a GGUF file's converted copy
+    when cached). ``source``: :func:`resolve_source`'s answer, when the caller has it. Raises what
+    ``AutoTokenizer.from_pretrained`` raises (OSError, ValueError)."""
+    from transformers import AutoTokenizer
+
+    path, gguf_file = source or resolve_source(model_cfg)
+    cache = gguf_cache_dir(path, gguf_file, True) if gguf_file else None
+    if cache is not None and (cache / "COMPLETE").is_file():
+        return AutoTokenizer.from_pretrained(cache)
+    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=bool(model_cfg.get("trust_remote_code")),
+                                              use_fast=model_cfg.get("tokenizer", "fast") != "slow",
+                                              **({"gguf_file": gguf_file} if gguf_file else {}))
+    if gguf_file:
+        gguf_special_tokens(tokenizer, Path(path, gguf_file))
+        gguf_spm_as_bpe(tokenizer, Path(path, gguf_file))
+        _gguf_fields.cache_clear()
+    return tokenizer
+
+
 def load_model(model_cfg: dict, device: str = "auto") -> LoadedModel:
     """Load tokenizer and model as ``model_cfg`` says, the weights straight onto ``device``.
 
@@ -401,7 +384,7 @@ def load_model(model_cfg: dict, device: str = "auto") -> LoadedModel:
     """
     import torch
     from safetensors import SafetensorError
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
     from .attention import ATTN_IMPLEMENTATION, register
@@ -422,17 +405,12 @@ def load_model(model_cfg: dict, device: str = "auto") -> LoadedModel:
     if loaded is not None:
         tokenizer, model = loaded
     else:
-        kwargs = {"trust_remote_code": trust, **({"gguf_file": gguf_file} if gguf_file else {})}
-        use_fast = {"use_fast": model_cfg.get("tokenizer", "fast") != "slow"}
         src = model_cfg.get("source")
         try:
-            tokenizer = AutoTokenizer.from_pretrained(path, **kwargs, **use_fast)
-            if gguf_file:
-                gguf_special_tokens(tokenizer, Path(path, gguf_file))
-                gguf_spm_as_bpe(tokenizer, Path(path, gguf_file))
-                _gguf_fields.cache_clear()
+            tokenizer = load_tokenizer(model_cfg, (path, gguf_file))
             first = torch.float32 if cache is not None else dtype  # the cache keeps the exact float32 weights
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=first, **{**model_kwargs, **kwargs})
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=first, **model_kwargs,
+                                                         **({"gguf_file": gguf_file} if gguf_file else {}))
         except (OSError, ValueError, RuntimeError, SafetensorError) as err:
             why = (str(err).strip().splitlines() or [type(err).__name__])[0]
             if Path(path).exists():
