@@ -26,7 +26,7 @@ import traceback
 from collections import Counter
 from pathlib import Path
 
-from kvbench.cli import ArgParser
+from kvbench.cli import ArgParser, flat, listof
 from methods.base import ConfigError
 
 from .common import ROOT, BenchResult, Context, Settings, log, machine_info, table
@@ -38,18 +38,6 @@ DOC = ROOT / "docs" / "PERFORMANCE.md"
 for key, value in (("HF_HUB_OFFLINE", "1"), ("TRANSFORMERS_VERBOSITY", "error"), ("TOKENIZERS_PARALLELISM", "false"),
                    ("MKL_DISABLE_FAST_MM", "1")):  # MKL's buffer pool (outside PyTorch) would count as memory not freed
     os.environ.setdefault(key, value)  # before transformers and MKL load
-
-
-def values(accepted: list[str] | None = None):
-    """argparse type: a comma-separated list of ``accepted`` names (None: integers >= MIN_LENGTH)."""
-    def parse(text: str) -> list[str]:
-        got = [x for x in text.split(",") if x]
-        bad = [x for x in got if x not in accepted] if accepted else [x for x in got if not x.isdigit() or int(x) < MIN_LENGTH]
-        if bad or not got:
-            raise argparse.ArgumentTypeError(f"{bad[0] if bad else repr(text)}: accepted values are "
-                                             f"{', '.join(accepted) if accepted else f'integers >= {MIN_LENGTH}'}")
-        return got
-    return parse
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -64,7 +52,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                   formatter_class=argparse.RawDescriptionHelpFormatter)
     many = dict(nargs="+", action="extend", default=[])
     p.add_argument("--quick", action="store_true", help="256/512-token prompts, 8 new tokens, 2 repetitions")
-    p.add_argument("--only", **many, type=values(list(BENCHMARKS)), metavar="NAME",
+    p.add_argument("--only", **many, type=listof(str, BENCHMARKS.__contains__, ", ".join(BENCHMARKS)), metavar="NAME",
                    help=f"run only these: {', '.join(BENCHMARKS)}")
     p.add_argument("--model", default="smollm2", help="conf/model/<name>.yaml name or a YAML path (default: smollm2)")
     p.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:N or auto")
@@ -72,15 +60,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's default)")
     p.add_argument("--doc", default=None, help="where to write the Markdown summary")
     p.add_argument("--note", action="append", default=[], help="a note to add to the summary (repeatable)")
-    p.add_argument("--methods", **many, type=values(methods), metavar="NAME",
+    p.add_argument("--methods", **many, type=listof(str, methods.__contains__, ", ".join(methods)), metavar="NAME",
                    help=f"restrict compression and memory to these methods: {', '.join(methods)}")
-    p.add_argument("--lengths", **many, type=values(), metavar="N",
+    p.add_argument("--lengths", **many, type=listof(int, lambda n: n >= MIN_LENGTH, f"integers >= {MIN_LENGTH}"), metavar="N",
                    help="prompt lengths in tokens (default 1024,2048,4096,8000; --quick 256,512); compression, decode "
                         "and memory targets are measured at 4096 or the longest given")
     args = p.parse_args(argv)
-    args.names = list(dict.fromkeys(x for v in args.only for x in v)) or list(BENCHMARKS)
-    args.method_names = [x for v in args.methods for x in v] or None
-    args.prompt_lengths = sorted({int(x) for v in args.lengths for x in v}) or None
+    args.names = list(dict.fromkeys(flat(args.only))) or list(BENCHMARKS)
+    args.method_names, args.prompt_lengths = flat(args.methods) or None, sorted(set(flat(args.lengths))) or None
     if args.threads is not None and args.threads < 1:
         p.error(f"--threads {args.threads}: must be an integer >= 1")
     try:

@@ -79,27 +79,17 @@ def artifact_path(kind: str, model_name: str, explicit: str | None, key: str) ->
         ConfigError: ``<key>=<path>: file not found; make it with `python -m methods.calibrate ...```.
     """
     file_name, command = FILE_NAMES[kind]
-    if explicit:
-        path = Path(explicit).expanduser()
-    elif model_name:
-        path = ARTIFACTS_ROOT / model_name / file_name
-    else:
+    if not explicit and not model_name:
         raise ConfigError(f"{key}=null: no path given and the model has no name to find methods/artifacts/<model>/{file_name}")
-    if not path.is_file() and not explicit and model_name in PUBLISHED and kind in _PUBLISHED_FILES:
-        name = _PUBLISHED_FILES[kind].format(PUBLISHED[model_name])
-        found = [d / name for d in published_dirs() if (d / name).is_file()]
-        if found:
-            return found[0]
-    if not path.is_file():
-        who = model_name or "<name>"
-        hint = ""
-        if not explicit and model_name in PUBLISHED and kind in _PUBLISHED_FILES:
-            hint = f", or set KVBENCH_SHARED_DATA to the folder holding head_scores/compresskv/{PUBLISHED[model_name]}*"
-        raise ConfigError(
-            f"{key}={str(path)!r}: file not found; make it with "
-            f"`python -m methods.calibrate {command} --name {who}` or give an existing path{hint}"
-        )
-    return path
+    path = Path(explicit).expanduser() if explicit else ARTIFACTS_ROOT / model_name / file_name
+    published = not explicit and model_name in PUBLISHED and kind in _PUBLISHED_FILES
+    name = _PUBLISHED_FILES[kind].format(PUBLISHED[model_name]) if published else ""
+    found = [path] if path.is_file() else [d / name for d in published_dirs() if published and (d / name).is_file()]
+    if not found:
+        hint = f", or set KVBENCH_SHARED_DATA to the folder holding head_scores/compresskv/{PUBLISHED.get(model_name)}*"
+        raise ConfigError(f"{key}={str(path)!r}: file not found; make it with `python -m methods.calibrate {command} "
+                          f"--name {model_name or '<name>'}` or give an existing path{hint if published else ''}")
+    return found[0]
 
 
 @contextlib.contextmanager
@@ -109,10 +99,9 @@ def keyed_errors(key: str, path: Path) -> Iterator[None]:
     try:
         yield
     except ConfigError as e:
-        text = str(e)
-        if text.startswith(f"{path}: "):
-            raise ConfigError(f"{key}={str(path)!r}: {text[len(str(path)) + 2:]}") from None
-        raise
+        if not str(e).startswith(f"{path}: "):
+            raise
+        raise ConfigError(f"{key}={str(path)!r}: {str(e)[len(str(path)) + 2:]}") from None
 
 
 #: files read by the loaders since the last :func:`reset_files_read`: name -> SHA-256 of the bytes
