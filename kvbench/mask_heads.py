@@ -24,7 +24,7 @@ from eval.niah import NIAHTask
 from methods.artifacts import artifact_path, keyed_errors, load_head_scores, top_heads
 from methods.base import ConfigError
 
-from .cli import ArgParser
+from .cli import ArgParser, flat, listof
 from .head_mask import MODES, PHASES, HeadMask
 from .store import atomic_write
 
@@ -151,11 +151,8 @@ def run(args) -> int:
     """Check every input, then load the model and run the no-mask and masked NIAH grids."""
     from .models import conf_model
 
-    model_cfg = conf_model(args.model)
-    if args.model_source:
-        model_cfg["source"], model_cfg["gguf_file"] = args.model_source, None
-    if args.chat_template:
-        model_cfg["chat_template"] = True if args.chat_template == "true" else args.chat_template
+    model_cfg = {**conf_model(args.model), **({"source": args.model_source, "gguf_file": None} if args.model_source else {}),
+                 **({"chat_template": args.chat_template == "true" or args.chat_template} if args.chat_template else {})}
     files = {kind: artifact_path(_SCORE_KIND[kind], args.model, getattr(args, f"{kind}_scores"), f"--{kind}-scores")
              for kind in ("srh", "trh") if kind in args.kinds}  # the published llama31/mistral files: no SRH scores
     scores = {}
@@ -193,31 +190,18 @@ def run(args) -> int:
         "grid": {"context_lengths": task_cfg["context_lengths"], "depth_percents": task_cfg["depth_percents"],
                  "haystack_source": getattr(task, "haystack_source", None), "samples": len(samples),
                  "skipped": getattr(task, "skipped", [])},
-        "env": environment(loaded, args.device),
-        "no_mask": run_condition(engine, loaded, task, samples, [], args.mode, args.phase), "conditions": [],
+        "env": environment(loaded, args.device), "no_mask": None, "conditions": [],
     }
-    print(f"[{time.time() - t0:6.0f}s] no mask: {report['no_mask']['score']}", file=sys.stderr, flush=True)
-    for cond in plan:
+    for cond in [{"kind": "no mask", "k": 0, "heads": []}] + plan:
         result = run_condition(engine, loaded, task, samples, cond["heads"], args.mode, args.phase)
-        report["conditions"].append({**cond, **result})
+        report["conditions"] += [{**cond, **result}] if cond["heads"] else []
+        report["no_mask"] = report["no_mask"] or result
         print(f"[{time.time() - t0:6.0f}s] {cond['kind']} top-{cond['k']}: {result['score']}", file=sys.stderr, flush=True)
     report["seconds"], report["cpu_seconds"] = round(time.time() - t0, 1), round(time.process_time(), 1)
     written = write_report(out_stem(args.out, f"mask_heads_{args.model}_{args.mode}-{args.phase}"), report)
     print(render_markdown(report))
     print(f"wrote {', '.join(map(str, written))} in {report['seconds']} s", file=sys.stderr)
     return 0
-
-
-def _values(kind: type, ok=lambda v: True):
-    """argparse type: a comma-separated list of ``kind`` values, each passing ``ok`` (else argparse's
-    one-line error naming the flag)."""
-    def parse(text: str) -> list:
-        values = [kind(x) for x in text.split(",") if x.strip()]
-        if not values or not all(map(ok, values)):
-            raise ValueError(text)
-        return values
-    parse.__name__ = f"list of {kind.__name__}"
-    return parse
 
 
 def build_parser() -> ArgParser:
@@ -227,22 +211,22 @@ def build_parser() -> ArgParser:
     p.add_argument("--model-source", default=None, help="override model.source (a local folder or file)")
     p.add_argument("--chat-template", default=None, choices=("true", "vicuna", "none"),
                    help="override model.chat_template (none: raw prompts, for a model without a chat template)")
-    p.add_argument("--k", **lst, type=_values(int, lambda k: k >= 1), default=[],
+    p.add_argument("--k", **lst, type=listof(int, lambda k: k >= 1), default=[],
                    help="numbers of top heads to mask, distinct (default 10,20,30)")
-    p.add_argument("--kinds", **lst, type=_values(str, KINDS.__contains__), default=[],
+    p.add_argument("--kinds", **lst, type=listof(str, KINDS.__contains__, ", ".join(KINDS)), default=[],
                    help=f"head rankings among {', '.join(KINDS)}, at least one of srh, trh (default all)")
     p.add_argument("--srh-scores", default=None, help="SRH head-score file (default methods/artifacts/<model>/semantic_retrieval_heads.json)")
     p.add_argument("--trh-scores", default=None, help="TRH head-score file (default methods/artifacts/<model>/retrieval_heads.json or the published one)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random-heads control")
     p.add_argument("--mode", choices=MODES, default="uniform", help="uniform (default, Wu et al.'s code): query set to 0; zero: head output before W_O set to 0")
     p.add_argument("--phase", choices=PHASES, default="decode", help="decode (default, Wu et al.'s code): the last prompt position and decoded tokens; all: every position")
-    p.add_argument("--lengths", **lst, type=_values(int), help="NIAH context lengths in tokens (default conf/task/niah.yaml)")
-    p.add_argument("--depths", **lst, type=_values(float), help="NIAH needle depths in percent (default conf/task/niah.yaml)")
+    p.add_argument("--lengths", **lst, type=listof(int), help="NIAH context lengths in tokens (default conf/task/niah.yaml)")
+    p.add_argument("--depths", **lst, type=listof(float), help="NIAH needle depths in percent (default conf/task/niah.yaml)")
     p.add_argument("--haystack-dir", default=None, help="folder of .txt haystack files (default: the task's haystack_source)")
     p.add_argument("--max-new-tokens", type=int, default=None, help="generation limit (default conf/task/niah.yaml)")
-    p.add_argument("--device", type=_values(str, re.compile(r"auto|cpu|mps|cuda(:\d+)?").fullmatch), default=["auto"],
-                   help="auto, cpu, mps, cuda, cuda:<index>")
-    p.add_argument("--threads", type=_values(int, lambda n: n >= 1), default=None, help="torch CPU threads (default: torch's)")
+    p.add_argument("--device", type=listof(str, re.compile(r"auto|cpu|mps|cuda(:\d+)?").fullmatch, "auto, cpu, mps, "
+                   "cuda, cuda:<index>"), default=["auto"], help="auto, cpu, mps, cuda, cuda:<index>")
+    p.add_argument("--threads", type=listof(int, lambda n: n >= 1), default=None, help="torch CPU threads (default: torch's)")
     p.add_argument("--out", default="results/mask_heads", help="output folder, or NAME.json/.csv/.md for the three files")
     return p
 
@@ -251,10 +235,8 @@ def main(argv: list[str] | None = None) -> int:
     """Run the ablation. Returns 0; exit 2 on a user error (one line on stderr)."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    for key in ("k", "kinds", "lengths", "depths"):  # one list per flag, however given
-        if getattr(args, key) is not None:
-            setattr(args, key, [v for values in getattr(args, key) for v in values])
-    args.k, args.kinds = args.k or [10, 20, 30], args.kinds or list(KINDS)
+    args.k, args.kinds = flat(args.k) or [10, 20, 30], flat(args.kinds) or list(KINDS)
+    args.lengths, args.depths = flat(args.lengths), flat(args.depths)
     (args.device,), args.threads = args.device, args.threads and args.threads[0]
     if len(set(args.k)) != len(args.k):
         parser.error(f"--k={args.k}: must be distinct positive integers (e.g. 10,20,30)")
