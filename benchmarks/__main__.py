@@ -1,12 +1,7 @@
-"""``python -m benchmarks``: kvbench's performance suite on the embedded model (SmolLM2-135M).
-
-Benchmarks: ``engine`` (prefill, compression, decode time and peak memory vs prompt length);
-``overhead`` (a full job vs transformers ``generate``); ``kvpress`` (SnapKV through kvpress vs
-kvbench); ``compression`` (cost per method as a share of prefill, and its scaling); ``decode``
-(step time, full vs 25 % cache); ``memory`` (per method, AdaKV's stored vs kept slots included).
-Every target is a ratio of two measurements of the same run. Tables are printed, JSON saved under
---out and the summary written to docs/PERFORMANCE.md (complete, non-quick runs; else
-<out>/PERFORMANCE.md; --doc PATH chooses).
+"""``python -m benchmarks``: kvbench's performance suite on the embedded model (SmolLM2-135M):
+engine, overhead, kvpress, compression, decode and memory tables (benchmarks/README.md). Every
+target is a ratio of two measurements of the same run. Tables are printed, JSON saved under --out
+and the summary written to docs/PERFORMANCE.md (complete, non-quick runs; else <out>/PERFORMANCE.md).
 
     python -m benchmarks                    # the whole CPU suite (about 15 min on 2 cores)
     python -m benchmarks --quick            # 256/512-token prompts, few repetitions (a few minutes)
