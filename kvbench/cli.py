@@ -35,7 +35,7 @@ def listof(kind: type = str, ok=lambda v: True, accepted: str = ""):
             values = []
         bad = [v for v in values if not ok(v)]
         if bad or not values:
-            raise argparse.ArgumentTypeError(f"{bad[0] if bad else text!r}: accepted values are {accepted or kind.__name__}")
+            raise argparse.ArgumentTypeError(f"{bad[0] if bad else text!r}: accepted values are {accepted or kind.__name__ + ' values, comma-separated'}")
         return values
     return parse
 
