@@ -1,12 +1,7 @@
-"""``python -m benchmarks``: kvbench's performance suite on the embedded model (SmolLM2-135M).
-
-Benchmarks: ``engine`` (prefill, compression, decode time and peak memory vs prompt length);
-``overhead`` (a full job vs transformers ``generate``); ``kvpress`` (SnapKV through kvpress vs
-kvbench); ``compression`` (cost per method as a share of prefill, and its scaling); ``decode``
-(step time, full vs 25 % cache); ``memory`` (per method, AdaKV's stored vs kept slots included).
-Every target is a ratio of two measurements of the same run. Tables are printed, JSON saved under
---out and the summary written to docs/PERFORMANCE.md (complete, non-quick runs; else
-<out>/PERFORMANCE.md; --doc PATH chooses).
+"""``python -m benchmarks``: kvbench's performance suite on the embedded model (SmolLM2-135M):
+engine, overhead, kvpress, compression, decode and memory tables (benchmarks/README.md). Every
+target is a ratio of two measurements of the same run. Tables are printed, JSON saved under --out
+and the summary written to docs/PERFORMANCE.md (complete, non-quick runs; else <out>/PERFORMANCE.md).
 
     python -m benchmarks                    # the whole CPU suite (about 15 min on 2 cores)
     python -m benchmarks --quick            # 256/512-token prompts, few repetitions (a few minutes)
@@ -26,21 +21,18 @@ import traceback
 from collections import Counter
 from pathlib import Path
 
-from kvbench.cli import ArgParser
+from kvbench.cli import ArgParser, flat, listof
+from methods.base import ConfigError
 
-from .common import ROOT, BenchResult, Context, Settings, log, machine_info, model_config, table
+from .common import ROOT, BenchResult, Context, Settings, log, machine_info, table
 
 BENCHMARKS = {"engine": "engine", "overhead": "overhead", "kvpress": "vs_kvpress", "compression": "compression",
               "decode": "decode", "memory": "memory"}  # name -> module
 MIN_LENGTH = 64  # shortest --lengths value (the question frame of the prompt alone is ~40 tokens)
 DOC = ROOT / "docs" / "PERFORMANCE.md"
-for key, value in (("HF_HUB_OFFLINE", "1"), ("TRANSFORMERS_VERBOSITY", "error"), ("TOKENIZERS_PARALLELISM", "false")):
-    os.environ.setdefault(key, value)  # before transformers loads (workers inherit them)
-
-
-def _list(values: list[str] | None) -> list[str]:
-    """Values given space- or comma-separated, or repeated, as one list."""
-    return [x for v in values or [] for x in v.split(",") if x]
+for key, value in (("HF_HUB_OFFLINE", "1"), ("TRANSFORMERS_VERBOSITY", "error"), ("TOKENIZERS_PARALLELISM", "false"),
+                   ("MKL_DISABLE_FAST_MM", "1")):  # MKL's buffer pool (outside PyTorch) would count as memory not freed
+    os.environ.setdefault(key, value)  # before transformers and MKL load
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -48,37 +40,34 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     from .compression import METHODS as COMPRESSION
     from .memory import METHODS as MEMORY
 
+    from kvbench.models import conf_model
+
     methods = list(dict.fromkeys(COMPRESSION + MEMORY))
     p = ArgParser(prog="python -m benchmarks", description=__doc__,
                   formatter_class=argparse.RawDescriptionHelpFormatter)
+    many = dict(nargs="+", action="extend", default=[])
     p.add_argument("--quick", action="store_true", help="256/512-token prompts, 8 new tokens, 2 repetitions")
-    p.add_argument("--only", nargs="+", action="extend", metavar="NAME", help=f"run only these: {', '.join(BENCHMARKS)}")
+    p.add_argument("--only", **many, type=listof(str, BENCHMARKS.__contains__, ", ".join(BENCHMARKS)), metavar="NAME",
+                   help=f"run only these: {', '.join(BENCHMARKS)}")
     p.add_argument("--model", default="smollm2", help="conf/model/<name>.yaml name or a YAML path (default: smollm2)")
     p.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:N or auto")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "out"), help="output folder (default: benchmarks/out/)")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's default)")
     p.add_argument("--doc", default=None, help="where to write the Markdown summary")
     p.add_argument("--note", action="append", default=[], help="a note to add to the summary (repeatable)")
-    p.add_argument("--methods", nargs="+", action="extend", metavar="NAME",
+    p.add_argument("--methods", **many, type=listof(str, methods.__contains__, ", ".join(methods)), metavar="NAME",
                    help=f"restrict compression and memory to these methods: {', '.join(methods)}")
-    p.add_argument("--lengths", nargs="+", action="extend", metavar="N",
+    p.add_argument("--lengths", **many, type=listof(int, lambda n: n >= MIN_LENGTH, f"integers >= {MIN_LENGTH}"), metavar="N",
                    help="prompt lengths in tokens (default 1024,2048,4096,8000; --quick 256,512); compression, decode "
                         "and memory targets are measured at 4096 or the longest given")
     args = p.parse_args(argv)
-    accepted = {"--only": list(BENCHMARKS), "--methods": methods}
-    for flag, values in (("--only", args.only), ("--methods", args.methods), ("--lengths", args.lengths)):
-        bad = [x for x in _list(values) if x not in accepted.get(flag, []) and
-               not (flag == "--lengths" and x.isdigit() and int(x) >= MIN_LENGTH)]
-        if values is not None and not _list(values) or bad:
-            p.error(f"{flag} {bad[0] if bad else repr('')}: accepted values are "
-                    f"{', '.join(accepted[flag]) if flag in accepted else f'integers >= {MIN_LENGTH}'}")
-    args.names, args.method_names = _list(args.only) or list(BENCHMARKS), _list(args.methods) or None
-    args.prompt_lengths = sorted({int(x) for x in _list(args.lengths)}) or None
+    args.names = list(dict.fromkeys(flat(args.only))) or list(BENCHMARKS)
+    args.method_names, args.prompt_lengths = flat(args.methods) or None, sorted(set(flat(args.lengths))) or None
     if args.threads is not None and args.threads < 1:
         p.error(f"--threads {args.threads}: must be an integer >= 1")
     try:
-        model_config(args.model)
-    except FileNotFoundError as e:
+        conf_model(args.model, "--model")
+    except ConfigError as e:
         p.error(str(e))
     return args
 

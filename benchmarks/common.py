@@ -1,17 +1,20 @@
-"""Shared pieces of the benchmark suite: settings, model and method loading, prompts, worker
-runs, results and tables.
+"""Shared pieces of the benchmark suite: settings, model and method loading, prompts, measured
+engine runs, results and tables.
 
 Units: seconds (``*_s``), milliseconds (``*_ms``), bytes (``*_bytes``), tokens (``n``); MB = 10^6 bytes.
 """
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import functools
+import gc
+import itertools
 import json
 import os
 import platform
-import subprocess
+import statistics
 import sys
 import time
 from dataclasses import dataclass, field
@@ -24,7 +27,6 @@ QUICK_LENGTHS = [256, 512]
 LONG = 4096  # compression, decode A/B and memory targets are measured here (the longest --lengths otherwise)
 RATIO_25 = 0.25  # the "25 % cache": retention ratio of prompt tokens
 MB = 1e6
-MARKER = "BENCH_JSON "  # a worker's result line on stdout
 
 NEEDLE = "The best thing to do in San Francisco is eat a sandwich and sit in Dolores Park on a sunny day."
 QUESTION = "What is the best thing to do in San Francisco? Answer in one sentence."
@@ -32,7 +34,7 @@ QUESTION = "What is the best thing to do in San Francisco? Answer in one sentenc
 
 @dataclass
 class Settings:
-    """The command line's settings (``python -m benchmarks --help``), shared with the workers."""
+    """The command line's settings (``python -m benchmarks --help``)."""
 
     quick: bool = False
     model: str = "smollm2"
@@ -42,51 +44,28 @@ class Settings:
     methods: list[str] | None = None
     prompt_lengths: list[int] | None = None
 
-    @property
-    def lengths(self) -> list[int]:
-        """Prompt lengths in tokens: ``--lengths``, else 256/512 (``--quick``), else 1k, 2k, 4k, 8k."""
-        return sorted(set(self.prompt_lengths or (QUICK_LENGTHS if self.quick else FULL_LENGTHS)))
-
-    @property
-    def long(self) -> int:
-        """Prompt tokens of the length-specific targets: 4096, or the longest given/quick length."""
-        return self.lengths[-1] if self.quick or self.prompt_lengths else LONG
-
-    @property
-    def new_tokens(self) -> int:
-        """Tokens generated per sample (all of them: stop tokens are disabled in benchmarks)."""
-        return 8 if self.quick else 32
-
-    @property
-    def reps(self) -> int:
-        """Repetitions of alternating timings (medians reported)."""
-        return 2 if self.quick else 5
+    def __post_init__(self):
+        #: prompt lengths in tokens: ``--lengths``, else 256/512 (``--quick``), else 1k, 2k, 4k, 8k
+        self.lengths = sorted(set(self.prompt_lengths or (QUICK_LENGTHS if self.quick else FULL_LENGTHS)))
+        #: prompt tokens of the length-specific targets: 4096, or the longest given/quick length
+        self.long = self.lengths[-1] if self.quick or self.prompt_lengths else LONG
+        #: tokens generated per sample (all: stop tokens are off) and repetitions of alternating timings
+        self.new_tokens, self.reps = (8, 2) if self.quick else (32, 5)
 
     def selected(self, methods: list[str]) -> list[str]:
         """``methods`` restricted to ``--methods``."""
         return [m for m in methods if not self.methods or m in self.methods]
 
 
-def model_config(name_or_path: str) -> dict[str, Any]:
-    """The model node, ``conf/model/<name>.yaml`` or a YAML path; FileNotFoundError naming the accepted names."""
-    import yaml
-
-    path = Path(name_or_path) if name_or_path.endswith((".yaml", ".yml")) else ROOT / "conf" / "model" / f"{name_or_path}.yaml"
-    if not path.is_file():
-        names = ", ".join(sorted(p.stem for p in (ROOT / "conf" / "model").glob("*.yaml")))
-        raise FileNotFoundError(f"--model {name_or_path}: no such model config; accepted values are {names}")
-    return dict(yaml.safe_load(path.read_text()))
-
-
 def load(settings: Settings):
     """The benchmark model (:class:`kvbench.models.LoadedModel`) on ``settings.device``."""
     import torch
 
-    from kvbench.models import load_model
+    from kvbench.models import conf_model, load_model
 
     if settings.threads:
         torch.set_num_threads(settings.threads)
-    return load_model(model_config(settings.model), settings.device)
+    return load_model(conf_model(settings.model), settings.device)
 
 
 def build_method(name: str, layout=None, **overrides):
@@ -203,16 +182,92 @@ def machine_info(settings: Settings) -> dict[str, Any]:
             "model": settings.model, "quick": settings.quick}
 
 
-# --- the run context ---------------------------------------------------------------------
+# --- measured engine runs ----------------------------------------------------------------
+
+
+def release_freed_memory() -> bool:
+    """``gc.collect()`` and glibc's ``malloc_trim(0)``; False where there is no glibc."""
+    gc.collect()
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+        return True
+    except (AttributeError, OSError):
+        return False
+
+
+def _mem_now(device) -> int:
+    """Bytes in use now: CUDA allocated bytes, else the resident set size."""
+    import torch
+
+    if device.type == "cuda":
+        return int(torch.cuda.memory_allocated(device))
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def measure(engine, ids: list[int], new_tokens: int) -> dict[str, Any]:
+    """One ``engine.generate(ids, new_tokens, stop_ids=[])``: the :class:`kvbench.engine.GenerationResult`
+    record plus ``decode_step_ms`` (median from one step's start to the next, the first left out),
+    ``rss_after_load_bytes`` (before the sample), ``prefill_peak_bytes`` (prefill + compression),
+    ``decode_mem_bytes`` (largest between decode steps), ``peak_bytes``, ``weight_bytes`` and
+    ``kept_tokens_mean`` / ``stored_tokens_mean`` (logical kept vs stored slots per KV head). Peaks
+    restart before the sample; freed heap is returned to the system before it and before decoding.
+    A forward pre-hook on the decoder sees each decode step (a one-token forward).
+    """
+    import torch
+
+    from kvbench.engine import peak_memory_bytes, reset_peak_rss
+
+    loaded = engine.loaded
+    dev = loaded.device
+    decoder = getattr(loaded.model, "model", loaded.model)
+    starts: list[float] = []
+    mem = {"prefill_peak": 0, "decode": 0}
+
+    def on_forward(_module, args, kwargs):
+        x = kwargs.get("input_ids", args[0] if args else None)
+        x = kwargs.get("inputs_embeds") if x is None else x
+        if x is None or x.shape[1] != 1:
+            return
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        if not starts:  # prefill and compression are over
+            mem["prefill_peak"] = peak_memory_bytes(dev)
+            release_freed_memory()
+        mem["decode"] = max(mem["decode"], _mem_now(dev))
+        starts.append(time.perf_counter())
+
+    release_freed_memory()
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
+    else:
+        reset_peak_rss()
+    after_load = _mem_now(dev)
+    handle = decoder.register_forward_pre_hook(on_forward, with_kwargs=True)
+    try:
+        res = engine.generate(ids, new_tokens, stop_ids=[])
+    finally:
+        handle.remove()
+    steps = [b - a for a, b in itertools.pairwise(starts[1:])]
+    mean = res.decode_s / max(1, res.generated_tokens - 1)
+    return {
+        **res.record(),
+        "decode_step_ms": 1000 * (statistics.median(steps) if len(steps) >= 2 else mean),
+        "rss_after_load_bytes": after_load,
+        "prefill_peak_bytes": mem["prefill_peak"] or peak_memory_bytes(dev),
+        "decode_mem_bytes": mem["decode"] or _mem_now(dev),
+        "peak_bytes": peak_memory_bytes(dev),
+        "weight_bytes": sum(p.numel() * p.element_size() for p in loaded.model.parameters()),
+        "kept_tokens_mean": res.kept_tokens.get("mean"),
+        "stored_tokens_mean": res.stored_tokens.get("mean"),
+    }
 
 
 class Context:
-    """Settings, the model loaded in this process (on first use), and memoised worker runs."""
+    """Settings, the model (loaded on first use) and memoised measured runs."""
 
     def __init__(self, settings: Settings):
         self.settings = settings
-        self.logs = Path(settings.out) / "logs"
-        self.logs.mkdir(parents=True, exist_ok=True)
         self._runs: dict[str, Any] = {}
 
     @functools.cached_property
@@ -222,30 +277,23 @@ class Context:
     def worker(self, configs: list[tuple[str, str, float]], n: int, rounds: int = 1,
                live_memory: bool = False) -> list[dict[str, dict]]:
         """Run ``configs`` (``(label, method, budget)``) in turn for ``rounds`` rounds on an ``n``-token
-        prompt in one fresh process (memoised; :mod:`benchmarks.worker`): one ``{label: measurements}``
-        per round. ``live_memory``: with ``MKL_DISABLE_FAST_MM=1`` (MKL's buffer pool, outside PyTorch and
-        ``malloc_trim``, not counted as resident memory).
-
-        Raises:
-            RuntimeError: the worker failed (its log's last line and path are named).
+        prompt, each engine warmed up first and freed after (memoised): one ``{label: measure(...)}`` per
+        round. ``live_memory``: a run of its own even when an equal one was memoised (the suite runs with
+        ``MKL_DISABLE_FAST_MM=1``: MKL's buffer pool, outside PyTorch, would count as memory not freed).
         """
-        spec = {"settings": dataclasses.asdict(self.settings), "configs": [list(c) for c in configs], "n": n,
-                "rounds": rounds, "new_tokens": self.settings.new_tokens, "live_memory": live_memory}
-        key = json.dumps(spec, sort_keys=True)
-        if key in self._runs:
-            return self._runs[key]
-        tag = "-".join(f"{m}{b}" for _, m, b in configs) + f"-{n}" + ("-live" if live_memory else "")
-        log(f"worker: {tag} ...")
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
-        if live_memory:
-            env["MKL_DISABLE_FAST_MM"] = "1"
-        path = self.logs / f"worker-{tag}.log"
-        with open(path, "w") as err:
-            proc = subprocess.run([sys.executable, "-m", "benchmarks.worker", key], cwd=ROOT, env=env,
-                                  stdout=subprocess.PIPE, stderr=err, text=True, check=False)
-        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(MARKER)]
-        if proc.returncode or not lines:
-            tail = (path.read_text(errors="replace").strip().splitlines() or ["(no output)"])[-1]
-            raise RuntimeError(f"worker {tag} exited with {proc.returncode}: {tail} (log: {path})")
-        self._runs[key] = json.loads(lines[-1][len(MARKER):])
+        key = json.dumps([configs, n, rounds, live_memory])
+        if key not in self._runs:
+            from kvbench.engine import Engine
+
+            log(f"run: {', '.join(f'{m} {b}' for _, m, b in configs)} at {n} tokens")
+            loaded, ids = self.loaded, build_prompt(self.loaded.tokenizer, n)[1]
+            engines = {label: Engine(loaded, build_method(method, loaded.layout), budget)
+                       for label, method, budget in configs}
+            for engine in engines.values():
+                engine.generate(ids[:256], 2, stop_ids=[])  # warm-up: lazy inits
+                engine.last_state = None  # the warm-up's cache is not part of the baseline
+            self._runs[key] = [{label: measure(engine, ids, self.settings.new_tokens) for label, engine in engines.items()}
+                               for _ in range(rounds)]
+            del engines
+            release_freed_memory()
         return self._runs[key]

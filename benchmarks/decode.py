@@ -1,7 +1,7 @@
 """Decode step time vs prompt length, full vs 25 % cache (SnapKV at a retention ratio of 0.25).
 
-The per-length table reuses the engine benchmark's runs. The target is judged on an A/B in one
-worker at 4096 tokens (the longest with --quick/--lengths): full and 25 % alternate for 3 rounds
+The per-length table reuses the engine benchmark's runs. The target is judged on an A/B at 4096
+tokens (the longest with --quick/--lengths): full and 25 % alternate for 3 rounds
 (2 with --quick), each a whole sample. Target: the median of the rounds' speed-ups is at least
 the ratio of bytes a step reads, (weights + full cache) / (weights + 25 % cache).
 """
@@ -39,7 +39,7 @@ def run(ctx: Context) -> BenchResult:
     s = ctx.settings
     res = BenchResult(NAME, TITLE, headers=["prompt tokens", "full ms/step", "25% ms/step", "speed-up",
                                             "bytes ratio", "full decode MB", "25% decode MB"])
-    for n in s.lengths:  # the engine benchmark's runs, one process each
+    for n in s.lengths:  # the engine benchmark's runs
         full, comp = (ctx.worker([(m, m, b)], n)[0][m] for _, m, b in CONFIGS)
         res.rows.append([full["prompt_tokens"], full["decode_step_ms"], comp["decode_step_ms"],
                          full["decode_step_ms"] / comp["decode_step_ms"], step_bytes(full) / step_bytes(comp),

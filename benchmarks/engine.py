@@ -1,5 +1,5 @@
 """Engine: prefill, compression and decode time and peak memory vs prompt length, ``full`` and
-``snapkv`` (``conf/method/snapkv.yaml`` at 25 %), one worker process each. No target.
+``snapkv`` (``conf/method/snapkv.yaml`` at 25 %). No target.
 """
 
 from __future__ import annotations
@@ -16,8 +16,7 @@ def run(ctx: Context) -> BenchResult:
                                             "ms/step", "cache MB before", "cache MB after", "peak MB"])
     for method, budget in METHODS:
         for n in ctx.settings.lengths:
-            (r,) = ctx.worker([(method, method, budget)], n)
-            r = r[method]
+            r = ctx.worker([(method, method, budget)], n)[0][method]
             res.data.setdefault("runs", []).append(dict(r, method=method, budget=budget))
             res.rows.append([method, budget, r["prompt_tokens"], r["prefill_s"], r["compress_s"], r["decode_s"],
                              r["decode_step_ms"], r["cache_bytes_before"] / MB, r["cache_bytes_after"] / MB,

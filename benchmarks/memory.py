@@ -1,6 +1,6 @@
 """Memory per method at 4096 prompt tokens (the longest with --quick/--lengths), budget 25 %.
 
-Each configuration runs in its own worker with MKL's buffer pool off (``MKL_DISABLE_FAST_MM=1``,
+Each configuration runs on its own with MKL's buffer pool off (``MKL_DISABLE_FAST_MM=1``,
 so resident memory is live memory; CUDA: allocated bytes). Decode-phase memory is counted above
 the process's memory with the model loaded; kept vs stored = logical tokens vs slots per KV head
 (AdaKV and HeadKV pad each layer to its longest head). Target: the decode-phase memory drops

@@ -24,6 +24,27 @@ class ArgParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message.splitlines()[0] if message else ''}\n")
 
 
+def listof(kind: type = str, ok=lambda v: True, accepted: str = ""):
+    """argparse type: a non-empty comma-separated list of ``kind`` values that pass ``ok``. With
+    ``nargs="+", action="extend"`` a flag takes values space- or comma-separated, or repeated (a list
+    of lists: flatten it). Anything else: argparse's one-line error naming the flag (and ``accepted``)."""
+    def parse(text: str) -> list:
+        try:
+            values = [kind(x.strip()) for x in text.split(",") if x.strip()]
+        except ValueError:
+            values = []
+        bad = [v for v in values if not ok(v)]
+        if bad or not values:
+            raise argparse.ArgumentTypeError(f"{bad[0] if bad else text!r}: accepted values are {accepted or kind.__name__ + ' values, comma-separated'}")
+        return values
+    return parse
+
+
+def flat(lists: list[list] | None) -> list | None:
+    """The values of a :func:`listof` flag as one list (None when the flag was not given)."""
+    return None if lists is None else [v for values in lists for v in values]
+
+
 def main(argv: list[str] | None = None) -> int:
     """Dispatch ``kvbench <command> ...``; ``kvbench run`` replaces this process by ``python run.py``
     (same pid, so that Ctrl-C and ``scancel`` reach the job). Exit 2 on an unknown command."""

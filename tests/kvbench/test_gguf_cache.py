@@ -98,7 +98,6 @@ def test_a_damaged_cache_is_replaced_by_the_next_conversion(tiny_model_dir, tmp_
 
     cache = tmp_path / "m-0"
     shutil.copytree(tiny_model_dir, cache)
-    (cache / "tokenizer_meta.json").write_text("{}")
     (cache / "COMPLETE").write_text("")
     assert models._load_cached(cache, torch.float32, {}) is not None  # readable as it is
     tokenizer, model = AutoTokenizer.from_pretrained(tiny_model_dir), AutoModelForCausalLM.from_pretrained(tiny_model_dir)
