@@ -9,11 +9,9 @@ passes down to every attention call.
   soft-caps logits, Gemma 2). Then each compressible layer's last W queries (the model's own,
   after q-norm and RoPE) and full cache go to the method (:class:`methods.base.LayerContext`);
   its result replaces the layer's cache. Nothing n×n is built.
-* **Decode**: one SDPA call per layer without any mask, the G query heads of a KV head as G query
-  rows against the un-repeated cache. A method's logit bias lives in extra key columns
-  (:mod:`kvbench.kvcache`), so the flash backend stays eligible on CUDA; per-head lengths live in
-  a :class:`kvbench.kvcache.RaggedLayer`, attended by PyTorch's flash varlen kernel on CUDA, one
-  SDPA call per head elsewhere (:func:`decode_backend`).
+* **Decode**: SDPA without a mask, the G query heads of a KV head as G query rows of the
+  un-repeated cache; a logit bias is in extra key columns, per-head lengths in a flat
+  :class:`kvbench.kvcache.RaggedLayer` (flash varlen on CUDA): :func:`decode_backend`.
 """
 
 from __future__ import annotations
@@ -72,13 +70,6 @@ class CompressionState:
         return self.method is not None and self.plan is not None and self.plan.compress
 
 
-def _apply_mask(logits: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    """``logits`` with transformers' mask applied (bool keep-mask or additive float)."""
-    if mask is None:
-        return logits
-    return logits.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else logits + mask
-
-
 def grouped_attention(query, key, value, scaling: float, bias=None, mask=None, softcap=None, causal_offset=None):
     """Reference attention for GQA without repeating keys/values, float32 softmax.
 
@@ -97,7 +88,9 @@ def grouped_attention(query, key, value, scaling: float, bias=None, mask=None, s
     logits = torch.matmul(query.reshape(b, h_kv, -1, d), key.transpose(-1, -2)).float() * scaling
     if softcap:
         logits = torch.tanh(logits / softcap) * softcap
-    logits = _apply_mask(logits.view(b, h_q, q, t) + (bias if bias is not None else 0), mask)
+    logits = logits.view(b, h_q, q, t) + (bias if bias is not None else 0)
+    if mask is not None:  # bool keep-mask or additive float
+        logits = logits.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else logits + mask
     if causal_offset is not None and mask is None and q > 1:
         rows = torch.arange(q, device=key.device).unsqueeze(1) + causal_offset
         logits = logits.masked_fill(torch.arange(t, device=key.device) > rows, float("-inf"))
@@ -120,20 +113,15 @@ def _prefill_attention(query, key, value, mask, scaling, softcap) -> torch.Tenso
     ], dim=1)
 
 
-def _use_varlen(t: torch.Tensor) -> bool:
-    """Whether a :class:`RaggedLayer` on ``t``'s device and dtype decodes through flash varlen."""
-    return t.is_cuda and t.dtype in (torch.float16, torch.bfloat16) and varlen_attn is not None
-
-
 def decode_backend(layer: Any, key: torch.Tensor, reference: bool = False) -> str:
-    """The decode attention a cache layer gets (``python -m benchmarks.gpu_check`` reports it):
-    ``reference`` (:func:`grouped_attention`), ``flash varlen`` (ragged heads on CUDA in fp16/bf16:
-    ``torch.nn.attention.varlen.varlen_attn``), ``sdpa per head`` (ragged heads elsewhere),
-    ``sdpa, bias columns`` or ``sdpa`` (no mask: the flash backend is eligible on CUDA)."""
+    """The decode attention of a cache layer (``python -m benchmarks.gpu_check`` reports it): ``reference``
+    (:func:`grouped_attention`), ``flash varlen`` (ragged heads, CUDA, fp16/bf16), ``sdpa per head``
+    (ragged heads elsewhere), ``sdpa, bias columns`` or ``sdpa`` (no mask: flash eligible on CUDA)."""
     if reference:
         return "reference"
     if isinstance(layer, RaggedLayer):
-        return "flash varlen" if _use_varlen(key) else "sdpa per head"
+        half = key.is_cuda and key.dtype in (torch.float16, torch.bfloat16)
+        return "flash varlen" if half and varlen_attn is not None else "sdpa per head"
     return "sdpa, bias columns" if getattr(layer, "bias_rows", 0) else "sdpa"
 
 
@@ -141,34 +129,29 @@ def dense_layer(layer: Any, key: torch.Tensor, value: torch.Tensor, query: torch
     """A layer's decode content in the padded reference layout: keys, values ``(B, H_kv, T, d)`` and the
     additive bias ``(B, H_q, 1, T)`` (from the bias columns; −inf on padded slots of ragged heads) or None."""
     b, h_q, _, d = query.shape
-    r, valid, bias = getattr(layer, "bias_rows", 0), None, None
-    if isinstance(layer, RaggedLayer):
-        key, value, valid = layer.padded()
+    r = getattr(layer, "bias_rows", 0)
+    key, value, valid = layer.padded() if isinstance(layer, RaggedLayer) else (key, value, None)
     h_kv, t = key.shape[1], key.shape[2]
-    if r:
-        bias = (key[..., d : d + r].float() * layer.bias_scale).transpose(-1, -2)
+    bias = key[..., d : d + r].float().transpose(-1, -2) * layer.bias_scale if r else key.new_zeros(b, h_kv, 1, t).float()
     if valid is not None:
-        bias = torch.zeros(b, h_kv, 1, t, device=key.device).masked_fill(~valid.unsqueeze(2), float("-inf")) + (
-            0 if bias is None else bias)
-    return key[..., :d], value[..., :d], None if bias is None else bias.expand(b, h_kv, h_q // h_kv, t).reshape(b, h_q, 1, t)
+        bias = bias.masked_fill(~valid.unsqueeze(2), float("-inf"))
+    bias = bias.expand(b, h_kv, h_q // h_kv, t).reshape(b, h_q, 1, t) if r or valid is not None else None
+    return key[..., :d], value[..., :d], bias
 
 
 def _decode_attention(query, key, value, mask, scaling, softcap, layer=None, reference=False) -> torch.Tensor:
-    """Decode attention over a (compressed) cache layer: :func:`grouped_attention` over
-    :func:`dense_layer` (the padded reference) within rounding.
+    """Decode attention over a cache layer: :func:`grouped_attention` over :func:`dense_layer` (the
+    padded reference with a dense bias) within rounding, with no ``attn_mask`` built.
 
-    One query token without soft-capping: the G query heads of each KV head are G query rows
-    ``(B, H_kv, G, d)`` (query head h = kv·G + g, transformers' ``repeat_kv`` order). With bias
-    columns the rows get the extra component 1 (per-KV-head bias) or a one-hot over G columns
-    (per-query-head bias) and zeros up to the stored width; the output keeps its first d
-    channels. No ``attn_mask`` is built for a bias or per-head lengths: invalid slots of ragged
-    heads are not stored, so no logit is −inf. Otherwise (``reference``, soft-capping, several
-    query tokens, a mask on a ragged layer): :func:`grouped_attention` over :func:`dense_layer`.
+    One query token without soft-capping: the G query heads of a KV head are G query rows
+    ``(B, H_kv, G, d)`` (query head h = kv·G + g, ``repeat_kv`` order), given the extra component 1
+    (or a one-hot over G) for bias columns and zeros up to the stored width; the output keeps d
+    channels. Invalid slots of ragged heads are not stored: no logit is −inf. Otherwise
+    (``reference``, soft-capping, several query tokens, a mask on a ragged layer): the reference.
 
     Args:
         query: ``(B, H_q, q, d)``; key, value: what ``layer.update`` returned (views ``(B, H_kv, T, width)``
-            of a preallocated cache, or a :class:`RaggedLayer`'s flat buffers).
-        mask: transformers' mask ``(B, 1, q, T)`` or None; layer: the cache layer (None: plain tensors).
+            or a :class:`RaggedLayer`'s flat buffers); mask: transformers' ``(B, 1, q, T)`` or None.
 
     Returns:
         ``(B, q, H_q, d)``.

@@ -43,9 +43,8 @@ class GenerationResult:
         compressed: whether the cache was compressed (False when n ≤ budget or method=full).
         kept_tokens / stored_tokens: per compressible layer, mean/min/max of logical kept tokens
             (valid slots, averaged over KV heads) and of stored prompt slots per KV head.
-        kept_bytes / stored_bytes: the compressed layers' kept tokens at 2·d model-dtype values each,
-            and the bytes their cache holds for them (bias columns and padding included; the free
-            decode slots, max_new_tokens + 1 per head for every method, not counted).
+        kept_bytes / stored_bytes: the compressed layers' kept tokens at 2·d model-dtype values, and the
+            bytes their cache holds for them (bias columns included, free decode slots not).
         cache_bytes_before / cache_bytes_after: KV cache bytes of all layers right after prefill,
             before and after compression (filled slots, bias columns included after).
         prefill_s: prefill seconds excluding compression (a score computed inside the
@@ -243,14 +242,13 @@ class Engine:
         if sync:
             torch.cuda.synchronize()
         prefill_s = max(0.0, time.perf_counter() - t0 - state.compress_s)
-        before = self._bytes_before(cache, state, n) if state.results else cache_bytes(cache)
+        kept, stored, nbytes, mstats = self._cache_stats(state, n)
         finalize = getattr(self.method, "finalize", None)
         if state.results and callable(finalize):
             finalize(state.results)
         attach_bias(state)
         after = cache_bytes(cache)
         next_pos = max([r.next_position for r in state.results.values() if r.next_position is not None], default=n)
-        kept, stored, kept_bytes, stored_bytes, mstats = self._cache_stats(state, n)
         state.phase = "decode"
         self.last_state = state
 
@@ -291,33 +289,25 @@ class Engine:
         decode_s = time.perf_counter() - t1
         return GenerationResult(
             tokens=tokens, text=self.loaded.tokenizer.decode(tokens, skip_special_tokens=True), prompt_tokens=n,
-            compressed=bool(state.results), kept_tokens=kept, stored_tokens=stored, kept_bytes=kept_bytes,
-            stored_bytes=stored_bytes,
-            cache_bytes_before=before, cache_bytes_after=after, prefill_s=prefill_s, compress_s=state.compress_s,
-            decode_s=decode_s, generated_tokens=len(tokens),
+            compressed=bool(state.results), kept_tokens=kept, stored_tokens=stored, cache_bytes_after=after, **nbytes,
+            prefill_s=prefill_s, compress_s=state.compress_s, decode_s=decode_s, generated_tokens=len(tokens),
             decode_tok_s=len(tokens) / decode_s if decode_s > 0 else 0.0,
             peak_rss_bytes=peak_memory_bytes(dev), method_stats=mstats,
         )
 
-    def _bytes_before(self, cache: Any, state: CompressionState, n: int) -> int:
-        """Cache bytes as they were before compression (compressed layers counted at n tokens)."""
-        token = 2 * self.loaded.layout.num_kv_heads * self.loaded.layout.head_dim * self.model.dtype.itemsize
-        return sum(token * n if i in state.results else layer_bytes(layer) for i, layer in enumerate(cache.layers))
-
     def _cache_stats(self, state: CompressionState, n: int):
-        """(kept, stored, kept_bytes, stored_bytes, method_stats): per-layer kept/stored token stats
-        (per KV head), the compressed layers' kept and stored bytes, summed method stats."""
-        layout = self.loaded.layout
-        if not state.results:
-            comp = len(layout.compressible_layers)
-            return _stats([float(n)] * comp), _stats([n] * comp), 0, 0, {}
+        """(kept, stored, byte fields, method_stats): per-layer kept/stored token stats per KV head;
+        ``cache_bytes_before`` (compressed layers at n tokens), ``kept_bytes``, ``stored_bytes``; summed method stats."""
+        layout, layers = self.loaded.layout, state.cache.layers
+        token = 2 * layout.num_kv_heads * layout.head_dim * self.model.dtype.itemsize  # K and V of one token, all heads
         kept, stored, mstats = [], [], {}
         for i, res in state.results.items():
-            layer = state.cache.layers[i]
             kept.append(float(res.valid.float().sum(-1).mean()) if res.valid is not None else float(res.keys.shape[-2]))
-            stored.append(kept[-1] if isinstance(layer, RaggedLayer) else res.keys.shape[-2])
+            stored.append(kept[-1] if isinstance(layers[i], RaggedLayer) else res.keys.shape[-2])
             for k, v in res.stats.items():
                 mstats[k] = mstats.get(k, 0.0) + float(v)
-        token = 2 * layout.num_kv_heads * layout.head_dim * self.model.dtype.itemsize
-        kept_bytes = round(sum(kept) * token)
-        return _stats(kept), _stats(stored), kept_bytes, sum(layer_bytes(state.cache.layers[i]) for i in state.results), mstats
+        nbytes = {"cache_bytes_before": sum(token * n if i in state.results else layer_bytes(x) for i, x in enumerate(layers)),
+                  "kept_bytes": round(sum(kept) * token), "stored_bytes": sum(layer_bytes(layers[i]) for i in state.results)}
+        if not state.results:
+            kept, stored = [float(n)] * len(layout.compressible_layers), [n] * len(layout.compressible_layers)
+        return _stats(kept), _stats(stored), nbytes, mstats

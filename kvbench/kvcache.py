@@ -1,17 +1,12 @@
-"""A KV cache whose full-attention layers are preallocated buffers, written in place.
+"""A KV cache whose layers are preallocated buffers, written in place.
 
-transformers' ``DynamicLayer`` appends each decoded token with ``torch.cat``: every decode step
-copies every layer's whole cache into a new tensor. :class:`PreallocatedLayer` keeps keys and
-values in buffers ``(B, H_kv, T + reserve, width)`` and exposes the filled part as views
-``[:, :, :T]``; a decode step writes one row in place. Attention sees the same numbers.
-A compressed layer whose KV heads keep different numbers of tokens is a :class:`RaggedLayer`.
-
-Logit bias as key columns: a layer with a decode logit bias b (SelKV) stores ``b / scaling`` in
-``bias_rows`` extra key columns after the d channels (1 column for a per-KV-head bias, G for a
-per-query-head one), zero for decoded tokens, and zero-pads keys and values to ``width`` (a
-multiple of 8 on CUDA, as the flash kernels need; d + bias_rows elsewhere). The decode query gets
-the matching extra component 1 (one-hot over the G columns), so ``scaling·q'·k' = scaling·q·k + b``
-exactly and attention needs no mask (:mod:`kvbench.attention`).
+transformers' ``DynamicLayer`` appends each decoded token with ``torch.cat`` (a copy of the whole
+layer per step). :class:`PreallocatedLayer` keeps buffers ``(B, H_kv, T + reserve, width)`` and
+exposes the filled part as views; a compressed layer whose KV heads keep different numbers of
+tokens is a :class:`RaggedLayer`. A decode logit bias b (SelKV) is stored as ``bias_rows`` key
+columns ``b / scaling`` after the d channels (1 per KV head, or G per query head; 0 for decoded
+tokens), keys and values zero-padded to ``ALIGN``: with the query's extra component 1,
+``scaling·q'·k' = scaling·q·k + b`` exactly, so no mask is needed.
 """
 
 from __future__ import annotations
@@ -24,13 +19,15 @@ from torch.nn.utils.rnn import pad_sequence
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+ALIGN = {"cuda": 8}  # stored channels are a multiple of this per device type (flash kernels: of 8)
+
 
 class PreallocatedLayer(DynamicLayer):
     """A ``DynamicLayer`` backed by buffers with room for ``reserve`` more tokens.
 
-    ``keys``/``values`` are views ``(B, H_kv, T, d)`` of buffers ``(B, H_kv, capacity, d)``. If
+    ``keys``/``values`` are views ``(B, H_kv, T, width)`` of buffers ``(B, H_kv, capacity, width)``. If
     other code assigns ``keys``/``values`` directly, the next :meth:`update` copies them into new
-    buffers; :meth:`replace` does that eagerly. Running out of reserve grows the buffers.
+    buffers. Running out of reserve grows the buffers.
 
     Args:
         reserve: free token slots kept after the filled part (the decode budget, tokens).
@@ -42,26 +39,19 @@ class PreallocatedLayer(DynamicLayer):
         self._key_buf: torch.Tensor | None = None
         self._value_buf: torch.Tensor | None = None
 
-    def _rebuffer(self, keys: torch.Tensor, values: torch.Tensor, capacity: int, width: int | None = None) -> None:
-        """Copy ``keys``/``values`` ``(B, H, T, d)`` into new zeroed buffers of ``capacity`` ≥ T tokens
-        and ``width`` ≥ d channels (default d)."""
+    def replace(self, keys: torch.Tensor, values: torch.Tensor, width: int | None = None,
+                capacity: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copy ``keys``/``values`` ``(B, H_kv, T, d)`` into new zeroed buffers of ``capacity`` (default
+        T + reserve) slots and ``width`` (default d) channels; return the views ``(B, H_kv, T, width)``."""
+        if not self.is_initialized:
+            self.lazy_initialization(keys, values)
         b, h, t, _ = keys.shape
-        self._key_buf = keys.new_zeros((b, h, capacity, width or keys.shape[-1]))
-        self._value_buf = values.new_zeros((b, h, capacity, width or values.shape[-1]))
+        self._key_buf = self._value_buf = None  # free the old buffers before allocating new ones
+        self._key_buf = keys.new_zeros((b, h, capacity or t + self.reserve, width or keys.shape[-1]))
+        self._value_buf = values.new_zeros((b, h, capacity or t + self.reserve, width or values.shape[-1]))
         self._key_buf[:, :, :t, : keys.shape[-1]].copy_(keys)
         self._value_buf[:, :, :t, : values.shape[-1]].copy_(values)
         self.keys, self.values = self._key_buf[:, :, :t], self._value_buf[:, :, :t]
-
-    def replace(self, keys: torch.Tensor, values: torch.Tensor, width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Replace the content by ``keys``/``values`` ``(B, H_kv, m, d)`` (e.g. the compressed cache),
-        zero-padded to ``width`` channels (default d).
-
-        Returns the new views ``(B, H_kv, m, width)`` of the layer's own buffers (the inputs may be freed).
-        """
-        if not self.is_initialized:
-            self.lazy_initialization(keys, values)
-        self._key_buf = self._value_buf = None  # free the old buffers before allocating new ones
-        self._rebuffer(keys, values, keys.shape[-2] + self.reserve, width)
         return self.keys, self.values
 
     def update(self, key_states, value_states, cache_kwargs: dict[str, Any] | None = None):
@@ -69,12 +59,12 @@ class PreallocatedLayer(DynamicLayer):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         if self.keys.dim() < 4:  # the first update (prefill): buffers of q + reserve tokens
-            self._rebuffer(key_states[:, :, :0], value_states[:, :, :0], key_states.shape[-2] + self.reserve)
+            self.replace(key_states[:, :, :0], value_states[:, :, :0], capacity=key_states.shape[-2] + self.reserve)
         t, q = self.keys.shape[-2], key_states.shape[-2]
         owned = self._key_buf is not None and self.keys.data_ptr() == self._key_buf.data_ptr() \
             and self.values.data_ptr() == self._value_buf.data_ptr()
         if not owned or t + q > self._key_buf.shape[-2]:
-            self._rebuffer(self.keys, self.values, t + q + self.reserve)
+            self.replace(self.keys, self.values, capacity=t + q + self.reserve)
         self._key_buf[:, :, t : t + q, : key_states.shape[-1]].copy_(key_states)
         self._value_buf[:, :, t : t + q, : value_states.shape[-1]].copy_(value_states)
         self.keys, self.values = self._key_buf[:, :, : t + q], self._value_buf[:, :, : t + q]
@@ -91,20 +81,17 @@ def preallocated_cache(config: Any, reserve: int) -> DynamicCache:
 
 
 class RaggedLayer(DynamicLayer):
-    """A compressed layer whose KV heads keep different numbers of tokens (AdaKV, HeadKV, CompressKV
-    head budgets), flattened as AdaKV's own code stores it: no padding to the longest head.
+    """A compressed layer whose KV heads keep different numbers of tokens, flat as AdaKV's code stores it.
 
-    Head i of the B·H_kv heads (batch-major) owns the slots ``[cu[i], cu[i + 1])`` of the flat
-    buffers ``keys``/``values`` ``(S, 1, width)``: its ``lengths[i]`` kept tokens, then ``reserve``
-    free slots that decoded tokens fill. Per-head room rather than a uniform tail buffer merged by
-    log-sum-exp: each head's tokens stay one contiguous run, so decode is one flash varlen call
-    (``cu_seq_k = cu``, ``seqused_k = lengths``) or one SDPA call per head, with no merge step.
-    Stored prompt bytes equal the kept tokens'; the reserve (the same for every method) is
-    B·H_kv·reserve slots, not counted by :meth:`filled_bytes` until written.
+    Head i of the B·H_kv heads owns slots ``[cu[i], cu[i + 1])`` of ``keys``/``values`` ``(S, 1, width)``:
+    its ``lengths[i]`` kept tokens, then ``reserve`` slots that decoded tokens fill. Per-head room,
+    not a uniform tail merged by log-sum-exp: each head stays one contiguous run, so decode is one
+    flash varlen call (``cu_seq_k = cu``, ``seqused_k = lengths``) or one SDPA call per head. Stored
+    prompt slots = kept tokens; the reserve (the same for every method) is counted apart.
 
     Args:
         keys, values: ``(B, H_kv, m, d)`` padded per head; valid: ``(B, H_kv, m)`` bool, the kept slots.
-        reserve: free slots per head (tokens); width: stored channels ≥ d (bias columns).
+        reserve: free slots per head (tokens); width: stored channels ≥ d.
     """
 
     def __init__(self, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor, reserve: int, width: int):
@@ -127,11 +114,7 @@ class RaggedLayer(DynamicLayer):
         return (self.cu[:-1].view(*self.shape, 1) + valid.cumsum(-1) - 1)[valid]
 
     def update(self, key_states, value_states, cache_kwargs: dict[str, Any] | None = None):
-        """Append ``(B, H_kv, q, d)`` to every head in place; return the flat buffers ``(S, 1, width)``.
-
-        Raises:
-            RuntimeError: more decoded tokens than the reserve.
-        """
+        """Append ``(B, H_kv, q, d)`` to every head (RuntimeError past the reserve); return the flat buffers."""
         q = key_states.shape[-2]
         if self.decoded + q > self.reserve:
             raise RuntimeError(f"RaggedLayer: {self.decoded + q} decoded tokens exceed the reserve of {self.reserve}")
@@ -161,29 +144,18 @@ class RaggedLayer(DynamicLayer):
         return pad(self.keys), pad(self.values), valid.view(*self.shape, -1)
 
 
-def bias_width(d: int, bias_rows: int, device: torch.device) -> int:
-    """Stored channels of a layer with ``bias_rows`` bias columns: d + bias_rows, rounded up to a
-    multiple of 8 on CUDA (flash kernels take head dims in multiples of 8); d without bias."""
-    return d if not bias_rows else d + bias_rows if device.type != "cuda" else -(-(d + bias_rows) // 8) * 8
-
-
 def store_layer(cache: Any, idx: int, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor | None = None,
                 bias_rows: int = 0, scaling: float = 1.0, reserve: int = 1) -> Any:
-    """Write a compressed layer's ``keys``/``values`` ``(B, H_kv, m, d)`` as ``cache.layers[idx]``; return the layer.
-
-    With ``valid`` ``(B, H_kv, m)`` the layer becomes a :class:`RaggedLayer` (kept slots only); with
-    ``bias_rows`` > 0 a :class:`PreallocatedLayer` with bias columns (``bias_scale = scaling``, filled
-    by :func:`write_bias`); else a :class:`PreallocatedLayer` keeps its buffers' reserve and any other
-    layer holds contiguous copies. ``reserve``: free slots per head for new layers (tokens).
-    """
-    layer, width = cache.layers[idx], bias_width(keys.shape[-1], bias_rows, keys.device)
+    """Store a compressed layer's ``keys``/``values`` ``(B, H_kv, m, d)`` as ``cache.layers[idx]`` and return it:
+    a :class:`RaggedLayer` of the True slots of ``valid`` ``(B, H_kv, m)``, else a :class:`PreallocatedLayer`
+    (the existing one, or one with ``reserve`` free slots); ``bias_rows`` columns for :func:`write_bias`."""
+    align = ALIGN.get(keys.device.type, 1)
+    width = -(-(keys.shape[-1] + bias_rows) // align) * align  # d + bias columns, zero-padded to ``align``
     if valid is not None:
         layer = RaggedLayer(keys, values, valid, reserve, width)
-    elif bias_rows or isinstance(layer, PreallocatedLayer):
-        layer = layer if isinstance(layer, PreallocatedLayer) else PreallocatedLayer(reserve)
-        layer.replace(keys, values, width)
     else:
-        layer.keys, layer.values = keys.contiguous(), values.contiguous()
+        layer = cache.layers[idx] if isinstance(cache.layers[idx], PreallocatedLayer) else PreallocatedLayer(reserve)
+        layer.replace(keys, values, width)
     cache.layers[idx], layer.bias_rows, layer.bias_scale = layer, bias_rows, scaling
     return layer
 

@@ -75,10 +75,10 @@ def test_ragged_decode_equals_padded_reference(monkeypatch, layout, bias_kind, b
     h_q, h_kv = LAYOUTS[layout]
     d, scaling, reserve = 16, 16**-0.5, 4
     if backend == "flash varlen":  # the CUDA call's arguments, checked against the kernel's documented semantics
-        monkeypatch.setattr(kvbench.attention, "_use_varlen", lambda t: True)
+        monkeypatch.setattr(kvbench.attention, "decode_backend", lambda layer, key, ref=False: "reference" if ref else backend)
         monkeypatch.setattr(kvbench.attention, "varlen_attn", fake_varlen_attn)
     if backend.endswith("8k"):  # CUDA's alignment of bias columns (zero padding to a multiple of 8)
-        monkeypatch.setattr(kvbench.kvcache, "bias_width", lambda d_, r, dev: -(-(d_ + r) // 8) * 8 if r else d_)
+        monkeypatch.setitem(kvbench.kvcache.ALIGN, "cpu", 8)
     keys, values, valid, bias = _padded(h_kv, d, seed=h_q, bias_heads={None: 0, "kv": h_kv, "q": h_q}[bias_kind])
     layer = _store(keys, values, valid, bias, scaling, reserve)
     kept = int(valid.sum())
@@ -86,7 +86,7 @@ def test_ragged_decode_equals_padded_reference(monkeypatch, layout, bias_kind, b
     width = d + rows if not backend.endswith("8k") or not rows else 24
     assert isinstance(layer, RaggedLayer) and layer.keys.shape == (kept + h_kv * reserve, 1, width)
     assert layer_bytes(layer) == kept * 2 * width * 4 and torch.isfinite(layer.keys).all()  # nothing −inf stored
-    assert decode_backend(layer, layer.keys) == backend.split(",")[0]
+    assert kvbench.attention.decode_backend(layer, layer.keys) == backend.split(",")[0]
     gen = torch.Generator().manual_seed(1)
     new_k, new_v = torch.zeros(1, h_kv, 0, d), torch.zeros(1, h_kv, 0, d)
     for step in range(reserve):
@@ -111,7 +111,7 @@ def test_bias_columns_decode_without_mask_equals_dense_bias(monkeypatch, layout,
     """Uniform lengths with a logit bias (SelKV): SDPA gets no attn_mask, and equals SDPA with the dense bias."""
     h_q, h_kv = LAYOUTS[layout]
     d, scaling = 16, 16**-0.5
-    monkeypatch.setattr(kvbench.kvcache, "bias_width", lambda d_, r, dev: -(-(d_ + r) // 8) * 8 if r else d_)
+    monkeypatch.setitem(kvbench.kvcache.ALIGN, "cpu", 8)
     keys, values, _, bias = _padded(h_kv, d, seed=5, lengths=[20] * h_kv, bias_heads=h_kv if bias_kind == "kv" else h_q)
     layer = _store(keys.to(dtype), values.to(dtype), None, bias, scaling, 3)
     assert layer.keys.shape == (1, h_kv, 20, 24) and decode_backend(layer, layer.keys) == "sdpa, bias columns"

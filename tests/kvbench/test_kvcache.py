@@ -53,12 +53,14 @@ def test_replace_and_external_assignment_are_rebuffered():
     torch.testing.assert_close(values, torch.cat([kept_v, v2], dim=2), rtol=0, atol=0)
 
 
-def test_store_layer_on_a_plain_dynamic_layer():
+def test_store_layer_replaces_a_plain_dynamic_layer():
     layer = DynamicLayer()
     k, v = _chunks(lengths=(5,))[0]
     layer.update(k, v)
-    store_layer(SimpleNamespace(layers=[layer]), 0, k[:, :, ::2], v[:, :, ::2])
-    assert layer.keys.is_contiguous() and layer.keys.shape[2] == 3
+    cache = SimpleNamespace(layers=[layer])
+    stored = store_layer(cache, 0, k[:, :, ::2], v[:, :, ::2], reserve=2)  # a compressed layer gets room to decode
+    assert cache.layers == [stored] and isinstance(stored, PreallocatedLayer) and stored._key_buf.shape == (1, 2, 5, 4)
+    torch.testing.assert_close(stored.keys, k[:, :, ::2], rtol=0, atol=0)
 
 
 def test_preallocated_cache_keeps_sliding_layers():
