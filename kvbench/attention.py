@@ -140,21 +140,14 @@ def dense_layer(layer: Any, key: torch.Tensor, value: torch.Tensor, query: torch
 
 
 def _decode_attention(query, key, value, mask, scaling, softcap, layer=None, reference=False) -> torch.Tensor:
-    """Decode attention over a cache layer: :func:`grouped_attention` over :func:`dense_layer` (the
-    padded reference with a dense bias) within rounding, with no ``attn_mask`` built.
+    """Decode attention over a cache layer, with no ``attn_mask`` built: :func:`grouped_attention` over
+    :func:`dense_layer` (the padded reference, dense bias) within rounding.
 
-    One query token without soft-capping: the G query heads of a KV head are G query rows
-    ``(B, H_kv, G, d)`` (query head h = kv·G + g, ``repeat_kv`` order), given the extra component 1
-    (or a one-hot over G) for bias columns and zeros up to the stored width; the output keeps d
-    channels. Invalid slots of ragged heads are not stored: no logit is −inf. Otherwise
-    (``reference``, soft-capping, several query tokens, a mask on a ragged layer): the reference.
-
-    Args:
-        query: ``(B, H_q, q, d)``; key, value: what ``layer.update`` returned (views ``(B, H_kv, T, width)``
-            or a :class:`RaggedLayer`'s flat buffers); mask: transformers' ``(B, 1, q, T)`` or None.
-
-    Returns:
-        ``(B, q, H_q, d)``.
+    One query token, no soft-capping: the G query heads of a KV head are G query rows ``(B, H_kv, G, d)``
+    (query head h = kv·G + g), given the component 1 (or a one-hot over G) for the bias columns and
+    zeros up to the stored width; the output keeps d channels. Invalid slots of ragged heads are not
+    stored, so no logit is −inf. Else (``reference``, soft-capping, q > 1, a mask on a ragged layer):
+    the reference. key, value: what ``layer.update`` returned. Returns ``(B, q, H_q, d)``.
     """
     b, h_q, q_len, d = query.shape
     ragged = isinstance(layer, RaggedLayer)

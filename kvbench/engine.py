@@ -95,10 +95,9 @@ class GenerationResult:
 
 def layer_bytes(layer: Any) -> int:
     """Bytes of a cache layer's filled key/value slots (a :class:`RaggedLayer`'s free reserve not counted)."""
-    if isinstance(layer, RaggedLayer):
-        return layer.filled_bytes()
-    return sum(t.numel() * t.element_size() for t in (getattr(layer, "keys", None), getattr(layer, "values", None))
-               if isinstance(t, torch.Tensor))
+    slots = sum(layer.lens_host) + len(layer.lens_host) * layer.decoded if isinstance(layer, RaggedLayer) else None
+    return sum((t.numel() if slots is None else slots * t.shape[-1]) * t.element_size()
+               for t in (getattr(layer, "keys", None), getattr(layer, "values", None)) if isinstance(t, torch.Tensor))
 
 
 def cache_bytes(cache: Any) -> int:

@@ -87,11 +87,8 @@ class RaggedLayer(DynamicLayer):
     its ``lengths[i]`` kept tokens, then ``reserve`` slots that decoded tokens fill. Per-head room,
     not a uniform tail merged by log-sum-exp: each head stays one contiguous run, so decode is one
     flash varlen call (``cu_seq_k = cu``, ``seqused_k = lengths``) or one SDPA call per head. Stored
-    prompt slots = kept tokens; the reserve (the same for every method) is counted apart.
-
-    Args:
-        keys, values: ``(B, H_kv, m, d)`` padded per head; valid: ``(B, H_kv, m)`` bool, the kept slots.
-        reserve: free slots per head (tokens); width: stored channels ≥ d.
+    prompt slots = kept tokens; the reserve (the same for every method) is counted apart. Built from
+    ``keys``/``values`` ``(B, H_kv, m, d)`` padded per head and ``valid`` ``(B, H_kv, m)``, the kept slots.
     """
 
     def __init__(self, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor, reserve: int, width: int):
@@ -129,16 +126,11 @@ class RaggedLayer(DynamicLayer):
         """The longest head's filled slots (tokens)."""
         return max(self.lens_host) + self.decoded
 
-    def filled_bytes(self) -> int:
-        """Bytes of the filled slots of keys and values (the free reserve not counted)."""
-        slots = sum(self.lens_host) + len(self.lens_host) * self.decoded
-        return slots * (self.keys.shape[-1] * self.keys.element_size() + self.values.shape[-1] * self.values.element_size())
-
     def padded(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The reference layout: keys, values ``(B, H_kv, T, width)`` padded with zeros to the longest head,
         and the validity mask ``(B, H_kv, T)`` (T = :meth:`get_seq_length`)."""
         lens = [n + self.decoded for n in self.lens_host]
-        pad = lambda buf: pad_sequence([buf[s : s + n, 0] for s, n in zip(self.cu_host, lens)],  # noqa: E731
+        pad = lambda buf: pad_sequence([buf[s : s + n, 0] for s, n in zip(self.cu_host, lens)],
                                        batch_first=True).view(*self.shape, max(lens), -1)
         valid = torch.arange(max(lens), device=self.keys.device) < torch.tensor(lens, device=self.keys.device).unsqueeze(1)
         return pad(self.keys), pad(self.values), valid.view(*self.shape, -1)
