@@ -10,8 +10,8 @@ Checks and measures, printing a table and writing ``<out>/gpu_check.json``:
   within bf16 rounding, and give the same token;
 * decode ms/step and peak memory, full cache vs 25 % (SnapKV, SelKV, AdaKV) at each length;
 * LOOK-M's compression time at the first length;
-* which decode attention each method used: SDPA without a mask (the flash backend may run) or
-  SDPA with a bias / validity mask (the memory-efficient or math backend).
+* which decode attention each method used (:func:`kvbench.attention.decode_backend`): ``sdpa`` /
+  ``sdpa, bias columns`` (no mask: flash eligible), ``flash varlen`` or ``sdpa per head`` (per-head lengths).
 """
 
 from __future__ import annotations
@@ -70,6 +70,7 @@ def method(name: str, layout):
 
 def run(loaded, name: str, n: int, new_tokens: int, budget: float = 0.25, reference: bool = False) -> dict:
     """One generation: its record, decode ms/step, peak memory, the first step's logits, the decode attention."""
+    from kvbench.attention import decode_backend
     from kvbench.engine import Engine
 
     engine = Engine(loaded, method(name, loaded.layout), 1.0 if name == "full" else budget)
@@ -79,13 +80,13 @@ def run(loaded, name: str, n: int, new_tokens: int, budget: float = 0.25, refere
     ids = torch.randint(100, loaded.model.config.vocab_size, (n,), generator=torch.Generator().manual_seed(n)).tolist()
     result = engine.generate(ids, new_tokens, stop_ids=[])
     state = engine.last_state
-    masked = bool(state.bias) or any(r.valid is not None for r in state.results.values())
+    backends = sorted({decode_backend(layer, layer.keys, reference) for layer in state.cache.layers})
     cache = state.cache.layers[0].keys
     return {"method": name, "tokens": n, "cache_dtype": str(cache.dtype).replace("torch.", ""),
             "compressed": result.compressed, "compress_s": round(result.compress_s, 4),
             "decode_ms_step": round(1000 * result.decode_s / max(1, result.generated_tokens), 3),
             "peak_memory_mb": round(result.peak_rss_bytes / 2**20, 1),
-            "decode_attention": "sdpa+mask (efficient/math)" if masked else "sdpa, no mask (flash eligible)",
+            "decode_attention": " + ".join(backends),
             "first_logits": engine.last_logits[1] if len(engine.last_logits) > 1 else engine.last_logits[0]}
 
 

@@ -9,10 +9,9 @@ passes down to every attention call.
   soft-caps logits, Gemma 2). Then each compressible layer's last W queries (the model's own,
   after q-norm and RoPE) and full cache go to the method (:class:`methods.base.LayerContext`);
   its result replaces the layer's cache. Nothing n×n is built.
-* **Decode**: each compressed layer's additive logit bias ``(B, H_q, m)`` (compensation, and −inf
-  on invalid padded slots of per-head variable-length caches) is added to the first m logits;
-  decoded tokens get bias 0. GQA runs against the un-repeated cache: the G query heads of a KV
-  head are G query rows of one SDPA call.
+* **Decode**: SDPA without a mask, the G query heads of a KV head as G query rows of the
+  un-repeated cache; a logit bias is in extra key columns, per-head lengths in a flat
+  :class:`kvbench.kvcache.RaggedLayer` (flash varlen on CUDA): :func:`decode_backend`.
 """
 
 from __future__ import annotations
@@ -27,7 +26,12 @@ import torch.nn.functional as F
 from methods.base import CompressResult, HeadLayout, LayerContext, Method, Plan
 from methods.lookm import attention_with_column_sums
 
-from .kvcache import store_layer
+from .kvcache import RaggedLayer, store_layer, write_bias
+
+try:  # PyTorch's own flash varlen kernel (CUDA, fp16/bf16); no flash-attn package needed
+    from torch.nn.attention.varlen import varlen_attn
+except ImportError:  # pragma: no cover - older torch
+    varlen_attn = None
 
 ATTN_IMPLEMENTATION = "kvbench"
 _PREFILL_CHUNK = 1024  # query rows per block in the soft-capping prefill path
@@ -43,11 +47,10 @@ class CompressionState:
         cache: the transformers cache being filled.
         phase: ``prefill`` or ``decode``.
         results: per-layer :class:`CompressResult` of this sample (layer index → result).
-        bias: per-layer decode bias ``(B, H_q, 1, m + max_new_tokens + 1)`` in the model dtype.
         compress_s: seconds spent in the method during prefill (synchronised on CUDA); a score
             computed inside the prefill attention (LOOK-M's ``fused_score``) counts as prefill.
         rotary: callable positions → (cos, sin) for methods that re-position keys.
-        max_new_tokens: decode budget (tokens), the bias buffers' free slots.
+        max_new_tokens: decode budget (tokens); compressed layers keep max_new_tokens + 1 free slots per head.
         reference_decode: decode with :func:`grouped_attention` (float32 softmax; tests).
     """
 
@@ -57,7 +60,6 @@ class CompressionState:
     cache: Any
     phase: str = "prefill"
     results: dict[int, CompressResult] = field(default_factory=dict)
-    bias: dict[int, torch.Tensor] = field(default_factory=dict)
     compress_s: float = 0.0
     rotary: Any = None
     max_new_tokens: int = 0
@@ -66,13 +68,6 @@ class CompressionState:
     @property
     def compressing(self) -> bool:
         return self.method is not None and self.plan is not None and self.plan.compress
-
-
-def _apply_mask(logits: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    """``logits`` with transformers' mask applied (bool keep-mask or additive float)."""
-    if mask is None:
-        return logits
-    return logits.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else logits + mask
 
 
 def grouped_attention(query, key, value, scaling: float, bias=None, mask=None, softcap=None, causal_offset=None):
@@ -93,7 +88,9 @@ def grouped_attention(query, key, value, scaling: float, bias=None, mask=None, s
     logits = torch.matmul(query.reshape(b, h_kv, -1, d), key.transpose(-1, -2)).float() * scaling
     if softcap:
         logits = torch.tanh(logits / softcap) * softcap
-    logits = _apply_mask(logits.view(b, h_q, q, t) + (bias if bias is not None else 0), mask)
+    logits = logits.view(b, h_q, q, t) + (bias if bias is not None else 0)
+    if mask is not None:  # bool keep-mask or additive float
+        logits = logits.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else logits + mask
     if causal_offset is not None and mask is None and q > 1:
         rows = torch.arange(q, device=key.device).unsqueeze(1) + causal_offset
         logits = logits.masked_fill(torch.arange(t, device=key.device) > rows, float("-inf"))
@@ -116,34 +113,64 @@ def _prefill_attention(query, key, value, mask, scaling, softcap) -> torch.Tenso
     ], dim=1)
 
 
-def _decode_attention(query, key, value, mask, scaling, softcap, bias_buf, reference=False) -> torch.Tensor:
-    """Decode attention over the (compressed) cache with the layer's logit bias.
+def decode_backend(layer: Any, key: torch.Tensor, reference: bool = False) -> str:
+    """The decode attention of a cache layer (``python -m benchmarks.gpu_check`` reports it): ``reference``
+    (:func:`grouped_attention`), ``flash varlen`` (ragged heads, CUDA, fp16/bf16), ``sdpa per head``
+    (ragged heads elsewhere), ``sdpa, bias columns`` or ``sdpa`` (no mask: flash eligible on CUDA)."""
+    if reference:
+        return "reference"
+    if isinstance(layer, RaggedLayer):
+        half = key.is_cuda and key.dtype in (torch.float16, torch.bfloat16)
+        return "flash varlen" if half and varlen_attn is not None else "sdpa per head"
+    return "sdpa, bias columns" if getattr(layer, "bias_rows", 0) else "sdpa"
 
-    One query token without soft-capping: the G query heads of each KV head are viewed as G
-    query rows ``(B, H_kv, G, d)`` of one SDPA call against the un-repeated cache
-    ``(B, H_kv, T, d)`` (no repeated keys/values); the bias ``(B, H_q, 1, T)`` views as
-    ``(B, H_kv, G, T)`` (query head h = kv·G + g, transformers' ``repeat_kv`` order). Otherwise
-    (``reference``, soft-capping, several query tokens): :func:`grouped_attention`.
 
-    Args:
-        query: ``(B, H_q, q, d)``; key, value: ``(B, H_kv, T, d)`` (views of a preallocated cache allowed).
-        mask: transformers' mask ``(B, 1, q, T)`` (bool keep-mask or additive float) or None.
-        bias_buf: the layer's bias buffer ``(B, H_q, 1, ≥ T)`` or None.
+def dense_layer(layer: Any, key: torch.Tensor, value: torch.Tensor, query: torch.Tensor):
+    """A layer's decode content in the padded reference layout: keys, values ``(B, H_kv, T, d)`` and the
+    additive bias ``(B, H_q, 1, T)`` (from the bias columns; −inf on padded slots of ragged heads) or None."""
+    b, h_q, _, d = query.shape
+    r = getattr(layer, "bias_rows", 0)
+    key, value, valid = layer.padded() if isinstance(layer, RaggedLayer) else (key, value, None)
+    h_kv, t = key.shape[1], key.shape[2]
+    bias = key[..., d : d + r].float().transpose(-1, -2) * layer.bias_scale if r else key.new_zeros(b, h_kv, 1, t).float()
+    if valid is not None:
+        bias = bias.masked_fill(~valid.unsqueeze(2), float("-inf"))
+    bias = bias.expand(b, h_kv, h_q // h_kv, t).reshape(b, h_q, 1, t) if r or valid is not None else None
+    return key[..., :d], value[..., :d], bias
 
-    Returns:
-        ``(B, q, H_q, d)``.
+
+def _decode_attention(query, key, value, mask, scaling, softcap, layer=None, reference=False) -> torch.Tensor:
+    """Decode attention over a cache layer, with no ``attn_mask`` built: :func:`grouped_attention` over
+    :func:`dense_layer` (the padded reference, dense bias) within rounding.
+
+    One query token, no soft-capping: the G query heads of a KV head are G query rows ``(B, H_kv, G, d)``
+    (query head h = kv·G + g), given the component 1 (or a one-hot over G) for the bias columns and
+    zeros up to the stored width; the output keeps d channels. Invalid slots of ragged heads are not
+    stored, so no logit is −inf. Else (``reference``, soft-capping, q > 1, a mask on a ragged layer):
+    the reference. key, value: what ``layer.update`` returned. Returns ``(B, q, H_q, d)``.
     """
     b, h_q, q_len, d = query.shape
-    h_kv, t = key.shape[1], key.shape[2]
-    bias = bias_buf[..., :t] if bias_buf is not None else None
-    if reference or softcap or q_len > 1:
-        return grouped_attention(query, key, value, scaling, bias=bias, mask=mask, softcap=softcap)
-    attn_bias = bias.view(b, h_kv, h_q // h_kv, t) if bias is not None else None
-    if mask is not None:  # (B, 1, 1, T) broadcasts over (B, H_kv, G, T)
-        attn_bias = mask if attn_bias is None else _apply_mask(attn_bias, mask)
-    rows = query.reshape(b, h_kv, h_q // h_kv, d)
-    out = F.scaled_dot_product_attention(rows, key, value, attn_mask=attn_bias, scale=scaling)
-    return out.reshape(b, 1, h_q, d)
+    ragged = isinstance(layer, RaggedLayer)
+    backend = decode_backend(layer, key, reference or bool(softcap) or q_len > 1 or (ragged and mask is not None))
+    if backend == "reference":
+        k, v, bias = dense_layer(layer, key, value, query)
+        return grouped_attention(query, k, v, scaling, bias=bias, mask=mask, softcap=softcap)
+    h_kv = layer.shape[1] if ragged else key.shape[1]
+    rows, r = query.reshape(b, h_kv, h_q // h_kv, d), getattr(layer, "bias_rows", 0)
+    if r:
+        hot = torch.ones(h_q // h_kv, 1) if r == 1 else torch.eye(r)
+        rows = F.pad(torch.cat([rows, hot.to(rows).expand(b, h_kv, -1, -1)], -1), (0, key.shape[-1] - d - r))
+    if backend == "flash varlen":
+        out = varlen_attn(rows.reshape(b * h_kv, -1, rows.shape[-1]), key, value, layer.cu_q, layer.cu, 1,
+                          layer.get_seq_length(), scale=scaling, enable_gqa=True, seqused_k=layer.lengths)
+    elif ragged:  # 4-D views as in the uniform path (3-D inputs left ~6 MB more resident on CPU)
+        rows, t, w = rows.reshape(b * h_kv, 1, -1, rows.shape[-1]), layer.decoded, key.shape[-1]
+        out = torch.cat([F.scaled_dot_product_attention(rows[i : i + 1], key[s : s + n + t].view(1, 1, -1, w),
+                                                         value[s : s + n + t].view(1, 1, -1, w), scale=scaling)
+                         for i, (s, n) in enumerate(zip(layer.cu_host, layer.lens_host))])
+    else:  # mask (B, 1, 1, T) broadcasts over (B, H_kv, G, T)
+        out = F.scaled_dot_product_attention(rows, key, value, attn_mask=mask, scale=scaling)
+    return out[..., :d].reshape(b, 1, h_q, d)
 
 
 def fuse_prompt_attention(method: Method, query, key, mask, softcap) -> bool:
@@ -174,7 +201,10 @@ def _compress_layer(state: CompressionState, module, query, key, value, scaling,
     )
     result = state.method.compress(ctx)
     # the cache keeps its own copy (room for the decoded tokens); the result points at it
-    result.keys, result.values = store_layer(state.cache.layers[idx], result.keys, result.values)
+    rows = 0 if result.logit_bias is None else result.logit_bias.shape[1] // key.shape[1]
+    layer = store_layer(state.cache, idx, result.keys, result.values, result.valid, rows, float(scaling),
+                        state.max_new_tokens + 1)
+    result.keys, result.values = layer.keys, layer.values
     state.results[idx] = result
     if sync:
         torch.cuda.synchronize()
@@ -199,10 +229,10 @@ def kvbench_attention(module, query, key, value, attention_mask, scaling=None, d
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
     state = kvbench_state
     if state is not None and state.phase == "decode":
-        bias = state.bias.get(module.layer_idx)
+        layer = state.cache.layers[module.layer_idx]
         # one query sees every key its layer caches (a sliding layer caches its window only): no mask; traced
         # (torch.compile), transformers builds an all-True one sized by layer 0's cache, wrong for per-layer budgets
-        return _decode_attention(query, key, value, None, scaling, softcap, bias, state.reference_decode), None
+        return _decode_attention(query, key, value, None, scaling, softcap, layer, state.reference_decode), None
     compress = state is not None and state.compressing and module.layer_idx in state.layout.compressible_layers
     sums = None
     if compress and fuse_prompt_attention(state.method, query, key, attention_mask, softcap):
@@ -217,22 +247,11 @@ def kvbench_attention(module, query, key, value, attention_mask, scaling=None, d
     return out, None
 
 
-def build_decode_bias(state: CompressionState, dtype: torch.dtype) -> None:
-    """Turn per-layer method results into decode bias buffers ``(B, H_q, 1, m + max_new_tokens + 1)``.
-
-    The bias is the method's logit bias (0 where absent) with −inf on invalid slots; the slots
-    of decoded tokens get 0. Layers without bias or validity mask get no buffer (plain SDPA).
-    """
+def attach_bias(state: CompressionState) -> None:
+    """Write each compressed layer's final logit bias (after ``method.finalize``) into its bias columns."""
     for idx, res in state.results.items():
-        if res.logit_bias is None and res.valid is None:
-            continue
-        b, h_kv, m, _ = res.keys.shape
-        bias = res.logit_bias.float() if res.logit_bias is not None else torch.zeros(b, h_kv, m, device=res.keys.device)
-        if res.valid is not None:
-            bias = bias.masked_fill(~res.valid.repeat_interleave(bias.shape[1] // res.valid.shape[1], dim=1),
-                                    float("-inf"))
-        bias = bias.repeat_interleave(state.layout.num_q_heads // bias.shape[1], dim=1)
-        state.bias[idx] = F.pad(bias, (0, state.max_new_tokens + 1)).unsqueeze(2).to(dtype)
+        if res.logit_bias is not None:
+            write_bias(state.cache.layers[idx], res.logit_bias, state.layout.head_dim, res.valid)
 
 
 _registered = False

@@ -21,8 +21,8 @@ import torch
 
 from methods.base import Method, apply_budget_floor
 
-from .attention import CompressionState, build_decode_bias
-from .kvcache import preallocated_cache
+from .attention import CompressionState, attach_bias
+from .kvcache import RaggedLayer, preallocated_cache
 from .models import LoadedModel
 
 log = logging.getLogger(__name__)
@@ -42,9 +42,11 @@ class GenerationResult:
         prompt_tokens: n, prompt length in tokens.
         compressed: whether the cache was compressed (False when n ≤ budget or method=full).
         kept_tokens / stored_tokens: per compressible layer, mean/min/max of logical kept tokens
-            (valid slots, averaged over KV heads) and of stored slots per KV head.
+            (valid slots, averaged over KV heads) and of stored prompt slots per KV head.
+        kept_bytes / stored_bytes: the compressed layers' kept tokens at 2·d model-dtype values, and the
+            bytes their cache holds for them (bias columns included, free decode slots not).
         cache_bytes_before / cache_bytes_after: KV cache bytes of all layers right after prefill,
-            before and after compression (bias buffers included after).
+            before and after compression (filled slots, bias columns included after).
         prefill_s: prefill seconds excluding compression (a score computed inside the
             prefill attention, LOOK-M's ``fused_score``, is prefill); compress_s: compression seconds;
         decode_s: seconds from the first decode step to the last; generated_tokens;
@@ -59,6 +61,8 @@ class GenerationResult:
     compressed: bool
     kept_tokens: dict[str, float]
     stored_tokens: dict[str, float]
+    kept_bytes: int
+    stored_bytes: int
     cache_bytes_before: int
     cache_bytes_after: int
     prefill_s: float
@@ -76,6 +80,8 @@ class GenerationResult:
             "compressed": self.compressed,
             "kept_tokens": self.kept_tokens,
             "stored_tokens": self.stored_tokens,
+            "kept_bytes": self.kept_bytes,
+            "stored_bytes": self.stored_bytes,
             "cache_bytes_before": self.cache_bytes_before,
             "cache_bytes_after": self.cache_bytes_after,
             "prefill_s": round(self.prefill_s, 6),
@@ -87,14 +93,16 @@ class GenerationResult:
         }
 
 
+def layer_bytes(layer: Any) -> int:
+    """Bytes of a cache layer's filled key/value slots (a :class:`RaggedLayer`'s free reserve not counted)."""
+    slots = sum(layer.lens_host) + len(layer.lens_host) * layer.decoded if isinstance(layer, RaggedLayer) else None
+    return sum((t.numel() if slots is None else slots * t.shape[-1]) * t.element_size()
+               for t in (getattr(layer, "keys", None), getattr(layer, "values", None)) if isinstance(t, torch.Tensor))
+
+
 def cache_bytes(cache: Any) -> int:
-    """Bytes held by the keys and values of every layer of a transformers cache."""
-    total = 0
-    for layer in cache.layers:
-        for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
-            if isinstance(t, torch.Tensor):
-                total += t.numel() * t.element_size()
-    return total
+    """Bytes of the filled key/value slots of every layer of a transformers cache."""
+    return sum(layer_bytes(layer) for layer in cache.layers)
 
 
 def peak_rss_bytes() -> int:
@@ -249,14 +257,13 @@ class Engine:
         if sync:
             torch.cuda.synchronize()
         prefill_s = max(0.0, time.perf_counter() - t0 - state.compress_s)
-        before = self._bytes_before(cache, state, n) if state.results else cache_bytes(cache)
+        kept, stored, nbytes, mstats = self._cache_stats(state, n)
         finalize = getattr(self.method, "finalize", None)
         if state.results and callable(finalize):
             finalize(state.results)
-        build_decode_bias(state, model.dtype)
-        after = cache_bytes(cache) + sum(b.numel() * b.element_size() for b in state.bias.values())
+        attach_bias(state)
+        after = cache_bytes(cache)
         next_pos = max([r.next_position for r in state.results.values() if r.next_position is not None], default=n)
-        kept, stored, mstats = self._cache_stats(state, n)
         state.phase = "decode"
         self.last_state = state
 
@@ -298,33 +305,25 @@ class Engine:
         decode_s = time.perf_counter() - t1
         return GenerationResult(
             tokens=tokens, text=self.loaded.tokenizer.decode(tokens, skip_special_tokens=True), prompt_tokens=n,
-            compressed=bool(state.results), kept_tokens=kept, stored_tokens=stored,
-            cache_bytes_before=before, cache_bytes_after=after, prefill_s=prefill_s, compress_s=state.compress_s,
-            decode_s=decode_s, generated_tokens=len(tokens),
+            compressed=bool(state.results), kept_tokens=kept, stored_tokens=stored, cache_bytes_after=after, **nbytes,
+            prefill_s=prefill_s, compress_s=state.compress_s, decode_s=decode_s, generated_tokens=len(tokens),
             decode_tok_s=len(tokens) / decode_s if decode_s > 0 else 0.0,
             peak_rss_bytes=peak_memory_bytes(dev), method_stats=mstats,
         )
 
-    @staticmethod
-    def _bytes_before(cache: Any, state: CompressionState, n: int) -> int:
-        """Cache bytes as they were before compression (compressed layers counted at n tokens)."""
-        total = 0
-        for i, layer in enumerate(cache.layers):
-            k = layer.keys
-            per_token = k.numel() // max(1, k.shape[-2]) * k.element_size() * 2
-            total += per_token * (n if i in state.results else k.shape[-2])
-        return total
-
     def _cache_stats(self, state: CompressionState, n: int):
-        """(kept, stored, method_stats): per-layer kept/stored token stats and summed method stats."""
-        if not state.results:
-            comp = len(self.loaded.layout.compressible_layers)
-            return _stats([float(n)] * comp), _stats([n] * comp), {}
+        """(kept, stored, byte fields, method_stats): per-layer kept/stored token stats per KV head;
+        ``cache_bytes_before`` (compressed layers at n tokens), ``kept_bytes``, ``stored_bytes``; summed method stats."""
+        layout, layers = self.loaded.layout, state.cache.layers
+        token = 2 * layout.num_kv_heads * layout.head_dim * self.model.dtype.itemsize  # K and V of one token, all heads
         kept, stored, mstats = [], [], {}
-        for res in state.results.values():
-            m = res.keys.shape[-2]
-            stored.append(m)
-            kept.append(float(res.valid.float().sum(-1).mean()) if res.valid is not None else float(m))
+        for i, res in state.results.items():
+            kept.append(float(res.valid.float().sum(-1).mean()) if res.valid is not None else float(res.keys.shape[-2]))
+            stored.append(kept[-1] if isinstance(layers[i], RaggedLayer) else res.keys.shape[-2])
             for k, v in res.stats.items():
                 mstats[k] = mstats.get(k, 0.0) + float(v)
-        return _stats(kept), _stats(stored), mstats
+        nbytes = {"cache_bytes_before": sum(token * n if i in state.results else layer_bytes(x) for i, x in enumerate(layers)),
+                  "kept_bytes": round(sum(kept) * token), "stored_bytes": sum(layer_bytes(layers[i]) for i in state.results)}
+        if not state.results:
+            kept, stored = [float(n)] * len(layout.compressible_layers), [n] * len(layout.compressible_layers)
+        return _stats(kept), _stats(stored), nbytes, mstats

@@ -1,9 +1,12 @@
-"""A KV cache whose full-attention layers are preallocated buffers, written in place.
+"""A KV cache whose layers are preallocated buffers, written in place.
 
-transformers' ``DynamicLayer`` appends each decoded token with ``torch.cat``: every decode step
-copies every layer's whole cache into a new tensor. :class:`PreallocatedLayer` keeps keys and
-values in buffers ``(B, H_kv, T + reserve, d)`` and exposes the filled part as views
-``[:, :, :T]``; a decode step writes one row in place. Attention sees the same numbers.
+transformers' ``DynamicLayer`` appends each decoded token with ``torch.cat`` (a copy of the whole
+layer per step). :class:`PreallocatedLayer` keeps buffers ``(B, H_kv, T + reserve, width)`` and
+exposes the filled part as views; a compressed layer whose KV heads keep different numbers of
+tokens is a :class:`RaggedLayer`. A decode logit bias b (SelKV) is stored as ``bias_rows`` key
+columns ``b / scaling`` after the d channels (1 per KV head, or G per query head; 0 for decoded
+tokens), keys and values zero-padded to ``ALIGN``: with the query's extra component 1,
+``scaling·q'·k' = scaling·q·k + b`` exactly, so no mask is needed.
 """
 
 from __future__ import annotations
@@ -11,16 +14,20 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
+from torch.nn.utils.rnn import pad_sequence
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
+
+ALIGN = {"cuda": 8}  # stored channels are a multiple of this per device type (flash kernels: of 8)
 
 
 class PreallocatedLayer(DynamicLayer):
     """A ``DynamicLayer`` backed by buffers with room for ``reserve`` more tokens.
 
-    ``keys``/``values`` are views ``(B, H_kv, T, d)`` of buffers ``(B, H_kv, capacity, d)``. If
+    ``keys``/``values`` are views ``(B, H_kv, T, width)`` of buffers ``(B, H_kv, capacity, width)``. If
     other code assigns ``keys``/``values`` directly, the next :meth:`update` copies them into new
-    buffers; :meth:`replace` does that eagerly. Running out of reserve grows the buffers.
+    buffers. Running out of reserve grows the buffers.
 
     Args:
         reserve: free token slots kept after the filled part (the decode budget, tokens).
@@ -35,24 +42,20 @@ class PreallocatedLayer(DynamicLayer):
         self.reserve = max(1, int(reserve))
         self._len = 0  # filled slots: an int, so that a compiled decode step reads no view of a buffer it writes
 
-    def _rebuffer(self, keys: torch.Tensor, values: torch.Tensor, capacity: int) -> None:
-        """Copy ``keys``/``values`` ``(B, H, T, d)`` into new buffers of ``capacity`` ≥ T tokens."""
-        b, h, t, _ = keys.shape
-        self._key_buf = keys.new_empty((b, h, capacity, keys.shape[-1]))
-        self._value_buf = values.new_empty((b, h, capacity, values.shape[-1]))
-        self._key_buf[:, :, :t].copy_(keys)
-        self._value_buf[:, :, :t].copy_(values)
-        self._len, self._k, self._v = t, self._key_buf[:, :, :t], self._value_buf[:, :, :t]
-
-    def replace(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Replace the content by ``keys``/``values`` ``(B, H_kv, m, d)`` (e.g. the compressed cache).
-
-        Returns the new views ``(B, H_kv, m, d)`` of the layer's own buffers (the inputs may be freed).
-        """
+    def replace(self, keys: torch.Tensor, values: torch.Tensor, width: int | None = None,
+                capacity: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copy ``keys``/``values`` ``(B, H_kv, T, d)`` into new zeroed buffers of ``capacity`` (default
+        T + reserve) slots and ``width`` (default d) channels; return the views ``(B, H_kv, T, width)``."""
         if not self.is_initialized:
             self.lazy_initialization(keys, values)
+        b, h, t, _ = keys.shape
         self._key_buf = self._value_buf = None  # free the old buffers before allocating new ones
-        self._rebuffer(keys, values, keys.shape[-2] + self.reserve)
+        key_buf = keys.new_zeros((b, h, capacity or t + self.reserve, width or keys.shape[-1]))
+        value_buf = values.new_zeros((b, h, capacity or t + self.reserve, width or values.shape[-1]))
+        key_buf[:, :, :t, : keys.shape[-1]].copy_(keys)
+        value_buf[:, :, :t, : values.shape[-1]].copy_(values)
+        self._key_buf, self._value_buf, self._len = key_buf, value_buf, t
+        self._k, self._v = key_buf[:, :, :t], value_buf[:, :, :t]
         return self.keys, self.values
 
     def update(self, key_states, value_states, cache_kwargs: dict[str, Any] | None = None):
@@ -62,12 +65,12 @@ class PreallocatedLayer(DynamicLayer):
         q = key_states.shape[-2]
         if self._key_buf is None or self._value_buf is None:  # the first update (prefill), or keys/values assigned
             old = (self.keys, self.values) if self.keys.dim() == 4 else (key_states[:, :, :0], value_states[:, :, :0])
-            self._rebuffer(*old, old[0].shape[-2] + q + self.reserve)
+            self.replace(*old, capacity=old[0].shape[-2] + q + self.reserve)
         elif self._len + q > self._key_buf.shape[-2]:
-            self._rebuffer(self.keys, self.values, self._len + q + self.reserve)
+            self.replace(self.keys, self.values, capacity=self._len + q + self.reserve)
         t = self._len
-        self._key_buf[:, :, t : t + q].copy_(key_states)
-        self._value_buf[:, :, t : t + q].copy_(value_states)
+        self._key_buf[:, :, t : t + q, : key_states.shape[-1]].copy_(key_states)
+        self._value_buf[:, :, t : t + q, : value_states.shape[-1]].copy_(value_states)
         self._len, self._k, self._v = t + q, self._key_buf[:, :, : t + q], self._value_buf[:, :, : t + q]
         return self.keys, self.values
 
@@ -84,10 +87,85 @@ def preallocated_cache(config: Any, reserve: int) -> DynamicCache:
     return cache
 
 
-def store_layer(layer: Any, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Write ``keys``/``values`` ``(B, H_kv, m, d)`` as a cache layer's content; return what it holds
-    (views of a :class:`PreallocatedLayer`'s buffers, else contiguous tensors)."""
-    if isinstance(layer, PreallocatedLayer):
-        return layer.replace(keys, values)
-    layer.keys, layer.values = keys.contiguous(), values.contiguous()
-    return layer.keys, layer.values
+class RaggedLayer(DynamicLayer):
+    """A compressed layer whose KV heads keep different numbers of tokens, flat as AdaKV's code stores it.
+
+    Head i of the B·H_kv heads owns slots ``[cu[i], cu[i + 1])`` of ``keys``/``values`` ``(S, 1, width)``:
+    its ``lengths[i]`` kept tokens, then ``reserve`` slots that decoded tokens fill. Per-head room,
+    not a uniform tail merged by log-sum-exp: each head stays one contiguous run, so decode is one
+    flash varlen call (``cu_seq_k = cu``, ``seqused_k = lengths``) or one SDPA call per head. Stored
+    prompt slots = kept tokens; the reserve (the same for every method) is counted apart. Built from
+    ``keys``/``values`` ``(B, H_kv, m, d)`` padded per head and ``valid`` ``(B, H_kv, m)``, the kept slots.
+    """
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor, reserve: int, width: int):
+        super().__init__()
+        self.lazy_initialization(keys, values)
+        self.shape, self.reserve, self.decoded = valid.shape[:2], reserve, 0
+        lens = valid.sum(-1).flatten()
+        self.cu = F.pad((lens + reserve).cumsum(0), (1, 0)).int()  # (B·H_kv + 1,) segment starts
+        self.lengths = lens.int()  # (B·H_kv,) filled slots per head, on the device
+        self.cu_q = torch.arange(len(self.cu), device=keys.device, dtype=torch.int32)  # one query row per head
+        self.lens_host, self.cu_host = lens.tolist(), self.cu.tolist()
+        self.keys = keys.new_zeros((self.cu_host[-1], 1, width))
+        self.values = values.new_zeros((self.cu_host[-1], 1, width))
+        slots = self.slots(valid)
+        self.keys[slots, 0, : keys.shape[-1]] = keys[valid]
+        self.values[slots, 0, : values.shape[-1]] = values[valid]
+
+    def slots(self, valid: torch.Tensor) -> torch.Tensor:
+        """Flat slot of each True entry of ``valid`` ``(B, H_kv, m)``, in ``valid[valid]`` order."""
+        return (self.cu[:-1].view(*self.shape, 1) + valid.cumsum(-1) - 1)[valid]
+
+    def update(self, key_states, value_states, cache_kwargs: dict[str, Any] | None = None):
+        """Append ``(B, H_kv, q, d)`` to every head (RuntimeError past the reserve); return the flat buffers."""
+        q = key_states.shape[-2]
+        if self.decoded + q > self.reserve:
+            raise RuntimeError(f"RaggedLayer: {self.decoded + q} decoded tokens exceed the reserve of {self.reserve}")
+        idx = ((self.cu[:-1] + self.lengths).unsqueeze(1) + torch.arange(q, device=self.cu.device)).flatten()
+        self.keys[idx, 0, : key_states.shape[-1]] = key_states.reshape(-1, key_states.shape[-1])
+        self.values[idx, 0, : value_states.shape[-1]] = value_states.reshape(-1, value_states.shape[-1])
+        self.lengths += q
+        self.decoded += q
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        """The longest head's filled slots (tokens)."""
+        return max(self.lens_host) + self.decoded
+
+    def padded(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The reference layout: keys, values ``(B, H_kv, T, width)`` padded with zeros to the longest head,
+        and the validity mask ``(B, H_kv, T)`` (T = :meth:`get_seq_length`)."""
+        lens = [n + self.decoded for n in self.lens_host]
+        pad = lambda buf: pad_sequence([buf[s : s + n, 0] for s, n in zip(self.cu_host, lens)],
+                                       batch_first=True).view(*self.shape, max(lens), -1)
+        valid = torch.arange(max(lens), device=self.keys.device) < torch.tensor(lens, device=self.keys.device).unsqueeze(1)
+        return pad(self.keys), pad(self.values), valid.view(*self.shape, -1)
+
+
+def store_layer(cache: Any, idx: int, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor | None = None,
+                bias_rows: int = 0, scaling: float = 1.0, reserve: int = 1) -> Any:
+    """Store a compressed layer's ``keys``/``values`` ``(B, H_kv, m, d)`` as ``cache.layers[idx]`` and return it:
+    a :class:`RaggedLayer` of the True slots of ``valid`` ``(B, H_kv, m)``, else a :class:`PreallocatedLayer`
+    (the existing one, or one with ``reserve`` free slots); ``bias_rows`` columns for :func:`write_bias`."""
+    align = ALIGN.get(keys.device.type, 1)
+    width = -(-(keys.shape[-1] + bias_rows) // align) * align  # d + bias columns, zero-padded to ``align``
+    if valid is not None:
+        layer = RaggedLayer(keys, values, valid, reserve, width)
+    else:
+        layer = cache.layers[idx] if isinstance(cache.layers[idx], PreallocatedLayer) else PreallocatedLayer(reserve)
+        layer.replace(keys, values, width)
+    cache.layers[idx], layer.bias_rows, layer.bias_scale = layer, bias_rows, scaling
+    return layer
+
+
+def write_bias(layer: Any, bias: torch.Tensor, d: int, valid: torch.Tensor | None = None) -> None:
+    """Write a method's logit bias ``(B, H_kv · bias_rows, m)`` into the bias columns ``[d, d + bias_rows)``
+    of a layer made by :func:`store_layer`, as ``bias / bias_scale``; slots where ``valid``
+    ``(B, H_kv, m)`` is False (not stored by a :class:`RaggedLayer`) are dropped."""
+    r = layer.bias_rows
+    cols = (bias.float().clamp(min=-1e4) / layer.bias_scale)  # −inf → −1e4: exp underflows to 0, 0·(−1e4) is no NaN.view(bias.shape[0], -1, r, bias.shape[-1]).transpose(-1, -2)
+    if isinstance(layer, RaggedLayer):
+        layer.keys[layer.slots(valid), 0, d : d + r] = cols[valid].to(layer.keys.dtype)
+    else:
+        layer.keys[:, :, : cols.shape[2], d : d + r] = cols.to(layer.keys.dtype)

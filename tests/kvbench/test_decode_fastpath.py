@@ -1,13 +1,19 @@
-"""The fast decode path equals the reference path (float32 tolerance), for MHA and GQA,
-with and without logit bias and validity masks, on the attention function and end to end."""
+"""The decode paths (flat per-head lengths, bias columns) equal the padded reference with a dense
+bias (float32 / bf16 rounding), for MHA and GQA, on the attention function and end to end."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
+import torch.nn.functional as F
 
-from kvbench.attention import _decode_attention, grouped_attention
-from kvbench.engine import Engine
+import kvbench.attention
+import kvbench.kvcache
+from kvbench.attention import _decode_attention, decode_backend, grouped_attention
+from kvbench.engine import Engine, layer_bytes
+from kvbench.kvcache import PreallocatedLayer, RaggedLayer, store_layer, write_bias
 from methods.base import CompressResult, Method
 from methods.full import FullCache
 from tests.conftest import loaded_for, tiny_model
@@ -15,70 +21,114 @@ from tests.conftest import loaded_for, tiny_model
 LAYOUTS = {"mha": (4, 4), "gqa": (6, 2)}  # name -> (H_q, H_kv)
 
 
-def naive_attention(query, key, value, scaling, bias=None, keep=None):
-    """Independent float64 attention: keys/values repeated per query head (h uses KV head h // G)."""
-    g = query.shape[1] // key.shape[1]
-    k = key.double().repeat_interleave(g, dim=1)
-    v = value.double().repeat_interleave(g, dim=1)
-    logits = query.double() @ k.transpose(-1, -2) * scaling  # (B, H_q, 1, T)
-    if bias is not None:
-        logits = logits + bias.double()
-    if keep is not None:
-        logits = logits.masked_fill(~keep, float("-inf"))
-    out = torch.softmax(logits, dim=-1) @ v  # (B, H_q, 1, d)
-    return out.transpose(1, 2).float()
-
-
-def _inputs(h_q, h_kv, t=37, d=16, spare=5, seed=0):
+def _padded(h_kv, d, seed, lengths=None, bias_heads=0):
+    """A method's padded result: keys/values (1, H_kv, m, d), valid (random per-head lengths), bias."""
     gen = torch.Generator().manual_seed(seed)
-    query = torch.randn(1, 1, h_q, d, generator=gen).transpose(1, 2)  # (B, H_q, 1, d), as the model makes it
-    key_buf = torch.randn(1, h_kv, t + spare, d, generator=gen)  # a preallocated cache: views of a buffer
-    value_buf = torch.randn(1, h_kv, t + spare, d, generator=gen)
-    bias_buf = torch.zeros(1, h_q, 1, t + spare)
-    bias_buf[..., :t] = torch.randn(1, h_q, 1, t, generator=gen)
-    return query, key_buf[:, :, :t], value_buf[:, :, :t], bias_buf, d**-0.5
+    lengths = lengths or torch.randint(1, 30, (h_kv,), generator=gen).tolist()
+    m = max(lengths)
+    keys, values = torch.randn(1, h_kv, m, d, generator=gen), torch.randn(1, h_kv, m, d, generator=gen)
+    valid = torch.arange(m) < torch.tensor(lengths).unsqueeze(1)
+    valid = valid[:, torch.randperm(m, generator=gen)].unsqueeze(0)  # invalid slots anywhere, not only at the end
+    bias = torch.randn(1, bias_heads, m, generator=gen) if bias_heads else None
+    return keys, values, valid, bias
+
+
+def _store(keys, values, valid, bias, scaling, reserve):
+    cache = SimpleNamespace(layers=[PreallocatedLayer(reserve)])
+    rows = 0 if bias is None else bias.shape[1] // keys.shape[1]
+    layer = store_layer(cache, 0, keys, values, valid, rows, scaling, reserve)
+    if bias is not None:
+        write_bias(layer, bias, keys.shape[-1], valid)
+    return layer
+
+
+def _padded_reference(query, keys, values, valid, bias, new_k, new_v, scaling):
+    """grouped_attention over the padded layer (−inf on invalid slots) + decoded tokens (bias 0)."""
+    b, h_q, _, _ = query.shape
+    h_kv, m = keys.shape[1], keys.shape[2]
+    dense = torch.zeros(b, h_q, 1, m) if bias is None else bias.repeat_interleave(h_q // bias.shape[1], 1).unsqueeze(2)
+    if valid is not None:
+        dense = dense.masked_fill(~valid.repeat_interleave(h_q // h_kv, 1).unsqueeze(2), float("-inf"))
+    dense = F.pad(dense, (0, new_k.shape[2]))
+    return grouped_attention(query, torch.cat([keys, new_k], 2), torch.cat([values, new_v], 2), scaling, bias=dense)
+
+
+def fake_varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, *, scale, enable_gqa, seqused_k):
+    """torch.nn.attention.varlen.varlen_attn's documented semantics, in plain torch (CPU)."""
+    assert enable_gqa and cu_q.dtype == cu_k.dtype == seqused_k.dtype == torch.int32 and max_q == 1
+    out = []
+    for i in range(len(cu_q) - 1):
+        s, n = int(cu_k[i]), int(seqused_k[i])
+        assert n <= int(cu_k[i + 1]) - s and n <= max_k
+        qi, ki, vi = q[int(cu_q[i]) : int(cu_q[i + 1])], k[s : s + n], v[s : s + n]  # (1, G, w), (n, 1, w)
+        p = torch.softmax(torch.einsum("qgw,nw->gqn", qi.float(), ki[:, 0].float()) * scale, -1)
+        out.append(torch.einsum("gqn,nw->qgw", p, vi[:, 0].float()).to(q.dtype))
+    return torch.cat(out)
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
-@pytest.mark.parametrize("with_bias", [False, True])
-@pytest.mark.parametrize("mask_kind", [None, "bool", "float"])
-def test_fast_decode_attention_equals_reference(layout, with_bias, mask_kind):
+@pytest.mark.parametrize("bias_kind", [None, "kv", "q"])
+@pytest.mark.parametrize("backend", ["sdpa per head", "flash varlen", "sdpa per head, width 8k"])
+def test_ragged_decode_equals_padded_reference(monkeypatch, layout, bias_kind, backend):
+    """Per-head lengths stored flat: each decode step equals grouped_attention with the dense −inf/bias
+    mask over the padded layer, and the stored prompt bytes are the kept tokens' (no padding)."""
     h_q, h_kv = LAYOUTS[layout]
-    query, key, value, bias_buf, scaling = _inputs(h_q, h_kv)
-    t = key.shape[2]
-    keep = torch.ones(1, 1, 1, t, dtype=torch.bool)
-    keep[..., [2, 5, 11]] = False
-    mask = None
-    if mask_kind == "bool":
-        mask = keep
-    elif mask_kind == "float":
-        mask = torch.zeros(1, 1, 1, t).masked_fill(~keep, float("-inf"))
-    buf = bias_buf if with_bias else None
-    fast = _decode_attention(query, key, value, mask, scaling, None, buf)
-    ref = _decode_attention(query, key, value, mask, scaling, None, buf, reference=True)
-    also_ref = grouped_attention(query, key, value, scaling, bias=buf[..., :t] if with_bias else None, mask=mask)
-    expected = naive_attention(
-        query, key, value, scaling, bias=bias_buf[..., :t] if with_bias else None, keep=keep if mask is not None else None
-    )
-    assert fast.shape == (1, 1, h_q, query.shape[-1])
-    torch.testing.assert_close(ref, also_ref)
-    torch.testing.assert_close(fast, expected, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(ref, expected, atol=1e-5, rtol=1e-5)
+    d, scaling, reserve = 16, 16**-0.5, 4
+    if backend == "flash varlen":  # the CUDA call's arguments, checked against the kernel's documented semantics
+        monkeypatch.setattr(kvbench.attention, "decode_backend", lambda layer, key, ref=False: "reference" if ref else backend)
+        monkeypatch.setattr(kvbench.attention, "varlen_attn", fake_varlen_attn)
+    if backend.endswith("8k"):  # CUDA's alignment of bias columns (zero padding to a multiple of 8)
+        monkeypatch.setitem(kvbench.kvcache.ALIGN, "cpu", 8)
+    keys, values, valid, bias = _padded(h_kv, d, seed=h_q, bias_heads={None: 0, "kv": h_kv, "q": h_q}[bias_kind])
+    layer = _store(keys, values, valid, bias, scaling, reserve)
+    kept = int(valid.sum())
+    rows = 0 if bias is None else bias.shape[1] // h_kv
+    width = d + rows if not backend.endswith("8k") or not rows else 24
+    assert isinstance(layer, RaggedLayer) and layer.keys.shape == (kept + h_kv * reserve, 1, width)
+    assert layer_bytes(layer) == kept * 2 * width * 4 and torch.isfinite(layer.keys).all()  # nothing −inf stored
+    assert kvbench.attention.decode_backend(layer, layer.keys) == backend.split(",")[0]
+    gen = torch.Generator().manual_seed(1)
+    new_k, new_v = torch.zeros(1, h_kv, 0, d), torch.zeros(1, h_kv, 0, d)
+    for step in range(reserve):
+        query = torch.randn(1, h_q, 1, d, generator=gen)
+        k1, v1 = torch.randn(1, h_kv, 1, d, generator=gen), torch.randn(1, h_kv, 1, d, generator=gen)
+        new_k, new_v = torch.cat([new_k, k1], 2), torch.cat([new_v, v1], 2)
+        key, value = layer.update(k1, v1)
+        assert layer.get_seq_length() == int(valid.sum(-1).max()) + step + 1
+        fast = _decode_attention(query, key, value, None, scaling, None, layer)
+        ref = _decode_attention(query, key, value, None, scaling, None, layer, reference=True)
+        expected = _padded_reference(query, keys, values, valid, bias, new_k, new_v, scaling)
+        torch.testing.assert_close(fast, expected, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(ref, expected, atol=1e-5, rtol=1e-5)
+    with pytest.raises(RuntimeError):
+        layer.update(k1, v1)  # the reserve is spent
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_fast_decode_validity_bias_equals_removing_positions(layout):
-    """A per-head −inf bias (validity mask folded into the bias) equals attending over fewer keys."""
+@pytest.mark.parametrize("bias_kind", ["kv", "q"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_bias_columns_decode_without_mask_equals_dense_bias(monkeypatch, layout, bias_kind, dtype):
+    """Uniform lengths with a logit bias (SelKV): SDPA gets no attn_mask, and equals SDPA with the dense bias."""
     h_q, h_kv = LAYOUTS[layout]
-    query, key, value, bias_buf, scaling = _inputs(h_q, h_kv, seed=3)
-    t = key.shape[2]
-    bias_buf.zero_()
-    dropped = [4, 9, 30]
-    bias_buf[..., dropped] = float("-inf")  # every head: invalid slots
-    fast = _decode_attention(query, key, value, None, scaling, None, bias_buf)
-    kept = [i for i in range(t) if i not in dropped]
-    expected = naive_attention(query, key[:, :, kept], value[:, :, kept], scaling)
-    torch.testing.assert_close(fast, expected, atol=1e-5, rtol=1e-5)
+    d, scaling = 16, 16**-0.5
+    monkeypatch.setitem(kvbench.kvcache.ALIGN, "cpu", 8)
+    keys, values, _, bias = _padded(h_kv, d, seed=5, lengths=[20] * h_kv, bias_heads=h_kv if bias_kind == "kv" else h_q)
+    layer = _store(keys.to(dtype), values.to(dtype), None, bias, scaling, 3)
+    assert layer.keys.shape == (1, h_kv, 20, 24) and decode_backend(layer, layer.keys) == "sdpa, bias columns"
+    gen = torch.Generator().manual_seed(6)
+    query, k1, v1 = (torch.randn(1, h, 1, d, generator=gen).to(dtype) for h in (h_q, h_kv, h_kv))
+    key, value = layer.update(k1, v1)
+    masks = []
+    real_sdpa = F.scaled_dot_product_attention
+    monkeypatch.setattr(kvbench.attention.F, "scaled_dot_product_attention",
+                        lambda *a, **kw: masks.append(kw.get("attn_mask")) or real_sdpa(*a, **kw))
+    fast = _decode_attention(query, key, value, None, scaling, None, layer)
+    monkeypatch.undo()
+    assert masks == [None]  # no mask: the flash backend stays eligible on CUDA
+    expected = _padded_reference(query.float(), keys.to(dtype).float(), values.to(dtype).float(), None, bias, k1.float(),
+                                 v1.float(), scaling)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2  # bf16: the stored bias b/scaling and q, k, v are rounded
+    torch.testing.assert_close(fast.float(), expected, atol=tol, rtol=tol)
 
 
 class RandomBiasAndValidity(Method):
@@ -143,5 +193,8 @@ def test_engine_fast_decode_equals_reference_decode(layout, kind):
     assert len(fast_logits) == len(ref_logits) == 6
     for a, b in zip(fast_logits, ref_logits):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
-    if kind != "full":
-        assert fast.compressed and fast.kept_tokens["min"] < fast.stored_tokens["max"]
+    if kind != "full":  # flat per-head storage: stored = kept, widened by the bias columns only
+        rows = h_q // h_kv if kind.endswith("_q") else 1
+        assert fast.compressed and fast.stored_tokens == fast.kept_tokens and fast.kept_tokens["min"] < 16
+        assert fast.stored_bytes * 16 == fast.kept_bytes * (16 + rows) 
+        assert fast.kept_bytes == fast.kept_tokens["mean"] * 2 * h_kv * (2 * 16 * 4)  # 2 layers, K and V, float32

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import torch
 from transformers.cache_utils import DynamicLayer
 
@@ -40,8 +42,9 @@ def test_replace_and_external_assignment_are_rebuffered():
     (k0, v0), (k1, v1), (k2, v2) = _chunks(lengths=(6, 1, 1))
     layer.update(k0, v0)
     kept_k, kept_v = k0[:, :, [0, 2, 5]], v0[:, :, [0, 2, 5]]
-    keys, values = store_layer(layer, kept_k, kept_v)
-    assert keys.shape[2] == 3 and layer.get_seq_length() == 3
+    cache = SimpleNamespace(layers=[layer])
+    assert store_layer(cache, 0, kept_k, kept_v) is layer and cache.layers == [layer]
+    assert layer.keys.shape[2] == 3 and layer.get_seq_length() == 3
     keys, _ = layer.update(k1, v1)
     torch.testing.assert_close(keys, torch.cat([kept_k, k1], dim=2), rtol=0, atol=0)
     layer.keys, layer.values = kept_k.clone(), kept_v.clone()  # code that assigns tensors directly
@@ -50,12 +53,14 @@ def test_replace_and_external_assignment_are_rebuffered():
     torch.testing.assert_close(values, torch.cat([kept_v, v2], dim=2), rtol=0, atol=0)
 
 
-def test_store_layer_on_a_plain_dynamic_layer():
+def test_store_layer_replaces_a_plain_dynamic_layer():
     layer = DynamicLayer()
     k, v = _chunks(lengths=(5,))[0]
     layer.update(k, v)
-    keys, _ = store_layer(layer, k[:, :, ::2], v[:, :, ::2])
-    assert keys.is_contiguous() and keys.shape[2] == 3
+    cache = SimpleNamespace(layers=[layer])
+    stored = store_layer(cache, 0, k[:, :, ::2], v[:, :, ::2], reserve=2)  # a compressed layer gets room to decode
+    assert cache.layers == [stored] and isinstance(stored, PreallocatedLayer) and stored._key_buf.shape == (1, 2, 5, 4)
+    torch.testing.assert_close(stored.keys, k[:, :, ::2], rtol=0, atol=0)
 
 
 def test_preallocated_cache_keeps_sliding_layers():

@@ -57,8 +57,8 @@ def test_lookm_sample_holds_only_its_compressed_cache():
         # the prefill's n-token buffers were replaced by m + reserve slots (the merged cache's copy)
         assert layer._key_buf.shape == layer._value_buf.shape == (1, H_KV, m + NEW + 1, D)
         buffers |= {layer._key_buf.untyped_storage().data_ptr(), layer._value_buf.untyped_storage().data_ptr()}
-    # results, bias buffers, plan: besides the cache buffers, nothing larger than O(H_q·(m + new))
-    others = [t for t in _tensors({"results": state.results, "bias": state.bias, "plan": state.plan})
+    # results, plan: besides the cache buffers, nothing larger than O(H_q·(m + new))
+    others = [t for t in _tensors({"results": state.results, "plan": state.plan})
               if t.untyped_storage().data_ptr() not in buffers]
     assert others, "expected the kept indices at least"
     for t in others:

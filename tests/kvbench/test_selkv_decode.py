@@ -13,7 +13,7 @@ from kvbench.engine import Engine
 from methods.selkv import SelKV, SelKVConfig
 from tests.conftest import loaded_for, tiny_model
 
-LAYERS = 2
+LAYERS, D = 2, 16  # tiny_model's head_dim
 
 
 class RecordingF:
@@ -32,9 +32,12 @@ class RecordingF:
             # record in the per-query-head layout (B, H_q, 1, ·), query head h = kv·G + g
             b, h_kv, g, _ = query.shape
             as_heads = lambda x: x.reshape(b, h_kv * g, 1, x.shape[-1])  # noqa: E731
-            mask = as_heads(attn_mask.expand(b, h_kv, g, key.shape[2])) if attn_mask is not None else None
-            self.calls.append({"q": as_heads(query), "k": key, "v": value, "mask": mask, "out": as_heads(out),
-                               "scale": kw.get("scale")})
+            bias = None
+            if key.shape[-1] > D:  # a logit bias b: key column D holds b / scale, the query's component D is 1
+                assert torch.all(query[..., D] == 1) and torch.all(key[..., D + 1 :] == 0)
+                bias = as_heads(key[..., D].unsqueeze(2).expand(b, h_kv, g, -1)) * kw["scale"]
+            self.calls.append({"q": as_heads(query[..., :D]), "k": key[..., :D], "v": value[..., :D], "mask": attn_mask,
+                               "bias": bias, "out": as_heads(out[..., :D]), "scale": kw.get("scale")})
         return out
 
 
@@ -83,7 +86,8 @@ def test_compensation_raises_kept_logits_by_alpha_log_ratio(monkeypatch, n_kv):
         assert ratio.min() >= 1 - 1e-6 and ratio.max() > 1.01
         want = torch.zeros(1, 4, 1, t)
         want[:, :, 0, :m] = 0.5 * torch.log(ratio).repeat_interleave(g, dim=1)
-        torch.testing.assert_close(on[layer]["mask"].float(), want, atol=1e-6, rtol=1e-6)
+        assert on[layer]["mask"] is None and off[layer]["mask"] is None and off[layer]["bias"] is None  # no attn_mask
+        torch.testing.assert_close(on[layer]["bias"], want, atol=1e-6, rtol=1e-6)
         torch.testing.assert_close(on[layer]["out"], attend(q, k, v, scale, want), atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(off[layer]["out"], attend(off[layer]["q"], off[layer]["k"], off[layer]["v"], scale), atol=1e-5, rtol=1e-5)
         if n_kv == 2:  # GQA, union selection: one R per position, averaged across KV heads
@@ -102,7 +106,7 @@ def test_global_compensation_is_the_layer_average_applied_by_the_engine(monkeypa
     for layer in range(LAYERS):
         torch.testing.assert_close(averaged.results[layer].logit_bias, want, atol=1e-6, rtol=1e-6)
         m = want.shape[-1]
-        torch.testing.assert_close(calls[layer]["mask"][:, :, 0, :m].float(), want.repeat_interleave(2, dim=1), atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(calls[layer]["bias"][:, :, 0, :m], want.repeat_interleave(2, dim=1), atol=1e-6, rtol=1e-6)
 
 
 def test_repositioned_decode_continues_at_m(monkeypatch):
@@ -127,4 +131,4 @@ def test_selkv_runs_on_every_family(monkeypatch, family):
     for layer, res in state.results.items():
         assert res.keys.shape[-2] == 20 and res.next_position == (20 if reposition else None)
         assert torch.isfinite(res.logit_bias).all() and torch.isfinite(res.values).all()
-        assert state.cache.layers[layer].keys.shape[-2] == 20 + 2  # two decode steps appended
+        assert state.cache.layers[layer].keys.shape[-2:] == (20 + 2, D + 1)  # two decode steps appended, a bias column

@@ -44,7 +44,8 @@ def test_headkv_variable_lengths_in_the_engine(tmp_path):
     eng.record_logits = True
     res = eng.generate(PROMPT, 4, stop_ids=[])
     assert res.compressed
-    assert res.stored_tokens["max"] == int(plan.head_budgets.max())
+    # flat per-head storage: stored slots and bytes are the kept ones (float32, K and V, d = 16)
+    assert res.stored_tokens == res.kept_tokens and res.stored_bytes == res.kept_bytes == int(plan.head_budgets.sum()) * 2 * 16 * 4
     per_layer_kept = plan.head_budgets.float().mean(dim=1)
     assert res.kept_tokens["mean"] == pytest.approx(float(per_layer_kept.mean()), abs=1e-3)
 
@@ -84,7 +85,7 @@ def test_headcompresskv_in_the_engine(tmp_path):
     method = CompressKV(cfg, loaded.layout)
     plan = method.plan(len(PROMPT), 16, loaded.layout)
     res = Engine(loaded, method, 16).generate(PROMPT, 3, stop_ids=[])
-    assert res.stored_tokens["max"] == int(plan.head_budgets.max())
+    assert res.stored_tokens == res.kept_tokens and res.stored_bytes == res.kept_bytes == int(plan.head_budgets.sum()) * 2 * 16 * 4
     assert res.kept_tokens["mean"] == pytest.approx(float(plan.head_budgets.float().mean()), abs=1e-3)
 
 
