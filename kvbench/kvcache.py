@@ -164,7 +164,8 @@ def write_bias(layer: Any, bias: torch.Tensor, d: int, valid: torch.Tensor | Non
     of a layer made by :func:`store_layer`, as ``bias / bias_scale``; slots where ``valid``
     ``(B, H_kv, m)`` is False (not stored by a :class:`RaggedLayer`) are dropped."""
     r = layer.bias_rows
-    cols = (bias.float().clamp(min=-1e4) / layer.bias_scale)  # −inf → −1e4: exp underflows to 0, 0·(−1e4) is no NaN.view(bias.shape[0], -1, r, bias.shape[-1]).transpose(-1, -2)
+    # −inf (a hidden slot) → −1e3: exp underflows to 0 as for −inf, 0·(−1e3) is no NaN, fp16 holds it
+    cols = (bias.float().clamp(min=-1e3) / layer.bias_scale).view(bias.shape[0], -1, r, bias.shape[-1]).transpose(-1, -2)
     if isinstance(layer, RaggedLayer):
         layer.keys[layer.slots(valid), 0, d : d + r] = cols[valid].to(layer.keys.dtype)
     else:
