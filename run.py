@@ -85,6 +85,9 @@ def main() -> int:
             return run_job(cfg)
 
         app()
+        from kvbench.job import run_shared
+
+        run_shared()  # the jobs a sweep with sweep.share_prefill=true collected
     except Exception as e:  # noqa: BLE001 - one line for the user, exit code by kind
         kinds = {c.__name__ for c in type(e).__mro__}
         if not kinds & {*CONFIG_ERRORS, "OSError"}:
