@@ -5,6 +5,7 @@
     python run.py method=selkv model=llama31 budget=0.25 task=longbench
     python run.py -m method=snapkv,selkv budget=0.1,0.25,0.5            # sweep (local)
     python run.py -m ... hydra/launcher=slurm                            # sweep as a SLURM array
+    python run.py -m ... sweep.share_prefill=true                        # local sweep, one prefill per sample
     python run.py --help | --cfg job
 
 Exit codes: 0 ok, 1 some samples failed (stored with their error; rerun to retry them) or an
@@ -85,6 +86,9 @@ def main() -> int:
             return run_job(cfg)
 
         app()
+        from kvbench.job import run_shared
+
+        run_shared()  # the jobs a sweep with sweep.share_prefill=true collected
     except Exception as e:  # noqa: BLE001 - one line for the user, exit code by kind
         kinds = {c.__name__ for c in type(e).__mro__}
         if not kinds & {*CONFIG_ERRORS, "OSError"}:

@@ -221,29 +221,31 @@ def kvbench_attention(module, query, key, value, attention_mask, scaling=None, d
             layer's whole cache after the update.
         attention_mask: transformers' mask for this layer (None when causal SDPA suffices).
         scaling: logit scale; softcap: Gemma-2 soft-capping.
-        kvbench_state: the :class:`CompressionState` of this generation (None: plain attention).
+        kvbench_state: the :class:`CompressionState` of this generation (None: plain attention), or
+            a list of them in a shared prefill (:func:`kvbench.engine.prefill`).
 
     Returns:
         ``(attn_output (B, q, H_q, d), None)``.
     """
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
     state = kvbench_state
-    if state is not None and state.phase == "decode":
+    if isinstance(state, CompressionState) and state.phase == "decode":
         layer = state.cache.layers[module.layer_idx]
         # one query sees every key its layer caches (a sliding layer caches its window only): no mask; traced
         # (torch.compile), transformers builds an all-True one sized by layer 0's cache, wrong for per-layer budgets
         return _decode_attention(query, key, value, None, scaling, softcap, layer, state.reference_decode), None
-    compress = state is not None and state.compressing and module.layer_idx in state.layout.compressible_layers
+    states = [s for s in (state if isinstance(state, list) else [state])  # a shared prefill passes several
+              if s is not None and s.compressing and module.layer_idx in s.layout.compressible_layers]
     sums = None
-    if compress and fuse_prompt_attention(state.method, query, key, attention_mask, softcap):
+    if states and fuse_prompt_attention(states[0].method, query, key, attention_mask, softcap):
         # LOOK-M's whole-prompt score comes out of this attention: one pass over QK^T, not two
         out, sums = attention_with_column_sums(query, key, value, scaling, softcap,
-                                               getattr(state.method.config, "query_chunk", 512))
+                                               getattr(states[0].method.config, "query_chunk", 512))
         out = out.transpose(1, 2).contiguous()
     else:
         out = _prefill_attention(query, key, value, attention_mask, scaling, softcap)
-    if compress:
-        _compress_layer(state, module, query, key, value, scaling, softcap, sums)
+    for s in states:  # each compresses the layer into its own cache
+        _compress_layer(s, module, query, key, value, scaling, softcap, sums)
     return out, None
 
 

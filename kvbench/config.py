@@ -46,6 +46,11 @@ class Shard:
 
 
 @dataclass
+class Sweep:
+    share_prefill: bool = False  # docs/SWEEPS.md: a local sweep's jobs that differ in method and budget share prefills
+
+
+@dataclass
 class TopConfig:
     """conf/config.yaml's keys (``model``, ``method``, ``task`` are checked by their own schemas)."""
 
@@ -57,6 +62,7 @@ class TopConfig:
     run_name: Optional[str] = None
     max_samples: Optional[int] = None
     shard: Shard = field(default_factory=Shard)
+    sweep: Sweep = field(default_factory=Sweep)
     lock_wait_s: float = 0.0
     quiet: bool = False
     threads: Any = "auto"

@@ -10,12 +10,13 @@ its Hugging Face modules compute.
 
 from __future__ import annotations
 
+import copy
 import inspect
 import logging
 import resource
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -98,6 +99,15 @@ def layer_bytes(layer: Any) -> int:
     slots = sum(layer.lens_host) + len(layer.lens_host) * layer.decoded if isinstance(layer, RaggedLayer) else None
     return sum((t.numel() if slots is None else slots * t.shape[-1]) * t.element_size()
                for t in (getattr(layer, "keys", None), getattr(layer, "values", None)) if isinstance(t, torch.Tensor))
+
+
+class Prefilled(NamedTuple):
+    """One engine's part of a (shared) prefill: its state with the compressed cache, the last
+    position's logits ``(V,)``, the prefill's seconds without compression."""
+
+    state: CompressionState
+    logits: torch.Tensor
+    prefill_s: float
 
 
 def cache_bytes(cache: Any) -> int:
@@ -205,36 +215,14 @@ class Engine:
             self._compiled = torch.compile(self.model, dynamic=True)
         return self._compiled if self.compile_decode else self.model
 
-    @torch.inference_mode()
-    def generate(self, prompt_ids: list[int], max_new_tokens: int, stop_ids: list[int] | None = None,
-                 min_new_tokens: int = 0) -> GenerationResult:
-        """Prefill ``prompt_ids``, compress the cache once, decode greedily.
-
-        Args:
-            prompt_ids: prompt token ids (already truncated by the task).
-            max_new_tokens: generation limit (tokens).
-            stop_ids: ids that end generation (defaults to the model's stop ids).
-            min_new_tokens: steps during which stop ids cannot be chosen (their logits are −inf),
-                as ``generate(min_length=prompt + k)`` does.
-
-        Returns:
-            A :class:`GenerationResult`.
-
-        Raises:
-            ValueError: an empty prompt.
-            NonFiniteLogitsError: NaN/inf logits at any step.
-        """
+    def _start(self, n: int, max_new_tokens: int, preallocate: bool) -> CompressionState:
+        """This engine's state for an n-token prompt: its plan (budget floor applied) and an empty cache."""
         from transformers import DynamicCache
 
-        model, layout, dev = self.model, self.loaded.layout, self.loaded.device
-        stops = sorted(set(self.loaded.stop_ids if stop_ids is None else stop_ids))
-        n = len(prompt_ids)
-        if n == 0:
-            raise ValueError("empty prompt: nothing to prefill")
         self.last_state, self.last_logits = None, []  # free the previous sample's cache before this prefill
         reserve = max_new_tokens + 1
-        cache = preallocated_cache(model.config, reserve) if self.preallocate else DynamicCache(config=model.config)
-        layout = layout.for_prompt(n, max_new_tokens)  # model.compress_sliding_layers
+        cache = preallocated_cache(self.model.config, reserve) if preallocate else DynamicCache(config=self.model.config)
+        layout = self.loaded.layout.for_prompt(n, max_new_tokens)  # model.compress_sliding_layers
         planned = self.method.plan(n, self.budget, layout)
         plan = apply_budget_floor(planned, n, self.method.min_budget())
         if plan is not planned and not self._floor_warned:
@@ -245,18 +233,34 @@ class Engine:
                 self.budget, self.method.min_budget(), self.method.name, n, self.method.min_budget(),
                 "" if plan.compress else " (here all n: the cache is not compressed)",
             )
-        state = CompressionState(method=self.method, plan=plan, layout=layout, cache=cache, rotary=self._rotary,
-                                 max_new_tokens=max_new_tokens, reference_decode=self.reference_decode)
-        sync = dev.type == "cuda"
-        if sync:
-            torch.cuda.reset_peak_memory_stats(dev)
-        t0 = time.perf_counter()
-        out = model(input_ids=torch.tensor([prompt_ids], device=dev), past_key_values=cache, use_cache=True,
-                    logits_to_keep=1, kvbench_state=state)
-        logits = out.logits[0, -1]
-        if sync:
-            torch.cuda.synchronize()
-        prefill_s = max(0.0, time.perf_counter() - t0 - state.compress_s)
+        return CompressionState(method=self.method, plan=plan, layout=layout, cache=cache, rotary=self._rotary,
+                                max_new_tokens=max_new_tokens, reference_decode=self.reference_decode)
+
+    @torch.inference_mode()
+    def generate(self, prompt_ids: list[int], max_new_tokens: int, stop_ids: list[int] | None = None,
+                 min_new_tokens: int = 0, prefilled: Prefilled | None = None) -> GenerationResult:
+        """Prefill ``prompt_ids``, compress the cache once, decode greedily.
+
+        Args:
+            prompt_ids: prompt token ids (already truncated by the task).
+            max_new_tokens: generation limit (tokens).
+            stop_ids: ids that end generation (defaults to the model's stop ids).
+            min_new_tokens: steps during which stop ids cannot be chosen (their logits are −inf),
+                as ``generate(min_length=prompt + k)`` does.
+            prefilled: this engine's part of a shared :func:`prefill` of ``prompt_ids`` (None: prefill here).
+
+        Returns:
+            A :class:`GenerationResult`.
+
+        Raises:
+            ValueError: an empty prompt.
+            NonFiniteLogitsError: NaN/inf logits at any step.
+        """
+        model, dev = self.model, self.loaded.device
+        stops = sorted(set(self.loaded.stop_ids if stop_ids is None else stop_ids))
+        n = len(prompt_ids)
+        state, logits, prefill_s = prefilled or prefill([self], prompt_ids, max_new_tokens)[0]
+        cache, sync = state.cache, dev.type == "cuda"
         kept, stored, nbytes, mstats = self._cache_stats(state, n)
         finalize = getattr(self.method, "finalize", None)
         if state.results and callable(finalize):
@@ -298,7 +302,7 @@ class Engine:
                 break
             pos = positions[step : step + 1]
             out = forward(input_ids=next_tok, past_key_values=cache, use_cache=True, position_ids=pos.view(1, 1),
-                        cache_position=pos, kvbench_state=state)
+                          cache_position=pos, kvbench_state=state)
             logits = out.logits[0, -1]
         if sync:
             torch.cuda.synchronize()
@@ -327,3 +331,47 @@ class Engine:
         if not state.results:
             kept, stored = [float(n)] * len(layout.compressible_layers), [n] * len(layout.compressible_layers)
         return _stats(kept), _stats(stored), nbytes, mstats
+
+
+@torch.inference_mode()
+def prefill(engines: list[Engine], prompt_ids: list[int], max_new_tokens: int) -> list[Prefilled]:
+    """Prefill ``prompt_ids`` once for several engines on one loaded model (a shared sweep,
+    docs/SWEEPS.md): at the end of each layer's prefill every engine's method compresses that
+    layer into the engine's own cache; layers an engine leaves whole are copied after the prefill.
+    Engines whose method scores inside the prefill attention (LOOK-M's ``fused_score``: blocked
+    float32 attention, not SDPA) get a prefill of their own, one per ``query_chunk``, so every
+    engine sees the numbers it would see alone.
+
+    Returns:
+        One :class:`Prefilled` per engine, in order.
+
+    Raises:
+        ValueError: an empty prompt.
+    """
+    n, first = len(prompt_ids), engines[0]
+    if n == 0:
+        raise ValueError("empty prompt: nothing to prefill")
+    dev = first.loaded.device
+    states = [e._start(n, max_new_tokens, e.preallocate or len(engines) > 1) for e in engines]
+    kinds: dict[Any, list[int]] = {}
+    for i, st in enumerate(states):
+        fused = st.compressing and st.method.wants_prompt_attention(dev)
+        kinds.setdefault(getattr(st.method.config, "query_chunk", 0) if fused else None, []).append(i)
+    out: list[Prefilled | None] = [None] * len(engines)
+    for group in kinds.values():
+        mine, shared, sync = [states[i] for i in group], len(group) > 1, dev.type == "cuda"
+        cache = preallocated_cache(first.model.config, max_new_tokens + 1) if shared else mine[0].cache
+        if sync:
+            torch.cuda.reset_peak_memory_stats(dev)
+        t0 = time.perf_counter()
+        logits = first.model(input_ids=torch.tensor([prompt_ids], device=dev), past_key_values=cache, use_cache=True,
+                             logits_to_keep=1, kvbench_state=mine if shared else mine[0]).logits[0, -1]
+        if sync:
+            torch.cuda.synchronize()
+        prefill_s = max(0.0, time.perf_counter() - t0 - sum(st.compress_s for st in mine))
+        for i, st in zip(group, mine):
+            if shared:  # the layers this engine did not compress: its own copy of the prompt's cache
+                st.cache.layers = [layer if j in st.results else copy.deepcopy(cache.layers[j])
+                                   for j, layer in enumerate(st.cache.layers)]
+            out[i] = Prefilled(st, logits.clone() if shared else logits, prefill_s)
+    return out

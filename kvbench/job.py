@@ -18,6 +18,7 @@ import random
 import subprocess
 import sys
 import time
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -32,6 +33,8 @@ EXIT_OK, EXIT_SAMPLE_FAILED, EXIT_CONFIG, EXIT_LOCKED = 0, 1, 2, 3
 ROOT = Path(__file__).resolve().parents[1]
 #: exit codes of the jobs a local sweep ran in this process (run.py ends with the largest)
 SWEEP_CODES: list[int] = []
+#: jobs a local sweep with ``sweep.share_prefill=true`` collected for :func:`run_shared`
+PENDING: list[Job] = []
 
 
 def encode_prompt(loaded: Any, sample: Sample) -> list[int]:
@@ -89,13 +92,16 @@ def prompt_sha256(sample: Sample) -> str:
     return hashlib.sha256(sample.prompt.encode("utf-8")).hexdigest()
 
 
-def run_sample(engine: Any, loaded: Any, task: Task, sample: Sample) -> dict[str, Any]:
-    """Generate and score one sample; never raises (an error becomes the record's ``error``)."""
+def run_sample(engine: Any, loaded: Any, task: Task, sample: Sample, prefilled: Any = None) -> dict[str, Any]:
+    """Generate and score one sample; never raises (an error becomes the record's ``error``).
+    ``prefilled``: the engine's part of a shared prefill (:func:`kvbench.engine.prefill`) or the error it raised."""
     base = {"id": sample.id, "dataset": sample.dataset, "answers": sample.answers, "all_classes": sample.all_classes,
             "length": sample.length, "meta": sample.meta, "prompt_sha256": prompt_sha256(sample)}
     try:
+        if isinstance(prefilled, BaseException):
+            raise prefilled
         result = engine.generate(encode_prompt(loaded, sample), sample.max_new_tokens, stop_ids_for(loaded, sample),
-                                 sample.min_new_tokens)
+                                 sample.min_new_tokens, prefilled)
         score = float(task.score(sample, result.text))
         if not math.isfinite(score):
             raise FloatingPointError(f"non-finite score {score!r}")
@@ -198,13 +204,20 @@ def resolve_threads(threads: Any) -> int | None:
 
 
 def run_job(job: Job, wait_s: float | None = None) -> int:
-    """Run a checked job; returns the exit code (0 ok, 1 some samples failed).
+    """Run a checked job; returns the exit code (:func:`run_jobs`)."""
+    return run_jobs([job], wait_s)[0]
+
+
+def run_jobs(jobs: list[Job], wait_s: float | None = None) -> list[int]:
+    """Run checked jobs that differ only in method and budget, one model load and one prefill per
+    sample for all of them (:func:`kvbench.engine.prefill`); each job decodes and stores its records
+    in its own folder under its own lock, as if run alone. Returns one exit code per distinct job
+    folder: 0 ok, 1 some samples failed, 3 the folder is locked by another process (one line).
 
     ``wait_s``: seconds to wait for another process running the same shard (default ``lock_wait_s``).
 
     Raises:
-        ConfigError: the model cannot be loaded, or the method does not fit its head layout.
-        JobLockedError: another process runs the same shard.
+        ConfigError: the model cannot be loaded, or a method does not fit its head layout.
     """
     import torch
     from omegaconf import OmegaConf
@@ -214,33 +227,43 @@ def run_job(job: Job, wait_s: float | None = None) -> int:
 
     from .engine import Engine
     from .models import load_model
+    from .store import JobLockedError
 
-    cfg = job.cfg
+    jobs = list({j.relpath: j for j in jobs}.values())  # twins (method=full at two budgets) are one job
+    cfg, codes, runs = jobs[0].cfg, {}, []
     shard = (cfg["shard"]["index"], cfg["shard"]["count"])
-    try:
-        store = JobStore(Path(cfg["output_root"]).resolve() / job.relpath, shard)
-    except OSError as e:
-        raise ConfigError(f"output_root={cfg['output_root']}: cannot make the job folder there ({e.strerror})") from None
-    with store.locked(float(cfg["lock_wait_s"]) if wait_s is None else wait_s):
-        repaired = store.repair()
-        if not (store.path / "config.yaml").exists():
-            atomic_write(store.path / "config.yaml", OmegaConf.to_yaml(OmegaConf.create(cfg)))
-            store.write_json("identity.json", job.identity)
-        done = _read_summary(store)
-        if (done and done.get("complete") and done.get("selection") == selection(cfg) and shard[1] == 1
-                and not repaired and len(store.done_ids()) >= done["n_samples"]):  # the records still back it
-            log.info("job %s: already complete; nothing to do", job.relpath)
-            print_summary(done, store.path)
-            return EXIT_SAMPLE_FAILED if done["n_failed"] else EXIT_OK
+    with ExitStack() as stack:
+        for job in jobs:
+            try:
+                store = JobStore(Path(cfg["output_root"]).resolve() / job.relpath, shard)
+            except OSError as e:
+                raise ConfigError(f"output_root={cfg['output_root']}: cannot make the job folder there ({e.strerror})") from None
+            try:
+                stack.enter_context(store.locked(float(cfg["lock_wait_s"]) if wait_s is None else wait_s))
+            except JobLockedError as e:
+                print(f"error: {e}", file=sys.stderr, flush=True)
+                codes[job.relpath] = EXIT_LOCKED
+                continue
+            repaired = store.repair()
+            if not (store.path / "config.yaml").exists():
+                atomic_write(store.path / "config.yaml", OmegaConf.to_yaml({k: v for k, v in job.cfg.items() if k != "sweep"}))
+                store.write_json("identity.json", job.identity)
+            done = _read_summary(store)
+            if (done and done.get("complete") and done.get("selection") == selection(job.cfg) and shard[1] == 1
+                    and not repaired and len(store.done_ids()) >= done["n_samples"]):  # the records still back it
+                log.info("job %s: already complete; nothing to do", job.relpath)
+                print_summary(done, store.path)
+                codes[job.relpath] = EXIT_SAMPLE_FAILED if done["n_failed"] else EXIT_OK
+            else:
+                runs.append((job, store))
+        if not runs:
+            return [codes[j.relpath] for j in jobs]
         threads = resolve_threads(cfg.get("threads"))
         if threads:
             torch.set_num_threads(threads)
         random.seed(cfg["seed"])
         torch.manual_seed(cfg["seed"])
         loaded = load_model(cfg["model"], cfg["device"])
-        job.method.layout = loaded.layout
-        artifacts.reset_files_read()
-        job.method.check_layout(loaded.layout)
         max_input = int(cfg["task"].get("max_length") or loaded.max_input_length)
         task = tasks.get_task_class(cfg["task"]["name"])(cfg["task"], loaded.tokenizer, max_input,
                                                          encode=lambda s: encode_prompt(loaded, s))
@@ -255,28 +278,36 @@ def run_job(job: Job, wait_s: float | None = None) -> int:
                               f"the model's context window of {window} tokens")
         compiled = cfg.get("compile", "auto") is True or (cfg.get("compile", "auto") == "auto" and loaded.device.type
                                                            == "cuda" and not cfg["model"].get("device_map"))
-        env = {**environment(loaded, cfg["device"]), "inputs": job.inputs, "artifacts": artifacts.files_read(),
-               "decode_compiled": compiled}
         env_name = "env.json" if shard[1] == 1 else f"env.shard{shard[0]}.json"
-        if (store.path / env_name).exists():  # every run that stores samples keeps its provenance
-            env_name = env_name.replace(".json", f".{time.strftime('%Y%m%d-%H%M%S')}.json")
-        store.write_json(env_name, env)
-        stored = store.done_ids()
-        todo = [s for s in mine if s.id not in stored]
-        log.info("job %s: %d samples in this shard, %d stored, %d to run", job.relpath, len(mine), len(mine) - len(todo), len(todo))
-        engine = Engine(loaded, job.method, cfg["budget"])
-        engine.compile_decode = compiled
-        _loop(engine, loaded, task, todo, store, bool(cfg.get("quiet")))
-        with store.append_lock():
-            records = list(store.latest().values())
-            summary = summarize(cfg, task, records, expected, job.relpath, getattr(task, "skipped", None))
-            if cfg["task"]["name"] == "niah":
-                heatmap(store, [r for r in records if r["id"] in set(expected)], cfg)
-            store.write_json("summary.json", summary)
-        print_summary(summary, store.path)
-        del engine, loaded, task
+        for job, store in runs:
+            job.method.layout = loaded.layout
+            artifacts.reset_files_read()
+            job.method.check_layout(loaded.layout)
+            env = {**environment(loaded, cfg["device"]), "inputs": job.inputs, "artifacts": artifacts.files_read(),
+                   "decode_compiled": compiled}
+            name = env_name  # every run that stores samples keeps its provenance
+            if (store.path / name).exists():
+                name = name.replace(".json", f".{time.strftime('%Y%m%d-%H%M%S')}.json")
+            store.write_json(name, env)
+            stored = store.done_ids()
+            log.info("job %s: %d samples in this shard, %d stored, %d to run", job.relpath, len(mine),
+                     sum(s.id in stored for s in mine), sum(s.id not in stored for s in mine))
+        engines = [Engine(loaded, job.method, job.cfg["budget"]) for job, _ in runs]
+        for engine in engines:
+            engine.compile_decode = compiled
+        _loop(engines, loaded, task, mine, [store for _, store in runs], bool(cfg.get("quiet")))
+        for job, store in runs:
+            with store.append_lock():
+                records = list(store.latest().values())
+                summary = summarize(job.cfg, task, records, expected, job.relpath, getattr(task, "skipped", None))
+                if cfg["task"]["name"] == "niah":
+                    heatmap(store, [r for r in records if r["id"] in set(expected)], job.cfg)
+                store.write_json("summary.json", summary)
+            print_summary(summary, store.path)
+            codes[job.relpath] = EXIT_SAMPLE_FAILED if summary["n_failed"] else EXIT_OK
+        del engines, loaded, task
         _free_cuda()
-    return EXIT_SAMPLE_FAILED if summary["n_failed"] else EXIT_OK
+    return [codes[j.relpath] for j in jobs]
 
 
 def _read_summary(store: JobStore) -> dict | None:
@@ -288,27 +319,41 @@ def _read_summary(store: JobStore) -> dict | None:
         return None
 
 
-def _loop(engine: Any, loaded: Any, task: Task, todo: list[Sample], store: JobStore, quiet: bool) -> None:
-    """Run ``todo``, appending one record per sample: a progress bar on a terminal, one log line
-    per sample in a log file or pipe."""
+def _loop(engines: list[Any], loaded: Any, task: Task, samples: list[Sample], stores: list[JobStore], quiet: bool) -> None:
+    """Run each sample for every (engine, store) that has not stored it, one prefill per sample for
+    all of them, appending one record per sample and store: a progress bar on a terminal, one log
+    line per sample in a log file or pipe."""
     from tqdm import tqdm
 
+    from .engine import prefill
+
+    stored = [store.done_ids() for store in stores]
+    todo = [s for s in samples if any(s.id not in ids for ids in stored)]
     interactive = sys.stderr.isatty()
     scores: list[float] = []
     with tqdm(todo, desc="samples", unit="sample", disable=quiet or not interactive) as bar:
         for i, sample in enumerate(bar, 1):
-            rec = run_sample(engine, loaded, task, sample)
+            mine = [j for j, ids in enumerate(stored) if sample.id not in ids]
             try:
-                store.append(rec)
-            except (TypeError, ValueError) as e:  # not strict JSON (a NaN): store the failure instead
-                rec = error_record({k: rec.get(k) for k in ("id", "dataset", "answers", "all_classes", "length")}, e)
-                store.append(rec)
-            if rec["error"] is None:
-                scores.append(100 * rec["score"])
+                parts = [None] if len(mine) == 1 else prefill(
+                    [engines[j] for j in mine], encode_prompt(loaded, sample), sample.max_new_tokens)
+            except Exception as e:  # noqa: BLE001 - every variant of this sample stores the error
+                parts = [e] * len(mine)
+            outcomes = []
+            for j, part in zip(mine, parts):
+                rec = run_sample(engines[j], loaded, task, sample, part)
+                try:
+                    stores[j].append(rec)
+                except (TypeError, ValueError) as e:  # not strict JSON (a NaN): store the failure instead
+                    rec = error_record({k: rec.get(k) for k in ("id", "dataset", "answers", "all_classes", "length")}, e)
+                    stores[j].append(rec)
+                if rec["error"] is None:
+                    scores.append(100 * rec["score"])
+                outcomes.append(f"score {100 * rec['score']:.2f}" if rec["error"] is None else f"failed ({rec['error']['type']})")
+            if scores:
                 bar.set_postfix(mean_score=f"{sum(scores) / len(scores):.2f}", refresh=False)
             if not interactive and not quiet:
-                outcome = f"score {100 * rec['score']:.2f}" if rec["error"] is None else f"failed ({rec['error']['type']})"
-                log.info("sample %d/%d %s: %s", i, len(todo), rec["id"], outcome)
+                log.info("sample %d/%d %s: %s", i, len(todo), sample.id, ", ".join(outcomes))
 
 
 def main(cfg: Any) -> int:
@@ -316,7 +361,8 @@ def main(cfg: Any) -> int:
 
     A single run exits with the job's code. In a local sweep (Hydra's basic launcher, this process)
     a configuration error stops the sweep and other codes are kept in :data:`SWEEP_CODES`; with
-    other launchers (SLURM, joblib) a failing job raises so that the launcher reports it.
+    other launchers (SLURM, joblib) a failing job raises so that the launcher reports it. With
+    ``sweep.share_prefill=true`` a local sweep only checks and collects its jobs (:func:`run_shared` runs them).
     """
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
@@ -324,8 +370,6 @@ def main(cfg: Any) -> int:
 
     from eval.base import TaskConfigError
     from methods.base import ConfigError
-
-    from .store import JobLockedError
 
     for noisy in ("transformers", "datasets", "httpx", "urllib3", "huggingface_hub"):
         logging.getLogger(noisy).setLevel(logging.ERROR)
@@ -335,21 +379,43 @@ def main(cfg: Any) -> int:
         print(f"error: experiment={hc.runtime.choices.get('experiment')} sweeps {', '.join(hc.sweeper.params)}: add "
               "--multirun (-m) to run its jobs", file=sys.stderr)
         sys.exit(EXIT_CONFIG)
+    local = str(OmegaConf.select(hc, "launcher._target_", default="")).endswith("BasicLauncher")
     try:
         job = check(cfg, hc.runtime.choices.get("method"))
         logging.basicConfig(level=logging.INFO, format="[%(asctime)s] %(levelname)s %(name)s: %(message)s")
+        if multirun and (job.cfg.get("sweep") or {}).get("share_prefill"):
+            if not local:
+                raise ConfigError(f"sweep.share_prefill=true: runs with the local launcher only (hydra/launcher=local), "
+                                  f"not {hc.runtime.choices.get('hydra/launcher')}")
+            PENDING.append(job)
+            return EXIT_OK
         # in a sweep a job may meet its twin (method=full at several budgets is one folder): wait for it
         code = run_job(job, max(job.cfg["lock_wait_s"], 86400) if multirun else None)
-    except JobLockedError as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        code = EXIT_LOCKED
     except (ConfigError, TaskConfigError, OSError) as e:  # one line, before any model loads where it can
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr, flush=True)
         sys.exit(EXIT_SAMPLE_FAILED if isinstance(e, OSError) else EXIT_CONFIG)
     if not multirun:
         sys.exit(code)
-    if str(OmegaConf.select(hc, "launcher._target_", default="")).endswith("BasicLauncher"):
+    if local:
         SWEEP_CODES.append(code)
     elif code:
         raise RuntimeError(f"kvbench job {job.relpath} exited {code}")
     return code
+
+
+def run_shared() -> None:
+    """Run the jobs :func:`main` collected (``sweep.share_prefill=true``): one :func:`run_jobs` per
+    group of jobs whose settings differ only in ``method`` and ``budget``; codes into :data:`SWEEP_CODES`.
+
+    Raises:
+        ConfigError / TaskConfigError / OSError: as :func:`run_jobs` (``run.py`` prints one line).
+    """
+    import json
+
+    groups: dict[str, list[Job]] = {}
+    for job in PENDING:
+        key = json.dumps({k: v for k, v in job.cfg.items() if k not in ("method", "budget")}, sort_keys=True, default=str)
+        groups.setdefault(key, []).append(job)
+    PENDING.clear()
+    for group in groups.values():
+        SWEEP_CODES.extend(run_jobs(group))  # twins are one job here: a held lock waits lock_wait_s, then exit 3
