@@ -212,6 +212,7 @@ class Engine:
         if self.compile_decode and self._compiled is None:
             import torch.fx.experimental._config as fx_config
             fx_config.use_duck_shape = False  # layers' lengths equal in one sample are no guard (recompile) for the next
+            torch._dynamo.config.suppress_errors = True  # what the compiler cannot take runs eager (logged), no failed sample
             self._compiled = torch.compile(self.model, dynamic=True)
         return self._compiled if self.compile_decode else self.model
 
