@@ -21,13 +21,12 @@ phrase occurs in the prediction, case and punctuation ignored, else 0).
 from __future__ import annotations
 
 import logging
-import os
 import re
-import socket
 from pathlib import Path
 from typing import Any, Iterator
 
 from .base import Sample, Task, TaskConfigError, looked_for
+from .longbench_data import hub_reachable
 
 log = logging.getLogger(__name__)
 
@@ -42,20 +41,6 @@ CHAT_TEMPLATE = (
     "This is a very long story book: <book> {context} </book>.\n"
     "Based on the content of the book, answer the question: {question}"
 )
-
-
-def _offline_env() -> bool:
-    return os.environ.get("HF_HUB_OFFLINE") == "1" or os.environ.get("HF_DATASETS_OFFLINE") == "1"
-
-
-def _hub_reachable(timeout: float = 3.0) -> bool:
-    if _offline_env():
-        return False
-    try:
-        socket.create_connection(("huggingface.co", 443), timeout=timeout).close()
-        return True
-    except OSError:
-        return False
 
 
 def embedded_haystack() -> str:
@@ -76,15 +61,14 @@ def load_haystack(cfg: dict) -> tuple[str, str]:
     source = cfg.get("haystack_source", "auto")
     hdir = cfg.get("haystack_dir")
     if source == "auto":
-        source = "dir" if hdir else ("hub" if _hub_reachable() else "embedded")
+        source = "dir" if hdir else ("hub" if hub_reachable(3.0) else "embedded")
         if source == "embedded":
-            why = "offline mode (HF_HUB_OFFLINE/HF_DATASETS_OFFLINE)" if _offline_env() else "Hub unreachable"
-            log.info(f"task.haystack_source=auto: {why} and no haystack_dir; using the embedded haystack")
+            log.info("task.haystack_source=auto: Hub offline or unreachable and no haystack_dir; using the embedded haystack")
     if source == "dir":
         files = _haystack_files(hdir)
         return "\n\n".join(f.read_text(encoding="utf-8", errors="replace") for f in files), f"dir:{hdir}"
     if source == "hub":
-        if not _hub_reachable():
+        if not hub_reachable(3.0):
             raise TaskConfigError(
                 "task.haystack_source=hub: the Hugging Face Hub is unreachable; "
                 "pass task.haystack_dir=/path/to/essays or task.haystack_source=embedded"
