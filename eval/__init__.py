@@ -32,6 +32,3 @@ def get_task_class(name: str) -> type[Task]:
         raise TaskConfigError(f"task.name={name!r}: unknown task; accepted values are {', '.join(available())}")
     mod, cls = _TASKS[name].split(":")
     return getattr(importlib.import_module(mod), cls)
-
-
-__all__ = ["Sample", "Task", "TaskConfigError", "available", "get_task_class"]

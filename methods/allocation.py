@@ -20,8 +20,6 @@ import torch
 
 from .base import ConfigError, HeadLayout, Plan, is_ratio, resolve_budget
 
-__all__ = ["PYRAMID_VARIANTS", "pyramid_layer_budgets", "pyramid_plan", "adaptive_head_budgets",
-           "keep_topk_per_head", "safeguard_keep_mask"]
 
 PYRAMID_VARIANTS = ("kvcf", "kvpress")
 

@@ -30,9 +30,6 @@ from typing import TYPE_CHECKING, Any, Callable, ClassVar, Mapping, Sequence
 if TYPE_CHECKING:  # annotations only: budget checks do not import torch
     import torch
 
-__all__ = ["HeadLayout", "LayerContext", "CompressResult", "Plan", "Method", "ConfigError", "MethodConfig",
-           "ScoreMethod", "require", "resolve_budget", "is_ratio", "check_budget", "gather_tokens"]
-
 
 class ConfigError(ValueError):
     """A user-caused configuration problem; the message is one line naming key and accepted values."""

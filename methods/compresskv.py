@@ -51,8 +51,6 @@ from .headkv import HeadKV, HeadKVConfig, headkv_head_budgets, pack_head_budgets
 from .packing import pack_kept, packing_stats
 from .scoring import group_scores, topk_keep_window, window_attention
 
-__all__ = ["CompressKVConfig", "CompressKV", "window_token_scores", "selection_scores",
-           "error_aware_layer_budgets"]
 
 @dataclass
 class CompressKVConfig(MethodConfig):

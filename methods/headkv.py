@@ -41,7 +41,6 @@ from .base import CompressResult, ConfigError, HeadLayout, LayerContext, Plan, r
 from .packing import pack_kept, packing_stats
 from .snapkv import SnapKV, SnapKVConfig
 
-__all__ = ["HeadKVConfig", "HeadKV", "kv_head_scores", "headkv_head_budgets", "pack_head_budgets"]
 
 _SCORE_FILES = {"retrieval_reasoning": "retrieval_reasoning_heads", "retrieval": "retrieval_heads"}
 

@@ -18,8 +18,6 @@ import torch
 
 from .base import gather_tokens
 
-__all__ = ["PackedKV", "pack_kept", "packing_stats"]
-
 
 @dataclass
 class PackedKV:

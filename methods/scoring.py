@@ -9,8 +9,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["window_attention", "pool_scores", "group_scores", "topk_keep_window"]
-
 
 def window_attention(
     window_queries: torch.Tensor,
