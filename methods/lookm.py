@@ -28,7 +28,7 @@ and (b) ``gate: soft`` multiplies w_j by SelKV's soft cosine gate g_j = max(cos(
 Cost: the whole-prompt score is the column sums of the causal attention matrix, H_q·d·n²/2
 MACs per layer: a second pass over QK^T (:func:`cumulative_attention`), or with ``fused_score``
 the prefill attention itself (:func:`attention_with_column_sums`, output and sums in one pass),
-in query blocks sized for the device (:func:`block_elems`, :func:`block_count`).
+in query blocks sized for the device (:func:`block_elems`).
 
 Deviation from the reference code, on purpose: its ``avg`` variant pairs the filtered targets
 with the first evicted rows (``src`` unfiltered, ``index`` filtered); here each filtered token
@@ -97,16 +97,6 @@ class LookMConfig(MethodConfig):
 def block_elems(device_type: str) -> int:
     """Float32 logits per query block on a device kind (``cpu``, ``cuda``, other: as CPU)."""
     return BLOCK_ELEMS.get(device_type, BLOCK_ELEMS["cpu"])
-
-
-def block_count(n: int, heads: int, device_type: str, chunk: int = 512) -> int:
-    """Query blocks (Python iterations) of the whole-prompt cumulative attention of one layer.
-
-    Args:
-        n: prompt tokens (W = n); heads: H_q (times the batch); device_type: ``cpu`` or ``cuda``;
-        chunk: ``query_chunk``, at most this many query rows per block.
-    """
-    return len(_query_blocks(0, n, heads, chunk, block_elems(device_type)))
 
 
 def _query_blocks(first: int, w: int, h_q: int, chunk: int, elems: int) -> list[tuple[int, int]]:
