@@ -132,12 +132,6 @@ def check_hub() -> None:
         raise TaskConfigError(HUB_UNREACHABLE)
 
 
-def hub_url(repo: str, revision: str | None, data_files: str, config: str) -> str:
-    """``hf://`` URL (glob) of one config's parquet files; the revision is URL-encoded (``refs%2Fconvert%2Fparquet``)."""
-    at = f"@{quote(revision, safe='')}" if revision else ""
-    return f"hf://datasets/{repo}{at}/{data_files.format(config=config)}"
-
-
 def _is_network_error(exc: BaseException) -> bool:
     seen: BaseException | None = exc
     while seen is not None:
@@ -158,7 +152,8 @@ def read_hub(repo: str, revision: str | None, data_files: str, config: str, limi
             there, or a row lacks a required field.
     """
     check_hub()
-    url = hub_url(repo, revision, data_files, config)
+    at = f"@{quote(revision, safe='')}" if revision else ""  # refs/convert/parquet: refs%2Fconvert%2Fparquet
+    url = f"hf://datasets/{repo}{at}/{data_files.format(config=config)}"
     try:
         import datasets
 
