@@ -249,8 +249,6 @@ class LongBenchTask(Task):
 
     def make_sample(self, dataset: str, index: int, row: dict, max_length: int) -> Sample:
         """One official sample: prompt built and middle-truncated to ``max_length`` tokens."""
-        if self.tokenizer is None:
-            raise ValueError("LongBenchTask needs the model's tokenizer to truncate prompts")
         prompt, n_tokens = middle_truncate(build_prompt(dataset, row), self.tokenizer, max_length)
         return Sample(
             id=f"{dataset}/{index}",
@@ -267,15 +265,10 @@ class LongBenchTask(Task):
         )
 
     def samples(self) -> Iterator[Sample]:
-        """Samples of every selected dataset in order, rows in file order.
-
-        Raises:
-            TaskConfigError: no max input length (neither ``task.max_length`` nor the model's).
-        """
+        """Samples of every selected dataset in order, rows in file order (TaskConfigError: no max
+        input length, neither ``task.max_length`` nor the model's)."""
         if self.max_length is None:
-            raise TaskConfigError(
-                "task.max_length is not set and the model config gives no max_input_tokens: set task.max_length"
-            )
+            raise TaskConfigError("task.max_length is not set and the model gives no max_input_length: set task.max_length")
         for dataset in self.datasets:
             for index, row in enumerate(self.rows(dataset)):
                 yield self.make_sample(dataset, index, row, self.max_length)
