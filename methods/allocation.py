@@ -10,7 +10,7 @@
 * :func:`keep_topk_per_head`: turns per-head token counts into a keep mask.
 
 HeadKV / CompressKV compositions reuse these; per-head variable-length results are stored
-with :mod:`methods.packing`. Budgets are tokens per KV head (window included unless a
+with :func:`methods.base.pack_kept`. Budgets are tokens per KV head (window included unless a
 function says otherwise).
 """
 

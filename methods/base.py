@@ -274,6 +274,27 @@ def gather_tokens(x: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
     return rows.index_select(0, (indices + first_row).reshape(-1)).view(b, h, indices.shape[-1], d)
 
 
+def pack_kept(keys: torch.Tensor, values: torch.Tensor, keep: torch.Tensor) -> CompressResult:
+    """The result of a head-wise method (AdaKV, HeadKV, CompressKV compositions), whose KV heads keep
+    different numbers of tokens: each head's kept rows in original order, padded to the layer's
+    longest head m_max; ``valid`` marks the real slots (the engine never attends the padding).
+
+    ``keys``/``values`` ``(B, H_kv, n, d)``, ``keep`` ``(B, H_kv, n)`` bool. ``kept_indices``
+    ``(B, H_kv, m_max)``: valid slots ascending, padded slots arbitrary evicted positions. ``stats``:
+    ``kept_tokens`` (valid slots) and ``stored_tokens`` (all slots), summed over layers by the engine.
+    """
+    import torch
+
+    counts = keep.sum(-1)  # (B, H)
+    m_max = int(counts.max()) if counts.numel() else 0
+    # stable sort on "evicted" puts each head's kept positions first, in ascending order
+    # (a copy: the indices outlive compression in the result, a view would hold all n of them)
+    order = torch.sort((~keep).to(torch.uint8), dim=-1, stable=True).indices[..., :m_max].clone()
+    valid = torch.arange(m_max, device=keep.device) < counts.unsqueeze(-1)
+    return CompressResult(gather_tokens(keys, order), gather_tokens(values, order), valid, kept_indices=order,
+                          stats={"kept_tokens": float(valid.sum()), "stored_tokens": float(valid.numel())})
+
+
 class Method:
     """Base class of a compression method.
 

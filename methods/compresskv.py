@@ -44,11 +44,10 @@ import torch.nn.functional as F
 from .allocation import adaptive_head_budgets, keep_topk_per_head
 from .artifacts import artifact_path, keyed_errors, load_head_ranking, load_layer_scores
 from .base import (
-    CompressResult, ConfigError, HeadLayout, LayerContext, Method, MethodConfig, Plan, gather_tokens, is_ratio, require,
-    resolve_budget,
+    CompressResult, ConfigError, HeadLayout, LayerContext, Method, MethodConfig, Plan, gather_tokens, is_ratio, pack_kept,
+    require, resolve_budget,
 )
 from .headkv import HeadKV, HeadKVConfig, headkv_head_budgets, pack_head_budgets
-from .packing import pack_kept, packing_stats
 from .scoring import group_scores, topk_keep_window, window_attention
 
 
@@ -334,6 +333,4 @@ class CompressKV(Method):
         counts = adaptive_head_budgets(head_scores, h_kv * base, self.config.ada_floor_ratio, self.config.ada_normalize)
         keep_prefix = keep_topk_per_head(scores[..., : n - w], counts)
         keep = torch.cat([keep_prefix, keep_prefix.new_ones(b, h_kv, w)], dim=-1)
-        packed = pack_kept(ctx.keys, ctx.values, keep)
-        return CompressResult(keys=packed.keys, values=packed.values, valid=packed.valid,
-                              kept_indices=packed.indices, stats=packing_stats(packed.valid))
+        return pack_kept(ctx.keys, ctx.values, keep)
