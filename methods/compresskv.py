@@ -39,7 +39,6 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
-import torch.nn.functional as F
 
 from .allocation import adaptive_head_budgets, keep_topk_per_head
 from .artifacts import artifact_path, keyed_errors, load_head_ranking, load_layer_scores
@@ -48,7 +47,7 @@ from .base import (
     require, resolve_budget,
 )
 from .headkv import HeadKV, HeadKVConfig, headkv_head_budgets, pack_head_budgets
-from .scoring import group_scores, topk_keep_window, window_attention
+from .scoring import group_scores, pool_scores, topk_keep_window, window_attention
 
 
 @dataclass
@@ -111,14 +110,8 @@ class CompressKVConfig(MethodConfig):
                 "accepted value: uniform")
 
 
-def window_token_scores(
-    window_queries: torch.Tensor,
-    keys: torch.Tensor,
-    scaling: float,
-    kernel_size: int,
-    pooling: str,
-    softcap: float | None = None,
-) -> torch.Tensor:
+def window_token_scores(window_queries: torch.Tensor, keys: torch.Tensor, scaling: float, kernel_size: int,
+                        pooling: str, softcap: float | None = None) -> torch.Tensor:
     """SnapKV scores of every prompt token, pooled over the prefix only (CompressKV reference).
 
     ``window_queries`` ``(B, H, W, d)`` and ``keys`` ``(B, H_kv, n, d)`` after RoPE (H a multiple
@@ -131,10 +124,8 @@ def window_token_scores(
     attn = window_attention(window_queries, keys, scaling, softcap)  # (B, H, W, n)
     b, h, w, n = attn.shape
     prefix = attn[..., : n - w].sum(dim=2)  # (B, H, n - W)
-    if kernel_size > 1 and prefix.shape[-1] > 0:
-        x = prefix.reshape(b * h, 1, n - w)
-        pool = F.avg_pool1d if pooling == "avg" else F.max_pool1d
-        prefix = pool(x, kernel_size, stride=1, padding=kernel_size // 2).view(b, h, n - w)
+    if prefix.shape[-1] > 0:
+        prefix = pool_scores(prefix, kernel_size, pooling)
     return torch.cat([prefix, prefix.new_full((b, h, w), float("inf"))], dim=-1)
 
 
