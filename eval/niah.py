@@ -234,11 +234,7 @@ class NIAHTask(Task):
                 self.skipped.append({"context_length": length, "samples": len(self.cfg["depth_percents"]), "reason": reason})
                 continue
             budget = length - fixed
-            if budget > len(hay_ids):
-                reps = budget // max(1, len(hay_ids)) + 1
-                context_ids = (hay_ids * reps)[:budget]
-            else:
-                context_ids = hay_ids[:budget]
+            context_ids = (hay_ids * (budget // max(1, len(hay_ids)) + 1))[:budget]  # repeated when too short
             for depth in self.cfg["depth_percents"]:
                 ids = self._insert(context_ids, needle_ids, depth)
                 context = tok.decode(ids, skip_special_tokens=True)
@@ -261,20 +257,17 @@ class NIAHTask(Task):
             )
 
     def _insert(self, context_ids: list[int], needle_ids: list[int], depth: float) -> list[int]:
-        """Insert the needle at ``depth`` % of the context, moved back to a sentence end."""
+        """Insert the needle at ``depth`` % of the context, moved back to a sentence end (a token
+        of at most 3 characters ending in '.')."""
         if depth >= 100:
             return context_ids + needle_ids
         pos = int(len(context_ids) * depth / 100)
-        period_ids = self._period_ids()
-        while pos > 0 and context_ids[pos - 1] not in period_ids:
-            pos -= 1
-        return context_ids[:pos] + needle_ids + context_ids[pos:]
-
-    def _period_ids(self) -> set[int]:
         if not hasattr(self, "_periods"):
             vocab = self.tokenizer.get_vocab()
             self._periods = {i for t, i in vocab.items() if t.rstrip().endswith(".") and len(t.strip()) <= 3}
-        return self._periods
+        while pos > 0 and context_ids[pos - 1] not in self._periods:
+            pos -= 1
+        return context_ids[:pos] + needle_ids + context_ids[pos:]
 
     def score(self, sample: Sample, prediction: str) -> float:
         return max(rouge1_recall(prediction, a) for a in sample.answers) / 100.0

@@ -14,7 +14,7 @@ import types
 import typing
 from typing import Any, Mapping
 
-from .base import CompressResult, ConfigError, HeadLayout, LayerContext, Method, Plan, is_ratio  # noqa: F401 - re-exported
+from .base import CompressResult, ConfigError, HeadLayout, LayerContext, Method, Plan, is_ratio  # noqa: F401
 
 # method name (= module methods/<name>.py = `name:` of its yaml) -> class name
 REGISTRY: dict[str, str] = {
