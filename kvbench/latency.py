@@ -52,9 +52,7 @@ def run_latency(model_cfg: dict, method_cfgs: dict[str, dict], budget: float, le
     """
     import torch
 
-    from . import (
-        engine as engine_module,  # its reset_peak_rss, looked up at each call (tests replace it)
-    )
+    from . import engine as engine_module  # reset_peak_rss looked up at each call (tests replace it)
     if make_engine is None:
         from .engine import Engine
         from .models import load_model

@@ -235,11 +235,6 @@ class CompressKV(Method):
             )
         self.artifacts = self.load_artifacts(self.config, layout)
 
-    def _headkv_config(self) -> HeadKVConfig:
-        c = self.config
-        return HeadKVConfig(head_scores=c.headkv_scores, head_scores_path=c.headkv_scores_path,
-                            beta=c.headkv_beta, temp=c.headkv_temp, window_size=c.window_size)
-
     def load_artifacts(self, config: CompressKVConfig, layout: HeadLayout) -> dict:
         """Read the artifacts the configuration needs for ``layout.model_name``.
 
@@ -252,20 +247,19 @@ class CompressKV(Method):
         """
         out: dict = {}
         name = layout.model_name
-        if config.selection == "srh":
-            path = artifact_path("srh_head_idx", name, config.head_idx_path, "method.head_idx_path")
-            with keyed_errors("method.head_idx_path", path):
-                out["ranking"] = load_head_ranking(path, layout)
-        elif config.selection == "trh":
-            path = artifact_path("trh_head_idx", name, config.trh_idx_path, "method.trh_idx_path")
-            with keyed_errors("method.trh_idx_path", path):
+        if config.selection in ("srh", "trh"):
+            key = "head_idx_path" if config.selection == "srh" else "trh_idx_path"
+            path = artifact_path(f"{config.selection}_head_idx", name, getattr(config, key), f"method.{key}")
+            with keyed_errors(f"method.{key}", path):
                 out["ranking"] = load_head_ranking(path, layout)
         if config.head_allocation != "headkv" and config.layer_allocation == "error_aware":
             path = artifact_path("layer_score", name, config.layer_score_path, "method.layer_score_path")
             with keyed_errors("method.layer_score_path", path):
                 out["layer_scores"] = load_layer_scores(path, layout, config.layer_score_key)
         if config.head_allocation == "headkv":
-            out.update(HeadKV.load_artifacts(self._headkv_config(), layout))
+            headkv = HeadKVConfig(head_scores=config.headkv_scores, head_scores_path=config.headkv_scores_path,
+                                  beta=config.headkv_beta, temp=config.headkv_temp, window_size=config.window_size)
+            out.update(HeadKV.load_artifacts(headkv, layout))
         return out
 
     def plan(self, n_tokens: int, budget: float, layout: HeadLayout) -> Plan:
