@@ -202,16 +202,14 @@ class NIAHTask(Task):
         if cfg.get("haystack_dir") or src == "dir":
             _haystack_files(cfg.get("haystack_dir"))
 
-    def _template(self) -> str:
-        return KVCF_TEMPLATE if self.cfg.get("prompt_style", "kvcf") == "kvcf" else CHAT_TEMPLATE
-
     def samples(self) -> Iterator[Sample]:
         tok = self.tokenizer
         haystack, self.haystack_source = load_haystack(self.cfg)
         hay_ids = tok.encode(haystack, add_special_tokens=False)
         needle_ids = tok.encode(self.cfg["needle"], add_special_tokens=False)
         chat = self.cfg.get("prompt_style", "kvcf") == "chat"
-        frame = self._template().format(context="", question=self.cfg["question"])
+        template = CHAT_TEMPLATE if chat else KVCF_TEMPLATE
+        frame = template.format(context="", question=self.cfg["question"])
         if self.encode is not None:  # what the engine prefills: chat template / BOS included
             overhead = len(self.encode(Sample(id="", dataset="niah", prompt=frame, max_new_tokens=0, answers=[], chat=chat)))
         else:
@@ -238,7 +236,7 @@ class NIAHTask(Task):
             for depth in self.cfg["depth_percents"]:
                 ids = self._insert(context_ids, needle_ids, depth)
                 context = tok.decode(ids, skip_special_tokens=True)
-                prompt = self._template().format(context=context, question=self.cfg["question"])
+                prompt = template.format(context=context, question=self.cfg["question"])
                 yield Sample(
                     id=f"niah/{length}/{depth:g}",
                     dataset="niah",
