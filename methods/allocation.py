@@ -62,7 +62,16 @@ def pyramid_layer_budgets(
     """
     m, n, L, w = int(budget), int(n_tokens), int(num_layers), int(window)
     if variant == "kvpress":
-        return _pyramid_kvpress(float(budget), n, L, w, beta)
+        kept = (w + float(budget)) - w  # kvpress: max_capacity_prompt - window_size, the float rounding included
+        min_num = kept / beta
+        max_num = kept * 2 - min_num
+        if max_num >= n - w:
+            max_num = n - w
+            min_num = kept * 2 - max_num
+        if not (n >= max_num >= min_num >= w):
+            return [min(n, max(1, round(float(budget))))] * L
+        step = (max_num - min_num) / (L - 1) if L > 1 else 0.0
+        return [round(max_num - layer * step) for layer in range(L)]
     if n < m:
         return [n] * L
     base = m - w
@@ -97,20 +106,6 @@ def pyramid_plan(
     for layer, b in zip(layers, schedule):
         budgets[layer] = b
     return Plan(layer_budgets=budgets, compress=True)
-
-
-def _pyramid_kvpress(m: float, n: int, L: int, w: int, beta: float) -> list[int]:
-    """kvpress 0.5.x PyramidKVPress budgets (see :func:`pyramid_layer_budgets`)."""
-    kept = (w + m) - w  # kvpress: max_capacity_prompt - window_size, the float rounding included
-    min_num = kept / beta
-    max_num = kept * 2 - min_num
-    if max_num >= n - w:
-        max_num = n - w
-        min_num = kept * 2 - max_num
-    if not (n >= max_num >= min_num >= w):
-        return [min(n, max(1, round(m)))] * L
-    step = (max_num - min_num) / (L - 1) if L > 1 else 0.0
-    return [round(max_num - layer * step) for layer in range(L)]
 
 
 def adaptive_head_budgets(
