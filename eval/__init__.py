@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import importlib
 
-from .base import Sample, Task, TaskConfigError
+from .base import Sample, Task, TaskConfigError  # noqa: F401
 
 _TASKS: dict[str, str] = {
     "niah": "eval.niah:NIAHTask",
