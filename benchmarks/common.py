@@ -57,17 +57,6 @@ class Settings:
         return [m for m in methods if not self.methods or m in self.methods]
 
 
-def load(settings: Settings):
-    """The benchmark model (:class:`kvbench.models.LoadedModel`) on ``settings.device``."""
-    import torch
-
-    from kvbench.models import conf_model, load_model
-
-    if settings.threads:
-        torch.set_num_threads(settings.threads)
-    return load_model(conf_model(settings.model), settings.device)
-
-
 def build_method(name: str, layout=None, **overrides):
     """A method from ``conf/method/<name>.yaml`` (+ overrides), as a job builds it (ConfigError: a bad key)."""
     import yaml
@@ -272,7 +261,14 @@ class Context:
 
     @functools.cached_property
     def loaded(self):
-        return load(self.settings)
+        """The benchmark model (:class:`kvbench.models.LoadedModel`) on ``settings.device``."""
+        import torch
+
+        from kvbench.models import conf_model, load_model
+
+        if self.settings.threads:
+            torch.set_num_threads(self.settings.threads)
+        return load_model(conf_model(self.settings.model), self.settings.device)
 
     def worker(self, configs: list[tuple[str, str, float]], n: int, rounds: int = 1,
                live_memory: bool = False) -> list[dict[str, dict]]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import importlib
 
-from .base import Sample, Task, TaskConfigError
+from .base import Sample, Task, TaskConfigError  # noqa: F401
 
 _TASKS: dict[str, str] = {
     "niah": "eval.niah:NIAHTask",
@@ -32,6 +32,3 @@ def get_task_class(name: str) -> type[Task]:
         raise TaskConfigError(f"task.name={name!r}: unknown task; accepted values are {', '.join(available())}")
     mod, cls = _TASKS[name].split(":")
     return getattr(importlib.import_module(mod), cls)
-
-
-__all__ = ["Sample", "Task", "TaskConfigError", "available", "get_task_class"]

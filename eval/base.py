@@ -69,13 +69,8 @@ class Task:
 
     name: str = "task"
 
-    def __init__(
-        self,
-        cfg: dict,
-        tokenizer: Any = None,
-        max_input_tokens: int | None = None,
-        encode: Callable[[Sample], list[int]] | None = None,
-    ):
+    def __init__(self, cfg: dict, tokenizer: Any = None, max_input_tokens: int | None = None,
+                 encode: Callable[[Sample], list[int]] | None = None):
         """Args:
             cfg: the task's Hydra node as a plain dict (``conf/task/<name>.yaml``).
             tokenizer: the model's Hugging Face tokenizer (text in, token ids out), used for

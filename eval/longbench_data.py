@@ -109,16 +109,12 @@ def check_data_dir(data_dir: str, configs: list[str]) -> list[Path]:
     return paths
 
 
-def hub_offline() -> bool:
-    """Whether the environment forbids Hub access (``HF_HUB_OFFLINE`` / ``HF_DATASETS_OFFLINE``)."""
-    return any(os.environ.get(k, "").strip().lower() in _TRUE for k in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
-
-
 def hub_reachable(timeout_s: float = 5.0) -> bool:
-    """A quick TCP probe of the Hub endpoint (``HF_ENDPOINT``, default huggingface.co:443).
-
-    True without probing when a proxy is configured (a direct connection proves nothing then).
-    """
+    """False in offline mode (``HF_HUB_OFFLINE`` / ``HF_DATASETS_OFFLINE``), else a quick TCP probe of
+    the Hub endpoint (``HF_ENDPOINT``, default huggingface.co:443); True without probing when a proxy
+    is configured (a direct connection proves nothing then)."""
+    if any(os.environ.get(k, "").strip().lower() in _TRUE for k in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")):
+        return False
     if any(os.environ.get(k) for k in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
         return True
     url = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
@@ -131,19 +127,9 @@ def hub_reachable(timeout_s: float = 5.0) -> bool:
 
 
 def check_hub() -> None:
-    """Raise :data:`HUB_UNREACHABLE` when offline mode is set or the Hub does not answer.
-
-    Raises:
-        TaskConfigError: the one-line message telling the user to pass ``task.data_dir``.
-    """
-    if hub_offline() or not hub_reachable():
+    """Raise TaskConfigError :data:`HUB_UNREACHABLE` unless :func:`hub_reachable`."""
+    if not hub_reachable():
         raise TaskConfigError(HUB_UNREACHABLE)
-
-
-def hub_url(repo: str, revision: str | None, data_files: str, config: str) -> str:
-    """``hf://`` URL (glob) of one config's parquet files; the revision is URL-encoded (``refs%2Fconvert%2Fparquet``)."""
-    at = f"@{quote(revision, safe='')}" if revision else ""
-    return f"hf://datasets/{repo}{at}/{data_files.format(config=config)}"
 
 
 def _is_network_error(exc: BaseException) -> bool:
@@ -166,7 +152,8 @@ def read_hub(repo: str, revision: str | None, data_files: str, config: str, limi
             there, or a row lacks a required field.
     """
     check_hub()
-    url = hub_url(repo, revision, data_files, config)
+    at = f"@{quote(revision, safe='')}" if revision else ""  # refs/convert/parquet: refs%2Fconvert%2Fparquet
+    url = f"hf://datasets/{repo}{at}/{data_files.format(config=config)}"
     try:
         import datasets
 

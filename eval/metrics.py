@@ -43,29 +43,6 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-__all__ = [
-    "qa_f1_score",
-    "qa_f1_zh_score",
-    "rouge_score",
-    "rouge_zh_score",
-    "classification_score",
-    "retrieval_score",
-    "retrieval_zh_score",
-    "count_score",
-    "code_sim_score",
-    "dataset2metric",
-    "FIRST_LINE_DATASETS",
-    "BUCKETS",
-    "ROUGE_MAX_BACKTRACK",
-    "normalize_answer",
-    "normalize_zh_answer",
-    "first_line",
-    "score_sample",
-    "score_dataset",
-    "dataset_score",
-    "bucket_scores",
-    "bucket_of",
-]
 
 # --------------------------------------------------------------------------- normalisation
 

@@ -21,13 +21,12 @@ phrase occurs in the prediction, case and punctuation ignored, else 0).
 from __future__ import annotations
 
 import logging
-import os
 import re
-import socket
 from pathlib import Path
 from typing import Any, Iterator
 
 from .base import Sample, Task, TaskConfigError, looked_for
+from .longbench_data import hub_reachable
 
 log = logging.getLogger(__name__)
 
@@ -42,20 +41,6 @@ CHAT_TEMPLATE = (
     "This is a very long story book: <book> {context} </book>.\n"
     "Based on the content of the book, answer the question: {question}"
 )
-
-
-def _offline_env() -> bool:
-    return os.environ.get("HF_HUB_OFFLINE") == "1" or os.environ.get("HF_DATASETS_OFFLINE") == "1"
-
-
-def _hub_reachable(timeout: float = 3.0) -> bool:
-    if _offline_env():
-        return False
-    try:
-        socket.create_connection(("huggingface.co", 443), timeout=timeout).close()
-        return True
-    except OSError:
-        return False
 
 
 def embedded_haystack() -> str:
@@ -76,15 +61,14 @@ def load_haystack(cfg: dict) -> tuple[str, str]:
     source = cfg.get("haystack_source", "auto")
     hdir = cfg.get("haystack_dir")
     if source == "auto":
-        source = "dir" if hdir else ("hub" if _hub_reachable() else "embedded")
+        source = "dir" if hdir else ("hub" if hub_reachable(3.0) else "embedded")
         if source == "embedded":
-            why = "offline mode (HF_HUB_OFFLINE/HF_DATASETS_OFFLINE)" if _offline_env() else "Hub unreachable"
-            log.info(f"task.haystack_source=auto: {why} and no haystack_dir; using the embedded haystack")
+            log.info("task.haystack_source=auto: Hub offline or unreachable and no haystack_dir; using the embedded haystack")
     if source == "dir":
         files = _haystack_files(hdir)
         return "\n\n".join(f.read_text(encoding="utf-8", errors="replace") for f in files), f"dir:{hdir}"
     if source == "hub":
-        if not _hub_reachable():
+        if not hub_reachable(3.0):
             raise TaskConfigError(
                 "task.haystack_source=hub: the Hugging Face Hub is unreachable; "
                 "pass task.haystack_dir=/path/to/essays or task.haystack_source=embedded"
@@ -218,16 +202,14 @@ class NIAHTask(Task):
         if cfg.get("haystack_dir") or src == "dir":
             _haystack_files(cfg.get("haystack_dir"))
 
-    def _template(self) -> str:
-        return KVCF_TEMPLATE if self.cfg.get("prompt_style", "kvcf") == "kvcf" else CHAT_TEMPLATE
-
     def samples(self) -> Iterator[Sample]:
         tok = self.tokenizer
         haystack, self.haystack_source = load_haystack(self.cfg)
         hay_ids = tok.encode(haystack, add_special_tokens=False)
         needle_ids = tok.encode(self.cfg["needle"], add_special_tokens=False)
         chat = self.cfg.get("prompt_style", "kvcf") == "chat"
-        frame = self._template().format(context="", question=self.cfg["question"])
+        template = CHAT_TEMPLATE if chat else KVCF_TEMPLATE
+        frame = template.format(context="", question=self.cfg["question"])
         if self.encode is not None:  # what the engine prefills: chat template / BOS included
             overhead = len(self.encode(Sample(id="", dataset="niah", prompt=frame, max_new_tokens=0, answers=[], chat=chat)))
         else:
@@ -250,15 +232,11 @@ class NIAHTask(Task):
                 self.skipped.append({"context_length": length, "samples": len(self.cfg["depth_percents"]), "reason": reason})
                 continue
             budget = length - fixed
-            if budget > len(hay_ids):
-                reps = budget // max(1, len(hay_ids)) + 1
-                context_ids = (hay_ids * reps)[:budget]
-            else:
-                context_ids = hay_ids[:budget]
+            context_ids = (hay_ids * (budget // max(1, len(hay_ids)) + 1))[:budget]  # repeated when too short
             for depth in self.cfg["depth_percents"]:
                 ids = self._insert(context_ids, needle_ids, depth)
                 context = tok.decode(ids, skip_special_tokens=True)
-                prompt = self._template().format(context=context, question=self.cfg["question"])
+                prompt = template.format(context=context, question=self.cfg["question"])
                 yield Sample(
                     id=f"niah/{length}/{depth:g}",
                     dataset="niah",
@@ -277,20 +255,17 @@ class NIAHTask(Task):
             )
 
     def _insert(self, context_ids: list[int], needle_ids: list[int], depth: float) -> list[int]:
-        """Insert the needle at ``depth`` % of the context, moved back to a sentence end."""
+        """Insert the needle at ``depth`` % of the context, moved back to a sentence end (a token
+        of at most 3 characters ending in '.')."""
         if depth >= 100:
             return context_ids + needle_ids
         pos = int(len(context_ids) * depth / 100)
-        period_ids = self._period_ids()
-        while pos > 0 and context_ids[pos - 1] not in period_ids:
-            pos -= 1
-        return context_ids[:pos] + needle_ids + context_ids[pos:]
-
-    def _period_ids(self) -> set[int]:
         if not hasattr(self, "_periods"):
             vocab = self.tokenizer.get_vocab()
             self._periods = {i for t, i in vocab.items() if t.rstrip().endswith(".") and len(t.strip()) <= 3}
-        return self._periods
+        while pos > 0 and context_ids[pos - 1] not in self._periods:
+            pos -= 1
+        return context_ids[:pos] + needle_ids + context_ids[pos:]
 
     def score(self, sample: Sample, prediction: str) -> float:
         return max(rouge1_recall(prediction, a) for a in sample.answers) / 100.0

@@ -6,16 +6,8 @@ memory of the full cache and compressed caches over prompt lengths.
 
 Model, budget and methods come from the Hydra config; a ``latency:`` node (``methods``, ``lengths``,
 ``max_new_tokens``, ``repeats``, ``out``) gives defaults; ``method.*`` overrides apply to every
-method but the full cache. Stop tokens are off. Output, read by ``kvbench report``
-(``RESULTS_ROOT/latency.json`` or ``--latency``): a JSON list rewritten after every record::
-
-    {"model": "llama31", "method": "SelKV", "method_name": "selkv", "preset": "selkv", "budget": 0.25,
-     "prompt_tokens": 8192, "repeat": 0, "prefill_s": 0.81, "compress_s": 0.03, "decode_s": 5.1,
-     "generated_tokens": 256, "decode_tok_s": 50.2, "cache_bytes_before": 1073741824,
-     "cache_bytes_after": 268435456, "peak_mem_bytes": 17400000000, "device": "cuda:NVIDIA H100"}
-
-Seconds, tokens per decode second, bytes; ``peak_mem_bytes``: peak CUDA memory of the generation,
-else the process's peak resident memory during it (model included). Full cache: budget 1.0.
+method but the full cache. Stop tokens are off. Output: a JSON list of records (seconds, tokens/s,
+bytes; schema in docs/REPORTS.md), rewritten after every record, read by ``kvbench report``.
 """
 
 from __future__ import annotations
@@ -60,9 +52,7 @@ def run_latency(model_cfg: dict, method_cfgs: dict[str, dict], budget: float, le
     """
     import torch
 
-    from . import (
-        engine as engine_module,  # its reset_peak_rss, looked up at each call (tests replace it)
-    )
+    from . import engine as engine_module  # reset_peak_rss looked up at each call (tests replace it)
     if make_engine is None:
         from .engine import Engine
         from .models import load_model

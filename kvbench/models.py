@@ -84,13 +84,6 @@ def greedy_processors(model: Any) -> list:
     return list(model._get_logits_processor(cfg, device=str(model.device)))
 
 
-def resolve_device(device: str = "auto") -> torch.device:
-    """``auto`` → CUDA when present, else CPU."""
-    import torch
-
-    return torch.device(("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device)
-
-
 def package_dir(module: str, assemble: bool = False) -> Path:
     """Folder of an installed package, found without importing it.
 
@@ -370,7 +363,7 @@ def load_model(model_cfg: dict, device: str = "auto") -> LoadedModel:
     from .attention import ATTN_IMPLEMENTATION, register
 
     register()
-    dev = resolve_device(device)
+    dev = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device)
     spec = model_cfg.get("dtype") or {}  # {cuda: bfloat16, cpu: float32} or one name for every device
     dtype = getattr(torch, spec.get(dev.type, "bfloat16" if dev.type == "cuda" else "float32") if isinstance(spec, dict) else spec)
     path, gguf_file = resolve_source(model_cfg)

@@ -14,7 +14,7 @@ import types
 import typing
 from typing import Any, Mapping
 
-from .base import CompressResult, ConfigError, HeadLayout, LayerContext, Method, Plan, is_ratio
+from .base import CompressResult, ConfigError, HeadLayout, LayerContext, Method, Plan, is_ratio  # noqa: F401
 
 # method name (= module methods/<name>.py = `name:` of its yaml) -> class name
 REGISTRY: dict[str, str] = {
@@ -104,7 +104,3 @@ def check_min_budget(method: Method, budget: float | int) -> None:
     if not is_ratio(budget) and int(budget) < method.min_budget():
         raise ConfigError(f"budget={budget}: smaller than the {method.min_budget()} tokens method {method.name} "
                           f"always keeps (its windows and attention sinks); use budget >= {method.min_budget()}")
-
-
-__all__ = ["CompressResult", "ConfigError", "HeadLayout", "LayerContext", "Method", "Plan", "REGISTRY",
-           "available", "build_method", "check_min_budget", "get_method_class"]

@@ -6,7 +6,7 @@ wastes slots on flat heads and starves peaked ones. AdaKV shares the layer's bud
 among its KV heads by one global top-k over all heads' token scores, with a per-head floor
 (:func:`methods.allocation.adaptive_head_budgets`); each head then keeps its own top tokens
 plus the observation window. Heads keep different numbers of tokens: they are stored packed
-and padded to the layer's longest head with a validity mask (:mod:`methods.packing`).
+and padded to the layer's longest head with a validity mask (:func:`methods.base.pack_kept`).
 
 * Scores are SnapKV's (:func:`methods.snapkv.snapkv_scores`), per KV head (GQA: mean or max
   over the group, AdaKV's ``gqa_support``).
@@ -34,8 +34,7 @@ from typing import Literal
 import torch
 
 from .allocation import adaptive_head_budgets, keep_topk_per_head, safeguard_keep_mask
-from .base import CompressResult, HeadLayout, LayerContext, Method, Plan, require
-from .packing import pack_kept, packing_stats
+from .base import CompressResult, HeadLayout, LayerContext, Method, Plan, pack_kept, require
 from .pyramidkv import PyramidKV, PyramidKVConfig
 
 
@@ -94,6 +93,4 @@ class AdaKV(PyramidKV):
         return torch.cat([keep_prefix, keep_prefix.new_ones(b_sz, h, w)], dim=-1)
 
     def compress(self, ctx: LayerContext) -> CompressResult:
-        packed = pack_kept(ctx.keys, ctx.values, self.select(ctx))
-        return CompressResult(keys=packed.keys, values=packed.values, valid=packed.valid,
-                              kept_indices=packed.indices, stats=packing_stats(packed.valid))
+        return pack_kept(ctx.keys, ctx.values, self.select(ctx))

@@ -10,7 +10,7 @@
 * :func:`keep_topk_per_head`: turns per-head token counts into a keep mask.
 
 HeadKV / CompressKV compositions reuse these; per-head variable-length results are stored
-with :mod:`methods.packing`. Budgets are tokens per KV head (window included unless a
+with :func:`methods.base.pack_kept`. Budgets are tokens per KV head (window included unless a
 function says otherwise).
 """
 
@@ -18,12 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import ConfigError, HeadLayout, Plan, is_ratio, resolve_budget
-
-__all__ = ["PYRAMID_VARIANTS", "pyramid_layer_budgets", "pyramid_plan", "adaptive_head_budgets",
-           "keep_topk_per_head", "safeguard_keep_mask"]
-
-PYRAMID_VARIANTS = ("kvcf", "kvpress")
+from .base import HeadLayout, Plan, is_ratio, resolve_budget
 
 
 def pyramid_layer_budgets(
@@ -64,17 +59,19 @@ def pyramid_layer_budgets(
 
     Returns:
         L token counts, each ≤ n.
-
-    Raises:
-        ConfigError: unknown variant or β < 1.
     """
-    if variant not in PYRAMID_VARIANTS:
-        raise ConfigError(f"method.schedule={variant!r}: accepted values are {', '.join(PYRAMID_VARIANTS)}")
-    if beta < 1:
-        raise ConfigError(f"method.beta={beta}: must be >= 1")
     m, n, L, w = int(budget), int(n_tokens), int(num_layers), int(window)
     if variant == "kvpress":
-        return _pyramid_kvpress(float(budget), n, L, w, beta)
+        kept = (w + float(budget)) - w  # kvpress: max_capacity_prompt - window_size, the float rounding included
+        min_num = kept / beta
+        max_num = kept * 2 - min_num
+        if max_num >= n - w:
+            max_num = n - w
+            min_num = kept * 2 - max_num
+        if not (n >= max_num >= min_num >= w):
+            return [min(n, max(1, round(float(budget))))] * L
+        step = (max_num - min_num) / (L - 1) if L > 1 else 0.0
+        return [round(max_num - layer * step) for layer in range(L)]
     if n < m:
         return [n] * L
     base = m - w
@@ -111,20 +108,6 @@ def pyramid_plan(
     return Plan(layer_budgets=budgets, compress=True)
 
 
-def _pyramid_kvpress(m: float, n: int, L: int, w: int, beta: float) -> list[int]:
-    """kvpress 0.5.x PyramidKVPress budgets (see :func:`pyramid_layer_budgets`)."""
-    kept = (w + m) - w  # kvpress: max_capacity_prompt - window_size, the float rounding included
-    min_num = kept / beta
-    max_num = kept * 2 - min_num
-    if max_num >= n - w:
-        max_num = n - w
-        min_num = kept * 2 - max_num
-    if not (n >= max_num >= min_num >= w):
-        return [min(n, max(1, round(m)))] * L
-    step = (max_num - min_num) / (L - 1) if L > 1 else 0.0
-    return [round(max_num - layer * step) for layer in range(L)]
-
-
 def adaptive_head_budgets(
     scores: torch.Tensor, total: int, floor_ratio: float, normalize: bool = False
 ) -> torch.Tensor:
@@ -147,15 +130,8 @@ def adaptive_head_budgets(
         ``(B, H)`` long budgets, each in [0, N]. They sum to (1 − α)·total + H·⌊α·b⌋ up to
         rounding (±H/2): exactly ``total`` when α·b is an integer, slightly less otherwise
         (as in the AdaKV code).
-
-    Raises:
-        ValueError: α outside [0, 1] or total outside [0, H·N].
     """
     b_sz, h, n = scores.shape
-    if not 0.0 <= floor_ratio <= 1.0:
-        raise ValueError(f"floor_ratio={floor_ratio}: must be in [0, 1]")
-    if not 0 <= total <= h * n:
-        raise ValueError(f"total={total}: must be in [0, {h * n}]")
     per_head = total // h
     s = scores.float()
     if normalize:

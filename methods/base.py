@@ -30,9 +30,6 @@ from typing import TYPE_CHECKING, Any, Callable, ClassVar, Mapping, Sequence
 if TYPE_CHECKING:  # annotations only: budget checks do not import torch
     import torch
 
-__all__ = ["HeadLayout", "LayerContext", "CompressResult", "Plan", "Method", "ConfigError", "MethodConfig",
-           "ScoreMethod", "require", "resolve_budget", "is_ratio", "check_budget", "gather_tokens"]
-
 
 class ConfigError(ValueError):
     """A user-caused configuration problem; the message is one line naming key and accepted values."""
@@ -275,6 +272,27 @@ def gather_tokens(x: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
     n_rows = (b - 1) * (s_b // s_n) + (h - 1) * (s_h // s_n) + n
     rows = x.as_strided((n_rows, d), (s_n, 1))  # row r starts r·s_n elements after x's first
     return rows.index_select(0, (indices + first_row).reshape(-1)).view(b, h, indices.shape[-1], d)
+
+
+def pack_kept(keys: torch.Tensor, values: torch.Tensor, keep: torch.Tensor) -> CompressResult:
+    """The result of a head-wise method (AdaKV, HeadKV, CompressKV compositions), whose KV heads keep
+    different numbers of tokens: each head's kept rows in original order, padded to the layer's
+    longest head m_max; ``valid`` marks the real slots (the engine never attends the padding).
+
+    ``keys``/``values`` ``(B, H_kv, n, d)``, ``keep`` ``(B, H_kv, n)`` bool. ``kept_indices``
+    ``(B, H_kv, m_max)``: valid slots ascending, padded slots arbitrary evicted positions. ``stats``:
+    ``kept_tokens`` (valid slots) and ``stored_tokens`` (all slots), summed over layers by the engine.
+    """
+    import torch
+
+    counts = keep.sum(-1)  # (B, H)
+    m_max = int(counts.max()) if counts.numel() else 0
+    # stable sort on "evicted" puts each head's kept positions first, in ascending order
+    # (a copy: the indices outlive compression in the result, a view would hold all n of them)
+    order = torch.sort((~keep).to(torch.uint8), dim=-1, stable=True).indices[..., :m_max].clone()
+    valid = torch.arange(m_max, device=keep.device) < counts.unsqueeze(-1)
+    return CompressResult(gather_tokens(keys, order), gather_tokens(values, order), valid, kept_indices=order,
+                          stats={"kept_tokens": float(valid.sum()), "stored_tokens": float(valid.numel())})
 
 
 class Method:

@@ -2,7 +2,7 @@
 
 ``heads``: the retrieval-head detection protocol (Wu et al. 2025, used by HeadKV and CompressKV):
 a needle at several depths of haystacks of several token lengths; the model answers greedily (at
-most 50 tokens, up to a newline) and each step's attention row is scored (:mod:`methods.head_scores`);
+most 50 tokens, up to a newline) and each step's attention row is scored (:func:`trh_step_scores` etc.);
 a sample counts if the answer is right (ROUGE-1 recall > 50; R2: QA-F1 > 50). Writes
 ``retrieval_heads.json`` (TRH), ``semantic_retrieval_heads.json`` (SRH, CompressKV Eq. 1),
 ``retrieval_reasoning_heads.json`` (HeadKV R2), each ``{"<layer>-<head>": [score per accepted
@@ -34,10 +34,9 @@ from kvbench.models import CONF_MODEL_DIR, conf_model
 from kvbench.store import atomic_write
 
 from .artifacts import ARTIFACTS_ROOT, load_head_ranking, ranking_from_scores
-from .attention_probe import AttentionProbe, reserved_cache
 from .base import ConfigError, LayerContext
 from .compresskv import CompressKV, CompressKVConfig
-from .head_scores import find_span, r2_step_scores, srh_step_scores, trh_step_scores
+from .scoring import window_attention
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 QUESTION = "Based on the content of the book, Question: {question}\nAnswer:"
@@ -79,6 +78,138 @@ def load_model(model: str | None, gguf_file: str | None, threads: int, device: s
 
     torch.set_num_threads(threads)
     return load_job_model({**model_config(model, gguf_file), **({"dtype": dtype} if dtype else {})}, device=device)
+
+
+# --------------------------------------------------------------------------- step scores
+# A decoding step of a needle prompt gives ``attn (L, H_q, n)`` (float32 attention of the step's query),
+# the generated token y_t and the needle span [start, end); a sample's step scores are summed.
+def find_span(prompt_ids: list[int], needle_ids: list[int]) -> tuple[int, int]:
+    """``(start, end)``, ``end − start == len(needle_ids)``: the first prompt window whose token set
+    overlaps most with the needle's (HeadKV's ``find_needle_idx``; border tokens may merge).
+
+    Raises:
+        ValueError: the needle is empty, longer than the prompt or shares no token with it.
+    """
+    span, target = len(needle_ids), set(needle_ids)
+    if span == 0 or span > len(prompt_ids):
+        raise ValueError("needle is empty or longer than the prompt")
+    overlaps = [len(target.intersection(prompt_ids[i : i + span])) for i in range(len(prompt_ids) - span + 1)]
+    best = max(range(len(overlaps)), key=overlaps.__getitem__)  # the first best window
+    if overlaps[best] == 0:
+        raise ValueError("the needle shares no token with the prompt")
+    return best, best + span
+
+
+def _check(attn: torch.Tensor, start: int, end: int) -> None:
+    if attn.dim() != 3 or not (0 <= start < end <= attn.shape[-1]):
+        raise ValueError(f"attn must be (L, H, n) and 0 <= start < end <= n; got {tuple(attn.shape)}, [{start}, {end})")
+
+
+def trh_step_scores(attn: torch.Tensor, prompt_ids: torch.Tensor, start: int, end: int, token: int) -> torch.Tensor:
+    """Top-1 copy score of one step: ``(L, H)`` float32, ``1/(end−start)`` where the argmax of
+    ``attn (L, H, n)`` is in [start, end) and ``prompt_ids (p,)`` holds ``token`` there."""
+    _check(attn, start, end)
+    top = attn.argmax(dim=-1)  # (L, H)
+    copied = prompt_ids.to(top.device)[top.clamp(max=prompt_ids.numel() - 1)] == token
+    return ((top >= start) & (top < end) & copied).float() / (end - start)
+
+
+def srh_step_scores(attn: torch.Tensor, prompt_ids: torch.Tensor, start: int, end: int, token: int) -> torch.Tensor:
+    """CompressKV Eq. 1 for one step: ``1{y_t ∈ A} · Σ_{j ∈ A} a_{t,j}``, ``(L, H)`` float32 (the reference
+    adds it once per span position holding y_t; Eq. 1 once)."""
+    _check(attn, start, end)
+    if not bool((prompt_ids[start:end] == token).any()):
+        return attn.new_zeros(attn.shape[:2], dtype=torch.float32)
+    return attn[..., start:end].float().sum(dim=-1)
+
+
+def r2_step_scores(attn: torch.Tensor, start: int, end: int) -> torch.Tensor:
+    """HeadKV R2 score of one step (``retrieval_head_detection_r2.py``), ``(L, H)`` float32."""
+    _check(attn, start, end)
+    values, idx = attn.float().topk(min(end - start, attn.shape[-1]), dim=-1)  # (L, H, k)
+    return (values * ((idx >= start) & (idx < end))).sum(dim=-1) / (end - start)
+
+
+def relative_output_error(full: torch.Tensor, compressed: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """One step's term of CompressKV Eq. 4, ``‖O_full − O_comp‖_F / (‖O_full‖_F + ε)``: a float32
+    scalar from two ``(..., D)`` attention-block outputs (after W_O)."""
+    full = full.float()
+    return torch.linalg.vector_norm(full - compressed.float()) / (torch.linalg.vector_norm(full) + eps)
+
+
+# --------------------------------------------------------------------------- instrumented attention
+def reserved_cache(config, reserve: int):
+    """A ``transformers.DynamicCache`` for ``config`` whose full-attention layers keep ``reserve``
+    free token slots and append in place (``keys``/``values`` are views of the buffers; a full
+    buffer grows by ``reserve``). Sliding-window layers keep their own class."""
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer
+
+    class ReservedLayer(DynamicLayer):
+        _bufs = None
+
+        def update(self, key_states, value_states, cache_kwargs=None):
+            if not self.is_initialized:
+                self.lazy_initialization(key_states, value_states)
+            t, q = self.get_seq_length(), key_states.shape[-2]
+            if self._bufs is None or t + q > self._bufs[0].shape[-2]:
+                self._bufs = tuple(
+                    s.new_empty((*s.shape[:2], t + q + max(1, reserve), s.shape[-1])) for s in (key_states, value_states))
+                if t:
+                    self._bufs[0][:, :, :t].copy_(self.keys)
+                    self._bufs[1][:, :, :t].copy_(self.values)
+            kbuf, vbuf = self._bufs
+            kbuf[:, :, t : t + q].copy_(key_states)
+            vbuf[:, :, t : t + q].copy_(value_states)
+            self.keys, self.values = kbuf[:, :, : t + q], vbuf[:, :, : t + q]
+            return self.keys, self.values
+
+    cache = DynamicCache(config=config)
+    cache.layers = [ReservedLayer() if type(layer) is DynamicLayer else layer for layer in cache.layers]
+    return cache
+
+
+class AttentionProbe:
+    """An SDPA attention function (registered with transformers' ``AttentionInterface``) that also
+    records what the calibration needs.
+
+    * ``record_rows``: at a decoding step, ``rows[l]`` = ``(H_q, n)`` float32 attention of the query.
+    * ``selector``: at prefill, ``keep[l] = selector(layer, window_queries, keys, values, scaling)``
+      (``(k,)`` kept prompt positions); then at each decoding step the output with the cache cut to
+      ``keep[l]`` + generated positions is compared with the full one and ``errors[l]`` adds the
+      term of Eq. 4.
+    """
+
+    def __init__(self, num_layers: int, window: int = 8):
+        self.rows: list[torch.Tensor | None] = [None] * num_layers
+        self.keep: list[torch.Tensor | None] = [None] * num_layers
+        self.errors = torch.zeros(num_layers, dtype=torch.float64)
+        self.record_rows, self.selector, self.window, self.n_prompt = False, None, window, 0
+
+    def install(self, lm) -> None:
+        from transformers import AttentionInterface
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+        self._sdpa = sdpa_attention_forward
+        AttentionInterface.register("kvbench_calibrate", self)
+        AttentionMaskInterface.register("kvbench_calibrate", sdpa_mask)
+        lm.set_attn_implementation("kvbench_calibrate")
+
+    def __call__(self, module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        out, weights = self._sdpa(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+        layer, q_len = module.layer_idx, query.shape[2]
+        if q_len == 1 and self.record_rows:
+            self.rows[layer] = window_attention(query, key, scaling)[0, :, 0]  # (H_q, n)
+        if q_len > 1 and self.selector is not None:
+            self.n_prompt = key.shape[2]
+            self.keep[layer] = self.selector(layer, query[:, :, -min(self.window, q_len):], key, value, scaling)
+        elif q_len == 1 and self.keep[layer] is not None:
+            idx = torch.cat([self.keep[layer], torch.arange(self.n_prompt, key.shape[2], device=key.device)])
+            comp, _ = self._sdpa(module, query, key[:, :, idx], value[:, :, idx], None, scaling=scaling, dropout=dropout)
+            o_full, o_comp = module.o_proj(out.reshape(1, -1)), module.o_proj(comp.reshape(1, -1))
+            self.errors[layer] += float(relative_output_error(o_full, o_comp))
+        return out, weights
 
 
 # --------------------------------------------------------------------------- prompts

@@ -39,20 +39,16 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
-import torch.nn.functional as F
 
 from .allocation import adaptive_head_budgets, keep_topk_per_head
 from .artifacts import artifact_path, keyed_errors, load_head_ranking, load_layer_scores
 from .base import (
-    CompressResult, ConfigError, HeadLayout, LayerContext, Method, MethodConfig, Plan, gather_tokens, is_ratio, require,
-    resolve_budget,
+    CompressResult, ConfigError, HeadLayout, LayerContext, Method, MethodConfig, Plan, gather_tokens, is_ratio, pack_kept,
+    require, resolve_budget,
 )
 from .headkv import HeadKV, HeadKVConfig, headkv_head_budgets, pack_head_budgets
-from .packing import pack_kept, packing_stats
-from .scoring import group_scores, topk_keep_window, window_attention
+from .scoring import group_scores, pool_scores, topk_keep_window, window_attention
 
-__all__ = ["CompressKVConfig", "CompressKV", "window_token_scores", "selection_scores",
-           "error_aware_layer_budgets"]
 
 @dataclass
 class CompressKVConfig(MethodConfig):
@@ -114,14 +110,8 @@ class CompressKVConfig(MethodConfig):
                 "accepted value: uniform")
 
 
-def window_token_scores(
-    window_queries: torch.Tensor,
-    keys: torch.Tensor,
-    scaling: float,
-    kernel_size: int,
-    pooling: str,
-    softcap: float | None = None,
-) -> torch.Tensor:
+def window_token_scores(window_queries: torch.Tensor, keys: torch.Tensor, scaling: float, kernel_size: int,
+                        pooling: str, softcap: float | None = None) -> torch.Tensor:
     """SnapKV scores of every prompt token, pooled over the prefix only (CompressKV reference).
 
     ``window_queries`` ``(B, H, W, d)`` and ``keys`` ``(B, H_kv, n, d)`` after RoPE (H a multiple
@@ -134,10 +124,8 @@ def window_token_scores(
     attn = window_attention(window_queries, keys, scaling, softcap)  # (B, H, W, n)
     b, h, w, n = attn.shape
     prefix = attn[..., : n - w].sum(dim=2)  # (B, H, n - W)
-    if kernel_size > 1 and prefix.shape[-1] > 0:
-        x = prefix.reshape(b * h, 1, n - w)
-        pool = F.avg_pool1d if pooling == "avg" else F.max_pool1d
-        prefix = pool(x, kernel_size, stride=1, padding=kernel_size // 2).view(b, h, n - w)
+    if prefix.shape[-1] > 0:
+        prefix = pool_scores(prefix, kernel_size, pooling)
     return torch.cat([prefix, prefix.new_full((b, h, w), float("inf"))], dim=-1)
 
 
@@ -247,11 +235,6 @@ class CompressKV(Method):
             )
         self.artifacts = self.load_artifacts(self.config, layout)
 
-    def _headkv_config(self) -> HeadKVConfig:
-        c = self.config
-        return HeadKVConfig(head_scores=c.headkv_scores, head_scores_path=c.headkv_scores_path,
-                            beta=c.headkv_beta, temp=c.headkv_temp, window_size=c.window_size)
-
     def load_artifacts(self, config: CompressKVConfig, layout: HeadLayout) -> dict:
         """Read the artifacts the configuration needs for ``layout.model_name``.
 
@@ -264,20 +247,19 @@ class CompressKV(Method):
         """
         out: dict = {}
         name = layout.model_name
-        if config.selection == "srh":
-            path = artifact_path("srh_head_idx", name, config.head_idx_path, "method.head_idx_path")
-            with keyed_errors("method.head_idx_path", path):
-                out["ranking"] = load_head_ranking(path, layout)
-        elif config.selection == "trh":
-            path = artifact_path("trh_head_idx", name, config.trh_idx_path, "method.trh_idx_path")
-            with keyed_errors("method.trh_idx_path", path):
+        if config.selection in ("srh", "trh"):
+            key = "head_idx_path" if config.selection == "srh" else "trh_idx_path"
+            path = artifact_path(f"{config.selection}_head_idx", name, getattr(config, key), f"method.{key}")
+            with keyed_errors(f"method.{key}", path):
                 out["ranking"] = load_head_ranking(path, layout)
         if config.head_allocation != "headkv" and config.layer_allocation == "error_aware":
             path = artifact_path("layer_score", name, config.layer_score_path, "method.layer_score_path")
             with keyed_errors("method.layer_score_path", path):
                 out["layer_scores"] = load_layer_scores(path, layout, config.layer_score_key)
         if config.head_allocation == "headkv":
-            out.update(HeadKV.load_artifacts(self._headkv_config(), layout))
+            headkv = HeadKVConfig(head_scores=config.headkv_scores, head_scores_path=config.headkv_scores_path,
+                                  beta=config.headkv_beta, temp=config.headkv_temp, window_size=config.window_size)
+            out.update(HeadKV.load_artifacts(headkv, layout))
         return out
 
     def plan(self, n_tokens: int, budget: float, layout: HeadLayout) -> Plan:
@@ -336,6 +318,4 @@ class CompressKV(Method):
         counts = adaptive_head_budgets(head_scores, h_kv * base, self.config.ada_floor_ratio, self.config.ada_normalize)
         keep_prefix = keep_topk_per_head(scores[..., : n - w], counts)
         keep = torch.cat([keep_prefix, keep_prefix.new_ones(b, h_kv, w)], dim=-1)
-        packed = pack_kept(ctx.keys, ctx.values, keep)
-        return CompressResult(keys=packed.keys, values=packed.values, valid=packed.valid,
-                              kept_indices=packed.indices, stats=packing_stats(packed.valid))
+        return pack_kept(ctx.keys, ctx.values, keep)

@@ -22,7 +22,7 @@ head's score is the **mean of its G query heads' mean scores** (identical to the
 the normalisation above, for any temperature) or their max (``gqa_score_aggregation``).
 
 Heads of one layer keep different numbers of tokens; the layer stores them packed and padded
-to its longest head with a validity mask (:mod:`methods.packing`).
+to its longest head with a validity mask (:func:`methods.base.pack_kept`).
 
 Presets: ``conf/method/headkv.yaml`` (HeadKV-R2, the paper's main method, reference-code
 defaults W=8, K=7, max pooling, β=1.5, temp=1) and ``headkv_retrieval.yaml`` (retrieval heads).
@@ -37,11 +37,9 @@ import torch
 
 from .allocation import keep_topk_per_head
 from .artifacts import artifact_path, keyed_errors, load_head_scores
-from .base import CompressResult, ConfigError, HeadLayout, LayerContext, Plan, require, resolve_budget
-from .packing import pack_kept, packing_stats
+from .base import CompressResult, ConfigError, HeadLayout, LayerContext, Plan, pack_kept, require, resolve_budget
 from .snapkv import SnapKV, SnapKVConfig
 
-__all__ = ["HeadKVConfig", "HeadKV", "kv_head_scores", "headkv_head_budgets", "pack_head_budgets"]
 
 _SCORE_FILES = {"retrieval_reasoning": "retrieval_reasoning_heads", "retrieval": "retrieval_heads"}
 
@@ -130,9 +128,7 @@ def pack_head_budgets(ctx: LayerContext, scores: torch.Tensor, head_budget: torc
         A :class:`CompressResult` padded to the longest head, with ``valid`` and packing stats.
     """
     counts = head_budget.to(scores.device).clamp(max=scores.shape[-1]).expand(scores.shape[0], -1)
-    packed = pack_kept(ctx.keys, ctx.values, keep_topk_per_head(scores, counts))
-    return CompressResult(keys=packed.keys, values=packed.values, valid=packed.valid,
-                          kept_indices=packed.indices, stats=packing_stats(packed.valid))
+    return pack_kept(ctx.keys, ctx.values, keep_topk_per_head(scores, counts))
 
 
 class HeadKV(SnapKV):

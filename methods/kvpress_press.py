@@ -12,8 +12,7 @@ from typing import Any
 import torch
 
 from .allocation import safeguard_keep_mask
-from .base import CompressResult, ConfigError, LayerContext, Method, MethodConfig, gather_tokens, require
-from .packing import pack_kept, packing_stats
+from .base import CompressResult, ConfigError, LayerContext, Method, MethodConfig, gather_tokens, pack_kept, require
 
 HUB = "needs trained filters, weights or statistics downloaded from the Hub"
 REFUSED = {  # ScorerPresses kvbench cannot run, and why
@@ -129,8 +128,7 @@ class KVPress(Method):
         module, hidden, kwargs = press_inputs(ctx)
         scores = scorer.score(module, hidden, ctx.keys, ctx.values, None, kwargs)  # (B, H_kv, n)
         if scorer is not press:
-            p = pack_kept(ctx.keys, ctx.values, safeguard_keep_mask(scores, m, press.alpha_safeguard))
-            return CompressResult(p.keys, p.values, p.valid, kept_indices=p.indices, stats=packing_stats(p.valid))
+            return pack_kept(ctx.keys, ctx.values, safeguard_keep_mask(scores, m, press.alpha_safeguard))
         idx = scores.topk(m, dim=-1).indices.sort(dim=-1).values  # (B, H_kv, m), original order
         return CompressResult(gather_tokens(ctx.keys, idx), gather_tokens(ctx.values, idx), kept_indices=idx)
 

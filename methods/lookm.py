@@ -28,7 +28,7 @@ and (b) ``gate: soft`` multiplies w_j by SelKV's soft cosine gate g_j = max(cos(
 Cost: the whole-prompt score is the column sums of the causal attention matrix, H_q·d·n²/2
 MACs per layer: a second pass over QK^T (:func:`cumulative_attention`), or with ``fused_score``
 the prefill attention itself (:func:`attention_with_column_sums`, output and sums in one pass),
-in query blocks sized for the device (:func:`block_elems`, :func:`block_count`).
+in query blocks sized for the device (:func:`block_elems`).
 
 Deviation from the reference code, on purpose: its ``avg`` variant pairs the filtered targets
 with the first evicted rows (``src`` unfiltered, ``index`` filtered); here each filtered token
@@ -39,26 +39,22 @@ fractions of n (0.1 + 0.1 in its scripts); here ``recent_fraction`` of the budge
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
 
-from .base import CompressResult, ConfigError, LayerContext, Method, gather_tokens
+from .base import CompressResult, LayerContext, Method, MethodConfig, gather_tokens, require
 from .merging import soft_cosine_gate
 from .scoring import group_scores
 
-MERGES = ("avg", "pivot", "weighted")
-FILTERS = ("auto", "on", "off")
-FUSED = ("auto", "on", "off")
-GATES = ("none", "soft")
 _WHOLE_PROMPT = 1 << 40  # window_size=0: the engine caps W at n, i.e. every prompt query
 # float32 logits per query block: 8 MiB on CPU (cache-sized), 512 MiB on CUDA (few large kernels)
 BLOCK_ELEMS = {"cpu": 1 << 21, "cuda": 1 << 27}
 
 
 @dataclass
-class LookMConfig:
+class LookMConfig(MethodConfig):
     """LOOK-M hyper-parameters.
 
     Attributes:
@@ -82,28 +78,25 @@ class LookMConfig:
     window_size: int = 0
     recent_fraction: float = 0.5
     n_sinks: int = 4
-    merge: str = "pivot"
-    similarity_filter: str = "auto"
-    gate: str = "none"
-    gqa_aggregation: str = "mean"
+    merge: Literal["avg", "pivot", "weighted"] = "pivot"
+    similarity_filter: Literal["auto", "on", "off"] = "auto"
+    gate: Literal["none", "soft"] = "none"
+    gqa_aggregation: Literal["mean", "max"] = "mean"
     query_chunk: int = 512
     merge_chunk: int = 1024
-    fused_score: str = "auto"
+    fused_score: Literal["auto", "on", "off"] = "auto"
+
+    def check(self) -> None:
+        require(self.window_size >= 0, "window_size", self.window_size, "must be an integer >= 0 (0 = whole prompt)")
+        require(0.0 <= self.recent_fraction <= 1.0, "recent_fraction", self.recent_fraction, "must be in [0, 1]")
+        require(self.n_sinks >= 0, "n_sinks", self.n_sinks, "must be an integer >= 0")
+        for key in ("query_chunk", "merge_chunk"):
+            require(getattr(self, key) >= 1, key, getattr(self, key), "must be an integer >= 1")
 
 
 def block_elems(device_type: str) -> int:
     """Float32 logits per query block on a device kind (``cpu``, ``cuda``, other: as CPU)."""
     return BLOCK_ELEMS.get(device_type, BLOCK_ELEMS["cpu"])
-
-
-def block_count(n: int, heads: int, device_type: str, chunk: int = 512) -> int:
-    """Query blocks (Python iterations) of the whole-prompt cumulative attention of one layer.
-
-    Args:
-        n: prompt tokens (W = n); heads: H_q (times the batch); device_type: ``cpu`` or ``cuda``;
-        chunk: ``query_chunk``, at most this many query rows per block.
-    """
-    return len(_query_blocks(0, n, heads, chunk, block_elems(device_type)))
 
 
 def _query_blocks(first: int, w: int, h_q: int, chunk: int, elems: int) -> list[tuple[int, int]]:
@@ -251,25 +244,7 @@ def merge_into_targets(
 class LookM(Method):
     """Cumulative-attention eviction with cosine-nearest merging of the evicted tokens."""
 
-    name: ClassVar[str] = "lookm"
     Config = LookMConfig
-
-    def __init__(self, config=None, layout=None, artifacts=None):
-        super().__init__(config, layout, artifacts)
-        c = self.config
-        checks = [
-            (c.window_size >= 0, f"method.window_size={c.window_size}: must be an integer >= 0 (0 = whole prompt)"),
-            (0.0 <= c.recent_fraction <= 1.0, f"method.recent_fraction={c.recent_fraction}: must be in [0, 1]"),
-            (c.n_sinks >= 0, f"method.n_sinks={c.n_sinks}: must be an integer >= 0"),
-            (c.query_chunk >= 1 and c.merge_chunk >= 1, "method.query_chunk/merge_chunk: must be integers >= 1"),
-        ]
-        choices = {"merge": MERGES, "similarity_filter": FILTERS, "gate": GATES, "fused_score": FUSED,
-                   "gqa_aggregation": ("mean", "max")}
-        checks[3:3] = [(getattr(c, key) in ok, f"method.{key}={getattr(c, key)!r}: accepted values are {', '.join(ok)}")
-                       for key, ok in choices.items()]
-        for ok, msg in checks:
-            if not ok:
-                raise ConfigError(msg)
 
     @property
     def window_size(self) -> int:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["soft_cosine_gate", "gated_merge", "attention_ratio", "compensation_bias", "merge_counts"]
 
 # Floor on cumulative attention before dividing by it: a kept token whose window attention
 # underflowed to 0 in float32 then gets a large but finite ratio instead of inf/nan.

@@ -9,8 +9,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["window_attention", "pool_scores", "group_scores", "topk_keep_window"]
-
 
 def window_attention(
     window_queries: torch.Tensor,
@@ -68,25 +66,14 @@ def pool_scores(scores: torch.Tensor, kernel_size: int, pooling: str = "avg") ->
 
     Returns:
         ``(B, H, n)``.
-
-    Raises:
-        ValueError: unknown pooling or even kernel size.
     """
     if kernel_size <= 1:
         return scores
-    if kernel_size % 2 == 0:
-        raise ValueError(f"kernel_size={kernel_size}: must be odd")
     b, h, n = scores.shape
     x = scores.reshape(b * h, 1, n)
     pad = kernel_size // 2
-    if pooling == "avg":
-        # count_include_pad=True, as the reference SnapKV code (F.avg_pool1d default).
-        y = F.avg_pool1d(x, kernel_size, stride=1, padding=pad)
-    elif pooling == "max":
-        y = F.max_pool1d(x, kernel_size, stride=1, padding=pad)
-    else:
-        raise ValueError(f"pooling={pooling!r}: accepted values are avg, max")
-    return y.view(b, h, n)
+    pool = F.avg_pool1d if pooling == "avg" else F.max_pool1d  # avg: count_include_pad=True, as SnapKV's code
+    return pool(x, kernel_size, stride=1, padding=pad).view(b, h, n)
 
 
 def group_scores(scores: torch.Tensor, num_kv_heads: int, how: str = "mean") -> torch.Tensor:
@@ -104,11 +91,7 @@ def group_scores(scores: torch.Tensor, num_kv_heads: int, how: str = "mean") -> 
     if h_q == num_kv_heads:
         return scores
     s = scores.view(b, num_kv_heads, h_q // num_kv_heads, n)
-    if how == "mean":
-        return s.mean(dim=2)
-    if how == "max":
-        return s.amax(dim=2)
-    raise ValueError(f"gqa_aggregation={how!r}: accepted values are mean, max")
+    return s.mean(dim=2) if how == "mean" else s.amax(dim=2)
 
 
 def topk_keep_window(scores: torch.Tensor, budget: int, window: int) -> torch.Tensor:

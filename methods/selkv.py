@@ -137,14 +137,12 @@ def select_tokens(scores: torch.Tensor, budget: int, recent: int, mode: str) -> 
         top = prefix.topk(m_s, dim=-1).indices
     elif mode == "shared":
         top = prefix.mean(dim=1).topk(m_s, dim=-1).indices.unsqueeze(1).expand(b, h, m_s)
-    elif mode == "union":
+    else:  # union
         picked = torch.zeros_like(prefix, dtype=torch.bool)
         picked.scatter_(2, prefix.topk(m_s, dim=-1).indices, True)
         in_union = picked.any(dim=1)  # (B, n - recent), at least m_s per row
         mean = prefix.mean(dim=1).masked_fill(~in_union, float("-inf"))
         top = mean.topk(m_s, dim=-1).indices.unsqueeze(1).expand(b, h, m_s)  # trim by mean score
-    else:
-        raise ValueError(f"selection={mode!r}: accepted values are per_head, union, shared")
     tail = torch.arange(n - recent, n, device=scores.device).expand(b, h, recent)
     return torch.cat([top, tail], dim=-1).sort(dim=-1).values
 

@@ -17,8 +17,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from .base import CompressResult, LayerContext, MethodConfig, ScoreMethod, require
-from .packing import pack_kept, packing_stats
+from .base import CompressResult, LayerContext, MethodConfig, ScoreMethod, pack_kept, require
 from .scoring import group_scores, pool_scores, topk_keep_window, window_attention
 
 
@@ -103,8 +102,7 @@ class SnapKV(ScoreMethod):
         idx = topk_keep_window(self.score(ctx), ctx.budget, min(self.recent_window, ctx.n_tokens))  # (B, H_q, m)
         (b, h_kv, n, _), g = ctx.keys.shape, ctx.layout.group_size
         chosen = torch.zeros(b, h_kv * g, n, dtype=torch.bool, device=idx.device).scatter_(-1, idx, True)
-        packed = pack_kept(ctx.keys, ctx.values, chosen.view(b, h_kv, g, n).any(2))
-        own = chosen.gather(-1, packed.indices.repeat_interleave(g, dim=1))  # (B, H_q, m_max)
-        bias = torch.zeros(own.shape, device=own.device).masked_fill_(~own, float("-inf"))
-        return CompressResult(keys=packed.keys, values=packed.values, valid=packed.valid, logit_bias=bias,
-                              kept_indices=packed.indices, stats=packing_stats(packed.valid))
+        res = pack_kept(ctx.keys, ctx.values, chosen.view(b, h_kv, g, n).any(2))
+        own = chosen.gather(-1, res.kept_indices.repeat_interleave(g, dim=1))  # (B, H_q, m_max)
+        res.logit_bias = torch.zeros(own.shape, device=own.device).masked_fill_(~own, float("-inf"))
+        return res

@@ -7,7 +7,7 @@ Array task *i* runs ``python run.py <line i>``. Jobs come in the order of Hydra'
     python slurm/make_joblist.py method=snapkv,selkv budget=0.1,0.25 task=niah -o jobs.txt
 
 ``--shards N`` splits every job into N array tasks (``shard.index=k shard.count=N``) writing
-into one job folder. Overrides are shell-quoted, so a line can be pasted after ``python run.py``.
+into one job folder. Overrides are shell-quoted (``shlex.join``), so a line can be pasted after ``python run.py``.
 An experiment preset (``+experiment=NAME``) adds its own sweep (``hydra.sweeper.params``; keys
 on the command line win). Comma lists, ``range()`` and ``choice()`` expand; ``glob()`` and
 ``interval()`` are refused. The overrides are not validated here: each job checks its own config.
@@ -86,11 +86,6 @@ def preset_sweeps(overrides: list[str]) -> list[str]:
     return [f"{key}={value}" for key, value in params.items() if key not in given]
 
 
-def format_line(job: list[str]) -> str:
-    """One job-list line: the overrides, each shell-quoted, separated by single spaces."""
-    return " ".join(shlex.quote(override) for override in job)
-
-
 def rates(run: Path, model: str) -> tuple[float, float]:
     """``(prefill tok/s, decode tok/s)`` of ``model`` measured in ``run``: a ``latency.json`` (its
     records of that model), a job folder or a results root (every ``predictions.jsonl`` whose job ran
@@ -148,7 +143,7 @@ def cost(jobs: list[list[str]], run: Path):
             speed[name] = speed.get(name) or rates(run, name)
             mine = samples[key][cfg["shard"]["index"]::cfg["shard"]["count"]][:cfg.get("max_samples") or None]
             prompt, new = sum(p for p, _ in mine), sum(n for _, n in mine)
-            rows.append({"job": format_line(job), "samples": len(mine), "prompt_tokens": prompt, "new_tokens": new,
+            rows.append({"job": shlex.join(job), "samples": len(mine), "prompt_tokens": prompt, "new_tokens": new,
                          "hours": (prompt / speed[name][0] + new / speed[name][1]) / 3600})
     return pd.DataFrame(rows)
 
@@ -180,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
             print(table.to_string(index=False, float_format="{:.2f}".format))
             print(f"{len(jobs)} jobs, {table.samples.sum()} samples, {table.hours.sum():.2f} GPU-hours; the longest job "
                   f"{60 * table.hours.max():.0f} min (size timeout_min, or split it with --shards / shard.count)")
-        text = "".join(format_line(job) + "\n" for job in jobs)
+        text = "".join(shlex.join(job) + "\n" for job in jobs)
         if args.output is None:
             sys.stdout.write("" if args.cost else text)
             return 0

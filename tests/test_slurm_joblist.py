@@ -14,7 +14,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "slurm"))
 
-from make_joblist import SweepSpecError, expand, format_line, main  # noqa: E402
+from make_joblist import SweepSpecError, expand, main  # noqa: E402
+from shlex import join as format_line  # noqa: E402 - the job-list line format
 
 
 def test_expand_is_the_cartesian_product_in_hydra_multirun_order():

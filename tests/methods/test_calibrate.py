@@ -7,7 +7,7 @@ import importlib.util
 import pytest
 import torch
 
-from methods.attention_probe import reserved_cache
+from methods.calibrate import reserved_cache
 from methods.calibrate import AttentionProbe, build_parser, main
 
 transformers = pytest.importorskip("transformers")

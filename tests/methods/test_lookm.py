@@ -220,12 +220,16 @@ def test_attention_with_column_sums_refuses_a_continued_prefill():
         lookm.attention_with_column_sums(q, kv, kv, 0.35, None, 16)
 
 
+def block_count(n, heads, device_type, chunk=512):
+    return len(lookm._query_blocks(0, n, heads, chunk, lookm.block_elems(device_type)))
+
+
 def test_block_count_is_sized_for_the_device():
     """A 128k prompt on an 8B model (32 query heads): CPU-sized 8 MiB blocks are ~1 row each (a
     Python iteration per token); CUDA blocks hold 2^27 logits, a few thousand per layer."""
     n, heads = 128 * 1024, 32
-    cpu, cuda = lookm.block_count(n, heads, "cpu"), lookm.block_count(n, heads, "cuda")
+    cpu, cuda = block_count(n, heads, "cpu"), block_count(n, heads, "cuda")
     assert cpu > 100_000  # 2^21 // (32 · 128k) = 0: one row per block for the last 120k rows
     assert 256 <= cuda <= 3000  # ≥ n / query_chunk; ≈ H_q·n²/2 / 2^27 ≈ 2048
-    assert lookm.block_count(n, heads, "mps") == cpu  # other devices: as CPU
-    assert lookm.block_count(1000, 4, "cuda") == 2  # short prompt: query_chunk (512) rows per block
+    assert block_count(n, heads, "mps") == cpu  # other devices: as CPU
+    assert block_count(1000, 4, "cuda") == 2  # short prompt: query_chunk (512) rows per block

@@ -46,7 +46,7 @@ def test_kvpress_schedule_falls_back_unless_min_above_window():
 
 def test_schedule_rejects_bad_settings():
     with pytest.raises(ConfigError, match="method.schedule"):
-        pyramid_layer_budgets(128, 1000, 4, 8, variant="linear")
+        PyramidKV(PyramidKVConfig(schedule="linear"))
     assert pyramid_layer_budgets(8, 1000, 4, 8) == [8] * 4  # m <= W (short ratio budget): uniform
     with pytest.raises(ConfigError, match="method.beta"):
         PyramidKV(PyramidKVConfig(beta=0))
