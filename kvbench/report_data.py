@@ -12,18 +12,14 @@ import numpy as np
 import pandas as pd
 import yaml
 
+from eval.longbench import DATASETS_EN, DATASETS_ZH
 from eval.niah import strict_match
 
 from .store import JobStore, is_job_folder
 
-LONGBENCH_CATEGORIES: dict[str, list[str]] = {
-    "Single-Doc QA": ["narrativeqa", "qasper", "multifieldqa_en"], "Multi-Doc QA": ["hotpotqa", "2wikimqa", "musique"],
-    "Summarization": ["gov_report", "qmsum", "multi_news"], "Few-shot Learning": ["trec", "triviaqa", "samsum"],
-    "Synthetic": ["passage_count", "passage_retrieval_en"], "Code": ["lcc", "repobench-p"]}
-DATASET_ORDER = [d for ds in LONGBENCH_CATEGORIES.values() for d in ds]
-DATASET_ABBR = dict(zip(DATASET_ORDER, "NrtQA Qasp MF-en HpQA 2Wiki Musi GovR QMSm MNws TREC TrvQA SAMs PCnt PRet "
-                                       "LCC RB-P".split())) | {
-    "multifieldqa_zh": "MF-zh", "dureader": "DuRd", "vcsum": "VCSum", "lsht": "LSHT", "passage_retrieval_zh": "PRet-zh"}
+DATASET_ORDER = list(DATASETS_EN)
+DATASET_ABBR = dict(zip(DATASET_ORDER + list(DATASETS_ZH), "NrtQA Qasp MF-en HpQA 2Wiki Musi GovR QMSm MNws TREC TrvQA "
+                        "SAMs PCnt PRet LCC RB-P MF-zh DuRd VCSum LSHT PRet-zh".split()))
 METHOD_ORDER = ["full", "streamingllm", "snapkv", "lookm", "pyramidkv", "cake", "headkv", "adakv", "selkv",
                 "compresskv", "knorm"]
 MODEL_ORDER = ["llama31", "gemma2", "longchat", "mistral", "qwen25_14b", "qwen25_32b"]

@@ -10,10 +10,11 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from eval.longbench import CATEGORIES
+
 from .plots import SCORE_LABEL, draw_niah_heatmap, plt
-from .report_data import (DATASET_ABBR, FULL, LONG_CONTEXT_TOKENS, LONGBENCH_CATEGORIES, budget_semantics,
-                          budget_text, display_name, method_sort_key, model_sort_key, niah_grid, niah_grid_records,
-                          order_datasets)
+from .report_data import (DATASET_ABBR, FULL, LONG_CONTEXT_TOKENS, budget_semantics, budget_text, display_name,
+                          method_sort_key, model_sort_key, niah_grid, niah_grid_records, order_datasets)
 
 
 @dataclass
@@ -201,7 +202,7 @@ def paired_table(name: str, what: str, heads: list[dict], samples: list[pd.Serie
     for i, (head, mine) in enumerate(zip(heads, samples)):
         for scope, ds in scopes.items():
             a, b = ([x.get(d) if isinstance(x.get(d), dict) else {} for d in ds] for x in (samples[ref], mine))
-            pairs = {d: np.array([100 * (y[k] - x[k]) for k in x.keys() & y.keys()]) for d, x, y in zip(ds, a, b)}
+            pairs = {d: 100 * (pd.Series(y) - pd.Series(x)).dropna().to_numpy(float) for d, x, y in zip(ds, a, b)}
             if i != ref and all(len(p) for p in pairs.values()):
                 diff, low, high, p = paired_bootstrap(pairs)
                 rows.append({**head, "Over": scope, "Pairs": str(sum(map(len, pairs.values()))), "Δ": diff,
@@ -321,16 +322,16 @@ def selkv_table4(df: pd.DataFrame, budget: float = 0.25, task: str = "longbench"
     g = grid(df, task, budget)
     if g is None:
         return []
-    cats = {c: [d for d in g.datasets if d in m] for c, m in LONGBENCH_CATEGORIES.items()}
-    cats["Other"] = [d for d in g.datasets if not any(d in m for m in LONGBENCH_CATEGORIES.values())]
+    cats = {c: [d for d in g.datasets if d in m] for c, m in CATEGORIES.items()}
+    cats["Other"] = [d for d in g.datasets if not any(d in m for m in CATEGORIES.values())]
     data = pd.DataFrame([{"Model": mk, "Category": c, **{lab: g.avg(mk, lab, ds) for lab in g.rows}}
                          for mk in g.models for c, ds in cats.items() if ds], columns=["Model", "Category", *g.rows])
     v = data[g.labels].where(pd.DataFrame({lab: [(m, lab) not in g.incomplete for m in data["Model"]]
                                            for lab in g.labels})).map(round2, na_action="ignore")
     bold = set(v[v.eq(v.max(axis=1), axis=0)].stack().index)
-    partial = [f"partial category: {c} averages {len(ds)} of its {len(LONGBENCH_CATEGORIES[c])} datasets "
+    partial = [f"partial category: {c} averages {len(ds)} of its {len(CATEGORIES[c])} datasets "
                f"({', '.join(ds)}); not comparable to the paper's category score"
-               for c, ds in cats.items() if c != "Other" and 0 < len(ds) < len(LONGBENCH_CATEGORIES[c])]
+               for c, ds in cats.items() if c != "Other" and 0 < len(ds) < len(CATEGORIES[c])]
     caption = (f"Category-level averages on LongBench ({budget_text(budget)} KV budget; {budget_semantics([budget])}). "
                f"Best compressed method per category in bold{_unfinished(g)}. Models: {', '.join(g.models)}.")
     return [Artifact("selkv_table4", caption, data, bold=bold, sources=g.sources, notes=g.notes + partial)]
