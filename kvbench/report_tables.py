@@ -516,10 +516,9 @@ def selkv_fig2(df: pd.DataFrame, budget: float = 0.25, task: str = "longbench") 
                 unfinished = True
     ax.axhline(0, color="black", linewidth=0.8)
     ax.margins(y=0.15)
-    ax.set(xticks=range(len(g.models)), xticklabels=g.models, xlabel="Model",
-           ylabel=f"Δ LongBench average vs {g.full} (points)")
-    ax.set_title("Gap to the full cache\n(closer to 0 is better)", fontsize=10)
-    ax.legend(fontsize=7)
+    ax.set(xticks=range(len(g.models)), xticklabels=g.models, xlabel="Model", ylabel=f"Δ LongBench average vs "
+           f"{g.full} (points)", title="Gap to the full cache\n(closer to 0 is better)")
+    ax.legend()
     caption = (f"Task: LongBench ({_ds(len(g.datasets))}); models: {', '.join(g.models)}; "
                f"{budget_semantics([budget])}, ρ = {budget_text(budget)}; error bars: ±1 SE, √(SE² + SE full²)."
                + " Hatched, pale bars: an unfinished job (fewer samples scored)." * unfinished)
@@ -555,12 +554,11 @@ def budget_sweep_figure(df, name: str, task: str, ratio: bool, title: str, per_d
                 ax.set_xscale("log", base=2)
                 ax.set_xticks(list(t.columns), [f"{b:g}" for b in t.columns])
                 ax.minorticks_off()
-            ax.set(ylabel="Score (points)" if ds else "Average score (points)", xlabel="KV retention ratio ρ (% of "
-                   "prompt tokens)" if ratio else "KV budget (tokens per layer per KV head)")
-            ax.set_title(mk + f" — {ds}" * bool(ds), fontsize=9)
-            ax.legend(fontsize=7)
-    if title:
-        fig.suptitle(title, fontsize=10)
+            ax.set(ylabel="Score (points)" if ds else "Average score (points)", title=mk + f" — {ds}" * bool(ds),
+                   xlabel="KV retention ratio ρ (% of prompt tokens)" if ratio else "KV budget (tokens per layer per "
+                   "KV head)")
+            ax.legend()
+    fig.suptitle(title)
     what = f"per dataset ({', '.join(datasets)})" if per_dataset else _ds(len(present))
     caption = (f"Task: {({'longbench': 'LongBench', 'niah': 'Needle-in-a-Haystack'}).get(task, task)} ({what}); "
                f"models: {', '.join(models)}; {budget_semantics(grids)}; dashed line: full cache; error bars and band: "
@@ -589,11 +587,11 @@ def selkv_fig3(latency: list[dict], source: str = "latency.json") -> list[Artifa
         ax_b.set_xticks(tok_s.index, [f"{n:.0f}" for n in tok_s.index], minor=False)
         ax_b.minorticks_off()
         ax_a.set_ylim(top=ax_a.get_ylim()[1] * 1.3)
-        ax_a.legend(fontsize=7, ncols=3, loc="upper left")
-        ax_a.set(xlabel="Prompt length (tokens), method", ylabel="Time per request (s)")
-        ax_b.set(xlabel="Prompt length (tokens)", ylabel="Decode throughput (tokens/s)")
-        ax_a.set_title(f"(a) {mk}: time breakdown", fontsize=9)
-        ax_b.set_title(f"(b) {mk}: decode throughput", fontsize=9)
+        ax_a.legend(ncols=3, loc="upper left")
+        ax_a.set(xlabel="Prompt length (tokens), method", ylabel="Time per request (s)",
+                 title=f"(a) {mk}: time breakdown")
+        ax_b.set(xlabel="Prompt length (tokens)", ylabel="Decode throughput (tokens/s)",
+                 title=f"(b) {mk}: decode throughput")
     budgets = sorted(set(pd.to_numeric(lat["budget"], errors="coerce").dropna()) - {1.0})
     devices, gen = sorted(lat["device"].dropna().astype(str).unique()), lat["generated_tokens"].dropna()
     caption = (f"Latency{' on ' + ', '.join(devices) if devices else ''}; models: {', '.join(models)}; task: synthetic "
@@ -640,7 +638,7 @@ def niah_figures(df: pd.DataFrame, root: Path) -> list[Artifact]:
         plt.setp(axes[:, 0], ylabel="Needle depth (%)")
         if im is not None:
             fig.colorbar(im, ax=axes, label=SCORE_LABEL, shrink=0.8)
-        fig.suptitle(f"Needle-in-a-Haystack: {mk}", fontsize=10)
+        fig.suptitle(f"Needle-in-a-Haystack: {mk}")
         out.append(_done(f"niah_panel_{slug(mk)}", fig, f"Task: NIAH; model: {mk}; {budget_semantics(budgets)}; score "
                          "= mean over samples per cell (%).", sources, notes))
     return out
