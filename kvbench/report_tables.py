@@ -406,25 +406,21 @@ def compresskv_table1(df: pd.DataFrame, budgets=(256, 1024), task: str = "longbe
                         f"Models: {', '.join(models)}.", ratio=False)] if grids else []
 
 
-def ablation_flags(p: dict) -> dict:
-    """Gate / Comp / Merge of a SelKV config (None: unsaid): ``gate`` soft | none | off (evict only); ``merge``."""
-    on = lambda v: None if v is None else str(v).lower() not in ("", "none", "off", "false", "0")
-    return {"Gate": on(p.get("gate")), "Comp": on(p.get("compensation")),
-            "Merge": p.get("merge", None if p.get("gate") is None else str(p["gate"]).lower() != "off")}
-
-
 def staged_table(df: pd.DataFrame, name: str, budget: float, task: str = "longbench") -> list[Artifact]:
     """Component analyses per model key: ``selkv_table2`` (labels by Merge, Gate, Comp), ``compresskv_table3a``."""
     sel = df[(df["task"] == task) & at(df, budget)]
     rows, ok, sources, notes, selkv = [], [], [], [], name == "selkv_table2"
     main, snap = display_name("compresskv"), display_name("snapkv")
+    on = lambda v: None if v is None else str(v).lower() not in ("", "none", "off", "false", "0")  # None: unsaid
     for mk in sorted(sel["model_key"].unique(), key=model_sort_key):
         mine = sel[(sel["model_key"] == mk) & (sel["method_name"] == ("selkv" if selkv else "compresskv"))]
         labels = set(mine["method"])
         if len(labels) < 2 or not selkv and main not in labels:
             continue
         by_params = {p: lab for lab, p in sorted(zip(mine["method"], mine["params"]), key=lambda x: len(x[0]))}
-        flags = {lab: ablation_flags(json.loads(p)) for p, lab in by_params.items()}
+        flags = {lab: {"Gate": on(p.get("gate")), "Comp": on(p.get("compensation")),  # gate: soft, none, off (evict)
+                       "Merge": p.get("merge", None if p.get("gate") is None else str(p["gate"]).lower() != "off")}
+                 for p, lab in ((json.loads(p), lab) for p, lab in by_params.items())}
         switches = {lab: ([-1 if f[k] is None else int(f[k]) for k in ("Merge", "Gate", "Comp")], lab)
                     for lab, f in flags.items()}
         order = sorted(flags, key=switches.get) if selkv else [snap] * (snap in set(
