@@ -72,10 +72,6 @@ def slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9]+", "_", text).strip("_").lower()
 
 
-def at(df: pd.DataFrame, budget: float) -> pd.Series:
-    return (df["budget"] - budget).abs() < 1e-9
-
-
 def _ds(n: int) -> str:
     return f"{n} dataset" + "s" * (n != 1)
 
@@ -133,7 +129,7 @@ class Grid:
 
 def grid(df: pd.DataFrame, task: str, budget: float, models=None, names=None, labels=None) -> Grid | None:
     """One task at one budget, full cache at any budget; default ``labels``: preset label, else the shortest (noted)."""
-    comp = df[(df["task"] == task) & (df["method_name"] != FULL) & at(df, budget)]
+    comp = df[(df["task"] == task) & (df["method_name"] != FULL) & np.isclose(df["budget"], budget)]
     comp = comp[comp["model_key"].isin(models)] if models is not None else comp
     comp = comp[comp["method_name"].isin(names)] if names is not None else comp
     where, notes = f"{task}, budget {budget_text(budget)}", []
@@ -408,7 +404,7 @@ def compresskv_table1(df: pd.DataFrame, budgets=(256, 1024), task: str = "longbe
 
 def staged_table(df: pd.DataFrame, name: str, budget: float, task: str = "longbench") -> list[Artifact]:
     """Component analyses per model key: ``selkv_table2`` (labels by Merge, Gate, Comp), ``compresskv_table3a``."""
-    sel = df[(df["task"] == task) & at(df, budget)]
+    sel = df[(df["task"] == task) & np.isclose(df["budget"], budget)]
     rows, ok, sources, notes, selkv = [], [], [], [], name == "selkv_table2"
     main, snap = display_name("compresskv"), display_name("snapkv")
     on = lambda v: None if v is None else str(v).lower() not in ("", "none", "off", "false", "0")  # None: unsaid
@@ -448,7 +444,7 @@ def staged_table(df: pd.DataFrame, name: str, budget: float, task: str = "longbe
 
 def sensitivity_table(df, name: str, method: str, budget: float, task: str = "longbench", per_dataset=True):
     """A row per variant (differing fields) of a method's main label (SelKV Table 3, CompressKV Table 3b), Δ default."""
-    sel = df[(df["task"] == task) & (df["method_name"] == method) & at(df, budget)
+    sel = df[(df["task"] == task) & (df["method_name"] == method) & np.isclose(df["budget"], budget)
              & (df["method"] == display_name(method))]
     used = pick(sel, ["model_key", "variant"])
     datasets = order_datasets(used["dataset"])
@@ -620,7 +616,8 @@ def niah_figures(df: pd.DataFrame, root: Path) -> list[Artifact]:
         im, sources, notes = None, [], []
         for i, b in enumerate(budgets):
             for j, lab in enumerate(cols):
-                chosen = full if lab is None else pick(comp[(comp["method"] == lab) & at(comp, b)], ["method"])
+                cell = comp[(comp["method"] == lab) & np.isclose(comp["budget"], b)]
+                chosen = full if lab is None else pick(cell, ["method"])
                 r = chosen.iloc[0] if len(chosen) else {"method": lab or "full", "variant": "", "complete": True}
                 title = r["method"] + f", budget {budget_text(b)}" * (lab is not None) + f"\n{r['variant']}" * bool(
                     r["variant"]) + " (unfinished)" * (not r["complete"])
