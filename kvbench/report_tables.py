@@ -333,11 +333,13 @@ def selkv_table4(df: pd.DataFrame, budget: float = 0.25, task: str = "longbench"
     return [Artifact("selkv_table4", caption, data, bold=bold, sources=g.sources, notes=g.notes + partial)]
 
 
-def budget_grids(df: pd.DataFrame, task: str, ratio: bool) -> dict[float, Grid]:
-    """A grid per retention ratio (budget <= 1) or per token budget among the task's compressed jobs."""
+def budget_grids(df: pd.DataFrame, task: str, ratio: bool) -> tuple[dict[float, Grid], list[str]]:
+    """A grid per retention ratio (budget <= 1) or per token budget among the task's compressed jobs; the model keys
+    in two grids or more."""
     b = df.loc[(df["task"] == task) & (df["method_name"] != FULL), "budget"].dropna()
-    grids = {float(x): grid(df, task, float(x)) for x in sorted(b[(b <= 1) == ratio].unique())}
-    return {x: g for x, g in grids.items() if g is not None}
+    grids = {float(x): g for x in sorted(b[(b <= 1) == ratio].unique()) if (g := grid(df, task, float(x)))}
+    counts = pd.Series([m for g in grids.values() for m in g.models], dtype=object).value_counts()
+    return grids, sorted(counts.index[counts >= 2], key=model_sort_key)
 
 
 def sweep(grids: dict[float, Grid], mk: str, dataset: str | None = None, se: bool = False) -> pd.DataFrame:
@@ -354,11 +356,6 @@ def sweep(grids: dict[float, Grid], mk: str, dataset: str | None = None, se: boo
     return table
 
 
-def merged(grids, models: list[str]) -> tuple[list, list]:
-    """Sources and notes (about ``models``) of several grids."""
-    return [j for g in grids for j in g.sources], [n for g in grids for n in g.notes if any(m in n for m in models)]
-
-
 def sweep_table(name: str, grids: dict[float, Grid], models: list[str], caption: str, ratio: bool) -> Artifact:
     """Average per label × (model, budget) (``ratio``: one model, a column per ratio); bold: best per column."""
     col = (lambda mk, b: budget_text(b)) if ratio else (lambda mk, b: f"{mk} @{b:g}")
@@ -370,7 +367,8 @@ def sweep_table(name: str, grids: dict[float, Grid], models: list[str], caption:
     data = data.rename_axis("Method").reset_index()
     bold = set().union(*(bolds(data, [c], data.index[data["Method"] != full] if ratio else cols[c][2].ok(
         data.assign(Model=cols[c][0]))) for c in t.columns))
-    sources, notes = merged([g for g in grids.values() if set(models) & set(g.models)], models)
+    sources = [j for g in grids.values() if set(models) & set(g.models) for j in g.sources]
+    notes = [n for g in grids.values() for n in g.notes if any(m in n for m in models)]
     notes += [f"absent: {cols[c][0]} / {lab} at {'ratio' if ratio else 'budget'} {budget_text(cols[c][1])} (no job, "
               "or a dataset missing)" for lab, row in t.iterrows() for c in t.columns if math.isnan(row[c])]
     return Artifact(name, caption, data, bold=bold, sources=sources, notes=notes)
@@ -378,11 +376,9 @@ def sweep_table(name: str, grids: dict[float, Grid], models: list[str], caption:
 
 def selkv_ratio_tables(df: pd.DataFrame, task: str = "longbench") -> list[Artifact]:
     """SelKV Tables 5 (llama31), 6 (gemma2), ``selkv_ratios_<model>``: LongBench average per method × ratio (>= 2)."""
-    grids, out, names = budget_grids(df, task, ratio=True), [], set()
+    (grids, models), out, names = budget_grids(df, task, ratio=True), [], set()
     n_ds = _ds(len(order_datasets(d for g in grids.values() for d in g.datasets)))
-    for mk in sorted({m for g in grids.values() for m in g.models}, key=model_sort_key):
-        if sum(mk in g.models for g in grids.values()) < 2:
-            continue
+    for mk in models:
         name = {"llama31": "selkv_table5", "gemma2": "selkv_table6"}.get(mk.split(" ")[0], "")
         name = name if name and name not in names else f"selkv_ratios_{slug(mk)}"
         names.add(name)
@@ -519,15 +515,14 @@ def selkv_fig2(df: pd.DataFrame, budget: float = 0.25, task: str = "longbench") 
 
 def budget_sweep_figure(df, name: str, task: str, ratio: bool, title: str, per_dataset: bool = False):
     """Average vs budget, a panel per model (SelKV Fig. 4, CompressKV Figs. 4, 5); ``per_dataset``: SelKV Fig. 5."""
-    grids = budget_grids(df, task, ratio)
-    models = [m for m in sorted({m for g in grids.values() for m in g.models}, key=model_sort_key)
-              if sum(m in g.models for g in grids.values()) >= 2]
+    grids, models = budget_grids(df, task, ratio)
     if not models:
         return []
     present = order_datasets(d for g in grids.values() for d in g.datasets)
     datasets = ([d for d in ("qasper", "musique") if d in present] or present[:4]) if per_dataset else [None]
     fig, axes = _figure(len(models) if per_dataset else 1, len(datasets) if per_dataset else len(models))
-    sources, notes = merged(list(grids.values()), models)
+    sources = [j for g in grids.values() for j in g.sources]
+    notes = [n for g in grids.values() for n in g.notes if any(m in n for m in models)]
     full = next((g.full for g in grids.values() if g.full), None)
     for i, mk in enumerate(models):
         for j, ds in enumerate(datasets):  # one model's average (or one dataset's score) across budgets
