@@ -20,6 +20,8 @@ from .store import atomic_write
 
 
 Context = namedtuple("Context", "root df latency latency_source", defaults=(None, "latency.json"))
+TEX = str.maketrans({"\\": r"\textbackslash{}", "&": r"\&", "%": r"\%", "_": r"\_", "#": r"\#", "Δ": r"$\Delta$",
+                     "ρ": r"$\rho$", "✓": r"\checkmark", "–": "--", "×": r"$\times$", "·": r"$\cdot$", "±": r"$\pm$"})
 
 
 def _sweep_fig(name: str, task: str, ratio: bool, title: str = "", per_dataset: bool = False):
@@ -71,19 +73,13 @@ def to_markdown(t: Artifact) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _tex(text: str) -> str:
-    return text.translate(str.maketrans({"\\": r"\textbackslash{}", "&": r"\&", "%": r"\%", "_": r"\_", "#": r"\#",
-        "Δ": r"$\Delta$", "ρ": r"$\rho$", "✓": r"\checkmark", "–": "--", "×": r"$\times$", "·": r"$\cdot$",
-        "±": r"$\pm$"}))
-
-
 def to_latex(t: Artifact) -> str:
     """A booktabs table (``to_latex``): missing ``--``, best ``\\textbf``; notes and sources as comments."""
-    cells = _cells(t, r"\textbf{%s}", "--", lambda v: _tex("$-$" + v[1:] if v.startswith("-") else v))
+    cells = _cells(t, r"\textbf{%s}", "--", lambda v: ("$-$" + v[1:] if v.startswith("-") else v).translate(TEX))
     spec = "".join("r" if pd.api.types.is_numeric_dtype(t.data[c]) else "l" for c in t.data.columns)
-    cells.columns = [_tex(t.headers.get(c, c)) for c in cells.columns]
-    body = cells.to_latex(index=False, escape=False, caption=_tex(t.caption), label=f"tab:{t.name}", position="t",
-                          column_format=spec)
+    cells.columns = [t.headers.get(c, c).translate(TEX) for c in cells.columns]
+    body = cells.to_latex(index=False, escape=False, caption=t.caption.translate(TEX), label=f"tab:{t.name}",
+                          position="t", column_format=spec)
     return body + "".join(f"% note: {n}\n" for n in t.notes) + "".join(f"% source: {s}\n" for s in t.sources)
 
 

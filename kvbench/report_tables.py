@@ -17,6 +17,9 @@ from .report_data import (DATASET_ABBR, FULL, LONG_CONTEXT_TOKENS, budget_semant
                           method_sort_key, model_sort_key, niah_grid, niah_grid_records, order_datasets)
 
 
+UNFINISHED = " (rows of unfinished jobs excluded)"
+
+
 @dataclass
 class Artifact:
     """A table (``data``: label columns as text, values as floats) or a figure (``fig``)."""
@@ -168,10 +171,6 @@ def grid(df: pd.DataFrame, task: str, budget: float, models=None, names=None, la
                 sorted(set(used["job"])), dedupe(notes))
 
 
-def _unfinished(*grids: Grid) -> str:
-    return " (rows of unfinished jobs excluded)" * any(g.incomplete for g in grids)
-
-
 def avg_se(se: pd.DataFrame | pd.Series) -> pd.Series | float:
     """Standard error of a mean over ``k`` datasets (columns) from theirs: sqrt(Σ SE²) / k; NaN when one is missing."""
     k, axis = se.shape[-1], se.ndim - 1
@@ -306,7 +305,8 @@ def selkv_table1(df: pd.DataFrame, budget: float = 0.25, task: str = "longbench"
     caption = (f"LongBench {'average' if long else 'results'} ({_ds(len(g.datasets))})" + f" with long inputs ({ctx} "
                "tokens)," * long + f" at a {budget_text(budget)} KV budget ({budget_semantics([budget])}). Δ: gap to "
                f"{g.full or 'the full cache'}." + " Avg Rank: mean rank per dataset (compressed rows)." * (not long)
-               + f" Best compressed method per column in bold{_unfinished(g)}. Models: {', '.join(g.models)}.")
+               + f" Best compressed method per column in bold{UNFINISHED * bool(g.incomplete)}. Models: "
+               f"{', '.join(g.models)}.")
     bold = bolds(data, ["Avg"] + [*g.datasets, "Δ"] * (not long), ok, "Model")
     bold |= set() if long else bolds(data, ["Avg Rank"], ok, "Model", higher=False)
     return [Artifact("selkv_table7" if long else "selkv_table1", caption, data, bold=bold, signed={"Δ"},
@@ -329,7 +329,8 @@ def selkv_table4(df: pd.DataFrame, budget: float = 0.25, task: str = "longbench"
                f"({', '.join(ds)}); not comparable to the paper's category score"
                for c, ds in cats.items() if c != "Other" and 0 < len(ds) < len(CATEGORIES[c])]
     caption = (f"Category-level averages on LongBench ({budget_text(budget)} KV budget; {budget_semantics([budget])}). "
-               f"Best compressed method per category in bold{_unfinished(g)}. Models: {', '.join(g.models)}.")
+               f"Best compressed method per category in bold{UNFINISHED * bool(g.incomplete)}. Models: "
+               f"{', '.join(g.models)}.")
     return [Artifact("selkv_table4", caption, data, bold=bold, sources=g.sources, notes=g.notes + partial)]
 
 
@@ -394,7 +395,7 @@ def compresskv_table1(df: pd.DataFrame, budgets=(256, 1024), task: str = "longbe
     models = sorted({m for g in grids.values() for m in g.models}, key=model_sort_key)
     return [sweep_table("compresskv_table1", grids, models, f"Average LongBench scores under fixed KV budgets "
                         f"({budget_semantics(grids)}). The full cache does not depend on the budget. Best compressed "
-                        f"method per column in bold{_unfinished(*grids.values())}. "
+                        f"method per column in bold{UNFINISHED * any(g.incomplete for g in grids.values())}. "
                         f"Models: {', '.join(models)}.", ratio=False)] if grids else []
 
 
