@@ -567,19 +567,16 @@ def selkv_fig3(latency: list[dict], source: str = "latency.json") -> list[Artifa
     fig, axes = _figure(len(models), 2, w=5.2)
     for (ax_a, ax_b), mk in zip(axes, models):
         m = means.loc[mk]
-        m[list(stages)].rename(columns=stages).plot.bar(stacked=True, ax=ax_a, width=0.8, fontsize=7)
+        m[list(stages)].rename(columns=stages).plot.bar(stacked=True, ax=ax_a, width=0.8, fontsize=7, ylabel="Time per "
+                                                        "request (s)", title=f"(a) {mk}: time breakdown")
         ax_a.set_xticks(range(len(m)), [f"{n:.0f} {meth}" for n, meth in m.index], rotation=60, ha="right")
+        ax_a.set(xlabel="Prompt length (tokens), method", ylim=(0, ax_a.get_ylim()[1] * 1.3))
+        ax_a.legend(ncols=3, loc="upper left")
         tok_s = m["decode_tok_s"].unstack("method")
-        tok_s.plot(ax=ax_b, marker="o", fontsize=7)
-        ax_b.set_xscale("log", base=2)
+        tok_s.plot(ax=ax_b, marker="o", fontsize=7, logx=True, xlabel="Prompt length (tokens)",
+                   ylabel="Decode throughput (tokens/s)", title=f"(b) {mk}: decode throughput")
         ax_b.set_xticks(tok_s.index, [f"{n:.0f}" for n in tok_s.index], minor=False)
         ax_b.minorticks_off()
-        ax_a.set_ylim(top=ax_a.get_ylim()[1] * 1.3)
-        ax_a.legend(ncols=3, loc="upper left")
-        ax_a.set(xlabel="Prompt length (tokens), method", ylabel="Time per request (s)",
-                 title=f"(a) {mk}: time breakdown")
-        ax_b.set(xlabel="Prompt length (tokens)", ylabel="Decode throughput (tokens/s)",
-                 title=f"(b) {mk}: decode throughput")
     budgets = sorted(set(pd.to_numeric(lat["budget"], errors="coerce").dropna()) - {1.0})
     devices, gen = sorted(lat["device"].dropna().astype(str).unique()), lat["generated_tokens"].dropna()
     caption = (f"Latency{' on ' + ', '.join(devices) if devices else ''}; models: {', '.join(models)}; task: synthetic "
