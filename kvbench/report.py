@@ -53,9 +53,8 @@ OUTPUTS = {"scores": ["scores_*", "paired_*"], "selkv_ratio_tables": ["selkv_tab
 
 def _cells(t: Artifact, bold: str = "**%s**", missing: str = "–", esc=str) -> pd.DataFrame:
     """Printed cells of ``t`` (``t.se`` beside the values), ``bold`` and ``missing`` as the format wants."""
-    se = t.se.reindex(index=t.data.index, columns=t.data.columns) if t.se is not None else None
-    cells = pd.DataFrame({c: [fmt(v, c in t.signed, None if se is None else se.at[i, c])
-                              for i, v in t.data[c].items()] for c in t.data.columns})
+    se = (pd.DataFrame() if t.se is None else t.se).reindex(index=t.data.index, columns=t.data.columns)
+    cells = pd.DataFrame({c: [fmt(v, c in t.signed, e) for v, e in zip(t.data[c], se[c])] for c in t.data})
     return pd.DataFrame({c: [missing if v is None else (bold if (i, c) in t.bold else "%s") % esc(v)
                              for i, v in enumerate(cells[c])] for c in cells})
 
@@ -89,8 +88,8 @@ def write(a: Artifact, out: Path) -> list[Path]:
     paths = [Path(f"{out / a.name}{s}") for s in ((".png", ".pdf") if a.fig is not None else (".md", ".tex", ".csv"))]
     paths[0].parent.mkdir(parents=True, exist_ok=True)
     if a.fig is not None:
-        a.fig.savefig(paths[0], dpi=150)
-        a.fig.savefig(paths[1])
+        for path in paths:
+            a.fig.savefig(path, dpi=150)
         plt.close(a.fig)
     else:
         csv = a.data.join(a.se.dropna(axis=1, how="all").add_suffix(" SE")) if a.se is not None else a.data
