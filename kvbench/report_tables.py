@@ -498,8 +498,7 @@ def selkv_fig2(df: pd.DataFrame, budget: float = 0.25, task: str = "longbench") 
         errs = [math.hypot(g.avg(mk, lab, se=True), g.avg(mk, g.full, se=True)) for mk in g.models]
         for x, y, mk, bar in zip(xs, ys, g.models, ax.bar(xs, ys, width, yerr=errs, capsize=2, label=lab)):
             if math.isnan(y):
-                ax.annotate("n/a", (x, 0), xytext=(0, -3), textcoords="offset points", ha="center", va="top",
-                            fontsize=6, rotation=90, color="grey")
+                ax.text(x, 0, "n/a ", ha="center", va="top", fontsize=6, rotation=90, color="grey")
             elif {(mk, lab), (mk, g.full)} & g.incomplete:
                 bar.set(hatch="///", alpha=0.5)
                 unfinished = True
