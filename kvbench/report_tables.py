@@ -14,7 +14,7 @@ from eval.longbench import CATEGORIES
 
 from .plots import SCORE_LABEL, draw_niah_heatmap, plt
 from .report_data import (DATASET_ABBR, FULL, LONG_CONTEXT_TOKENS, budget_semantics, budget_text, display_name,
-                          method_sort_key, model_sort_key, niah_grid, niah_grid_records, order_datasets)
+                          method_sort_key, model_sort_key, niah_grid_records, order_datasets)
 
 
 UNFINISHED = " (rows of unfinished jobs excluded)"
@@ -228,8 +228,7 @@ def score_tables(df: pd.DataFrame, root: Path | None = None) -> list[Artifact]:
         keys = sorted(set(zip(sel["method_name"], sel["method"], sel["variant"], sel["bkey"], ~sel["default"])),
                       key=lambda k: (method_sort_key(k[0], k[1]), k[3], k[4], natural(k[2])))
         show_variant = any(k[2] for k in keys)
-        grids = {j: niah_grid(Path(root) / j) for j in sorted(set(used["job"]))} if task == "niah" and root else {}
-        grids = {j: f"lengths {g[0]} × depths {g[1]}" for j, g in grids.items() if g}
+        grids = {j: niah_grid_records(Path(root) / j)[1] for j in set(used["job"])} if task == "niah" and root else {}
         rows, errs, samples, notes, comp, kinds = [], [], [], [], [], []
         for name, label, variant, b, _nd in keys:
             part, mine = (t[(t["method"] == label) & (t["variant"] == variant) & (t["bkey"] == b)] for t in (sel, used))
@@ -587,7 +586,7 @@ def selkv_fig3(latency: list[dict], source: str = "latency.json") -> list[Artifa
 def niah_figures(df: pd.DataFrame, root: Path) -> list[Artifact]:
     """NIAH heatmaps: one per job (``niah/<job>``), a panel per model key (budgets × full cache, methods)."""
     niah = df[(df["task"] == "niah") & df["dataset"].notna()]
-    records = {job: niah_grid_records(Path(root) / job) for job in niah["job"].unique()}
+    records = {job: niah_grid_records(Path(root) / job)[0] for job in niah["job"].unique()}
     out = []
     for job, row in niah.groupby("job").first().iterrows():
         fig, axes = _figure(1, 1, w=5.6, h=4.0)
