@@ -10,7 +10,8 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 
-plt.rcParams["figure.max_open_warning"] = 0  # a report holds one figure per NIAH job before writing
+# a report holds one figure per NIAH job before writing
+plt.rcParams.update({"figure.max_open_warning": 0, "axes.titlesize": 9, "figure.titlesize": 10, "legend.fontsize": 7})
 SCORE_LABEL = "Score (ROUGE-1 recall × 100)"
 
 
@@ -29,7 +30,7 @@ def niah_grid(records: Iterable[dict]) -> tuple[list[int], list[float], np.ndarr
 def draw_niah_heatmap(ax, records: Iterable[dict], title: str = "", labels: bool = True):
     """Draw the depth × length heatmap on ``ax``; returns the image (for a colorbar), None without NIAH records."""
     lengths, depths, grid = niah_grid(records)
-    ax.set_title(title, fontsize=9)
+    ax.set_title(title)
     if not lengths:
         ax.text(0.5, 0.5, "no NIAH records", ha="center", va="center", transform=ax.transAxes)
         ax.set(xticks=[], yticks=[])

@@ -20,6 +20,8 @@ from .store import atomic_write
 
 
 Context = namedtuple("Context", "root df latency latency_source", defaults=(None, "latency.json"))
+TEX = str.maketrans({"\\": r"\textbackslash{}", "&": r"\&", "%": r"\%", "_": r"\_", "#": r"\#", "Δ": r"$\Delta$",
+                     "ρ": r"$\rho$", "✓": r"\checkmark", "–": "--", "×": r"$\times$", "·": r"$\cdot$", "±": r"$\pm$"})
 
 
 def _sweep_fig(name: str, task: str, ratio: bool, title: str = "", per_dataset: bool = False):
@@ -51,9 +53,8 @@ OUTPUTS = {"scores": ["scores_*", "paired_*"], "selkv_ratio_tables": ["selkv_tab
 
 def _cells(t: Artifact, bold: str = "**%s**", missing: str = "–", esc=str) -> pd.DataFrame:
     """Printed cells of ``t`` (``t.se`` beside the values), ``bold`` and ``missing`` as the format wants."""
-    se = t.se.reindex(index=t.data.index, columns=t.data.columns) if t.se is not None else None
-    cells = pd.DataFrame({c: [fmt(v, c in t.signed, None if se is None else se.at[i, c])
-                              for i, v in t.data[c].items()] for c in t.data.columns})
+    se = (pd.DataFrame() if t.se is None else t.se).reindex(index=t.data.index, columns=t.data.columns)
+    cells = pd.DataFrame({c: [fmt(v, c in t.signed, e) for v, e in zip(t.data[c], se[c])] for c in t.data})
     return pd.DataFrame({c: [missing if v is None else (bold if (i, c) in t.bold else "%s") % esc(v)
                              for i, v in enumerate(cells[c])] for c in cells})
 
@@ -71,19 +72,13 @@ def to_markdown(t: Artifact) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _tex(text: str) -> str:
-    return text.translate(str.maketrans({"\\": r"\textbackslash{}", "&": r"\&", "%": r"\%", "_": r"\_", "#": r"\#",
-        "Δ": r"$\Delta$", "ρ": r"$\rho$", "✓": r"\checkmark", "–": "--", "×": r"$\times$", "·": r"$\cdot$",
-        "±": r"$\pm$"}))
-
-
 def to_latex(t: Artifact) -> str:
     """A booktabs table (``to_latex``): missing ``--``, best ``\\textbf``; notes and sources as comments."""
-    cells = _cells(t, r"\textbf{%s}", "--", lambda v: _tex("$-$" + v[1:] if v.startswith("-") else v))
+    cells = _cells(t, r"\textbf{%s}", "--", lambda v: ("$-$" + v[1:] if v.startswith("-") else v).translate(TEX))
     spec = "".join("r" if pd.api.types.is_numeric_dtype(t.data[c]) else "l" for c in t.data.columns)
-    cells.columns = [_tex(t.headers.get(c, c)) for c in cells.columns]
-    body = cells.to_latex(index=False, escape=False, caption=_tex(t.caption), label=f"tab:{t.name}", position="t",
-                          column_format=spec)
+    cells.columns = [t.headers.get(c, c).translate(TEX) for c in cells.columns]
+    body = cells.to_latex(index=False, escape=False, caption=t.caption.translate(TEX), label=f"tab:{t.name}",
+                          position="t", column_format=spec)
     return body + "".join(f"% note: {n}\n" for n in t.notes) + "".join(f"% source: {s}\n" for s in t.sources)
 
 
@@ -93,8 +88,8 @@ def write(a: Artifact, out: Path) -> list[Path]:
     paths = [Path(f"{out / a.name}{s}") for s in ((".png", ".pdf") if a.fig is not None else (".md", ".tex", ".csv"))]
     paths[0].parent.mkdir(parents=True, exist_ok=True)
     if a.fig is not None:
-        a.fig.savefig(paths[0], dpi=150)
-        a.fig.savefig(paths[1])
+        for path in paths:
+            a.fig.savefig(path, dpi=150)
         plt.close(a.fig)
     else:
         csv = a.data.join(a.se.dropna(axis=1, how="all").add_suffix(" SE")) if a.se is not None else a.data

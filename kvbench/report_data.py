@@ -12,18 +12,14 @@ import numpy as np
 import pandas as pd
 import yaml
 
+from eval.longbench import DATASETS_EN, DATASETS_ZH
 from eval.niah import strict_match
 
 from .store import JobStore, is_job_folder
 
-LONGBENCH_CATEGORIES: dict[str, list[str]] = {
-    "Single-Doc QA": ["narrativeqa", "qasper", "multifieldqa_en"], "Multi-Doc QA": ["hotpotqa", "2wikimqa", "musique"],
-    "Summarization": ["gov_report", "qmsum", "multi_news"], "Few-shot Learning": ["trec", "triviaqa", "samsum"],
-    "Synthetic": ["passage_count", "passage_retrieval_en"], "Code": ["lcc", "repobench-p"]}
-DATASET_ORDER = [d for ds in LONGBENCH_CATEGORIES.values() for d in ds]
-DATASET_ABBR = dict(zip(DATASET_ORDER, "NrtQA Qasp MF-en HpQA 2Wiki Musi GovR QMSm MNws TREC TrvQA SAMs PCnt PRet "
-                                       "LCC RB-P".split())) | {
-    "multifieldqa_zh": "MF-zh", "dureader": "DuRd", "vcsum": "VCSum", "lsht": "LSHT", "passage_retrieval_zh": "PRet-zh"}
+DATASET_ORDER = list(DATASETS_EN)
+DATASET_ABBR = dict(zip(DATASET_ORDER + list(DATASETS_ZH), "NrtQA Qasp MF-en HpQA 2Wiki Musi GovR QMSm MNws TREC TrvQA "
+                        "SAMs PCnt PRet LCC RB-P MF-zh DuRd VCSum LSHT PRet-zh".split()))
 METHOD_ORDER = ["full", "streamingllm", "snapkv", "lookm", "pyramidkv", "cake", "headkv", "adakv", "selkv",
                 "compresskv", "knorm"]
 MODEL_ORDER = ["llama31", "gemma2", "longchat", "mistral", "qwen25_14b", "qwen25_32b"]
@@ -47,25 +43,18 @@ def _json(path: Path) -> dict:
         return {}
 
 
-def niah_grid(job_dir: Path) -> tuple[list, list] | None:
-    """The sorted ``(context lengths, depth percents)`` a NIAH job's ``summary.json`` scores, or None."""
-    sel = _json(job_dir / "summary.json").get("selection") or {}
+def niah_grid_records(job_dir: Path) -> tuple[list[dict], str]:
+    """A NIAH job's records on the grid its ``summary.json`` scores (every record when it records none), and that grid
+    as text (``lengths [512, 1024] × depths [10, 90.5]``, sorted; ``""`` when none)."""
+    records, sel = JobStore(job_dir).records(), _json(Path(job_dir) / "summary.json").get("selection") or {}
     lengths, depths = sel.get("task.context_lengths"), sel.get("task.depth_percents")
     if not isinstance(lengths, list) or not isinstance(depths, list):
-        return None
-    return sorted({int(n) for n in lengths}), [int(d) if float(d).is_integer() else float(d)
-                                               for d in sorted({float(d) for d in depths})]
-
-
-def niah_grid_records(job_dir: Path) -> list[dict]:
-    """A NIAH job's records on the grid its summary counts (every record when it records none)."""
-    records, grid = JobStore(job_dir).records(), niah_grid(Path(job_dir))
-    if grid is None:
-        return records
-    cells = {(n, float(d)) for n in grid[0] for d in grid[1]}
+        return records, ""
+    lengths, depths = sorted({int(n) for n in lengths}), sorted({float(d) for d in depths})
+    text = f"lengths {lengths} × depths {[int(d) if d.is_integer() else d for d in depths]}"
     meta = [r.get("meta") or {} for r in records]
-    return [r for r, m in zip(records, meta)
-            if "context_length" not in m or (int(m["context_length"]), float(m["depth_percent"])) in cells]
+    return [r for r, m in zip(records, meta) if "context_length" not in m or (
+        int(m["context_length"]) in lengths and float(m["depth_percent"]) in depths)], text
 
 
 @functools.cache

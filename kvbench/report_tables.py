@@ -10,10 +10,14 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from eval.longbench import CATEGORIES
+
 from .plots import SCORE_LABEL, draw_niah_heatmap, plt
-from .report_data import (DATASET_ABBR, FULL, LONG_CONTEXT_TOKENS, LONGBENCH_CATEGORIES, budget_semantics,
-                          budget_text, display_name, method_sort_key, model_sort_key, niah_grid, niah_grid_records,
-                          order_datasets)
+from .report_data import (DATASET_ABBR, FULL, LONG_CONTEXT_TOKENS, budget_semantics, budget_text, display_name,
+                          method_sort_key, model_sort_key, niah_grid_records, order_datasets)
+
+
+UNFINISHED = " (rows of unfinished jobs excluded)"
 
 
 @dataclass
@@ -69,10 +73,6 @@ def dedupe(items) -> list:
 
 def slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9]+", "_", text).strip("_").lower()
-
-
-def at(df: pd.DataFrame, budget: float) -> pd.Series:
-    return (df["budget"] - budget).abs() < 1e-9
 
 
 def _ds(n: int) -> str:
@@ -132,7 +132,7 @@ class Grid:
 
 def grid(df: pd.DataFrame, task: str, budget: float, models=None, names=None, labels=None) -> Grid | None:
     """One task at one budget, full cache at any budget; default ``labels``: preset label, else the shortest (noted)."""
-    comp = df[(df["task"] == task) & (df["method_name"] != FULL) & at(df, budget)]
+    comp = df[(df["task"] == task) & (df["method_name"] != FULL) & np.isclose(df["budget"], budget)]
     comp = comp[comp["model_key"].isin(models)] if models is not None else comp
     comp = comp[comp["method_name"].isin(names)] if names is not None else comp
     where, notes = f"{task}, budget {budget_text(budget)}", []
@@ -171,10 +171,6 @@ def grid(df: pd.DataFrame, task: str, budget: float, models=None, names=None, la
                 sorted(set(used["job"])), dedupe(notes))
 
 
-def _unfinished(*grids: Grid) -> str:
-    return " (rows of unfinished jobs excluded)" * any(g.incomplete for g in grids)
-
-
 def avg_se(se: pd.DataFrame | pd.Series) -> pd.Series | float:
     """Standard error of a mean over ``k`` datasets (columns) from theirs: sqrt(Σ SE²) / k; NaN when one is missing."""
     k, axis = se.shape[-1], se.ndim - 1
@@ -201,7 +197,7 @@ def paired_table(name: str, what: str, heads: list[dict], samples: list[pd.Serie
     for i, (head, mine) in enumerate(zip(heads, samples)):
         for scope, ds in scopes.items():
             a, b = ([x.get(d) if isinstance(x.get(d), dict) else {} for d in ds] for x in (samples[ref], mine))
-            pairs = {d: np.array([100 * (y[k] - x[k]) for k in x.keys() & y.keys()]) for d, x, y in zip(ds, a, b)}
+            pairs = {d: 100 * (pd.Series(y) - pd.Series(x)).dropna().to_numpy(float) for d, x, y in zip(ds, a, b)}
             if i != ref and all(len(p) for p in pairs.values()):
                 diff, low, high, p = paired_bootstrap(pairs)
                 rows.append({**head, "Over": scope, "Pairs": str(sum(map(len, pairs.values()))), "Δ": diff,
@@ -232,8 +228,7 @@ def score_tables(df: pd.DataFrame, root: Path | None = None) -> list[Artifact]:
         keys = sorted(set(zip(sel["method_name"], sel["method"], sel["variant"], sel["bkey"], ~sel["default"])),
                       key=lambda k: (method_sort_key(k[0], k[1]), k[3], k[4], natural(k[2])))
         show_variant = any(k[2] for k in keys)
-        grids = {j: niah_grid(Path(root) / j) for j in sorted(set(used["job"]))} if task == "niah" and root else {}
-        grids = {j: f"lengths {g[0]} × depths {g[1]}" for j, g in grids.items() if g}
+        grids = {j: niah_grid_records(Path(root) / j)[1] for j in set(used["job"])} if task == "niah" and root else {}
         rows, errs, samples, notes, comp, kinds = [], [], [], [], [], []
         for name, label, variant, b, _nd in keys:
             part, mine = (t[(t["method"] == label) & (t["variant"] == variant) & (t["bkey"] == b)] for t in (sel, used))
@@ -309,7 +304,8 @@ def selkv_table1(df: pd.DataFrame, budget: float = 0.25, task: str = "longbench"
     caption = (f"LongBench {'average' if long else 'results'} ({_ds(len(g.datasets))})" + f" with long inputs ({ctx} "
                "tokens)," * long + f" at a {budget_text(budget)} KV budget ({budget_semantics([budget])}). Δ: gap to "
                f"{g.full or 'the full cache'}." + " Avg Rank: mean rank per dataset (compressed rows)." * (not long)
-               + f" Best compressed method per column in bold{_unfinished(g)}. Models: {', '.join(g.models)}.")
+               + f" Best compressed method per column in bold{UNFINISHED * bool(g.incomplete)}. Models: "
+               f"{', '.join(g.models)}.")
     bold = bolds(data, ["Avg"] + [*g.datasets, "Δ"] * (not long), ok, "Model")
     bold |= set() if long else bolds(data, ["Avg Rank"], ok, "Model", higher=False)
     return [Artifact("selkv_table7" if long else "selkv_table1", caption, data, bold=bold, signed={"Δ"},
@@ -321,26 +317,29 @@ def selkv_table4(df: pd.DataFrame, budget: float = 0.25, task: str = "longbench"
     g = grid(df, task, budget)
     if g is None:
         return []
-    cats = {c: [d for d in g.datasets if d in m] for c, m in LONGBENCH_CATEGORIES.items()}
-    cats["Other"] = [d for d in g.datasets if not any(d in m for m in LONGBENCH_CATEGORIES.values())]
+    cats = {c: [d for d in g.datasets if d in m] for c, m in CATEGORIES.items()}
+    cats["Other"] = [d for d in g.datasets if not any(d in m for m in CATEGORIES.values())]
     data = pd.DataFrame([{"Model": mk, "Category": c, **{lab: g.avg(mk, lab, ds) for lab in g.rows}}
                          for mk in g.models for c, ds in cats.items() if ds], columns=["Model", "Category", *g.rows])
     v = data[g.labels].where(pd.DataFrame({lab: [(m, lab) not in g.incomplete for m in data["Model"]]
                                            for lab in g.labels})).map(round2, na_action="ignore")
     bold = set(v[v.eq(v.max(axis=1), axis=0)].stack().index)
-    partial = [f"partial category: {c} averages {len(ds)} of its {len(LONGBENCH_CATEGORIES[c])} datasets "
+    partial = [f"partial category: {c} averages {len(ds)} of its {len(CATEGORIES[c])} datasets "
                f"({', '.join(ds)}); not comparable to the paper's category score"
-               for c, ds in cats.items() if c != "Other" and 0 < len(ds) < len(LONGBENCH_CATEGORIES[c])]
+               for c, ds in cats.items() if c != "Other" and 0 < len(ds) < len(CATEGORIES[c])]
     caption = (f"Category-level averages on LongBench ({budget_text(budget)} KV budget; {budget_semantics([budget])}). "
-               f"Best compressed method per category in bold{_unfinished(g)}. Models: {', '.join(g.models)}.")
+               f"Best compressed method per category in bold{UNFINISHED * bool(g.incomplete)}. Models: "
+               f"{', '.join(g.models)}.")
     return [Artifact("selkv_table4", caption, data, bold=bold, sources=g.sources, notes=g.notes + partial)]
 
 
-def budget_grids(df: pd.DataFrame, task: str, ratio: bool) -> dict[float, Grid]:
-    """A grid per retention ratio (budget <= 1) or per token budget among the task's compressed jobs."""
+def budget_grids(df: pd.DataFrame, task: str, ratio: bool) -> tuple[dict[float, Grid], list[str]]:
+    """A grid per retention ratio (budget <= 1) or per token budget among the task's compressed jobs; the model keys
+    in two grids or more."""
     b = df.loc[(df["task"] == task) & (df["method_name"] != FULL), "budget"].dropna()
-    grids = {float(x): grid(df, task, float(x)) for x in sorted(b[(b <= 1) == ratio].unique())}
-    return {x: g for x, g in grids.items() if g is not None}
+    grids = {float(x): g for x in sorted(b[(b <= 1) == ratio].unique()) if (g := grid(df, task, float(x)))}
+    counts = pd.Series([m for g in grids.values() for m in g.models], dtype=object).value_counts()
+    return grids, sorted(counts.index[counts >= 2], key=model_sort_key)
 
 
 def sweep(grids: dict[float, Grid], mk: str, dataset: str | None = None, se: bool = False) -> pd.DataFrame:
@@ -357,11 +356,6 @@ def sweep(grids: dict[float, Grid], mk: str, dataset: str | None = None, se: boo
     return table
 
 
-def merged(grids, models: list[str]) -> tuple[list, list]:
-    """Sources and notes (about ``models``) of several grids."""
-    return [j for g in grids for j in g.sources], [n for g in grids for n in g.notes if any(m in n for m in models)]
-
-
 def sweep_table(name: str, grids: dict[float, Grid], models: list[str], caption: str, ratio: bool) -> Artifact:
     """Average per label × (model, budget) (``ratio``: one model, a column per ratio); bold: best per column."""
     col = (lambda mk, b: budget_text(b)) if ratio else (lambda mk, b: f"{mk} @{b:g}")
@@ -373,7 +367,8 @@ def sweep_table(name: str, grids: dict[float, Grid], models: list[str], caption:
     data = data.rename_axis("Method").reset_index()
     bold = set().union(*(bolds(data, [c], data.index[data["Method"] != full] if ratio else cols[c][2].ok(
         data.assign(Model=cols[c][0]))) for c in t.columns))
-    sources, notes = merged([g for g in grids.values() if set(models) & set(g.models)], models)
+    sources = [j for g in grids.values() if set(models) & set(g.models) for j in g.sources]
+    notes = [n for g in grids.values() for n in g.notes if any(m in n for m in models)]
     notes += [f"absent: {cols[c][0]} / {lab} at {'ratio' if ratio else 'budget'} {budget_text(cols[c][1])} (no job, "
               "or a dataset missing)" for lab, row in t.iterrows() for c in t.columns if math.isnan(row[c])]
     return Artifact(name, caption, data, bold=bold, sources=sources, notes=notes)
@@ -381,11 +376,9 @@ def sweep_table(name: str, grids: dict[float, Grid], models: list[str], caption:
 
 def selkv_ratio_tables(df: pd.DataFrame, task: str = "longbench") -> list[Artifact]:
     """SelKV Tables 5 (llama31), 6 (gemma2), ``selkv_ratios_<model>``: LongBench average per method × ratio (>= 2)."""
-    grids, out, names = budget_grids(df, task, ratio=True), [], set()
+    (grids, models), out, names = budget_grids(df, task, ratio=True), [], set()
     n_ds = _ds(len(order_datasets(d for g in grids.values() for d in g.datasets)))
-    for mk in sorted({m for g in grids.values() for m in g.models}, key=model_sort_key):
-        if sum(mk in g.models for g in grids.values()) < 2:
-            continue
+    for mk in models:
         name = {"llama31": "selkv_table5", "gemma2": "selkv_table6"}.get(mk.split(" ")[0], "")
         name = name if name and name not in names else f"selkv_ratios_{slug(mk)}"
         names.add(name)
@@ -401,29 +394,25 @@ def compresskv_table1(df: pd.DataFrame, budgets=(256, 1024), task: str = "longbe
     models = sorted({m for g in grids.values() for m in g.models}, key=model_sort_key)
     return [sweep_table("compresskv_table1", grids, models, f"Average LongBench scores under fixed KV budgets "
                         f"({budget_semantics(grids)}). The full cache does not depend on the budget. Best compressed "
-                        f"method per column in bold{_unfinished(*grids.values())}. "
+                        f"method per column in bold{UNFINISHED * any(g.incomplete for g in grids.values())}. "
                         f"Models: {', '.join(models)}.", ratio=False)] if grids else []
-
-
-def ablation_flags(p: dict) -> dict:
-    """Gate / Comp / Merge of a SelKV config (None: unsaid): ``gate`` soft | none | off (evict only); ``merge``."""
-    on = lambda v: None if v is None else str(v).lower() not in ("", "none", "off", "false", "0")
-    return {"Gate": on(p.get("gate")), "Comp": on(p.get("compensation")),
-            "Merge": p.get("merge", None if p.get("gate") is None else str(p["gate"]).lower() != "off")}
 
 
 def staged_table(df: pd.DataFrame, name: str, budget: float, task: str = "longbench") -> list[Artifact]:
     """Component analyses per model key: ``selkv_table2`` (labels by Merge, Gate, Comp), ``compresskv_table3a``."""
-    sel = df[(df["task"] == task) & at(df, budget)]
+    sel = df[(df["task"] == task) & np.isclose(df["budget"], budget)]
     rows, ok, sources, notes, selkv = [], [], [], [], name == "selkv_table2"
     main, snap = display_name("compresskv"), display_name("snapkv")
+    on = lambda v: None if v is None else str(v).lower() not in ("", "none", "off", "false", "0")  # None: unsaid
     for mk in sorted(sel["model_key"].unique(), key=model_sort_key):
         mine = sel[(sel["model_key"] == mk) & (sel["method_name"] == ("selkv" if selkv else "compresskv"))]
         labels = set(mine["method"])
         if len(labels) < 2 or not selkv and main not in labels:
             continue
         by_params = {p: lab for lab, p in sorted(zip(mine["method"], mine["params"]), key=lambda x: len(x[0]))}
-        flags = {lab: ablation_flags(json.loads(p)) for p, lab in by_params.items()}
+        flags = {lab: {"Gate": on(p.get("gate")), "Comp": on(p.get("compensation")),  # gate: soft, none, off (evict)
+                       "Merge": p.get("merge", None if p.get("gate") is None else str(p["gate"]).lower() != "off")}
+                 for p, lab in ((json.loads(p), lab) for p, lab in by_params.items())}
         switches = {lab: ([-1 if f[k] is None else int(f[k]) for k in ("Merge", "Gate", "Comp")], lab)
                     for lab, f in flags.items()}
         order = sorted(flags, key=switches.get) if selkv else [snap] * (snap in set(
@@ -451,7 +440,7 @@ def staged_table(df: pd.DataFrame, name: str, budget: float, task: str = "longbe
 
 def sensitivity_table(df, name: str, method: str, budget: float, task: str = "longbench", per_dataset=True):
     """A row per variant (differing fields) of a method's main label (SelKV Table 3, CompressKV Table 3b), Δ default."""
-    sel = df[(df["task"] == task) & (df["method_name"] == method) & at(df, budget)
+    sel = df[(df["task"] == task) & (df["method_name"] == method) & np.isclose(df["budget"], budget)
              & (df["method"] == display_name(method))]
     used = pick(sel, ["model_key", "variant"])
     datasets = order_datasets(used["dataset"])
@@ -508,17 +497,15 @@ def selkv_fig2(df: pd.DataFrame, budget: float = 0.25, task: str = "longbench") 
         errs = [math.hypot(g.avg(mk, lab, se=True), g.avg(mk, g.full, se=True)) for mk in g.models]
         for x, y, mk, bar in zip(xs, ys, g.models, ax.bar(xs, ys, width, yerr=errs, capsize=2, label=lab)):
             if math.isnan(y):
-                ax.annotate("n/a", (x, 0), xytext=(0, -3), textcoords="offset points", ha="center", va="top",
-                            fontsize=6, rotation=90, color="grey")
+                ax.text(x, 0, "n/a ", ha="center", va="top", fontsize=6, rotation=90, color="grey")
             elif {(mk, lab), (mk, g.full)} & g.incomplete:
                 bar.set(hatch="///", alpha=0.5)
                 unfinished = True
     ax.axhline(0, color="black", linewidth=0.8)
     ax.margins(y=0.15)
-    ax.set(xticks=range(len(g.models)), xticklabels=g.models, xlabel="Model",
-           ylabel=f"Δ LongBench average vs {g.full} (points)")
-    ax.set_title("Gap to the full cache\n(closer to 0 is better)", fontsize=10)
-    ax.legend(fontsize=7)
+    ax.set(xticks=range(len(g.models)), xticklabels=g.models, xlabel="Model", ylabel=f"Δ LongBench average vs "
+           f"{g.full} (points)", title="Gap to the full cache\n(closer to 0 is better)")
+    ax.legend()
     caption = (f"Task: LongBench ({_ds(len(g.datasets))}); models: {', '.join(g.models)}; "
                f"{budget_semantics([budget])}, ρ = {budget_text(budget)}; error bars: ±1 SE, √(SE² + SE full²)."
                + " Hatched, pale bars: an unfinished job (fewer samples scored)." * unfinished)
@@ -527,15 +514,14 @@ def selkv_fig2(df: pd.DataFrame, budget: float = 0.25, task: str = "longbench") 
 
 def budget_sweep_figure(df, name: str, task: str, ratio: bool, title: str, per_dataset: bool = False):
     """Average vs budget, a panel per model (SelKV Fig. 4, CompressKV Figs. 4, 5); ``per_dataset``: SelKV Fig. 5."""
-    grids = budget_grids(df, task, ratio)
-    models = [m for m in sorted({m for g in grids.values() for m in g.models}, key=model_sort_key)
-              if sum(m in g.models for g in grids.values()) >= 2]
+    grids, models = budget_grids(df, task, ratio)
     if not models:
         return []
     present = order_datasets(d for g in grids.values() for d in g.datasets)
     datasets = ([d for d in ("qasper", "musique") if d in present] or present[:4]) if per_dataset else [None]
     fig, axes = _figure(len(models) if per_dataset else 1, len(datasets) if per_dataset else len(models))
-    sources, notes = merged(list(grids.values()), models)
+    sources = [j for g in grids.values() for j in g.sources]
+    notes = [n for g in grids.values() for n in g.notes if any(m in n for m in models)]
     full = next((g.full for g in grids.values() if g.full), None)
     for i, mk in enumerate(models):
         for j, ds in enumerate(datasets):  # one model's average (or one dataset's score) across budgets
@@ -554,12 +540,11 @@ def budget_sweep_figure(df, name: str, task: str, ratio: bool, title: str, per_d
                 ax.set_xscale("log", base=2)
                 ax.set_xticks(list(t.columns), [f"{b:g}" for b in t.columns])
                 ax.minorticks_off()
-            ax.set(ylabel="Score (points)" if ds else "Average score (points)", xlabel="KV retention ratio ρ (% of "
-                   "prompt tokens)" if ratio else "KV budget (tokens per layer per KV head)")
-            ax.set_title(mk + f" — {ds}" * bool(ds), fontsize=9)
-            ax.legend(fontsize=7)
-    if title:
-        fig.suptitle(title, fontsize=10)
+            ax.set(ylabel="Score (points)" if ds else "Average score (points)", title=mk + f" — {ds}" * bool(ds),
+                   xlabel="KV retention ratio ρ (% of prompt tokens)" if ratio else "KV budget (tokens per layer per "
+                   "KV head)")
+            ax.legend()
+    fig.suptitle(title)
     what = f"per dataset ({', '.join(datasets)})" if per_dataset else _ds(len(present))
     caption = (f"Task: {({'longbench': 'LongBench', 'niah': 'Needle-in-a-Haystack'}).get(task, task)} ({what}); "
                f"models: {', '.join(models)}; {budget_semantics(grids)}; dashed line: full cache; error bars and band: "
@@ -580,19 +565,16 @@ def selkv_fig3(latency: list[dict], source: str = "latency.json") -> list[Artifa
     fig, axes = _figure(len(models), 2, w=5.2)
     for (ax_a, ax_b), mk in zip(axes, models):
         m = means.loc[mk]
-        m[list(stages)].rename(columns=stages).plot.bar(stacked=True, ax=ax_a, width=0.8, fontsize=7)
+        m[list(stages)].rename(columns=stages).plot.bar(stacked=True, ax=ax_a, width=0.8, fontsize=7, ylabel="Time per "
+                                                        "request (s)", title=f"(a) {mk}: time breakdown")
         ax_a.set_xticks(range(len(m)), [f"{n:.0f} {meth}" for n, meth in m.index], rotation=60, ha="right")
+        ax_a.set(xlabel="Prompt length (tokens), method", ylim=(0, ax_a.get_ylim()[1] * 1.3))
+        ax_a.legend(ncols=3, loc="upper left")
         tok_s = m["decode_tok_s"].unstack("method")
-        tok_s.plot(ax=ax_b, marker="o", fontsize=7)
-        ax_b.set_xscale("log", base=2)
+        tok_s.plot(ax=ax_b, marker="o", fontsize=7, logx=True, xlabel="Prompt length (tokens)",
+                   ylabel="Decode throughput (tokens/s)", title=f"(b) {mk}: decode throughput")
         ax_b.set_xticks(tok_s.index, [f"{n:.0f}" for n in tok_s.index], minor=False)
         ax_b.minorticks_off()
-        ax_a.set_ylim(top=ax_a.get_ylim()[1] * 1.3)
-        ax_a.legend(fontsize=7, ncols=3, loc="upper left")
-        ax_a.set(xlabel="Prompt length (tokens), method", ylabel="Time per request (s)")
-        ax_b.set(xlabel="Prompt length (tokens)", ylabel="Decode throughput (tokens/s)")
-        ax_a.set_title(f"(a) {mk}: time breakdown", fontsize=9)
-        ax_b.set_title(f"(b) {mk}: decode throughput", fontsize=9)
     budgets = sorted(set(pd.to_numeric(lat["budget"], errors="coerce").dropna()) - {1.0})
     devices, gen = sorted(lat["device"].dropna().astype(str).unique()), lat["generated_tokens"].dropna()
     caption = (f"Latency{' on ' + ', '.join(devices) if devices else ''}; models: {', '.join(models)}; task: synthetic "
@@ -604,7 +586,7 @@ def selkv_fig3(latency: list[dict], source: str = "latency.json") -> list[Artifa
 def niah_figures(df: pd.DataFrame, root: Path) -> list[Artifact]:
     """NIAH heatmaps: one per job (``niah/<job>``), a panel per model key (budgets × full cache, methods)."""
     niah = df[(df["task"] == "niah") & df["dataset"].notna()]
-    records = {job: niah_grid_records(Path(root) / job) for job in niah["job"].unique()}
+    records = {job: niah_grid_records(Path(root) / job)[0] for job in niah["job"].unique()}
     out = []
     for job, row in niah.groupby("job").first().iterrows():
         fig, axes = _figure(1, 1, w=5.6, h=4.0)
@@ -625,7 +607,8 @@ def niah_figures(df: pd.DataFrame, root: Path) -> list[Artifact]:
         im, sources, notes = None, [], []
         for i, b in enumerate(budgets):
             for j, lab in enumerate(cols):
-                chosen = full if lab is None else pick(comp[(comp["method"] == lab) & at(comp, b)], ["method"])
+                cell = comp[(comp["method"] == lab) & np.isclose(comp["budget"], b)]
+                chosen = full if lab is None else pick(cell, ["method"])
                 r = chosen.iloc[0] if len(chosen) else {"method": lab or "full", "variant": "", "complete": True}
                 title = r["method"] + f", budget {budget_text(b)}" * (lab is not None) + f"\n{r['variant']}" * bool(
                     r["variant"]) + " (unfinished)" * (not r["complete"])
@@ -639,7 +622,7 @@ def niah_figures(df: pd.DataFrame, root: Path) -> list[Artifact]:
         plt.setp(axes[:, 0], ylabel="Needle depth (%)")
         if im is not None:
             fig.colorbar(im, ax=axes, label=SCORE_LABEL, shrink=0.8)
-        fig.suptitle(f"Needle-in-a-Haystack: {mk}", fontsize=10)
+        fig.suptitle(f"Needle-in-a-Haystack: {mk}")
         out.append(_done(f"niah_panel_{slug(mk)}", fig, f"Task: NIAH; model: {mk}; {budget_semantics(budgets)}; score "
                          "= mean over samples per cell (%).", sources, notes))
     return out

@@ -490,10 +490,11 @@ def test_niah_heatmap_records_follow_the_summarys_grid(tmp_path):
     recs = [{"id": f"niah/{n}/{d}", "meta": {"context_length": n, "depth_percent": d}, "score": 1.0}
             for n in (512, 1024) for d in (10, 50, 90)]
     (job / "predictions.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
-    assert len(niah_grid_records(job)) == 6  # no summary: every record
+    assert niah_grid_records(job) == (recs, "")  # no summary: every record, no grid
     (job / "summary.json").write_text(json.dumps({"selection": {"task.context_lengths": [512, 100000],
                                                                 "task.depth_percents": [50]}}))
-    assert [r["id"] for r in niah_grid_records(job)] == ["niah/512/50"]
+    records, grid = niah_grid_records(job)
+    assert [r["id"] for r in records] == ["niah/512/50"] and grid == "lengths [512, 100000] × depths [50]"
 
 
 def test_selkv_fig2_marks_the_bar_of_an_unfinished_job(df):
