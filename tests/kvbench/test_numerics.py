@@ -131,7 +131,9 @@ def test_niah_lengths_too_short_for_a_haystack_are_skipped_and_reported():
     task = NIAHTask(cfg, tok, max_input_tokens=1000)
     samples = list(task.samples())
     assert [s.id for s in samples] == ["niah/300/50"]
-    fixed = len(tok.encode(task._template().format(context="", question=cfg["question"]), add_special_tokens=False))
+    from eval.niah import KVCF_TEMPLATE
+
+    fixed = len(tok.encode(KVCF_TEMPLATE.format(context="", question=cfg["question"]), add_special_tokens=False))
     fixed += len(tok.encode(cfg["needle"], add_special_tokens=False))
     assert fixed > 16
     assert task.skipped == [{"context_length": 16, "samples": 1, "reason": (
