@@ -147,10 +147,9 @@ def grid(df: pd.DataFrame, task: str, budget: float, models=None, names=None, la
     rows = pd.concat([full.assign(method=full_label), comp])
     rows = rows[rows["default"] | ~rows.groupby(["model_key", "method"])["default"].transform("max")]
     used = pick(rows, ["model_key", "method"])
-    scores = used.pivot_table(index=["model_key", "method"], columns="dataset", values="score", aggfunc="first")
-    scores = scores[order_datasets(scores.columns)]
-    se = used.pivot_table(index=["model_key", "method"], columns="dataset", values="se", aggfunc="first")
-    return Grid(scores, se, full_label, dedupe(lab for _n, lab in order), {lab: n for n, lab in order}, used)
+    piv = used.set_index(["model_key", "method", "dataset"])[["score", "se"]].unstack()
+    return Grid(piv["score"][order_datasets(piv["score"].columns)], piv["se"], full_label,
+                dedupe(lab for _n, lab in order), {lab: n for n, lab in order}, used)
 
 
 def avg_se(se: pd.DataFrame | pd.Series) -> pd.Series | float:
@@ -184,12 +183,10 @@ def paired_table(name: str, what: str, heads: list[dict], samples: list[pd.Serie
                 diff, low, high, p = paired_bootstrap(pairs)
                 rows.append({**head, "Over": scope, "Pairs": str(sum(map(len, pairs.values()))), "Δ": diff,
                              "CI low": low, "CI high": high, "p": f"{p:.4f}"})
-    caption = (f"Paired comparison on {what}: each row minus {' / '.join(filter(None, heads[ref].values()))} on the "
-               "samples both scored (matched by dataset and id; Pairs: their number). Δ: difference of the mean over "
-               "the datasets (points); 95 % CI and two-sided p: paired bootstrap, 10,000 resamples within each "
-               "dataset (seed 0).")
-    signed = {"Δ", "CI low", "CI high"}
-    return [Artifact(name, caption, pd.DataFrame(rows), signed=signed, sources=sources)] if rows else []
+    caption = (f"{what}: each row minus {' / '.join(filter(None, heads[ref].values()))} on the Pairs of samples both "
+               "scored. Δ: mean over datasets (points); CI (95 %), p (two-sided): paired bootstrap, 10,000 resamples.")
+    return [Artifact(name, caption, pd.DataFrame(rows), signed={"Δ", "CI low", "CI high"}, sources=sources)] if rows \
+        else []
 
 
 def score_tables(df: pd.DataFrame, root: Path | None = None) -> list[Artifact]:
@@ -250,8 +247,8 @@ def score_tables(df: pd.DataFrame, root: Path | None = None) -> list[Artifact]:
                             notes=notes, se=pd.DataFrame(errs, columns=[*datasets, "Avg"])))
         heads = [{k: r[k] for k in ("Method", "Variant", "Budget") if k in r} for r in rows]
         ref = next((i for i, k in enumerate(keys) if k[0] == FULL), 0)
-        out += paired_table(name.replace("scores_", "paired_", 1), f"{task} of {mk}", heads, samples, ref,
-                            {"Avg": avg_ds} | {d: [d] for d in datasets if d not in avg_ds}, used["job"])
+        out += paired_table(name.replace("scores_", "paired_", 1), f"Paired comparison on {task} of {mk}", heads,
+                            samples, ref, {"Avg": avg_ds} | {d: [d] for d in datasets if d not in avg_ds}, used["job"])
     return out
 
 
@@ -269,16 +266,14 @@ def selkv_table1(df: pd.DataFrame, budget: float = 0.25, task: str = "longbench"
                   "Avg": g.avg(mk, lab), "Δ": g.avg(mk, lab) - g.avg(mk, g.full) if lab != g.full else math.nan,
                   **({} if long else {"Avg Rank": ranks.get(lab, math.nan)})} for lab in g.rows]
     data = pd.DataFrame(rows)
-    ok = g.ok(data)
     ctx = ", ".join(map(str, sorted({int(t) for t in df.loc[df["model_key"].isin(g.models), "max_input_tokens"]
                                      .dropna()})))
     caption = (f"LongBench {'average' if long else 'results'} ({_ds(len(g.datasets))})" + f" with long inputs ({ctx} "
                "tokens)," * long + f" at a {budget_text(budget)} KV budget ({budget_semantics([budget])}). Δ: gap to "
                f"{g.full or 'the full cache'}." + " Avg Rank: mean rank per dataset (compressed rows)." * (not long)
-               + " Best compressed method per column in bold. Models: "
-               f"{', '.join(g.models)}.")
-    bold = bolds(data, ["Avg"] + [*g.datasets, "Δ"] * (not long), ok, "Model")
-    bold |= set() if long else bolds(data, ["Avg Rank"], ok, "Model", higher=False)
+               + f" Best compressed method per column in bold. Models: {', '.join(g.models)}.")
+    bold = bolds(data, ["Avg"] + [*g.datasets, "Δ"] * (not long), g.ok(data), "Model")
+    bold |= set() if long else bolds(data, ["Avg Rank"], g.ok(data), "Model", higher=False)
     return [Artifact("selkv_table7" if long else "selkv_table1", caption, data, bold=bold, signed={"Δ"},
                      used=g.used, headers={"Avg": f"Avg ({len(g.datasets)} ds)"} if long else {})]
 
@@ -353,9 +348,8 @@ def selkv_ratio_tables(df: pd.DataFrame, task: str = "longbench") -> list[Artifa
         name = {"llama31": "selkv_table5", "gemma2": "selkv_table6"}.get(mk.split(" ")[0], "")
         name = name if name and name not in names else f"selkv_ratios_{slug(mk)}"
         names.add(name)
-        out.append(sweep_table(name, grids, [mk], f"LongBench average ({n_ds}) of {mk} at different KV retention "
-                               f"ratios ({budget_semantics(grids)}). The full cache does not depend on the ratio. "
-                               "Best compressed method per ratio in bold.", ratio=True))
+        out.append(sweep_table(name, grids, [mk], f"LongBench average ({n_ds}) of {mk} at KV retention ratios "
+                               f"({budget_semantics(grids)}). Best compressed method per ratio in bold.", ratio=True))
     return out
 
 
@@ -363,9 +357,8 @@ def compresskv_table1(df: pd.DataFrame, budgets=(256, 1024), task: str = "longbe
     """CompressKV Table 1: LongBench average per method × (model, token budget); full cache repeated."""
     grids = {float(b): g for b in budgets if (g := grid(df, task, float(b))) is not None}
     models = sorted({m for g in grids.values() for m in g.models}, key=model_sort_key)
-    return [sweep_table("compresskv_table1", grids, models, f"Average LongBench scores under fixed KV budgets "
-                        f"({budget_semantics(grids)}). The full cache does not depend on the budget. Best compressed "
-                        f"method per column in bold. Models: {', '.join(models)}.", ratio=False)] if grids else []
+    return [sweep_table("compresskv_table1", grids, models, f"Average LongBench scores under fixed KV budgets ("
+                        f"{budget_semantics(grids)}). Bold: best compressed per column.", False)] if grids else []
 
 
 def staged_table(df: pd.DataFrame, name: str, budget: float, task: str = "longbench") -> list[Artifact]:
