@@ -233,11 +233,9 @@ def score_tables(df: pd.DataFrame, root: Path | None = None) -> list[Artifact]:
                 sorted({k or "whole datasets" for k in kinds})) + "); no bold")
             comp = []
         budgets = "; " + budget_semantics(bs) if (bs := [k[3] for k in keys if k[3] >= 0]) else ""
-        caption = (f"Scores of {mk} on {task} ({_ds(len(avg_ds))}; a row per method" + ", method variant"
-                   * show_variant + f" and budget{budgets}; bold: best finished compressed row). Score: round(100·mean,"
-                   " 2) of per-sample scores in [0, 1] ± SE (SD/√n; Avg: √ΣSE²/datasets); n: samples per cell."
-                   + " strict: % of samples whose prediction holds the needle's answer phrase." * (
-                       len(datasets) > len(avg_ds)))
+        caption = (f"Scores of {mk} on {task}, a row per method" + ", method variant" * show_variant + f" and budget"
+                   f"{budgets}; bold: best finished compressed row. Score: round(100·mean, 2) of per-sample scores ± "
+                   "SE (SD/√n; Avg: √ΣSE²/datasets); n: samples; strict: % of samples holding the needle's answer.")
         name = f"scores_{slug(task)}_{slug(mk)}"
         while name in names:
             name += "_2"
@@ -266,12 +264,9 @@ def selkv_table1(df: pd.DataFrame, budget: float = 0.25, task: str = "longbench"
                   "Avg": g.avg(mk, lab), "Δ": g.avg(mk, lab) - g.avg(mk, g.full) if lab != g.full else math.nan,
                   **({} if long else {"Avg Rank": ranks.get(lab, math.nan)})} for lab in g.rows]
     data = pd.DataFrame(rows)
-    ctx = ", ".join(map(str, sorted({int(t) for t in df.loc[df["model_key"].isin(g.models), "max_input_tokens"]
-                                     .dropna()})))
-    caption = (f"LongBench {'average' if long else 'results'} ({_ds(len(g.datasets))})" + f" with long inputs ({ctx} "
-               "tokens)," * long + f" at a {budget_text(budget)} KV budget ({budget_semantics([budget])}). Δ: gap to "
-               f"{g.full or 'the full cache'}." + " Avg Rank: mean rank per dataset (compressed rows)." * (not long)
-               + f" Best compressed method per column in bold. Models: {', '.join(g.models)}.")
+    caption = (f"LongBench {'average' if long else 'results'} ({_ds(len(g.datasets))})" + f", inputs ≥ "
+               f"{LONG_CONTEXT_TOKENS} tokens," * long + f" at a {budget_text(budget)} KV budget (" + budget_semantics(
+                   [budget]) + "); bold: best compressed. Δ: gap to the full cache; Avg Rank: mean rank per dataset.")
     bold = bolds(data, ["Avg"] + [*g.datasets, "Δ"] * (not long), g.ok(data), "Model")
     bold |= set() if long else bolds(data, ["Avg Rank"], g.ok(data), "Model", higher=False)
     return [Artifact("selkv_table7" if long else "selkv_table1", caption, data, bold=bold, signed={"Δ"},
@@ -292,8 +287,8 @@ def selkv_table4(df: pd.DataFrame, budget: float = 0.25, task: str = "longbench"
     bold = set(v[v.eq(v.max(axis=1), axis=0)].stack().index)
     partial = [f"{c} {len(ds)}/{len(CATEGORIES[c])}" for c, ds in cats.items()
                if c != "Other" and 0 < len(ds) < len(CATEGORIES[c])]
-    caption = (f"Category-level averages on LongBench ({budget_text(budget)} KV budget; {budget_semantics([budget])}). "
-               f"Best compressed method per category in bold. Models: {', '.join(g.models)}.")
+    caption = (f"Category-level averages on LongBench ({budget_text(budget)} KV budget; {budget_semantics([budget])});"
+               " bold: best compressed method per category.")
     return [Artifact("selkv_table4", caption, data, bold=bold, used=g.used, notes=[
         f"partial categories (datasets present/in the paper's category): {', '.join(partial)}"] * bool(partial))]
 
@@ -394,9 +389,8 @@ def staged_table(df: pd.DataFrame, name: str, budget: float, task: str = "longbe
     if not rows:
         return []
     data = pd.DataFrame(rows).rename(columns={"Method": "Configuration"} if selkv else {})
-    caption = ((f"Ablation of {display_name('selkv')} on LongBench ({budget_text(budget)} KV budget; " if selkv else
-                f"Component analysis of CompressKV on LongBench at budget {budget:g} (") + budget_semantics([budget])
-               + "). Δ prev: change from the row above" + "; Δ full: gap to the full cache" * selkv + ".")
+    caption = (f"{'Ablation of SelKV' if selkv else 'Component analysis of CompressKV'} on LongBench at budget "
+               f"{budget_text(budget)} ({budget_semantics([budget])}). Δ prev, Δ full: vs the row above, full cache.")
     return [Artifact(name, caption, data, bold=bolds(data, ["Avg"], ok, "Model") if selkv else set(),
                      signed={"Δ prev", "Δ full"}, used=pd.concat(used))]
 
@@ -426,9 +420,8 @@ def sensitivity_table(df, name: str, method: str, budget: float, task: str = "lo
     if not rows:
         return []
     data, headers = pd.DataFrame(rows), {"window_size": "W", "kernel_size": "K"}
-    caption = (f"Sensitivity of {display_name(method)} to {', '.join(headers.get(k, k) for k in keys)} on LongBench "
-               f"({_ds(len(datasets))}, {budget_text(budget)} KV budget; {budget_semantics([budget])}). Δ default: "
-               "gap to the default configuration (✓).")
+    caption = (f"Sensitivity of {display_name(method)} to {', '.join(headers.get(k, k) for k in keys)} on LongBench at "
+               f"budget {budget_text(budget)} ({budget_semantics([budget])}). Δ default: gap to the default (✓).")
     return [Artifact(name, caption, data, bold=bolds(data, [*datasets] * per_dataset + ["Avg"], data.index, "Model"),
                      signed={"Δ default"}, used=used, headers=headers)]
 
@@ -451,7 +444,7 @@ def selkv_fig2(df: pd.DataFrame, budget: float = 0.25, task: str = "longbench") 
     if g is None or g.full is None:
         return []
     fig, axes = _figure(1, 1, w=max(4.5, 1.6 * len(g.models) + 2))
-    ax, width, unfinished = axes[0, 0], 0.8 / len(g.labels), False
+    ax, width = axes[0, 0], 0.8 / len(g.labels)
     for j, lab in enumerate(g.labels):
         xs = [i - 0.4 + width * (j + 0.5) for i in range(len(g.models))]
         ys = [g.avg(mk, lab) - g.avg(mk, g.full) for mk in g.models]
@@ -461,15 +454,13 @@ def selkv_fig2(df: pd.DataFrame, budget: float = 0.25, task: str = "longbench") 
                 ax.text(x, 0, "n/a ", ha="center", va="top", fontsize=6, rotation=90, color="grey")
             elif {(mk, lab), (mk, g.full)} & g.incomplete:
                 bar.set(hatch="///", alpha=0.5)
-                unfinished = True
     ax.axhline(0, color="black", linewidth=0.8)
     ax.margins(y=0.15)
     ax.set(xticks=range(len(g.models)), xticklabels=g.models, xlabel="Model", ylabel=f"Δ LongBench average vs "
            f"{g.full} (points)", title="Gap to the full cache\n(closer to 0 is better)")
     ax.legend()
-    caption = (f"Task: LongBench ({_ds(len(g.datasets))}); models: {', '.join(g.models)}; "
-               f"{budget_semantics([budget])}, ρ = {budget_text(budget)}; error bars: ±1 SE, √(SE² + SE full²)."
-               + " Hatched, pale bars: an unfinished job (fewer samples scored)." * unfinished)
+    caption = (f"LongBench ({_ds(len(g.datasets))}), {budget_semantics([budget])}, ρ = {budget_text(budget)}; error "
+               "bars: ±1 SE, √(SE² + SE full²). Hatched, pale bars: an unfinished job (fewer samples scored).")
     return [_done("selkv_fig2", fig, caption, g.used)]
 
 
@@ -503,8 +494,7 @@ def budget_sweep_figure(df, name: str, task: str, ratio: bool, title: str, per_d
             ax.legend()
     fig.suptitle(title)
     what = f"per dataset ({', '.join(datasets)})" if per_dataset else _ds(len(present))
-    caption = (f"Task: {({'longbench': 'LongBench', 'niah': 'Needle-in-a-Haystack'}).get(task, task)} ({what}); "
-               f"models: {', '.join(models)}; {budget_semantics(grids)}; dashed line: full cache; error bars and band: "
+    caption = (f"Task: {task} ({what}); {budget_semantics(grids)}; dashed line: full cache; error bars and band: "
                "±1 SE.")
     return [_done(name, fig, caption, used_by(grids, models))]
 
@@ -533,9 +523,8 @@ def selkv_fig3(latency: list[dict], source: str = "latency.json") -> list[Artifa
         ax_b.set_xticks(tok_s.index, [f"{n:.0f}" for n in tok_s.index], minor=False)
         ax_b.minorticks_off()
     budgets = sorted(set(pd.to_numeric(lat["budget"], errors="coerce").dropna()) - {1.0})
-    devices, gen = sorted(lat["device"].dropna().astype(str).unique()), lat["generated_tokens"].dropna()
-    caption = (f"Latency{' on ' + ', '.join(devices) if devices else ''}; models: {', '.join(models)}; task: synthetic "
-               f"prompts, {f'{gen.mean():.0f} generated tokens; ' if len(gen) else ''}compressed at budget "
+    devices = ", ".join(sorted(lat["device"].dropna().astype(str).unique())) or "?"
+    caption = (f"Latency on {devices} (synthetic prompts; repeats averaged) at budget "
                f"{', '.join(map(budget_text, budgets)) or '?'} ({budget_semantics(budgets or [math.nan])}).")
     return [_done("selkv_fig3", fig, caption, sources=[source])]
 
@@ -569,8 +558,6 @@ def niah_figures(df: pd.DataFrame, root: Path) -> list[Artifact]:
                 r = chosen.iloc[0] if len(chosen) else {"method": lab or "full", "variant": "", "complete": True}
                 title = r["method"] + f", budget {budget_text(b)}" * (lab is not None) + f"\n{r['variant']}" * bool(
                     r["variant"]) + " (unfinished)" * (not r["complete"])
-                strict = r.get("strict", math.nan)
-                title += f"\nstrict {strict:.0f} %" * bool(strict == strict)  # NIAH strict match, when known
                 used.append(chosen)
                 im = draw_niah_heatmap(axes[i, j], records.get(r.get("job"), []), title, labels=False) or im
         plt.setp(axes[-1], xlabel="Context length (tokens)")
@@ -578,8 +565,8 @@ def niah_figures(df: pd.DataFrame, root: Path) -> list[Artifact]:
         if im is not None:
             fig.colorbar(im, ax=axes, label=SCORE_LABEL, shrink=0.8)
         fig.suptitle(f"Needle-in-a-Haystack: {mk}")
-        out.append(_done(f"niah_panel_{slug(mk)}", fig, f"Task: NIAH; model: {mk}; {budget_semantics(budgets)}; score "
-                         "= mean over samples per cell (%).", pd.concat(used)))
+        out.append(_done(f"niah_panel_{slug(mk)}", fig, f"NIAH, {mk}; {budget_semantics(budgets)}; score: mean per "
+                         "cell (%).", pd.concat(used)))
     return out
 
 
