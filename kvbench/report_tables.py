@@ -36,7 +36,7 @@ class Artifact:
     def __post_init__(self):
         cols = [] if self.data is None else self.data.columns
         self.headers = {c: DATASET_ABBR[c] for c in cols if c in DATASET_ABBR} | self.headers
-        used = pd.DataFrame(columns=["job"]) if self.used is None else self.used
+        used = pd.DataFrame(columns=["job", "dataset", "n", "complete", "subset"]) if self.used is None else self.used
         self.sources, self.notes = sorted({*self.sources, *used["job"]}), dedupe(job_notes(used) + self.notes)
 
 
@@ -74,10 +74,6 @@ def slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9]+", "_", text).strip("_").lower()
 
 
-def _ds(n: int) -> str:
-    return f"{n} dataset" + "s" * (n != 1)
-
-
 def pick(rows: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
     """One score per ``keys`` × dataset: the preferred job's (finished, most datasets, samples); others fill gaps."""
     scored = rows[rows["score"].notna()]
@@ -90,8 +86,6 @@ def pick(rows: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
 def job_notes(used: pd.DataFrame) -> list[str]:
     """Notes on the jobs whose scores ``used`` (a row per job × dataset) holds: ``unfinished`` (the job has not
     finished or some samples failed; its rows are never bold) and ``subset`` (it scored part of each dataset)."""
-    if used.empty:
-        return []
     jobs = used.drop_duplicates(["job", "dataset"]).groupby("job").agg(n=("n", "sum"), done=("complete", "all"),
                                                                         subset=("subset", "first"))
     return ([f"unfinished: {j} ({r.n:.0f} samples scored); not bold" for j, r in jobs.iterrows() if not r.done]
@@ -236,9 +230,7 @@ def score_tables(df: pd.DataFrame, root: Path | None = None) -> list[Artifact]:
         caption = (f"Scores of {mk} on {task}, a row per method" + ", method variant" * show_variant + f" and budget"
                    f"{budgets}; bold: best finished compressed row. Score: round(100·mean, 2) of per-sample scores ± "
                    "SE (SD/√n; Avg: √ΣSE²/datasets); n: samples; strict: % of samples holding the needle's answer.")
-        name = f"scores_{slug(task)}_{slug(mk)}"
-        while name in names:
-            name += "_2"
+        name = f"scores_{slug(task)}_{slug(mk)}" + "_2" * (f"scores_{slug(task)}_{slug(mk)}" in names)
         names.add(name)
         data = pd.DataFrame(rows, columns=["Method", *["Variant"] * show_variant, "Budget", *datasets, "Avg", "n"])
         out.append(Artifact(name, caption, data, bold=bolds(data, [*datasets, "Avg"], comp), used=picked,
@@ -264,7 +256,7 @@ def selkv_table1(df: pd.DataFrame, budget: float = 0.25, task: str = "longbench"
                   "Avg": g.avg(mk, lab), "Δ": g.avg(mk, lab) - g.avg(mk, g.full) if lab != g.full else math.nan,
                   **({} if long else {"Avg Rank": ranks.get(lab, math.nan)})} for lab in g.rows]
     data = pd.DataFrame(rows)
-    caption = (f"LongBench {'average' if long else 'results'} ({_ds(len(g.datasets))})" + f", inputs ≥ "
+    caption = (f"LongBench {'average' if long else 'results'} ({len(g.datasets)} datasets)" + f", inputs ≥ "
                f"{LONG_CONTEXT_TOKENS} tokens," * long + f" at a {budget_text(budget)} KV budget (" + budget_semantics(
                    [budget]) + "); bold: best compressed. Δ: gap to the full cache; Avg Rank: mean rank per dataset.")
     bold = bolds(data, ["Avg"] + [*g.datasets, "Δ"] * (not long), g.ok(data), "Model")
@@ -338,12 +330,12 @@ def sweep_table(name: str, grids: dict[float, Grid], models: list[str], caption:
 def selkv_ratio_tables(df: pd.DataFrame, task: str = "longbench") -> list[Artifact]:
     """SelKV Tables 5 (llama31), 6 (gemma2), ``selkv_ratios_<model>``: LongBench average per method × ratio (>= 2)."""
     (grids, models), out, names = budget_grids(df, task, ratio=True), [], set()
-    n_ds = _ds(len(order_datasets(d for g in grids.values() for d in g.datasets)))
+    n_ds = len(order_datasets(d for g in grids.values() for d in g.datasets))
     for mk in models:
         name = {"llama31": "selkv_table5", "gemma2": "selkv_table6"}.get(mk.split(" ")[0], "")
         name = name if name and name not in names else f"selkv_ratios_{slug(mk)}"
         names.add(name)
-        out.append(sweep_table(name, grids, [mk], f"LongBench average ({n_ds}) of {mk} at KV retention ratios "
+        out.append(sweep_table(name, grids, [mk], f"LongBench average ({n_ds} datasets) of {mk} at KV retention ratios "
                                f"({budget_semantics(grids)}). Best compressed method per ratio in bold.", ratio=True))
     return out
 
@@ -459,8 +451,8 @@ def selkv_fig2(df: pd.DataFrame, budget: float = 0.25, task: str = "longbench") 
     ax.set(xticks=range(len(g.models)), xticklabels=g.models, xlabel="Model", ylabel=f"Δ LongBench average vs "
            f"{g.full} (points)", title="Gap to the full cache\n(closer to 0 is better)")
     ax.legend()
-    caption = (f"LongBench ({_ds(len(g.datasets))}), {budget_semantics([budget])}, ρ = {budget_text(budget)}; error "
-               "bars: ±1 SE, √(SE² + SE full²). Hatched, pale bars: an unfinished job (fewer samples scored).")
+    caption = (f"LongBench ({len(g.datasets)} datasets), {budget_semantics([budget])}, ρ = {budget_text(budget)}; "
+               "error bars: ±1 SE, √(SE² + SE full²). Hatched, pale bars: an unfinished job (fewer samples scored).")
     return [_done("selkv_fig2", fig, caption, g.used)]
 
 
@@ -493,7 +485,7 @@ def budget_sweep_figure(df, name: str, task: str, ratio: bool, title: str, per_d
                    "KV head)")
             ax.legend()
     fig.suptitle(title)
-    what = f"per dataset ({', '.join(datasets)})" if per_dataset else _ds(len(present))
+    what = f"per dataset ({', '.join(datasets)})" if per_dataset else f"{len(present)} datasets"
     caption = (f"Task: {task} ({what}); {budget_semantics(grids)}; dashed line: full cache; error bars and band: "
                "±1 SE.")
     return [_done(name, fig, caption, used_by(grids, models))]
