@@ -277,12 +277,9 @@ def selkv_table4(df: pd.DataFrame, budget: float = 0.25, task: str = "longbench"
     v = data[g.labels].where(pd.DataFrame({lab: [(m, lab) not in g.incomplete for m in data["Model"]]
                                            for lab in g.labels})).map(round2, na_action="ignore")
     bold = set(v[v.eq(v.max(axis=1), axis=0)].stack().index)
-    partial = [f"{c} {len(ds)}/{len(CATEGORIES[c])}" for c, ds in cats.items()
-               if c != "Other" and 0 < len(ds) < len(CATEGORIES[c])]
-    caption = (f"Category-level averages on LongBench ({budget_text(budget)} KV budget; {budget_semantics([budget])});"
-               " bold: best compressed method per category.")
-    return [Artifact("selkv_table4", caption, data, bold=bold, used=g.used, notes=[
-        f"partial categories (datasets present/in the paper's category): {', '.join(partial)}"] * bool(partial))]
+    caption = (f"Category-level averages on LongBench ({budget_text(budget)} KV budget; {budget_semantics([budget])}):"
+               " mean over the category's datasets present; bold: best compressed method per category.")
+    return [Artifact("selkv_table4", caption, data, bold=bold, used=g.used)]
 
 
 def budget_grids(df: pd.DataFrame, task: str, ratio: bool) -> tuple[dict[float, Grid], list[str]]:
@@ -322,8 +319,7 @@ def sweep_table(name: str, grids: dict[float, Grid], models: list[str], caption:
     full = next((g.full for g in grids.values() if g.full), None)
     data = t.loc[sorted(t.index, key=lambda lab: (lab != full, method_sort_key(names.get(lab, ""), lab)))]
     data = data.rename_axis("Method").reset_index()
-    bold = set().union(*(bolds(data, [c], data.index[data["Method"] != full] if ratio else cols[c][2].ok(
-        data.assign(Model=cols[c][0]))) for c in t.columns))
+    bold = set().union(*(bolds(data, [c], cols[c][2].ok(data.assign(Model=cols[c][0]))) for c in t.columns))
     return Artifact(name, caption, data, bold=bold, used=used_by(grids, models))
 
 
