@@ -73,13 +73,12 @@ def to_markdown(t: Artifact) -> str:
 
 
 def to_latex(t: Artifact) -> str:
-    """A booktabs table (``to_latex``): missing ``--``, best ``\\textbf``; notes and sources as comments."""
+    """A booktabs table (``to_latex``): missing ``--``, best ``\\textbf`` (notes, sources: ``.sources.txt``)."""
     cells = _cells(t, r"\textbf{%s}", "--", lambda v: ("$-$" + v[1:] if v.startswith("-") else v).translate(TEX))
     spec = "".join("r" if pd.api.types.is_numeric_dtype(t.data[c]) else "l" for c in t.data.columns)
     cells.columns = [t.headers.get(c, c).translate(TEX) for c in cells.columns]
-    body = cells.to_latex(index=False, escape=False, caption=t.caption.translate(TEX), label=f"tab:{t.name}",
+    return cells.to_latex(index=False, escape=False, caption=t.caption.translate(TEX), label=f"tab:{t.name}",
                           position="t", column_format=spec)
-    return body + "".join(f"% note: {n}\n" for n in t.notes) + "".join(f"% source: {s}\n" for s in t.sources)
 
 
 def write(a: Artifact, out: Path) -> list[Path]:

@@ -17,9 +17,6 @@ from .report_data import (DATASET_ABBR, FULL, LONG_CONTEXT_TOKENS, budget_semant
                           method_sort_key, model_sort_key, niah_grid_records, order_datasets)
 
 
-UNFINISHED = " (rows of unfinished jobs excluded)"
-
-
 @dataclass
 class Artifact:
     """A table (``data``: label columns as text, values as floats) or a figure (``fig``)."""
@@ -34,11 +31,13 @@ class Artifact:
     sources: list = field(default_factory=list)
     notes: list = field(default_factory=list)
     se: pd.DataFrame | None = None  # standard errors of ``data``'s cells (same index, a subset of columns; NaN: none)
+    used: pd.DataFrame | None = None  # the job × dataset rows shown: added to ``sources``, :func:`job_notes` to notes
 
     def __post_init__(self):
         cols = [] if self.data is None else self.data.columns
         self.headers = {c: DATASET_ABBR[c] for c in cols if c in DATASET_ABBR} | self.headers
-        self.sources, self.notes = sorted(set(self.sources)), dedupe(self.notes)
+        used = pd.DataFrame(columns=["job", "dataset", "n", "complete", "subset"]) if self.used is None else self.used
+        self.sources, self.notes = sorted({*self.sources, *used["job"]}), dedupe(job_notes(used) + self.notes)
 
 
 def round2(x: float) -> float:
@@ -75,10 +74,6 @@ def slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9]+", "_", text).strip("_").lower()
 
 
-def _ds(n: int) -> str:
-    return f"{n} dataset" + "s" * (n != 1)
-
-
 def pick(rows: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
     """One score per ``keys`` × dataset: the preferred job's (finished, most datasets, samples); others fill gaps."""
     scored = rows[rows["score"].notna()]
@@ -88,33 +83,31 @@ def pick(rows: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
     return scored.assign(_r=rank).sort_values("_r").drop_duplicates(keys + ["dataset"])
 
 
-def cell_notes(rows: pd.DataFrame, used: pd.DataFrame, what: str) -> list[str]:
-    """Incomplete, subset and left-out notes on the jobs of one cell or row."""
-    n, done, jobs = rows.groupby("job")["n"].sum(), dict(zip(rows["job"], rows["complete"])), set(used["job"])
-    notes = [f"incomplete: {j} ({n[j]:.0f} samples scored; the job has not finished or some samples failed: rerun it)"
-             for j in sorted(jobs) if not done[j]]
-    notes += [f"subset: {j} scored part of each dataset only ({s}); not comparable to whole-dataset scores"
-              for j, s in sorted(set(zip(used["job"], used["subset"]))) if s]
-    left = [f"{j} ({n[j]:.0f} samples{'' if done[j] else ', unfinished'})" for j in dedupe(rows["job"])
-            if j not in jobs]
-    return notes + [f"left out: {what}: {', '.join(left)}; the scores are those of {', '.join(sorted(jobs))} "
-                    "(preferred: complete, most datasets, most samples)"] * bool(left)
+def job_notes(used: pd.DataFrame) -> list[str]:
+    """Notes on the jobs whose scores ``used`` (a row per job × dataset) holds: ``unfinished`` (the job has not
+    finished or some samples failed; its rows are never bold) and ``subset`` (it scored part of each dataset)."""
+    jobs = used.drop_duplicates(["job", "dataset"]).groupby("job").agg(n=("n", "sum"), done=("complete", "all"),
+                                                                        subset=("subset", "first"))
+    return ([f"unfinished: {j} ({r.n:.0f} samples scored); not bold" for j, r in jobs.iterrows() if not r.done]
+            + [f"subset: {j} scored part of each dataset ({r.subset}); not comparable to whole-dataset scores"
+               for j, r in jobs.iterrows() if r.subset])
 
 
 @dataclass
 class Grid:
-    """One task at one budget: ``scores``, ``se`` (model key, label) × dataset; ``incomplete``: unfinished jobs."""
+    """One task at one budget: ``scores``, ``se`` (model key, label) × dataset; ``used``: the job rows they come from;
+    ``incomplete``: (model key, label) of unfinished jobs."""
 
     scores: pd.DataFrame
     se: pd.DataFrame
     full: str | None
     labels: list[str]
     names: dict
-    incomplete: set
-    sources: list
-    notes: list
+    used: pd.DataFrame
 
     def __post_init__(self):
+        self.incomplete = set(self.used.loc[~self.used["complete"], ["model_key", "method"]].itertuples(
+            index=False, name=None))
         self.models = sorted({m for m, lab in self.scores.index if lab != self.full}, key=model_sort_key)
         self.datasets = order_datasets(self.scores.columns)
         self.rows = [self.full] * bool(self.full) + self.labels
@@ -135,14 +128,9 @@ def grid(df: pd.DataFrame, task: str, budget: float, models=None, names=None, la
     comp = df[(df["task"] == task) & (df["method_name"] != FULL) & np.isclose(df["budget"], budget)]
     comp = comp[comp["model_key"].isin(models)] if models is not None else comp
     comp = comp[comp["method_name"].isin(names)] if names is not None else comp
-    where, notes = f"{task}, budget {budget_text(budget)}", []
     if labels is None:
-        labels = []
-        for name, g in comp.groupby("method_name"):
-            own = display_name(name)
-            labels.append(own if own in set(g["method"]) else min(g["method"].unique(), key=lambda s: (len(s), s)))
-            notes += [f"stand-in: the {name} row is {labels[-1]}: {name}'s main preset ({own}) has no job ({where})"
-                      ] * (labels[-1] != own)
+        labels = [display_name(n) if display_name(n) in set(g["method"]) else min(sorted(g["method"]), key=len)
+                  for n, g in comp.groupby("method_name")]
     comp = comp[comp["method"].isin(labels)]
     if comp.empty:
         return None
@@ -153,22 +141,9 @@ def grid(df: pd.DataFrame, task: str, budget: float, models=None, names=None, la
     rows = pd.concat([full.assign(method=full_label), comp])
     rows = rows[rows["default"] | ~rows.groupby(["model_key", "method"])["default"].transform("max")]
     used = pick(rows, ["model_key", "method"])
-    for (mk, lab), cell in rows.groupby(["model_key", "method"]):
-        notes += cell_notes(cell, used[(used["model_key"] == mk) & (used["method"] == lab)], f"{mk} / {lab} ({where})")
-    scores = used.pivot_table(index=["model_key", "method"], columns="dataset", values="score", aggfunc="first")
-    scores = scores[order_datasets(scores.columns)]
-    se = used.pivot_table(index=["model_key", "method"], columns="dataset", values="se", aggfunc="first")
-    for mk in models:
-        notes += [f"absent: no full-cache job for {mk} ({task})"] * ((mk, full_label) not in scores.index)
-        notes += [f"absent: no job for {mk} / {lab} ({where})" for _n, lab in order if (mk, lab) not in scores.index]
-    notes += [f"mixed samples: the rows of {mk} were scored on different sample sets ("
-              + " / ".join(sorted(s or "whole datasets" for s in set(u["subset"]))) + f"; {where}); compare with care"
-              for mk, u in used.groupby("model_key") if u["subset"].nunique() > 1]
-    notes += [f"absent: {mk} / {lab} has no score for {', '.join(c[c.isna()].index)} ({where})"
-              for (mk, lab), c in scores.iterrows() if c.isna().any()]
-    return Grid(scores, se, full_label, dedupe(lab for _n, lab in order), {lab: n for n, lab in order},
-                set(used.loc[~used["complete"], ["model_key", "method"]].itertuples(index=False, name=None)),
-                sorted(set(used["job"])), dedupe(notes))
+    piv = used.set_index(["model_key", "method", "dataset"])[["score", "se"]].unstack()
+    return Grid(piv["score"][order_datasets(piv["score"].columns)], piv["se"], full_label,
+                dedupe(lab for _n, lab in order), {lab: n for n, lab in order}, used)
 
 
 def avg_se(se: pd.DataFrame | pd.Series) -> pd.Series | float:
@@ -202,12 +177,10 @@ def paired_table(name: str, what: str, heads: list[dict], samples: list[pd.Serie
                 diff, low, high, p = paired_bootstrap(pairs)
                 rows.append({**head, "Over": scope, "Pairs": str(sum(map(len, pairs.values()))), "Δ": diff,
                              "CI low": low, "CI high": high, "p": f"{p:.4f}"})
-    caption = (f"Paired comparison on {what}: each row minus {' / '.join(filter(None, heads[ref].values()))} on the "
-               "samples both scored (matched by dataset and id; Pairs: their number). Δ: difference of the mean over "
-               "the datasets (points); 95 % CI and two-sided p: paired bootstrap, 10,000 resamples within each "
-               "dataset (seed 0).")
-    signed = {"Δ", "CI low", "CI high"}
-    return [Artifact(name, caption, pd.DataFrame(rows), signed=signed, sources=sources)] if rows else []
+    caption = (f"{what}: each row minus {' / '.join(filter(None, heads[ref].values()))} on the Pairs of samples both "
+               "scored. Δ: mean over datasets (points); CI (95 %), p (two-sided): paired bootstrap, 10,000 resamples.")
+    return [Artifact(name, caption, pd.DataFrame(rows), signed={"Δ", "CI low", "CI high"}, sources=sources)] if rows \
+        else []
 
 
 def score_tables(df: pd.DataFrame, root: Path | None = None) -> list[Artifact]:
@@ -219,11 +192,11 @@ def score_tables(df: pd.DataFrame, root: Path | None = None) -> list[Artifact]:
     for task, mk in sorted(set(zip(scored["task"], scored["model_key"])), key=lambda p: (p[0], model_sort_key(p[1]))):
         sel = df[(df["task"] == task) & (df["model_key"] == mk)]
         sel = sel.assign(bkey=sel["budget"].where(sel["method_name"] != FULL, -1.0).fillna(-1.0))
-        used = pick(sel, ["method", "variant", "bkey"])
-        avg_ds = order_datasets(used["dataset"])  # the NIAH strict match: a column beside each dataset, not averaged
-        strict = used[used["strict"].notna()]
-        used = pd.concat([used, strict.assign(dataset=strict["dataset"] + " strict", score=strict["strict"],
-                                              se=strict["strict_se"], samples=strict["strict_samples"])])
+        picked = pick(sel, ["method", "variant", "bkey"])
+        avg_ds = order_datasets(picked["dataset"])  # the NIAH strict match: a column beside each dataset, not averaged
+        strict = picked[picked["strict"].notna()]
+        used = pd.concat([picked, strict.assign(dataset=strict["dataset"] + " strict", score=strict["strict"],
+                                                se=strict["strict_se"], samples=strict["strict_samples"])])
         datasets = order_datasets(used["dataset"])
         keys = sorted(set(zip(sel["method_name"], sel["method"], sel["variant"], sel["bkey"], ~sel["default"])),
                       key=lambda k: (method_sort_key(k[0], k[1]), k[3], k[4], natural(k[2])))
@@ -233,7 +206,6 @@ def score_tables(df: pd.DataFrame, root: Path | None = None) -> list[Artifact]:
         for name, label, variant, b, _nd in keys:
             part, mine = (t[(t["method"] == label) & (t["variant"] == variant) & (t["bkey"] == b)] for t in (sel, used))
             btext = None if b < 0 else budget_text(b)
-            what = label + f" ({variant})" * bool(variant) + f" at budget {btext}" * bool(btext)
             cells = mine.set_index("dataset").reindex(datasets)
             ns = cells.loc[avg_ds, "n"].dropna()
             rows.append({"Method": label, **({"Variant": variant} if show_variant else {}), "Budget": btext,
@@ -241,46 +213,32 @@ def score_tables(df: pd.DataFrame, root: Path | None = None) -> list[Artifact]:
                          "n": None if ns.empty else f"{ns.min():.0f}" + f"–{ns.max():.0f}" * bool(ns.min() < ns.max())})
             errs.append({**cells["se"], "Avg": avg_se(cells.loc[avg_ds, "se"])})
             samples.append(cells["samples"])
-            notes += [f"absent: {what} has no score for {', '.join(d for d in avg_ds if math.isnan(rows[-1][d]))}"
-                      ] * bool(cells.loc[avg_ds, "score"].isna().any())
-            notes += cell_notes(part, mine, what)
             kinds.append(" / ".join(sorted({" ".join(filter(None, [grids.get(j), s]))
                                             for j, s in zip(mine["job"], mine["subset"])})))
             kept_all = name != FULL and (part["compressed_fraction"] == 0).all()
             ratio = (part["kept_tokens"] / part["prompt_tokens"]).mean()
             raised = 0 < b < 1 and ratio > max(1.5 * b, b + 0.02)  # the method keeps at least its window/sinks/recent
-            notes += [f"uncompressed: {label} at budget {btext} kept every prompt whole; not bold"] * bool(kept_all)
-            notes += [f"raised: {label} at budget {btext} kept {100 * ratio:.1f} % of the prompt tokens on average "
-                      "(the method's window, sinks or recent tokens); not bold"] * bool(raised)
-            if name != FULL and b != 1.0 and not kept_all and not raised and mine["complete"].all():
+            kept = "every prompt whole" if kept_all else f"{100 * ratio:.1f} % of the prompt tokens" if raised else ""
+            notes += [f"not bold: {label} at budget {btext} kept {kept}"] * bool(kept)
+            if name != FULL and b != 1.0 and not kept and mine["complete"].all():
                 comp.append(len(rows) - 1)
         if len(set(kinds)) > 1:
-            notes.append("mixed samples: rows scored on different sample sets or NIAH grids (" + "; ".join(
-                sorted({k or "whole datasets" for k in kinds})) + "), scores not comparable across them")
-        comp_kinds = [kinds[i] for i in comp]
-        if len(set(comp_kinds)) > 1:
-            main = max(sorted(set(comp_kinds)), key=comp_kinds.count)
-            notes.append(f"bold: only among rows scored on {main or 'whole datasets'} "
-                         f"({comp_kinds.count(main)} of {len(comp)} rows)")
-            comp = [i for i in comp if kinds[i] == main]
+            notes.append("not comparable: rows scored on different sample sets or NIAH grids (" + "; ".join(
+                sorted({k or "whole datasets" for k in kinds})) + "); no bold")
+            comp = []
         budgets = "; " + budget_semantics(bs) if (bs := [k[3] for k in keys if k[3] >= 0]) else ""
-        caption = (f"Scores of {mk} on {task} ({_ds(len(avg_ds))}; a row per method" + ", method variant"
-                   * show_variant + f" and budget{budgets}). Score: round(100·mean, 2) of per-sample scores in [0, 1]"
-                   " ± its standard error (SD/√n, where per-sample records exist; Avg: √ΣSE²/datasets); n: samples "
-                   "per cell." + " strict: the needle's answer phrase in the prediction (case and punctuation "
-                   "ignored), % of samples." * (len(datasets) > len(avg_ds)) + " The full cache ignores the budget "
-                   "(–). Best complete compressed cell in bold.")
-        name = f"scores_{slug(task)}_{slug(mk)}"
-        while name in names:
-            name += "_2"
+        caption = (f"Scores of {mk} on {task}, a row per method" + ", method variant" * show_variant + f" and budget"
+                   f"{budgets}; bold: best finished compressed row. Score: round(100·mean, 2) of per-sample scores ± "
+                   "SE (SD/√n; Avg: √ΣSE²/datasets); n: samples; strict: % of samples holding the needle's answer.")
+        name = f"scores_{slug(task)}_{slug(mk)}" + "_2" * (f"scores_{slug(task)}_{slug(mk)}" in names)
         names.add(name)
         data = pd.DataFrame(rows, columns=["Method", *["Variant"] * show_variant, "Budget", *datasets, "Avg", "n"])
-        out.append(Artifact(name, caption, data, bold=bolds(data, [*datasets, "Avg"], comp), sources=used["job"],
+        out.append(Artifact(name, caption, data, bold=bolds(data, [*datasets, "Avg"], comp), used=picked,
                             notes=notes, se=pd.DataFrame(errs, columns=[*datasets, "Avg"])))
         heads = [{k: r[k] for k in ("Method", "Variant", "Budget") if k in r} for r in rows]
         ref = next((i for i, k in enumerate(keys) if k[0] == FULL), 0)
-        out += paired_table(name.replace("scores_", "paired_", 1), f"{task} of {mk}", heads, samples, ref,
-                            {"Avg": avg_ds} | {d: [d] for d in datasets if d not in avg_ds}, used["job"])
+        out += paired_table(name.replace("scores_", "paired_", 1), f"Paired comparison on {task} of {mk}", heads,
+                            samples, ref, {"Avg": avg_ds} | {d: [d] for d in datasets if d not in avg_ds}, used["job"])
     return out
 
 
@@ -298,18 +256,13 @@ def selkv_table1(df: pd.DataFrame, budget: float = 0.25, task: str = "longbench"
                   "Avg": g.avg(mk, lab), "Δ": g.avg(mk, lab) - g.avg(mk, g.full) if lab != g.full else math.nan,
                   **({} if long else {"Avg Rank": ranks.get(lab, math.nan)})} for lab in g.rows]
     data = pd.DataFrame(rows)
-    ok = g.ok(data)
-    ctx = ", ".join(map(str, sorted({int(t) for t in df.loc[df["model_key"].isin(g.models), "max_input_tokens"]
-                                     .dropna()})))
-    caption = (f"LongBench {'average' if long else 'results'} ({_ds(len(g.datasets))})" + f" with long inputs ({ctx} "
-               "tokens)," * long + f" at a {budget_text(budget)} KV budget ({budget_semantics([budget])}). Δ: gap to "
-               f"{g.full or 'the full cache'}." + " Avg Rank: mean rank per dataset (compressed rows)." * (not long)
-               + f" Best compressed method per column in bold{UNFINISHED * bool(g.incomplete)}. Models: "
-               f"{', '.join(g.models)}.")
-    bold = bolds(data, ["Avg"] + [*g.datasets, "Δ"] * (not long), ok, "Model")
-    bold |= set() if long else bolds(data, ["Avg Rank"], ok, "Model", higher=False)
+    caption = (f"LongBench {'average' if long else 'results'} ({len(g.datasets)} datasets)" + f", inputs ≥ "
+               f"{LONG_CONTEXT_TOKENS} tokens," * long + f" at a {budget_text(budget)} KV budget (" + budget_semantics(
+                   [budget]) + "); bold: best compressed. Δ: gap to the full cache; Avg Rank: mean rank per dataset.")
+    bold = bolds(data, ["Avg"] + [*g.datasets, "Δ"] * (not long), g.ok(data), "Model")
+    bold |= set() if long else bolds(data, ["Avg Rank"], g.ok(data), "Model", higher=False)
     return [Artifact("selkv_table7" if long else "selkv_table1", caption, data, bold=bold, signed={"Δ"},
-                     sources=g.sources, notes=g.notes, headers={"Avg": f"Avg ({len(g.datasets)} ds)"} if long else {})]
+                     used=g.used, headers={"Avg": f"Avg ({len(g.datasets)} ds)"} if long else {})]
 
 
 def selkv_table4(df: pd.DataFrame, budget: float = 0.25, task: str = "longbench") -> list[Artifact]:
@@ -324,13 +277,9 @@ def selkv_table4(df: pd.DataFrame, budget: float = 0.25, task: str = "longbench"
     v = data[g.labels].where(pd.DataFrame({lab: [(m, lab) not in g.incomplete for m in data["Model"]]
                                            for lab in g.labels})).map(round2, na_action="ignore")
     bold = set(v[v.eq(v.max(axis=1), axis=0)].stack().index)
-    partial = [f"partial category: {c} averages {len(ds)} of its {len(CATEGORIES[c])} datasets "
-               f"({', '.join(ds)}); not comparable to the paper's category score"
-               for c, ds in cats.items() if c != "Other" and 0 < len(ds) < len(CATEGORIES[c])]
-    caption = (f"Category-level averages on LongBench ({budget_text(budget)} KV budget; {budget_semantics([budget])}). "
-               f"Best compressed method per category in bold{UNFINISHED * bool(g.incomplete)}. Models: "
-               f"{', '.join(g.models)}.")
-    return [Artifact("selkv_table4", caption, data, bold=bold, sources=g.sources, notes=g.notes + partial)]
+    caption = (f"Category-level averages on LongBench ({budget_text(budget)} KV budget; {budget_semantics([budget])}):"
+               " mean over the category's datasets present; bold: best compressed method per category.")
+    return [Artifact("selkv_table4", caption, data, bold=bold, used=g.used)]
 
 
 def budget_grids(df: pd.DataFrame, task: str, ratio: bool) -> tuple[dict[float, Grid], list[str]]:
@@ -356,6 +305,11 @@ def sweep(grids: dict[float, Grid], mk: str, dataset: str | None = None, se: boo
     return table
 
 
+def used_by(grids: dict[float, Grid], models: list[str]) -> pd.DataFrame:
+    """The job rows of ``grids`` for ``models``."""
+    return pd.concat([g.used[g.used["model_key"].isin(models)] for g in grids.values()])
+
+
 def sweep_table(name: str, grids: dict[float, Grid], models: list[str], caption: str, ratio: bool) -> Artifact:
     """Average per label × (model, budget) (``ratio``: one model, a column per ratio); bold: best per column."""
     col = (lambda mk, b: budget_text(b)) if ratio else (lambda mk, b: f"{mk} @{b:g}")
@@ -365,26 +319,20 @@ def sweep_table(name: str, grids: dict[float, Grid], models: list[str], caption:
     full = next((g.full for g in grids.values() if g.full), None)
     data = t.loc[sorted(t.index, key=lambda lab: (lab != full, method_sort_key(names.get(lab, ""), lab)))]
     data = data.rename_axis("Method").reset_index()
-    bold = set().union(*(bolds(data, [c], data.index[data["Method"] != full] if ratio else cols[c][2].ok(
-        data.assign(Model=cols[c][0]))) for c in t.columns))
-    sources = [j for g in grids.values() if set(models) & set(g.models) for j in g.sources]
-    notes = [n for g in grids.values() for n in g.notes if any(m in n for m in models)]
-    notes += [f"absent: {cols[c][0]} / {lab} at {'ratio' if ratio else 'budget'} {budget_text(cols[c][1])} (no job, "
-              "or a dataset missing)" for lab, row in t.iterrows() for c in t.columns if math.isnan(row[c])]
-    return Artifact(name, caption, data, bold=bold, sources=sources, notes=notes)
+    bold = set().union(*(bolds(data, [c], cols[c][2].ok(data.assign(Model=cols[c][0]))) for c in t.columns))
+    return Artifact(name, caption, data, bold=bold, used=used_by(grids, models))
 
 
 def selkv_ratio_tables(df: pd.DataFrame, task: str = "longbench") -> list[Artifact]:
     """SelKV Tables 5 (llama31), 6 (gemma2), ``selkv_ratios_<model>``: LongBench average per method × ratio (>= 2)."""
     (grids, models), out, names = budget_grids(df, task, ratio=True), [], set()
-    n_ds = _ds(len(order_datasets(d for g in grids.values() for d in g.datasets)))
+    n_ds = len(order_datasets(d for g in grids.values() for d in g.datasets))
     for mk in models:
         name = {"llama31": "selkv_table5", "gemma2": "selkv_table6"}.get(mk.split(" ")[0], "")
         name = name if name and name not in names else f"selkv_ratios_{slug(mk)}"
         names.add(name)
-        out.append(sweep_table(name, grids, [mk], f"LongBench average ({n_ds}) of {mk} at different KV retention "
-                               f"ratios ({budget_semantics(grids)}). The full cache does not depend on the ratio. "
-                               "Best compressed method per ratio in bold.", ratio=True))
+        out.append(sweep_table(name, grids, [mk], f"LongBench average ({n_ds} datasets) of {mk} at KV retention ratios "
+                               f"({budget_semantics(grids)}). Best compressed method per ratio in bold.", ratio=True))
     return out
 
 
@@ -392,16 +340,14 @@ def compresskv_table1(df: pd.DataFrame, budgets=(256, 1024), task: str = "longbe
     """CompressKV Table 1: LongBench average per method × (model, token budget); full cache repeated."""
     grids = {float(b): g for b in budgets if (g := grid(df, task, float(b))) is not None}
     models = sorted({m for g in grids.values() for m in g.models}, key=model_sort_key)
-    return [sweep_table("compresskv_table1", grids, models, f"Average LongBench scores under fixed KV budgets "
-                        f"({budget_semantics(grids)}). The full cache does not depend on the budget. Best compressed "
-                        f"method per column in bold{UNFINISHED * any(g.incomplete for g in grids.values())}. "
-                        f"Models: {', '.join(models)}.", ratio=False)] if grids else []
+    return [sweep_table("compresskv_table1", grids, models, f"Average LongBench scores under fixed KV budgets ("
+                        f"{budget_semantics(grids)}). Bold: best compressed per column.", False)] if grids else []
 
 
 def staged_table(df: pd.DataFrame, name: str, budget: float, task: str = "longbench") -> list[Artifact]:
     """Component analyses per model key: ``selkv_table2`` (labels by Merge, Gate, Comp), ``compresskv_table3a``."""
     sel = df[(df["task"] == task) & np.isclose(df["budget"], budget)]
-    rows, ok, sources, notes, selkv = [], [], [], [], name == "selkv_table2"
+    rows, ok, used, selkv = [], [], [], name == "selkv_table2"
     main, snap = display_name("compresskv"), display_name("snapkv")
     on = lambda v: None if v is None else str(v).lower() not in ("", "none", "off", "false", "0")  # None: unsaid
     for mk in sorted(sel["model_key"].unique(), key=model_sort_key):
@@ -427,15 +373,14 @@ def staged_table(df: pd.DataFrame, name: str, budget: float, task: str = "longbe
         rows += [{"Model": mk, "Method": lab, **(marks[lab] if selkv else {}), "Avg": a, "Δ prev": a - p,
                   **({"Δ full": a - g.avg(mk, g.full)} if selkv else {})}
                  for lab, a, p in zip(order, avgs, [math.nan] + avgs)]
-        sources, notes = sources + g.sources, notes + g.notes
+        used.append(g.used)
     if not rows:
         return []
     data = pd.DataFrame(rows).rename(columns={"Method": "Configuration"} if selkv else {})
-    caption = ((f"Ablation of {display_name('selkv')} on LongBench ({budget_text(budget)} KV budget; " if selkv else
-                f"Component analysis of CompressKV on LongBench at budget {budget:g} (") + budget_semantics([budget])
-               + "). Δ prev: change from the row above" + "; Δ full: gap to the full cache" * selkv + ".")
+    caption = (f"{'Ablation of SelKV' if selkv else 'Component analysis of CompressKV'} on LongBench at budget "
+               f"{budget_text(budget)} ({budget_semantics([budget])}). Δ prev, Δ full: vs the row above, full cache.")
     return [Artifact(name, caption, data, bold=bolds(data, ["Avg"], ok, "Model") if selkv else set(),
-                     signed={"Δ prev", "Δ full"}, sources=sources, notes=notes)]
+                     signed={"Δ prev", "Δ full"}, used=pd.concat(used))]
 
 
 def sensitivity_table(df, name: str, method: str, budget: float, task: str = "longbench", per_dataset=True):
@@ -463,13 +408,10 @@ def sensitivity_table(df, name: str, method: str, budget: float, task: str = "lo
     if not rows:
         return []
     data, headers = pd.DataFrame(rows), {"window_size": "W", "kernel_size": "K"}
-    caption = (f"Sensitivity of {display_name(method)} to {', '.join(headers.get(k, k) for k in keys)} on LongBench "
-               f"({_ds(len(datasets))}, {budget_text(budget)} KV budget; {budget_semantics([budget])}). Δ default: "
-               "gap to the default configuration (✓).")
-    notes = [f"absent: {r['Model']} variant {', '.join(f'{k}={r[k]}' for k in keys)} lacks a dataset"
-             for r in rows if math.isnan(r["Avg"])]
+    caption = (f"Sensitivity of {display_name(method)} to {', '.join(headers.get(k, k) for k in keys)} on LongBench at "
+               f"budget {budget_text(budget)} ({budget_semantics([budget])}). Δ default: gap to the default (✓).")
     return [Artifact(name, caption, data, bold=bolds(data, [*datasets] * per_dataset + ["Avg"], data.index, "Model"),
-                     signed={"Δ default"}, sources=used["job"], notes=notes, headers=headers)]
+                     signed={"Δ default"}, used=used, headers=headers)]
 
 
 def _figure(n_rows: int, n_cols: int, w: float = 4.2, h: float = 3.2):
@@ -479,9 +421,9 @@ def _figure(n_rows: int, n_cols: int, w: float = 4.2, h: float = 3.2):
     return fig, axes
 
 
-def _done(name, fig, caption, sources, notes) -> Artifact:
+def _done(name, fig, caption, used=None, sources=()) -> Artifact:
     fig.text(0.5, 0.005, caption, ha="center", va="bottom", fontsize=7, wrap=True)
-    return Artifact(name, caption, fig=fig, sources=sorted(set(sources)), notes=dedupe(notes))
+    return Artifact(name, caption, fig=fig, used=used, sources=list(sources))
 
 
 def selkv_fig2(df: pd.DataFrame, budget: float = 0.25, task: str = "longbench") -> list[Artifact]:
@@ -490,7 +432,7 @@ def selkv_fig2(df: pd.DataFrame, budget: float = 0.25, task: str = "longbench") 
     if g is None or g.full is None:
         return []
     fig, axes = _figure(1, 1, w=max(4.5, 1.6 * len(g.models) + 2))
-    ax, width, unfinished = axes[0, 0], 0.8 / len(g.labels), False
+    ax, width = axes[0, 0], 0.8 / len(g.labels)
     for j, lab in enumerate(g.labels):
         xs = [i - 0.4 + width * (j + 0.5) for i in range(len(g.models))]
         ys = [g.avg(mk, lab) - g.avg(mk, g.full) for mk in g.models]
@@ -500,16 +442,14 @@ def selkv_fig2(df: pd.DataFrame, budget: float = 0.25, task: str = "longbench") 
                 ax.text(x, 0, "n/a ", ha="center", va="top", fontsize=6, rotation=90, color="grey")
             elif {(mk, lab), (mk, g.full)} & g.incomplete:
                 bar.set(hatch="///", alpha=0.5)
-                unfinished = True
     ax.axhline(0, color="black", linewidth=0.8)
     ax.margins(y=0.15)
     ax.set(xticks=range(len(g.models)), xticklabels=g.models, xlabel="Model", ylabel=f"Δ LongBench average vs "
            f"{g.full} (points)", title="Gap to the full cache\n(closer to 0 is better)")
     ax.legend()
-    caption = (f"Task: LongBench ({_ds(len(g.datasets))}); models: {', '.join(g.models)}; "
-               f"{budget_semantics([budget])}, ρ = {budget_text(budget)}; error bars: ±1 SE, √(SE² + SE full²)."
-               + " Hatched, pale bars: an unfinished job (fewer samples scored)." * unfinished)
-    return [_done("selkv_fig2", fig, caption, g.sources, g.notes)]
+    caption = (f"LongBench ({len(g.datasets)} datasets), {budget_semantics([budget])}, ρ = {budget_text(budget)}; "
+               "error bars: ±1 SE, √(SE² + SE full²). Hatched, pale bars: an unfinished job (fewer samples scored).")
+    return [_done("selkv_fig2", fig, caption, g.used)]
 
 
 def budget_sweep_figure(df, name: str, task: str, ratio: bool, title: str, per_dataset: bool = False):
@@ -520,8 +460,6 @@ def budget_sweep_figure(df, name: str, task: str, ratio: bool, title: str, per_d
     present = order_datasets(d for g in grids.values() for d in g.datasets)
     datasets = ([d for d in ("qasper", "musique") if d in present] or present[:4]) if per_dataset else [None]
     fig, axes = _figure(len(models) if per_dataset else 1, len(datasets) if per_dataset else len(models))
-    sources = [j for g in grids.values() for j in g.sources]
-    notes = [n for g in grids.values() for n in g.notes if any(m in n for m in models)]
     full = next((g.full for g in grids.values() if g.full), None)
     for i, mk in enumerate(models):
         for j, ds in enumerate(datasets):  # one model's average (or one dataset's score) across budgets
@@ -532,8 +470,6 @@ def budget_sweep_figure(df, name: str, task: str, ratio: bool, title: str, per_d
                     ax.axhspan(vals.iloc[0] - err.loc[lab].iloc[0], vals.iloc[0] + err.loc[lab].iloc[0], color="grey",
                                alpha=0.2)
                     continue
-                notes += [f"absent: {mk} / {lab} at budget {budget_text(b)}" + f" ({ds})" * bool(ds)
-                          for b in vals.index[vals.isna()]]
                 ax.errorbar([b * 100 if ratio else b for b in vals.dropna().index], vals.dropna(),
                             err.loc[lab, vals.dropna().index], marker="o", capsize=2, label=lab)
             if not ratio:
@@ -545,11 +481,10 @@ def budget_sweep_figure(df, name: str, task: str, ratio: bool, title: str, per_d
                    "KV head)")
             ax.legend()
     fig.suptitle(title)
-    what = f"per dataset ({', '.join(datasets)})" if per_dataset else _ds(len(present))
-    caption = (f"Task: {({'longbench': 'LongBench', 'niah': 'Needle-in-a-Haystack'}).get(task, task)} ({what}); "
-               f"models: {', '.join(models)}; {budget_semantics(grids)}; dashed line: full cache; error bars and band: "
+    what = f"per dataset ({', '.join(datasets)})" if per_dataset else f"{len(present)} datasets"
+    caption = (f"Task: {task} ({what}); {budget_semantics(grids)}; dashed line: full cache; error bars and band: "
                "±1 SE.")
-    return [_done(name, fig, caption, sources, notes)]
+    return [_done(name, fig, caption, used_by(grids, models))]
 
 
 def selkv_fig3(latency: list[dict], source: str = "latency.json") -> list[Artifact]:
@@ -576,11 +511,10 @@ def selkv_fig3(latency: list[dict], source: str = "latency.json") -> list[Artifa
         ax_b.set_xticks(tok_s.index, [f"{n:.0f}" for n in tok_s.index], minor=False)
         ax_b.minorticks_off()
     budgets = sorted(set(pd.to_numeric(lat["budget"], errors="coerce").dropna()) - {1.0})
-    devices, gen = sorted(lat["device"].dropna().astype(str).unique()), lat["generated_tokens"].dropna()
-    caption = (f"Latency{' on ' + ', '.join(devices) if devices else ''}; models: {', '.join(models)}; task: synthetic "
-               f"prompts, {f'{gen.mean():.0f} generated tokens; ' if len(gen) else ''}compressed at budget "
+    devices = ", ".join(sorted(lat["device"].dropna().astype(str).unique())) or "?"
+    caption = (f"Latency on {devices} (synthetic prompts; repeats averaged) at budget "
                f"{', '.join(map(budget_text, budgets)) or '?'} ({budget_semantics(budgets or [math.nan])}).")
-    return [_done("selkv_fig3", fig, caption, [source], [])]
+    return [_done("selkv_fig3", fig, caption, sources=[source])]
 
 
 def niah_figures(df: pd.DataFrame, root: Path) -> list[Artifact]:
@@ -596,7 +530,7 @@ def niah_figures(df: pd.DataFrame, root: Path) -> list[Artifact]:
         strict = f"; strict match {fmt(row['strict'], se=row['strict_se'])} %" * bool(row["strict"] == row["strict"])
         out.append(_done(f"niah/{slug(job)}", fig, f"Task: NIAH; model: {row['model_key']}; "
                          f"{budget_semantics([row['budget']])}. Mean over {row['n']:.0f} samples: ROUGE-1 recall "
-                         f"{fmt(row['score'], se=row['se'])}{strict} (± SE).", [job], []))
+                         f"{fmt(row['score'], se=row['se'])}{strict} (± SE).", sources=[job]))
     for mk in sorted(niah["model_key"].unique(), key=model_sort_key):
         sel = niah[niah["model_key"] == mk]
         comp, full = sel[sel["method_name"] != FULL], pick(sel[sel["method_name"] == FULL], ["model_key"])
@@ -604,7 +538,7 @@ def niah_figures(df: pd.DataFrame, root: Path) -> list[Artifact]:
         cols = [None] * (len(full) > 0) + sorted(set(comp["method"]), key=lambda lab: method_sort_key(
             comp.loc[comp["method"] == lab, "method_name"].iloc[0], lab))
         fig, axes = _figure(len(budgets), len(cols), w=3.2, h=2.8)
-        im, sources, notes = None, [], []
+        im, used = None, []
         for i, b in enumerate(budgets):
             for j, lab in enumerate(cols):
                 cell = comp[(comp["method"] == lab) & np.isclose(comp["budget"], b)]
@@ -612,19 +546,15 @@ def niah_figures(df: pd.DataFrame, root: Path) -> list[Artifact]:
                 r = chosen.iloc[0] if len(chosen) else {"method": lab or "full", "variant": "", "complete": True}
                 title = r["method"] + f", budget {budget_text(b)}" * (lab is not None) + f"\n{r['variant']}" * bool(
                     r["variant"]) + " (unfinished)" * (not r["complete"])
-                strict = r.get("strict", math.nan)
-                title += f"\nstrict {strict:.0f} %" * bool(strict == strict)  # NIAH strict match, when known
-                notes += cell_notes(sel[sel["job"] == r["job"]], chosen, f"{mk} / {title}") if len(chosen) else [
-                    f"absent: {mk} / {lab} at budget {budget_text(b)}"]
-                sources += list(chosen["job"][:1])
+                used.append(chosen)
                 im = draw_niah_heatmap(axes[i, j], records.get(r.get("job"), []), title, labels=False) or im
         plt.setp(axes[-1], xlabel="Context length (tokens)")
         plt.setp(axes[:, 0], ylabel="Needle depth (%)")
         if im is not None:
             fig.colorbar(im, ax=axes, label=SCORE_LABEL, shrink=0.8)
         fig.suptitle(f"Needle-in-a-Haystack: {mk}")
-        out.append(_done(f"niah_panel_{slug(mk)}", fig, f"Task: NIAH; model: {mk}; {budget_semantics(budgets)}; score "
-                         "= mean over samples per cell (%).", sources, notes))
+        out.append(_done(f"niah_panel_{slug(mk)}", fig, f"NIAH, {mk}; {budget_semantics(budgets)}; score: mean per "
+                         "cell (%).", pd.concat(used)))
     return out
 
 

@@ -90,15 +90,12 @@ def test_longbench_table_cells_missing_avg_and_bold(tables):
     # best complete compressed configuration per column: the full cache is the reference and the
     # incomplete SelKV b256 job (33.00 on qasper, the highest) is never bold
     assert t.bold == {(2, "qasper"), (3, "hotpotqa"), (3, "Avg")}
-    assert t.notes == ["absent: SelKV at budget 256 has no score for hotpotqa",
-                       "incomplete: longbench/tiny/selkv/b256 (5 samples scored; the job has not finished or some samples "
-                       "failed: rerun it)"]
-    assert "The full cache ignores the budget" in t.caption
+    assert t.notes == ["unfinished: longbench/tiny/selkv/b256 (5 samples scored); not bold"]
 
 
 def test_a_budget_that_kept_every_prompt_whole_is_never_bold(tmp_path):
     """snapkv at 4096 tokens on 512-token prompts compresses nothing (records ``compressed: false``): it
-    scores like the full cache, so it is named in the notes and the best compressing row is bold."""
+    scores like the full cache, so a "not bold" note names it and the best compressing row is bold."""
     for budget, score, compressed in ((0.25, 40.0, True), (4096, 100.0, False)):
         recs = [{"id": f"niah/512/{i}", "dataset": "niah", "score": score / 100, "error": None, "compressed": compressed,
                  "prompt_tokens": 512} for i in range(2)]
@@ -107,7 +104,7 @@ def test_a_budget_that_kept_every_prompt_whole_is_never_bold(tmp_path):
     (t,) = scores_only(report.load_results(tmp_path))
     assert [(r["Budget"], r["niah"]) for r in records(t)] == [("25%", 40.0), ("4096", 100.0)]
     assert t.bold == {(0, "niah"), (0, "Avg")}
-    assert len(t.notes) == 1 and t.notes[0].startswith("uncompressed: SnapKV at budget 4096 kept every prompt whole")
+    assert t.notes == ["not bold: SnapKV at budget 4096 kept every prompt whole"]
     # the summary (its run's samples) decides over records of an earlier, longer grid that compressed
     job = tmp_path / "niah/tiny/snapkv/b4096"
     (job / "predictions.jsonl").write_text("".join(
@@ -129,7 +126,7 @@ def test_cli_only_scores_writes_only_them(sweep, tmp_path):
         f"scores_{t}_tiny.{ext}" for t in ("longbench", "niah") for ext in ("md", "tex", "csv", "sources.txt")}
     index = (out / "index.md").read_text()
     assert "- scores_longbench_tiny: scores_longbench_tiny.md, scores_longbench_tiny.tex, scores_longbench_tiny.csv" \
-        " (5 job(s), 2 note(s): absent, incomplete)" in index
+        " (5 job(s), 1 note(s): unfinished)" in index
     assert "- scores_niah_tiny: " in index and "selkv_table1" not in index
     md = (out / "scores_longbench_tiny.md").read_text()
     assert "| Method | Budget | Qasp | HpQA | Avg | n |" in md
@@ -168,9 +165,7 @@ def test_variants_and_reruns(tmp_path):
     assert list(t.data.columns) == ["Method", "Variant", "Budget", "qasper", "hotpotqa", "Avg", "n"]
     assert [(r["Variant"], r["qasper"], r["hotpotqa"]) for r in records(t)] == [  # the job with more datasets first
         ("window_size=32", 99.0, 40.0), ("window_size=4", 27.0, 39.0), ("window_size=16", 28.0, 39.0)]
-    assert "longbench/llama31/selkv/b0.25-rerun" in t.sources
-    assert any(n.startswith("left out: SelKV (window_size=32) at budget 25%: longbench/llama31/selkv/b0.25 (5 samples)")
-               for n in t.notes)
+    assert "longbench/llama31/selkv/b0.25-rerun" in t.sources and "longbench/llama31/selkv/b0.25" not in t.sources
 
 
 def test_a_lone_variant_is_marked_against_its_preset_file(tmp_path):
@@ -208,7 +203,7 @@ def test_no_scored_job_means_no_inputs(tmp_path):
 
 def test_niah_jobs_on_different_grids_are_noted(tmp_path):
     """Scores of NIAH jobs run on different length × depth grids are not comparable: the table
-    says which jobs ran on which grid (from each summary's ``selection``); one grid: no note."""
+    names the grids (from each summary's ``selection``) and bolds nothing; one grid: no note."""
     import json
 
     root = build_sweep(tmp_path / "root")
@@ -220,12 +215,9 @@ def test_niah_jobs_on_different_grids_are_noted(tmp_path):
         summary["selection"] = {"task.context_lengths": lengths, "task.depth_percents": depths}
         path.write_text(json.dumps(summary))
     table = {t.name: t for t in score_tables(report.load_results(root), root)}["scores_niah_tiny"]
-    assert table.notes == ["mixed samples: rows scored on different sample sets or NIAH grids (lengths [2048] × "
-                           "depths [10, 90]; lengths [512] × depths [50]), scores not comparable across them",
-                           "bold: only among rows scored on lengths [512] × depths [50] (3 of 4 rows)"]
-    # selkv at 256 tokens (75.0, the column's best) ran another grid: snapkv at 256 (62.5) is bold
-    bold_rows = {(r["Method"], r["Budget"]) for i, r in enumerate(records(table)) if (i, "niah") in table.bold}
-    assert bold_rows == {("SnapKV", "256")}
+    assert table.notes == ["not comparable: rows scored on different sample sets or NIAH grids (lengths [2048] × "
+                           "depths [10, 90]; lengths [512] × depths [50]); no bold"]
+    assert table.bold == set()
     summary_path = root / "niah" / "tiny" / "selkv" / "b256" / "summary.json"
     summary = json.loads(summary_path.read_text())
     summary["selection"] = {"task.context_lengths": [512, 512], "task.depth_percents": [50.0]}  # the same grid
@@ -242,6 +234,7 @@ def test_jobs_over_part_of_each_dataset_are_noted_in_score_and_paper_tables(tmp_
     import yaml
 
     from kvbench.report_tables import grid as score_grid
+    from kvbench.report_tables import job_notes
 
     for method, budget in (("full", 1.0), ("snapkv", 0.25)):
         job = make_job(tmp_path, task="longbench", model="tiny", method=method, budget=budget,
@@ -251,14 +244,12 @@ def test_jobs_over_part_of_each_dataset_are_noted_in_score_and_paper_tables(tmp_
             cfg["task"]["n_samples"] = 1
             (job / "config.yaml").write_text(yaml.safe_dump(cfg))
     df = report.load_results(tmp_path)
-    note = ("subset: longbench/tiny/snapkv/b0.25 scored part of each dataset only (task.n_samples=1); "
+    note = ("subset: longbench/tiny/snapkv/b0.25 scored part of each dataset (task.n_samples=1); "
             "not comparable to whole-dataset scores")
     (table,) = score_tables(df)
-    assert table.notes == [note, "mixed samples: rows scored on different sample sets or NIAH grids (task.n_samples=1; "
-                                 "whole datasets), scores not comparable across them"]
-    grid = score_grid(df, "longbench", 0.25)
-    assert grid.notes == [note, "mixed samples: the rows of tiny were scored on different sample sets "
-                                "(task.n_samples=1 / whole datasets; longbench, budget 25%); compare with care"]
+    assert table.notes == [note, "not comparable: rows scored on different sample sets or NIAH grids "
+                                 "(task.n_samples=1; whole datasets); no bold"]
+    assert job_notes(score_grid(df, "longbench", 0.25).used) == [note]
     assert "Notes (a missing cell is shown as –):\n- " + note in report.to_markdown(table)
     # the summary's selection (its run) wins over config.yaml (the first run): rerun on whole datasets
     summary_path = tmp_path / "longbench/tiny/snapkv/b0.25/summary.json"
@@ -271,8 +262,8 @@ def test_jobs_over_part_of_each_dataset_are_noted_in_score_and_paper_tables(tmp_
     assert score_tables(report.load_results(tmp_path))[0].notes == []
     summary_path.write_text(json.dumps({**summary, "selection": {"task.n_samples": 200}, "subset": "task.n_samples=200"}))
     assert score_tables(report.load_results(tmp_path))[0].notes == [
-        note.replace("n_samples=1", "n_samples=200"), "mixed samples: rows scored on different sample sets or NIAH "
-        "grids (task.n_samples=200; whole datasets), scores not comparable across them"]
+        note.replace("n_samples=1", "n_samples=200"), "not comparable: rows scored on different sample sets or NIAH "
+        "grids (task.n_samples=200; whole datasets); no bold"]
 
 
 def _edit_config(job: Path, **task_keys) -> None:
@@ -352,4 +343,4 @@ def test_a_ratio_the_method_raised_is_named_and_never_bold(tmp_path):
     (t,) = scores_only(report.load_results(tmp_path))
     assert [(r["Budget"], r["niah"]) for r in records(t)] == [("0.1%", 80.0), ("25%", 60.0)]
     assert t.bold == {(1, "niah"), (1, "Avg")}  # the honest 25 % row, not the raised one
-    assert len(t.notes) == 1 and t.notes[0].startswith("raised: SelKV at budget 0.1% kept 3.1 % of the prompt tokens")
+    assert t.notes == ["not bold: SelKV at budget 0.1% kept 3.1 % of the prompt tokens"]
