@@ -1,7 +1,6 @@
-"""NIAH heatmaps, for a job's ``heatmap.png`` and for the reports. Matplotlib runs headless (Agg)."""
+"""NIAH heatmaps, for a job's ``heatmap.png`` and the reports' panels. Matplotlib runs headless (Agg)."""
 
 from collections.abc import Iterable
-from pathlib import Path
 
 import matplotlib
 
@@ -10,7 +9,6 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 
-# a report holds one figure per NIAH job before writing
 plt.rcParams.update({"figure.max_open_warning": 0, "axes.titlesize": 9, "figure.titlesize": 10, "legend.fontsize": 7})
 SCORE_LABEL = "Score (ROUGE-1 recall × 100)"
 
@@ -46,20 +44,3 @@ def draw_niah_heatmap(ax, records: Iterable[dict], title: str = "", labels: bool
         if not np.isnan(v):
             ax.text(j, i, f"{v:.0f}", ha="center", va="center", fontsize=6)
     return im
-
-
-def plot_niah_heatmap(records: Iterable[dict], path: str | Path, title: str) -> Path | None:
-    """Write a job's heatmap to ``path`` (and a ``.pdf`` beside a ``.png``); returns it, None without NIAH records."""
-    records = list(records)
-    lengths, depths, _ = niah_grid(records)
-    if not lengths:
-        return None
-    fig, ax = plt.subplots(figsize=(max(4.8, 1.6 + 0.8 * len(lengths)), max(3.4, 1.6 + 0.4 * len(depths))),
-                           layout="constrained")
-    fig.colorbar(draw_niah_heatmap(ax, records, title), ax=ax, label=SCORE_LABEL)
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=150)
-    if Path(path).suffix == ".png":
-        fig.savefig(Path(path).with_suffix(".pdf"))
-    plt.close(fig)
-    return Path(path)

@@ -4,7 +4,6 @@ score table of every task × model and the seed papers' tables (``.md``, ``.tex`
 
 import fnmatch
 import json
-import math
 import sys
 from collections import namedtuple
 from pathlib import Path
@@ -17,7 +16,6 @@ from .plots import plt
 from .report_data import load_results
 from .report_tables import Artifact, dedupe, fmt, round2
 from .store import atomic_write
-
 
 Context = namedtuple("Context", "root df latency latency_source", defaults=(None, "latency.json"))
 TEX = str.maketrans({"\\": r"\textbackslash{}", "&": r"\&", "%": r"\%", "_": r"\_", "#": r"\#", "Δ": r"$\Delta$",
@@ -48,7 +46,7 @@ ARTIFACTS = {  # family -> builder of its artifacts
     "niah": lambda c: rt.niah_figures(c.df, c.root),
 }
 OUTPUTS = {"scores": ["scores_*", "paired_*"], "selkv_ratio_tables": ["selkv_table5", "selkv_table6", "selkv_ratios_*"],
-           "compresskv_table3": ["compresskv_table3a", "compresskv_table3b"], "niah": ["niah/*", "niah_panel_*"]}
+           "compresskv_table3": ["compresskv_table3a", "compresskv_table3b"], "niah": ["niah_panel_*"]}
 
 
 def _cells(t: Artifact, bold: str = "**%s**", missing: str = "–", esc=str) -> pd.DataFrame:
@@ -62,8 +60,7 @@ def _cells(t: Artifact, bold: str = "**%s**", missing: str = "–", esc=str) -> 
 def to_markdown(t: Artifact) -> str:
     """Caption, table (missing: –, best: bold, ``±``: standard error), notes, source count."""
     cells = _cells(t)
-    right = [pd.api.types.is_numeric_dtype(t.data[c]) or cells[c][cells[c] != "–"].str.isdigit().all()
-             for c in cells]
+    right = [pd.api.types.is_numeric_dtype(t.data[c]) or cells[c].str.fullmatch(r"[\d–]*").all() for c in cells]
     lines = [f"**{t.name}**: {t.caption}", "", "| " + " | ".join(t.headers.get(c, c) for c in cells) + " |",
              "|" + "|".join("---:" if r else "---" for r in right) + "|"]
     lines += ["| " + " | ".join(row) + " |" for row in cells.itertuples(index=False)]
@@ -93,8 +90,7 @@ def write(a: Artifact, out: Path) -> list[Path]:
     else:
         csv = a.data.join(a.se.dropna(axis=1, how="all").add_suffix(" SE")) if a.se is not None else a.data
         csv = csv[[c for c in a.data for c in (c, f"{c} SE") if c in csv]]  # each standard error beside its value
-        csv = csv.assign(**{c: csv[c].map(lambda v: v if math.isnan(v) else round2(v))
-                            for c in csv.select_dtypes("number").columns})
+        csv = csv.assign(**{c: csv[c].map(round2, na_action="ignore") for c in csv.select_dtypes("number").columns})
         for path, text in zip(paths, (to_markdown(a), to_latex(a), csv.to_csv(index=False, na_rep=""))):
             atomic_write(path, text)
     text = [f"# {a.name}: job folders this artifact was built from (relative to the results root)", f"# {a.caption}",
@@ -104,9 +100,8 @@ def write(a: Artifact, out: Path) -> list[Path]:
 
 
 def load_latency(path: str | Path) -> list[dict]:
-    """Records of a kvbench.latency JSON file (a list of objects, or ``{"records": [...]}``); ValueError if not."""
-    data = json.loads(Path(path).read_text())
-    records = data.get("records") if isinstance(data, dict) else data
+    """Records of a kvbench.latency JSON file (a list of objects); ValueError if not."""
+    records = json.loads(Path(path).read_text())
     if not isinstance(records, list) or not all(isinstance(r, dict) for r in records):
         raise ValueError("expected a list of records")
     return records

@@ -186,8 +186,7 @@ def paired_table(name: str, what: str, heads: list[dict], samples: list[pd.Serie
 def score_tables(df: pd.DataFrame, root: Path | None = None) -> list[Artifact]:
     """A table per task × model key, a row per (label, variant, budget): dataset scores ± SE, Avg, n; bold: see caption.
     With per-sample records, also ``paired_<task>_<model>``: each row vs the full cache (else the first row)."""
-    out, names = [], set()
-    scored = df[df["score"].notna()]
+    out, scored = [], df[df["score"].notna()]
     natural = lambda s: [(0, int(t), "") if t.isdigit() else (1, 0, t) for t in re.split(r"(\d+)", s)]
     for task, mk in sorted(set(zip(scored["task"], scored["model_key"])), key=lambda p: (p[0], model_sort_key(p[1]))):
         sel = df[(df["task"] == task) & (df["model_key"] == mk)]
@@ -230,8 +229,7 @@ def score_tables(df: pd.DataFrame, root: Path | None = None) -> list[Artifact]:
         caption = (f"Scores of {mk} on {task}, a row per method" + ", method variant" * show_variant + f" and budget"
                    f"{budgets}; bold: best finished compressed row. Score: round(100·mean, 2) of per-sample scores ± "
                    "SE (SD/√n; Avg: √ΣSE²/datasets); n: samples; strict: % of samples holding the needle's answer.")
-        name = f"scores_{slug(task)}_{slug(mk)}" + "_2" * (f"scores_{slug(task)}_{slug(mk)}" in names)
-        names.add(name)
+        name = f"scores_{slug(task)}_{slug(mk)}"
         data = pd.DataFrame(rows, columns=["Method", *["Variant"] * show_variant, "Budget", *datasets, "Avg", "n"])
         out.append(Artifact(name, caption, data, bold=bolds(data, [*datasets, "Avg"], comp), used=picked,
                             notes=notes, se=pd.DataFrame(errs, columns=[*datasets, "Avg"])))
@@ -271,7 +269,6 @@ def selkv_table4(df: pd.DataFrame, budget: float = 0.25, task: str = "longbench"
     if g is None:
         return []
     cats = {c: [d for d in g.datasets if d in m] for c, m in CATEGORIES.items()}
-    cats["Other"] = [d for d in g.datasets if not any(d in m for m in CATEGORIES.values())]
     data = pd.DataFrame([{"Model": mk, "Category": c, **{lab: g.avg(mk, lab, ds) for lab in g.rows}}
                          for mk in g.models for c, ds in cats.items() if ds], columns=["Model", "Category", *g.rows])
     v = data[g.labels].where(pd.DataFrame({lab: [(m, lab) not in g.incomplete for m in data["Model"]]
@@ -508,8 +505,6 @@ def selkv_fig3(latency: list[dict], source: str = "latency.json") -> list[Artifa
         tok_s = m["decode_tok_s"].unstack("method")
         tok_s.plot(ax=ax_b, marker="o", fontsize=7, logx=True, xlabel="Prompt length (tokens)",
                    ylabel="Decode throughput (tokens/s)", title=f"(b) {mk}: decode throughput")
-        ax_b.set_xticks(tok_s.index, [f"{n:.0f}" for n in tok_s.index], minor=False)
-        ax_b.minorticks_off()
     budgets = sorted(set(pd.to_numeric(lat["budget"], errors="coerce").dropna()) - {1.0})
     devices = ", ".join(sorted(lat["device"].dropna().astype(str).unique())) or "?"
     caption = (f"Latency on {devices} (synthetic prompts; repeats averaged) at budget "
@@ -518,19 +513,11 @@ def selkv_fig3(latency: list[dict], source: str = "latency.json") -> list[Artifa
 
 
 def niah_figures(df: pd.DataFrame, root: Path) -> list[Artifact]:
-    """NIAH heatmaps: one per job (``niah/<job>``), a panel per model key (budgets × full cache, methods)."""
+    """NIAH heatmap panels, one per model key (budgets × full cache, methods); each job's own heatmap is its folder's
+    ``heatmap.png``."""
     niah = df[(df["task"] == "niah") & df["dataset"].notna()]
     records = {job: niah_grid_records(Path(root) / job)[0] for job in niah["job"].unique()}
     out = []
-    for job, row in niah.groupby("job").first().iterrows():
-        fig, axes = _figure(1, 1, w=5.6, h=4.0)
-        if im := draw_niah_heatmap(axes[0, 0], records[job], f"{row['model_key']} / {row['method']} / budget "
-                                   f"{budget_text(row['budget'])}"):
-            fig.colorbar(im, ax=axes[0, 0], label=SCORE_LABEL)
-        strict = f"; strict match {fmt(row['strict'], se=row['strict_se'])} %" * bool(row["strict"] == row["strict"])
-        out.append(_done(f"niah/{slug(job)}", fig, f"Task: NIAH; model: {row['model_key']}; "
-                         f"{budget_semantics([row['budget']])}. Mean over {row['n']:.0f} samples: ROUGE-1 recall "
-                         f"{fmt(row['score'], se=row['se'])}{strict} (± SE).", sources=[job]))
     for mk in sorted(niah["model_key"].unique(), key=model_sort_key):
         sel = niah[niah["model_key"] == mk]
         comp, full = sel[sel["method_name"] != FULL], pick(sel[sel["method_name"] == FULL], ["model_key"])
