@@ -94,6 +94,7 @@ def test_plan_with_published_mistral_scores():
         assert plan.layer_budgets[lo] == min(plan.layer_budgets)
 
 
+@pytest.mark.skipif(not CKV.is_dir(), reason=f"published CompressKV files not found at {CKV}")
 def test_a_prompt_shorter_than_the_average_budget_compresses_the_layers_whose_own_budget_is_below_it():
     """Issue #31.3: n=1500 at an average of 2048 tokens on Llama-3.1-8B's published layer scores. The
     official script allocates the budgets from 2048 before it sees the prompt and compresses each
