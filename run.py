@@ -86,9 +86,9 @@ def main() -> int:
             return run_job(cfg)
 
         app()
-        from kvbench.job import run_shared
+        from kvbench.job import run_pending
 
-        run_shared()  # the jobs a sweep with sweep.share_prefill=true collected
+        run_pending()  # the jobs a local sweep checked and collected
     except Exception as e:  # noqa: BLE001 - one line for the user, exit code by kind
         kinds = {c.__name__ for c in type(e).__mro__}
         if not kinds & {*CONFIG_ERRORS, "OSError"}:

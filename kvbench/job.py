@@ -33,7 +33,7 @@ EXIT_OK, EXIT_SAMPLE_FAILED, EXIT_CONFIG, EXIT_LOCKED = 0, 1, 2, 3
 ROOT = Path(__file__).resolve().parents[1]
 #: exit codes of the jobs a local sweep ran in this process (run.py ends with the largest)
 SWEEP_CODES: list[int] = []
-#: jobs a local sweep with ``sweep.share_prefill=true`` collected for :func:`run_shared`
+#: the checked jobs of a local sweep, for :func:`run_pending`
 PENDING: list[Job] = []
 
 
@@ -370,7 +370,7 @@ def main(cfg: Any) -> int:
     A single run exits with the job's code. In a local sweep (Hydra's basic launcher, this process)
     a configuration error stops the sweep and other codes are kept in :data:`SWEEP_CODES`; with
     other launchers (SLURM, joblib) a failing job raises so that the launcher reports it. With
-    ``sweep.share_prefill=true`` a local sweep only checks and collects its jobs (:func:`run_shared` runs them).
+    A local sweep only checks and collects its jobs: :func:`run_pending` runs them once all are checked.
     """
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
@@ -391,12 +391,12 @@ def main(cfg: Any) -> int:
     try:
         job = check(cfg, hc.runtime.choices.get("method"))
         logging.basicConfig(level=logging.INFO, format="[%(asctime)s] %(levelname)s %(name)s: %(message)s")
-        if multirun and (job.cfg.get("sweep") or {}).get("share_prefill"):
-            if not local:
-                raise ConfigError(f"sweep.share_prefill=true: runs with the local launcher only (hydra/launcher=local), "
-                                  f"not {hc.runtime.choices.get('hydra/launcher')}")
+        if multirun and local:  # every job of a local sweep is checked before any model loads (run_pending)
             PENDING.append(job)
             return EXIT_OK
+        if multirun and (job.cfg.get("sweep") or {}).get("share_prefill"):
+            raise ConfigError(f"sweep.share_prefill=true: runs with the local launcher only (hydra/launcher=local), "
+                              f"not {hc.runtime.choices.get('hydra/launcher')}")
         # in a sweep a job may meet its twin (method=full at several budgets is one folder): wait for it
         code = run_job(job, max(job.cfg["lock_wait_s"], 86400) if multirun else None)
     except (ConfigError, TaskConfigError, OSError) as e:  # one line, before any model loads where it can
@@ -411,9 +411,10 @@ def main(cfg: Any) -> int:
     return code
 
 
-def run_shared() -> None:
-    """Run the jobs :func:`main` collected (``sweep.share_prefill=true``): one :func:`run_jobs` per
-    group of jobs whose settings differ only in ``method`` and ``budget``; codes into :data:`SWEEP_CODES`.
+def run_pending() -> None:
+    """Run the jobs :func:`main` checked and collected in a local sweep, in order, codes into :data:`SWEEP_CODES`: each
+    alone (a twin folder, e.g. ``method=full`` at several budgets, waits for its twin), or with
+    ``sweep.share_prefill=true`` one :func:`run_jobs` per group of jobs differing only in ``method`` and ``budget``.
 
     Raises:
         ConfigError / TaskConfigError / OSError: as :func:`run_jobs` (``run.py`` prints one line).
@@ -421,9 +422,11 @@ def run_shared() -> None:
     import json
 
     groups: dict[str, list[Job]] = {}
-    for job in PENDING:
-        key = json.dumps({k: v for k, v in job.cfg.items() if k not in ("method", "budget")}, sort_keys=True, default=str)
+    for i, job in enumerate(PENDING):
+        shared = (job.cfg.get("sweep") or {}).get("share_prefill")
+        key = json.dumps({k: v for k, v in job.cfg.items() if k not in ("method", "budget")}, sort_keys=True,
+                         default=str) if shared else i
         groups.setdefault(key, []).append(job)
     PENDING.clear()
-    for group in groups.values():
-        SWEEP_CODES.extend(run_jobs(group))  # twins are one job here: a held lock waits lock_wait_s, then exit 3
+    for group in groups.values():  # in a shared group twins are one job: a held lock waits lock_wait_s, then exit 3
+        SWEEP_CODES.extend(run_jobs(group, None if len(group) > 1 else max(group[0].cfg["lock_wait_s"], 86400)))

@@ -133,10 +133,15 @@ def cost(jobs: list[list[str]], run: Path):
     from omegaconf import OmegaConf
 
     sys.path.insert(0, str(ROOT))  # kvbench, methods, eval of this checkout
-    rows, samples, speed = [], {}, {}
+    rows, samples, speed, seen = [], {}, {}, set()
     with hydra.initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         for job in jobs:
             cfg = OmegaConf.to_container(hydra.compose("config", overrides=job), resolve=True)
+            twin = json.dumps({k: v for k, v in cfg.items() if k != "budget" or cfg["method"]["name"] != "full"},
+                              sort_keys=True, default=str)  # the full cache ignores the budget: one folder, run once
+            if twin in seen:
+                continue
+            seen.add(twin)
             key = json.dumps([cfg["model"], cfg["task"]], sort_keys=True)
             samples[key] = samples.get(key) or job_samples(cfg)
             name = cfg["model"]["name"]
@@ -159,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("-o", "--output", type=Path, help="job list file (default: standard output)")
     parser.add_argument("--shards", type=int, default=1, help="split every job into this many shards")
     parser.add_argument("--parallel", type=int, default=16, help="array tasks at once, for the printed command")
-    parser.add_argument("--cost", type=Path, metavar="RUN", help="print the sweep's samples and estimated GPU-hours "
+    parser.add_argument("--cost", type=Path, metavar="RUN", help="print the sweep's samples and estimated hours "
                         "from the tokens/s measured in RUN (latency.json, a job folder or a results root)")
     args = parser.parse_intermixed_args(argv)  # overrides may follow the options, as with run.py
     if args.parallel < 1:
@@ -173,8 +178,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.cost:
             table = cost(jobs, args.cost)
             print(table.to_string(index=False, float_format="{:.2f}".format))
-            print(f"{len(jobs)} jobs, {table.samples.sum()} samples, {table.hours.sum():.2f} GPU-hours; the longest job "
-                  f"{60 * table.hours.max():.0f} min (size timeout_min, or split it with --shards / shard.count)")
+            print(f"{len(table)} jobs, {table.samples.sum()} samples, {table.hours.sum():.2f} hours on RUN's device; "
+                  f"the longest job {60 * table.hours.max():.0f} min (size timeout_min, or split it with --shards / shard.count)")
         text = "".join(shlex.join(job) + "\n" for job in jobs)
         if args.output is None:
             sys.stdout.write("" if args.cost else text)

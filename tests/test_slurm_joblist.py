@@ -168,9 +168,11 @@ def test_cost_rates_and_hours_from_a_stored_run(tmp_path, monkeypatch, capsys):
     assert main(["method=snapkv,selkv", "--shards", "2", "--cost", str(tmp_path / "niah")]) == 0
     out = capsys.readouterr().out
     # per shard: 2000 / 500 + 100 / 10 = 14 s; 4 array tasks
-    assert f"4 jobs, 8 samples, {4 * 14 / 3600:.2f} GPU-hours" in out and out.count(f"{14 / 3600:.2f}") >= 4
+    assert f"4 jobs, 8 samples, {4 * 14 / 3600:.2f} hours on RUN's device" in out and out.count(f"{14 / 3600:.2f}") >= 4
     table = make_joblist.cost(expand(["max_samples=1"]), tmp_path / "niah")
     assert table.samples.tolist() == [1] and table.hours.tolist() == [pytest.approx((2 + 5) / 3600)]
+    # the full cache at three budgets is one job folder, costed once; snapkv's two budgets are two jobs
+    assert len(make_joblist.cost(expand(["method=full,snapkv", "budget=0.1,0.25,0.5"]), tmp_path / "niah")) == 4
 
 
 def test_cost_counts_the_task_samples_with_the_model_tokenizer(tmp_path):

@@ -19,8 +19,8 @@ def test_a_sweep_over_two_budgets_runs_both_jobs(tiny_model_dir, haystack_dir, t
     assert sorted(p.parent for p in tmp_path.rglob("summary.json")) == sorted(folders)
 
 
-def test_a_sweep_whose_first_job_fails_its_check_stops_before_loading_a_model(tmp_path):
-    out = run_cli(["-m", "method=snapkv", "budget=16,0.5", f"output_root={tmp_path}"])  # 16 < snapkv's window
+def test_a_sweep_with_a_bad_job_stops_before_any_job_loads_a_model(tmp_path):
+    out = run_cli(["-m", "method=snapkv", "budget=0.5,16", f"output_root={tmp_path}"])  # 16 < snapkv's window
     assert out.returncode == 2 and len(out.stderr.splitlines()) == 1, out.stderr[-3000:]
     assert out.stderr.startswith("error: ") and "budget" in out.stderr
-    assert not list(tmp_path.rglob("predictions.jsonl")) and not list(tmp_path.rglob("env.json"))
+    assert not list(tmp_path.rglob("predictions.jsonl")) and not list(tmp_path.rglob("env.json"))  # the 0.5 job too
