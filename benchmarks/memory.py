@@ -53,6 +53,6 @@ def run(ctx: Context) -> BenchResult:
         if name in ("adakv", "headkv"):
             res.targets.append(Target(f"{name}: stored / kept bytes", f"{ratio or 0:.3f}", "≤ 1.05", (ratio or 9) <= 1.05))
     res.data = {"runs": runs, "budget": RATIO_25}
-    res.notes.append("MB = 10^6 bytes; each row a fresh process; kept/stored = tokens per KV head, mean over the "
+    res.notes.append("MB = 10^6 bytes; each row its own engine, freed before the next; kept/stored = tokens per KV head, mean over the "
                      "compressible layers; peaks are the sample's, model included.")
     return res
