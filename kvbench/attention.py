@@ -158,8 +158,8 @@ def _decode_attention(query, key, value, mask, scaling, softcap, layer=None, ref
     h_kv = layer.shape[1] if ragged else key.shape[1]
     rows, r = query.reshape(b, h_kv, h_q // h_kv, d), getattr(layer, "bias_rows", 0)
     if r:
-        hot = torch.ones(h_q // h_kv, 1) if r == 1 else torch.eye(r)
-        rows = F.pad(torch.cat([rows, hot.to(rows).expand(b, h_kv, -1, -1)], -1), (0, key.shape[-1] - d - r))
+        hot = rows.new_ones(h_q // h_kv, 1) if r == 1 else torch.eye(r, dtype=rows.dtype, device=rows.device)
+        rows = F.pad(torch.cat([rows, hot.expand(b, h_kv, -1, -1)], -1), (0, key.shape[-1] - d - r))
     if backend == "flash varlen":
         out = varlen_attn(rows.reshape(b * h_kv, -1, rows.shape[-1]), key, value, layer.cu_q, layer.cu, 1,
                           layer.get_seq_length(), scale=scaling, enable_gqa=True, seqused_k=layer.lengths)
