@@ -22,6 +22,8 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any, Mapping
 
+from hydra.experimental.callback import Callback
+
 import eval as tasks
 from eval.base import Sample, Task
 
@@ -394,9 +396,6 @@ def main(cfg: Any) -> int:
         if multirun and local:  # every job of a local sweep is checked before any model loads (run_pending)
             PENDING.append(job)
             return EXIT_OK
-        if multirun and (job.cfg.get("sweep") or {}).get("share_prefill"):
-            raise ConfigError(f"sweep.share_prefill=true: runs with the local launcher only (hydra/launcher=local), "
-                              f"not {hc.runtime.choices.get('hydra/launcher')}")
         # in a sweep a job may meet its twin (method=full at several budgets is one folder): wait for it
         code = run_job(job, max(job.cfg["lock_wait_s"], 86400) if multirun else None)
     except (ConfigError, TaskConfigError, OSError) as e:  # one line, before any model loads where it can
@@ -409,6 +408,18 @@ def main(cfg: Any) -> int:
     elif code:
         raise RuntimeError(f"kvbench job {job.relpath} exited {code}")
     return code
+
+
+class SweepCheck(Callback):
+    """Hydra callback (``hydra.callbacks`` in ``conf/config.yaml``) run once in the launching process before any job
+    starts (Hydra turns a callback's exception into a warning, so it exits itself): ``sweep.share_prefill=true`` with
+    a launcher other than the local one prints one line ``error: sweep.share_prefill...`` and exits 2."""
+
+    def on_multirun_start(self, config: Any, **kwargs: Any) -> None:
+        if config.sweep.share_prefill and not str(config.hydra.launcher._target_).endswith("BasicLauncher"):
+            print(f"error: sweep.share_prefill=true: runs with the local launcher only (hydra/launcher=local), not "
+                  f"{config.hydra.runtime.choices['hydra/launcher']}", file=sys.stderr, flush=True)
+            sys.exit(EXIT_CONFIG)
 
 
 def run_pending() -> None:
