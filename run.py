@@ -47,7 +47,8 @@ def _one_line(e: BaseException, args: list[str]) -> str:
     line = line.split(" Config search path:")[0]
     cause = e.__cause__
     if "not in struct" in str(cause) and getattr(cause, "parent_node", None) is not None:
-        line = f"{line.rstrip('.')}: unknown key; accepted keys are {', '.join(sorted(cause.parent_node))}"
+        line = f"{line.rstrip('.')}: unknown key; " + (f"accepted keys are {', '.join(sorted(cause.parent_node))}"
+                                                       if len(cause.parent_node) else f"a new key is added with +: +{cause.full_key}=...")
     if type(e).__name__ == "OverrideParseException":  # name the override Hydra could not parse
         for a in args:
             try:

@@ -275,7 +275,8 @@ def check(cfg: Any, preset: str | None = None) -> Job:
             raise ConfigError(f"{group}: missing; it is required (see conf/config.yaml)")
     top = structured(TopConfig, {k: v for k, v in plain.items() if k not in ("model", "method", "task")})
     if isinstance(top.budget, float) and math.isfinite(top.budget):
-        plain["budget"] = float(f"{top.budget:.12g}")  # range(0.1, 0.4, 0.1)'s 0.30000000000000004 is 0.3
+        b = float(f"{top.budget:.12g}")  # range(0.1, 0.4, 0.1)'s 0.30000000000000004 is 0.3
+        plain["budget"] = int(b) if b > 1 and b.is_integer() else b  # 64.0 is the token budget 64: one folder
     model = structured(ModelConfig, plain["model"], "model.")
     method = methods.build_method(plain["method"])
     task, name = plain["task"], str(plain["task"].get("name"))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 import hashlib
+import importlib.metadata
 import logging
 import math
 import os
@@ -37,6 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SWEEP_CODES: list[int] = []
 #: the checked jobs of a local sweep, for :func:`run_pending`
 PENDING: list[Job] = []
+LOG_FORMAT = "[%(asctime)s] %(levelname)s %(name)s: %(message)s"
 
 
 def encode_prompt(loaded: Any, sample: Sample) -> list[int]:
@@ -80,6 +82,8 @@ def environment(loaded: Any, device: str) -> dict[str, Any]:
         "device": device, "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
         "attention_implementation": "kvbench (SDPA prefill, grouped SDPA decode with per-layer logit bias)",
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "argv": sys.argv,
+        "packages": {d.name: d.version for d in importlib.metadata.distributions() if d.name.lower().replace("_", "-") in (
+            "kvbench", "kvpress", "accelerate", "numpy", "gguf", "datasets", "hydra-core", "flash-attn", "safetensors")},
     }
     if loaded is not None:
         env.update(dtype=str(loaded.dtype).replace("torch.", ""), device=str(loaded.device), model_source=loaded.source,
@@ -144,7 +148,8 @@ def selection(cfg: dict) -> dict[str, Any]:
 def summarize(cfg: dict, task: Task, records: list[dict], expected: list[str], relpath: str,
               skipped: list[dict] | None = None) -> dict[str, Any]:
     """``summary.json``: scores of this run's selection (``expected`` ids) from the latest record of each."""
-    records = [r for r in records if r["id"] in set(expected)]
+    ids = set(expected)
+    records = [r for r in records if r["id"] in ids]
     ok = [r for r in records if r.get("error") is None]
     cache = {k: _mean([r.get(k) for r in ok]) for k in ("prompt_tokens", "cache_bytes_before", "cache_bytes_after")}
     cache.update({k: _mean([(r.get(k) or {}).get("mean") for r in ok]) for k in ("kept_tokens", "stored_tokens")})
@@ -153,7 +158,7 @@ def summarize(cfg: dict, task: Task, records: list[dict], expected: list[str], r
         "job": relpath, "task": cfg["task"]["name"], "model": cfg["model"]["name"], "method": cfg["method"]["name"],
         "method_label": cfg["method"].get("label") or cfg["method"]["name"], "budget": cfg["budget"],
         "n_samples": len(ok), "n_failed": len(records) - len(ok), "n_expected": len(expected),
-        "complete": set(expected) <= {r["id"] for r in ok}, "selection": selection(cfg),
+        "complete": ids <= {r["id"] for r in ok}, "selection": selection(cfg), "ids": list(expected),
         "failed": [{"id": r["id"], **r["error"]} for r in records if r.get("error")][:100],
         "n_skipped": sum(int(s.get("samples", 1)) for s in skipped or []), "skipped": list(skipped or []),
         **task.aggregate(records),
@@ -311,7 +316,7 @@ def run_jobs(jobs: list[Job], wait_s: float | None = None) -> list[int]:
                 records = list(store.latest().values())
                 summary = summarize(job.cfg, task, records, expected, job.relpath, getattr(task, "skipped", None))
                 if cfg["task"]["name"] == "niah":
-                    heatmap(store, [r for r in records if r["id"] in set(expected)], job.cfg)
+                    heatmap(store, [r for r in records if r["id"] in set(summary["ids"])], job.cfg)
                 store.write_json("summary.json", summary)
             print_summary(summary, store.path)
             codes[job.relpath] = EXIT_SAMPLE_FAILED if summary["n_failed"] else EXIT_OK
@@ -359,7 +364,8 @@ def _loop(engines: list[Any], loaded: Any, task: Task, samples: list[Sample], st
                     stores[j].append(rec)
                 if rec["error"] is None:
                     scores.append(100 * rec["score"])
-                outcomes.append(f"score {100 * rec['score']:.2f}" if rec["error"] is None else f"failed ({rec['error']['type']})")
+                outcomes.append(f"{'/'.join(stores[j].path.parts[-2:]) + ' ' if len(stores) > 1 else ''}" + (
+                    f"score {100 * rec['score']:.2f}" if rec["error"] is None else f"failed ({rec['error']['type']})"))
             if scores:
                 bar.set_postfix(mean_score=f"{sum(scores) / len(scores):.2f}", refresh=False)
             if not interactive and not quiet:
@@ -392,7 +398,7 @@ def main(cfg: Any) -> int:
     local = str(OmegaConf.select(hc, "launcher._target_", default="")).endswith("BasicLauncher")
     try:
         job = check(cfg, hc.runtime.choices.get("method"))
-        logging.basicConfig(level=logging.INFO, format="[%(asctime)s] %(levelname)s %(name)s: %(message)s")
+        logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
         if multirun and local:  # every job of a local sweep is checked before any model loads (run_pending)
             PENDING.append(job)
             return EXIT_OK
@@ -432,6 +438,7 @@ def run_pending() -> None:
     """
     import json
 
+    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT, force=True)  # not Hydra's launcher format ([HYDRA])
     groups: dict[str, list[Job]] = {}
     for i, job in enumerate(PENDING):
         shared = (job.cfg.get("sweep") or {}).get("share_prefill")

@@ -119,7 +119,8 @@ def build(ctx: Context, only: list[str] | None = None) -> dict[str, list | Excep
         if _selected(family, only):
             whole = not only or any(fnmatch.fnmatch(family, p) for p in only)
             try:
-                built[family] = [a for a in builder(ctx) if whole or any(fnmatch.fnmatch(a.name, p) for p in only)]
+                built[family] = [a for a in builder(ctx) if (a.fig is not None or not a.data.empty)  # empty: no inputs
+                                 and (whole or any(fnmatch.fnmatch(a.name, p) for p in only))]
             except Exception as e:
                 built[family] = e
     return built
@@ -137,11 +138,9 @@ def main(argv: list[str] | None = None) -> int:
     only = [x for item in args.only or [] for x in item.split(",") if x]
     if args.root is None and len(only) > 1 and Path(only[-1]).is_dir():  # `--only NAME ROOT`
         args.root = only.pop()
-    if args.root is None:
-        p.error("the following arguments are required: RESULTS_ROOT")
+    if args.root is None or not Path(args.root).is_dir():
+        p.error(f"RESULTS_ROOT {'is required' if args.root is None else repr(args.root) + ' is not a directory'}")
     root, out = Path(args.root), Path(args.out or Path(args.root) / "report")
-    if not root.is_dir():
-        p.error(f"RESULTS_ROOT {str(root)!r} is not a directory")
     if bad := [x for x in only if not any(_selected(f, [x]) for f in ARTIFACTS)]:
         p.error(f"--only {bad[0]!r}: no such artifact; accepted: {', '.join(names)}")
     lat_path = Path(args.latency or root / "latency.json")

@@ -100,6 +100,7 @@ def _job_rows(root: Path, job: Path) -> list[dict]:
     numeric = ["score", *TIMING_COLUMNS, *CACHE_COLUMNS, "compressed"]
     recs = pd.DataFrame(JobStore(job).records(),
                         columns=["id", "dataset", "error", "prediction", "answers", "scores", *numeric])
+    recs = recs[recs["id"].isin(summary.get("ids", recs["id"]))]  # the samples summary.json scores (its selection)
     recs["kept_tokens"] = [k.get("mean") if isinstance(k, dict) else k for k in recs["kept_tokens"]]
     recs = recs.assign(dataset=recs["dataset"].astype(str), failed=recs["error"].notna())
     ok = recs[~recs["failed"] & recs["score"].notna()].drop_duplicates(["dataset", "id"], keep="last")

@@ -48,10 +48,8 @@ def round2(x: float) -> float:
 def fmt(value, signed: bool = False, se=None) -> str | None:
     """A cell as printed: text as is, numbers half-up to 2 decimals (``41.20 ± 1.30`` with a standard error); None
     when missing."""
-    if value is None or isinstance(value, str):
-        return value
-    if math.isnan(value):
-        return None
+    if value is None or isinstance(value, str) or math.isnan(value):
+        return None if isinstance(value, float) else value
     return ("+" if signed and round2(value) > 0 else "") + f"{round2(value):.2f}" + (
         f" ± {round2(se):.2f}" if se is not None and not math.isnan(se) else "")
 
@@ -106,8 +104,7 @@ class Grid:
     used: pd.DataFrame
 
     def __post_init__(self):
-        self.incomplete = set(self.used.loc[~self.used["complete"], ["model_key", "method"]].itertuples(
-            index=False, name=None))
+        self.incomplete = set(map(tuple, self.used.loc[~self.used["complete"], ["model_key", "method"]].to_numpy()))
         self.models = sorted({m for m, lab in self.scores.index if lab != self.full}, key=model_sort_key)
         self.datasets = order_datasets(self.scores.columns)
         self.rows = [self.full] * bool(self.full) + self.labels
@@ -158,14 +155,16 @@ def paired_bootstrap(diffs: dict, n_boot: int = 10_000, seed: int = 0) -> tuple[
     ``diffs``: dataset -> ``(n_d,)`` differences B − A of samples matched by id (points). Returns ``(Δ, low, high,
     p)``: the observed mean over datasets of the mean differences; its 95 % percentile interval from a paired
     bootstrap (Koehn 2004: every dataset's differences drawn with replacement); the two-sided p of a paired sign-flip
-    randomization test (each difference's sign flipped at random, add-one: ``(1 + #{|Δ*| ≥ |Δ|}) / (n_boot + 1)``),
-    which cannot fall below 2^(1 − pairs) the way a bootstrap p does when every pair differs alike."""
+    randomization test: exact over all 2^pairs sign patterns up to 16 pairs, else ``n_boot`` random ones, add-one
+    ``(1 + #{|Δ*| ≥ |Δ|}) / (n_boot + 1)``; it never falls below 2^(1 − pairs), unlike a bootstrap p."""
     rng = np.random.default_rng(seed)
     boot = np.mean([d[rng.integers(0, len(d), (n_boot, len(d)))].mean(axis=1) for d in diffs.values()], axis=0)
-    flip = np.mean([(d * rng.choice([-1.0, 1.0], (n_boot, len(d)))).mean(axis=1) for d in diffs.values()], axis=0)
-    low, high = np.percentile(boot, [2.5, 97.5])
-    diff = float(np.mean([d.mean() for d in diffs.values()]))
-    return diff, low, high, min(1.0, (1 + (np.abs(flip) >= abs(diff) - 1e-9).sum()) / (n_boot + 1))
+    w = [d / len(d) / len(diffs) for d in diffs.values()]  # Δ = the sum of all w; Δ* flips their signs
+    diff, m = float(sum(x.sum() for x in w)), sum(map(len, w))
+    flip = ((((np.arange(2**m)[:, None] >> np.arange(m)) & 1) * 2 - 1.0) @ np.concatenate(w) if m <= 16
+            else sum(rng.choice([-1.0, 1.0], (n_boot, len(x))) @ x for x in w))
+    hits = (np.abs(flip) >= abs(diff) - 1e-9).sum()
+    return diff, *np.percentile(boot, [2.5, 97.5]), hits / 2**m if m <= 16 else min(1.0, (1 + hits) / (n_boot + 1))
 
 
 def paired_table(name: str, what: str, heads: list[dict], samples: list[pd.Series], ref: int, scopes: dict, sources):
@@ -231,7 +230,8 @@ def score_tables(df: pd.DataFrame, root: Path | None = None) -> list[Artifact]:
         budgets = "; " + budget_semantics(bs) if (bs := [k[3] for k in keys if k[3] >= 0]) else ""
         caption = (f"Scores of {mk} on {task}, a row per method" + ", method variant" * show_variant + f" and budget"
                    f"{budgets}; bold: best finished compressed row. Score: round(100·mean, 2) of per-sample scores ± "
-                   "SE (SD/√n; Avg: √ΣSE²/datasets); n: samples; strict: % of samples holding the needle's answer.")
+                   "SE (SD/√n; Avg: √ΣSE²/datasets); n: samples" + "; strict: % of samples holding the needle's "
+                   "answer" * (not strict.empty) + ".")
         name = f"scores_{slug(task)}_{slug(mk)}"
         data = pd.DataFrame(rows, columns=["Method", *["Variant"] * show_variant, "Budget", *datasets, "Avg", "n"])
         out.append(Artifact(name, caption, data, bold=bolds(data, [*datasets, "Avg"], comp), used=picked,

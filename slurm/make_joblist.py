@@ -169,6 +169,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_intermixed_args(argv)  # overrides may follow the options, as with run.py
     if args.parallel < 1:
         parser.error(f"--parallel {args.parallel}: must be an integer >= 1 (array tasks run at once)")
+    if "sweep.share_prefill=true" in [o.lower() for o in args.overrides]:
+        parser.error("sweep.share_prefill=true: runs with the local launcher only (python run.py -m ...), not SLURM")
     given = [o for o in args.overrides if o.lstrip("+~").startswith("shard.")]
     if given and args.shards > 1:
         parser.error(f"{given[0]}: --shards {args.shards} sets shard.index and shard.count on every line")

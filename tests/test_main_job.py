@@ -74,7 +74,7 @@ def test_full_scores_on_real_haystack_and_snapkv_budget_one_equals_full(tmp_path
     assert snap.returncode == 0, snap.stderr[-2000:]
     full_dir, snap_dir = job_dir([*common, "method=full"]), job_dir([*common, "method=snapkv"])
     summary = json.loads((full_dir / "summary.json").read_text())
-    assert summary["complete"] and summary["n_samples"] == 4
+    assert summary["complete"] and summary["n_samples"] == 4 and sorted(summary["ids"]) == sorted(predictions(full_dir))
     assert summary["datasets"]["niah"]["score"] > 30.0  # the needle is found on short contexts
     assert predictions(full_dir) == predictions(snap_dir)
     assert (full_dir / "heatmap.png").stat().st_size > 1000
@@ -82,6 +82,7 @@ def test_full_scores_on_real_haystack_and_snapkv_budget_one_equals_full(tmp_path
         assert abs(rec["prompt_tokens"] - rec["meta"]["context_length"]) <= 3, rec["id"]  # chat template included
     env = json.loads((full_dir / "env.json").read_text())
     assert env["dtype"] == "float32" and env["inputs"]["haystack"].startswith("dir")
+    assert env["packages"]["kvbench"] and env["packages"]["numpy"]  # versions of what computed the result
     assert "niah" in full.stdout and "complete" in full.stdout
 
 

@@ -31,6 +31,7 @@ def niah_job(root, method, budget, scores, predictions):
     summary = json.loads((job / "summary.json").read_text())
     summary["datasets"]["niah"]["n"] = len(recs)
     (job / "summary.json").write_text(json.dumps(summary))
+    return job
 
 
 @pytest.fixture(scope="module")
@@ -55,8 +56,34 @@ def test_standard_error_of_a_known_list(sweep):
 def test_paired_bootstrap_on_a_sure_win_and_on_identical_methods():
     diff, low, high, p = paired_bootstrap({"a": np.array([10.0, 20.0, 30.0, 5.0, 15.0]), "b": np.array([40.0, 50.0])})
     # 7 pairs, all B > A: of the 2^7 sign patterns only this one and its mirror reach |Δ|: p ≈ 2 / 128
-    assert diff == pytest.approx((16 + 45) / 2) and 16 <= low < diff < high <= 45 and 0.01 < p < 0.022
+    assert diff == pytest.approx((16 + 45) / 2) and 16 <= low < diff < high <= 45 and p == 2 / 128  # exact
     assert paired_bootstrap({"a": np.zeros(6)}) == (0.0, 0.0, 0.0, 1.0)
+    assert paired_bootstrap({"a": np.full(6, 5.0)})[3] == 2**-5  # six same-sign pairs: the floor 2^(1-k), no lower
+    many = paired_bootstrap({"a": np.arange(1.0, 18.0)})  # 17 pairs: 10,000 random patterns, add-one
+    assert many[3] == pytest.approx(1 / 10_001, abs=2 / 10_001) and many[3] >= 2**-16
+
+
+def test_the_report_scores_only_the_samples_its_summary_selected(sweep, tmp_path):
+    """A rerun on a smaller grid rewrites summary.json (its ``ids``); the older records stay stored but unscored."""
+    root = tmp_path / "root"
+    niah_job(root, "full", 1.0, [1.0, 1.0, 0.5, 0.5], [RIGHT, RIGHT, WRONG, WRONG])
+    job = niah_job(root, "snapkv", 0.25, [0.75, 0.5, 0.25, 0.0], [RIGHT, WRONG, WRONG, WRONG])
+    summary = json.loads((job / "summary.json").read_text())
+    summary |= {"ids": ["niah/1000/0", "niah/1000/1"], "datasets": {"niah": {"score": 62.5, "n": 2}}}
+    (job / "summary.json").write_text(json.dumps(summary))
+    df = report.load_results(root).set_index("method")
+    assert (df.at["SnapKV", "score"], df.at["SnapKV", "n"], df.at["SnapKV", "strict"]) == (62.5, 2, 50.0)
+    assert df.at["SnapKV", "se"] == pytest.approx(12.5)  # std([0.75, 0.5]) / sqrt(2), not the four records'
+    assert report.main([str(root), "--out", str(tmp_path / "rep"), "--only", "scores"]) == 0
+    with open(tmp_path / "rep" / "paired_niah_tiny.csv") as f:
+        snap = next(r for r in csv.DictReader(f) if r["Method"] == "SnapKV" and r["Over"] == "Avg")
+    assert (snap["Pairs"], snap["Δ"]) == ("2", "-37.5")  # (0.75 - 1) and (0.5 - 1) on the two scored ids
+
+
+def test_a_table_without_inputs_is_listed_as_such_not_a_crash(tmp_path):
+    make_job(tmp_path / "root", method="selkv", scores={"multifieldqa_zh": 30.0})  # no English dataset: no Table 4
+    assert report.main([str(tmp_path / "root"), "--out", str(tmp_path / "rep")]) == 0
+    assert "- selkv_table4: no inputs in this results root" in (tmp_path / "rep" / "index.md").read_text()
 
 
 def test_report_shows_se_n_strict_and_a_paired_comparison(sweep, tmp_path):
@@ -73,7 +100,7 @@ def test_report_shows_se_n_strict_and_a_paired_comparison(sweep, tmp_path):
         rows = {(r["Method"], r["Over"]): r for r in csv.DictReader(f)}
     snap, sel = rows["SnapKV", "Avg"], rows["SelKV", "Avg"]
     assert (snap["Pairs"], snap["Δ"]) == ("4", "-37.5") and float(snap["CI high"]) < 0
-    assert 0.1 < float(snap["p"]) < 0.15  # 4 pairs, all worse: a sign-flip test cannot go below 2 / 16
+    assert float(snap["p"]) == 2 / 16  # 4 pairs, all worse: exactly 2 of the 16 sign patterns reach |Δ|
     assert (sel["Δ"], sel["CI low"], sel["CI high"], sel["p"]) == ("0.0", "0.0", "0.0", "1.0000")
     assert rows["SnapKV", "niah strict"]["Δ"] == "-50.0"  # strict: 1,0,0,0 vs 1,1,0,1
     assert "paired bootstrap" in (tmp_path / "paired_niah_tiny.md").read_text()

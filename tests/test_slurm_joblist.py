@@ -68,7 +68,8 @@ def test_flags_are_checked_and_overrides_may_follow_options(tmp_path, capsys):
     assert main(["method=full", "--shards", "0"]) == 2
     assert "--shards=0" in capsys.readouterr().err
     for argv, flag in ((["method=full", "--parallel", "0"], "--parallel 0"),
-                       (["method=full", "shard.count=3", "--shards", "2"], "shard.count=3")):
+                       (["method=full", "shard.count=3", "--shards", "2"], "shard.count=3"),
+                       (["method=snapkv,selkv", "sweep.share_prefill=true"], "sweep.share_prefill")):
         with pytest.raises(SystemExit) as stop:
             main(argv)
         assert stop.value.code == 2 and flag in capsys.readouterr().err

@@ -33,6 +33,8 @@ CASES = [
     ("window-text", ["method=snapkv", "method.window_size=wide"], "method.window_size"),
     ("pooling", ["method=snapkv", "method.pooling=median"], "method.pooling"),
     ("label-empty", ["method.label="], "method.label"),
+    ("press-kwargs-key-without-plus", ["method=kvpress", "method.press_kwargs.window_size=8"],
+     "+method.press_kwargs.window_size="),
     ("bad-artifact-file", ["method=compresskv", "budget=64", "method.layer_score_path={tmp}/afile"],
      "method.layer_score_path"),
     ("max-samples-zero", ["max_samples=0"], "max_samples"),

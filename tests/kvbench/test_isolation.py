@@ -171,6 +171,12 @@ def test_the_full_cache_is_one_folder_for_every_budget(base):
     assert full.startswith("niah/tiny/full/") and re.fullmatch(r"[0-9a-f]{8}", full.split("/")[-1])  # no b<budget>
 
 
+def test_an_integral_float_token_budget_is_that_token_budget(base):
+    job = check(base + ["budget=64.0"])
+    assert job.cfg["budget"] == 64 and type(job.cfg["budget"]) is int and job.relpath == relpath(base + ["budget=64"])
+    assert check(base + ["budget=1.0"]).cfg["budget"] == 1.0  # the ratio 1.0 stays a ratio
+
+
 def test_run_tag_and_run_name_name_the_folder_before_the_hash(base):
     digest = relpath(base).rsplit("-", 1)[1]
     assert relpath(base + ["run_tag=try2"]) == f"niah/tiny/selkv/b0.25-try2-{digest}"
