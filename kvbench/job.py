@@ -93,6 +93,15 @@ def environment(loaded: Any, device: str) -> dict[str, Any]:
     return env
 
 
+def build_task(cfg: dict, loaded: Any) -> tuple[Task, list[Sample], int]:
+    """A job's task built with ``loaded``'s tokenizer and chat format (``slurm/make_joblist.py --cost`` too), its
+    samples (ids unique, in order) and the prompt budget in tokens: ``task.max_length``, else the model's."""
+    max_input = int(cfg["task"].get("max_length") or loaded.max_input_length)
+    task = tasks.get_task_class(cfg["task"]["name"])(cfg["task"], loaded.tokenizer, max_input,
+                                                     encode=lambda s: encode_prompt(loaded, s))
+    return task, list({s.id: s for s in task.samples()}.values()), max_input
+
+
 def prompt_sha256(sample: Sample) -> str:
     """SHA-256 (hex) of the prompt as the task built it (truncated, before the chat template)."""
     return hashlib.sha256(sample.prompt.encode("utf-8")).hexdigest()
@@ -279,10 +288,7 @@ def run_jobs(jobs: list[Job], wait_s: float | None = None) -> list[int]:
         random.seed(cfg["seed"])
         torch.manual_seed(cfg["seed"])
         loaded = load_model(cfg["model"], cfg["device"])
-        max_input = int(cfg["task"].get("max_length") or loaded.max_input_length)
-        task = tasks.get_task_class(cfg["task"]["name"])(cfg["task"], loaded.tokenizer, max_input,
-                                                         encode=lambda s: encode_prompt(loaded, s))
-        samples = list({s.id: s for s in task.samples()}.values())
+        task, samples, max_input = build_task(cfg, loaded)
         cap = cfg.get("max_samples") or len(samples)
         mine = samples[shard[0]::shard[1]][:cap]
         expected = [s.id for k in range(shard[1]) for s in samples[k::shard[1]][:cap]]
@@ -375,10 +381,10 @@ def _loop(engines: list[Any], loaded: Any, task: Task, samples: list[Sample], st
 def main(cfg: Any) -> int:
     """Hydra's task function (``run.py``): check the config once, run the job.
 
-    A single run exits with the job's code. In a local sweep (Hydra's basic launcher, this process)
-    a configuration error stops the sweep and other codes are kept in :data:`SWEEP_CODES`; with
-    other launchers (SLURM, joblib) a failing job raises so that the launcher reports it. With
-    A local sweep only checks and collects its jobs: :func:`run_pending` runs them once all are checked.
+    A single run exits with the job's code. A local sweep (Hydra's basic launcher, this process) only
+    checks and collects its jobs: a configuration error stops it before any model loads, and
+    :func:`run_pending` runs them once all are checked. With other launchers (SLURM, joblib) a
+    failing job raises so that the launcher reports it.
     """
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
@@ -409,9 +415,7 @@ def main(cfg: Any) -> int:
         sys.exit(EXIT_SAMPLE_FAILED if isinstance(e, OSError) else EXIT_CONFIG)
     if not multirun:
         sys.exit(code)
-    if local:
-        SWEEP_CODES.append(code)
-    elif code:
+    if code:  # another launcher's job (a local sweep's jobs ran in run_pending)
         raise RuntimeError(f"kvbench job {job.relpath} exited {code}")
     return code
 

@@ -93,12 +93,14 @@ def rates(run: Path, model: str) -> tuple[float, float]:
     decode_s, over the successful records. SweepSpecError: no such record."""
     import yaml
 
+    from kvbench.store import JobStore
+
     if run.suffix == ".json":
         records = [r for r in json.loads(run.read_text()) if r.get("model") == model]
     else:
-        records = [json.loads(line) for f in sorted(run.rglob("predictions.jsonl"))
+        records = [r for f in sorted(run.rglob("predictions.jsonl"))
                    if yaml.safe_load((f.parent / "config.yaml").read_text())["model"]["name"] == model
-                   for line in f.read_text().splitlines() if line.endswith("}")]
+                   for r in JobStore(f.parent).records()]
     ok = [r for r in records if not r.get("error") and r.get("prefill_s") and r.get("decode_s")]
     if not ok:
         raise SweepSpecError(f"--cost {run}: no successful record of model {model} to measure tokens/s")
@@ -111,16 +113,13 @@ def job_samples(cfg: dict) -> list[tuple[int, int]]:
     job's order, before sharding (the task built with the model's tokenizer, as the job builds it)."""
     from types import SimpleNamespace
 
-    import eval as tasks
-    from kvbench.job import encode_prompt
+    from kvbench.job import build_task, encode_prompt
     from kvbench.models import chat_format, load_tokenizer
 
-    model, task = cfg["model"], cfg["task"]
-    tok = load_tokenizer(model)
-    loaded = SimpleNamespace(tokenizer=tok, chat_template=chat_format(model, tok))
-    built = tasks.get_task_class(task["name"])(task, tok, int(task.get("max_length") or model["max_input_length"]),
-                                               encode=lambda s: encode_prompt(loaded, s))
-    return [(len(encode_prompt(loaded, s)), s.max_new_tokens) for s in {s.id: s for s in built.samples()}.values()]
+    tok = load_tokenizer(cfg["model"])
+    loaded = SimpleNamespace(tokenizer=tok, chat_template=chat_format(cfg["model"], tok),
+                             max_input_length=cfg["model"]["max_input_length"])
+    return [(len(encode_prompt(loaded, s)), s.max_new_tokens) for s in build_task(cfg, loaded)[1]]
 
 
 def cost(jobs: list[list[str]], run: Path):
@@ -128,28 +127,28 @@ def cost(jobs: list[list[str]], run: Path):
     new tokens (at most) and hours = prompt tokens / prefill tok/s + new tokens / decode tok/s, at the
     rates :func:`rates` measured in ``run`` for the job's model. Generation may stop earlier, so the
     decode part is an upper bound; model loading is not counted."""
-    import hydra
     import pandas as pd
     from omegaconf import OmegaConf
 
     sys.path.insert(0, str(ROOT))  # kvbench, methods, eval of this checkout
+    from kvbench.latency import compose
+
     rows, samples, speed, seen = [], {}, {}, set()
-    with hydra.initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        for job in jobs:
-            cfg = OmegaConf.to_container(hydra.compose("config", overrides=job), resolve=True)
-            twin = json.dumps({k: v for k, v in cfg.items() if k != "budget" or cfg["method"]["name"] != "full"},
-                              sort_keys=True, default=str)  # the full cache ignores the budget: one folder, run once
-            if twin in seen:
-                continue
-            seen.add(twin)
-            key = json.dumps([cfg["model"], cfg["task"]], sort_keys=True)
-            samples[key] = samples.get(key) or job_samples(cfg)
-            name = cfg["model"]["name"]
-            speed[name] = speed.get(name) or rates(run, name)
-            mine = samples[key][cfg["shard"]["index"]::cfg["shard"]["count"]][:cfg.get("max_samples") or None]
-            prompt, new = sum(p for p, _ in mine), sum(n for _, n in mine)
-            rows.append({"job": shlex.join(job), "samples": len(mine), "prompt_tokens": prompt, "new_tokens": new,
-                         "hours": (prompt / speed[name][0] + new / speed[name][1]) / 3600})
+    for job in jobs:
+        cfg = OmegaConf.to_container(compose(job), resolve=True)
+        twin = json.dumps({k: v for k, v in cfg.items() if k != "budget" or cfg["method"]["name"] != "full"},
+                          sort_keys=True, default=str)  # the full cache ignores the budget: one folder, run once
+        if twin in seen:
+            continue
+        seen.add(twin)
+        key = json.dumps([cfg["model"], cfg["task"]], sort_keys=True)
+        samples[key] = samples.get(key) or job_samples(cfg)
+        name = cfg["model"]["name"]
+        speed[name] = speed.get(name) or rates(run, name)
+        mine = samples[key][cfg["shard"]["index"]::cfg["shard"]["count"]][:cfg.get("max_samples") or None]
+        prompt, new = sum(p for p, _ in mine), sum(n for _, n in mine)
+        rows.append({"job": shlex.join(job), "samples": len(mine), "prompt_tokens": prompt, "new_tokens": new,
+                     "hours": (prompt / speed[name][0] + new / speed[name][1]) / 3600})
     return pd.DataFrame(rows)
 
 
