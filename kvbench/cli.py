@@ -24,19 +24,21 @@ class ArgParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message.splitlines()[0] if message else ''}\n")
 
 
-def listof(kind: type = str, ok=lambda v: True, accepted: str = ""):
-    """argparse type: a non-empty comma-separated list of ``kind`` values that pass ``ok``. With
-    ``nargs="+", action="extend"`` a flag takes values space- or comma-separated, or repeated (a list
-    of lists: flatten it). Anything else: argparse's one-line error naming the flag (and ``accepted``)."""
+def listof(kind: type = str, ok=lambda v: True, accepted: str = "", one: bool = False):
+    """argparse type: a non-empty comma-separated list of ``kind`` values that pass ``ok`` (``one``: exactly one
+    value, returned bare). With ``nargs="+", action="extend"`` a flag takes values space- or comma-separated, or
+    repeated (a list of lists: flatten it). Anything else: argparse's one-line error naming the flag (and ``accepted``)."""
     def parse(text: str) -> list:
         try:
             values = [kind(x.strip()) for x in text.split(",") if x.strip()]
         except ValueError:
             values = []
         bad = [v for v in values if not ok(v)]
-        if bad or not values:
-            raise argparse.ArgumentTypeError(f"{bad[0] if bad else text!r}: accepted values are {accepted or kind.__name__ + ' values, comma-separated'}")
-        return values
+        if bad or not values or (one and len(values) > 1):
+            raise argparse.ArgumentTypeError(f"{bad[0] if bad else text!r}: accepted values are "
+                                             f"{accepted or kind.__name__ + ' values' + ', comma-separated' * (not one)}"
+                                             + "; one value only" * one)
+        return values[0] if one else values
     return parse
 
 

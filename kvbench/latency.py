@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     from omegaconf import OmegaConf
 
     known = sorted(f.stem for f in (CONF_DIR / "method").glob("*.yaml"))
-    positive = listof(int, lambda n: n >= 1, "integers >= 1")
+    positive, one = listof(int, lambda n: n >= 1, "integers >= 1"), listof(int, lambda n: n >= 1, "integers >= 1", one=True)
     p = ArgParser(prog="python -m kvbench.latency", description=__doc__.split("\n\n")[0])
     p.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. +experiment=selkv_fig3 model=llama31")
     p.add_argument("--methods", nargs="+", action="extend", type=listof(str, known.__contains__, ", ".join(known)),
@@ -114,8 +114,8 @@ def main(argv: list[str] | None = None) -> int:
                         "else full and the configured method)")
     p.add_argument("--lengths", nargs="+", action="extend", type=positive, help="prompt lengths in tokens, space- or "
                    "comma-separated (default: latency.lengths, else 512 to 8192 in powers of two)")
-    p.add_argument("--new-tokens", type=lambda t: positive(t if "," not in t else ""), help=f"generated tokens per request (default {DEFAULT_NEW_TOKENS})")
-    p.add_argument("--repeats", type=lambda t: positive(t if "," not in t else ""), help="timed runs per method and length (default 1)")
+    p.add_argument("--new-tokens", type=one, help=f"generated tokens per request (default {DEFAULT_NEW_TOKENS})")
+    p.add_argument("--repeats", type=one, help="timed runs per method and length (default 1)")
     p.add_argument("--out", help="output JSON (default: latency.out, else <output_root>/latency.json)")
     argv = list(sys.argv[1:] if argv is None else argv)
     # Hydra overrides may follow the options (--methods full snapkv budget=0.3): take them out first
@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
             build_method(dict(method_cfgs[preset]))  # the method's own checks, before the model loads
         except Exception as e:  # noqa: BLE001 - a bad method key (methods.base.ConfigError): one line
             p.error(f"method={preset}: {str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}")
-    new_tokens = int((args.new_tokens or [0])[0] or lat.get("max_new_tokens") or DEFAULT_NEW_TOKENS)
+    new_tokens = int(args.new_tokens or lat.get("max_new_tokens") or DEFAULT_NEW_TOKENS)
     lengths = list(dict.fromkeys(int(x) for x in lengths or lat.get("lengths") or DEFAULT_LENGTHS))
     out = Path(args.out or lat.get("out") or Path(cfg.get("output_root", "results")) / "latency.json")
     if threads := resolve_threads(cfg.get("threads")):  # as a job does, before the model loads
@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
 
         torch.set_num_threads(threads)
     records = run_latency(model_cfg, method_cfgs, float(budget), lengths, new_tokens,
-                          int((args.repeats or [0])[0] or lat.get("repeats") or 1), out, device=str(cfg.get("device", "auto")))
+                          int(args.repeats or lat.get("repeats") or 1), out, device=str(cfg.get("device", "auto")))
     if not records:
         print(f"error: no latency records (every prompt length was skipped); {out} not written", file=sys.stderr)
         return 1

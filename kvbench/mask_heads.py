@@ -225,8 +225,8 @@ def build_parser() -> ArgParser:
     p.add_argument("--haystack-dir", default=None, help="folder of .txt haystack files (default: the task's haystack_source)")
     p.add_argument("--max-new-tokens", type=int, default=None, help="generation limit (default conf/task/niah.yaml)")
     p.add_argument("--device", type=listof(str, re.compile(r"auto|cpu|mps|cuda(:\d+)?").fullmatch, "auto, cpu, mps, "
-                   "cuda, cuda:<index>"), default=["auto"], help="auto, cpu, mps, cuda, cuda:<index>")
-    p.add_argument("--threads", type=listof(int, lambda n: n >= 1), default=None, help="torch CPU threads (default: torch's)")
+                   "cuda, cuda:<index>", one=True), default="auto", help="auto, cpu, mps, cuda, cuda:<index>")
+    p.add_argument("--threads", type=listof(int, lambda n: n >= 1, one=True), default=None, help="torch CPU threads (default: torch's)")
     p.add_argument("--out", default="results/mask_heads", help="output folder, or NAME.json/.csv/.md for the three files")
     return p
 
@@ -237,7 +237,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     args.k, args.kinds = flat(args.k) or [10, 20, 30], flat(args.kinds) or list(KINDS)
     args.lengths, args.depths = flat(args.lengths), flat(args.depths)
-    (args.device,), args.threads = args.device, args.threads and args.threads[0]
     if len(set(args.k)) != len(args.k):
         parser.error(f"--k={args.k}: must be distinct positive integers (e.g. 10,20,30)")
     if not set(args.kinds) & {"srh", "trh"}:

@@ -143,10 +143,10 @@ def grid(df: pd.DataFrame, task: str, budget: float, models=None, names=None, la
                 dedupe(lab for _n, lab in order), {lab: n for n, lab in order}, used)
 
 
-def avg_se(se: pd.DataFrame | pd.Series) -> pd.Series | float:
-    """Standard error of a mean over ``k`` datasets (columns) from theirs: sqrt(Σ SE²) / k; NaN when one is missing."""
-    k, axis = se.shape[-1], se.ndim - 1
-    return (se.astype(float) ** 2).sum(axis=axis, min_count=k) ** 0.5 / k if k else math.nan
+def avg_se(se: pd.Series) -> float:
+    """Standard error of a mean over ``k`` datasets from theirs ``(k,)``: sqrt(Σ SE²) / k; NaN when one is missing."""
+    k = len(se)
+    return (se.astype(float) ** 2).sum(min_count=k) ** 0.5 / k if k else math.nan
 
 
 def paired_bootstrap(diffs: dict, n_boot: int = 10_000, seed: int = 0) -> tuple[float, float, float, float]:
@@ -494,7 +494,7 @@ def selkv_fig3(latency: list[dict], source: str = "latency.json") -> list[Artifa
     if not {"model", "method", "prompt_tokens", "decode_tok_s"} <= set(lat.columns):
         return []
     stages = {"prefill_s": "prefill", "compress_s": "compression", "decode_s": "decode"}
-    lat = lat.reindex(columns=dedupe([*lat.columns, *stages, "budget", "device", "generated_tokens"]))
+    lat = lat.reindex(columns=dedupe([*lat.columns, *stages, "budget", "device"]))
     means = lat.groupby(["model", "prompt_tokens", "method"]).mean(numeric_only=True).fillna({c: 0.0 for c in stages})
     models = sorted(lat["model"].unique(), key=model_sort_key)
     fig, axes = _figure(len(models), 2, w=5.2)

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from kvbench.kvcache import preallocated_cache
 from kvbench.models import CONF_MODEL_DIR, conf_model
 from kvbench.store import atomic_write
 
@@ -138,37 +139,6 @@ def relative_output_error(full: torch.Tensor, compressed: torch.Tensor, eps: flo
 
 
 # --------------------------------------------------------------------------- instrumented attention
-def reserved_cache(config, reserve: int):
-    """A ``transformers.DynamicCache`` for ``config`` whose full-attention layers keep ``reserve``
-    free token slots and append in place (``keys``/``values`` are views of the buffers; a full
-    buffer grows by ``reserve``). Sliding-window layers keep their own class."""
-    from transformers import DynamicCache
-    from transformers.cache_utils import DynamicLayer
-
-    class ReservedLayer(DynamicLayer):
-        _bufs = None
-
-        def update(self, key_states, value_states, cache_kwargs=None):
-            if not self.is_initialized:
-                self.lazy_initialization(key_states, value_states)
-            t, q = self.get_seq_length(), key_states.shape[-2]
-            if self._bufs is None or t + q > self._bufs[0].shape[-2]:
-                self._bufs = tuple(
-                    s.new_empty((*s.shape[:2], t + q + max(1, reserve), s.shape[-1])) for s in (key_states, value_states))
-                if t:
-                    self._bufs[0][:, :, :t].copy_(self.keys)
-                    self._bufs[1][:, :, :t].copy_(self.values)
-            kbuf, vbuf = self._bufs
-            kbuf[:, :, t : t + q].copy_(key_states)
-            vbuf[:, :, t : t + q].copy_(value_states)
-            self.keys, self.values = kbuf[:, :, : t + q], vbuf[:, :, : t + q]
-            return self.keys, self.values
-
-    cache = DynamicCache(config=config)
-    cache.layers = [ReservedLayer() if type(layer) is DynamicLayer else layer for layer in cache.layers]
-    return cache
-
-
 class AttentionProbe:
     """An SDPA attention function (registered with transformers' ``AttentionInterface``) that also
     records what the calibration needs.
@@ -276,7 +246,7 @@ def score_sample(lm, tok, probe, prompt_ids, span, kinds, max_new, stop_after=No
     decode greedily from its last token (the reference's procedure)."""
     prompt_ids = prompt_ids.to(lm.device)
     stop, (start, end), flat = _stop_ids(lm, tok), span, prompt_ids[0]
-    out = lm(input_ids=prompt_ids[:, :-1], past_key_values=reserved_cache(lm.config, max_new + 1), use_cache=True,
+    out = lm(input_ids=prompt_ids[:, :-1], past_key_values=preallocated_cache(lm.config, max_new + 1), use_cache=True,
              logits_to_keep=1)
     past, inp = out.past_key_values, prompt_ids[:, -1:]
     sums = {k: None for k in kinds}
@@ -417,7 +387,7 @@ def cmd_layers(args, out: Path) -> int:
     t0 = time.time()
     for dataset, ids in prompts:
         probe.errors.zero_()
-        out_ = lm(input_ids=ids.to(lm.device), past_key_values=reserved_cache(lm.config, args.max_new_tokens), use_cache=True,
+        out_ = lm(input_ids=ids.to(lm.device), past_key_values=preallocated_cache(lm.config, args.max_new_tokens), use_cache=True,
                   logits_to_keep=1)
         past, token = out_.past_key_values, int(out_.logits[0, -1].argmax())
         for _ in range(args.max_new_tokens - 1):  # the first token comes from prefill (no compressed output)
@@ -444,9 +414,8 @@ def _arg(kind: type, low: float = 0, high: float = float("inf"), choices: tuple[
     [``low``, ``high``] or of ``choices`` (:func:`kvbench.cli.listof`)."""
     from kvbench.cli import listof
 
-    parse = listof(kind, choices.__contains__ if choices else lambda v: low <= v <= high,
-                   ", ".join(choices) or f"{kind.__name__}s in [{low:g}, {high:g}]")
-    return parse if many else lambda text: parse(text if "," not in text else "")[0]
+    return listof(kind, choices.__contains__ if choices else lambda v: low <= v <= high,
+                  ", ".join(choices) or f"{kind.__name__}s in [{low:g}, {high:g}]", one=not many)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -13,6 +13,7 @@ import torch
 
 from .allocation import safeguard_keep_mask
 from .base import CompressResult, ConfigError, LayerContext, Method, MethodConfig, gather_tokens, pack_kept, require
+from .scoring import topk_keep_window
 
 HUB = "needs trained filters, weights or statistics downloaded from the Hub"
 REFUSED = {  # ScorerPresses kvbench cannot run, and why
@@ -129,7 +130,7 @@ class KVPress(Method):
         scores = scorer.score(module, hidden, ctx.keys, ctx.values, None, kwargs)  # (B, H_kv, n)
         if scorer is not press:
             return pack_kept(ctx.keys, ctx.values, safeguard_keep_mask(scores, m, press.alpha_safeguard))
-        idx = scores.topk(m, dim=-1).indices.sort(dim=-1).values  # (B, H_kv, m), original order
+        idx = topk_keep_window(scores, m, 0)  # (B, H_kv, m), original order
         return CompressResult(gather_tokens(ctx.keys, idx), gather_tokens(ctx.values, idx), kept_indices=idx)
 
 

@@ -95,6 +95,7 @@ def no_model_load(monkeypatch):
     (["--lengths", ""], "--lengths"),
     (["--device", "gpu"], "--device"),
     (["--threads", "0"], "--threads"),
+    (["--device", "cpu,cpu"], "--device"),  # one value
     (["--srh-scores", "README.md", "--kinds", "srh"], "--srh-scores"),
 ])
 def test_user_errors_are_one_line_before_loading_a_model(args, flag, tmp_path, capsys, no_model_load):

@@ -7,7 +7,7 @@ import importlib.util
 import pytest
 import torch
 
-from methods.calibrate import reserved_cache
+from kvbench.kvcache import PreallocatedLayer, preallocated_cache
 from methods.calibrate import AttentionProbe, build_parser, main
 
 transformers = pytest.importorskip("transformers")
@@ -57,13 +57,13 @@ def test_probe_output_error_zero_with_full_keep_positive_with_subset():
 
 @pytest.mark.parametrize("reserve", [8, 2])  # 2: the buffer must grow during decoding
 @torch.no_grad()
-def test_reserved_cache_gives_the_same_logits_and_rows_as_dynamic_cache(reserve):
+def test_preallocated_cache_gives_the_same_logits_and_rows_as_dynamic_cache(reserve):
     lm, cfg = _tiny("sdpa")
     ids = torch.randint(0, 64, (1, 16), generator=torch.Generator().manual_seed(3))
     probe = AttentionProbe(cfg.num_hidden_layers)
     probe.install(lm)
     runs = []
-    for cache in (None, reserved_cache(cfg, reserve=reserve)):
+    for cache in (None, preallocated_cache(cfg, reserve=reserve)):
         out = lm(input_ids=ids, past_key_values=cache, use_cache=True)
         past, logits, rows = out.past_key_values, [out.logits[0, -1]], []
         probe.record_rows = True
@@ -76,7 +76,7 @@ def test_reserved_cache_gives_the_same_logits_and_rows_as_dynamic_cache(reserve)
         runs.append((torch.stack(logits), rows, past.get_seq_length()))
     (l0, r0, n0), (l1, r1, n1) = runs
     assert n0 == n1 == 21
-    assert type(past.layers[0]).__name__ == "ReservedLayer" and past.layers[0]._bufs[0].shape[-2] >= 21
+    assert type(past.layers[0]) is PreallocatedLayer and past.layers[0]._key_buf.shape[-2] >= 21
     assert torch.equal(l0, l1) and all(torch.equal(a, b) for a, b in zip(r0, r1))
 
 
