@@ -9,6 +9,7 @@ tensors) and scores predictions with the benchmark's official metric. The engine
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +28,39 @@ def looked_for(path: Path) -> str:
     directory, which may not be the one the user thinks of), ``""`` for an absolute one: the
     tail of a "no such folder" error."""
     return "" if path.is_absolute() else f" (looked for {os.path.abspath(path)})"
+
+
+def read_jsonl(path: Path, check: Callable[[dict, str], None] | None = None, limit: int | None = None) -> list[dict]:
+    """The JSON-object rows of a ``.jsonl`` data file (blank lines skipped; the first ``limit`` if given), each
+    passed to ``check(row, where)``, ``where`` = ``"<path> line <n>"`` (1-based).
+
+    Raises:
+        TaskConfigError: the file cannot be read, or a line is not UTF-8, not a JSON object or fails ``check``;
+            the message names the file and the line.
+    """
+    rows: list[dict] = []
+    try:
+        with open(path, "rb") as f:
+            for lineno, raw in enumerate(f, start=1):
+                if limit is not None and len(rows) >= limit:
+                    break
+                where = f"{path} line {lineno}"
+                try:
+                    row = json.loads(raw.decode("utf-8")) if raw.strip() else None
+                except UnicodeDecodeError as e:
+                    raise TaskConfigError(f"{where}: not valid UTF-8 (byte {e.start + 1} of the line)") from None
+                except json.JSONDecodeError as e:
+                    raise TaskConfigError(f"{where}: not valid JSON ({e.msg})") from None
+                if row is None:
+                    continue
+                if not isinstance(row, dict):
+                    raise TaskConfigError(f"{where}: not a JSON object")
+                if check:
+                    check(row, where)
+                rows.append(row)
+    except OSError as e:
+        raise TaskConfigError(f"{path}: cannot read ({e.strerror})") from None
+    return rows
 
 
 @dataclass

@@ -14,13 +14,13 @@ with the ``parquet`` builder (all three are task keys: ``hub_dataset``, ``hub_re
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote, urlparse
 
+from . import base
 from .base import TaskConfigError, looked_for
 
 REQUIRED_FIELDS = ("input", "context", "answers", "length", "all_classes")
@@ -59,26 +59,9 @@ def check_row(row: Any, where: str) -> None:
 
 
 def read_jsonl(path: Path, limit: int | None = None) -> list[dict]:
-    """The first ``limit`` rows (all if None) of an official jsonl file, checked; blank lines skipped.
-
-    Raises:
-        TaskConfigError: a line is not JSON or lacks a required field (file and 1-based line).
-    """
-    rows: list[dict] = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if limit is not None and len(rows) >= limit:
-                break
-            if not line.strip():
-                continue
-            where = f"{path} line {lineno}"
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise TaskConfigError(f"{where}: not valid JSON ({e.msg})") from None
-            check_row(row, where)
-            rows.append(row)
-    return rows
+    """The first ``limit`` rows (all if None) of an official jsonl file, each checked by :func:`check_row`
+    (:func:`eval.base.read_jsonl`; TaskConfigError names the file and the 1-based line)."""
+    return base.read_jsonl(path, check_row, limit)
 
 
 def check_data_dir(data_dir: str, configs: list[str]) -> list[Path]:

@@ -13,12 +13,11 @@ niah / vt / cwe / fwe subtasks and ``string_match_part`` (any reference found) f
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 from typing import Any, Iterator
 
-from .base import Sample, Task, TaskConfigError, looked_for
+from .base import Sample, Task, TaskConfigError, looked_for, read_jsonl
 
 SUBTASKS = ("niah_single_1", "niah_single_2", "niah_single_3", "niah_multikey_1", "niah_multikey_2",
             "niah_multikey_3", "niah_multivalue", "niah_multiquery", "vt", "cwe", "fwe", "qa_1", "qa_2")
@@ -80,8 +79,7 @@ class RulerTask(Task):
         n = self.cfg.get("n_samples")
         if self.cfg.get("data_dir"):
             path = Path(self.cfg["data_dir"]).expanduser() / f"{subtask}_{length}.jsonl"
-            with open(path, encoding="utf-8") as f:
-                rows = [json.loads(line) for line in f if line.strip()][:n]
+            rows = read_jsonl(path, limit=n)
             return [{"index": r["index"], "prompt": r["input"], "answers": list(r["outputs"])} for r in rows]
         from datasets import load_dataset
 

@@ -13,20 +13,19 @@ import json
 import sys
 from pathlib import Path
 
+from eval.base import TaskConfigError, read_jsonl
 from eval.metrics import dataset2metric, score_dataset
 
 from .cli import ArgParser
 from .store import atomic_write
 
 
-class ScoreInputError(ValueError):
+class ScoreInputError(TaskConfigError):
     """A prediction folder or file the scorer cannot read (one line: file, line, what is wrong)."""
 
 
 def _check_row(row, need_length: bool) -> str:
     """What is wrong with one prediction line (``""`` when nothing)."""
-    if not isinstance(row, dict):
-        return "not a JSON object"
     missing = [k for k in ("pred", "answers", "all_classes", *(["length"] if need_length else [])) if k not in row]
     if missing:
         hint = "; this is kvbench's own predictions.jsonl, not the official pred.py format" if "prediction" in row else ""
@@ -43,17 +42,14 @@ def _check_row(row, need_length: bool) -> str:
 def read_predictions(path: Path, need_length: bool) -> list[dict]:
     """The prediction lines of one file (ScoreInputError: a line that is not JSON, lacks a field
     or has a wrongly typed one; ``length`` is needed when ``need_length``)."""
-    rows = []
-    for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
-        if line.strip():
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ScoreInputError(f"{path} line {lineno}: not valid JSON ({e.msg})") from None
-            if why := _check_row(row, need_length):
-                raise ScoreInputError(f"{path} line {lineno}: {why}")
-            rows.append(row)
-    return rows
+    def check(row: dict, where: str) -> None:
+        if why := _check_row(row, need_length):
+            raise ScoreInputError(f"{where}: {why}")
+
+    try:
+        return read_jsonl(path, check)
+    except TaskConfigError as e:
+        raise ScoreInputError(str(e)) from None
 
 
 def score_dir(folder: Path, longbench_e: bool = False) -> dict:

@@ -43,3 +43,16 @@ def test_rulers_scorers():
 def test_bad_config_names_the_key(bad, key):
     with pytest.raises(TaskConfigError, match=rf"^{key}="):
         RulerTask.validate(cfg(**bad))
+
+
+def test_read_jsonl_names_file_and_line(tmp_path):
+    """Every data reader goes through eval.base.read_jsonl: bad bytes, bad JSON, a non-object row name file and line."""
+    from eval.base import TaskConfigError, read_jsonl
+
+    path = tmp_path / "d.jsonl"
+    for bad, why in ((b'{"a": 1}\n\n{"b": "\xff"}\n', "UTF-8"), (b'{"a": 1}\n\n{"b": \n', "JSON"), (b'{"a": 1}\n\n[1]\n', "object")):
+        path.write_bytes(bad)
+        with pytest.raises(TaskConfigError, match=rf"d\.jsonl line 3: not (valid )?(a JSON )?{why}"):
+            read_jsonl(path)
+    path.write_bytes(b'{"a": 1}\n{"a": 2}\n')
+    assert read_jsonl(path, limit=1) == [{"a": 1}]
