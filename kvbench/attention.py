@@ -24,7 +24,6 @@ import torch
 import torch.nn.functional as F
 
 from methods.base import CompressResult, HeadLayout, LayerContext, Method, Plan
-from methods.lookm import attention_with_column_sums
 
 from .kvcache import RaggedLayer, store_layer, write_bias
 
@@ -238,9 +237,8 @@ def kvbench_attention(module, query, key, value, attention_mask, scaling=None, d
               if s is not None and s.compressing and module.layer_idx in s.layout.compressible_layers]
     sums = None
     if states and fuse_prompt_attention(states[0].method, query, key, attention_mask, softcap):
-        # LOOK-M's whole-prompt score comes out of this attention: one pass over QK^T, not two
-        out, sums = attention_with_column_sums(query, key, value, scaling, softcap,
-                                               getattr(states[0].method.config, "query_chunk", 512))
+        # the method's whole-prompt score (LOOK-M's) comes out of this attention: one pass over QK^T, not two
+        out, sums = states[0].method.prompt_attention(query, key, value, scaling, softcap)
         out = out.transpose(1, 2).contiguous()
     else:
         out = _prefill_attention(query, key, value, attention_mask, scaling, softcap)

@@ -1,5 +1,5 @@
 """The ``kvbench`` command: ``kvbench run ...`` (= ``python run.py ...``), ``kvbench report``,
-``kvbench score``, ``kvbench mask-heads``; and the one-line argument parser of every tool."""
+``kvbench score``, ``kvbench mask-heads``, ``kvbench calibrate``; and the one-line argument parser of every tool."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ COMMANDS = {
     "report": "score tables of any sweep and the papers' tables and figures, from a results root",
     "score": "score a folder of LongBench prediction jsonl files (official result.json)",
     "mask-heads": "NIAH score drop when the top-k SRH / TRH heads are masked (CompressKV Table 2a)",
+    "calibrate": "head and layer scores of a model for HeadKV / CompressKV (methods/artifacts/<model>)",
 }
 
 

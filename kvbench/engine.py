@@ -339,9 +339,9 @@ def prefill(engines: list[Engine], prompt_ids: list[int], max_new_tokens: int) -
     """Prefill ``prompt_ids`` once for several engines on one loaded model (a shared sweep,
     docs/SWEEPS.md): at the end of each layer's prefill every engine's method compresses that
     layer into the engine's own cache; layers an engine leaves whole are copied after the prefill.
-    Engines whose method scores inside the prefill attention (LOOK-M's ``fused_score``: blocked
-    float32 attention, not SDPA) get a prefill of their own, one per ``query_chunk``, so every
-    engine sees the numbers it would see alone.
+    Engines whose method computes the prefill attention itself (``Method.prompt_attention``, LOOK-M's
+    ``fused_score``: blocked float32 attention, not SDPA) get a prefill of their own, one per method
+    config, so every engine sees the numbers it would see alone.
 
     Returns:
         One :class:`Prefilled` per engine, in order.
@@ -357,7 +357,7 @@ def prefill(engines: list[Engine], prompt_ids: list[int], max_new_tokens: int) -
     kinds: dict[Any, list[int]] = {}
     for i, st in enumerate(states):
         fused = st.compressing and st.method.wants_prompt_attention(dev)
-        kinds.setdefault(getattr(st.method.config, "query_chunk", 0) if fused else None, []).append(i)
+        kinds.setdefault(repr(st.method.config) if fused else None, []).append(i)
     out: list[Prefilled | None] = [None] * len(engines)
     for group in kinds.values():
         mine, shared, sync = [states[i] for i in group], len(group) > 1, dev.type == "cuda"

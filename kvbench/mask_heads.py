@@ -166,7 +166,7 @@ def run(args) -> int:
 
     import torch
 
-    from methods.full import FullCache
+    from methods import build_method
 
     from .engine import Engine
     from .job import encode_prompt, environment
@@ -183,7 +183,7 @@ def run(args) -> int:
         samples = list(task.samples())
     except TaskConfigError as e:  # every length too long for the model or too short for the needle
         raise _flag_error(e) from None
-    engine = Engine(loaded, FullCache(None, loaded.layout), budget=1.0)
+    engine = Engine(loaded, build_method({"name": "full"}, loaded.layout), budget=1.0)
     report = {
         "model": args.model, "mode": args.mode, "phase": args.phase, "k": args.k, "kinds": args.kinds,
         "seed": args.seed, "score_files": {k: str(p) for k, p in files.items()},

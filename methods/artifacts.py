@@ -15,7 +15,7 @@ Formats (all plain JSON, never pickle):
   computed as the reference ``get_avg.py`` does.
 
 Models we calibrate ourselves keep their artifacts, small committed JSON files written by
-``python -m methods.calibrate``, under ``methods/artifacts/<model_name>/`` with the names in
+``kvbench calibrate``, under ``methods/artifacts/<model_name>/`` with the names in
 :data:`FILE_NAMES`. A method config may name an explicit path instead. For the models whose
 artifacts the CompressKV authors published (:data:`PUBLISHED`: ``llama31`` = Llama-3.1-8B-Instruct,
 ``mistral`` = Mistral-7B-Instruct-v0.3) a missing default file is looked up, under its published
@@ -76,7 +76,7 @@ def artifact_path(kind: str, model_name: str, explicit: str | None, key: str) ->
     published file in :func:`published_dirs`.
 
     Raises:
-        ConfigError: ``<key>=<path>: file not found; make it with `python -m methods.calibrate ...```.
+        ConfigError: ``<key>=<path>: file not found; make it with `kvbench calibrate ...```.
     """
     file_name, command = FILE_NAMES[kind]
     if not explicit and not model_name:
@@ -87,7 +87,7 @@ def artifact_path(kind: str, model_name: str, explicit: str | None, key: str) ->
     found = [path] if path.is_file() else [d / name for d in published_dirs() if published and (d / name).is_file()]
     if not found:
         hint = f", or set KVBENCH_SHARED_DATA to the folder holding head_scores/compresskv/{PUBLISHED.get(model_name)}*"
-        raise ConfigError(f"{key}={str(path)!r}: file not found; make it with `python -m methods.calibrate {command} "
+        raise ConfigError(f"{key}={str(path)!r}: file not found; make it with `kvbench calibrate {command} "
                           f"--name {model_name or '<name>'}` or give an existing path{hint if published else ''}")
     return found[0]
 

@@ -328,10 +328,23 @@ class Method:
         """Raise :class:`ConfigError` if the method cannot run on this attention layout."""
 
     def wants_prompt_attention(self, device: torch.device) -> bool:
-        """Whether the engine should hand over the prefill attention's column sums
-        (``LayerContext.prompt_attention``, computed inside the prefill by
-        :func:`methods.lookm.attention_with_column_sums`). Default: false."""
+        """Whether the engine computes a whole-prompt prefill with :meth:`prompt_attention` instead of
+        SDPA and hands its column sums over (``LayerContext.prompt_attention``). Default: false."""
         return False
+
+    def prompt_attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,
+                         softcap: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The causal prefill attention and the column sums of its softmax in one pass, for a method whose
+        score needs every prompt query (LOOK-M: :func:`methods.lookm.attention_with_column_sums`).
+
+        Args:
+            query: ``(B, H_q, n, d)`` every prompt query after RoPE; key, value: ``(B, H_kv, n, d)``.
+            scaling, softcap: the layer's logit scale and soft-capping (None: none).
+
+        Returns:
+            ``(out (B, H_q, n, d) in value's dtype, sums (B, H_q, n) float32)``.
+        """
+        raise NotImplementedError(f"method {self.name} computes no prompt attention")
 
     def plan(self, n_tokens: int, budget: float, layout: HeadLayout) -> Plan:
         """Uniform per-layer budget (override for layer/head-wise allocation); ``compress=False`` when n ≤ m."""

@@ -2,12 +2,12 @@
 
 Token selection (Sec. 3.3): in each layer the SnapKV scores (observation window W = 8,
 pooling width K = 5, average pooling) of the layer's top-k Semantic Retrieval Heads (k = 4;
-ranked offline by the SRH score of Eq. 1, ``python -m methods.calibrate heads``) are averaged;
+ranked offline by the SRH score of Eq. 1, ``kvbench calibrate heads``) are averaged;
 the top ``budget − W`` prefix tokens of that one score vector plus the window form **one kept
 set shared by every head of the layer**.
 
 Layer budgets (Sec. 3.4, Eq. 2–4, Sec. 4): offline per-layer error scores ẽ
-(``python -m methods.calibrate layers``); every layer gets at least m = 32 and at most
+(``kvbench calibrate layers``); every layer gets at least m = 32 and at most
 M = 3 × the average budget, the rest of the total L × average in proportion to ẽ. See
 :func:`error_aware_layer_budgets` for the exact integer rule.
 

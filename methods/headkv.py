@@ -2,7 +2,7 @@
 with Integrated Retrieval and Reasoning").
 
 Head budgets come from offline head-importance scores (retrieval heads, or retrieval-reasoning
-"R2" heads: ``python -m methods.calibrate heads``). With ``b = budget − W`` prefix tokens per
+"R2" heads: ``kvbench calibrate heads``). With ``b = budget − W`` prefix tokens per
 head on average (W = observation window, always kept), the reference code
 (``headkv/snapkv_utils.py``, ``ReasonSnapKVCluster``) gives head (l, h)
 

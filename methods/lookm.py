@@ -145,7 +145,8 @@ def attention_with_column_sums(
 
     One pass computes the prefill's ``softmax(QK^T·scaling + causal mask)·V`` and the column
     sums of the softmax matrix, bit-equal to :func:`cumulative_attention` with W = n (same
-    blocks and float32 arithmetic). The engine uses it when ``wants_prompt_attention`` is true.
+    blocks and float32 arithmetic): :meth:`LookM.prompt_attention`, which the engine calls when
+    ``wants_prompt_attention`` is true.
 
     Args:
         query: ``(B, H_q, n, d)``, every prompt query after RoPE.
@@ -257,6 +258,9 @@ class LookM(Method):
         """True for the whole-prompt score (``window_size: 0``) with ``fused_score`` on (auto: CPU)."""
         c = self.config
         return c.window_size == 0 and (c.fused_score == "on" or (c.fused_score == "auto" and device.type == "cpu"))
+
+    def prompt_attention(self, query, key, value, scaling, softcap):
+        return attention_with_column_sums(query, key, value, scaling, softcap, self.config.query_chunk)
 
     def select(self, ctx: LayerContext) -> torch.Tensor:
         """Keep mask ``(B, H_kv, n)``: sinks, top cumulative-attention tokens, recent tokens."""

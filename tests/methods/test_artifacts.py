@@ -120,7 +120,7 @@ def test_missing_artifact_names_the_command(tmp_path):
         artifact_path("srh_head_idx", "no_such_model", None, "method.head_idx_path")
     msg = str(e.value)
     assert "\n" not in msg and "method.head_idx_path" in msg
-    assert "python -m methods.calibrate heads --name no_such_model" in msg
+    assert "kvbench calibrate heads --name no_such_model" in msg
     with pytest.raises(ConfigError, match="calibrate layers"):
         artifact_path("layer_score", "m", str(tmp_path / "x.jsonl"), "method.layer_score_path")
     f = tmp_path / "given.json"

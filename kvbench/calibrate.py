@@ -1,4 +1,4 @@
-"""Offline calibration of head and layer scores: ``python -m methods.calibrate heads|layers``.
+"""Offline calibration of head and layer scores: ``kvbench calibrate heads|layers``.
 
 ``heads``: the retrieval-head detection protocol (Wu et al. 2025, used by HeadKV and CompressKV):
 a needle at several depths of haystacks of several token lengths; the model answers greedily (at
@@ -30,14 +30,14 @@ from pathlib import Path
 
 import torch
 
-from kvbench.kvcache import preallocated_cache
-from kvbench.models import CONF_MODEL_DIR, conf_model
-from kvbench.store import atomic_write
+from methods import build_method
+from methods.artifacts import ARTIFACTS_ROOT, ranking_from_scores
+from methods.base import ConfigError, LayerContext
 
-from .artifacts import ARTIFACTS_ROOT, load_head_ranking, ranking_from_scores
-from .base import ConfigError, LayerContext
-from .compresskv import CompressKV, CompressKVConfig
-from .scoring import window_attention
+from .cli import ArgParser, listof
+from .kvcache import preallocated_cache
+from .models import CONF_MODEL_DIR, conf_model, resolve_source
+from .store import atomic_write
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 QUESTION = "Based on the content of the book, Question: {question}\nAnswer:"
@@ -75,7 +75,7 @@ def artifact_name(model: str | None, name: str | None) -> str:
 def load_model(model: str | None, gguf_file: str | None, threads: int, device: str = "cpu", dtype: str | None = None):
     """The :class:`kvbench.models.LoadedModel` of ``--model`` as a job loads it, on ``--device`` in
     ``--dtype`` (default: the model config's dtype for that device, bf16 on CUDA, float32 on CPU)."""
-    from kvbench.models import load_model as load_job_model
+    from .models import load_model as load_job_model
 
     torch.set_num_threads(threads)
     return load_job_model({**model_config(model, gguf_file), **({"dtype": dtype} if dtype else {})}, device=device)
@@ -170,7 +170,8 @@ class AttentionProbe:
         out, weights = self._sdpa(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
         layer, q_len = module.layer_idx, query.shape[2]
         if q_len == 1 and self.record_rows:
-            self.rows[layer] = window_attention(query, key, scaling)[0, :, 0]  # (H_q, n)
+            logits = query[0, :, 0].float().reshape(key.shape[1], -1, query.shape[-1]) @ key[0].float().transpose(1, 2)
+            self.rows[layer] = logits.view(query.shape[1], -1).mul_(scaling).softmax(-1)  # (H_q, n): G rows per KV head
         if q_len > 1 and self.selector is not None:
             self.n_prompt = key.shape[2]
             self.keep[layer] = self.selector(layer, query[:, :, -min(self.window, q_len):], key, value, scaling)
@@ -366,9 +367,9 @@ def cmd_layers(args, out: Path) -> int:
                                  model_name=args.name)
     if args.num_heads > layout.num_q_heads:
         raise ConfigError(f"--num-heads={args.num_heads}: the model has {layout.num_q_heads} query heads per layer")
-    cfg = CompressKVConfig(window_size=args.window, kernel_size=5, pooling="avg", num_heads=args.num_heads,
-                           selection="srh", layer_allocation="uniform")
-    method = CompressKV(cfg, layout, artifacts={"ranking": load_head_ranking(head_idx, layout)})
+    method = build_method({"name": "compresskv", "window_size": args.window, "kernel_size": 5, "pooling": "avg",
+                           "num_heads": args.num_heads, "selection": "srh", "layer_allocation": "uniform",
+                           "head_idx_path": str(head_idx)}, layout)
     probe = AttentionProbe(layout.num_layers, window=args.window)
 
     def selector(layer, window_queries, keys, values, scaling):
@@ -412,16 +413,12 @@ def cmd_layers(args, out: Path) -> int:
 def _arg(kind: type, low: float = 0, high: float = float("inf"), choices: tuple[str, ...] = (), many: bool = True):
     """argparse type: a comma-separated list (or with ``many=False`` one value) of numbers in
     [``low``, ``high``] or of ``choices`` (:func:`kvbench.cli.listof`)."""
-    from kvbench.cli import listof
-
     return listof(kind, choices.__contains__ if choices else lambda v: low <= v <= high,
                   ", ".join(choices) or f"{kind.__name__}s in [{low:g}, {high:g}]", one=not many)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from kvbench.cli import ArgParser
-
-    p = ArgParser(prog="python -m methods.calibrate", description=__doc__.split("\n\n")[0])
+    p = ArgParser(prog="kvbench calibrate", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
     shared = os.environ.get("KVBENCH_SHARED_DATA", str(Path(__file__).resolve().parents[1] / ".." / "shared" / "data"))
     for name in ("heads", "layers"):
@@ -462,8 +459,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Run a sub-command. Returns 0, 1 when no sample was answered right, 2 on a user error (one line)."""
-    from kvbench.models import resolve_source
-
     args = build_parser().parse_args(argv)
     try:
         if args.gguf_file and args.model is None:
@@ -483,10 +478,11 @@ def main(argv: list[str] | None = None) -> int:
                                   "calibration layout: needles.jsonl, needles_reasoning.jsonl, part1..3/*.txt)")
         if args.command == "layers" and not Path(args.head_idx or out / "srh_head_idx.json").is_file():
             raise ConfigError(f"--head-idx={str(args.head_idx or out / 'srh_head_idx.json')!r}: not found; run "
-                              "`python -m methods.calibrate heads` first")
+                              "`kvbench calibrate heads` first")
         return cmd_heads(args, out) if args.command == "heads" else cmd_layers(args, out)
     except (ConfigError, OSError, ValueError, KeyError) as e:  # one line, naming this command's flags
-        text = str(e).replace("model.source=", "--model=").replace("model.gguf_file=", "--gguf-file=")
+        text = str(e).replace("model.source=", "--model=").replace("model.gguf_file=", "--gguf-file=").replace(
+            "method.head_idx_path=", "--head-idx=")
         print(f"error: {'' if isinstance(e, ConfigError) else type(e).__name__ + ': '}{text}", file=sys.stderr)
         return 2
 
