@@ -1,4 +1,4 @@
-"""Tasks and metrics: LongBench, LongBench-E, Needle-in-a-Haystack, RULER.
+"""Tasks and metrics: LongBench, LongBench-E, Needle-in-a-Haystack, RULER, LongBench-v2, InfiniteBench.
 
 ``eval`` sees only text, never tensors, and never imports ``methods``.
 """
@@ -14,6 +14,8 @@ _TASKS: dict[str, str] = {
     "longbench": "eval.longbench:LongBenchTask",
     "longbench_e": "eval.longbench:LongBenchETask",
     "ruler": "eval.ruler:RulerTask",
+    "longbench_v2": "eval.longbench_v2:LongBenchV2Task",
+    "infinitebench": "eval.infinitebench:InfiniteBenchTask",
 }
 
 

@@ -80,6 +80,8 @@ class Sample:
         all_classes: class names for classification datasets, else None.
         length: the dataset's ``length`` field (words/characters), for LongBench-E buckets.
         meta: anything else worth storing (NIAH: context_length, depth_percent).
+        query: the tail of ``prompt`` that is the query part (question, answer prefix: ``prompt.endswith(query)``),
+            left uncompressed under ``task.compress=context``; "" = no split.
     """
 
     id: str
@@ -93,6 +95,7 @@ class Sample:
     all_classes: list[str] | None = None
     length: int | None = None
     meta: dict[str, Any] = field(default_factory=dict)
+    query: str = ""
 
 
 class Task:

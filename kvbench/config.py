@@ -182,9 +182,9 @@ def resolved_inputs(task: dict) -> dict:
         source = "dir" if source.startswith("dir:") else source  # the essays' text counts, not their folder
         return {"haystack": source, "haystack_sha256": hashlib.sha256(text.encode()).hexdigest()}
     if task.get("data_dir"):
-        files = sorted(Path(task["data_dir"]).expanduser().glob("*.jsonl"))
+        files = sorted(p for p in Path(task["data_dir"]).expanduser().glob("*.json*") if p.suffix in (".json", ".jsonl"))
         if not files:
-            raise TaskConfigError(f"task.data_dir={task['data_dir']}: no such folder, or no .jsonl files in it")
+            raise TaskConfigError(f"task.data_dir={task['data_dir']}: no such folder, or no .jsonl/.json files in it")
         return {"data_files": {f.name: _sha256(f) for f in files}}
     return {"hub": [task.get("hub_dataset"), task.get("hub_revision")]}
 
