@@ -8,11 +8,14 @@ Layout and record schema: ``docs/RESULTS.md``. What protects the data:
   when the job opens, so its sample is computed again;
 * a process holds ``.lock.shard<k>-of-<K>`` for its whole run: a second process on the same shard
   waits up to ``lock_wait_s`` seconds and then raises :class:`JobLockedError`;
-* ``config.yaml``, ``env.json`` and ``summary.json`` are written atomically (temp file + rename).
+* ``config.yaml``, ``env.json`` and ``summary.json`` are written atomically (temp file + rename);
+* an OS error while writing (a full disk) names the file (:func:`naming`) and leaves what was stored
+  as it was: no temp file, no half record.
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import os
@@ -28,17 +31,35 @@ class JobLockedError(RuntimeError):
     """Another process is running the same job shard."""
 
 
+@contextmanager
+def naming(path: Path | str) -> Iterator[None]:
+    """Re-raise an OS error of the block as the same error naming ``path``, the file being written
+    (a full disk fails ``write`` or ``fsync`` with ENOSPC and no file name): ``[Errno 28] No space
+    left on device: '<path>'``, the one line a job prints before it exits 1."""
+    try:
+        yield
+    except OSError as e:
+        if e.errno is None:
+            raise
+        raise type(e)(e.errno, e.strerror, str(path)) from e
+
+
 def atomic_write(path: Path | str, text: str) -> None:
     """Write ``text`` to ``path`` through a temp file, fsync and rename: readers see the old file
-    or the new one, never half of one. The temp file is removed if anything fails before the rename."""
+    or the new one, never half of one. The temp file is removed if anything fails before the rename.
+
+    Raises:
+        OSError: naming ``path`` (:func:`naming`); the old file is left as it was.
+    """
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        with naming(path):
+            with open(tmp, "w", encoding="utf-8") as f:
+                f.write(text)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
@@ -103,7 +124,7 @@ class JobStore:
                 return 0
             cut = data.rfind(b"\n") + 1
             (self.path / f"{PREDICTIONS}.partial-{int(time.time() * 1000)}").write_bytes(data[cut:])  # kept as written
-            with open(self.predictions, "r+b") as f:
+            with naming(self.predictions), open(self.predictions, "r+b") as f:
                 f.truncate(cut)
                 os.fsync(f.fileno())
             return len(data) - cut
@@ -135,12 +156,19 @@ class JobStore:
 
         Raises:
             ValueError / TypeError: the record is not strict JSON (NaN, inf, an unknown type).
+            OSError: naming ``predictions.jsonl`` (a full disk); the file is cut back to its
+                stored records, so no other shard appends to half a line.
         """
-        line = json.dumps(record, ensure_ascii=False, allow_nan=False) + "\n"
-        with self.append_lock(), open(self.predictions, "a", encoding="utf-8") as f:
-            f.write(line)
-            f.flush()
-            os.fsync(f.fileno())
+        line = (json.dumps(record, ensure_ascii=False, allow_nan=False) + "\n").encode()
+        with self.append_lock(), naming(self.predictions), open(self.predictions, "ab", buffering=0) as f:
+            end = f.seek(0, os.SEEK_END)
+            try:
+                if f.write(line) != len(line):  # a full disk writes what fits, then fails
+                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+                os.fsync(f.fileno())
+            except OSError:
+                f.truncate(end)
+                raise
 
     def write_json(self, name: str, obj: Any) -> None:
         """Write ``obj`` as ``<folder>/<name>`` atomically."""

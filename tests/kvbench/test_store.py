@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import errno
+import io
 import json
 import math
 import os
@@ -11,6 +13,7 @@ import textwrap
 
 import pytest
 
+import kvbench.store
 from kvbench.store import JobLockedError, JobStore, atomic_write
 from tests.kvbench.cli_util import ROOT, cli_env, job_dir, run_cli, tiny_model_args
 
@@ -124,8 +127,9 @@ def test_atomic_write_keeps_the_old_file_when_the_rename_fails(tmp_path, monkeyp
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(os, "replace", full_disk)
-    with pytest.raises(OSError):
+    with pytest.raises(OSError) as err:
         atomic_write(target, '{"new": true}\n')
+    assert (err.value.errno, err.value.filename) == (errno.ENOSPC, str(target))  # the one line names the file
     assert target.read_text() == '{"old": true}\n'
     assert [p.name for p in tmp_path.iterdir()] == ["summary.json"]
 
@@ -163,3 +167,68 @@ def test_a_corrupt_record_in_the_middle_is_one_oserror_naming_the_line(tmp_path)
     store.append({"id": "b", "error": None})
     with pytest.raises(OSError, match=r"predictions\.jsonl: line 2 is not a JSON record"):
         store.records()
+
+
+class FullDisk(io.FileIO):
+    """A file on a full disk: ``write`` stores what fits (5 bytes) and says so, as write(2) does."""
+
+    def write(self, data):
+        return super().write(bytes(data)[:5])
+
+
+def full_disk_appends(monkeypatch):
+    """Appends to ``predictions.jsonl`` (the store's only ``ab`` open) go to a full disk."""
+    real = open
+    monkeypatch.setattr(kvbench.store, "open", lambda path, mode="r", *a, **k: FullDisk(path, mode) if mode == "ab"
+                        else real(path, mode, *a, **k), raising=False)
+
+
+def fsync_fails(monkeypatch):
+    def fsync(fd):
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+    monkeypatch.setattr(os, "fsync", fsync)
+
+
+@pytest.mark.parametrize("fault, code", [(full_disk_appends, errno.ENOSPC), (fsync_fails, errno.EIO)])
+def test_an_append_that_fails_names_the_file_and_leaves_no_half_line(tmp_path, monkeypatch, fault, code):
+    store = JobStore(tmp_path)
+    store.append(rec(0))
+    before = store.predictions.read_bytes()
+    with monkeypatch.context() as mp:
+        fault(mp)
+        with pytest.raises(OSError) as err:
+            store.append(rec(1))
+    assert (err.value.errno, err.value.filename) == (code, str(store.predictions))
+    assert store.predictions.read_bytes() == before  # another shard's next line starts on a line of its own
+    store.append(rec(2))
+    assert [r["id"] for r in store.records()] == ["s0", "s2"]
+
+
+def test_a_full_disk_while_a_job_stores_is_one_line_naming_the_file_and_exit_1(
+        tmp_path, tiny_model_dir, haystack_dir, monkeypatch, capsys):
+    """Issue #37.5: the job stops with exit 1 and one line naming predictions.jsonl; what the first
+    run stored (records, config.yaml) is kept, and the rerun resumes."""
+    import run
+
+    args = [*tiny_model_args(tiny_model_dir), "task.context_lengths=[256]", "task.depth_percents=[20,80]",
+            "task.max_new_tokens=2", f"task.haystack_dir={haystack_dir}", f"output_root={tmp_path}", "quiet=true",
+            "threads=1"]
+    monkeypatch.setenv("HYDRA_FULL_ERROR", "1")
+
+    def run_job(*extra):
+        monkeypatch.setattr(sys, "argv", ["run.py", *args, *extra])
+        with pytest.raises(SystemExit) as done:
+            run.main()
+        return done.value.code
+
+    assert run_job("max_samples=1") == 0
+    (predictions,) = tmp_path.rglob("predictions.jsonl")
+    stored, _ = predictions.read_bytes(), capsys.readouterr()
+    with monkeypatch.context() as mp:
+        full_disk_appends(mp)
+        assert run_job() == 1
+    err = capsys.readouterr().err
+    assert [line for line in err.splitlines() if line.startswith("error: ")] == [err.splitlines()[-1]]
+    assert str(predictions) in err and "Traceback" not in err
+    assert predictions.read_bytes() == stored and (predictions.parent / "config.yaml").is_file()
+    assert run_job() == 0 and len(predictions.read_text().splitlines()) == 2
