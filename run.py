@@ -11,6 +11,12 @@
 Exit codes: 0 ok, 1 some samples failed (stored with their error; rerun to retry them) or an
 I/O error, 2 configuration error (one line ``error: <key>...``, before any model loads), 3 the job
 shard is locked by another process. A local sweep runs every job and exits with the largest code.
+
+Hydra does the work; what stays here: the arguments are reordered (options first: Hydra's parser
+takes none after an override), ``experiment=X`` becomes ``+experiment=X`` (presets are not in the
+defaults list, so that they come after ``_self_``), ``--multirun`` is added when a launcher is chosen
+(a launcher runs sweeps only); a configuration error's text is cut to one line naming the override,
+as Hydra's messages do not always (an unparsable override, a config group set to null).
 """
 
 from __future__ import annotations
@@ -54,8 +60,29 @@ def _one_line(e: BaseException, args: list[str]) -> str:
             try:
                 OverridesParser.create().parse_override(a)
             except Exception:  # noqa: BLE001
-                return f"{a}: cannot parse this override ({line}); write key=value, see python run.py --help"
+                bad = [c for c in a if not c.isprintable()]
+                why = f"control character {bad[0]!r}" if bad else line
+                return f"{a}: cannot parse this override ({why}); write key=value, see python run.py --help"
     return line
+
+
+def _group_override(e: BaseException, args: list[str]) -> str | None:
+    """The one line for a config group's override whose value is not an option name (``method=null``): Hydra
+    raises a bare ValueError naming no key."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    if isinstance(e, ValueError) and "Config group override" in str(e):
+        for o in OverridesParser.create().parse_overrides([a for a in args if not a.startswith("-")]):
+            folder = Path(__file__).resolve().parent / "conf" / o.key_or_group
+            if folder.is_dir() and not o.is_sweep_override() and not isinstance(o.value(), str):
+                return (f"{o.input_line}: {o.key_or_group} is a config group; accepted values are "
+                        f"{', '.join(sorted(p.stem for p in folder.glob('*.yaml')))}")
+    return None
+
+
+def _escaped(text: str) -> str:
+    """``text`` with control characters escaped (``\\x01``, ``\\r``): an error stays one readable line."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 def main() -> int:
@@ -86,19 +113,15 @@ def main() -> int:
 
             return run_job(cfg)
 
-        app()
-        from kvbench.job import run_pending
-
-        run_pending()  # the jobs a local sweep checked and collected
+        app()  # a local sweep's launcher ends the process itself, with the largest exit code
     except Exception as e:  # noqa: BLE001 - one line for the user, exit code by kind
         kinds = {c.__name__ for c in type(e).__mro__}
-        if not kinds & {*CONFIG_ERRORS, "OSError"}:
+        group = _group_override(e, args)
+        if not (kinds & {*CONFIG_ERRORS, "OSError"} or group):
             raise
-        print(f"error: {_one_line(e, args)}", file=sys.stderr, flush=True)
-        return 2 if kinds & set(CONFIG_ERRORS) else 1
-    from kvbench.job import SWEEP_CODES
-
-    return max(SWEEP_CODES, default=0)
+        print(f"error: {_escaped(group or _one_line(e, args))}", file=sys.stderr, flush=True)
+        return 2 if kinds & set(CONFIG_ERRORS) or group else 1
+    return 0
 
 
 if __name__ == "__main__":

@@ -107,7 +107,7 @@ class Task:
     name: str = "task"
 
     def __init__(self, cfg: dict, tokenizer: Any = None, max_input_tokens: int | None = None,
-                 encode: Callable[[Sample], list[int]] | None = None):
+                 encode: Callable[[Sample], list[int]] | None = None, resolved: dict | None = None):
         """Args:
             cfg: the task's Hydra node as a plain dict (``conf/task/<name>.yaml``).
             tokenizer: the model's Hugging Face tokenizer (text in, token ids out), used for
@@ -116,11 +116,14 @@ class Task:
             encode: the token ids the engine will prefill for a sample (chat template and special
                 tokens included; the job passes ``kvbench.job.encode_prompt``). None: the plain
                 tokenizer without special tokens.
+            resolved: inputs the job's check already read (``kvbench.config.resolved_inputs``: the NIAH
+                haystack), so that the task does not read them again.
         """
         self.cfg = dict(cfg)
         self.tokenizer = tokenizer
         self.max_input_tokens = max_input_tokens
         self.encode = encode
+        self.resolved = resolved or {}
         #: datasets of which :meth:`samples` yielded only the first rows (a sample limit such as
         #: LongBench's ``task.n_samples`` left rows out); filled while :meth:`samples` runs
         self.cut_datasets: list[str] = []

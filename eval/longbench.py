@@ -158,8 +158,9 @@ class LongBenchTask(Task):
     valid_datasets: tuple[str, ...] = DATASETS_ALL
     default_datasets: tuple[str, ...] = ("en16",)
 
-    def __init__(self, cfg: dict, tokenizer: Any = None, max_input_tokens: int | None = None, encode: Any = None):
-        super().__init__(cfg, tokenizer, max_input_tokens, encode)
+    def __init__(self, cfg: dict, tokenizer: Any = None, max_input_tokens: int | None = None, encode: Any = None,
+                 resolved: dict | None = None):
+        super().__init__(cfg, tokenizer, max_input_tokens, encode, resolved)
         self.datasets = self.resolve_datasets(self.cfg.get("datasets"))
         self.n_samples = _positive_int_or_none(self.cfg, "n_samples")
         self.max_length = _positive_int_or_none(self.cfg, "max_length", 2) or max_input_tokens

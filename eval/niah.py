@@ -204,7 +204,7 @@ class NIAHTask(Task):
 
     def samples(self) -> Iterator[Sample]:
         tok = self.tokenizer
-        haystack, self.haystack_source = load_haystack(self.cfg)
+        haystack, self.haystack_source = self.resolved.get("haystack") or load_haystack(self.cfg)
         hay_ids = tok.encode(haystack, add_special_tokens=False)
         needle_ids = tok.encode(self.cfg["needle"], add_special_tokens=False)
         chat = self.cfg.get("prompt_style", "kvcf") == "chat"

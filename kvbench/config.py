@@ -167,10 +167,11 @@ def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def resolved_inputs(task: dict) -> dict:
-    """What the task will read, resolved (part of the job's identity): the NIAH haystack actually
-    used (its source after ``auto`` and the SHA-256 of its text), or the LongBench data files and
-    their SHA-256 (``task.data_dir``; the Hub dataset and revision otherwise).
+def resolved_inputs(task: dict) -> tuple[dict, dict]:
+    """What the task will read, resolved once: ``(inputs, resolved)``. ``inputs`` is part of the job's
+    identity: the NIAH haystack actually used (its source after ``auto`` and the SHA-256 of its text), or
+    the LongBench data files and their SHA-256 (``task.data_dir``; the Hub dataset and revision otherwise).
+    ``resolved`` is what the task is built with (``{"haystack": (text, source)}`` for NIAH).
 
     Raises:
         TaskConfigError: a haystack folder or data folder that does not exist or is empty.
@@ -179,25 +180,41 @@ def resolved_inputs(task: dict) -> dict:
         from eval.niah import load_haystack
 
         text, source = load_haystack(task)
-        source = "dir" if source.startswith("dir:") else source  # the essays' text counts, not their folder
-        return {"haystack": source, "haystack_sha256": hashlib.sha256(text.encode()).hexdigest()}
+        kind = "dir" if source.startswith("dir:") else source  # the essays' text counts, not their folder
+        return {"haystack": kind, "haystack_sha256": hashlib.sha256(text.encode()).hexdigest()}, {"haystack": (text, source)}
     if task.get("data_dir"):
         files = sorted(p for p in Path(task["data_dir"]).expanduser().glob("*.json*") if p.suffix in (".json", ".jsonl"))
         if not files:
             raise TaskConfigError(f"task.data_dir={task['data_dir']}: no such folder, or no .jsonl/.json files in it")
-        return {"data_files": {f.name: _sha256(f) for f in files}}
-    return {"hub": [task.get("hub_dataset"), task.get("hub_revision")]}
+        return {"data_files": {f.name: _sha256(f) for f in files}}, {}
+    return {"hub": [task.get("hub_dataset"), task.get("hub_revision")]}, {}
 
 
 @dataclass
-class Job:
-    """A checked job: the plain config, the method, its folder and what it stands for."""
+class JobSpec:
+    """A checked job, built once by :func:`check` from the composed config; everything downstream takes
+    it and nothing re-checks it.
+
+    Attributes:
+        cfg: the plain config (``config.yaml``); ``top``/``model``: its typed top level and model node.
+        method: the built method (its layout set, artifacts read). ``budget``: the checked budget.
+        source: the resolved model source ``(path, gguf_file)``; ``layout``: the model's head layout.
+        inputs: the resolved inputs in the identity (hashes); ``resolved``: what the task reads, read once.
+        artifacts: the artifact files the method read. ``identity``/``relpath``: the job folder's name.
+    """
 
     cfg: dict
+    top: TopConfig
+    model: ModelConfig
     method: Any
-    relpath: str
-    identity: dict
+    budget: float | int
+    source: tuple[str, str | None]
+    layout: Any
     inputs: dict
+    resolved: dict
+    artifacts: dict
+    identity: dict
+    relpath: str
 
 
 def _package(source: str) -> str:
@@ -257,13 +274,14 @@ def device_type(device: str) -> str:
     return kind
 
 
-def check(cfg: Any, preset: str | None = None) -> Job:
-    """Validate a composed job config once; return the :class:`Job`.
+def check(cfg: Any, preset: str | None = None) -> JobSpec:
+    """Validate a composed job config once and resolve its inputs; return the :class:`JobSpec`.
 
     Raises:
         ConfigError / TaskConfigError: the first problem found, as one line naming the key.
     """
     import methods
+    from methods import artifacts
     from .models import head_layout, read_config, resolve_source
 
     try:
@@ -294,12 +312,14 @@ def check(cfg: Any, preset: str | None = None) -> Job:
                               f"of {limit} tokens (model.max_input_length / task.max_length)")
     source = resolve_source(plain["model"])
     hf_config = read_config(plain["model"], source)  # the layout and context window, without the weights
-    method.layout = head_layout(hf_config, model.name, model.compress_sliding_layers)
-    method.check_layout(method.layout)  # reads the method's artifact files (head / layer scores)
+    method.layout = layout = head_layout(hf_config, model.name, model.compress_sliding_layers)
+    artifacts.reset_files_read()
+    method.check_layout(layout)  # reads the method's artifact files (head / layer scores)
     window = getattr(hf_config.get_text_config(), "max_position_embeddings", None)
     if name == "niah" and window and min(max(task["context_lengths"]), limit) + task["max_new_tokens"] > window:
         raise ConfigError(f"task.max_new_tokens={task['max_new_tokens']}: the longest prompt ({min(max(task['context_lengths']), limit)} "
                           f"tokens) plus the generation exceed the model's context window of {window} tokens")
-    inputs = resolved_inputs(task)
+    inputs, resolved = resolved_inputs(task)
     ident = identity(plain, source, inputs, device_type(top.device))
-    return Job(plain, method, job_relpath(plain, preset, ident), ident, inputs)
+    return JobSpec(plain, top, model, method, budget, source, layout, inputs, resolved, artifacts.files_read(), ident,
+                   job_relpath(plain, preset, ident))

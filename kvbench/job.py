@@ -1,4 +1,4 @@
-"""The job: check the config, load the model, run each sample, store it, summarise.
+"""The job, as the steps of docs/ARCHITECTURE.md: open the store, load, generate and store each sample, summarise.
 
 One job = model × method × task × budget (× shard), one folder of the results store
 (:mod:`kvbench.store`, docs/RESULTS.md). Every sample is isolated: an exception (out of memory,
@@ -28,16 +28,12 @@ from hydra.experimental.callback import Callback
 import eval as tasks
 from eval.base import Sample, Task
 
-from .config import SELECTION_KEYS, Job, check
+from .config import SELECTION_KEYS, JobSpec, check
 from .store import JobStore, atomic_write
 
 log = logging.getLogger("kvbench")
 EXIT_OK, EXIT_SAMPLE_FAILED, EXIT_CONFIG, EXIT_LOCKED = 0, 1, 2, 3
 ROOT = Path(__file__).resolve().parents[1]
-#: exit codes of the jobs a local sweep ran in this process (run.py ends with the largest)
-SWEEP_CODES: list[int] = []
-#: the checked jobs of a local sweep, for :func:`run_pending`
-PENDING: list[Job] = []
 LOG_FORMAT = "[%(asctime)s] %(levelname)s %(name)s: %(message)s"
 
 
@@ -93,12 +89,13 @@ def environment(loaded: Any, device: str) -> dict[str, Any]:
     return env
 
 
-def build_task(cfg: dict, loaded: Any) -> tuple[Task, list[Sample], int]:
-    """A job's task built with ``loaded``'s tokenizer and chat format (``slurm/make_joblist.py --cost`` too), its
-    samples (ids unique, in order) and the prompt budget in tokens: ``task.max_length``, else the model's."""
+def build_task(cfg: dict, loaded: Any, resolved: dict | None = None) -> tuple[Task, list[Sample], int]:
+    """A job's task built with ``loaded``'s tokenizer and chat format (``slurm/make_joblist.py --cost`` too) and the
+    inputs the check resolved (:attr:`JobSpec.resolved`), its samples (ids unique, in order) and the prompt budget
+    in tokens: ``task.max_length``, else the model's."""
     max_input = int(cfg["task"].get("max_length") or loaded.max_input_length)
     task = tasks.get_task_class(cfg["task"]["name"])(cfg["task"], loaded.tokenizer, max_input,
-                                                     encode=lambda s: encode_prompt(loaded, s))
+                                                     encode=lambda s: encode_prompt(loaded, s), resolved=resolved)
     return task, list({s.id: s for s in task.samples()}.values()), max_input
 
 
@@ -227,108 +224,145 @@ def resolve_threads(threads: Any) -> int | None:
     return max(1, cores - round(os.getloadavg()[0])) if hasattr(os, "getloadavg") else cores
 
 
-def run_job(job: Job, wait_s: float | None = None) -> int:
+def run_job(job: JobSpec, wait_s: float | None = None) -> int:
     """Run a checked job; returns the exit code (:func:`run_jobs`)."""
     return run_jobs([job], wait_s)[0]
 
 
-def run_jobs(jobs: list[Job], wait_s: float | None = None) -> list[int]:
+def run_jobs(jobs: list[JobSpec], wait_s: float | None = None) -> list[int]:
     """Run checked jobs that differ only in method and budget, one model load and one prefill per
     sample for all of them (:func:`kvbench.engine.prefill`); each job decodes and stores its records
-    in its own folder under its own lock, as if run alone. Returns one exit code per distinct job
-    folder: 0 ok, 1 some samples failed, 3 the folder is locked by another process (one line).
+    in its own folder under its own lock, as if run alone. The steps: :func:`open_stores`,
+    :func:`load`, :func:`write_env`, :func:`run_samples` (generate and store each sample), :func:`summarise`.
+    Returns one exit code per job: 0 ok, 1 some samples failed, 3 the folder is locked by another
+    process (one line). Twins (``method=full`` at two budgets: one folder) run once, as the first.
 
     ``wait_s``: seconds to wait for another process running the same shard (default ``lock_wait_s``).
 
     Raises:
-        ConfigError: the model cannot be loaded, or a method does not fit its head layout.
+        ConfigError: the model cannot be loaded, or the prompts do not fit its context window (a job
+            folder this run made is removed again: nothing is left but the error line).
     """
-    import torch
+    from .engine import Engine
+
+    unique: dict[str, JobSpec] = {}
+    for job in jobs:
+        unique.setdefault(job.relpath, job)
+    codes: dict[str, int] = {}
+    with ExitStack() as stack:
+        runs = open_stores(list(unique.values()), stack, wait_s, codes)
+        if runs:
+            loaded, task, mine, expected, compiled = load(runs[0][0])
+            for job, store in runs:
+                write_env(job, store, loaded, compiled, mine)
+            engines = [Engine(loaded, job.method, job.budget) for job, _ in runs]
+            for engine in engines:
+                engine.compile_decode = compiled
+            run_samples(engines, loaded, task, mine, [store for _, store in runs], runs[0][0].top.quiet)
+            codes.update({job.relpath: summarise(job, store, task, expected) for job, store in runs})
+            del engines, loaded, task
+            _free_cuda()
+    return [codes[j.relpath] for j in jobs]
+
+
+def open_stores(jobs: list[JobSpec], stack: ExitStack, wait_s: float | None, codes: dict[str, int]) -> list[tuple]:
+    """Open each job's store (:class:`JobStore`) in ``stack``: take its shard lock (held by another process:
+    one line, code 3), repair a truncated last line, write ``config.yaml`` and ``identity.json`` the first
+    time. A finished job prints its summary and gets its code in ``codes``. Returns the ``(job, store)``
+    pairs to run; a folder made here is removed again when ``stack`` closes on an error before any
+    sample was stored."""
     from omegaconf import OmegaConf
 
-    from methods import artifacts
     from methods.base import ConfigError
 
-    from .engine import Engine
-    from .models import load_model
     from .store import JobLockedError
 
-    jobs = list({j.relpath: j for j in jobs}.values())  # twins (method=full at two budgets) are one job
-    cfg, codes, runs = jobs[0].cfg, {}, []
-    shard = (cfg["shard"]["index"], cfg["shard"]["count"])
-    with ExitStack() as stack:
-        for job in jobs:
-            try:
-                store = JobStore(Path(cfg["output_root"]).resolve() / job.relpath, shard)
-            except OSError as e:
-                raise ConfigError(f"output_root={cfg['output_root']}: cannot make the job folder there ({e.strerror})") from None
-            try:
-                stack.enter_context(store.locked(float(cfg["lock_wait_s"]) if wait_s is None else wait_s))
-            except JobLockedError as e:
-                print(f"error: {e}", file=sys.stderr, flush=True)
-                codes[job.relpath] = EXIT_LOCKED
-                continue
-            repaired = store.repair()
-            if not (store.path / "config.yaml").exists():
-                atomic_write(store.path / "config.yaml", OmegaConf.to_yaml({k: v for k, v in job.cfg.items() if k != "sweep"}))
-                store.write_json("identity.json", job.identity)
-            done = _read_summary(store)
-            if (done and done.get("complete") and done.get("selection") == selection(job.cfg) and shard[1] == 1
-                    and not repaired and len(store.done_ids()) >= done["n_samples"]):  # the records still back it
-                log.info("job %s: already complete; nothing to do", job.relpath)
-                print_summary(done, store.path)
-                codes[job.relpath] = EXIT_SAMPLE_FAILED if done["n_failed"] else EXIT_OK
-            else:
-                runs.append((job, store))
-        if not runs:
-            return [codes[j.relpath] for j in jobs]
-        threads = resolve_threads(cfg.get("threads"))
-        if threads:
-            torch.set_num_threads(threads)
-        random.seed(cfg["seed"])
-        torch.manual_seed(cfg["seed"])
-        loaded = load_model(cfg["model"], cfg["device"])
-        task, samples, max_input = build_task(cfg, loaded)
-        cap = cfg.get("max_samples") or len(samples)
-        mine = samples[shard[0]::shard[1]][:cap]
-        expected = [s.id for k in range(shard[1]) for s in samples[k::shard[1]][:cap]]
-        window = getattr(loaded.model.config, "max_position_embeddings", None)
-        longest = max((s.max_new_tokens for s in mine), default=0) + max_input
-        if isinstance(window, int) and longest > window:
-            raise ConfigError(f"task.max_length / model.max_input_length: {max_input} prompt tokens + generation exceed "
-                              f"the model's context window of {window} tokens")
-        compiled = cfg.get("compile", "auto") is True or (cfg.get("compile", "auto") == "auto" and loaded.device.type
-                                                           == "cuda" and not cfg["model"].get("device_map"))
-        env_name = "env.json" if shard[1] == 1 else f"env.shard{shard[0]}.json"
-        for job, store in runs:
-            job.method.layout = loaded.layout
-            artifacts.reset_files_read()
-            job.method.check_layout(loaded.layout)
-            env = {**environment(loaded, cfg["device"]), "inputs": job.inputs, "artifacts": artifacts.files_read(),
-                   "decode_compiled": compiled}
-            name = env_name  # every run that stores samples keeps its provenance
-            if (store.path / name).exists():
-                name = name.replace(".json", f".{time.strftime('%Y%m%d-%H%M%S')}.json")
-            store.write_json(name, env)
-            stored = store.done_ids()
-            log.info("job %s: %d samples in this shard, %d stored, %d to run", job.relpath, len(mine),
-                     sum(s.id in stored for s in mine), sum(s.id not in stored for s in mine))
-        engines = [Engine(loaded, job.method, job.cfg["budget"]) for job, _ in runs]
-        for engine in engines:
-            engine.compile_decode = compiled
-        _loop(engines, loaded, task, mine, [store for _, store in runs], bool(cfg.get("quiet")))
-        for job, store in runs:
-            with store.append_lock():
-                records = list(store.latest().values())
-                summary = summarize(job.cfg, task, records, expected, job.relpath, getattr(task, "skipped", None))
-                if cfg["task"]["name"] == "niah":
-                    heatmap(store, [r for r in records if r["id"] in set(summary["ids"])], job.cfg)
-                store.write_json("summary.json", summary)
-            print_summary(summary, store.path)
-            codes[job.relpath] = EXIT_SAMPLE_FAILED if summary["n_failed"] else EXIT_OK
-        del engines, loaded, task
-        _free_cuda()
-    return [codes[j.relpath] for j in jobs]
+    runs = []
+    for job in jobs:
+        top, shard = job.top, (job.top.shard.index, job.top.shard.count)
+        try:
+            store = JobStore(Path(top.output_root).resolve() / job.relpath, shard)
+        except OSError as e:
+            raise ConfigError(f"output_root={top.output_root}: cannot make the job folder there ({e.strerror})") from None
+        stack.push(lambda kind, *_, store=store: bool(kind and store.discard_if_empty()))
+        try:
+            stack.enter_context(store.locked(top.lock_wait_s if wait_s is None else wait_s))
+        except JobLockedError as e:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+            codes[job.relpath] = EXIT_LOCKED
+            continue
+        repaired = store.repair()
+        if not (store.path / "config.yaml").exists():
+            atomic_write(store.path / "config.yaml", OmegaConf.to_yaml({k: v for k, v in job.cfg.items() if k != "sweep"}))
+            store.write_json("identity.json", job.identity)
+        done = _read_summary(store)
+        if (done and done.get("complete") and done.get("selection") == selection(job.cfg) and shard[1] == 1
+                and not repaired and len(store.done_ids()) >= done["n_samples"]):  # the records still back it
+            log.info("job %s: already complete; nothing to do", job.relpath)
+            print_summary(done, store.path)
+            codes[job.relpath] = EXIT_SAMPLE_FAILED if done["n_failed"] else EXIT_OK
+        else:
+            runs.append((job, store))
+    return runs
+
+
+def load(job: JobSpec) -> tuple[Any, Task, list[Sample], list[str], bool]:
+    """Seed, set the threads, load the model (:func:`kvbench.models.load_model`, from the resolved source) and build
+    the task from the resolved inputs. Returns the model, the task, this shard's samples, the ids every shard
+    together expects, and whether decode is compiled.
+
+    Raises:
+        ConfigError: the model cannot be loaded, or the prompts + generation exceed its context window.
+    """
+    import torch
+
+    from methods.base import ConfigError
+
+    from .models import load_model
+
+    top, (index, count) = job.top, (job.top.shard.index, job.top.shard.count)
+    threads = resolve_threads(top.threads)
+    if threads:
+        torch.set_num_threads(threads)
+    random.seed(top.seed)
+    torch.manual_seed(top.seed)
+    loaded = load_model(job.cfg["model"], top.device, job.source)
+    task, samples, max_input = build_task(job.cfg, loaded, job.resolved)
+    cap = top.max_samples or len(samples)
+    mine = samples[index::count][:cap]
+    expected = [s.id for k in range(count) for s in samples[k::count][:cap]]
+    window = getattr(loaded.model.config, "max_position_embeddings", None)
+    if isinstance(window, int) and max((s.max_new_tokens for s in mine), default=0) + max_input > window:
+        raise ConfigError(f"task.max_length / model.max_input_length: {max_input} prompt tokens + generation exceed "
+                          f"the model's context window of {window} tokens")
+    compiled = top.compile is True or (top.compile == "auto" and loaded.device.type == "cuda" and not job.model.device_map)
+    return loaded, task, mine, expected, compiled
+
+
+def write_env(job: JobSpec, store: JobStore, loaded: Any, compiled: bool, mine: list[Sample]) -> None:
+    """``env.json`` (``env.shard<k>.json``; a rerun's gets a timestamp): versions, device, the resolved inputs and
+    artifact files, whether decode is compiled."""
+    shard = job.top.shard
+    name = "env.json" if shard.count == 1 else f"env.shard{shard.index}.json"
+    if (store.path / name).exists():  # every run that stores samples keeps its provenance
+        name = name.replace(".json", f".{time.strftime('%Y%m%d-%H%M%S')}.json")
+    store.write_json(name, {**environment(loaded, job.top.device), "inputs": job.inputs, "artifacts": job.artifacts,
+                            "decode_compiled": compiled})
+    stored = store.done_ids()
+    log.info("job %s: %d samples in this shard, %d stored, %d to run", job.relpath, len(mine),
+             sum(s.id in stored for s in mine), sum(s.id not in stored for s in mine))
+
+
+def summarise(job: JobSpec, store: JobStore, task: Task, expected: list[str]) -> int:
+    """Write ``summary.json`` (and the NIAH heatmap) under the append lock, print it; returns the job's exit code."""
+    with store.append_lock():
+        records = list(store.latest().values())
+        summary = summarize(job.cfg, task, records, expected, job.relpath, getattr(task, "skipped", None))
+        if job.cfg["task"]["name"] == "niah":
+            heatmap(store, [r for r in records if r["id"] in set(summary["ids"])], job.cfg)
+        store.write_json("summary.json", summary)
+    print_summary(summary, store.path)
+    return EXIT_SAMPLE_FAILED if summary["n_failed"] else EXIT_OK
 
 
 def _read_summary(store: JobStore) -> dict | None:
@@ -340,7 +374,7 @@ def _read_summary(store: JobStore) -> dict | None:
         return None
 
 
-def _loop(engines: list[Any], loaded: Any, task: Task, samples: list[Sample], stores: list[JobStore], quiet: bool) -> None:
+def run_samples(engines: list[Any], loaded: Any, task: Task, samples: list[Sample], stores: list[JobStore], quiet: bool) -> None:
     """Run each sample for every (engine, store) that has not stored it, one prefill per sample for
     all of them, appending one record per sample and store: a progress bar on a terminal, one log
     line per sample in a log file or pipe."""
@@ -378,13 +412,13 @@ def _loop(engines: list[Any], loaded: Any, task: Task, samples: list[Sample], st
                 log.info("sample %d/%d %s: %s", i, len(todo), sample.id, ", ".join(outcomes))
 
 
-def main(cfg: Any) -> int:
-    """Hydra's task function (``run.py``): check the config once, run the job.
+def main(cfg: Any) -> Any:
+    """Hydra's task function (``run.py``): check the config once (:class:`JobSpec`), run the job.
 
-    A single run exits with the job's code. A local sweep (Hydra's basic launcher, this process) only
-    checks and collects its jobs: a configuration error stops it before any model loads, and
-    :func:`run_pending` runs them once all are checked. With other launchers (SLURM, joblib) a
-    failing job raises so that the launcher reports it.
+    A single run exits with the job's code. In a local sweep (``hydra/launcher=local``,
+    ``hydra_plugins/kvbench_launcher``) it returns the checked job to the launcher, which checks every
+    job before any model loads and then runs them (:func:`run_sweep`). With other launchers (SLURM,
+    joblib) a failing job raises so that the launcher reports it.
     """
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
@@ -401,21 +435,22 @@ def main(cfg: Any) -> int:
         print(f"error: experiment={hc.runtime.choices.get('experiment')} sweeps {', '.join(hc.sweeper.params)}: add "
               "--multirun (-m) to run its jobs", file=sys.stderr)
         sys.exit(EXIT_CONFIG)
-    local = str(OmegaConf.select(hc, "launcher._target_", default="")).endswith("BasicLauncher")
+    local = multirun and str(OmegaConf.select(hc, "launcher._target_", default="")).endswith(".LocalLauncher")
     try:
         job = check(cfg, hc.runtime.choices.get("method"))
+        if local:
+            return job
         logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
-        if multirun and local:  # every job of a local sweep is checked before any model loads (run_pending)
-            PENDING.append(job)
-            return EXIT_OK
         # in a sweep a job may meet its twin (method=full at several budgets is one folder): wait for it
-        code = run_job(job, max(job.cfg["lock_wait_s"], 86400) if multirun else None)
+        code = run_job(job, max(job.top.lock_wait_s, 86400) if multirun else None)
     except (ConfigError, TaskConfigError, OSError) as e:  # one line, before any model loads where it can
+        if local:
+            return e  # the launcher stops the sweep with it, once every job is checked
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr, flush=True)
         sys.exit(EXIT_SAMPLE_FAILED if isinstance(e, OSError) else EXIT_CONFIG)
     if not multirun:
         sys.exit(code)
-    if code:  # another launcher's job (a local sweep's jobs ran in run_pending)
+    if code:  # another launcher's job
         raise RuntimeError(f"kvbench job {job.relpath} exited {code}")
     return code
 
@@ -426,16 +461,16 @@ class SweepCheck(Callback):
     a launcher other than the local one prints one line ``error: sweep.share_prefill...`` and exits 2."""
 
     def on_multirun_start(self, config: Any, **kwargs: Any) -> None:
-        if config.sweep.share_prefill and not str(config.hydra.launcher._target_).endswith("BasicLauncher"):
+        if config.sweep.share_prefill and not str(config.hydra.launcher._target_).endswith(".LocalLauncher"):
             print(f"error: sweep.share_prefill=true: runs with the local launcher only (hydra/launcher=local), not "
                   f"{config.hydra.runtime.choices['hydra/launcher']}", file=sys.stderr, flush=True)
             sys.exit(EXIT_CONFIG)
 
 
-def run_pending() -> None:
-    """Run the jobs :func:`main` checked and collected in a local sweep, in order, codes into :data:`SWEEP_CODES`: each
-    alone (a twin folder, e.g. ``method=full`` at several budgets, waits for its twin), or with
-    ``sweep.share_prefill=true`` one :func:`run_jobs` per group of jobs differing only in ``method`` and ``budget``.
+def run_sweep(jobs: list[JobSpec]) -> int:
+    """Run the checked jobs of a local sweep in order; returns the largest exit code. Each runs alone (a twin
+    folder, e.g. ``method=full`` at several budgets, waits for its twin), or with ``sweep.share_prefill=true``
+    one :func:`run_jobs` per group of jobs differing only in ``method`` and ``budget``.
 
     Raises:
         ConfigError / TaskConfigError / OSError: as :func:`run_jobs` (``run.py`` prints one line).
@@ -443,12 +478,12 @@ def run_pending() -> None:
     import json
 
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT, force=True)  # not Hydra's launcher format ([HYDRA])
-    groups: dict[str, list[Job]] = {}
-    for i, job in enumerate(PENDING):
-        shared = (job.cfg.get("sweep") or {}).get("share_prefill")
+    groups: dict[str, list[JobSpec]] = {}
+    for i, job in enumerate(jobs):
         key = json.dumps({k: v for k, v in job.cfg.items() if k not in ("method", "budget")}, sort_keys=True,
-                         default=str) if shared else i
+                         default=str) if job.top.sweep.share_prefill else i
         groups.setdefault(key, []).append(job)
-    PENDING.clear()
+    codes = [0]
     for group in groups.values():  # in a shared group twins are one job: a held lock waits lock_wait_s, then exit 3
-        SWEEP_CODES.extend(run_jobs(group, None if len(group) > 1 else max(group[0].cfg["lock_wait_s"], 86400)))
+        codes += run_jobs(group, None if len(group) > 1 else max(group[0].top.lock_wait_s, 86400))
+    return max(codes)

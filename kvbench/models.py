@@ -355,8 +355,9 @@ def load_tokenizer(model_cfg: dict, source: tuple[str, str | None] | None = None
     return tokenizer
 
 
-def load_model(model_cfg: dict, device: str = "auto") -> LoadedModel:
-    """Load tokenizer and model as ``model_cfg`` says, the weights straight onto ``device``.
+def load_model(model_cfg: dict, device: str = "auto", source: tuple[str, str | None] | None = None) -> LoadedModel:
+    """Load tokenizer and model as ``model_cfg`` says, the weights straight onto ``device``. ``source``:
+    :func:`resolve_source`'s answer, when the caller has it.
 
     Device ``auto``: CUDA with the config's CUDA dtype (bf16) when present, else CPU float32.
     ``model.device_map=auto`` spreads a large model over all GPUs (accelerate).
@@ -376,7 +377,7 @@ def load_model(model_cfg: dict, device: str = "auto") -> LoadedModel:
     dev = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device)
     spec = model_cfg.get("dtype") or {}  # {cuda: bfloat16, cpu: float32} or one name for every device
     dtype = getattr(torch, spec.get(dev.type, "bfloat16" if dev.type == "cuda" else "float32") if isinstance(spec, dict) else spec)
-    path, gguf_file = resolve_source(model_cfg)
+    path, gguf_file = source or resolve_source(model_cfg)
     trust = bool(model_cfg.get("trust_remote_code", False))
     device_map = model_cfg.get("device_map")
     model_kwargs = {"attn_implementation": ATTN_IMPLEMENTATION, "trust_remote_code": trust,

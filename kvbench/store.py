@@ -75,6 +75,8 @@ class JobStore:
 
     def __init__(self, path: Path | str, shard: tuple[int, int] = (0, 1)):
         self.path = Path(path)
+        #: the folders this store made, innermost first (:meth:`discard_if_empty`)
+        self.made = [p for p in (self.path, *self.path.parents) if not p.exists()]
         self.path.mkdir(parents=True, exist_ok=True)
         self.shard = shard
         self.predictions = self.path / PREDICTIONS
@@ -169,6 +171,16 @@ class JobStore:
             except OSError:
                 f.truncate(end)
                 raise
+
+    def discard_if_empty(self) -> None:
+        """Remove the folders this store made if no sample was stored (a job that fails before its first
+        sample leaves nothing behind); a folder another shard has opened is left alone."""
+        if not self.made or self.predictions.exists() or len(list(self.path.glob(".lock.shard*"))) > 1:
+            return
+        for f in self.path.iterdir():
+            f.unlink()
+        for folder in self.made:
+            folder.rmdir()
 
     def write_json(self, name: str, obj: Any) -> None:
         """Write ``obj`` as ``<folder>/<name>`` atomically."""

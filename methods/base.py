@@ -215,12 +215,9 @@ def check_budget(budget: float | int) -> None:
 
 def resolve_budget(budget: float | int, n_tokens: int) -> int:
     """Tokens per KV head for an n-token prompt, capped at n: m = ⌊ρ·n⌋ for a ratio ρ in (0, 1]
-    (SelKV Sec. 3.2), the count itself for an integer budget.
-
-    Raises:
-        ConfigError: a budget :func:`check_budget` rejects.
+    (SelKV Sec. 3.2), the count itself for an integer budget. ``budget`` was checked once, with the
+    job's config (:func:`check_budget`).
     """
-    check_budget(budget)
     if is_ratio(budget):
         return min(n_tokens, int(math.floor(budget * n_tokens)))
     return min(n_tokens, int(budget))

@@ -10,7 +10,8 @@ Array task *i* runs ``python run.py <line i>``. Jobs come in the order of Hydra'
 into one job folder. Overrides are shell-quoted (``shlex.join``), so a line can be pasted after ``python run.py``.
 An experiment preset (``+experiment=NAME``) adds its own sweep (``hydra.sweeper.params``; keys
 on the command line win). Comma lists, ``range()`` and ``choice()`` expand; ``glob()`` and
-``interval()`` are refused. The overrides are not validated here: each job checks its own config.
+``interval()`` are refused. Each job is composed (a full-cache job ignores the budget: it is listed once,
+at its first budget, as a local sweep runs it), not checked: each job checks its own config.
 
 ``--cost RUN`` prints what the sweep will cost instead: per job (array task) its samples, prompt
 tokens and generation limit (the task built with the model's tokenizer, as the job builds it) and
@@ -122,25 +123,32 @@ def job_samples(cfg: dict) -> list[tuple[int, int]]:
     return [(len(encode_prompt(loaded, s)), s.max_new_tokens) for s in build_task(cfg, loaded)[1]]
 
 
-def cost(jobs: list[list[str]], run: Path):
-    """A pandas frame, one row per job: samples (its shard's, after ``max_samples``), prompt tokens,
-    new tokens (at most) and hours = prompt tokens / prefill tok/s + new tokens / decode tok/s, at the
-    rates :func:`rates` measured in ``run`` for the job's model. Generation may stop earlier, so the
-    decode part is an upper bound; model loading is not counted."""
-    import pandas as pd
+def unique_jobs(jobs: list[list[str]]) -> list[tuple[list[str], dict]]:
+    """Each job with its composed config, twins left out: ``method=full`` at several budgets is one job folder,
+    listed once at its first budget."""
     from omegaconf import OmegaConf
 
     sys.path.insert(0, str(ROOT))  # kvbench, methods, eval of this checkout
     from kvbench.latency import compose
 
-    rows, samples, speed, seen = [], {}, {}, set()
+    out: dict[str, tuple[list[str], dict]] = {}
     for job in jobs:
         cfg = OmegaConf.to_container(compose(job), resolve=True)
         twin = json.dumps({k: v for k, v in cfg.items() if k != "budget" or cfg["method"]["name"] != "full"},
-                          sort_keys=True, default=str)  # the full cache ignores the budget: one folder, run once
-        if twin in seen:
-            continue
-        seen.add(twin)
+                          sort_keys=True, default=str)
+        out.setdefault(twin, (job, cfg))
+    return list(out.values())
+
+
+def cost(jobs: list[tuple[list[str], dict]], run: Path):
+    """A pandas frame, one row per job: samples (its shard's, after ``max_samples``), prompt tokens,
+    new tokens (at most) and hours = prompt tokens / prefill tok/s + new tokens / decode tok/s, at the
+    rates :func:`rates` measured in ``run`` for the job's model. Generation may stop earlier, so the
+    decode part is an upper bound; model loading is not counted."""
+    import pandas as pd
+
+    rows, samples, speed = [], {}, {}
+    for job, cfg in jobs:
         key = json.dumps([cfg["model"], cfg["task"]], sort_keys=True)
         samples[key] = samples.get(key) or job_samples(cfg)
         name = cfg["model"]["name"]
@@ -175,9 +183,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"{given[0]}: --shards {args.shards} sets shard.index and shard.count on every line")
     try:
         overrides = [("+" + o if o.startswith("experiment=") else o) for o in args.overrides]
-        jobs = expand(overrides + preset_sweeps(overrides), args.shards)
+        composed = unique_jobs(expand(overrides + preset_sweeps(overrides), args.shards))
+        jobs = [job for job, _ in composed]
         if args.cost:
-            table = cost(jobs, args.cost)
+            table = cost(composed, args.cost)
             print(table.to_string(index=False, float_format="{:.2f}".format))
             print(f"{len(table)} jobs, {table.samples.sum()} samples, {table.hours.sum():.2f} hours on RUN's device; "
                   f"the longest job {60 * table.hours.max():.0f} min (size timeout_min, or split it with --shards / shard.count)")

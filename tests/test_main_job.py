@@ -19,11 +19,15 @@ GRID = ["task.context_lengths=[256,512]", "task.depth_percents=[20,80]", "task.m
 @pytest.fixture(scope="module")
 def one_sample_job(tmp_path_factory):
     """Run a one-sample job through run.py's ``main()`` in this process, recording every Hydra
-    composition (its run mode) and every call of ``kvbench.config.check``."""
+    composition (its run mode) and the calls of ``kvbench.config.check`` and of the checks and
+    resolutions that must run once."""
     from hydra._internal.config_loader_impl import ConfigLoaderImpl
 
+    import eval.niah
     import kvbench.config
     import kvbench.job
+    import kvbench.models
+    import methods.selkv
     import run
 
     tmp = tmp_path_factory.mktemp("one_sample")
@@ -38,6 +42,12 @@ def one_sample_job(tmp_path_factory):
         calls["check"] += 1
         return check(*args, **kwargs)
 
+    def counted(name, fn):
+        def wrapper(*args, **kwargs):
+            calls[name] = calls.get(name, 0) + 1
+            return fn(*args, **kwargs)
+        return wrapper
+
     model, hay = make_tiny_model_dir(tmp / "model"), make_haystack_dir(tmp / "hay")
     args = [*tiny_model_args(model), "max_samples=1", "task.context_lengths=[256]", "task.depth_percents=[50]",
             "task.max_new_tokens=4", f"task.haystack_dir={hay}", f"output_root={tmp / 'out'}", "quiet=true", "threads=1"]
@@ -45,6 +55,9 @@ def one_sample_job(tmp_path_factory):
         mp.setattr(ConfigLoaderImpl, "load_configuration", counted_load)
         mp.setattr(kvbench.config, "check", counted_check)
         mp.setattr(kvbench.job, "check", counted_check)
+        for owner, name in ((kvbench.config, "check_budget"), (methods.selkv.SelKV, "check_layout"),
+                            (eval.niah, "load_haystack"), (kvbench.models, "resolve_source")):
+            mp.setattr(owner, name, counted(name, getattr(owner, name)))
         mp.setenv("HYDRA_FULL_ERROR", "1")
         mp.setattr(sys, "argv", ["run.py", *args])
         with pytest.raises(SystemExit) as done:
@@ -63,6 +76,12 @@ def test_a_one_sample_job_is_validated_once_and_composed_once_for_its_run(one_sa
 
 def test_a_one_sample_job_composes_its_config_once(one_sample_job):
     assert len(one_sample_job[1]["compose"]) == 1
+
+
+def test_a_one_sample_job_checks_and_resolves_each_input_once(one_sample_job):
+    calls = one_sample_job[1]
+    assert {k: calls.get(k) for k in ("check_budget", "check_layout", "load_haystack", "resolve_source")} == dict.fromkeys(
+        ("check_budget", "check_layout", "load_haystack", "resolve_source"), 1)
 
 
 @needs_embedded

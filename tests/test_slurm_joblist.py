@@ -66,6 +66,8 @@ def test_flags_are_checked_and_overrides_may_follow_options(tmp_path, capsys):
     assert main(["method=full", "-o", str(jobs), "budget=0.5"]) == 0
     assert jobs.read_text() == "method=full budget=0.5\n"
     assert main(["method=full", "--shards", "0"]) == 2
+    assert main(["method=full,snapkv", "budget=0.1,0.5", "-o", str(jobs)]) == 0  # the full cache: one folder, one line
+    assert jobs.read_text().splitlines() == ["method=full budget=0.1", "method=snapkv budget=0.1", "method=snapkv budget=0.5"]
     assert "--shards=0" in capsys.readouterr().err
     for argv, flag in ((["method=full", "--parallel", "0"], "--parallel 0"),
                        (["method=full", "shard.count=3", "--shards", "2"], "shard.count=3"),
@@ -170,10 +172,10 @@ def test_cost_rates_and_hours_from_a_stored_run(tmp_path, monkeypatch, capsys):
     out = capsys.readouterr().out
     # per shard: 2000 / 500 + 100 / 10 = 14 s; 4 array tasks
     assert f"4 jobs, 8 samples, {4 * 14 / 3600:.2f} hours on RUN's device" in out and out.count(f"{14 / 3600:.2f}") >= 4
-    table = make_joblist.cost(expand(["max_samples=1"]), tmp_path / "niah")
+    table = make_joblist.cost(make_joblist.unique_jobs(expand(["max_samples=1"])), tmp_path / "niah")
     assert table.samples.tolist() == [1] and table.hours.tolist() == [pytest.approx((2 + 5) / 3600)]
     # the full cache at three budgets is one job folder, costed once; snapkv's two budgets are two jobs
-    assert len(make_joblist.cost(expand(["method=full,snapkv", "budget=0.1,0.25,0.5"]), tmp_path / "niah")) == 4
+    assert len(make_joblist.cost(make_joblist.unique_jobs(expand(["method=full,snapkv", "budget=0.1,0.25,0.5"])), tmp_path / "niah")) == 4
 
 
 def test_cost_counts_the_task_samples_with_the_model_tokenizer(tmp_path):
@@ -184,9 +186,9 @@ def test_cost_counts_the_task_samples_with_the_model_tokenizer(tmp_path):
 
     _stored_run(tmp_path, "smollm2", [dict(error=None, prompt_tokens=400, prefill_s=1.0, compress_s=0.0,
                                            generated_tokens=4, decode_s=1.0)])
-    table = make_joblist.cost(expand([f"model.source={tiny_model_dir}", "model.gguf_file=null", "model.chat_template=none",
-                                      "task.context_lengths=[400,600]", "task.depth_percents=[10,50,90]",
-                                      f"task.haystack_dir={haystack_dir}", "task.max_new_tokens=4"], shards=2), tmp_path)
+    table = make_joblist.cost(make_joblist.unique_jobs(expand([
+        f"model.source={tiny_model_dir}", "model.gguf_file=null", "model.chat_template=none", "task.context_lengths=[400,600]",
+        "task.depth_percents=[10,50,90]", f"task.haystack_dir={haystack_dir}", "task.max_new_tokens=4"], shards=2)), tmp_path)
     assert table.samples.tolist() == [3, 3] and table.new_tokens.tolist() == [12, 12]
     assert table.prompt_tokens.tolist() == [400 + 400 + 600, 400 + 600 + 600]  # samples 0, 2, 4 and 1, 3, 5
     assert table.hours.sum() == pytest.approx((table.prompt_tokens.sum() / 400 + 24 / 4) / 3600)

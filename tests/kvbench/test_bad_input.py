@@ -61,6 +61,10 @@ CASES = [
     ("missing-model-path", ["model.source={tmp}/no_model"], "model.source"),
     ("hub-id-offline", ["model.source=nobody/no-such-model", "model.gguf_file=null"], "model.source"),
     ("dtype", ["model.dtype.cpu=float64"], "model.dtype.cpu"),
+    ("group-null", ["method=null"], "method=null"),
+    ("group-null-in-sweep", ["-m", "task=null", "budget=0.1,0.5"], "task=null"),
+    ("control-character", ["max_samples=1", "budget=0.5\r"], "budget=0.5\\r"),
+    ("control-character-in-key", ["bud\x1bget=0.5"], "bud\\x1bget"),
 ]
 
 
@@ -86,6 +90,19 @@ def test_bad_input_is_one_line_naming_the_key_and_exit_2(tmp, case_id, args, key
     assert (out.returncode, len(lines)) == (2, 1), out.stderr[-3000:]
     assert lines[0].startswith("error: ") and key in lines[0]
     assert not any(out_root.rglob("predictions.jsonl")) and not any(out_root.rglob("env.json"))
+
+
+def test_a_model_that_fails_to_load_leaves_no_job_folder(tmp, tiny_model_dir):
+    from tests.kvbench.cli_util import tiny_model_args
+
+    broken = tmp / "no_weights"
+    broken.mkdir()
+    for f in tiny_model_dir.iterdir():  # config and tokenizer pass the check; the weights are missing
+        if f.suffix != ".safetensors":
+            (broken / f.name).write_bytes(f.read_bytes())
+    out = run_cli([*tiny_model_args(broken), "task.context_lengths=[256]", f"output_root={tmp}/noweights"])
+    assert out.returncode == 2 and len(out.stderr.splitlines()) == 1 and "model.source" in out.stderr, out.stderr[-2000:]
+    assert not (tmp / "noweights").exists() or not any((tmp / "noweights").iterdir())
 
 
 def test_cuda_device_on_a_machine_without_cuda(tmp):

@@ -14,7 +14,7 @@ import torch
 
 from eval.base import Sample, Task
 from kvbench.engine import Engine
-from kvbench.job import _loop, run_job, run_sample, summarize
+from kvbench.job import run_samples, run_job, run_sample, summarize
 from kvbench.store import JobStore
 from methods.full import FullCache
 from methods.snapkv import SnapKV, SnapKVConfig
@@ -111,7 +111,7 @@ def test_loop_goes_on_after_failures_and_summary_counts_them(loaded, tmp_path, m
     monkeypatch.setattr(Engine, "generate", flaky)
     store = JobStore(tmp_path)
     samples = [sample(f"s/{i}") for i in range(5)]
-    _loop([engine_for(loaded)], loaded, ConstTask(), samples, [store], quiet=True)
+    run_samples([engine_for(loaded)], loaded, ConstTask(), samples, [store], quiet=True)
     records = store.records()
     assert {r["id"]: (r["error"] or {}).get("type") for r in records} == {
         "s/0": None, "s/1": "OutOfMemoryError", "s/2": None, "s/3": "OutOfMemoryError", "s/4": None}

@@ -1,0 +1,24 @@
+"""``hydra/launcher=local`` (the default): a sweep on this machine, in this process.
+
+Hydra's basic launcher runs the task function (``kvbench.job.main``) once per job; here it only checks
+each job (a :class:`kvbench.config.JobSpec`), so that a bad value in any job stops the sweep with one
+line and exit 2 before a model loads. Then :func:`kvbench.job.run_sweep` runs the checked jobs (one
+prefill per sample for those sharing it, ``sweep.share_prefill=true``) and the process ends with the
+largest exit code: Hydra's multirun returns no value to ``run.py``.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from hydra._internal.core_plugins.basic_launcher import BasicLauncher
+
+
+class LocalLauncher(BasicLauncher):
+    def launch(self, job_overrides, initial_job_idx):  # noqa: ANN001, ANN201 - Hydra's Launcher API
+        from kvbench.job import run_sweep
+
+        jobs = [r.return_value for r in super().launch(job_overrides, initial_job_idx)]
+        for error in (j for j in jobs if isinstance(j, Exception)):
+            raise error  # the first bad job's one line (run.py), exit 2
+        sys.exit(run_sweep(jobs))
