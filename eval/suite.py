@@ -73,8 +73,9 @@ class SuiteTask(Task):
     what = ""  # what to download, for the offline error
     ceil_tail = False  # truncate_middle's tail rounding
 
-    def __init__(self, cfg: dict, tokenizer: Any = None, max_input_tokens: int | None = None, encode: Any = None):
-        super().__init__(cfg, tokenizer, max_input_tokens, encode)
+    def __init__(self, cfg: dict, tokenizer: Any = None, max_input_tokens: int | None = None, encode: Any = None,
+                 resolved: dict | None = None):
+        super().__init__(cfg, tokenizer, max_input_tokens, encode, resolved)
         self.validate_keys(self.cfg)
         self.datasets = list(self.cfg.get("datasets") or self.subsets)
         self.max_length = self.cfg.get("max_length") or max_input_tokens
