@@ -221,7 +221,7 @@ def measure(engine, ids: list[int], new_tokens: int) -> dict[str, Any]:
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
         if not starts:  # prefill and compression are over
-            mem["prefill_peak"] = peak_memory_bytes(dev)
+            mem["prefill_peak"] = peak_memory_bytes([dev])
             release_freed_memory()
         mem["decode"] = max(mem["decode"], _mem_now(dev))
         starts.append(time.perf_counter())
@@ -243,9 +243,9 @@ def measure(engine, ids: list[int], new_tokens: int) -> dict[str, Any]:
         **res.record(),
         "decode_step_ms": 1000 * (statistics.median(steps) if len(steps) >= 2 else mean),
         "rss_after_load_bytes": after_load,
-        "prefill_peak_bytes": mem["prefill_peak"] or peak_memory_bytes(dev),
+        "prefill_peak_bytes": mem["prefill_peak"] or peak_memory_bytes([dev]),
         "decode_mem_bytes": mem["decode"] or _mem_now(dev),
-        "peak_bytes": peak_memory_bytes(dev),
+        "peak_bytes": peak_memory_bytes([dev]),
         "weight_bytes": sum(p.numel() * p.element_size() for p in loaded.model.parameters()),
         "kept_tokens_mean": res.kept_tokens.get("mean"),
         "stored_tokens_mean": res.stored_tokens.get("mean"),

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from methods.base import CompressResult, HeadLayout, LayerContext, Method, Plan
 
@@ -33,6 +34,11 @@ except ImportError:  # pragma: no cover - older torch
     varlen_attn = None
 
 ATTN_IMPLEMENTATION = "kvbench"
+#: SDPA backends decode may use (the engine sets them with ``sdpa_kernel`` around its decode steps), in
+#: PyTorch's order: flash, memory-efficient, math. Not cuDNN: its graph cache is keyed on the KV length, which
+#: grows every step (a plan rebuilt per step, pytorch/pytorch#155958); choosing here needs no process-wide
+#: ``TORCH_CUDNN_SDPA_AVOID_RECOMPILE`` and leaves cuDNN to prefill, where PyTorch may prefer it.
+DECODE_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 _PREFILL_CHUNK = 1024  # query rows per block in the soft-capping prefill path
 
 
@@ -51,6 +57,7 @@ class CompressionState:
         rotary: callable positions → (cos, sin) for methods that re-position keys.
         max_new_tokens: decode budget (tokens); compressed layers keep max_new_tokens + 1 free slots per head.
         reference_decode: decode with :func:`grouped_attention` (float32 softmax; tests).
+        backends: the attention PyTorch chose, ``prefill`` (first prefill call) and ``decode`` (:func:`decode_backends`).
     """
 
     method: Method | None
@@ -63,6 +70,7 @@ class CompressionState:
     rotary: Any = None
     max_new_tokens: int = 0
     reference_decode: bool = False
+    backends: dict[str, Any] = field(default_factory=dict)
 
     @property
     def compressing(self) -> bool:
@@ -122,6 +130,39 @@ def decode_backend(layer: Any, key: torch.Tensor, reference: bool = False) -> st
         half = key.is_cuda and key.dtype in (torch.float16, torch.bfloat16)
         return "flash varlen" if half and varlen_attn is not None else "sdpa per head"
     return "sdpa, bias columns" if getattr(layer, "bias_rows", 0) else "sdpa"
+
+
+def sdpa_backend(query, key, value, **kwargs: Any) -> str:
+    """The backend ``F.scaled_dot_product_attention(query, key, value, **kwargs)`` dispatches to on these
+    tensors under the current ``sdpa_kernel`` settings, as PyTorch decides it (``torch._fused_sdp_choice``,
+    the check SDPA itself runs; nothing computed): ``flash_attention``, ``efficient_attention``,
+    ``cudnn_attention``, ``math`` or ``overrideable`` (CPU: ``flash_attention`` is its own CPU kernel)."""
+    return SDPBackend(torch._fused_sdp_choice(query, key, value, **kwargs)).name.lower()
+
+
+def layer_kind(layer: Any) -> str:
+    """A cache layer's decode layout: ``per-head lengths`` (ragged), ``bias columns`` or ``uniform``."""
+    return "per-head lengths" if isinstance(layer, RaggedLayer) else "bias columns" if getattr(layer, "bias_rows", 0) else "uniform"
+
+
+def decode_backends(state: CompressionState) -> dict[str, str]:
+    """The attention of one decode step on each kind of layer (:func:`layer_kind`) of ``state.cache``, as
+    :func:`_decode_attention` calls it: ``flash varlen`` (PyTorch's varlen flash kernel, ragged heads on
+    CUDA), ``reference`` (float32 :func:`grouped_attention`), else :func:`sdpa_backend` of the step's SDPA
+    call (a ragged layer's first head on CPU). Call it under the decode's ``sdpa_kernel`` settings."""
+    out: dict[str, str] = {}
+    g = state.layout.num_q_heads // state.layout.num_kv_heads
+    for layer in state.cache.layers:
+        kind, key = layer_kind(layer), getattr(layer, "keys", None)
+        if kind in out or not isinstance(key, torch.Tensor):
+            continue
+        backend = decode_backend(layer, key, state.reference_decode)
+        if backend.startswith("sdpa"):  # the step's SDPA call: G query rows per KV head, no mask
+            if kind == "per-head lengths":
+                key = key[: layer.lens_host[0] + layer.decoded].reshape(1, 1, -1, key.shape[-1])
+            backend = sdpa_backend(key.new_zeros(*key.shape[:2], g, key.shape[-1]), key, key)
+        out[kind] = backend
+    return out
 
 
 def dense_layer(layer: Any, key: torch.Tensor, value: torch.Tensor, query: torch.Tensor):
@@ -242,6 +283,10 @@ def kvbench_attention(module, query, key, value, attention_mask, scaling=None, d
         out = out.transpose(1, 2).contiguous()
     else:
         out = _prefill_attention(query, key, value, attention_mask, scaling, softcap)
+    for s in state if isinstance(state, list) else [state] if state is not None else []:
+        s.backends.setdefault("prefill", "blocked float32 (column sums)" if sums is not None else "blocked float32"
+                              if softcap else sdpa_backend(query, key, value, attn_mask=attention_mask, enable_gqa=True,
+                                                           is_causal=attention_mask is None and query.shape[2] > 1))
     for s in states:  # each compresses the layer into its own cache
         _compress_layer(s, module, query, key, value, scaling, softcap, sums)
     return out, None

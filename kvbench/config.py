@@ -66,7 +66,7 @@ class TopConfig:
     lock_wait_s: float = 0.0
     quiet: bool = False
     threads: Any = "auto"
-    compile: Any = "auto"  # torch.compile the decode step: auto (CUDA, one device), true, false
+    compile: Any = False  # torch.compile the decode step: false, true, auto (CUDA, one device)
     per_model: Any = None  # experiment presets: per-model helper tables for interpolations
     latency: Any = None  # the latency benchmark's node (conf/experiment/selkv_fig3*.yaml)
 

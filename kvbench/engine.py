@@ -15,14 +15,17 @@ import inspect
 import logging
 import resource
 import time
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import torch
+from torch._dynamo.utils import counters
+from torch.nn.attention import sdpa_kernel
 
 from methods.base import Method, apply_budget_floor
 
-from .attention import CompressionState, attach_bias
+from .attention import DECODE_BACKENDS, CompressionState, attach_bias, decode_backends
 from .kvcache import RaggedLayer, preallocated_cache
 from .models import LoadedModel
 
@@ -50,9 +53,14 @@ class GenerationResult:
             before and after compression (filled slots, bias columns included after).
         prefill_s: prefill seconds excluding compression (a score computed inside the
             prefill attention, LOOK-M's ``fused_score``, is prefill); compress_s: compression seconds;
-        decode_s: seconds from the first decode step to the last; generated_tokens;
-        decode_tok_s: generated tokens per decode second.
-        peak_rss_bytes: process peak resident memory so far (CPU) or peak CUDA memory.
+        decode_s: seconds from the first decode step to the last, without the steps that compiled;
+        compile_s: seconds of the decode steps during which ``torch.compile`` compiled (0 eager);
+        decode_compiled: whether every decode step ran compiled (False: eager, or a compile failed);
+        generated_tokens; decode_tok_s: generated tokens per decode second (the compiling steps' apart).
+        peak_prefill_bytes / peak_decode_bytes: peak memory of prefill with compression, and of decoding
+            (restarted after compression), summed over the model's devices (:func:`peak_memory_bytes`).
+        sdpa_backends: the SDPA backend PyTorch chose, ``{"prefill": ..., "decode": {layer kind: ...}}``
+            (:func:`kvbench.attention.decode_backends`).
         method_stats: method statistics summed over layers (merged, dropped, ...).
     """
 
@@ -71,7 +79,11 @@ class GenerationResult:
     decode_s: float
     generated_tokens: int
     decode_tok_s: float
-    peak_rss_bytes: int
+    peak_prefill_bytes: int
+    peak_decode_bytes: int
+    compile_s: float = 0.0
+    decode_compiled: bool = False
+    sdpa_backends: dict[str, Any] = field(default_factory=dict)
     method_stats: dict[str, float] = field(default_factory=dict)
 
     def record(self) -> dict[str, Any]:
@@ -90,6 +102,11 @@ class GenerationResult:
             "decode_s": round(self.decode_s, 6),
             "generated_tokens": self.generated_tokens,
             "decode_tok_s": round(self.decode_tok_s, 4),
+            "compile_s": round(self.compile_s, 6),
+            "decode_compiled": self.decode_compiled,
+            "peak_prefill_bytes": self.peak_prefill_bytes,
+            "peak_decode_bytes": self.peak_decode_bytes,
+            "sdpa_backends": self.sdpa_backends,
             "method_stats": self.method_stats,
         }
 
@@ -103,11 +120,13 @@ def layer_bytes(layer: Any) -> int:
 
 class Prefilled(NamedTuple):
     """One engine's part of a (shared) prefill: its state with the compressed cache, the last
-    position's logits ``(V,)``, the prefill's seconds without compression."""
+    position's logits ``(V,)``, the prefill's seconds without compression, its peak memory (bytes,
+    compression included, :func:`peak_memory_bytes`)."""
 
     state: CompressionState
     logits: torch.Tensor
     prefill_s: float
+    peak_bytes: int = 0
 
 
 def cache_bytes(cache: Any) -> int:
@@ -147,11 +166,31 @@ def reset_peak_rss() -> bool:
         return False
 
 
-def peak_memory_bytes(device: torch.device) -> int:
-    """Peak CUDA memory on CUDA, else the process's peak resident set size (bytes, :func:`peak_rss_bytes`)."""
-    if device.type == "cuda":
-        return int(torch.cuda.max_memory_allocated(device))
-    return peak_rss_bytes()
+def peak_memory_bytes(devices: list[torch.device]) -> int:
+    """Peak memory since :func:`reset_peak_memory` (bytes), summed over ``devices`` (a model split by
+    ``device_map`` uses several): ``torch.cuda.max_memory_allocated`` of each CUDA device, plus the
+    process's peak resident set size (:func:`peak_rss_bytes`) once if any device is not CUDA."""
+    return (sum(int(torch.cuda.max_memory_allocated(d)) for d in devices if d.type == "cuda")
+            + (peak_rss_bytes() if any(d.type != "cuda" for d in devices) else 0))
+
+
+def reset_peak_memory(devices: list[torch.device]) -> None:
+    """Restart the peaks of :func:`peak_memory_bytes` for ``devices`` at their current use."""
+    for d in devices:
+        if d.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(d)
+    if any(d.type != "cuda" for d in devices):
+        reset_peak_rss()
+
+
+def model_devices(model: torch.nn.Module) -> list[torch.device]:
+    """The devices holding ``model``'s parameters (its cache layers live beside them), sorted."""
+    return sorted({p.device for p in model.parameters()}, key=str)
+
+
+def _compile_frames() -> tuple[int, int]:
+    """(frames torch.compile tried to compile, frames it compiled) so far in this process (dynamo's counters)."""
+    return counters["frames"]["total"], counters["frames"]["ok"]
 
 
 def _stats(values: list[float]) -> dict[str, float]:
@@ -172,8 +211,9 @@ class Engine:
     ``preallocate`` (default True) decodes into :func:`kvbench.kvcache.preallocated_cache`, else
     a ``DynamicCache``; ``reference_decode`` runs decode attention through
     :func:`kvbench.attention.grouped_attention`; ``on_decode_step(step)`` is called before each
-    step; ``compile_decode`` runs decode steps through :meth:`decode_forward`. ``last_state`` holds the
-    last generation's :class:`CompressionState`.
+    step; ``compile_decode`` runs decode steps through :meth:`decode_forward` (a compile failure sets it
+    False and ``compile_error``); ``devices``: those whose peak memory is summed (the model's).
+    ``last_state`` holds the last generation's :class:`CompressionState`.
     """
 
     def __init__(self, loaded: LoadedModel, method: Method, budget: float):
@@ -184,7 +224,9 @@ class Engine:
         self.reference_decode = False
         self.on_decode_step = None
         self.compile_decode = False
+        self.compile_error: str | None = None
         self._compiled = None
+        self.devices = model_devices(self.model) or [loaded.device]
         self.last_state: CompressionState | None = None
         self.last_logits: list[torch.Tensor] = []
         self._floor_warned = False  # the budget-floor warning is logged once per engine
@@ -207,14 +249,27 @@ class Engine:
         """The callable of a decode step: the model, or with ``compile_decode`` the model compiled once per
         engine by ``torch.compile(dynamic=True)``: the cache views ``(B, H_kv, T, d)`` grow by one token a
         step and lengths differ per layer and sample, so T is symbolic (one graph, no recompile per step;
-        inductor fuses norms, RoPE and MLP activations: fewer launches). Compiles on its first call; greedy
-        tokens equal eager's (tests/kvbench/test_compile_decode.py, CPU float32)."""
+        inductor fuses norms, RoPE and MLP activations: fewer launches). Compiles on its first call (and
+        :meth:`generate` times that step as ``compile_s``, not ``decode_s``); greedy tokens equal eager's
+        (tests/kvbench/test_compile_decode.py, CPU float32)."""
         if self.compile_decode and self._compiled is None:
-            import torch.fx.experimental._config as fx_config
-            fx_config.use_duck_shape = False  # layers' lengths equal in one sample are no guard (recompile) for the next
-            torch._dynamo.config.suppress_errors = True  # what the compiler cannot take runs eager (logged), no failed sample
             self._compiled = torch.compile(self.model, dynamic=True)
         return self._compiled if self.compile_decode else self.model
+
+    @staticmethod
+    def _decode_scope(compiled: bool) -> ExitStack:
+        """Enter the decode step's settings, restored on exit (nothing process-wide stays set): SDPA
+        restricted to :data:`kvbench.attention.DECODE_BACKENDS`; compiled, dynamo's ``suppress_errors``
+        (a frame it cannot compile runs eager, never a failed sample; :meth:`generate` records it) and
+        no duck shapes (layers' lengths equal in one sample are no guard, hence no recompile, for the next)."""
+        import torch.fx.experimental._config as fx_config
+
+        stack = ExitStack()
+        stack.enter_context(sdpa_kernel(DECODE_BACKENDS))
+        if compiled:
+            stack.enter_context(torch._dynamo.config.patch(suppress_errors=True))
+            stack.enter_context(fx_config.patch(use_duck_shape=False))
+        return stack
 
     def _start(self, n: int, max_new_tokens: int, preallocate: bool) -> CompressionState:
         """This engine's state for an n-token prompt: its plan (budget floor applied) and an empty cache."""
@@ -260,13 +315,14 @@ class Engine:
         model, dev = self.model, self.loaded.device
         stops = sorted(set(self.loaded.stop_ids if stop_ids is None else stop_ids))
         n = len(prompt_ids)
-        state, logits, prefill_s = prefilled or prefill([self], prompt_ids, max_new_tokens)[0]
+        state, logits, prefill_s, peak_bytes = prefilled or prefill([self], prompt_ids, max_new_tokens)[0]
         cache, sync = state.cache, dev.type == "cuda"
         kept, stored, nbytes, mstats = self._cache_stats(state, n)
         finalize = getattr(self.method, "finalize", None)
         if state.results and callable(finalize):
             finalize(state.results)
         attach_bias(state)
+        reset_peak_memory(self.devices)  # the decode phase's own peak: the compressed cache and decoding
         after = cache_bytes(cache)
         next_pos = max([r.next_position for r in state.results.values() if r.next_position is not None], default=n)
         state.phase = "decode"
@@ -280,40 +336,55 @@ class Engine:
         processors = self.loaded.processors
         seq = torch.tensor([prompt_ids + [0] * max_new_tokens], device=dev) if processors else None
         forward = self.decode_forward()
-        t1 = time.perf_counter()
-        for step in range(max_new_tokens):
-            if self.on_decode_step is not None:
-                self.on_decode_step(step)
-            if self.record_logits:
-                self.last_logits.append(logits.float().clone())
-            scores = logits
-            for proc in processors:  # the model's generation config, as model.generate applies it
-                scores = proc(seq[:, : n + step], scores.view(1, -1))[0]
-            masked = scores.index_fill(0, stop_index, float("-inf")) if step < min_new_tokens and stops else scores
-            next_tok = masked.argmax().view(1, 1)
-            tok, finite = torch.stack([next_tok[0, 0], torch.isfinite(logits).all().long()]).tolist()
-            if not finite:
-                raise NonFiniteLogitsError(f"non-finite logits at decode step {step}")
-            if tok in stops:
-                break
-            tokens.append(tok)
-            if processors:
-                seq[0, n + step] = next_tok[0, 0]
-            if step == max_new_tokens - 1:
-                break
-            pos = positions[step : step + 1]
-            out = forward(input_ids=next_tok, past_key_values=cache, use_cache=True, position_ids=pos.view(1, 1),
-                          cache_position=pos, kvbench_state=state)
-            logits = out.logits[0, -1]
+        compiled, compile_s, compiling_steps = forward is not model, 0.0, 0
+        with self._decode_scope(compiled):
+            state.backends["decode"] = decode_backends(state)
+            t1 = time.perf_counter()
+            for step in range(max_new_tokens):
+                t_step, frames = time.perf_counter(), _compile_frames()
+                if self.on_decode_step is not None:
+                    self.on_decode_step(step)
+                if self.record_logits:
+                    self.last_logits.append(logits.float().clone())
+                scores = logits
+                for proc in processors:  # the model's generation config, as model.generate applies it
+                    scores = proc(seq[:, : n + step], scores.view(1, -1))[0]
+                masked = scores.index_fill(0, stop_index, float("-inf")) if step < min_new_tokens and stops else scores
+                next_tok = masked.argmax().view(1, 1)
+                tok, finite = torch.stack([next_tok[0, 0], torch.isfinite(logits).all().long()]).tolist()
+                if not finite:
+                    raise NonFiniteLogitsError(f"non-finite logits at decode step {step}")
+                if tok in stops:
+                    break
+                tokens.append(tok)
+                if processors:
+                    seq[0, n + step] = next_tok[0, 0]
+                if step == max_new_tokens - 1:
+                    break
+                pos = positions[step : step + 1]
+                out = forward(input_ids=next_tok, past_key_values=cache, use_cache=True, position_ids=pos.view(1, 1),
+                              cache_position=pos, kvbench_state=state)
+                logits = out.logits[0, -1]
+                now = _compile_frames()
+                if now != frames:  # this step compiled (a first call, a new layout): its time is compile_s
+                    if sync:
+                        torch.cuda.synchronize()
+                    compile_s, compiling_steps = compile_s + time.perf_counter() - t_step, compiling_steps + 1
+                if now[0] - now[1] != frames[0] - frames[1]:  # a frame failed to compile and ran eager
+                    self.compile_error = "torch.compile failed on a decode frame (dynamo's warning in the log); eager"
+                    log.warning("compile=true: %s from here on", self.compile_error)
+                    self.compile_decode, forward = False, model
         if sync:
             torch.cuda.synchronize()
-        decode_s = time.perf_counter() - t1
+        decode_s = time.perf_counter() - t1 - compile_s
+        timed = len(tokens) - compiling_steps
         return GenerationResult(
             tokens=tokens, text=self.loaded.tokenizer.decode(tokens, skip_special_tokens=True), prompt_tokens=n,
             compressed=bool(state.results), kept_tokens=kept, stored_tokens=stored, cache_bytes_after=after, **nbytes,
             prefill_s=prefill_s, compress_s=state.compress_s, decode_s=decode_s, generated_tokens=len(tokens),
-            decode_tok_s=len(tokens) / decode_s if decode_s > 0 else 0.0,
-            peak_rss_bytes=peak_memory_bytes(dev), method_stats=mstats,
+            decode_tok_s=timed / decode_s if decode_s > 0 and timed > 0 else 0.0, compile_s=compile_s,
+            decode_compiled=compiled and forward is not model, peak_prefill_bytes=peak_bytes,
+            peak_decode_bytes=peak_memory_bytes(self.devices), sdpa_backends=dict(state.backends), method_stats=mstats,
         )
 
     def _cache_stats(self, state: CompressionState, n: int):
@@ -362,8 +433,7 @@ def prefill(engines: list[Engine], prompt_ids: list[int], max_new_tokens: int) -
     for group in kinds.values():
         mine, shared, sync = [states[i] for i in group], len(group) > 1, dev.type == "cuda"
         cache = preallocated_cache(first.model.config, max_new_tokens + 1) if shared else mine[0].cache
-        if sync:
-            torch.cuda.reset_peak_memory_stats(dev)
+        reset_peak_memory(first.devices)
         t0 = time.perf_counter()
         logits = first.model(input_ids=torch.tensor([prompt_ids], device=dev), past_key_values=cache, use_cache=True,
                              logits_to_keep=1, kvbench_state=mine if shared else mine[0]).logits[0, -1]
@@ -374,5 +444,5 @@ def prefill(engines: list[Engine], prompt_ids: list[int], max_new_tokens: int) -
             if shared:  # the layers this engine did not compress: its own copy of the prompt's cache
                 st.cache.layers = [layer if j in st.results else copy.deepcopy(cache.layers[j])
                                    for j, layer in enumerate(st.cache.layers)]
-            out[i] = Prefilled(st, logits.clone() if shared else logits, prefill_s)
+            out[i] = Prefilled(st, logits.clone() if shared else logits, prefill_s, peak_memory_bytes(first.devices))
     return out

@@ -168,7 +168,7 @@ def summarize(cfg: dict, task: Task, records: list[dict], expected: list[str], r
         "failed": [{"id": r["id"], **r["error"]} for r in records if r.get("error")][:100],
         "n_skipped": sum(int(s.get("samples", 1)) for s in skipped or []), "skipped": list(skipped or []),
         **task.aggregate(records),
-        "timings": {k: _mean([r.get(k) for r in ok]) for k in ("prefill_s", "compress_s", "decode_s", "decode_tok_s")},
+        "timings": {k: _mean([r.get(k) for r in ok]) for k in ("prefill_s", "compress_s", "decode_s", "decode_tok_s", "compile_s")},
         "cache": cache,
     }
 
@@ -253,12 +253,14 @@ def run_jobs(jobs: list[JobSpec], wait_s: float | None = None) -> list[int]:
         runs = open_stores(list(unique.values()), stack, wait_s, codes)
         if runs:
             loaded, task, mine, expected, compiled = load(runs[0][0])
-            for job, store in runs:
-                write_env(job, store, loaded, compiled, mine)
+            envs = [write_env(job, store, loaded, compiled, mine) for job, store in runs]
             engines = [Engine(loaded, job.method, job.budget) for job, _ in runs]
             for engine in engines:
                 engine.compile_decode = compiled
             run_samples(engines, loaded, task, mine, [store for _, store in runs], runs[0][0].top.quiet)
+            for engine, (_, store), (name, env) in zip(engines, runs, envs):
+                if engine.compile_error:  # this run's env.json says what ran: eager from the failure on
+                    store.write_json(name, {**env, "decode_compiled": False, "compile_error": engine.compile_error})
             codes.update({job.relpath: summarise(job, store, task, expected) for job, store in runs})
             del engines, loaded, task
             _free_cuda()
@@ -339,18 +341,20 @@ def load(job: JobSpec) -> tuple[Any, Task, list[Sample], list[str], bool]:
     return loaded, task, mine, expected, compiled
 
 
-def write_env(job: JobSpec, store: JobStore, loaded: Any, compiled: bool, mine: list[Sample]) -> None:
+def write_env(job: JobSpec, store: JobStore, loaded: Any, compiled: bool, mine: list[Sample]) -> tuple[str, dict]:
     """``env.json`` (``env.shard<k>.json``; a rerun's gets a timestamp): versions, device, the resolved inputs and
-    artifact files, whether decode is compiled."""
+    artifact files, whether decode is compiled. Returns the file's name and content."""
     shard = job.top.shard
     name = "env.json" if shard.count == 1 else f"env.shard{shard.index}.json"
     if (store.path / name).exists():  # every run that stores samples keeps its provenance
         name = name.replace(".json", f".{time.strftime('%Y%m%d-%H%M%S')}.json")
-    store.write_json(name, {**environment(loaded, job.top.device), "inputs": job.inputs, "artifacts": job.artifacts,
-                            "decode_compiled": compiled})
+    env = {**environment(loaded, job.top.device), "inputs": job.inputs, "artifacts": job.artifacts,
+           "decode_compiled": compiled}
+    store.write_json(name, env)
     stored = store.done_ids()
     log.info("job %s: %d samples in this shard, %d stored, %d to run", job.relpath, len(mine),
              sum(s.id in stored for s in mine), sum(s.id not in stored for s in mine))
+    return name, env
 
 
 def summarise(job: JobSpec, store: JobStore, task: Task, expected: list[str]) -> int:

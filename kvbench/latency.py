@@ -81,7 +81,8 @@ def run_latency(model_cfg: dict, method_cfgs: dict[str, dict], budget: float, le
                        "method_name": method_cfg.get("name"), "preset": preset,
                        "budget": 1.0 if method_cfg.get("name") == "full" else float(budget), "prompt_tokens": n,
                        "repeat": rep, **{k: getattr(res, k) for k in RESULT_FIELDS},
-                       "peak_mem_bytes": res.peak_rss_bytes, "device": device}
+                       "peak_mem_bytes": max(res.peak_prefill_bytes, res.peak_decode_bytes),
+                       "peak_decode_bytes": res.peak_decode_bytes, "device": device}
                 records.append(rec)
                 out.parent.mkdir(parents=True, exist_ok=True)
                 atomic_write(out, json.dumps(records, indent=1) + "\n")

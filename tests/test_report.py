@@ -413,7 +413,8 @@ class FakeResult:
         kept = n if budget >= 1 else int(n * budget)
         self.prefill_s, self.compress_s, self.decode_s = n / 1000, 0.0 if budget >= 1 else 0.01, 1.0
         self.generated_tokens, self.decode_tok_s = 8, 8.0
-        self.cache_bytes_before, self.cache_bytes_after, self.peak_rss_bytes = 10 * n, 10 * kept, 123
+        self.cache_bytes_before, self.cache_bytes_after, self.peak_prefill_bytes = 10 * n, 10 * kept, 123
+        self.peak_decode_bytes = 123
 
 
 class FakeEngine:

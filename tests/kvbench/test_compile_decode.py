@@ -1,11 +1,13 @@
 """Compiled decode (``compile``, issue #32 point 6): torch.compile with inductor (gcc on CPU) over the
 model's own forward and kvbench's preallocated cache gives eager's greedy tokens, in one graph for
-every step and sample, with a logit bias (SelKV) and per-head lengths (AdaKV); a job records it."""
+every step and sample, with a logit bias (SelKV) and per-head lengths (AdaKV); a job records it.
+Compilation is timed apart (``compile_s``, not ``decode_s``) and a compile failure is recorded as eager (#41)."""
 
 from __future__ import annotations
 
 import json
 import sys
+import time
 
 import pytest
 import torch
@@ -53,21 +55,69 @@ def test_compiled_decode_equals_eager(loaded, name):
         assert len({r.valid.shape[-1] for r in results.values()}) == 2
 
 
+def _backend(monkeypatch, backend):
+    """``torch.compile`` as the engine calls it, with a test backend; a fresh dynamo cache."""
+    real = torch.compile
+    torch._dynamo.reset()
+    monkeypatch.setattr(torch, "compile", lambda model, **kw: real(model, backend=backend, **kw))
+
+
+def test_compile_time_is_apart_from_decode_time(monkeypatch):
+    def slow(gm, example_inputs):  # a deliberately slow compile of the first step's graph
+        time.sleep(1.5)
+        return gm.forward
+
+    _backend(monkeypatch, slow)
+    loaded = loaded_for(tiny_model("llama", layers=2).eval())
+    engine = Engine(loaded, build_method({"name": "snapkv"}, loaded.layout), 0.5)
+    engine.compile_decode = True
+    prompt = [1 + i % 120 for i in range(150)]
+    first, second = engine.generate(prompt, 6, stop_ids=[]), engine.generate(prompt, 6, stop_ids=[])
+    assert first.decode_compiled and second.decode_compiled and first.tokens == second.tokens
+    assert first.compile_s >= 1.5 > first.decode_s and first.generated_tokens == 6
+    assert second.compile_s == 0 and second.record()["compile_s"] == 0  # one graph: no compile in the second sample
+    assert first.decode_tok_s > 0
+
+
+def test_compile_failure_is_recorded_as_eager(monkeypatch):
+    def broken(gm, example_inputs):
+        raise RuntimeError("forced compile failure")
+
+    _backend(monkeypatch, broken)
+    loaded = loaded_for(tiny_model("llama", layers=2).eval())
+    engine = Engine(loaded, build_method({"name": "selkv"}, loaded.layout), 0.5)
+    prompt = [1 + i % 120 for i in range(150)]
+    eager = engine.generate(prompt, 6, stop_ids=[])
+    engine.compile_decode = True
+    failed = engine.generate(prompt, 6, stop_ids=[])
+    assert not failed.decode_compiled and failed.record()["decode_compiled"] is False
+    assert engine.compile_error and not engine.compile_decode and failed.tokens == eager.tokens
+    assert torch._dynamo.config.suppress_errors is False  # the setting was scoped to the decode steps
+    assert not engine.generate(prompt, 6, stop_ids=[]).decode_compiled  # eager from then on
+
+
 def test_job_records_compiled_decode_and_same_predictions(tmp_path, monkeypatch):
     import run
 
     model, hay = make_tiny_model_dir(tmp_path / "model"), make_haystack_dir(tmp_path / "hay")
     common = [*tiny_model_args(model), "max_samples=1", "task.context_lengths=[256]", "task.depth_percents=[50]",
               "task.max_new_tokens=6", f"task.haystack_dir={hay}", "quiet=true", "threads=1"]
-    runs = {}
-    for setting in ("true", "auto"):
+    runs, real = {}, torch.compile
+    for setting in ("true", "auto", "fail"):
         out = tmp_path / setting
-        monkeypatch.setattr(sys, "argv", ["run.py", *common, f"compile={setting}", f"output_root={out}"])
+        if setting == "fail":  # a compiler that fails: the job runs eager and says so
+            torch._dynamo.reset()
+            monkeypatch.setattr(torch, "compile", lambda m, **kw: real(m, backend=lambda *a: 1 / 0, **kw))
+        monkeypatch.setattr(sys, "argv", ["run.py", *common, f"compile={'true' if setting == 'fail' else setting}",
+                                          f"output_root={out}"])
         with pytest.raises(SystemExit) as done:
             run.main()
         assert done.value.code == 0
         (pred,) = out.rglob("predictions.jsonl")
-        runs[setting] = (json.loads(pred.read_text())["prediction"], json.loads((pred.parent / "env.json").read_text()))
-    assert runs["true"][1]["decode_compiled"] is True
+        runs[setting] = (json.loads(pred.read_text()), json.loads((pred.parent / "env.json").read_text()))
+    assert runs["true"][1]["decode_compiled"] is True and runs["true"][0]["decode_compiled"] is True
+    assert runs["true"][0]["compile_s"] > 0
     assert runs["auto"][1]["decode_compiled"] is False  # auto: CUDA only, and this is a CPU run
-    assert runs["true"][0] and runs["true"][0] == runs["auto"][0]
+    assert runs["fail"][1]["decode_compiled"] is False and "eager" in runs["fail"][1]["compile_error"]
+    assert runs["fail"][0]["decode_compiled"] is False
+    assert runs["true"][0]["prediction"] and {r[0]["prediction"] for r in runs.values()} == {runs["true"][0]["prediction"]}

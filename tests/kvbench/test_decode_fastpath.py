@@ -198,3 +198,28 @@ def test_engine_fast_decode_equals_reference_decode(layout, kind):
         assert fast.compressed and fast.stored_tokens == fast.kept_tokens and fast.kept_tokens["min"] < 16
         assert fast.stored_bytes * 16 == fast.kept_bytes * (16 + rows) 
         assert fast.kept_bytes == fast.kept_tokens["mean"] * 2 * h_kv * (2 * 16 * 4)  # 2 layers, K and V, float32
+
+
+def test_backend_recorder_reports_pytorchs_choice():
+    """sdpa_backend is PyTorch's dispatch decision (it follows sdpa_kernel), and a generation records the prefill's
+    and each compressed layer kind's decode backend; decode runs under DECODE_BACKENDS whatever the caller set."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from kvbench.attention import sdpa_backend
+    from kvbench.engine import Engine
+    from methods import build_method
+    from tests.conftest import loaded_for, tiny_model
+
+    q, k = torch.randn(1, 2, 4, 16), torch.randn(1, 2, 10, 16)
+    assert sdpa_backend(q, k, k) == "flash_attention"  # CPU float32: PyTorch's CPU flash kernel
+    with sdpa_kernel([SDPBackend.MATH]):
+        assert sdpa_backend(q, k, k) == "math"
+    loaded = loaded_for(tiny_model("llama", layers=2).eval())
+    kinds = {"full": "uniform", "snapkv": "uniform", "selkv": "bias columns", "adakv": "per-head lengths"}
+    for name, kind in kinds.items():
+        engine = Engine(loaded, build_method({"name": name}, loaded.layout), 1.0 if name == "full" else 0.5)
+        with sdpa_kernel([SDPBackend.MATH, SDPBackend.FLASH_ATTENTION]):  # the caller's settings: prefill may use math
+            assert sdpa_backend(q, k, k) == "flash_attention"
+        with sdpa_kernel([SDPBackend.MATH]):
+            rec = engine.generate([1 + i % 120 for i in range(150)], 3, stop_ids=[]).record()
+        assert rec["sdpa_backends"] == {"prefill": "math", "decode": {kind: "flash_attention"}}, name

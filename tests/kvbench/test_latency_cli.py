@@ -65,7 +65,7 @@ class Engine:
     def generate(self, ids, n, stop_ids):
         assert stop_ids == [] and 100 <= min(ids) and max(ids) < 300
         return SimpleNamespace(prefill_s=0.1, compress_s=0.0, decode_s=0.2, generated_tokens=n, decode_tok_s=n / 0.2,
-                               peak_rss_bytes=1, cache_bytes_before=8, cache_bytes_after=8)
+                               peak_prefill_bytes=1, peak_decode_bytes=1, cache_bytes_before=8, cache_bytes_after=8)
 
 
 def test_records_are_rewritten_after_each_measurement_and_long_prompts_skipped(tmp_path):

@@ -102,3 +102,49 @@ def test_lookm_fused_score_equals_the_separate_pass():
     assert seen["off"] == [None, None]
     assert runs["on"][0] == runs["off"][0]
     assert all(torch.equal(runs["on"][1][i], runs["off"][1][i]) for i in runs["off"][1])
+
+
+class FakeCuda:
+    """torch.cuda's peak counters for two fake devices: ``use`` sets the current bytes of each."""
+
+    def __init__(self):
+        self.now, self.peak, self.resets = {0: 0, 1: 0}, {0: 0, 1: 0}, []
+
+    def use(self, **per_device):
+        for d, b in per_device.items():
+            i = int(d[-1])
+            self.now[i] = b
+            self.peak[i] = max(self.peak[i], b)
+
+    def reset_peak_memory_stats(self, device):
+        self.resets.append(device.index)
+        self.peak[device.index] = self.now[device.index]
+
+    def max_memory_allocated(self, device):
+        return self.peak[device.index]
+
+
+def test_prefill_and_decode_peaks_are_apart_and_summed_over_devices(monkeypatch):
+    """A model on two GPUs (device_map): the prefill peak (compression included) and the decode-phase peak
+    (restarted after compression) each sum both devices; the decode peak does not carry the prefill's."""
+    fake = FakeCuda()
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", fake.reset_peak_memory_stats)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", fake.max_memory_allocated)
+    loaded = loaded_for(tiny_model("llama", n_kv=H_KV, n_q=H_Q, layers=2))
+
+    class Spy(LookM):
+        def compress(self, ctx):  # prefill + compression at its largest: 100 + 60 MB
+            fake.use(d0=100, d1=60)
+            out = super().compress(ctx)
+            fake.use(d0=20, d1=10)  # the compressed caches
+            return out
+
+    engine = Engine(loaded, Spy(LookMConfig(), loaded.layout), BUDGET)
+    engine.devices = [torch.device("cuda:0"), torch.device("cuda:1")]
+    engine.on_decode_step = lambda step: fake.use(d0=20 + step, d1=10 + 2 * step)  # the cache grows while decoding
+    res = engine.generate(PROMPT, NEW, stop_ids=[])
+    assert res.peak_prefill_bytes == 160
+    assert res.peak_decode_bytes == (20 + NEW - 1) + (10 + 2 * (NEW - 1))
+    assert fake.resets == [0, 1, 0, 1]  # before prefill, after compression
+    rec = res.record()
+    assert (rec["peak_prefill_bytes"], rec["peak_decode_bytes"]) == (160, res.peak_decode_bytes)

@@ -44,7 +44,7 @@ def test_a_shared_prefill_generates_what_each_variant_generates_alone(family):
 # ---- through the command line: python run.py -m ... sweep.share_prefill=true -------------------
 
 SWEEP = ["method=selkv,snapkv,lookm", "budget=0.5,64"]
-TIMINGS = ("prefill_s", "compress_s", "decode_s", "decode_tok_s")
+TIMINGS = ("prefill_s", "compress_s", "decode_s", "decode_tok_s", "compile_s", "peak_prefill_bytes", "peak_decode_bytes")
 
 
 def folders(args):
