@@ -11,6 +11,7 @@ import numpy as np
 import pandas as pd
 
 from eval.longbench import CATEGORIES
+from eval.longbench_v2 import BREAKDOWN
 
 from .plots import SCORE_LABEL, draw_niah_heatmap, plt
 from .report_data import (DATASET_ABBR, FULL, LONG_CONTEXT_TOKENS, budget_semantics, budget_text, display_name,
@@ -240,6 +241,23 @@ def score_tables(df: pd.DataFrame, root: Path | None = None) -> list[Artifact]:
         ref = next((i for i, k in enumerate(keys) if k[0] == FULL), 0)
         out += paired_table(name.replace("scores_", "paired_", 1), f"Paired comparison on {task} of {mk}", heads,
                             samples, ref, {"Avg": avg_ds} | {d: [d] for d in datasets if d not in avg_ds}, used["job"])
+    return out
+
+
+def longbench_v2_tables(df: pd.DataFrame, root: Path) -> list[Artifact]:
+    """LongBench-v2's ``result.py`` columns (accuracy overall, by difficulty and by length) per model key, a row per
+    job, from each job's ``summary.json`` ``averages``."""
+    out = []
+    for mk, part in df[(df["task"] == "longbench_v2") & df["score"].notna()].groupby("model_key"):
+        part = part.iloc[sorted(range(len(part)), key=lambda i: (method_sort_key(part["method_name"].iat[i],
+                                                                                  part["method"].iat[i]), part["budget"].iat[i]))]
+        rows = [{"Method": m, "Budget": None if name == FULL else budget_text(b),
+                 **(json.loads((Path(root) / job / "summary.json").read_text()).get("averages") or {})}
+                for job, m, name, b in zip(part["job"], part["method"], part["method_name"], part["budget"])]
+        data = pd.DataFrame(rows, columns=["Method", "Budget", *BREAKDOWN])
+        out.append(Artifact(f"longbench_v2_{slug(mk)}", f"LongBench-v2 accuracy (%) of {mk}: overall, easy/hard, "
+                            "short/medium/long (result.py's columns), a row per job.", data, used=part,
+                            headers={c: c.capitalize() for c in BREAKDOWN}))
     return out
 
 

@@ -94,6 +94,28 @@ def test_numbers_cast_to_strings_on_the_hub_are_numbers_again(folder):
     assert sample.meta["label"] == [-2] and InfiniteBenchTask(cfg()).score(sample, "The value is -2.") == 1.0
 
 
+def test_kvpress_copy_uses_its_prompt_parts_and_letters(tmp_path, monkeypatch):
+    """A local snapshot of MaxJeblick/InfiniteBench: a config per task, answers as strings, letters for choices."""
+    import pandas as pd
+
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "cache"))
+    hub = tmp_path / "hub"
+    configs = ""
+    for task, answer in (("longbook_choice_eng", ["B"]), ("code_run", ["-2"])):
+        (hub / task).mkdir(parents=True)
+        configs += f"- config_name: {task}\n  data_files:\n  - split: test\n    path: {task}/*.parquet\n"
+        pd.DataFrame([{"context": "Read the book.\n\nctx\n\n", "question": "Q?", "answer_prefix": "The answer is",
+                       "answer": answer, "task": task, "max_new_tokens": 60}]).to_parquet(hub / task / "t.parquet")
+    (hub / "README.md").write_text(f"---\nconfigs:\n{configs}---\n")
+    task_cfg = cfg(source="kvpress", hub_dataset=str(hub), datasets=["longbook_choice_eng", "code_run"])
+    InfiniteBenchTask.validate(task_cfg)
+    task = InfiniteBenchTask(task_cfg, CharTokenizer())
+    choice, run = task.samples()
+    assert choice.prompt == "Read the book.\n\nctx\n\nQ?The answer is" and choice.query == "Q?The answer is"
+    assert choice.meta["label"] == ["B", "B"] and choice.chat and choice.max_new_tokens == 60
+    assert task.score(choice, " B. Walking") == 1.0 and run.meta["label"] == [-2] and task.score(run, "-2") == 1.0
+
+
 # ------------------------------------------------------------------ compute_scores.py, transcribed
 
 

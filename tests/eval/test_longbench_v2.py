@@ -146,3 +146,39 @@ def test_breakdown_equals_result_py():
     records.append({"score": None, "error": {"type": "X"}, "meta": {"difficulty": "easy", "length": "short"}})
     assert list(breakdown(records).values()) == official_result(preds)
     assert breakdown([{"score": 1.0, "meta": {"difficulty": "easy", "length": "short"}}])["medium"] is None
+
+
+def test_kvpress_copy_uses_its_prompt_parts(tmp_path, monkeypatch):
+    """A local snapshot of kvpress's Hub copy (config 0shot, split test, kvpress's columns)."""
+    import pandas as pd
+
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "cache"))
+    (tmp_path / "hub" / "0shot").mkdir(parents=True)
+    (tmp_path / "hub" / "README.md").write_text(
+        "---\nconfigs:\n- config_name: 0shot\n  data_files:\n  - split: test\n    path: 0shot/*.parquet\n---\n")
+    kv = {"context": "Read.\n<text>\nctx\n</text>\n\n", "question": "What is the correct answer? (A) a",
+          "answer_prefix": "", "max_new_tokens": 16}
+    pd.DataFrame([{**row(0), **kv}, {**row(1), **kv, "answer": "D"}]).to_parquet(tmp_path / "hub" / "0shot" / "t.parquet")
+    task_cfg = cfg(source="kvpress", hub_dataset=str(tmp_path / "hub"), n_samples=1)
+    LongBenchV2Task.validate(task_cfg)
+    (sample,) = LongBenchV2Task(task_cfg, CharTokenizer()).samples()
+    assert sample.prompt == kv["context"] + kv["question"] and sample.query == kv["question"]
+    assert (sample.answers, sample.max_new_tokens, sample.meta["difficulty"]) == (["B"], 16, "easy")
+
+
+def test_the_report_prints_result_py_columns_per_job(tmp_path):
+    from test_report import make_job
+
+    from kvbench.report_data import load_results
+    from kvbench.report_tables import longbench_v2_tables
+
+    for method, budget, overall in (("full", 1.0, 40.0), ("snapkv", 0.25, 30.5)):
+        job = make_job(tmp_path, task="longbench_v2", model="llama31", method=method, budget=budget,
+                       scores={"longbench_v2": overall})
+        summary = json.loads((job / "summary.json").read_text())
+        summary["averages"] = {"overall": overall, "easy": 50.0, "hard": 20.1, "short": None, "medium": 10.0, "long": 0.0}
+        (job / "summary.json").write_text(json.dumps(summary))
+    (table,) = longbench_v2_tables(load_results(tmp_path), tmp_path)
+    assert table.name == "longbench_v2_llama31" and list(table.data["overall"]) == [40.0, 30.5]
+    assert list(table.data["Budget"]) == [None, "25%"] and table.data["short"].isna().all()
+    assert table.headers["overall"] == "Overall" and len(table.sources) == 2
