@@ -51,10 +51,12 @@ def _one_line(e: BaseException, args: list[str]) -> str:
 
     line = re.sub(r" To append to your config use \S+", "", " ".join(str(e).split()))
     line = line.split(" Config search path:")[0]
-    cause = e.__cause__
-    if "not in struct" in str(cause) and getattr(cause, "parent_node", None) is not None:
-        line = f"{line.rstrip('.')}: unknown key; " + (f"accepted keys are {', '.join(sorted(cause.parent_node))}"
-                                                       if len(cause.parent_node) else f"a new key is added with +: +{cause.full_key}=...")
+    cause, parent = e.__cause__, getattr(e.__cause__, "parent_node", None)
+    if "not in" in str(cause) and parent is not None:  # an unknown key, against a schema or a plain node
+        line = f"{line.rstrip('.')}: unknown key; " + (f"accepted keys are {', '.join(sorted(parent))}"
+                                                       if len(parent) else f"a new key is added with +: +{cause.full_key}=...")
+    elif getattr(cause, "full_key", None) and getattr(cause, "msg", None):  # a type or choice the schema refuses
+        line = f"{cause.full_key}: {str(cause.msg).splitlines()[0]}"
     if type(e).__name__ == "OverrideParseException":  # name the override Hydra could not parse
         for a in args:
             try:

@@ -59,12 +59,10 @@ class Settings:
 
 def build_method(name: str, layout=None, **overrides):
     """A method from ``conf/method/<name>.yaml`` (+ overrides), as a job builds it (ConfigError: a bad key)."""
-    import yaml
-
+    from kvbench.config import preset
     from methods import build_method as build
 
-    path = ROOT / "conf" / "method" / f"{name}.yaml"
-    node = dict(yaml.safe_load(path.read_text())) if path.is_file() else {"name": name}
+    node = preset("method", name) if (ROOT / "conf" / "method" / f"{name}.yaml").is_file() else {"name": name}
     return build({**node, **overrides}, layout)
 
 

@@ -1,9 +1,9 @@
 """Job configuration: Hydra composes ``conf/`` once; :func:`check` validates it once and names the job.
 
-Each group is checked by its schema: the top level and ``model`` by the dataclasses below (merged
-as OmegaConf structured configs, so unknown keys and wrong types are OmegaConf's errors, naming the
-key), ``method`` by :func:`methods.build_method` (the method's config dataclass and its
-``__post_init__``), ``task`` by its keys in ``conf/task/<name>.yaml`` and the task's ``validate``.
+The top level, ``model`` and each method are dataclasses in Hydra's ConfigStore (:func:`register`), so Hydra
+checks keys, types and choices while it composes; their ``__post_init__`` check ranges when :func:`check` makes
+them objects (the method's config: :func:`methods.build_method`); ``task`` is checked by its keys in
+``conf/task/<name>.yaml`` and the task's ``validate``.
 Every problem is a :class:`~methods.base.ConfigError` (or ``TaskConfigError``) with one line naming
 the key and the accepted values; ``run.py`` prints it and exits 2 before any model loads.
 
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,13 +27,15 @@ from omegaconf.errors import OmegaConfBaseException
 
 import eval as tasks
 from eval.base import TaskConfigError
-from methods.base import ConfigError, check_budget, is_ratio
+from methods.base import Budget, ConfigError, check_budget, structured  # noqa: F401 - structured: tests
 
 from .models import CHAT_FORMATS
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 #: keys that choose which samples run (the sample ids encode them), not how one is computed
 SELECTION_KEYS = ("context_lengths", "depth_percents", "datasets", "n_samples", "subtasks")
+#: settings added after results were stored with them unset: at this value they stay out of the identity (the folders resume)
+FORMER = {("model", "compress_sliding_layers"): False, ("method", "score_dtype"): "float32"}
 DTYPES = ("float32", "bfloat16", "float16")
 DEVICE_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")
 
@@ -52,8 +53,11 @@ class Sweep:
 
 @dataclass
 class TopConfig:
-    """conf/config.yaml's keys (``model``, ``method``, ``task`` are checked by their own schemas)."""
+    """conf/config.yaml's keys (``model`` and ``method`` are checked by their own schemas, ``task`` by its task)."""
 
+    model: Any = None
+    method: Any = None
+    task: Any = None
     budget: Any = 0.25
     seed: int = 42
     device: str = "auto"
@@ -71,7 +75,7 @@ class TopConfig:
     latency: Any = None  # the latency benchmark's node (conf/experiment/selkv_fig3*.yaml)
 
     def __post_init__(self):
-        check_budget(self.budget)
+        self.budget = check_budget(self.budget)
         if not -2**63 <= self.seed < 2**64:
             raise ConfigError(f"seed={self.seed}: must be an integer from -2**63 to 2**64 - 1 (torch.manual_seed's range)")
         if self.device not in ("auto", "cpu", "cuda", "mps") and not (self.device.startswith("cuda:")
@@ -142,21 +146,27 @@ class ModelConfig:
                               "(cpu, cuda, cuda:1, a GPU index) or a mapping of module names to devices")
 
 
-def structured(schema: type, node: Any, prefix: str = "") -> Any:
-    """``node`` (a dict) checked against the dataclass ``schema`` by OmegaConf: an instance of it.
+def register() -> None:
+    """Store the schemas in Hydra's ConfigStore (``hydra_plugins/kvbench_launcher`` calls it when Hydra starts, before
+    any composition): the top level as ``kvbench`` (``conf/config.yaml``'s first default), ``schema/model`` and
+    ``schema/method/<name>`` (:func:`methods.schema`), which ``conf/model/*.yaml`` and ``conf/method/*.yaml`` extend
+    with what differs from the defaults."""
+    import methods
+    from hydra.core.config_store import ConfigStore
 
-    Raises:
-        ConfigError: unknown key (the accepted keys listed), wrong type, or ``__post_init__``'s error.
-    """
-    try:
-        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), node))
-    except OmegaConfBaseException as e:
-        key = f"{prefix}{e.full_key}"
-        first = str(e.msg).splitlines()[0]
-        if "not in" in first or "Missing key" in first:
-            accepted = sorted(OmegaConf.structured(schema).keys())
-            raise ConfigError(f"{key}: unknown key; accepted keys are {', '.join(accepted)}") from None
-        raise ConfigError(f"{key}={e.value!r}: {first}") from None
+    store = ConfigStore.instance()
+    store.store(name="kvbench", node=TopConfig)
+    store.store(group="schema", name="model", node=ModelConfig)
+    for name in methods.available():
+        store.store(group="schema/method", name=name, node=methods.schema(name))
+
+
+def preset(group: str, name: str) -> dict:
+    """``conf/<group>/<name>.yaml`` as Hydra composes it, its schema's defaults filled in (a plain dict)."""
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return OmegaConf.to_container(compose("config", [f"{group}={name}"])[group], resolve=True, enum_to_str=True)
 
 
 def _task_keys(name: str) -> set[str]:
@@ -207,7 +217,7 @@ class JobSpec:
     top: TopConfig
     model: ModelConfig
     method: Any
-    budget: float | int
+    budget: Budget
     source: tuple[str, str | None]
     layout: Any
     inputs: dict
@@ -232,13 +242,13 @@ def identity(cfg: dict, source: tuple[str, str | None], inputs: dict, device: st
     """Every resolved setting that can change a result: model (resolved source, dtype on this
     device), method (its label excepted), task (the sample selection excepted) and its resolved
     inputs, budget (not for the full cache, which keeps every token), seed."""
-    model = {k: v for k, v in cfg["model"].items()  # compress_sliding_layers: false is the former behaviour
-             if k not in ("name", "gguf_cache", "device_map") and (v or k != "compress_sliding_layers")}
+    model = {k: v for k, v in cfg["model"].items()
+             if k not in ("name", "gguf_cache", "device_map") and FORMER.get(("model", k), ...) != v}
     model.update(dtype=cfg["model"]["dtype"].get(device, "float32"),
                  source=_package(cfg["model"]["source"]) if cfg["model"]["source"].startswith("pypi") else list(source))
     return {
         "model": model,
-        "method": {k: v for k, v in cfg["method"].items() if k != "label"},
+        "method": {k: v for k, v in cfg["method"].items() if k != "label" and FORMER.get(("method", k), ...) != v},
         "task": {k: v for k, v in cfg["task"].items() if k not in SELECTION_KEYS and k not in ("data_dir", "haystack_dir")},
         "inputs": inputs,
         "budget": None if cfg["method"]["name"] == "full" else cfg["budget"],
@@ -252,8 +262,7 @@ def job_relpath(cfg: dict, preset: str | None, ident: dict) -> str:
     digest = hashlib.sha256(json.dumps(ident, sort_keys=True, default=str).encode()).hexdigest()[:8]
     if cfg.get("run_name"):
         return f"{cfg['run_name']}-{digest}"
-    budget = cfg["budget"]
-    parts = [] if cfg["method"]["name"] == "full" else [f"b{int(budget) if not is_ratio(budget) else budget}"]
+    parts = [] if cfg["method"]["name"] == "full" else [f"b{cfg['budget']}"]
     parts += [str(cfg["run_tag"])] if cfg.get("run_tag") else []
     return f"{cfg['task']['name']}/{cfg['model']['name']}/{preset or cfg['method']['name']}/{'-'.join(parts + [digest])}"
 
@@ -284,18 +293,15 @@ def check(cfg: Any, preset: str | None = None) -> JobSpec:
     from methods import artifacts
     from .models import head_layout, read_config, resolve_source
 
-    try:
-        plain = OmegaConf.to_container(cfg, resolve=True)
+    try:  # Hydra checked keys, types and choices against the schemas (register); their __post_init__ check ranges
+        plain = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
+        for group in ("model", "method", "task"):
+            if not isinstance(plain.get(group), dict):
+                raise ConfigError(f"{group}: missing; it is required (see conf/config.yaml)")
+        top = OmegaConf.to_object(cfg)
     except OmegaConfBaseException as e:
         raise ConfigError(f"{e.full_key}: {str(e.msg).splitlines()[0]}") from None
-    for group in ("model", "method", "task"):
-        if not isinstance(plain.get(group), dict):
-            raise ConfigError(f"{group}: missing; it is required (see conf/config.yaml)")
-    top = structured(TopConfig, {k: v for k, v in plain.items() if k not in ("model", "method", "task")})
-    if isinstance(top.budget, float) and math.isfinite(top.budget):
-        b = float(f"{top.budget:.12g}")  # range(0.1, 0.4, 0.1)'s 0.30000000000000004 is 0.3
-        plain["budget"] = int(b) if b > 1 and b.is_integer() else b  # 64.0 is the token budget 64: one folder
-    model = structured(ModelConfig, plain["model"], "model.")
+    plain["budget"], model = top.budget.value, top.model  # 64.0 is the token budget 64, 0.30000000000000004 the ratio 0.3
     method = methods.build_method(plain["method"])
     task, name = plain["task"], str(plain["task"].get("name"))
     task_cls = tasks.get_task_class(name)
@@ -304,8 +310,7 @@ def check(cfg: Any, preset: str | None = None) -> JobSpec:
         raise TaskConfigError(f"task.{unknown[0]}: unknown key for task {name}; accepted keys are "
                               f"{', '.join(sorted(_task_keys(name)))}")
     task_cls.validate(task)
-    budget = plain["budget"]
-    methods.check_min_budget(method, budget)
+    methods.check_min_budget(method, top.budget)
     limit = int(task.get("max_length") or model.max_input_length)
     if task.get("max_new_tokens") and name == "niah" and min(task["context_lengths"]) > limit:
         raise TaskConfigError(f"task.context_lengths={task['context_lengths']}: every length exceeds the prompt budget "
@@ -321,5 +326,5 @@ def check(cfg: Any, preset: str | None = None) -> JobSpec:
                           f"tokens) plus the generation exceed the model's context window of {window} tokens")
     inputs, resolved = resolved_inputs(task)
     ident = identity(plain, source, inputs, device_type(top.device))
-    return JobSpec(plain, top, model, method, budget, source, layout, inputs, resolved, artifacts.files_read(), ident,
+    return JobSpec(plain, top, model, method, top.budget, source, layout, inputs, resolved, artifacts.files_read(), ident,
                    job_relpath(plain, preset, ident))

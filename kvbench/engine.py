@@ -23,7 +23,7 @@ import torch
 from torch._dynamo.utils import counters
 from torch.nn.attention import sdpa_kernel
 
-from methods.base import Method, apply_budget_floor
+from methods.base import Budget, Method, apply_budget_floor, check_budget
 
 from .attention import DECODE_BACKENDS, CompressionState, attach_bias, decode_backends
 from .kvcache import RaggedLayer, preallocated_cache
@@ -205,7 +205,7 @@ class Engine:
     Args:
         loaded: a :class:`kvbench.models.LoadedModel` (loaded with ``attn_implementation="kvbench"``).
         method: the compression method (``methods.full.FullCache`` for none).
-        budget: the job's budget (ratio < 1 or tokens ≥ 1, see ARCHITECTURE.md).
+        budget: the job's :class:`~methods.base.Budget` (a number is made one by :func:`~methods.base.check_budget`).
 
     Switches (tests, benchmarks): ``record_logits`` keeps every step's logits in ``last_logits``;
     ``preallocate`` (default True) decodes into :func:`kvbench.kvcache.preallocated_cache`, else
@@ -216,8 +216,9 @@ class Engine:
     ``last_state`` holds the last generation's :class:`CompressionState`.
     """
 
-    def __init__(self, loaded: LoadedModel, method: Method, budget: float):
-        self.loaded, self.model, self.method, self.budget = loaded, loaded.model, method, budget
+    def __init__(self, loaded: LoadedModel, method: Method, budget: Budget | float | int):
+        self.loaded, self.model, self.method = loaded, loaded.model, method
+        self.budget = budget if isinstance(budget, Budget) else check_budget(budget)
         self._rotary = self._make_rotary()
         self.record_logits = False
         self.preallocate = True

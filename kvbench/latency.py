@@ -140,7 +140,8 @@ def main(argv: list[str] | None = None) -> int:
         keep = [o for o in overrides if not o.startswith("method=")
                 and not (preset == "full" and o.lstrip("+~").startswith("method."))]
         try:
-            method_cfgs[preset] = OmegaConf.to_container(compose(keep + [f"method={preset}"]).method, resolve=True)
+            method_cfgs[preset] = OmegaConf.to_container(compose(keep + [f"method={preset}"]).method, resolve=True,
+                                                          enum_to_str=True)
             build_method(dict(method_cfgs[preset]))  # the method's own checks, before the model loads
         except Exception as e:  # noqa: BLE001 - a bad method key (methods.base.ConfigError): one line
             p.error(f"method={preset}: {str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}")

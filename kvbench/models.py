@@ -62,15 +62,21 @@ class LoadedModel:
 
 
 def conf_model(name: str, key: str = "--model") -> dict:
-    """``conf/model/<name>.yaml`` (or a YAML file path) as a dict. ConfigError naming ``key`` and the
-    accepted names when there is no such file."""
+    """``conf/model/<name>.yaml`` (or a YAML file path) as a dict, the schema's defaults filled in
+    (:class:`kvbench.config.ModelConfig`). ConfigError naming ``key`` and the accepted names when there is no such
+    file, or naming the model key that is wrong."""
+    import dataclasses
+
     import yaml
+
+    from .config import ModelConfig, structured
 
     path = Path(name) if name.endswith((".yaml", ".yml")) else CONF_MODEL_DIR / f"{name}.yaml"
     if not path.is_file():
         names = ", ".join(sorted(p.stem for p in CONF_MODEL_DIR.glob("*.yaml")))
         raise ConfigError(f"{key}={name!r}: no such model config; accepted values are {names}")
-    return dict(yaml.safe_load(path.read_text(encoding="utf-8")))
+    node = {k: v for k, v in yaml.safe_load(path.read_text(encoding="utf-8")).items() if k != "defaults"}
+    return dataclasses.asdict(structured(ModelConfig, node, "model."))
 
 
 def greedy_processors(model: Any) -> list:

@@ -59,8 +59,10 @@ def niah_grid_records(job_dir: Path) -> tuple[list[dict], str]:
 
 @functools.cache
 def presets() -> dict[str, dict]:
-    """``conf/method/<preset>.yaml`` files as ``{preset: mapping}``."""
-    return {p.stem: yaml.safe_load(p.read_text()) or {} for p in sorted((CONF / "method").glob("*.yaml"))}
+    """``conf/method/<preset>.yaml`` as Hydra composes them (the schema's defaults filled in): ``{preset: mapping}``."""
+    from .config import preset
+
+    return {p.stem: preset("method", p.stem) for p in sorted((CONF / "method").glob("*.yaml"))}
 
 
 def display_name(method_name: str) -> str:
@@ -153,7 +155,7 @@ def _variants(df: pd.DataFrame) -> pd.DataFrame:
     df["variant"], df["default"] = "", True
     for (_t, _m, label, name), grp in df.groupby(["task", "model_key", "method", "method_name"]):
         params = {p: json.loads(p) for p in grp["params"].unique()}
-        ref = next(({k: v for k, v in d.items() if k not in ("name", "label", "defaults")} for p, d in presets().items()
+        ref = next(({k: v for k, v in d.items() if k not in ("name", "label")} for p, d in presets().items()
                     if d.get("name", p) == name and d.get("label", p) == label), None)
         varying = {k for p in params.values() for k in p if len({json.dumps(q.get(k)) for q in params.values()}) > 1}
         varying |= {k for p in params.values() for k in p

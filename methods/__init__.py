@@ -8,13 +8,14 @@ To add a method, write the module (a :class:`~methods.base.MethodConfig` and a
 from __future__ import annotations
 
 import dataclasses
+import enum
+import functools
 import importlib
-import math
 import types
 import typing
-from typing import Any, Mapping
+from typing import Any, Mapping, Optional
 
-from .base import CompressResult, ConfigError, HeadLayout, LayerContext, Method, Plan, is_ratio  # noqa: F401
+from .base import Budget, CompressResult, ConfigError, HeadLayout, LayerContext, Method, Plan, structured  # noqa: F401
 
 # method name (= module methods/<name>.py = `name:` of its yaml) -> class name
 REGISTRY: dict[str, str] = {
@@ -30,8 +31,6 @@ REGISTRY: dict[str, str] = {
     "knorm": "Knorm",
     "kvpress_press": "KVPress",
 }
-
-_TYPES = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
 
 
 def available() -> list[str]:
@@ -50,46 +49,44 @@ def get_method_class(name: str) -> type[Method]:
     return getattr(importlib.import_module(f"methods.{name}"), REGISTRY[name])
 
 
-def _check_type(key: str, value: Any, hint: Any) -> Any:
-    """``value`` checked against a config field's type (int, float, bool, str, optional); an int
-    becomes a float for a float field. ``Literal`` choices are left to the config itself."""
-    args = typing.get_args(hint)
-    optional = typing.get_origin(hint) in (typing.Union, types.UnionType) and type(None) in args
-    if optional:
-        if value is None:
-            return None
-        hint = next(a for a in args if a is not type(None))
-    if hint is float and isinstance(value, int) and not isinstance(value, bool):
-        value = float(value)
-    if hint in _TYPES and (type(value) is not hint or (hint is float and not math.isfinite(value))):
-        raise ConfigError(f"method.{key}={value!r}: must be {_TYPES[hint]}" + (" or null" if optional else ""))
-    return value
+@functools.cache
+def schema(name: str) -> type:
+    """The Hydra node of method ``name``, which ``conf/method/*.yaml`` extend (``kvbench.config.register`` stores it
+    in Hydra's ConfigStore as ``schema/method/<name>``): ``name``, ``label`` (the name in reports) and the fields of
+    the method's config dataclass, a ``Literal`` field as an Enum so that OmegaConf checks its choices.
+
+    Raises:
+        ConfigError: unknown method (lists the accepted ones).
+    """
+    config = get_method_class(name).Config
+    hints, fields = typing.get_type_hints(config), [("name", str, name), ("label", Optional[str], None)]
+    for f in dataclasses.fields(config):
+        hint, default = hints[f.name], f.default
+        if typing.get_origin(hint) is typing.Literal:
+            hint = enum.Enum(f"{name}.{f.name}", {c: c for c in typing.get_args(hint)})
+            default = hint(default)
+        elif typing.get_origin(hint) is types.UnionType:  # X | None
+            hint = Optional[typing.get_args(hint)[0]]
+        fields.append((f.name, hint, dataclasses.field(default=default, default_factory=f.default_factory)))
+    return dataclasses.make_dataclass(f"{config.__name__}Node", fields)
 
 
 def build_method(method_cfg: Mapping[str, Any], layout: HeadLayout | None = None) -> Method:
     """The method named by ``method_cfg["name"]``, with the other keys as its config.
 
-    ``label`` (the method's name in reports) is not a config field: a non-empty string or null.
-    Every other key must be a field of the method's ``Config``, of its type; choices and ranges
-    are checked by the config's ``__post_init__``.
+    Keys, types and choices are checked against the method's :func:`schema` by OmegaConf (as Hydra
+    checks them when it composes ``conf/``); ranges by the config's ``__post_init__``. ``label`` must
+    be a non-empty string or null.
 
     Raises:
-        ConfigError: ``method.<key>=<value>: ...`` for an unknown method or key (with the
-            accepted ones), a wrong type or a bad value.
+        ConfigError: ``method.<key>...`` for an unknown method or key (with the accepted ones), a
+            wrong type or a bad value.
     """
-    values = dict(method_cfg)
-    name = values.pop("name", None)
-    cls = get_method_class(str(name))
-    label = values.pop("label", None)
-    if label is not None and not (isinstance(label, str) and label.strip()):
-        raise ConfigError(f"method.label={label!r}: must be a non-empty string (the name in reports) or null")
-    fields = {f.name for f in dataclasses.fields(cls.Config)}
-    hints = typing.get_type_hints(cls.Config)
-    for key, value in values.items():
-        if key not in fields:
-            accepted = ", ".join(sorted(fields | {"label"}))
-            raise ConfigError(f"method.{key}={value!r}: unknown key for method {name}; accepted keys are {accepted}")
-        values[key] = _check_type(key, value, hints[key])
+    name = str(method_cfg.get("name"))
+    cls, node = get_method_class(name), structured(schema(name), dict(method_cfg), "method.")
+    values = {k: v.value if isinstance(v, enum.Enum) else v for k, v in vars(node).items() if k not in ("name", "label")}
+    if node.label is not None and not node.label.strip():
+        raise ConfigError(f"method.label={node.label!r}: must be a non-empty string (the name in reports) or null")
     try:
         return cls(cls.Config(**values), layout)
     except ConfigError:
@@ -98,9 +95,9 @@ def build_method(method_cfg: Mapping[str, Any], layout: HeadLayout | None = None
         raise ConfigError(f"method.name={name}: invalid configuration ({e})") from None
 
 
-def check_min_budget(method: Method, budget: float | int) -> None:
+def check_min_budget(method: Method, budget: Budget) -> None:
     """Raise :class:`ConfigError` when a token ``budget`` is below :meth:`Method.min_budget`
     (the windows and sinks the method always keeps); ratios are floored at run time instead."""
-    if not is_ratio(budget) and int(budget) < method.min_budget():
+    if budget.tokens is not None and budget.tokens < method.min_budget():
         raise ConfigError(f"budget={budget}: smaller than the {method.min_budget()} tokens method {method.name} "
                           f"always keeps (its windows and attention sinks); use budget >= {method.min_budget()}")

@@ -34,7 +34,7 @@ from typing import Literal
 import torch
 
 from .allocation import adaptive_head_budgets, keep_topk_per_head, safeguard_keep_mask
-from .base import CompressResult, HeadLayout, LayerContext, Method, Plan, pack_kept, require
+from .base import Budget, CompressResult, HeadLayout, LayerContext, Method, Plan, pack_kept, require
 from .pyramidkv import PyramidKV, PyramidKVConfig
 
 
@@ -71,7 +71,7 @@ class AdaKV(PyramidKV):
 
     Config = AdaKVConfig
 
-    def plan(self, n_tokens: int, budget: float, layout: HeadLayout) -> Plan:
+    def plan(self, n_tokens: int, budget: Budget, layout: HeadLayout) -> Plan:
         """Uniform layer budgets, or PyramidKV's when ``layer_schedule: pyramid``."""
         if self.config.layer_schedule == "uniform":
             return Method.plan(self, n_tokens, budget, layout)

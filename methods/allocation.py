@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import HeadLayout, Plan, is_ratio, resolve_budget
+from .base import Budget, HeadLayout, Plan
 
 
 def pyramid_layer_budgets(
@@ -87,7 +87,7 @@ def pyramid_layer_budgets(
 
 
 def pyramid_plan(
-    n_tokens: int, budget: float, layout: HeadLayout, window: int, beta: int = 20, variant: str = "kvcf"
+    n_tokens: int, budget: Budget, layout: HeadLayout, window: int, beta: int = 20, variant: str = "kvcf"
 ) -> Plan:
     """A :class:`Plan` with PyramidKV budgets over the layout's compressible layers.
 
@@ -96,12 +96,12 @@ def pyramid_plan(
     ``kvpress`` a ratio ρ gives kvpress's unrounded n·(1 − cr), cr = 1 − ρ (at ρ = 0.5 and odd
     n, ⌊ρ·n⌋ would fall back to uniform budgets where kvpress builds a pyramid).
     """
-    m = resolve_budget(budget, n_tokens)
+    m = budget.of(n_tokens)
     budgets = [n_tokens] * layout.num_layers
     if m >= n_tokens:
         return Plan(layer_budgets=budgets, compress=False)
     layers = list(layout.compressible_layers) or list(range(layout.num_layers))
-    kept = n_tokens * (1 - (1 - budget)) if variant == "kvpress" and is_ratio(budget) else m
+    kept = n_tokens * (1 - (1 - budget.ratio)) if variant == "kvpress" and budget.ratio is not None else m
     schedule = pyramid_layer_budgets(kept, n_tokens, len(layers), min(window, n_tokens), beta, variant)
     for layer, b in zip(layers, schedule):
         budgets[layer] = b

@@ -35,6 +35,26 @@ class ConfigError(ValueError):
     """A user-caused configuration problem; the message is one line naming key and accepted values."""
 
 
+def structured(schema: type, node: Any, prefix: str = "") -> Any:
+    """``node`` (a dict) checked against the dataclass ``schema`` by OmegaConf (as Hydra checks a composed
+    config): an instance of it.
+
+    Raises:
+        ConfigError: unknown key (the accepted keys listed), wrong type or choice, or ``__post_init__``'s error.
+    """
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), node))
+    except OmegaConfBaseException as e:
+        key, first = f"{prefix}{e.full_key}", str(e.msg).splitlines()[0]
+        if "not in" in first or "Missing key" in first:
+            accepted = sorted(OmegaConf.structured(schema).keys())
+            raise ConfigError(f"{key}: unknown key; accepted keys are {', '.join(accepted)}") from None
+        raise ConfigError(f"{key}={e.value!r}: {first}") from None
+
+
 def require(ok: bool, key: str, value: Any, rule: str) -> None:
     """Raise ``ConfigError("method.<key>=<value>: <rule>")`` unless ``ok``."""
     if not ok:
@@ -195,32 +215,44 @@ class CompressResult:
     stats: dict[str, float] = field(default_factory=dict)
 
 
-def is_ratio(budget: float | int) -> bool:
-    """True when ``budget`` is a retention ratio: a float in (0, 1] (``1.0`` keeps everything).
+@dataclass(frozen=True)
+class Budget:
+    """A checked budget (:func:`check_budget` makes it): a retention ratio ρ in (0, 1] of the prompt
+    length (``ratio``), or ``tokens``, the average number kept per layer per KV head, recent window
+    included (an integer ≥ 2). Exactly one is set; ``value`` is the one set (as in ``config.yaml``)."""
 
-    An ``int`` (or an integral float > 1, e.g. ``256.0``) is a token budget.
+    ratio: float | None = None
+    tokens: int | None = None
+
+    @property
+    def value(self) -> float | int:
+        return self.tokens if self.ratio is None else self.ratio
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+    def of(self, n_tokens: int) -> int:
+        """m, tokens per KV head for an n-token prompt, capped at n: ⌊ρ·n⌋ (SelKV Sec. 3.2) or the count."""
+        return min(n_tokens, self.tokens if self.ratio is None else math.floor(self.ratio * n_tokens))
+
+
+def check_budget(value: Any) -> Budget:
+    """The one place a budget value gets its meaning: a float in (0, 1] is a ratio (rounded to 12
+    significant digits: ``range(0.1, 0.4, 0.1)``'s 0.30000000000000004 is 0.3), an integer ≥ 2 or an
+    integral float > 1 (``64.0``) a token count.
+
+    Raises:
+        ConfigError: neither (the integer 1, one token, would read as the ratio 1.0 in reports).
     """
-    return isinstance(budget, float) and budget <= 1.0
-
-
-def check_budget(budget: float | int) -> None:
-    """Raise :class:`ConfigError` for a budget that is neither a ratio in (0, 1] nor an integer ≥ 2
-    (the integer 1, one token, would read as the ratio 1.0 in reports)."""
-    ok = (isinstance(budget, (int, float)) and not isinstance(budget, bool) and math.isfinite(budget) and budget > 0
-          and (is_ratio(budget) or (float(budget) == int(budget) and int(budget) >= 2)))
-    if not ok:
-        raise ConfigError(f"budget={budget!r}: must be a retention ratio in (0, 1] or an integer token count >= 2"
-                          + ("; budget=1.0 keeps every token" if budget == 1 else ""))
-
-
-def resolve_budget(budget: float | int, n_tokens: int) -> int:
-    """Tokens per KV head for an n-token prompt, capped at n: m = ⌊ρ·n⌋ for a ratio ρ in (0, 1]
-    (SelKV Sec. 3.2), the count itself for an integer budget. ``budget`` was checked once, with the
-    job's config (:func:`check_budget`).
-    """
-    if is_ratio(budget):
-        return min(n_tokens, int(math.floor(budget * n_tokens)))
-    return min(n_tokens, int(budget))
+    number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+    if number and isinstance(value, float):
+        value = float(f"{value:.12g}")
+        if value <= 1:
+            return Budget(ratio=value)
+    if number and float(value).is_integer() and value >= 2:
+        return Budget(tokens=int(value))
+    raise ConfigError(f"budget={value!r}: must be a retention ratio in (0, 1] or an integer token count >= 2"
+                      + ("; budget=1.0 keeps every token" if value == 1 else ""))
 
 
 def apply_budget_floor(plan: Plan, n_tokens: int, floor: int) -> Plan:
@@ -343,9 +375,9 @@ class Method:
         """
         raise NotImplementedError(f"method {self.name} computes no prompt attention")
 
-    def plan(self, n_tokens: int, budget: float, layout: HeadLayout) -> Plan:
+    def plan(self, n_tokens: int, budget: Budget, layout: HeadLayout) -> Plan:
         """Uniform per-layer budget (override for layer/head-wise allocation); ``compress=False`` when n ≤ m."""
-        m = resolve_budget(budget, n_tokens)
+        m = budget.of(n_tokens)
         return Plan(layer_budgets=[m] * layout.num_layers, compress=m < n_tokens)
 
     def compress(self, ctx: LayerContext) -> CompressResult:  # pragma: no cover - abstract

@@ -43,8 +43,8 @@ import torch
 from .allocation import adaptive_head_budgets, keep_topk_per_head
 from .artifacts import artifact_path, keyed_errors, load_head_ranking, load_layer_scores
 from .base import (
-    CompressResult, ConfigError, HeadLayout, LayerContext, Method, MethodConfig, Plan, gather_tokens, is_ratio, pack_kept,
-    require, resolve_budget,
+    Budget, CompressResult, ConfigError, HeadLayout, LayerContext, Method, MethodConfig, Plan, gather_tokens, pack_kept,
+    require,
 )
 from .headkv import HeadKV, HeadKVConfig, headkv_head_budgets, pack_head_budgets
 from .scoring import group_scores, pool_scores, topk_keep_window, window_attention
@@ -262,12 +262,12 @@ class CompressKV(Method):
             out.update(HeadKV.load_artifacts(headkv, layout))
         return out
 
-    def plan(self, n_tokens: int, budget: float, layout: HeadLayout) -> Plan:
+    def plan(self, n_tokens: int, budget: Budget, layout: HeadLayout) -> Plan:
         """Per-layer budgets (uniform, error-aware, or the longest head under HeadKV budgets)."""
         if not self.artifacts:
             self.check_layout(layout)
         c = self.config
-        m = resolve_budget(budget, n_tokens)
+        m = budget.of(n_tokens)
         layers = list(layout.compressible_layers) or list(range(layout.num_layers))
         budgets = torch.full((layout.num_layers,), m, dtype=torch.long)
         head_budgets = None
@@ -281,7 +281,7 @@ class CompressKV(Method):
         elif c.layer_allocation == "error_aware":
             # the official script allocates a token budget before it sees the prompt, so on a prompt
             # shorter than the average budget the layers whose own budget is below n still compress
-            avg = m if is_ratio(budget) else int(budget)
+            avg = m if budget.tokens is None else budget.tokens
             scores = self.artifacts["layer_scores"][layers]
             lo = min(c.min_layer_budget, avg)
             hi = max(int(c.max_layer_factor * avg), lo)

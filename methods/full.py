@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from .base import CompressResult, HeadLayout, LayerContext, Method, Plan
+from .base import Budget, CompressResult, HeadLayout, LayerContext, Method, Plan
 
 
 class FullCache(Method):
     """Keeps every token (no config fields); ``plan`` always says no compression."""
 
-    def plan(self, n_tokens: int, budget: float, layout: HeadLayout) -> Plan:
+    def plan(self, n_tokens: int, budget: Budget, layout: HeadLayout) -> Plan:
         return Plan(layer_budgets=[n_tokens] * layout.num_layers, compress=False)
 
     def min_budget(self) -> int:

@@ -37,7 +37,7 @@ import torch
 
 from .allocation import keep_topk_per_head
 from .artifacts import artifact_path, keyed_errors, load_head_scores
-from .base import CompressResult, ConfigError, HeadLayout, LayerContext, Plan, pack_kept, require, resolve_budget
+from .base import Budget, CompressResult, ConfigError, HeadLayout, LayerContext, Plan, pack_kept, require
 from .snapkv import SnapKV, SnapKVConfig
 
 
@@ -166,14 +166,14 @@ class HeadKV(SnapKV):
             raise ConfigError(f"method.head_scores_path={str(path)!r}: every head score is zero")
         return {"kv_head_scores": scores}
 
-    def plan(self, n_tokens: int, budget: float, layout: HeadLayout) -> Plan:
+    def plan(self, n_tokens: int, budget: Budget, layout: HeadLayout) -> Plan:
         """Head budgets ``(L, H_kv)`` (window included, capped at n); layer budget = longest head.
 
         Non-compressible layers get n (they are left alone).
         """
         if not self.artifacts:
             self.check_layout(layout)
-        m = resolve_budget(budget, n_tokens)
+        m = budget.of(n_tokens)
         w = self.recent_window
         scores = self.artifacts["kv_head_scores"]
         layers = list(layout.compressible_layers) or list(range(layout.num_layers))

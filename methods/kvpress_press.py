@@ -5,7 +5,7 @@ once per layer at the end of prefill on inputs rebuilt from the layer (:func:`pr
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
 
@@ -78,7 +78,7 @@ class KVPressConfig(MethodConfig):
     """
 
     press: str = "KnormPress"
-    press_kwargs: dict | None = None
+    press_kwargs: dict = field(default_factory=dict)
 
     def check(self) -> None:
         self.built = make_press(self.press, self.press_kwargs or {})  # the press object (not a field)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from .allocation import pyramid_plan
-from .base import HeadLayout, Plan, require
+from .base import Budget, HeadLayout, Plan, require
 from .snapkv import SnapKV, SnapKVConfig
 
 
@@ -53,6 +53,6 @@ class PyramidKV(SnapKV):
         """W + 1 (KVCache-Factory asserts m > W); W for ``schedule: kvpress`` (its top layer keeps W)."""
         return self.recent_window + (self.config.schedule == "kvcf")
 
-    def plan(self, n_tokens: int, budget: float, layout: HeadLayout) -> Plan:
+    def plan(self, n_tokens: int, budget: Budget, layout: HeadLayout) -> Plan:
         """Pyramid budgets over the compressible layers (``compress=False`` when m ≥ n)."""
         return pyramid_plan(n_tokens, budget, layout, self.recent_window, self.config.beta, self.config.schedule)

@@ -80,12 +80,6 @@ class SelKVConfig(MethodConfig):
     compensation: Literal["global", "layer", "count", "off"] = "global"
     reposition: bool = False
 
-    def __post_init__(self) -> None:
-        for key in ("gate", "compensation"):  # YAML reads an unquoted `off` as false
-            if getattr(self, key) is False:
-                setattr(self, key, "off")
-        super().__post_init__()
-
     def check(self) -> None:
         for key, low in (("window_size", 1), ("bucket_size", 1), ("recent_window", 0)):
             require(getattr(self, key) >= low, key, getattr(self, key), f"must be an integer >= {low}")

@@ -133,7 +133,7 @@ def unique_jobs(jobs: list[list[str]]) -> list[tuple[list[str], dict]]:
 
     out: dict[str, tuple[list[str], dict]] = {}
     for job in jobs:
-        cfg = OmegaConf.to_container(compose(job), resolve=True)
+        cfg = OmegaConf.to_container(compose(job), resolve=True, enum_to_str=True)
         twin = json.dumps({k: v for k, v in cfg.items() if k != "budget" or cfg["method"]["name"] != "full"},
                           sort_keys=True, default=str)
         out.setdefault(twin, (job, cfg))

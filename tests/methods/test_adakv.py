@@ -6,6 +6,7 @@ import torch
 from methods.adakv import AdaKV, AdaKVConfig
 from methods.allocation import adaptive_head_budgets, keep_topk_per_head, safeguard_keep_mask
 from methods.base import ConfigError, HeadLayout, LayerContext
+from methods.base import check_budget
 
 PEAKED = [0.4, 0.3, 0.2, 0.1]
 
@@ -92,8 +93,8 @@ def test_pyramid_layer_schedule_plan():
     layout, _ = _ctx(budget=32)
     method = AdaKV(AdaKVConfig(window_size=8, layer_schedule="pyramid"), layout)
     # m=128, W=8, 4 layers, n=1000: 242, 166, 90, 14 (see test_pyramidkv)
-    assert method.plan(1000, 128, layout).layer_budgets == [242, 166, 90, 14]
-    assert AdaKV(AdaKVConfig(window_size=8), layout).plan(1000, 128, layout).layer_budgets == [128] * 4
+    assert method.plan(1000, check_budget(128), layout).layer_budgets == [242, 166, 90, 14]
+    assert AdaKV(AdaKVConfig(window_size=8), layout).plan(1000, check_budget(128), layout).layer_budgets == [128] * 4
 
 
 def test_config_errors_name_the_key():

@@ -12,6 +12,7 @@ import torch
 from methods.allocation import adaptive_head_budgets
 from methods.base import ConfigError, HeadLayout, LayerContext
 from methods.compresskv import CompressKV, CompressKVConfig, error_aware_layer_budgets, window_token_scores
+from methods.base import check_budget
 
 ROOT = Path(__file__).resolve().parents[2]
 SHARED = Path(os.environ.get("KVBENCH_SHARED_DATA") or ROOT / ".." / "shared" / "data")
@@ -85,7 +86,7 @@ def test_plan_with_published_mistral_scores():
     m = CompressKV(cfg, layout)
     scores = json.loads((CKV / "Mistral-7B-Instruct-v0.3_layer_score.jsonl").read_text())["avg_score"]
     for budget in (128, 256, 2048):
-        plan = m.plan(10000, budget, layout)
+        plan = m.plan(10000, check_budget(budget), layout)
         assert sum(plan.layer_budgets) == 32 * budget
         assert min(plan.layer_budgets) >= 32 and max(plan.layer_budgets) <= 3 * budget
         hi = max(range(32), key=lambda i: scores[i])
@@ -103,21 +104,21 @@ def test_a_prompt_shorter_than_the_average_budget_compresses_the_layers_whose_ow
     cfg = CompressKVConfig(head_idx_path=str(CKV / "Llama-3.1-8B-Instruct_head_idx.json"),
                            layer_score_path=str(CKV / "Llama-3.1-8B-Instruct_layer_score.jsonl"))
     m = CompressKV(cfg, layout)
-    full = m.plan(100_000, 2048, layout).layer_budgets  # the allocation itself (no layer capped by n)
-    plan = m.plan(1500, 2048, layout)
+    full = m.plan(100_000, check_budget(2048), layout).layer_budgets  # the allocation itself (no layer capped by n)
+    plan = m.plan(1500, check_budget(2048), layout)
     assert plan.compress and sum(b < 1500 for b in full) == 6
     assert plan.layer_budgets == [min(b, 1500) for b in full]
-    assert not m.plan(100, 2048, layout).compress  # every layer's budget >= n: nothing to compress
+    assert not m.plan(100, check_budget(2048), layout).compress  # every layer's budget >= n: nothing to compress
 
 
 def test_plan_ratio_budget_and_compressible_subset(tmp_path):
     layout = HeadLayout(4, 2, 1, 8, (1, 3), "x")
     files = _files(tmp_path, {str(i): [0, 1] for i in range(4)}, [0.0, 1.0, 0.0, 3.0])
     m = CompressKV(CompressKVConfig(window_size=4, num_heads=2, **files), layout)
-    plan = m.plan(1000, 0.1, layout)  # m = 100 per layer on average over the 2 compressible layers
+    plan = m.plan(1000, check_budget(0.1), layout)  # m = 100 per layer on average over the 2 compressible layers
     # remaining 200 - 64 = 136 split 1:3 -> 34, 102 (cap 300 - 32 not reached)
     assert plan.layer_budgets[1] == 66 and plan.layer_budgets[3] == 134
-    short = m.plan(80, 100, layout)  # the official rule: layer 1's own budget (66) is below n, layer 3's (134) is not
+    short = m.plan(80, check_budget(100), layout)  # the official rule: layer 1's own budget (66) is below n, layer 3's (134) is not
     assert short.compress and short.layer_budgets[1] == 66 and short.layer_budgets[3] == 80
 
 
@@ -193,7 +194,7 @@ def test_headcompresskv_per_head_lengths_nested(tmp_path):
                            headkv_scores_path=str(hs), headkv_beta=2.0,
                            **_files(tmp_path, {"0": [3, 2, 1, 0], "1": [0, 1, 2, 3]}))
     m = CompressKV(cfg, layout)
-    plan = m.plan(64, 16, layout)
+    plan = m.plan(64, check_budget(16), layout)
     assert plan.head_budgets.shape == (2, 2)
     hb = plan.head_budgets[1]
     res = m.compress(_ctx(layout, 1, 64, plan.layer_budgets[1], head_budget=hb))

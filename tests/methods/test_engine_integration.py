@@ -12,6 +12,7 @@ pytest.importorskip("transformers")
 from kvbench.engine import Engine  # noqa: E402
 from methods.compresskv import CompressKV, CompressKVConfig  # noqa: E402
 from methods.headkv import HeadKV, HeadKVConfig  # noqa: E402
+from methods.base import check_budget  # noqa: E402
 from tests.conftest import loaded_for, tiny_model  # noqa: E402
 
 PROMPT = list(range(1, 61))
@@ -38,7 +39,7 @@ def test_headkv_variable_lengths_in_the_engine(tmp_path):
     loaded = loaded_for(tiny_model("llama", n_kv=2, n_q=4, layers=2))
     cfg = HeadKVConfig(head_scores_path=_head_scores(tmp_path), beta=1.2, window_size=4, kernel_size=3)
     method = HeadKV(cfg, loaded.layout)
-    plan = method.plan(len(PROMPT), 16, loaded.layout)
+    plan = method.plan(len(PROMPT), check_budget(16), loaded.layout)
     assert len(set(plan.head_budgets.flatten().tolist())) > 1  # heads really differ
     eng = Engine(loaded, method, 16)
     eng.record_logits = True
@@ -83,7 +84,7 @@ def test_headcompresskv_in_the_engine(tmp_path):
     cfg = CompressKVConfig(window_size=4, num_heads=2, head_idx_path=_ckv_files(tmp_path)["head_idx_path"], layer_allocation="uniform",
                            head_allocation="headkv", headkv_scores_path=_head_scores(tmp_path), headkv_beta=1.2)
     method = CompressKV(cfg, loaded.layout)
-    plan = method.plan(len(PROMPT), 16, loaded.layout)
+    plan = method.plan(len(PROMPT), check_budget(16), loaded.layout)
     res = Engine(loaded, method, 16).generate(PROMPT, 3, stop_ids=[])
     assert res.stored_tokens == res.kept_tokens and res.stored_bytes == res.kept_bytes == int(plan.head_budgets.sum()) * 2 * 16 * 4
     assert res.kept_tokens["mean"] == pytest.approx(float(plan.head_budgets.float().mean()), abs=1e-3)

@@ -10,6 +10,7 @@ import torch
 from methods.base import ConfigError, HeadLayout, LayerContext
 from methods.headkv import HeadKV, HeadKVConfig, headkv_head_budgets, kv_head_scores
 from methods.snapkv import SnapKVConfig, snapkv_scores
+from methods.base import check_budget
 
 
 def _score_file(tmp_path, scores: dict) -> str:
@@ -27,7 +28,7 @@ def test_capacities_hand_computed(tmp_path):
     m = HeadKV(HeadKVConfig(head_scores_path=_score_file(tmp_path, HAND), beta=2.0, window_size=8), layout)
     # b = 40 - 8 = 32; b // 2 = 16: floor 16, pool 16 * 4 = 64
     # caps = 64 * [.25, 0, .125, .625] + 16 = [32, 16, 24, 56]; + window 8
-    plan = m.plan(1000, 40, layout)
+    plan = m.plan(1000, check_budget(40), layout)
     assert plan.head_budgets.tolist() == [[40, 24], [32, 64]]
     assert plan.layer_budgets == [40, 64]
     assert plan.compress
@@ -61,15 +62,15 @@ def test_gqa_plan_matches_hand_values(tmp_path):
     q = {"0-0": [1], "0-1": [3], "0-2": [0], "0-3": [0], "1-0": [1], "1-1": [1], "1-2": [4], "1-3": [6]}
     layout = HeadLayout(2, 4, 2, 4, (0, 1), "hand")
     m = HeadKV(HeadKVConfig(head_scores_path=_score_file(tmp_path, q), beta=2.0, window_size=8), layout)
-    assert m.plan(1000, 40, layout).head_budgets.tolist() == [[40, 24], [32, 64]]
+    assert m.plan(1000, check_budget(40), layout).head_budgets.tolist() == [[40, 24], [32, 64]]
 
 
 def test_plan_caps_and_no_compression(tmp_path):
     layout = HeadLayout(2, 2, 2, 4, (0, 1), "hand")
     m = HeadKV(HeadKVConfig(head_scores_path=_score_file(tmp_path, HAND), beta=2.0, window_size=8), layout)
-    plan = m.plan(50, 40, layout)  # head (1,1) would keep 64 > 50 tokens: capped at n
+    plan = m.plan(50, check_budget(40), layout)  # head (1,1) would keep 64 > 50 tokens: capped at n
     assert plan.head_budgets.tolist() == [[40, 24], [32, 50]]
-    assert not m.plan(30, 40, layout).compress
+    assert not m.plan(30, check_budget(40), layout).compress
 
 
 def test_compress_keeps_window_and_head_budgets(tmp_path):
@@ -78,7 +79,7 @@ def test_compress_keeps_window_and_head_budgets(tmp_path):
     q = {f"{l}-{h}": [float(l * 4 + h + 1)] for l in range(2) for h in range(4)}
     m = HeadKV(HeadKVConfig(head_scores_path=_score_file(tmp_path, q), beta=1.5, window_size=4, kernel_size=3), layout)
     n = 40
-    plan = m.plan(n, 12, layout)
+    plan = m.plan(n, check_budget(12), layout)
     keys, values = torch.randn(1, 2, n, 8), torch.randn(1, 2, n, 8)
     ctx = LayerContext(layer_idx=1, layout=layout, keys=keys, values=values, window_queries=torch.randn(1, 4, 4, 8),
                        scaling=8 ** -0.5, budget=plan.layer_budgets[1], head_budget=plan.head_budgets[1])

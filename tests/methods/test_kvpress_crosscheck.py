@@ -37,6 +37,7 @@ from methods.knorm import KnormConfig  # noqa: E402
 from methods.allocation import pyramid_layer_budgets  # noqa: E402
 from methods.snapkv import SnapKVConfig  # noqa: E402
 from methods.streamingllm import StreamingLLMConfig  # noqa: E402
+from methods.base import check_budget  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 # ../shared/data next to the repository (a worktree under wt/ finds it one level further up)
@@ -146,7 +147,7 @@ def our_kept(method, ctx: LayerContext) -> list[set[int]]:
 
 
 def assert_same_sets(cap, press, method, budget: float, window: int, n: int = CONTEXT_TOKENS):
-    plan = method.plan(n, budget, cap.layout)
+    plan = method.plan(n, check_budget(budget), cap.layout)
     assert plan.compress
     mismatches = []
     for layer in range(cap.layout.num_layers):
@@ -185,9 +186,9 @@ def test_pyramidkv_kvpress_preset_matches_kvpress_through_the_engine(n):
     what kvpress's own hooks keep on the same input ids. At ρ = 0.5 an odd n gives kvpress a
     pyramid (from n·0.5 unrounded; ⌊n/2⌋ would fall back to uniform) and the top layer keeps
     just W = 64 tokens (no W + 1 floor)."""
-    import yaml
     from transformers import DynamicCache
 
+    from kvbench.config import preset
     from kvbench.engine import Engine
     from methods import build_method
     from tests.conftest import loaded_for, tiny_model
@@ -200,7 +201,7 @@ def test_pyramidkv_kvpress_preset_matches_kvpress_through_the_engine(n):
         with kvpress.PyramidKVPress(compression_ratio=0.5, window_size=64, kernel_size=5)(ref):
             ref(ids, past_key_values=compressed, use_cache=True)
     loaded = loaded_for(tiny_model("llama", layers=4))  # the same weights (same seed)
-    node = yaml.safe_load((ROOT / "conf" / "method" / "pyramidkv_kvpress.yaml").read_text())
+    node = preset("method", "pyramidkv_kvpress")
     engine = Engine(loaded, build_method(node, loaded.layout), 0.5)
     engine.generate(ids[0].tolist(), 1, stop_ids=[])
     results = engine.last_state.results
@@ -255,7 +256,7 @@ def test_token_budget_is_fixed_while_compression_ratio_scales(captured):
     snap = get_method_class("snapkv")(SnapKVConfig(window_size=16, kernel_size=5), captured.layout)
     press = kvpress.SnapKVPress(compression_ratio=0.75, window_size=16, kernel_size=5)
     for n in (CONTEXT_TOKENS, CONTEXT_TOKENS // 2):
-        plan = snap.plan(n, 88, captured.layout)  # 88 tokens per head whatever n
+        plan = snap.plan(n, check_budget(88), captured.layout)  # 88 tokens per head whatever n
         ours = our_kept(snap, our_context(captured, 0, n, 16, plan.layer_budgets[0]))
         theirs = kvpress_kept(captured, press, 0, n)
         assert [len(s) for s in ours] == [88] * 3

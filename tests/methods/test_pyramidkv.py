@@ -6,6 +6,7 @@ import torch
 from methods.allocation import pyramid_layer_budgets
 from methods.base import ConfigError, HeadLayout, LayerContext
 from methods.pyramidkv import PyramidKV, PyramidKVConfig
+from methods.base import check_budget
 
 
 def test_kvcf_schedule_hand_computed():
@@ -55,14 +56,14 @@ def test_schedule_rejects_bad_settings():
 def test_plan_spans_compressible_layers_only():
     layout = HeadLayout(num_layers=6, num_q_heads=4, num_kv_heads=2, head_dim=8, compressible_layers=(1, 3, 5))
     method = PyramidKV(PyramidKVConfig(window_size=8), layout)
-    plan = method.plan(1000, 128, layout)
+    plan = method.plan(1000, check_budget(128), layout)
     assert plan.compress
     # 3 layers: min=6, max=234, step=(234-6)//2=114 -> 242, 128, 14
     assert [plan.layer_budgets[i] for i in (1, 3, 5)] == [242, 128, 14]
     assert [plan.layer_budgets[i] for i in (0, 2, 4)] == [1000] * 3
-    assert not method.plan(100, 128, layout).compress
+    assert not method.plan(100, check_budget(128), layout).compress
     # ratio budget: m = floor(0.25 * 1000) = 250
-    assert method.plan(1000, 0.25, layout).layer_budgets[3] == 250
+    assert method.plan(1000, check_budget(0.25), layout).layer_budgets[3] == 250
 
 
 def test_compress_keeps_layer_budget_and_window():
@@ -86,8 +87,8 @@ def test_kvpress_plan_uses_the_unrounded_budget_and_keeps_w_on_top():
     # pyramid (⌊150.5⌋ = 150 would give min = 63 < W: uniform), step (237 - 64)/3
     layout = HeadLayout(num_layers=4, num_q_heads=4, num_kv_heads=2, head_dim=8, compressible_layers=(0, 1, 2, 3))
     method = PyramidKV(PyramidKVConfig(window_size=64, kernel_size=5, schedule="kvpress"), layout)
-    assert method.plan(301, 0.5, layout).layer_budgets == [237, 179, 122, 64]
+    assert method.plan(301, check_budget(0.5), layout).layer_budgets == [237, 179, 122, 64]
     assert pyramid_layer_budgets(150, 301, 4, 64, variant="kvpress") == [150] * 4
-    assert method.plan(300, 0.5, layout).layer_budgets == [236, 179, 121, 64]
+    assert method.plan(300, check_budget(0.5), layout).layer_budgets == [236, 179, 121, 64]
     assert method.min_budget() == 64  # the top layer keeps exactly W (kvpress), not W + 1
     assert PyramidKV(PyramidKVConfig(window_size=64), layout).min_budget() == 65  # kvcf: m > W
