@@ -121,7 +121,7 @@ def _prefill_attention(query, key, value, mask, scaling, softcap) -> torch.Tenso
 
 
 def decode_backend(layer: Any, key: torch.Tensor, reference: bool = False) -> str:
-    """The decode attention of a cache layer (``python -m benchmarks.gpu_check`` reports it): ``reference``
+    """The decode attention of a cache layer (:func:`decode_backends` names the kernel PyTorch picks): ``reference``
     (:func:`grouped_attention`), ``flash varlen`` (ragged heads, CUDA, fp16/bf16), ``sdpa per head``
     (ragged heads elsewhere), ``sdpa, bias columns`` or ``sdpa`` (no mask: flash eligible on CUDA)."""
     if reference:

@@ -1,20 +1,64 @@
-"""benchmarks/gpu_check.py runs on CPU with small sizes (on an H200 it runs the Llama-3.1-8B shapes)."""
+"""benchmarks/gpu_check.py on CPU with tiny shapes (on an H200 it runs Llama-3.1-8B's shapes), also without kvpress."""
 
+import importlib.util
 import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
 
 from benchmarks import gpu_check
 from methods import available
 
+ROOT = Path(__file__).resolve().parents[2]
 
-def test_gpu_check_runs_every_method_on_cpu(tmp_path, capsys):
-    assert gpu_check.main(["--device", "cpu", "--lengths", "160", "--new-tokens", "4", "--out", str(tmp_path)]) == 0
+
+def test_help():
+    out = subprocess.run([sys.executable, "benchmarks/gpu_check.py", "--help"], cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 0 and "--lengths" in out.stdout and "--no-compile" in out.stdout
+
+
+def test_gpu_check_writes_every_figure_without_kvpress(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "kvpress", None)  # import kvpress raises ImportError, as on the offline GPU machine
+    assert gpu_check.main(["--device", "cpu", "--lengths", "160", "--new-tokens", "5", "--out", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "gpu_check.json").read_text())
-    methods = {r["method"]: r for r in report["rows"] if r["check"] == "method"}
-    assert sorted(methods) == available() and report["failures"] == []
-    assert all(r["first_step_same_token"] and r["cache_dtype"] == "float32" for r in methods.values())
-    backends = {name: r["decode_attention"] for name, r in methods.items()}
-    assert backends["selkv"] == "sdpa, bias columns" and backends["snapkv"] == backends["full"] == "sdpa"
-    assert backends["adakv"] == backends["headkv"] == "sdpa per head"  # flat per-head lengths (CUDA: flash varlen)
-    decode = [(r["method"], r["tokens"]) for r in report["rows"] if r["check"] == "decode"]
-    assert decode == [("full", 160), ("snapkv", 160), ("selkv", 160), ("adakv", 160)]
-    assert "all checks passed" in capsys.readouterr().out
+    assert report["failures"] == [] and "all checks passed" in capsys.readouterr().out
+    parts = {}
+    for r in report["rows"]:
+        parts.setdefault(r["part"], []).append(r)
+    assert sorted(parts) == ["compiled", "engine", "sdpa", "varlen"]  # no kvpress row without kvpress
+    engine = {r["method"]: r for r in parts["engine"] if "skipped" not in r}
+    skipped = {r["method"]: r["skipped"] for r in parts["engine"] if "skipped" in r}
+    assert sorted([*engine, *skipped]) == available() and set(skipped) <= {"kvpress_press"}  # needs kvpress
+    assert all("kvpress" in why for why in skipped.values())
+    for r in engine.values():
+        assert len(r["step_ms"]) == 4 and r["decode_ms_step_median"] > 0 and r["cache_bytes_after"] > 0
+        assert r["peak_decode_bytes"] > 0 and r["sdpa_backends"]["prefill"] in ("flash_attention", "math", "blocked float32 (column sums)")
+        assert r["ok"] and r["logits_rel_err"] <= 1e-4 and r["same_argmax_steps"] == r["steps_compared"] == 5
+    assert engine["full"]["cache_bytes_after"] > 2 * engine["snapkv"]["cache_bytes_after"]
+    assert engine["selkv"]["sdpa_backends"]["decode"] == {"bias columns": "flash_attention"}  # PyTorch's CPU choice
+    assert engine["adakv"]["sdpa_backends"]["decode"] == {"per-head lengths": "flash_attention"}
+    assert engine["full"]["sdpa_backends"]["decode"] == {"uniform": "flash_attention"}
+    compiled = {r["method"]: r for r in parts["compiled"]}
+    assert sorted(compiled) == ["adakv", "full", "selkv"]
+    assert all(r["decode_compiled"] and r["compile_s"] > 0 for r in compiled.values())
+    assert {(r["query_heads"], r["kv_heads"], r["head_dim"]) for r in parts["varlen"]} >= {(32, 8, 128), (40, 8, 128),
+                                                                                           (32, 32, 128), (16, 4, 256)}
+    assert all(r["ok"] and r["backend"] == "sdpa per head" for r in parts["varlen"])
+    assert all(r["default_choice"] and r["kvbench_choice"] and len(r["kvbench_step_ms"]) == 16 for r in parts["sdpa"])
+
+
+@pytest.mark.skipif(importlib.util.find_spec("kvpress") is None, reason="kvpress not installed (optional extra)")
+def test_kvpress_part_when_importable():
+    import torch
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    before = dict(ALL_ATTENTION_FUNCTIONS)
+
+    loaded = gpu_check.build(torch.device("cpu"), 2)
+    (row,) = gpu_check.kvpress_part(loaded, 160, 3)
+    assert row["part"] == "kvpress" and row["decode_ms_step_median"] > 0
+    assert row["cache_bytes_after"] == 2 * 2 * 2 * 32 * 40 * 4  # 2 layers, K and V, 2 KV heads, d 32, 25 % of 160, fp32
+    assert loaded.model.config._attn_implementation == "kvbench"  # restored
+    assert dict(ALL_ATTENTION_FUNCTIONS) == before  # kvpress's import-time wrapping undone
