@@ -94,3 +94,18 @@ def test_a_shared_sweep_refuses_other_launchers(tmp_path):
 
     out = run_cli(["-m", "hydra/launcher=parallel", "budget=0.25,0.5", "sweep.share_prefill=true", f"output_root={tmp_path}"])
     assert out.returncode == 2 and out.stderr.startswith("error: sweep.share_prefill") and len(out.stderr.splitlines()) == 1
+
+
+def test_the_full_cache_twin_keeps_the_first_budget_shared_or_alone(tiny_model_dir, haystack_dir, tmp_path):
+    import yaml
+
+    from kvbench.job import run_job, run_jobs
+    from tests.kvbench.cli_util import check, job_dir, tiny_model_args
+
+    common = [*tiny_model_args(tiny_model_dir), f"task.haystack_dir={haystack_dir}", "task.context_lengths=[300]",
+              "task.depth_percents=[50]", "task.max_new_tokens=2", "quiet=true", "threads=1", "method=full"]
+    alone, shared = [*common, f"output_root={tmp_path / 'alone'}"], [*common, f"output_root={tmp_path / 'shared'}"]
+    assert [run_job(check([*alone, f"budget={b}"])) for b in (0.1, 0.5)] == [0, 0]  # the second finds it finished
+    assert run_jobs([check([*shared, f"budget={b}"]) for b in (0.1, 0.5)]) == [0, 0]  # one job for both
+    configs = [yaml.safe_load((job_dir([*args, "budget=0.5"]) / "config.yaml").read_text()) for args in (alone, shared)]
+    assert [c["budget"] for c in configs] == [0.1, 0.1]
