@@ -328,7 +328,7 @@ def load(job: JobSpec) -> tuple[Any, Task, list[Sample], list[str], bool]:
         torch.set_num_threads(threads)
     random.seed(top.seed)
     torch.manual_seed(top.seed)
-    loaded = load_model(job.cfg["model"], top.device, job.source)
+    loaded = load_model(job.cfg["model"], top.device, job.source, job.layout)
     task, samples, max_input = build_task(job.cfg, loaded, job.resolved)
     cap = top.max_samples or len(samples)
     mine = samples[index::count][:cap]

@@ -361,9 +361,10 @@ def load_tokenizer(model_cfg: dict, source: tuple[str, str | None] | None = None
     return tokenizer
 
 
-def load_model(model_cfg: dict, device: str = "auto", source: tuple[str, str | None] | None = None) -> LoadedModel:
-    """Load tokenizer and model as ``model_cfg`` says, the weights straight onto ``device``. ``source``:
-    :func:`resolve_source`'s answer, when the caller has it.
+def load_model(model_cfg: dict, device: str = "auto", source: tuple[str, str | None] | None = None,
+               layout: HeadLayout | None = None) -> LoadedModel:
+    """Load tokenizer and model as ``model_cfg`` says, the weights straight onto ``device``. ``source`` and
+    ``layout``: :func:`resolve_source`'s and :func:`head_layout`'s answers, when the caller has them.
 
     Device ``auto``: CUDA with the config's CUDA dtype (bf16) when present, else CPU float32.
     ``model.device_map=auto`` spreads a large model over all GPUs (accelerate).
@@ -412,7 +413,8 @@ def load_model(model_cfg: dict, device: str = "auto", source: tuple[str, str | N
     model.eval()
     return LoadedModel(
         model=model, tokenizer=tokenizer,
-        layout=head_layout(model.config, str(model_cfg.get("name", "")), bool(model_cfg.get("compress_sliding_layers"))),
+        layout=layout or head_layout(model.config, str(model_cfg.get("name", "")),
+                                     bool(model_cfg.get("compress_sliding_layers"))),
         device=model.get_input_embeddings().weight.device, dtype=dtype,
         stop_ids=stop_token_ids(tokenizer, model, model_cfg),
         chat_template=chat_format(model_cfg, tokenizer),

@@ -56,7 +56,7 @@ def one_sample_job(tmp_path_factory):
         mp.setattr(kvbench.config, "check", counted_check)
         mp.setattr(kvbench.job, "check", counted_check)
         for owner, name in ((kvbench.config, "check_budget"), (methods.selkv.SelKV, "check_layout"),
-                            (eval.niah, "load_haystack"), (kvbench.models, "resolve_source")):
+                            (eval.niah, "load_haystack"), (kvbench.models, "resolve_source"), (kvbench.models, "head_layout")):
             mp.setattr(owner, name, counted(name, getattr(owner, name)))
         mp.setenv("HYDRA_FULL_ERROR", "1")
         mp.setattr(sys, "argv", ["run.py", *args])
@@ -80,8 +80,8 @@ def test_a_one_sample_job_composes_its_config_once(one_sample_job):
 
 def test_a_one_sample_job_checks_and_resolves_each_input_once(one_sample_job):
     calls = one_sample_job[1]
-    assert {k: calls.get(k) for k in ("check_budget", "check_layout", "load_haystack", "resolve_source")} == dict.fromkeys(
-        ("check_budget", "check_layout", "load_haystack", "resolve_source"), 1)
+    once = ("check_budget", "check_layout", "load_haystack", "resolve_source", "head_layout")
+    assert {k: calls.get(k) for k in once} == dict.fromkeys(once, 1)
 
 
 @needs_embedded

@@ -241,7 +241,7 @@ def test_a_finished_job_frees_its_model_before_the_next_job_loads_one(base, monk
 
     models, real = [], kvbench.models.load_model
 
-    def load(cfg, device, source=None):
+    def load(cfg, device, *resolved):
         loaded = real(cfg, device)
         models.append(weakref.ref(loaded.model))
         return loaded
