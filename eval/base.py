@@ -132,6 +132,12 @@ class Task:
     def validate(cls, cfg: dict) -> None:
         """Check the task node before any model loads; raise :class:`TaskConfigError`."""
 
+    @classmethod
+    def data_files(cls, cfg: dict) -> list[Path]:
+        """The files of ``task.data_dir`` the task reads (their SHA-256 are part of the job's identity):
+        its ``.json``/``.jsonl`` files; a task reading a folder tree overrides it."""
+        return sorted(p for p in Path(cfg["data_dir"]).expanduser().glob("*.json*") if p.suffix in (".json", ".jsonl"))
+
     def samples(self) -> Iterator[Sample]:  # pragma: no cover - abstract
         raise NotImplementedError
 

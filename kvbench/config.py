@@ -193,10 +193,11 @@ def resolved_inputs(task: dict) -> tuple[dict, dict]:
         kind = "dir" if source.startswith("dir:") else source  # the essays' text counts, not their folder
         return {"haystack": kind, "haystack_sha256": hashlib.sha256(text.encode()).hexdigest()}, {"haystack": (text, source)}
     if task.get("data_dir"):
-        files = sorted(p for p in Path(task["data_dir"]).expanduser().glob("*.json*") if p.suffix in (".json", ".jsonl"))
+        files = tasks.get_task_class(task["name"]).data_files(task)
         if not files:
             raise TaskConfigError(f"task.data_dir={task['data_dir']}: no such folder, or no .jsonl/.json files in it")
-        return {"data_files": {f.name: _sha256(f) for f in files}}, {}
+        root = Path(task["data_dir"]).expanduser()
+        return {"data_files": {str(f.relative_to(root)): _sha256(f) for f in files}}, {}
     return {"hub": [task.get("hub_dataset"), task.get("hub_revision")]}, {}
 
 
