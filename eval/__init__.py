@@ -1,4 +1,4 @@
-"""Tasks and metrics: LongBench, LongBench-E, Needle-in-a-Haystack, RULER, LongBench-v2, InfiniteBench.
+"""Tasks and metrics: LongBench, LongBench-E, Needle-in-a-Haystack, RULER, LongBench-v2, InfiniteBench, LooGLE.
 
 ``eval`` sees only text, never tensors, and never imports ``methods``.
 """
@@ -16,6 +16,7 @@ _TASKS: dict[str, str] = {
     "ruler": "eval.ruler:RulerTask",
     "longbench_v2": "eval.longbench_v2:LongBenchV2Task",
     "infinitebench": "eval.infinitebench:InfiniteBenchTask",
+    "loogle": "eval.loogle:LoogleTask",
 }
 
 

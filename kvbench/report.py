@@ -29,6 +29,7 @@ def _sweep_fig(name: str, task: str, ratio: bool, title: str = "", per_dataset: 
 ARTIFACTS = {  # family -> builder of its artifacts
     "scores": lambda c: rt.score_tables(c.df, c.root),
     "longbench_v2": lambda c: rt.longbench_v2_tables(c.df, c.root),
+    "loogle": lambda c: rt.loogle_tables(c.df, c.root),
     "selkv_table1": lambda c: rt.selkv_table1(c.df),
     "selkv_table2": lambda c: rt.staged_table(c.df, "selkv_table2", 0.25),
     "selkv_table3": lambda c: rt.sensitivity_table(c.df, "selkv_table3", "selkv", 0.25),
@@ -46,7 +47,8 @@ ARTIFACTS = {  # family -> builder of its artifacts
     "compresskv_fig5": _sweep_fig("compresskv_fig5", "niah", False, "Needle-in-a-Haystack average under KV budgets"),
     "niah": lambda c: rt.niah_figures(c.df, c.root),
 }
-OUTPUTS = {"scores": ["scores_*", "paired_*"], "longbench_v2": ["longbench_v2_*"], "selkv_ratio_tables": ["selkv_table5", "selkv_table6", "selkv_ratios_*"],
+OUTPUTS = {"scores": ["scores_*", "paired_*"], "longbench_v2": ["longbench_v2_*"], "loogle": ["loogle_*"],
+           "selkv_ratio_tables": ["selkv_table5", "selkv_table6", "selkv_ratios_*"],
            "compresskv_table3": ["compresskv_table3a", "compresskv_table3b"], "niah": ["niah_panel_*"]}
 
 

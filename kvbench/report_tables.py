@@ -244,21 +244,35 @@ def score_tables(df: pd.DataFrame, root: Path | None = None) -> list[Artifact]:
     return out
 
 
-def longbench_v2_tables(df: pd.DataFrame, root: Path) -> list[Artifact]:
-    """LongBench-v2's ``result.py`` columns (accuracy overall, by difficulty and by length) per model key, a row per
-    job, from each job's ``summary.json`` ``averages``."""
+def averages_tables(df: pd.DataFrame, root: Path, task: str, caption: str, columns=(), headers=None) -> list[Artifact]:
+    """A table per model key of ``task``, a row per job, its ``summary.json`` ``averages`` as columns (``columns``
+    in order, else every key in stored order); ``caption`` formatted with the model key."""
     out = []
-    for mk, part in df[(df["task"] == "longbench_v2") & df["score"].notna()].groupby("model_key"):
-        part = part.iloc[sorted(range(len(part)), key=lambda i: (method_sort_key(part["method_name"].iat[i],
-                                                                                  part["method"].iat[i]), part["budget"].iat[i]))]
-        rows = [{"Method": m, "Budget": None if name == FULL else budget_text(b),
-                 **(json.loads((Path(root) / job / "summary.json").read_text()).get("averages") or {})}
-                for job, m, name, b in zip(part["job"], part["method"], part["method_name"], part["budget"])]
-        data = pd.DataFrame(rows, columns=["Method", "Budget", *BREAKDOWN])
-        out.append(Artifact(f"longbench_v2_{slug(mk)}", f"LongBench-v2 accuracy (%) of {mk}: overall, easy/hard, "
-                            "short/medium/long (result.py's columns), a row per job.", data, used=part,
-                            headers={c: c.capitalize() for c in BREAKDOWN}))
+    for mk, rows in df[(df["task"] == task) & df["score"].notna()].groupby("model_key"):
+        part = rows.drop_duplicates("job")
+        part = part.iloc[sorted(range(len(part)), key=lambda i: (
+            method_sort_key(part["method_name"].iat[i], part["method"].iat[i]), part["budget"].iat[i]))]
+        found = [{"Method": m, "Budget": None if name == FULL else budget_text(b),
+                  **(json.loads((Path(root) / job / "summary.json").read_text()).get("averages") or {})}
+                 for job, m, name, b in zip(part["job"], part["method"], part["method_name"], part["budget"])]
+        cols = list(columns) or list(dict.fromkeys(k for r in found for k in r if k not in ("Method", "Budget")))
+        data = pd.DataFrame(found, columns=["Method", "Budget", *cols])
+        out.append(Artifact(f"{slug(task)}_{slug(mk)}", caption.format(mk), data, used=rows, headers=headers or {}))
     return out
+
+
+def longbench_v2_tables(df: pd.DataFrame, root: Path) -> list[Artifact]:
+    """LongBench-v2's ``result.py`` columns (accuracy overall, by difficulty and by length) per model key."""
+    return averages_tables(df, root, "longbench_v2", "LongBench-v2 accuracy (%) of {}: overall, easy/hard, "
+                           "short/medium/long (result.py's columns), a row per job.", BREAKDOWN,
+                           {c: c.capitalize() for c in BREAKDOWN})
+
+
+def loogle_tables(df: pd.DataFrame, root: Path) -> list[Artifact]:
+    """LooGLE's automatic metrics (``automatic_eval.py``) per task, per model key."""
+    return averages_tables(df, root, "loogle", "LooGLE automatic metrics (×100) of {}, a row per job: cloze exact/"
+                           "partial match (matched / all masks), QA and summarization ROUGE recall and BLEU (mean over "
+                           "questions); loogle: the mean of the task scores.")
 
 
 def selkv_table1(df: pd.DataFrame, budget: float = 0.25, task: str = "longbench", long: bool = False):
