@@ -2,7 +2,8 @@
 
 The haystack (essays) is cut to each context length, in tokens of the model's tokenizer;
 the needle is inserted at the requested depth percent, moved back to the previous sentence
-boundary (as the reference NIAH harness does); the retrieval question follows.
+boundary (as the reference NIAH harness does); the retrieval question follows (the query part,
+``task.compress=context``: the template's text after the haystack).
 
 Haystack sources (``task.haystack_source``):
 * ``dir``: a folder of ``.txt`` files (``task.haystack_dir``, e.g. the 49 Paul Graham essays);
@@ -244,6 +245,7 @@ class NIAHTask(Task):
                     max_new_tokens=int(self.cfg.get("max_new_tokens", 32)),
                     answers=[self.cfg["answer"]],
                     chat=chat,
+                    query=template.split("{context}", 1)[1].format(question=self.cfg["question"]),
                     length=length,
                     meta={"context_length": length, "depth_percent": depth},
                 )

@@ -187,14 +187,20 @@ def _decode_attention(query, key, value, mask, scaling, softcap, layer=None, ref
     (query head h = kv·G + g), given the component 1 (or a one-hot over G) for the bias columns and
     zeros up to the stored width; the output keeps d channels. Invalid slots of ragged heads are not
     stored, so no logit is −inf. Else (``reference``, soft-capping, q > 1, a mask on a ragged layer):
-    the reference. key, value: what ``layer.update`` returned. Returns ``(B, q, H_q, d)``.
+    the reference; q > 1 queries (the query part on a compressed cache) without ``mask`` are causal: row i sees
+    a head's first L − q + i + 1 slots, L its filled length. key, value: what ``layer.update`` returned.
+    Returns ``(B, q, H_q, d)``.
     """
     b, h_q, q_len, d = query.shape
     ragged = isinstance(layer, RaggedLayer)
     backend = decode_backend(layer, key, reference or bool(softcap) or q_len > 1 or (ragged and mask is not None))
     if backend == "reference":
         k, v, bias = dense_layer(layer, key, value, query)
-        return grouped_attention(query, k, v, scaling, bias=bias, mask=mask, softcap=softcap)
+        offset = None  # q > 1 (the query part, task.compress=context): causal from each head's own length
+        if q_len > 1 and mask is None:
+            lens = torch.tensor(layer.lens_host, device=k.device) + (layer.decoded - q_len) if ragged else None
+            offset = k.shape[2] - q_len if lens is None else lens.view(b, -1, 1, 1).repeat_interleave(h_q // layer.shape[1], 1)
+        return grouped_attention(query, k, v, scaling, bias=bias, mask=mask, softcap=softcap, causal_offset=offset)
     h_kv = layer.shape[1] if ragged else key.shape[1]
     rows, r = query.reshape(b, h_kv, h_q // h_kv, d), getattr(layer, "bias_rows", 0)
     if r:
@@ -272,8 +278,10 @@ def kvbench_attention(module, query, key, value, attention_mask, scaling=None, d
     if isinstance(state, CompressionState) and state.phase == "decode":
         layer = state.cache.layers[module.layer_idx]
         # one query sees every key its layer caches (a sliding layer caches its window only): no mask; traced
-        # (torch.compile), transformers builds an all-True one sized by layer 0's cache, wrong for per-layer budgets
-        return _decode_attention(query, key, value, None, scaling, softcap, layer, state.reference_decode), None
+        # (torch.compile), transformers builds an all-True one sized by layer 0's cache, wrong for per-layer budgets.
+        # Several (the query part): transformers' mask on a sliding layer, else causal per head (_decode_attention)
+        mask = attention_mask if query.shape[2] > 1 and getattr(layer, "is_sliding", False) else None
+        return _decode_attention(query, key, value, mask, scaling, softcap, layer, state.reference_decode), None
     states = [s for s in (state if isinstance(state, list) else [state])  # a shared prefill passes several
               if s is not None and s.compressing and module.layer_idx in s.layout.compressible_layers]
     sums = None

@@ -35,7 +35,7 @@ CONF = Path(__file__).resolve().parents[1] / "conf"
 #: keys that choose which samples run (the sample ids encode them), not how one is computed
 SELECTION_KEYS = ("context_lengths", "depth_percents", "datasets", "n_samples", "subtasks")
 #: settings added after results were stored with them unset: at this value they stay out of the identity (the folders resume)
-FORMER = {("model", "compress_sliding_layers"): False, ("method", "score_dtype"): "float32"}
+FORMER = {("model", "compress_sliding_layers"): False, ("method", "score_dtype"): "float32", ("task", "compress"): "prompt"}
 DTYPES = ("float32", "bfloat16", "float16")
 DEVICE_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")
 
@@ -250,7 +250,8 @@ def identity(cfg: dict, source: tuple[str, str | None], inputs: dict, device: st
     return {
         "model": model,
         "method": {k: v for k, v in cfg["method"].items() if k != "label" and FORMER.get(("method", k), ...) != v},
-        "task": {k: v for k, v in cfg["task"].items() if k not in SELECTION_KEYS and k not in ("data_dir", "haystack_dir")},
+        "task": {k: v for k, v in cfg["task"].items() if k not in (*SELECTION_KEYS, "data_dir", "haystack_dir")
+                 and FORMER.get(("task", k), ...) != v},
         "inputs": inputs,
         "budget": None if cfg["method"]["name"] == "full" else cfg["budget"],
         "seed": cfg["seed"],

@@ -3,7 +3,10 @@
 The protocol of every paper reproduced here: batch size 1, greedy decoding, the prompt's KV
 cache compressed once at the end of prefill (each layer right after its own prefill attention,
 so every layer's prefill output is computed with the full cache), new tokens appended
-uncompressed. Prefill and every decode step are the model's own forward with
+uncompressed. With ``query_tokens`` (``task.compress=context``, kvpress's query-agnostic protocol)
+only the prompt's context is prefilled and compressed; its last ``query_tokens`` ids (the query
+part) are then prefilled in one forward on top of the compressed cache, uncompressed, positions
+continuing, before decoding. Prefill and every decode step are the model's own forward with
 ``attn_implementation="kvbench"`` (:mod:`kvbench.attention`), so every family computes what
 its Hugging Face modules compute.
 """
@@ -43,9 +46,10 @@ class GenerationResult:
     Attributes:
         tokens: generated token ids (stop token excluded).
         text: decoded text (special tokens skipped).
-        prompt_tokens: n, prompt length in tokens.
+        prompt_tokens: n, prompt length in tokens; compressed_tokens: the tokens the method saw (n, or the
+            context's under ``query_tokens``).
         compressed: whether the cache was compressed (False when n ≤ budget or method=full).
-        kept_tokens / stored_tokens: per compressible layer, mean/min/max of logical kept tokens
+        kept_tokens / stored_tokens: of the compressed tokens, per compressible layer, mean/min/max of logical kept tokens
             (valid slots, averaged over KV heads) and of stored prompt slots per KV head.
         kept_bytes / stored_bytes: the compressed layers' kept tokens at 2·d model-dtype values, and the
             bytes their cache holds for them (bias columns included, free decode slots not).
@@ -81,6 +85,7 @@ class GenerationResult:
     decode_tok_s: float
     peak_prefill_bytes: int
     peak_decode_bytes: int
+    compressed_tokens: int = 0
     compile_s: float = 0.0
     decode_compiled: bool = False
     sdpa_backends: dict[str, Any] = field(default_factory=dict)
@@ -90,6 +95,7 @@ class GenerationResult:
         """The fields stored in ``predictions.jsonl``."""
         return {
             "prompt_tokens": self.prompt_tokens,
+            "compressed_tokens": self.compressed_tokens,
             "compressed": self.compressed,
             "kept_tokens": self.kept_tokens,
             "stored_tokens": self.stored_tokens,
@@ -295,7 +301,7 @@ class Engine:
 
     @torch.inference_mode()
     def generate(self, prompt_ids: list[int], max_new_tokens: int, stop_ids: list[int] | None = None,
-                 min_new_tokens: int = 0, prefilled: Prefilled | None = None) -> GenerationResult:
+                 min_new_tokens: int = 0, prefilled: Prefilled | None = None, query_tokens: int = 0) -> GenerationResult:
         """Prefill ``prompt_ids``, compress the cache once, decode greedily.
 
         Args:
@@ -304,7 +310,9 @@ class Engine:
             stop_ids: ids that end generation (defaults to the model's stop ids).
             min_new_tokens: steps during which stop ids cannot be chosen (their logits are −inf),
                 as ``generate(min_length=prompt + k)`` does.
-            prefilled: this engine's part of a shared :func:`prefill` of ``prompt_ids`` (None: prefill here).
+            prefilled: this engine's part of a shared :func:`prefill` of the compressed ids (None: prefill here).
+            query_tokens: q, the last q ids are the query part (kvpress's question): the first n − q are prefilled
+                and compressed, then the q in one forward on the compressed cache (causal per head), uncompressed.
 
         Returns:
             A :class:`GenerationResult`.
@@ -315,19 +323,28 @@ class Engine:
         """
         model, dev = self.model, self.loaded.device
         stops = sorted(set(self.loaded.stop_ids if stop_ids is None else stop_ids))
-        n = len(prompt_ids)
-        state, logits, prefill_s, peak_bytes = prefilled or prefill([self], prompt_ids, max_new_tokens)[0]
+        n, c = len(prompt_ids), len(prompt_ids) - query_tokens  # c: the compressed tokens
+        state, logits, prefill_s, peak_bytes = prefilled or prefill([self], prompt_ids[:c], max_new_tokens + query_tokens)[0]
         cache, sync = state.cache, dev.type == "cuda"
-        kept, stored, nbytes, mstats = self._cache_stats(state, n)
+        kept, stored, nbytes, mstats = self._cache_stats(state, c)
         finalize = getattr(self.method, "finalize", None)
         if state.results and callable(finalize):
             finalize(state.results)
         attach_bias(state)
-        reset_peak_memory(self.devices)  # the decode phase's own peak: the compressed cache and decoding
         after = cache_bytes(cache)
-        next_pos = max([r.next_position for r in state.results.values() if r.next_position is not None], default=n)
+        next_pos = max([r.next_position for r in state.results.values() if r.next_position is not None], default=c)
         state.phase = "decode"
         self.last_state = state
+        if query_tokens:  # the query part: a prefill on the compressed cache, its peak and time the prefill's
+            reset_peak_memory(self.devices)
+            t0, pos = time.perf_counter(), torch.arange(next_pos, next_pos + query_tokens, device=dev)
+            logits = model(input_ids=torch.tensor([prompt_ids[c:]], device=dev), past_key_values=cache, use_cache=True,
+                           position_ids=pos.view(1, -1), cache_position=pos, logits_to_keep=1, kvbench_state=state).logits[0, -1]
+            if sync:
+                torch.cuda.synchronize()
+            prefill_s, peak_bytes = prefill_s + time.perf_counter() - t0, max(peak_bytes, peak_memory_bytes(self.devices))
+            next_pos += query_tokens
+        reset_peak_memory(self.devices)  # the decode phase's own peak: the compressed cache and decoding
 
         # Decode: the next token is the argmax tensor itself and the positions are slices of one
         # tensor, so a step's only host-device sync is reading the token (and the finiteness flag).
@@ -381,7 +398,8 @@ class Engine:
         timed = len(tokens) - compiling_steps
         return GenerationResult(
             tokens=tokens, text=self.loaded.tokenizer.decode(tokens, skip_special_tokens=True), prompt_tokens=n,
-            compressed=bool(state.results), kept_tokens=kept, stored_tokens=stored, cache_bytes_after=after, **nbytes,
+            compressed_tokens=c, compressed=bool(state.results), kept_tokens=kept, stored_tokens=stored, cache_bytes_after=after,
+            **nbytes,
             prefill_s=prefill_s, compress_s=state.compress_s, decode_s=decode_s, generated_tokens=len(tokens),
             decode_tok_s=timed / decode_s if decode_s > 0 and timed > 0 else 0.0, compile_s=compile_s,
             decode_compiled=compiled and forward is not model, peak_prefill_bytes=peak_bytes,

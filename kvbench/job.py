@@ -20,6 +20,7 @@ import subprocess
 import sys
 import time
 from contextlib import ExitStack
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -37,18 +38,38 @@ ROOT = Path(__file__).resolve().parents[1]
 LOG_FORMAT = "[%(asctime)s] %(levelname)s %(name)s: %(message)s"
 
 
-def encode_prompt(loaded: Any, sample: Sample) -> list[int]:
-    """Token ids of a sample's prompt, as LongBench's ``pred.py`` builds them: for a chat sample, the
-    tokenizer's chat template (one user turn) or the model's official format (``vicuna``), tokenized
-    with the tokenizer's special tokens; else the plain prompt so tokenized."""
+def prompt_text(loaded: Any, sample: Sample) -> tuple[str, dict]:
+    """The text the tokenizer encodes for a sample and the tokenizer call's keywords, as LongBench's ``pred.py`` builds
+    it: for a chat sample the tokenizer's chat template (one user turn, generation prompt; its special tokens are in
+    the text, none added) or the model's official format (``vicuna``); else the plain prompt."""
     from .models import CHAT_FORMATS
 
     tok, fmt = loaded.tokenizer, loaded.chat_template if sample.chat else None
     if fmt == "tokenizer" or fmt is True:
-        out = tok.apply_chat_template([{"role": "user", "content": sample.prompt}], add_generation_prompt=True, tokenize=True)
-        return [int(i) for i in (out["input_ids"] if isinstance(out, Mapping) else out)]
-    text = CHAT_FORMATS[fmt].format(prompt=sample.prompt) if fmt in CHAT_FORMATS else sample.prompt
-    return [int(i) for i in tok(text)["input_ids"]]
+        return tok.apply_chat_template([{"role": "user", "content": sample.prompt}], add_generation_prompt=True,
+                                       tokenize=False), {"add_special_tokens": False}
+    return (CHAT_FORMATS[fmt].format(prompt=sample.prompt) if fmt in CHAT_FORMATS else sample.prompt), {}
+
+
+def encode_prompt(loaded: Any, sample: Sample) -> list[int]:
+    """Token ids of a sample's prompt: :func:`prompt_text` tokenized (``apply_chat_template(tokenize=True)``'s ids)."""
+    text, kwargs = prompt_text(loaded, sample)
+    return [int(i) for i in loaded.tokenizer(text, **kwargs)["input_ids"]]
+
+
+def split_prompt(loaded: Any, sample: Sample, compress: str = "prompt") -> tuple[list[int], int]:
+    """``(ids, q)``: :func:`encode_prompt`'s ids and, under ``task.compress=context``, how many of them at the end are
+    the query part, left uncompressed (else 0). The context is the prompt without ``sample.query`` as the same
+    template renders it, so a chat template's closing and generation prompt belong to the query part (kvpress's
+    pipeline: ``question + question_suffix``); a token straddling the boundary goes to the query part."""
+    ids = encode_prompt(loaded, sample)
+    if compress != "context":
+        return ids, 0
+    mark = "\ue000"  # a private-use character: in no template or prompt
+    text, kwargs = prompt_text(loaded, replace(sample, prompt=sample.prompt[: len(sample.prompt) - len(sample.query)] + mark))
+    head = loaded.tokenizer(text.split(mark)[0], **kwargs)["input_ids"]
+    c = next((i for i, (a, b) in enumerate(zip(ids, head)) if a != b), min(len(ids), len(head)))
+    return ids, len(ids) - max(c, 1)
 
 
 def stop_ids_for(loaded: Any, sample: Sample) -> list[int]:
@@ -112,8 +133,9 @@ def run_sample(engine: Any, loaded: Any, task: Task, sample: Sample, prefilled: 
     try:
         if isinstance(prefilled, BaseException):
             raise prefilled
-        result = engine.generate(encode_prompt(loaded, sample), sample.max_new_tokens, stop_ids_for(loaded, sample),
-                                 sample.min_new_tokens, prefilled)
+        ids, q = split_prompt(loaded, sample, task.cfg.get("compress", "prompt"))
+        result = engine.generate(ids, sample.max_new_tokens, stop_ids_for(loaded, sample), sample.min_new_tokens,
+                                 prefilled, q)
         score = float(task.score(sample, result.text))
         if not math.isfinite(score):
             raise FloatingPointError(f"non-finite score {score!r}")
@@ -157,7 +179,8 @@ def summarize(cfg: dict, task: Task, records: list[dict], expected: list[str], r
     ids = set(expected)
     records = [r for r in records if r["id"] in ids]
     ok = [r for r in records if r.get("error") is None]
-    cache = {k: _mean([r.get(k) for r in ok]) for k in ("prompt_tokens", "cache_bytes_before", "cache_bytes_after")}
+    cache = {k: _mean([r.get(k) for r in ok])
+             for k in ("prompt_tokens", "compressed_tokens", "cache_bytes_before", "cache_bytes_after")}
     cache.update({k: _mean([(r.get(k) or {}).get("mean") for r in ok]) for k in ("kept_tokens", "stored_tokens")})
     cache["compressed_fraction"] = _mean([float(bool(r.get("compressed"))) for r in ok])
     return {
@@ -190,7 +213,7 @@ def print_summary(summary: dict, path: Path) -> None:
                      f"{summary['n_samples']} samples (prompt within budget={summary['budget']}: every prompt token kept)")
     if t.get("prefill_s") is not None:
         lines.append(f"mean prefill {t['prefill_s']:.3f}s  compress {t['compress_s']:.4f}s  decode {t['decode_s']:.3f}s "
-                     f"({t['decode_tok_s']:.1f} tok/s)  kept {c['kept_tokens']:.0f}/{c['prompt_tokens']:.0f} tokens per "
+                     f"({t['decode_tok_s']:.1f} tok/s)  kept {c['kept_tokens']:.0f}/{c.get('compressed_tokens') or c['prompt_tokens']:.0f} tokens per "
                      "compressible layer")
     lines.append(f"results: {path}")
     print("\n".join(lines), flush=True)
@@ -393,9 +416,10 @@ def run_samples(engines: list[Any], loaded: Any, task: Task, samples: list[Sampl
     with tqdm(todo, desc="samples", unit="sample", disable=quiet or not interactive) as bar:
         for i, sample in enumerate(bar, 1):
             mine = [j for j, ids in enumerate(stored) if sample.id not in ids]
-            try:
+            try:  # the compressed ids (task.compress=context: the context's), reserving room for the query part
+                ids, q = split_prompt(loaded, sample, task.cfg.get("compress", "prompt")) if len(mine) > 1 else ([], 0)
                 parts = [None] if len(mine) == 1 else prefill(
-                    [engines[j] for j in mine], encode_prompt(loaded, sample), sample.max_new_tokens)
+                    [engines[j] for j in mine], ids[: len(ids) - q], sample.max_new_tokens + q)
             except Exception as e:  # noqa: BLE001 - every variant of this sample stores the error
                 parts = [e] * len(mine)
             outcomes = []

@@ -226,3 +226,53 @@ def test_budget_floor_on_plans():
     assert not apply_budget_floor(Plan(layer_budgets=[1, 2]), n_tokens=3, floor=4).compress  # all layers keep all n
     same = Plan(layer_budgets=[6, 7])
     assert apply_budget_floor(same, 50, 4) is same
+
+
+# ---- task.compress=context: the query part prefilled on the compressed cache --------------------
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2", "gemma3"])  # gemma: soft-capping, sliding layers
+def test_query_part_on_a_full_cache_generates_what_the_whole_prompt_does(family):
+    """Nothing compressed: the query part's forward on the context's cache is the prompt's own prefill split in two."""
+    loaded = loaded_for(tiny_model(family, layers=3))
+    ids = torch.randint(0, 128, (50,), generator=torch.Generator().manual_seed(3)).tolist()
+    whole, split = (Engine(loaded, FullCache(layout=loaded.layout), 1.0) for _ in range(2))
+    for e in (whole, split):
+        e.record_logits = True
+    ref, res = whole.generate(ids, 6, stop_ids=[]), split.generate(ids, 6, stop_ids=[], query_tokens=12)
+    assert res.tokens == ref.tokens and (res.prompt_tokens, res.compressed_tokens, ref.compressed_tokens) == (50, 38, 50)
+    for a, b in zip(split.last_logits, whole.last_logits):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["snapkv", "adakv", "selkv"])  # uniform, per-head lengths, bias columns
+def test_query_part_equals_its_ids_fed_one_by_one(name):
+    """The query part in one forward (causal per head over the compressed cache) gives the logits and tokens of
+    feeding its ids one by one as decode steps on the same compressed context."""
+    from kvbench.attention import attach_bias
+    from kvbench.engine import prefill
+    from methods import build_method
+
+    loaded = loaded_for(tiny_model("llama", layers=2))
+    ids = torch.randint(0, 128, (80,), generator=torch.Generator().manual_seed(4)).tolist()
+    cfg = {"name": name, **({"window_size": 4} if name != "selkv" else {})}
+    one = Engine(loaded, build_method(cfg, loaded.layout), 0.3)
+    one.record_logits = True
+    res = one.generate(ids, 4, stop_ids=[], query_tokens=10)
+    assert res.compressed and (res.prompt_tokens, res.compressed_tokens) == (80, 70)
+    ref = Engine(loaded, build_method(cfg, loaded.layout), 0.3)
+    ((state, *_),), tokens = prefill([ref], ids[:70], 14), []
+    with torch.inference_mode():
+        if callable(getattr(ref.method, "finalize", None)):
+            ref.method.finalize(state.results)
+        attach_bias(state)
+        state.phase = "decode"
+        for pos, tok in enumerate(ids[70:] + [None] * 4, start=70):
+            tok = tok if tok is not None else tokens[-1]
+            logits = loaded.model(input_ids=torch.tensor([[tok]]), past_key_values=state.cache, use_cache=True,
+                                  position_ids=torch.tensor([[pos]]), kvbench_state=state).logits[0, -1]
+            if pos >= 79:
+                if pos == 79:
+                    torch.testing.assert_close(logits, one.last_logits[0], atol=1e-5, rtol=1e-5)
+                tokens.append(int(logits.argmax()))
+    assert tokens[:4] == res.tokens
