@@ -74,7 +74,8 @@ class Sample:
         chat: whether the engine wraps ``prompt`` in the model's chat template (as one user turn).
         max_new_tokens: generation limit (tokens).
         answers: reference answers; the sample score is the max over them.
-        stop_strings: extra strings that end generation (e.g. ``"\\n"`` for samsum).
+        stop_strings: strings that end generation; with them generation stops on the tokenizer's eos and these
+            only, not the model's other eos ids (LongBench's samsum: ``"\\n"``, pred.py's stop list).
         min_new_tokens: tokens generated before any stop id may end generation (LongBench's
             samsum: ``min_length = prompt + 1``).
         all_classes: class names for classification datasets, else None.

@@ -9,9 +9,11 @@ Per sample (Bai et al., 2024, LongBench v1 code):
    ``decode(ids[:max_length//2]) + decode(ids[-max_length//2:])``, special tokens skipped;
 3. ``Sample.chat`` is False for trec, triviaqa, samsum, lsht, lcc and repobench-p (no chat
    template), True elsewhere: the engine wraps the truncated prompt as one user turn;
-4. greedy decoding up to ``longbench_config/dataset2maxlen.json`` new tokens; samsum also stops
-   at a newline (``Sample.stop_strings == ["\\n"]``);
-5. scoring by :mod:`eval.metrics` (first-line cut for trec, triviaqa, samsum, lsht; max over
+4. greedy decoding up to ``longbench_config/dataset2maxlen.json`` new tokens; samsum stops on
+   ``[tokenizer.eos_token_id, newline]`` exactly (``Sample.stop_strings == ["\\n"]``);
+5. ``task.compress=context`` leaves the template's text after ``{context}`` (question, instruction,
+   answer cue) uncompressed (``Sample.query``);
+6. scoring by :mod:`eval.metrics` (first-line cut for trec, triviaqa, samsum, lsht; max over
    answers; ``round(100·mean, 2)`` per dataset; LongBench-E buckets by ``length``).
 
 ``max_length`` is ``task.max_length`` when set, else the model's ``model.max_input_length``
@@ -31,6 +33,7 @@ from typing import Any, Iterator
 from . import longbench_data as data
 from .base import Sample, Task, TaskConfigError
 from .metrics import BUCKETS, bucket_scores, dataset_score, score_sample
+from .suite import split
 
 _CONFIG_DIR = Path(__file__).with_name("longbench_config")
 PROMPTS: dict[str, str] = json.loads((_CONFIG_DIR / "dataset2prompt.json").read_text(encoding="utf-8"))
@@ -249,8 +252,10 @@ class LongBenchTask(Task):
         return rows
 
     def make_sample(self, dataset: str, index: int, row: dict, max_length: int) -> Sample:
-        """One official sample: prompt built and middle-truncated to ``max_length`` tokens."""
+        """One official sample: prompt built and middle-truncated to ``max_length`` tokens; the query part is the
+        template's text after ``{context}`` (none when truncation cut into it)."""
         prompt, n_tokens = middle_truncate(build_prompt(dataset, row), self.tokenizer, max_length)
+        prompt, query = split(prompt, PROMPTS[dataset].split("{context}", 1)[1].format(input=row["input"]))
         return Sample(
             id=f"{dataset}/{index}",
             dataset=dataset,
@@ -263,6 +268,7 @@ class LongBenchTask(Task):
             all_classes=list(row["all_classes"]) if row["all_classes"] is not None else None,
             length=int(row["length"]),
             meta={"_id": row.get("_id"), "prompt_tokens_full": n_tokens, "truncated": n_tokens > max_length},
+            query=query,
         )
 
     def samples(self) -> Iterator[Sample]:

@@ -73,12 +73,13 @@ def split_prompt(loaded: Any, sample: Sample, compress: str = "prompt") -> tuple
 
 
 def stop_ids_for(loaded: Any, sample: Sample) -> list[int]:
-    """The model's stop ids plus the last token id of each of the sample's stop strings
-    (LongBench stops samsum on ``tokenizer.encode("\\n", add_special_tokens=False)[-1]``)."""
-    ids = list(loaded.stop_ids)
-    for s in sample.stop_strings:
-        ids += loaded.tokenizer.encode(s, add_special_tokens=False)[-1:]
-    return ids
+    """The model's stop ids; for a sample with stop strings instead the tokenizer's eos id and the last token id of
+    each, as LongBench's ``pred.py`` stops samsum: ``eos_token_id=[tokenizer.eos_token_id,
+    tokenizer.encode("\\n", add_special_tokens=False)[-1]]`` (that list replaces the model's whole eos list)."""
+    if not sample.stop_strings:
+        return list(loaded.stop_ids)
+    eos = getattr(loaded.tokenizer, "eos_token_id", None)
+    return [eos] * (eos is not None) + [loaded.tokenizer.encode(s, add_special_tokens=False)[-1] for s in sample.stop_strings]
 
 
 def environment(loaded: Any, device: str) -> dict[str, Any]:

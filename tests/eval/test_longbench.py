@@ -13,6 +13,7 @@ import pytest
 from eval import TaskConfigError, get_task_class
 from eval import longbench_data as data
 from eval.longbench import (
+    PROMPTS,
     CATEGORIES,
     DATASETS_E,
     DATASETS_EN,
@@ -211,6 +212,31 @@ def test_sample_flags_per_dataset(tmp_path):
     assert (by["qasper"].chat, by["qasper"].stop_strings, by["qasper"].max_new_tokens) == (True, [], 128)
     assert by["samsum"].prompt == "Summarize the dialogue into a few short sentences. The following are some examples.\n\nctx0\n\nq0"
     assert by["qasper"].meta == {"_id": "id0", "prompt_tokens_full": len(by["qasper"].prompt) + 1, "truncated": False}
+    assert by["samsum"].query == "\n\nq0" and by["qasper"].query == PROMPTS["qasper"].split("{context}")[1].format(input="q0")
+
+
+def test_the_query_is_the_templates_tail_unless_truncation_cut_it(tmp_path):
+    write_jsonl(tmp_path / "qasper.jsonl", [row(0, context="x" * 400), row(1, input="y" * 400)])  # tail: 351 + input
+    tail = PROMPTS["qasper"].split("{context}")[1]
+    kept, cut = LongBenchTask({"data_dir": str(tmp_path), "datasets": ["qasper"]}, CharTokenizer(), 800).samples()
+    assert kept.meta["truncated"] and kept.prompt.endswith(tail.format(input="q0")) and kept.query == tail.format(input="q0")
+    assert cut.meta["truncated"] and cut.query == ""  # the middle cut went through the question
+
+
+def test_samsum_stops_on_the_tokenizers_eos_and_newline_only():
+    """pred.py: ``eos_token_id=[tokenizer.eos_token_id, tokenizer.encode("\\n", add_special_tokens=False)[-1]]`` for
+    samsum, replacing the model's eos list (Llama 3.1 also stops on 128001/128008 elsewhere, not there)."""
+    from types import SimpleNamespace
+
+    from eval.base import Sample
+    from kvbench.job import stop_ids_for
+
+    tok = SimpleNamespace(eos_token_id=128009, encode=lambda s, add_special_tokens: [220, 198] if s == "\n" else [])
+    loaded = SimpleNamespace(tokenizer=tok, stop_ids=[128001, 128008, 128009])
+    samsum = Sample(id="samsum/0", dataset="samsum", prompt="p", max_new_tokens=8, answers=[], stop_strings=["\n"])
+    assert stop_ids_for(loaded, samsum) == [128009, 198]
+    assert stop_ids_for(loaded, Sample(id="q/0", dataset="qasper", prompt="p", max_new_tokens=8, answers=[])) == [
+        128001, 128008, 128009]
 
 
 def test_n_samples_marks_only_the_datasets_it_cut(tmp_path):
