@@ -1,4 +1,5 @@
-"""Tasks and metrics: LongBench, LongBench-E, Needle-in-a-Haystack, RULER, LongBench-v2, InfiniteBench, LooGLE.
+"""Tasks and metrics: LongBench, LongBench-E, Needle-in-a-Haystack, RULER, LongBench-v2, InfiniteBench, LooGLE,
+ZeroSCROLLS.
 
 ``eval`` sees only text, never tensors, and never imports ``methods``.
 """
@@ -17,6 +18,7 @@ _TASKS: dict[str, str] = {
     "longbench_v2": "eval.longbench_v2:LongBenchV2Task",
     "infinitebench": "eval.infinitebench:InfiniteBenchTask",
     "loogle": "eval.loogle:LoogleTask",
+    "zero_scrolls": "eval.zero_scrolls:ZeroScrollsTask",
 }
 
 

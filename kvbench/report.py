@@ -30,6 +30,7 @@ ARTIFACTS = {  # family -> builder of its artifacts
     "scores": lambda c: rt.score_tables(c.df, c.root),
     "longbench_v2": lambda c: rt.longbench_v2_tables(c.df, c.root),
     "loogle": lambda c: rt.loogle_tables(c.df, c.root),
+    "zero_scrolls": lambda c: rt.zero_scrolls_tables(c.df, c.root),
     "selkv_table1": lambda c: rt.selkv_table1(c.df),
     "selkv_table2": lambda c: rt.staged_table(c.df, "selkv_table2", 0.25),
     "selkv_table3": lambda c: rt.sensitivity_table(c.df, "selkv_table3", "selkv", 0.25),
@@ -48,7 +49,7 @@ ARTIFACTS = {  # family -> builder of its artifacts
     "niah": lambda c: rt.niah_figures(c.df, c.root),
 }
 OUTPUTS = {"scores": ["scores_*", "paired_*"], "longbench_v2": ["longbench_v2_*"], "loogle": ["loogle_*"],
-           "selkv_ratio_tables": ["selkv_table5", "selkv_table6", "selkv_ratios_*"],
+           "zero_scrolls": ["zero_scrolls_*"], "selkv_ratio_tables": ["selkv_table5", "selkv_table6", "selkv_ratios_*"],
            "compresskv_table3": ["compresskv_table3a", "compresskv_table3b"], "niah": ["niah_panel_*"]}
 
 

@@ -275,6 +275,13 @@ def loogle_tables(df: pd.DataFrame, root: Path) -> list[Artifact]:
                            "questions); loogle: the mean of the task scores.")
 
 
+def zero_scrolls_tables(df: pd.DataFrame, root: Path) -> list[Artifact]:
+    """ZeroSCROLLS's score (mean over tasks) and the ROUGE-1/2/L behind each summarization task, per model key."""
+    return averages_tables(df, root, "zero_scrolls", "ZeroSCROLLS (validation split) of {}, a row per job: zero_scrolls"
+                           " (the mean of the task scores) and the mean ROUGE-1/2/L F (×100) of the summarization "
+                           "tasks, whose score is their geometric mean.")
+
+
 def selkv_table1(df: pd.DataFrame, budget: float = 0.25, task: str = "longbench", long: bool = False):
     """SelKV Table 1 (per model, methods × datasets, Avg, Δ, Avg Rank); ``long``: Table 7 (inputs >= 16k tokens)."""
     keys = df.loc[df["max_input_tokens"] >= LONG_CONTEXT_TOKENS, "model_key"].unique() if long else None
