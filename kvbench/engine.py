@@ -392,6 +392,9 @@ class Engine:
                     self.compile_error = "torch.compile failed on a decode frame (dynamo's warning in the log); eager"
                     log.warning("compile=true: %s from here on", self.compile_error)
                     self.compile_decode, forward = False, model
+                    # dynamo marks a failed frame's code "skip" for the whole process: a later engine's compile
+                    # would then run those frames eager, unseen by the counters, while recorded as compiled
+                    torch._dynamo.reset()
         if sync:
             torch.cuda.synchronize()
         decode_s = time.perf_counter() - t1 - compile_s

@@ -55,19 +55,22 @@ def test_compiled_decode_equals_eager(loaded, name):
         assert len({r.valid.shape[-1] for r in results.values()}) == 2
 
 
-def _backend(monkeypatch, backend):
-    """``torch.compile`` as the engine calls it, with a test backend; a fresh dynamo cache."""
+@pytest.fixture
+def backend(monkeypatch):
+    """``backend(fn)``: ``torch.compile`` as the engine calls it, with test backend ``fn``; a fresh dynamo cache
+    before and after (its graphs, and the frames it marked skip by failing, are not left to later tests)."""
     real = torch.compile
     torch._dynamo.reset()
-    monkeypatch.setattr(torch, "compile", lambda model, **kw: real(model, backend=backend, **kw))
+    yield lambda fn: monkeypatch.setattr(torch, "compile", lambda model, **kw: real(model, backend=fn, **kw))
+    torch._dynamo.reset()
 
 
-def test_compile_time_is_apart_from_decode_time(monkeypatch):
+def test_compile_time_is_apart_from_decode_time(backend):
     def slow(gm, example_inputs):  # a deliberately slow compile of the first step's graph
         time.sleep(1.5)
         return gm.forward
 
-    _backend(monkeypatch, slow)
+    backend(slow)
     loaded = loaded_for(tiny_model("llama", layers=2).eval())
     engine = Engine(loaded, build_method({"name": "snapkv"}, loaded.layout), 0.5)
     engine.compile_decode = True
@@ -79,11 +82,11 @@ def test_compile_time_is_apart_from_decode_time(monkeypatch):
     assert first.decode_tok_s > 0
 
 
-def test_compile_failure_is_recorded_as_eager(monkeypatch):
+def test_compile_failure_is_recorded_as_eager(backend):
     def broken(gm, example_inputs):
         raise RuntimeError("forced compile failure")
 
-    _backend(monkeypatch, broken)
+    backend(broken)
     loaded = loaded_for(tiny_model("llama", layers=2).eval())
     engine = Engine(loaded, build_method({"name": "selkv"}, loaded.layout), 0.5)
     prompt = [1 + i % 120 for i in range(150)]
@@ -94,20 +97,27 @@ def test_compile_failure_is_recorded_as_eager(monkeypatch):
     assert engine.compile_error and not engine.compile_decode and failed.tokens == eager.tokens
     assert torch._dynamo.config.suppress_errors is False  # the setting was scoped to the decode steps
     assert not engine.generate(prompt, 6, stop_ids=[]).decode_compiled  # eager from then on
+    # the failure leaves no frame marked skip: a later engine (a working compiler) compiles the decoder layers
+    ops = set()
+    backend(lambda gm, example_inputs: ops.update(n.target for n in gm.graph.nodes) or gm.forward)
+    again = Engine(loaded, build_method({"name": "selkv"}, loaded.layout), 0.5)
+    again.compile_decode = True
+    result = again.generate(prompt, 6, stop_ids=[])
+    assert result.decode_compiled and result.compile_s > 0 and result.tokens == eager.tokens
+    assert torch.nn.functional.silu in ops  # the MLP ran compiled, not eager
 
 
-def test_job_records_compiled_decode_and_same_predictions(tmp_path, monkeypatch):
+def test_job_records_compiled_decode_and_same_predictions(tmp_path, monkeypatch, backend):
     import run
 
     model, hay = make_tiny_model_dir(tmp_path / "model"), make_haystack_dir(tmp_path / "hay")
     common = [*tiny_model_args(model), "max_samples=1", "task.context_lengths=[256]", "task.depth_percents=[50]",
               "task.max_new_tokens=6", f"task.haystack_dir={hay}", "quiet=true", "threads=1"]
-    runs, real = {}, torch.compile
+    runs = {}
     for setting in ("true", "auto", "fail"):
         out = tmp_path / setting
         if setting == "fail":  # a compiler that fails: the job runs eager and says so
-            torch._dynamo.reset()
-            monkeypatch.setattr(torch, "compile", lambda m, **kw: real(m, backend=lambda *a: 1 / 0, **kw))
+            backend(lambda *a: 1 / 0)
         monkeypatch.setattr(sys, "argv", ["run.py", *common, f"compile={'true' if setting == 'fail' else setting}",
                                           f"output_root={out}"])
         with pytest.raises(SystemExit) as done:
