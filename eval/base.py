@@ -13,14 +13,47 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Optional
 
 
 class TaskConfigError(ValueError):
     """A user-caused task configuration problem (one line: key, bad value, accepted values or fix).
 
-    Raised before any model loads (from :meth:`Task.validate`) wherever possible.
+    Raised before any model loads (from a :class:`TaskConfig` or :meth:`Task.validate`) wherever possible.
     """
+
+
+def require(ok: bool, key: str, value: Any, rule: str) -> None:
+    """Raise ``TaskConfigError("task.<key>=<value>: <rule>")`` unless ``ok``."""
+    if not ok:
+        raise TaskConfigError(f"task.{key}={value!r}: {rule}")
+
+
+def count(value: Optional[int], key: str, low: int = 1) -> None:
+    """Check that ``value`` is null or an integer >= ``low`` (OmegaConf has checked the type)."""
+    require(value is None or value >= low, key, value, f"must be an integer >= {low}")
+
+
+def one_of(value: Any, key: str, choices: tuple) -> None:
+    require(value in choices, key, value, f"accepted values are {', '.join(map(str, choices))}")
+
+
+@dataclass
+class TaskConfig:
+    """Base of a task's config dataclass: the node ``conf/task/<name>.yaml`` extends (``kvbench.config.register``
+    stores it in Hydra's ConfigStore as ``schema/task/<name>``). OmegaConf checks keys and types while Hydra
+    composes; ``__post_init__`` checks values, so that the :class:`TaskConfigError` comes before any model loads.
+    """
+
+    name: str = ""
+    compress: str = "prompt"  # prompt: the whole prompt is compressed | context: Sample.query stays uncompressed
+
+    def __post_init__(self) -> None:
+        one_of(self.compress, "compress", ("prompt", "context"))
+        self.check()
+
+    def check(self) -> None:
+        """Range and choice checks of the task's own fields (override; raise with :func:`require`)."""
 
 
 def looked_for(path: Path) -> str:
@@ -106,6 +139,7 @@ class Task:
     """
 
     name: str = "task"
+    Config: type[TaskConfig] = TaskConfig
 
     def __init__(self, cfg: dict, tokenizer: Any = None, max_input_tokens: int | None = None,
                  encode: Callable[[Sample], list[int]] | None = None, resolved: dict | None = None):
@@ -131,7 +165,8 @@ class Task:
 
     @classmethod
     def validate(cls, cfg: dict) -> None:
-        """Check the task node before any model loads; raise :class:`TaskConfigError`."""
+        """Check what the task node names (folders, files, the Hub) before any model loads; its keys, types and
+        ranges are its :attr:`Config`'s. Raises :class:`TaskConfigError`."""
 
     @classmethod
     def data_files(cls, cfg: dict) -> list[Path]:

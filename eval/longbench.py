@@ -27,11 +27,12 @@ from __future__ import annotations
 
 import difflib
 import json
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional
 
 from . import longbench_data as data
-from .base import Sample, Task, TaskConfigError
+from .base import Sample, Task, TaskConfig, TaskConfigError, count
 from .metrics import BUCKETS, bucket_scores, dataset_score, score_sample
 from .suite import split
 
@@ -78,13 +79,6 @@ CATEGORIES_ZH: dict[str, tuple[str, ...]] = {
     "Synthetic": ("passage_retrieval_zh",),
 }
 """The same categories over the 5 Chinese datasets."""
-
-DEFAULT_HUB = {
-    "hub_dataset": "THUDM/LongBench",  # the official dataset ...
-    "hub_revision": "refs/convert/parquet",  # ... through the Hub's parquet export of it
-    "hub_data_files": "{config}/test/*.parquet",
-}
-
 
 def build_prompt(dataset: str, row: dict) -> str:
     """The official prompt of one row (template filled with ``context`` and ``input``)."""
@@ -134,29 +128,43 @@ def averages(scores: dict[str, float]) -> dict[str, Any]:
     return out
 
 
-def _positive_int_or_none(cfg: dict, key: str, minimum: int = 1) -> int | None:
-    value = cfg.get(key)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise TaskConfigError(f"task.{key}={value!r}: expected an integer >= {minimum} or null")
-    return value
+@dataclass
+class LongBenchConfig(TaskConfig):
+    """``conf/task/longbench.yaml``: LongBench v1 (THUDM), official protocol."""
+
+    name: str = "longbench"
+    datasets: Any = field(default_factory=lambda: ["en16"])  # dataset names and/or groups: en16 (the papers' 16 English), zh5, all21, e13
+    n_samples: Optional[int] = None  # first n rows of each dataset (deterministic); null = all rows
+    data_dir: Optional[str] = None  # folder of the official jsonl files (the data/ folder of data.zip); null = the Hub
+    max_length: Optional[int] = None  # max input tokens before middle truncation; null = the model's max_input_tokens
+    hub_dataset: str = "THUDM/LongBench"  # Hub dataset read when data_dir is null (the official one)
+    hub_revision: str = "refs/convert/parquet"  # its parquet export branch (current `datasets` cannot run the loading script)
+    hub_data_files: str = "{config}/test/*.parquet"  # files of one config there; {config} = dataset name (+ _e for LongBench-E)
+
+    def check(self) -> None:
+        count(self.n_samples, "n_samples")
+        count(self.max_length, "max_length", 2)
+
+
+@dataclass
+class LongBenchEConfig(LongBenchConfig):
+    """``conf/task/longbench_e.yaml``: the 13 LongBench-E datasets, scored per length bucket (0-4k, 4-8k, 8k+)."""
+
+    name: str = "longbench_e"
+    datasets: Any = field(default_factory=lambda: ["e13"])  # dataset names and/or the group e13 (files <dataset>_e.jsonl)
 
 
 class LongBenchTask(Task):
     """LongBench v1: 21 datasets (16 English, 5 Chinese), official prompts, truncation and metrics.
 
-    Task keys (``conf/task/longbench.yaml``): ``datasets`` (names and groups ``en16``,
-    ``zh5``, ``all21``, ``e13``), ``n_samples`` (first n rows of each dataset, null = all),
-    ``data_dir`` (folder of the official jsonl files; null = the Hub), ``max_length`` (input
-    tokens; null = the model's ``model.max_input_length``), ``hub_dataset``, ``hub_revision``,
-    ``hub_data_files`` (the Hub parquet copy, see :mod:`eval.longbench_data`).
+    Task keys: :class:`LongBenchConfig` (the Hub parquet copy: :mod:`eval.longbench_data`).
 
     Sample ids are ``<dataset>/<row index>``; ``meta`` holds the row's ``_id``, the untruncated
     prompt length in tokens (``prompt_tokens_full``) and whether it was truncated.
     """
 
     name = "longbench"
+    Config = LongBenchConfig
     file_suffix = ""
     valid_datasets: tuple[str, ...] = DATASETS_ALL
     default_datasets: tuple[str, ...] = ("en16",)
@@ -165,9 +173,9 @@ class LongBenchTask(Task):
                  resolved: dict | None = None):
         super().__init__(cfg, tokenizer, max_input_tokens, encode, resolved)
         self.datasets = self.resolve_datasets(self.cfg.get("datasets"))
-        self.n_samples = _positive_int_or_none(self.cfg, "n_samples")
-        self.max_length = _positive_int_or_none(self.cfg, "max_length", 2) or max_input_tokens
-        self.hub = {k: self.cfg.get(k) or v for k, v in DEFAULT_HUB.items()}
+        self.n_samples = self.cfg.get("n_samples")
+        self.max_length = self.cfg.get("max_length") or max_input_tokens
+        self.hub = {k: self.cfg.get(k) or getattr(LongBenchConfig, k) for k in ("hub_dataset", "hub_revision", "hub_data_files")}
 
     # ---------------------------------------------------------------- configuration
 
@@ -212,20 +220,15 @@ class LongBenchTask(Task):
         ``data_dir`` and checks their fields; without ``data_dir``, checks the Hub answers.
 
         Raises:
-            TaskConfigError: unknown dataset, ``n_samples``/``max_length`` not a
-                positive integer, ``data_dir`` missing/empty/incomplete, a jsonl line missing a
+            TaskConfigError: unknown dataset, ``data_dir`` missing/empty/incomplete, a jsonl line missing a
                 required field (file and line), or the Hub unreachable without ``data_dir``.
         """
         datasets = cls.resolve_datasets(cfg.get("datasets"))
-        n = _positive_int_or_none(cfg, "n_samples")
-        _positive_int_or_none(cfg, "max_length", 2)
         if cfg.get("data_dir"):
             for path in data.check_data_dir(cfg["data_dir"], [d + cls.file_suffix for d in datasets]):
-                if not data.read_jsonl(path, n):
+                if not data.read_jsonl(path, cfg.get("n_samples")):
                     raise TaskConfigError(f"task.data_dir={cfg['data_dir']}: {path.name} holds no samples")
         else:
-            if not isinstance(cfg.get("hub_dataset") or DEFAULT_HUB["hub_dataset"], str):
-                raise TaskConfigError(f"task.hub_dataset={cfg.get('hub_dataset')!r}: expected a Hub dataset id")
             data.check_hub()
 
     # ---------------------------------------------------------------- samples
@@ -320,6 +323,7 @@ class LongBenchETask(LongBenchTask):
     """
 
     name = "longbench_e"
+    Config = LongBenchEConfig
     file_suffix = "_e"
     valid_datasets = DATASETS_E
     default_datasets = ("e13",)

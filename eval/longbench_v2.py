@@ -19,11 +19,12 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .base import Sample, TaskConfigError
-from .suite import SuiteTask, require
+from .base import Sample, TaskConfigError, one_of
+from .suite import SuiteConfig, SuiteTask, require
 
 PROMPTS: dict[str, str] = json.loads(
     (Path(__file__).parent / "suite_config" / "longbench_v2.json").read_text(encoding="utf-8"))
@@ -60,21 +61,28 @@ def breakdown(records: list[dict]) -> dict[str, float | None]:
     return {g: round(100 * sum(v) / len(v), 1) if v else None for g, v in groups.items()}
 
 
+@dataclass
+class LongBenchV2Config(SuiteConfig):
+    """``conf/task/longbench_v2.yaml``: 503 four-choice questions, official pred.py/result.py protocol."""
+
+    name: str = "longbench_v2"
+    prompt: str = "0shot"  # official template: 0shot | 0shot_no_context (prompts/<name>.txt)
+
+    def check(self) -> None:
+        super().check()
+        one_of(self.prompt, "prompt", tuple(PROMPTS))
+
+
 class LongBenchV2Task(SuiteTask):
     """LongBench-v2, one dataset ``longbench_v2``; ``aggregate`` adds :func:`breakdown` as ``averages``."""
 
     name = "longbench_v2"
+    Config = LongBenchV2Config
     subsets = ("longbench_v2",)
     official_hub = "THUDM/LongBench-v2"
     kvpress_hub = "simonjegou/LongBench-v2"
     what = "LongBench-v2's data.json (huggingface.co/datasets/THUDM/LongBench-v2)"
     ceil_tail = True
-
-    @classmethod
-    def validate_keys(cls, cfg: dict) -> None:
-        super().validate_keys(cfg)
-        if cfg.get("prompt", "0shot") not in PROMPTS:
-            raise TaskConfigError(f"task.prompt={cfg.get('prompt')!r}: accepted values are {', '.join(PROMPTS)}")
 
     @classmethod
     def file_name(cls, dataset: str) -> str:

@@ -24,9 +24,10 @@ from __future__ import annotations
 import logging
 import re
 from pathlib import Path
-from typing import Any, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Iterator, List, Optional
 
-from .base import Sample, Task, TaskConfigError, looked_for
+from .base import Sample, Task, TaskConfig, TaskConfigError, count, looked_for, one_of, require
 from .longbench_data import hub_reachable
 
 log = logging.getLogger(__name__)
@@ -152,55 +153,56 @@ def check_answer_in_needle(needle: Any, answer: Any) -> None:
                               "(both keys change together)")
 
 
+@dataclass
+class NIAHConfig(TaskConfig):
+    """``conf/task/niah.yaml``: the grid and the needle (the default grid is a quick CPU grid; paper grids are in
+    ``conf/experiment/``)."""
+
+    name: str = "niah"
+    context_lengths: List[int] = field(default_factory=lambda: [512, 1024, 2048])  # prompt lengths in tokens (template and question included)
+    depth_percents: List[Any] = field(default_factory=lambda: [10, 50, 90])  # needle depth as % of the context (moved back to a sentence end)
+    haystack_source: str = "auto"  # auto | dir | hub | embedded (auto: dir if haystack_dir, else Hub if reachable, else embedded)
+    haystack_dir: Optional[str] = None  # folder of .txt essays, e.g. ../shared/data/paul_graham_essays
+    needle: str = "\nThe best thing to do in San Francisco is eat a sandwich and sit in Dolores Park on a sunny day.\n"
+    question: str = "What is the best thing to do in San Francisco?"  # retrieval question
+    answer: str = "eat a sandwich and sit in Dolores Park on a sunny day"  # scored by ROUGE-1 recall; its words must all occur in needle
+    prompt_style: str = "chat"  # chat: one user turn in the chat template (instruct models) | kvcf: KVCache-Factory raw prompt
+    max_new_tokens: int = 32  # generation limit (tokens)
+    max_length: Optional[int] = None  # prompt budget in tokens (longer lengths are skipped); null = the model's max_input_length
+    final_context_buffer: int = 0  # tokens reserved besides template/question/needle (0: prompt length = context length)
+
+    def check(self) -> None:
+        require(bool(self.context_lengths) and min(self.context_lengths) > 0, "context_lengths", self.context_lengths,
+                "must be a non-empty list of positive integers (tokens)")
+        require(bool(self.depth_percents) and all(isinstance(x, (int, float)) and not isinstance(x, bool) and 0 <= x <= 100
+                                                  for x in self.depth_percents), "depth_percents", self.depth_percents,
+                "must be a non-empty list of numbers in [0, 100]")
+        for key in ("context_lengths", "depth_percents"):
+            values = [float(x) for x in getattr(self, key)]
+            require(len(set(values)) == len(values), key, getattr(self, key), "list each value once")
+        one_of(self.prompt_style, "prompt_style", ("kvcf", "chat"))
+        one_of(self.haystack_source, "haystack_source", ("auto", "dir", "hub", "embedded"))
+        count(self.max_length, "max_length", 2)
+        count(self.max_new_tokens, "max_new_tokens", 1)
+        count(self.final_context_buffer, "final_context_buffer", 0)
+        for key in ("needle", "question", "answer"):
+            require(bool(getattr(self, key).strip()), key, getattr(self, key), "must be a non-empty string")
+        check_answer_in_needle(self.needle, self.answer)
+
+
 class NIAHTask(Task):
     """Needle-in-a-Haystack over ``context_lengths`` × ``depth_percents``.
 
-    Config keys (``conf/task/niah.yaml``): context_lengths (tokens), depth_percents,
-    haystack_source, haystack_dir, needle, question, answer, prompt_style (kvcf | chat),
-    max_new_tokens, final_context_buffer (tokens reserved for template and question).
+    Config keys: :class:`NIAHConfig`.
     """
 
     name = "niah"
+    Config = NIAHConfig
 
     @classmethod
     def validate(cls, cfg: dict) -> None:
-        lengths = cfg.get("context_lengths")
-        depths = cfg.get("depth_percents")
-
-        def number(x: Any) -> bool:
-            return isinstance(x, (int, float)) and not isinstance(x, bool)
-
-        if not isinstance(lengths, (list, tuple)) or not lengths or any(isinstance(x, bool) or not isinstance(x, int) or x <= 0 for x in lengths):
-            hint = f" (a list: task.context_lengths=[{lengths}])" if isinstance(lengths, int) and lengths > 0 else ""
-            raise TaskConfigError(f"task.context_lengths={_show(lengths)}: must be a non-empty list of positive integers "
-                                  f"(tokens){hint}")
-        if not isinstance(depths, (list, tuple)) or not depths or any(not number(x) or not 0 <= x <= 100 for x in depths):
-            hint = (f" (a list: task.depth_percents=[{depths:g}])" if number(depths) and 0 <= depths <= 100 else "")
-            raise TaskConfigError(f"task.depth_percents={_show(depths)}: must be a non-empty list of numbers in "
-                                  f"[0, 100]{hint}")
-        for key, values in (("context_lengths", lengths), ("depth_percents", depths)):
-            repeated = sorted({float(x) for x in values if sum(float(y) == float(x) for y in values) > 1})
-            if repeated:
-                raise TaskConfigError(f"task.{key}={_show(values)}: {', '.join(f'{x:g}' for x in repeated)} "
-                                      "given more than once; list each value once")
-        if cfg.get("prompt_style", "kvcf") not in ("kvcf", "chat"):
-            raise TaskConfigError(f"task.prompt_style={cfg.get('prompt_style')!r}: accepted values are kvcf, chat")
-        max_length = cfg.get("max_length")
-        if max_length is not None and (isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 2):
-            raise TaskConfigError(f"task.max_length={_show(max_length)}: must be null (the model's max_input_length) "
-                                  "or an integer >= 2 (tokens)")
-        for key, low in (("max_new_tokens", 1), ("final_context_buffer", 0)):
-            value = cfg.get(key, low)
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise TaskConfigError(f"task.{key}={_show(value)}: must be an integer >= {low}")
-        for key in ("needle", "question", "answer"):
-            if key in cfg and (not isinstance(cfg[key], str) or not cfg[key].strip()):
-                raise TaskConfigError(f"task.{key}={cfg[key]!r}: must be a non-empty string")
-        check_answer_in_needle(cfg.get("needle"), cfg.get("answer"))
-        src = cfg.get("haystack_source", "auto")
-        if src not in ("auto", "dir", "hub", "embedded"):
-            raise TaskConfigError(f"task.haystack_source={src!r}: accepted values are auto, dir, hub, embedded")
-        if cfg.get("haystack_dir") or src == "dir":
+        """Raises: TaskConfigError for a missing or empty ``haystack_dir``."""
+        if cfg.get("haystack_dir") or cfg.get("haystack_source") == "dir":
             _haystack_files(cfg.get("haystack_dir"))
 
     def samples(self) -> Iterator[Sample]:

@@ -19,10 +19,11 @@ niah / vt / cwe / fwe subtasks and ``string_match_part`` (any reference found) f
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, List, Optional
 
-from .base import Sample, Task, TaskConfigError, looked_for, read_jsonl
+from .base import Sample, Task, TaskConfig, TaskConfigError, count, looked_for, read_jsonl, require
 
 SUBTASKS = ("niah_single_1", "niah_single_2", "niah_single_3", "niah_multikey_1", "niah_multikey_2",
             "niah_multikey_3", "niah_multivalue", "niah_multiquery", "vt", "cwe", "fwe", "qa_1", "qa_2")
@@ -86,21 +87,40 @@ def split(subtask: str, text: str, answer_prefix: str | None) -> tuple[str, str,
     return text[:at], text[at:], answer_prefix
 
 
+@dataclass
+class RulerConfig(TaskConfig):
+    """``conf/task/ruler.yaml``: RULER's 13 synthetic subtasks as KV-compression papers and kvpress's leaderboard use it."""
+
+    name: str = "ruler"
+    subtasks: List[str] = field(default_factory=lambda: list(SUBTASKS))  # any of SUBTASKS
+    context_lengths: List[int] = field(default_factory=lambda: [4096])  # tokens: RULER's data per length
+    n_samples: Optional[int] = None  # first n rows of each subtask and length; null = all
+    # RULER's output folder (<length>/data/<subtask>/validation.jsonl), <subtask>_<length>.jsonl files or kvpress's
+    # copy (<length>/test-*.parquet); null = the Hub
+    data_dir: Optional[str] = None
+    hub_dataset: str = "simonjegou/ruler"  # the Hub dataset kvpress's leaderboard reads when data_dir is null
+    # wrap the input in the tokenizer's chat template, answer prefix after it (RULER's placement); false: RULER's
+    # base template (files already templated)
+    chat_template: bool = True
+
+    def check(self) -> None:
+        require(bool(self.subtasks) and set(self.subtasks) <= set(SUBTASKS), "subtasks", self.subtasks,
+                f"a non-empty list of {', '.join(SUBTASKS)}")
+        require(bool(self.context_lengths) and min(self.context_lengths) > 0, "context_lengths", self.context_lengths,
+                "must be a non-empty list of positive integers (tokens)")
+        count(self.n_samples, "n_samples")
+
+
 class RulerTask(Task):
     """RULER subtasks × context lengths; sample ids ``<subtask>/<length>/<row>``."""
 
     name = "ruler"
+    Config = RulerConfig
 
     @classmethod
     def validate(cls, cfg: dict) -> None:
-        """Raises: TaskConfigError for an unknown subtask, a bad length or sample count, a missing file."""
-        subtasks, lengths, n = cfg.get("subtasks"), cfg.get("context_lengths"), cfg.get("n_samples")
-        if not isinstance(subtasks, list) or not subtasks or any(s not in SUBTASKS for s in subtasks):
-            raise TaskConfigError(f"task.subtasks={subtasks}: a non-empty list of {', '.join(SUBTASKS)}")
-        if not isinstance(lengths, list) or not lengths or not all(isinstance(x, int) and x > 0 for x in lengths):
-            raise TaskConfigError(f"task.context_lengths={lengths}: must be a non-empty list of positive integers (tokens)")
-        if n is not None and (not isinstance(n, int) or n < 1):
-            raise TaskConfigError(f"task.n_samples={n}: must be null or an integer >= 1")
+        """Raises: TaskConfigError for a missing file, or no ``data_dir`` while the Hub is unreachable."""
+        subtasks, lengths = cfg["subtasks"], cfg["context_lengths"]
         if not cfg.get("data_dir"):
             from .longbench_data import hub_reachable
 

@@ -17,12 +17,30 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, List, Optional
 
-from .base import Sample, Task, TaskConfigError, looked_for, read_jsonl
+from .base import Sample, Task, TaskConfig, TaskConfigError, count, looked_for, one_of, read_jsonl
 from .longbench_data import _is_network_error, hub_reachable
 
 SOURCES = ("official", "kvpress")
+
+
+@dataclass
+class SuiteConfig(TaskConfig):
+    """The keys every :class:`SuiteTask` has; ``conf/task/<name>.yaml`` sets ``name`` and says what the defaults mean."""
+
+    datasets: Optional[List[str]] = None  # the task's subsets (SuiteTask.subsets); null = all
+    n_samples: Optional[int] = None  # first n rows (of each dataset); null = all
+    data_dir: Optional[str] = None  # folder of the official files; null = the Hub
+    source: str = "official"  # official (its files and prompts) | kvpress (kvpress's Hub copy and its prompts)
+    hub_dataset: Optional[str] = None  # null = the task's official or kvpress Hub dataset (by source)
+    max_length: Optional[int] = None  # max input tokens before middle truncation; null = the model's max_input_tokens
+
+    def check(self) -> None:
+        count(self.n_samples, "n_samples")
+        count(self.max_length, "max_length")
+        one_of(self.source, "source", SOURCES)
 
 
 def require(row: dict, where: str, **types: type | tuple[type, ...]) -> None:
@@ -71,38 +89,28 @@ class SuiteTask(Task):
     official_hub = ""
     kvpress_hub = ""
     what = ""  # what to download, for the offline error
+    Config = SuiteConfig
     ceil_tail = False  # truncate_middle's tail rounding
 
     def __init__(self, cfg: dict, tokenizer: Any = None, max_input_tokens: int | None = None, encode: Any = None,
                  resolved: dict | None = None):
         super().__init__(cfg, tokenizer, max_input_tokens, encode, resolved)
-        self.validate_keys(self.cfg)
         self.datasets = list(self.cfg.get("datasets") or self.subsets)
         self.max_length = self.cfg.get("max_length") or max_input_tokens
 
     # ---------------------------------------------------------------- configuration
 
     @classmethod
-    def validate_keys(cls, cfg: dict) -> None:
-        datasets, n, m, source = cfg.get("datasets"), cfg.get("n_samples"), cfg.get("max_length"), cfg.get("source")
-        if datasets is not None and (not isinstance(datasets, list) or not datasets
-                                     or any(d not in cls.subsets for d in datasets)):
-            raise TaskConfigError(f"task.datasets={datasets}: a non-empty list of {', '.join(cls.subsets)} (null: all)")
-        for key, value in (("n_samples", n), ("max_length", m)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise TaskConfigError(f"task.{key}={value!r}: must be null or an integer >= 1")
-        if source not in SOURCES:
-            raise TaskConfigError(f"task.source={source!r}: accepted values are {', '.join(SOURCES)}")
-
-    @classmethod
     def validate(cls, cfg: dict) -> None:
         """Check the keys, then the first ``n_samples`` rows of each dataset in ``data_dir``, or that the Hub answers.
 
         Raises:
-            TaskConfigError: a bad key (named), a missing folder or file, a malformed row (file, line, field), or
+            TaskConfigError: an unknown dataset, a missing folder or file, a malformed row (file, line, field), or
                 no ``data_dir`` while the Hub is unreachable.
         """
-        cls.validate_keys(cfg)
+        datasets = cfg.get("datasets")
+        if datasets is not None and (not datasets or any(d not in cls.subsets for d in datasets)):
+            raise TaskConfigError(f"task.datasets={datasets}: a non-empty list of {', '.join(cls.subsets)} (null: all)")
         if cfg.get("data_dir") and cfg.get("source") == "official":
             for d in cfg.get("datasets") or cls.subsets:
                 cls.read_file(cls.file_path(cfg["data_dir"], d), d, cfg.get("n_samples"))

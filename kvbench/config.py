@@ -1,9 +1,9 @@
 """Job configuration: Hydra composes ``conf/`` once; :func:`check` validates it once and names the job.
 
-The top level, ``model`` and each method are dataclasses in Hydra's ConfigStore (:func:`register`), so Hydra
-checks keys, types and choices while it composes; their ``__post_init__`` check ranges when :func:`check` makes
-them objects (the method's config: :func:`methods.build_method`); ``task`` is checked by its keys in
-``conf/task/<name>.yaml`` and the task's ``validate``.
+The top level, ``model``, each method and each task are dataclasses in Hydra's ConfigStore (:func:`register`), so
+Hydra checks keys, types and choices while it composes; their ``__post_init__`` check ranges when :func:`check`
+makes them objects (the method's config: :func:`methods.build_method`); the task's ``validate`` checks the files
+it names.
 Every problem is a :class:`~methods.base.ConfigError` (or ``TaskConfigError``) with one line naming
 the key and the accepted values; ``run.py`` prints it and exits 2 before any model loads.
 
@@ -14,6 +14,7 @@ no budget part), where ``<hash>`` covers every resolved setting that can change 
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -21,7 +22,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -53,7 +53,7 @@ class Sweep:
 
 @dataclass
 class TopConfig:
-    """conf/config.yaml's keys (``model`` and ``method`` are checked by their own schemas, ``task`` by its task)."""
+    """conf/config.yaml's keys (``model``, ``method`` and ``task`` are checked by their own schemas)."""
 
     model: Any = None
     method: Any = None
@@ -149,8 +149,8 @@ class ModelConfig:
 def register() -> None:
     """Store the schemas in Hydra's ConfigStore (``hydra_plugins/kvbench_launcher`` calls it when Hydra starts, before
     any composition): the top level as ``kvbench`` (``conf/config.yaml``'s first default), ``schema/model`` and
-    ``schema/method/<name>`` (:func:`methods.schema`), which ``conf/model/*.yaml`` and ``conf/method/*.yaml`` extend
-    with what differs from the defaults."""
+    ``schema/method/<name>`` (:func:`methods.schema`) and ``schema/task/<name>`` (the task's ``Config``), which
+    ``conf/model/*.yaml``, ``conf/method/*.yaml`` and ``conf/task/*.yaml`` extend with what differs from the defaults."""
     import methods
     from hydra.core.config_store import ConfigStore
 
@@ -159,6 +159,8 @@ def register() -> None:
     store.store(group="schema", name="model", node=ModelConfig)
     for name in methods.available():
         store.store(group="schema/method", name=name, node=methods.schema(name))
+    for name in tasks.available():
+        store.store(group="schema/task", name=name, node=tasks.get_task_class(name).Config)
 
 
 def preset(group: str, name: str) -> dict:
@@ -167,10 +169,6 @@ def preset(group: str, name: str) -> dict:
 
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         return OmegaConf.to_container(compose("config", [f"{group}={name}"])[group], resolve=True, enum_to_str=True)
-
-
-def _task_keys(name: str) -> set[str]:
-    return set(yaml.safe_load((CONF / "task" / f"{name}.yaml").read_text())) | {"max_length"}
 
 
 def _sha256(path: Path) -> str:
@@ -303,15 +301,14 @@ def check(cfg: Any, preset: str | None = None) -> JobSpec:
         top = OmegaConf.to_object(cfg)
     except OmegaConfBaseException as e:
         raise ConfigError(f"{e.full_key}: {str(e.msg).splitlines()[0]}") from None
+    for group in ("model", "task"):  # a key added with + passes Hydra (the method's: build_method)
+        keys = [f.name for f in dataclasses.fields(getattr(top, group))] if dataclasses.is_dataclass(getattr(top, group)) else []
+        if keys and set(plain[group]) - set(keys):
+            raise ConfigError(f"{group}.{min(set(plain[group]) - set(keys))}: unknown key; accepted keys are {', '.join(keys)}")
     plain["budget"], model = top.budget.value, top.model  # 64.0 is the token budget 64, 0.30000000000000004 the ratio 0.3
     method = methods.build_method(plain["method"])
     task, name = plain["task"], str(plain["task"].get("name"))
-    task_cls = tasks.get_task_class(name)
-    unknown = sorted(set(task) - _task_keys(name))
-    if unknown:
-        raise TaskConfigError(f"task.{unknown[0]}: unknown key for task {name}; accepted keys are "
-                              f"{', '.join(sorted(_task_keys(name)))}")
-    task_cls.validate(task)
+    tasks.get_task_class(name).validate(task)
     methods.check_min_budget(method, top.budget)
     limit = int(task.get("max_length") or model.max_input_length)
     if task.get("max_new_tokens") and name == "niah" and min(task["context_lengths"]) > limit:

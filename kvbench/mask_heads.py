@@ -11,16 +11,16 @@ SRH scores) and ``random`` (``--seed``, outside the SRH and TRH top-k). Writes
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import sys
 import time
 from pathlib import Path
 
-import yaml
 
 from eval.base import TaskConfigError
-from eval.niah import NIAHTask
+from eval.niah import NIAHConfig, NIAHTask
 from methods.artifacts import artifact_path, keyed_errors, load_head_scores, top_heads
 from methods.base import ConfigError
 
@@ -28,7 +28,6 @@ from .cli import ArgParser, flat, listof
 from .head_mask import MODES, PHASES, HeadMask
 from .store import atomic_write
 
-ROOT = Path(__file__).resolve().parents[1]
 KINDS = ("srh", "trh", "random")
 _SCORE_KIND = {"srh": "semantic_retrieval_heads", "trh": "retrieval_heads"}
 _TASK_FLAGS = {"context_lengths": "lengths", "depth_percents": "depths", "haystack_dir": "haystack-dir",
@@ -67,13 +66,13 @@ def _flag_error(err: TaskConfigError) -> ConfigError:
 
 
 def niah_config(args) -> dict:
-    """``conf/task/niah.yaml`` with the command's grid flags, validated (ConfigError naming the flag)."""
-    cfg = yaml.safe_load((ROOT / "conf" / "task" / "niah.yaml").read_text(encoding="utf-8"))
-    cfg.update({k: v for k, v in (("context_lengths", args.lengths), ("depth_percents", args.depths),
-                                  ("max_new_tokens", args.max_new_tokens)) if v is not None})
+    """:class:`eval.niah.NIAHConfig` with the command's grid flags, validated (ConfigError naming the flag)."""
+    cfg = {k: v for k, v in (("context_lengths", args.lengths), ("depth_percents", args.depths),
+                             ("max_new_tokens", args.max_new_tokens)) if v is not None}
     if args.haystack_dir:
         cfg["haystack_dir"], cfg["haystack_source"] = args.haystack_dir, "dir"
     try:
+        cfg = dataclasses.asdict(NIAHConfig(**cfg))
         NIAHTask.validate(cfg)
     except TaskConfigError as e:
         raise _flag_error(e) from None
@@ -220,10 +219,10 @@ def build_parser() -> ArgParser:
     p.add_argument("--seed", type=int, default=0, help="seed of the random-heads control")
     p.add_argument("--mode", choices=MODES, default="uniform", help="uniform (default, Wu et al.'s code): query set to 0; zero: head output before W_O set to 0")
     p.add_argument("--phase", choices=PHASES, default="decode", help="decode (default, Wu et al.'s code): the last prompt position and decoded tokens; all: every position")
-    p.add_argument("--lengths", **lst, type=listof(int), help="NIAH context lengths in tokens (default conf/task/niah.yaml)")
-    p.add_argument("--depths", **lst, type=listof(float), help="NIAH needle depths in percent (default conf/task/niah.yaml)")
+    p.add_argument("--lengths", **lst, type=listof(int), help="NIAH context lengths in tokens (default eval/niah.py NIAHConfig)")
+    p.add_argument("--depths", **lst, type=listof(float), help="NIAH needle depths in percent (default eval/niah.py NIAHConfig)")
     p.add_argument("--haystack-dir", default=None, help="folder of .txt haystack files (default: the task's haystack_source)")
-    p.add_argument("--max-new-tokens", type=int, default=None, help="generation limit (default conf/task/niah.yaml)")
+    p.add_argument("--max-new-tokens", type=int, default=None, help="generation limit (default eval/niah.py NIAHConfig)")
     p.add_argument("--device", type=listof(str, re.compile(r"auto|cpu|mps|cuda(:\d+)?").fullmatch, "auto, cpu, mps, "
                    "cuda, cuda:<index>", one=True), default="auto", help="auto, cpu, mps, cuda, cuda:<index>")
     p.add_argument("--threads", type=listof(int, lambda n: n >= 1, one=True), default=None, help="torch CPU threads (default: torch's)")

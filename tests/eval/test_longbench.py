@@ -94,17 +94,15 @@ def test_registry_and_groups():
         ({"datasets": ["multi_newz"]}, r"task.datasets=\[multi_newz\]: unknown longbench dataset 'multi_newz' \(did you mean multi_news\?\); "
                                         r"accepted: groups en16, zh5, all21, e13"),
         ({"datasets": []}, "task.datasets is empty"),
-        ({"n_samples": 0}, r"task.n_samples=0: expected an integer >= 1 or null"),
+        ({"n_samples": 0}, r"task.n_samples=0: must be an integer >= 1"),
         ({"n_samples": -3}, "task.n_samples=-3"),
-        ({"n_samples": True}, "task.n_samples=True"),
-        ({"n_samples": "5"}, "task.n_samples='5'"),
         ({"max_length": 1}, "task.max_length=1"),
     ],
 )
 def test_validate_rejects_bad_keys(cfg, match, monkeypatch):
     monkeypatch.setattr(data, "check_hub", lambda: None)
     with pytest.raises(TaskConfigError, match=match) as e:
-        LongBenchTask.validate(cfg)
+        LongBenchTask.validate(vars(LongBenchTask.Config(**cfg)))
     assert "\n" not in str(e.value)
 
 

@@ -78,7 +78,7 @@ def test_json_lines_and_a_malformed_row_name_file_row_and_field(folder):
                                       ({"n_samples": 0}, "task.n_samples"), ({"data_dir": "/nonexistent"}, "task.data_dir")])
 def test_bad_keys_are_named(bad, key):
     with pytest.raises(TaskConfigError, match=rf"^{key}="):
-        LongBenchV2Task.validate(cfg(**bad))
+        LongBenchV2Task.validate(vars(LongBenchV2Task.Config(**cfg(**bad))))
 
 
 def test_offline_without_a_folder_is_one_line(monkeypatch):

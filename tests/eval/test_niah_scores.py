@@ -1,4 +1,4 @@
-"""NIAH scores of hand-made predictions: the strict match beside ROUGE-1 recall (conf/task/niah.yaml's needle)."""
+"""NIAH scores of hand-made predictions: the strict match beside ROUGE-1 recall (eval.niah.NIAHConfig's needle)."""
 
 from types import SimpleNamespace
 
@@ -6,7 +6,7 @@ import pytest
 
 from eval.niah import NIAHTask, strict_match
 
-ANSWER = "eat a sandwich and sit in Dolores Park on a sunny day"  # conf/task/niah.yaml's task.answer
+ANSWER = "eat a sandwich and sit in Dolores Park on a sunny day"  # eval.niah.NIAHConfig.answer
 
 
 @pytest.mark.parametrize("prediction, expected", [

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from eval.base import TaskConfigError
-from eval.ruler import RulerTask, max_new_tokens, string_match_all, string_match_part
+from eval.ruler import RulerConfig, RulerTask, max_new_tokens, string_match_all, string_match_part
 from tests.kvbench.cli_util import byte_tokenizer, make_tiny_model_dir, read_lines, run_cli, tiny_model_args
 
 
@@ -94,7 +94,7 @@ def test_rulers_scorers():
                                       ({"data_dir": "/nonexistent"}, "task.data_dir")])
 def test_bad_config_names_the_key(bad, key):
     with pytest.raises(TaskConfigError, match=rf"^{key}="):
-        RulerTask.validate(cfg(**bad))
+        RulerTask.validate(vars(RulerConfig(**cfg(**bad))))
 
 
 def test_read_jsonl_names_file_and_line(tmp_path):

@@ -146,7 +146,7 @@ def test_published_trh_scores_of_llama31_are_found_and_checked_before_loading(tm
     import os
     from pathlib import Path
 
-    shared = Path(os.environ.get("KVBENCH_SHARED_DATA") or Path(mask_heads.ROOT) / ".." / "shared" / "data")
+    shared = Path(os.environ.get("KVBENCH_SHARED_DATA") or Path(mask_heads.__file__).parents[2] / "shared" / "data")
     if not (shared / "head_scores" / "compresskv" / "Llama-3.1-8B-Instruct.json").is_file():
         pytest.skip(f"published CompressKV files not found under {shared}")
     monkeypatch.setenv("KVBENCH_SHARED_DATA", str(shared))

@@ -232,3 +232,29 @@ def test_a_full_disk_while_a_job_stores_is_one_line_naming_the_file_and_exit_1(
     assert str(predictions) in err and "Traceback" not in err
     assert predictions.read_bytes() == stored and (predictions.parent / "config.yaml").is_file()
     assert run_job() == 0 and len(predictions.read_text().splitlines()) == 2
+
+
+def test_a_full_disk_while_writing_config_yaml_leaves_no_job_folder(tmp_path, tiny_model_dir, haystack_dir, monkeypatch,
+                                                                    capsys):
+    """Issue #37.5: a job that fails before its first sample leaves nothing but its error line (exit 1, the path
+    named); what was in output_root before stays."""
+    import run
+
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "kept.txt").write_text("stored earlier")
+    real = os.replace
+
+    def replace(src, dst):
+        if str(dst).endswith("config.yaml"):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(src, dst)
+
+    monkeypatch.setattr(os, "replace", replace)
+    monkeypatch.setenv("HYDRA_FULL_ERROR", "1")
+    monkeypatch.setattr(sys, "argv", ["run.py", *tiny_model_args(tiny_model_dir), "task.context_lengths=[256]",
+                                      f"task.haystack_dir={haystack_dir}", f"output_root={tmp_path / 'out'}", "quiet=true"])
+    with pytest.raises(SystemExit) as done:
+        run.main()
+    err = capsys.readouterr().err.splitlines()
+    assert done.value.code == 1 and len(err) == 1 and err[0].startswith("error: ") and "config.yaml" in err[0], err
+    assert [p.name for p in (tmp_path / "out").iterdir()] == ["kept.txt"]
