@@ -223,15 +223,14 @@ def print_summary(summary: dict, path: Path) -> None:
 def heatmap(store: JobStore, records: list[dict], cfg: dict) -> None:
     """Draw the NIAH job's depth × length ``heatmap.png`` and ``.pdf`` (a plot never fails a job)."""
     try:
-        from .plots import SCORE_LABEL, draw_niah_heatmap, niah_grid, plt
+        from .plots import draw_niah_heatmap, niah_colorbar, niah_grid, plt
 
-        records = [r for r in records if r.get("error") is None]
-        lengths, depths, _ = niah_grid(records)
+        lengths, depths, _ = niah_grid(records)  # a failed sample's cell is grey
         fig, ax = plt.subplots(figsize=(max(4.8, 1.6 + 0.8 * len(lengths)), max(3.4, 1.6 + 0.4 * len(depths))),
                                layout="constrained")
         title = f"NIAH — {cfg['model']['name']} — {cfg['method'].get('label') or cfg['method']['name']} — budget {cfg['budget']}"
         if im := draw_niah_heatmap(ax, records, title):
-            fig.colorbar(im, ax=ax, label=SCORE_LABEL)
+            niah_colorbar(fig, [im], ax)
             for ext in ("png", "pdf"):
                 fig.savefig(store.path / f"heatmap.{ext}", dpi=150)
         plt.close(fig)

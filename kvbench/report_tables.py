@@ -4,16 +4,21 @@ and figures, NIAH heatmaps. Each builder returns a list of :class:`Artifact` (em
 import json
 import math
 import re
+import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
+from matplotlib.font_manager import FontProperties
+from matplotlib.lines import Line2D
+from matplotlib.patches import Patch
+from matplotlib.transforms import offset_copy
 
 from eval.longbench import CATEGORIES
 from eval.longbench_v2 import BREAKDOWN
 
-from .plots import SCORE_LABEL, draw_niah_heatmap, plt
+from .plots import draw_niah_heatmap, niah_colorbar, plt
 from .report_data import (DATASET_ABBR, FULL, LONG_CONTEXT_TOKENS, budget_semantics, budget_text, display_name,
                           method_sort_key, model_sort_key, niah_grid_records, order_datasets)
 
@@ -56,13 +61,20 @@ def fmt(value, signed: bool = False, se=None) -> str | None:
 
 
 def bolds(data: pd.DataFrame, cols, ok, by: str | None = None, higher: bool = True) -> set:
-    """``(row, col)`` cells of each column's best printed value among rows ``ok`` (per ``by`` group; ties all)."""
+    """``(row, col)`` cells of each column's best printed value among rows ``ok`` (per ``by`` group; ties all; none
+    where two rows or more print one value: nothing differs)."""
     out = set()
     for col in cols:
         v = data[col][list(ok)].dropna().map(round2)
-        top = v.groupby(data.loc[v.index, by] if by else pd.Series(0, v.index)).transform("max" if higher else "min")
-        out |= {(i, col) for i in v.index[v == top]}
+        g = v.groupby(data.loc[v.index, by] if by else pd.Series(0, v.index))
+        alike = (g.transform("nunique") == 1) & (g.transform("size") > 1)
+        out |= {(i, col) for i in v.index[(v == g.transform("max" if higher else "min")) & ~alike]}
     return out
+
+
+def count(n: int, noun: str) -> str:
+    """``1 dataset``, ``2 datasets``."""
+    return f"{n} {noun}" + "s" * (n != 1)
 
 
 def dedupe(items) -> list:
@@ -296,7 +308,7 @@ def selkv_table1(df: pd.DataFrame, budget: float = 0.25, task: str = "longbench"
                   "Avg": g.avg(mk, lab), "Δ": g.avg(mk, lab) - g.avg(mk, g.full) if lab != g.full else math.nan,
                   **({} if long else {"Avg Rank": ranks.get(lab, math.nan)})} for lab in g.rows]
     data = pd.DataFrame(rows)
-    caption = (f"LongBench {'average' if long else 'results'} ({len(g.datasets)} datasets)" + f", inputs ≥ "
+    caption = (f"LongBench {'average' if long else 'results'} ({count(len(g.datasets), 'dataset')})" + f", inputs ≥ "
                f"{LONG_CONTEXT_TOKENS} tokens," * long + f" at a {budget_text(budget)} KV budget (" + budget_semantics(
                    [budget]) + "); bold: best compressed. Δ: gap to the full cache; Avg Rank: mean rank per dataset.")
     bold = bolds(data, ["Avg"] + [*g.datasets, "Δ"] * (not long), g.ok(data), "Model")
@@ -315,7 +327,8 @@ def selkv_table4(df: pd.DataFrame, budget: float = 0.25, task: str = "longbench"
                          for mk in g.models for c, ds in cats.items() if ds], columns=["Model", "Category", *g.rows])
     v = data[g.labels].where(pd.DataFrame({lab: [(m, lab) not in g.incomplete for m in data["Model"]]
                                            for lab in g.labels})).map(round2, na_action="ignore")
-    bold = set(v[v.eq(v.max(axis=1), axis=0)].stack().index)
+    differ = (v.nunique(axis=1) > 1) | (v.count(axis=1) < 2)  # no bold where the methods print one value
+    bold = set(v[v.eq(v.max(axis=1), axis=0) & differ.to_numpy()[:, None]].stack().index)
     caption = (f"Category-level averages on LongBench ({budget_text(budget)} KV budget; {budget_semantics([budget])}):"
                " mean over the category's datasets present; bold: best compressed method per category.")
     return [Artifact("selkv_table4", caption, data, bold=bold, used=g.used)]
@@ -370,8 +383,9 @@ def selkv_ratio_tables(df: pd.DataFrame, task: str = "longbench") -> list[Artifa
         name = {"llama31": "selkv_table5", "gemma2": "selkv_table6"}.get(mk.split(" ")[0], "")
         name = name if name and name not in names else f"selkv_ratios_{slug(mk)}"
         names.add(name)
-        out.append(sweep_table(name, grids, [mk], f"LongBench average ({n_ds} datasets) of {mk} at KV retention ratios "
-                               f"({budget_semantics(grids)}). Best compressed method per ratio in bold.", ratio=True))
+        out.append(sweep_table(name, grids, [mk], f"LongBench average ({count(n_ds, 'dataset')}) of {mk} at KV "
+                               f"retention ratios ({budget_semantics(grids)}). Best compressed method per ratio in bold.",
+                               ratio=True))
     return out
 
 
@@ -454,14 +468,17 @@ def sensitivity_table(df, name: str, method: str, budget: float, task: str = "lo
 
 
 def _figure(n_rows: int, n_cols: int, w: float = 4.2, h: float = 3.2):
-    height = h * n_rows + 0.6
-    fig, axes = plt.subplots(n_rows, n_cols, figsize=(w * n_cols, height), squeeze=False, layout="constrained")
-    fig.get_layout_engine().set(rect=(0, 0.45 / height, 1, 1 - 0.45 / height))
-    return fig, axes
+    return plt.subplots(n_rows, n_cols, figsize=(w * n_cols, h * n_rows + 0.15), squeeze=False, layout="constrained")
 
 
 def _done(name, fig, caption, used=None, sources=()) -> Artifact:
-    fig.text(0.5, 0.005, caption, ha="center", va="bottom", fontsize=7, wrap=True)
+    """The figure with its caption below the panels (the figure grows by the caption's wrapped lines)."""
+    size, (w, h) = FontProperties(size="small").get_size_in_points(), fig.get_size_inches()
+    lines = textwrap.wrap(caption, int(w * 72 / (0.6 * size)))
+    below = len(lines) * 1.3 * size / 72 + 0.1  # inches
+    fig.set_figheight(h + below)
+    fig.get_layout_engine().set(rect=(0, below / (h + below), 1, h / (h + below)))
+    fig.text(0.5, 0.005, "\n".join(lines), ha="center", va="bottom", fontsize="small")
     return Artifact(name, caption, fig=fig, used=used, sources=list(sources))
 
 
@@ -471,28 +488,50 @@ def selkv_fig2(df: pd.DataFrame, budget: float = 0.25, task: str = "longbench") 
     if g is None or g.full is None:
         return []
     fig, axes = _figure(1, 1, w=max(4.5, 1.6 * len(g.models) + 2))
-    ax, width = axes[0, 0], 0.8 / len(g.labels)
+    ax, width, late = axes[0, 0], 0.8 / len(g.labels), []
     for j, lab in enumerate(g.labels):
         xs = [i - 0.4 + width * (j + 0.5) for i in range(len(g.models))]
         ys = [g.avg(mk, lab) - g.avg(mk, g.full) for mk in g.models]
         errs = [math.hypot(g.avg(mk, lab, se=True), g.avg(mk, g.full, se=True)) for mk in g.models]
         for x, y, mk, bar in zip(xs, ys, g.models, ax.bar(xs, ys, width, yerr=errs, capsize=2, label=lab)):
             if math.isnan(y):
-                ax.text(x, 0, "n/a ", ha="center", va="top", fontsize=6, rotation=90, color="grey")
+                ax.annotate("n/a", (x, 0), (0, -4), textcoords="offset points", ha="center", va="top", rotation=90,
+                            color="grey")
             elif {(mk, lab), (mk, g.full)} & g.incomplete:
                 bar.set(hatch="///", alpha=0.5)
+                late = [Patch(facecolor="white", edgecolor="black", hatch="///", label="unfinished job")]
     ax.axhline(0, color="black", linewidth=0.8)
     ax.margins(y=0.15)
     ax.set(xticks=range(len(g.models)), xticklabels=g.models, xlabel="Model", ylabel=f"Δ LongBench average vs "
            f"{g.full} (points)", title="Gap to the full cache\n(closer to 0 is better)")
-    ax.legend()
-    caption = (f"LongBench ({len(g.datasets)} datasets), {budget_semantics([budget])}, ρ = {budget_text(budget)}; "
-               "error bars: ±1 SE, √(SE² + SE full²). Hatched, pale bars: an unfinished job (fewer samples scored).")
+    ax.legend(handles=ax.get_legend_handles_labels()[0] + late)
+    caption = (f"LongBench ({count(len(g.datasets), 'dataset')}), {budget_semantics([budget])}, ρ = "
+               f"{budget_text(budget)}; error bars: ±1 SE, √(SE² + SE full²). Hatched, pale bars: an unfinished job "
+               "(fewer samples scored).")
     return [_done("selkv_fig2", fig, caption, g.used)]
 
 
+def dodge(n: int, step: float = 6.0) -> list[float]:
+    """Horizontal offsets (points) of ``n`` methods' markers at one budget, ``step`` apart, centred on it."""
+    return [step * (k - (n - 1) / 2) for k in range(n)]
+
+
+def other_samples(used: pd.DataFrame, full: str | None) -> bool:
+    """Whether a full-cache row of ``used`` scored other samples than a compressed row of its model key × dataset
+    (sample ids where both list them, else ``n`` and ``subset``)."""
+    ref = used[used["method"] == full].drop_duplicates(["model_key", "dataset"]).set_index(["model_key", "dataset"])
+    for r in used[used["method"] != full].itertuples():
+        if (r.model_key, r.dataset) in ref.index:
+            q = ref.loc[(r.model_key, r.dataset)]
+            ids = [set(x) for x in (r.samples, q["samples"]) if isinstance(x, dict)]
+            if (r.n, r.subset) != (q["n"], q["subset"]) or len(ids) == 2 and ids[0] != ids[1]:
+                return True
+    return False
+
+
 def budget_sweep_figure(df, name: str, task: str, ratio: bool, title: str, per_dataset: bool = False):
-    """Average vs budget, a panel per model (SelKV Fig. 4, CompressKV Figs. 4, 5); ``per_dataset``: SelKV Fig. 5."""
+    """Average vs budget, a panel per model (SelKV Fig. 4, CompressKV Figs. 4, 5); ``per_dataset``: SelKV Fig. 5.
+    Methods at one budget are dodged (:func:`dodge`); an unfinished job's marker is hollow."""
     grids, models = budget_grids(df, task, ratio)
     if not models:
         return []
@@ -503,27 +542,40 @@ def budget_sweep_figure(df, name: str, task: str, ratio: bool, title: str, per_d
     for i, mk in enumerate(models):
         for j, ds in enumerate(datasets):  # one model's average (or one dataset's score) across budgets
             ax, t, err = axes[i, j] if per_dataset else axes[0, i], sweep(grids, mk, ds), sweep(grids, mk, ds, True)
-            for lab, vals in t.iterrows():
-                if lab == full:
-                    ax.axhline(vals.iloc[0], color="black", linestyle="--", linewidth=1, label=lab)
-                    ax.axhspan(vals.iloc[0] - err.loc[lab].iloc[0], vals.iloc[0] + err.loc[lab].iloc[0], color="grey",
-                               alpha=0.2)
-                    continue
-                ax.errorbar([b * 100 if ratio else b for b in vals.dropna().index], vals.dropna(),
-                            err.loc[lab, vals.dropna().index], marker="o", capsize=2, label=lab)
             if not ratio:
                 ax.set_xscale("log", base=2)
                 ax.set_xticks(list(t.columns), [f"{b:g}" for b in t.columns])
                 ax.minorticks_off()
+            if full in t.index and t.loc[full].notna().any():
+                y, e = t.loc[full].iloc[0], np.nan_to_num(err.loc[full].iloc[0])  # sweep: one value per row
+                late = any((mk, full) in g.incomplete for g in grids.values())
+                ax.axhline(y, color="black", linestyle="--", linewidth=1, label=full + " (unfinished)" * late)
+                ax.axhspan(y - e, y + e, color="grey", alpha=0.2)
+            comp, hollow = [lab for lab in t.index if lab != full], []
+            for lab, dx in zip(comp, dodge(len(comp))):
+                vals, shift = t.loc[lab].dropna(), offset_copy(ax.transData, fig, x=dx, units="points")
+                xs = [b * 100 if ratio else b for b in vals.index]
+                bars = ax.errorbar(xs, vals, err.loc[lab, vals.index], marker="o", capsize=2, label=lab)
+                late = [(x, v) for x, b, v in zip(xs, vals.index, vals) if (mk, lab) in grids[b].incomplete]
+                hollow += ax.plot(*zip(*late), "o", mfc="white", mec=bars[0].get_color(), zorder=3) if late else []
+                for artist in bars.get_children() + hollow[-1:] * bool(late):  # after autoscaling to the data
+                    artist.set_transform(shift)
             ax.set(ylabel="Score (points)" if ds else "Average score (points)", title=mk + f" — {ds}" * bool(ds),
                    xlabel="KV retention ratio ρ (% of prompt tokens)" if ratio else "KV budget (tokens per layer per "
                    "KV head)")
-            ax.legend()
+            handles = ax.get_legend_handles_labels()[0] + [Line2D([], [], marker="o", ls="", mfc="white", mec="grey",
+                                                                  label="unfinished job")] * bool(hollow)
+            ax.legend(handles=handles)
     fig.suptitle(title)
-    what = f"per dataset ({', '.join(datasets)})" if per_dataset else f"{len(present)} datasets"
-    caption = (f"Task: {task} ({what}); {budget_semantics(grids)}; dashed line: full cache; error bars and band: "
-               "±1 SE.")
-    return [_done(name, fig, caption, used_by(grids, models))]
+    used = used_by(grids, models)
+    ns = used.loc[used["method"] != full, "n"].dropna()
+    n_text = f"; n = {ns.min():.0f}" + f"–{ns.max():.0f}" * bool(ns.min() < ns.max()) + " samples per dataset" if len(
+        ns) else ""
+    what = f"datasets {', '.join(datasets)}, a panel each" if per_dataset else count(len(present), "dataset")
+    caption = (f"Task: {task} ({what}){n_text}; {budget_semantics(grids)}; dashed line: full cache" + (
+        " (scored on other samples than the compressed points: not a paired comparison)" if other_samples(
+            used, full) else "") + "; error bars and band: ±1 SE; methods at one budget drawn side by side.")
+    return [_done(name, fig, caption, used)]
 
 
 def selkv_fig3(latency: list[dict], source: str = "latency.json") -> list[Artifact]:
@@ -539,16 +591,18 @@ def selkv_fig3(latency: list[dict], source: str = "latency.json") -> list[Artifa
     fig, axes = _figure(len(models), 2, w=5.2)
     for (ax_a, ax_b), mk in zip(axes, models):
         m = means.loc[mk]
-        m[list(stages)].rename(columns=stages).plot.bar(stacked=True, ax=ax_a, width=0.8, fontsize=7, ylabel="Time per "
+        m[list(stages)].rename(columns=stages).plot.bar(stacked=True, ax=ax_a, width=0.8, ylabel="Time per "
                                                         "request (s)", title=f"(a) {mk}: time breakdown")
         ax_a.set_xticks(range(len(m)), [f"{n:.0f} {meth}" for n, meth in m.index], rotation=60, ha="right")
         ax_a.set(xlabel="Prompt length (tokens), method", ylim=(0, ax_a.get_ylim()[1] * 1.3))
         ax_a.legend(ncols=3, loc="upper left")
         tok_s = m["decode_tok_s"].unstack("method")
-        tok_s.plot(ax=ax_b, marker="o", fontsize=7, logx=True, xlabel="Prompt length (tokens)",
+        tok_s.rename_axis(columns="Method").plot(ax=ax_b, marker="o", logx=True, xlabel="Prompt length (tokens)",
                    ylabel="Decode throughput (tokens/s)", title=f"(b) {mk}: decode throughput")
+        ax_b.set_xticks(tok_s.index, [f"{n:.0f}" for n in tok_s.index], minor=False)
+        ax_b.minorticks_off()
     budgets = sorted(set(pd.to_numeric(lat["budget"], errors="coerce").dropna()) - {1.0})
-    devices = ", ".join(sorted(lat["device"].dropna().astype(str).unique())) or "?"
+    devices = ", ".join(sorted(lat["device"].dropna().astype(str).unique())) or "a device not recorded"
     caption = (f"Latency on {devices} (synthetic prompts; repeats averaged) at budget "
                f"{', '.join(map(budget_text, budgets)) or '?'} ({budget_semantics(budgets or [math.nan])}).")
     return [_done("selkv_fig3", fig, caption, sources=[source])]
@@ -567,20 +621,22 @@ def niah_figures(df: pd.DataFrame, root: Path) -> list[Artifact]:
         cols = [None] * (len(full) > 0) + sorted(set(comp["method"]), key=lambda lab: method_sort_key(
             comp.loc[comp["method"] == lab, "method_name"].iloc[0], lab))
         fig, axes = _figure(len(budgets), len(cols), w=3.2, h=2.8)
-        im, used = None, []
+        images, used = [], []
         for i, b in enumerate(budgets):
             for j, lab in enumerate(cols):
+                if lab is None and i:  # the full cache: once, top left
+                    axes[i, j].axis("off")
+                    continue
                 cell = comp[(comp["method"] == lab) & np.isclose(comp["budget"], b)]
                 chosen = full if lab is None else pick(cell, ["method"])
                 r = chosen.iloc[0] if len(chosen) else {"method": lab or "full", "variant": "", "complete": True}
                 title = r["method"] + f", budget {budget_text(b)}" * (lab is not None) + f"\n{r['variant']}" * bool(
                     r["variant"]) + " (unfinished)" * (not r["complete"])
                 used.append(chosen)
-                im = draw_niah_heatmap(axes[i, j], records.get(r.get("job"), []), title, labels=False) or im
-        plt.setp(axes[-1], xlabel="Context length (tokens)")
-        plt.setp(axes[:, 0], ylabel="Needle depth (%)")
-        if im is not None:
-            fig.colorbar(im, ax=axes, label=SCORE_LABEL, shrink=0.8)
+                images.append(draw_niah_heatmap(axes[i, j], records.get(r.get("job"), []), title, labels=False))
+                axes[i, j].set(xlabel="Context length (tokens)" * (i == len(budgets) - 1 or lab is None),
+                               ylabel="Needle depth (%)" * (j == (cols[0] is None and i > 0)))
+        niah_colorbar(fig, images, axes)
         fig.suptitle(f"Needle-in-a-Haystack: {mk}")
         out.append(_done(f"niah_panel_{slug(mk)}", fig, f"NIAH, {mk}; {budget_semantics(budgets)}; score: mean per "
                          "cell (%).", pd.concat(used)))
