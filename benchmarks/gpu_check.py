@@ -14,6 +14,7 @@ Writes ``<out>/gpu_check.json`` after each part (a timeout keeps what was measur
 * ``compiled``: compiled vs eager decode ms/step at the first length, compile seconds apart;
 * ``varlen``: per-head-length decode (flash varlen on CUDA) against a float32 reference for GQA 4 and 5,
   MHA and head dim 256 (with and without a bias column);
+* ``lookm``: LOOK-M's score of one layer at the first length, QK^T in bf16 vs float32: ms and relative error;
 * ``kvpress``: kvpress's SnapKV decode ms/step and cache bytes on the same model, when kvpress is importable.
 Exit 1 when a part failed or an error exceeded its tolerance.
 """
@@ -197,6 +198,26 @@ def varlen_part(device, dtype, n: int) -> list[dict]:
     return rows
 
 
+def lookm_part(loaded, n: int) -> list[dict]:
+    """LOOK-M's whole-prompt score (:func:`methods.lookm.cumulative_attention`) of one layer on bf16 queries and
+    keys (QK^T in bf16, float32 accumulation) against the float32 path on the same values: ms and relative error."""
+    from methods.lookm import cumulative_attention
+
+    c, g = loaded.model.config, torch.Generator().manual_seed(0)
+    q, k = (torch.randn(1, h, n, c.head_dim, generator=g).to(loaded.device, torch.bfloat16)
+            for h in (c.num_attention_heads, c.num_key_value_heads))
+    row, sums = {"part": "lookm", "tokens": n}, {}
+    for label, dtype in (("bf16", torch.bfloat16), ("float32", torch.float32)):
+        for _ in range(2):  # the second call is timed
+            _sync(loaded.device)
+            t = time.perf_counter()
+            sums[label] = cumulative_attention(q.to(dtype), k.to(dtype), c.head_dim**-0.5, None, 512)
+            _sync(loaded.device)
+        row[f"{label}_ms"] = round(1000 * (time.perf_counter() - t), 3)
+    err = float((sums["bf16"] - sums["float32"]).abs().max() / sums["float32"].abs().max())
+    return [{**row, "rel_err": err, "ok": err <= TOLERANCE[torch.float32]}]
+
+
 def kvpress_part(loaded, n: int, new_tokens: int) -> list[dict]:
     """kvpress's SnapKV (25 % kept) on the same model through SDPA: decode ms/step and cache bytes; [] without it."""
     from transformers import DynamicCache
@@ -256,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
               "torch": torch.__version__, "cudnn": torch.backends.cudnn.version(), "layers": loaded.layout.num_layers,
               "dtype": str(loaded.dtype), "rows": [], "failures": []}
     parts = [("sdpa", lambda: sdpa_part(device, loaded.dtype, lengths)),
-             ("varlen", lambda: varlen_part(device, loaded.dtype, lengths[0]))]
+             ("varlen", lambda: varlen_part(device, loaded.dtype, lengths[0])), ("lookm", lambda: lookm_part(loaded, lengths[0]))]
     parts += [(f"engine {n}", lambda n=n: engine_part(loaded, available() if n == lengths[0] else DECODE_METHODS, n, new))
               for n in lengths]
     if not args.no_compile:

@@ -28,7 +28,11 @@ and (b) ``gate: soft`` multiplies w_j by SelKV's soft cosine gate g_j = max(cos(
 Cost: the whole-prompt score is the column sums of the causal attention matrix, H_q·d·n²/2
 MACs per layer: a second pass over QK^T (:func:`cumulative_attention`), or with ``fused_score``
 the prefill attention itself (:func:`attention_with_column_sums`, output and sums in one pass),
-in query blocks sized for the device (:func:`block_elems`).
+in query blocks sized for the device (:func:`block_elems`). In a bf16/fp16 model QK^T multiplies in
+the model's dtype (on CUDA tensor cores, float32 accumulation and output: ``torch.bmm(out_dtype=float32)``);
+a product of two bf16/fp16 values is exact in float32, so the logits differ from the float32 path's
+only in summation order, and the scaling and softmax stay float32: not TF32, which is a process-wide
+switch, nor bf16 logits, which round them.
 
 Deviation from the reference code, on purpose: its ``avg`` variant pairs the filtered targets
 with the first evicted rows (``src`` unfiltered, ``index`` filtered); here each filtered token
@@ -121,7 +125,7 @@ def cumulative_attention(
 
     s_j = Σ_i softmax(q_i·K^T·scaling + causal mask)_j over the W query rows i (absolute
     positions n−W … n−1); with W = n (LOOK-M) every prompt query, i.e. the column sums of the
-    whole causal attention matrix. Exact, in float32. A block of query rows at positions
+    whole causal attention matrix. Exact, in float32 (half-precision inputs: see the module's Cost). A block of query rows at positions
     ``[p, p + c)`` multiplies only the keys ``[0, p + c)`` it may see (the causal triangle);
     the G query heads of a KV head are rows of one matmul against un-repeated keys; blocks hold
     at most :func:`block_elems` logits for the device, in reused buffers.
@@ -166,15 +170,25 @@ def attention_with_column_sums(
     return out.to(value.dtype), total
 
 
+def _float32_bmm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
+    """``out`` (float32) ← a @ b for float32 or half-precision a, b: on CUDA in their dtype with float32
+    accumulation and output (tensor cores), elsewhere upcast (the same products: CPU has no such kernel)."""
+    if a.dtype == torch.float32 or not a.is_cuda:
+        torch.bmm(a.float(), b.float(), out=out)
+    else:
+        torch.bmm(a, b, out_dtype=torch.float32, out=out)
+
+
 def _blocked_attention(queries, keys, values, scaling, softcap, chunk):
     """Column sums ``(B, H_q, n)`` and, when ``values`` is given, the output ``(B, H_q, W, d)``."""
     (b, h_q, w, d), (h_kv, n), dev = queries.shape, keys.shape[1:3], keys.device
     g, bh, first = h_q // h_kv, b * h_kv, n - w
-    k = keys.float().reshape(bh, n, d)
-    q = queries.float().reshape(bh, g, w, d)
+    half = queries.dtype == keys.dtype and keys.dtype in (torch.bfloat16, torch.float16)  # QK^T in the model's dtype
+    k = (keys if half else keys.float()).reshape(bh, n, d)
+    q = (queries if half else queries.float()).reshape(bh, g, w, d)
     v = values.float().reshape(bh, n, d) if values is not None else None
     out = torch.empty(bh, g, w, d, device=dev) if v is not None else None
-    if not softcap:  # scale the W·d queries instead of the W·n logits
+    if not softcap and not half:  # scale the W·d queries instead of the W·n logits (half: exact q, float32 logits)
         q = q * scaling
     blocks = _query_blocks(first, w, h_q, chunk, block_elems(dev.type))
     size = max(bh * g * (stop - start) * (first + stop) for start, stop in blocks)
@@ -186,9 +200,11 @@ def _blocked_attention(queries, keys, values, scaling, softcap, chunk):
     for start, stop in blocks:  # loop over query blocks, not tokens
         c, end = stop - start, first + stop
         logits = logits_buf[: bh * g * c * end].view(bh, g * c, end)
-        torch.bmm(q[:, :, start:stop].reshape(bh, g * c, d), k[:, :end].transpose(1, 2), out=logits)
+        _float32_bmm(q[:, :, start:stop].reshape(bh, g * c, d), k[:, :end].transpose(1, 2), logits)
         if softcap:
             logits.mul_(scaling / softcap).tanh_().mul_(softcap)
+        elif half:
+            logits.mul_(scaling)
         rows = logits.view(bh * g, c, end)
         rows[:, :, end - c :].masked_fill_(future[:c, :c], float("-inf"))
         probs = probs_buf[: bh * g * c * end].view(bh * g, c, end)

@@ -27,7 +27,7 @@ def test_gpu_check_writes_every_figure_without_kvpress(tmp_path, capsys, monkeyp
     parts = {}
     for r in report["rows"]:
         parts.setdefault(r["part"], []).append(r)
-    assert sorted(parts) == ["compiled", "engine", "sdpa", "varlen"]  # no kvpress row without kvpress
+    assert sorted(parts) == ["compiled", "engine", "lookm", "sdpa", "varlen"]  # no kvpress row without kvpress
     engine = {r["method"]: r for r in parts["engine"] if "skipped" not in r}
     skipped = {r["method"]: r["skipped"] for r in parts["engine"] if "skipped" in r}
     assert sorted([*engine, *skipped]) == available() and set(skipped) <= {"kvpress_press"}  # needs kvpress
@@ -46,6 +46,8 @@ def test_gpu_check_writes_every_figure_without_kvpress(tmp_path, capsys, monkeyp
     assert {(r["query_heads"], r["kv_heads"], r["head_dim"]) for r in parts["varlen"]} >= {(32, 8, 128), (40, 8, 128),
                                                                                            (32, 32, 128), (16, 4, 256)}
     assert all(r["ok"] and r["backend"] == "sdpa per head" for r in parts["varlen"])
+    (lookm,) = parts["lookm"]
+    assert lookm["ok"] and lookm["rel_err"] <= 1e-5 and lookm["bf16_ms"] > 0 and lookm["float32_ms"] > 0
     assert all(r["default_choice"] and r["kvbench_choice"] and len(r["kvbench_step_ms"]) == 16 for r in parts["sdpa"])
 
 

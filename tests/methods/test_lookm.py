@@ -106,6 +106,23 @@ def test_cumulative_attention_equals_naive_softmax_column_sums(monkeypatch, n, w
     torch.testing.assert_close(out.double(), _naive_column_sums(q, k, 0.35, softcap), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("softcap", [None, 5.0])
+def test_half_precision_scores_equal_float32_scores_of_the_same_values(monkeypatch, dtype, softcap):
+    """A bf16/fp16 model's queries and keys multiply in their dtype (CUDA: float32 accumulation and output), the
+    scaling and softmax in float32: the score and the prefill output equal the float32 path's on the same values."""
+    monkeypatch.setitem(lookm.BLOCK_ELEMS, "cpu", 300)  # several blocks
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (3 * torch.randn(1, h, 64, 16, generator=g).to(dtype) for h in (8, 2, 2))
+    half, full = (lookm.attention_with_column_sums(*(x.to(t) for x in (q, k, v)), 0.25, softcap, 7) for t in (dtype, torch.float32))
+    assert half[1].dtype == torch.float32 and half[0].dtype == dtype
+    torch.testing.assert_close(half[1], full[1], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(half[0], full[0].to(dtype))
+    torch.testing.assert_close(cumulative_attention(q[:, :, -9:], k, 0.25, softcap, 7),
+                               cumulative_attention(q[:, :, -9:].float(), k.float(), 0.25, softcap, 7), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(half[1].double(), _naive_column_sums(q.float(), k.float(), 0.25, softcap), rtol=1e-5, atol=1e-5)
+
+
 def test_query_blocks_cover_the_window_within_the_block_size():
     first, w, h_q = 30, 70, 4
     blocks = lookm._query_blocks(first, w, h_q, chunk=16, elems=1000)
