@@ -105,6 +105,7 @@ def environment(loaded: Any, device: str) -> dict[str, Any]:
     }
     if loaded is not None:
         env.update(dtype=str(loaded.dtype).replace("torch.", ""), device=str(loaded.device), model_source=loaded.source,
+                   load_s=round(loaded.load_s, 2),
                    layers=loaded.layout.num_layers, query_heads=loaded.layout.num_q_heads,
                    kv_heads=loaded.layout.num_kv_heads, compressible_layers=list(loaded.layout.compressible_layers),
                    logits_processors=[type(p).__name__ for p in loaded.processors])

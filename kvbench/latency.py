@@ -82,7 +82,8 @@ def run_latency(model_cfg: dict, method_cfgs: dict[str, dict], budget: float, le
                        "budget": 1.0 if method_cfg.get("name") == "full" else float(budget), "prompt_tokens": n,
                        "repeat": rep, **{k: getattr(res, k) for k in RESULT_FIELDS},
                        "peak_mem_bytes": max(res.peak_prefill_bytes, res.peak_decode_bytes),
-                       "peak_decode_bytes": res.peak_decode_bytes, "device": device}
+                       "peak_decode_bytes": res.peak_decode_bytes, "device": device,
+                       "load_s": getattr(getattr(engine, "loaded", None), "load_s", None)}
                 records.append(rec)
                 out.parent.mkdir(parents=True, exist_ok=True)
                 atomic_write(out, json.dumps(records, indent=1) + "\n")

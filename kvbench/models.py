@@ -18,6 +18,7 @@ import os
 import shutil
 import sys
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -46,8 +47,9 @@ class LoadedModel:
     tokenizer, head ``layout``, the ``device`` of its input embeddings, parameter ``dtype``, the token
     ids that end generation, ``chat_template`` (``tokenizer``, a :data:`CHAT_FORMATS` name, or None:
     the raw prompt), ``max_input_length`` (prompt budget in tokens), ``source`` (path or Hub id, for
-    ``env.json``) and ``processors``: the greedy logits processors of its generation config (repetition
-    penalty...), applied at each step as ``model.generate`` does (none with ``model.generation_config=false``)."""
+    ``env.json``), ``processors``: the greedy logits processors of its generation config (repetition
+    penalty...), applied at each step as ``model.generate`` does (none with ``model.generation_config=false``),
+    and ``load_s``: the seconds :func:`load_model` took."""
 
     model: Any
     tokenizer: Any
@@ -59,6 +61,7 @@ class LoadedModel:
     max_input_length: int
     source: str
     processors: list = field(default_factory=list)
+    load_s: float = 0.0
 
 
 def conf_model(name: str, key: str = "--model") -> dict:
@@ -381,6 +384,7 @@ def load_model(model_cfg: dict, device: str = "auto", source: tuple[str, str | N
     from .attention import ATTN_IMPLEMENTATION, register
 
     register()
+    start = time.perf_counter()
     dev = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device)
     spec = model_cfg.get("dtype") or {}  # {cuda: bfloat16, cpu: float32} or one name for every device
     dtype = getattr(torch, spec.get(dev.type, "bfloat16" if dev.type == "cuda" else "float32") if isinstance(spec, dict) else spec)
@@ -420,6 +424,7 @@ def load_model(model_cfg: dict, device: str = "auto", source: tuple[str, str | N
         chat_template=chat_format(model_cfg, tokenizer),
         max_input_length=int(model_cfg.get("max_input_length") or 3500), source=str(model_cfg.get("source")),
         processors=greedy_processors(model) if model_cfg.get("generation_config", True) else [],
+        load_s=time.perf_counter() - start,
     )
 
 

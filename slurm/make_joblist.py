@@ -15,8 +15,9 @@ at its first budget, as a local sweep runs it), not checked: each job checks its
 
 ``--cost RUN`` prints what the sweep will cost instead: per job (array task) its samples, prompt
 tokens and generation limit (the task built with the model's tokenizer, as the job builds it) and
-its hours at the prefill and decode tokens/s measured in RUN (a ``latency.json``, a job folder or a
-results root) for the same model; then the totals.
+its hours from what RUN (a ``latency.json``, a job folder or a results root) measured for the same
+model: prefill time fitted as a power of the prompt length (at least two lengths; one is scaled
+linearly, and said), decode tokens/s, model load and compile time; then the fits and the totals.
 """
 
 from __future__ import annotations
@@ -87,26 +88,40 @@ def preset_sweeps(overrides: list[str]) -> list[str]:
     return [f"{key}={value}" for key, value in params.items() if key not in given]
 
 
-def rates(run: Path, model: str) -> tuple[float, float]:
-    """``(prefill tok/s, decode tok/s)`` of ``model`` measured in ``run``: a ``latency.json`` (its
-    records of that model), a job folder or a results root (every ``predictions.jsonl`` whose job ran
-    that model). Prefill = prompt tokens / (prefill_s + compress_s), decode = generated tokens /
-    decode_s, over the successful records. SweepSpecError: no such record."""
+def measure(run: Path, model: str) -> dict:
+    """What ``run`` (a ``latency.json``, a job folder or a results root: its jobs of ``model``) measured over its
+    successful records: prefill seconds (compression included) at n prompt tokens, ``a``·n^``p`` fitted by least
+    squares in log-log (with one prompt length p = 1, linear, and ``note`` says so); ``decode_tok_s`` (generated
+    tokens / ``decode_s``, compiling steps excluded); the seconds a job pays once: ``load_s`` (mean model load,
+    from ``env*.json`` or latency records) and ``compile_s`` (mean over the samples that compiled). SweepSpecError:
+    no such record."""
+    import numpy as np
     import yaml
 
     from kvbench.store import JobStore
 
     if run.suffix == ".json":
         records = [r for r in json.loads(run.read_text()) if r.get("model") == model]
+        loads = [r.get("load_s") for r in records]
     else:
-        records = [r for f in sorted(run.rglob("predictions.jsonl"))
-                   if yaml.safe_load((f.parent / "config.yaml").read_text())["model"]["name"] == model
-                   for r in JobStore(f.parent).records()]
+        jobs = [f.parent for f in sorted(run.rglob("predictions.jsonl"))
+                if yaml.safe_load((f.parent / "config.yaml").read_text())["model"]["name"] == model]
+        records = [r for job in jobs for r in JobStore(job).records()]
+        loads = [json.loads(env.read_text()).get("load_s") for job in jobs for env in sorted(job.glob("env*.json"))]
     ok = [r for r in records if not r.get("error") and r.get("prefill_s") and r.get("decode_s")]
     if not ok:
         raise SweepSpecError(f"--cost {run}: no successful record of model {model} to measure tokens/s")
-    return (sum(r["prompt_tokens"] for r in ok) / sum(r["prefill_s"] + r.get("compress_s", 0) for r in ok),
-            sum(r["generated_tokens"] for r in ok) / sum(r["decode_s"] for r in ok))
+    n, t = np.array([[r["prompt_tokens"], r["prefill_s"] + r.get("compress_s", 0)] for r in ok], dtype=float).T
+    if len(set(n)) > 1:
+        p, log_a = np.polyfit(np.log(n), np.log(t), 1)
+        note = f"prefill s = {np.exp(log_a):.3g}·n^{p:.2f} fitted at {len(set(n))} prompt lengths ({n.min():.0f}-{n.max():.0f})"
+    else:
+        p, log_a = 1.0, np.log(t.sum() / n.sum())
+        note = f"prefill measured at one prompt length only ({n[0]:.0f} tokens): scaled linearly in n"
+    loads, compiles = [x for x in loads if x], [r["compile_s"] for r in ok if r.get("compile_s")]
+    return {"a": float(np.exp(log_a)), "p": float(p), "note": note,
+            "decode_tok_s": sum(r["generated_tokens"] for r in ok) / sum(r["decode_s"] for r in ok),
+            "load_s": sum(loads) / len(loads) if loads else 0.0, "compile_s": sum(compiles) / len(compiles) if compiles else 0.0}
 
 
 def job_samples(cfg: dict) -> list[tuple[int, int]]:
@@ -141,23 +156,28 @@ def unique_jobs(jobs: list[list[str]]) -> list[tuple[list[str], dict]]:
 
 
 def cost(jobs: list[tuple[list[str], dict]], run: Path):
-    """A pandas frame, one row per job: samples (its shard's, after ``max_samples``), prompt tokens,
-    new tokens (at most) and hours = prompt tokens / prefill tok/s + new tokens / decode tok/s, at the
-    rates :func:`rates` measured in ``run`` for the job's model. Generation may stop earlier, so the
-    decode part is an upper bound; model loading is not counted."""
+    """A pandas frame, one row per job (array task): samples (its shard's, after ``max_samples``), prompt tokens,
+    new tokens (at most) and hours = model load + compile (a job with ``compile`` on) + Σ a·n^p over its prompts
+    + new tokens / decode tok/s, as :func:`measure` found them in ``run`` for the job's model (``attrs["fits"]``:
+    each model's fit in words). Generation may stop earlier, so the decode part is an upper bound."""
     import pandas as pd
 
-    rows, samples, speed = [], {}, {}
+    rows, samples, fits = [], {}, {}
     for job, cfg in jobs:
         key = json.dumps([cfg["model"], cfg["task"]], sort_keys=True)
         samples[key] = samples.get(key) or job_samples(cfg)
         name = cfg["model"]["name"]
-        speed[name] = speed.get(name) or rates(run, name)
+        fit = fits[name] = fits.get(name) or measure(run, name)
         mine = samples[key][cfg["shard"]["index"]::cfg["shard"]["count"]][:cfg.get("max_samples") or None]
         prompt, new = sum(p for p, _ in mine), sum(n for _, n in mine)
+        once = fit["load_s"] + (fit["compile_s"] if cfg.get("compile", False) is not False else 0)
+        seconds = once + sum(fit["a"] * p ** fit["p"] for p, _ in mine) + new / fit["decode_tok_s"]
         rows.append({"job": shlex.join(job), "samples": len(mine), "prompt_tokens": prompt, "new_tokens": new,
-                     "hours": (prompt / speed[name][0] + new / speed[name][1]) / 3600})
-    return pd.DataFrame(rows)
+                     "hours": seconds / 3600})
+    table = pd.DataFrame(rows)
+    table.attrs["fits"] = {name: f"{f['note']}; {f['decode_tok_s']:.1f} decode tok/s; per job: model load "
+                           f"{f['load_s']:.0f} s, compile {f['compile_s']:.0f} s" for name, f in fits.items()}
+    return table
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -172,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shards", type=int, default=1, help="split every job into this many shards")
     parser.add_argument("--parallel", type=int, default=16, help="array tasks at once, for the printed command")
     parser.add_argument("--cost", type=Path, metavar="RUN", help="print the sweep's samples and estimated hours "
-                        "from the tokens/s measured in RUN (latency.json, a job folder or a results root)")
+                        "from the times measured in RUN (latency.json, a job folder or a results root)")
     args = parser.parse_intermixed_args(argv)  # overrides may follow the options, as with run.py
     if args.parallel < 1:
         parser.error(f"--parallel {args.parallel}: must be an integer >= 1 (array tasks run at once)")
@@ -188,6 +208,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.cost:
             table = cost(composed, args.cost)
             print(table.to_string(index=False, float_format="{:.2f}".format))
+            print("\n".join(f"{name}: {fit}" for name, fit in table.attrs["fits"].items()))
             print(f"{len(table)} jobs, {table.samples.sum()} samples, {table.hours.sum():.2f} hours on RUN's device; "
                   f"the longest job {60 * table.hours.max():.0f} min (size timeout_min, or split it with --shards / shard.count)")
         text = "".join(shlex.join(job) + "\n" for job in jobs)

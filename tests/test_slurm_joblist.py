@@ -143,37 +143,44 @@ def test_array_sbatch_rejects_a_task_id_past_the_end_of_the_list(tmp_path):
     assert "has no line 2" in proc.stderr
 
 
-def _stored_run(root: Path, model: str, records: list[dict]) -> Path:
+def _stored_run(root: Path, model: str, records: list[dict], load_s: tuple = ()) -> Path:
     job = root / "niah" / model / "snapkv" / "b0.25-abc"
     job.mkdir(parents=True)
     (job / "config.yaml").write_text(f"model:\n  name: {model}\n")
     (job / "predictions.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    for i, s in enumerate(load_s):
+        (job / f"env{'.%d' % i if i else ''}.json").write_text(json.dumps({"load_s": s}))
     return job
 
 
-def test_cost_rates_and_hours_from_a_stored_run(tmp_path, monkeypatch, capsys):
+def test_cost_fits_prefill_over_prompt_lengths_plus_load_and_compile(tmp_path, monkeypatch, capsys):
     import make_joblist
 
-    rec = dict(error=None, compress_s=0.5)
-    _stored_run(tmp_path, "smollm2", [dict(rec, prompt_tokens=1000, prefill_s=1.5, generated_tokens=10, decode_s=1.0),
-                                      dict(rec, prompt_tokens=3000, prefill_s=5.5, generated_tokens=30, decode_s=3.0),
-                                      dict(rec, prompt_tokens=9, prefill_s=9, generated_tokens=0, decode_s=0,
-                                           error={"type": "X"})])
+    # prefill + compression = 1e-6 n^2 s: 1 s at 1000 tokens, 9 s at 3000; decode 10 tok/s; one sample compiled 4 s
+    rec = dict(error=None, compress_s=0.5, compile_s=0.0)
+    _stored_run(tmp_path, "smollm2", [dict(rec, prompt_tokens=1000, prefill_s=0.5, generated_tokens=10, decode_s=1.0, compile_s=4.0),
+                                      dict(rec, prompt_tokens=3000, prefill_s=8.5, generated_tokens=30, decode_s=3.0),
+                                      dict(rec, prompt_tokens=9, prefill_s=9, generated_tokens=0, decode_s=0, error={"type": "X"})],
+                load_s=(6.0, 2.0))  # env.json and a rerun's env.1.json
     _stored_run(tmp_path / "other", "llama31", [dict(rec, prompt_tokens=1, prefill_s=1, generated_tokens=1, decode_s=1)])
-    # 4000 prompt tokens in 1.5 + 0.5 + 5.5 + 0.5 = 8 s; 40 new tokens in 4 s
-    assert make_joblist.rates(tmp_path / "niah", "smollm2") == (500.0, 10.0)
-    latency = tmp_path / "latency.json"
+    fit = make_joblist.measure(tmp_path / "niah", "smollm2")
+    assert (fit["a"], fit["p"]) == (pytest.approx(1e-6), pytest.approx(2.0))
+    assert (fit["decode_tok_s"], fit["load_s"], fit["compile_s"]) == (10.0, 4.0, 4.0) and "2 prompt lengths" in fit["note"]
+    latency = tmp_path / "latency.json"  # one prompt length: linear in n, and said
     latency.write_text(json.dumps([dict(rec, model="smollm2", prompt_tokens=900, prefill_s=0.4, generated_tokens=20,
-                                        decode_s=4.0)]))
-    assert make_joblist.rates(latency, "smollm2") == (1000.0, 5.0)
-    # 4 samples of 1000 prompt tokens, at most 50 new tokens each; two shards of a job get 2 each
-    monkeypatch.setattr(make_joblist, "job_samples", lambda cfg: [(1000, 50)] * 4)
+                                        decode_s=4.0, load_s=3.0)]))
+    one = make_joblist.measure(latency, "smollm2")
+    assert (one["a"], one["p"], one["decode_tok_s"], one["load_s"]) == (pytest.approx(1e-3), 1.0, 5.0, 3.0)
+    assert "one prompt length" in one["note"]
+    # 4 samples of 2000 prompt tokens, at most 50 new tokens each; two shards of a job get 2 each:
+    # per shard 4 s load + 2 * 4 s prefill + 100 / 10 s decode = 22 s, and 4 s more compiled
+    monkeypatch.setattr(make_joblist, "job_samples", lambda cfg: [(2000, 50)] * 4)
     assert main(["method=snapkv,selkv", "--shards", "2", "--cost", str(tmp_path / "niah")]) == 0
     out = capsys.readouterr().out
-    # per shard: 2000 / 500 + 100 / 10 = 14 s; 4 array tasks
-    assert f"4 jobs, 8 samples, {4 * 14 / 3600:.2f} hours on RUN's device" in out and out.count(f"{14 / 3600:.2f}") >= 4
-    table = make_joblist.cost(make_joblist.unique_jobs(expand(["max_samples=1"])), tmp_path / "niah")
-    assert table.samples.tolist() == [1] and table.hours.tolist() == [pytest.approx((2 + 5) / 3600)]
+    assert f"4 jobs, 8 samples, {4 * 22 / 3600:.2f} hours on RUN's device" in out and out.count(f"{22 / 3600:.2f}") >= 4
+    assert "smollm2: prefill s = 1e-06·n^2.00 fitted at 2 prompt lengths (1000-3000)" in out
+    compiled = make_joblist.cost(make_joblist.unique_jobs(expand(["compile=true", "max_samples=1"])), tmp_path / "niah")
+    assert compiled.samples.tolist() == [1] and compiled.hours.tolist() == [pytest.approx((4 + 4 + 4 + 5) / 3600)]
     # the full cache at three budgets is one job folder, costed once; snapkv's two budgets are two jobs
     assert len(make_joblist.cost(make_joblist.unique_jobs(expand(["method=full,snapkv", "budget=0.1,0.25,0.5"])), tmp_path / "niah")) == 4
 

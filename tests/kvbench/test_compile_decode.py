@@ -126,7 +126,7 @@ def test_job_records_compiled_decode_and_same_predictions(tmp_path, monkeypatch,
         (pred,) = out.rglob("predictions.jsonl")
         runs[setting] = (json.loads(pred.read_text()), json.loads((pred.parent / "env.json").read_text()))
     assert runs["true"][1]["decode_compiled"] is True and runs["true"][0]["decode_compiled"] is True
-    assert runs["true"][0]["compile_s"] > 0
+    assert runs["true"][0]["compile_s"] > 0 and runs["true"][1]["load_s"] > 0  # make_joblist --cost reads load_s
     assert runs["auto"][1]["decode_compiled"] is False  # auto: CUDA only, and this is a CPU run
     assert runs["fail"][1]["decode_compiled"] is False and "eager" in runs["fail"][1]["compile_error"]
     assert runs["fail"][0]["decode_compiled"] is False
