@@ -5,7 +5,8 @@ Data, in ``task.data_dir`` (:func:`data_files`), one file per subtask and length
 (``<length>/data/<subtask>/validation.jsonl``, rows ``input``, ``answer_prefix``, ``outputs``), the older
 ``<subtask>_<length>.jsonl`` files (the answer prefix inside ``input``), or a local copy of kvpress's
 distribution (``<length>/test-*.parquet``: ``context``, ``question``, ``answer_prefix``, ``answer``, ``task``);
-with no ``data_dir``, that distribution from the Hub (``task.hub_dataset``). Every row is one sample, its id
+with no ``data_dir``, that distribution from the Hub (``task.hub_dataset``); with ``task.generate``, RULER's generator
+run for the model's tokenizer (:mod:`eval.ruler_data`, the files kept in the job folder). Every row is one sample, its id
 ``<subtask>/<length>/<row>`` (RULER's ``index`` repeats). The prompt is ``input + answer_prefix`` as RULER's
 ``pred/call_api.py`` sends it; with ``task.chat_template`` the tokenizer's chat template wraps ``input`` as one
 user turn and the answer prefix follows the assistant header, where RULER's ``prepare.py`` puts it after its
@@ -18,24 +19,26 @@ niah / vt / cwe / fwe subtasks and ``string_match_part`` (any reference found) f
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, List, Optional
+from typing import Any, Dict, Iterator, List, Optional
 
 from .base import Sample, Task, TaskConfig, TaskConfigError, count, looked_for, read_jsonl, require
+from .ruler_data import TASKS
 
 SUBTASKS = ("niah_single_1", "niah_single_2", "niah_single_3", "niah_multikey_1", "niah_multikey_2",
             "niah_multikey_3", "niah_multivalue", "niah_multiquery", "vt", "cwe", "fwe", "qa_1", "qa_2")
-#: RULER's tokens_to_generate per task family (its synthetic.yaml)
-MAX_NEW_TOKENS = {"niah": 128, "vt": 30, "cwe": 120, "fwe": 50, "qa": 32}
+#: RULER's tokens_to_generate per task family (its constants.py)
+MAX_NEW_TOKENS = {family: task[2] for family, task in TASKS.items()}
 #: where each family's question starts in RULER's templates (its last match); kvpress splits there too
 QUESTION = {"niah": r"What (?:is|are all) the special magic", "vt": r"Question: Find all variables",
             "cwe": r"Question: What are the 10 most common words", "fwe": r"Question: Do not provide any explanation",
             "qa": r"Answer the question based on the given documents"}
 #: the first characters of each family's answer prefix: RULER's generator cuts ``input`` at their last
 #: occurrence (``input_text.rfind(answer_prefix[:10])``); files without ``answer_prefix`` are cut the same way
-PREFIX_START = {"niah": " The speci", "vt": " Answer: A", "cwe": " Answer: T", "fwe": " Answer: A", "qa": " Answer:"}
+PREFIX_START = {family: task[1][:10] for family, task in TASKS.items()}
 
 
 def family(subtask: str) -> str:
@@ -75,6 +78,31 @@ def data_files(data_dir: str, subtask: str, length: int) -> list[Path]:
     return sorted((d / str(length)).glob("test-*.parquet"))
 
 
+def chat(tokenizer: Any, text: str, on: bool = True) -> str:
+    """``text`` as one user turn of the tokenizer's chat template with the assistant header (RULER's
+    ``prepare.py``: ``model_template.format(task_template=...)``), without the BOS the engine's tokenizer adds
+    itself; ``text`` unchanged when ``on`` is false or the tokenizer has no template."""
+    if not on or tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        return text
+    out = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False)
+    bos = tokenizer.bos_token
+    return out[len(bos):] if bos and out.startswith(bos) and tokenizer("x")["input_ids"][:1] == [tokenizer.bos_token_id] else out
+
+
+def generated(cfg: dict, tokenizer: Any) -> dict[str, str]:
+    """``task.generate``: RULER's files for ``cfg`` built with ``tokenizer`` (:func:`eval.ruler_data.generate`;
+    the essays of ``task.haystack_dir`` as NIAH reads them), ``{"<length>/data/<subtask>/validation.jsonl": text}``.
+
+    Raises:
+        TaskConfigError: a haystack folder, qa file or cwe length that cannot serve."""
+    from .niah import load_haystack
+    from .ruler_data import NIAH, generate
+
+    essay = any(NIAH.get(s, ("",))[0] == "essay" for s in cfg["subtasks"])
+    haystack = load_haystack({"haystack_dir": cfg.get("haystack_dir")})[0] if essay else ""
+    return generate(cfg, tokenizer, len(tokenizer.tokenize(chat(tokenizer, "", cfg.get("chat_template", True)))), haystack)
+
+
 def split(subtask: str, text: str, answer_prefix: str | None) -> tuple[str, str, str]:
     """``(context, question, answer_prefix)`` of a RULER input; ``answer_prefix`` None: cut from ``text``'s
     end as RULER's generator does (:data:`PREFIX_START`). The question starts at the last match of
@@ -94,7 +122,7 @@ class RulerConfig(TaskConfig):
     name: str = "ruler"
     subtasks: List[str] = field(default_factory=lambda: list(SUBTASKS))  # any of SUBTASKS
     context_lengths: List[int] = field(default_factory=lambda: [4096])  # tokens: RULER's data per length
-    n_samples: Optional[int] = None  # first n rows of each subtask and length; null = all
+    n_samples: Optional[int] = None  # first n rows of each subtask and length; null = all (generate: 500, RULER's)
     # RULER's output folder (<length>/data/<subtask>/validation.jsonl), <subtask>_<length>.jsonl files or kvpress's
     # copy (<length>/test-*.parquet); null = the Hub
     data_dir: Optional[str] = None
@@ -102,6 +130,12 @@ class RulerConfig(TaskConfig):
     # wrap the input in the tokenizer's chat template, answer prefix after it (RULER's placement); false: RULER's
     # base template (files already templated)
     chat_template: bool = True
+    generate: bool = False  # true: build RULER's data for the model's tokenizer (RULER's generator), kept in the job folder
+    seed: int = 42  # the generator's seed (RULER's --random_seed)
+    # generate: the essays (.txt) of the essay haystack, e.g. ../shared/data/paul_graham_essays; null = the Hub, else embedded
+    haystack_dir: Optional[str] = None
+    # generate: SQuAD v2.0 dev / HotpotQA dev distractor json (RULER's download_qa_dataset.sh); null = the Hub
+    qa_files: Dict[str, Optional[str]] = field(default_factory=lambda: {"squad": None, "hotpotqa": None})
 
     def check(self) -> None:
         require(bool(self.subtasks) and set(self.subtasks) <= set(SUBTASKS), "subtasks", self.subtasks,
@@ -121,6 +155,10 @@ class RulerTask(Task):
     def validate(cls, cfg: dict) -> None:
         """Raises: TaskConfigError for a missing file, or no ``data_dir`` while the Hub is unreachable."""
         subtasks, lengths = cfg["subtasks"], cfg["context_lengths"]
+        if cfg.get("generate"):
+            if cfg.get("data_dir"):
+                raise TaskConfigError(f"task.data_dir={cfg['data_dir']}: set with task.generate=true; keep one of the two")
+            return
         if not cfg.get("data_dir"):
             from .longbench_data import hub_reachable
 
@@ -137,13 +175,18 @@ class RulerTask(Task):
 
     @classmethod
     def data_files(cls, cfg: dict) -> list[Path]:
-        """Every file the job reads (their SHA-256 are part of its identity)."""
-        return sorted({p for s in cfg["subtasks"] for n in cfg["context_lengths"] for p in data_files(cfg["data_dir"], s, n)})
+        """The RULER files of ``data_dir`` in any layout (their SHA-256 are part of the job's identity)."""
+        d = Path(cfg["data_dir"]).expanduser()
+        return sorted({p for g in ("*.jsonl", "*/data/*/validation.jsonl", "*/*/validation.jsonl", "*/test-*.parquet")
+                       for p in d.glob(g)})
 
     def rows(self, subtask: str, length: int) -> list[dict[str, Any]]:
         """The first ``n_samples`` rows as ``{input, answer_prefix, outputs}`` (``answer_prefix`` None: inside
         ``input``), from ``data_dir`` or the Hub."""
         n = self.cfg.get("n_samples")
+        if "files" in self.resolved:  # task.generate: the generated text, stored in the job folder
+            rows = [json.loads(line) for line in self.resolved["files"][f"{length}/data/{subtask}/validation.jsonl"].splitlines()]
+            return rows[:n]
         files = data_files(self.cfg["data_dir"], subtask, length) if self.cfg.get("data_dir") else []
         if files and files[0].suffix == ".jsonl":
             return [{"input": r["input"], "answer_prefix": r.get("answer_prefix"), "outputs": r["outputs"]}
@@ -160,23 +203,12 @@ class RulerTask(Task):
         return [{"input": r["context"] + r["question"], "answer_prefix": r["answer_prefix"], "outputs": r["answer"]}
                 for r in rows]
 
-    def chat(self, text: str) -> str:
-        """``text`` as one user turn of the tokenizer's chat template with the assistant header (RULER's
-        ``prepare.py``: ``model_template.format(task_template=...)``), without the BOS the engine's tokenizer adds
-        itself; ``text`` unchanged with ``task.chat_template`` false or a tokenizer without a template."""
-        tok = self.tokenizer
-        if not self.cfg.get("chat_template", True) or tok is None or not getattr(tok, "chat_template", None):
-            return text
-        out = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False)
-        bos = tok.bos_token
-        return out[len(bos):] if bos and out.startswith(bos) and tok("x")["input_ids"][:1] == [tok.bos_token_id] else out
-
     def samples(self) -> Iterator[Sample]:
         for subtask in self.cfg["subtasks"]:
             for length in self.cfg["context_lengths"]:
                 for i, row in enumerate(self.rows(subtask, length)):
                     context, question, prefix = split(subtask, row["input"], row["answer_prefix"])
-                    head = self.chat(context + question)
+                    head = chat(self.tokenizer, context + question, self.cfg.get("chat_template", True))
                     at = head.rfind(question) if question else -1
                     yield Sample(id=f"{subtask}/{length}/{i}", dataset=subtask, prompt=head + prefix,
                                  max_new_tokens=max_new_tokens(subtask), answers=list(row["outputs"]), chat=False,

@@ -175,11 +175,13 @@ def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def resolved_inputs(task: dict) -> tuple[dict, dict]:
+def resolved_inputs(task: dict, tokenizer: Any = None) -> tuple[dict, dict]:
     """What the task will read, resolved once: ``(inputs, resolved)``. ``inputs`` is part of the job's
-    identity: the NIAH haystack actually used (its source after ``auto`` and the SHA-256 of its text), or
-    the LongBench data files and their SHA-256 (``task.data_dir``; the Hub dataset and revision otherwise).
-    ``resolved`` is what the task is built with (``{"haystack": (text, source)}`` for NIAH).
+    identity: the NIAH haystack actually used (its source after ``auto`` and the SHA-256 of its text),
+    RULER's generated files and their SHA-256 (``task.generate``; ``tokenizer()``: the model's tokenizer), or
+    the data files and their SHA-256 (``task.data_dir``; the Hub dataset and revision otherwise).
+    ``resolved`` is what the task is built with (``{"haystack": (text, source)}`` for NIAH, ``{"files":
+    {relative path: text}}`` generated, which the job writes into its folder).
 
     Raises:
         TaskConfigError: a haystack folder or data folder that does not exist or is empty.
@@ -190,6 +192,11 @@ def resolved_inputs(task: dict) -> tuple[dict, dict]:
         text, source = load_haystack(task)
         kind = "dir" if source.startswith("dir:") else source  # the essays' text counts, not their folder
         return {"haystack": kind, "haystack_sha256": hashlib.sha256(text.encode()).hexdigest()}, {"haystack": (text, source)}
+    if task.get("generate"):
+        from eval.ruler import generated
+
+        files = generated(task, tokenizer())
+        return {"generated": {k: hashlib.sha256(v.encode()).hexdigest() for k, v in files.items()}}, {"files": files}
     if task.get("data_dir"):
         files = tasks.get_task_class(task["name"]).data_files(task)
         if not files:
@@ -248,7 +255,7 @@ def identity(cfg: dict, source: tuple[str, str | None], inputs: dict, device: st
     return {
         "model": model,
         "method": {k: v for k, v in cfg["method"].items() if k != "label" and FORMER.get(("method", k), ...) != v},
-        "task": {k: v for k, v in cfg["task"].items() if k not in (*SELECTION_KEYS, "data_dir", "haystack_dir")
+        "task": {k: v for k, v in cfg["task"].items() if k not in (*SELECTION_KEYS, "data_dir", "haystack_dir", "qa_files")
                  and FORMER.get(("task", k), ...) != v},
         "inputs": inputs,
         "budget": None if cfg["method"]["name"] == "full" else cfg["budget"],
@@ -291,7 +298,7 @@ def check(cfg: Any, preset: str | None = None) -> JobSpec:
     """
     import methods
     from methods import artifacts
-    from .models import head_layout, read_config, resolve_source
+    from .models import head_layout, load_tokenizer, read_config, resolve_source
 
     try:  # Hydra checked keys, types and choices against the schemas (register); their __post_init__ check ranges
         plain = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
@@ -323,7 +330,7 @@ def check(cfg: Any, preset: str | None = None) -> JobSpec:
     if name == "niah" and window and min(max(task["context_lengths"]), limit) + task["max_new_tokens"] > window:
         raise ConfigError(f"task.max_new_tokens={task['max_new_tokens']}: the longest prompt ({min(max(task['context_lengths']), limit)} "
                           f"tokens) plus the generation exceed the model's context window of {window} tokens")
-    inputs, resolved = resolved_inputs(task)
+    inputs, resolved = resolved_inputs(task, lambda: load_tokenizer(plain["model"], source))
     ident = identity(plain, source, inputs, device_type(top.device))
     return JobSpec(plain, top, model, method, top.budget, source, layout, inputs, resolved, artifacts.files_read(), ident,
                    job_relpath(plain, preset, ident))

