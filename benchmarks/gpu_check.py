@@ -152,7 +152,7 @@ def engine_part(loaded, names, n: int, new_tokens: int, compiled: bool = False, 
         steps = [1000 * (b - a) for a, b in zip(marks, marks[1:])]
         row = {"part": "compiled" if compiled else "engine", "method": name, "tokens": n, "compressed": r.compressed,
                "prefill_s": round(r.prefill_s, 3), "compress_s": round(r.compress_s, 4), "compile_s": round(r.compile_s, 2),
-               "decode_compiled": r.decode_compiled, "decode_ms_step_median": round(statistics.median(steps[2:] or steps), 3),
+               "decode_compiled": r.decode_compiled, "compile_error": fast.compile_error, "decode_ms_step_median": round(statistics.median(steps[2:] or steps), 3),
                "step_ms": [round(s, 3) for s in steps], "peak_prefill_bytes": r.peak_prefill_bytes,
                "peak_decode_bytes": r.peak_decode_bytes, "cache_bytes_after": r.cache_bytes_after,
                "sdpa_backends": r.sdpa_backends}

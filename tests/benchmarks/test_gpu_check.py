@@ -42,7 +42,8 @@ def test_gpu_check_writes_every_figure_without_kvpress(tmp_path, capsys, monkeyp
     assert engine["full"]["sdpa_backends"]["decode"] == {"uniform": "flash_attention"}
     compiled = {r["method"]: r for r in parts["compiled"]}
     assert sorted(compiled) == ["adakv", "full", "selkv"]
-    assert all(r["decode_compiled"] and r["compile_s"] > 0 for r in compiled.values())
+    assert all(r["decode_compiled"] and r["compile_s"] > 0 and r["compile_error"] is None for r in compiled.values())
+    assert not any(r["decode_compiled"] or r["compile_s"] or r["compile_error"] for r in engine.values())  # eager
     assert {(r["query_heads"], r["kv_heads"], r["head_dim"]) for r in parts["varlen"]} >= {(32, 8, 128), (40, 8, 128),
                                                                                            (32, 32, 128), (16, 4, 256)}
     assert all(r["ok"] and r["backend"] == "sdpa per head" for r in parts["varlen"])
