@@ -177,6 +177,12 @@ class Task:
     def samples(self) -> Iterator[Sample]:  # pragma: no cover - abstract
         raise NotImplementedError
 
+    def tokens_needed(self, sample: Sample) -> int:
+        """Upper bound of ``sample``'s prompt + generation tokens, checked against the model's context window: the
+        prompt budget ``max_input_tokens`` plus ``max_new_tokens`` (a task whose protocol cuts the prompt to leave
+        room for the generation returns its budget)."""
+        return (self.max_input_tokens or 0) + sample.max_new_tokens
+
     def score(self, sample: Sample, prediction: str) -> float:  # pragma: no cover - abstract
         """Score of one prediction in [0, 1] (max over ``sample.answers``)."""
         raise NotImplementedError

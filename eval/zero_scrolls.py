@@ -4,10 +4,12 @@ Hub repository (``metrics/``: ``rouge.py``, ``f1.py``, ``accuracy.py``, ``exp_si
 ``concordance_index.py``).
 
 Per example: the prompt is the row's ``input`` (instruction, document, query and answer prefix, as distributed), no
-chat template. Longer than ``max_length`` tokens, it is cut as ``process_model_input`` does, in text: the first
-``max_length - len(tokenizer(truncation_seperator + query))`` tokens of ``input[:query_start_index]`` (decoded with
-special tokens skipped), then ``truncation_seperator`` and the query ``input[query_start_index:]``. Up to ``api.py``'s
-``dataset_to_leave_tokens_for_generations`` new tokens (the per-task table kvpress uses too). The query
+chat template, and up to ``api.py``'s ``dataset_to_leave_tokens_for_generations`` new tokens (the per-task table kvpress
+uses too). As ``api.py`` does for decoder-only models, ``max_length`` bounds prompt + generation
+(``max_input_output_tokens``): a prompt longer than ``budget = max_length - max_new_tokens`` tokens is cut as
+``process_model_input`` cuts it to its ``max_tokens`` (the HF script's encoder-decoder models need no room), in text:
+the first ``budget - len(tokenizer(truncation_seperator + query))`` tokens of ``input[:query_start_index]`` (decoded
+with special tokens skipped), then ``truncation_seperator`` and the query ``input[query_start_index:]``. The query
 (``task.compress=context``) is the text after the document, ``input[document_end_index:]`` (the separator and the
 query once truncated).
 
@@ -19,6 +21,10 @@ standalone letter A-D. space_digest: ``0.5 ** (|gold % - predicted %| / 10)`` of
 the concordance index of the predicted order of summary ids (0 unless the prediction holds the same ids),
 lifelines' ``concordance_index`` computed directly (no ties are possible between two orders of distinct ids). A
 task scores the mean of its examples' max over references ×100; ``averages["zero_scrolls"]`` is the mean over tasks.
+``rouge.py``'s ``postprocess_text`` (nltk sentences joined by newlines) is left out: it moves no ROUGE-1/2/L token
+(``rouge_score`` splits on non-alphanumerics), only ROUGE-Lsum, which no score uses. A reference without its task's
+answer form (a letter, a percentage, an order of ids 1..n, n > 1), on which ``accuracy.py``, ``exp_similarity.py``
+and ``concordance_index.py`` raise, is refused when the file is read.
 
 Data: the validation split (the test split's references are private; its scores come from the leaderboard), the
 official ZIPs unpacked in ``task.data_dir`` (``<task>/validation.jsonl``: ``id``, ``pid``, ``input``, ``output``,
@@ -61,9 +67,13 @@ def normalize_f1(text: str) -> str:
 
 
 def f1(prediction: str, reference: str) -> float:
+    """``f1.py``'s ``f1_score``, its float operations in its order (2PR / (P + R))."""
     pred, gold = normalize_f1(prediction).split(), normalize_f1(reference).split()
     same = sum((Counter(pred) & Counter(gold)).values())
-    return 0.0 if same == 0 else 2 * same / (len(pred) + len(gold))
+    if same == 0:
+        return 0.0
+    precision, recall = same / len(pred), same / len(gold)
+    return 2 * precision * recall / (precision + recall)
 
 
 def letter(text: str) -> str | None:
@@ -174,17 +184,30 @@ class ZeroScrollsTask(SuiteTask):
             return Path(z.extract(member, zipped.parent / f".{dataset}"))
 
     def official_sample(self, dataset: str, index: int, row: dict) -> Sample:
+        """The row's ``input``, cut to ``max_length - MAX_NEW_TOKENS[dataset]`` tokens (module docstring).
+
+        Raises:
+            TaskConfigError: ``max_length`` leaves no room for the prompt after the task's generation.
+        """
+        budget = self.max_length - MAX_NEW_TOKENS[dataset]  # api.py: max_input_output_tokens - max_generation_tokens
+        if budget < 1:
+            raise TaskConfigError(f"task.max_length={self.max_length}: must exceed {dataset}'s "
+                                  f"{MAX_NEW_TOKENS[dataset]} new tokens (it bounds prompt + generation)")
         text, query = row["input"], row["input"][row["document_end_index"]:]
         ids = list(self.tokenizer(text, truncation=False).input_ids)
-        if len(ids) > self.max_length:
+        if len(ids) > budget:
             query = row["truncation_seperator"] + text[row["query_start_index"]:]
-            keep = self.max_length - len(self.tokenizer(query, truncation=False).input_ids)
+            keep = budget - len(self.tokenizer(query, truncation=False).input_ids)
             head = list(self.tokenizer(text[:row["query_start_index"]], truncation=False).input_ids)[:max(keep, 0)]
             text = self.tokenizer.decode(head, skip_special_tokens=True) + query
         text, query = split(text, query)
         return Sample(id=f"{dataset}/{index}", dataset=dataset, prompt=text, query=query, chat=False,
                       max_new_tokens=MAX_NEW_TOKENS[dataset], answers=row["outputs"],
-                      meta={"id": row["id"], "prompt_tokens_full": len(ids), "truncated": len(ids) > self.max_length})
+                      meta={"id": row["id"], "prompt_tokens_full": len(ids), "truncated": len(ids) > budget})
+
+    def tokens_needed(self, sample: Sample) -> int:
+        """``max_length``: the prompt is cut to leave the sample's ``max_new_tokens`` inside it."""
+        return self.max_length
 
     def kvpress_sample(self, dataset: str, index: int, row: dict) -> Sample:
         if not row.get("answer"):

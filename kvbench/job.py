@@ -356,13 +356,14 @@ def load(job: JobSpec) -> tuple[Any, Task, list[Sample], list[str], bool]:
     random.seed(top.seed)
     torch.manual_seed(top.seed)
     loaded = load_model(job.cfg["model"], top.device, job.source, job.layout)
-    task, samples, max_input = build_task(job.cfg, loaded, job.resolved)
+    task, samples, _ = build_task(job.cfg, loaded, job.resolved)
     cap = top.max_samples or len(samples)
     mine = samples[index::count][:cap]
     expected = [s.id for k in range(count) for s in samples[k::count][:cap]]
     window = getattr(loaded.model.config, "max_position_embeddings", None)
-    if isinstance(window, int) and max((s.max_new_tokens for s in mine), default=0) + max_input > window:
-        raise ConfigError(f"task.max_length / model.max_input_length: {max_input} prompt tokens + generation exceed "
+    need = max(map(task.tokens_needed, mine), default=0)
+    if isinstance(window, int) and need > window:
+        raise ConfigError(f"task.max_length / model.max_input_length: {need} tokens of prompt + generation exceed "
                           f"the model's context window of {window} tokens")
     compiled = top.compile is True or (top.compile == "auto" and loaded.device.type == "cuda" and not job.model.device_map)
     return loaded, task, mine, expected, compiled
