@@ -6,7 +6,8 @@ draws in the same order from ``random``/``numpy`` generators seeded with ``task.
 ``--random_seed 42``), the same length fitting (a binary search for the largest haystack whose prompt plus
 ``tokens_to_generate`` fits the length; fwe's own growth loop), tokens counted as RULER's HF tokenizer does
 (``tokenizer.tokenize``), less the chat template's own tokens (RULER's ``--model_template_token``). Rows are
-RULER's: ``index``, ``input`` (base template), ``outputs``, ``length``, ``answer_prefix``. Differences, because
+RULER's: ``index``, ``input`` (base template), ``outputs``, ``length``, ``answer_prefix``; for the same seed,
+tokenizer and inputs they equal RULER's scripts' rows (tests/eval/test_ruler_data.py). Differences, because
 RULER's inputs are not on PyPI: the essay haystack is the NIAH task's (``task.haystack_dir``, else the Hub,
 else embedded) instead of RULER's downloaded PaulGrahamEssays.json; sentences are cut by nltk's untrained Punkt
 (RULER: the trained ``punkt`` model, a download); cwe stops at wonderwords' 8166 words (RULER then samples its

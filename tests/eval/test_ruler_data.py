@@ -50,6 +50,12 @@ def word_tokenizer():
 TOKENIZER = word_tokenizer()
 
 
+#: a SQuAD v2 dev file in miniature: 40 articles of 3 paragraphs, one question each (the second unanswerable)
+SQUAD = {"data": [{"paragraphs": [{"context": f"Paragraph {a}.{p} about topic {a}.", "qas": [
+    {"question": f"What is {a}.{p}?", "answers": [{"text": f"topic {a}"}], "is_impossible": p == 1}]}
+    for p in range(3)]} for a in range(40)]}
+
+
 def rows(subtask, length=1024, n=2, seed=42, **cfg):
     out = generate({"subtasks": [subtask], "context_lengths": [length], "n_samples": n, "seed": seed, **cfg},
                    TOKENIZER, 0, "")
@@ -91,10 +97,7 @@ def test_vt_cwe_fwe_rows_have_rulers_formats():
 
 
 def test_qa_reads_rulers_files_and_errors_in_one_line_without_them(tmp_path, monkeypatch):
-    squad = {"data": [{"paragraphs": [{"context": f"Paragraph {a}.{p} about topic {a}.", "qas": [
-        {"question": f"What is {a}.{p}?", "answers": [{"text": f"topic {a}"}], "is_impossible": p == 1}]}
-        for p in range(3)]} for a in range(40)]}
-    (tmp_path / "squad.json").write_text(json.dumps(squad))
+    (tmp_path / "squad.json").write_text(json.dumps(SQUAD))
     first, second = rows("qa_1", qa_files={"squad": str(tmp_path / "squad.json")})
     assert first["outputs"] == ["topic 0"] and first["input"].endswith("\n\nQuestion: What is 0.0?")
     assert "Document 1:\nParagraph " in first["input"] and "Paragraph 0.0 about topic 0." in first["input"]
@@ -103,6 +106,25 @@ def test_qa_reads_rulers_files_and_errors_in_one_line_without_them(tmp_path, mon
     monkeypatch.setattr("eval.longbench_data.hub_reachable", lambda *a: False)
     with pytest.raises(TaskConfigError, match=r"^task\.qa_files\.hotpotqa: "):
         rows("qa_2")
+
+
+#: RULER's own scripts (NVIDIA/RULER c3f5e3b, scripts/data/synthetic/<task>.py as prepare.py calls them: synthetic.yaml's
+#: arguments, --max_seq_length 1024 --num_samples 2 --random_seed 42 --tokenizer_type hf, the word tokenizer above saved
+#: to a folder, the SQuAD file of the qa test): SHA-256 (16 hex) of their rows' [input, outputs, answer_prefix, length].
+#: Run with the global random state kept across RULER's tokenizer load (HF's loader draws from it, a varying number
+#: of times, so RULER's own output is not reproducible otherwise).
+RULER_SCRIPTS = {"niah_multikey_3": "89f8306b566297ed", "vt": "f0f2fd5a4ac27ff7", "cwe": "563dd7b4157cee34",
+                 "fwe": "980b596285f13748", "qa_1": "be44909b6f1e11ed"}
+
+
+def test_rows_equal_rulers_own_scripts(tmp_path):
+    import hashlib
+
+    (tmp_path / "squad.json").write_text(json.dumps(SQUAD))
+    for subtask, digest in RULER_SCRIPTS.items():
+        got = rows(subtask, qa_files={"squad": str(tmp_path / "squad.json")})
+        key = json.dumps([[r["input"], r["outputs"], r["answer_prefix"], r["length"]] for r in got])
+        assert hashlib.sha256(key.encode()).hexdigest()[:16] == digest, subtask
 
 
 @pytest.mark.slow
