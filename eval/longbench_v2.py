@@ -91,7 +91,10 @@ class LongBenchV2Task(SuiteTask):
     @classmethod
     def read_file(cls, path: Path, dataset: str, limit: int | None) -> list[dict]:
         """``data.json`` as the official JSON array (rows named ``<path> row <n>``), or as JSON lines."""
-        head = path.open("rb").read(64).lstrip() if path.is_file() else b""
+        head = b""
+        if path.is_file():
+            with path.open("rb") as f:  # closed at once (no ResourceWarning)
+                head = f.read(64).lstrip()
         if not head.startswith(b"["):
             return super().read_file(path, dataset, limit)
         try:

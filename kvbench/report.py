@@ -42,8 +42,9 @@ ARTIFACTS = {  # family -> builder of its artifacts
     "selkv_fig4": _sweep_fig("selkv_fig4", "longbench", True, "LongBench average at varying KV retention ratios"),
     "selkv_fig5": _sweep_fig("selkv_fig5", "longbench", True, per_dataset=True),
     "compresskv_table1": lambda c: rt.compresskv_table1(c.df),
-    "compresskv_table3": lambda c: rt.staged_table(c.df, "compresskv_table3a", 256)
-    + rt.sensitivity_table(c.df, "compresskv_table3b", "compresskv", 256, per_dataset=False),
+    "compresskv_table2b": lambda c: rt.compresskv_table2b(c.df),
+    "compresskv_table3": lambda c: rt.staged_table(c.df, "compresskv_table3a", 256) + rt.sensitivity_table(
+        c.df, "compresskv_table3b", "compresskv", 256, per_dataset=False, preset="compresskv_uniform"),
     "compresskv_fig4": _sweep_fig("compresskv_fig4", "longbench", False, "LongBench average under varying KV budgets"),
     "compresskv_fig5": _sweep_fig("compresskv_fig5", "niah", False, "Needle-in-a-Haystack average under KV budgets"),
     "niah": lambda c: rt.niah_figures(c.df, c.root),
@@ -56,9 +57,9 @@ OUTPUTS = {"scores": ["scores_*", "paired_*"], "longbench_v2": ["longbench_v2_*"
 def _cells(t: Artifact, bold: str = "**%s**", missing: str = "–", esc=str) -> pd.DataFrame:
     """Printed cells of ``t`` (``t.se`` beside the values), ``bold`` and ``missing`` as the format wants."""
     se = (pd.DataFrame() if t.se is None else t.se).reindex(index=t.data.index, columns=t.data.columns)
-    cells = pd.DataFrame({c: [fmt(v, c in t.signed, e) for v, e in zip(t.data[c], se[c])] for c in t.data})
+    cells = {c: [fmt(v, c in t.signed, e) for v, e in zip(t.data[c], se[c])] for c in t.data}  # None: missing
     return pd.DataFrame({c: [missing if v is None else (bold if (i, c) in t.bold else "%s") % esc(v)
-                             for i, v in enumerate(cells[c])] for c in cells})
+                             for i, v in enumerate(vs)] for c, vs in cells.items()}, columns=list(t.data.columns))
 
 
 def to_markdown(t: Artifact) -> str:

@@ -106,7 +106,7 @@ def _job_rows(root: Path, job: Path) -> list[dict]:
     recs["kept_tokens"] = [k.get("mean") if isinstance(k, dict) else k for k in recs["kept_tokens"]]
     recs = recs.assign(dataset=recs["dataset"].astype(str), failed=recs["error"].notna())
     ok = recs[~recs["failed"] & recs["score"].notna()].drop_duplicates(["dataset", "id"], keep="last")
-    ok[numeric] = ok[numeric].apply(pd.to_numeric, errors="coerce")
+    ok[numeric] = ok[numeric].apply(pd.to_numeric, errors="coerce").astype(float)  # float even when empty
     if task.get("name") == "niah":  # strict match (0/1): stored ``scores.strict`` (0/100), else recomputed
         ok["strict"] = [s["strict"] / 100 if isinstance(s, dict) and "strict" in s else max(
             strict_match(p, str(a)) for a in q) if isinstance(p, str) and isinstance(q, list) and q else math.nan

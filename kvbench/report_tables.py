@@ -54,8 +54,8 @@ def round2(x: float) -> float:
 def fmt(value, signed: bool = False, se=None) -> str | None:
     """A cell as printed: text as is, numbers half-up to 2 decimals (``41.20 ± 1.30`` with a standard error); None
     when missing."""
-    if value is None or isinstance(value, str) or math.isnan(value):
-        return None if isinstance(value, float) else value
+    if isinstance(value, str) or pd.isna(value):  # None, NaN, pd.NA (pandas 3 text columns hold NaN): missing
+        return value if isinstance(value, str) else None
     return ("+" if signed and round2(value) > 0 else "") + f"{round2(value):.2f}" + (
         f" ± {round2(se):.2f}" if se is not None and not math.isnan(se) else "")
 
@@ -415,7 +415,8 @@ def staged_table(df: pd.DataFrame, name: str, budget: float, task: str = "longbe
         switches = {lab: ([-1 if f[k] is None else int(f[k]) for k in ("Merge", "Gate", "Comp")], lab)
                     for lab, f in flags.items()}
         order = sorted(flags, key=switches.get) if selkv else [snap] * (snap in set(
-            sel.loc[sel["model_key"] == mk, "method"])) + sorted(labels - {main}) + [main]
+            sel.loc[sel["model_key"] == mk, "method"])) + [lab for lab in map(display_name, (
+                "compresskv_snapkv", "compresskv_uniform", "compresskv")) if lab in labels]  # Table 3a's presets
         g = grid(df, task, budget, models=[mk], names=["selkv"] if selkv else ["snapkv", "compresskv"], labels=order)
         avgs = [g.avg(mk, lab) for lab in order]
         if selkv and g.full:
@@ -436,10 +437,30 @@ def staged_table(df: pd.DataFrame, name: str, budget: float, task: str = "longbe
                      signed={"Δ prev", "Δ full"}, used=pd.concat(used))]
 
 
-def sensitivity_table(df, name: str, method: str, budget: float, task: str = "longbench", per_dataset=True):
-    """A row per variant (differing fields) of a method's main label (SelKV Table 3, CompressKV Table 3b), Δ default."""
+def compresskv_table2b(df: pd.DataFrame, budget: float = 256, task: str = "longbench") -> list[Artifact]:
+    """CompressKV Table 2(b): LongBench average per model key with tokens selected by traditional retrieval heads
+    (TRH, ``compresskv_trh``) vs semantic retrieval heads (SRH, ``compresskv_uniform``), uniform layer budgets;
+    Δ: gap to TRH (points)."""
+    heads = {display_name("compresskv_trh"): "TRH", display_name("compresskv_uniform"): "SRH"}
+    g = grid(df, task, budget, names=["compresskv"], labels=list(heads))
+    if g is None:
+        return []
+    trh = next(iter(heads))
+    data = pd.DataFrame([{"Model": mk, "Heads": heads[lab], "Method": lab, "Avg": g.avg(mk, lab),
+                          "Δ": g.avg(mk, lab) - g.avg(mk, trh)} for mk in g.models for lab in heads])
+    caption = (f"CompressKV with TRH vs SRH token selection (uniform layer budgets) on LongBench ({len(g.datasets)} "
+               f"datasets) at budget {budget_text(budget)} ({budget_semantics([budget])}). Δ: gap to TRH; bold: best.")
+    return [Artifact("compresskv_table2b", caption, data, bold=bolds(data, ["Avg"], g.ok(data), "Model"),
+                     signed={"Δ"}, used=g.used)]
+
+
+def sensitivity_table(df, name: str, method: str, budget: float, task: str = "longbench", per_dataset=True,
+                      preset: str | None = None):
+    """A row per variant (differing fields) of the label of ``preset`` (default: the method's main label) (SelKV Table
+    3; CompressKV Table 3b: ``compresskv_uniform``, SRH selection with uniform layer budgets), Δ default."""
+    label = display_name(preset or method)
     sel = df[(df["task"] == task) & (df["method_name"] == method) & np.isclose(df["budget"], budget)
-             & (df["method"] == display_name(method))]
+             & (df["method"] == label)]
     used = pick(sel, ["model_key", "variant"])
     datasets = order_datasets(used["dataset"])
     params = {p: json.loads(p) for p in sel["params"].unique()}
@@ -461,7 +482,7 @@ def sensitivity_table(df, name: str, method: str, budget: float, task: str = "lo
     if not rows:
         return []
     data, headers = pd.DataFrame(rows), {"window_size": "W", "kernel_size": "K"}
-    caption = (f"Sensitivity of {display_name(method)} to {', '.join(headers.get(k, k) for k in keys)} on LongBench at "
+    caption = (f"Sensitivity of {label} to {', '.join(headers.get(k, k) for k in keys)} on LongBench at "
                f"budget {budget_text(budget)} ({budget_semantics([budget])}). Δ default: gap to the default (✓).")
     return [Artifact(name, caption, data, bold=bolds(data, [*datasets] * per_dataset + ["Avg"], data.index, "Model"),
                      signed={"Δ default"}, used=used, headers=headers)]

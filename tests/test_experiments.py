@@ -87,3 +87,74 @@ def test_method_presets_have_distinct_labels_without_comment_text():
             assert label not in labels, f"{path.name} and {labels[label]} share the label {label!r}"
             labels[label] = path.name
     assert labels["PyramidKV (CompressKV)"] == "pyramidkv_compresskv.yaml"
+
+
+def preset_jobs(name: str, root: Path) -> list:
+    """Job folders (config.yaml + summary.json, distinct made-up scores) for every job of the preset's sweep, as
+    Hydra composes them per model; a preset with ``latency`` settings writes ``root/latency.json`` instead."""
+    import itertools
+    import json
+
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from kvbench.report_data import presets
+
+    params, _ = references(name)
+    swept = {k: [yaml.safe_load(v.strip()) for v in str(vals).split(",")] for k, vals in params.items()}
+    models = swept.pop("model", [None])
+    with initialize_config_dir(config_dir=str(CONF), version_base=None):
+        cfgs = {m: OmegaConf.to_container(compose("config", [f"+experiment={name}"] + [f"model={m}"] * bool(m)),
+                                          resolve=True, enum_to_str=True) for m in models}
+    latency = []
+    for m, base in cfgs.items():
+        lat = base.get("latency") or {}
+        latency += [{"model": base["model"]["name"], "method": presets()[meth]["label"], "method_name": meth,
+                     "budget": base["budget"], "prompt_tokens": n, "prefill_s": n / 1e3, "compress_s": 0.01,
+                     "decode_s": 1.0, "decode_tok_s": 20.0 + i, "device": "cpu"}
+                    for i, meth in enumerate(lat.get("methods", [])) for n in lat.get("lengths", [])]
+        for i, combo in enumerate(itertools.product(*swept.values())):
+            cfg = json.loads(json.dumps(base))
+            for key, value in zip(swept, combo):
+                if key == "method":
+                    cfg["method"] = presets()[value]
+                elif key == "budget":
+                    cfg["budget"] = value
+                else:
+                    group, field = key.split(".")
+                    cfg[group][field] = value
+            job = root / f"{m}-{i}"
+            job.mkdir()
+            (job / "config.yaml").write_text(yaml.safe_dump(cfg))
+            task = cfg["task"]["name"]
+            datasets = ["qasper", "musique"] if task.startswith("longbench") and task != "longbench_v2" else [task]
+            (job / "summary.json").write_text(json.dumps({"complete": True, "datasets": {
+                d: {"score": 20.0 + (7 * i + j) % 23, "n": 2} for j, d in enumerate(datasets)}}))
+    if latency:
+        (root / "latency.json").write_text(json.dumps(latency))
+    return latency
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_preset_names_the_artifacts_its_jobs_feed(name, tmp_path):
+    """The preset's ``kvbench report ... --only NAMES`` comment line names artifacts (a paper preset,
+    ``<paper>_table|fig<N>``, its own) that the report builds from its jobs (made-up scores)."""
+    import fnmatch
+    import re
+    import shlex
+
+    from kvbench import report
+    from kvbench.report_data import load_results
+
+    text = (CONF / "experiment" / f"{name}.yaml").read_text()
+    line = next((ln for ln in text.splitlines() if "kvbench report" in ln), "")
+    assert line, "the header says how to report the preset's jobs: # Report: kvbench report ROOT --only NAMES"
+    only = shlex.split(line.split("--only", 1)[1].split("(")[0]) if "--only" in line else ["scores"]
+    if re.fullmatch(r"(selkv|compresskv)_(table|fig)\w+", name) and not name.endswith("_smoke"):
+        assert any(fnmatch.fnmatch(name, p) for p in only), f"{name}: its Report line does not name {name}"
+    latency = preset_jobs(name, tmp_path)
+    ctx = report.Context(tmp_path, load_results(tmp_path), latency or None)
+    for pattern in only:
+        built = report.build(ctx, [pattern])
+        assert not [f for f, a in built.items() if isinstance(a, Exception)], (pattern, built)
+        assert sum(map(len, built.values())), f"--only {pattern}: nothing built from the preset's jobs"

@@ -23,6 +23,7 @@ from kvbench.job import heatmap
 from kvbench.plots import niah_grid
 from kvbench.report_tables import (
     compresskv_table1,
+    compresskv_table2b,
     selkv_ratio_tables,
     selkv_table1,
     selkv_table4,
@@ -40,7 +41,8 @@ def selkv_table3(df):
 
 
 def compresskv_table3b(df):
-    return sensitivity_table(df, "compresskv_table3b", "compresskv", 256, per_dataset=False)
+    return sensitivity_table(df, "compresskv_table3b", "compresskv", 256, per_dataset=False,
+                                    preset="compresskv_uniform")
 
 
 def selkv_table2(df):
@@ -149,10 +151,14 @@ def build_tree(root: Path) -> Path:
             make_job(root, model="mistral", method=method, budget=b or 1.0, scores=dict(zip(DS[:2], vals)),
                      params={"num_heads": 4} if method == "compresskv" else None)
     make_job(root, model="mistral", method="compresskv", preset="compresskv_uniform", budget=256,
-             label="CompressKV (no layer alloc)", params={"num_heads": 4, "layer_alloc": False},
+             label="SnapKV + SRH", params={"num_heads": 4, "layer_allocation": "uniform"},
              scores=dict(zip(DS[:2], [36.5, 27.0])))
-    make_job(root, model="mistral", method="compresskv", budget=256, params={"num_heads": 2}, folder_tag="h2",
+    make_job(root, model="mistral", method="compresskv", preset="compresskv_uniform", budget=256, label="SnapKV + SRH",
+             params={"num_heads": 2, "layer_allocation": "uniform"}, folder_tag="h2",
              scores=dict(zip(DS[:2], [36.0, 27.0])))
+    make_job(root, model="mistral", method="compresskv", preset="compresskv_trh", budget=256, label="CompressKV-TRH",
+             params={"num_heads": 4, "selection": "trh", "layer_allocation": "uniform"},
+             scores=dict(zip(DS[:2], [36.0, 26.5])))
     # NIAH on smollm2: full + snapkv at two token budgets, 2 lengths x 3 depths
     for method, b, hits in [("full", 1.0, 1.0), ("snapkv", 128, 0.0), ("snapkv", 256, 0.5)]:
         recs = [{"id": f"niah/{n}/{d}", "dataset": "niah", "score": hits if d != 10 else 1.0, "error": None,
@@ -333,18 +339,22 @@ def test_compresskv_tables(df):
     assert [r["Method"] for r in t.data.to_dict("records")] == ["Full Cache", "StreamingLLM", "SnapKV", "CompressKV"]
     (a,) = compresskv_table3a(df)
     assert [(r["Method"], r["Avg"]) for r in a.data.to_dict("records")] == [
-        ("SnapKV", 31.0), ("CompressKV (no layer alloc)", 31.75), ("CompressKV", 32.25)]
+        ("SnapKV", 31.0), ("SnapKV + SRH", 31.75), ("CompressKV", 32.25)]  # no TRH row
     assert list(a.data["Δ prev"])[1:] == pytest.approx([0.75, 0.5])
-    (b,) = compresskv_table3b(df)
+    (b,) = compresskv_table3b(df)  # SRH selection, uniform budgets (the "SnapKV + SRH" preset's variants)
     assert [(r["num_heads"], r["Avg"], r["Δ default"]) for r in b.data.to_dict("records")] == [
-        ("2", 31.5, -0.75), ("4", 32.25, 0.0)]
+        ("2", 31.5, -0.25), ("4", 31.75, 0.0)]
+    (c,) = compresskv_table2b(df)
+    assert [(r["Heads"], r["Avg"], r["Δ"]) for r in c.data.to_dict("records")] == [("TRH", 31.25, 0.0),
+                                                                                    ("SRH", 31.75, 0.5)]
+    assert c.bold == {(1, "Avg")}
 
 
 def test_report_cli_writes_artifacts(tree, tmp_path):
     out = tmp_path / "report"
     assert report.main([str(tree), "--out", str(out)]) == 0
     for name in ["selkv_table1", "selkv_table2", "selkv_table3", "selkv_table4", "selkv_table5", "selkv_table7",
-                 "compresskv_table1", "compresskv_table3a", "compresskv_table3b"]:
+                 "compresskv_table1", "compresskv_table2b", "compresskv_table3a", "compresskv_table3b"]:
         for ext in ("md", "tex", "csv", "sources.txt"):
             assert (out / f"{name}.{ext}").stat().st_size > 0, (name, ext)
     for name in ["selkv_fig2", "selkv_fig3", "selkv_fig4", "selkv_fig5", "compresskv_fig4", "compresskv_fig5",
