@@ -451,7 +451,7 @@ def compresskv_table2b(df: pd.DataFrame, budget: float = 256, task: str = "longb
     caption = (f"CompressKV with TRH vs SRH token selection (uniform layer budgets) on LongBench ({len(g.datasets)} "
                f"datasets) at budget {budget_text(budget)} ({budget_semantics([budget])}). Δ: gap to TRH; bold: best.")
     return [Artifact("compresskv_table2b", caption, data, bold=bolds(data, ["Avg"], g.ok(data), "Model"),
-                     signed={"Δ"}, used=g.used)]
+                     signed={"Δ"}, used=g.used[g.used["method"].isin(heads)])]
 
 
 def sensitivity_table(df, name: str, method: str, budget: float, task: str = "longbench", per_dataset=True,

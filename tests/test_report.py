@@ -347,7 +347,7 @@ def test_compresskv_tables(df):
     (c,) = compresskv_table2b(df)
     assert [(r["Heads"], r["Avg"], r["Δ"]) for r in c.data.to_dict("records")] == [("TRH", 31.25, 0.0),
                                                                                     ("SRH", 31.75, 0.5)]
-    assert c.bold == {(1, "Avg")}
+    assert c.bold == {(1, "Avg")} and len(c.sources) == 2  # the TRH and SRH jobs, not the full cache
 
 
 def test_report_cli_writes_artifacts(tree, tmp_path):
