@@ -251,7 +251,7 @@ class InfiniteBenchTask(SuiteTask):
         label = list(row["answer"]) if isinstance(row["answer"], list) else [row["answer"]]
         if dataset in CHOICE:
             label = [label[0], label[0]]
-        query = row["question"] + row["answer_prefix"]
+        query = row["question"]  # the answer prefix: SuiteTask.answer_turn
         return self.sample(dataset, index, row["context"] + query, query, label,
                            int(row.get("max_new_tokens") or MAX_NEW_TOKENS[dataset]), True)
 

@@ -123,7 +123,7 @@ class LongBenchV2Task(SuiteTask):
         return self.sample(index, row, fill(template, row), fill(tail, row) if tail else "", MAX_NEW_TOKENS)
 
     def kvpress_sample(self, dataset: str, index: int, row: dict) -> Sample:
-        query = row["question"] + row["answer_prefix"]
+        query = row["question"]  # the answer prefix: SuiteTask.answer_turn
         return self.sample(index, row, row["context"] + query, query, int(row.get("max_new_tokens") or MAX_NEW_TOKENS))
 
     def kvpress_config(self, dataset: str) -> str:

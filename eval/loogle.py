@@ -169,7 +169,7 @@ class LoogleTask(SuiteTask):
 
     def kvpress_sample(self, dataset: str, index: int, row: dict) -> Sample:
         answer = json.loads(row["answer"]) if dataset == "shortdep_cloze" else row["answer"]
-        query = row["question"] + row["answer_prefix"]
+        query = row["question"]  # the answer prefix: SuiteTask.answer_turn
         return self.sample(dataset, index, row["context"] + query, query, answer,
                            int(row.get("max_new_tokens") or MAX_NEW_TOKENS[dataset]), True)
 

@@ -7,8 +7,9 @@ Rows come from one of two sources (``task.source``):
   official prompt from the raw fields.
 * ``kvpress``: kvpress's Hub copy (``task.hub_dataset``, default :attr:`SuiteTask.kvpress_hub`; a local snapshot
   folder works too), read with ``datasets.load_dataset``; its rows hold kvpress's ready prompt parts ``context``,
-  ``question``, ``answer_prefix``: prompt = their concatenation, query = ``question + answer_prefix`` (kvpress's
-  protocol, for parity with its leaderboard), scored by the same official metric.
+  ``question``, ``answer_prefix``: prompt = ``context + question`` in the chat template's user turn, then
+  ``answer_prefix`` after its generation prompt (kvpress's pipeline, for parity with its leaderboard; see
+  :meth:`SuiteTask.answer_turn`), query = from ``question`` on; scored by the same official metric.
 
 Every file is read with :func:`eval.base.read_jsonl` (a row failing the task's check names file, line and field).
 """
@@ -17,11 +18,12 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterator, List, Optional
 
 from .base import Sample, Task, TaskConfig, TaskConfigError, count, looked_for, one_of, read_jsonl
 from .longbench_data import _is_network_error, hub_reachable
+from .ruler import chat
 
 SOURCES = ("official", "kvpress")
 
@@ -196,9 +198,19 @@ class SuiteTask(Task):
         if self.max_length is None:
             raise TaskConfigError("task.max_length is not set and the model gives no max_input_length: set task.max_length")
         for dataset in self.datasets:
-            make = self.kvpress_sample if self.cfg["source"] == "kvpress" else self.official_sample
+            kvpress = self.cfg["source"] == "kvpress"
+            make = self.kvpress_sample if kvpress else self.official_sample
             for index, row in enumerate(self.rows(dataset)):
-                yield make(dataset, index, row)
+                sample = make(dataset, index, row)
+                yield self.answer_turn(sample, row["answer_prefix"]) if kvpress and row["answer_prefix"] else sample
+
+    def answer_turn(self, sample: Sample, prefix: str) -> Sample:
+        """``sample`` (kvpress's ``context + question``, truncated) with ``prefix`` where kvpress's pipeline puts the
+        answer prefix: after the chat template's generation prompt (:func:`eval.ruler.chat`, RULER's placement;
+        appended to the prompt without a template), so ``chat`` is off; the query part runs from the question on."""
+        head = chat(self.tokenizer, sample.prompt)
+        at = head.rfind(sample.query) if sample.query else -1
+        return replace(sample, prompt=head + prefix, query=(head[at:] if at >= 0 else "") + prefix, chat=False)
 
     def truncated(self, prompt: str, query: str) -> tuple[str, str, dict]:
         """``(prompt, query, meta)`` after :func:`truncate_middle` to ``max_length``."""

@@ -214,7 +214,7 @@ class ZeroScrollsTask(SuiteTask):
             raise TaskConfigError(f"{self.cfg.get('hub_dataset') or self.kvpress_hub} {dataset} row {index}: no "
                                   "reference (kvpress's copy is the test split, whose references are private); use "
                                   "task.source=official (the validation split)")
-        query = row["question"] + row["answer_prefix"]
+        query = row["question"]  # the answer prefix: SuiteTask.answer_turn
         return Sample(id=f"{dataset}/{index}", dataset=dataset, prompt=row["context"] + query, query=query, chat=True,
                       max_new_tokens=int(row.get("max_new_tokens") or MAX_NEW_TOKENS[dataset]), answers=[row["answer"]])
 

@@ -112,7 +112,7 @@ def test_kvpress_copy_uses_its_prompt_parts_and_letters(tmp_path, monkeypatch):
     task = InfiniteBenchTask(task_cfg, CharTokenizer())
     choice, run = task.samples()
     assert choice.prompt == "Read the book.\n\nctx\n\nQ?The answer is" and choice.query == "Q?The answer is"
-    assert choice.meta["label"] == ["B", "B"] and choice.chat and choice.max_new_tokens == 60
+    assert choice.meta["label"] == ["B", "B"] and not choice.chat and choice.max_new_tokens == 60
     assert task.score(choice, " B. Walking") == 1.0 and run.meta["label"] == [-2] and task.score(run, "-2") == 1.0
 
 

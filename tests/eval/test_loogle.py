@@ -11,6 +11,7 @@ import pytest
 
 from eval import TaskConfigError, get_task_class
 from eval.loogle import MAX_NEW_TOKENS, PROMPTS, TASKS, LoogleTask, cloze_scores, text_scores
+from tests.eval.test_longbench import tokenizer  # noqa: F401 - the embedded model's tokenizer (fixture)
 
 
 class CharTokenizer:
@@ -114,7 +115,7 @@ def test_offline_without_a_folder_is_one_line(monkeypatch):
     assert "\n" not in str(e.value)
 
 
-def test_kvpress_copy_uses_its_prompt_parts(tmp_path, monkeypatch):
+def kvpress_task(tmp_path, monkeypatch, tokenizer) -> LoogleTask:
     """A local snapshot of simonjegou/loogle: a config per task, kvpress's columns, cloze answers as JSON."""
     import pandas as pd
 
@@ -128,11 +129,37 @@ def test_kvpress_copy_uses_its_prompt_parts(tmp_path, monkeypatch):
     (hub / "README.md").write_text(f"---\nconfigs:\n{configs}---\n")
     task_cfg = cfg(source="kvpress", hub_dataset=str(hub), datasets=["shortdep_cloze", "longdep_qa"])
     LoogleTask.validate(task_cfg)
-    task = LoogleTask(task_cfg, CharTokenizer())
-    cloze, qa = task.samples()
+    return LoogleTask(task_cfg, tokenizer)
+
+
+def test_kvpress_copy_uses_its_prompt_parts(tmp_path, monkeypatch):
+    task = kvpress_task(tmp_path, monkeypatch, CharTokenizer())
+    cloze, qa = task.samples()  # no chat template: the answer prefix is appended to the prompt
     assert cloze.prompt == "Please fill in. \nctx\n Question: Q?\nAnswer:" and cloze.query == "\n Question: Q?\nAnswer:"
-    assert cloze.chat and cloze.max_new_tokens == 50 and cloze.meta["masks"] == 2
+    assert not cloze.chat and cloze.max_new_tokens == 50 and cloze.meta["masks"] == 2
     assert task.score(cloze, " {'<mask-0>': 'Justin Timberlake', '<mask-1>': 'x'}") == 0.5 and qa.answers == ["1"]
+
+
+def test_kvpress_answer_prefix_follows_the_generation_prompt_on_the_embedded_tokenizer(tmp_path, monkeypatch, folder,
+                                                                                       tokenizer):
+    """kvpress's pipeline (``preprocess``): context + question in the user turn, the answer prefix after the
+    generation prompt, tokenized without special tokens; the query part runs from the question through the prefix.
+    The official source's prompt is unchanged (no template, the prompt as task2prompt builds it)."""
+    from types import SimpleNamespace
+
+    from kvbench.job import encode_prompt, split_prompt
+
+    loaded = SimpleNamespace(tokenizer=tokenizer, chat_template="tokenizer")
+    cloze, _ = kvpress_task(tmp_path, monkeypatch, tokenizer).samples()
+    turn = tokenizer.apply_chat_template([{"role": "user", "content": "Please fill in. \nctx\n Question: Q?\n"}],
+                                         add_generation_prompt=True, tokenize=False)
+    ids = encode_prompt(loaded, cloze)
+    assert ids == tokenizer.encode(turn, add_special_tokens=False) + tokenizer.encode("Answer:", add_special_tokens=False)
+    _, q = split_prompt(loaded, cloze, "context")
+    assert tokenizer.decode(ids[len(ids) - q:]) == "\n Question: Q?\n<|im_end|>\n<|im_start|>assistant\nAnswer:"
+    official = next(s for s in LoogleTask(cfg(str(folder), datasets=["shortdep_cloze"]), tokenizer).samples())
+    assert not official.chat and encode_prompt(loaded, official) == tokenizer(official.prompt).input_ids
+    assert official.prompt.endswith("What are the masked entities? \nAnswer:")
 
 
 # ------------------------------------------------------------------ automatic_metrics.py, transcribed

@@ -154,7 +154,7 @@ def test_kvpress_copy_without_references_is_refused(tmp_path, monkeypatch):
                            CharTokenizer())
     (sample,) = task.samples()
     assert sample.prompt == "Story:\nctx\n\nQuestion:\nWhy?Answer:" and sample.query == "\n\nQuestion:\nWhy?Answer:"
-    assert sample.chat and task.score(sample, "because") == 1.0
+    assert not sample.chat and task.score(sample, "because") == 1.0
     task = ZeroScrollsTask(cfg(source="kvpress", hub_dataset=str(tmp_path / "hub"), datasets=["quality"]), CharTokenizer())
     with pytest.raises(TaskConfigError, match=r"quality row 0: no reference .*task\.source=official"):
         list(task.samples())
