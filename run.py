@@ -10,7 +10,8 @@
 
 Exit codes: 0 ok, 1 some samples failed (stored with their error; rerun to retry them) or an
 I/O error, 2 configuration error (one line ``error: <key>...``, before any model loads), 3 the job
-shard is locked by another process. A local sweep runs every job and exits with the largest code.
+shard is locked by another process; sbatch refusing a SLURM sweep: its one error line, exit 1.
+A local sweep runs every job and exits with the largest code.
 
 Hydra does the work; what stays here: the arguments are reordered (options first: Hydra's parser
 takes none after an override), ``experiment=X`` becomes ``+experiment=X`` (presets are not in the
@@ -119,9 +120,10 @@ def main() -> int:
     except Exception as e:  # noqa: BLE001 - one line for the user, exit code by kind
         kinds = {c.__name__ for c in type(e).__mro__}
         group = _group_override(e, args)
-        if not (kinds & {*CONFIG_ERRORS, "OSError"} or group):
+        if not (kinds & {*CONFIG_ERRORS, "OSError", "FailedJobError"} or group):  # FailedJobError: sbatch failed
             raise
-        print(f"error: {_escaped(group or _one_line(e, args))}", file=sys.stderr, flush=True)
+        if not ("FailedJobError" in kinds and getattr(e.__cause__, "stderr", None)):  # else submitit printed sbatch's
+            print(f"error: {_escaped(group or _one_line(e, args))}", file=sys.stderr, flush=True)
         return 2 if kinds & set(CONFIG_ERRORS) or group else 1
     return 0
 

@@ -3,6 +3,7 @@ before any model loads (offline; no case reads model weights)."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 from pathlib import Path
 
@@ -121,6 +122,16 @@ def test_cuda_device_on_a_machine_without_cuda(tmp):
 def test_output_root_under_a_file_is_one_line_and_exit_2(tmp):
     out = run_cli([f"output_root={tmp}/afile/results"])
     assert out.returncode == 2 and len(out.stderr.splitlines()) == 1 and out.stderr.startswith("error: output_root=")
+
+
+def test_sbatch_refusing_a_slurm_sweep_is_its_one_line_and_exit_1(tmp):
+    fake = tmp / "bin"
+    fake.mkdir(exist_ok=True)
+    (fake / "sbatch").write_text("#!/bin/sh\necho 'sbatch: error: Unable to contact slurm controller' >&2\nexit 1\n")
+    (fake / "sbatch").chmod(0o755)
+    out = run_cli(["-m", "budget=0.1,0.5", "hydra/launcher=slurm", f"output_root={tmp}/slurm"],
+                  PATH=f"{fake}:{os.environ['PATH']}")
+    assert (out.returncode, out.stderr.splitlines()) == (1, ["sbatch: error: Unable to contact slurm controller"])
 
 
 def test_help_and_cfg_still_work():
