@@ -63,6 +63,17 @@ def looked_for(path: Path) -> str:
     return "" if path.is_absolute() else f" (looked for {os.path.abspath(path)})"
 
 
+def is_data_file(path: Path) -> bool:
+    """Whether the data file ``path`` is there (the one test of every task's file lookup).
+
+    Raises:
+        TaskConfigError: ``path`` exists but is not a file (a folder), naming it under ``task.data_dir``.
+    """
+    if path.exists() and not path.is_file():
+        raise TaskConfigError(f"task.data_dir: {path} is not a file (a directory?)")
+    return path.exists()
+
+
 def read_jsonl(path: Path, check: Callable[[dict, str], None] | None = None, limit: int | None = None) -> list[dict]:
     """The JSON-object rows of a ``.jsonl`` data file (blank lines skipped; the first ``limit`` if given), each
     passed to ``check(row, where)``, ``where`` = ``"<path> line <n>"`` (1-based).
@@ -172,7 +183,7 @@ class Task:
     def data_files(cls, cfg: dict) -> list[Path]:
         """The files of ``task.data_dir`` the task reads (their SHA-256 are part of the job's identity):
         its ``.json``/``.jsonl`` files; a task reading a folder tree overrides it."""
-        return sorted(p for p in Path(cfg["data_dir"]).expanduser().glob("*.json*") if p.suffix in (".json", ".jsonl"))
+        return sorted(p for p in Path(cfg["data_dir"]).expanduser().glob("*.json*") if p.suffix in (".json", ".jsonl") and is_data_file(p))
 
     def samples(self) -> Iterator[Sample]:  # pragma: no cover - abstract
         raise NotImplementedError

@@ -83,7 +83,7 @@ def check_data_dir(data_dir: str, configs: list[str]) -> list[Path]:
             "(<dataset>.jsonl, <dataset>_e.jsonl), i.e. the data/ folder of data.zip"
         )
     paths = [root / f"{c}.jsonl" for c in configs]
-    absent = [p.name for p in paths if not p.is_file()]
+    absent = [p.name for p in paths if not base.is_data_file(p)]
     if absent:
         shown = ", ".join(present[:8]) + (", ..." if len(present) > 8 else "")
         raise TaskConfigError(

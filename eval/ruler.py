@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional
 
-from .base import Sample, Task, TaskConfig, TaskConfigError, count, looked_for, read_jsonl, require
+from .base import Sample, Task, TaskConfig, TaskConfigError, count, is_data_file, looked_for, read_jsonl, require
 from .ruler_data import TASKS
 
 SUBTASKS = ("niah_single_1", "niah_single_2", "niah_single_3", "niah_multikey_1", "niah_multikey_2",
@@ -73,7 +73,7 @@ def data_files(data_dir: str, subtask: str, length: int) -> list[Path]:
     d = Path(data_dir).expanduser()
     for path in (d / str(length) / "data" / subtask / "validation.jsonl", d / str(length) / subtask / "validation.jsonl",
                  d / f"{subtask}_{length}.jsonl"):
-        if path.is_file():
+        if is_data_file(path):
             return [path]
     return sorted((d / str(length)).glob("test-*.parquet"))
 

@@ -21,7 +21,7 @@ from pathlib import Path
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterator, List, Optional
 
-from .base import Sample, Task, TaskConfig, TaskConfigError, count, looked_for, one_of, read_jsonl
+from .base import Sample, Task, TaskConfig, TaskConfigError, count, is_data_file, looked_for, one_of, read_jsonl
 from .longbench_data import _is_network_error, hub_reachable
 from .ruler import chat
 
@@ -131,7 +131,7 @@ class SuiteTask(Task):
         if not root.is_dir():
             raise TaskConfigError(f"task.data_dir={data_dir}: no such directory{looked_for(root)}")
         path = root / cls.file_name(dataset)
-        if not path.is_file():
+        if not is_data_file(path):
             raise TaskConfigError(f"task.data_dir={data_dir}: no {cls.file_name(dataset)} ({cls.what})")
         return path
 

@@ -43,7 +43,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from .base import Sample, TaskConfigError, read_jsonl
+from .base import Sample, TaskConfigError, is_data_file, read_jsonl
 from .suite import SuiteTask, require, split
 
 MAX_NEW_TOKENS = {"gov_report": 1024, "summ_screen_fd": 512, "qmsum": 512, "qasper": 128, "narrative_qa": 64,
@@ -149,7 +149,7 @@ class ZeroScrollsTask(SuiteTask):
     def data_files(cls, cfg: dict) -> list[Path]:
         """The ``<task>/validation.jsonl`` files of ``task.datasets`` found in ``task.data_dir``."""
         root = Path(cfg["data_dir"]).expanduser()
-        return [p for d in cfg.get("datasets") or TASKS if (p := root / cls.file_name(d)).is_file()]
+        return [p for d in cfg.get("datasets") or TASKS if is_data_file(p := root / cls.file_name(d))]
 
     @classmethod
     def check_row(cls, dataset: str, row: dict, where: str) -> None:

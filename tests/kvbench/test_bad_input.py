@@ -60,6 +60,10 @@ CASES = [
     ("haystack-missing", ["task.haystack_dir={tmp}/nope"], "task.haystack_dir"),
     ("haystack-empty", ["task.haystack_dir={tmp}/empty"], "task.haystack_dir"),
     ("longbench-empty-data-dir", ["task=longbench", "task.data_dir={tmp}/empty"], "task.data_dir"),
+    ("longbench-data-file-is-a-folder", ["task=longbench", "task.datasets=[multi_news]", "task.data_dir={tmp}/folders"],
+     "multi_news.jsonl is not a file"),
+    ("infinitebench-data-file-is-a-folder", ["task=infinitebench", "task.datasets=[kv_retrieval]",
+                                             "task.data_dir={tmp}/folders"], "kv_retrieval.jsonl is not a file"),
     ("not-gguf", ["model.source={tmp}/fake.gguf"], "model.source"),
     ("model-file-named-nothing", ["model.source={tmp}/weights"], "model.source"),
     ("gguf-file-not-in-folder", ["model.source={tmp}/empty"], "model.gguf_file"),
@@ -78,6 +82,8 @@ def tmp(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("bad_input")
     (root / "empty").mkdir()
     (root / "empty" / "notes.md").write_text("neither a .txt nor a .jsonl file")
+    for name in ("multi_news.jsonl", "kv_retrieval.jsonl"):  # folders where data files are expected
+        (root / "folders" / name).mkdir(parents=True)
     (root / "fake.gguf").write_bytes(b"PK\x03\x04 this is a zip file, not GGUF")
     (root / "afile").write_text("a file where a folder or JSON is expected")
     (root / "weights").write_bytes(b"\x10\0\0\0\0\0\0\0{\"a\": {}}      ")  # a safetensors header, no extension
