@@ -252,7 +252,7 @@ def check_budget(value: Any) -> Budget:
     if number and float(value).is_integer() and value >= 2:
         return Budget(tokens=int(value))
     raise ConfigError(f"budget={value!r}: must be a retention ratio in (0, 1] or an integer token count >= 2"
-                      + ("; budget=1.0 keeps every token" if value == 1 else ""))
+                      + ("; budget=1.0 keeps every token" if value == 1 and value is not True else ""))
 
 
 def apply_budget_floor(plan: Plan, n_tokens: int, floor: int) -> Plan:

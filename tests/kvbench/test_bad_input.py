@@ -27,6 +27,7 @@ CASES = [
     ("budget-zero", ["budget=0"], "budget"),
     ("ratio-over-one", ["budget=1.5"], "budget"),
     ("budget-text", ["budget=abc"], "budget"),
+    ("budget-bool", ["budget=true"], "budget=True: must be"),
     ("budget-one-token", ["method=snapkv", "budget=1"], "budget"),
     ("budget-below-window", ["method=snapkv", "budget=16"], "budget"),
     ("sweep-first-job-bad", ["-m", "budget=-1,0.5"], "budget"),
