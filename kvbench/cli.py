@@ -19,10 +19,15 @@ COMMANDS = {
 
 
 class ArgParser(argparse.ArgumentParser):
-    """:class:`argparse.ArgumentParser` whose usage errors are one line, ``<prog>: error: ...``, exit 2."""
+    """:class:`argparse.ArgumentParser` whose usage errors are one line, ``<prog>: error: ...``, exit 2
+    (:meth:`io_error`: an I/O error, exit 1, as README's exit codes)."""
 
-    def error(self, message: str):
-        self.exit(2, f"{self.prog}: error: {message.splitlines()[0] if message else ''}\n")
+    def error(self, message: str, status: int = 2):
+        self.exit(status, f"{self.prog}: error: {message.splitlines()[0] if message else ''}\n")
+
+    def io_error(self, what: str, e: OSError):
+        """Exit 1 with one line, ``what`` (the flag and path) and the OS's reason (a file in the way: not a directory)."""
+        self.error(f"{what}: {'Not a directory' if isinstance(e, FileExistsError) else e.strerror}", 1)
 
 
 def listof(kind: type = str, ok=lambda v: True, accepted: str = "", one: bool = False):

@@ -299,8 +299,6 @@ def open_stores(jobs: list[JobSpec], stack: ExitStack, wait_s: float | None, cod
     sample was stored."""
     from omegaconf import OmegaConf
 
-    from methods.base import ConfigError
-
     from .store import JobLockedError
 
     runs = []
@@ -309,7 +307,7 @@ def open_stores(jobs: list[JobSpec], stack: ExitStack, wait_s: float | None, cod
         try:
             store = JobStore(Path(top.output_root).resolve() / job.relpath, shard)
         except OSError as e:
-            raise ConfigError(f"output_root={top.output_root}: cannot make the job folder there ({e.strerror})") from None
+            raise OSError(f"output_root={top.output_root}: cannot make the job folder there ({e.strerror})") from None
         stack.push(lambda kind, *_, store=store: bool(kind and store.discard_if_empty()))
         try:
             stack.enter_context(store.locked(top.lock_wait_s if wait_s is None else wait_s))

@@ -132,7 +132,7 @@ def build(ctx: Context, only: list[str] | None = None) -> dict[str, list | Excep
 
 
 def main(argv: list[str] | None = None) -> int:
-    """CLI entry point; exit status 1 when an artifact failed to build, 2 on a usage error."""
+    """CLI entry point; exit status 1 when an artifact failed to build or on an I/O error (``--out``), 2 on a usage error."""
     names = sorted({o for f in ARTIFACTS for o in OUTPUTS.get(f, [f])} | set(ARTIFACTS))
     p = ArgParser(prog="kvbench report", description="Score tables and the papers' tables and figures.")
     p.add_argument("root", metavar="RESULTS_ROOT", nargs="?")
@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        p.error(f"--out {str(out)!r}: {e.strerror}")
+        p.io_error(f"--out {str(out)!r}", e)
     df = load_results(root)
     index = [f"# Report of {root}", "", f"{df['job'].nunique()} job folder(s) read.", ""]
     for line in df.attrs["unreadable"]:

@@ -553,18 +553,20 @@ def test_only_takes_commas_as_the_other_tools(tree, tmp_path, capsys):
 
 
 def test_bad_report_inputs_are_one_line_and_an_unreadable_job_is_left_out(tmp_path, capsys):
-    """--out under a file and a --latency file that is not JSON records: exit 2 naming the option.
+    """--out under or at a file: exit 1 (I/O) naming the option and the reason; a --latency file that is not JSON
+    records, an unknown --only: exit 2 naming the option.
     A job folder whose config.yaml cannot be parsed is left out with a warning and an index.md line."""
     make_job(tmp_path / "root", method="full", scores={"qasper": 40.0})
     bad = make_job(tmp_path / "root", method="snapkv", scores={"qasper": 30.0})
     (tmp_path / "afile").write_text("x")
     (tmp_path / "lat.json").write_text("{not json")
-    for argv, key in ([["--out", str(tmp_path / "afile" / "rep")], "--out"], [["--latency", str(tmp_path / "lat.json")],
-                                                                             "--latency"], [["--only", "nosuch"], "--only"]):
+    for argv, code, key in ([["--out", str(tmp_path / "afile" / "rep")], 1, "afile/rep': Not a directory"],
+                            [["--out", str(tmp_path / "afile")], 1, "afile': Not a directory"],
+                            [["--latency", str(tmp_path / "lat.json")], 2, "--latency"], [["--only", "nosuch"], 2, "--only"]):
         with pytest.raises(SystemExit) as stop:
             report.main([str(tmp_path / "root"), *argv])
         err = capsys.readouterr().err.strip().splitlines()
-        assert stop.value.code == 2 and len(err) == 1 and key in err[0]
+        assert stop.value.code == code and len(err) == 1 and key in err[0], err
     with pytest.raises(SystemExit) as stop:
         report.main([str(tmp_path / "nosuch")])
     assert stop.value.code == 2 and "RESULTS_ROOT" in capsys.readouterr().err

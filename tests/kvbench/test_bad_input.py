@@ -126,9 +126,11 @@ def test_cuda_device_on_a_machine_without_cuda(tmp):
     assert out.returncode == 2 and out.stderr.startswith("error: device=cuda") and len(out.stderr.splitlines()) == 1
 
 
-def test_output_root_under_a_file_is_one_line_and_exit_2(tmp):
-    out = run_cli([f"output_root={tmp}/afile/results"])
-    assert out.returncode == 2 and len(out.stderr.splitlines()) == 1 and out.stderr.startswith("error: output_root=")
+def test_output_root_at_or_under_a_file_is_one_line_and_exit_1(tmp):
+    for root in (f"{tmp}/afile/results", f"{tmp}/afile"):  # an I/O error (README's exit codes)
+        out = run_cli([f"output_root={root}"])
+        assert out.returncode == 1 and len(out.stderr.splitlines()) == 1, out.stderr[-2000:]
+        assert out.stderr.startswith(f"error: output_root={root}: ") and "Not a directory" in out.stderr
 
 
 def test_sbatch_refusing_a_slurm_sweep_is_its_one_line_and_exit_1(tmp):
