@@ -162,9 +162,11 @@ def main(argv: list[str] | None = None) -> int:
     for line in df.attrs["unreadable"]:
         print(f"warning: job folder {line}; left out of the report", file=sys.stderr)
         index.insert(-1, f"Left out (unreadable): {line}")
+    for job in sorted(df.loc[df["dataset"].isna(), "job"]):  # no stored (nor summarised) sample
+        index.insert(-1, f"Started, no samples: {job}")
     if df.empty and not (latency and only and all(fnmatch.fnmatch("selkv_fig3", x) for x in only)):
-        print(f"warning: no job folders under {root} (a job folder holds config.yaml and summary.json or "
-              "predictions.jsonl)", file=sys.stderr)
+        print(f"warning: no job folders under {root} (a job folder holds config.yaml and identity.json, "
+              "summary.json or predictions.jsonl)", file=sys.stderr)
     built = build(Context(root, df, latency, str(lat_path)), only)
     for family, arts in built.items():
         if isinstance(arts, Exception):

@@ -66,8 +66,10 @@ def atomic_write(path: Path | str, text: str) -> None:
 
 
 def is_job_folder(folder: Path) -> bool:
-    """Whether ``folder`` holds a job: ``config.yaml`` beside ``predictions.jsonl`` or ``summary.json``."""
-    return (folder / "config.yaml").is_file() and any((folder / n).exists() for n in (PREDICTIONS, "summary.json"))
+    """Whether ``folder`` holds a job: ``config.yaml`` beside ``identity.json`` (written when a job starts, so a job
+    killed before its first sample counts), ``predictions.jsonl`` or ``summary.json``."""
+    return (folder / "config.yaml").is_file() and any((folder / n).exists()
+                                                      for n in (PREDICTIONS, "summary.json", "identity.json"))
 
 
 class JobStore:

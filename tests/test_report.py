@@ -598,3 +598,19 @@ def test_a_niah_panel_cell_names_its_variant_and_an_unfinished_job(tmp_path):
     titles = [ax.get_title() for ax in panel.fig.axes if ax.get_title()]
     assert titles == ["Full Cache", "SelKV, budget 25%\nalpha=2 (unfinished)"]
     assert any(n.startswith("unfinished: niah/smollm2/selkv/b0.25 (5 samples scored)") for n in panel.notes)
+
+
+def test_a_job_killed_before_its_first_sample_is_listed_as_started_no_samples(tmp_path):
+    """Folders with config.yaml, env.json, identity.json and no (or an empty) predictions.jsonl are read and listed."""
+    make_job(tmp_path / "root", method="full", scores={"qasper": 40.0})
+    for budget, preds in ((0.1, None), (0.2, "")):
+        job = make_job(tmp_path / "root", method="snapkv", budget=budget, summary=False)
+        for name in ("env.json", "identity.json"):
+            (job / name).write_text("{}")
+        if preds is not None:
+            (job / "predictions.jsonl").write_text(preds)
+    assert report.main([str(tmp_path / "root"), "--out", str(tmp_path / "rep")]) == 0
+    index = (tmp_path / "rep" / "index.md").read_text()
+    assert "3 job folder(s) read." in index
+    assert [line for line in index.splitlines() if line.startswith("Started, no samples")] == [
+        f"Started, no samples: longbench/llama31/snapkv/b{b}" for b in (0.1, 0.2)]
