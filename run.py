@@ -52,6 +52,8 @@ def _one_line(e: BaseException, args: list[str]) -> str:
 
     line = re.sub(r" To append to your config use \S+", "", " ".join(str(e).split()))
     line = line.split(" Config search path:")[0]
+    if "Could not load 'hydra/launcher/joblib'" in line:  # hydra/launcher=parallel without its plugin
+        line += ' Install the joblib launcher plugin: pip install -e ".[sweeps]" (hydra-joblib-launcher)'
     cause, parent = e.__cause__, getattr(e.__cause__, "parent_node", None)
     if "not in" in str(cause) and parent is not None:  # an unknown key, against a schema or a plain node
         line = f"{line.rstrip('.')}: unknown key; " + (f"accepted keys are {', '.join(sorted(parent))}"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -141,6 +142,19 @@ def test_sbatch_refusing_a_slurm_sweep_is_its_one_line_and_exit_1(tmp):
     out = run_cli(["-m", "budget=0.1,0.5", "hydra/launcher=slurm", f"output_root={tmp}/slurm"],
                   PATH=f"{fake}:{os.environ['PATH']}")
     assert (out.returncode, out.stderr.splitlines()) == (1, ["sbatch: error: Unable to contact slurm controller"])
+
+
+def test_parallel_launcher_without_its_plugin_says_what_to_install(tmp):
+    from tests.kvbench.cli_util import ROOT, cli_env
+
+    hide = ("import runpy, sys; sys.modules['hydra_plugins.hydra_joblib_launcher'] = None; "  # not installed
+            "sys.argv = ['run.py', *sys.argv[1:]]; runpy.run_path('run.py', run_name='__main__')")
+    out = subprocess.run([sys.executable, "-c", hide, "-m", "hydra/launcher=parallel", "budget=0.2,0.5",
+                          f"output_root={tmp}/parallel"], cwd=ROOT, env=cli_env(), capture_output=True, text=True,
+                         timeout=120)
+    lines = out.stderr.splitlines()
+    assert (out.returncode, len(lines)) == (2, 1), out.stderr[-2000:]
+    assert "hydra/launcher/parallel" in lines[0] and 'pip install -e ".[sweeps]"' in lines[0]
 
 
 def test_help_and_cfg_still_work():
