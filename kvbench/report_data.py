@@ -80,6 +80,7 @@ def _job_rows(root: Path, job: Path) -> list[dict]:
     ctx = next((v for v in (task.get("max_length"), model.get("max_input_length")) if isinstance(v, (int, float))),
                math.nan)
     flat = pd.json_normalize(json.loads(json.dumps(cfg, default=str))).iloc[0].to_dict()
+    flat["task.compress"] = compress = str(task.get("compress") or "prompt")  # a setting: prompt/context never merge
     env = _json(job / "env.json")
     if env.get("device"):
         flat |= {"env.device_type": str(env["device"]).split(":")[0], "env.dtype": env.get("dtype")}
@@ -92,7 +93,7 @@ def _job_rows(root: Path, job: Path) -> list[dict]:
     base = {"job": job.relative_to(root).as_posix(), "task": str(task.get("name", "?")),
             "model": str(model.get("name", "?")), "method": str(method.get("label") or method.get("name", "?")),
             "method_name": str(method.get("name", "?")), "budget": float(cfg.get("budget", math.nan)),
-            "setting": str(cfg.get("run_tag") or ""), "max_input_tokens": float(ctx),
+            "setting": str(cfg.get("run_tag") or ""), "compress": compress, "max_input_tokens": float(ctx),
             "params": json.dumps({k: v for k, v in method.items() if k not in ("name", "label", *RUN_CONTROL_FIELDS)},
                                  sort_keys=True, default=str),
             "settings": json.dumps({k: v for k, v in flat.items()
@@ -182,7 +183,7 @@ def load_results(root: str | Path) -> pd.DataFrame:
             rows += _job_rows(root, job)
         except (OSError, ValueError, yaml.YAMLError) as e:
             bad.append(f"{job.relative_to(root).as_posix()}: {type(e).__name__}")
-    cols = ["job", "task", "model", "method", "method_name", "budget", "setting", "max_input_tokens", "params",
+    cols = ["job", "task", "model", "method", "method_name", "budget", "setting", "compress", "max_input_tokens", "params",
             "settings", "complete", "subset", "dataset", "score", "n", "n_failed", "se", "samples", "strict",
             "strict_se", "strict_samples", *TIMING_COLUMNS, *CACHE_COLUMNS, "compressed_fraction"]
     df = pd.DataFrame(rows, columns=cols)
@@ -219,7 +220,7 @@ def budget_text(budget: float) -> str:
 
 
 def budget_semantics(budgets: Iterable[float]) -> str:
-    """The caption phrase saying what a budget counts."""
+    """The caption phrase saying what a budget counts (``prompt tokens``: :class:`Artifact` names the protocol)."""
     bs = [b for b in budgets if not math.isnan(b)]
     return "budget = retention ratio ρ of prompt tokens" if bs and max(bs) <= 1 else \
         "budget = tokens kept per layer per KV head (average, recent window included)" if bs and min(bs) > 1 else \

@@ -44,6 +44,10 @@ class Artifact:
         self.headers = {c: DATASET_ABBR[c] for c in cols if c in DATASET_ABBR} | self.headers
         used = pd.DataFrame(columns=["job", "dataset", "n", "complete", "subset"]) if self.used is None else self.used
         self.sources, self.notes = sorted({*self.sources, *used["job"]}), dedupe(job_notes(used) + self.notes)
+        protocols = sorted(set(used["compress"])) if "compress" in used else []  # task.compress of the jobs shown
+        self.caption = self.caption.replace("ρ of prompt tokens", " or ".join(
+            f"ρ of the {'context' if p == 'context' else 'prompt'} tokens (task.compress={p})" for p in protocols
+        ) or "ρ of prompt tokens")
 
 
 def round2(x: float) -> float:

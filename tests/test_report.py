@@ -614,3 +614,19 @@ def test_a_job_killed_before_its_first_sample_is_listed_as_started_no_samples(tm
     assert "3 job folder(s) read." in index
     assert [line for line in index.splitlines() if line.startswith("Started, no samples")] == [
         f"Started, no samples: longbench/llama31/snapkv/b{b}" for b in (0.1, 0.2)]
+
+
+def test_context_and_prompt_protocol_jobs_never_share_a_row_and_captions_name_the_protocol(tmp_path):
+    """task.compress=context: the budget counts context tokens; a job without the key ran under ``prompt``."""
+    for method, score in (("full", 50.0), ("snapkv", 40.0)):
+        make_job(tmp_path, method=method, scores={"qasper": score})
+    ctx = make_job(tmp_path, method="snapkv", scores={"qasper": 30.0}, folder_tag="ctx")
+    cfg = yaml.safe_load((ctx / "config.yaml").read_text())
+    (ctx / "config.yaml").write_text(yaml.safe_dump(cfg | {"task": cfg["task"] | {"compress": "context"}}))
+    df = report.load_results(tmp_path)
+    keys = df.set_index("job")["model_key"]
+    assert keys["longbench/llama31/snapkv/b0.25-ctx"] == "llama31 [task.compress=context]"
+    assert keys["longbench/llama31/snapkv/b0.25"] == "llama31 [task.compress=prompt]"
+    caption = selkv_table1(df)[0].caption
+    assert "ρ of the context tokens (task.compress=context) or ρ of the prompt tokens (task.compress=prompt)" in caption
+    assert "(task.compress=prompt)" in selkv_table1(df[df["compress"] == "prompt"])[0].caption
