@@ -574,7 +574,7 @@ def budget_sweep_figure(df, name: str, task: str, ratio: bool, title: str, per_d
             if full in t.index and t.loc[full].notna().any():
                 y, e = t.loc[full].iloc[0], np.nan_to_num(err.loc[full].iloc[0])  # sweep: one value per row
                 late = any((mk, full) in g.incomplete for g in grids.values())
-                ax.axhline(y, color="black", linestyle="--", linewidth=1, label=full + " (unfinished)" * late)
+                ax.axhline(y, color="black", linestyle="--", linewidth=1, label=full + " (unfinished)" * late, zorder=5)
                 ax.axhspan(y - e, y + e, color="grey", alpha=0.2)
             comp, hollow = [lab for lab in t.index if lab != full], []
             for lab, dx in zip(comp, dodge(len(comp))):
@@ -584,7 +584,12 @@ def budget_sweep_figure(df, name: str, task: str, ratio: bool, title: str, per_d
                 late = [(x, v) for x, b, v in zip(xs, vals.index, vals) if (mk, lab) in grids[b].incomplete]
                 hollow += ax.plot(*zip(*late), "o", mfc="white", mec=bars[0].get_color(), zorder=3) if late else []
                 for artist in bars.get_children() + hollow[-1:] * bool(late):  # after autoscaling to the data
-                    artist.set_transform(shift)
+                    artist.set_transform(shift), artist.set_clip_on(False)  # a score of 0 sits on the axis
+            lo, hi = ax.get_ylim()  # scores 0-100: a span of at least 5 points, never below 0
+            ax.set_ylim(max(0.0, min(lo, (lo + hi) / 2 - 2.5)), max(hi, max(0.0, (lo + hi) / 2 - 2.5) + 5))
+            pad = (max(dodge(len(comp)), default=0) + 8) * fig.dpi / 72  # pixels: dodged markers stay inside
+            px = ax.transData.transform([(x, 0) for x in ax.get_xlim()])[:, 0] + [-pad, pad]
+            ax.set_xlim(*ax.transData.inverted().transform([(x, 0) for x in px])[:, 0])
             ax.set(ylabel="Score (points)" if ds else "Average score (points)", title=mk + f" — {ds}" * bool(ds),
                    xlabel="KV retention ratio ρ (% of prompt tokens)" if ratio else "KV budget (tokens per layer per "
                    "KV head)")

@@ -630,3 +630,22 @@ def test_context_and_prompt_protocol_jobs_never_share_a_row_and_captions_name_th
     caption = selkv_table1(df)[0].caption
     assert "ρ of the context tokens (task.compress=context) or ρ of the prompt tokens (task.compress=prompt)" in caption
     assert "(task.compress=prompt)" in selkv_table1(df[df["compress"] == "prompt"])[0].caption
+
+
+def test_an_all_zero_budget_sweep_keeps_a_readable_y_range_inside_markers_and_the_reference_on_top(tmp_path):
+    from kvbench.report_tables import budget_sweep_figure
+
+    make_job(tmp_path, method="full", budget=1.0, scores={"qasper": 0.0})
+    for m in ("snapkv", "pyramidkv", "selkv"):
+        for b in (0.1, 0.5):
+            make_job(tmp_path, method=m, budget=b, scores={"qasper": 0.0})
+    fig = budget_sweep_figure(report.load_results(tmp_path), "f", "longbench", True, "t")[0].fig
+    ax = fig.axes[0]
+    assert ax.get_ylim() == (0.0, 5.0)
+    ref = [line for line in ax.lines if line.get_linestyle() == "--"]
+    assert len(ref) == 1 and ref[0].get_zorder() > max(line.get_zorder() for line in ax.lines if line not in ref)
+    fig.canvas.draw()
+    box = ax.get_window_extent()
+    xs = [x for line in ax.lines if line.get_marker() == "o"
+          for x, _ in line.get_transform().transform(line.get_xydata())]
+    assert len(xs) == 6 and box.x0 < min(xs) and max(xs) < box.x1
