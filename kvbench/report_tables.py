@@ -498,13 +498,14 @@ def _figure(n_rows: int, n_cols: int, w: float = 4.2, h: float = 3.2):
 
 def _done(name, fig, caption, used=None, sources=()) -> Artifact:
     """The figure with its caption below the panels (the figure grows by the caption's wrapped lines)."""
+    a = Artifact(name, caption, fig=fig, used=used, sources=list(sources))  # its caption names the protocol
     size, (w, h) = FontProperties(size="small").get_size_in_points(), fig.get_size_inches()
-    lines = textwrap.wrap(caption, int(w * 72 / (0.6 * size)))
+    lines = textwrap.wrap(a.caption, int(w * 72 / (0.6 * size)))
     below = len(lines) * 1.3 * size / 72 + 0.1  # inches
     fig.set_figheight(h + below)
     fig.get_layout_engine().set(rect=(0, below / (h + below), 1, h / (h + below)))
     fig.text(0.5, 0.005, "\n".join(lines), ha="center", va="bottom", fontsize="small")
-    return Artifact(name, caption, fig=fig, used=used, sources=list(sources))
+    return a
 
 
 def selkv_fig2(df: pd.DataFrame, budget: float = 0.25, task: str = "longbench") -> list[Artifact]:

@@ -649,3 +649,4 @@ def test_an_all_zero_budget_sweep_keeps_a_readable_y_range_inside_markers_and_th
     xs = [x for line in ax.lines if line.get_marker() == "o"
           for x, _ in line.get_transform().transform(line.get_xydata())]
     assert len(xs) == 6 and box.x0 < min(xs) and max(xs) < box.x1
+    assert "(task.compress=prompt)" in fig.texts[-1].get_text().replace("\n", " ")
