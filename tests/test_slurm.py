@@ -379,7 +379,12 @@ def test_a_preempted_task_resumes_to_the_uninterrupted_store(smoke, sweep, tmp_p
         if first.poll() is None:
             first.kill()
             first.communicate()
-    assert first.returncode == 0, _log_tail(tmp_path / "sweep1", out)
+    # submitit runs `scontrol requeue` inside the task, so SLURM's SIGTERM to the requeued task can
+    # kill that child before it exits (seen on a loaded CI machine): the task is requeued and
+    # finishes, but the launcher has already read the failed attempt. Only that race is tolerated.
+    raced = "Command '['scontrol', 'requeue'" in out and "died with <Signals.SIGTERM" in out
+    assert first.returncode == 0 or raced, _log_tail(tmp_path / "sweep1", out)
+    _wait(lambda: not _queued(array_id), "the requeued task to finish")
     assert _states(array_id, len(jobs)) == {f"{array_id}_{k}": "COMPLETED" for k in range(len(jobs))}
     assert "REQUEUED" in _history(f"{array_id}_1"), "task 1 was not requeued by submitit"
     assert _store(root) == {job: _store(smoke.root)[job] for job in jobs}
