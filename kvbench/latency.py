@@ -94,13 +94,13 @@ def run_latency(model_cfg: dict, method_cfgs: dict[str, dict], budget: float, le
     return records
 
 
-def compose(overrides: list[str]) -> Any:
-    """The composed Hydra config (``conf/config.yaml`` plus overrides)."""
+def compose(overrides: list[str], **kw) -> Any:
+    """The composed Hydra config (``conf/config.yaml`` plus overrides; ``kw``: of ``hydra.compose``)."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
-        return hydra_compose(config_name="config", overrides=overrides)
+        return hydra_compose(config_name="config", overrides=overrides, **kw)
 
 
 def main(argv: list[str] | None = None) -> int:

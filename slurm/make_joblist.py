@@ -1,14 +1,14 @@
 #!/usr/bin/env python
 """Expand a Hydra sweep into a job list for ``slurm/array.sbatch``: one line of overrides per job.
 
-Array task *i* runs ``python run.py <line i>``. Jobs come in the order of Hydra's basic sweeper
-(the cartesian product of the comma lists, the last key varying fastest)::
+Array task *i* runs ``python run.py <line i>``. Hydra's basic sweeper makes the jobs, in its order (the
+cartesian product of the comma lists, the last key varying fastest)::
 
     python slurm/make_joblist.py method=snapkv,selkv budget=0.1,0.25 task=niah -o jobs.txt
 
 ``--shards N`` splits every job into N array tasks (``shard.index=k shard.count=N``) writing
 into one job folder. Overrides are shell-quoted (``shlex.join``), so a line can be pasted after ``python run.py``.
-An experiment preset (``+experiment=NAME``) adds its own sweep (``hydra.sweeper.params``; keys
+An experiment preset (``+experiment=NAME``) adds its own sweep (``hydra.sweeper.params``, first; keys
 on the command line win). Comma lists, ``range()`` and ``choice()`` expand; ``glob()`` and
 ``interval()`` are refused. Each job is composed (a full-cache job ignores the budget: it is listed once,
 at its first budget, as a local sweep runs it), not checked: each job checks its own config.
@@ -23,14 +23,14 @@ linearly, and said), decode tokens/s, model load and compile time; then the fits
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import shlex
 import sys
 from pathlib import Path
 
 from hydra.core.override_parser.overrides_parser import OverridesParser
-from hydra.core.override_parser.types import Glob, Override
+from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+from hydra.core.override_parser.types import ValueType
 from hydra.errors import HydraException
 from omegaconf.errors import OmegaConfBaseException
 
@@ -42,50 +42,34 @@ class SweepSpecError(ValueError):
     """A sweep override that cannot be expanded into a job list (one line, names the override)."""
 
 
-def _choices(override: Override) -> list[str]:
-    """The override strings one key contributes (``['budget=0.1', 'budget=0.25']``); SweepSpecError
-    for ``glob()`` or ``interval()``."""
-    if not override.is_sweep_override():
-        return [override.input_line]
-    if not override.is_discrete_sweep() or isinstance(override.value(), Glob):
-        raise SweepSpecError(f"{override.input_line!r}: only comma lists, range() and choice() can be expanded")
-    key = override.get_key_element()
-    return [f"{key}={value}" for value in override.sweep_string_iterator()]
-
-
 def expand(overrides: list[str], shards: int = 1) -> list[list[str]]:
     """``n_jobs * shards`` override lists (the shards of a job side by side, with ``shard.index`` and
-    ``shard.count``) from the overrides of ``run.py -m``, in Hydra's multirun order.
+    ``shard.count``) from the overrides of ``run.py -m``, as Hydra's basic sweeper makes them
+    (``BasicSweeper.split_arguments``): the ``hydra.sweeper.params`` of a preset named by ``+experiment=NAME``
+    first, then the overrides; a key given twice keeps its first place and its last value.
 
     Raises:
-        SweepSpecError: an override that does not parse or cannot be expanded, or shards < 1.
+        SweepSpecError: an override that does not parse, a ``glob()`` or ``interval()`` sweep, no such preset,
+            or shards < 1.
     """
     if shards < 1:
         raise SweepSpecError(f"--shards={shards}: must be an integer >= 1")
+    sys.path.insert(0, str(ROOT))  # kvbench, methods, eval of this checkout
+    from kvbench.latency import compose
+
     try:
-        parsed = OverridesParser.create().parse_overrides(overrides)
+        presets = [o for o in overrides if o.lstrip("+").startswith("experiment=")]
+        params = compose(presets, return_hydra_config=True).hydra.sweeper.params if presets else {}
+        parsed = OverridesParser.create().parse_overrides([f"{k}={v}" for k, v in params.items()] + overrides)
+        bad = [o.input_line for o in parsed if o.is_interval_sweep() or o.value_type == ValueType.GLOB_CHOICE_SWEEP]
+        if bad:
+            raise SweepSpecError(f"{bad[0]!r}: only comma lists, range() and choice() can be expanded")
+        jobs = BasicSweeper.split_arguments(parsed, None)[0]
     except HydraException as error:
         raise SweepSpecError(str(error).splitlines()[0]) from None
-    jobs = [list(combo) for combo in itertools.product(*(_choices(o) for o in parsed))]
     if shards == 1:
         return jobs
     return [job + [f"shard.index={k}", f"shard.count={shards}"] for job in jobs for k in range(shards)]
-
-
-def preset_sweeps(overrides: list[str]) -> list[str]:
-    """The ``hydra.sweeper.params`` of the preset named by ``+experiment=NAME`` in ``overrides``, as
-    overrides, without the keys given on the command line. SweepSpecError: no such preset."""
-    import yaml
-
-    names = [o.split("=", 1)[1] for o in overrides if o.lstrip("+").startswith("experiment=")]
-    if not names:
-        return []
-    path = ROOT / "conf" / "experiment" / f"{names[-1]}.yaml"
-    if not path.is_file():
-        raise SweepSpecError(f"experiment={names[-1]}: no such preset ({path})")
-    params = (((yaml.safe_load(path.read_text()) or {}).get("hydra") or {}).get("sweeper") or {}).get("params") or {}
-    given = {o.lstrip("+~").split("=", 1)[0] for o in overrides}
-    return [f"{key}={value}" for key, value in params.items() if key not in given]
 
 
 def measure(run: Path, model: str) -> dict:
@@ -143,7 +127,6 @@ def unique_jobs(jobs: list[list[str]]) -> list[tuple[list[str], dict]]:
     listed once at its first budget."""
     from omegaconf import OmegaConf
 
-    sys.path.insert(0, str(ROOT))  # kvbench, methods, eval of this checkout
     from kvbench.latency import compose
 
     out: dict[str, tuple[list[str], dict]] = {}
@@ -203,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"{given[0]}: --shards {args.shards} sets shard.index and shard.count on every line")
     try:
         overrides = [("+" + o if o.startswith("experiment=") else o) for o in args.overrides]
-        composed = unique_jobs(expand(overrides + preset_sweeps(overrides), args.shards))
+        composed = unique_jobs(expand(overrides, args.shards))
         jobs = [job for job, _ in composed]
         if args.cost:
             table = cost(composed, args.cost)
