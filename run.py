@@ -17,7 +17,8 @@ Hydra does the work; what stays here: the arguments are reordered (options first
 takes none after an override), ``experiment=X`` becomes ``+experiment=X`` (presets are not in the
 defaults list, so that they come after ``_self_``), ``--multirun`` is added when a launcher is chosen
 (a launcher runs sweeps only); a configuration error's text is cut to one line naming the override,
-as Hydra's messages do not always (an unparsable override, a config group set to null).
+as Hydra's messages do not always (an unparsable override, a config group set to null), and
+``hydra/launcher=parallel`` without its plugin gets the pip command (Hydra names only the missing config).
 """
 
 from __future__ import annotations
