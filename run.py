@@ -103,10 +103,10 @@ def main() -> int:
             from hydra.core.hydra_config import HydraConfig
             from omegaconf import open_dict
 
+            from kvbench.config import compose
             from kvbench.job import main as run_job
 
-            with hydra.initialize_config_dir(config_dir=str(Path(__file__).resolve().parent / "conf"), version_base="1.3"):
-                cfg = hydra.compose("config", overrides=args, return_hydra_config=True)
+            cfg = compose(args, return_hydra_config=True)
             HydraConfig.instance().set_config(cfg)
             with open_dict(cfg):
                 del cfg["hydra"]

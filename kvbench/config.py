@@ -1,15 +1,8 @@
 """Job configuration: Hydra composes ``conf/`` once; :func:`check` validates it once and names the job.
 
-The top level, ``model``, each method and each task are dataclasses in Hydra's ConfigStore (:func:`register`), so
-Hydra checks keys, types and choices while it composes; their ``__post_init__`` check ranges when :func:`check`
-makes them objects (the method's config: :func:`methods.build_method`); the task's ``validate`` checks the files
-it names.
-Every problem is a :class:`~methods.base.ConfigError` (or ``TaskConfigError``) with one line naming
-the key and the accepted values; ``run.py`` prints it and exits 2 before any model loads.
-
-The job folder is ``<task>/<model>/<method preset>/b<budget>[-<run_tag>]-<hash>`` (full cache:
-no budget part), where ``<hash>`` covers every resolved setting that can change a result
-(:func:`identity`): a different setting is a different folder, so a resume only skips stored ids.
+The schemas (:func:`register`) and the checks: docs/ARCHITECTURE.md, step 2. Every problem is a
+:class:`~methods.base.ConfigError` (or ``TaskConfigError``), one line naming the key and the accepted values.
+The job folder and what its hash covers (:func:`identity`, :func:`job_relpath`): docs/RESULTS.md.
 """
 
 from __future__ import annotations
@@ -163,16 +156,18 @@ def register() -> None:
         store.store(group="schema/task", name=name, node=tasks.get_task_class(name).Config)
 
 
-def preset(group: str, name: str) -> dict:
-    """``conf/<group>/<name>.yaml`` as Hydra composes it, its schema's defaults filled in (a plain dict)."""
-    from hydra import compose, initialize_config_dir
+def compose(overrides: list[str], **kw: Any) -> Any:
+    """``conf/config.yaml`` composed by Hydra with ``overrides`` (``kw``: of ``hydra.compose``)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
 
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        return OmegaConf.to_container(compose("config", [f"{group}={name}"])[group], resolve=True, enum_to_str=True)
+        return hydra_compose("config", overrides, **kw)
 
 
-def _sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
+def preset(group: str, name: str) -> dict:
+    """``conf/<group>/<name>.yaml`` as Hydra composes it, its schema's defaults filled in (a plain dict)."""
+    return OmegaConf.to_container(compose([f"{group}={name}"])[group], resolve=True, enum_to_str=True)
 
 
 def resolved_inputs(task: dict, tokenizer: Any = None) -> tuple[dict, dict]:
@@ -202,7 +197,7 @@ def resolved_inputs(task: dict, tokenizer: Any = None) -> tuple[dict, dict]:
         if not files:
             raise TaskConfigError(f"task.data_dir={task['data_dir']}: no such folder, or no .jsonl/.json files in it")
         root = Path(task["data_dir"]).expanduser()
-        return {"data_files": {str(f.relative_to(root)): _sha256(f) for f in files}}, {}
+        return {"data_files": {str(f.relative_to(root)): hashlib.sha256(f.read_bytes()).hexdigest() for f in files}}, {}
     return {"hub": [task.get("hub_dataset"), task.get("hub_revision")]}, {}
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import gc
 import hashlib
 import importlib.metadata
+import json
 import logging
 import math
 import os
@@ -22,15 +23,19 @@ import time
 from contextlib import ExitStack
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
+from hydra.core.hydra_config import HydraConfig
 from hydra.experimental.callback import Callback
+from hydra.types import RunMode
+from omegaconf import OmegaConf
 
 import eval as tasks
-from eval.base import Sample, Task
+from eval.base import Sample, Task, TaskConfigError
+from methods.base import ConfigError
 
 from .config import SELECTION_KEYS, JobSpec, check
-from .store import JobStore, atomic_write
+from .store import JobLockedError, JobStore, atomic_write
 
 log = logging.getLogger("kvbench")
 EXIT_OK, EXIT_SAMPLE_FAILED, EXIT_CONFIG, EXIT_LOCKED = 0, 1, 2, 3
@@ -103,12 +108,11 @@ def environment(loaded: Any, device: str) -> dict[str, Any]:
         "packages": {d.name: d.version for d in importlib.metadata.distributions() if d.name.lower().replace("_", "-") in (
             "kvbench", "kvpress", "accelerate", "numpy", "gguf", "datasets", "hydra-core", "flash-attn", "safetensors")},
     }
-    if loaded is not None:
-        env.update(dtype=str(loaded.dtype).replace("torch.", ""), device=str(loaded.device), model_source=loaded.source,
-                   load_s=round(loaded.load_s, 2),
-                   layers=loaded.layout.num_layers, query_heads=loaded.layout.num_q_heads,
-                   kv_heads=loaded.layout.num_kv_heads, compressible_layers=list(loaded.layout.compressible_layers),
-                   logits_processors=[type(p).__name__ for p in loaded.processors])
+    env.update(dtype=str(loaded.dtype).replace("torch.", ""), device=str(loaded.device), model_source=loaded.source,
+               load_s=round(loaded.load_s, 2),
+               layers=loaded.layout.num_layers, query_heads=loaded.layout.num_q_heads,
+               kv_heads=loaded.layout.num_kv_heads, compressible_layers=list(loaded.layout.compressible_layers),
+               logits_processors=[type(p).__name__ for p in loaded.processors])
     return env
 
 
@@ -122,16 +126,11 @@ def build_task(cfg: dict, loaded: Any, resolved: dict | None = None) -> tuple[Ta
     return task, list({s.id: s for s in task.samples()}.values()), max_input
 
 
-def prompt_sha256(sample: Sample) -> str:
-    """SHA-256 (hex) of the prompt as the task built it (truncated, before the chat template)."""
-    return hashlib.sha256(sample.prompt.encode("utf-8")).hexdigest()
-
-
 def run_sample(engine: Any, loaded: Any, task: Task, sample: Sample, prefilled: Any = None) -> dict[str, Any]:
     """Generate and score one sample; never raises (an error becomes the record's ``error``).
     ``prefilled``: the engine's part of a shared prefill (:func:`kvbench.engine.prefill`) or the error it raised."""
     base = {"id": sample.id, "dataset": sample.dataset, "answers": sample.answers, "all_classes": sample.all_classes,
-            "length": sample.length, "meta": sample.meta, "prompt_sha256": prompt_sha256(sample)}
+            "length": sample.length, "meta": sample.meta, "prompt_sha256": hashlib.sha256(sample.prompt.encode()).hexdigest()}
     try:
         if isinstance(prefilled, BaseException):
             raise prefilled
@@ -239,13 +238,16 @@ def heatmap(store: JobStore, records: list[dict], cfg: dict) -> None:
         log.warning("heatmap not written: %s", e)
 
 
-def resolve_threads(threads: Any) -> int | None:
-    """``auto``: the cores minus the 1-minute load (at least 1): other busy processes on the same
-    cores make OpenMP threads wait on each other and decoding many times slower."""
-    if threads != "auto":
-        return threads
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, cores - round(os.getloadavg()[0])) if hasattr(os, "getloadavg") else cores
+def set_threads(threads: Any) -> None:
+    """Set torch's CPU threads; ``auto``: the cores minus the 1-minute load (at least 1): other busy processes
+    on the same cores make OpenMP threads wait on each other and decoding many times slower."""
+    import torch
+
+    if threads == "auto":
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        threads = max(1, cores - round(os.getloadavg()[0])) if hasattr(os, "getloadavg") else cores
+    if threads:
+        torch.set_num_threads(threads)
 
 
 def run_job(job: JobSpec, wait_s: float | None = None) -> int:
@@ -297,10 +299,6 @@ def open_stores(jobs: list[JobSpec], stack: ExitStack, wait_s: float | None, cod
     time. A finished job prints its summary and gets its code in ``codes``. Returns the ``(job, store)``
     pairs to run; a folder made here is removed again when ``stack`` closes on an error before any
     sample was stored."""
-    from omegaconf import OmegaConf
-
-    from .store import JobLockedError
-
     runs = []
     for job in jobs:
         top, shard = job.top, (job.top.shard.index, job.top.shard.count)
@@ -343,14 +341,10 @@ def load(job: JobSpec) -> tuple[Any, Task, list[Sample], list[str], bool]:
     """
     import torch
 
-    from methods.base import ConfigError
-
     from .models import load_model
 
     top, (index, count) = job.top, (job.top.shard.index, job.top.shard.count)
-    threads = resolve_threads(top.threads)
-    if threads:
-        torch.set_num_threads(threads)
+    set_threads(top.threads)
     random.seed(top.seed)
     torch.manual_seed(top.seed)
     loaded = load_model(job.cfg["model"], top.device, job.source, job.layout)
@@ -396,8 +390,6 @@ def summarise(job: JobSpec, store: JobStore, task: Task, expected: list[str]) ->
 
 
 def _read_summary(store: JobStore) -> dict | None:
-    import json
-
     try:
         return json.loads((store.path / "summary.json").read_text())
     except (OSError, ValueError):
@@ -451,13 +443,6 @@ def main(cfg: Any) -> Any:
     job before any model loads and then runs them (:func:`run_sweep`). With other launchers (SLURM,
     joblib) a failing job raises so that the launcher reports it.
     """
-    from hydra.core.hydra_config import HydraConfig
-    from hydra.types import RunMode
-    from omegaconf import OmegaConf
-
-    from eval.base import TaskConfigError
-    from methods.base import ConfigError
-
     for noisy in ("transformers", "datasets", "httpx", "urllib3", "huggingface_hub"):
         logging.getLogger(noisy).setLevel(logging.ERROR)
     hc = HydraConfig.get()
@@ -506,8 +491,6 @@ def run_sweep(jobs: list[JobSpec]) -> int:
     Raises:
         ConfigError / TaskConfigError / OSError: as :func:`run_jobs` (``run.py`` prints one line).
     """
-    import json
-
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT, force=True)  # not Hydra's launcher format ([HYDRA])
     groups: dict[str, list[JobSpec]] = {}
     for i, job in enumerate(jobs):

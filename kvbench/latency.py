@@ -23,12 +23,12 @@ from typing import Any
 from methods import build_method
 
 from .cli import ArgParser, flat, listof
-from .job import resolve_threads
+from .config import CONF, compose
+from .job import set_threads
 from .store import atomic_write
 
 DEFAULT_NEW_TOKENS = 256  # SelKV Figure 3 generates 256 tokens
 DEFAULT_LENGTHS = [512, 1024, 2048, 4096, 8192]
-CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 RESULT_FIELDS = ("prefill_s", "compress_s", "decode_s", "generated_tokens", "decode_tok_s", "cache_bytes_before",
                  "cache_bytes_after")
 
@@ -94,20 +94,11 @@ def run_latency(model_cfg: dict, method_cfgs: dict[str, dict], budget: float, le
     return records
 
 
-def compose(overrides: list[str], **kw) -> Any:
-    """The composed Hydra config (``conf/config.yaml`` plus overrides; ``kw``: of ``hydra.compose``)."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
-        return hydra_compose(config_name="config", overrides=overrides, **kw)
-
-
 def main(argv: list[str] | None = None) -> int:
     """CLI entry point (see the module docstring); usage and config errors: one line, exit 2."""
     from omegaconf import OmegaConf
 
-    known = sorted(f.stem for f in (CONF_DIR / "method").glob("*.yaml"))
+    known = sorted(f.stem for f in (CONF / "method").glob("*.yaml"))
     positive, one = listof(int, lambda n: n >= 1, "integers >= 1"), listof(int, lambda n: n >= 1, "integers >= 1", one=True)
     p = ArgParser(prog="python -m kvbench.latency", description=__doc__.split("\n\n")[0])
     p.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. +experiment=selkv_fig3 model=llama31")
@@ -149,10 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     new_tokens = int(args.new_tokens or lat.get("max_new_tokens") or DEFAULT_NEW_TOKENS)
     lengths = list(dict.fromkeys(int(x) for x in lengths or lat.get("lengths") or DEFAULT_LENGTHS))
     out = Path(args.out or lat.get("out") or Path(cfg.get("output_root", "results")) / "latency.json")
-    if threads := resolve_threads(cfg.get("threads")):  # as a job does, before the model loads
-        import torch
-
-        torch.set_num_threads(threads)
+    set_threads(cfg.get("threads"))  # as a job does, before the model loads
     records = run_latency(model_cfg, method_cfgs, float(budget), lengths, new_tokens,
                           int(args.repeats or lat.get("repeats") or 1), out, device=str(cfg.get("device", "auto")))
     if not records:

@@ -1,16 +1,7 @@
 """The results store: one folder per job, one flushed JSON line per sample, resumable.
 
-Layout and record schema: ``docs/RESULTS.md``. What protects the data:
-
-* records are appended under an exclusive ``flock`` (``.append.lock``), flushed and ``fsync``-ed,
-  so shards of one job share ``predictions.jsonl`` and a ``kill -9`` loses at most the sample in flight;
-* a truncated last line (a crash mid-write) is moved aside to ``predictions.jsonl.partial-<ms>``
-  when the job opens, so its sample is computed again;
-* a process holds ``.lock.shard<k>-of-<K>`` for its whole run: a second process on the same shard
-  waits up to ``lock_wait_s`` seconds and then raises :class:`JobLockedError`;
-* ``config.yaml``, ``env.json`` and ``summary.json`` are written atomically (temp file + rename);
-* an OS error while writing (a full disk) names the file (:func:`naming`) and leaves what was stored
-  as it was: no temp file, no half record.
+Layout, record schema and what protects the data (locks, atomic writes, a truncated last line moved
+aside, an OS error naming the file): ``docs/RESULTS.md``.
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """``hydra/launcher=local`` (the default): a sweep on this machine, in this process.
 
-Hydra's basic launcher runs the task function (``kvbench.job.main``) once per job; here it only checks
-each job (a :class:`kvbench.config.JobSpec`), so that a bad value in any job stops the sweep with one
-line and exit 2 before a model loads. Then :func:`kvbench.job.run_sweep` runs the checked jobs (one
-prefill per sample for those sharing it, ``sweep.share_prefill=true``) and the process ends with the
-largest exit code: Hydra's multirun returns no value to ``run.py``.
+The task function (:func:`kvbench.job.main`) only checks each job here: a bad value in any job stops the sweep
+(one line, exit 2) before a model loads. Then :func:`kvbench.job.run_sweep` runs them and the process ends with
+the largest exit code (Hydra's multirun returns no value to ``run.py``).
 """
 
 from __future__ import annotations
