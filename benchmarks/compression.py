@@ -1,11 +1,5 @@
-"""Compression cost per method as a fraction of prefill time, and its scaling with prompt length.
-
-Per prompt length (1k, 2k, 4k) each method runs one sample through the engine in this process
-(budget 25 %, one new token) after a warm-up; the full cache gives the prefill time. Cost =
-``compress_s``, plus the extra prefill time over the full cache for a score computed inside the
-prefill attention (``Method.wants_prompt_attention``: LOOK-M on CPU). Targets at the longest
-length: cost ≤ 5 % of prefill; exponent of cost vs length (log-log least squares) ≤ 1.2.
-"""
+"""Compression cost per method as a fraction of prefill time, and its scaling with prompt length (targets:
+benchmarks/README.md; what the cost counts: the table's note)."""
 
 from __future__ import annotations
 

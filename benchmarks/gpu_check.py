@@ -3,19 +3,8 @@
     timeout 480 python benchmarks/gpu_check.py --out $OUT    # CUDA: 32 layers, vocabulary 32768, 32k and 128k
     python benchmarks/gpu_check.py --device cpu              # tiny shapes (what CI runs)
 
-Writes ``<out>/gpu_check.json`` after each part (a timeout keeps what was measured) and prints a table:
-* ``sdpa``: PyTorch's SDPA choice for the decode shapes by default and under kvbench's decode backends
-  (:data:`kvbench.attention.DECODE_BACKENDS`), and ms per call while the KV length grows by one (a cuDNN
-  plan rebuilt per length shows as a flat high cost);
-* ``engine``: full, SnapKV, SelKV and AdaKV at 25 % (every method at the first length), one shared prefill
-  per length: decode ms/step (median after 2 warm-up steps) and every step's ms, the decode-phase peak
-  memory, cache bytes, the SDPA backends PyTorch chose, and the logits against the float32 reference
-  decode (:func:`kvbench.attention.grouped_attention`) as a relative error;
-* ``compiled``: compiled vs eager decode ms/step at the first length, compile seconds apart;
-* ``varlen``: per-head-length decode (flash varlen on CUDA) against a float32 reference for GQA 4 and 5,
-  MHA and head dim 256 (with and without a bias column);
-* ``lookm``: LOOK-M's score of one layer at the first length, QK^T in bf16 vs float32: ms and relative error;
-* ``kvpress``: kvpress's SnapKV decode ms/step and cache bytes on the same model, when kvpress is importable.
+Writes ``<out>/gpu_check.json`` after each part (a timeout keeps what was measured) and prints a table. The parts
+(``sdpa``, ``engine``, ``compiled``, ``varlen``, ``lookm``, ``kvpress``) and what their rows settle: docs/PERFORMANCE.md.
 Exit 1 when a part failed or an error exceeded its tolerance.
 """
 

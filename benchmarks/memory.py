@@ -1,12 +1,6 @@
-"""Memory per method at 4096 prompt tokens (the longest with --quick/--lengths), budget 25 %.
-
-Each configuration runs on its own with MKL's buffer pool off (``MKL_DISABLE_FAST_MM=1``,
-so resident memory is live memory; CUDA: allocated bytes). Decode-phase memory is counted above
-the process's memory with the model loaded; kept vs stored = logical tokens vs slots per KV head,
-and the compressed layers' stored vs kept bytes (the free decode slots, the same for every method,
-not counted). Targets: the decode-phase memory drops below the full cache's by the cache bytes
-saved, within max(2 %, 1 MB); AdaKV and HeadKV (per-head lengths) store ≤ 1.05× the kept bytes.
-"""
+"""Memory per method at 4096 prompt tokens (the longest with --quick/--lengths), budget 25 %, each configuration on
+its own (``Context.worker``'s ``live_memory``); targets: benchmarks/README.md. Decode-phase memory is counted above
+the process's memory with the model loaded; the free decode slots (the same for every method) are not."""
 
 from __future__ import annotations
 

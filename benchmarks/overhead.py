@@ -1,10 +1,5 @@
-"""Harness overhead: per-sample time of a ``full`` job vs plain transformers ``generate``.
-
-Same process, weights, prompt and new tokens, greedy: ``Engine(loaded, full, 1.0).generate`` vs
-``model.generate(do_sample=False)`` with ``attn_implementation="sdpa"``, both forced to generate
-exactly T tokens (``min_new_tokens``), alternating after a warm-up each. Target: the ratio of
-the medians kvbench / transformers ≤ 1.05.
-"""
+"""Harness overhead: per-sample time of a ``full`` job vs plain transformers ``generate`` (SDPA, greedy, both
+forced to exactly T new tokens), alternating in one process. Target: median kvbench / transformers ≤ 1.05."""
 
 from __future__ import annotations
 

@@ -1,11 +1,6 @@
-"""Against kvpress: the same SnapKV setting through kvpress's pipeline and through kvbench.
-
-Window 32, average pooling kernel 5, GQA mean, 25 % of the prompt kept (kvpress
-``compression_ratio=0.75``; it gets the prompt as ``context`` with an empty question), greedy,
-the same new tokens, stop tokens off; same process and weights (kvpress with SDPA), alternating
-after a warm-up each. Target: median per-sample time kvbench / kvpress ≤ 0.95. Skipped without
-the optional extra (``pip install -e ".[kvpress]"``).
-"""
+"""Against kvpress: the same SnapKV setting (window 32, kernel 5, 25 % kept) through kvpress's pipeline and through
+kvbench, alternating in one process. Target: median per-sample time kvbench / kvpress ≤ 0.95. Skipped without the
+optional extra (``pip install -e ".[kvpress]"``)."""
 
 from __future__ import annotations
 

@@ -3,19 +3,15 @@
 ``heads``: the retrieval-head detection protocol (Wu et al. 2025, used by HeadKV and CompressKV):
 a needle at several depths of haystacks of several token lengths; the model answers greedily (at
 most 50 tokens, up to a newline) and each step's attention row is scored (:func:`trh_step_scores` etc.);
-a sample counts if the answer is right (ROUGE-1 recall > 50; R2: QA-F1 > 50). Writes
-``retrieval_heads.json`` (TRH), ``semantic_retrieval_heads.json`` (SRH, CompressKV Eq. 1),
-``retrieval_reasoning_heads.json`` (HeadKV R2), each ``{"<layer>-<head>": [score per accepted
-sample]}``, ``srh_head_idx.json`` / ``trh_head_idx.json`` (``{layer: [heads, best first]}``) and
-``heads_meta.json``.
+a sample counts if the answer is right (ROUGE-1 recall > 50; R2: QA-F1 > 50). Writes the TRH, SRH
+(CompressKV Eq. 1) and HeadKV R2 score files, the TRH and SRH rankings and ``heads_meta.json``.
 
 ``layers``: CompressKV Eq. 2-4. While the model decodes greedily with its full cache, each layer's
 attention output (after W_O) is also computed with a minimally compressed cache (CompressKV, budget
 32: SRH top-4, W = 8, K = 5, avg pooling) and e_l += ‖O_full − O_comp‖_F / (‖O_full‖_F + ε); sums
 are L1-normalised per dataset, ``avg_score`` is their normalised mean. Writes ``layer_score.jsonl``.
 
-The model (default: the embedded SmolLM2-135M GGUF; ``--model``: a ``conf/model`` name or any
-``model.source``) loads as in a job, CPU float32. Files go to ``--out`` (``methods/artifacts/<name>``).
+The model loads as in a job (:func:`model_config`). File formats: methods/artifacts/README.md.
 """
 
 from __future__ import annotations

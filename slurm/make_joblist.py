@@ -1,23 +1,11 @@
 #!/usr/bin/env python
-"""Expand a Hydra sweep into a job list for ``slurm/array.sbatch``: one line of overrides per job.
-
-Array task *i* runs ``python run.py <line i>``. Hydra's basic sweeper makes the jobs, in its order (the
-cartesian product of the comma lists, the last key varying fastest)::
+"""Expand a Hydra sweep into a job list for ``slurm/array.sbatch``: one line of overrides per job, in the order of
+Hydra's basic sweeper (array task *i* runs ``python run.py <line i>``; lines are ``shlex.join``-quoted)::
 
     python slurm/make_joblist.py method=snapkv,selkv budget=0.1,0.25 task=niah -o jobs.txt
 
-``--shards N`` splits every job into N array tasks (``shard.index=k shard.count=N``) writing
-into one job folder. Overrides are shell-quoted (``shlex.join``), so a line can be pasted after ``python run.py``.
-An experiment preset (``+experiment=NAME``) adds its own sweep (``hydra.sweeper.params``, first; keys
-on the command line win). Comma lists, ``range()`` and ``choice()`` expand; ``glob()`` and
-``interval()`` are refused. Each job is composed (a full-cache job ignores the budget: it is listed once,
-at its first budget, as a local sweep runs it), not checked: each job checks its own config.
-
-``--cost RUN`` prints what the sweep will cost instead: per job (array task) its samples, prompt
-tokens and generation limit (the task built with the model's tokenizer, as the job builds it) and
-its hours from what RUN (a ``latency.json``, a job folder or a results root) measured for the same
-model: prefill time fitted as a power of the prompt length (at least two lengths; one is scaled
-linearly, and said), decode tokens/s, model load and compile time; then the fits and the totals.
+``--shards N`` splits every job into N array tasks; ``--cost RUN`` prints what the sweep will cost instead. Presets,
+what expands and how the cost is estimated: docs/SWEEPS.md.
 """
 
 from __future__ import annotations
@@ -73,12 +61,9 @@ def expand(overrides: list[str], shards: int = 1) -> list[list[str]]:
 
 
 def measure(run: Path, model: str) -> dict:
-    """What ``run`` (a ``latency.json``, a job folder or a results root: its jobs of ``model``) measured over its
-    successful records: prefill seconds (compression included) at n prompt tokens, ``a``·n^``p`` fitted by least
-    squares in log-log (with one prompt length p = 1, linear, and ``note`` says so); ``decode_tok_s`` (generated
-    tokens / ``decode_s``, compiling steps excluded); the seconds a job pays once: ``load_s`` (mean model load,
-    from ``env*.json`` or latency records) and ``compile_s`` (mean over the samples that compiled). SweepSpecError:
-    no such record."""
+    """What ``run`` (a ``latency.json``, a job folder or a results root) measured for ``model`` over its successful
+    records (docs/SWEEPS.md): prefill seconds ≈ ``a``·n^``p`` at n prompt tokens (``note``: the fit in words),
+    ``decode_tok_s``, and the seconds a job pays once, ``load_s`` and ``compile_s``. SweepSpecError: no such record."""
     import numpy as np
     import yaml
 
