@@ -332,7 +332,7 @@ def selkv_table4(df: pd.DataFrame, budget: float = 0.25, task: str = "longbench"
     v = data[g.labels].where(pd.DataFrame({lab: [(m, lab) not in g.incomplete for m in data["Model"]]
                                            for lab in g.labels})).map(round2, na_action="ignore")
     differ = (v.nunique(axis=1) > 1) | (v.count(axis=1) < 2)  # no bold where the methods print one value
-    bold = set(v[v.eq(v.max(axis=1), axis=0) & differ.to_numpy()[:, None]].stack().index)
+    bold = set(v[v.eq(v.max(axis=1), axis=0) & differ.to_numpy()[:, None]].stack().dropna().index)  # NaN: pandas 3
     caption = (f"Category-level averages on LongBench ({budget_text(budget)} KV budget; {budget_semantics([budget])}):"
                " mean over the category's datasets present; bold: best compressed method per category.")
     return [Artifact("selkv_table4", caption, data, bold=bold, used=g.used)]
