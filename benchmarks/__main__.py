@@ -14,14 +14,17 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import logging
 import os
 import sys
 import time
 import traceback
+import warnings
 from collections import Counter
 from pathlib import Path
 
 from kvbench.cli import ArgParser, flat, listof
+from kvbench.store import atomic_write
 from methods.base import ConfigError
 
 from .common import ROOT, BenchResult, Context, Settings, log, machine_info, table
@@ -98,11 +101,6 @@ def render(machine: dict, results: list[BenchResult], command: str, notes: list[
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    import logging
-    import warnings
-
-    from kvbench.store import atomic_write
-
     warnings.filterwarnings("ignore")
     logging.disable(logging.WARNING)
     settings = Settings(quick=args.quick, model=args.model, device=args.device, out=str(Path(args.out).resolve()),

@@ -67,8 +67,6 @@ def build_method(name: str, layout=None, **overrides):
 
 
 # --- prompts -----------------------------------------------------------------------------
-
-
 def wrap(tokenizer, context: str) -> str:
     """``context`` as the user turn of the chat template (or ``context + "\\nAnswer:"``)."""
     if getattr(tokenizer, "chat_template", None):
@@ -96,8 +94,6 @@ def build_prompt(tokenizer, n_tokens: int) -> tuple[str, list[int]]:
 
 
 # --- results -----------------------------------------------------------------------------
-
-
 @dataclass
 class Target:
     """One acceptance target: ``measured`` against ``target`` (a readable bound such as ``≤ 1.05×``);
@@ -170,8 +166,6 @@ def machine_info(settings: Settings) -> dict[str, Any]:
 
 
 # --- measured engine runs ----------------------------------------------------------------
-
-
 def release_freed_memory() -> bool:
     """``gc.collect()`` and glibc's ``malloc_trim(0)``; False where there is no glibc."""
     gc.collect()
@@ -203,7 +197,7 @@ def measure(engine, ids: list[int], new_tokens: int) -> dict[str, Any]:
     """
     import torch
 
-    from kvbench.engine import peak_memory_bytes, reset_peak_rss
+    from kvbench.engine import peak_memory_bytes, reset_peak_memory
 
     loaded = engine.loaded
     dev = loaded.device
@@ -225,10 +219,7 @@ def measure(engine, ids: list[int], new_tokens: int) -> dict[str, Any]:
         starts.append(time.perf_counter())
 
     release_freed_memory()
-    if dev.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(dev)
-    else:
-        reset_peak_rss()
+    reset_peak_memory([dev])
     after_load = _mem_now(dev)
     handle = decoder.register_forward_pre_hook(on_forward, with_kwargs=True)
     try:
@@ -272,9 +263,7 @@ class Context:
                live_memory: bool = False) -> list[dict[str, dict]]:
         """Run ``configs`` (``(label, method, budget)``) in turn for ``rounds`` rounds on an ``n``-token
         prompt, each engine warmed up first and freed after (memoised): one ``{label: measure(...)}`` per
-        round. ``live_memory``: a run of its own even when an equal one was memoised (the suite runs with
-        ``MKL_DISABLE_FAST_MM=1``: MKL's buffer pool, outside PyTorch, would count as memory not freed).
-        """
+        round. ``live_memory``: a run of its own even when an equal one was memoised."""
         key = json.dumps([configs, n, rounds, live_memory])
         if key not in self._runs:
             from kvbench.engine import Engine

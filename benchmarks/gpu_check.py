@@ -77,6 +77,15 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _timed(device: torch.device, fn):
+    """``(ms, fn())``: the call's milliseconds, the device synchronised before and after."""
+    _sync(device)
+    t = time.perf_counter()
+    out = fn()
+    _sync(device)
+    return 1000 * (time.perf_counter() - t), out
+
+
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     """max |a − b| relative to the spread of b (logits of a random model are nearly uniform: not |b|)."""
     a, b = a.float(), b.float()
@@ -98,14 +107,8 @@ def sdpa_part(device, dtype, lengths: list[int], steps: int = 16) -> list[dict]:
             for label, backends in (("default", None), ("kvbench", DECODE_BACKENDS)):
                 with sdpa_kernel(backends) if backends else nullcontext():
                     row[f"{label}_choice"] = sdpa_backend(q, buf[:, :, :n], buf[:, :, :n])
-                    times = []
-                    for i in range(steps):
-                        k = buf[:, :, : n + i]
-                        _sync(device)
-                        t = time.perf_counter()
-                        F.scaled_dot_product_attention(q, k, k)
-                        _sync(device)
-                        times.append(1000 * (time.perf_counter() - t))
+                    times = [_timed(device, lambda k=buf[:, :, : n + i]: F.scaled_dot_product_attention(q, k, k))[0]
+                             for i in range(steps)]
                     row[f"{label}_step_ms"] = [round(x, 3) for x in times]
             rows.append(row)
     return rows
@@ -198,11 +201,9 @@ def lookm_part(loaded, n: int) -> list[dict]:
     row, sums = {"part": "lookm", "tokens": n}, {}
     for label, dtype in (("bf16", torch.bfloat16), ("float32", torch.float32)):
         for _ in range(2):  # the second call is timed
-            _sync(loaded.device)
-            t = time.perf_counter()
-            sums[label] = cumulative_attention(q.to(dtype), k.to(dtype), c.head_dim**-0.5, None, 512)
-            _sync(loaded.device)
-        row[f"{label}_ms"] = round(1000 * (time.perf_counter() - t), 3)
+            ms, sums[label] = _timed(loaded.device, lambda: cumulative_attention(q.to(dtype), k.to(dtype),
+                                                                                 c.head_dim**-0.5, None, 512))
+        row[f"{label}_ms"] = round(ms, 3)
     err = float((sums["bf16"] - sums["float32"]).abs().max() / sums["float32"].abs().max())
     return [{**row, "rel_err": err, "ok": err <= TOLERANCE[torch.float32]}]
 
@@ -231,11 +232,8 @@ def kvpress_part(loaded, n: int, new_tokens: int) -> list[dict]:
                 tok = model(ids, past_key_values=cache, logits_to_keep=1).logits[:, -1:].argmax(-1)
             size, steps = cache_bytes(cache), []
             for _ in range(new_tokens):
-                _sync(dev)
-                t = time.perf_counter()
-                tok = model(tok, past_key_values=cache).logits[:, -1:].argmax(-1)
-                _sync(dev)
-                steps.append(1000 * (time.perf_counter() - t))
+                ms, tok = _timed(dev, lambda: model(tok, past_key_values=cache).logits[:, -1:].argmax(-1))
+                steps.append(ms)
     finally:
         model.set_attn_implementation(own)
     return [{"part": "kvpress", "method": "snapkv", "tokens": n, "kvpress": importlib.metadata.version("kvpress"),
