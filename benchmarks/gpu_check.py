@@ -17,6 +17,7 @@ import sys
 import time
 from contextlib import nullcontext
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -50,12 +51,8 @@ def build(device: torch.device, layers: int):
     with torch.device(device):
         model = LlamaForCausalLM._from_config(config, dtype=dtype).eval()
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
-
-    class Tok:
-        def decode(self, ids, skip_special_tokens=True):
-            return ""
-
-    return LoadedModel(model=model, tokenizer=Tok(), layout=head_layout(config, "random"), device=device, dtype=dtype,
+    tok = SimpleNamespace(decode=lambda ids, skip_special_tokens=True: "")
+    return LoadedModel(model=model, tokenizer=tok, layout=head_layout(config, "random"), device=device, dtype=dtype,
                        stop_ids=[], chat_template=None, max_input_length=config.max_position_embeddings, source="random")
 
 
@@ -163,8 +160,6 @@ def engine_part(loaded, names, n: int, new_tokens: int, compiled: bool = False, 
 def varlen_part(device, dtype, n: int) -> list[dict]:
     """Decode attention over per-head lengths (:class:`kvbench.kvcache.RaggedLayer`) against float32 reference
     attention, for (query heads, KV heads, head dim, bias columns) of Llama (GQA 4), Qwen (GQA 5), MHA, head dim 256."""
-    from types import SimpleNamespace
-
     from kvbench.attention import _decode_attention, decode_backend, dense_layer, grouped_attention
     from kvbench.kvcache import PreallocatedLayer, store_layer, write_bias
 
