@@ -28,6 +28,11 @@ import re
 import sys
 from pathlib import Path
 
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from omegaconf import open_dict
+
 CONFIG_ERRORS = ("ConfigError", "TaskConfigError", "HydraException", "OmegaConfBaseException", "OverrideParseException")
 VALUE_FLAGS = {"-c", "--cfg", "-p", "--package", "-cn", "--config-name", "-cp", "--config-path", "-cd", "--config-dir",
                "--info", "-sc", "--shell-completion", "--experimental-rerun"}
@@ -49,8 +54,6 @@ def _arguments(argv: list[str]) -> list[str]:
 
 def _one_line(e: BaseException, args: list[str]) -> str:
     """A Hydra / OmegaConf / kvbench configuration error as one line naming the key."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
     line = re.sub(r" To append to your config use \S+", "", " ".join(str(e).split()))
     line = line.split(" Config search path:")[0]
     if "Could not load 'hydra/launcher/joblib'" in line:  # hydra/launcher=parallel without its plugin
@@ -75,8 +78,6 @@ def _one_line(e: BaseException, args: list[str]) -> str:
 def _group_override(e: BaseException, args: list[str]) -> str | None:
     """The one line for a config group's override whose value is not an option name (``method=null``): Hydra
     raises a bare ValueError naming no key."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
     if isinstance(e, ValueError) and "Config group override" in str(e):
         for o in OverridesParser.create().parse_overrides([a for a in args if not a.startswith("-")]):
             folder = Path(__file__).resolve().parent / "conf" / o.key_or_group
@@ -94,15 +95,10 @@ def _escaped(text: str) -> str:
 def main() -> int:
     """Run one job (composed once) or, with an option such as ``-m``, the Hydra app; turn a
     configuration error into one line and exit code 2."""
-    import hydra
-
     os.environ["HYDRA_FULL_ERROR"] = "1"  # errors reach the handler below instead of Hydra's report
     args = _arguments(sys.argv[1:])
     try:
         if not any(a.startswith("-") for a in args):  # one job: compose once (hydra.main also composes for the mode)
-            from hydra.core.hydra_config import HydraConfig
-            from omegaconf import open_dict
-
             from kvbench.config import compose
             from kvbench.job import main as run_job
 

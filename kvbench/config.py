@@ -15,12 +15,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from hydra import compose as hydra_compose
+from hydra import initialize_config_dir
+from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 import eval as tasks
+import methods
 from eval.base import TaskConfigError
-from methods.base import Budget, ConfigError, check_budget, structured  # noqa: F401 - structured: tests
+from methods.base import ConfigError, check_budget, structured  # noqa: F401 - structured: tests
 
 from .models import CHAT_FORMATS
 
@@ -140,13 +144,8 @@ class ModelConfig:
 
 
 def register() -> None:
-    """Store the schemas in Hydra's ConfigStore (``hydra_plugins/kvbench_launcher`` calls it when Hydra starts, before
-    any composition): the top level as ``kvbench`` (``conf/config.yaml``'s first default), ``schema/model`` and
-    ``schema/method/<name>`` (:func:`methods.schema`) and ``schema/task/<name>`` (the task's ``Config``), which
-    ``conf/model/*.yaml``, ``conf/method/*.yaml`` and ``conf/task/*.yaml`` extend with what differs from the defaults."""
-    import methods
-    from hydra.core.config_store import ConfigStore
-
+    """Store the schemas in Hydra's ConfigStore before any composition (``hydra_plugins/kvbench_launcher``): ``kvbench``
+    (the top level), ``schema/model``, ``schema/method/<name>`` and ``schema/task/<name>``, which ``conf/`` extends."""
     store = ConfigStore.instance()
     store.store(name="kvbench", node=TopConfig)
     store.store(group="schema", name="model", node=ModelConfig)
@@ -158,9 +157,6 @@ def register() -> None:
 
 def compose(overrides: list[str], **kw: Any) -> Any:
     """``conf/config.yaml`` composed by Hydra with ``overrides`` (``kw``: of ``hydra.compose``)."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         return hydra_compose("config", overrides, **kw)
 
@@ -207,8 +203,8 @@ class JobSpec:
     it and nothing re-checks it.
 
     Attributes:
-        cfg: the plain config (``config.yaml``); ``top``/``model``: its typed top level and model node.
-        method: the built method (its layout set, artifacts read). ``budget``: the checked budget.
+        cfg: the plain config (``config.yaml``); ``top``: its typed top level (``top.budget``: the checked budget).
+        method: the built method (its layout set, artifacts read).
         source: the resolved model source ``(path, gguf_file)``; ``layout``: the model's head layout.
         inputs: the resolved inputs in the identity (hashes); ``resolved``: what the task reads, read once.
         artifacts: the artifact files the method read. ``identity``/``relpath``: the job folder's name.
@@ -216,9 +212,7 @@ class JobSpec:
 
     cfg: dict
     top: TopConfig
-    model: ModelConfig
     method: Any
-    budget: Budget
     source: tuple[str, str | None]
     layout: Any
     inputs: dict
@@ -291,7 +285,6 @@ def check(cfg: Any, preset: str | None = None) -> JobSpec:
     Raises:
         ConfigError / TaskConfigError: the first problem found, as one line naming the key.
     """
-    import methods
     from methods import artifacts
     from .models import head_layout, load_tokenizer, read_config, resolve_source
 
@@ -327,5 +320,5 @@ def check(cfg: Any, preset: str | None = None) -> JobSpec:
                           f"tokens) plus the generation exceed the model's context window of {window} tokens")
     inputs, resolved = resolved_inputs(task, lambda: load_tokenizer(plain["model"], source))
     ident = identity(plain, source, inputs, device_type(top.device))
-    return JobSpec(plain, top, model, method, top.budget, source, layout, inputs, resolved, artifacts.files_read(), ident,
+    return JobSpec(plain, top, method, source, layout, inputs, resolved, artifacts.files_read(), ident,
                    job_relpath(plain, preset, ident))

@@ -35,6 +35,7 @@ from eval.base import Sample, Task, TaskConfigError
 from methods.base import ConfigError
 
 from .config import SELECTION_KEYS, JobSpec, check
+from .models import CHAT_FORMATS
 from .store import JobLockedError, JobStore, atomic_write
 
 log = logging.getLogger("kvbench")
@@ -47,8 +48,6 @@ def prompt_text(loaded: Any, sample: Sample) -> tuple[str, dict]:
     """The text the tokenizer encodes for a sample and the tokenizer call's keywords, as LongBench's ``pred.py`` builds
     it: for a chat sample the tokenizer's chat template (one user turn, generation prompt; its special tokens are in
     the text, none added) or the model's official format (``vicuna``); else the plain prompt."""
-    from .models import CHAT_FORMATS
-
     tok, fmt = loaded.tokenizer, loaded.chat_template if sample.chat else None
     if fmt == "tokenizer" or fmt is True:
         return tok.apply_chat_template([{"role": "user", "content": sample.prompt}], add_generation_prompt=True,
@@ -87,8 +86,8 @@ def stop_ids_for(loaded: Any, sample: Sample) -> list[int]:
     return [eos] * (eos is not None) + [loaded.tokenizer.encode(s, add_special_tokens=False)[-1] for s in sample.stop_strings]
 
 
-def environment(loaded: Any, device: str) -> dict[str, Any]:
-    """Package versions, git revision, device, dtype and head layout, for ``env.json``."""
+def environment(loaded: Any) -> dict[str, Any]:
+    """Package versions, git revision, device, dtype and head layout of ``loaded``, for ``env.json``."""
     import torch
     import transformers
 
@@ -98,32 +97,30 @@ def environment(loaded: Any, device: str) -> dict[str, Any]:
         except (OSError, subprocess.SubprocessError):
             return ""
 
-    env: dict[str, Any] = {
+    return {
         "python": sys.version.split()[0], "torch": torch.__version__, "transformers": transformers.__version__,
         "platform": platform.platform(), "host": platform.node(),
         "git_revision": git("rev-parse", "HEAD") or None, "git_dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
-        "device": device, "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "device": str(loaded.device), "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
         "attention_implementation": "kvbench (SDPA prefill, grouped SDPA decode with per-layer logit bias)",
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "argv": sys.argv,
         "packages": {d.name: d.version for d in importlib.metadata.distributions() if d.name.lower().replace("_", "-") in (
             "kvbench", "kvpress", "accelerate", "numpy", "gguf", "datasets", "hydra-core", "flash-attn", "safetensors")},
+        "dtype": str(loaded.dtype).replace("torch.", ""), "model_source": loaded.source, "load_s": round(loaded.load_s, 2),
+        "layers": loaded.layout.num_layers, "query_heads": loaded.layout.num_q_heads, "kv_heads": loaded.layout.num_kv_heads,
+        "compressible_layers": list(loaded.layout.compressible_layers),
+        "logits_processors": [type(p).__name__ for p in loaded.processors],
     }
-    env.update(dtype=str(loaded.dtype).replace("torch.", ""), device=str(loaded.device), model_source=loaded.source,
-               load_s=round(loaded.load_s, 2),
-               layers=loaded.layout.num_layers, query_heads=loaded.layout.num_q_heads,
-               kv_heads=loaded.layout.num_kv_heads, compressible_layers=list(loaded.layout.compressible_layers),
-               logits_processors=[type(p).__name__ for p in loaded.processors])
-    return env
 
 
-def build_task(cfg: dict, loaded: Any, resolved: dict | None = None) -> tuple[Task, list[Sample], int]:
-    """A job's task built with ``loaded``'s tokenizer and chat format (``slurm/make_joblist.py --cost`` too) and the
-    inputs the check resolved (:attr:`JobSpec.resolved`), its samples (ids unique, in order) and the prompt budget
-    in tokens: ``task.max_length``, else the model's."""
+def build_task(cfg: dict, loaded: Any, resolved: dict | None = None) -> tuple[Task, list[Sample]]:
+    """A job's task built with ``loaded``'s tokenizer and chat format (``slurm/make_joblist.py --cost`` too), the
+    inputs the check resolved (:attr:`JobSpec.resolved`) and the prompt budget in tokens (``task.max_length``, else
+    the model's), and its samples (ids unique, in order)."""
     max_input = int(cfg["task"].get("max_length") or loaded.max_input_length)
     task = tasks.get_task_class(cfg["task"]["name"])(cfg["task"], loaded.tokenizer, max_input,
                                                      encode=lambda s: encode_prompt(loaded, s), resolved=resolved)
-    return task, list({s.id: s for s in task.samples()}.values()), max_input
+    return task, list({s.id: s for s in task.samples()}.values())
 
 
 def run_sample(engine: Any, loaded: Any, task: Task, sample: Sample, prefilled: Any = None) -> dict[str, Any]:
@@ -256,18 +253,15 @@ def run_job(job: JobSpec, wait_s: float | None = None) -> int:
 
 
 def run_jobs(jobs: list[JobSpec], wait_s: float | None = None) -> list[int]:
-    """Run checked jobs that differ only in method and budget, one model load and one prefill per
-    sample for all of them (:func:`kvbench.engine.prefill`); each job decodes and stores its records
-    in its own folder under its own lock, as if run alone. The steps: :func:`open_stores`,
-    :func:`load`, :func:`write_env`, :func:`run_samples` (generate and store each sample), :func:`summarise`.
-    Returns one exit code per job: 0 ok, 1 some samples failed, 3 the folder is locked by another
-    process (one line). Twins (``method=full`` at two budgets: one folder) run once, as the first.
-
-    ``wait_s``: seconds to wait for another process running the same shard (default ``lock_wait_s``).
+    """Run checked jobs that differ only in method and budget, one model load and one prefill per sample
+    for all of them (:func:`kvbench.engine.prefill`), each job storing in its own folder under its own lock
+    as if run alone; twins (``method=full`` at two budgets: one folder) run once, as the first. ``wait_s``:
+    seconds to wait for another process on the same shard (default ``lock_wait_s``). Returns one exit code
+    per job: 0 ok, 1 some samples failed, 3 the folder is locked by another process (one line).
 
     Raises:
         ConfigError: the model cannot be loaded, or the prompts do not fit its context window (a job
-            folder this run made is removed again: nothing is left but the error line).
+            folder this run made is removed again).
     """
     from .engine import Engine
 
@@ -280,7 +274,7 @@ def run_jobs(jobs: list[JobSpec], wait_s: float | None = None) -> list[int]:
         if runs:
             loaded, task, mine, expected, compiled = load(runs[0][0])
             envs = [write_env(job, store, loaded, compiled, mine) for job, store in runs]
-            engines = [Engine(loaded, job.method, job.budget) for job, _ in runs]
+            engines = [Engine(loaded, job.method, job.top.budget) for job, _ in runs]
             for engine in engines:
                 engine.compile_decode = compiled
             run_samples(engines, loaded, task, mine, [store for _, store in runs], runs[0][0].top.quiet)
@@ -294,11 +288,9 @@ def run_jobs(jobs: list[JobSpec], wait_s: float | None = None) -> list[int]:
 
 
 def open_stores(jobs: list[JobSpec], stack: ExitStack, wait_s: float | None, codes: dict[str, int]) -> list[tuple]:
-    """Open each job's store (:class:`JobStore`) in ``stack``: take its shard lock (held by another process:
-    one line, code 3), repair a truncated last line, write ``config.yaml`` and ``identity.json`` the first
-    time. A finished job prints its summary and gets its code in ``codes``. Returns the ``(job, store)``
-    pairs to run; a folder made here is removed again when ``stack`` closes on an error before any
-    sample was stored."""
+    """Open each job's store in ``stack`` (docs/ARCHITECTURE.md, step 3; a lock held by another process: one
+    line, code 3). A finished job prints its summary and gets its code in ``codes``. Returns the ``(job, store)``
+    pairs to run; a folder made here is removed when ``stack`` closes on an error before any sample is stored."""
     runs = []
     for job in jobs:
         top, shard = job.top, (job.top.shard.index, job.top.shard.count)
@@ -348,7 +340,7 @@ def load(job: JobSpec) -> tuple[Any, Task, list[Sample], list[str], bool]:
     random.seed(top.seed)
     torch.manual_seed(top.seed)
     loaded = load_model(job.cfg["model"], top.device, job.source, job.layout)
-    task, samples, _ = build_task(job.cfg, loaded, job.resolved)
+    task, samples = build_task(job.cfg, loaded, job.resolved)
     cap = top.max_samples or len(samples)
     mine = samples[index::count][:cap]
     expected = [s.id for k in range(count) for s in samples[k::count][:cap]]
@@ -357,7 +349,7 @@ def load(job: JobSpec) -> tuple[Any, Task, list[Sample], list[str], bool]:
     if isinstance(window, int) and need > window:
         raise ConfigError(f"task.max_length / model.max_input_length: {need} tokens of prompt + generation exceed "
                           f"the model's context window of {window} tokens")
-    compiled = top.compile is True or (top.compile == "auto" and loaded.device.type == "cuda" and not job.model.device_map)
+    compiled = top.compile is True or (top.compile == "auto" and loaded.device.type == "cuda" and not top.model.device_map)
     return loaded, task, mine, expected, compiled
 
 
@@ -368,7 +360,7 @@ def write_env(job: JobSpec, store: JobStore, loaded: Any, compiled: bool, mine: 
     name = "env.json" if shard.count == 1 else f"env.shard{shard.index}.json"
     if (store.path / name).exists():  # every run that stores samples keeps its provenance
         name = name.replace(".json", f".{time.strftime('%Y%m%d-%H%M%S')}.json")
-    env = {**environment(loaded, job.top.device), "inputs": job.inputs, "artifacts": job.artifacts,
+    env = {**environment(loaded), "inputs": job.inputs, "artifacts": job.artifacts,
            "decode_compiled": compiled}
     store.write_json(name, env)
     stored = store.done_ids()
@@ -436,13 +428,9 @@ def run_samples(engines: list[Any], loaded: Any, task: Task, samples: list[Sampl
 
 
 def main(cfg: Any) -> Any:
-    """Hydra's task function (``run.py``): check the config once (:class:`JobSpec`), run the job.
-
-    A single run exits with the job's code. In a local sweep (``hydra/launcher=local``,
-    ``hydra_plugins/kvbench_launcher``) it returns the checked job to the launcher, which checks every
-    job before any model loads and then runs them (:func:`run_sweep`). With other launchers (SLURM,
-    joblib) a failing job raises so that the launcher reports it.
-    """
+    """Hydra's task function (``run.py``): check the config once (:class:`JobSpec`), run the job, exit with its
+    code. In a local sweep it returns the checked job (or its one-line error) to the launcher
+    (``hydra_plugins/kvbench_launcher``); with other launchers (SLURM, joblib) a failing job raises."""
     for noisy in ("transformers", "datasets", "httpx", "urllib3", "huggingface_hub"):
         logging.getLogger(noisy).setLevel(logging.ERROR)
     hc = HydraConfig.get()

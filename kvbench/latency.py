@@ -20,6 +20,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from omegaconf import OmegaConf
+
 from methods import build_method
 
 from .cli import ArgParser, flat, listof
@@ -96,8 +98,6 @@ def run_latency(model_cfg: dict, method_cfgs: dict[str, dict], budget: float, le
 
 def main(argv: list[str] | None = None) -> int:
     """CLI entry point (see the module docstring); usage and config errors: one line, exit 2."""
-    from omegaconf import OmegaConf
-
     known = sorted(f.stem for f in (CONF / "method").glob("*.yaml"))
     positive, one = listof(int, lambda n: n >= 1, "integers >= 1"), listof(int, lambda n: n >= 1, "integers >= 1", one=True)
     p = ArgParser(prog="python -m kvbench.latency", description=__doc__.split("\n\n")[0])

@@ -189,7 +189,7 @@ def run(args) -> int:
         "grid": {"context_lengths": task_cfg["context_lengths"], "depth_percents": task_cfg["depth_percents"],
                  "haystack_source": getattr(task, "haystack_source", None), "samples": len(samples),
                  "skipped": getattr(task, "skipped", [])},
-        "env": environment(loaded, args.device), "no_mask": None, "conditions": [],
+        "env": environment(loaded), "no_mask": None, "conditions": [],
     }
     for cond in [{"kind": "no mask", "k": 0, "heads": []}] + plan:
         result = run_condition(engine, loaded, task, samples, cond["heads"], args.mode, args.phase)

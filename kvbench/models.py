@@ -9,9 +9,9 @@ under ``$KVBENCH_CACHE_DIR/gguf`` (default ``~/.cache/kvbench/gguf``).
 
 from __future__ import annotations
 
+import copy
 import functools
 import hashlib
-import importlib
 import importlib.util
 import logging
 import os
@@ -19,9 +19,11 @@ import shutil
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+import yaml
 
 from methods.base import ConfigError, HeadLayout
 
@@ -68,10 +70,6 @@ def conf_model(name: str, key: str = "--model") -> dict:
     """``conf/model/<name>.yaml`` (or a YAML file path) as a dict, the schema's defaults filled in
     (:class:`kvbench.config.ModelConfig`). ConfigError naming ``key`` and the accepted names when there is no such
     file, or naming the model key that is wrong."""
-    import dataclasses
-
-    import yaml
-
     from .config import ModelConfig, structured
 
     path = Path(name) if name.endswith((".yaml", ".yml")) else CONF_MODEL_DIR / f"{name}.yaml"
@@ -79,15 +77,13 @@ def conf_model(name: str, key: str = "--model") -> dict:
         names = ", ".join(sorted(p.stem for p in CONF_MODEL_DIR.glob("*.yaml")))
         raise ConfigError(f"{key}={name!r}: no such model config; accepted values are {names}")
     node = {k: v for k, v in yaml.safe_load(path.read_text(encoding="utf-8")).items() if k != "defaults"}
-    return dataclasses.asdict(structured(ModelConfig, node, "model."))
+    return asdict(structured(ModelConfig, node, "model."))
 
 
 def greedy_processors(model: Any) -> list:
     """The logits processors ``model.generate(do_sample=False, num_beams=1)`` builds from the model's
     ``generation_config`` (LongBench's ``pred.py`` generates so: Qwen2.5 ships a repetition penalty
     of 1.05). Sampling warpers do not apply to greedy decoding; the length limits are the task's."""
-    import copy
-
     cfg = copy.deepcopy(model.generation_config)
     cfg.update(do_sample=False, num_beams=1, max_length=None, min_length=0, min_new_tokens=None)
     return list(model._get_logits_processor(cfg, device=str(model.device)))
@@ -169,13 +165,10 @@ def head_layout(config: Any, name: str = "", compress_sliding: bool = False) -> 
 
 
 def gguf_cache_dir(folder: str, gguf_file: str, mode: Any = "auto") -> Path | None:
-    """Where the converted copy of a GGUF file lives (it may not exist yet), or None when not cached.
-
-    transformers converts a GGUF file on every load (about 30 s for SmolLM2-135M on 2 cores); the
-    cache keeps the dequantized float32 weights, config and tokenizer. Its key is the file's
-    content (size, first and last MiB), the transformers version and the conversion version.
-    ``mode`` is ``model.gguf_cache``: ``auto`` (files up to 2 GiB), true or false.
-    """
+    """Where the converted copy of a GGUF file lives (it may not exist yet), or None when not cached: transformers
+    converts a GGUF file on every load (about 30 s for SmolLM2-135M on 2 cores). The key is the file's content
+    (size, first and last MiB), the transformers version and the conversion version. ``mode`` is
+    ``model.gguf_cache``: ``auto`` (files up to 2 GiB), true or false."""
     import transformers
 
     path = Path(folder, gguf_file).resolve()
@@ -303,8 +296,12 @@ def gguf_spm_as_bpe(tokenizer: Any, gguf_path: Path) -> bool:
     return True
 
 
-def offline_error(source: str, err: Exception) -> ConfigError:
-    """The one-line error for a Hub id that cannot be read (offline, or no such repository)."""
+def source_error(source: str, path: str, err: Exception, what: str) -> ConfigError:
+    """The one-line error for a model source that cannot be read: ``what`` and the error's first line for a local
+    ``path``, else a Hub id that cannot be read (offline, or no such repository)."""
+    if Path(path).exists():
+        why = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        return ConfigError(f"model.source={source!r}: {what} ({why})")
     return ConfigError(f"model.source={source!r}: cannot load it from the Hugging Face Hub ({type(err).__name__}); "
                        f"download it where the Hub is reachable (`hf download {source} --local-dir DIR`) and pass "
                        "model.source=DIR")
@@ -327,10 +324,7 @@ def read_config(model_cfg: dict, source: tuple[str, str | None] | None = None) -
         return AutoConfig.from_pretrained(path, trust_remote_code=bool(model_cfg.get("trust_remote_code")),
                                           **({"gguf_file": gguf_file} if gguf_file else {}))
     except (OSError, ValueError, KeyError) as err:
-        if not Path(path).exists():
-            raise offline_error(model_cfg.get("source"), err) from None
-        why = (str(err).strip().splitlines() or [type(err).__name__])[0]
-        raise ConfigError(f"model.source={model_cfg.get('source')!r}: cannot read a model config there ({why})") from None
+        raise source_error(model_cfg.get("source"), path, err, "cannot read a model config there") from None
 
 
 def chat_format(model_cfg: dict, tokenizer: Any) -> str | None:
@@ -389,10 +383,8 @@ def load_model(model_cfg: dict, device: str = "auto", source: tuple[str, str | N
     spec = model_cfg.get("dtype") or {}  # {cuda: bfloat16, cpu: float32} or one name for every device
     dtype = getattr(torch, spec.get(dev.type, "bfloat16" if dev.type == "cuda" else "float32") if isinstance(spec, dict) else spec)
     path, gguf_file = source or resolve_source(model_cfg)
-    trust = bool(model_cfg.get("trust_remote_code", False))
-    device_map = model_cfg.get("device_map")
-    model_kwargs = {"attn_implementation": ATTN_IMPLEMENTATION, "trust_remote_code": trust,
-                    "device_map": str(dev) if device_map is None else device_map}
+    model_kwargs = {"attn_implementation": ATTN_IMPLEMENTATION, "trust_remote_code": bool(model_cfg.get("trust_remote_code")),
+                    "device_map": str(dev) if model_cfg.get("device_map") is None else model_cfg["device_map"]}
     if not sys.stderr.isatty():
         hf_logging.disable_progress_bar()  # in a log file the loading bars' redraws are one long line
     cache = gguf_cache_dir(path, gguf_file, model_cfg.get("gguf_cache", "auto")) if gguf_file else None
@@ -400,17 +392,13 @@ def load_model(model_cfg: dict, device: str = "auto", source: tuple[str, str | N
     if loaded is not None:
         tokenizer, model = loaded
     else:
-        src = model_cfg.get("source")
         try:
             tokenizer = load_tokenizer(model_cfg, (path, gguf_file))
             first = torch.float32 if cache is not None else dtype  # the cache keeps the exact float32 weights
             model = AutoModelForCausalLM.from_pretrained(path, dtype=first, **model_kwargs,
                                                          **({"gguf_file": gguf_file} if gguf_file else {}))
         except (OSError, ValueError, RuntimeError, SafetensorError) as err:
-            why = (str(err).strip().splitlines() or [type(err).__name__])[0]
-            if Path(path).exists():
-                raise ConfigError(f"model.source={src!r}: cannot load the model or its tokenizer ({why})") from None
-            raise offline_error(src, err) from None
+            raise source_error(model_cfg.get("source"), path, err, "cannot load the model or its tokenizer") from None
         if cache is not None:
             _write_cache(cache, tokenizer, model)
             model.to(dtype)
