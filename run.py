@@ -39,8 +39,7 @@ VALUE_FLAGS = {"-c", "--cfg", "-p", "--package", "-cn", "--config-name", "-cp", 
 
 
 def _arguments(argv: list[str]) -> list[str]:
-    """Options first (Hydra's parser takes none after an override), ``experiment=X`` as ``+experiment=X``,
-    and ``--multirun`` added when a launcher is chosen in run mode (a launcher runs sweeps only)."""
+    """The arguments as Hydra takes them (the module docstring says which changes and why)."""
     options, overrides, i = [], [], 0
     while i < len(argv):
         takes = argv[i] in VALUE_FLAGS and i + 1 < len(argv) and "=" not in argv[i + 1] and not argv[i + 1].startswith("-")
