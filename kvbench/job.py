@@ -1,9 +1,7 @@
 """The job, as the steps of docs/ARCHITECTURE.md: open the store, load, generate and store each sample, summarise.
 
-One job = model × method × task × budget (× shard), one folder of the results store
-(:mod:`kvbench.store`, docs/RESULTS.md). Every sample is isolated: an exception (out of memory,
-non-finite logits) is stored as an error record and the job goes on; the exit code is then 1.
-A rerun skips the samples already stored; a finished job is not run again.
+Every sample is isolated: an exception (out of memory, non-finite logits) is stored as an error record and the
+job goes on; the exit code is then 1. The job's folder, reruns and resumes: docs/RESULTS.md.
 """
 
 from __future__ import annotations
@@ -312,7 +310,10 @@ def open_stores(jobs: list[JobSpec], stack: ExitStack, wait_s: float | None, cod
             for rel, text in job.resolved.get("files", {}).items():  # generated data (task.generate): its hash is in the identity
                 (store.path / "data" / rel).parent.mkdir(parents=True, exist_ok=True)
                 atomic_write(store.path / "data" / rel, text)
-        done = _read_summary(store)
+        try:
+            done = json.loads((store.path / "summary.json").read_text())
+        except (OSError, ValueError):
+            done = None
         if (done and done.get("complete") and done.get("selection") == selection(job.cfg) and shard[1] == 1
                 and not repaired and len(store.done_ids()) >= done["n_samples"]):  # the records still back it
             log.info("job %s: already complete; nothing to do", job.relpath)
@@ -379,13 +380,6 @@ def summarise(job: JobSpec, store: JobStore, task: Task, expected: list[str]) ->
         store.write_json("summary.json", summary)
     print_summary(summary, store.path)
     return EXIT_SAMPLE_FAILED if summary["n_failed"] else EXIT_OK
-
-
-def _read_summary(store: JobStore) -> dict | None:
-    try:
-        return json.loads((store.path / "summary.json").read_text())
-    except (OSError, ValueError):
-        return None
 
 
 def run_samples(engines: list[Any], loaded: Any, task: Task, samples: list[Sample], stores: list[JobStore], quiet: bool) -> None:
