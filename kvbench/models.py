@@ -203,21 +203,16 @@ def _load_cached(cache: Path, dtype: Any, model_kwargs: dict) -> tuple[Any, Any]
 def _write_cache(cache: Path, tokenizer: Any, model: Any) -> None:
     """Write the converted tokenizer and float32 model into ``cache`` (temp folder + rename); a cache
     that cannot be written only costs the next load its conversion."""
-    tmp = None
     try:
         cache.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{cache.name}.", dir=cache.parent))
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        (tmp / "COMPLETE").write_text("")
-        os.rename(tmp, cache)
-        tmp = None
+        with tempfile.TemporaryDirectory(prefix=f".{cache.name}.", dir=cache.parent, ignore_cleanup_errors=True) as tmp:
+            model.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
+            Path(tmp, "COMPLETE").write_text("")
+            os.rename(tmp, cache)  # the temp folder's removal then finds nothing
         log.info("GGUF conversion cached in %s", cache)
     except OSError as err:
         log.warning("could not cache the converted GGUF model in %s (%s)", cache, err)
-    finally:
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
 
 
 @functools.lru_cache(maxsize=2)
