@@ -45,13 +45,11 @@ _GGUF_CACHE_VERSION = 4  # bump when the conversion changes (4: the tokenizer sa
 
 @dataclass
 class LoadedModel:
-    """A loaded model (``transformers`` causal LM in eval mode) with what the engine needs: its
-    tokenizer, head ``layout``, the ``device`` of its input embeddings, parameter ``dtype``, the token
-    ids that end generation, ``chat_template`` (``tokenizer``, a :data:`CHAT_FORMATS` name, or None:
-    the raw prompt), ``max_input_length`` (prompt budget in tokens), ``source`` (path or Hub id, for
-    ``env.json``), ``processors``: the greedy logits processors of its generation config (repetition
-    penalty...), applied at each step as ``model.generate`` does (none with ``model.generation_config=false``),
-    and ``load_s``: the seconds :func:`load_model` took."""
+    """A loaded model (``transformers`` causal LM in eval mode) with what the engine needs. ``device``: of its input
+    embeddings; ``chat_template``: ``tokenizer``, a :data:`CHAT_FORMATS` name, or None (the raw prompt);
+    ``max_input_length``: the prompt budget in tokens; ``source``: path or Hub id, for ``env.json``; ``processors``:
+    the greedy logits processors of its generation config (repetition penalty...), applied at each step as
+    ``model.generate`` does (none with ``model.generation_config=false``); ``load_s``: seconds to load."""
 
     model: Any
     tokenizer: Any
