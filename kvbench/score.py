@@ -20,10 +20,6 @@ from .cli import ArgParser
 from .store import atomic_write
 
 
-class ScoreInputError(TaskConfigError):
-    """A prediction folder or file the scorer cannot read (one line: file, line, what is wrong)."""
-
-
 def _check_row(row, need_length: bool) -> str:
     """What is wrong with one prediction line (``""`` when nothing)."""
     missing = [k for k in ("pred", "answers", "all_classes", *(["length"] if need_length else [])) if k not in row]
@@ -40,37 +36,34 @@ def _check_row(row, need_length: bool) -> str:
 
 
 def read_predictions(path: Path, need_length: bool) -> list[dict]:
-    """The prediction lines of one file (ScoreInputError: a line that is not JSON, lacks a field
-    or has a wrongly typed one; ``length`` is needed when ``need_length``)."""
+    """The prediction lines of one file (TaskConfigError, one line naming the file and line: a line that is not
+    JSON, lacks a field or has a wrongly typed one; ``length`` is needed when ``need_length``)."""
     def check(row: dict, where: str) -> None:
         if why := _check_row(row, need_length):
-            raise ScoreInputError(f"{where}: {why}")
+            raise TaskConfigError(f"{where}: {why}")
 
-    try:
-        return read_jsonl(path, check)
-    except TaskConfigError as e:
-        raise ScoreInputError(str(e)) from None
+    return read_jsonl(path, check)
 
 
 def score_dir(folder: Path, longbench_e: bool = False) -> dict:
-    """Official scores of the ``*.jsonl`` prediction files in ``folder`` by dataset (ScoreInputError:
+    """Official scores of the ``*.jsonl`` prediction files in ``folder`` by dataset (TaskConfigError, one line:
     no such folder or file, an unknown or repeated dataset, an empty file or a bad line)."""
     if not folder.is_dir():
-        raise ScoreInputError(f"{folder}: no such directory")
+        raise TaskConfigError(f"{folder}: no such directory")
     files = sorted(p for p in folder.glob("*jsonl") if p.is_file())
     if not files:
-        raise ScoreInputError(f"{folder}: no prediction files (<dataset>.jsonl)")
+        raise TaskConfigError(f"{folder}: no prediction files (<dataset>.jsonl)")
     scores, seen = {}, {}
     for path in files:
         dataset = path.name.split(".")[0]
         if dataset not in dataset2metric:
-            raise ScoreInputError(f"{path}: unknown LongBench dataset {dataset!r}; accepted: {', '.join(dataset2metric)}")
+            raise TaskConfigError(f"{path}: unknown LongBench dataset {dataset!r}; accepted: {', '.join(dataset2metric)}")
         if dataset in seen:  # the official eval.py keeps whichever it reads last
-            raise ScoreInputError(f"{path}: {seen[dataset].name} in the same folder is dataset {dataset!r} too")
+            raise TaskConfigError(f"{path}: {seen[dataset].name} in the same folder is dataset {dataset!r} too")
         seen[dataset] = path
         rows = read_predictions(path, need_length=longbench_e)
         if not rows:
-            raise ScoreInputError(f"{path}: no prediction lines")
+            raise TaskConfigError(f"{path}: no prediction lines")
         scores[dataset] = score_dataset(dataset, [r["pred"] for r in rows], [r["answers"] for r in rows],
                                         rows[-1]["all_classes"], [r["length"] for r in rows] if longbench_e else None)
     return scores
@@ -91,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         text = json.dumps(score_dir(args.dir, longbench_e=args.e), ensure_ascii=False, indent=4)
         out.parent.mkdir(parents=True, exist_ok=True)
         atomic_write(out, text)
-    except (ScoreInputError, OSError) as e:
+    except (TaskConfigError, OSError) as e:
         print(f"kvbench score: error: {e}", file=sys.stderr)
         return 2
     print(text)
