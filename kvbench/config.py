@@ -264,11 +264,7 @@ def job_relpath(cfg: dict, preset: str | None, ident: dict) -> str:
 
 
 def device_type(device: str) -> str:
-    """``cuda`` or ``cpu`` (``auto``: CUDA when present).
-
-    Raises:
-        ConfigError: CUDA asked for on a machine without it.
-    """
+    """``cuda`` or ``cpu`` (``auto``: CUDA when present). ConfigError: CUDA asked for on a machine without it."""
     import torch
 
     if device == "auto":

@@ -327,11 +327,8 @@ def open_stores(jobs: list[JobSpec], stack: ExitStack, wait_s: float | None, cod
 def load(job: JobSpec) -> tuple[Any, Task, list[Sample], list[str], bool]:
     """Seed, set the threads, load the model (:func:`kvbench.models.load_model`, from the resolved source) and build
     the task from the resolved inputs. Returns the model, the task, this shard's samples, the ids every shard
-    together expects, and whether decode is compiled.
-
-    Raises:
-        ConfigError: the model cannot be loaded, or the prompts + generation exceed its context window.
-    """
+    together expects, and whether decode is compiled. ConfigError: the model cannot be loaded, or the prompts +
+    generation exceed its context window."""
     import torch
 
     from .models import load_model
@@ -468,11 +465,8 @@ class SweepCheck(Callback):
 def run_sweep(jobs: list[JobSpec]) -> int:
     """Run the checked jobs of a local sweep in order; returns the largest exit code. Each runs alone (a twin
     folder, e.g. ``method=full`` at several budgets, waits for its twin), or with ``sweep.share_prefill=true``
-    one :func:`run_jobs` per group of jobs differing only in ``method`` and ``budget``.
-
-    Raises:
-        ConfigError / TaskConfigError / OSError: as :func:`run_jobs` (``run.py`` prints one line).
-    """
+    one :func:`run_jobs` per group of jobs differing only in ``method`` and ``budget``. Raises ConfigError /
+    TaskConfigError / OSError as :func:`run_jobs` does (``run.py`` prints one line)."""
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT, force=True)  # not Hydra's launcher format ([HYDRA])
     groups: dict[str, list[JobSpec]] = {}
     for i, job in enumerate(jobs):

@@ -5,9 +5,8 @@ memory of the full cache and compressed caches over prompt lengths.
     python -m kvbench.latency model=smollm2 budget=0.25 --methods full snapkv --lengths 256 512
 
 Model, budget and methods come from the Hydra config; a ``latency:`` node (``methods``, ``lengths``,
-``max_new_tokens``, ``repeats``, ``out``) gives defaults; ``method.*`` overrides apply to every
-method but the full cache. Stop tokens are off. Output: a JSON list of records (seconds, tokens/s,
-bytes; schema in docs/REPORTS.md), rewritten after every record, read by ``kvbench report``.
+``max_new_tokens``, ``repeats``, ``out``) gives defaults; ``method.*`` overrides apply to every method but
+the full cache. What it measures (stop tokens off) and its records, a JSON list: docs/REPORTS.md.
 """
 
 from __future__ import annotations

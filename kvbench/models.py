@@ -88,11 +88,7 @@ def greedy_processors(model: Any) -> list:
 
 
 def package_dir(module: str, assemble: bool = False) -> Path:
-    """Folder of an installed package, found without importing it.
-
-    Raises:
-        ConfigError: the package is not installed (with its pip command).
-    """
+    """Folder of an installed package, found without importing it. ConfigError: not installed (with its pip command)."""
     spec = importlib.util.find_spec(module)
     if spec is None or not spec.submodule_search_locations:
         raise ConfigError(f"model.source={'pypi-assemble' if assemble else 'pypi'}:{module}: package not installed; "
@@ -301,12 +297,8 @@ def source_error(source: str, path: str, err: Exception, what: str) -> ConfigErr
 
 
 def read_config(model_cfg: dict, source: tuple[str, str | None] | None = None) -> Any:
-    """The model's transformers config, read without the weights (a GGUF file's converted copy when
-    cached, else its metadata).
-
-    Raises:
-        ConfigError: no readable config there (one line), or a Hub id that cannot be read.
-    """
+    """The model's transformers config, read without the weights (a GGUF file's converted copy when cached, else
+    its metadata). ConfigError: no readable config there (one line), or a Hub id that cannot be read."""
     from transformers import AutoConfig
 
     path, gguf_file = source or resolve_source(model_cfg)  # ``source``: already resolved by the caller
