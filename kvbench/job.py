@@ -342,7 +342,7 @@ def load(job: JobSpec) -> tuple[Any, Task, list[Sample], list[str], bool]:
     cap = top.max_samples or len(samples)
     mine = samples[index::count][:cap]
     expected = [s.id for k in range(count) for s in samples[k::count][:cap]]
-    window = getattr(loaded.model.config, "max_position_embeddings", None)
+    window = getattr(loaded.model.config.get_text_config(), "max_position_embeddings", None)  # Gemma 3: text part
     need = max(map(task.tokens_needed, mine), default=0)
     if isinstance(window, int) and need > window:
         raise ConfigError(f"task.max_length / model.max_input_length: {need} tokens of prompt + generation exceed "

@@ -22,6 +22,7 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from methods import build_method
+from methods.base import ConfigError, check_budget
 
 from .cli import ArgParser, flat, listof
 from .config import CONF, compose
@@ -64,6 +65,7 @@ def run_latency(model_cfg: dict, method_cfgs: dict[str, dict], budget: float, le
     for preset, method_cfg in method_cfgs.items():
         engine = make_engine(dict(method_cfg))
         config = getattr(engine.model, "config", None)
+        config = getattr(config, "get_text_config", lambda: config)()  # Gemma 3 keeps these in its text part
         limit = getattr(config, "max_position_embeddings", None)
         todo = [n for n in lengths if not isinstance(limit, int) or n + max_new_tokens <= limit]
         if len(todo) < len(lengths):
@@ -123,8 +125,10 @@ def main(argv: list[str] | None = None) -> int:
     lat = OmegaConf.to_container(cfg.get("latency") or OmegaConf.create({}), resolve=True)
     model_cfg = OmegaConf.to_container(cfg.model, resolve=True)
     budget = cfg.get("budget")
-    if not isinstance(budget, (int, float)) or isinstance(budget, bool) or budget <= 0:
-        p.error(f"budget={budget!r}: must be a retention ratio in (0, 1] or a number of tokens >= 1")
+    try:
+        check_budget(budget)  # the job's own check: a ratio in (0, 1] or a token count >= 2
+    except ConfigError as e:
+        p.error(str(e))
     method_cfgs = {}
     for preset in dict.fromkeys(presets or lat.get("methods") or ["full", cfg.method.name]):
         # method.* overrides tune the compressed methods; the full cache has none of their fields

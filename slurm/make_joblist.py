@@ -43,7 +43,7 @@ def expand(overrides: list[str], shards: int = 1) -> list[list[str]]:
     if shards < 1:
         raise SweepSpecError(f"--shards={shards}: must be an integer >= 1")
     sys.path.insert(0, str(ROOT))  # kvbench, methods, eval of this checkout
-    from kvbench.latency import compose
+    from kvbench.config import compose
 
     try:
         presets = [o for o in overrides if o.lstrip("+").startswith("experiment=")]
@@ -112,7 +112,7 @@ def unique_jobs(jobs: list[list[str]]) -> list[tuple[list[str], dict]]:
     listed once at its first budget."""
     from omegaconf import OmegaConf
 
-    from kvbench.latency import compose
+    from kvbench.config import compose
 
     out: dict[str, tuple[list[str], dict]] = {}
     for job in jobs:

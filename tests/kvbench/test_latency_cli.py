@@ -20,6 +20,7 @@ from kvbench import latency
     (["--repeats", "0"], "--repeats 0"),
     (["budget=0", "--methods", "full", "snapkv"], "budget=0"),
     (["budget=abc", "--methods", "snapkv"], "budget='abc'"),
+    (["budget=1.5", "--methods", "snapkv"], "budget=1.5"),
     (["method.window_size=8", "--methods", "full", "streamingllm"], "method=streamingllm"),
 ])
 def test_bad_input_is_one_line_and_exit_2(argv, key, capsys, monkeypatch):
