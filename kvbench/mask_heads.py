@@ -1,12 +1,6 @@
 """``kvbench mask-heads``: the head-masking ablation of CompressKV Table 2a (Sec. 4.3).
 
-As in the causal test of Wu et al. (2025), the k heads with the highest mean score across all
-layers (k = 10, 20, 30) are masked (:class:`kvbench.head_mask.HeadMask`) while the model runs the
-NIAH task with its full cache; the table gives the no-mask score and the drop, in points, per k
-and ranking: ``srh`` (CompressKV Eq. 1, ``semantic_retrieval_heads.json``), ``trh`` (top-1 copy
-scores, ``retrieval_heads.json`` or the published file of ``llama31``/``mistral``, which have no
-SRH scores) and ``random`` (``--seed``, outside the SRH and TRH top-k). Writes
-``<out>/mask_heads_<model>_<mode>-<phase>.{json,csv,md}`` (``--out NAME.json``: those names).
+The heads, the random control, the masking modes and the output files: docs/COMPRESSKV.md.
 """
 
 from __future__ import annotations
@@ -18,14 +12,17 @@ import sys
 import time
 from pathlib import Path
 
+import torch
 
 from eval.base import TaskConfigError
 from eval.niah import NIAHConfig, NIAHTask
+from methods import build_method
 from methods.artifacts import artifact_path, keyed_errors, load_head_scores, top_heads
 from methods.base import ConfigError
 
 from .cli import ArgParser, flat, listof
 from .head_mask import MODES, PHASES, HeadMask
+from .job import encode_prompt, environment, run_sample
 from .store import atomic_write
 
 KINDS = ("srh", "trh", "random")
@@ -37,8 +34,6 @@ _TASK_FLAGS = {"context_lengths": "lengths", "depth_percents": "depths", "haysta
 def random_heads(num_layers: int, num_heads: int, k: int, seed: int, exclude: set[tuple[int, int]]) -> list[tuple[int, int]]:
     """k distinct ``(layer, head)`` pairs outside ``exclude`` from one seeded permutation of all L·H_q
     heads (a larger k extends a smaller one); ConfigError when fewer are left."""
-    import torch
-
     order = torch.randperm(num_layers * num_heads, generator=torch.Generator().manual_seed(seed)).tolist()
     pool = [(i // num_heads, i % num_heads) for i in order if (i // num_heads, i % num_heads) not in exclude]
     if len(pool) < k:
@@ -82,8 +77,6 @@ def niah_config(args) -> dict:
 def run_condition(engine, loaded, task, samples, heads, mode: str, phase: str) -> dict:
     """``{"score", "n", "failed", "samples"}`` of every sample run with ``heads`` masked: score =
     100 × mean ROUGE-1 recall of the samples that did not fail."""
-    from .job import run_sample
-
     records = []
     with HeadMask(loaded.model, loaded.layout, [tuple(h) for h in heads], mode, phase):
         for sample in samples:
@@ -148,7 +141,8 @@ def write_report(stem: Path, report: dict) -> list[Path]:
 
 def run(args) -> int:
     """Check every input, then load the model and run the no-mask and masked NIAH grids."""
-    from .models import conf_model
+    from .engine import Engine  # torch._dynamo: imported once the flags are read
+    from .models import conf_model, load_model  # late: tests replace kvbench.models.load_model
 
     model_cfg = {**conf_model(args.model), **({"source": args.model_source, "gguf_file": None} if args.model_source else {}),
                  **({"chat_template": args.chat_template == "true" or args.chat_template} if args.chat_template else {})}
@@ -162,15 +156,6 @@ def run(args) -> int:
         raise ConfigError("--srh-scores/--trh-scores: the files cover different layer x head grids")
     plan = conditions(scores, args.k, args.kinds, args.seed)
     task_cfg = niah_config(args)
-
-    import torch
-
-    from methods import build_method
-
-    from .engine import Engine
-    from .job import encode_prompt, environment
-    from .models import load_model
-
     if args.threads:
         torch.set_num_threads(args.threads)
     t0 = time.time()
