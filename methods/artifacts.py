@@ -1,26 +1,8 @@
-"""Offline artifacts of head- and layer-aware methods: locating and parsing them (JSON only).
+"""Offline artifacts of head- and layer-aware methods: locating and parsing them (plain JSON, never pickle).
 
-Formats (all plain JSON, never pickle):
-
-* **head-score file** (HeadKV ``*_retrieval_heads.json`` / ``*_retrieval_reasoning_heads.json``,
-  CompressKV raw ``<model>.json``): one object ``{"<layer>-<head>": [score per accepted
-  calibration sample, ...]}`` over *query* heads. A head's score is the mean of its list
-  (HeadKV ``np.mean``; CompressKV ``get_retrieval_head_idx_per_layer.py``).
-* **head ranking** (CompressKV ``*_head_idx.json``): ``{"<layer>": [query-head ids ranked by
-  score, best first]}``.
-* **layer scores** (CompressKV ``*_layer_score.jsonl``): per-dataset lists of L per-layer
-  error scores (Eq. 4) plus ``avg_score`` (their mean over datasets, L1-normalised). The
-  published files are one pretty-printed JSON object; the reference writer appends one
-  ``{dataset: [...]}`` object per line. Both are accepted; a missing ``avg_score`` is
-  computed as the reference ``get_avg.py`` does.
-
-Models we calibrate ourselves keep their artifacts, small committed JSON files written by
-``kvbench calibrate``, under ``methods/artifacts/<model_name>/`` with the names in
-:data:`FILE_NAMES`. A method config may name an explicit path instead. For the models whose
-artifacts the CompressKV authors published (:data:`PUBLISHED`: ``llama31`` = Llama-3.1-8B-Instruct,
-``mistral`` = Mistral-7B-Instruct-v0.3) a missing default file is looked up, under its published
-name, in ``$KVBENCH_ARTIFACTS_DIR`` or ``<data>/head_scores/compresskv`` with ``<data>`` =
-``$KVBENCH_SHARED_DATA`` or ``../shared/data`` beside the repository (never copied into it).
+The files, their formats, what writes and what reads them: ``methods/artifacts/README.md``. ``kvbench calibrate``
+writes them under ``methods/artifacts/<model_name>/`` (:data:`FILE_NAMES`); a method config may name another path,
+and the files the CompressKV authors published (:data:`PUBLISHED`) are found by :func:`artifact_path`.
 """
 
 from __future__ import annotations
@@ -73,11 +55,7 @@ def artifact_path(kind: str, model_name: str, explicit: str | None, key: str) ->
 
     Order: ``explicit`` (relative to the working directory); else
     ``methods/artifacts/<model_name>/<file>``; else, for a model in :data:`PUBLISHED`, the
-    published file in :func:`published_dirs`.
-
-    Raises:
-        ConfigError: ``<key>=<path>: file not found; make it with `kvbench calibrate ...```.
-    """
+    published file in :func:`published_dirs`. ConfigError: ``<key>=<path>: file not found; make it with ...``."""
     file_name, command = FILE_NAMES[kind]
     if not explicit and not model_name:
         raise ConfigError(f"{key}=null: no path given and the model has no name to find methods/artifacts/<model>/{file_name}")
@@ -145,11 +123,8 @@ def _format_error(path: Path, expected: str, why: object) -> ConfigError:
 
 
 def load_head_scores(path: str | Path, layout: HeadLayout | None = None) -> torch.Tensor:
-    """``(L, H_q)`` float64 per-head mean scores from a file ``{"<layer>-<head>": [scores...]}``.
-
-    Raises:
-        ConfigError: malformed keys or lists, missing heads, a grid other than ``layout``'s.
-    """
+    """``(L, H_q)`` float64 per-head mean scores (HeadKV's ``np.mean``) from a file ``{"<layer>-<head>": [scores...]}``.
+    ConfigError: malformed keys or lists, missing heads, a grid other than ``layout``'s."""
     path, expected = Path(path), "{'<layer>-<head>': [scores]}"
     data = _read_json(path)
     try:
@@ -169,11 +144,8 @@ def load_head_scores(path: str | Path, layout: HeadLayout | None = None) -> torc
 
 def load_head_ranking(path: str | Path, layout: HeadLayout | None = None) -> list[list[int]]:
     """L lists of query-head ids, best first, from a CompressKV ``*_head_idx.json`` file
-    ``{"<layer>": [ids]}``, or from a head-score file (ranked by :func:`ranking_from_scores`).
-
-    Raises:
-        ConfigError: layers not 0..L-1, ids repeated, negative or out of ``layout``'s range.
-    """
+    ``{"<layer>": [ids]}``, or from a head-score file (ranked by :func:`ranking_from_scores`). ConfigError:
+    layers not 0..L-1, ids repeated, negative or out of ``layout``'s range."""
     path = Path(path)
     data = _read_json(path)
     if isinstance(data, dict) and data and all("-" in str(k) for k in data):
@@ -195,11 +167,8 @@ def load_head_ranking(path: str | Path, layout: HeadLayout | None = None) -> lis
 def load_layer_scores(path: str | Path, layout: HeadLayout | None = None, key: str = "avg_score") -> torch.Tensor:
     """``(L,)`` float64 per-layer error scores (CompressKV Eq. 4) from a ``*_layer_score.jsonl``
     file (one JSON object, or one ``{dataset: [L scores]}`` per line); ``key`` picks the list,
-    ``avg_score`` computed when absent (mean over datasets, L1-normalised, as ``get_avg.py``).
-
-    Raises:
-        ConfigError: unreadable file, unknown key, lists of different lengths, negative values.
-    """
+    ``avg_score`` computed when absent (mean over datasets, L1-normalised, as ``get_avg.py``). ConfigError:
+    unreadable file, unknown key, lists of different lengths, negative values."""
     path = Path(path)
     text = _read_text(path)
     try:
@@ -228,24 +197,14 @@ def load_layer_scores(path: str | Path, layout: HeadLayout | None = None, key: s
 def ranking_from_scores(scores: torch.Tensor) -> list[list[int]]:
     """L lists of H head ids, each layer's heads by ``(L, H)`` score, best first, ties to the lower
     id (CompressKV ``get_retrieval_head_idx_per_layer.py``'s stable descending sort)."""
-    order = torch.sort(scores.double(), dim=-1, descending=True, stable=True).indices
-    return order.tolist()
+    return torch.sort(scores.double(), dim=-1, descending=True, stable=True).indices.tolist()
 
 
 def top_heads(scores: torch.Tensor, k: int, key: str = "k", lowest: int = 0) -> list[tuple[int, int]]:
-    """The k heads with the highest score across all layers, best first.
-
-    The head set of the masking test of Wu et al. (2025) that CompressKV Sec. 4.3 / Table 2a
-    follows: every head of the model is ranked by its mean score, whatever its layer (the
-    per-layer rankings of ``*_head_idx.json`` carry no scores and cannot be compared across
-    layers). Ties keep the layer-major order of the score files (lower layer, then lower head
-    first), as the reference's stable sort of the file's items does.
-
-    Returns k ``(layer, query-head id)`` pairs of the ``(L, H_q)`` scores, highest first.
-
-    Raises:
-        ConfigError: ``<key>=<k>`` below ``lowest`` or above L·H_q.
-    """
+    """The k ``(layer, query-head id)`` pairs with the highest of the ``(L, H_q)`` scores across all layers, best
+    first: the head set of Wu et al. (2025)'s masking test, CompressKV Sec. 4.3 / Table 2a (docs/COMPRESSKV.md).
+    Ties keep the layer-major order of the score files, as the reference's stable sort of the file's items does.
+    ConfigError: ``<key>=<k>`` below ``lowest`` or above L·H_q."""
     n_layers, n_heads = scores.shape
     if not lowest <= k <= n_layers * n_heads:
         raise ConfigError(f"{key}={k}: must be between {lowest} and the {n_layers}x{n_heads} = {n_layers * n_heads} "
