@@ -1,11 +1,5 @@
-"""The task contract: what a task yields and how its predictions are scored.
-
-A task turns benchmark data into :class:`Sample` objects (text only: ``eval`` never sees
-tensors) and scores predictions with the benchmark's official metric. The engine
-(``kvbench``) tokenizes ``Sample.prompt`` (or applies the chat template to it when
-``Sample.chat`` is true), generates greedily up to ``max_new_tokens`` and calls
-:meth:`Task.score` and :meth:`Task.aggregate`.
-"""
+"""The task contract: a task turns benchmark data into :class:`Sample` objects (text only: ``eval`` never sees
+tensors) and scores predictions with the benchmark's official metric (a job's steps: docs/ARCHITECTURE.md)."""
 
 from __future__ import annotations
 
@@ -17,10 +11,8 @@ from typing import Any, Callable, Iterator, Optional
 
 
 class TaskConfigError(ValueError):
-    """A user-caused task configuration problem (one line: key, bad value, accepted values or fix).
-
-    Raised before any model loads (from a :class:`TaskConfig` or :meth:`Task.validate`) wherever possible.
-    """
+    """A user-caused task configuration problem (one line: key, bad value, accepted values or fix), raised before
+    any model loads (from a :class:`TaskConfig` or :meth:`Task.validate`) wherever possible."""
 
 
 def require(ok: bool, key: str, value: Any, rule: str) -> None:
@@ -64,11 +56,8 @@ def looked_for(path: Path) -> str:
 
 
 def is_data_file(path: Path) -> bool:
-    """Whether the data file ``path`` is there (the one test of every task's file lookup).
-
-    Raises:
-        TaskConfigError: ``path`` exists but is not a file (a folder), naming it under ``task.data_dir``.
-    """
+    """Whether the data file ``path`` is there (the one test of every task's file lookup). TaskConfigError: ``path``
+    exists but is not a file (a folder), naming it under ``task.data_dir``."""
     if path.exists() and not path.is_file():
         raise TaskConfigError(f"task.data_dir: {path} is not a file (a directory?)")
     return path.exists()
@@ -76,12 +65,8 @@ def is_data_file(path: Path) -> bool:
 
 def read_jsonl(path: Path, check: Callable[[dict, str], None] | None = None, limit: int | None = None) -> list[dict]:
     """The JSON-object rows of a ``.jsonl`` data file (blank lines skipped; the first ``limit`` if given), each
-    passed to ``check(row, where)``, ``where`` = ``"<path> line <n>"`` (1-based).
-
-    Raises:
-        TaskConfigError: the file cannot be read, or a line is not UTF-8, not a JSON object or fails ``check``;
-            the message names the file and the line.
-    """
+    passed to ``check(row, where)``, ``where`` = ``"<path> line <n>"`` (1-based). TaskConfigError: the file cannot
+    be read, or a line is not UTF-8, not a JSON object or fails ``check``; the message names the file and the line."""
     rows: list[dict] = []
     try:
         with open(path, "rb") as f:
@@ -144,10 +129,7 @@ class Sample:
 
 
 class Task:
-    """Base class of a task.
-
-    Subclasses implement :meth:`samples`, :meth:`score` and may override :meth:`aggregate`.
-    """
+    """Base class of a task: subclasses implement :meth:`samples`, :meth:`score` and may override :meth:`aggregate`."""
 
     name: str = "task"
     Config: type[TaskConfig] = TaskConfig
@@ -199,16 +181,11 @@ class Task:
         raise NotImplementedError
 
     def aggregate(self, records: list[dict]) -> dict[str, Any]:
-        """Per-dataset scores from stored records (``{"datasets": {name: {"score", "n"}}}``).
-
-        The default is round(100·mean, 2) over successful records of each dataset.
-        """
+        """Per-dataset scores from stored records (``{"datasets": {name: {"score", "n"}}}``); the default is
+        round(100·mean, 2) over successful records of each dataset."""
         by_ds: dict[str, list[float]] = {}
         for r in records:
             if r.get("error") is None and r.get("score") is not None:
                 by_ds.setdefault(r["dataset"], []).append(float(r["score"]))
-        return {
-            "datasets": {
-                ds: {"score": round(100 * sum(v) / len(v), 2), "n": len(v)} for ds, v in sorted(by_ds.items())
-            }
-        }
+        return {"datasets": {ds: {"score": round(100 * sum(v) / len(v), 2), "n": len(v)}
+                             for ds, v in sorted(by_ds.items())}}

@@ -10,8 +10,6 @@ Rows come from one of two sources (``task.source``):
   ``question``, ``answer_prefix``: prompt = ``context + question`` in the chat template's user turn, then
   ``answer_prefix`` after its generation prompt (kvpress's pipeline, for parity with its leaderboard; see
   :meth:`SuiteTask.answer_turn`), query = from ``question`` on; scored by the same official metric.
-
-Every file is read with :func:`eval.base.read_jsonl` (a row failing the task's check names file, line and field).
 """
 
 from __future__ import annotations
@@ -46,11 +44,8 @@ class SuiteConfig(TaskConfig):
 
 
 def require(row: dict, where: str, **types: type | tuple[type, ...]) -> None:
-    """Check that ``row`` has each field with the given type(s).
-
-    Raises:
-        TaskConfigError: ``<where>: field '<name>' ...`` for the first missing or mistyped field.
-    """
+    """Check that ``row`` has each field with the given type(s). TaskConfigError: ``<where>: field '<name>' ...``
+    for the first missing or mistyped field."""
     for key, kind in types.items():
         if key not in row:
             raise TaskConfigError(f"{where}: missing field {key!r}")
@@ -83,8 +78,9 @@ def split(prompt: str, query: str) -> tuple[str, str]:
 class SuiteTask(Task):
     """A benchmark of named subsets (``task.datasets``), rows from ``task.source`` (module docstring).
 
-    Subclasses set the class attributes and implement :meth:`check_row`, :meth:`official_sample`,
-    :meth:`kvpress_sample` and :meth:`score`. Sample ids are ``<dataset>/<row index>``.
+    Subclasses set the class attributes and implement the classmethod ``check_row(dataset, row, where)`` (raising
+    :class:`TaskConfigError`), ``official_sample`` and ``kvpress_sample(dataset, index, row) -> Sample`` and
+    :meth:`score`. Sample ids are ``<dataset>/<row index>``.
     """
 
     subsets: tuple[str, ...] = ()
@@ -100,16 +96,11 @@ class SuiteTask(Task):
         self.datasets = list(self.cfg.get("datasets") or self.subsets)
         self.max_length = self.cfg.get("max_length") or max_input_tokens
 
-    # ---------------------------------------------------------------- configuration
-
     @classmethod
     def validate(cls, cfg: dict) -> None:
         """Check the keys, then the first ``n_samples`` rows of each dataset in ``data_dir``, or that the Hub answers.
-
-        Raises:
-            TaskConfigError: an unknown dataset, a missing folder or file, a malformed row (file, line, field), or
-                no ``data_dir`` while the Hub is unreachable.
-        """
+        TaskConfigError: an unknown dataset, a missing folder or file, a malformed row (file, line, field), or no
+        ``data_dir`` while the Hub is unreachable."""
         datasets = cfg.get("datasets")
         if datasets is not None and (not datasets or any(d not in cls.subsets for d in datasets)):
             raise TaskConfigError(f"task.datasets={datasets}: a non-empty list of {', '.join(cls.subsets)} (null: all)")
@@ -143,12 +134,6 @@ class SuiteTask(Task):
     def read_file(cls, path: Path, dataset: str, limit: int | None) -> list[dict]:
         return read_jsonl(path, lambda row, where: cls.check_row(dataset, row, where), limit)
 
-    @classmethod
-    def check_row(cls, dataset: str, row: dict, where: str) -> None:  # pragma: no cover - abstract
-        raise NotImplementedError
-
-    # ---------------------------------------------------------------- rows and samples
-
     def _hub(self, fn: Callable[[], Any]) -> Any:
         try:
             return fn()
@@ -171,8 +156,7 @@ class SuiteTask(Task):
 
         repo = self.cfg.get("hub_dataset") or self.kvpress_hub
         table = self._hub(lambda: datasets.load_dataset(repo, self.kvpress_config(dataset), split="test"))
-        rows = [dict(r) for r in table]
-        rows = [r for r in rows if r.get("task", dataset) == dataset]
+        rows = [dict(r) for r in table if r.get("task", dataset) == dataset]
         for i, r in enumerate(rows):
             require(r, f"{repo} {dataset} row {i}", context=str, question=str, answer_prefix=str)
         return rows
@@ -216,12 +200,6 @@ class SuiteTask(Task):
         """``(prompt, query, meta)`` after :func:`truncate_middle` to ``max_length``."""
         text, n = truncate_middle(prompt, self.tokenizer, self.max_length, self.ceil_tail)
         return (*split(text, query), {"prompt_tokens_full": n, "truncated": n > self.max_length})
-
-    def official_sample(self, dataset: str, index: int, row: dict) -> Sample:  # pragma: no cover - abstract
-        raise NotImplementedError
-
-    def kvpress_sample(self, dataset: str, index: int, row: dict) -> Sample:  # pragma: no cover - abstract
-        raise NotImplementedError
 
     def aggregate(self, records: list[dict]) -> dict[str, Any]:
         """Per-dataset ``round(100·mean, 2)`` and their plain mean ``averages[<task name>]``."""
