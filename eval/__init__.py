@@ -28,11 +28,7 @@ def available() -> list[str]:
 
 
 def get_task_class(name: str) -> type[Task]:
-    """The task class registered as ``name``.
-
-    Raises:
-        TaskConfigError: unknown task (lists the accepted names).
-    """
+    """The task class registered as ``name``. TaskConfigError: unknown task (lists the accepted names)."""
     if name not in _TASKS:
         raise TaskConfigError(f"task.name={name!r}: unknown task; accepted values are {', '.join(available())}")
     mod, cls = _TASKS[name].split(":")

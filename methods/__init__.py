@@ -39,11 +39,8 @@ def available() -> list[str]:
 
 
 def get_method_class(name: str) -> type[Method]:
-    """The class registered as ``name`` (its module is imported on first use).
-
-    Raises:
-        ConfigError: unknown name (lists the accepted ones).
-    """
+    """The class registered as ``name`` (its module is imported on first use). ConfigError: unknown name (lists the
+    accepted ones)."""
     if name not in REGISTRY:
         raise ConfigError(f"method.name={name!r}: unknown method; accepted values are {', '.join(available())}")
     return getattr(importlib.import_module(f"methods.{name}"), REGISTRY[name])
@@ -53,11 +50,8 @@ def get_method_class(name: str) -> type[Method]:
 def schema(name: str) -> type:
     """The Hydra node of method ``name``, which ``conf/method/*.yaml`` extend (``kvbench.config.register`` stores it
     in Hydra's ConfigStore as ``schema/method/<name>``): ``name``, ``label`` (the name in reports) and the fields of
-    the method's config dataclass, a ``Literal`` field as an Enum so that OmegaConf checks its choices.
-
-    Raises:
-        ConfigError: unknown method (lists the accepted ones).
-    """
+    the method's config dataclass, a ``Literal`` field as an Enum so that OmegaConf checks its choices. ConfigError:
+    unknown method (lists the accepted ones)."""
     config = get_method_class(name).Config
     hints, fields = typing.get_type_hints(config), [("name", str, name), ("label", Optional[str], None)]
     for f in dataclasses.fields(config):
@@ -72,16 +66,10 @@ def schema(name: str) -> type:
 
 
 def build_method(method_cfg: Mapping[str, Any], layout: HeadLayout | None = None) -> Method:
-    """The method named by ``method_cfg["name"]``, with the other keys as its config.
-
-    Keys, types and choices are checked against the method's :func:`schema` by OmegaConf (as Hydra
-    checks them when it composes ``conf/``); ranges by the config's ``__post_init__``. ``label`` must
-    be a non-empty string or null.
-
-    Raises:
-        ConfigError: ``method.<key>...`` for an unknown method or key (with the accepted ones), a
-            wrong type or a bad value.
-    """
+    """The method named by ``method_cfg["name"]``, with the other keys as its config. Keys, types and choices are
+    checked against the method's :func:`schema` by OmegaConf (as Hydra checks them when it composes ``conf/``),
+    ranges by the config's ``__post_init__``. ConfigError: ``method.<key>...`` for an unknown method or key (with the
+    accepted ones), a wrong type or a bad value (``label``: a non-empty string or null)."""
     name = str(method_cfg.get("name"))
     cls, node = get_method_class(name), structured(schema(name), dict(method_cfg), "method.")
     values = {k: v.value if isinstance(v, enum.Enum) else v for k, v in vars(node).items() if k not in ("name", "label")}
