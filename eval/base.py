@@ -74,14 +74,14 @@ def read_jsonl(path: Path, check: Callable[[dict, str], None] | None = None, lim
                 if limit is not None and len(rows) >= limit:
                     break
                 where = f"{path} line {lineno}"
+                if not raw.strip():
+                    continue
                 try:
-                    row = json.loads(raw.decode("utf-8")) if raw.strip() else None
+                    row = json.loads(raw.decode("utf-8"))
                 except UnicodeDecodeError as e:
                     raise TaskConfigError(f"{where}: not valid UTF-8 (byte {e.start + 1} of the line)") from None
                 except json.JSONDecodeError as e:
                     raise TaskConfigError(f"{where}: not valid JSON ({e.msg})") from None
-                if row is None:
-                    continue
                 if not isinstance(row, dict):
                     raise TaskConfigError(f"{where}: not a JSON object")
                 if check:

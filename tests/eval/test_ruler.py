@@ -102,7 +102,8 @@ def test_read_jsonl_names_file_and_line(tmp_path):
     from eval.base import TaskConfigError, read_jsonl
 
     path = tmp_path / "d.jsonl"
-    for bad, why in ((b'{"a": 1}\n\n{"b": "\xff"}\n', "UTF-8"), (b'{"a": 1}\n\n{"b": \n', "JSON"), (b'{"a": 1}\n\n[1]\n', "object")):
+    for bad, why in ((b'{"a": 1}\n\n{"b": "\xff"}\n', "UTF-8"), (b'{"a": 1}\n\n{"b": \n', "JSON"), (b'{"a": 1}\n\n[1]\n', "object"),
+                     (b'{"a": 1}\n\nnull\n', "object")):
         path.write_bytes(bad)
         with pytest.raises(TaskConfigError, match=rf"d\.jsonl line 3: not (valid )?(a JSON )?{why}"):
             read_jsonl(path)
