@@ -115,6 +115,9 @@ def main() -> int:
             return run_job(cfg)
 
         app()  # a local sweep's launcher ends the process itself, with the largest exit code
+    except KeyboardInterrupt:
+        print("interrupted: the samples stored so far are kept; rerun the same command to resume", file=sys.stderr)
+        return 130
     except Exception as e:  # noqa: BLE001 - one line for the user, exit code by kind
         kinds = {c.__name__ for c in type(e).__mro__}
         group = _group_override(e, args)

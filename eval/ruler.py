@@ -78,6 +78,16 @@ def data_files(data_dir: str, subtask: str, length: int) -> list[Path]:
     return sorted((d / str(length)).glob("test-*.parquet"))
 
 
+def check_row(row: dict, where: str) -> None:
+    """Check a RULER jsonl row (``where``: its file and line). TaskConfigError: ``input`` is not a string,
+    ``outputs`` not a list of strings, or ``answer_prefix`` neither absent, null nor a string."""
+    outputs, prefix = row.get("outputs"), row.get("answer_prefix", "")
+    ok = isinstance(row.get("input"), str) and isinstance(outputs, list) and all(isinstance(o, str) for o in outputs)
+    if not ok or not isinstance(prefix, (str, type(None))):
+        raise TaskConfigError(f"{where}: a RULER row has 'input' (a string), 'outputs' (a list of strings) and "
+                              f"optionally 'answer_prefix' (a string); got {', '.join(sorted(row)) or 'no field'}")
+
+
 def chat(tokenizer: Any, text: str, on: bool = True) -> str:
     """``text`` as one user turn of the tokenizer's chat template with the assistant header (RULER's
     ``prepare.py``: ``model_template.format(task_template=...)``), without the BOS the engine's tokenizer adds
@@ -168,10 +178,13 @@ class RulerTask(Task):
             return
         for s in subtasks:
             for length in lengths:
-                if not data_files(cfg["data_dir"], s, length):
+                files = data_files(cfg["data_dir"], s, length)
+                if not files:
                     d = Path(cfg["data_dir"]).expanduser()
                     raise TaskConfigError(f"task.data_dir={cfg['data_dir']}: no {length}/data/{s}/validation.jsonl, "
                                           f"{s}_{length}.jsonl or {length}/test-*.parquet{looked_for(d)}")
+                if files[0].suffix == ".jsonl" and not read_jsonl(files[0], check_row, cfg.get("n_samples")):
+                    raise TaskConfigError(f"task.data_dir={cfg['data_dir']}: {files[0]} holds no samples")
 
     @classmethod
     def data_files(cls, cfg: dict) -> list[Path]:

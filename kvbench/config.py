@@ -292,10 +292,10 @@ def check(cfg: Any, preset: str | None = None) -> JobSpec:
         top = OmegaConf.to_object(cfg)
     except OmegaConfBaseException as e:
         raise ConfigError(f"{e.full_key}: {str(e.msg).splitlines()[0]}") from None
-    for group in ("model", "task"):  # a key added with + passes Hydra (the method's: build_method)
-        keys = [f.name for f in dataclasses.fields(getattr(top, group))] if dataclasses.is_dataclass(getattr(top, group)) else []
-        if keys and set(plain[group]) - set(keys):
-            raise ConfigError(f"{group}.{min(set(plain[group]) - set(keys))}: unknown key; accepted keys are {', '.join(keys)}")
+    for prefix, node, given in (("", top, plain), ("model.", top.model, plain["model"]), ("task.", top.task, plain["task"])):
+        keys = [f.name for f in dataclasses.fields(node)] if dataclasses.is_dataclass(node) else []  # + passes Hydra
+        if keys and set(given) - set(keys):  # (the method's keys: build_method)
+            raise ConfigError(f"{prefix}{min(set(given) - set(keys))}: unknown key; accepted keys are {', '.join(keys)}")
     plain["budget"], model = top.budget.value, top.model  # 64.0 is the token budget 64, 0.30000000000000004 the ratio 0.3
     method = methods.build_method(plain["method"])
     task, name = plain["task"], str(plain["task"].get("name"))

@@ -339,6 +339,9 @@ def load(job: JobSpec) -> tuple[Any, Task, list[Sample], list[str], bool]:
     torch.manual_seed(top.seed)
     loaded = load_model(job.cfg["model"], top.device, job.source, job.layout)
     task, samples = build_task(job.cfg, loaded, job.resolved)
+    if not samples:  # e.g. a Hub or parquet subset with no row of the chosen datasets
+        raise TaskConfigError(f"task={job.cfg['task']['name']}: no samples to run (task.data_dir, its datasets or "
+                              "subtasks, task.n_samples)")
     cap = top.max_samples or len(samples)
     mine = samples[index::count][:cap]
     expected = [s.id for k in range(count) for s in samples[k::count][:cap]]

@@ -55,6 +55,11 @@ CASES = [
     ("niah-max-new-tokens", ["task.max_new_tokens=0"], "task.max_new_tokens"),
     ("niah-needle-without-answer", ["task.needle=The secret code is 4711."], "task.answer"),
     ("unknown-task-key", ["+task.foo=1"], "task.foo"),
+    ("unknown-top-key-added", ["+budgt=0.1"], "budgt"),
+    ("ruler-outputs-a-string", ["task=ruler", "task.data_dir={tmp}/ruler_str", "task.subtasks=[vt]", "task.context_lengths=[4096]"],
+     "vt_4096.jsonl line 2"),
+    ("ruler-empty-file", ["task=ruler", "task.data_dir={tmp}/ruler_empty", "task.subtasks=[vt]", "task.context_lengths=[4096]"],
+     "vt_4096.jsonl holds no samples"),
     ("unknown-task-key-without-plus", ["task.foo=1"], "task.foo"),
     ("task-compress", ["task.compress=both"], "task.compress"),
     ("longbench-n-samples-text", ["task=longbench", "task.n_samples=many"], "task.n_samples"),
@@ -88,6 +93,10 @@ def tmp(tmp_path_factory) -> Path:
         (root / "folders" / name).mkdir(parents=True)
     (root / "fake.gguf").write_bytes(b"PK\x03\x04 this is a zip file, not GGUF")
     (root / "afile").write_text("a file where a folder or JSON is expected")
+    for name, text in (("ruler_str", '{"input": "x", "outputs": ["y"]}\n{"input": "x", "outputs": "notalist"}\n'),
+                       ("ruler_empty", "")):
+        (root / name).mkdir()
+        (root / name / "vt_4096.jsonl").write_text(text)
     (root / "weights").write_bytes(b"\x10\0\0\0\0\0\0\0{\"a\": {}}      ")  # a safetensors header, no extension
     return root
 
