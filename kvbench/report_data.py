@@ -182,7 +182,7 @@ def load_results(root: str | Path) -> pd.DataFrame:
         try:
             rows += _job_rows(root, job)
         except (OSError, ValueError, yaml.YAMLError) as e:
-            bad.append(f"{job.relative_to(root).as_posix()}: {type(e).__name__}")
+            bad.append(f"{job.relative_to(root).as_posix()}: {type(e).__name__}: {' '.join(str(e).split())}")
     cols = ["job", "task", "model", "method", "method_name", "budget", "setting", "compress", "max_input_tokens", "params",
             "settings", "complete", "subset", "dataset", "score", "n", "n_failed", "se", "samples", "strict",
             "strict_se", "strict_samples", *TIMING_COLUMNS, *CACHE_COLUMNS, "compressed_fraction"]

@@ -185,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         args.output.write_text(text, encoding="utf-8")
     except (SweepSpecError, OSError, ValueError, KeyError, HydraException, OmegaConfBaseException) as error:
-        print(f"make_joblist: {(str(error).strip().splitlines() or [type(error).__name__])[0]}", file=sys.stderr)
+        print(f"make_joblist: {' '.join(str(error).split()) or type(error).__name__}", file=sys.stderr)  # Hydra's options too
         return 2
     print(f"{len(jobs)} jobs written to {args.output}; submit with:\n"
           f"  sbatch --array=1-{len(jobs)}%{args.parallel} slurm/array.sbatch {args.output}", file=sys.stderr)
