@@ -24,6 +24,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # kvbench, methods, eval of this checkout
 
 
 class SweepSpecError(ValueError):
@@ -42,7 +43,6 @@ def expand(overrides: list[str], shards: int = 1) -> list[list[str]]:
     """
     if shards < 1:
         raise SweepSpecError(f"--shards={shards}: must be an integer >= 1")
-    sys.path.insert(0, str(ROOT))  # kvbench, methods, eval of this checkout
     from kvbench.config import compose
 
     try:
@@ -54,7 +54,7 @@ def expand(overrides: list[str], shards: int = 1) -> list[list[str]]:
             raise SweepSpecError(f"{bad[0]!r}: only comma lists, range() and choice() can be expanded")
         jobs = BasicSweeper.split_arguments(parsed, None)[0]
     except HydraException as error:
-        raise SweepSpecError(str(error).splitlines()[0]) from None
+        raise SweepSpecError(" ".join(str(error).split())) from None  # Hydra's accepted options too
     if shards == 1:
         return jobs
     return [job + [f"shard.index={k}", f"shard.count={shards}"] for job in jobs for k in range(shards)]
@@ -185,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         args.output.write_text(text, encoding="utf-8")
     except (SweepSpecError, OSError, ValueError, KeyError, HydraException, OmegaConfBaseException) as error:
-        print(f"make_joblist: {' '.join(str(error).split()) or type(error).__name__}", file=sys.stderr)  # Hydra's options too
+        print(f"make_joblist: {' '.join(str(error).split()) or type(error).__name__}", file=sys.stderr)
         return 2
     print(f"{len(jobs)} jobs written to {args.output}; submit with:\n"
           f"  sbatch --array=1-{len(jobs)}%{args.parallel} slurm/array.sbatch {args.output}", file=sys.stderr)
