@@ -112,6 +112,14 @@ class Sample:
         meta: anything else worth storing (NIAH: context_length, depth_percent).
         query: the tail of ``prompt`` that is the query part (question, answer prefix: ``prompt.endswith(query)``),
             left uncompressed under ``task.compress=context``; "" = no split.
+        group: the id of the context this sample shares with others (a SCBench row, a LooGLE document); "" = the job
+            names it from the context's tokens. Under ``task.compress=context`` samples whose context tokens are equal
+            are prefilled and compressed once.
+        turn: the sample's index in its group (multi-turn order).
+        follow_up: a multi-turn turn after the first: ``prompt`` is the segment appended (already in the model's
+            format, ``chat`` off) to its group's cache after turn ``turn - 1`` was answered.
+        keep_answer: multi-turn: the answer generated for this turn stays in the cache for the next turn (SCBench's
+            ``--disable_golden_context``); else it is dropped and the next segment carries the golden answer.
     """
 
     id: str
@@ -126,6 +134,10 @@ class Sample:
     length: int | None = None
     meta: dict[str, Any] = field(default_factory=dict)
     query: str = ""
+    group: str = ""
+    turn: int = 0
+    follow_up: bool = False
+    keep_answer: bool = False
 
 
 class Task:
