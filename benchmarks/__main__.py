@@ -30,7 +30,7 @@ from methods.base import ConfigError
 from .common import ROOT, BenchResult, Context, Settings, log, machine_info, table
 
 BENCHMARKS = {"engine": "engine", "overhead": "overhead", "kvpress": "vs_kvpress", "compression": "compression",
-              "decode": "decode", "memory": "memory"}  # name -> module
+              "decode": "decode", "memory": "memory", "thinking": "thinking"}  # name -> module
 MIN_LENGTH = 64  # shortest --lengths value (the question frame of the prompt alone is ~40 tokens)
 DOC = ROOT / "docs" / "PERFORMANCE.md"
 for key, value in (("HF_HUB_OFFLINE", "1"), ("TRANSFORMERS_VERBOSITY", "error"), ("TOKENIZERS_PARALLELISM", "false"),

@@ -9,6 +9,9 @@ passes down to every attention call.
   soft-caps logits, Gemma 2). Then each compressible layer's last W queries (the model's own,
   after q-norm and RoPE) and full cache go to the method (:class:`methods.base.LayerContext`);
   its result replaces the layer's cache. Nothing n×n is built.
+* **Decode-time compression** (``state.decode_budget``, docs/DECODING.md): each compressible layer keeps the
+  queries of the last W tokens fed; in a forward the engine flags (``compress_now``), after the attention output
+  is computed with the whole cache, the method cuts the layer (its current token included) back to the budget.
 * **Decode**: SDPA without a mask, the G query heads of a KV head as G query rows of the
   un-repeated cache; a logit bias is in extra key columns, per-head lengths in a flat
   :class:`kvbench.kvcache.RaggedLayer` (flash varlen on CUDA): :func:`decode_backend`.
@@ -24,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from methods.base import CompressResult, HeadLayout, LayerContext, Method, Plan
+from methods.base import Budget, CompressResult, HeadLayout, LayerContext, Method, Plan
 
 from .kvcache import RaggedLayer, store_layer, write_bias
 
@@ -55,9 +58,14 @@ class CompressionState:
         compress_s: seconds spent in the method during prefill (synchronised on CUDA); a score
             computed inside the prefill attention (LOOK-M's ``fused_score``) counts as prefill.
         rotary: callable positions → (cos, sin) for methods that re-position keys.
-        max_new_tokens: decode budget (tokens); compressed layers keep max_new_tokens + 1 free slots per head.
+        reserve: free slots per head a compressed layer keeps for the tokens fed after it (the generation, or
+            the decode steps up to the next decode-time compression); more are made when needed.
         reference_decode: decode with :func:`grouped_attention` (float32 softmax; tests).
         backends: the attention PyTorch chose, ``prefill`` (first prefill call) and ``decode`` (:func:`decode_backends`).
+        decode_budget: the token budget of decode-time compression, None when off; then ``queries`` holds each
+            compressible layer's last ``window`` queries ``(B, H_q, ≤ window, d)``, ``compress_now`` flags the
+            forward that compresses, ``compressions`` counts the layer compressions and ``decode_compress_s`` their
+            seconds (synchronised on CUDA); ``held`` is the most tokens a layer's longest head held when it was cut.
     """
 
     method: Method | None
@@ -68,9 +76,16 @@ class CompressionState:
     results: dict[int, CompressResult] = field(default_factory=dict)
     compress_s: float = 0.0
     rotary: Any = None
-    max_new_tokens: int = 0
+    reserve: int = 1
     reference_decode: bool = False
     backends: dict[str, Any] = field(default_factory=dict)
+    decode_budget: Budget | None = None
+    queries: dict[int, torch.Tensor] = field(default_factory=dict)
+    window: int = 0
+    compress_now: bool = False
+    compressions: int = 0
+    decode_compress_s: float = 0.0
+    held: int = 0
 
     @property
     def compressing(self) -> bool:
@@ -248,13 +263,42 @@ def _compress_layer(state: CompressionState, module, query, key, value, scaling,
     result = state.method.compress(ctx)
     # the cache keeps its own copy (room for the decoded tokens); the result points at it
     rows = 0 if result.logit_bias is None else result.logit_bias.shape[1] // key.shape[1]
-    layer = store_layer(state.cache, idx, result.keys, result.values, result.valid, rows, float(scaling),
-                        state.max_new_tokens + 1)
+    layer = store_layer(state.cache, idx, result.keys, result.values, result.valid, rows, float(scaling), state.reserve)
     result.keys, result.values = layer.keys, layer.values
     state.results[idx] = result
     if sync:
         torch.cuda.synchronize()
     state.compress_s += time.perf_counter() - t0
+
+
+def last(x: torch.Tensor, w: int) -> torch.Tensor:
+    """The last ``w`` (≥ 0) rows of dimension 2 of ``x``."""
+    return x[:, :, x.shape[2] - min(w, x.shape[2]):]
+
+
+def _compress_decode(state: CompressionState, idx: int, scaling: float, softcap: float | None) -> None:
+    """Cut layer ``idx`` back to the decode budget when it holds more (docs/DECODING.md): the method sees its whole
+    cache (a layer with per-head lengths left-padded, ``LayerContext.valid``) and the buffered queries; the kept
+    tokens are stored anew with ``state.reserve`` free slots."""
+    sync = state.cache.layers[idx].keys.device.type == "cuda"
+    if sync:
+        torch.cuda.synchronize()
+    t0, layer, d = time.perf_counter(), state.cache.layers[idx], state.layout.head_dim
+    keys, values, valid = layer.padded(left=True) if isinstance(layer, RaggedLayer) else (layer.keys, layer.values, None)
+    plan = state.method.plan(keys.shape[2], state.decode_budget, state.layout)
+    state.held = max(state.held, keys.shape[2])
+    if keys.shape[2] > plan.layer_budgets[idx]:
+        ctx = LayerContext(
+            layer_idx=idx, layout=state.layout, keys=keys[..., :d], values=values[..., :d],
+            window_queries=state.queries[idx], scaling=scaling, budget=int(plan.layer_budgets[idx]), softcap=softcap,
+            head_budget=plan.head_budgets[idx] if plan.head_budgets is not None else None, rotary=state.rotary,
+            artifacts=state.method.artifacts, valid=valid, decoding=True)
+        result = state.method.compress(ctx)
+        store_layer(state.cache, idx, result.keys, result.values, result.valid, 0, scaling, state.reserve)
+        state.compressions += 1
+    if sync:
+        torch.cuda.synchronize()
+    state.decode_compress_s += time.perf_counter() - t0
 
 
 def kvbench_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, softcap=None,
@@ -281,7 +325,12 @@ def kvbench_attention(module, query, key, value, attention_mask, scaling=None, d
         # (torch.compile), transformers builds an all-True one sized by layer 0's cache, wrong for per-layer budgets.
         # Several (the query part): transformers' mask on a sliding layer, else causal per head (_decode_attention)
         mask = attention_mask if query.shape[2] > 1 and getattr(layer, "is_sliding", False) else None
-        return _decode_attention(query, key, value, mask, scaling, softcap, layer, state.reference_decode), None
+        out = _decode_attention(query, key, value, mask, scaling, softcap, layer, state.reference_decode)
+        if state.decode_budget is not None and module.layer_idx in state.layout.compressible_layers:
+            state.queries[module.layer_idx] = last(torch.cat([state.queries[module.layer_idx], query], 2), state.window)
+            if state.compress_now:
+                _compress_decode(state, module.layer_idx, float(scaling), softcap)
+        return out, None
     states = [s for s in (state if isinstance(state, list) else [state])  # a shared prefill passes several
               if s is not None and s.compressing and module.layer_idx in s.layout.compressible_layers]
     sums = None
@@ -297,6 +346,9 @@ def kvbench_attention(module, query, key, value, attention_mask, scaling=None, d
                                                            is_causal=attention_mask is None and query.shape[2] > 1))
     for s in states:  # each compresses the layer into its own cache
         _compress_layer(s, module, query, key, value, scaling, softcap, sums)
+    for s in state if isinstance(state, list) else [state] if state is not None else []:
+        if s.decode_budget is not None and module.layer_idx in s.layout.compressible_layers:
+            s.queries[module.layer_idx] = last(query, s.window).clone()  # R-KV's query cache starts with the prompt's
     return out, None
 
 

@@ -49,6 +49,25 @@ class Sweep:
 
 
 @dataclass
+class Decode:
+    """Compression while decoding (docs/DECODING.md)."""
+
+    interval: int = 0  # compress every `interval` decode steps to `budget` tokens (an integer); 0: at the end of prefill only
+    prefill: bool = True  # with interval > 0: compress the prompt at the end of prefill too (false: decode-only)
+    schedule: str = "steps"  # steps (kvpress DecodingPress) | length (R-KV: when the tokens fed are a multiple of interval)
+
+
+@dataclass
+class Sampling:
+    """Sampled candidates (docs/DECODING.md); temperature 0 is greedy decoding."""
+
+    n: int = 1  # candidates per sample (temperature > 0), each its own record <id>#<k>
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: off
+
+
+@dataclass
 class TopConfig:
     """conf/config.yaml's keys (``model``, ``method`` and ``task`` are checked by their own schemas)."""
 
@@ -64,6 +83,8 @@ class TopConfig:
     max_samples: Optional[int] = None
     shard: Shard = field(default_factory=Shard)
     sweep: Sweep = field(default_factory=Sweep)
+    decode: Decode = field(default_factory=Decode)
+    sampling: Sampling = field(default_factory=Sampling)
     lock_wait_s: float = 0.0
     quiet: bool = False
     threads: Any = "auto"
@@ -91,6 +112,17 @@ class TopConfig:
                               f"{4 * (os.cpu_count() or 1)} (4 x this machine's cores)")
         if self.compile not in ("auto", True, False):
             raise ConfigError(f"compile={self.compile}: accepted values are auto, true, false")
+        d, s = self.decode, self.sampling
+        if d.interval < 0 or d.schedule not in ("steps", "length"):
+            raise ConfigError(f"decode.interval={d.interval}, decode.schedule={d.schedule}: accepted values are an "
+                              "integer >= 0 (0: off) and steps, length")
+        if d.interval and (self.budget.tokens is None or self.compile is True):
+            raise ConfigError(f"decode.interval={d.interval}: needs an integer token budget (budget={self.budget}) and "
+                              "eager decoding (compile=false or auto)")
+        if s.n < 1 or s.temperature < 0 or not 0 < s.top_p <= 1 or s.top_k < 0 or (s.n > 1 and not s.temperature):
+            raise ConfigError(f"sampling.n={s.n}, temperature={s.temperature}, top_p={s.top_p}, top_k={s.top_k}: "
+                              "accepted values are n >= 1 (> 1 only with temperature > 0), temperature >= 0 (0: greedy), "
+                              "0 < top_p <= 1, top_k >= 0 (0: off)")
         if not str(self.output_root).strip():
             raise ConfigError("output_root='': must name a folder for the results (default: results)")
         if self.run_tag is not None and ("/" in str(self.run_tag) or not str(self.run_tag).strip()):
@@ -236,7 +268,8 @@ def _package(source: str) -> str:
 def identity(cfg: dict, source: tuple[str, str | None], inputs: dict, device: str) -> dict:
     """Every resolved setting that can change a result: model (resolved source, dtype on this
     device), method (its label excepted), task (the sample selection excepted) and its resolved
-    inputs, budget (not for the full cache, which keeps every token), seed."""
+    inputs, budget (not for the full cache, which keeps every token), seed; decode-time compression and sampling
+    settings when on."""
     model = {k: v for k, v in cfg["model"].items()
              if k not in ("name", "gguf_cache", "device_map") and FORMER.get(("model", k), ...) != v}
     model.update(dtype=cfg["model"]["dtype"].get(device, "float32"),
@@ -250,6 +283,10 @@ def identity(cfg: dict, source: tuple[str, str | None], inputs: dict, device: st
         "budget": None if cfg["method"]["name"] == "full" else cfg["budget"],
         "seed": cfg["seed"],
         "device": device,
+        # only when on (earlier folders resume); sampling.n chooses records, as max_samples does
+        **({"decode": cfg["decode"]} if (cfg.get("decode") or {}).get("interval") else {}),
+        **({"sampling": {k: v for k, v in cfg["sampling"].items() if k != "n"}}
+           if (cfg.get("sampling") or {}).get("temperature") else {}),
     }
 
 
@@ -301,6 +338,9 @@ def check(cfg: Any, preset: str | None = None) -> JobSpec:
     task, name = plain["task"], str(plain["task"].get("name"))
     tasks.get_task_class(name).validate(task)
     methods.check_min_budget(method, top.budget)
+    if top.decode.interval and not method.decodes:
+        raise ConfigError(f"decode.interval={top.decode.interval}: method {method.name} does not compress while decoding; "
+                          "accepted methods are the scoring ones (docs/DECODING.md)")
     limit = int(task.get("max_length") or model.max_input_length)
     if task.get("max_new_tokens") and name == "niah" and min(task["context_lengths"]) > limit:
         raise TaskConfigError(f"task.context_lengths={task['context_lengths']}: every length exceeds the prompt budget "

@@ -26,11 +26,11 @@ import torch
 from torch._dynamo.utils import counters
 from torch.nn.attention import sdpa_kernel
 
-from methods.base import Budget, Method, apply_budget_floor, check_budget
+from methods.base import Budget, Method, Plan, apply_budget_floor, check_budget
 
 from .attention import DECODE_BACKENDS, CompressionState, attach_bias, decode_backends
-from .kvcache import RaggedLayer, preallocated_cache
-from .models import LoadedModel
+from .kvcache import RaggedLayer, checkpoint, preallocated_cache, restore
+from .models import LoadedModel, greedy_processors
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +66,11 @@ class GenerationResult:
         sdpa_backends: the SDPA backend PyTorch chose, ``{"prefill": ..., "decode": {layer kind: ...}}``
             (:func:`kvbench.attention.decode_backends`).
         method_stats: method statistics summed over layers (merged, dropped, ...).
+        cache_trace: ``[generated tokens, stored tokens per KV head (mean over compressible layers of the longest
+            head), stored bytes of the whole cache]`` when decoding starts, just before and after each decode-time
+            compression, and at the end; peak_stored_tokens: the most any KV head of a compressible layer held.
+        decode_compressions: decode-time compressions (forwards that cut a layer); decode_compress_s: their
+            seconds (within ``decode_s``).
     """
 
     tokens: list[int]
@@ -90,6 +95,10 @@ class GenerationResult:
     decode_compiled: bool = False
     sdpa_backends: dict[str, Any] = field(default_factory=dict)
     method_stats: dict[str, float] = field(default_factory=dict)
+    cache_trace: list[list] = field(default_factory=list)
+    peak_stored_tokens: int = 0
+    decode_compressions: int = 0
+    decode_compress_s: float = 0.0
 
     def record(self) -> dict[str, Any]:
         """The fields stored in ``predictions.jsonl``."""
@@ -114,6 +123,10 @@ class GenerationResult:
             "peak_decode_bytes": self.peak_decode_bytes,
             "sdpa_backends": self.sdpa_backends,
             "method_stats": self.method_stats,
+            "cache_trace": self.cache_trace,
+            "peak_stored_tokens": self.peak_stored_tokens,
+            "decode_compressions": self.decode_compressions,
+            "decode_compress_s": round(self.decode_compress_s, 6),
         }
 
 
@@ -122,6 +135,35 @@ def layer_bytes(layer: Any) -> int:
     slots = sum(layer.lens_host) + len(layer.lens_host) * layer.decoded if isinstance(layer, RaggedLayer) else None
     return sum((t.numel() if slots is None else slots * t.shape[-1]) * t.element_size()
                for t in (getattr(layer, "keys", None), getattr(layer, "values", None)) if isinstance(t, torch.Tensor))
+
+
+def layer_tokens(layer: Any) -> int:
+    """Tokens a cache layer holds for its longest KV head."""
+    return max(layer.lens_host) + layer.decoded if isinstance(layer, RaggedLayer) else layer.get_seq_length()
+
+
+@dataclass
+class Context:
+    """A prefilled (and compressed) context: where every answer from it starts (:meth:`Engine.open`).
+
+    Attributes:
+        state: its :class:`CompressionState` (the cache); logits: ``(V,)`` after the last token fed;
+        next_pos: the position of the next token; ids: every token fed so far (the logits processors' input);
+        stats: the compression's :class:`GenerationResult` fields; prefill_s, peak_bytes, compress_s: prefill
+            seconds, peak memory and compression seconds not yet charged to a result (:meth:`Engine.decode`
+            charges them to the first answer: a reused context costs the later ones nothing);
+        steps: decode-phase forwards so far (``decode.schedule=steps``).
+    """
+
+    state: CompressionState
+    logits: torch.Tensor
+    next_pos: int
+    ids: list[int]
+    stats: dict[str, Any]
+    prefill_s: float
+    peak_bytes: int
+    compress_s: float
+    steps: int = 0
 
 
 class Prefilled(NamedTuple):
@@ -222,9 +264,10 @@ class Engine:
     ``last_state`` holds the last generation's :class:`CompressionState`.
     """
 
-    def __init__(self, loaded: LoadedModel, method: Method, budget: Budget | float | int):
+    def __init__(self, loaded: LoadedModel, method: Method, budget: Budget | float | int, decode: Any = None):
         self.loaded, self.model, self.method = loaded, loaded.model, method
         self.budget = budget if isinstance(budget, Budget) else check_budget(budget)
+        self.decoding = decode if decode is not None and decode.interval else None
         self._rotary = self._make_rotary()
         self.record_logits = False
         self.preallocate = True
@@ -283,10 +326,13 @@ class Engine:
         from transformers import DynamicCache
 
         self.last_state, self.last_logits = None, []  # free the previous sample's cache before this prefill
-        reserve = max_new_tokens + 1
+        d = self.decoding
+        reserve = (max_new_tokens if d is None else min(max_new_tokens, d.interval)) + 1  # tokens until a compression
         cache = preallocated_cache(self.model.config, reserve) if preallocate else DynamicCache(config=self.model.config)
         layout = self.loaded.layout.for_prompt(n, max_new_tokens)  # model.compress_sliding_layers
         planned = self.method.plan(n, self.budget, layout)
+        if d is not None and not d.prefill:  # decode-only: the prompt stays whole
+            planned = Plan(planned.layer_budgets, planned.head_budgets, compress=False)
         plan = apply_budget_floor(planned, n, self.method.min_budget())
         if plan is not planned and not self._floor_warned:
             self._floor_warned = True
@@ -297,12 +343,75 @@ class Engine:
                 "" if plan.compress else " (here all n: the cache is not compressed)",
             )
         return CompressionState(method=self.method, plan=plan, layout=layout, cache=cache, rotary=self._rotary,
-                                max_new_tokens=max_new_tokens, reference_decode=self.reference_decode)
+                                reserve=reserve, reference_decode=self.reference_decode,
+                                decode_budget=None if d is None else self.budget, window=self.method.window_size)
+
+    @torch.inference_mode()
+    def open(self, prompt_ids: list[int], max_new_tokens: int, prefilled: Prefilled | None = None) -> Context:
+        """Prefill ``prompt_ids`` (the context) and compress the cache once (or take this engine's part of a shared
+        :func:`prefill`): the :class:`Context` every answer from this context starts from. ``max_new_tokens``: the
+        tokens fed after it (query part + generation), the room compressed layers keep. ValueError: empty prompt."""
+        state, logits, prefill_s, peak = prefilled or prefill([self], prompt_ids, max_new_tokens)[0]
+        c = len(prompt_ids)
+        kept, stored, nbytes, mstats = self._cache_stats(state, c)
+        finalize = getattr(self.method, "finalize", None)
+        if state.results and callable(finalize):
+            finalize(state.results)
+        attach_bias(state)
+        stats = dict(compressed_tokens=c, compressed=bool(state.results), kept_tokens=kept, stored_tokens=stored,
+                     cache_bytes_after=cache_bytes(state.cache), method_stats=mstats, **nbytes)
+        next_pos = max([r.next_position for r in state.results.values() if r.next_position is not None], default=c)
+        state.phase = "decode"
+        self.last_state = state
+        return Context(state, logits, next_pos, list(prompt_ids), stats, prefill_s, peak, state.compress_s)
+
+    @torch.inference_mode()
+    def feed(self, ctx: Context, ids: list[int]) -> None:
+        """Prefill ``ids`` on top of ``ctx``'s cache in one forward, uncompressed (causal per head), positions
+        continuing (the query part of ``task.compress=context``; a follow-up turn); its time and peak are prefill's."""
+        if not ids:
+            return
+        dev = self.loaded.device
+        reset_peak_memory(self.devices)
+        t0, pos = time.perf_counter(), torch.arange(ctx.next_pos, ctx.next_pos + len(ids), device=dev)
+        self._schedule(ctx, len(ids))
+        ctx.logits = self.model(input_ids=torch.tensor([ids], device=dev), past_key_values=ctx.state.cache, use_cache=True,
+                                position_ids=pos.view(1, -1), cache_position=pos, logits_to_keep=1,
+                                kvbench_state=ctx.state).logits[0, -1]
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        ctx.prefill_s += time.perf_counter() - t0
+        ctx.peak_bytes = max(ctx.peak_bytes, peak_memory_bytes(self.devices))
+        ctx.next_pos, ctx.ids = ctx.next_pos + len(ids), ctx.ids + list(ids)
+
+    def _schedule(self, ctx: Context, q: int) -> None:
+        """Flag whether the next decode-phase forward (``q`` tokens) compresses (``decode.schedule``, docs/DECODING.md):
+        ``steps``, every interval-th such forward (kvpress DecodingPress); ``length``, when the tokens fed before it are
+        a multiple of the interval (R-KV)."""
+        st, d = ctx.state, self.decoding
+        if st.decode_budget is None:
+            return
+        ctx.steps += 1
+        st.compress_now = (ctx.steps if d.schedule == "steps" else len(ctx.ids)) % d.interval == 0
+
+    @torch.inference_mode()
+    def checkpoint(self, ctx: Context) -> tuple:
+        """``ctx``'s state, for :meth:`restore` (the cache's: :func:`kvbench.kvcache.checkpoint`)."""
+        return (checkpoint(ctx.state.cache), dict(ctx.state.queries), ctx.logits, ctx.next_pos, list(ctx.ids), ctx.steps)
+
+    @torch.inference_mode()
+    def restore(self, ctx: Context, saved: tuple) -> None:
+        """Put ``ctx`` back as :meth:`checkpoint` saved it (a shared context's next question, a candidate)."""
+        cache, queries, ctx.logits, ctx.next_pos, ids, ctx.steps = saved
+        ctx.ids = list(ids)
+        restore(ctx.state.cache, cache)
+        ctx.state.queries = dict(queries)
 
     @torch.inference_mode()
     def generate(self, prompt_ids: list[int], max_new_tokens: int, stop_ids: list[int] | None = None,
                  min_new_tokens: int = 0, prefilled: Prefilled | None = None, query_tokens: int = 0) -> GenerationResult:
-        """Prefill ``prompt_ids``, compress the cache once, decode greedily.
+        """Prefill ``prompt_ids``, compress the cache once, decode greedily: :meth:`open` on the first n − q ids,
+        :meth:`feed` the last q (the query part, kvpress's question), :meth:`decode`.
 
         Args:
             prompt_ids: prompt token ids (already truncated by the task).
@@ -311,8 +420,7 @@ class Engine:
             min_new_tokens: steps during which stop ids cannot be chosen (their logits are −inf),
                 as ``generate(min_length=prompt + k)`` does.
             prefilled: this engine's part of a shared :func:`prefill` of the compressed ids (None: prefill here).
-            query_tokens: q, the last q ids are the query part (kvpress's question): the first n − q are prefilled
-                and compressed, then the q in one forward on the compressed cache (causal per head), uncompressed.
+            query_tokens: q, the last q ids are the query part: prefilled on the compressed cache, uncompressed.
 
         Returns:
             A :class:`GenerationResult`.
@@ -321,40 +429,38 @@ class Engine:
             ValueError: an empty prompt.
             NonFiniteLogitsError: NaN/inf logits at any step.
         """
-        model, dev = self.model, self.loaded.device
+        c = len(prompt_ids) - query_tokens
+        ctx = self.open(prompt_ids[:c], max_new_tokens + query_tokens, prefilled)
+        self.feed(ctx, prompt_ids[c:])
+        return self.decode(ctx, max_new_tokens, stop_ids, min_new_tokens)
+
+    @torch.inference_mode()
+    def decode(self, ctx: Context, max_new_tokens: int, stop_ids: list[int] | None = None, min_new_tokens: int = 0,
+               generator: torch.Generator | None = None, sampling: Any = None) -> GenerationResult:
+        """Generate from ``ctx`` (its cache then holds the answer but its last token): greedily, or with
+        ``generator`` by sampling from the model's logits processors with ``sampling``'s temperature, top-p, top-k
+        (:func:`kvbench.models.greedy_processors`); decode-time compression as ``decode`` says. The result
+        carries the prefill time and peak ``ctx`` has not charged to an earlier result.
+
+        Raises:
+            NonFiniteLogitsError: NaN/inf logits at any step.
+        """
+        model, dev, state = self.model, self.loaded.device, ctx.state
         stops = sorted(set(self.loaded.stop_ids if stop_ids is None else stop_ids))
-        n, c = len(prompt_ids), len(prompt_ids) - query_tokens  # c: the compressed tokens
-        state, logits, prefill_s, peak_bytes = prefilled or prefill([self], prompt_ids[:c], max_new_tokens + query_tokens)[0]
-        cache, sync = state.cache, dev.type == "cuda"
-        kept, stored, nbytes, mstats = self._cache_stats(state, c)
-        finalize = getattr(self.method, "finalize", None)
-        if state.results and callable(finalize):
-            finalize(state.results)
-        attach_bias(state)
-        after = cache_bytes(cache)
-        next_pos = max([r.next_position for r in state.results.values() if r.next_position is not None], default=c)
-        state.phase = "decode"
-        self.last_state = state
-        if query_tokens:  # the query part: a prefill on the compressed cache, its peak and time the prefill's
-            reset_peak_memory(self.devices)
-            t0, pos = time.perf_counter(), torch.arange(next_pos, next_pos + query_tokens, device=dev)
-            logits = model(input_ids=torch.tensor([prompt_ids[c:]], device=dev), past_key_values=cache, use_cache=True,
-                           position_ids=pos.view(1, -1), cache_position=pos, logits_to_keep=1, kvbench_state=state).logits[0, -1]
-            if sync:
-                torch.cuda.synchronize()
-            prefill_s, peak_bytes = prefill_s + time.perf_counter() - t0, max(peak_bytes, peak_memory_bytes(self.devices))
-            next_pos += query_tokens
+        sync, n, logits = dev.type == "cuda", len(ctx.ids), ctx.logits
         reset_peak_memory(self.devices)  # the decode phase's own peak: the compressed cache and decoding
 
         # Decode: the next token is the argmax tensor itself and the positions are slices of one
         # tensor, so a step's only host-device sync is reading the token (and the finiteness flag).
-        positions = torch.arange(next_pos, next_pos + max(1, max_new_tokens), device=dev)
+        positions = torch.arange(ctx.next_pos, ctx.next_pos + max(1, max_new_tokens), device=dev)
         stop_index = torch.tensor(stops, dtype=torch.long, device=dev)
         tokens: list[int] = []
-        processors = self.loaded.processors
-        seq = torch.tensor([prompt_ids + [0] * max_new_tokens], device=dev) if processors else None
+        processors = self.loaded.processors if generator is None else greedy_processors(
+            model, sampling, self.loaded.generation_config)
+        seq = torch.tensor([ctx.ids + [0] * max_new_tokens], device=dev) if processors else None
         forward = self.decode_forward()
         compiled, compile_s, compiling_steps = forward is not model, 0.0, 0
+        trace, compress_s0, state.held = [self._trace_point(state, 0)], state.decode_compress_s, 0
         with self._decode_scope(compiled):
             state.backends["decode"] = decode_backends(state)
             t1 = time.perf_counter()
@@ -368,7 +474,8 @@ class Engine:
                 for proc in processors:  # the model's generation config, as model.generate applies it
                     scores = proc(seq[:, : n + step], scores.view(1, -1))[0]
                 masked = scores.index_fill(0, stop_index, float("-inf")) if step < min_new_tokens and stops else scores
-                next_tok = masked.argmax().view(1, 1)
+                next_tok = (masked.argmax() if generator is None else torch.multinomial(
+                    torch.softmax(masked.float(), -1), 1, generator=generator)[0]).view(1, 1)
                 tok, finite = torch.stack([next_tok[0, 0], torch.isfinite(logits).all().long()]).tolist()
                 if not finite:
                     raise NonFiniteLogitsError(f"non-finite logits at decode step {step}")
@@ -380,9 +487,15 @@ class Engine:
                 if step == max_new_tokens - 1:
                     break
                 pos = positions[step : step + 1]
-                out = forward(input_ids=next_tok, past_key_values=cache, use_cache=True, position_ids=pos.view(1, 1),
+                self._schedule(ctx, 1)
+                if state.compress_now:
+                    trace.append(self._trace_point(state, len(tokens)))
+                out = forward(input_ids=next_tok, past_key_values=state.cache, use_cache=True, position_ids=pos.view(1, 1),
                               cache_position=pos, kvbench_state=state)
                 logits = out.logits[0, -1]
+                ctx.ids.append(tok)
+                if state.compress_now:
+                    trace.append(self._trace_point(state, len(tokens)))
                 now = _compile_frames()
                 if now != frames:  # this step compiled (a first call, a new layout): its time is compile_s
                     if sync:
@@ -399,15 +512,26 @@ class Engine:
             torch.cuda.synchronize()
         decode_s = time.perf_counter() - t1 - compile_s
         timed = len(tokens) - compiling_steps
+        ctx.logits, ctx.next_pos = logits, ctx.next_pos + len(ctx.ids) - n  # the fed ones: not a stop, not the last
+        prefill_s, peak, ctx.prefill_s, ctx.peak_bytes = ctx.prefill_s, ctx.peak_bytes, 0.0, 0
+        trace.append(self._trace_point(state, len(tokens)))
+        compress_s, ctx.compress_s = ctx.compress_s, 0.0
         return GenerationResult(
             tokens=tokens, text=self.loaded.tokenizer.decode(tokens, skip_special_tokens=True), prompt_tokens=n,
-            compressed_tokens=c, compressed=bool(state.results), kept_tokens=kept, stored_tokens=stored, cache_bytes_after=after,
-            **nbytes,
-            prefill_s=prefill_s, compress_s=state.compress_s, decode_s=decode_s, generated_tokens=len(tokens),
+            **ctx.stats, prefill_s=prefill_s, compress_s=compress_s, decode_s=decode_s, generated_tokens=len(tokens),
             decode_tok_s=timed / decode_s if decode_s > 0 and timed > 0 else 0.0, compile_s=compile_s,
-            decode_compiled=compiled and forward is not model, peak_prefill_bytes=peak_bytes,
-            peak_decode_bytes=peak_memory_bytes(self.devices), sdpa_backends=dict(state.backends), method_stats=mstats,
+            decode_compiled=compiled and forward is not model, peak_prefill_bytes=peak,
+            peak_decode_bytes=peak_memory_bytes(self.devices), sdpa_backends=dict(state.backends),
+            cache_trace=[p[:3] for p in trace], peak_stored_tokens=max(state.held, *(p[3] for p in trace)),
+            decode_compressions=sum(a[3] > b[3] for a, b in zip(trace[1:-1:2], trace[2:-1:2])),
+            decode_compress_s=state.decode_compress_s - compress_s0,
         )
+
+    def _trace_point(self, state: CompressionState, generated: int) -> list:
+        """``[generated tokens, stored tokens per KV head (mean over compressible layers of the longest head),
+        stored bytes of the whole cache, the longest head of any compressible layer]``."""
+        lens = [layer_tokens(state.cache.layers[i]) for i in state.layout.compressible_layers]
+        return [generated, round(sum(lens) / max(1, len(lens)), 3), cache_bytes(state.cache), max(lens, default=0)]
 
     def _cache_stats(self, state: CompressionState, n: int):
         """(kept, stored, byte fields, method_stats): per-layer kept/stored token stats per KV head;

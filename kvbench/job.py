@@ -6,12 +6,9 @@ job goes on; the exit code is then 1. The job's folder, reruns and resumes: docs
 
 from __future__ import annotations
 
-import gc
-import hashlib
 import importlib.metadata
 import json
 import logging
-import math
 import os
 import platform
 import random
@@ -19,7 +16,6 @@ import subprocess
 import sys
 import time
 from contextlib import ExitStack
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -33,55 +29,14 @@ from eval.base import Sample, Task, TaskConfigError
 from methods.base import ConfigError
 
 from .config import SELECTION_KEYS, JobSpec, check
-from .models import CHAT_FORMATS
+from .prompts import encode_prompt, prompt_text, split_prompt, stop_ids_for  # noqa: F401 - the job's public helpers
+from .runner import conversations, error_record, free_cuda, record_ids, run_sample, run_samples  # noqa: F401
 from .store import JobLockedError, JobStore, atomic_write
 
 log = logging.getLogger("kvbench")
 EXIT_OK, EXIT_SAMPLE_FAILED, EXIT_CONFIG, EXIT_LOCKED = 0, 1, 2, 3
 ROOT = Path(__file__).resolve().parents[1]
 LOG_FORMAT = "[%(asctime)s] %(levelname)s %(name)s: %(message)s"
-
-
-def prompt_text(loaded: Any, sample: Sample) -> tuple[str, dict]:
-    """The text the tokenizer encodes for a sample and the tokenizer call's keywords, as LongBench's ``pred.py`` builds
-    it: for a chat sample the tokenizer's chat template (one user turn, generation prompt; its special tokens are in
-    the text, none added) or the model's official format (``vicuna``); else the plain prompt."""
-    tok, fmt = loaded.tokenizer, loaded.chat_template if sample.chat else None
-    if fmt == "tokenizer" or fmt is True:
-        return tok.apply_chat_template([{"role": "user", "content": sample.prompt}], add_generation_prompt=True,
-                                       tokenize=False), {"add_special_tokens": False}
-    return (CHAT_FORMATS[fmt].format(prompt=sample.prompt) if fmt in CHAT_FORMATS else sample.prompt), {}
-
-
-def encode_prompt(loaded: Any, sample: Sample) -> list[int]:
-    """Token ids of a sample's prompt: :func:`prompt_text` tokenized (``apply_chat_template(tokenize=True)``'s ids)."""
-    text, kwargs = prompt_text(loaded, sample)
-    return [int(i) for i in loaded.tokenizer(text, **kwargs)["input_ids"]]
-
-
-def split_prompt(loaded: Any, sample: Sample, compress: str = "prompt") -> tuple[list[int], int]:
-    """``(ids, q)``: :func:`encode_prompt`'s ids and, under ``task.compress=context``, how many of them at the end are
-    the query part, left uncompressed (else 0). The context is the prompt without ``sample.query`` as the same
-    template renders it, so a chat template's closing and generation prompt belong to the query part (kvpress's
-    pipeline: ``question + question_suffix``); a token straddling the boundary goes to the query part."""
-    ids = encode_prompt(loaded, sample)
-    if compress != "context":
-        return ids, 0
-    mark = "\ue000"  # a private-use character: in no template or prompt
-    text, kwargs = prompt_text(loaded, replace(sample, prompt=sample.prompt[: len(sample.prompt) - len(sample.query)] + mark))
-    head = loaded.tokenizer(text.split(mark)[0], **kwargs)["input_ids"]
-    c = next((i for i, (a, b) in enumerate(zip(ids, head)) if a != b), min(len(ids), len(head)))
-    return ids, len(ids) - max(c, 1)
-
-
-def stop_ids_for(loaded: Any, sample: Sample) -> list[int]:
-    """The model's stop ids; for a sample with stop strings instead the tokenizer's eos id and the last token id of
-    each, as LongBench's ``pred.py`` stops samsum: ``eos_token_id=[tokenizer.eos_token_id,
-    tokenizer.encode("\\n", add_special_tokens=False)[-1]]`` (that list replaces the model's whole eos list)."""
-    if not sample.stop_strings:
-        return list(loaded.stop_ids)
-    eos = getattr(loaded.tokenizer, "eos_token_id", None)
-    return [eos] * (eos is not None) + [loaded.tokenizer.encode(s, add_special_tokens=False)[-1] for s in sample.stop_strings]
 
 
 def environment(loaded: Any) -> dict[str, Any]:
@@ -121,43 +76,6 @@ def build_task(cfg: dict, loaded: Any, resolved: dict | None = None) -> tuple[Ta
     return task, list({s.id: s for s in task.samples()}.values())
 
 
-def run_sample(engine: Any, loaded: Any, task: Task, sample: Sample, prefilled: Any = None) -> dict[str, Any]:
-    """Generate and score one sample; never raises (an error becomes the record's ``error``).
-    ``prefilled``: the engine's part of a shared prefill (:func:`kvbench.engine.prefill`) or the error it raised."""
-    base = {"id": sample.id, "dataset": sample.dataset, "answers": sample.answers, "all_classes": sample.all_classes,
-            "length": sample.length, "meta": sample.meta, "prompt_sha256": hashlib.sha256(sample.prompt.encode()).hexdigest()}
-    try:
-        if isinstance(prefilled, BaseException):
-            raise prefilled
-        ids, q = split_prompt(loaded, sample, task.cfg.get("compress", "prompt"))
-        result = engine.generate(ids, sample.max_new_tokens, stop_ids_for(loaded, sample), sample.min_new_tokens,
-                                 prefilled, q)
-        score = float(task.score(sample, result.text))
-        if not math.isfinite(score):
-            raise FloatingPointError(f"non-finite score {score!r}")
-        extra = task.extra_scores(sample, result.text) if hasattr(task, "extra_scores") else {}
-        return {**base, "prediction": result.text, "score": score, "scores": extra, **result.record(), "error": None}
-    except Exception as e:  # noqa: BLE001 - per-sample isolation is the point
-        if type(e).__name__ == "UncompletedJobError":
-            raise  # submitit's preemption signal: the task must stop and be requeued
-        log.error("sample %s failed: %s: %s", sample.id, type(e).__name__, e)
-        _free_cuda()
-        return error_record(base, e)
-
-
-def error_record(base: dict[str, Any], err: BaseException) -> dict[str, Any]:
-    """The stored record of a failed sample: ``score`` null, ``error`` = type and message."""
-    return {**base, "prediction": None, "score": None, "error": {"type": type(err).__name__, "message": str(err)[:2000]}}
-
-
-def _free_cuda() -> None:
-    import torch
-
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
-
 def _mean(values: list) -> float | None:
     vals = [v for v in values if v is not None]
     return round(sum(vals) / len(vals), 6) if vals else None
@@ -166,6 +84,7 @@ def _mean(values: list) -> float | None:
 def selection(cfg: dict) -> dict[str, Any]:
     """The keys that chose this run's samples (they may change between runs of one folder)."""
     return {"max_samples": cfg.get("max_samples"), "shard.count": cfg["shard"]["count"],
+            **({"sampling.n": cfg["sampling"]["n"]} if (cfg.get("sampling") or {}).get("temperature") else {}),
             **{f"task.{k}": cfg["task"].get(k) for k in SELECTION_KEYS if k in cfg["task"]}}
 
 
@@ -272,16 +191,17 @@ def run_jobs(jobs: list[JobSpec], wait_s: float | None = None) -> list[int]:
         if runs:
             loaded, task, mine, expected, compiled = load(runs[0][0])
             envs = [write_env(job, store, loaded, compiled, mine) for job, store in runs]
-            engines = [Engine(loaded, job.method, job.top.budget) for job, _ in runs]
+            top = runs[0][0].top
+            engines = [Engine(loaded, job.method, job.top.budget, job.top.decode) for job, _ in runs]
             for engine in engines:
                 engine.compile_decode = compiled
-            run_samples(engines, loaded, task, mine, [store for _, store in runs], runs[0][0].top.quiet)
+            run_samples(engines, loaded, task, mine, [store for _, store in runs], top.quiet, top.sampling, top.seed)
             for engine, (_, store), (name, env) in zip(engines, runs, envs):
                 if engine.compile_error:  # this run's env.json says what ran: eager from the failure on
                     store.write_json(name, {**env, "decode_compiled": False, "compile_error": engine.compile_error})
             codes.update({job.relpath: summarise(job, store, task, expected) for job, store in runs})
             del engines, loaded, task
-            _free_cuda()
+            free_cuda()
     return [codes[j.relpath] for j in jobs]
 
 
@@ -342,15 +262,17 @@ def load(job: JobSpec) -> tuple[Any, Task, list[Sample], list[str], bool]:
     if not samples:  # e.g. a Hub or parquet subset with no row of the chosen datasets
         raise TaskConfigError(f"task={job.cfg['task']['name']}: no samples to run (task.data_dir, its datasets or "
                               "subtasks, task.n_samples)")
-    cap = top.max_samples or len(samples)
-    mine = samples[index::count][:cap]
-    expected = [s.id for k in range(count) for s in samples[k::count][:cap]]
+    blocks = conversations(samples)  # a multi-turn conversation is never split
+    cap = top.max_samples or len(blocks)
+    mine = [s for block in blocks[index::count][:cap] for s in block]
+    expected = [i for k in range(count) for block in blocks[k::count][:cap] for s in block for i in record_ids(s, top.sampling)]
     window = getattr(loaded.model.config.get_text_config(), "max_position_embeddings", None)  # Gemma 3: text part
     need = max(map(task.tokens_needed, mine), default=0)
     if isinstance(window, int) and need > window:
         raise ConfigError(f"task.max_length / model.max_input_length: {need} tokens of prompt + generation exceed "
                           f"the model's context window of {window} tokens")
-    compiled = top.compile is True or (top.compile == "auto" and loaded.device.type == "cuda" and not top.model.device_map)
+    compiled = not top.decode.interval and (top.compile is True or (top.compile == "auto" and loaded.device.type == "cuda"
+                                                                    and not top.model.device_map))
     return loaded, task, mine, expected, compiled
 
 
@@ -380,45 +302,6 @@ def summarise(job: JobSpec, store: JobStore, task: Task, expected: list[str]) ->
         store.write_json("summary.json", summary)
     print_summary(summary, store.path)
     return EXIT_SAMPLE_FAILED if summary["n_failed"] else EXIT_OK
-
-
-def run_samples(engines: list[Any], loaded: Any, task: Task, samples: list[Sample], stores: list[JobStore], quiet: bool) -> None:
-    """Run each sample for every (engine, store) that has not stored it, one prefill per sample for
-    all of them, appending one record per sample and store: a progress bar on a terminal, one log
-    line per sample in a log file or pipe."""
-    from tqdm import tqdm
-
-    from .engine import prefill
-
-    stored = [store.done_ids() for store in stores]
-    todo = [s for s in samples if any(s.id not in ids for ids in stored)]
-    interactive = sys.stderr.isatty()
-    scores: list[float] = []
-    with tqdm(todo, desc="samples", unit="sample", disable=quiet or not interactive) as bar:
-        for i, sample in enumerate(bar, 1):
-            mine = [j for j, ids in enumerate(stored) if sample.id not in ids]
-            try:  # the compressed ids (task.compress=context: the context's), reserving room for the query part
-                ids, q = split_prompt(loaded, sample, task.cfg.get("compress", "prompt")) if len(mine) > 1 else ([], 0)
-                parts = [None] if len(mine) == 1 else prefill(
-                    [engines[j] for j in mine], ids[: len(ids) - q], sample.max_new_tokens + q)
-            except Exception as e:  # noqa: BLE001 - every variant of this sample stores the error
-                parts = [e] * len(mine)
-            outcomes = []
-            for j, part in zip(mine, parts):
-                rec = run_sample(engines[j], loaded, task, sample, part)
-                try:
-                    stores[j].append(rec)
-                except (TypeError, ValueError) as e:  # not strict JSON (a NaN): store the failure instead
-                    rec = error_record({k: rec.get(k) for k in ("id", "dataset", "answers", "all_classes", "length")}, e)
-                    stores[j].append(rec)
-                if rec["error"] is None:
-                    scores.append(100 * rec["score"])
-                outcomes.append(f"{'/'.join(stores[j].path.parts[-2:]) + ' ' if len(stores) > 1 else ''}" + (
-                    f"score {100 * rec['score']:.2f}" if rec["error"] is None else f"failed ({rec['error']['type']})"))
-            if scores:
-                bar.set_postfix(mean_score=f"{sum(scores) / len(scores):.2f}", refresh=False)
-            if not interactive and not quiet:
-                log.info("sample %d/%d %s: %s", i, len(todo), sample.id, ", ".join(outcomes))
 
 
 def main(cfg: Any) -> Any:

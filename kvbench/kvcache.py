@@ -118,10 +118,11 @@ class RaggedLayer(DynamicLayer):
         return (self.cu[:-1].view(*self.shape, 1) + valid.cumsum(-1) - 1)[valid]
 
     def update(self, key_states, value_states, cache_kwargs: dict[str, Any] | None = None):
-        """Append ``(B, H_kv, q, d)`` to every head (RuntimeError past the reserve); return the flat buffers."""
+        """Append ``(B, H_kv, q, d)`` to every head (past the reserve, the layer is laid out again with twice the
+        room); return the flat buffers."""
         q = key_states.shape[-2]
         if self.decoded + q > self.reserve:
-            raise RuntimeError(f"RaggedLayer: {self.decoded + q} decoded tokens exceed the reserve of {self.reserve}")
+            self.__init__(*self.padded(), max(2 * self.reserve, self.decoded + q), self.keys.shape[-1])
         idx = ((self.cu[:-1] + self.lengths).unsqueeze(1) + torch.arange(q, device=self.cu.device)).flatten()
         self.keys[idx, 0, : key_states.shape[-1]] = key_states.reshape(-1, key_states.shape[-1])
         self.values[idx, 0, : value_states.shape[-1]] = value_states.reshape(-1, value_states.shape[-1])
@@ -133,13 +134,16 @@ class RaggedLayer(DynamicLayer):
         """The longest head's filled slots (tokens)."""
         return max(self.lens_host) + self.decoded
 
-    def padded(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The reference layout: keys, values ``(B, H_kv, T, width)`` padded with zeros to the longest head,
-        and the validity mask ``(B, H_kv, T)`` (T = :meth:`get_seq_length`)."""
+    def padded(self, left: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The reference layout: keys, values ``(B, H_kv, T, width)`` padded with zeros to the longest head (each
+        head's tokens first; ``left``: last, its newest token in slot T − 1), and the validity mask ``(B, H_kv, T)``
+        (T = :meth:`get_seq_length`)."""
         lens = [n + self.decoded for n in self.lens_host]
-        pad = lambda buf: pad_sequence([buf[s : s + n, 0] for s, n in zip(self.cu_host, lens)],
-                                       batch_first=True).view(*self.shape, max(lens), -1)
-        valid = torch.arange(max(lens), device=self.keys.device) < torch.tensor(lens, device=self.keys.device).unsqueeze(1)
+        side = "left" if left else "right"
+        pad = lambda buf: pad_sequence([buf[s : s + n, 0] for s, n in zip(self.cu_host, lens)], batch_first=True,
+                                       padding_side=side).view(*self.shape, max(lens), -1)
+        slot, n = torch.arange(max(lens), device=self.keys.device), torch.tensor(lens, device=self.keys.device).unsqueeze(1)
+        valid = slot >= max(lens) - n if left else slot < n
         return pad(self.keys), pad(self.values), valid.view(*self.shape, -1)
 
 
@@ -157,6 +161,23 @@ def store_layer(cache: Any, idx: int, keys: torch.Tensor, values: torch.Tensor, 
         layer.replace(keys, values, width)
     cache.layers[idx], layer.bias_rows, layer.bias_scale = layer, bias_rows, scaling
     return layer
+
+
+def checkpoint(cache: Any) -> list:
+    """The state of every layer of ``cache`` (O(1) memory: decoding writes past a layer's filled slots, and a
+    compression or a regrowth gives it new buffers), for :func:`restore`."""
+    return [(layer, dict(vars(layer)), layer.lengths.clone() if isinstance(layer, RaggedLayer) else None)
+            for layer in cache.layers]
+
+
+def restore(cache: Any, saved: list) -> None:
+    """Put ``cache`` back in the state :func:`checkpoint` saved (any number of times)."""
+    cache.layers = [layer for layer, _, _ in saved]
+    for layer, state, lengths in saved:
+        vars(layer).clear()
+        vars(layer).update(state)
+        if lengths is not None:
+            layer.lengths = lengths.clone()
 
 
 def write_bias(layer: Any, bias: torch.Tensor, d: int, valid: torch.Tensor | None = None) -> None:

@@ -49,7 +49,8 @@ class LoadedModel:
     embeddings; ``chat_template``: ``tokenizer``, a :data:`CHAT_FORMATS` name, or None (the raw prompt);
     ``max_input_length``: the prompt budget in tokens; ``source``: path or Hub id, for ``env.json``; ``processors``:
     the greedy logits processors of its generation config (repetition penalty...), applied at each step as
-    ``model.generate`` does (none with ``model.generation_config=false``); ``load_s``: seconds to load."""
+    ``model.generate`` does (none with ``model.generation_config=false``, then also ``generation_config`` False);
+    ``load_s``: seconds to load."""
 
     model: Any
     tokenizer: Any
@@ -62,6 +63,7 @@ class LoadedModel:
     source: str
     processors: list = field(default_factory=list)
     load_s: float = 0.0
+    generation_config: bool = True
 
 
 def conf_model(name: str, key: str = "--model") -> dict:
@@ -78,12 +80,18 @@ def conf_model(name: str, key: str = "--model") -> dict:
     return asdict(structured(ModelConfig, node, "model."))
 
 
-def greedy_processors(model: Any) -> list:
+def greedy_processors(model: Any, sampling: Any = None, own: bool = True) -> list:
     """The logits processors ``model.generate(do_sample=False, num_beams=1)`` builds from the model's
     ``generation_config`` (LongBench's ``pred.py`` generates so: Qwen2.5 ships a repetition penalty
-    of 1.05). Sampling warpers do not apply to greedy decoding; the length limits are the task's."""
-    cfg = copy.deepcopy(model.generation_config)
+    of 1.05); the length limits are the task's. With ``sampling`` (``temperature`` > 0, ``top_p``, ``top_k``;
+    0: off) those of ``generate(do_sample=True, ...)``, the sampling warpers included; ``own=False``: from a
+    default generation config (``model.generation_config=false``)."""
+    from transformers import GenerationConfig
+
+    cfg = copy.deepcopy(model.generation_config) if own else GenerationConfig()
     cfg.update(do_sample=False, num_beams=1, max_length=None, min_length=0, min_new_tokens=None)
+    if sampling is not None and sampling.temperature:
+        cfg.update(do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k)
     return list(model._get_logits_processor(cfg, device=str(model.device)))
 
 
@@ -397,6 +405,7 @@ def load_model(model_cfg: dict, device: str = "auto", source: tuple[str, str | N
         chat_template=chat_format(model_cfg, tokenizer),
         max_input_length=int(model_cfg.get("max_input_length") or 3500), source=str(model_cfg.get("source")),
         processors=greedy_processors(model) if model_cfg.get("generation_config", True) else [],
+        generation_config=bool(model_cfg.get("generation_config", True)),
         load_s=time.perf_counter() - start,
     )
 

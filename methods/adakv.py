@@ -34,7 +34,7 @@ from typing import Literal
 import torch
 
 from .allocation import adaptive_head_budgets, keep_topk_per_head, safeguard_keep_mask
-from .base import Budget, CompressResult, HeadLayout, LayerContext, Method, Plan, pack_kept, require
+from .base import Budget, CompressResult, HeadLayout, LayerContext, Method, Plan, masked_scores, pack_kept, require
 from .pyramidkv import PyramidKV, PyramidKVConfig
 
 
@@ -80,7 +80,7 @@ class AdaKV(PyramidKV):
     def select(self, ctx: LayerContext) -> torch.Tensor:
         """Keep mask ``(B, H_kv, n)`` of this layer (head-wise adaptive budgets + recent window)."""
         c = self.config
-        scores = self.score(ctx)  # (B, H_kv, n), recent window at +inf
+        scores = masked_scores(self.score(ctx), ctx.valid)  # (B, H_kv, n), recent window at +inf, empty slots −inf
         b_sz, h, n = scores.shape
         m = min(ctx.budget, n)
         w = min(self.recent_window, m)  # a ratio budget below W keeps the last m tokens
@@ -93,4 +93,7 @@ class AdaKV(PyramidKV):
         return torch.cat([keep_prefix, keep_prefix.new_ones(b_sz, h, w)], dim=-1)
 
     def compress(self, ctx: LayerContext) -> CompressResult:
-        return pack_kept(ctx.keys, ctx.values, self.select(ctx))
+        """At decode time (``ctx.valid``) the empty slots score −inf: only the valid ones are shared out."""
+        keep = self.select(ctx)
+        return pack_kept(ctx.keys, ctx.values, keep if ctx.valid is None else keep & ctx.valid)
+

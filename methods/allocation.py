@@ -121,7 +121,7 @@ def adaptive_head_budgets(
 
     Args:
         scores: ``(B, H, N)`` non-negative float32 scores of the selectable tokens (the
-            observation window excluded).
+            observation window excluded); −inf: a slot that holds no token (decode time).
         total: H·b, tokens to share among the H heads (b = average per head, ≤ N).
         floor_ratio: α in [0, 1].
         normalize: rescale each head's scores by its top-b mass fraction first.
@@ -135,8 +135,9 @@ def adaptive_head_budgets(
     per_head = total // h
     s = scores.float()
     if normalize:
-        top_mass = s.topk(per_head, dim=-1).values.sum(-1, keepdim=True)
-        s = s * (top_mass / s.sum(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny))
+        mass = s.clamp_min(0)  # an empty slot weighs nothing
+        top_mass = mass.topk(per_head, dim=-1).values.sum(-1, keepdim=True)
+        s = s * (top_mass / mass.sum(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny))
     winners = s.reshape(b_sz, h * n).topk(total, dim=-1).indices // n  # (B, total) head ids
     counts = torch.zeros(b_sz, h, dtype=torch.long, device=scores.device)
     counts.scatter_add_(1, winners, torch.ones_like(winners))

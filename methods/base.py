@@ -143,10 +143,11 @@ class Plan:
 
 @dataclass
 class LayerContext:
-    """Everything a method sees for one layer at the end of prefill.
+    """Everything a method sees for one layer at the end of prefill, or at a decode-time compression.
 
     Shapes: B batch (always 1 in the protocol), H_kv KV heads, H_q query heads, n prompt
-    tokens, W observation-window queries, d head dim.
+    tokens (at decode time: the tokens the layer holds, the newest last), W observation-window
+    queries, d head dim.
 
     Attributes:
         layer_idx: index of this layer.
@@ -167,6 +168,12 @@ class LayerContext:
             attention (the H2O / LOOK-M cumulative score), computed by the engine inside the
             prefill attention when the method's :meth:`Method.wants_prompt_attention` is
             true; ``None`` otherwise (the method then computes what it needs itself).
+        valid: ``(B, H_kv, n)`` bool, the slots that hold a token, or ``None`` (all). Set at decode time for a
+            layer whose heads hold different numbers of tokens: each head's tokens right-aligned (its newest
+            token in the last slot), the empty slots first with zero keys and values.
+        decoding: True at a decode-time compression (``decode.interval``, docs/DECODING.md): ``keys`` are the
+            layer's whole cache, the current token last; ``window_queries`` the queries of the last W tokens fed
+            (the prompt's last ones, then each decode step's); ``positions`` is None.
     """
 
     layer_idx: int
@@ -182,6 +189,8 @@ class LayerContext:
     rotary: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None
     artifacts: dict[str, Any] = field(default_factory=dict)
     prompt_attention: torch.Tensor | None = None
+    valid: torch.Tensor | None = None
+    decoding: bool = False
 
     @property
     def n_tokens(self) -> int:
@@ -332,9 +341,12 @@ class Method:
     Attributes:
         name: registry name (``method.name``): the method's module name, e.g. ``snapkv``.
         window_size: W, how many trailing prompt queries the engine hands over (0 if none).
+        decodes: whether :meth:`compress` takes decode-time contexts (``LayerContext.decoding``, ``valid``):
+            the scoring methods; ``decode.interval > 0`` with another method is a configuration error.
     """
 
     Config: ClassVar[type] = MethodConfig
+    decodes: ClassVar[bool] = False
 
     def __init__(self, config: Any = None, layout: HeadLayout | None = None, artifacts: dict | None = None):
         self.config = config if config is not None else self.Config()
@@ -398,7 +410,12 @@ class ScoreMethod(Method):
 
     ``recent_window`` is read from the config (``recent_window``; ``None`` or absent: equal to
     ``window_size``, the observation window, as SnapKV keeps its window).
+
+    At decode time a layer with per-head lengths (``ctx.valid``) keeps, per head, the valid slots among its
+    top ``budget``: the empty slots score −inf (:func:`masked_scores`).
     """
+
+    decodes = True
 
     @property
     def recent_window(self) -> int:
@@ -414,7 +431,19 @@ class ScoreMethod(Method):
         raise NotImplementedError
 
     def compress(self, ctx: LayerContext) -> CompressResult:
+        import torch
+
         from .scoring import topk_keep_window
 
-        idx = topk_keep_window(self.score(ctx), ctx.budget, min(self.recent_window, ctx.n_tokens))  # (B, H_kv, m)
+        idx = topk_keep_window(masked_scores(self.score(ctx), ctx.valid), ctx.budget,
+                               min(self.recent_window, ctx.n_tokens))  # (B, H_kv, m)
+        if ctx.valid is not None:  # each head keeps its valid slots among the top m
+            keep = torch.zeros_like(ctx.valid).scatter_(-1, idx, True) & ctx.valid
+            return pack_kept(ctx.keys, ctx.values, keep)
         return CompressResult(keys=gather_tokens(ctx.keys, idx), values=gather_tokens(ctx.values, idx), kept_indices=idx)
+
+
+def masked_scores(scores: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
+    """``scores`` ``(B, H, n)`` with −inf where ``valid`` ``(B, H, n)`` is False (the empty slots of a decode-time
+    context); ``scores`` itself when ``valid`` is None."""
+    return scores if valid is None else scores.masked_fill(~valid, float("-inf"))

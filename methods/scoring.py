@@ -17,6 +17,7 @@ def window_attention(
     softcap: float | None = None,
     first_position: int | None = None,
     dtype: torch.dtype = torch.float32,
+    valid: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Softmax attention of the last W prompt queries over all n prompt keys.
 
@@ -34,6 +35,8 @@ def window_attention(
             queries in chunks (LOOK-M's cumulative attention over the whole prompt).
         dtype: of the logits and the result; other than float32 as KVCache-Factory / kvpress:
             logits ``q·kᵀ / √d`` in ``dtype``, softmax in float32, cast back.
+        valid: ``(B, H_kv, n)`` bool, the keys that exist (``LayerContext.valid``; None: all); the others get
+            probability 0.
 
     Returns:
         ``(B, H_q, W, n)`` attention probabilities in ``dtype`` (rows sum to 1).
@@ -53,6 +56,8 @@ def window_attention(
     start = n - w if first_position is None else first_position
     future = torch.ones(w, n - start, dtype=torch.bool, device=keys.device).triu_(1)
     logits[..., start:].masked_fill_(future, float("-inf"))
+    if valid is not None:
+        logits.masked_fill_(~valid[:, :, None, None, :], float("-inf"))
     return torch.softmax(logits, dim=-1, dtype=torch.float32).to(dtype).view(b, h_q, w, n)
 
 

@@ -71,7 +71,8 @@ def snapkv_scores(ctx: LayerContext, cfg: SnapKVConfig) -> torch.Tensor:
         (``score_dtype``); the recent positions get +inf.
     """
     dtype = torch.float32 if cfg.score_dtype == "float32" else ctx.keys.dtype
-    attn = window_attention(ctx.window_queries, ctx.keys, ctx.scaling, ctx.softcap, dtype=dtype)  # (B, H_q, W, n)
+    attn = window_attention(ctx.window_queries, ctx.keys, ctx.scaling, ctx.softcap, dtype=dtype,
+                            valid=ctx.valid)  # (B, H_q, W, n)
     per_q = cfg.gqa_aggregation == "per_query_head"
     n, h_kv = attn.shape[3], attn.shape[1] if per_q else ctx.layout.num_kv_heads
     recent = getattr(cfg, "recent_window", None)
@@ -90,6 +91,10 @@ class SnapKV(ScoreMethod):
     """SnapKV eviction: window attention scores, pooled, per-KV-head top-k."""
 
     Config = SnapKVConfig
+
+    @property
+    def decodes(self) -> bool:  # per_query_head's logit bias is written once, after prefill
+        return self.config.gqa_aggregation != "per_query_head"
 
     def score(self, ctx: LayerContext) -> torch.Tensor:
         return snapkv_scores(ctx, self.config)

@@ -110,9 +110,10 @@ def test_rerun_resumes_without_duplicates(tmp_path):
     args = [f"output_root={tmp_path}", *GRID[:-1], "method=snapkv", "budget=0.5", "task.haystack_source=embedded"]
     first = run_cli(args, timeout=900)
     assert first.returncode == 0, first.stderr[-2000:]
-    output = first.stdout + first.stderr  # a pipe, not a terminal: one plain progress line per sample
+    output = first.stdout + first.stderr  # a pipe, not a terminal: plain progress lines, at most one a minute, the last
     progress = [ln for ln in output.splitlines() if " sample " in ln and "/4 niah/" in ln]
-    assert [ln.split(" sample ")[1].split()[0] for ln in progress] == ["1/4", "2/4", "3/4", "4/4"], output[-2000:]
+    assert progress and progress[-1].split(" sample ")[1].split()[0] == "4/4", output[-2000:]
+    assert " mean " in progress[-1] and " eta " in progress[-1]
     assert "\r" not in output
     job = job_dir(args)
     before = (job / "predictions.jsonl").read_text()

@@ -29,7 +29,7 @@ class CharTokenizer:
     unk_token_id = None
     eos_token_id = None
 
-    def __call__(self, text):
+    def __call__(self, text, **kwargs):
         return {"input_ids": self.encode(text)}
 
     def encode(self, text, add_special_tokens=False):
@@ -100,7 +100,7 @@ def test_a_failing_sample_is_an_error_record_not_a_crash(loaded, case, error_typ
 
 
 def test_loop_goes_on_after_failures_and_summary_counts_them(loaded, tmp_path, monkeypatch):
-    generate, calls = Engine.generate, []
+    generate, calls = Engine.decode, []
 
     def flaky(self, *args, **kwargs):
         calls.append(1)
@@ -108,7 +108,7 @@ def test_loop_goes_on_after_failures_and_summary_counts_them(loaded, tmp_path, m
             raise torch.cuda.OutOfMemoryError("CUDA out of memory (test)")
         return generate(self, *args, **kwargs)
 
-    monkeypatch.setattr(Engine, "generate", flaky)
+    monkeypatch.setattr(Engine, "decode", flaky)
     store = JobStore(tmp_path)
     samples = [sample(f"s/{i}") for i in range(5)]
     run_samples([engine_for(loaded)], loaded, ConstTask(), samples, [store], quiet=True)
@@ -210,7 +210,7 @@ def test_a_wider_selection_resumes_and_runs_only_the_new_samples(base):
 
 
 def test_a_failing_sample_is_stored_exit_1_and_the_rerun_retries_it(base, monkeypatch):
-    generate, calls = Engine.generate, []
+    generate, calls = Engine.decode, []
 
     def fails_second(self, *args, **kwargs):
         calls.append(1)
@@ -218,14 +218,14 @@ def test_a_failing_sample_is_stored_exit_1_and_the_rerun_retries_it(base, monkey
             raise RuntimeError("boom (test)")
         return generate(self, *args, **kwargs)
 
-    monkeypatch.setattr(Engine, "generate", fails_second)
+    monkeypatch.setattr(Engine, "decode", fails_second)
     code, store = run(base)
     assert code == 1
     assert [(r["id"], (r["error"] or {}).get("type")) for r in store.records()] == [
         ("niah/300/0", None), ("niah/300/50", "RuntimeError")]
     summary = json.loads((store.path / "summary.json").read_text())
     assert (summary["n_failed"], summary["complete"]) == (1, False)
-    monkeypatch.setattr(Engine, "generate", generate)
+    monkeypatch.setattr(Engine, "decode", generate)
     code, store = run(base)
     assert code == 0 and [r["id"] for r in store.records()] == ["niah/300/0", "niah/300/50", "niah/300/50"]
     assert store.done_ids() == {"niah/300/0", "niah/300/50"}

@@ -1,0 +1,53 @@
+"""The token ids of a sample: its prompt in the model's format (chat template or an official script's format), the
+query part left uncompressed under ``task.compress=context``, and its stop ids, as the official scripts build them."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+from eval.base import Sample
+
+from .models import CHAT_FORMATS
+
+
+def prompt_text(loaded: Any, sample: Sample) -> tuple[str, dict]:
+    """The text the tokenizer encodes for a sample and the tokenizer call's keywords, as LongBench's ``pred.py`` builds
+    it: for a chat sample the tokenizer's chat template (one user turn, generation prompt; its special tokens are in
+    the text, none added) or the model's official format (``vicuna``); else the plain prompt."""
+    tok, fmt = loaded.tokenizer, loaded.chat_template if sample.chat else None
+    if fmt == "tokenizer" or fmt is True:
+        return tok.apply_chat_template([{"role": "user", "content": sample.prompt}], add_generation_prompt=True,
+                                       tokenize=False), {"add_special_tokens": False}
+    return (CHAT_FORMATS[fmt].format(prompt=sample.prompt) if fmt in CHAT_FORMATS else sample.prompt), {}
+
+
+def encode_prompt(loaded: Any, sample: Sample) -> list[int]:
+    """Token ids of a sample's prompt: :func:`prompt_text` tokenized (``apply_chat_template(tokenize=True)``'s ids)."""
+    text, kwargs = prompt_text(loaded, sample)
+    return [int(i) for i in loaded.tokenizer(text, **kwargs)["input_ids"]]
+
+
+def split_prompt(loaded: Any, sample: Sample, compress: str = "prompt") -> tuple[list[int], int]:
+    """``(ids, q)``: :func:`encode_prompt`'s ids and, under ``task.compress=context``, how many of them at the end are
+    the query part, left uncompressed (else 0). The context is the prompt without ``sample.query`` as the same
+    template renders it, so a chat template's closing and generation prompt belong to the query part (kvpress's
+    pipeline: ``question + question_suffix``); a token straddling the boundary goes to the query part."""
+    ids = encode_prompt(loaded, sample)
+    if compress != "context":
+        return ids, 0
+    mark = "\ue000"  # a private-use character: in no template or prompt
+    text, kwargs = prompt_text(loaded, replace(sample, prompt=sample.prompt[: len(sample.prompt) - len(sample.query)] + mark))
+    head = loaded.tokenizer(text.split(mark)[0], **kwargs)["input_ids"]
+    c = next((i for i, (a, b) in enumerate(zip(ids, head)) if a != b), min(len(ids), len(head)))
+    return ids, len(ids) - max(c, 1)
+
+
+def stop_ids_for(loaded: Any, sample: Sample) -> list[int]:
+    """The model's stop ids; for a sample with stop strings instead the tokenizer's eos id and the last token id of
+    each, as LongBench's ``pred.py`` stops samsum: ``eos_token_id=[tokenizer.eos_token_id,
+    tokenizer.encode("\\n", add_special_tokens=False)[-1]]`` (that list replaces the model's whole eos list)."""
+    if not sample.stop_strings:
+        return list(loaded.stop_ids)
+    eos = getattr(loaded.tokenizer, "eos_token_id", None)
+    return [eos] * (eos is not None) + [loaded.tokenizer.encode(s, add_special_tokens=False)[-1] for s in sample.stop_strings]

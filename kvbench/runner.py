@@ -1,0 +1,306 @@
+"""The per-sample loop of a job (docs/ARCHITECTURE.md, steps 6 to 8): samples that share a context form a unit,
+prefilled and compressed once; each answer (a question, a turn, a sampled candidate) is decoded from it and
+stored as one record; progress on a terminal or in a log.
+
+Units (docs/DECODING.md, "One context, many questions"): under ``task.compress=context`` the samples whose
+context tokens are equal (multi-request: a LooGLE document, a SCBench row); a multi-turn conversation (its
+``follow_up`` samples); else a sample alone. A unit is the unit of resume: it runs again if any of its records
+is missing, storing only those.
+"""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+import logging
+import math
+import sys
+import time
+from typing import Any
+
+from eval.base import Sample, Task
+
+from .prompts import split_prompt, stop_ids_for
+from .store import JobStore
+
+log = logging.getLogger("kvbench")
+LOG_EVERY_S = 60.0  # in a log file: a line per sample, at most one a minute, and a sign of life during a long one
+
+
+def record_ids(sample: Sample, sampling: Any) -> list[str]:
+    """The records a sample stores: its id, or with sampling (temperature > 0) ``<id>#<k>`` for each candidate k."""
+    if sampling is None or not sampling.temperature:
+        return [sample.id]
+    return [f"{sample.id}#{k}" for k in range(sampling.n)]
+
+
+def candidate_seed(seed: int, sample_id: str, k: int) -> int:
+    """The seed of candidate k of a sample: a function of (seed, sample id, k) alone, so that every candidate is
+    reproducible and resumes on its own."""
+    return int(hashlib.sha256(f"{seed}:{sample_id}:{k}".encode()).hexdigest()[:15], 16)
+
+
+def conversations(samples: list[Sample]) -> list[list[Sample]]:
+    """The samples as a job shards and caps them (``shard.*``, ``max_samples``): a multi-turn conversation (a ``group``
+    with ``follow_up`` samples) counts as one, in turn order; every other sample alone."""
+    turned = {s.group for s in samples if s.follow_up}
+    out: dict[Any, list[Sample]] = {}
+    for s in samples:
+        out.setdefault(s.group if s.group in turned else ("one", s.id), []).append(s)
+    return [sorted(c, key=lambda s: s.turn) for c in out.values()]
+
+
+def units(loaded: Any, samples: list[Sample], compress: str) -> list[list[Sample]]:
+    """The samples in units, in order of first appearance: a multi-turn conversation (a ``group`` with
+    ``follow_up`` samples) in turn order; under ``compress=context`` the samples whose context ids are equal;
+    else one sample each."""
+    turned = {s.group for s in samples if s.follow_up}
+    out: dict[Any, list[Sample]] = {}
+    for s in samples:
+        if s.group and s.group in turned:
+            key = ("turns", s.group)
+        elif compress == "context":
+            ids, q = split_prompt(loaded, s, compress)
+            key = ("context", hashlib.sha256(str(ids[: len(ids) - q]).encode()).hexdigest())
+        else:
+            key = ("one", s.id)
+        out.setdefault(key, []).append(s)
+    return [sorted(u, key=lambda s: s.turn) if k[0] == "turns" else u for k, u in out.items()]
+
+
+def base_record(sample: Sample) -> dict[str, Any]:
+    return {"id": sample.id, "dataset": sample.dataset, "answers": sample.answers, "all_classes": sample.all_classes,
+            "length": sample.length, "meta": sample.meta, "prompt_sha256": hashlib.sha256(sample.prompt.encode()).hexdigest()}
+
+
+def error_record(base: dict[str, Any], err: BaseException) -> dict[str, Any]:
+    """The stored record of a failed sample: ``score`` null, ``error`` = type and message."""
+    return {**base, "prediction": None, "score": None, "error": {"type": type(err).__name__, "message": str(err)[:2000]}}
+
+
+def free_cuda() -> None:
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def scored(task: Task, sample: Sample, result: Any, base: dict) -> dict[str, Any]:
+    """The record of one answer: prediction, the official score (FloatingPointError: not finite) and the engine's
+    measurements."""
+    score = float(task.score(sample, result.text))
+    if not math.isfinite(score):
+        raise FloatingPointError(f"non-finite score {score!r}")
+    extra = task.extra_scores(sample, result.text) if hasattr(task, "extra_scores") else {}
+    return {**base, "prediction": result.text, "score": score, "scores": extra, **result.record(), "error": None}
+
+
+class Unit:
+    """One unit run by one engine into one store: its context opened once, then each missing record answered.
+
+    Args:
+        samples: the unit (:func:`units`); done: the record ids stored already; sampling: the job's ``sampling``
+            node (None: greedy); seed: the job's seed (candidates' seeds, :func:`candidate_seed`).
+    """
+
+    def __init__(self, engine: Any, loaded: Any, task: Task, samples: list[Sample], done: set[str], sampling: Any,
+                 seed: int):
+        self.engine, self.loaded, self.task, self.samples = engine, loaded, task, samples
+        self.done, self.sampling, self.seed = done, sampling, seed
+        self.turns = any(s.follow_up for s in samples)
+        self.shared = len(samples) > 1 or self.turns
+        self.group, self.opened = "", 0
+
+    def missing(self, sample: Sample) -> list[int]:
+        """The candidates of ``sample`` not stored yet."""
+        return [k for k, rid in enumerate(record_ids(sample, self.sampling)) if rid not in self.done]
+
+    def run(self, part: Any, on_record) -> None:
+        """Answer every missing record; each goes to ``on_record(record)`` as soon as it is made. ``part``: this
+        engine's share of a shared prefill of the unit's context (:func:`kvbench.engine.prefill`), the error it
+        raised, or None. Never raises but submitit's preemption: an error becomes the records' ``error`` (in a
+        conversation, the later turns' too: they build on it)."""
+        ctx, cut = None, False
+        for i, sample in enumerate(self.samples):
+            want = self.missing(sample)
+            if self.turns and not any(self.missing(s) for s in self.samples[i:]):
+                break
+            if not want and not self.turns:
+                continue
+            try:
+                if isinstance(part, BaseException):
+                    raise part
+                if sample.follow_up:  # the segment on top of the conversation so far
+                    eos = getattr(self.loaded.tokenizer, "eos_token_id", None)  # SCBench's GreedySearch: an own
+                    extra = [eos] if cut and eos is not None else []  # answer cut by the limit gets an eos first
+                    self.engine.feed(ctx, extra + self.loaded.tokenizer(sample.prompt, add_special_tokens=False)["input_ids"])
+                else:
+                    ids, q = split_prompt(self.loaded, sample, self.task.cfg.get("compress", "prompt"))
+                    c = len(ids) - q
+                    if ctx is None:
+                        ctx, self.opened = self.engine.open(ids[:c], sample.max_new_tokens + q, part), self.opened + 1
+                        self.group, start = sample.group or hashlib.sha256(str(ids[:c]).encode()).hexdigest()[:12], None
+                        start = self.engine.checkpoint(ctx) if len(self.samples) > 1 and not self.turns else None
+                    elif start is not None:
+                        self.engine.restore(ctx, start)
+                    self.engine.feed(ctx, ids[c:])
+                question = self.engine.checkpoint(ctx) if len(want) > 1 or self.turns else None
+                result = None
+                for n, k in enumerate(want if want or not sample.keep_answer else [None]):  # an own answer stays
+                    if n:
+                        self.engine.restore(ctx, question)
+                    result = self.answer(ctx, sample, k)
+                    if k is not None:
+                        on_record(self.record(sample, k, result))
+                if self.turns and not sample.keep_answer:  # golden history: the answer leaves the cache
+                    self.engine.restore(ctx, question)
+                cut = result is not None and sample.keep_answer and result.generated_tokens >= sample.max_new_tokens
+            except Exception as e:  # noqa: BLE001 - per-sample isolation is the point
+                if type(e).__name__ == "UncompletedJobError":
+                    raise  # submitit's preemption signal: the task must stop and be requeued
+                log.error("sample %s failed: %s: %s", sample.id, type(e).__name__, e)
+                free_cuda()
+                for s in self.samples[i:] if self.turns else [sample]:
+                    for k in self.missing(s) if s is not sample else want:
+                        on_record(error_record(self.base(s, k), e))
+                if self.turns:
+                    break
+                part = part if isinstance(part, BaseException) else None
+
+    def answer(self, ctx: Any, sample: Sample, k: int | None) -> Any:
+        """Decode one answer from ``ctx``: greedily, or candidate k sampled with its own generator."""
+        import torch
+
+        gen = None
+        if k is not None and self.sampling is not None and self.sampling.temperature:
+            gen = torch.Generator(device=self.loaded.device).manual_seed(candidate_seed(self.seed, sample.id, k))
+        return self.engine.decode(ctx, sample.max_new_tokens, stop_ids_for(self.loaded, sample), sample.min_new_tokens,
+                                  gen, self.sampling)
+
+    def base(self, sample: Sample, k: int) -> dict[str, Any]:
+        """The record's identity fields: candidate (sampling) and group fields (a shared unit)."""
+        base = base_record(sample)
+        if self.sampling is not None and self.sampling.temperature:
+            base.update(id=f"{sample.id}#{k}", problem=sample.id, candidate=k)
+        if self.shared:
+            base.update(group=self.group or sample.group, turn=sample.turn, group_compressions=self.opened)
+        return base
+
+    def record(self, sample: Sample, k: int, result: Any) -> dict[str, Any]:
+        """The scored record of candidate k (an error record when scoring fails)."""
+        base = self.base(sample, k)
+        try:
+            return scored(self.task, sample, result, base)
+        except Exception as e:  # noqa: BLE001
+            log.error("sample %s failed: %s: %s", base["id"], type(e).__name__, e)
+            return error_record(base, e)
+
+
+class Progress:
+    """Progress of a job's samples: on a terminal a tqdm bar; in a log file (SLURM, nohup) a line per sample, at
+    most one a minute (and the last), and a sign of life at least once a minute during a long generation. Each
+    carries done/total, the mean score over every stored record of each job (resumed ones included) and an eta."""
+
+    def __init__(self, total: int, stores: list[JobStore], quiet: bool):
+        from tqdm import tqdm
+
+        self.total, self.done, self.quiet, self.interactive = total, 0, quiet, sys.stderr.isatty()
+        self.scores = [[100 * r["score"] for r in s.latest().values() if r.get("error") is None and r.get("score") is not None]
+                       for s in stores]
+        self.bar = tqdm(total=total, desc="samples", unit="sample", disable=quiet or not self.interactive)
+        self.t0 = self.last = time.monotonic()
+
+    def means(self) -> str:
+        return "/".join(f"{sum(v) / len(v):.2f}" if v else "-" for v in self.scores)
+
+    def eta(self) -> str:
+        if not self.done:
+            return "?"
+        left = (time.monotonic() - self.t0) / self.done * (self.total - self.done)
+        return time.strftime("%H:%M:%S", time.gmtime(left)) if left < 86400 else f"{left / 86400:.1f}d"
+
+    def scored(self, j: int, record: dict) -> None:
+        if record.get("error") is None:
+            self.scores[j].append(100 * record["score"])
+
+    def step(self, generated: int) -> None:
+        """A decode step of the current sample (``Engine.on_decode_step``): a sign of life in a log file."""
+        if not (self.quiet or self.interactive) and time.monotonic() - self.last >= LOG_EVERY_S:
+            self.last = time.monotonic()
+            log.info("sample %d/%d: generating, %d tokens so far; mean %s, eta %s", self.done + 1, self.total,
+                     generated, self.means(), self.eta())
+
+    def sample_done(self, sample: Sample, outcomes: list[str]) -> None:
+        self.done += 1
+        self.bar.set_postfix(mean_score=self.means(), refresh=False)
+        self.bar.update(1)
+        now = time.monotonic()
+        if not (self.quiet or self.interactive) and (now - self.last >= LOG_EVERY_S or self.done == self.total):
+            self.last = now
+            log.info("sample %d/%d %s: %s; mean %s, eta %s", self.done, self.total, sample.id, ", ".join(outcomes),
+                     self.means(), self.eta())
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def run_samples(engines: list[Any], loaded: Any, task: Task, samples: list[Sample], stores: list[JobStore], quiet: bool,
+                sampling: Any = None, seed: int = 0) -> None:
+    """Run every unit (:func:`units`) for each (engine, store) that has not stored all of it: one prefill of its
+    context for all of them (:func:`kvbench.engine.prefill`), each engine's answers from its own compressed cache
+    (:class:`Unit`), one record appended per answer and store; progress as :class:`Progress` says."""
+    from .engine import prefill
+
+    done = [store.done_ids() for store in stores]
+    compress = task.cfg.get("compress", "prompt")
+    todo = [u for u in units(loaded, samples, compress)
+            if any(rid not in d for d in done for s in u for rid in record_ids(s, sampling))]
+    progress = Progress(sum(map(len, todo)), stores, quiet)
+    for engine in engines:
+        engine.on_decode_step = progress.step
+    try:
+        for unit in todo:
+            runs = [Unit(engines[j], loaded, task, unit, done[j], sampling, seed) for j in range(len(engines))]
+            mine = [j for j, r in enumerate(runs) if any(r.missing(s) for s in unit)]
+            first = next(s for s in unit if any(runs[j].missing(s) for j in mine) or s.turn == 0)
+            try:  # the context's ids (task.compress=context: without the query part), room for the rest
+                ids, q = split_prompt(loaded, first, compress) if len(mine) > 1 else ([], 0)
+                parts = [None] if len(mine) == 1 else prefill(
+                    [engines[j] for j in mine], ids[: len(ids) - q], first.max_new_tokens + q)
+            except Exception as e:  # noqa: BLE001 - every variant of this unit stores the error
+                parts = [e] * len(mine)
+            left = {s.id: sum(len(runs[j].missing(s)) for j in mine) for s in unit}
+            outcomes: dict[str, list[str]] = {}
+            by_id = {s.id: s for s in unit}
+            for j, part in zip(mine, parts):
+                def on_record(rec: dict, j: int = j) -> None:
+                    try:
+                        stores[j].append(rec)
+                    except (TypeError, ValueError) as e:  # not strict JSON (a NaN): store the failure instead
+                        rec = error_record({k: rec.get(k) for k in ("id", "dataset", "answers", "all_classes", "length")}, e)
+                        stores[j].append(rec)
+                    progress.scored(j, rec)
+                    sid = rec.get("problem", rec["id"])
+                    outcomes.setdefault(sid, []).append(
+                        f"{'/'.join(stores[j].path.parts[-2:]) + ' ' if len(stores) > 1 else ''}"
+                        + (f"score {100 * rec['score']:.2f}" if rec["error"] is None else f"failed ({rec['error']['type']})"))
+                    left[sid] -= 1
+                    if not left[sid]:
+                        progress.sample_done(by_id[sid], outcomes[sid])
+                runs[j].run(part, on_record)
+            for sample in unit:
+                if left[sample.id] > 0 or sample.id not in outcomes:  # nothing stored for it (a done turn)
+                    progress.sample_done(sample, outcomes.get(sample.id, ["stored before"]))
+    finally:
+        progress.close()
+        for engine in engines:
+            engine.on_decode_step = None
+
+
+def run_sample(engine: Any, loaded: Any, task: Task, sample: Sample) -> dict[str, Any]:
+    """Generate and score one sample alone (greedy) and return its record; never raises (an error becomes the
+    record's ``error``)."""
+    records: list[dict] = []
+    Unit(engine, loaded, task, [sample], set(), None, 0).run(None, records.append)
+    return records[0]
