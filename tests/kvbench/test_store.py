@@ -306,3 +306,17 @@ def test_a_full_disk_while_writing_config_yaml_leaves_no_job_folder(tmp_path, ti
     err = capsys.readouterr().err.splitlines()
     assert done.value.code == 1 and len(err) == 1 and err[0].startswith("error: ") and "config.yaml" in err[0], err
     assert [p.name for p in (tmp_path / "out").iterdir()] == ["kept.txt"]
+
+
+def test_a_job_that_stored_nothing_removes_its_folder_unless_another_shard_runs(tmp_path):
+    kept = JobStore(tmp_path / "a" / "job", (0, 2))
+    with JobStore(kept.path, (1, 2)).locked():  # shard 1 runs
+        with kept.locked():
+            pass
+        kept.discard_if_empty()  # after its own lock is released (and removed), as run_jobs' ExitStack does
+    assert kept.path.is_dir()
+    gone = JobStore(tmp_path / "b" / "job", (0, 2))
+    with gone.locked():
+        pass
+    gone.discard_if_empty()
+    assert not (tmp_path / "b").exists()
