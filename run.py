@@ -18,7 +18,8 @@ takes none after an override), ``experiment=X`` becomes ``+experiment=X`` (prese
 defaults list, so that they come after ``_self_``), ``--multirun`` is added when a launcher is chosen
 (a launcher runs sweeps only); a configuration error's text is cut to one line naming the override,
 as Hydra's messages do not always (an unparsable override, a config group set to null), and
-``hydra/launcher=parallel`` without its plugin gets the pip command (Hydra names only the missing config).
+``hydra/launcher=parallel`` without its plugin gets the pip command (Hydra names only the missing config), and an
+option Hydra does not have (``--budget 0.25``) gets the override it stands for (Hydra prints its usage).
 """
 
 from __future__ import annotations
@@ -74,6 +75,25 @@ def _one_line(e: BaseException, args: list[str]) -> str:
     return line
 
 
+def _override_as_option(argv: list[str]) -> str | None:
+    """The one line for an argument written as an option that neither Hydra nor run.py has (``--budget 0.25``,
+    ``--method=snapkv``): config keys are set by overrides, ``key=value``. None when every option is Hydra's (a
+    unique prefix of a long option too, as argparse takes it)."""
+    from hydra._internal.utils import get_args_parser
+
+    flags = [s for action in get_args_parser()._actions for s in action.option_strings]
+    for i, arg in enumerate(argv):
+        name, eq, value = arg.partition("=")
+        if not arg.startswith("-") or name in flags or (name[:2] == "--" and sum(f.startswith(name) for f in flags) == 1):
+            continue
+        given = [arg]
+        if not eq and i + 1 < len(argv) and not argv[i + 1].startswith("-") and "=" not in argv[i + 1]:
+            value, given = argv[i + 1], argv[i : i + 2]
+        return (f"{' '.join(given)}: no such option; a config key is set by an override, key=value without dashes: "
+                f"{name.lstrip('-')}={value or '...'} (python run.py --help)")
+    return None
+
+
 def _group_override(e: BaseException, args: list[str]) -> str | None:
     """The one line for a config group's override whose value is not an option name (``method=null``): Hydra
     raises a bare ValueError naming no key."""
@@ -95,6 +115,9 @@ def main() -> int:
     """Run one job (composed once) or, with an option such as ``-m``, the Hydra app; turn a
     configuration error into one line and exit code 2."""
     os.environ["HYDRA_FULL_ERROR"] = "1"  # errors reach the handler below instead of Hydra's report
+    if line := _override_as_option(sys.argv[1:]):
+        print(f"error: {_escaped(line)}", file=sys.stderr)
+        return 2
     args = _arguments(sys.argv[1:])
     try:
         if not any(a.startswith("-") for a in args):  # one job: compose once (hydra.main also composes for the mode)
@@ -120,7 +143,7 @@ def main() -> int:
         return 130
     except Exception as e:  # noqa: BLE001 - one line for the user, exit code by kind
         kinds = {c.__name__ for c in type(e).__mro__}
-        group = _group_override(e, args)
+        group = _group_override(e, args) or (str(e) if str(e).startswith("Only one of --run") else None)  # -m --cfg
         if not (kinds & {*CONFIG_ERRORS, "OSError", "FailedJobError"} or group):  # FailedJobError: sbatch failed
             raise
         if not ("FailedJobError" in kinds and getattr(e.__cause__, "stderr", None)):  # else submitit printed sbatch's

@@ -81,7 +81,7 @@ def read_jsonl(path: Path, check: Callable[[dict, str], None] | None = None, lim
                 except UnicodeDecodeError as e:
                     raise TaskConfigError(f"{where}: not valid UTF-8 (byte {e.start + 1} of the line)") from None
                 except json.JSONDecodeError as e:
-                    raise TaskConfigError(f"{where}: not valid JSON ({e.msg})") from None
+                    raise TaskConfigError(f"{where}: not valid JSON ({e})") from None
                 if not isinstance(row, dict):
                     raise TaskConfigError(f"{where}: not a JSON object")
                 if check:

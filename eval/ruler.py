@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional
 
 from .base import Sample, Task, TaskConfig, TaskConfigError, count, is_data_file, looked_for, read_jsonl, require
-from .ruler_data import TASKS
+from .ruler_data import QA_FILES, TASKS, check_qa_file
 
 SUBTASKS = ("niah_single_1", "niah_single_2", "niah_single_3", "niah_multikey_1", "niah_multikey_2",
             "niah_multikey_3", "niah_multivalue", "niah_multiquery", "vt", "cwe", "fwe", "qa_1", "qa_2")
@@ -104,7 +104,8 @@ def generated(cfg: dict, tokenizer: Any) -> dict[str, str]:
     the essays of ``task.haystack_dir`` as NIAH reads them), ``{"<length>/data/<subtask>/validation.jsonl": text}``.
 
     Raises:
-        TaskConfigError: a haystack folder, qa file or cwe length that cannot serve."""
+        TaskConfigError: a haystack folder, qa file or cwe length that cannot serve, or a length below a subtask's
+            minimum (:func:`eval.ruler_data.generate`)."""
     from .niah import load_haystack
     from .ruler_data import NIAH, generate
 
@@ -163,11 +164,14 @@ class RulerTask(Task):
 
     @classmethod
     def validate(cls, cfg: dict) -> None:
-        """Raises: TaskConfigError for a missing file, or no ``data_dir`` while the Hub is unreachable."""
+        """Raises: TaskConfigError for a missing file, or no ``data_dir`` (with ``generate``: no qa file) while the Hub
+        is unreachable."""
         subtasks, lengths = cfg["subtasks"], cfg["context_lengths"]
         if cfg.get("generate"):
             if cfg.get("data_dir"):
                 raise TaskConfigError(f"task.data_dir={cfg['data_dir']}: set with task.generate=true; keep one of the two")
+            for s in [s for s in subtasks if s in QA_FILES]:  # the lengths: with the tokenizer (ruler_data.generate)
+                check_qa_file(s, cfg.get("qa_files"))
             return
         if not cfg.get("data_dir"):
             from .longbench_data import hub_reachable

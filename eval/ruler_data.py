@@ -25,11 +25,12 @@ import re
 import string
 import uuid
 from functools import lru_cache
+from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
 
-from .base import TaskConfigError
+from .base import TaskConfigError, looked_for
 
 #: RULER's scripts/data/synthetic/constants.py: template, answer prefix, tokens_to_generate per task family
 TASKS = {
@@ -91,20 +92,29 @@ def fit(make: Callable[[int], tuple[str, Any]], count: Callable[[str], int], lim
     return lower if best is None else best
 
 
+class TooShort(TaskConfigError):
+    """A length too short for a subtask: ``need``, the prompt tokens of its smallest haystack's sample (the most of
+    the draws tried), generation and chat template excluded; :func:`generate` names the subtask and the length."""
+
+    def __init__(self, need: int):
+        super().__init__(f"RULER's smallest haystack needs {need} prompt tokens")
+        self.need = need
+
+
 def shrink(make: Callable[[int], tuple[str, Any]], count: Callable[[str], int], limit: int, size: int, step: int):
     """A sample at ``size``, redrawn ``step`` smaller while too long (RULER's retry loop); ``(text, answer, tokens)``.
 
     Raises:
-        TaskConfigError: still too long after 20 draws at the smallest size (RULER tries forever)."""
-    floor = 0
+        TooShort: still too long after 20 draws at the smallest size (RULER tries forever)."""
+    floor = need = 0
     while floor < 20:
         text, answer = make(size)
         if (n := count(text)) <= limit:
             return text, answer, n
-        floor += size <= step
+        if size <= step:
+            floor, need = floor + 1, max(need, n)
         size -= step if size > step else 0
-    raise TaskConfigError(f"task.context_lengths: {limit} prompt tokens are too few for RULER's smallest haystack "
-                          f"({size} units) of this subtask; use a longer length")
+    raise TooShort(need)
 
 
 def niah(subtask: str, length: int, room: int, n: int, seed: int, count, haystack_text: str) -> list[tuple]:
@@ -223,6 +233,8 @@ def cwe(subtask: str, length: int, room: int, n: int, seed: int, count, haystack
 def fwe(subtask: str, length: int, room: int, n: int, seed: int, count, haystack_text: str, alpha=2.0, wordlen=6) -> list[tuple]:
     """scripts/data/synthetic/freq_words_extraction.py (alpha 2: zeta(2) = pi^2/6; vocabulary length // 50)."""
     length = room - TASKS["fwe"][2]  # fwe fits the prompt alone to this
+    if length // 50 < 4:  # the vocabulary: "..." and the 3 answers
+        raise TooShort(4 * 50)
     rng, template, vocab_size, step = random.Random(seed), TASKS["fwe"][0] + TASKS["fwe"][1], length // 50, length // 32
 
     def make(num_words: int, grow: bool):
@@ -255,18 +267,33 @@ def fwe(subtask: str, length: int, room: int, n: int, seed: int, count, haystack
 
 #: the Hub copies of the files RULER's download_qa_dataset.sh fetches (SQuAD v2.0 dev, HotpotQA dev distractor)
 QA_HUB = {"squad": ("rajpurkar/squad_v2", None), "hotpotqa": ("hotpotqa/hotpot_qa", "distractor")}
+#: each qa subtask's dataset and the file download_qa_dataset.sh fetches for it
+QA_FILES = {"qa_1": ("squad", "https://rajpurkar.github.io/SQuAD-explorer/dataset/dev-v2.0.json"),
+            "qa_2": ("hotpotqa", "http://curtis.ml.cmu.edu/datasets/hotpot/hotpot_dev_distractor_v1.json")}
+
+
+def check_qa_file(subtask: str, files: dict | None) -> None:
+    """Check that the qa ``subtask`` can read its data: its ``task.qa_files`` entry (in ``files``) is a file, or it
+    is unset and the Hugging Face Hub reachable. TaskConfigError otherwise, naming the key and where RULER gets it."""
+    from .longbench_data import hub_reachable
+
+    dataset, url = QA_FILES[subtask]
+    path = (files or {}).get(dataset)
+    if path and not Path(path).expanduser().is_file():
+        raise TaskConfigError(f"task.qa_files.{dataset}={path}: no such file{looked_for(Path(path))}")
+    if not path and not hub_reachable():
+        raise TaskConfigError(f"task.qa_files.{dataset}: not set and the Hugging Face Hub is unreachable; {subtask} "
+                              f"reads {url} (RULER's download_qa_dataset.sh): pass task.qa_files.{dataset}=<that file>, "
+                              f"or leave {subtask} out of task.subtasks")
 
 
 def hub_qa(dataset: str) -> Any:
     """The validation split of :data:`QA_HUB` in the official json's structure (SQuAD: articles by title,
-    paragraphs by context; HotpotQA: ``context`` as ``[title, sentences]`` pairs)."""
+    paragraphs by context; HotpotQA: ``context`` as ``[title, sentences]`` pairs). TaskConfigError: the Hub is
+    unreachable (:func:`check_qa_file`)."""
     from datasets import load_dataset
 
-    from .longbench_data import hub_reachable
-
-    if not hub_reachable():
-        raise TaskConfigError(f"task.qa_files.{dataset}: not set and the Hugging Face Hub is unreachable; pass the "
-                              f"file RULER's download_qa_dataset.sh fetches, or leave qa out of task.subtasks")
+    check_qa_file(next(s for s, (d, _) in QA_FILES.items() if d == dataset), None)
     rows = load_dataset(*QA_HUB[dataset], split="validation")
     if dataset == "hotpotqa":
         return [{"question": r["question"], "answer": r["answer"],
@@ -284,7 +311,7 @@ def read_qa(dataset: str, path: str | None) -> tuple[list[dict], list[str]]:
     ``more``) and ``read_hotpotqa`` (HotpotQA dev distractor json): ``(questions, documents)``; ``path`` None:
     :func:`hub_qa`."""
     try:
-        data = json.loads(open(path, encoding="utf-8").read()) if path else None
+        data = json.loads(Path(path).expanduser().read_text(encoding="utf-8")) if path else None
     except (OSError, ValueError) as e:
         raise TaskConfigError(f"task.qa_files.{dataset}={path}: not a readable {dataset} json file ({e})") from None
     data = data or hub_qa(dataset)
@@ -337,19 +364,33 @@ def generate(cfg: dict, tokenizer: Any, overhead: int, haystack_text: str) -> di
     ``overhead``: the chat template's own tokens.
 
     Raises:
-        TaskConfigError: qa without its file, or a cwe length beyond the word list.
+        TaskConfigError: qa without its file, a cwe length beyond the word list, or a length below a subtask's
+            minimum (its smallest haystack's prompt + tokens_to_generate + ``overhead``), naming the subtask, the
+            minimum and the fix; one row of each subtask at the shortest length is made first, so that this comes
+            before the long generation.
     """
     count = lambda text: len(tokenizer.tokenize(text))  # noqa: E731
+
+    def rows(subtask: str, length: int, n: int) -> list[tuple]:
+        fam = subtask.split("_")[0]
+        extra = {"files": cfg.get("qa_files")} if fam == "qa" else {}
+        try:
+            return GENERATORS[fam](subtask, length, length - overhead, n, cfg.get("seed", 42), count, haystack_text, **extra)
+        except TooShort as e:
+            need = e.need + TASKS[fam][2] + overhead
+            raise TaskConfigError(f"task.context_lengths={length}: RULER's {subtask} needs at least {need} tokens with "
+                                  f"this tokenizer ({e.need} of its smallest prompt, {TASKS[fam][2]} generated, {overhead} "
+                                  f"of the chat template); use lengths >= {need} or leave {subtask} out of task.subtasks") from None
+
+    for subtask in cfg["subtasks"]:
+        rows(subtask, min(cfg["context_lengths"]), 1)
     out = {}
     for subtask in cfg["subtasks"]:
         fam = subtask.split("_")[0]
         for length in cfg["context_lengths"]:
-            gen, (_, prefix, tokens_to_generate) = GENERATORS[fam], TASKS[fam]
-            extra = {"files": cfg.get("qa_files")} if fam == "qa" else {}
-            rows = gen(subtask, length, length - overhead, cfg.get("n_samples") or 500, cfg.get("seed", 42), count,
-                       haystack_text, **extra)
+            prefix, tokens_to_generate = TASKS[fam][1:]
             lines = []
-            for i, (text, answer, n) in enumerate(rows):
+            for i, (text, answer, n) in enumerate(rows(subtask, length, cfg.get("n_samples") or 500)):
                 cut = text.rfind(prefix[:10])
                 lines.append(json.dumps({"index": i, "input": text[:cut], "outputs": answer, "length": n + tokens_to_generate,
                                          "answer_prefix": text[cut:]}) + "\n")

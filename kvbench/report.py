@@ -13,6 +13,7 @@ import pandas as pd
 from . import report_tables as rt
 from .cli import ArgParser
 from .plots import plt
+from .report_budget import score_vs_budget
 from .report_data import load_results
 from .report_tables import Artifact, dedupe, fmt, round2
 from .store import atomic_write
@@ -48,10 +49,12 @@ ARTIFACTS = {  # family -> builder of its artifacts
     "compresskv_fig4": _sweep_fig("compresskv_fig4", "longbench", False, "LongBench average under varying KV budgets"),
     "compresskv_fig5": _sweep_fig("compresskv_fig5", "niah", False, "Needle-in-a-Haystack average under KV budgets"),
     "niah": lambda c: rt.niah_figures(c.df, c.root),
+    "score_vs_budget": lambda c: score_vs_budget(c.df),
 }
 OUTPUTS = {"scores": ["scores_*", "paired_*"], "longbench_v2": ["longbench_v2_*"], "loogle": ["loogle_*"],
            "zero_scrolls": ["zero_scrolls_*"], "selkv_ratio_tables": ["selkv_table5", "selkv_table6", "selkv_ratios_*"],
-           "compresskv_table3": ["compresskv_table3a", "compresskv_table3b"], "niah": ["niah_panel_*"]}
+           "compresskv_table3": ["compresskv_table3a", "compresskv_table3b"], "niah": ["niah_panel_*"],
+           "score_vs_budget": ["score_vs_budget_*"]}
 
 
 def _cells(t: Artifact, bold: str = "**%s**", missing: str = "–", esc=str) -> pd.DataFrame:
@@ -132,7 +135,8 @@ def build(ctx: Context, only: list[str] | None = None) -> dict[str, list | Excep
 
 
 def main(argv: list[str] | None = None) -> int:
-    """CLI entry point; exit status 1 when an artifact failed to build or on an I/O error (``--out``), 2 on a usage error."""
+    """CLI entry point; exit status 1 when an artifact failed to build, on an I/O error (``--out``) or when the root
+    holds no job folder (nor latency records), 2 on a usage error."""
     names = sorted({o for f in ARTIFACTS for o in OUTPUTS.get(f, [f])} | set(ARTIFACTS))
     p = ArgParser(prog="kvbench report", description="Score tables and the papers' tables and figures.")
     p.add_argument("root", metavar="RESULTS_ROOT", nargs="?")
@@ -152,21 +156,23 @@ def main(argv: list[str] | None = None) -> int:
     try:
         latency = load_latency(lat_path) if args.latency or lat_path.is_file() else None
     except (OSError, ValueError) as e:
-        p.error(f"--latency {str(lat_path)!r}: not a latency file of python -m kvbench.latency ({type(e).__name__})")
+        p.error(f"--latency {str(lat_path)!r}: not a latency file of python -m kvbench.latency ({type(e).__name__}: {e})")
+    df = load_results(root)
+    for line in df.attrs["unreadable"]:
+        print(f"warning: job folder {line}; left out of the report", file=sys.stderr)
+    if df.empty and not latency:
+        p.error(f"no job folders under {root} (a job folder holds config.yaml and identity.json, summary.json or "
+                "predictions.jsonl)", 1)
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         p.io_error(f"--out {str(out)!r}", e)
-    df = load_results(root)
     index = [f"# Report of {root}", "", f"{df['job'].nunique()} job folder(s) read.", ""]
-    for line in df.attrs["unreadable"]:
-        print(f"warning: job folder {line}; left out of the report", file=sys.stderr)
-        index.insert(-1, f"Left out (unreadable): {line}")
+    index[-1:-1] = [f"Left out (unreadable): {line}" for line in df.attrs["unreadable"]]
     for job in sorted(df.loc[df["dataset"].isna(), "job"]):  # no stored (nor summarised) sample
         index.insert(-1, f"Started, no samples: {job}")
-    if df.empty and not (latency and only and all(fnmatch.fnmatch("selkv_fig3", x) for x in only)):
-        print(f"warning: no job folders under {root} (a job folder holds config.yaml and identity.json, "
-              "summary.json or predictions.jsonl)", file=sys.stderr)
+    if df.empty and not (only and all(fnmatch.fnmatch("selkv_fig3", x) for x in only)):
+        print(f"warning: no job folders under {root}; only the latency figure is drawn", file=sys.stderr)
     built = build(Context(root, df, latency, str(lat_path)), only)
     for family, arts in built.items():
         if isinstance(arts, Exception):

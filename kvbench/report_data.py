@@ -5,6 +5,7 @@
 import functools
 import json
 import math
+import os
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -72,8 +73,8 @@ def display_name(method_name: str) -> str:
 
 def _job_rows(root: Path, job: Path) -> list[dict]:
     cfg = yaml.safe_load((job / "config.yaml").read_text()) or {}
-    if not isinstance(cfg, dict):
-        raise ValueError("config.yaml is not a mapping")
+    if not (isinstance(cfg, dict) and all(isinstance(cfg.get(k), dict) and cfg[k].get("name") for k in ("task", "model", "method"))):
+        raise ValueError("config.yaml is not a kvbench job's config (task.name, model.name and method.name)")
     summary = _json(job / "summary.json")
     method = dict(cfg.get("method") or {})
     task, model = cfg.get("task") or {}, cfg.get("model") or {}
@@ -90,9 +91,9 @@ def _job_rows(root: Path, job: Path) -> list[dict]:
     subset = summary.get("subset") if isinstance(summary.get("subset"), str) else " ".join(
         [f"task.n_samples={n_samples}"] * (n_samples is not None and task.get("name") != "niah")
         + [f"max_samples={max_samples}"] * (max_samples is not None))
-    base = {"job": job.relative_to(root).as_posix(), "task": str(task.get("name", "?")),
-            "model": str(model.get("name", "?")), "method": str(method.get("label") or method.get("name", "?")),
-            "method_name": str(method.get("name", "?")), "budget": float(cfg.get("budget", math.nan)),
+    base = {"job": job.relative_to(root).as_posix(), "task": str(task["name"]), "model": str(model["name"]),
+            "method": str(method.get("label") or method["name"]), "method_name": str(method["name"]),
+            "budget": float(cfg.get("budget", math.nan)),
             "setting": str(cfg.get("run_tag") or ""), "compress": compress, "max_input_tokens": float(ctx),
             "params": json.dumps({k: v for k, v in method.items() if k not in ("name", "label", *RUN_CONTROL_FIELDS)},
                                  sort_keys=True, default=str),
@@ -169,16 +170,32 @@ def _variants(df: pd.DataFrame) -> pd.DataFrame:
     return df
 
 
+def job_folders(root: Path) -> list[Path]:
+    """The job folders under ``root`` (:func:`~kvbench.store.is_job_folder`), sorted; symbolic links to folders are
+    followed, each real folder counted once; hidden folders (``.hydra``) are skipped."""
+    seen, jobs = set(), []
+    for folder, subfolders, _ in os.walk(root, followlinks=True):
+        subfolders[:] = [d for d in subfolders if not d.startswith(".")]
+        real = os.path.realpath(folder)
+        if real in seen:  # a link back up the tree, or a second way to one folder
+            subfolders.clear()
+            continue
+        seen.add(real)
+        if is_job_folder(Path(folder)):
+            jobs.append(Path(folder))
+    return sorted(jobs)
+
+
 def load_results(root: str | Path) -> pd.DataFrame:
-    """Job folders under ``root``, a row per job × dataset: score ``round(100·mean, 2)`` (``summary.json``, else
-    ``predictions.jsonl``), mean timings (s, tokens/s) and cache sizes (tokens, bytes); ``dataset=None`` when nothing
-    is scored; ``df.attrs["unreadable"]``: unreadable job folders. FileNotFoundError if ``root`` is no directory."""
+    """Job folders under ``root`` (:func:`job_folders`), a row per job × dataset: score ``round(100·mean, 2)``
+    (``summary.json``, else ``predictions.jsonl``), mean timings (s, tokens/s) and cache sizes (tokens, bytes);
+    ``dataset=None`` when nothing is scored; ``df.attrs["unreadable"]``: job folders left out (unreadable, or a
+    ``config.yaml`` that is not a job's). FileNotFoundError if ``root`` is no directory."""
     root = Path(root)
     if not root.is_dir():
         raise FileNotFoundError(f"results root {str(root)!r} is not a directory")
     rows, bad = [], []
-    for job in [c.parent for c in sorted(root.rglob("config.yaml")) if is_job_folder(c.parent) and not any(
-            p.startswith(".") for p in c.parent.relative_to(root).parts)]:
+    for job in job_folders(root):
         try:
             rows += _job_rows(root, job)
         except (OSError, ValueError, yaml.YAMLError) as e:

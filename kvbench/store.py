@@ -9,13 +9,15 @@ from __future__ import annotations
 import errno
 import fcntl
 import json
+import logging
 import os
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 PREDICTIONS = "predictions.jsonl"
+log = logging.getLogger("kvbench")
 
 
 class JobLockedError(RuntimeError):
@@ -56,6 +58,37 @@ def atomic_write(path: Path | str, text: str) -> None:
         raise
 
 
+@contextmanager
+def file_lock(path: Path, wait_s: float | None = None, busy: Callable[[], Exception] | None = None) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on the file ``path`` for the block, then remove the file (a finished job leaves no
+    lock file). The file is removed while still locked, and a lock is kept only while ``path`` names the file locked
+    (same inode): a process that opened the file before its removal and then locks it sees that, and locks the
+    file now at ``path`` instead, so two processes never hold the lock at once. ``wait_s``: seconds to wait for
+    another holder, then ``busy()`` is raised (None: wait as long as it takes)."""
+    deadline = None if wait_s is None else time.monotonic() + wait_s
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | (0 if deadline is None else fcntl.LOCK_NB))
+            if os.fstat(fd).st_ino == os.stat(path).st_ino:
+                break
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                os.close(fd)
+                raise busy() from None
+            time.sleep(0.2)
+        except FileNotFoundError:  # removed by the holder it waited for
+            pass
+        os.close(fd)
+    try:
+        yield
+    finally:
+        try:
+            path.unlink(missing_ok=True)
+        finally:
+            os.close(fd)
+
+
 def is_job_folder(folder: Path) -> bool:
     """Whether ``folder`` holds a job: ``config.yaml`` beside ``identity.json`` (written when a job starts, so a job
     killed before its first sample counts), ``predictions.jsonl`` or ``summary.json``."""
@@ -77,40 +110,24 @@ class JobStore:
 
     @contextmanager
     def locked(self, wait_s: float = 0.0) -> Iterator["JobStore"]:
-        """Hold this shard's run lock for the block.
+        """Hold this shard's run lock for the block (:func:`file_lock`).
 
         Raises:
             JobLockedError: another process still holds it after ``wait_s`` seconds.
         """
-        fd = os.open(self.path / f".lock.shard{self.shard[0]}-of-{self.shard[1]}", os.O_RDWR | os.O_CREAT, 0o644)
-        deadline = time.monotonic() + wait_s
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() >= deadline:
-                    os.close(fd)
-                    raise JobLockedError(f"job folder {self.path} (shard {self.shard[0]} of {self.shard[1]}) is in use "
-                                         "by another process; wait for it, or set lock_wait_s=SECONDS") from None
-                time.sleep(0.2)
-        try:
+        def busy():
+            return JobLockedError(f"job folder {self.path} (shard {self.shard[0]} of {self.shard[1]}) is in use by "
+                                  "another process; wait for it, or set lock_wait_s=SECONDS")
+        with file_lock(self.path / f".lock.shard{self.shard[0]}-of-{self.shard[1]}", wait_s, busy):
             yield self
-        finally:
-            os.close(fd)
 
-    @contextmanager
-    def append_lock(self) -> Iterator[None]:
-        """Exclusive lock shared by all shards for each append and for the summary."""
-        fd = os.open(self.path / ".append.lock", os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            yield
-        finally:
-            os.close(fd)
+    def append_lock(self):
+        """Exclusive lock shared by all shards for each append and for the summary (:func:`file_lock`)."""
+        return file_lock(self.path / ".append.lock")
 
     def repair(self) -> int:
-        """Move a truncated last line aside to ``predictions.jsonl.partial-<ms>``; returns the bytes moved."""
+        """Move a truncated last line aside to ``predictions.jsonl.partial-<ms>`` (a warning names both files);
+        returns the bytes moved."""
         if not self.predictions.exists():
             return 0
         with self.append_lock():
@@ -118,10 +135,13 @@ class JobStore:
             if not data or data.endswith(b"\n"):
                 return 0
             cut = data.rfind(b"\n") + 1
-            (self.path / f"{PREDICTIONS}.partial-{int(time.time() * 1000)}").write_bytes(data[cut:])  # kept as written
+            aside = self.path / f"{PREDICTIONS}.partial-{int(time.time() * 1000)}"
+            aside.write_bytes(data[cut:])  # kept as written
             with naming(self.predictions), open(self.predictions, "r+b") as f:
                 f.truncate(cut)
                 os.fsync(f.fileno())
+            log.warning("%s: its last line was cut short (%d bytes, a process killed while writing); moved to %s, "
+                        "that sample runs again", self.predictions, len(data) - cut, aside.name)
             return len(data) - cut
 
     def records(self) -> list[dict[str, Any]]:
@@ -133,9 +153,9 @@ class JobStore:
             for i, line in enumerate(f, 1):
                 try:
                     records += [json.loads(line)] if line.endswith("\n") and line.strip() else []
-                except ValueError:
-                    raise OSError(f"{self.predictions}: line {i} is not a JSON record (edited by hand?); move it out "
-                                  "of the file and rerun") from None
+                except ValueError as e:
+                    raise OSError(f"{self.predictions}: line {i} is not a JSON record ({e}; edited by hand?); move it "
+                                  "out of the file and rerun") from None
         return records
 
     def latest(self) -> dict[str, dict[str, Any]]:
@@ -168,7 +188,7 @@ class JobStore:
     def discard_if_empty(self) -> None:
         """Remove the folders this store made if no sample was stored (a job that fails before its first
         sample leaves nothing behind); a folder another shard has opened is left alone."""
-        if not self.made or self.predictions.exists() or len(list(self.path.glob(".lock.shard*"))) > 1:
+        if not self.made or self.predictions.exists() or any(self.path.glob(".lock.shard*")):  # (its own is gone)
             return
         for f in self.path.iterdir():
             f.unlink()

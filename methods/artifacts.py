@@ -115,7 +115,7 @@ def _read_json(path: Path) -> object:
     try:
         return json.loads(_read_text(path))
     except json.JSONDecodeError as e:
-        raise ConfigError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
+        raise ConfigError(f"{path}: not valid JSON ({e})") from None
 
 
 def _format_error(path: Path, expected: str, why: object) -> ConfigError:
@@ -179,7 +179,7 @@ def load_layer_scores(path: str | Path, layout: HeadLayout | None = None, key: s
             try:
                 data.update(json.loads(line) if line.strip() else {})
             except json.JSONDecodeError as e:
-                raise ConfigError(f"{path}: line {n} is not valid JSON ({e.msg})") from None
+                raise ConfigError(f"{path}: line {n} is not valid JSON ({e})") from None
     if key not in data and (key != "avg_score" or not data):
         raise ConfigError(f"method.layer_score_key={key!r}: not in {path}; accepted values are {', '.join(data)}")
     try:

@@ -387,16 +387,36 @@ def test_report_only_and_partial_tree(tree, tmp_path):
     assert kvbench_cli(["report", "--out", str(out), "--only", "selkv_table2", str(tree)]) == 0  # root last
     index = (out / "index.md").read_text()
     assert "- selkv_table2: selkv_table2.md" in index and "selkv_table1" not in index
-    empty = tmp_path / "empty"
-    empty.mkdir()
-    assert report.main([str(empty), "--out", str(out / "e")]) == 0
-    assert "no inputs" in (out / "e" / "index.md").read_text()
-    assert "0 job folder(s) read." in (out / "e" / "index.md").read_text()
 
 
-def test_report_on_a_folder_without_jobs_says_so(tmp_path, capsys):
-    assert report.main([str(tmp_path), "--out", str(tmp_path / "r")]) == 0
-    assert f"warning: no job folders under {tmp_path}" in capsys.readouterr().err
+def test_report_on_a_folder_without_jobs_is_one_line_and_exit_1(tmp_path, capsys):
+    with pytest.raises(SystemExit) as stop:
+        report.main([str(tmp_path), "--out", str(tmp_path / "r")])
+    err = capsys.readouterr().err.splitlines()
+    assert stop.value.code == 1 and len(err) == 1 and f"no job folders under {tmp_path}" in err[0]
+    assert not (tmp_path / "r").exists()
+
+
+def test_a_folder_that_is_not_a_job_is_skipped_and_symlinked_jobs_are_read(tmp_path, capsys):
+    """A config.yaml that is valid YAML but no job's: one warning naming the folder, no row; a job folder reached
+    through a symbolic link is read once (a link back up the tree does not loop)."""
+    real = make_job(tmp_path / "elsewhere", task="niah", model="tiny", method="snapkv", scores={"niah": 40.0})
+    root = tmp_path / "root"
+    (root / "runs").mkdir(parents=True)
+    (root / "runs" / "mine").symlink_to(real.parent)  # the job's parent folder, linked
+    (root / "runs" / "loop").symlink_to(root)
+    notes = root / "notes"
+    notes.mkdir()
+    (notes / "config.yaml").write_text("title: my notes\nitems: [1, 2]\n")
+    (notes / "summary.json").write_text("{}")
+    df = report.load_results(root)
+    assert list(df["job"]) == ["runs/mine/b0.25"] and list(df["score"]) == [40.0]
+    assert df.attrs["unreadable"] == ["notes: ValueError: config.yaml is not a kvbench job's config (task.name, "
+                                      "model.name and method.name)"]
+    assert report.main([str(root), "--out", str(tmp_path / "r"), "--only", "scores"]) == 0
+    warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1 and warnings[0].startswith("warning: job folder notes: ")
+    assert "scores_niah_tiny.md" in (tmp_path / "r" / "index.md").read_text()
 
 
 def test_plot_niah_heatmap(tmp_path):

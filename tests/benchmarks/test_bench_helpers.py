@@ -129,3 +129,10 @@ def test_worker_measures_decode_steps_and_memory_on_a_tiny_model():
     assert r["decode_step_ms"] > 0 and math.isfinite(r["decode_step_ms"])
     assert r["decode_mem_bytes"] > 0 and r["peak_bytes"] >= r["rss_after_load_bytes"] > 0
     assert r["weight_bytes"] == sum(p.numel() * 4 for p in loaded.model.parameters())
+
+
+def test_the_kvpress_target_is_parity_on_cpu_and_a_lead_on_a_gpu():
+    from benchmarks.vs_kvpress import target
+
+    assert target(Context(Settings(device="cpu"))) == 1.05
+    assert target(Context(Settings(device="cuda:1"))) == target(Context(Settings(device="cuda"))) == 0.95

@@ -140,8 +140,9 @@ def test_validate_reports_file_and_line_of_a_bad_row(tmp_path):
     )
     # only the rows that will be used are read
     LongBenchTask.validate({"data_dir": str(tmp_path), "datasets": ["qasper"], "n_samples": 1})
-    (tmp_path / "qasper.jsonl").write_text(json.dumps(row(0)) + "\n{oops\n", encoding="utf-8")
-    with pytest.raises(TaskConfigError, match=r"qasper\.jsonl line 2: not valid JSON"):
+    (tmp_path / "qasper.jsonl").write_text(json.dumps(row(0)) + '\n{"input": "a\tb"}\n', encoding="utf-8")
+    with pytest.raises(TaskConfigError, match=r"qasper\.jsonl line 2: not valid JSON \(Invalid control character at: "
+                                              r"line 1 column 13 \(char 12\)\)$"):  # the whole reason, not cut
         LongBenchTask.validate({"data_dir": str(tmp_path), "datasets": ["qasper"]})
 
 

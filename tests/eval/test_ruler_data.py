@@ -108,6 +108,36 @@ def test_qa_reads_rulers_files_and_errors_in_one_line_without_them(tmp_path, mon
         rows("qa_2")
 
 
+#: niah_single_1 at its smallest haystack (5 noise lines, the needle), RULER's singular template (one key, one value),
+#: written out; with the word tokenizer every draw has the same length (a key "adj-noun" is 3 tokens, a value 1)
+SMALLEST_NIAH_SINGLE_1 = ("A special magic number is hidden within the following text. Make sure to memorize it. I will "
+                          "quiz you about the number afterwards.\n" + "\n".join([NOISE] * 5 + [
+                              "One of the special magic numbers for big-dog is: 1234567."]) + "\nWhat is the special "
+                          "magic number for big-dog mentioned in the provided text? The special magic number for big-dog "
+                          "mentioned in the provided text is")
+
+
+def test_a_length_below_a_subtasks_minimum_names_it_before_any_long_generation(monkeypatch):
+    import eval.ruler_data as rd
+
+    minimum = len(TOKENIZER.tokenize(SMALLEST_NIAH_SINGLE_1)) + 128  # + tokens_to_generate
+    with pytest.raises(TaskConfigError, match=rf"^task\.context_lengths={minimum - 1}: RULER's niah_single_1 needs at "
+                                              rf"least {minimum} tokens .*leave niah_single_1 out of task\.subtasks$"):
+        rows("niah_single_1", length=minimum - 1, n=1)
+    (row,) = rows("niah_single_1", length=minimum, n=1)
+    assert row["length"] == minimum
+    with pytest.raises(TaskConfigError, match=r"=249: RULER's fwe needs at least 250 tokens"):  # "..." + 3 answers: 4 x 50
+        rows("fwe", length=249, n=1)
+    assert len(rows("fwe", length=250, n=1)) == 1
+    calls = []
+    for fam in ("fwe", "niah"):
+        monkeypatch.setitem(rd.GENERATORS, fam, lambda s, length, *a, gen=rd.GENERATORS[fam], **kw: (
+            calls.append((s, length, a[1])), gen(s, length, *a, **kw))[1])
+    with pytest.raises(TaskConfigError, match=r"niah_single_1 needs"):
+        generate({"subtasks": ["fwe", "niah_single_1"], "context_lengths": [4096, 260], "n_samples": 3}, TOKENIZER, 0, "")
+    assert calls == [("fwe", 260, 1), ("niah_single_1", 260, 1)]  # one row each at the shortest length, first
+
+
 #: RULER's own scripts (NVIDIA/RULER c3f5e3b, scripts/data/synthetic/<task>.py as prepare.py calls them: synthetic.yaml's
 #: arguments, --max_seq_length 1024 --num_samples 2 --random_seed 42 --tokenizer_type hf, the word tokenizer above saved
 #: to a folder, the SQuAD file of the qa test): SHA-256 (16 hex) of their rows' [input, outputs, answer_prefix, length].

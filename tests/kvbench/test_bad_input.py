@@ -81,6 +81,17 @@ CASES = [
     ("group-null-in-sweep", ["-m", "task=null", "budget=0.1,0.5"], "task=null"),
     ("control-character", ["max_samples=1", "budget=0.5\r"], "budget=0.5\\r"),
     ("control-character-in-key", ["bud\x1bget=0.5"], "bud\\x1bget"),
+    ("override-as-option", ["--budget", "0.25"], "--budget 0.25: no such option; a config key is set by an override, "
+                                                 "key=value without dashes: budget=0.25"),
+    ("override-as-option-with-equals", ["--method=snapkv"], ": method=snapkv"),
+    ("override-as-option-after-overrides", ["max_samples=1", "--task", "ruler"], ": task=ruler"),
+    ("multirun-and-cfg", ["-m", "--cfg", "job"], "Only one of --run, --multirun, --cfg"),
+    ("ruler-generate-qa-offline", ["task=ruler", "task.generate=true", "task.context_lengths=[1500]", "max_samples=3"],
+     "task.qa_files.squad: not set"),
+    ("ruler-generate-qa-file-missing", ["task=ruler", "task.generate=true", "task.subtasks=[qa_2]",
+                                        "task.qa_files.hotpotqa={tmp}/nope.json"], "task.qa_files.hotpotqa="),
+    ("ruler-generate-too-short", ["task=ruler", "task.generate=true", "task.context_lengths=[200,4096]",
+                                  "task.subtasks=[fwe]"], "task.context_lengths=200: RULER's fwe needs at least"),
 ]
 
 

@@ -47,7 +47,7 @@ def test_append_refuses_nan_and_writes_nothing(tmp_path):
     assert store.predictions.read_bytes() == before
 
 
-def test_repair_moves_a_truncated_last_line_aside(tmp_path):
+def test_repair_moves_a_truncated_last_line_aside(tmp_path, caplog):
     store = JobStore(tmp_path)
     store.append(rec(0))
     store.append(rec(1))
@@ -59,6 +59,8 @@ def test_repair_moves_a_truncated_last_line_aside(tmp_path):
     assert store.predictions.read_bytes().count(b"\n") == 2 and store.predictions.read_bytes().endswith(b"\n")
     (partial,) = tmp_path.glob("predictions.jsonl.partial-*")
     assert partial.read_bytes() == tail
+    (warning,) = [r for r in caplog.records if r.levelname == "WARNING"]  # the move is said, naming both files
+    assert str(store.predictions) in warning.getMessage() and partial.name in warning.getMessage()
     assert store.repair() == 0  # idempotent
     assert store.done_ids() == {"s0", "s1"}
 
@@ -72,6 +74,51 @@ def test_lock_refuses_a_second_holder_of_the_same_shard_only(tmp_path):
             pass
     with JobStore(tmp_path).locked():  # released at the end of the block
         pass
+
+
+def test_lock_files_are_removed_when_released(tmp_path):
+    store = JobStore(tmp_path)
+    with store.locked():
+        store.append(rec(0))
+        assert {p.name for p in tmp_path.glob(".*lock*")} == {".lock.shard0-of-1"}
+    assert not list(tmp_path.glob(".*lock*"))
+
+
+def test_a_waiter_on_a_removed_lock_file_locks_the_new_one(tmp_path, monkeypatch):
+    """B opened the lock file while A held it; A releases (removes the file, then unlocks); B's lock of the removed
+    file is refused (its inode is no longer at the path) and B locks the path's new file, which C holds by then:
+    B enters only after C. A lock that ignored the removal would let B and C in together."""
+    import fcntl
+    import threading
+
+    path, flocks, inside = tmp_path / ".append.lock", [], []
+    b_blocked, b_retries, c_done = threading.Event(), threading.Event(), threading.Event()
+
+    def flock(fd, op):
+        if threading.current_thread().name == "B":
+            flocks.append(os.fstat(fd).st_ino)
+            (b_blocked if len(flocks) == 1 else b_retries).set()
+            if len(flocks) == 2:
+                assert c_done.wait(30)
+        return fcntl.flock(fd, op)
+
+    monkeypatch.setattr(kvbench.store, "fcntl", type("F", (), {"flock": staticmethod(flock), "LOCK_EX": fcntl.LOCK_EX,
+                                                               "LOCK_NB": fcntl.LOCK_NB}))
+
+    def b():
+        with kvbench.store.file_lock(path):
+            inside.append("B")
+
+    with kvbench.store.file_lock(path):  # A
+        thread = threading.Thread(target=b, name="B")
+        thread.start()
+        assert b_blocked.wait(30)  # B has the old file open and is about to wait for it
+    assert b_retries.wait(30) and not inside  # B locked the removed file, let it go and tries the new one
+    with kvbench.store.file_lock(path, 0, lambda: AssertionError("C must get the lock: B does not hold it")):  # C
+        assert not inside
+        c_done.set()
+    thread.join(30)
+    assert inside == ["B"] and not path.exists()  # (B retried once more: C removed the file it waited on)
 
 
 def test_lock_is_released_when_the_holder_is_killed(tmp_path):
@@ -163,9 +210,10 @@ def test_a_corrupt_record_in_the_middle_is_one_oserror_naming_the_line(tmp_path)
     store = JobStore(tmp_path / "job")
     store.append({"id": "a", "error": None})
     with open(store.predictions, "a") as f:
-        f.write("{not json\n")
+        f.write('{"id": "\x01"}\n')
     store.append({"id": "b", "error": None})
-    with pytest.raises(OSError, match=r"predictions\.jsonl: line 2 is not a JSON record"):
+    with pytest.raises(OSError, match=r"predictions\.jsonl: line 2 is not a JSON record \(Invalid control character "
+                                      r"at: line 1 column 9 \(char 8\);"):  # the whole reason
         store.records()
 
 
@@ -258,3 +306,17 @@ def test_a_full_disk_while_writing_config_yaml_leaves_no_job_folder(tmp_path, ti
     err = capsys.readouterr().err.splitlines()
     assert done.value.code == 1 and len(err) == 1 and err[0].startswith("error: ") and "config.yaml" in err[0], err
     assert [p.name for p in (tmp_path / "out").iterdir()] == ["kept.txt"]
+
+
+def test_a_job_that_stored_nothing_removes_its_folder_unless_another_shard_runs(tmp_path):
+    kept = JobStore(tmp_path / "a" / "job", (0, 2))
+    with JobStore(kept.path, (1, 2)).locked():  # shard 1 runs
+        with kept.locked():
+            pass
+        kept.discard_if_empty()  # after its own lock is released (and removed), as run_jobs' ExitStack does
+    assert kept.path.is_dir()
+    gone = JobStore(tmp_path / "b" / "job", (0, 2))
+    with gone.locked():
+        pass
+    gone.discard_if_empty()
+    assert not (tmp_path / "b").exists()
