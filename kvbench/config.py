@@ -315,6 +315,7 @@ def check(cfg: Any, preset: str | None = None) -> JobSpec:
         raise ConfigError(f"task.max_new_tokens={task['max_new_tokens']}: the longest prompt ({min(max(task['context_lengths']), limit)} "
                           f"tokens) plus the generation exceed the model's context window of {window} tokens")
     inputs, resolved = resolved_inputs(task, lambda: load_tokenizer(plain["model"], source))
+    resolved["context_window"] = window  # tasks that fit prompt + generation to it (InfiniteBench)
     ident = identity(plain, source, inputs, device_type(top.device))
     return JobSpec(plain, top, method, source, layout, inputs, resolved, artifacts.files_read(), ident,
                    job_relpath(plain, preset, ident))
