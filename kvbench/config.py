@@ -244,7 +244,7 @@ def identity(cfg: dict, source: tuple[str, str | None], inputs: dict, device: st
     return {
         "model": model,
         "method": {k: v for k, v in cfg["method"].items() if k != "label" and FORMER.get(("method", k), ...) != v},
-        "task": {k: v for k, v in cfg["task"].items() if k not in (*SELECTION_KEYS, "data_dir", "haystack_dir", "qa_files")
+        "task": {k: v for k, v in cfg["task"].items() if k not in (*SELECTION_KEYS, "data_dir", "haystack_dir", "qa_files", "cwe_words")
                  and FORMER.get(("task", k), ...) != v},
         "inputs": inputs,
         "budget": None if cfg["method"]["name"] == "full" else cfg["budget"],
