@@ -340,3 +340,17 @@ def test_refused_press_exits_2_before_the_model_loads(tmp_path, capsys):
     assert run.returncode == 2 and "method.press='DMSPress'" in run.stderr
     runpy.run_module("methods.kvpress_press", run_name="__main__")  # the documented listing command
     assert capsys.readouterr().out.split() == supported()
+
+
+def test_kvpress_presets_hold_the_presses_defaults():
+    """The methods the kvpress_<task> presets and docs/METHODS.md's RULER commands sweep carry kvpress's settings."""
+    from kvbench.config import compose, preset
+
+    snap, knorm, stream = (preset("method", m) for m in ("snapkv_kvpress", "knorm_kvpress", "streamingllm"))
+    assert (snap["window_size"], snap["kernel_size"], snap["pooling"]) == (kvpress.SnapKVPress().window_size,
+                                                                           kvpress.SnapKVPress().kernel_size, "avg")
+    assert knorm["recent_window"] == 0 and stream["n_sinks"] == kvpress.StreamingLLMPress().n_sink
+    for task in ("infinitebench", "longbench_v2", "loogle", "zero_scrolls"):
+        swept = compose([f"+experiment=kvpress_{task}"], return_hydra_config=True).hydra.sweeper.params["method"]
+        assert swept.split(",") == ["full", "knorm_kvpress", "snapkv_kvpress", "streamingllm", "pyramidkv_kvpress",
+                                    "adakv_kvpress"]
