@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from .base import Sample, TaskConfigError
-from .metrics import normalize_answer, normalize_zh_answer
+from .metrics import normalize_answer, normalize_zh_answer, rouge_scorer
 from .suite import SuiteTask, require
 
 _CONFIG = json.loads((Path(__file__).parent / "suite_config" / "infinitebench.json").read_text(encoding="utf-8"))
@@ -198,9 +198,7 @@ def score_math_calc(pred: str, label: list) -> float:
 
 def score_sum(pred: str, label: Any) -> float:
     """``evaluate``'s ``rouge`` ``rougeLsum`` F (``rouge_score``, no stemmer), best over the references."""
-    from rouge_score import rouge_scorer
-
-    scorer = rouge_scorer.RougeScorer(["rougeLsum"])
+    scorer = rouge_scorer("rougeLsum")
     return max(scorer.score(ref, pred)["rougeLsum"].fmeasure for ref in (label if isinstance(label, list) else [label]))
 
 

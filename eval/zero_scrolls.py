@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from .base import Sample, TaskConfigError, is_data_file, read_jsonl
+from .metrics import rouge_scorer
 from .suite import SuiteTask, require, split
 
 MAX_NEW_TOKENS = {"gov_report": 1024, "summ_screen_fd": 512, "qmsum": 512, "qasper": 128, "narrative_qa": 64,
@@ -118,9 +119,7 @@ def concordance(prediction: str, reference: str) -> float:
 
 def rouge(prediction: str, reference: str) -> dict[str, float]:
     """``rouge.py``: ``rouge_score``'s ROUGE-1/2/L F-measure, no stemmer."""
-    from rouge_score import rouge_scorer
-
-    got = rouge_scorer.RougeScorer(list(ROUGE), use_stemmer=False).score(reference, prediction)
+    got = rouge_scorer(*ROUGE).score(reference, prediction)
     return {k: got[k].fmeasure for k in ROUGE}
 
 
