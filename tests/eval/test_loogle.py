@@ -407,3 +407,28 @@ def test_metric_inputs_missing_are_one_line_errors(folder, monkeypatch):
     LoogleTask.validate(cfg(str(folder), datasets=["shortdep_cloze"]))  # the cloze task needs no WordNet
     with pytest.raises(TaskConfigError, match=r"wordnet_setup\.sh.*nltk\.download\('wordnet'\)"):
         LoogleTask.validate(cfg(str(folder), datasets=["shortdep_qa"]))
+
+
+@needs_wordnet
+def test_a_job_records_meteor_and_bert_score_the_same_under_any_hash_seed(tmp_path, folder):
+    """Acceptance (issue 45): run.py on a tiny model; each record carries meteor and bert_score, equal under two
+    PYTHONHASHSEED values (the official set order would differ) and to the metric functions on its prediction."""
+    pytest.importorskip("bert_score", reason="bert-score not installed (pip install -e '.[loogle]')")
+    from eval.loogle import bert_score, meteor
+    from tests.kvbench.cli_util import make_tiny_model_dir, read_lines, run_cli, tiny_model_args
+
+    model, roberta = make_tiny_model_dir(tmp_path / "model"), tiny_roberta(tmp_path / "roberta")
+    records = []
+    for seed in ("0", "1"):
+        out = tmp_path / f"out{seed}"
+        done = run_cli([*tiny_model_args(model), "task=loogle", f"task.data_dir={folder}", "task.datasets=[shortdep_qa]",
+                        "task.n_samples=1", f"task.bert_score_model={roberta}", "task.bert_score_layers=2",
+                        "method=full", f"output_root={out}", "quiet=true", "threads=1"], PYTHONHASHSEED=seed)
+        assert done.returncode == 0, done.stderr[-2000:]
+        (pred,) = out.rglob("predictions.jsonl")
+        records += read_lines(pred)
+    first, second = records
+    assert first["scores"] == second["scores"] and first["prediction"] == second["prediction"]
+    words = [t.replace("\n", " ").split() for t in ("In Jerez.", first["prediction"] or "None")]
+    assert first["scores"]["meteor"] == meteor(*words)
+    assert first["scores"]["bert_score"] == pytest.approx(bert_score(str(roberta), 2, "In Jerez.", first["prediction"] or "None"))
