@@ -26,8 +26,11 @@ def corpus(tmp_path_factory):
     return root / "corpora" / "wordnet"
 
 
-def test_the_derived_files_agree_with_nltks_own_sense_keys_numbers_and_counts(corpus):
+def test_the_derived_files_agree_with_nltks_own_sense_keys_numbers_and_counts(corpus, monkeypatch):
+    import nltk
     from nltk.corpus.reader.wordnet import WordNetCorpusReader
+
+    monkeypatch.setattr(nltk.data, "path", [str(corpus.parents[1]), *nltk.data.path])  # NLTK reads its data path only
 
     lexnames = (corpus / "lexnames").read_text().splitlines()
     assert len(lexnames) == 45 == len(LEXNAMES) and lexnames[3] == "03\tnoun.Tops\t1" and lexnames[44] == "44\tadj.ppl\t3"
