@@ -9,6 +9,12 @@ number named by ``The ... of`` in ``input``, the choice tasks list ``options`` a
 tasks, else ``answer``), kept in ``meta["label"]``; scores are ``compute_scores.py``'s per-task functions. The query
 (``task.compress=context``) is the template's text after ``{context}``.
 
+Prompt + generation fit the model's context window W (the official code and kvpress let them run past it): a
+generation limit over W/2 (``math_calc``'s 30,000 on an 8k model) is cut to W/2, and where the prompt (as the engine
+tokenizes it: chat template, answer prefix) plus the generation would exceed W, the middle truncation is redone to
+that many tokens fewer (:meth:`InfiniteBenchTask.build`); ``meta`` records ``prompt_budget`` and the official
+``max_new_tokens`` then. A sample that fits is built exactly as before.
+
 Data: the official ``<task>.jsonl`` files (``id``, ``context``, ``input``, ``answer``, ``options``) in
 ``task.data_dir`` or from ``xinrongzhang2022/InfiniteBench``; kvpress's copy ``MaxJeblick/InfiniteBench`` (a config
 per task; its answers are strings: ``code_run``, ``math_find`` and ``math_calc`` labels are turned back into numbers,
@@ -20,11 +26,12 @@ from __future__ import annotations
 import json
 import re
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from .base import Sample, TaskConfigError
-from .metrics import normalize_answer, normalize_zh_answer
+from .metrics import normalize_answer, normalize_zh_answer, rouge_scorer
 from .suite import SuiteTask, require
 
 _CONFIG = json.loads((Path(__file__).parent / "suite_config" / "infinitebench.json").read_text(encoding="utf-8"))
@@ -191,9 +198,7 @@ def score_math_calc(pred: str, label: list) -> float:
 
 def score_sum(pred: str, label: Any) -> float:
     """``evaluate``'s ``rouge`` ``rougeLsum`` F (``rouge_score``, no stemmer), best over the references."""
-    from rouge_score import rouge_scorer
-
-    scorer = rouge_scorer.RougeScorer(["rougeLsum"])
+    scorer = rouge_scorer("rougeLsum")
     return max(scorer.score(ref, pred)["rougeLsum"].fmeasure for ref in (label if isinstance(label, list) else [label]))
 
 
@@ -254,6 +259,39 @@ class InfiniteBenchTask(SuiteTask):
         query = row["question"]  # the answer prefix: SuiteTask.answer_turn
         return self.sample(dataset, index, row["context"] + query, query, label,
                            int(row.get("max_new_tokens") or MAX_NEW_TOKENS[dataset]), True)
+
+    def build(self, dataset: str, index: int, row: dict) -> Sample:
+        """The row's sample, fitted to the context window W (``resolved["context_window"]``, the job's check reads it;
+        module docstring): generation ``min(max_new_tokens, W // 2)``, the prompt truncated again, the excess fewer
+        tokens, until ``len(encode(sample)) + generation <= W``.
+
+        Raises:
+            TaskConfigError: the text around the truncated prompt (template, question) and the generation alone
+                exceed W; the message names the sample and the numbers.
+        """
+        sample, window = super().build(dataset, index, row), self.resolved.get("context_window")
+        if not window or self.encode is None:
+            return sample
+        new, full = min(sample.max_new_tokens, window // 2), self.max_length
+        try:
+            while (over := (need := len(self.encode(sample)) + new) - window) > 0:
+                if self.max_length - over < 2:
+                    raise TaskConfigError(f"task=infinitebench {sample.id}: {need - new} prompt tokens at a truncation "
+                                          f"budget of {self.max_length} plus {new} new tokens exceed the model's "
+                                          f"context window of {window} tokens (the text around the context leaves no room)")
+                self.max_length -= over
+                sample = super().build(dataset, index, row)
+        finally:
+            budget, self.max_length = self.max_length, full
+        if budget == full and new == sample.max_new_tokens:
+            return sample
+        return replace(sample, max_new_tokens=new, meta={**sample.meta, "prompt_budget": budget,
+                                                         "max_new_tokens": sample.max_new_tokens})
+
+    def tokens_needed(self, sample: Sample) -> int:
+        """The context window when :meth:`build` fitted the samples to it, else the base bound."""
+        fitted = self.resolved.get("context_window") and self.encode is not None
+        return self.resolved["context_window"] if fitted else super().tokens_needed(sample)
 
     def score(self, sample: Sample, prediction: str) -> float:
         return float(SCORERS[sample.dataset](prediction, sample.meta["label"]))

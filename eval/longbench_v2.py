@@ -6,7 +6,8 @@ Per sample: the template ``prompts/<task.prompt>.txt`` (``suite_config/longbench
 tokens (:func:`eval.suite.truncate_middle`, the tail keeps ``ceil(max_length / 2)`` tokens as ``ids[-max_len//2:]``;
 official ``max_len`` 120,000); one user turn of the chat template; up to 128 new tokens (the official temperature is
 0.1, kvbench decodes greedily). The answer is the letter of ``The correct answer is (X)``, else of ``The correct
-answer is X``, in the stripped response with ``*`` removed; a sample scores 1 if it equals ``answer``. The query
+answer is X``, in the stripped response with ``*`` removed; a sample scores 1 if it equals ``answer``; an empty output
+is left out of the scores as ``pred.py`` leaves it out (kvpress's copy: scored 0, as its ``calculate_metrics``). The query
 (``task.compress=context``) is the text after the document: question, choices and the format instruction.
 
 Data: the official ``data.json`` (a JSON array, or JSON lines) in ``task.data_dir``, or ``THUDM/LongBench-v2`` on
@@ -134,6 +135,12 @@ class LongBenchV2Task(SuiteTask):
         return float(extract_answer(prediction.strip()) == sample.answers[0])
 
     def aggregate(self, records: list[dict]) -> dict[str, Any]:
+        """:func:`breakdown` as ``averages``. With ``task.source=official`` a sample whose prediction is empty is left
+        out, as ``pred.py`` skips an empty output (``if output == '': continue``: never written, never scored);
+        kvpress's ``calculate_metrics`` scores it 0. ``empty_outputs``: how many there were."""
+        empty = [r for r in records if r.get("error") is None and r.get("prediction") == ""]
+        if self.cfg.get("source") != "kvpress":
+            records = [r for r in records if not (r.get("error") is None and r.get("prediction") == "")]
         out = super().aggregate(records)
-        out["averages"] = breakdown(records)
+        out["averages"], out["empty_outputs"] = breakdown(records), len(empty)
         return out

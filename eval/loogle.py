@@ -12,8 +12,12 @@ Scores (``automatic_metrics.py``): QA and summarization record ``rouge_l`` (the 
 the official default stat ``r``, recall) as the score, and ``rouge_1``, ``rouge_2``, ``bleu1``, ``bleu4`` (nltk's
 ``sentence_bleu`` on whitespace words) beside it; an empty prediction is scored as ``"None"`` (``automatic_eval``);
 where the ``rouge`` package raises (a prediction of dots only, a too deep LCS recursion) the official script stops
-and kvpress's copy scores 0, as kvbench does. METEOR (WordNet) and BERTScore (RoBERTa-large) need downloads and are
-not computed. The cloze task records ``exact_match`` (masks whose predicted entity equals the reference) and
+and kvpress's copy scores 0, as kvbench does; a BLEU of NLTK's floor (``sys.float_info.min``, no matching n-gram) is
+0. ``meteor``: nltk's ``single_meteor_score`` on the distinct words in their order (the official call passes Python
+sets, whose order, and so the score, changes with ``PYTHONHASHSEED``; docs/BENCHMARKS.md), WordNet from NLTK's data
+path (:mod:`eval.wordnet`). ``bert_score`` with ``task.bert_score_model`` (a local folder or Hub id; official:
+``lang="EN"``, roberta-large at layer 17): ``bert-score``'s ``score([reference], [prediction])[1]``, the reference
+passed as the candidate and the recall kept, as ``get_bertscore`` does. The cloze task records ``exact_match`` (masks whose predicted entity equals the reference) and
 ``partial_match`` (masks sharing a word), the prediction read as a Python dict literal (``ast.literal_eval``, where
 the official code calls ``eval``); a dataset scores ``sum(matches) / sum(masks)`` (``get_match_score``), the others
 the mean over questions.
@@ -29,13 +33,19 @@ from __future__ import annotations
 
 import ast
 import json
+import os
+import sys
 import warnings
+from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
-from .base import Sample, TaskConfigError
+from .base import Sample, TaskConfigError, count
 from .longbench import middle_truncate
-from .suite import SuiteTask, require, split
+from .longbench_data import hub_reachable
+from .suite import SuiteConfig, SuiteTask, require, split
+from .wordnet import require as wordnet
 
 _CONFIG = json.loads((Path(__file__).parent / "suite_config" / "loogle.json").read_text(encoding="utf-8"))
 PROMPTS: dict[str, str] = _CONFIG["prompts"]
@@ -44,7 +54,20 @@ TASKS = ("shortdep_qa", "longdep_qa", "shortdep_cloze", "longdep_summarization")
 HUB_FILES = {"shortdep_qa": "data/shortdep_qa.jsonl", "longdep_qa": "data/longdep_qa.jsonl",
              "shortdep_cloze": "data/shortdep_cloze.jsonl", "longdep_summarization": "data/summarization.jsonl"}
 CLOZE_METRICS = ("exact_match", "partial_match")
-TEXT_METRICS = ("rouge_l", "rouge_1", "rouge_2", "bleu1", "bleu4")
+TEXT_METRICS = ("rouge_l", "rouge_1", "rouge_2", "bleu1", "bleu4", "meteor", "bert_score")
+
+
+@dataclass
+class LoogleConfig(SuiteConfig):
+    """``conf/task/loogle.yaml``: the suite's keys and BERTScore's model."""
+
+    name: str = "loogle"
+    bert_score_model: Optional[str] = None  # BERTScore's model, a local folder or Hub id (official: roberta-large); null = none
+    bert_score_layers: int = 17  # its layer (bert-score's num_layers; 17: roberta-large, lang="EN")
+
+    def check(self) -> None:
+        super().check()
+        count(self.bert_score_layers, "bert_score_layers")
 
 
 def primary(dataset: str) -> str:
@@ -100,10 +123,34 @@ def text_scores(prediction: str, reference: str) -> dict[str, float]:
         out = {"rouge_l": 0.0, "rouge_1": 0.0, "rouge_2": 0.0}
     ref_words, hyp_words = reference.replace("\n", " ").split(), hyp.replace("\n", " ").split()
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # nltk warns of zero n-gram overlaps (the score is then 0)
-        out["bleu1"] = float(sentence_bleu([ref_words], hyp_words, weights=(1, 0, 0, 0)))
-        out["bleu4"] = float(sentence_bleu([ref_words], hyp_words, weights=(0, 0, 0, 1)))
+        warnings.simplefilter("ignore")  # nltk warns of zero n-gram overlaps (the score is then its floor)
+        for name, weights in (("bleu1", (1, 0, 0, 0)), ("bleu4", (0, 0, 0, 1))):
+            bleu = float(sentence_bleu([ref_words], hyp_words, weights=weights))
+            out[name] = bleu if bleu > sys.float_info.min else 0.0  # the floor (times the brevity penalty) is 0
     return out
+
+
+def meteor(reference: list[str], hypothesis: list[str]) -> float:
+    """``get_meteor_score``: nltk's ``single_meteor_score(set(reference), set(hypothesis))``, the sets' words taken in
+    their first order (``dict.fromkeys``) so that the score does not depend on ``PYTHONHASHSEED``.
+    TaskConfigError: no WordNet (:func:`eval.wordnet.require`)."""
+    from nltk.translate.meteor_score import single_meteor_score
+
+    return float(single_meteor_score(list(dict.fromkeys(reference)), list(dict.fromkeys(hypothesis)), wordnet=wordnet()))
+
+
+@lru_cache(maxsize=1)
+def bert_scorer(model: str, layers: int) -> Any:
+    from bert_score import BERTScorer
+
+    return BERTScorer(model_type=model, num_layers=layers)
+
+
+def bert_score(model: str, layers: int, reference: str, prediction: str) -> float:
+    """``get_bertscore``'s ``float(score([reference], [prediction], lang="EN")[1])``: BERTScore (Zhang et al., 2020)
+    with the reference as the candidate, recall: the mean over the prediction's tokens of their best cosine
+    similarity to the reference's, at hidden layer ``layers`` of ``model`` (bert-score's ``BERTScorer``, loaded once)."""
+    return float(bert_scorer(model, layers).score([reference], [prediction])[1][0])
 
 
 class LoogleTask(SuiteTask):
@@ -114,6 +161,25 @@ class LoogleTask(SuiteTask):
     official_hub = "bigainlco/LooGLE"
     kvpress_hub = "simonjegou/loogle"
     what = "LooGLE's <task>.jsonl files (github.com/bigai-nlco/LooGLE, LooGLE-testdata/)"
+    Config = LoogleConfig
+
+    @classmethod
+    def validate(cls, cfg: dict) -> None:
+        """The suite's checks, then what the metrics need. TaskConfigError: no WordNet for METEOR (the cloze task
+        alone needs none), no ``bert-score`` package, or a ``bert_score_model`` neither a folder nor reachable."""
+        super().validate(cfg)
+        if set(cfg.get("datasets") or TASKS) - {"shortdep_cloze"}:
+            wordnet()
+        model = cfg.get("bert_score_model")
+        if model:
+            try:
+                import bert_score  # noqa: F401
+            except ImportError:
+                raise TaskConfigError(f"task.bert_score_model={model}: needs the bert-score package "
+                                      "(pip install -e '.[loogle]')") from None
+            if not Path(model).expanduser().is_dir() and not hub_reachable():
+                raise TaskConfigError(f"task.bert_score_model={model}: no such folder and the Hugging Face Hub is "
+                                      "unreachable; download the model (official: roberta-large) and pass its folder")
 
     @classmethod
     def check_row(cls, dataset: str, row: dict, where: str) -> None:
@@ -173,12 +239,17 @@ class LoogleTask(SuiteTask):
         return self.sample(dataset, index, row["context"] + query, query, answer,
                            int(row.get("max_new_tokens") or MAX_NEW_TOKENS[dataset]), True)
 
-    @staticmethod
-    def scores(sample: Sample, prediction: str) -> dict[str, float]:
-        """Every automatic metric of one prediction (:data:`CLOZE_METRICS` or :data:`TEXT_METRICS`), in [0, 1]."""
+    def scores(self, sample: Sample, prediction: str) -> dict[str, float]:
+        """Every automatic metric of one prediction (:data:`CLOZE_METRICS` or :data:`TEXT_METRICS`, ``bert_score``
+        with a model), in [0, 1]."""
         if sample.dataset == "shortdep_cloze":
             return cloze_scores(prediction, json.loads(sample.answers[0]))
-        return text_scores(prediction, sample.answers[0])
+        out = text_scores(prediction, sample.answers[0])
+        out["meteor"] = meteor(*(text.replace("\n", " ").split() for text in (sample.answers[0], prediction or "None")))
+        if self.cfg.get("bert_score_model"):
+            out["bert_score"] = bert_score(os.path.expanduser(self.cfg["bert_score_model"]),
+                                           self.cfg.get("bert_score_layers") or 17, sample.answers[0], prediction or "None")
+        return out
 
     def score(self, sample: Sample, prediction: str) -> float:
         """``exact_match`` for the cloze task, else ``rouge_l`` (recall)."""
@@ -194,7 +265,8 @@ class LoogleTask(SuiteTask):
         for ds in out["datasets"]:
             cloze, part = ds == "shortdep_cloze", [r for r in ok if r["dataset"] == ds]
             weights = [(r.get("meta") or {}).get("masks", 1) if cloze else 1 for r in part]
-            for m in CLOZE_METRICS if cloze else TEXT_METRICS:
+            for m in CLOZE_METRICS if cloze else [m for m in TEXT_METRICS if any(m in (r.get("scores") or {}) or
+                                                                                 m == primary(ds) for r in part)]:
                 got = [r["score"] if m == primary(ds) else (r.get("scores") or {}).get(m, 0.0) for r in part]
                 total = sum(g * w for g, w in zip(got, weights))
                 out["averages"][f"{ds} {m}"] = round(100 * total / max(sum(weights), 1), 2)

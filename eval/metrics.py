@@ -39,7 +39,8 @@ import logging
 import re
 import string
 from collections import Counter
-from typing import Callable, Sequence
+from functools import lru_cache
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -403,3 +404,12 @@ def bucket_scores(scores: Sequence[float], lengths: Sequence[int]) -> dict[str, 
     for s, length in zip(scores, lengths):
         by_bucket[bucket_of(length)].append(s)
     return {b: (float(round(100 * np.mean(v), 2)) if v else None) for b, v in by_bucket.items()}
+
+
+@lru_cache(maxsize=None)
+def rouge_scorer(*types: str) -> Any:
+    """``rouge_score``'s ``RougeScorer(types)``, no stemmer, built once; its default tokenizer is passed explicitly, so
+    that it does not log "Using default tokenizer." (absl, INFO) at every construction."""
+    from rouge_score import rouge_scorer as rs, tokenizers
+
+    return rs.RougeScorer(list(types), tokenizer=tokenizers.DefaultTokenizer(use_stemmer=False))

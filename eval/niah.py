@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator, List, Optional
 
 from .base import Sample, Task, TaskConfig, TaskConfigError, count, looked_for, one_of, require
+from .metrics import rouge_scorer
 from .longbench_data import hub_reachable
 
 log = logging.getLogger(__name__)
@@ -112,11 +113,7 @@ def strict_match(prediction: str, answer: str) -> float:
 
 def rouge1_recall(prediction: str, answer: str) -> float:
     """ROUGE-1 recall × 100 of ``answer`` in ``prediction`` (``rouge-score``, no stemming)."""
-    from rouge_score import rouge_scorer
-
-    logging.getLogger("absl").setLevel(logging.WARNING)  # its "Using default tokenizer." on every call
-    scorer = rouge_scorer.RougeScorer(["rouge1"], use_stemmer=False)
-    return 100.0 * scorer.score(answer, prediction)["rouge1"].recall
+    return 100.0 * rouge_scorer("rouge1").score(answer, prediction)["rouge1"].recall
 
 
 def check_answer_in_needle(needle: str, answer: str) -> None:

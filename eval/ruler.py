@@ -8,9 +8,9 @@ distribution (``<length>/test-*.parquet``: ``context``, ``question``, ``answer_p
 with no ``data_dir``, that distribution from the Hub (``task.hub_dataset``); with ``task.generate``, RULER's generator
 run for the model's tokenizer (:mod:`eval.ruler_data`, the files kept in the job folder). Every row is one sample, its id
 ``<subtask>/<length>/<row>`` (RULER's ``index`` repeats). The prompt is ``input + answer_prefix`` as RULER's
-``pred/call_api.py`` sends it; with ``task.chat_template`` the tokenizer's chat template wraps ``input`` as one
-user turn and the answer prefix follows the assistant header, where RULER's ``prepare.py`` puts it after its
-model template (kvpress does the same). ``Sample.query`` is the question (from RULER's question line, split as
+``pred/call_api.py`` sends it; ``task.chat_template`` wraps ``input`` in RULER's template of the model's family
+(``scripts/data/template.py``; default), the tokenizer's own (``true``: kvpress's pipeline) or none, and the answer
+prefix follows, where RULER's ``prepare.py`` puts it. ``Sample.query`` is the question (from RULER's question line, split as
 kvpress's ``create_huggingface_dataset.py`` does), the template's tail and the answer prefix.
 Generation limits are RULER's ``tokens_to_generate`` per task family; scores are RULER's
 ``string_match_all`` (the share of references found in the prediction, case-insensitive) for the
@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional
 
 from .base import Sample, Task, TaskConfig, TaskConfigError, count, is_data_file, looked_for, read_jsonl, require
-from .ruler_data import QA_FILES, TASKS, check_qa_file
+from .ruler_data import FAMILIES, QA_FILES, TASKS, TEMPLATES, check_qa_file
 
 SUBTASKS = ("niah_single_1", "niah_single_2", "niah_single_3", "niah_multikey_1", "niah_multikey_2",
             "niah_multikey_3", "niah_multivalue", "niah_multiquery", "vt", "cwe", "fwe", "qa_1", "qa_2")
@@ -88,13 +88,19 @@ def check_row(row: dict, where: str) -> None:
                               f"optionally 'answer_prefix' (a string); got {', '.join(sorted(row)) or 'no field'}")
 
 
-def chat(tokenizer: Any, text: str, on: bool = True) -> str:
-    """``text`` as one user turn of the tokenizer's chat template with the assistant header (RULER's
-    ``prepare.py``: ``model_template.format(task_template=...)``), without the BOS the engine's tokenizer adds
-    itself; ``text`` unchanged when ``on`` is false or the tokenizer has no template."""
-    if not on or tokenizer is None or not getattr(tokenizer, "chat_template", None):
+def chat(tokenizer: Any, text: str, template: Any = True) -> str:
+    """``text`` in a chat template with the assistant's turn opened (RULER's ``prepare.py``:
+    ``model_template.format(task_template=...)``), without the BOS the engine's tokenizer adds itself. ``template``:
+    ``True`` the tokenizer's own (unchanged text without one), ``False`` none, a name of :data:`TEMPLATES` (RULER's
+    ``template.py``), or ``"ruler"``: RULER's template of the tokenizer's family (:data:`FAMILIES`: its chat template
+    holds the family's mark), else the tokenizer's own."""
+    if template == "ruler":
+        own = getattr(tokenizer, "chat_template", None) or ""
+        template = next((name for mark, name in FAMILIES if mark in own), True)
+    if template is False or tokenizer is None or (template is True and not getattr(tokenizer, "chat_template", None)):
         return text
-    out = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False)
+    out = TEMPLATES[template].replace("{task_template}", text) if template is not True else tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False)
     bos = tokenizer.bos_token
     return out[len(bos):] if bos and out.startswith(bos) and tokenizer("x")["input_ids"][:1] == [tokenizer.bos_token_id] else out
 
@@ -111,7 +117,7 @@ def generated(cfg: dict, tokenizer: Any) -> dict[str, str]:
 
     essay = any(NIAH.get(s, ("",))[0] == "essay" for s in cfg["subtasks"])
     haystack = load_haystack({"haystack_dir": cfg.get("haystack_dir")})[0] if essay else ""
-    return generate(cfg, tokenizer, len(tokenizer.tokenize(chat(tokenizer, "", cfg.get("chat_template", True)))), haystack)
+    return generate(cfg, tokenizer, len(tokenizer.tokenize(chat(tokenizer, "", cfg.get("chat_template", "ruler")))), haystack)
 
 
 def split(subtask: str, text: str, answer_prefix: str | None) -> tuple[str, str, str]:
@@ -138,15 +144,17 @@ class RulerConfig(TaskConfig):
     # copy (<length>/test-*.parquet); null = the Hub
     data_dir: Optional[str] = None
     hub_dataset: str = "simonjegou/ruler"  # the Hub dataset kvpress's leaderboard reads when data_dir is null
-    # wrap the input in the tokenizer's chat template, answer prefix after it (RULER's placement); false: RULER's
-    # base template (files already templated)
-    chat_template: bool = True
+    # the input's chat template, the answer prefix after it (RULER's placement): ruler (RULER's template.py template of
+    # the model's family, else the tokenizer's), true (the tokenizer's; kvpress), false (none: files already templated)
+    # or a template.py name (meta-llama3, meta-chat, vicuna-chat, ...)
+    chat_template: Any = "ruler"
     generate: bool = False  # true: build RULER's data for the model's tokenizer (RULER's generator), kept in the job folder
     seed: int = 42  # the generator's seed (RULER's --random_seed)
     # generate: the essays (.txt) of the essay haystack, e.g. ../shared/data/paul_graham_essays; null = the Hub, else embedded
     haystack_dir: Optional[str] = None
     # generate: SQuAD v2.0 dev / HotpotQA dev distractor json (RULER's download_qa_dataset.sh); null = the Hub
     qa_files: Dict[str, Optional[str]] = field(default_factory=lambda: {"squad": None, "hotpotqa": None})
+    cwe_words: Optional[str] = None  # generate: RULER's json/english_words.json (git LFS), for cwe lists over 8166 words
 
     def check(self) -> None:
         require(bool(self.subtasks) and set(self.subtasks) <= set(SUBTASKS), "subtasks", self.subtasks,
@@ -154,6 +162,8 @@ class RulerConfig(TaskConfig):
         require(bool(self.context_lengths) and min(self.context_lengths) > 0, "context_lengths", self.context_lengths,
                 "must be a non-empty list of positive integers (tokens)")
         count(self.n_samples, "n_samples")
+        require(self.chat_template in (True, False, "ruler", *TEMPLATES), "chat_template", self.chat_template,
+                f"accepted values are ruler, true, false, {', '.join(TEMPLATES)}")
 
 
 class RulerTask(Task):
@@ -225,7 +235,7 @@ class RulerTask(Task):
             for length in self.cfg["context_lengths"]:
                 for i, row in enumerate(self.rows(subtask, length)):
                     context, question, prefix = split(subtask, row["input"], row["answer_prefix"])
-                    head = chat(self.tokenizer, context + question, self.cfg.get("chat_template", True))
+                    head = chat(self.tokenizer, context + question, self.cfg.get("chat_template", "ruler"))
                     at = head.rfind(question) if question else -1
                     yield Sample(id=f"{subtask}/{length}/{i}", dataset=subtask, prompt=head + prefix,
                                  max_new_tokens=max_new_tokens(subtask), answers=list(row["outputs"]), chat=False,

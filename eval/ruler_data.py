@@ -6,12 +6,13 @@ draws in the same order from ``random``/``numpy`` generators seeded with ``task.
 ``--random_seed 42``), the same length fitting (a binary search for the largest haystack whose prompt plus
 ``tokens_to_generate`` fits the length; fwe's own growth loop), tokens counted as RULER's HF tokenizer does
 (``tokenizer.tokenize``), less the chat template's own tokens (RULER's ``--model_template_token``). Rows are
-RULER's: ``index``, ``input`` (base template), ``outputs``, ``length``, ``answer_prefix``; for the same seed,
+RULER's: ``index`` (niah: the answer's character offset in ``input``), ``input`` (base template), ``outputs``,
+``length``, ``length_w_model_temp``, ``answer_prefix`` (niah: ``token_position_answer``); for the same seed,
 tokenizer and inputs they equal RULER's scripts' rows (tests/eval/test_ruler_data.py). Differences, because
 RULER's inputs are not on PyPI: the essay haystack is the NIAH task's (``task.haystack_dir``, else the Hub,
 else embedded) instead of RULER's downloaded PaulGrahamEssays.json; sentences are cut by nltk's untrained Punkt
-(RULER: the trained ``punkt`` model, a download); cwe stops at wonderwords' 8166 words (RULER then samples its
-LFS file english_words.json); qa reads the SQuAD v2 / HotpotQA dev files RULER downloads (``task.qa_files``),
+(RULER: the trained ``punkt`` model, a download); cwe lists beyond wonderwords' 8166 words come from RULER's LFS
+file english_words.json, given as ``task.cwe_words``; qa reads the SQuAD v2 / HotpotQA dev files RULER downloads (``task.qa_files``),
 else their Hub copies.
 """
 
@@ -50,6 +51,25 @@ NIAH = {"niah_single_1": ("noise", "words", "numbers", 1, 1, 1), "niah_single_2"
         "niah_single_3": ("essay", "words", "uuids", 1, 1, 1), "niah_multikey_1": ("essay", "words", "numbers", 4, 1, 1),
         "niah_multikey_2": ("needle", "words", "numbers", 1, 1, 1), "niah_multikey_3": ("needle", "uuids", "uuids", 1, 1, 1),
         "niah_multivalue": ("essay", "words", "numbers", 1, 4, 1), "niah_multiquery": ("essay", "words", "numbers", 1, 1, 4)}
+#: RULER's scripts/data/template.py: the chat template of each model family ({task_template}: the task's text)
+TEMPLATES = {
+    "base": "{task_template}",
+    "meta-chat": "[INST] {task_template} [/INST]",
+    "vicuna-chat": "A chat between a curious user and an artificial intelligence assistant. The assistant gives helpful, detailed, and polite answers to the user's questions. USER: {task_template} ASSISTANT:",
+    "lwm-chat": "You are a helpful assistant. USER: {task_template} ASSISTANT: ",
+    "command-r-chat": "<BOS_TOKEN><|START_OF_TURN_TOKEN|><|USER_TOKEN|>{task_template}<|END_OF_TURN_TOKEN|><|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>",
+    "chatglm-chat": "[gMASK]sop<|user|> \n {task_template}<|assistant|> \n ",
+    "RWKV": "User: hi\n\nAssistant: Hi. I am your assistant and I will provide expert full response in full details. Please feel free to ask any question and I will always answer it\n\nUser: {task_template}\n\nAssistant:",
+    "Phi3": "<|user|>\n{task_template}<|end|>\n<|assistant|>\n",
+    "meta-llama3": "<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\n{task_template}<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n",
+    "jamba": "<|startoftext|><|bom|><|system|> <|eom|><|bom|><|user|> {task_template}<|eom|><|bom|><|assistant|>",
+    "nemotron5-instruct": "<SPECIAL_10>System\n\n<SPECIAL_11>User\n{task_template}\n<SPECIAL_11>Assistant\n",
+}
+#: a mark of a family's Hugging Face chat template -> RULER's template of the family (scripts/config_models.sh: Llama 3.1
+#: meta-llama3, Llama 2 and Mistral meta-chat)
+FAMILIES = (("<|start_header_id|>", "meta-llama3"), ("[INST]", "meta-chat"), ("<|START_OF_TURN_TOKEN|>", "command-r-chat"),
+            ("[gMASK]", "chatglm-chat"), ("<|bom|>", "jamba"), ("<SPECIAL_11>", "nemotron5-instruct"),
+            ("<|end|>", "Phi3"))
 NEEDLE = "One of the special magic {type_needle_v} for {key} is: {value}."
 NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 DOCUMENT = "Document {i}:\n{document}"
@@ -139,7 +159,7 @@ def niah(subtask: str, length: int, room: int, n: int, seed: int, count, haystac
         random.Random(seed).shuffle(needles)
         if kind == "essay":
             sents = sentences(" ".join((haystack * -(-size // len(haystack)))[:size]).strip())
-            cuts = [0] + sorted(int(len(sents) * d / 100) for d in rng.sample(DEPTHS, len(needles))) + [len(sents)]
+            cuts = [0] + sorted(int(len(sents) * (d / 100)) for d in rng.sample(DEPTHS, len(needles))) + [len(sents)]
             parts = []
             for i in range(1, len(cuts)):
                 parts += [" ".join(sents[cuts[i - 1]:cuts[i]])] + ([needles[i - 1]] if i - 1 < len(needles) else [])
@@ -204,14 +224,21 @@ def vt(subtask: str, length: int, room: int, n: int, seed: int, count, haystack_
     return [shrink(with_example, count, limit, size, step) for _ in range(n)]
 
 
-def cwe(subtask: str, length: int, room: int, n: int, seed: int, count, haystack_text: str, num_cw=10) -> list[tuple]:
-    """scripts/data/synthetic/common_words_extraction.py (freq_cw 30, freq_ucw 3, one few-shot example)."""
+def cwe(subtask: str, length: int, room: int, n: int, seed: int, count, haystack_text: str, num_cw=10,
+        words_file: str | None = None) -> list[tuple]:
+    """scripts/data/synthetic/common_words_extraction.py (freq_cw 30, freq_ucw 3, one few-shot example). A list longer
+    than wonderwords' words (RULER's search probes such lists from about 64k tokens on) is drawn from RULER's
+    ``json/english_words.json`` (``task.cwe_words``), as RULER does.
+
+    Raises:
+        TaskConfigError: the search needs more words than wonderwords' and ``task.cwe_words`` is not given or unreadable.
+    """
     rng, template = random.Random(seed), TASKS["cwe"][0] + TASKS["cwe"][1]
     words = sorted(set(wonderwords("nounlist.txt", "adjectivelist.txt", "verblist.txt")))
     random.Random(seed).shuffle(words)
 
     def example(num_words: int, common: int, uncommon: int):
-        picked = rng.sample(words, num_words)
+        picked = rng.sample(words if num_words <= len(words) else english_words(words_file), num_words)
         listed = picked[:num_cw] * common + picked[num_cw:] * uncommon
         random.Random(seed).shuffle(listed)
         return " ".join(f"{i + 1}. {w}" for i, w in enumerate(listed)), picked[:num_cw]
@@ -222,12 +249,21 @@ def cwe(subtask: str, length: int, room: int, n: int, seed: int, count, haystack
         shot = template.format(context=shot) + " " + " ".join(f"{i + 1}. {w}" for i, w in enumerate(shot_answer))
         return shot + "\n" + template.format(context=context), answer
 
-    limit = room - TASKS["cwe"][2]  # the search stops at the word list's size: RULER's larger lists are not on PyPI
-    size = fit(make, count, limit, 10, 4096, lambda per: min(int(room // per) * 2, len(words)))
-    if size == len(words):
-        raise TaskConfigError(f"task.context_lengths={length}: cwe needs more than wonderwords' {len(words)} words "
-                              "(RULER then draws from its english_words.json, not on PyPI)")
+    limit = room - TASKS["cwe"][2]
+    size = fit(make, count, limit, 10, 4096, lambda per: int(room // per) * 2)
     return [shrink(make, count, limit, size, 10) for _ in range(n)]
+
+
+@lru_cache(maxsize=1)
+def english_words(path: str | None) -> list[str]:
+    """RULER's ``randle_words``: the values of ``json/english_words.json``."""
+    if not path:
+        raise TaskConfigError("task.cwe_words: cwe's search needs more words than wonderwords' lists hold; pass RULER's "
+                              "scripts/data/synthetic/json/english_words.json (git LFS)")
+    try:
+        return list(json.loads(Path(path).expanduser().read_text(encoding="utf-8")).values())
+    except (OSError, ValueError, AttributeError) as e:
+        raise TaskConfigError(f"task.cwe_words={path}: not RULER's english_words.json ({e})") from None
 
 
 def fwe(subtask: str, length: int, room: int, n: int, seed: int, count, haystack_text: str, alpha=2.0, wordlen=6) -> list[tuple]:
@@ -364,16 +400,16 @@ def generate(cfg: dict, tokenizer: Any, overhead: int, haystack_text: str) -> di
     ``overhead``: the chat template's own tokens.
 
     Raises:
-        TaskConfigError: qa without its file, a cwe length beyond the word list, or a length below a subtask's
-            minimum (its smallest haystack's prompt + tokens_to_generate + ``overhead``), naming the subtask, the
-            minimum and the fix; one row of each subtask at the shortest length is made first, so that this comes
-            before the long generation.
+        TaskConfigError: qa without its file, cwe beyond wonderwords' words without ``task.cwe_words``, or a length
+            below a subtask's minimum (its smallest haystack's prompt + tokens_to_generate + ``overhead``), naming the
+            subtask, the minimum and the fix; one row of each subtask at the shortest length is made first, so that
+            this comes before the long generation.
     """
     count = lambda text: len(tokenizer.tokenize(text))  # noqa: E731
 
     def rows(subtask: str, length: int, n: int) -> list[tuple]:
         fam = subtask.split("_")[0]
-        extra = {"files": cfg.get("qa_files")} if fam == "qa" else {}
+        extra = {"files": cfg.get("qa_files")} if fam == "qa" else {"words_file": cfg.get("cwe_words")} if fam == "cwe" else {}
         try:
             return GENERATORS[fam](subtask, length, length - overhead, n, cfg.get("seed", 42), count, haystack_text, **extra)
         except TooShort as e:
@@ -391,8 +427,12 @@ def generate(cfg: dict, tokenizer: Any, overhead: int, haystack_text: str) -> di
             prefix, tokens_to_generate = TASKS[fam][1:]
             lines = []
             for i, (text, answer, n) in enumerate(rows(subtask, length, cfg.get("n_samples") or 500)):
-                cut = text.rfind(prefix[:10])
-                lines.append(json.dumps({"index": i, "input": text[:cut], "outputs": answer, "length": n + tokens_to_generate,
-                                         "answer_prefix": text[cut:]}) + "\n")
+                cut, length_ = text.rfind(prefix[:10]), n + tokens_to_generate
+                row = {"index": i, "input": text[:cut], "outputs": answer, "length": length_,
+                       "length_w_model_temp": length_ + overhead, "answer_prefix": text[cut:]}
+                if fam == "niah":  # niah.py: index is the answer's character offset, and its position in tokens
+                    row["index"] = text[:cut].find(answer[0])
+                    row["token_position_answer"] = count(text[:cut][:row["index"]])
+                lines.append(json.dumps(row) + "\n")
             out[f"{length}/data/{subtask}/validation.jsonl"] = "".join(lines)
     return out

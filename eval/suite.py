@@ -182,11 +182,15 @@ class SuiteTask(Task):
         if self.max_length is None:
             raise TaskConfigError("task.max_length is not set and the model gives no max_input_length: set task.max_length")
         for dataset in self.datasets:
-            kvpress = self.cfg["source"] == "kvpress"
-            make = self.kvpress_sample if kvpress else self.official_sample
             for index, row in enumerate(self.rows(dataset)):
-                sample = make(dataset, index, row)
-                yield self.answer_turn(sample, row["answer_prefix"]) if kvpress and row["answer_prefix"] else sample
+                yield self.build(dataset, index, row)
+
+    def build(self, dataset: str, index: int, row: dict) -> Sample:
+        """The sample of one row, from ``task.source``'s prompt (kvpress's: its answer prefix placed)."""
+        if self.cfg["source"] != "kvpress":
+            return self.official_sample(dataset, index, row)
+        sample = self.kvpress_sample(dataset, index, row)
+        return self.answer_turn(sample, row["answer_prefix"]) if row["answer_prefix"] else sample
 
     def answer_turn(self, sample: Sample, prefix: str) -> Sample:
         """``sample`` (kvpress's ``context + question``, truncated) with ``prefix`` where kvpress's pipeline puts the

@@ -21,7 +21,8 @@ standalone letter A-D. space_digest: ``0.5 ** (|gold % - predicted %| / 10)`` of
 the concordance index of the predicted order of summary ids (0 unless the prediction holds the same ids),
 lifelines' ``concordance_index`` computed directly (no ties are possible between two orders of distinct ids). A
 task scores the mean of its examples' max over references ×100; ``averages["zero_scrolls"]`` is the mean over tasks.
-``rouge.py``'s ``postprocess_text`` (nltk sentences joined by newlines) is left out: it moves no ROUGE-1/2/L token
+The ROUGE settings assumed (the Hub files are unreadable offline) and why: docs/BENCHMARKS.md. ``rouge.py``'s
+``postprocess_text`` (nltk sentences joined by newlines) is left out: it moves no ROUGE-1/2/L token
 (``rouge_score`` splits on non-alphanumerics), only ROUGE-Lsum, which no score uses. A reference without its task's
 answer form (a letter, a percentage, an order of ids 1..n, n > 1), on which ``accuracy.py``, ``exp_similarity.py``
 and ``concordance_index.py`` raise, is refused when the file is read.
@@ -44,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from .base import Sample, TaskConfigError, is_data_file, read_jsonl
+from .metrics import rouge_scorer
 from .suite import SuiteTask, require, split
 
 MAX_NEW_TOKENS = {"gov_report": 1024, "summ_screen_fd": 512, "qmsum": 512, "qasper": 128, "narrative_qa": 64,
@@ -118,9 +120,7 @@ def concordance(prediction: str, reference: str) -> float:
 
 def rouge(prediction: str, reference: str) -> dict[str, float]:
     """``rouge.py``: ``rouge_score``'s ROUGE-1/2/L F-measure, no stemmer."""
-    from rouge_score import rouge_scorer
-
-    got = rouge_scorer.RougeScorer(list(ROUGE), use_stemmer=False).score(reference, prediction)
+    got = rouge_scorer(*ROUGE).score(reference, prediction)
     return {k: got[k].fmeasure for k in ROUGE}
 
 

@@ -277,7 +277,7 @@ def identity(cfg: dict, source: tuple[str, str | None], inputs: dict, device: st
     return {
         "model": model,
         "method": {k: v for k, v in cfg["method"].items() if k != "label" and FORMER.get(("method", k), ...) != v},
-        "task": {k: v for k, v in cfg["task"].items() if k not in (*SELECTION_KEYS, "data_dir", "haystack_dir", "qa_files")
+        "task": {k: v for k, v in cfg["task"].items() if k not in (*SELECTION_KEYS, "data_dir", "haystack_dir", "qa_files", "cwe_words")
                  and FORMER.get(("task", k), ...) != v},
         "inputs": inputs,
         "budget": None if cfg["method"]["name"] == "full" else cfg["budget"],
@@ -355,6 +355,7 @@ def check(cfg: Any, preset: str | None = None) -> JobSpec:
         raise ConfigError(f"task.max_new_tokens={task['max_new_tokens']}: the longest prompt ({min(max(task['context_lengths']), limit)} "
                           f"tokens) plus the generation exceed the model's context window of {window} tokens")
     inputs, resolved = resolved_inputs(task, lambda: load_tokenizer(plain["model"], source))
+    resolved["context_window"] = window  # tasks that fit prompt + generation to it (InfiniteBench)
     ident = identity(plain, source, inputs, device_type(top.device))
     return JobSpec(plain, top, method, source, layout, inputs, resolved, artifacts.files_read(), ident,
                    job_relpath(plain, preset, ident))

@@ -29,18 +29,21 @@ def encode_prompt(loaded: Any, sample: Sample) -> list[int]:
 
 
 def split_prompt(loaded: Any, sample: Sample, compress: str = "prompt") -> tuple[list[int], int]:
-    """``(ids, q)``: :func:`encode_prompt`'s ids and, under ``task.compress=context``, how many of them at the end are
-    the query part, left uncompressed (else 0). The context is the prompt without ``sample.query`` as the same
-    template renders it, so a chat template's closing and generation prompt belong to the query part (kvpress's
-    pipeline: ``question + question_suffix``); a token straddling the boundary goes to the query part."""
-    ids = encode_prompt(loaded, sample)
+    """``(ids, q)``: the ids to prefill and, under ``task.compress=context``, how many of them at the end are the
+    query part, left uncompressed (else 0, and ``ids`` are :func:`encode_prompt`'s). The query part is
+    ``sample.query`` and, with a chat template, the template's closing and generation prompt; as kvpress's pipeline
+    (``KVPressTextGenerationPipeline.preprocess``) the context (with the template's head) and the query part are
+    tokenized apart, the context as the whole prompt would be (special tokens added), the query part without special
+    tokens, so a token that would straddle the boundary (a newline run) is split there as kvpress splits it."""
     if compress != "context":
-        return ids, 0
+        return encode_prompt(loaded, sample), 0
     mark = "\ue000"  # a private-use character: in no template or prompt
-    text, kwargs = prompt_text(loaded, replace(sample, prompt=sample.prompt[: len(sample.prompt) - len(sample.query)] + mark))
-    head = loaded.tokenizer(text.split(mark)[0], **kwargs)["input_ids"]
-    c = next((i for i, (a, b) in enumerate(zip(ids, head)) if a != b), min(len(ids), len(head)))
-    return ids, len(ids) - max(c, 1)
+    cut = len(sample.prompt) - len(sample.query)
+    text, kwargs = prompt_text(loaded, replace(sample, prompt=sample.prompt[:cut] + mark + sample.prompt[cut:]))
+    head, tail = text.split(mark)
+    ids = [int(i) for i in loaded.tokenizer(head, **kwargs)["input_ids"]]
+    query = [int(i) for i in loaded.tokenizer(tail, add_special_tokens=False)["input_ids"]]
+    return ids + query, len(query)
 
 
 def stop_ids_for(loaded: Any, sample: Sample) -> list[int]:

@@ -261,18 +261,20 @@ def score_tables(df: pd.DataFrame, root: Path | None = None) -> list[Artifact]:
 
 
 def averages_tables(df: pd.DataFrame, root: Path, task: str, caption: str, columns=(), headers=None) -> list[Artifact]:
-    """A table per model key of ``task``, a row per job, its ``summary.json`` ``averages`` as columns (``columns``
-    in order, else every key in stored order); ``caption`` formatted with the model key."""
+    """A table per model key of ``task``, a row per job (Method, Variant where jobs of one label differ in method
+    fields, Budget), its ``summary.json`` ``averages`` as columns (``columns`` in order, else every key in stored
+    order); ``caption`` formatted with the model key."""
     out = []
     for mk, rows in df[(df["task"] == task) & df["score"].notna()].groupby("model_key"):
         part = rows.drop_duplicates("job")
         part = part.iloc[sorted(range(len(part)), key=lambda i: (
             method_sort_key(part["method_name"].iat[i], part["method"].iat[i]), part["budget"].iat[i]))]
-        found = [{"Method": m, "Budget": None if name == FULL else budget_text(b),
+        heads = ["Method", *["Variant"] * bool(part["variant"].any()), "Budget"]  # jobs of one label apart, as score_tables
+        found = [{"Method": m, "Variant": v, "Budget": None if name == FULL else budget_text(b),
                   **(json.loads((Path(root) / job / "summary.json").read_text()).get("averages") or {})}
-                 for job, m, name, b in zip(part["job"], part["method"], part["method_name"], part["budget"])]
-        cols = list(columns) or list(dict.fromkeys(k for r in found for k in r if k not in ("Method", "Budget")))
-        data = pd.DataFrame(found, columns=["Method", "Budget", *cols])
+                 for job, m, v, name, b in zip(part["job"], part["method"], part["variant"], part["method_name"], part["budget"])]
+        cols = list(columns) or list(dict.fromkeys(k for r in found for k in r if k not in ("Method", "Variant", "Budget")))
+        data = pd.DataFrame(found, columns=[*heads, *cols])
         out.append(Artifact(f"{slug(task)}_{slug(mk)}", caption.format(mk), data, used=rows, headers=headers or {}))
     return out
 

@@ -99,12 +99,14 @@ def job_samples(cfg: dict) -> list[tuple[int, int]]:
     from types import SimpleNamespace
 
     from kvbench.job import build_task, encode_prompt
-    from kvbench.models import chat_format, load_tokenizer
+    from kvbench.models import chat_format, load_tokenizer, read_config
 
     tok = load_tokenizer(cfg["model"])
     loaded = SimpleNamespace(tokenizer=tok, chat_template=chat_format(cfg["model"], tok),
                              max_input_length=cfg["model"]["max_input_length"])
-    return [(len(encode_prompt(loaded, s)), s.max_new_tokens) for s in build_task(cfg, loaded)[1]]
+    window = getattr(read_config(cfg["model"]).get_text_config(), "max_position_embeddings", None)
+    return [(len(encode_prompt(loaded, s)), s.max_new_tokens)
+            for s in build_task(cfg, loaded, {"context_window": window})[1]]
 
 
 def unique_jobs(jobs: list[list[str]]) -> list[tuple[list[str], dict]]:
@@ -125,7 +127,7 @@ def unique_jobs(jobs: list[list[str]]) -> list[tuple[list[str], dict]]:
 
 def cost(jobs: list[tuple[list[str], dict]], run: Path):
     """A pandas frame, one row per job (array task): samples (its shard's, after ``max_samples``), prompt tokens,
-    new tokens (at most) and hours = model load + compile (a job with ``compile`` on) + Σ a·n^p over its prompts
+    new tokens (at most), the longest sample's prompt + new tokens (to hold against the context window) and hours = model load + compile (a job with ``compile`` on) + Σ a·n^p over its prompts
     + new tokens / decode tok/s, as :func:`measure` found them in ``run`` for the job's model (``attrs["fits"]``:
     each model's fit in words). Generation may stop earlier, so the decode part is an upper bound."""
     import pandas as pd
@@ -141,7 +143,7 @@ def cost(jobs: list[tuple[list[str], dict]], run: Path):
         once = fit["load_s"] + (fit["compile_s"] if cfg.get("compile", False) is not False else 0)
         seconds = once + sum(fit["a"] * p ** fit["p"] for p, _ in mine) + new / fit["decode_tok_s"]
         rows.append({"job": shlex.join(job), "samples": len(mine), "prompt_tokens": prompt, "new_tokens": new,
-                     "hours": seconds / 3600})
+                     "longest": max((p + n for p, n in mine), default=0), "hours": seconds / 3600})
     table = pd.DataFrame(rows)
     table.attrs["fits"] = {name: f"{f['note']}; {f['decode_tok_s']:.1f} decode tok/s; per job: model load "
                            f"{f['load_s']:.0f} s, compile {f['compile_s']:.0f} s" for name, f in fits.items()}

@@ -292,3 +292,69 @@ def test_scorer_edge_cases():
     assert SCORERS["longbook_sum_eng"]("the cat sat", ["the cat sat on the mat", "a dog"]) == pytest.approx(2 * 1 * 0.5 / 1.5)
     with pytest.raises(TypeError):
         SCORERS["math_find"]("9", ["9"])
+
+
+# ------------------------------------------------------------------ the context window (issue 45)
+
+
+def encode(sample):
+    return CharTokenizer()(sample.prompt).input_ids  # the engine's ids: no chat template on the official prompts
+
+
+def test_prompt_and_generation_fit_the_window_and_the_cut_is_recorded(folder):
+    (folder / "passkey.jsonl").write_text(json.dumps({**ROWS["passkey"], "context": "Noise. " * 60}) + "\n")
+    (folder / "math_calc.jsonl").write_text(json.dumps({**ROWS["math_calc"], "context": "1 + 2 - 4 " * 60}) + "\n")
+    plain = {s.dataset: s for s in InfiniteBenchTask(cfg(str(folder), max_length=300), CharTokenizer()).samples()}
+    task = InfiniteBenchTask(cfg(str(folder), max_length=300), CharTokenizer(), encode=encode,
+                             resolved={"context_window": 300})
+    fitted = {s.dataset: s for s in task.samples()}
+    for name, s in fitted.items():
+        assert len(encode(s)) + s.max_new_tokens <= 300 and task.tokens_needed(s) == 300
+    assert fitted["code_run"] == plain["code_run"] and fitted["passkey"].max_new_tokens == 6  # short, or fits: as before
+    passkey, calc = fitted["passkey"], fitted["math_calc"]
+    assert len(encode(passkey)) == 294 and passkey.meta["prompt_budget"] == 294 and passkey.meta["truncated"]
+    assert passkey.prompt.endswith(plain["passkey"].query) and passkey.query == plain["passkey"].query
+    assert calc.max_new_tokens == 150 and calc.meta["max_new_tokens"] == 30000  # W // 2, the official limit recorded
+    assert len(encode(calc)) == 150 and calc.meta["prompt_tokens_full"] == plain["math_calc"].meta["prompt_tokens_full"]
+    with pytest.raises(TaskConfigError, match=r"^task=infinitebench number_string/0: 40 prompt tokens .* 12 new tokens "
+                                              r"exceed the model's context window of 24 tokens"):
+        list(InfiniteBenchTask(cfg(str(folder), datasets=["number_string"], max_length=300), CharTokenizer(),
+                               encode=lambda s: [0] * 40, resolved={"context_window": 24}).samples())
+
+
+def test_every_kvpress_preset_job_fits_llama31s_window(tmp_path, monkeypatch):
+    """make_joblist's jobs of +experiment=kvpress_infinitebench on a model folder with Llama-3.1's window (131,072) and
+    a Llama 3 style chat template (one byte a token), kvpress's copy with a row per task of 131,100+ tokens: every
+    sample's prompt (as the engine encodes it) plus its generation fits the window."""
+    import pandas as pd
+
+    from slurm.make_joblist import expand, job_samples, unique_jobs
+    from tests.kvbench.cli_util import byte_tokenizer
+
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "cache"))
+    model = tmp_path / "model"
+    tok = byte_tokenizer()
+    tok.chat_template = ("<s>{% for m in messages %}<|start|>{{ m['role'] }}<|end|>\n\n{{ m['content'] }}<|eot|>"
+                         "{% endfor %}{% if add_generation_prompt %}<|start|>assistant<|end|>\n\n{% endif %}")
+    tok.save_pretrained(model)
+    from transformers import LlamaConfig
+
+    LlamaConfig(vocab_size=len(tok), hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                num_key_value_heads=1, max_position_embeddings=131_072).save_pretrained(model)
+    hub, configs = tmp_path / "hub", ""
+    for task in TASKS:
+        (hub / task).mkdir(parents=True)
+        configs += f"- config_name: {task}\n  data_files:\n  - split: test\n    path: {task}/*.parquet\n"
+        answer = ["A"] if task in ("longbook_choice_eng", "code_debug") else ["1"]
+        pd.DataFrame([{"context": "Read.\n\n" + "w " * 65_550, "question": "Q?", "answer_prefix": "Answer:",
+                       "answer": answer, "task": task, "max_new_tokens": MAX_NEW_TOKENS[task] + 20}]).to_parquet(
+            hub / task / "t.parquet")
+    (hub / "README.md").write_text(f"---\nconfigs:\n{configs}---\n")
+    jobs = unique_jobs(expand(["+experiment=kvpress_infinitebench", f"model.source={model}", "model.gguf_file=null",
+                               f"task.hub_dataset={hub}", "model.name=llama31"]))
+    assert len(jobs) == 21 and {cfg["task"]["max_length"] for _, cfg in jobs} == {131_072}  # full once, 5 × 4 budgets
+    tasks = {json.dumps(cfg["task"], sort_keys=True): cfg for _, cfg in jobs}
+    (one,) = tasks.values()  # every job reads the same samples
+    samples = job_samples(one)
+    assert len(samples) == 12 and max(p + n for p, n in samples) <= 131_072
+    assert dict(zip(TASKS, samples))["math_calc"] == (131_072 - 30_020, 30_020)  # cut to leave room for 30,020 tokens

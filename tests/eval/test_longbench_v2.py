@@ -148,6 +148,18 @@ def test_breakdown_equals_result_py():
     assert breakdown([{"score": 1.0, "meta": {"difficulty": "easy", "length": "short"}}])["medium"] is None
 
 
+def test_an_empty_output_is_left_out_as_pred_py_skips_it_and_scored_0_on_kvpresss_copy():
+    """pred.py: ``if output == '': continue`` (never written, so result.py never counts it); kvpress: score 0."""
+    meta = {"difficulty": "easy", "length": "short"}
+    records = [{"dataset": "longbench_v2", "prediction": p, "score": s, "error": None, "meta": meta}
+               for p, s in (("The correct answer is (A)", 1.0), ("", 0.0), ("I think B", 0.0), (" ", 0.0))]
+    official = LongBenchV2Task(cfg()).aggregate(records)
+    assert official["datasets"]["longbench_v2"] == {"score": round(100 / 3, 2), "n": 3} and official["empty_outputs"] == 1
+    assert official["averages"]["overall"] == round(100 / 3, 1)  # a blank " " is an output, scored as pred.py does
+    kvpress = LongBenchV2Task(cfg(source="kvpress")).aggregate(records)
+    assert kvpress["datasets"]["longbench_v2"] == {"score": 25.0, "n": 4} and kvpress["averages"]["overall"] == 25.0
+
+
 def test_kvpress_copy_uses_its_prompt_parts(tmp_path, monkeypatch):
     """A local snapshot of kvpress's Hub copy (config 0shot, split test, kvpress's columns)."""
     import pandas as pd

@@ -10,7 +10,10 @@ import numpy as np
 import pytest
 
 from eval import TaskConfigError, get_task_class
+from eval.base import Sample
 from eval.loogle import MAX_NEW_TOKENS, PROMPTS, TASKS, LoogleTask, cloze_scores, text_scores
+from eval.wordnet import INSTALL, require as wordnet
+from tests.conftest import ROOT
 from tests.eval.test_longbench import tokenizer  # noqa: F401 - the embedded model's tokenizer (fixture)
 
 
@@ -35,6 +38,14 @@ ROWS = {  # one hand-written document per task in the repository's schema (input
     "longdep_summarization": {"input": "A paper on conjectures.", "title": "2301.1", "qa_pairs": "none",
                               "question": "none", "output": "We study a conjecture."},
 }
+
+
+def wordnet_found() -> bool:
+    try:
+        wordnet()
+        return True
+    except TaskConfigError:
+        return False
 
 
 def cfg(data_dir=None, **kw) -> dict:
@@ -286,3 +297,138 @@ def test_the_report_prints_every_metric_per_job(tmp_path):
     (table,) = loogle_tables(load_results(tmp_path), tmp_path)
     assert table.name == "loogle_llama31" and list(table.data["shortdep_cloze exact_match"]) == [40.0, 30.5]
     assert list(table.data.columns)[:3] == ["Method", "Budget", "loogle"] and len(table.sources) == 2
+
+
+# ------------------------------------------------------------------ METEOR, BERTScore (issue 45)
+
+needs_wordnet = pytest.mark.skipif(not wordnet_found(), reason="NLTK's WordNet not installed: bash .ci/wordnet_setup.sh")
+
+
+@needs_wordnet
+def test_meteor_by_hand_with_wordnet_synonyms_and_the_bleu_floor():
+    """METEOR = Fmean · (1 − 0.5 · (chunks / matches)³), Fmean = PR / (0.9P + 0.1R), on the distinct words."""
+    def score(prediction, reference):
+        sample = Sample(id="q", dataset="shortdep_qa", prompt="", max_new_tokens=1, answers=[reference])
+        return LoogleTask(cfg()).scores(sample, prediction)["meteor"]
+
+    assert score("the cat sat on the mat", "the cat sat on the mat") == pytest.approx(1 - 0.5 / 5 ** 3)
+    # dog ~ hound through WordNet (stems first, so car ~ automobile would not: 'automobil'); 3 matches, one chunk
+    assert score("the old dog\nbarked", "an old hound barked") == pytest.approx(0.75 * (1 - 0.5 / 27))
+    assert score("the dog", "a hound") == pytest.approx(0.5 * (1 - 0.5))
+    got = text_scores("In Jerez", "He was born in Jerez de la Frontera.")
+    assert got["bleu4"] == 0.0 and got["bleu1"] > 0  # no 4-gram: NLTK's floor 2.2e-308 is stored as 0
+
+
+PAIR = ("The author moved to Madrid in 1990 and then he taught music at the conservatory",
+        "He taught music in Madrid after he moved there in 1990")
+
+
+def run_with_hash_seed(seed: int, code: str) -> float:
+    import os
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "PYTHONHASHSEED": str(seed)}, cwd=str(ROOT))
+    assert done.returncode == 0, done.stderr[-1000:]
+    return float(done.stdout)
+
+
+@needs_wordnet
+def test_meteor_is_deterministic_where_the_official_set_order_is_not():
+    ours = f"from eval.loogle import meteor; print(meteor({PAIR[0]!r}.split(), {PAIR[1]!r}.split()))"
+    official = ("from nltk.translate.meteor_score import single_meteor_score as m; "
+                f"print(m(set({PAIR[0]!r}.split()), set({PAIR[1]!r}.split())))")  # get_meteor_score
+    mine = {run_with_hash_seed(s, ours) for s in (0, 1, 2)}
+    spread = [run_with_hash_seed(s, official) for s in range(6)]
+    assert len(mine) == 1 and len(set(spread)) > 1  # official: 0.241 to 0.464 over seeds 0-39 (docs/BENCHMARKS.md)
+    assert min(spread) <= mine.pop() <= max(spread)
+
+
+def tiny_roberta(path):
+    """A random 3-layer RoBERTa with a byte-level BPE vocabulary (no merges), saved as bert-score loads it."""
+    import torch
+    from tokenizers import pre_tokenizers
+    from transformers import RobertaConfig, RobertaModel
+
+    path.mkdir()
+    vocab = {t: i for i, t in enumerate(["<s>", "<pad>", "</s>", "<unk>", "<mask>", *sorted(pre_tokenizers.ByteLevel.alphabet())])}
+    (path / "vocab.json").write_text(json.dumps(vocab))
+    (path / "merges.txt").write_text("#version: 0.2\n")
+    (path / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "RobertaTokenizer", "model_max_length": 512}))
+    torch.manual_seed(0)
+    RobertaModel(RobertaConfig(vocab_size=len(vocab), hidden_size=32, num_hidden_layers=3, num_attention_heads=2,
+                               intermediate_size=64, max_position_embeddings=600, pad_token_id=1)).save_pretrained(path)
+    return path
+
+
+def o_bert_recall(folder, layer: int, candidate: str, reference: str) -> float:
+    """BERTScore's R (Zhang et al., 2020, eq. 1 without idf): each reference token's best cosine similarity to the
+    candidate's tokens, averaged, <s> and </s> weighted 0; hidden states of layer ``layer``."""
+    import torch
+    from transformers import AutoTokenizer, RobertaModel
+
+    tok, model = AutoTokenizer.from_pretrained(folder), RobertaModel.from_pretrained(folder).eval()
+
+    def embed(text):
+        ids = tok.encode(text.strip(), add_prefix_space=True)
+        with torch.no_grad():
+            h = model(torch.tensor([ids]), output_hidden_states=True).hidden_states[layer][0]
+        return torch.nn.functional.normalize(h, dim=-1)[1:-1]  # the special tokens weigh 0
+
+    return float((embed(reference) @ embed(candidate).T).max(dim=1).values.mean())
+
+
+def test_bert_score_passes_the_reference_as_the_candidate_and_keeps_the_recall(tmp_path, folder):
+    pytest.importorskip("bert_score", reason="bert-score not installed (pip install -e '.[loogle]')")
+    from eval.loogle import bert_score
+
+    model = tiny_roberta(tmp_path / "roberta")
+    reference, prediction = "He was born in Jerez de la Frontera.", "In Jerez."
+    got = bert_score(str(model), 2, reference, prediction)
+    # get_bertscore: score([reference], [hypothesis])[1], i.e. candidate = reference, R over the prediction's tokens
+    assert got == pytest.approx(o_bert_recall(model, 2, reference, prediction), abs=1e-5)
+    assert got != pytest.approx(o_bert_recall(model, 2, prediction, reference), abs=1e-3)  # the quirk matters
+    task = LoogleTask(cfg(str(folder), bert_score_model=str(model), bert_score_layers=2), CharTokenizer())
+    if wordnet_found():
+        qa = next(iter(task.samples()))
+        extra = task.extra_scores(qa, prediction)
+        assert extra["bert_score"] == pytest.approx(bert_score(str(model), 2, qa.answers[0], prediction))
+        assert {"meteor", "bleu4", "rouge_1"} <= set(extra)
+        recs = [{"dataset": "shortdep_qa", "score": 0.5, "scores": extra, "error": None}]
+        assert task.aggregate(recs)["averages"]["shortdep_qa bert_score"] == round(100 * extra["bert_score"], 2)
+
+
+def test_metric_inputs_missing_are_one_line_errors(folder, monkeypatch):
+    monkeypatch.setattr("eval.loogle.hub_reachable", lambda *a: False)
+    with pytest.raises(TaskConfigError, match=r"^task\.bert_score_model=/nonexistent: no such folder"):
+        LoogleTask.validate(cfg(str(folder), datasets=["shortdep_cloze"], bert_score_model="/nonexistent"))
+    monkeypatch.setattr("eval.loogle.wordnet", lambda: (_ for _ in ()).throw(TaskConfigError(INSTALL)))
+    LoogleTask.validate(cfg(str(folder), datasets=["shortdep_cloze"]))  # the cloze task needs no WordNet
+    with pytest.raises(TaskConfigError, match=r"wordnet_setup\.sh.*nltk\.download\('wordnet'\)"):
+        LoogleTask.validate(cfg(str(folder), datasets=["shortdep_qa"]))
+
+
+@needs_wordnet
+def test_a_job_records_meteor_and_bert_score_the_same_under_any_hash_seed(tmp_path, folder):
+    """Acceptance (issue 45): run.py on a tiny model; each record carries meteor and bert_score, equal under two
+    PYTHONHASHSEED values (the official set order would differ) and to the metric functions on its prediction."""
+    pytest.importorskip("bert_score", reason="bert-score not installed (pip install -e '.[loogle]')")
+    from eval.loogle import bert_score, meteor
+    from tests.kvbench.cli_util import make_tiny_model_dir, read_lines, run_cli, tiny_model_args
+
+    model, roberta = make_tiny_model_dir(tmp_path / "model"), tiny_roberta(tmp_path / "roberta")
+    records = []
+    for seed in ("0", "1"):
+        out = tmp_path / f"out{seed}"
+        done = run_cli([*tiny_model_args(model), "task=loogle", f"task.data_dir={folder}", "task.datasets=[shortdep_qa]",
+                        "task.n_samples=1", f"task.bert_score_model={roberta}", "task.bert_score_layers=2",
+                        "method=full", f"output_root={out}", "quiet=true", "threads=1"], PYTHONHASHSEED=seed)
+        assert done.returncode == 0, done.stderr[-2000:]
+        (pred,) = out.rglob("predictions.jsonl")
+        records += read_lines(pred)
+    first, second = records
+    assert first["scores"] == second["scores"] and first["prediction"] == second["prediction"]
+    words = [t.replace("\n", " ").split() for t in ("In Jerez.", first["prediction"] or "None")]
+    assert first["scores"]["meteor"] == meteor(*words)
+    assert first["scores"]["bert_score"] == pytest.approx(bert_score(str(roberta), 2, "In Jerez.", first["prediction"] or "None"))

@@ -62,6 +62,46 @@ def test_the_chat_template_wraps_the_input_and_the_answer_prefix_follows_it(tmp_
     assert sample.prompt == ROWS[0]["input"] + PREFIX
 
 
+#: NVIDIA/RULER scripts/data/template.py (c3f5e3b), the families kvbench's models fall in
+OFFICIAL_TEMPLATES = {
+    "meta-llama3": "<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\n{task_template}<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n",
+    "meta-chat": "[INST] {task_template} [/INST]",
+    "vicuna-chat": "A chat between a curious user and an artificial intelligence assistant. The assistant gives helpful, detailed, and polite answers to the user's questions. USER: {task_template} ASSISTANT:",
+    "base": "{task_template}",
+}
+LLAMA31 = ("<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nCutting Knowledge Date: December 2023\n"
+           "Today Date: 26 Jul 2024\n\n<|eot_id|>{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>"
+           "\n\n{{ m['content'] }}<|eot_id|>{% endfor %}<|start_header_id|>assistant<|end_header_id|>\n\n")
+SMOLLM2 = ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
+           "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+           "<|im_start|>assistant\n")
+
+
+def test_rulers_own_template_of_the_family_by_default_the_tokenizers_as_a_switch(tmp_path):
+    from eval.ruler_data import TEMPLATES
+
+    assert {k: TEMPLATES[k] for k in OFFICIAL_TEMPLATES} == OFFICIAL_TEMPLATES and len(TEMPLATES) == 11
+    (data_dir, *_) = write_layouts(tmp_path)
+    base = {**cfg(data_dir=str(data_dir), subtasks=["niah_single_1"], context_lengths=[128], n_samples=1)}
+    del base["chat_template"]  # the default
+
+    def prompt(template, **kw):
+        tok = byte_tokenizer()
+        tok.chat_template = template
+        (sample,) = RulerTask(vars(RulerConfig(**{**base, **kw})), tok).samples()
+        assert sample.prompt.endswith(sample.query) and sample.query.startswith(QUESTION)
+        return sample.prompt
+
+    text = ROWS[0]["input"]
+    llama3 = OFFICIAL_TEMPLATES["meta-llama3"].replace("{task_template}", text) + PREFIX
+    assert prompt(LLAMA31) == llama3 and "Cutting Knowledge" not in llama3  # RULER's meta-llama3: no system block
+    assert prompt(LLAMA31, chat_template=True).startswith("<|begin_of_text|><|start_header_id|>system")
+    assert prompt("[INST] {{ messages[0]['content'] }} [/INST]") == f"[INST] {text} [/INST]{PREFIX}"  # Mistral's family
+    assert prompt(SMOLLM2) == prompt(SMOLLM2, chat_template=True)  # no RULER template for ChatML: the tokenizer's own
+    assert prompt(SMOLLM2, chat_template="vicuna-chat") == OFFICIAL_TEMPLATES["vicuna-chat"].replace("{task_template}", text) + PREFIX
+    assert prompt(LLAMA31, chat_template=False) == text + PREFIX
+
+
 def test_the_shared_file_loads_as_rulers_samples(shared_data):
     task_cfg = cfg(data_dir=str(shared_data / "ruler"), n_samples=3)
     RulerTask.validate(task_cfg)
@@ -91,6 +131,7 @@ def test_rulers_scorers():
 @pytest.mark.parametrize("bad, key", [({"subtasks": ["niah_single_9"]}, "task.subtasks"),
                                       ({"context_lengths": [0]}, "task.context_lengths"),
                                       ({"n_samples": 0}, "task.n_samples"),
+                                      ({"chat_template": "llama3"}, "task.chat_template"),
                                       ({"data_dir": "/nonexistent"}, "task.data_dir")])
 def test_bad_config_names_the_key(bad, key):
     with pytest.raises(TaskConfigError, match=rf"^{key}="):

@@ -179,3 +179,42 @@ def test_generate_builds_and_runs_every_offline_subtask_on_the_embedded_model(tm
     files = {str(p.relative_to(pred.parent / "data")): hashlib.sha256(p.read_bytes()).hexdigest()
              for p in (pred.parent / "data").rglob("*.jsonl")}
     assert identity["inputs"] == {"generated": files} and len(files) == len(offline)
+
+
+# ------------------------------------------------------------------ issue 45: RULER's depth, row fields, cwe bound
+
+
+def test_the_needle_depth_is_rulers_int_of_length_times_depth_fraction(monkeypatch):
+    """niah.py: ``int(len(document_sents) * (depth / 100))``; at 150 sentences and depth 82 that is 122, where
+    ``int(150 * 82 / 100)`` is 123."""
+    monkeypatch.setattr("eval.ruler_data.DEPTHS", [82])
+    monkeypatch.setattr("eval.ruler_data.sentences", lambda text: [f"S{i} ." for i in range(150)])
+    (row,) = generate({"subtasks": ["niah_single_2"], "context_lengths": [2048], "n_samples": 1}, TOKENIZER, 0,
+                      "word " * 3000)["2048/data/niah_single_2/validation.jsonl"].splitlines()
+    context = json.loads(row)["input"]
+    assert re.search(r"S121 \. One of the special magic numbers for \S+ is: \d+\. S122 \.", context)
+
+
+def test_rows_carry_rulers_fields_index_as_the_answers_offset_in_niah():
+    out = generate({"subtasks": ["niah_multikey_3", "vt"], "context_lengths": [1024], "n_samples": 2}, TOKENIZER, 7, "")
+    niah = [json.loads(r) for r in out["1024/data/niah_multikey_3/validation.jsonl"].splitlines()]
+    for row in niah:  # niah.py's formatted_output, in its order
+        assert list(row) == ["index", "input", "outputs", "length", "length_w_model_temp", "answer_prefix",
+                             "token_position_answer"]
+        assert row["index"] == row["input"].find(row["outputs"][0]) > 0 and row["length_w_model_temp"] == row["length"] + 7
+        assert row["token_position_answer"] == len(TOKENIZER.tokenize(row["input"][:row["index"]]))
+    vt = [json.loads(r) for r in out["1024/data/vt/validation.jsonl"].splitlines()]
+    assert [list(r) for r in vt] == [["index", "input", "outputs", "length", "length_w_model_temp", "answer_prefix"]] * 2
+    assert [r["index"] for r in vt] == [0, 1]
+
+
+def test_cwe_searches_with_rulers_bound_at_128k(tmp_path):
+    """common_words_extraction.py's upper bound int(room // tokens per word) * 2, uncapped: at 131,072 tokens its
+    search probes lists longer than wonderwords' 8166 words, drawn from RULER's english_words.json."""
+    cfg = {"subtasks": ["cwe"], "context_lengths": [131_072], "n_samples": 1}
+    with pytest.raises(TaskConfigError, match=r"^task\.cwe_words: "):
+        generate(cfg, TOKENIZER, 0, "")
+    (tmp_path / "english_words.json").write_text(json.dumps({str(i): f"w{i:05d}" for i in range(40_000)}))
+    (row,) = [json.loads(r) for r in generate({**cfg, "cwe_words": str(tmp_path / "english_words.json")}, TOKENIZER, 0,
+                                              "")["131072/data/cwe/validation.jsonl"].splitlines()]
+    assert all(re.fullmatch(r"w\d{5}", w) for w in row["outputs"]) and fits(row, 131_072, 120, low=0.95)

@@ -332,3 +332,31 @@ def test_the_job_identity_hashes_the_task_files(folder):
 
     inputs, _ = resolved_inputs(cfg(str(folder), datasets=["quality", "musique"]))
     assert sorted(inputs["data_files"]) == ["musique/validation.jsonl", "quality/validation.jsonl"]
+
+
+def test_two_jobs_of_different_methods_or_settings_are_two_rows_apart(tmp_path):
+    """kvbench report: a row per job named by its method, and by its method fields where two jobs share a label."""
+    from test_report import make_job
+
+    from kvbench.report_data import load_results
+    from kvbench.report_tables import zero_scrolls_tables
+
+    for method, folder_tag, params, score in (("snapkv", "", None, 31.0), ("streamingllm", "", None, 20.0),
+                                              ("snapkv", "w8", {"window_size": 8}, 25.0)):
+        job = make_job(tmp_path, task="zero_scrolls", model="llama31", method=method, folder_tag=folder_tag,
+                       params=params, scores={"quality": score})
+        summary = json.loads((job / "summary.json").read_text())
+        (job / "summary.json").write_text(json.dumps({**summary, "averages": {"zero_scrolls": score}}))
+    (table,) = zero_scrolls_tables(load_results(tmp_path), tmp_path)
+    rows = table.data[["Method", "Variant", "Budget"]].astype(str).agg(" ".join, axis=1)
+    assert len(rows) == 3 == rows.nunique() and sorted(table.data["zero_scrolls"]) == [20.0, 25.0, 31.0]
+    assert set(table.data["Variant"]) >= {"window_size=8"}
+
+
+def test_scoring_logs_nothing(caplog):
+    import logging
+
+    with caplog.at_level(logging.INFO):
+        for _ in range(3):
+            rouge("The crew lands.", "A crew lands on a planet.")
+    assert not [r for r in caplog.records if "tokenizer" in r.getMessage()]  # absl's "Using default tokenizer."

