@@ -50,9 +50,11 @@ class RefRun:
 
 def official_update_kv(key_states, query_states, value_states, budget: int, window_size: int = 8,
                        kernel_size: int = 7, mix_lambda: float = 0.07, retain_direction: str = "last",
-                       threshold: float = 0.5):
+                       threshold: float = 0.5, redundancy: bool = True):
     """``R1KV.update_kv`` as the official code computes it: ``(keys, values, slots)``, ``slots`` ``(B, H_kv, m)``
-    the kept slots in the order stored (top-k, then the window); a cache shorter than ``budget`` is returned whole."""
+    the kept slots in the order stored (top-k, then the window); a cache shorter than ``budget`` is returned whole.
+    ``redundancy=False``: the repository's decode-time SnapKV baseline (``rkv/compression/snapkv.py``: the
+    max-pooled attention alone)."""
     head_dim, kv_len = query_states.shape[-1], key_states.shape[-2]
     if kv_len < budget:
         return key_states, value_states, torch.arange(kv_len).expand(*key_states.shape[:2], kv_len)
@@ -80,7 +82,7 @@ def official_update_kv(key_states, query_states, value_states, budget: int, wind
     sim[torch.arange(n_heads).unsqueeze(1).repeat(1, seq_len), torch.arange(seq_len).unsqueeze(0).repeat(n_heads, 1),
         retain] = 0
     similarity = sim.mean(dim=1).softmax(dim=-1)[:, :-window_size]
-    final = attn_cache * mix_lambda - similarity * (1 - mix_lambda)
+    final = attn_cache * mix_lambda - similarity * (1 - mix_lambda) if redundancy else attn_cache
     top = final.topk(budget - window_size, dim=-1).indices  # (B, H_kv, budget − W), descending score
     rows = top.unsqueeze(-1).expand(-1, -1, -1, head_dim)
     keys = torch.cat([key_states[:, :, :-window_size].gather(2, rows), key_states[:, :, -window_size:]], dim=2)

@@ -87,6 +87,17 @@ def test_short_cache_left_alone_and_exact_budget_rescored():
     assert plan(100, check_budget(0.5), layout).compress
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_lambda_one_is_the_repositorys_snapkv_baseline(dtype):
+    """``rkv_snapkv`` (λ = 1): Z = I exactly, the keep of R-KV's decode-time SnapKV (``rkv/compression/snapkv.py``)."""
+    g = torch.Generator().manual_seed(5)
+    layout = HeadLayout(num_layers=1, num_q_heads=8, num_kv_heads=2, head_dim=D)
+    keys, queries = clustered(g, 2, 90).to(dtype), torch.randn(1, 8, W, D, generator=g).to(dtype)
+    kept = build_method({"name": "rkv", "mix_lambda": 1.0}, layout).compress(ctx(layout, keys, keys, queries)).kept_indices
+    assert torch.equal(kept, official_update_kv(keys, queries, keys, BUDGET, redundancy=False)[2])
+    assert not torch.equal(kept, official_update_kv(keys, queries, keys, BUDGET)[2])
+
+
 @pytest.mark.parametrize("cfg,key", [
     ({"window_size": 0}, "method.window_size"), ({"kernel_size": 6}, "method.kernel_size"),
     ({"mix_lambda": 1.5}, "method.mix_lambda"), ({"threshold": 2.0}, "method.threshold"),
