@@ -57,7 +57,8 @@ def official_update_kv(key_states, query_states, value_states, budget: int, wind
     max-pooled attention alone)."""
     head_dim, kv_len = query_states.shape[-1], key_states.shape[-2]
     if kv_len < budget:
-        return key_states, value_states, torch.arange(kv_len).expand(*key_states.shape[:2], kv_len)
+        whole = torch.arange(kv_len, device=key_states.device).expand(*key_states.shape[:2], kv_len)
+        return key_states, value_states, whole
     # compute_attention_scores(query_states, key_states), pooling="max" over each query group
     bsz, q_heads, q_len, _ = query_states.shape
     kv_heads = key_states.shape[1]
@@ -77,7 +78,8 @@ def official_update_kv(key_states, query_states, value_states, budget: int, wind
     sim = torch.matmul(k_norm, k_norm.transpose(-1, -2))
     for h in range(n_heads):
         sim[h].fill_diagonal_(0.0)
-    candidates = torch.where(sim > threshold, torch.arange(seq_len), torch.zeros_like(sim, dtype=torch.long))
+    candidates = torch.where(sim > threshold, torch.arange(seq_len, device=sim.device),
+                             torch.zeros_like(sim, dtype=torch.long))
     retain = candidates.max(dim=-1)[0] if retain_direction == "last" else candidates.min(dim=-1)[0]
     sim[torch.arange(n_heads).unsqueeze(1).repeat(1, seq_len), torch.arange(seq_len).unsqueeze(0).repeat(n_heads, 1),
         retain] = 0
@@ -87,7 +89,7 @@ def official_update_kv(key_states, query_states, value_states, budget: int, wind
     rows = top.unsqueeze(-1).expand(-1, -1, -1, head_dim)
     keys = torch.cat([key_states[:, :, :-window_size].gather(2, rows), key_states[:, :, -window_size:]], dim=2)
     values = torch.cat([value_states[:, :, :-window_size].gather(2, rows), value_states[:, :, -window_size:]], dim=2)
-    window = torch.arange(kv_len - window_size, kv_len).expand(*top.shape[:2], window_size)
+    window = torch.arange(kv_len - window_size, kv_len, device=top.device).expand(*top.shape[:2], window_size)
     return keys, values, torch.cat([top, window], dim=-1)
 
 
@@ -144,7 +146,7 @@ def rkv_generate(model, ids: list[int], max_new_tokens: int, budget: int, divide
     def attend(module, query, key, value, attention_mask, **kwargs):
         out = sdpa(module, query, key, value, attention_mask, **kwargs)
         i, q_len, fed = module.layer_idx, query.shape[2], state["fed"]
-        queries[i] = torch.cat([queries[i], query], dim=2)[:, :, -window_size:] if i in queries else query[:, :, -window_size:]
+        queries[i] = (torch.cat([queries[i], query], dim=2) if i in queries else query)[:, :, -window_size:]
         new = torch.arange(fed - q_len, fed).expand(key.shape[1], q_len)
         positions[i] = torch.cat([positions[i], new], dim=-1) if i in positions else new
         if state["compress"] and key.shape[2] >= budget:
