@@ -29,6 +29,7 @@ REGISTRY: dict[str, str] = {
     "selkv": "SelKV",
     "lookm": "LookM",
     "knorm": "Knorm",
+    "rkv": "RKV",
     "kvpress_press": "KVPress",
 }
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import importlib.util
 import runpy
-from contextlib import contextmanager
 
 import pytest
 import torch
@@ -21,6 +20,7 @@ from kvbench.engine import Engine  # noqa: E402
 from methods import ConfigError, build_method  # noqa: E402
 from methods.kvpress_press import compression_ratio, supported  # noqa: E402
 from tests.conftest import ROOT, SHARED_DATA, loaded_for, tiny_model  # noqa: E402
+from tests.methods.decode_refs import Recording, attention  # noqa: E402
 from tests.kvbench.cli_util import run_cli  # noqa: E402
 
 CR = 0.75  # kvpress compression_ratio; kvbench budget 1 - CR = 0.25 (exact in binary)
@@ -81,20 +81,6 @@ def kvpress_kept(model, cache, ids: list[int]) -> dict[int, list[set[int]]]:
     return kept
 
 
-@contextmanager
-def sdpa(model):
-    """kvpress's hooks on ``model`` running SDPA; afterwards kvbench's attention and no AdaKVPress mask."""
-    own = model.config._attn_implementation
-    model.set_attn_implementation("sdpa")
-    try:
-        with torch.no_grad():
-            yield
-    finally:
-        for layer in model.model.layers:
-            layer.self_attn.masked_key_indices = None
-        model.set_attn_implementation(own)
-
-
 def kvpress_run(model, press, ids: list[int], new: int):
     """kvpress's own hooks over the whole prompt (the question compressed with it), greedy from its compressed
     cache with positions continuing from n: ({layer: [kept positions per KV head]}, greedy tokens)."""
@@ -102,7 +88,7 @@ def kvpress_run(model, press, ids: list[int], new: int):
 
     x, n = torch.tensor([ids]), len(ids)
     torch.manual_seed(0)  # LeverageScorePress and CompactorPress draw a Gaussian sketch
-    with sdpa(model):
+    with attention(model, "sdpa"):
         cache = DynamicCache(config=model.config)
         with press(model):
             logits = model(x, past_key_values=cache).logits[0, -1]
@@ -114,22 +100,6 @@ def kvpress_run(model, press, ids: list[int], new: int):
             logits = model(torch.tensor([[tokens[-1]]]), past_key_values=cache, position_ids=pos[None],
                            cache_position=pos).logits[0, -1]
     return kept, tokens
-
-
-class Recording:
-    """The tokenizer kvpress's pipeline gets: ``tok``'s attributes, and ``decode`` records the answer's ids."""
-
-    model_max_length = 1 << 40  # no context truncation
-
-    def __init__(self, tok=None):
-        self.tok, self.decoded = tok, []
-
-    def __getattr__(self, name):
-        return getattr(self.tok, name)
-
-    def decode(self, ids, **kwargs):
-        self.decoded.append([int(i) for i in ids])
-        return ""
 
 
 def pipeline_run(model, press, new: int, tok=None, **inputs):
@@ -144,7 +114,7 @@ def pipeline_run(model, press, new: int, tok=None, **inputs):
         inputs = {"context_ids": pre["context_ids"][0].tolist(), "question_ids": pre["questions_ids"][0][0].tolist()}
     cache = DynamicCache(config=model.config)
     torch.manual_seed(0)
-    with sdpa(model):
+    with attention(model, "sdpa"):
         pipe._forward({"context_ids": torch.tensor([inputs["context_ids"]]),
                        "questions_ids": [torch.tensor([inputs["question_ids"]])]}, max_new_tokens=new, press=press,
                       cache=cache)
