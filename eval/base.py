@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
+from . import sampling
+
 
 class TaskConfigError(ValueError):
     """A user-caused task configuration problem (one line: key, bad value, accepted values or fix), raised before
@@ -194,10 +196,10 @@ class Task:
 
     def aggregate(self, records: list[dict]) -> dict[str, Any]:
         """Per-dataset scores from stored records (``{"datasets": {name: {"score", "n"}}}``); the default is
-        round(100·mean, 2) over successful records of each dataset."""
-        by_ds: dict[str, list[float]] = {}
-        for r in records:
-            if r.get("error") is None and r.get("score") is not None:
-                by_ds.setdefault(r["dataset"], []).append(float(r["score"]))
-        return {"datasets": {ds: {"score": round(100 * sum(v) / len(v), 2), "n": len(v)}
-                             for ds, v in sorted(by_ds.items())}}
+        round(100·mean, 2) over the successful samples of each dataset, a sample being a record or, with sampled
+        candidates (records with ``problem``), a problem scored by the mean of its candidates (pass@1), ``n`` counting
+        problems; then also ``pass_at_k`` (:func:`eval.sampling.summary`)."""
+        by_ds = {ds: [sum(float(r["score"]) for r in rs) / len(rs) for rs in problems.values()]
+                 for ds, problems in sampling.by_problem(records).items()}
+        out = {"datasets": {ds: {"score": round(100 * sum(v) / len(v), 2), "n": len(v)} for ds, v in sorted(by_ds.items())}}
+        return out | ({"pass_at_k": sampling.summary(records)} if any(r.get("problem") is not None for r in records) else {})
