@@ -190,6 +190,17 @@ class Task:
         room for the generation returns its budget)."""
         return (self.max_input_tokens or 0) + sample.max_new_tokens
 
+    def scoring_sample(self, row: dict, where: str) -> Sample:
+        """The sample a predictions row is scored against (``kvbench score --task``): by default its kvbench record
+        fields ``answers`` (a list), ``dataset`` (default: the task's name), ``all_classes``, ``length``, ``meta``;
+        tasks whose official rows carry their reference otherwise override it. TaskConfigError: ``<where>: ...``
+        when ``answers`` is missing or not a list."""
+        if not isinstance(row.get("answers"), list):
+            raise TaskConfigError(f"{where}: field 'answers' must be a list (the references; task {self.name})")
+        return Sample(id=where, dataset=str(row.get("dataset") or self.name), prompt="", max_new_tokens=0,
+                      answers=row["answers"], all_classes=row.get("all_classes"), length=row.get("length"),
+                      meta=row.get("meta") or {})
+
     def score(self, sample: Sample, prediction: str) -> float:  # pragma: no cover - abstract
         """Score of one prediction in [0, 1] (max over ``sample.answers``)."""
         raise NotImplementedError

@@ -192,13 +192,21 @@ class ReasoningTask(SuiteTask):
     def official_sample(self, dataset: str, index: int, row: dict) -> Sample:
         prompt = PROMPTS[self.cfg.get("prompt") or "r1"].replace("{problem}", row[self.spec().question])
         return Sample(id=f"{dataset}/{index}", dataset=dataset, prompt=prompt, max_new_tokens=self.limit(row),
-                      answers=[self.reference(row)], meta={k: row[k] for k in META if k in row})
+                      answers=[self.gold(row)], meta={k: row[k] for k in META if k in row})
 
     def kvpress_sample(self, dataset: str, index: int, row: dict) -> Sample:
         return Sample(id=f"{dataset}/{index}", dataset=dataset, prompt=row["context"] + row["question"],
                       query=row["question"], max_new_tokens=self.limit(row), answers=[str(row["answer"])])
 
-    def reference(self, row: dict) -> str:
+    def scoring_sample(self, row: dict, where: str) -> Sample:
+        """A row holding an official ``answer`` (the official files' fields, kvpress's copies), else
+        :meth:`Task.scoring_sample`'s."""
+        if "answer" not in row:
+            return super().scoring_sample(row, where)
+        require(row, where, answer=(str, int, float))
+        return Sample(id=where, dataset=self.name, prompt="", max_new_tokens=0, answers=[self.gold(row)])
+
+    def gold(self, row: dict) -> str:
         """The reference answer of an official row (GSM8K: after ``####``, thousands commas dropped, as R-KV's
         ``parse_ground_truth``; kvpress's rows: ``str(answer)`` as its scorer)."""
         if self.name == "gsm8k" and "context" not in row:
