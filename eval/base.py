@@ -212,5 +212,7 @@ class Task:
         problems; then also ``pass_at_k`` (:func:`eval.sampling.summary`)."""
         by_ds = {ds: [sum(float(r["score"]) for r in rs) / len(rs) for rs in problems.values()]
                  for ds, problems in sampling.by_problem(records).items()}
-        out = {"datasets": {ds: {"score": round(100 * sum(v) / len(v), 2), "n": len(v)} for ds, v in sorted(by_ds.items())}}
-        return out | ({"pass_at_k": sampling.summary(records)} if any(r.get("problem") is not None for r in records) else {})
+        out = {"datasets": {ds: {"score": round(100 * sum(v) / len(v), 2), "n": len(v)}
+                            for ds, v in sorted(by_ds.items())}}
+        sampled = any(r.get("problem") is not None for r in records)
+        return out | ({"pass_at_k": sampling.summary(records)} if sampled else {})

@@ -104,8 +104,9 @@ def _job_rows(root: Path, job: Path) -> list[dict]:
             "setting": str(cfg.get("run_tag") or ""), "compress": compress, "max_input_tokens": float(ctx),
             "params": json.dumps({k: v for k, v in method.items() if k not in ("name", "label", *RUN_CONTROL_FIELDS)},
                                  sort_keys=True, default=str),
-            "settings": json.dumps({k: v for k, v in flat.items()
-                                    if not any(k == n or k.startswith(n + ".") for n in NOT_SETTINGS)},
+            "settings": json.dumps({k: v for k, v in flat.items()  # the full cache compresses nothing while decoding
+                                    if not any(k == n or k.startswith(n + ".") for n in NOT_SETTINGS)
+                                    and not (k.startswith("decode.") and method.get("name") == FULL)},
                                    sort_keys=True, default=str),
             "complete": bool(summary.get("complete", False)), "subset": subset}
     numeric = ["score", *TIMING_COLUMNS, *CACHE_COLUMNS, "compressed"]
@@ -120,7 +121,8 @@ def _job_rows(root: Path, job: Path) -> list[dict]:
             for s, p, q in zip(ok["scores"], ok["prediction"], ok["answers"])]
     if ok["problem"].notna().any():  # sampled candidates: a problem is one sample, scored by their mean (pass@1)
         means = [c for c in (*numeric, "strict") if c in ok]
-        ok = ok.assign(id=ok["problem"].fillna(ok["id"])).groupby(["dataset", "id"], as_index=False, sort=False)[means].mean()
+        ok = ok.assign(id=ok["problem"].fillna(ok["id"]))
+        ok = ok.groupby(["dataset", "id"], as_index=False, sort=False)[means].mean()
     stored = {d: s for d, s in (summary.get("datasets") or {}).items() if (s or {}).get("score") is not None}
     datasets = sorted(set(recs["dataset"]) | set(summary.get("datasets") or {}))
     by = ok.groupby("dataset")

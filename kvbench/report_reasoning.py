@@ -50,15 +50,16 @@ def passk_table(task: str, mk: str, jobs: list) -> Artifact:
         for dataset, s in summary(recs).items():
             rows.append({"Method": row["method"], "Budget": _budget(row), "Dataset": dataset, "pass@1": s["pass@1"],
                          **{f"pass@{k}": v for k, v in s["pass@k"].items() if k != "1"},
-                         "Answered %": s["answered"], "Gen. tokens": s["generated_tokens"], "Problems": s["problems"],
-                         "Candidates": s["candidates"]})
+                         "Answered %": s["answered"], "Gen. tokens": s["generated_tokens"],
+                         "Problems": str(s["problems"]), "Candidates": str(s["candidates"])})
             errs.append({"pass@1": s["pass@1_se"]})
     data = pd.DataFrame(rows)
     ks = sorted((c for c in data if c.startswith("pass@")), key=lambda c: int(c[5:]))
     data = data[["Method", "Budget", "Dataset", *ks, "Answered %", "Gen. tokens", "Problems", "Candidates"]]
     caption = (f"{task} on {mk}, a row per job: pass@1 = mean over problems of the share of correct candidates (± SE "
                "over problems), pass@k = Chen et al. (2021)'s unbiased estimator (k up to the fewest candidates of a "
-               "problem; empty: fewer), in %; Answered: candidates with a final answer; Gen. tokens: mean per candidate.")
+               "problem; empty: fewer), in %; Answered: candidates with a final answer; Gen. tokens: mean per "
+               "candidate.")
     return Artifact(f"passk_{slug(task)}_{slug(mk)}", caption, data, se=pd.DataFrame(errs, index=data.index),
                     sources=[r["job"] for r, _ in jobs])
 
@@ -77,13 +78,14 @@ def cache_trace_figure(task: str, mk: str, jobs: list) -> list[Artifact]:
         style = {"color": "black", "linestyle": "--"} if row["method_name"] == FULL else {}
         axes[0, 0].plot(x, tokens, label=label, **style)
         axes[0, 1].plot(x, nbytes / 2**20, label=label, **style)
-    for ax, what in zip(axes[0], ("Stored tokens per KV head (mean over layers)", "Stored cache (MiB, all layers)")):
+    for ax, what in zip(axes[0], ("Stored tokens per KV head", "Stored cache (MiB, all layers)")):
         ax.set(xlabel="Generated tokens", ylabel=what, title=f"{mk} — {task}")
         ax.set_ylim(bottom=0)
     axes[0, 1].legend(fontsize="small")
-    caption = (f"KV cache against generated tokens on {task} ({mk}): each job's longest generation, its cache after "
-               "prefill, just before and after each compression while decoding, and at the end (records' cache_trace). "
-               "A full cache grows with the generation; a compressed one stays within budget + interval.")
+    caption = (f"KV cache against generated tokens on {task} ({mk}): each job's longest generation, its cache (tokens "
+               "per KV head: mean over the compressible layers) after prefill, just before and after each compression "
+               "while decoding, and at the end (records' cache_trace). A full cache grows with the generation; a "
+               "compressed one stays within budget + interval.")
     return [_done(f"cache_trace_{slug(task)}_{slug(mk)}", fig, caption, sources=[r["job"] for r, _ in traced])]
 
 

@@ -29,7 +29,8 @@ def make_job(root: Path, method: str, budget: int) -> Path:
     job.mkdir(parents=True)
     cfg = {"model": {"name": "r1_llama8b", "max_input_length": 98304}, "method": {"name": method, "label": LABELS[method]},
            "task": {"name": "math500"}, "budget": budget, "run_tag": None,
-           "sampling": {"n": 4, "temperature": 0.6, "top_p": 0.95, "top_k": 0}}
+           "sampling": {"n": 4, "temperature": 0.6, "top_p": 0.95, "top_k": 0},
+           "decode": {"interval": 0 if method == "full" else 128, "prefill": True, "schedule": "length"}}
     (job / "config.yaml").write_text(yaml.safe_dump(cfg))
     recs = [{"id": f"math500/{p}#{k}", "problem": f"math500/{p}", "candidate": k, "dataset": "math500",
              "score": float(s), "scores": {"found": bool(s) or k % 2 == 0}, "error": None,
@@ -82,7 +83,8 @@ def test_passk_table_by_hand(root):
     # answered: a candidate found an answer when correct or even-numbered; rkv 128: p0 1,1,1,0 + p1, p2 1,0,1,0
     assert rkv["Answered %"] == round(100 * 7 / 12, 2)
     assert rkv["Gen. tokens"] == (sum(100 * (p + 1) + 10 * k for p in range(3) for k in range(4)) / 12)
-    assert (rkv["Problems"], rkv["Candidates"]) == (3, 12)
+    assert (rkv["Problems"], rkv["Candidates"]) == ("3", "12")
+    # one model key: the full cache's decode.interval=0 is no setting of its own (it compresses nothing)
     assert list(zip(table.data["Method"], table.data["Budget"].fillna("–"))) == [("Full Cache", "–"), ("R-KV", "128"),
                                                                                 ("R-KV", "256")]
 
