@@ -192,3 +192,15 @@ def test_sampled_summary_and_aggregate():
     agg = task("math500").aggregate(records)
     assert agg["datasets"] == {"math500": {"score": round(100 / 3, 2), "n": 3}}  # a problem is one sample
     assert agg["pass_at_k"]["math500"] == out
+
+
+def test_official_hub_dataset_from_a_local_snapshot(tmp_path):
+    """Without task.data_dir the official Hub dataset is read with datasets.load_dataset (AI-MO's split train: its
+    2024 rows kept by url); task.hub_dataset may name a local snapshot."""
+    rows = [{"id": i, "problem": f"P{i}", "solution": "", "answer": str(i),
+             "url": f"https://artofproblemsolving.com/wiki/index.php/{year}_AIME_I_Problems/Problem_{i}"}
+            for i, year in enumerate([2022, 2024, 2023, 2024])]
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    t = task("aime24", data_dir=None, hub_dataset=str(tmp_path))
+    t.validate(t.cfg)
+    assert [(s.id, s.answers, s.meta["id"]) for s in t.samples()] == [("aime24/0", ["1"], 1), ("aime24/1", ["3"], 3)]
