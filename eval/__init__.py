@@ -1,5 +1,5 @@
 """Tasks and metrics: LongBench, LongBench-E, Needle-in-a-Haystack, RULER, LongBench-v2, InfiniteBench, LooGLE,
-ZeroSCROLLS.
+ZeroSCROLLS, the math reasoning sets (AIME 2024/2025, MATH-500, GSM8K).
 
 ``eval`` sees only text, never tensors, and never imports ``methods``.
 """
@@ -19,6 +19,10 @@ _TASKS: dict[str, str] = {
     "infinitebench": "eval.infinitebench:InfiniteBenchTask",
     "loogle": "eval.loogle:LoogleTask",
     "zero_scrolls": "eval.zero_scrolls:ZeroScrollsTask",
+    "aime24": "eval.reasoning:AIME24Task",
+    "aime25": "eval.reasoning:AIME25Task",
+    "math500": "eval.reasoning:MATH500Task",
+    "gsm8k": "eval.reasoning:GSM8KTask",
 }
 
 

@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
+from . import sampling
+
 
 class TaskConfigError(ValueError):
     """A user-caused task configuration problem (one line: key, bad value, accepted values or fix), raised before
@@ -188,16 +190,29 @@ class Task:
         room for the generation returns its budget)."""
         return (self.max_input_tokens or 0) + sample.max_new_tokens
 
+    def scoring_sample(self, row: dict, where: str) -> Sample:
+        """The sample a predictions row is scored against (``kvbench score --task``): by default its kvbench record
+        fields ``answers`` (a list), ``dataset`` (default: the task's name), ``all_classes``, ``length``, ``meta``;
+        tasks whose official rows carry their reference otherwise override it. TaskConfigError: ``<where>: ...``
+        when ``answers`` is missing or not a list."""
+        if not isinstance(row.get("answers"), list):
+            raise TaskConfigError(f"{where}: field 'answers' must be a list (the references; task {self.name})")
+        return Sample(id=where, dataset=str(row.get("dataset") or self.name), prompt="", max_new_tokens=0,
+                      answers=row["answers"], all_classes=row.get("all_classes"), length=row.get("length"),
+                      meta=row.get("meta") or {})
+
     def score(self, sample: Sample, prediction: str) -> float:  # pragma: no cover - abstract
         """Score of one prediction in [0, 1] (max over ``sample.answers``)."""
         raise NotImplementedError
 
     def aggregate(self, records: list[dict]) -> dict[str, Any]:
         """Per-dataset scores from stored records (``{"datasets": {name: {"score", "n"}}}``); the default is
-        round(100·mean, 2) over successful records of each dataset."""
-        by_ds: dict[str, list[float]] = {}
-        for r in records:
-            if r.get("error") is None and r.get("score") is not None:
-                by_ds.setdefault(r["dataset"], []).append(float(r["score"]))
-        return {"datasets": {ds: {"score": round(100 * sum(v) / len(v), 2), "n": len(v)}
-                             for ds, v in sorted(by_ds.items())}}
+        round(100·mean, 2) over the successful samples of each dataset, a sample being a record or, with sampled
+        candidates (records with ``problem``), a problem scored by the mean of its candidates (pass@1), ``n`` counting
+        problems; then also ``pass_at_k`` (:func:`eval.sampling.summary`)."""
+        by_ds = {ds: [sum(float(r["score"]) for r in rs) / len(rs) for rs in problems.values()]
+                 for ds, problems in sampling.by_problem(records).items()}
+        out = {"datasets": {ds: {"score": round(100 * sum(v) / len(v), 2), "n": len(v)}
+                            for ds, v in sorted(by_ds.items())}}
+        sampled = any(r.get("problem") is not None for r in records)
+        return out | ({"pass_at_k": sampling.summary(records)} if sampled else {})

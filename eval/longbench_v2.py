@@ -130,6 +130,14 @@ class LongBenchV2Task(SuiteTask):
     def kvpress_config(self, dataset: str) -> str:
         return "0shot"
 
+    def scoring_sample(self, row: dict, where: str) -> Sample:
+        """An official row (``answer``, ``difficulty``, ``length``), else :meth:`Task.scoring_sample`'s."""
+        if "answer" not in row:
+            return super().scoring_sample(row, where)
+        require(row, where, answer=str, difficulty=str, length=str)
+        return Sample(id=where, dataset=self.name, prompt="", max_new_tokens=0, answers=[row["answer"]],
+                      meta={"difficulty": row["difficulty"], "length": row["length"]})
+
     def score(self, sample: Sample, prediction: str) -> float:
         """1.0 when the extracted choice equals the answer letter, else 0.0."""
         return float(extract_answer(prediction.strip()) == sample.answers[0])

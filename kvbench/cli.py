@@ -12,7 +12,7 @@ from pathlib import Path
 COMMANDS = {
     "run": "run a job or a sweep (Hydra overrides, as python run.py)",
     "report": "score tables of any sweep and the papers' tables and figures, from a results root",
-    "score": "score a folder of LongBench prediction jsonl files (official result.json)",
+    "score": "score LongBench prediction files (official result.json), or a JSONL file with --task NAME",
     "mask-heads": "NIAH score drop when the top-k SRH / TRH heads are masked (CompressKV Table 2a)",
     "calibrate": "head and layer scores of a model for HeadKV / CompressKV (methods/artifacts/<model>)",
 }

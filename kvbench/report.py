@@ -15,6 +15,7 @@ from .cli import ArgParser
 from .plots import plt
 from .report_budget import score_vs_budget
 from .report_data import load_results
+from .report_reasoning import reasoning_reports
 from .report_tables import Artifact, dedupe, fmt, round2
 from .store import atomic_write
 
@@ -50,11 +51,12 @@ ARTIFACTS = {  # family -> builder of its artifacts
     "compresskv_fig5": _sweep_fig("compresskv_fig5", "niah", False, "Needle-in-a-Haystack average under KV budgets"),
     "niah": lambda c: rt.niah_figures(c.df, c.root),
     "score_vs_budget": lambda c: score_vs_budget(c.df),
+    "reasoning": lambda c: reasoning_reports(c.df, c.root),
 }
 OUTPUTS = {"scores": ["scores_*", "paired_*"], "longbench_v2": ["longbench_v2_*"], "loogle": ["loogle_*"],
            "zero_scrolls": ["zero_scrolls_*"], "selkv_ratio_tables": ["selkv_table5", "selkv_table6", "selkv_ratios_*"],
            "compresskv_table3": ["compresskv_table3a", "compresskv_table3b"], "niah": ["niah_panel_*"],
-           "score_vs_budget": ["score_vs_budget_*"]}
+           "score_vs_budget": ["score_vs_budget_*"], "reasoning": ["passk_*", "cache_trace_*", "gen_length_*"]}
 
 
 def _cells(t: Artifact, bold: str = "**%s**", missing: str = "–", esc=str) -> pd.DataFrame:

@@ -71,6 +71,14 @@ def display_name(method_name: str) -> str:
     return presets().get(method_name, {}).get("label") or method_name
 
 
+def job_records(job: Path, summary: dict, columns: list[str]) -> pd.DataFrame:
+    """The records of ``job`` that its ``summary.json`` scores (its ``ids``: sample ids, or the problems of sampled
+    candidates; every record without a summary), ``columns`` of them."""
+    recs = pd.DataFrame(JobStore(job).records(), columns=list(dict.fromkeys(["id", "problem", *columns])))
+    ids = summary.get("ids", recs["id"])
+    return recs[recs["id"].isin(ids) | recs["problem"].isin(ids)][columns]
+
+
 def _job_rows(root: Path, job: Path) -> list[dict]:
     cfg = yaml.safe_load((job / "config.yaml").read_text()) or {}
     if not (isinstance(cfg, dict) and all(isinstance(cfg.get(k), dict) and cfg[k].get("name") for k in ("task", "model", "method"))):
@@ -97,14 +105,13 @@ def _job_rows(root: Path, job: Path) -> list[dict]:
             "setting": str(cfg.get("run_tag") or ""), "compress": compress, "max_input_tokens": float(ctx),
             "params": json.dumps({k: v for k, v in method.items() if k not in ("name", "label", *RUN_CONTROL_FIELDS)},
                                  sort_keys=True, default=str),
-            "settings": json.dumps({k: v for k, v in flat.items()
-                                    if not any(k == n or k.startswith(n + ".") for n in NOT_SETTINGS)},
+            "settings": json.dumps({k: v for k, v in flat.items()  # the full cache compresses nothing while decoding
+                                    if not any(k == n or k.startswith(n + ".") for n in NOT_SETTINGS)
+                                    and not (k.startswith("decode.") and method.get("name") == FULL)},
                                    sort_keys=True, default=str),
             "complete": bool(summary.get("complete", False)), "subset": subset}
     numeric = ["score", *TIMING_COLUMNS, *CACHE_COLUMNS, "compressed"]
-    recs = pd.DataFrame(JobStore(job).records(),
-                        columns=["id", "dataset", "error", "prediction", "answers", "scores", *numeric])
-    recs = recs[recs["id"].isin(summary.get("ids", recs["id"]))]  # the samples summary.json scores (its selection)
+    recs = job_records(job, summary, ["id", "problem", "dataset", "error", "prediction", "answers", "scores", *numeric])
     recs["kept_tokens"] = [k.get("mean") if isinstance(k, dict) else k for k in recs["kept_tokens"]]
     recs = recs.assign(dataset=recs["dataset"].astype(str), failed=recs["error"].notna())
     ok = recs[~recs["failed"] & recs["score"].notna()].drop_duplicates(["dataset", "id"], keep="last")
@@ -113,6 +120,10 @@ def _job_rows(root: Path, job: Path) -> list[dict]:
         ok["strict"] = [s["strict"] / 100 if isinstance(s, dict) and "strict" in s else max(
             strict_match(p, str(a)) for a in q) if isinstance(p, str) and isinstance(q, list) and q else math.nan
             for s, p, q in zip(ok["scores"], ok["prediction"], ok["answers"])]
+    if ok["problem"].notna().any():  # sampled candidates: a problem is one sample, scored by their mean (pass@1)
+        means = [c for c in (*numeric, "strict") if c in ok]
+        ok = ok.assign(id=ok["problem"].fillna(ok["id"]))
+        ok = ok.groupby(["dataset", "id"], as_index=False, sort=False)[means].mean()
     stored = {d: s for d, s in (summary.get("datasets") or {}).items() if (s or {}).get("score") is not None}
     datasets = sorted(set(recs["dataset"]) | set(summary.get("datasets") or {}))
     by = ok.groupby("dataset")

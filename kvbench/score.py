@@ -1,10 +1,18 @@
-"""``kvbench score DIR [--e] [--out PATH]``: the official LongBench ``eval.py`` over prediction files.
+"""``kvbench score DIR [--e] [--out PATH]``: the official LongBench ``eval.py`` over prediction files;
+``kvbench score --task NAME FILE [task.KEY=VALUE ...] [--out PATH]``: any task's official metric over a JSONL file.
 
 Each ``<dataset>.jsonl`` in DIR (dataset = the name up to its first dot) holds the official
 ``pred.py`` lines (``pred``, ``answers``, ``all_classes``, ``length``; the last line's
 ``all_classes`` counts). Writes ``result.json``: ``{dataset: score}``, or with ``--e`` ``{dataset:
 {"0-4k": s, "4-8k": s, "8k+": s}}`` with ``null`` for an empty bucket (officially NaN). Two files
 of one dataset, an empty file or a wrongly typed field are errors (officially: the last file wins).
+
+With ``--task`` each line of FILE holds ``prediction`` beside the task's own reference fields (MATH-500, AIME,
+GSM8K, kvpress's copies: ``answer``; LongBench-v2: ``answer``, ``difficulty``, ``length``; every task: kvbench's
+``answers``, ``dataset``, ``all_classes``, ``meta`` of its predictions.jsonl); lines sharing ``problem`` are
+candidates of one problem (pass@k). The task's config (``conf/task/NAME.yaml``, ``task.KEY=VALUE`` overrides,
+e.g. ``task.scorer=kvpress``) chooses the metric. Writes the task's summary (``datasets``, ``pass_at_k``...) to
+``<FILE stem>.result.json`` or ``--out``.
 """
 
 from __future__ import annotations
@@ -13,6 +21,7 @@ import json
 import sys
 from pathlib import Path
 
+import eval as tasks
 from eval.base import TaskConfigError, read_jsonl
 from eval.metrics import dataset2metric, score_dataset
 
@@ -69,19 +78,60 @@ def score_dir(folder: Path, longbench_e: bool = False) -> dict:
     return scores
 
 
+def score_file(path: Path, name: str, overrides: list[str]) -> dict:
+    """``{"task", "n", **task.aggregate(records)}`` of the ``prediction`` lines of ``path`` scored by task ``name``
+    (:meth:`eval.base.Task.scoring_sample`). TaskConfigError, one line: an unknown task or override, a line without
+    ``prediction`` or the task's reference fields, an empty file."""
+    from omegaconf import OmegaConf
+
+    from .config import compose
+
+    if name not in tasks.available():
+        raise TaskConfigError(f"--task {name!r}: accepted values are {', '.join(tasks.available())}")
+    try:
+        node = compose([f"task={name}", *overrides]).task
+        OmegaConf.to_object(node)  # the task Config's __post_init__ checks the values
+        cfg = OmegaConf.to_container(node, resolve=True)
+    except TaskConfigError:
+        raise
+    except Exception as e:  # noqa: BLE001 - Hydra's composition errors, one line
+        raise TaskConfigError(f"{' '.join(overrides)}: {str(e).strip().splitlines()[0]}") from None
+    task = tasks.get_task_class(name)(cfg)
+    records = []
+    for i, row in enumerate(read_jsonl(path), start=1):
+        where = f"{path} line {i}"
+        if not isinstance(row.get("prediction"), str):
+            raise TaskConfigError(f"{where}: field 'prediction' must be a string")
+        sample = task.scoring_sample(row, where)
+        records.append({"id": str(row.get("id", where)), "dataset": sample.dataset, "problem": row.get("problem"),
+                        "score": float(task.score(sample, row["prediction"])), "error": None, "meta": sample.meta,
+                        "generated_tokens": row.get("generated_tokens"),
+                        "scores": task.extra_scores(sample, row["prediction"]) if hasattr(task, "extra_scores") else {}})
+    if not records:
+        raise TaskConfigError(f"{path}: no prediction lines")
+    return {"task": name, "n": len(records), **task.aggregate(records)}
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Score DIR, write ``result.json`` (DIR/result.json or ``--out``) and print it. Returns 0, or 2
-    on a user error (one line on stderr)."""
+    """Score DIR (or FILE with ``--task``), write ``result.json`` (DIR/result.json, ``<FILE stem>.result.json`` or
+    ``--out``) and print it. Returns 0, or 2 on a user error (one line on stderr)."""
     parser = ArgParser(prog="kvbench score", description=__doc__.split("\n\n")[0])
-    parser.add_argument("dir", type=Path, help="folder of <dataset>.jsonl prediction files")
+    parser.add_argument("dir", type=Path, metavar="DIR|FILE",
+                        help="folder of <dataset>.jsonl prediction files, or with --task one JSONL file")
+    parser.add_argument("overrides", nargs="*", metavar="task.KEY=VALUE", help="with --task: task settings")
+    parser.add_argument("--task", help="score FILE with this task's official metric (conf/task/NAME.yaml)")
     parser.add_argument("--e", action="store_true", help="LongBench-E: score by length bucket")
     parser.add_argument("--out", default=None, help="output file (default DIR/result.json; a folder: result.json in it)")
     args = parser.parse_args(argv)
-    out = Path(args.out) if args.out else args.dir / "result.json"
+    if args.overrides and not args.task or any(not o.startswith("task.") for o in args.overrides):
+        parser.error(f"{args.overrides[0]!r}: settings are task.KEY=VALUE, with --task only")
+    out = Path(args.out) if args.out else (args.dir.with_name(args.dir.stem + ".result.json") if args.task
+                                           else args.dir / "result.json")
     if args.out and (out.is_dir() or args.out.endswith("/")):
         out = out / "result.json"
     try:
-        text = json.dumps(score_dir(args.dir, longbench_e=args.e), ensure_ascii=False, indent=4)
+        scores = score_file(args.dir, args.task, args.overrides) if args.task else score_dir(args.dir, longbench_e=args.e)
+        text = json.dumps(scores, ensure_ascii=False, indent=4)
         out.parent.mkdir(parents=True, exist_ok=True)
         atomic_write(out, text)
     except (TaskConfigError, OSError) as e:

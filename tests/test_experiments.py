@@ -31,6 +31,16 @@ def references(name: str) -> tuple[dict, list[Path]]:
     return params, needed
 
 
+def skip_pending(name: str) -> None:
+    """Skip a preset that needs config files or top-level keys another branch adds (named in the reason)."""
+    missing = [str(p.relative_to(CONF)) for p in references(name)[1] if not p.is_file()]
+    root_keys = yaml.safe_load((CONF / "config.yaml").read_text())
+    text = yaml.safe_load((CONF / "experiment" / f"{name}.yaml").read_text())
+    missing += [f"top-level key {k}" for k in text if k not in root_keys and k not in SWEPT_GROUPS]
+    if missing:
+        pytest.skip(f"not on this branch yet: {', '.join(sorted(set(missing)))}")
+
+
 @pytest.mark.parametrize("name", PRESETS)
 def test_preset_composes_and_its_first_job_passes_the_check(name, monkeypatch):
     from hydra import compose, initialize_config_dir
@@ -43,10 +53,8 @@ def test_preset_composes_and_its_first_job_passes_the_check(name, monkeypatch):
 
     text = (CONF / "experiment" / f"{name}.yaml").read_text()
     assert text.startswith("# @package _global_\n"), "a preset overrides the root config"
-    params, needed = references(name)
-    missing = [str(p.relative_to(CONF)) for p in needed if not p.is_file()]
-    if missing:
-        pytest.skip(f"not on this branch yet: {', '.join(sorted(set(missing)))}")
+    params, _ = references(name)
+    skip_pending(name)
     first = [f"{k}={str(v).split(',')[0].strip()}" for k, v in params.items()]
     with initialize_config_dir(config_dir=str(CONF), version_base=None):
         node = compose("config", overrides=[f"+experiment={name}", *first])
@@ -70,8 +78,9 @@ def test_smoke_presets_use_shared_data_by_path():
     for name in PRESETS:
         data = yaml.safe_load((CONF / "experiment" / f"{name}.yaml").read_text())
         data_dir = (data.get("task") or {}).get("data_dir")
-        if data_dir:
-            assert data_dir == "../shared/data/longbench", name
+        if data_dir:  # shared real data, or hand-written problems in the task's official schema
+            task = next(d["override /task"] for d in data["defaults"] if isinstance(d, dict) and "override /task" in d)
+            assert data_dir in ("../shared/data/longbench", f"tests/data/{task}"), name
 
 
 def test_method_presets_have_distinct_labels_without_comment_text():
@@ -146,6 +155,7 @@ def test_preset_names_the_artifacts_its_jobs_feed(name, tmp_path):
     from kvbench import report
     from kvbench.report_data import load_results
 
+    skip_pending(name)
     text = (CONF / "experiment" / f"{name}.yaml").read_text()
     line = next((ln for ln in text.splitlines() if "kvbench report" in ln), "")
     assert line, "the header says how to report the preset's jobs: # Report: kvbench report ROOT --only NAMES"

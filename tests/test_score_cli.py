@@ -107,3 +107,60 @@ def test_out_is_a_file_or_a_folder_and_os_errors_are_one_line(tmp_path, capsys):
     assert main([str(tmp_path), "--out", str(tmp_path / "afile" / "r.json")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("kvbench score: error:") and err.count("\n") == 1
+
+
+def test_score_task_file_official_fields_candidates_and_scorer(tmp_path, capsys):
+    """MATH-500 rows (prediction beside the official ``answer``); rows sharing ``problem`` are one problem's
+    candidates: a: 2 of 2 correct, b: 1 of 2 → pass@1 75, SE 25, pass@2 100; kvpress's rule reads \\frac{1."""
+    write(tmp_path, "m.jsonl", [
+        {"prediction": "\\boxed{\\dfrac{1}{2}}", "answer": "\\frac{1}{2}", "problem": "a", "generated_tokens": 10},
+        {"prediction": "\\boxed{0.5}", "answer": "\\frac{1}{2}", "problem": "a", "generated_tokens": 20},
+        {"prediction": "no idea", "answer": "3", "problem": "b", "generated_tokens": 30},
+        {"prediction": "\\boxed{3}", "answer": "3", "problem": "b", "generated_tokens": 40}])
+    assert main(["--task", "math500", str(tmp_path / "m.jsonl")]) == 0
+    result = json.loads((tmp_path / "m.result.json").read_text())
+    assert result["datasets"] == {"math500": {"score": 75.0, "n": 2}}
+    assert result["pass_at_k"]["math500"] | {} == {"pass@1": 75.0, "pass@1_se": 25.0, "pass@k": {"1": 75.0, "2": 100.0},
+                                                   "answered": 75.0, "generated_tokens": 25.0, "problems": 2,
+                                                   "candidates": 4}
+    assert main(["--task", "math500", str(tmp_path / "m.jsonl"), "task.scorer=kvpress", "--out", str(tmp_path)]) == 0
+    assert json.loads((tmp_path / "result.json").read_text())["datasets"]["math500"]["score"] == 25.0  # only "3"
+    write(tmp_path, "g.jsonl", [{"prediction": "\\boxed{2000}", "answer": "1,000 * 2\n#### 2,000"}])
+    assert main(["--task", "gsm8k", str(tmp_path / "g.jsonl")]) == 0
+    assert json.loads((tmp_path / "g.result.json").read_text())["datasets"] == {"gsm8k": {"score": 100.0, "n": 1}}
+
+
+def test_score_task_file_other_tasks(tmp_path):
+    """LongBench-v2's official fields; kvbench's own record fields (answers, dataset) for LongBench."""
+    write(tmp_path, "v2.jsonl", [{"prediction": "The correct answer is (B)", "answer": "B", "difficulty": "hard",
+                                  "length": "short"},
+                                 {"prediction": "The correct answer is A", "answer": "C", "difficulty": "easy",
+                                  "length": "long"}])
+    assert main(["--task", "longbench_v2", str(tmp_path / "v2.jsonl")]) == 0
+    out = json.loads((tmp_path / "v2.result.json").read_text())
+    assert out["datasets"] == {"longbench_v2": {"score": 50.0, "n": 2}}
+    assert (out["averages"]["hard"], out["averages"]["easy"], out["averages"]["long"]) == (100.0, 0.0, 0.0)
+    write(tmp_path, "lb.jsonl", [{"prediction": "3", "answers": ["3"], "dataset": "passage_count"},
+                                 {"prediction": "4", "answers": ["3"], "dataset": "passage_count"}])
+    assert main(["--task", "longbench", str(tmp_path / "lb.jsonl")]) == 0
+    assert json.loads((tmp_path / "lb.result.json").read_text())["datasets"] == {"passage_count": {"score": 50.0, "n": 2}}
+
+
+@pytest.mark.parametrize("args, rows, key", [
+    (["--task", "math5"], [{"prediction": "x", "answer": "1"}], "--task 'math5'"),
+    (["--task", "math500"], [{"answer": "1"}], "line 1: field 'prediction'"),
+    (["--task", "math500"], [{"prediction": "x", "answer": ["1"]}], "line 1: field 'answer'"),
+    (["--task", "longbench"], [{"prediction": "x"}], "line 1: field 'answers'"),
+    (["--task", "math500", "task.scorer=exact"], [{"prediction": "x", "answer": "1"}], "task.scorer="),
+    (["task.scorer=kvpress"], [{"prediction": "x", "answer": "1"}], "task.KEY=VALUE, with --task only"),
+])
+def test_score_task_file_errors_are_one_line(tmp_path, capsys, args, rows, key):
+    write(tmp_path, "p.jsonl", rows)
+    path = str(tmp_path / "p.jsonl")
+    argv = args[:2] + [path] + args[2:] if args[0] == "--task" else [path, *args]
+    try:
+        code = main(argv)
+    except SystemExit as e:  # argparse's usage error
+        code = e.code
+    err = capsys.readouterr().err
+    assert code == 2 and key in err and len(err.strip().splitlines()) == 1

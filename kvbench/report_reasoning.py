@@ -1,0 +1,130 @@
+"""Reports of generation-heavy jobs (reasoning, sampled candidates, compression while decoding), a set per task × model
+key: ``passk_<task>_<model>`` (pass@1 ± SE over problems, pass@k, answer share, generated length; from the records by
+:func:`eval.sampling.summary`), ``cache_trace_<task>_<model>`` (stored cache tokens and bytes against generated tokens,
+the records' ``cache_trace``) and ``gen_length_<task>_<model>`` (generated tokens per candidate against the budget)."""
+
+import math
+
+import numpy as np
+import pandas as pd
+
+from eval.sampling import by_problem, summary
+
+from .report_data import FULL, budget_text, job_records, method_sort_key, model_sort_key
+from .report_tables import Artifact, _done, _figure, slug
+
+COLUMNS = ["id", "problem", "dataset", "error", "score", "scores", "generated_tokens", "cache_trace"]
+
+
+def _jobs(df: pd.DataFrame, root) -> dict[tuple[str, str], list[tuple[pd.Series, list[dict]]]]:
+    """``{(task, model key): [(job row, its scored records), ...]}`` for the jobs whose records are sampled candidates
+    (``problem``), say whether they found an answer (``scores.found``) or hold a ``cache_trace``; rows sorted by method
+    and budget."""
+    import json
+
+    out: dict = {}
+    jobs = df[df["dataset"].notna()].drop_duplicates("job")
+    for _, row in jobs.iterrows():
+        path = root / row["job"]
+        try:
+            summ = json.loads((path / "summary.json").read_text())
+        except (OSError, ValueError):
+            summ = {}
+        recs = job_records(path, summ, COLUMNS).astype(object).where(lambda f: f.notna(), None).to_dict("records")
+        if any(r["problem"] is not None or "found" in (r["scores"] or {}) or r["cache_trace"] for r in recs):
+            out.setdefault((row["task"], row["model_key"]), []).append((row, recs))
+    for rows in out.values():
+        rows.sort(key=lambda p: (method_sort_key(p[0]["method_name"], p[0]["method"]), p[0]["budget"]))
+    return out
+
+
+def _budget(row: pd.Series) -> str | None:
+    return None if row["method_name"] == FULL else budget_text(row["budget"])
+
+
+def passk_table(task: str, mk: str, jobs: list) -> Artifact:
+    """pass@1 ± SE, pass@k, answered (%), mean generated tokens, problems and candidates per job (summed datasets:
+    a task's datasets are scored apart, the first one shown; reasoning tasks have one)."""
+    rows, errs = [], []
+    for row, recs in jobs:
+        for dataset, s in summary(recs).items():
+            rows.append({"Method": row["method"], "Budget": _budget(row), "Dataset": dataset, "pass@1": s["pass@1"],
+                         **{f"pass@{k}": v for k, v in s["pass@k"].items() if k != "1"},
+                         "Answered %": s["answered"], "Gen. tokens": s["generated_tokens"],
+                         "Problems": str(s["problems"]), "Candidates": str(s["candidates"])})
+            errs.append({"pass@1": s["pass@1_se"]})
+    data = pd.DataFrame(rows)
+    ks = sorted((c for c in data if c.startswith("pass@")), key=lambda c: int(c[5:]))
+    data = data[["Method", "Budget", "Dataset", *ks, "Answered %", "Gen. tokens", "Problems", "Candidates"]]
+    caption = (f"{task} on {mk}, a row per job: pass@1 = mean over problems of the share of correct candidates (± SE "
+               "over problems), pass@k = Chen et al. (2021)'s unbiased estimator (k up to the fewest candidates of a "
+               "problem; empty: fewer), in %; Answered: candidates with a final answer; Gen. tokens: mean per "
+               "candidate.")
+    return Artifact(f"passk_{slug(task)}_{slug(mk)}", caption, data, se=pd.DataFrame(errs, index=data.index),
+                    sources=[r["job"] for r, _ in jobs])
+
+
+def cache_trace_figure(task: str, mk: str, jobs: list) -> list[Artifact]:
+    """Stored tokens (mean over compressible layers of a KV head's tokens) and bytes of the whole cache against
+    generated tokens, the longest generation of each job (its ``cache_trace`` points, drawn as steps)."""
+    traced = [(row, max((r for r in recs if r["cache_trace"]), key=lambda r: r["cache_trace"][-1][0]))
+              for row, recs in jobs if any(r["cache_trace"] for r in recs)]
+    if not traced:
+        return []
+    fig, axes = _figure(1, 2)
+    for row, rec in traced:
+        x, tokens, nbytes = np.array(rec["cache_trace"], dtype=float).T
+        label = row["method"] + (f" b{_budget(row)}" if _budget(row) else "")
+        style = {"color": "black", "linestyle": "--"} if row["method_name"] == FULL else {}
+        axes[0, 0].plot(x, tokens, label=label, **style)
+        axes[0, 1].plot(x, nbytes / 2**20, label=label, **style)
+    for ax, what in zip(axes[0], ("Stored tokens per KV head", "Stored cache (MiB, all layers)")):
+        ax.set(xlabel="Generated tokens", ylabel=what, title=f"{mk} — {task}")
+        ax.set_ylim(bottom=0)
+    axes[0, 1].legend(fontsize="small")
+    caption = (f"KV cache against generated tokens on {task} ({mk}): each job's longest generation, its cache (tokens "
+               "per KV head: mean over the compressible layers) after prefill, just before and after each compression "
+               "while decoding, and at the end (records' cache_trace). A full cache grows with the generation; a "
+               "compressed one stays within budget + interval.")
+    return [_done(f"cache_trace_{slug(task)}_{slug(mk)}", fig, caption, sources=[r["job"] for r, _ in traced])]
+
+
+def gen_length_figure(task: str, mk: str, jobs: list) -> list[Artifact]:
+    """Mean generated tokens per candidate (± SE over problems) against the budget, a line per method; the full
+    cache dashed (longer chains of thought when compression hurts)."""
+    fig, axes = _figure(1, 1)
+    ax, lines, drawn = axes[0, 0], {}, []
+    for row, recs in jobs:
+        per = [np.mean([r["generated_tokens"] for r in rs]) for ds in by_problem(recs).values() for rs in ds.values()
+               if all(isinstance(r["generated_tokens"], (int, float)) for r in rs)]
+        if per:
+            se = np.std(per, ddof=1) / math.sqrt(len(per)) if len(per) > 1 else 0.0
+            lines.setdefault((row["method_name"] == FULL, row["method"]), []).append((row["budget"], np.mean(per), se))
+            drawn.append(row["job"])
+    if not lines:
+        return []
+    for (full, label), pts in lines.items():
+        if full:
+            ax.axhline(pts[0][1], color="black", linestyle="--", label=label)
+            ax.axhspan(pts[0][1] - pts[0][2], pts[0][1] + pts[0][2], color="grey", alpha=0.2)
+        else:
+            b, y, e = zip(*sorted(pts))
+            ax.errorbar(b, y, e, marker="o", capsize=2, label=label)
+    ax.set_xscale("log", base=2)
+    ax.set(xlabel="KV budget (tokens per layer per KV head)", ylabel="Generated tokens per candidate",
+           title=f"{mk} — {task}")
+    ax.legend()
+    caption = (f"Generation length on {task} ({mk}): mean generated tokens per candidate (± SE over problems) by "
+               "method and budget; dashed: the full cache.")
+    return [_done(f"gen_length_{slug(task)}_{slug(mk)}", fig, caption, sources=drawn)]
+
+
+def reasoning_reports(df: pd.DataFrame, root) -> list[Artifact]:
+    """Every task × model key with generation-heavy jobs (:func:`_jobs`): its pass@k table, cache-trace figure and
+    generated-length figure."""
+    out = []
+    for (task, mk), jobs in sorted(_jobs(df, root).items(), key=lambda p: (p[0][0], model_sort_key(p[0][1]))):
+        if any(r["problem"] is not None or "found" in (r["scores"] or {}) for _, recs in jobs for r in recs):
+            out.append(passk_table(task, mk, jobs))
+        out += cache_trace_figure(task, mk, jobs) + gen_length_figure(task, mk, jobs)
+    return out
