@@ -284,7 +284,7 @@ def identity(cfg: dict, source: tuple[str, str | None], inputs: dict, device: st
         "seed": cfg["seed"],
         "device": device,
         # only when on (earlier folders resume); sampling.n chooses records, as max_samples does
-        **({"decode": cfg["decode"]} if (cfg.get("decode") or {}).get("interval") else {}),
+        **({"decode": cfg["decode"]} if (cfg.get("decode") or {}).get("interval") and cfg["method"]["name"] != "full" else {}),
         **({"sampling": {k: v for k, v in cfg["sampling"].items() if k != "n"}}
            if (cfg.get("sampling") or {}).get("temperature") else {}),
     }
@@ -338,7 +338,7 @@ def check(cfg: Any, preset: str | None = None) -> JobSpec:
     task, name = plain["task"], str(plain["task"].get("name"))
     tasks.get_task_class(name).validate(task)
     methods.check_min_budget(method, top.budget)
-    if top.decode.interval and not method.decodes:
+    if top.decode.interval and not method.decodes and method.name != "full":  # the full cache: nothing to cut
         raise ConfigError(f"decode.interval={top.decode.interval}: method {method.name} does not compress while decoding; "
                           "accepted methods are the scoring ones (docs/DECODING.md)")
     limit = int(task.get("max_length") or model.max_input_length)

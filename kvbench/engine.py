@@ -267,7 +267,7 @@ class Engine:
     def __init__(self, loaded: LoadedModel, method: Method, budget: Budget | float | int, decode: Any = None):
         self.loaded, self.model, self.method = loaded, loaded.model, method
         self.budget = budget if isinstance(budget, Budget) else check_budget(budget)
-        self.decoding = decode if decode is not None and decode.interval else None
+        self.decoding = decode if decode is not None and decode.interval and method.decodes else None
         self._rotary = self._make_rotary()
         self.record_logits = False
         self.preallocate = True
