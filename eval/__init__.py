@@ -1,5 +1,5 @@
 """Tasks and metrics: LongBench, LongBench-E, Needle-in-a-Haystack, RULER, LongBench-v2, InfiniteBench, LooGLE,
-ZeroSCROLLS.
+ZeroSCROLLS, SCBench.
 
 ``eval`` sees only text, never tensors, and never imports ``methods``.
 """
@@ -19,6 +19,7 @@ _TASKS: dict[str, str] = {
     "infinitebench": "eval.infinitebench:InfiniteBenchTask",
     "loogle": "eval.loogle:LoogleTask",
     "zero_scrolls": "eval.zero_scrolls:ZeroScrollsTask",
+    "scbench": "eval.scbench:SCBenchTask",
 }
 
 
