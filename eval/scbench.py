@@ -225,10 +225,9 @@ class SCBenchTask(SuiteTask):
                 table = table if table < total else 500
                 limit = total - table * n_turns
             limit -= 1000 * (self.cfg["mode"] == "multi_request")
-            for row in rows:
-                for t in row["multi_turns"]:
-                    if t.get("task", dataset) == "scbench_repoqa":
-                        self.needles.setdefault((dataset, row["repo"]), []).append((t["name"], t["answer"]))
+            for repo in {row.get("repo") for row in rows}:  # repo_qa_utils' needle_by_repo, in row and turn order
+                self.needles[(dataset, repo)] = [(t["name"], t["answer"]) for row in rows if row.get("repo") == repo
+                                                 for t in row["multi_turns"] if t.get("task", dataset) == "scbench_repoqa"]
             for index, row in enumerate(rows):
                 yield from self.group(dataset, index, row, table, limit)
 
@@ -248,11 +247,13 @@ class SCBenchTask(SuiteTask):
                 meta.update(prompt_tokens_full=n, truncated=n > limit >= 0)
             if not multi_turn:
                 query = self.query_prompt(dataset, turn)
-            prompt = head + query if not multi_turn else self.follow_up(dataset, turns[i - 1], turn, turns[-1]) if i \
-                else head
+                prompt = head + query
+            elif i:
+                prompt, query = self.follow_up(dataset, turns[i - 1], turn, turns[-1]), ""
+            else:
+                prompt = head
             label = meta["label"]
-            yield Sample(id=f"{dataset}/{index}/{i}", dataset=dataset, prompt=prompt,
-                         query=split(prompt, query)[1] if i == 0 or not multi_turn else "",
+            yield Sample(id=f"{dataset}/{index}/{i}", dataset=dataset, prompt=prompt, query=split(prompt, query)[1],
                          max_new_tokens=table[turn["task"]] if isinstance(table, dict) else table,
                          answers=[str(a) for a in label] if isinstance(label, list) else [str(label)], chat=False,
                          meta=meta, group=f"{dataset}/{index}", turn=i, follow_up=multi_turn and i > 0,

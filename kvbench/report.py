@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from . import report_tables as rt
+from . import report_scbench, report_tables as rt
 from .cli import ArgParser
 from .plots import plt
 from .report_data import load_results
@@ -48,10 +48,12 @@ ARTIFACTS = {  # family -> builder of its artifacts
     "compresskv_fig4": _sweep_fig("compresskv_fig4", "longbench", False, "LongBench average under varying KV budgets"),
     "compresskv_fig5": _sweep_fig("compresskv_fig5", "niah", False, "Needle-in-a-Haystack average under KV budgets"),
     "niah": lambda c: rt.niah_figures(c.df, c.root),
+    "scbench": lambda c: report_scbench.scbench_artifacts(c.df, c.root),
 }
 OUTPUTS = {"scores": ["scores_*", "paired_*"], "longbench_v2": ["longbench_v2_*"], "loogle": ["loogle_*"],
            "zero_scrolls": ["zero_scrolls_*"], "selkv_ratio_tables": ["selkv_table5", "selkv_table6", "selkv_ratios_*"],
-           "compresskv_table3": ["compresskv_table3a", "compresskv_table3b"], "niah": ["niah_panel_*"]}
+           "compresskv_table3": ["compresskv_table3a", "compresskv_table3b"], "niah": ["niah_panel_*"],
+           "scbench": ["scbench_*"]}
 
 
 def _cells(t: Artifact, bold: str = "**%s**", missing: str = "–", esc=str) -> pd.DataFrame:
