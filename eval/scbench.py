@@ -62,7 +62,7 @@ class SCBenchConfig(SuiteConfig):
 
     mode: str = "multi_turn"  # multi_turn (turns in sequence) | multi_request (--same_context_different_query)
     max_turns: Optional[int] = 5  # --max_turns: the first turns of each row; null = all
-    golden_context: bool = True  # multi_turn: earlier golden answers in the cache; false = own (--disable_golden_context)
+    golden_context: bool = True  # multi_turn: golden answers in the cache; false = own (--disable_golden_context)
     chat_template: bool = True  # --use_chat_template (the official scripts'); false = the plain templates
 
     def check(self) -> None:
@@ -173,7 +173,7 @@ class SCBenchTask(SuiteTask):
         values = fields(dataset, turn)
         text, marked = (FIRST_TURN[dataset].format(context=c, **values) for c in (context, MARK))
         if self.cfg["chat_template"]:
-            text, marked = self.render([{"role": "user", "content": text}]), self.render([{"role": "user", "content": marked}])
+            text, marked = (self.render([{"role": "user", "content": t}]) for t in (text, marked))
         return text, marked.split(MARK, 1)[1]
 
     def follow_up(self, dataset: str, previous: dict, turn: dict, last: dict) -> str:
@@ -199,7 +199,8 @@ class SCBenchTask(SuiteTask):
     def query_prompt(self, dataset: str, turn: dict) -> str:
         text = FOLLOW_UP_CHAT[dataset].format(**fields(dataset, turn))
         if self.cfg["chat_template"]:
-            text = self.render([{"role": "system", "content": ""}, {"role": "user", "content": SEP + text}]).split(SEP)[1]
+            text = self.render([{"role": "system", "content": ""}, {"role": "user", "content": SEP + text}])
+            text = text.split(SEP)[1]
         return text
 
     # ------------------------------------------------------------------ samples
@@ -213,9 +214,11 @@ class SCBenchTask(SuiteTask):
 
     def samples(self) -> Iterator[Sample]:
         if self.max_length is None:
-            raise TaskConfigError("task.max_length is not set and the model gives no max_input_length: set task.max_length")
+            raise TaskConfigError("task.max_length is not set and the model gives no max_input_length: "
+                                  "set task.max_length")
         if self.cfg["chat_template"] and not getattr(self.tokenizer, "chat_template", None):
-            raise TaskConfigError("task.chat_template=true: the tokenizer has no chat template; set task.chat_template=false")
+            raise TaskConfigError("task.chat_template=true: the tokenizer has no chat template; "
+                                  "set task.chat_template=false")
         for dataset in self.datasets:
             rows, n_turns = self.turns(self.rows(dataset))
             table, total = MAX_NEW_TOKENS[dataset], self.max_length
@@ -226,8 +229,9 @@ class SCBenchTask(SuiteTask):
                 limit = total - table * n_turns
             limit -= 1000 * (self.cfg["mode"] == "multi_request")
             for repo in {row.get("repo") for row in rows}:  # repo_qa_utils' needle_by_repo, in row and turn order
-                self.needles[(dataset, repo)] = [(t["name"], t["answer"]) for row in rows if row.get("repo") == repo
-                                                 for t in row["multi_turns"] if t.get("task", dataset) == "scbench_repoqa"]
+                self.needles[(dataset, repo)] = [
+                    (t["name"], t["answer"]) for row in rows if row.get("repo") == repo
+                    for t in row["multi_turns"] if t.get("task", dataset) == "scbench_repoqa"]
             for index, row in enumerate(rows):
                 yield from self.group(dataset, index, row, table, limit)
 

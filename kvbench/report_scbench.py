@@ -17,7 +17,7 @@ import pandas as pd
 
 from eval.scbench import turn_of
 
-from .report_data import budget_semantics, budget_text, method_sort_key, model_sort_key
+from .report_data import FULL, budget_semantics, budget_text, method_sort_key, model_sort_key
 from .report_tables import Artifact, _done, _figure, count
 from .store import JobStore
 
@@ -82,8 +82,14 @@ def _ordered(frame: pd.DataFrame, rec: pd.DataFrame, within: list[str] = (), the
     ).reset_index(drop=True)
 
 
+def _budgets(frame: pd.DataFrame) -> list[str]:
+    """The budget column as printed: ``–`` for the full cache (its budget is not a setting)."""
+    return ["–" if n == FULL else budget_text(b) for n, b in zip(frame["method_name"], frame["budget"])]
+
+
 def _notes(rec: pd.DataFrame) -> list[str]:
-    return ([f"unfinished: {j}; its points are scored on fewer samples" for j in sorted(set(rec.loc[~rec["complete"], "job"]))]
+    late = sorted(set(rec.loc[~rec["complete"], "job"]))
+    return ([f"unfinished: {j}; its points are scored on fewer samples" for j in late]
             + [f"not shown: {j} (another job of the same model, method, budget and mode scored more samples)"
                for j in rec.attrs.get("dropped", [])])
 
@@ -91,11 +97,11 @@ def _notes(rec: pd.DataFrame) -> list[str]:
 def turn_table(rec: pd.DataFrame) -> Artifact:
     """Score per turn (columns) of every model × dataset × method × budget × mode, and the mean over turns."""
     turns = sorted(rec["turn"].unique())
-    piv = rec.pivot_table(index=["model", "dataset", "method", "budget", "mode"], columns="turn", values="score",
-                          aggfunc="mean").reset_index()
+    piv = rec.pivot_table(index=["model", "dataset", "method", "method_name", "budget", "mode"], columns="turn",
+                          values="score", aggfunc="mean").reset_index()
     piv = _ordered(piv, rec, ["dataset"], ["mode"])
     data = pd.DataFrame({"Model": piv["model"], "Dataset": piv["dataset"], "Method": piv["method"],
-                         "Budget": piv["budget"].map(budget_text), "Mode": piv["mode"],
+                         "Budget": _budgets(piv), "Mode": piv["mode"],
                          **{f"Turn {t}": piv[t] for t in turns}}).reset_index(drop=True)
     data["Avg"] = data[[f"Turn {t}" for t in turns]].mean(axis=1, skipna=False)
     caption = (f"SCBench: score per turn (points; mean over the groups that reached the turn), "
@@ -107,16 +113,20 @@ def turn_figure(rec: pd.DataFrame) -> Artifact:
     """A panel per dataset and an average panel: score vs turn, a line per method × budget, a style per mode."""
     datasets = sorted(rec["dataset"].unique())
     per = rec.groupby(["model", "method", "budget", "mode", "dataset", "turn"])["score"].mean().reset_index()
-    avg = per.groupby(["model", "method", "budget", "mode", "turn"])["score"].mean().reset_index().assign(dataset="Average")
+    avg = per.groupby(["model", "method", "budget", "mode", "turn"])["score"].mean().reset_index()
+    avg["dataset"] = "Average"
     panels = ["Average"] * (len(datasets) > 1) + datasets
     cols = min(4, len(panels))
     fig, axes = _figure(math.ceil(len(panels) / cols), cols, w=3.6, h=3.0)
     models = len(set(rec["model"])) > 1
     colors = {k: f"C{i % 10}" for i, k in enumerate(_rows(rec))}
+    full = set(rec.loc[rec["method_name"] == FULL, "method"])
     for ax, ds in zip(axes.flat, panels):
         sel = (avg if ds == "Average" else per)
-        for (model, method, budget, mode), g in sel[sel["dataset"] == ds].groupby(["model", "method", "budget", "mode"]):
-            label = f"{model}: " * models + f"{method}, {budget_text(budget)}, {mode}"
+        lines = sel[sel["dataset"] == ds].groupby(["model", "method", "budget", "mode"])
+        for (model, method, budget, mode), g in sorted(lines, key=lambda kg: (list(colors).index(kg[0][:3]),
+                                                                             RANK[kg[0][3]])):
+            label = f"{model}: " * models + f"{method}, " + f"{budget_text(budget)}, " * (method not in full) + mode
             ax.plot(g["turn"], g["score"], STYLE[mode], marker="o", color=colors[(model, method, budget)], label=label)
         ax.set(title=ds.replace("scbench_", ""), xlabel="Turn", ylabel="Score (points)", ylim=(-3, 103))
         ax.set_xticks(sorted(rec["turn"].unique()))
@@ -135,9 +145,10 @@ def mode_table(rec: pd.DataFrame) -> Artifact | None:
     modes = [m for m in MODES.values() if m in set(rec["mode"])]
     if len(modes) < 2:
         return None
-    piv = rec.groupby(["model", "method", "budget", "dataset", "mode"])["score"].mean().unstack("mode").reset_index()
+    piv = rec.groupby(["model", "method", "method_name", "budget", "dataset", "mode"])["score"].mean().unstack(
+        "mode").reset_index()
     piv = _ordered(piv, rec, then=["dataset"])
-    data = pd.DataFrame({"Model": piv["model"], "Method": piv["method"], "Budget": piv["budget"].map(budget_text),
+    data = pd.DataFrame({"Model": piv["model"], "Method": piv["method"], "Budget": _budgets(piv),
                          "Dataset": piv["dataset"], **{m: piv[m] for m in modes}}).reset_index(drop=True)
     if {"multi-turn", "multi-request"} <= set(modes):
         data["Δ"] = data["multi-request"] - data["multi-turn"]
@@ -158,11 +169,11 @@ def cost_table(rec: pd.DataFrame) -> Artifact | None:
     per_group["alone"] = per_group["worst"] * per_group["n"]
     t = per_group.groupby("job").agg(n=("n", "sum"), groups=("n", "size"), pc=("pc", "sum"), dec=("dec", "sum"),
                                      comp=("comp", "mean"), alone=("alone", "sum"))
-    t = t.join(timed.drop_duplicates("job").set_index("job")[["model", "method", "budget", "mode"]])
+    t = t.join(timed.drop_duplicates("job").set_index("job")[["model", "method", "method_name", "budget", "mode"]])
     t = _ordered(t, rec, then=["mode"])
     reuse, alone = (t["pc"] + t["dec"]) / t["n"], (t["alone"] + t["dec"]) / t["n"]
-    data = pd.DataFrame({"Model": t["model"], "Method": t["method"], "Budget": t["budget"].map(budget_text),
-                         "Mode": t["mode"], "Questions": t["n"].map(str), "Contexts": t["groups"].map(str),
+    data = pd.DataFrame({"Model": t["model"], "Method": t["method"], "Budget": _budgets(t), "Mode": t["mode"],
+                         "Questions": t["n"].map(str), "Contexts": t["groups"].map(str),
                          "Compressions / context": t["comp"], "Prefill+compress s/q (reuse)": t["pc"] / t["n"],
                          "Prefill+compress s/q (each, est.)": t["alone"] / t["n"], "Decode s/q": t["dec"] / t["n"],
                          "Saved (%)": 100 * (1 - reuse / alone)}).reset_index(drop=True)
