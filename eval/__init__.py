@@ -1,5 +1,5 @@
 """Tasks and metrics: LongBench, LongBench-E, Needle-in-a-Haystack, RULER, LongBench-v2, InfiniteBench, LooGLE,
-ZeroSCROLLS, the math reasoning sets (AIME 2024/2025, MATH-500, GSM8K).
+ZeroSCROLLS, the math reasoning sets (AIME 2024/2025, MATH-500, GSM8K), SCBench.
 
 ``eval`` sees only text, never tensors, and never imports ``methods``.
 """
@@ -23,6 +23,7 @@ _TASKS: dict[str, str] = {
     "aime25": "eval.reasoning:AIME25Task",
     "math500": "eval.reasoning:MATH500Task",
     "gsm8k": "eval.reasoning:GSM8KTask",
+    "scbench": "eval.scbench:SCBenchTask",
 }
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from . import report_tables as rt
+from . import report_scbench, report_tables as rt
 from .cli import ArgParser
 from .plots import plt
 from .report_budget import score_vs_budget
@@ -52,11 +52,12 @@ ARTIFACTS = {  # family -> builder of its artifacts
     "niah": lambda c: rt.niah_figures(c.df, c.root),
     "score_vs_budget": lambda c: score_vs_budget(c.df),
     "reasoning": lambda c: reasoning_reports(c.df, c.root),
+    "scbench": lambda c: report_scbench.scbench_artifacts(c.df, c.root),
 }
 OUTPUTS = {"scores": ["scores_*", "paired_*"], "longbench_v2": ["longbench_v2_*"], "loogle": ["loogle_*"],
            "zero_scrolls": ["zero_scrolls_*"], "selkv_ratio_tables": ["selkv_table5", "selkv_table6", "selkv_ratios_*"],
            "compresskv_table3": ["compresskv_table3a", "compresskv_table3b"], "niah": ["niah_panel_*"],
-           "score_vs_budget": ["score_vs_budget_*"], "reasoning": ["passk_*", "cache_trace_*", "gen_length_*"]}
+           "score_vs_budget": ["score_vs_budget_*"], "reasoning": ["passk_*", "cache_trace_*", "gen_length_*"], "scbench": ["scbench_*"]}
 
 
 def _cells(t: Artifact, bold: str = "**%s**", missing: str = "–", esc=str) -> pd.DataFrame:

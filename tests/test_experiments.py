@@ -137,6 +137,11 @@ def preset_jobs(name: str, root: Path) -> list:
             (job / "config.yaml").write_text(yaml.safe_dump(cfg))
             task = cfg["task"]["name"]
             datasets = ["qasper", "musique"] if task.startswith("longbench") and task != "longbench_v2" else [task]
+            if task == "scbench":  # its report reads the records' turns
+                datasets = ["scbench_kv"]
+                (job / "predictions.jsonl").write_text("".join(json.dumps(
+                    {"id": f"scbench_kv/0/{t}", "dataset": "scbench_kv", "score": 0.5, "error": None, "turn": t}) + "\n"
+                    for t in range(2)))
             (job / "summary.json").write_text(json.dumps({"complete": True, "datasets": {
                 d: {"score": 20.0 + (7 * i + j) % 23, "n": 2} for j, d in enumerate(datasets)}}))
     if latency:

@@ -1,0 +1,194 @@
+"""SCBench's report (docs/SCBENCH.md): the score of every turn per method (SCBench's per-turn curves), multi-turn
+beside multi-request, and the cost per question with and without reusing the compressed context.
+
+Built from the records of the ``task=scbench`` jobs: ``turn`` and ``group`` (shared-context runs; else read from
+the sample id ``<dataset>/<row>/<turn>``), ``meta.task`` (the mixed datasets' sub-task), ``prefill_s``,
+``compress_s``, ``decode_s`` and ``group_compressions``. A job's mode is its ``task.mode`` (``multi_turn`` with own
+answers when ``task.golden_context`` is false).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pandas as pd
+
+from eval.scbench import turn_of
+
+from .report_data import FULL, budget_semantics, budget_text, method_sort_key, model_sort_key
+from .report_tables import Artifact, _done, _figure, count
+from .store import JobStore
+
+MODES = {"multi_turn": "multi-turn", "own": "multi-turn, own answers", "multi_request": "multi-request"}
+RANK = {m: i for i, m in enumerate(MODES.values())}
+STYLE = {"multi-turn": "-", "multi-turn, own answers": ":", "multi-request": "--"}
+
+
+def mode_of(settings: str) -> str:
+    """The mode label of a job from its ``settings`` (JSON of its config keys)."""
+    s = json.loads(settings)
+    mode = s.get("task.mode", "multi_turn")
+    return MODES["own" if mode == "multi_turn" and s.get("task.golden_context") is False else mode]
+
+
+def scbench_records(df: pd.DataFrame, root: Path) -> pd.DataFrame:
+    """A row per scored record of the ``scbench`` jobs of ``df`` (the samples each ``summary.json`` scores): job,
+    model, method (label), method_name, budget, mode, complete, dataset (``<dataset> / <sub-task>`` for the mixed
+    ones), group, turn (1-based, as SCBench prints it), score (points), the timings (s) and group_compressions."""
+    jobs = df[(df["task"] == "scbench") & df["dataset"].notna()].drop_duplicates("job")
+    rows = []
+    for job in jobs.itertuples():
+        summary = json.loads(p.read_text()) if (p := Path(root) / job.job / "summary.json").is_file() else {}
+        ids = set(summary.get("ids") or [])
+        for r in JobStore(Path(root) / job.job).latest().values():
+            if r.get("error") is not None or r.get("score") is None or ids and r["id"] not in ids:
+                continue
+            task = (r.get("meta") or {}).get("task", r["dataset"])
+            rows.append({"job": job.job, "model": job.model, "method": job.method, "method_name": job.method_name,
+                         "budget": job.budget, "mode": mode_of(job.settings), "complete": job.complete,
+                         "dataset": r["dataset"] + f" / {task}" * (task != r["dataset"]),
+                         "group": r.get("group") or r["id"].rsplit("/", 1)[0], "turn": turn_of(r) + 1,
+                         "score": 100 * float(r["score"]), **{k: r.get(k) for k in (
+                             "prefill_s", "compress_s", "decode_s", "group_compressions")}})
+    cols = ["job", "model", "method", "method_name", "budget", "mode", "complete", "dataset", "group", "turn", "score",
+            "prefill_s", "compress_s", "decode_s", "group_compressions"]
+    out = pd.DataFrame(rows, columns=cols)
+    out[cols[-4:]] = out[cols[-4:]].apply(pd.to_numeric, errors="coerce")
+    # one job per (model, method, budget, mode): the one with the most scored records (others: noted)
+    keep = out.groupby(["model", "method", "budget", "mode", "job"]).size().reset_index(name="n").sort_values(
+        "n", ascending=False, kind="stable").drop_duplicates(["model", "method", "budget", "mode"])["job"]
+    out.attrs["dropped"] = sorted(set(out["job"]) - set(keep))
+    return out[out["job"].isin(keep)]
+
+
+def _rows(rec: pd.DataFrame) -> list[tuple]:
+    """(model, method, budget) in paper order: models, then methods, then budgets."""
+    keys = rec[["model", "method", "method_name", "budget"]].drop_duplicates()
+    keys = sorted(keys.itertuples(index=False), key=lambda k: (model_sort_key(k.model), method_sort_key(
+        k.method_name, k.method), k.budget))
+    return [(k.model, k.method, k.budget) for k in keys]
+
+
+def _ordered(frame: pd.DataFrame, rec: pd.DataFrame, within: list[str] = (), then: list[str] = ()) -> pd.DataFrame:
+    """``frame`` (columns model, method, budget, ``within``, ``then``) by model, ``within``, method and budget in
+    :func:`_rows`' order, then ``then``."""
+    order = {k: i for i, k in enumerate(_rows(rec))}
+    models = {m: i for i, m in enumerate(sorted(set(frame["model"]), key=model_sort_key))}
+    return frame.assign(_model=frame["model"].map(models), _rank=[order[k] for k in zip(
+        frame["model"], frame["method"], frame["budget"])]).sort_values(
+        ["_model", *within, "_rank", *then], kind="stable", key=lambda c: c.map(RANK) if c.name == "mode" else c
+    ).reset_index(drop=True)
+
+
+def _budgets(frame: pd.DataFrame) -> list[str]:
+    """The budget column as printed: ``–`` for the full cache (its budget is not a setting)."""
+    return ["–" if n == FULL else budget_text(b) for n, b in zip(frame["method_name"], frame["budget"])]
+
+
+def _notes(rec: pd.DataFrame) -> list[str]:
+    late = sorted(set(rec.loc[~rec["complete"], "job"]))
+    return ([f"unfinished: {j}; its points are scored on fewer samples" for j in late]
+            + [f"not shown: {j} (another job of the same model, method, budget and mode scored more samples)"
+               for j in rec.attrs.get("dropped", [])])
+
+
+def turn_table(rec: pd.DataFrame) -> Artifact:
+    """Score per turn (columns) of every model × dataset × method × budget × mode, and the mean over turns."""
+    turns = sorted(rec["turn"].unique())
+    piv = rec.pivot_table(index=["model", "dataset", "method", "method_name", "budget", "mode"], columns="turn",
+                          values="score", aggfunc="mean").reset_index()
+    piv = _ordered(piv, rec, ["dataset"], ["mode"])
+    data = pd.DataFrame({"Model": piv["model"], "Dataset": piv["dataset"], "Method": piv["method"],
+                         "Budget": _budgets(piv), "Mode": piv["mode"],
+                         **{f"Turn {t}": piv[t] for t in turns}}).reset_index(drop=True)
+    data["Avg"] = data[[f"Turn {t}" for t in turns]].mean(axis=1, skipna=False)
+    caption = (f"SCBench: score per turn (points; mean over the groups that reached the turn), "
+               f"{budget_semantics(rec['budget'])}; multi-request: per question index. Avg: mean over turns.")
+    return Artifact("scbench_turns", caption, data, sources=sorted(set(rec["job"])), notes=_notes(rec))
+
+
+def turn_figure(rec: pd.DataFrame) -> Artifact:
+    """A panel per dataset and an average panel: score vs turn, a line per method × budget, a style per mode."""
+    datasets = sorted(rec["dataset"].unique())
+    per = rec.groupby(["model", "method", "budget", "mode", "dataset", "turn"])["score"].mean().reset_index()
+    avg = per.groupby(["model", "method", "budget", "mode", "turn"])["score"].mean().reset_index()
+    avg["dataset"] = "Average"
+    panels = ["Average"] * (len(datasets) > 1) + datasets
+    cols = min(4, len(panels))
+    fig, axes = _figure(math.ceil(len(panels) / cols), cols, w=3.6, h=3.0)
+    models = len(set(rec["model"])) > 1
+    colors = {k: f"C{i % 10}" for i, k in enumerate(_rows(rec))}
+    full = set(rec.loc[rec["method_name"] == FULL, "method"])
+    for ax, ds in zip(axes.flat, panels):
+        sel = (avg if ds == "Average" else per)
+        lines = sel[sel["dataset"] == ds].groupby(["model", "method", "budget", "mode"])
+        for (model, method, budget, mode), g in sorted(lines, key=lambda kg: (list(colors).index(kg[0][:3]),
+                                                                             RANK[kg[0][3]])):
+            label = f"{model}: " * models + f"{method}, " + f"{budget_text(budget)}, " * (method not in full) + mode
+            ax.plot(g["turn"], g["score"], STYLE[mode], marker="o", color=colors[(model, method, budget)], label=label)
+        ax.set(title=ds.replace("scbench_", ""), xlabel="Turn", ylabel="Score (points)", ylim=(-3, 103))
+        ax.set_xticks(sorted(rec["turn"].unique()))
+    for ax in axes.flat[len(panels):]:
+        ax.axis("off")
+    axes.flat[0].legend()
+    caption = (f"SCBench per-turn scores ({count(len(datasets), 'dataset')}; Average: mean over the datasets shown "
+               f"at each turn); {budget_semantics(rec['budget'])}; solid: multi-turn (golden answers), dotted: "
+               "multi-turn with the model's own answers, dashed: multi-request (question index).")
+    return _done("scbench_turns_fig", fig, caption, sources=sorted(set(rec["job"])))
+
+
+def mode_table(rec: pd.DataFrame) -> Artifact | None:
+    """Multi-turn beside multi-request: each dataset's mean over turns, a column per mode, Δ = multi-request minus
+    multi-turn (golden). None without two modes."""
+    modes = [m for m in MODES.values() if m in set(rec["mode"])]
+    if len(modes) < 2:
+        return None
+    piv = rec.groupby(["model", "method", "method_name", "budget", "dataset", "mode"])["score"].mean().unstack(
+        "mode").reset_index()
+    piv = _ordered(piv, rec, then=["dataset"])
+    data = pd.DataFrame({"Model": piv["model"], "Method": piv["method"], "Budget": _budgets(piv),
+                         "Dataset": piv["dataset"], **{m: piv[m] for m in modes}}).reset_index(drop=True)
+    if {"multi-turn", "multi-request"} <= set(modes):
+        data["Δ"] = data["multi-request"] - data["multi-turn"]
+    caption = ("SCBench, multi-turn vs multi-request: each dataset's score (points, mean over turns / questions) per "
+               f"mode; Δ: multi-request − multi-turn; {budget_semantics(rec['budget'])}.")
+    return Artifact("scbench_modes", caption, data, signed={"Δ"}, sources=sorted(set(rec["job"])), notes=_notes(rec))
+
+
+def cost_table(rec: pd.DataFrame) -> Artifact | None:
+    """Seconds per question with the context compressed once per group (as run) and, estimated, compressed for every
+    question: each question then pays its group's costliest prefill + compression. None without timings."""
+    timed = rec.dropna(subset=["prefill_s", "compress_s", "decode_s"])
+    if timed.empty:
+        return None
+    timed = timed.assign(pc=timed["prefill_s"] + timed["compress_s"])
+    per_group = timed.groupby(["job", "group"]).agg(n=("pc", "size"), pc=("pc", "sum"), worst=("pc", "max"),
+                                                    dec=("decode_s", "sum"), comp=("group_compressions", "max"))
+    per_group["alone"] = per_group["worst"] * per_group["n"]
+    t = per_group.groupby("job").agg(n=("n", "sum"), groups=("n", "size"), pc=("pc", "sum"), dec=("dec", "sum"),
+                                     comp=("comp", "mean"), alone=("alone", "sum"))
+    t = t.join(timed.drop_duplicates("job").set_index("job")[["model", "method", "method_name", "budget", "mode"]])
+    t = _ordered(t, rec, then=["mode"])
+    reuse, alone = (t["pc"] + t["dec"]) / t["n"], (t["alone"] + t["dec"]) / t["n"]
+    data = pd.DataFrame({"Model": t["model"], "Method": t["method"], "Budget": _budgets(t), "Mode": t["mode"],
+                         "Questions": t["n"].map(str), "Contexts": t["groups"].map(str),
+                         "Compressions / context": t["comp"], "Prefill+compress s/q (reuse)": t["pc"] / t["n"],
+                         "Prefill+compress s/q (each, est.)": t["alone"] / t["n"], "Decode s/q": t["dec"] / t["n"],
+                         "Saved (%)": 100 * (1 - reuse / alone)}).reset_index(drop=True)
+    caption = ("SCBench, cost per question (s): prefill + compression and decoding as run (the context prefilled and "
+               "compressed Compressions / context times; – : a run that records no count, each question alone) and "
+               "estimated as if every question prefilled and compressed its context again (each pays its group's "
+               "costliest prefill + compression; a lower bound in multi-turn, whose later turns would also carry the "
+               "history). Saved: 1 − reuse / each, with decoding.")
+    return Artifact("scbench_cost", caption, data, sources=sorted(set(timed["job"])), notes=_notes(rec))
+
+
+def scbench_artifacts(df: pd.DataFrame, root: Path) -> list[Artifact]:
+    """The SCBench artifacts of the results root (none without ``task=scbench`` jobs)."""
+    rec = scbench_records(df, root)
+    if rec.empty:
+        return []
+    return [a for a in (turn_table(rec), turn_figure(rec), mode_table(rec), cost_table(rec)) if a is not None]
+
