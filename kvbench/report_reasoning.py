@@ -13,13 +13,13 @@ from eval.sampling import by_problem, summary
 from .report_data import FULL, budget_text, job_records, method_sort_key, model_sort_key
 from .report_tables import Artifact, _done, _figure, slug
 
-COLUMNS = ["id", "problem", "dataset", "error", "score", "scores", "generated_tokens", "cache_trace"]
+COLUMNS = ["id", "problem", "dataset", "error", "score", "scores", "generated_tokens", "cache_trace", "decode_compressions"]
 
 
 def _jobs(df: pd.DataFrame, root) -> dict[tuple[str, str], list[tuple[pd.Series, list[dict]]]]:
     """``{(task, model key): [(job row, its scored records), ...]}`` for the jobs whose records are sampled candidates
-    (``problem``), say whether they found an answer (``scores.found``) or hold a ``cache_trace``; rows sorted by method
-    and budget."""
+    (``problem``), say whether they found an answer (``scores.found``) or were compressed while decoding; rows sorted
+    by method and budget."""
     import json
 
     out: dict = {}
@@ -31,7 +31,7 @@ def _jobs(df: pd.DataFrame, root) -> dict[tuple[str, str], list[tuple[pd.Series,
         except (OSError, ValueError):
             summ = {}
         recs = job_records(path, summ, COLUMNS).astype(object).where(lambda f: f.notna(), None).to_dict("records")
-        if any(r["problem"] is not None or "found" in (r["scores"] or {}) or r["cache_trace"] for r in recs):
+        if any(r["problem"] is not None or "found" in (r["scores"] or {}) or r["decode_compressions"] for r in recs):
             out.setdefault((row["task"], row["model_key"]), []).append((row, recs))
     for rows in out.values():
         rows.sort(key=lambda p: (method_sort_key(p[0]["method_name"], p[0]["method"]), p[0]["budget"]))

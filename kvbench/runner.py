@@ -41,12 +41,11 @@ def candidate_seed(seed: int, sample_id: str, k: int) -> int:
 
 
 def conversations(samples: list[Sample]) -> list[list[Sample]]:
-    """The samples as a job shards and caps them (``shard.*``, ``max_samples``): a multi-turn conversation (a ``group``
-    with ``follow_up`` samples) counts as one, in turn order; every other sample alone."""
-    turned = {s.group for s in samples if s.follow_up}
+    """The samples as a job shards and caps them (``shard.*``, ``max_samples``): the samples of a ``group`` (a
+    conversation, a SCBench row's questions) count as one, in turn order; every other sample alone."""
     out: dict[Any, list[Sample]] = {}
     for s in samples:
-        out.setdefault(s.group if s.group in turned else ("one", s.id), []).append(s)
+        out.setdefault(s.group or ("one", s.id), []).append(s)
     return [sorted(c, key=lambda s: s.turn) for c in out.values()]
 
 
