@@ -30,7 +30,7 @@ from omegaconf import OmegaConf
 
 import eval as tasks
 from eval.base import Sample, Task, TaskConfigError
-from methods.base import ConfigError
+from methods.base import ConfigError, PromptFormat
 
 from .config import SELECTION_KEYS, JobSpec, check
 from .models import CHAT_FORMATS
@@ -57,6 +57,16 @@ def encode_prompt(loaded: Any, sample: Sample) -> list[int]:
     """Token ids of a sample's prompt: :func:`prompt_text` tokenized (``apply_chat_template(tokenize=True)``'s ids)."""
     text, kwargs = prompt_text(loaded, sample)
     return [int(i) for i in loaded.tokenizer(text, **kwargs)["input_ids"]]
+
+
+def prompt_format(loaded: Any) -> PromptFormat:
+    """The model's :class:`~methods.base.PromptFormat`: the ids :func:`encode_prompt` puts before and after a chat
+    sample's text (for KVzip's repeat prompt), and the tokenizer's ``encode`` without special tokens."""
+    mark = "\ue000"  # a private-use character: in no template or prompt
+    text, kwargs = prompt_text(loaded, Sample(id="", dataset="", prompt=mark, max_new_tokens=0, answers=[]))
+    head, tail = text.split(mark)
+    encode = lambda s: [int(i) for i in loaded.tokenizer(s, add_special_tokens=False)["input_ids"]]  # noqa: E731
+    return PromptFormat(encode, tuple(int(i) for i in loaded.tokenizer(head, **kwargs)["input_ids"]), tuple(encode(tail)))
 
 
 def split_prompt(loaded: Any, sample: Sample, compress: str = "prompt") -> tuple[list[int], int]:
@@ -187,7 +197,8 @@ def summarize(cfg: dict, task: Task, records: list[dict], expected: list[str], r
         "failed": [{"id": r["id"], **r["error"]} for r in records if r.get("error")][:100],
         "n_skipped": sum(int(s.get("samples", 1)) for s in skipped or []), "skipped": list(skipped or []),
         **task.aggregate(records),
-        "timings": {k: _mean([r.get(k) for r in ok]) for k in ("prefill_s", "compress_s", "decode_s", "decode_tok_s", "compile_s")},
+        "timings": {k: _mean([r.get(k) for r in ok]) for k in ("prefill_s", "compress_s", "reconstruct_s", "decode_s",
+                                                              "decode_tok_s", "compile_s")},
         "cache": cache,
     }
 
@@ -273,8 +284,9 @@ def run_jobs(jobs: list[JobSpec], wait_s: float | None = None) -> list[int]:
             loaded, task, mine, expected, compiled = load(runs[0][0])
             envs = [write_env(job, store, loaded, compiled, mine) for job, store in runs]
             engines = [Engine(loaded, job.method, job.top.budget) for job, _ in runs]
+            fmt = prompt_format(loaded)
             for engine in engines:
-                engine.compile_decode = compiled
+                engine.compile_decode, engine.prompt_format = compiled, fmt
             run_samples(engines, loaded, task, mine, [store for _, store in runs], runs[0][0].top.quiet)
             for engine, (_, store), (name, env) in zip(engines, runs, envs):
                 if engine.compile_error:  # this run's env.json says what ran: eager from the failure on

@@ -30,6 +30,7 @@ REGISTRY: dict[str, str] = {
     "lookm": "LookM",
     "knorm": "Knorm",
     "kvpress_press": "KVPress",
+    "kvzip": "KVzip",
 }
 
 
