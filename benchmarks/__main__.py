@@ -43,7 +43,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     from .compression import METHODS as COMPRESSION
     from .memory import METHODS as MEMORY
 
-    from kvbench.models import conf_model
+    from kvbench.config import conf_model
 
     methods = list(dict.fromkeys(COMPRESSION + MEMORY))
     p = ArgParser(prog="python -m benchmarks", description=__doc__,

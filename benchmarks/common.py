@@ -253,7 +253,8 @@ class Context:
         """The benchmark model (:class:`kvbench.models.LoadedModel`) on ``settings.device``."""
         import torch
 
-        from kvbench.models import conf_model, load_model
+        from kvbench.config import conf_model
+        from kvbench.models import load_model
 
         if self.settings.threads:
             torch.set_num_threads(self.settings.threads)

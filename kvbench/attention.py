@@ -8,7 +8,10 @@ passes down to every attention call.
 * **Prefill** (``state.phase == "prefill"``): SDPA (chunked float32 attention when the model
   soft-caps logits, Gemma 2). Then each compressible layer's last W queries (the model's own,
   after q-norm and RoPE) and full cache go to the method (:class:`methods.base.LayerContext`);
-  its result replaces the layer's cache. Nothing n×n is built.
+  its result replaces the layer's cache. Nothing n×n is built. A method that scores by
+  reconstruction (``state.scoring``) is not called here but in the **score** phase: the forwards of
+  :mod:`kvbench.reconstruct` on the full cache, where each compressible layer's queries and cache go to
+  ``method.reconstruction_score`` (:class:`methods.base.ReconstructionContext`) after the layer's SDPA.
 * **Decode-time compression** (``state.decode_budget``, docs/DECODING.md): each compressible layer keeps the
   queries of the last W tokens fed; in a forward the engine flags (``compress_now``), after the attention output
   is computed with the whole cache, the method cuts the layer (its current token included) back to the budget.
@@ -27,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from methods.base import Budget, CompressResult, HeadLayout, LayerContext, Method, Plan
+from methods.base import Budget, CompressResult, HeadLayout, LayerContext, Method, Plan, Reconstruction, ReconstructionContext
 
 from .kvcache import RaggedLayer, store_layer, write_bias
 
@@ -46,6 +49,28 @@ _PREFILL_CHUNK = 1024  # query rows per block in the soft-capping prefill path
 
 
 @dataclass
+class Scoring:
+    """A method's reconstruction pass (:mod:`kvbench.reconstruct`): its forwards and what they collect.
+
+    Attributes:
+        reconstruction: what the method asked for (:meth:`methods.base.Method.reconstruction`).
+        forward: index of the running forward in ``reconstruction.inputs``.
+        scores: compressible layer → ``(B, H_kv, n)`` scores of the prefilled tokens (0 where none scored).
+        scaling: compressible layer → its ``(scaling, softcap)``, for compressing it afterwards.
+        hidden_norms: layer → ``(B, q)`` attention-input norms of the running forward (a pre-hook's).
+        seconds: wall time of the forwards (synchronised on CUDA); tokens: tokens fed by them.
+    """
+
+    reconstruction: Reconstruction
+    forward: int = 0
+    scores: dict[int, torch.Tensor] = field(default_factory=dict)
+    scaling: dict[int, tuple[float, float | None]] = field(default_factory=dict)
+    hidden_norms: dict[int, torch.Tensor] = field(default_factory=dict)
+    seconds: float = 0.0
+    tokens: int = 0
+
+
+@dataclass
 class CompressionState:
     """Per-generation state of the compressed cache, passed to the attention function.
 
@@ -53,10 +78,11 @@ class CompressionState:
         method, plan, layout: the compression method, its per-sample :class:`methods.base.Plan`,
             the model's head layout.
         cache: the transformers cache being filled.
-        phase: ``prefill`` or ``decode``.
+        phase: ``prefill``, ``score`` (reconstruction forwards) or ``decode``.
         results: per-layer :class:`CompressResult` of this sample (layer index → result).
         compress_s: seconds spent in the method during prefill (synchronised on CUDA); a score
-            computed inside the prefill attention (LOOK-M's ``fused_score``) counts as prefill.
+            computed inside the prefill attention (LOOK-M's ``fused_score``) counts as prefill,
+            reconstruction forwards (``scoring``) as compression.
         rotary: callable positions → (cos, sin) for methods that re-position keys.
         reserve: free slots per head a compressed layer keeps for the tokens fed after it (the generation, or
             the decode steps up to the next decode-time compression); more are made when needed.
@@ -66,6 +92,7 @@ class CompressionState:
             compressible layer's last ``window`` queries ``(B, H_q, ≤ window, d)``, ``compress_now`` flags the
             forward that compresses, ``compressions`` counts the layer compressions and ``decode_compress_s`` their
             seconds (synchronised on CUDA); ``held`` is the most tokens a layer's longest head held when it was cut.
+        scoring: the method's reconstruction pass, or None (the method compresses at the end of each layer's prefill).
     """
 
     method: Method | None
@@ -86,6 +113,7 @@ class CompressionState:
     compressions: int = 0
     decode_compress_s: float = 0.0
     held: int = 0
+    scoring: Scoring | None = None
 
     @property
     def compressing(self) -> bool:
@@ -242,23 +270,21 @@ def fuse_prompt_attention(method: Method, query, key, mask, softcap) -> bool:
             and method.wants_prompt_attention(key.device))
 
 
-def _compress_layer(state: CompressionState, module, query, key, value, scaling, softcap, prompt_attention=None) -> None:
-    """Run the method on one layer at the end of prefill and write its result into the cache.
-
-    ``prompt_attention``: ``(B, H_q, n)`` column sums from the prefill attention, or None.
-    """
+def compress_layer(state: CompressionState, idx: int, query, key, value, scaling, softcap, **scores) -> None:
+    """Run the method on layer ``idx`` (its prefill's last queries ``query``, its cache ``key``/``value``) and write
+    its result into the cache. ``scores``: ``prompt_attention`` ``(B, H_q, n)`` column sums from the prefill
+    attention, or ``reconstruction_scores`` ``(B, H_kv, n)`` (:class:`methods.base.LayerContext`)."""
     sync = key.device.type == "cuda"
     if sync:
         torch.cuda.synchronize()
     t0 = time.perf_counter()
-    idx, n, plan = module.layer_idx, key.shape[2], state.plan
+    n, plan = key.shape[2], state.plan
     w = min(state.method.window_size, n)
     ctx = LayerContext(
-        layer_idx=idx, layout=state.layout, keys=key, values=value, window_queries=query[:, :, n - w :],
+        layer_idx=idx, layout=state.layout, keys=key, values=value, window_queries=query[:, :, query.shape[2] - w :],
         scaling=float(scaling), budget=int(plan.layer_budgets[idx]), softcap=softcap,
         head_budget=plan.head_budgets[idx] if plan.head_budgets is not None else None,
-        positions=torch.arange(n, device=key.device), rotary=state.rotary, artifacts=state.method.artifacts,
-        prompt_attention=prompt_attention,
+        positions=torch.arange(n, device=key.device), rotary=state.rotary, artifacts=state.method.artifacts, **scores,
     )
     result = state.method.compress(ctx)
     # the cache keeps its own copy (room for the decoded tokens); the result points at it
@@ -319,6 +345,11 @@ def kvbench_attention(module, query, key, value, attention_mask, scaling=None, d
     """
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
     state = kvbench_state
+    if isinstance(state, CompressionState) and state.phase == "score":
+        out = _prefill_attention(query, key, value, attention_mask, scaling, softcap)
+        if module.layer_idx in state.layout.compressible_layers:
+            _score_layer(state, module, query, key, value, scaling, softcap)
+        return out, None
     if isinstance(state, CompressionState) and state.phase == "decode":
         layer = state.cache.layers[module.layer_idx]
         # one query sees every key its layer caches (a sliding layer caches its window only): no mask; traced
@@ -332,7 +363,7 @@ def kvbench_attention(module, query, key, value, attention_mask, scaling=None, d
                 _compress_decode(state, module.layer_idx, float(scaling), softcap)
         return out, None
     states = [s for s in (state if isinstance(state, list) else [state])  # a shared prefill passes several
-              if s is not None and s.compressing and module.layer_idx in s.layout.compressible_layers]
+              if s is not None and s.compressing and s.scoring is None and module.layer_idx in s.layout.compressible_layers]
     sums = None
     if states and fuse_prompt_attention(states[0].method, query, key, attention_mask, softcap):
         # the method's whole-prompt score (LOOK-M's) comes out of this attention: one pass over QK^T, not two
@@ -345,11 +376,23 @@ def kvbench_attention(module, query, key, value, attention_mask, scaling=None, d
                               if softcap else sdpa_backend(query, key, value, attn_mask=attention_mask, enable_gqa=True,
                                                            is_causal=attention_mask is None and query.shape[2] > 1))
     for s in states:  # each compresses the layer into its own cache
-        _compress_layer(s, module, query, key, value, scaling, softcap, sums)
+        compress_layer(s, module.layer_idx, query, key, value, scaling, softcap, prompt_attention=sums)
     for s in state if isinstance(state, list) else [state] if state is not None else []:
         if s.decode_budget is not None and module.layer_idx in s.layout.compressible_layers:
             s.queries[module.layer_idx] = last(query, s.window).clone()  # R-KV's query cache starts with the prompt's
     return out, None
+
+
+def _score_layer(state: CompressionState, module, query, key, value, scaling, softcap) -> None:
+    """The score phase on one compressible layer: the method's scores of the running forward's positions
+    [start, end) into ``state.scoring.scores`` (``key``: the n prefilled tokens, then the q fed ones)."""
+    sc, idx, q = state.scoring, module.layer_idx, query.shape[2]
+    _, start, end = sc.reconstruction.inputs[sc.forward]
+    ctx = ReconstructionContext(idx, query, key, value, start, end, sc.reconstruction.sinks,
+                                sc.hidden_norms.pop(idx, None), getattr(getattr(module, "o_proj", None), "weight", None))
+    scores = sc.scores.setdefault(idx, key.new_zeros(*key.shape[:2], key.shape[2] - q))
+    scores[..., start:end] = state.method.reconstruction_score(ctx)
+    sc.scaling[idx] = (float(scaling), softcap)
 
 
 def attach_bias(state: CompressionState) -> None:

@@ -32,7 +32,8 @@ from methods.base import ConfigError, LayerContext
 
 from .cli import ArgParser, listof
 from .kvcache import preallocated_cache
-from .models import CONF_MODEL_DIR, conf_model, resolve_source
+from .config import CONF_MODEL_DIR, conf_model
+from .models import resolve_source
 from .store import atomic_write
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"

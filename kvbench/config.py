@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+import yaml
 from hydra import compose as hydra_compose
 from hydra import initialize_config_dir
 from hydra.core.config_store import ConfigStore
@@ -24,11 +25,12 @@ from omegaconf.errors import OmegaConfBaseException
 import eval as tasks
 import methods
 from eval.base import TaskConfigError
-from methods.base import ConfigError, check_budget, structured  # noqa: F401 - structured: tests
+from methods.base import ConfigError, check_budget, structured
 
 from .models import CHAT_FORMATS
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
+CONF_MODEL_DIR = CONF / "model"
 #: keys that choose which samples run (the sample ids encode them), not how one is computed
 SELECTION_KEYS = ("context_lengths", "depth_percents", "datasets", "n_samples", "subtasks")
 #: settings added after results were stored with them unset: at this value they stay out of the identity (the folders resume)
@@ -173,6 +175,18 @@ class ModelConfig:
                 or (isinstance(dm, int) and dm >= 0) or (isinstance(dm, str) and dm.startswith("cuda"))):
             raise ConfigError(f"model.device_map={dm}: accepted values are null, {', '.join(DEVICE_MAPS)}, a device "
                               "(cpu, cuda, cuda:1, a GPU index) or a mapping of module names to devices")
+
+
+def conf_model(name: str, key: str = "--model") -> dict:
+    """``conf/model/<name>.yaml`` (or a YAML file path) as a dict, the schema's defaults filled in
+    (:class:`ModelConfig`), for the command-line tools that take ``--model``. ConfigError naming ``key`` and the
+    accepted names when there is no such file, or naming the model key that is wrong."""
+    path = Path(name) if name.endswith((".yaml", ".yml")) else CONF_MODEL_DIR / f"{name}.yaml"
+    if not path.is_file():
+        names = ", ".join(sorted(p.stem for p in CONF_MODEL_DIR.glob("*.yaml")))
+        raise ConfigError(f"{key}={name!r}: no such model config; accepted values are {names}")
+    node = {k: v for k, v in yaml.safe_load(path.read_text(encoding="utf-8")).items() if k != "defaults"}
+    return dataclasses.asdict(structured(ModelConfig, node, "model."))
 
 
 def register() -> None:

@@ -26,11 +26,12 @@ import torch
 from torch._dynamo.utils import counters
 from torch.nn.attention import sdpa_kernel
 
-from methods.base import Budget, Method, Plan, apply_budget_floor, check_budget
+from methods.base import Budget, Method, Plan, PromptFormat, apply_budget_floor, check_budget
 
 from .attention import DECODE_BACKENDS, CompressionState, attach_bias, decode_backends
 from .kvcache import RaggedLayer, checkpoint, preallocated_cache, restore
 from .models import LoadedModel, greedy_processors
+from .reconstruct import reconstruct, start_scoring
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +57,9 @@ class GenerationResult:
         cache_bytes_before / cache_bytes_after: KV cache bytes of all layers right after prefill,
             before and after compression (filled slots, bias columns included after).
         prefill_s: prefill seconds excluding compression (a score computed inside the
-            prefill attention, LOOK-M's ``fused_score``, is prefill); compress_s: compression seconds;
+            prefill attention, LOOK-M's ``fused_score``, is prefill); compress_s: compression seconds, a method's
+            reconstruction forwards included (KVzip); reconstruct_s / reconstruct_tokens: those forwards' seconds and
+            tokens fed (0 for other methods: :mod:`kvbench.reconstruct`);
         decode_s: seconds from the first decode step to the last, without the steps that compiled;
         compile_s: seconds of the decode steps during which ``torch.compile`` compiled (0 eager);
         decode_compiled: whether every decode step ran compiled (False: eager, or a compile failed);
@@ -99,6 +102,8 @@ class GenerationResult:
     peak_stored_tokens: int = 0
     decode_compressions: int = 0
     decode_compress_s: float = 0.0
+    reconstruct_s: float = 0.0
+    reconstruct_tokens: int = 0
 
     def record(self) -> dict[str, Any]:
         """The fields stored in ``predictions.jsonl``."""
@@ -114,6 +119,8 @@ class GenerationResult:
             "cache_bytes_after": self.cache_bytes_after,
             "prefill_s": round(self.prefill_s, 6),
             "compress_s": round(self.compress_s, 6),
+            "reconstruct_s": round(self.reconstruct_s, 6),
+            "reconstruct_tokens": self.reconstruct_tokens,
             "decode_s": round(self.decode_s, 6),
             "generated_tokens": self.generated_tokens,
             "decode_tok_s": round(self.decode_tok_s, 4),
@@ -260,7 +267,9 @@ class Engine:
     a ``DynamicCache``; ``reference_decode`` runs decode attention through
     :func:`kvbench.attention.grouped_attention`; ``on_decode_step(step)`` is called before each
     step; ``compile_decode`` runs decode steps through :meth:`decode_forward` (a compile failure sets it
-    False and ``compile_error``); ``devices``: those whose peak memory is summed (the model's).
+    False and ``compile_error``); ``devices``: those whose peak memory is summed (the model's);
+    ``prompt_format``: the model's :class:`~methods.base.PromptFormat` for methods that prompt the model (KVzip;
+    default: no head or tail, the tokenizer's ``encode``; a job sets the model's: :func:`kvbench.job.prompt_format`).
     ``last_state`` holds the last generation's :class:`CompressionState`.
     """
 
@@ -277,6 +286,7 @@ class Engine:
         self.compile_error: str | None = None
         self._compiled = None
         self.devices = model_devices(self.model) or [loaded.device]
+        self.prompt_format = PromptFormat(lambda text: loaded.tokenizer.encode(text, add_special_tokens=False))
         self.last_state: CompressionState | None = None
         self.last_logits: list[torch.Tensor] = []
         self._floor_warned = False  # the budget-floor warning is logged once per engine
@@ -359,7 +369,9 @@ class Engine:
             finalize(state.results)
         attach_bias(state)
         stats = dict(compressed_tokens=c, compressed=bool(state.results), kept_tokens=kept, stored_tokens=stored,
-                     cache_bytes_after=cache_bytes(state.cache), method_stats=mstats, **nbytes)
+                     cache_bytes_after=cache_bytes(state.cache), method_stats=mstats, **nbytes,
+                     reconstruct_s=state.scoring.seconds if state.scoring else 0.0,
+                     reconstruct_tokens=state.scoring.tokens if state.scoring else 0)
         next_pos = max([r.next_position for r in state.results.values() if r.next_position is not None], default=c)
         state.phase = "decode"
         self.last_state = state
@@ -516,9 +528,10 @@ class Engine:
         prefill_s, peak, ctx.prefill_s, ctx.peak_bytes = ctx.prefill_s, ctx.peak_bytes, 0.0, 0
         trace.append(self._trace_point(state, len(tokens)))
         compress_s, ctx.compress_s = ctx.compress_s, 0.0
+        stats, ctx.stats = ctx.stats, {**ctx.stats, "reconstruct_s": 0.0}  # a reused context's cost, charged once
         return GenerationResult(
             tokens=tokens, text=self.loaded.tokenizer.decode(tokens, skip_special_tokens=True), prompt_tokens=n,
-            **ctx.stats, prefill_s=prefill_s, compress_s=compress_s, decode_s=decode_s, generated_tokens=len(tokens),
+            **stats, prefill_s=prefill_s, compress_s=compress_s, decode_s=decode_s, generated_tokens=len(tokens),
             decode_tok_s=timed / decode_s if decode_s > 0 and timed > 0 else 0.0, compile_s=compile_s,
             decode_compiled=compiled and forward is not model, peak_prefill_bytes=peak,
             peak_decode_bytes=peak_memory_bytes(self.devices), sdpa_backends=dict(state.backends),
@@ -571,6 +584,8 @@ def prefill(engines: list[Engine], prompt_ids: list[int], max_new_tokens: int) -
         raise ValueError("empty prompt: nothing to prefill")
     dev = first.loaded.device
     states = [e._start(n, max_new_tokens, e.preallocate or len(engines) > 1) for e in engines]
+    for e, st in zip(engines, states):
+        start_scoring(st, prompt_ids, e.prompt_format)  # a method that scores by reconstruction (KVzip)
     kinds: dict[Any, list[int]] = {}
     for i, st in enumerate(states):
         fused = st.compressing and st.method.wants_prompt_attention(dev)
@@ -590,5 +605,7 @@ def prefill(engines: list[Engine], prompt_ids: list[int], max_new_tokens: int) -
             if shared:  # the layers this engine did not compress: its own copy of the prompt's cache
                 st.cache.layers = [layer if j in st.results else copy.deepcopy(cache.layers[j])
                                    for j, layer in enumerate(st.cache.layers)]
+            if st.scoring is not None:  # its forwards and compression, in its prefill's peak memory
+                reconstruct(first.model, st, n)
             out[i] = Prefilled(st, logits.clone() if shared else logits, prefill_s, peak_memory_bytes(first.devices))
     return out

@@ -29,7 +29,7 @@ from eval.base import Sample, Task, TaskConfigError
 from methods.base import ConfigError
 
 from .config import SELECTION_KEYS, JobSpec, check
-from .prompts import encode_prompt, prompt_text, split_prompt, stop_ids_for  # noqa: F401 - the job's public helpers
+from .prompts import encode_prompt, prompt_format, prompt_text, split_prompt, stop_ids_for  # noqa: F401 - the job's public helpers
 from .runner import conversations, error_record, free_cuda, record_ids, run_sample, run_samples  # noqa: F401
 from .store import JobLockedError, JobStore, atomic_write
 
@@ -106,7 +106,8 @@ def summarize(cfg: dict, task: Task, records: list[dict], expected: list[str], r
         "failed": [{"id": r["id"], **r["error"]} for r in records if r.get("error")][:100],
         "n_skipped": sum(int(s.get("samples", 1)) for s in skipped or []), "skipped": list(skipped or []),
         **task.aggregate(records),
-        "timings": {k: _mean([r.get(k) for r in ok]) for k in ("prefill_s", "compress_s", "decode_s", "decode_tok_s", "compile_s")},
+        "timings": {k: _mean([r.get(k) for r in ok]) for k in ("prefill_s", "compress_s", "reconstruct_s", "decode_s",
+                                                              "decode_tok_s", "compile_s")},
         "cache": cache,
     }
 
@@ -193,8 +194,9 @@ def run_jobs(jobs: list[JobSpec], wait_s: float | None = None) -> list[int]:
             envs = [write_env(job, store, loaded, compiled, mine) for job, store in runs]
             top = runs[0][0].top
             engines = [Engine(loaded, job.method, job.top.budget, job.top.decode) for job, _ in runs]
+            fmt = prompt_format(loaded)
             for engine in engines:
-                engine.compile_decode = compiled
+                engine.compile_decode, engine.prompt_format = compiled, fmt
             run_samples(engines, loaded, task, mine, [store for _, store in runs], top.quiet, top.sampling, top.seed)
             for engine, (_, store), (name, env) in zip(engines, runs, envs):
                 if engine.compile_error:  # this run's env.json says what ran: eager from the failure on

@@ -77,6 +77,11 @@ class PreallocatedLayer(DynamicLayer):
     def get_seq_length(self) -> int:
         return self._len if self._key_buf is not None else super().get_seq_length()
 
+    def crop(self, max_length: int) -> None:
+        """Forget the slots from ``max_length`` on (tokens ≥ 0); the buffers stay, for the next updates."""
+        self._len = min(self._len, max_length)
+        self._k, self._v = self._key_buf[:, :, : self._len], self._value_buf[:, :, : self._len]
+
 
 def preallocated_cache(config: Any, reserve: int) -> DynamicCache:
     """A ``DynamicCache`` for ``config`` whose full-attention layers are :class:`PreallocatedLayer`

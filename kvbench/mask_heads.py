@@ -142,7 +142,8 @@ def write_report(stem: Path, report: dict) -> list[Path]:
 def run(args) -> int:
     """Check every input, then load the model and run the no-mask and masked NIAH grids."""
     from .engine import Engine  # torch._dynamo: imported once the flags are read
-    from .models import conf_model, load_model  # late: tests replace kvbench.models.load_model
+    from .config import conf_model
+    from .models import load_model  # late: tests replace kvbench.models.load_model
 
     model_cfg = {**conf_model(args.model), **({"source": args.model_source, "gguf_file": None} if args.model_source else {}),
                  **({"chat_template": args.chat_template == "true" or args.chat_template} if args.chat_template else {})}

@@ -19,11 +19,9 @@ import shutil
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
-
-import yaml
 
 from methods.base import ConfigError, HeadLayout
 
@@ -38,7 +36,6 @@ CHAT_FORMATS = {
     "vicuna": "A chat between a curious user and an artificial intelligence assistant. The assistant gives helpful, "
               "detailed, and polite answers to the user's questions. USER: {prompt} ASSISTANT:",
 }
-CONF_MODEL_DIR = Path(__file__).resolve().parents[1] / "conf" / "model"
 GGUF_CACHE_AUTO_MAX_BYTES = 2 * 1024**3  # model.gguf_cache=auto caches GGUF files up to this size
 _GGUF_CACHE_VERSION = 4  # bump when the conversion changes (4: the tokenizer saved by save_pretrained)
 
@@ -64,20 +61,6 @@ class LoadedModel:
     processors: list = field(default_factory=list)
     load_s: float = 0.0
     generation_config: bool = True
-
-
-def conf_model(name: str, key: str = "--model") -> dict:
-    """``conf/model/<name>.yaml`` (or a YAML file path) as a dict, the schema's defaults filled in
-    (:class:`kvbench.config.ModelConfig`). ConfigError naming ``key`` and the accepted names when there is no such
-    file, or naming the model key that is wrong."""
-    from .config import ModelConfig, structured
-
-    path = Path(name) if name.endswith((".yaml", ".yml")) else CONF_MODEL_DIR / f"{name}.yaml"
-    if not path.is_file():
-        names = ", ".join(sorted(p.stem for p in CONF_MODEL_DIR.glob("*.yaml")))
-        raise ConfigError(f"{key}={name!r}: no such model config; accepted values are {names}")
-    node = {k: v for k, v in yaml.safe_load(path.read_text(encoding="utf-8")).items() if k != "defaults"}
-    return asdict(structured(ModelConfig, node, "model."))
 
 
 def greedy_processors(model: Any, sampling: Any = None, own: bool = True) -> list:

@@ -7,6 +7,7 @@ from dataclasses import replace
 from typing import Any
 
 from eval.base import Sample
+from methods.base import PromptFormat
 
 from .models import CHAT_FORMATS
 
@@ -26,6 +27,16 @@ def encode_prompt(loaded: Any, sample: Sample) -> list[int]:
     """Token ids of a sample's prompt: :func:`prompt_text` tokenized (``apply_chat_template(tokenize=True)``'s ids)."""
     text, kwargs = prompt_text(loaded, sample)
     return [int(i) for i in loaded.tokenizer(text, **kwargs)["input_ids"]]
+
+
+def prompt_format(loaded: Any) -> PromptFormat:
+    """The model's :class:`~methods.base.PromptFormat`: the ids :func:`encode_prompt` puts before and after a chat
+    sample's text (for KVzip's repeat prompt), and the tokenizer's ``encode`` without special tokens."""
+    mark = "\ue000"  # a private-use character: in no template or prompt
+    text, kwargs = prompt_text(loaded, Sample(id="", dataset="", prompt=mark, max_new_tokens=0, answers=[]))
+    head, tail = text.split(mark)
+    encode = lambda s: [int(i) for i in loaded.tokenizer(s, add_special_tokens=False)["input_ids"]]  # noqa: E731
+    return PromptFormat(encode, tuple(int(i) for i in loaded.tokenizer(head, **kwargs)["input_ids"]), tuple(encode(tail)))
 
 
 def split_prompt(loaded: Any, sample: Sample, compress: str = "prompt") -> tuple[list[int], int]:

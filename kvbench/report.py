@@ -14,6 +14,7 @@ from . import report_scbench, report_tables as rt
 from .cli import ArgParser
 from .plots import plt
 from .report_budget import score_vs_budget
+from .report_cost import cost_table
 from .report_data import load_results
 from .report_reasoning import reasoning_reports
 from .report_tables import Artifact, dedupe, fmt, round2
@@ -53,11 +54,13 @@ ARTIFACTS = {  # family -> builder of its artifacts
     "score_vs_budget": lambda c: score_vs_budget(c.df),
     "reasoning": lambda c: reasoning_reports(c.df, c.root),
     "scbench": lambda c: report_scbench.scbench_artifacts(c.df, c.root),
+    "cost": lambda c: cost_table(c.df, c.root),
 }
 OUTPUTS = {"scores": ["scores_*", "paired_*"], "longbench_v2": ["longbench_v2_*"], "loogle": ["loogle_*"],
            "zero_scrolls": ["zero_scrolls_*"], "selkv_ratio_tables": ["selkv_table5", "selkv_table6", "selkv_ratios_*"],
            "compresskv_table3": ["compresskv_table3a", "compresskv_table3b"], "niah": ["niah_panel_*"],
-           "score_vs_budget": ["score_vs_budget_*"], "reasoning": ["passk_*", "cache_trace_*", "gen_length_*"], "scbench": ["scbench_*"]}
+           "score_vs_budget": ["score_vs_budget_*"], "reasoning": ["passk_*", "cache_trace_*", "gen_length_*"], "scbench": ["scbench_*"],
+           "cost": ["cost"]}
 
 
 def _cells(t: Artifact, bold: str = "**%s**", missing: str = "–", esc=str) -> pd.DataFrame:

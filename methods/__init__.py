@@ -31,6 +31,7 @@ REGISTRY: dict[str, str] = {
     "knorm": "Knorm",
     "rkv": "RKV",
     "kvpress_press": "KVPress",
+    "kvzip": "KVzip",
 }
 
 

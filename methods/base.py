@@ -9,6 +9,10 @@ fields are the Hydra node ``conf/method/<name>.yaml``) and a :class:`Method` sub
   :class:`LayerContext` in, :class:`CompressResult` out. A :class:`ScoreMethod` only writes
   :meth:`ScoreMethod.score`.
 * :meth:`Method.finalize`, once per sample after the last layer (SelKV's global compensation).
+* Methods that score by prompting the model (KVzip's context reconstruction) say what to feed in
+  :meth:`Method.reconstruction`; the engine then runs those forwards after the prefill, collects
+  :meth:`Method.reconstruction_score` per layer, asks :meth:`Method.allocate` for the budgets and
+  compresses each layer from the scores (``LayerContext.reconstruction_scores``).
 
 Methods are pure functions of tensors: they never see tasks, prompts or files (artifacts
 such as head scores are parsed by :mod:`methods.artifacts`).
@@ -174,6 +178,8 @@ class LayerContext:
         decoding: True at a decode-time compression (``decode.interval``, docs/DECODING.md): ``keys`` are the
             layer's whole cache, the current token last; ``window_queries`` the queries of the last W tokens fed
             (the prompt's last ones, then each decode step's); ``positions`` is None.
+        reconstruction_scores: ``(B, H_kv, n)`` this layer's :meth:`Method.reconstruction_score` of every
+            token, as :meth:`Method.allocate` left them (0 where no forward scored), or ``None``.
     """
 
     layer_idx: int
@@ -191,6 +197,7 @@ class LayerContext:
     prompt_attention: torch.Tensor | None = None
     valid: torch.Tensor | None = None
     decoding: bool = False
+    reconstruction_scores: torch.Tensor | None = None
 
     @property
     def n_tokens(self) -> int:
@@ -222,6 +229,55 @@ class CompressResult:
     kept_indices: torch.Tensor | None = None
     next_position: int | None = None
     stats: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class PromptFormat:
+    """The model's prompt format around one user turn, for methods that prompt the model (:meth:`Method.reconstruction`):
+    ``head`` the ids before the turn's text (system prompt, user header), ``tail`` after it (end of turn, generation
+    prompt); ``encode(text)``: the tokenizer's ids of ``text``, no special tokens added."""
+
+    encode: Callable[[str], list[int]]
+    head: tuple[int, ...] = ()
+    tail: tuple[int, ...] = ()
+
+
+@dataclass
+class Reconstruction:
+    """Forwards the engine runs on the whole prefilled cache before it compresses (:meth:`Method.reconstruction`).
+
+    Attributes:
+        inputs: ``[(input_ids, start, end), ...]``: one forward each, fed on top of the n prefilled tokens
+            (positions n, n + 1, ...; the cache is cut back to n after each); it scores prefilled positions [start, end).
+        sinks: the first ``sinks`` prefilled tokens are attention sinks, always kept.
+    """
+
+    inputs: list[tuple[list[int], int, int]]
+    sinks: int = 0
+
+
+@dataclass
+class ReconstructionContext:
+    """One compressible layer in one reconstruction forward (:meth:`Method.reconstruction_score`). B batch, q fed
+    tokens, n prefilled tokens.
+
+    Attributes:
+        queries: ``(B, H_q, q, d)`` the fed tokens' queries after q-norm and RoPE.
+        keys, values: ``(B, H_kv, n + q, d)`` the layer's cache: the prefilled tokens, then the fed ones.
+        start, end, sinks: the forward's scored positions [start, end) and :attr:`Reconstruction.sinks`.
+        hidden_norm: ``(B, q)`` L2 norm of each fed token's attention input (after the layer's input norm).
+        out_proj: ``(hidden, H_q · d)`` the layer's output projection W_O.
+    """
+
+    layer_idx: int
+    queries: torch.Tensor
+    keys: torch.Tensor
+    values: torch.Tensor
+    start: int
+    end: int
+    sinks: int
+    hidden_norm: torch.Tensor | None = None
+    out_proj: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -386,6 +442,21 @@ class Method:
             ``(out (B, H_q, n, d) in value's dtype, sums (B, H_q, n) float32)``.
         """
         raise NotImplementedError(f"method {self.name} computes no prompt attention")
+
+    def reconstruction(self, ids: Sequence[int], fmt: PromptFormat) -> Reconstruction | None:
+        """The forwards to run after prefilling ``ids`` (the n compressed token ids) before compressing, or None
+        (the default: each layer is compressed at the end of its prefill). With forwards the engine collects
+        :meth:`reconstruction_score` per compressible layer, then :meth:`allocate`, then :meth:`compress` per layer."""
+        return None
+
+    def reconstruction_score(self, ctx: ReconstructionContext) -> torch.Tensor:
+        """``(B, H_kv, end - start)`` scores of the prefilled tokens [start, end) from one reconstruction forward."""
+        raise NotImplementedError(f"method {self.name} has no reconstruction score")
+
+    def allocate(self, plan: Plan, scores: Mapping[int, torch.Tensor], reconstruction: Reconstruction) -> Plan:
+        """The plan after the reconstruction forwards, from every compressible layer's scores ``{layer: (B, H_kv, n)}``
+        (which it may change in place, e.g. sinks to +inf). Default: ``plan``."""
+        return plan
 
     def plan(self, n_tokens: int, budget: Budget, layout: HeadLayout) -> Plan:
         """Uniform per-layer budget (override for layer/head-wise allocation); ``compress=False`` when n ≤ m."""

@@ -51,3 +51,15 @@ def test_kvbench_imports_no_method_module():
     bad = {f: sorted(m for m in mods if m.split(".")[0] == "methods" and m not in METHODS_API)
            for f, mods in GRAPH.items() if f.startswith("kvbench/")}
     assert not {f: m for f, m in bad.items() if m}
+
+
+def test_kvbench_modules_import_downward_only():
+    """No import cycle among kvbench's modules (config.py ↔ models.py was one): each imports only modules below it."""
+    graph = {f[:-3].replace("/", "."): {m for m in mods if m.startswith("kvbench.")}
+             for f, mods in GRAPH.items() if f.startswith("kvbench/")}
+    placed: list[str] = []
+    while len(placed) < len(graph):  # peel off modules whose kvbench imports are all placed already
+        below = [m for m in graph if m not in placed and graph[m] <= set(placed) | {m}]
+        left = set(graph) - set(placed)
+        assert below, f"import cycle: {({m: sorted(graph[m] & left - {m}) for m in sorted(left)})}"
+        placed += below

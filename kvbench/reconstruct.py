@@ -1,0 +1,77 @@
+"""Reconstruction forwards (KVzip's context reconstruction): after the prefill, before compression.
+
+A method whose :meth:`~methods.base.Method.reconstruction` asks for forwards gets them here, on its state's full
+prefilled cache: each forward feeds its ids at positions n, n + 1, ... through the model's own modules with the
+state in phase ``score`` (:func:`kvbench.attention.kvbench_attention` collects the method's
+``reconstruction_score`` per compressible layer), then the cache is cut back to the n prefilled tokens. Then
+``method.allocate`` gives the budgets and every compressible layer is compressed from its scores. The forwards'
+time is compression time (``compress_s``) and is also kept apart (``Scoring.seconds``, the record's
+``reconstruct_s``): a method that pays two more prefills is compared at its cost.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from .attention import CompressionState, Scoring, compress_layer
+from .kvcache import PreallocatedLayer
+
+
+def start_scoring(state: CompressionState, ids: list[int], fmt) -> None:
+    """Give ``state`` a :class:`~kvbench.attention.Scoring` when its method reconstructs ``ids`` (n prefilled ids;
+    ``fmt``: the model's :class:`~methods.base.PromptFormat`), so that the prefill leaves its layers whole."""
+    rec = state.method.reconstruction(ids, fmt) if state.compressing else None
+    state.scoring = Scoring(rec) if rec is not None and rec.inputs else None
+
+
+def _attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    return [m for m in model.modules() if isinstance(getattr(m, "layer_idx", None), int) and hasattr(m, "o_proj")]
+
+
+@torch.inference_mode()
+def reconstruct(model: torch.nn.Module, state: CompressionState, n: int) -> None:
+    """Run ``state.scoring``'s forwards on ``state.cache`` (n prefilled tokens), then compress every compressible
+    layer from their scores into the cache (``state.results``).
+
+    Raises:
+        RuntimeError: an input that does not fit the model (as its forward raises it).
+    """
+    sc, cache, dev = state.scoring, state.cache, model.get_input_embeddings().weight.device
+    sync = dev.type == "cuda"
+
+    def keep_norm(module, args, kwargs):  # KVzip+'s ||h||: the attention input, which the attention function never sees
+        hidden = kwargs.get("hidden_states", args[0] if args else None)
+        sc.hidden_norms[module.layer_idx] = torch.linalg.vector_norm(hidden, dim=-1)
+
+    hooks = [m.register_forward_pre_hook(keep_norm, with_kwargs=True) for m in _attention_modules(model)]
+    if sync:
+        torch.cuda.synchronize()
+    t0, state.phase = time.perf_counter(), "score"
+    try:
+        for sc.forward, (ids, _start, _end) in enumerate(sc.reconstruction.inputs):
+            # sliding-window layers (Gemma) drop old tokens as they take new ones: restored as they were
+            saved = [None if isinstance(layer, PreallocatedLayer) else dict(vars(layer)) for layer in cache.layers]
+            pos = torch.arange(n, n + len(ids), device=dev)
+            model(input_ids=torch.tensor([ids], device=dev), past_key_values=cache, use_cache=True,
+                  position_ids=pos.view(1, -1), cache_position=pos, logits_to_keep=1, kvbench_state=state)
+            for layer, old in zip(cache.layers, saved):
+                layer.crop(n) if old is None else vars(layer).update(old)
+            sc.tokens += len(ids)
+    finally:
+        for hook in hooks:
+            hook.remove()
+        state.phase = "prefill"
+    if sync:
+        torch.cuda.synchronize()
+    sc.seconds = time.perf_counter() - t0
+    state.compress_s += sc.seconds
+    t0 = time.perf_counter()
+    state.plan = state.method.allocate(state.plan, sc.scores, sc.reconstruction)
+    if sync:
+        torch.cuda.synchronize()
+    state.compress_s += time.perf_counter() - t0
+    for idx, (scaling, softcap) in sc.scaling.items():
+        key, value = cache.layers[idx].keys[:, :, :n], cache.layers[idx].values[:, :, :n]
+        compress_layer(state, idx, key[:, :, :0], key, value, scaling, softcap, reconstruction_scores=sc.scores[idx])

@@ -1,0 +1,72 @@
+"""The ``cost`` artifact: what each job's compression cost, beside the plain prefill it replaces.
+
+A method that scores by reconstructing the context (KVzip) runs about three prefills, one that scores inside the
+prefill (SnapKV) one: the table shows both at their price. Per job, from its records on the samples it shares
+with the full-cache job of the same task and model key (``method=full``; without one, its own records):
+
+* ``prefill + compress ÷ plain``: Σ (prefill_s + compress_s) over those samples ÷ Σ the full-cache job's
+  prefill_s on them (without a full-cache job, ÷ the job's own prefill_s: a prefill without compression);
+* ``reconstruct ms``: the reconstruction forwards inside ``compress_s`` (``reconstruct_s``; 0 for other methods);
+* ``cache MiB``: the bytes the cache holds after compression (all layers, ``cache_bytes_after``), and
+  ``÷ full``: over the full-cache job's on the same samples.
+Timings compare on one device only: jobs on other devices or dtypes have other model keys.
+"""
+
+import pandas as pd
+
+from .report_data import FULL, budget_text, method_sort_key, model_sort_key
+from .report_tables import Artifact
+from .store import JobStore
+
+COLUMNS = ["prefill_s", "compress_s", "reconstruct_s", "cache_bytes_after"]
+
+
+def ratio(part: pd.Series, whole: pd.Series) -> float | None:
+    """Σ part ÷ Σ whole over the samples where both are recorded; None when nothing is."""
+    both = part.notna() & whole.notna()
+    return part[both].sum() / whole[both].sum() if both.any() and whole[both].sum() > 0 else None
+
+
+def job_samples(root, job: str) -> pd.DataFrame:
+    """The job's latest successful record per sample id: :data:`COLUMNS` (``reconstruct_s`` 0 when not recorded)."""
+    recs = [r for r in JobStore(root / job).latest().values() if r.get("error") is None]
+    frame = pd.DataFrame([{c: r.get(c, 0.0 if c == "reconstruct_s" else None) for c in COLUMNS} for r in recs],
+                         index=[str(r["id"]) for r in recs], columns=COLUMNS)
+    return frame.apply(pd.to_numeric, errors="coerce")
+
+
+def cost_table(df: pd.DataFrame, root) -> list[Artifact]:
+    """One table over every task × model key: a row per job (method, variant, budget), full cache first."""
+    rows, used, notes = [], [], []
+    for (task, mk), grp in sorted(df.groupby(["task", "model_key"]), key=lambda g: (g[0][0], model_sort_key(g[0][1]))):
+        jobs = grp.drop_duplicates("job")
+        samples = {job: job_samples(root, job) for job in jobs["job"]}
+        fulls = [j for j, name in zip(jobs["job"], jobs["method_name"]) if name == FULL and len(samples[j])]
+        ref = samples[max(fulls, key=lambda j: len(samples[j]))] if fulls else None
+        if ref is None:
+            notes.append(f"no full-cache job: {task} {mk}: relative to each job's own prefill (compression excluded)")
+        order = sorted(jobs.itertuples(), key=lambda r: (r.method_name != FULL, method_sort_key(r.method_name, r.method),
+                                                         r.variant, r.budget))
+        for r in order:
+            own = samples[r.job]
+            base = own if ref is None else ref
+            ids = own.index.intersection(base.index)
+            if not len(ids):
+                continue
+            mine, plain = own.loc[ids], base.loc[ids]
+            rows.append({
+                "Task": task, "Model": mk, "Method": r.method + (f" ({r.variant})" if r.variant else ""),
+                "Budget": None if r.method_name == FULL else budget_text(r.budget), "n": str(len(ids)),
+                "prefill ms": 1e3 * mine["prefill_s"].mean(), "compress ms": 1e3 * mine["compress_s"].mean(),
+                "reconstruct ms": 1e3 * mine["reconstruct_s"].mean(),
+                "prefill + compress ÷ plain": ratio(mine["prefill_s"] + mine["compress_s"], plain["prefill_s"]),
+                "cache MiB": mine["cache_bytes_after"].mean() / 2**20,
+                "÷ full": ratio(mine["cache_bytes_after"], plain["cache_bytes_after"]) if ref is not None else None,
+            })
+        used.append(grp)
+    if not rows:
+        return []
+    caption = ("Cost of compression: mean prefill, compression and (inside it) reconstruction time per sample, "
+               "prefill + compression over a plain prefill (the full-cache job's on the same samples), "
+               "cache bytes after compression and their share of the full cache's; n: the samples compared")
+    return [Artifact("cost", caption, pd.DataFrame(rows), notes=notes, used=pd.concat(used))]
