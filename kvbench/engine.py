@@ -18,8 +18,8 @@ import inspect
 import logging
 import resource
 import time
-from contextlib import ExitStack
-from dataclasses import dataclass, field
+from contextlib import ExitStack, nullcontext
+from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
 
 import torch
@@ -29,7 +29,7 @@ from torch.nn.attention import sdpa_kernel
 from methods.base import Budget, Method, Plan, PromptFormat, apply_budget_floor, check_budget
 
 from .attention import DECODE_BACKENDS, CompressionState, attach_bias, decode_backends
-from .kvcache import RaggedLayer, checkpoint, preallocated_cache, restore
+from .kvcache import RaggedLayer, checkpoint, preallocated_cache, restore, store_layer
 from .models import LoadedModel, greedy_processors
 from .reconstruct import reconstruct, start_scoring
 
@@ -587,17 +587,24 @@ def prefill(engines: list[Engine], prompt_ids: list[int], max_new_tokens: int) -
     for e, st in zip(engines, states):
         start_scoring(st, prompt_ids, e.prompt_format)  # a method that scores by reconstruction (KVzip)
     kinds: dict[Any, list[int]] = {}
+    hooks = [st.compressing and st.method.prefill_hooks(first.model, st, n) or None for st in states]
     for i, st in enumerate(states):
         fused = st.compressing and st.method.wants_prompt_attention(dev)
-        kinds.setdefault(repr(st.method.config) if fused else None, []).append(i)
+        kinds.setdefault(i if hooks[i] else repr(st.method.config) if fused else None, []).append(i)
     out: list[Prefilled | None] = [None] * len(engines)
     for group in kinds.values():
         mine, shared, sync = [states[i] for i in group], len(group) > 1, dev.type == "cuda"
         cache = preallocated_cache(first.model.config, max_new_tokens + 1) if shared else mine[0].cache
+        hooked = hooks[group[0]]  # the method compresses through the model's hooks (Method.prefill_hooks)
         reset_peak_memory(first.devices)
         t0 = time.perf_counter()
-        logits = first.model(input_ids=torch.tensor([prompt_ids], device=dev), past_key_values=cache, use_cache=True,
-                             logits_to_keep=1, kvbench_state=mine if shared else mine[0]).logits[0, -1]
+        with hooked or nullcontext():  # plan=None: the attention function compresses nothing, the hooks do
+            logits = first.model(input_ids=torch.tensor([prompt_ids], device=dev), past_key_values=cache, use_cache=True,
+                                 logits_to_keep=1, kvbench_state=replace(mine[0], plan=None) if hooked else
+                                 mine if shared else mine[0]).logits[0, -1]
+        for idx, res in mine[0].results.items() if hooked else ():  # the hooks' layers, as _compress_layer stores
+            layer = store_layer(cache, idx, res.keys, res.values, res.valid, reserve=mine[0].reserve)
+            res.keys, res.values = layer.keys, layer.values
         if sync:
             torch.cuda.synchronize()
         prefill_s = max(0.0, time.perf_counter() - t0 - sum(st.compress_s for st in mine))

@@ -13,6 +13,8 @@ fields are the Hydra node ``conf/method/<name>.yaml``) and a :class:`Method` sub
   :meth:`Method.reconstruction`; the engine then runs those forwards after the prefill, collects
   :meth:`Method.reconstruction_score` per layer, asks :meth:`Method.allocate` for the budgets and
   compresses each layer from the scores (``LayerContext.reconstruction_scores``).
+* :meth:`Method.prefill_hooks` (instead of ``compress``): a method that compresses through the model's
+  own modules (kvpress's forward hooks) gets the model and the engine's state around the prefill forward.
 
 Methods are pure functions of tensors: they never see tasks, prompts or files (artifacts
 such as head scores are parsed by :mod:`methods.artifacts`).
@@ -423,6 +425,17 @@ class Method:
 
     def check_layout(self, layout: HeadLayout) -> None:
         """Raise :class:`ConfigError` if the method cannot run on this attention layout."""
+
+    def prefill_hooks(self, model: Any, state: Any, n_tokens: int) -> typing.ContextManager | None:
+        """A context manager the engine enters around the prefill forward of an ``n_tokens`` prompt, for a method
+        that compresses through the model's own modules (kvpress's forward hooks), or None (the default:
+        :meth:`compress` per layer). The forward then runs without the engine's compression (its own prefill,
+        never shared); ``state`` is the engine's per-sample state: ``plan``, ``layout``, ``cache`` (the
+        transformers cache being filled). By its exit the method has put into ``state.results`` a
+        :class:`CompressResult` per compressible layer (the keys/values the cache holds; ``valid`` for
+        per-head lengths) and added its own seconds to ``state.compress_s``; the engine stores them as
+        :meth:`compress`'s results."""
+        return None
 
     def wants_prompt_attention(self, device: torch.device) -> bool:
         """Whether the engine computes a whole-prompt prefill with :meth:`prompt_attention` instead of

@@ -1,13 +1,26 @@
-"""Any score-based kvpress 0.5.x press (extra ``kvbench[kvpress]``) as a method (docs/METHODS.md): ``score`` runs
-once per layer at the end of prefill on inputs rebuilt from the layer (:func:`press_inputs`); the top m are kept
-(AdaKVPress: its safeguard + global top-k set, per-head lengths), m from the budget (:func:`compression_ratio`)."""
+"""Any prefill press of kvpress 0.5.x (extra ``kvbench[kvpress]``) as a method (docs/METHODS.md), on one of two paths.
+
+* **Scorer path**: a ``ScorerPress`` that needs nothing of the model but a layer's tensors (and ``AdaKVPress`` around
+  one): ``score`` runs once per layer at the end of prefill inside kvbench's attention function, on inputs rebuilt
+  from the layer (:func:`press_inputs`); the top m are kept (AdaKVPress: its safeguard + global top-k set, per-head
+  lengths), m from the budget (:func:`compression_ratio`).
+* **Hook path**: every other prefill press runs its own code on the model, as kvpress's pipeline runs it
+  (:mod:`methods.kvpress_hooks`, :meth:`KVPress.prefill_hooks`).
+
+A press is a Hydra node: ``press`` (the class name) and ``press_kwargs`` (its arguments); inside ``press_kwargs`` a
+node ``{press: <name>, press_kwargs: {...}}``, or a list of them, is a press (a wrapper's ``press``/``base_press``,
+ComposedPress's ``presses``); a wrapper's ``press: <name>`` may take its arguments beside it as ``press_kwargs``.
+The budget sets ``compression_ratio`` (every component's in a ComposedPress); ThinKPress
+(``key_channel_compression_ratio``), DuoAttentionPress (``head_compression_ratio``) and DMSPress (``threshold``)
+take their own knob from ``press_kwargs``, as kvpress's evaluate.py takes it from a flag of its own.
+"""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 
@@ -15,12 +28,13 @@ from .allocation import safeguard_keep_mask
 from .base import CompressResult, ConfigError, LayerContext, Method, MethodConfig, gather_tokens, pack_kept, require
 from .scoring import topk_keep_window
 
-HUB = "needs trained filters, weights or statistics downloaded from the Hub"
-REFUSED = {  # ScorerPresses kvbench cannot run, and why
-    "QFilterPress": HUB, "KVzapPress": HUB, "ExpectedAttentionStatsPress": HUB,
-    "ObservedAttentionPress": "needs the n x n prefill attention weights (eager attention)",
-    "PyramidKVPress": "sets its own layer budgets inside compress(); use method=pyramidkv_kvpress",
-    "CriticalKVPress": "needs the attention module's output projection (kvbench methods see tensors only)"}
+DECODING = ("decode-time compression, which the engine runs with decode.interval (pending): DecodingPress(base_press, "
+            "compression_interval, target_size) is method.press=<base_press> decode.interval=<compression_interval> "
+            "budget=<target_size>, decode.prefill=false (true: PrefillDecodingPress)")
+REFUSED = {  # presses kvbench cannot run, and why
+    "BasePress": "abstract base class", "ScorerPress": "abstract base class",
+    "DecodingPress": DECODING, "PrefillDecodingPress": DECODING, "CompressionRatioDecodingPress": DECODING,
+    "CAMPress": "merges values at decode time (a DecodingPress): " + DECODING}
 
 
 def _kvpress():
@@ -43,9 +57,7 @@ def refusal(name: str) -> str | None:
     cls = getattr(kp, name, None) if name in kp.__all__ else None
     if not (isinstance(cls, type) and issubclass(cls, kp.BasePress)):
         return "unknown press"
-    scorer = cls is kp.AdaKVPress or (issubclass(cls, kp.ScorerPress) and cls is not kp.ScorerPress)
-    return REFUSED.get(name) or (None if scorer else "not score-based (kvbench runs ScorerPress subclasses and "
-                                 "AdaKVPress once, at the end of prefill: no decoding-time or model-rewriting presses)")
+    return REFUSED.get(name)
 
 
 def supported() -> list[str]:
@@ -53,28 +65,79 @@ def supported() -> list[str]:
     return sorted(n for n in _kvpress().__all__ if refusal(n) is None)
 
 
+def _plain_scorer(cls: type) -> bool:
+    """A ScorerPress class with kvpress's own ``compress``, no ``post_init_from_model`` (nothing loaded from the
+    model or the Hub), reading no attention weights: its ``score`` needs a layer's tensors only."""
+    kp = _kvpress()
+    return (issubclass(cls, kp.ScorerPress) and cls.compress is kp.ScorerPress.compress and not issubclass(
+        cls, kp.ObservedAttentionPress) and cls.post_init_from_model is kp.BasePress.post_init_from_model)
+
+
+def scorer_path(press: Any) -> bool:
+    """Whether ``press`` runs on the scorer path: a plain scorer (:func:`_plain_scorer`), or AdaKVPress around one."""
+    return _plain_scorer(type(press.press if type(press) is _kvpress().AdaKVPress else press))
+
+
 def make_press(name: Any, kwargs: Any, key: str = "press") -> Any:
-    """``name(**kwargs)``; ``AdaKVPress`` takes its scorer as ``press`` (a name; SnapKVPress) and
-    ``press_kwargs``. Raises ConfigError (``method.<key>...``): unknown or refused press, rejected arguments."""
+    """``name(**kwargs)``, nested press nodes built first (module docstring); ``artifact`` (a local path or Hub id)
+    installed (:func:`methods.kvpress_hooks.install_artifact`). Raises ConfigError (``method.<key>...``): unknown or
+    refused press, rejected arguments, an unreadable artefact, or one kvpress would fetch while the Hub is offline."""
+    from huggingface_hub import constants
+
+    from .kvpress_hooks import ARTIFACTS, install_artifact
+
     kp, why = _kvpress(), refusal(str(name))
     if why is not None:
         raise ConfigError(f"method.{key}={name!r}: {why}; accepted values are {', '.join(supported())}")
-    cls, kwargs = getattr(kp, name), dict(kwargs)
+    kwargs = dict(kwargs or {})
     require("compression_ratio" not in kwargs, f"{key}_kwargs.compression_ratio", "set", "comes from budget; remove it")
-    if cls is kp.AdaKVPress:
-        inner = kwargs.pop("press", "SnapKVPress"), kwargs.pop("press_kwargs", None) or {}
-        kwargs["press"] = make_press(*inner, f"{key}_kwargs.press")
+    artifact, window = kwargs.pop("artifact", None), kwargs.pop("window_size", None) if name == "FinchPress" else None
+    for sub in ("press", "base_press"):  # a wrapper's inner press by name, its arguments beside it
+        if isinstance(kwargs.get(sub), str):
+            kwargs[sub] = {"press": kwargs[sub], "press_kwargs": kwargs.pop(f"{sub}_kwargs", None) or {}}
+    kwargs = {k: _nested(v, f"{key}_kwargs.{k}") for k, v in kwargs.items()}
     try:
-        return cls(**kwargs)
+        press = getattr(kp, name)(**kwargs)
     except (AssertionError, TypeError, ValueError) as e:
         raise ConfigError(f"method.{key}_kwargs={kwargs!r}: {name} rejects them ({e})") from None
+    require(not getattr(press, "decoding", False), f"{key}_kwargs.decoding", True, DECODING)
+    require(name != "DMSPress" or press.threshold is not None, f"{key}_kwargs.threshold", None,
+            "DMSPress evicts the tokens scoring below it: a number")
+    if name == "FinchPress":  # kvpress finds the window after a delimiter token kvbench's prompts do not hold
+        require(isinstance(window, int) and window > 0, f"{key}_kwargs.window_size", window,
+                "FinchPress's observation window (the question's tokens): an integer > 0")
+        press.window_size, press.delimiter_token_id = window, -1  # -1: no delimiter, the window stays as set
+    if artifact is not None:
+        require(ARTIFACTS.get(name, ("", None))[1] is not None, f"{key}_kwargs.artifact", artifact,
+                f"{name} takes no local artefact")
+        try:
+            install_artifact(press, str(artifact))
+        except Exception as e:  # noqa: BLE001 - any reader's error: one line
+            raise ConfigError(f"method.{key}_kwargs.artifact={artifact!r}: cannot read it ({type(e).__name__}: "
+                              f"{str(e).splitlines()[0] if str(e) else ''})") from None
+    needs = "the kmfoda/booksum data set" if getattr(press, "on_the_fly_scoring", False) else (
+        ARTIFACTS.get(name, ("",))[0] if artifact is None and not getattr(press, "stats_folder", None) else "")
+    require(not (needs and constants.HF_HUB_OFFLINE), f"{key}_kwargs.artifact", artifact,
+            f"{name} needs {needs}, which kvpress fetches by the model's name, and the Hub is offline "
+            "(HF_HUB_OFFLINE=1): give a local path or Hub id")
+    return press
+
+
+def _nested(value: Any, key: str) -> Any:
+    """A press node (a mapping with ``press``) as a press; a list element-wise; anything else as it is."""
+    if isinstance(value, Mapping) and "press" in value:
+        extra = sorted(set(value) - {"press", "press_kwargs"})
+        require(not extra, f"{key}.{extra[0] if extra else ''}", value, "a press node has the keys press, press_kwargs")
+        return make_press(value["press"], value.get("press_kwargs"), key)
+    return [_nested(v, f"{key}[{i}]") for i, v in enumerate(value)] if isinstance(value, list) else value
 
 
 @dataclass
 class KVPressConfig(MethodConfig):
     """Attributes:
         press: a kvpress press class name (``python -m methods.kvpress_press`` lists them).
-        press_kwargs: its arguments (null: none), ``compression_ratio`` excepted (set from the budget).
+        press_kwargs: its arguments (null: none), ``compression_ratio`` excepted (set from the budget); nested press
+            nodes; ``artifact``: a trained artefact's local path or Hub id; FinchPress: ``window_size``.
     """
 
     press: str = "KnormPress"
@@ -113,7 +176,7 @@ def press_inputs(ctx: LayerContext) -> tuple[Any, torch.Tensor, dict]:
 
 
 class KVPress(Method):
-    """A kvpress ``ScorerPress`` (or ``AdaKVPress`` around one) scoring every prompt token once."""
+    """A kvpress press: a scorer scoring every prompt token once (scorer path), or the press's own hooks."""
 
     Config = KVPressConfig
 
@@ -121,6 +184,27 @@ class KVPress(Method):
 
     def min_budget(self) -> int:
         return 1  # kvpress keeps max(1, int(n·(1 − cr)))
+
+    def check_layout(self, layout: Any) -> None:
+        from .kvpress_hooks import presses
+
+        for press in presses(self.config.built):
+            pattern = vars(press).get("load_attention_pattern")  # a local DuoAttention pattern (artifact)
+            shape = pattern(None)[2].shape if pattern else None
+            require(shape in (None, (layout.num_layers, layout.num_kv_heads)), "press_kwargs.artifact", shape,
+                    f"a DuoAttention pattern of {layout.num_layers} layers x {layout.num_kv_heads} KV heads")
+
+    def prefill_hooks(self, model: Any, state: Any, n_tokens: int) -> Any:
+        """The press's own hooks around the prefill (:class:`methods.kvpress_hooks.PressHooks`), compressing to the
+        plan's budget (``compression_ratio`` keeping m of n); None on the scorer path."""
+        from .kvpress_hooks import PressHooks, presses
+
+        press = self.config.built
+        if scorer_path(press):
+            return None
+        m = max(state.plan.layer_budgets[i] for i in state.layout.compressible_layers)
+        eager = any(isinstance(p, _kvpress().ObservedAttentionPress) for p in presses(press))
+        return PressHooks(press, model, state, compression_ratio(n_tokens, m), eager)
 
     def compress(self, ctx: LayerContext) -> CompressResult:
         press, m = self.config.built, ctx.budget
@@ -134,5 +218,12 @@ class KVPress(Method):
         return CompressResult(gather_tokens(ctx.keys, idx), gather_tokens(ctx.values, idx), kept_indices=idx)
 
 
-if __name__ == "__main__":
-    print("\n".join(supported()))
+if __name__ == "__main__":  # what runs, on which path, and why not for the rest
+    from .kvpress_hooks import ARTIFACTS
+
+    kp = _kvpress()
+    for name in sorted(n for n in kp.__all__ if refusal(n) != "unknown press"):
+        cls, why = getattr(kp, name), refusal(name)
+        path = ("scorer path" if _plain_scorer(cls) else "scorer path around a plain scorer, else hook path"
+                if cls is kp.AdaKVPress else "hook path") + (f"; needs {ARTIFACTS[name][0]}" if name in ARTIFACTS else "")
+        print(f"{name}: {'refused: ' + why if why else path}")

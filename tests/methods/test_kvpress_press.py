@@ -290,26 +290,39 @@ def test_compression_ratio_keeps_exactly_m():
 
 def test_config_errors_name_the_key():
     names = supported()
-    assert {"KnormPress", "SnapKVPress", "TOVAPress", "AdaKVPress", "StreamingLLMPress"} <= set(names)
-    assert not {"DMSPress", "QFilterPress", "ObservedAttentionPress", "ScorerPress"} & set(names)
+    assert {"KnormPress", "SnapKVPress", "TOVAPress", "AdaKVPress", "KVzipPress", "ObservedAttentionPress"} <= set(names)
+    assert not {"DecodingPress", "PrefillDecodingPress", "CAMPress", "ScorerPress", "BasePress"} & set(names)
     for cfg, key in [({"press": "NoSuchPress"}, "method.press="), ({"press": "DecodingPress"}, "method.press="),
-                     ({"press": "QFilterPress"}, "method.press="),
+                     ({"press": "QFilterPress"}, "method.press_kwargs.artifact="),  # offline, no local artefact
+                     ({"press": "QFilterPress", "press_kwargs": {"artifact": "/no/such/dir"}}, "method.press_kwargs.artifact="),
+                     ({"press": "KnormPress", "press_kwargs": {"artifact": "/x"}}, "method.press_kwargs.artifact="),
                      ({"press": "SnapKVPress", "press_kwargs": {"compression_ratio": 0.5}}, "method.press_kwargs.compression_ratio"),
                      ({"press": "SnapKVPress", "press_kwargs": {"windows": 8}}, "method.press_kwargs="),
-                     ({"press": "AdaKVPress", "press_kwargs": {"press": "DMSPress"}}, "method.press_kwargs.press="),
-                     ({"press": "AdaKVPress", "press_kwargs": {"alpha_safeguard": 2.0}}, "method.press_kwargs=")]:
+                     ({"press": "AdaKVPress", "press_kwargs": {"press": "DecodingPress"}}, "method.press_kwargs.press="),
+                     ({"press": "AdaKVPress", "press_kwargs": {"press": "ThinKPress"}}, "method.press_kwargs="),
+                     ({"press": "AdaKVPress", "press_kwargs": {"alpha_safeguard": 2.0}}, "method.press_kwargs="),
+                     ({"press": "ComposedPress", "press_kwargs": {"presses": [{"press": "KnormPress", "x": 1}]}},
+                      "method.press_kwargs.presses[0].x="),
+                     ({"press": "DMSPress", "press_kwargs": {"press": "KnormPress"}}, "method.press_kwargs.threshold="),
+                     ({"press": "DMSPress", "press_kwargs": {"press": "KnormPress", "threshold": 0.1, "decoding": True}},
+                      "method.press_kwargs.decoding="),
+                     ({"press": "FinchPress"}, "method.press_kwargs.window_size=")]:
         with pytest.raises(ConfigError) as e:
             build_method({"name": "kvpress_press", **cfg})
-        assert str(e.value).startswith(key) and "\n" not in str(e.value)
+        assert str(e.value).startswith(key) and "\n" not in str(e.value), str(e.value)
         if key == "method.press=":
             assert "KnormPress" in str(e.value)  # the accepted presses
 
 
 def test_refused_press_exits_2_before_the_model_loads(tmp_path, capsys):
-    run = run_cli(["method=kvpress", "method.press=DMSPress", "model.source=/nonexistent", f"output_root={tmp_path}"])
-    assert run.returncode == 2 and "method.press='DMSPress'" in run.stderr
+    run = run_cli(["method=kvpress", "method.press=DecodingPress", "model.source=/nonexistent", f"output_root={tmp_path}"])
+    assert run.returncode == 2 and "method.press='DecodingPress'" in run.stderr and "decode.interval" in run.stderr
     runpy.run_module("methods.kvpress_press", run_name="__main__")  # the documented listing command
-    assert capsys.readouterr().out.split() == supported()
+    listing = dict(line.split(": ", 1) for line in capsys.readouterr().out.splitlines())
+    assert sorted(n for n, what in listing.items() if not what.startswith("refused")) == supported()
+    assert listing["SnapKVPress"] == "scorer path" and listing["KVzipPress"] == "hook path"
+    assert listing["QFilterPress"].startswith("hook path; needs") and listing["DecodingPress"].startswith("refused: ")
+
 
 
 def test_kvpress_presets_hold_the_presses_defaults():
