@@ -27,6 +27,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from methods.base import CompressResult, HeadLayout, LayerContext, Method, Plan
 
 from .kvcache import RaggedLayer, store_layer, write_bias
+from .quantcache import QuantizedLayer
 
 try:  # PyTorch's own flash varlen kernel (CUDA, fp16/bf16); no flash-attn package needed
     from torch.nn.attention.varlen import varlen_attn
@@ -141,8 +142,10 @@ def sdpa_backend(query, key, value, **kwargs: Any) -> str:
 
 
 def layer_kind(layer: Any) -> str:
-    """A cache layer's decode layout: ``per-head lengths`` (ragged), ``bias columns`` or ``uniform``."""
-    return "per-head lengths" if isinstance(layer, RaggedLayer) else "bias columns" if getattr(layer, "bias_rows", 0) else "uniform"
+    """A cache layer's decode layout: ``per-head lengths`` (ragged), ``quantized`` (read back in full, its bias
+    columns included), ``bias columns`` or ``uniform``."""
+    return ("per-head lengths" if isinstance(layer, RaggedLayer) else "quantized" if isinstance(layer, QuantizedLayer)
+            else "bias columns" if getattr(layer, "bias_rows", 0) else "uniform")
 
 
 def decode_backends(state: CompressionState) -> dict[str, str]:
@@ -160,6 +163,7 @@ def decode_backends(state: CompressionState) -> dict[str, str]:
         if backend.startswith("sdpa"):  # the step's SDPA call: G query rows per KV head, no mask
             if kind == "per-head lengths":
                 key = key[: layer.lens_host[0] + layer.decoded].reshape(1, 1, -1, key.shape[-1])
+            key = key.new_zeros(*key.shape[:2], 1, layer.width) if kind == "quantized" else key  # as read back
             backend = sdpa_backend(key.new_zeros(*key.shape[:2], g, key.shape[-1]), key, key)
         out[kind] = backend
     return out

@@ -273,8 +273,8 @@ def run_jobs(jobs: list[JobSpec], wait_s: float | None = None) -> list[int]:
             loaded, task, mine, expected, compiled = load(runs[0][0])
             envs = [write_env(job, store, loaded, compiled, mine) for job, store in runs]
             engines = [Engine(loaded, job.method, job.top.budget) for job, _ in runs]
-            for engine in engines:
-                engine.compile_decode = compiled
+            for engine, (job, _) in zip(engines, runs):
+                engine.compile_decode, engine.quant = compiled, job.top.cache if job.top.cache.bits else None
             run_samples(engines, loaded, task, mine, [store for _, store in runs], runs[0][0].top.quiet)
             for engine, (_, store), (name, env) in zip(engines, runs, envs):
                 if engine.compile_error:  # this run's env.json says what ran: eager from the failure on

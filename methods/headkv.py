@@ -135,6 +135,7 @@ class HeadKV(SnapKV):
     """Head-level budgets from head-importance scores; SnapKV token scores inside each head."""
 
     Config = HeadKVConfig
+    per_head_lengths = True
 
     def __init__(self, config=None, layout=None, artifacts=None):
         super().__init__(config, layout, artifacts)
