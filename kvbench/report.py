@@ -13,6 +13,7 @@ import pandas as pd
 from . import report_tables as rt
 from .cli import ArgParser
 from .plots import plt
+from .report_bytes import accuracy_vs_bytes
 from .report_data import load_results
 from .report_tables import Artifact, dedupe, fmt, round2
 from .store import atomic_write
@@ -48,10 +49,12 @@ ARTIFACTS = {  # family -> builder of its artifacts
     "compresskv_fig4": _sweep_fig("compresskv_fig4", "longbench", False, "LongBench average under varying KV budgets"),
     "compresskv_fig5": _sweep_fig("compresskv_fig5", "niah", False, "Needle-in-a-Haystack average under KV budgets"),
     "niah": lambda c: rt.niah_figures(c.df, c.root),
+    "accuracy_vs_bytes": lambda c: accuracy_vs_bytes(c.df),
 }
 OUTPUTS = {"scores": ["scores_*", "paired_*"], "longbench_v2": ["longbench_v2_*"], "loogle": ["loogle_*"],
            "zero_scrolls": ["zero_scrolls_*"], "selkv_ratio_tables": ["selkv_table5", "selkv_table6", "selkv_ratios_*"],
-           "compresskv_table3": ["compresskv_table3a", "compresskv_table3b"], "niah": ["niah_panel_*"]}
+           "compresskv_table3": ["compresskv_table3a", "compresskv_table3b"], "niah": ["niah_panel_*"],
+           "accuracy_vs_bytes": ["accuracy_vs_bytes", "accuracy_vs_bytes_points"]}
 
 
 def _cells(t: Artifact, bold: str = "**%s**", missing: str = "–", esc=str) -> pd.DataFrame:
