@@ -1,9 +1,9 @@
 """``python -m benchmarks``: kvbench's performance suite on the embedded model (SmolLM2-135M):
-engine, overhead, kvpress, compression, decode and memory tables (benchmarks/README.md). Every
+engine, overhead, kvpress, compression, decode, memory and quantized-cache tables (benchmarks/README.md). Every
 target is a ratio of two measurements of the same run. Tables are printed, JSON saved under --out
 and the summary written to docs/PERFORMANCE.md (complete, non-quick runs; else <out>/PERFORMANCE.md).
 
-    python -m benchmarks                    # the whole CPU suite (about 15 min on 2 cores)
+    python -m benchmarks                    # the whole CPU suite (about 20 min on 2 cores)
     python -m benchmarks --quick            # 256/512-token prompts, few repetitions (a few minutes)
     python -m benchmarks --only decode --only memory
     python -m benchmarks --only compression --methods lookm,selkv --lengths 2048,4096
@@ -30,7 +30,7 @@ from methods.base import ConfigError
 from .common import ROOT, BenchResult, Context, Settings, log, machine_info, table
 
 BENCHMARKS = {"engine": "engine", "overhead": "overhead", "kvpress": "vs_kvpress", "compression": "compression",
-              "decode": "decode", "memory": "memory", "thinking": "thinking"}  # name -> module
+              "decode": "decode", "memory": "memory", "thinking": "thinking", "quant": "quant"}  # name -> module
 MIN_LENGTH = 64  # shortest --lengths value (the question frame of the prompt alone is ~40 tokens)
 DOC = ROOT / "docs" / "PERFORMANCE.md"
 for key, value in (("HF_HUB_OFFLINE", "1"), ("TRANSFORMERS_VERBOSITY", "error"), ("TOKENIZERS_PARALLELISM", "false"),

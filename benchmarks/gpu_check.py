@@ -4,7 +4,8 @@
     python benchmarks/gpu_check.py --device cpu              # tiny shapes (what CI runs)
 
 Writes ``<out>/gpu_check.json`` after each part (a timeout keeps what was measured) and prints a table. The parts
-(``sdpa``, ``engine``, ``compiled``, ``varlen``, ``lookm``, ``kvpress``) and what their rows settle: docs/PERFORMANCE.md.
+(``sdpa``, ``engine``, ``compiled``, ``varlen``, ``lookm``, ``quant``, ``kvpress``) and what their rows settle:
+docs/PERFORMANCE.md.
 Exit 1 when a part failed or an error exceeded its tolerance.
 """
 
@@ -24,6 +25,7 @@ import torch
 if __package__ in (None, ""):  # python benchmarks/gpu_check.py
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks import quant  # noqa: E402
 from kvbench.cli import ArgParser  # noqa: E402
 
 LLAMA31_8B = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
@@ -51,7 +53,8 @@ def build(device: torch.device, layers: int):
     with torch.device(device):
         model = LlamaForCausalLM._from_config(config, dtype=dtype).eval()
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
-    tok = SimpleNamespace(decode=lambda ids, skip_special_tokens=True: "")
+    tok = SimpleNamespace(decode=lambda ids, skip_special_tokens=True: "",  # KVzip's repeat prompt: a byte per character
+                          encode=lambda text, add_special_tokens=False: [b % config.vocab_size for b in text.encode()])
     return LoadedModel(model=model, tokenizer=tok, layout=head_layout(config, "random"), device=device, dtype=dtype,
                        stop_ids=[], chat_template=None, max_input_length=config.max_position_embeddings, source="random")
 
@@ -264,6 +267,8 @@ def main(argv: list[str] | None = None) -> int:
               for n in lengths]
     if not args.no_compile:
         parts.append(("compiled", lambda: engine_part(loaded, ("full", "selkv", "adakv"), lengths[0], new, True, False)))
+    parts.append(("quant", lambda: [{"part": "quant", **r, "ok": r["stored_bytes"] == r["analytic_bytes"]} for r in
+                                    quant.rows(loaded, [4096, 16384] if cuda else lengths[:1], new)]))
     parts.append(("kvpress", lambda: kvpress_part(loaded, lengths[0], new)))
     for label, part in parts:
         try:
@@ -281,7 +286,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"gpu_check on {report['device']}, {report['layers']} layers -> {out / 'gpu_check.json'}\n"
           "part | method | tokens | ms/step (eager) | decode peak MB | cache MB | decode SDPA | logits rel err | compile s")
     for r in report["rows"]:
-        if r["part"] in ("engine", "compiled", "kvpress") and "decode_ms_step_median" in r:
+        if r["part"] == "quant" and "decode_tok_s" in r:  # decode ms/step from tokens/s; the stored cache
+            r = {**r, "method": f"full, {r['bits'] or 'dtype'} bits", "decode_ms_step_median": round(1000 / r["decode_tok_s"], 3),
+                 "cache_bytes_after": r["stored_bytes"]}
+        if r["part"] in ("engine", "compiled", "kvpress", "quant") and "decode_ms_step_median" in r:
             ms = f"{r['decode_ms_step_median']}" + (f" ({eager.get((r['method'], r['tokens']))})" if r["part"] == "compiled" else "")
             print(" | ".join(str(x) for x in (r["part"], r["method"], r["tokens"], ms, round(r.get("peak_decode_bytes", 0) / 2**20),
                                               round(r["cache_bytes_after"] / 2**20, 1), (r.get("sdpa_backends") or {}).get("decode", ""),

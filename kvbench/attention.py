@@ -33,6 +33,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from methods.base import Budget, CompressResult, HeadLayout, LayerContext, Method, Plan, Reconstruction, ReconstructionContext
 
 from .kvcache import RaggedLayer, store_layer, write_bias
+from .quantcache import QuantizedLayer
 
 try:  # PyTorch's own flash varlen kernel (CUDA, fp16/bf16); no flash-attn package needed
     from torch.nn.attention.varlen import varlen_attn
@@ -184,8 +185,10 @@ def sdpa_backend(query, key, value, **kwargs: Any) -> str:
 
 
 def layer_kind(layer: Any) -> str:
-    """A cache layer's decode layout: ``per-head lengths`` (ragged), ``bias columns`` or ``uniform``."""
-    return "per-head lengths" if isinstance(layer, RaggedLayer) else "bias columns" if getattr(layer, "bias_rows", 0) else "uniform"
+    """A cache layer's decode layout: ``per-head lengths`` (ragged), ``quantized`` (read back in full, its bias
+    columns included), ``bias columns`` or ``uniform``."""
+    return ("per-head lengths" if isinstance(layer, RaggedLayer) else "quantized" if isinstance(layer, QuantizedLayer)
+            else "bias columns" if getattr(layer, "bias_rows", 0) else "uniform")
 
 
 def decode_backends(state: CompressionState) -> dict[str, str]:
@@ -203,6 +206,7 @@ def decode_backends(state: CompressionState) -> dict[str, str]:
         if backend.startswith("sdpa"):  # the step's SDPA call: G query rows per KV head, no mask
             if kind == "per-head lengths":
                 key = key[: layer.lens_host[0] + layer.decoded].reshape(1, 1, -1, key.shape[-1])
+            key = key.new_zeros(*key.shape[:2], 1, layer.width) if kind == "quantized" else key  # as read back
             backend = sdpa_backend(key.new_zeros(*key.shape[:2], g, key.shape[-1]), key, key)
         out[kind] = backend
     return out
@@ -310,7 +314,10 @@ def _compress_decode(state: CompressionState, idx: int, scaling: float, softcap:
     if sync:
         torch.cuda.synchronize()
     t0, layer, d = time.perf_counter(), state.cache.layers[idx], state.layout.head_dim
-    keys, values, valid = layer.padded(left=True) if isinstance(layer, RaggedLayer) else (layer.keys, layer.values, None)
+    if isinstance(layer, RaggedLayer):
+        keys, values, valid = layer.padded(left=True)
+    else:  # a quantized layer is read back whole
+        (keys, values), valid = layer.dequantized() if hasattr(layer, "dequantized") else (layer.keys, layer.values), None
     plan = state.method.plan(keys.shape[2], state.decode_budget, state.layout)
     state.held = max(state.held, keys.shape[2])
     if keys.shape[2] > plan.layer_budgets[idx]:

@@ -70,6 +70,24 @@ class Sampling:
 
 
 @dataclass
+class Cache:
+    """``cache.*``: how the kept tokens are stored (kvbench/quantcache.py, docs/QUANTIZATION.md)."""
+
+    bits: Optional[int] = None  # null: the model dtype; 2, 4, 8: KIVI-quantized (keys per channel, values per token)
+    group_size: int = 32  # entries per scale and minimum: tokens of a key channel, channels of a value token
+    residual: int = 128  # tokens per quantized block: the last (T mod residual) stay in full precision; 0: group_size
+
+    def __post_init__(self):
+        if self.bits not in (None, 2, 4, 8):
+            raise ConfigError(f"cache.bits={self.bits}: accepted values are null (the model dtype), 2, 4, 8")
+        if self.group_size < 1:
+            raise ConfigError(f"cache.group_size={self.group_size}: must be an integer >= 1 (it divides the head dim)")
+        if self.residual < 0 or self.residual % self.group_size:
+            raise ConfigError(f"cache.residual={self.residual}: must be 0 or a multiple of cache.group_size="
+                              f"{self.group_size} (keys are quantized in whole groups of tokens)")
+
+
+@dataclass
 class TopConfig:
     """conf/config.yaml's keys (``model``, ``method`` and ``task`` are checked by their own schemas)."""
 
@@ -87,6 +105,7 @@ class TopConfig:
     sweep: Sweep = field(default_factory=Sweep)
     decode: Decode = field(default_factory=Decode)
     sampling: Sampling = field(default_factory=Sampling)
+    cache: Cache = field(default_factory=Cache)
     lock_wait_s: float = 0.0
     quiet: bool = False
     threads: Any = "auto"
@@ -301,15 +320,17 @@ def identity(cfg: dict, source: tuple[str, str | None], inputs: dict, device: st
         **({"decode": cfg["decode"]} if (cfg.get("decode") or {}).get("interval") and cfg["method"]["name"] != "full" else {}),
         **({"sampling": {k: v for k, v in cfg["sampling"].items() if k != "n"}}
            if (cfg.get("sampling") or {}).get("temperature") else {}),
+        **({"cache": cfg["cache"]} if (cfg.get("cache") or {}).get("bits") else {}),  # a quantized cache only
     }
 
 
 def job_relpath(cfg: dict, preset: str | None, ident: dict) -> str:
-    """``<task>/<model>/<preset>/b<budget>[-<run_tag>]-<hash>`` (or ``<run_name>-<hash>``)."""
+    """``<task>/<model>/<preset>/b<budget>[-q<bits>][-<run_tag>]-<hash>`` (or ``<run_name>-<hash>``)."""
     digest = hashlib.sha256(json.dumps(ident, sort_keys=True, default=str).encode()).hexdigest()[:8]
     if cfg.get("run_name"):
         return f"{cfg['run_name']}-{digest}"
     parts = [] if cfg["method"]["name"] == "full" else [f"b{cfg['budget']}"]
+    parts += [f"q{ident['cache']['bits']}"] if "cache" in ident else []
     parts += [str(cfg["run_tag"])] if cfg.get("run_tag") else []
     return f"{cfg['task']['name']}/{cfg['model']['name']}/{preset or cfg['method']['name']}/{'-'.join(parts + [digest])}"
 
@@ -362,6 +383,12 @@ def check(cfg: Any, preset: str | None = None) -> JobSpec:
     source = resolve_source(plain["model"])
     hf_config = read_config(plain["model"], source)  # the layout and context window, without the weights
     method.layout = layout = head_layout(hf_config, model.name, model.compress_sliding_layers)
+    if (bits := top.cache.bits) and (layout.head_dim % top.cache.group_size or layout.head_dim % (8 // bits)):
+        raise ConfigError(f"cache.group_size={top.cache.group_size}: must divide the model's head dim "
+                          f"({layout.head_dim}, which {8 // bits} {bits}-bit codes per byte must divide too)")
+    if bits and method.per_head_lengths:
+        raise ConfigError(f"cache.bits={bits}: method {method.name} keeps per-head lengths, which the quantized cache "
+                          "does not store; use a method with one length per layer, or cache.bits=null")
     artifacts.reset_files_read()
     method.check_layout(layout)  # reads the method's artifact files (head / layer scores)
     window = getattr(hf_config.get_text_config(), "max_position_embeddings", None)

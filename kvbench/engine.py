@@ -32,6 +32,7 @@ from .attention import DECODE_BACKENDS, CompressionState, attach_bias, decode_ba
 from .kvcache import RaggedLayer, checkpoint, preallocated_cache, restore, store_layer
 from .models import LoadedModel, greedy_processors
 from .reconstruct import reconstruct, start_scoring
+from .quantcache import QuantizedLayer
 
 log = logging.getLogger(__name__)
 
@@ -138,7 +139,10 @@ class GenerationResult:
 
 
 def layer_bytes(layer: Any) -> int:
-    """Bytes of a cache layer's filled key/value slots (a :class:`RaggedLayer`'s free reserve not counted)."""
+    """Bytes of a cache layer's filled key/value slots (a :class:`RaggedLayer`'s free reserve not counted; a
+    :class:`~kvbench.quantcache.QuantizedLayer`'s packed codes, scales, minima and residual)."""
+    if isinstance(layer, QuantizedLayer):
+        return layer.nbytes
     slots = sum(layer.lens_host) + len(layer.lens_host) * layer.decoded if isinstance(layer, RaggedLayer) else None
     return sum((t.numel() if slots is None else slots * t.shape[-1]) * t.element_size()
                for t in (getattr(layer, "keys", None), getattr(layer, "values", None)) if isinstance(t, torch.Tensor))
@@ -269,7 +273,8 @@ class Engine:
     step; ``compile_decode`` runs decode steps through :meth:`decode_forward` (a compile failure sets it
     False and ``compile_error``); ``devices``: those whose peak memory is summed (the model's);
     ``prompt_format``: the model's :class:`~methods.base.PromptFormat` for methods that prompt the model (KVzip;
-    default: no head or tail, the tokenizer's ``encode``; a job sets the model's: :func:`kvbench.job.prompt_format`).
+    default: no head or tail, the tokenizer's ``encode``; a job sets the model's: :func:`kvbench.job.prompt_format`);
+    ``quant``: the ``cache`` settings of a quantized cache (:mod:`kvbench.quantcache`), None for the model dtype's.
     ``last_state`` holds the last generation's :class:`CompressionState`.
     """
 
@@ -284,6 +289,7 @@ class Engine:
         self.on_decode_step = None
         self.compile_decode = False
         self.compile_error: str | None = None
+        self.quant = None
         self._compiled = None
         self.devices = model_devices(self.model) or [loaded.device]
         self.prompt_format = PromptFormat(lambda text: loaded.tokenizer.encode(text, add_special_tokens=False))
@@ -338,7 +344,8 @@ class Engine:
         self.last_state, self.last_logits = None, []  # free the previous sample's cache before this prefill
         d = self.decoding
         reserve = (max_new_tokens if d is None else min(max_new_tokens, d.interval)) + 1  # tokens until a compression
-        cache = preallocated_cache(self.model.config, reserve) if preallocate else DynamicCache(config=self.model.config)
+        cache = (preallocated_cache(self.model.config, reserve, self.quant) if preallocate or self.quant
+                 else DynamicCache(config=self.model.config))
         layout = self.loaded.layout.for_prompt(n, max_new_tokens)  # model.compress_sliding_layers
         planned = self.method.plan(n, self.budget, layout)
         if d is not None and not d.prefill:  # decode-only: the prompt stays whole
@@ -554,10 +561,11 @@ class Engine:
         kept, stored, mstats = [], [], {}
         for i, res in state.results.items():
             kept.append(float(res.valid.float().sum(-1).mean()) if res.valid is not None else float(res.keys.shape[-2]))
-            stored.append(kept[-1] if isinstance(layers[i], RaggedLayer) else res.keys.shape[-2])
+            stored.append(kept[-1] if isinstance(layers[i], RaggedLayer) else layers[i].get_seq_length())
             for k, v in res.stats.items():
                 mstats[k] = mstats.get(k, 0.0) + float(v)
-        nbytes = {"cache_bytes_before": sum(token * n if i in state.results else layer_bytes(x) for i, x in enumerate(layers)),
+        nbytes = {"cache_bytes_before": sum(token * n if i in state.results or isinstance(x, QuantizedLayer)
+                                            else layer_bytes(x) for i, x in enumerate(layers)),
                   "kept_bytes": round(sum(kept) * token), "stored_bytes": sum(layer_bytes(layers[i]) for i in state.results)}
         if not state.results:
             kept, stored = [float(n)] * len(layout.compressible_layers), [n] * len(layout.compressible_layers)
@@ -594,7 +602,7 @@ def prefill(engines: list[Engine], prompt_ids: list[int], max_new_tokens: int) -
     out: list[Prefilled | None] = [None] * len(engines)
     for group in kinds.values():
         mine, shared, sync = [states[i] for i in group], len(group) > 1, dev.type == "cuda"
-        cache = preallocated_cache(first.model.config, max_new_tokens + 1) if shared else mine[0].cache
+        cache = preallocated_cache(first.model.config, max_new_tokens + 1, first.quant) if shared else mine[0].cache
         hooked = hooks[group[0]]  # the method compresses through the model's hooks (Method.prefill_hooks)
         reset_peak_memory(first.devices)
         t0 = time.perf_counter()

@@ -195,8 +195,9 @@ def run_jobs(jobs: list[JobSpec], wait_s: float | None = None) -> list[int]:
             top = runs[0][0].top
             engines = [Engine(loaded, job.method, job.top.budget, job.top.decode) for job, _ in runs]
             fmt = prompt_format(loaded)
-            for engine in engines:
+            for engine, (job, _) in zip(engines, runs):
                 engine.compile_decode, engine.prompt_format = compiled, fmt
+                engine.quant = job.top.cache if job.top.cache.bits else None
             run_samples(engines, loaded, task, mine, [store for _, store in runs], top.quiet, top.sampling, top.seed)
             for engine, (_, store), (name, env) in zip(engines, runs, envs):
                 if engine.compile_error:  # this run's env.json says what ran: eager from the failure on

@@ -19,6 +19,8 @@ from torch.nn.utils.rnn import pad_sequence
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from .quantcache import QuantizedLayer
+
 ALIGN = {"cuda": 8}  # stored channels are a multiple of this per device type (flash kernels: of 8)
 
 
@@ -83,12 +85,15 @@ class PreallocatedLayer(DynamicLayer):
         self._k, self._v = self._key_buf[:, :, : self._len], self._value_buf[:, :, : self._len]
 
 
-def preallocated_cache(config: Any, reserve: int) -> DynamicCache:
+def preallocated_cache(config: Any, reserve: int, quant: Any = None) -> DynamicCache:
     """A ``DynamicCache`` for ``config`` whose full-attention layers are :class:`PreallocatedLayer`
-    with ``reserve`` free slots (``max_new_tokens + 1``); sliding-window layers (Gemma 2/3) keep
-    transformers' own class."""
+    with ``reserve`` free slots (``max_new_tokens + 1``), or with ``quant`` (``cache.*``: bits, group_size,
+    residual) :class:`~kvbench.quantcache.QuantizedLayer`, as :func:`store_layer` then stores compressed layers
+    (``cache.quant``); sliding-window layers (Gemma 2/3) keep transformers' own class."""
     cache = DynamicCache(config=config)
-    cache.layers = [PreallocatedLayer(reserve) if type(layer) is DynamicLayer else layer for layer in cache.layers]
+    cache.layers = [(QuantizedLayer(quant) if quant else PreallocatedLayer(reserve)) if type(layer) is DynamicLayer
+                    else layer for layer in cache.layers]
+    cache.quant = quant
     return cache
 
 
@@ -156,10 +161,17 @@ def store_layer(cache: Any, idx: int, keys: torch.Tensor, values: torch.Tensor, 
                 bias_rows: int = 0, scaling: float = 1.0, reserve: int = 1) -> Any:
     """Store a compressed layer's ``keys``/``values`` ``(B, H_kv, m, d)`` as ``cache.layers[idx]`` and return it:
     a :class:`RaggedLayer` of the True slots of ``valid`` ``(B, H_kv, m)``, else a :class:`PreallocatedLayer`
-    (the existing one, or one with ``reserve`` free slots); ``bias_rows`` columns for :func:`write_bias`."""
+    (the existing one, or one with ``reserve`` free slots), or a new :class:`~kvbench.quantcache.QuantizedLayer`
+    when the cache has ``quant`` (:func:`preallocated_cache`; ValueError with ``valid``); ``bias_rows`` columns
+    for :func:`write_bias`."""
     align = ALIGN.get(keys.device.type, 1)
     width = -(-(keys.shape[-1] + bias_rows) // align) * align  # d + bias columns, zero-padded to ``align``
-    if valid is not None:
+    if getattr(cache, "quant", None):
+        if valid is not None:
+            raise ValueError("cache.bits: the quantized cache stores one length per layer, not per-head lengths")
+        layer = QuantizedLayer(cache.quant, width, keys.shape[-1] + bias_rows)  # bias columns stored, not padding
+        layer.update(keys, values)
+    elif valid is not None:
         layer = RaggedLayer(keys, values, valid, reserve, width)
     else:
         layer = cache.layers[idx] if isinstance(cache.layers[idx], PreallocatedLayer) else PreallocatedLayer(reserve)
@@ -194,5 +206,8 @@ def write_bias(layer: Any, bias: torch.Tensor, d: int, valid: torch.Tensor | Non
     cols = (bias.float().clamp(min=-1e3) / layer.bias_scale).view(bias.shape[0], -1, r, bias.shape[-1]).transpose(-1, -2)
     if isinstance(layer, RaggedLayer):
         layer.keys[layer.slots(valid), 0, d : d + r] = cols[valid].to(layer.keys.dtype)
-    else:
-        layer.keys[:, :, : cols.shape[2], d : d + r] = cols.to(layer.keys.dtype)
+        return
+    q = getattr(layer, "quantized", 0)  # a QuantizedLayer keeps its quantized tokens' columns in ``extra``
+    if q:
+        layer.extra[:, :, :, :r] = cols[:, :, :q].to(layer.extra.dtype)
+    layer.keys[:, :, : cols.shape[2] - q, d : d + r] = cols[:, :, q:].to(layer.keys.dtype)

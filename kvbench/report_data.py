@@ -90,6 +90,8 @@ def _job_rows(root: Path, job: Path) -> list[dict]:
                math.nan)
     flat = pd.json_normalize(json.loads(json.dumps(cfg, default=str))).iloc[0].to_dict()
     flat["task.compress"] = compress = str(task.get("compress") or "prompt")  # a setting: prompt/context never merge
+    if flat.get("cache.bits") is None:  # the model dtype's cache, as before cache.* existed: no setting
+        flat = {k: v for k, v in flat.items() if not k.startswith("cache.")}
     env = _json(job / "env.json")
     if env.get("device"):
         flat |= {"env.device_type": str(env["device"]).split(":")[0], "env.dtype": env.get("dtype")}

@@ -70,6 +70,7 @@ class AdaKV(PyramidKV):
     """Head-wise adaptive budgets within each layer, per-head variable-length cache."""
 
     Config = AdaKVConfig
+    per_head_lengths = True
 
     def plan(self, n_tokens: int, budget: Budget, layout: HeadLayout) -> Plan:
         """Uniform layer budgets, or PyramidKV's when ``layer_schedule: pyramid``."""

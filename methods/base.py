@@ -405,6 +405,8 @@ class Method:
 
     Config: ClassVar[type] = MethodConfig
     decodes: ClassVar[bool] = False
+    #: whether :meth:`compress` returns per-head lengths (``CompressResult.valid``): read before a model loads
+    per_head_lengths: ClassVar[bool] = False
 
     def __init__(self, config: Any = None, layout: HeadLayout | None = None, artifacts: dict | None = None):
         self.config = config if config is not None else self.Config()

@@ -216,6 +216,10 @@ class CompressKV(Method):
 
     Config = CompressKVConfig
 
+    @property
+    def per_head_lengths(self) -> bool:  # HeadCompressKV, AdaCompressKV
+        return self.config.head_allocation != "none"
+
     def __init__(self, config=None, layout=None, artifacts=None):
         super().__init__(config, layout, artifacts)
         self._head_budgets: torch.Tensor | None = None

@@ -136,6 +136,7 @@ class HeadKV(SnapKV):
 
     Config = HeadKVConfig
     decodes = False  # head budgets come from the prompt-time plan
+    per_head_lengths = True
 
     def __init__(self, config=None, layout=None, artifacts=None):
         super().__init__(config, layout, artifacts)

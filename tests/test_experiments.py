@@ -143,7 +143,8 @@ def preset_jobs(name: str, root: Path) -> list:
                     {"id": f"scbench_kv/0/{t}", "dataset": "scbench_kv", "score": 0.5, "error": None, "turn": t}) + "\n"
                     for t in range(2)))
             (job / "summary.json").write_text(json.dumps({"complete": True, "datasets": {
-                d: {"score": 20.0 + (7 * i + j) % 23, "n": 2} for j, d in enumerate(datasets)}}))
+                d: {"score": 20.0 + (7 * i + j) % 23, "n": 2} for j, d in enumerate(datasets)},
+                "cache": {"cache_bytes_before": 4.0e6, "cache_bytes_after": 1.0e6 + i}}))
     if latency:
         (root / "latency.json").write_text(json.dumps(latency))
     return latency

@@ -27,7 +27,10 @@ def test_gpu_check_writes_every_figure_without_kvpress(tmp_path, capsys, monkeyp
     parts = {}
     for r in report["rows"]:
         parts.setdefault(r["part"], []).append(r)
-    assert sorted(parts) == ["compiled", "engine", "lookm", "sdpa", "varlen"]  # no kvpress row without kvpress
+    assert sorted(parts) == ["compiled", "engine", "lookm", "quant", "sdpa", "varlen"]  # no kvpress row without kvpress
+    assert [(r["tokens"], r["bits"]) for r in parts["quant"]] == [(160, None), (160, 4), (160, 2)]
+    assert all(r["ok"] and r["decode_tok_s"] > 0 for r in parts["quant"])
+    assert parts["quant"][0]["stored_bytes"] == 2 * 2 * 2 * 160 * 32 * 4 > 3 * parts["quant"][2]["stored_bytes"]  # float32, 2 bits
     engine = {r["method"]: r for r in parts["engine"] if "skipped" not in r}
     skipped = {r["method"]: r["skipped"] for r in parts["engine"] if "skipped" in r}
     assert sorted([*engine, *skipped]) == available() and set(skipped) <= {"kvpress_press"}  # needs kvpress
