@@ -92,7 +92,9 @@ class CompressionState:
         decode_budget: the token budget of decode-time compression, None when off; then ``queries`` holds each
             compressible layer's last ``window`` queries ``(B, H_q, ≤ window, d)``, ``compress_now`` flags the
             forward that compresses, ``compressions`` counts the layer compressions and ``decode_compress_s`` their
-            seconds (synchronised on CUDA); ``held`` is the most tokens a layer's longest head held when it was cut.
+            seconds (synchronised on CUDA); ``held`` is the most tokens a layer's longest head held when it was cut;
+            ``position`` the position of the last token of the current forward; ``cut_at_budget``: a layer holding
+            exactly the budget is compressed too (R-KV's update_kv, ``schedule=length``), else only one holding more.
         scoring: the method's reconstruction pass, or None (the method compresses at the end of each layer's prefill).
     """
 
@@ -114,6 +116,8 @@ class CompressionState:
     compressions: int = 0
     decode_compress_s: float = 0.0
     held: int = 0
+    position: int = 0
+    cut_at_budget: bool = False
     scoring: Scoring | None = None
 
     @property
@@ -319,13 +323,14 @@ def _compress_decode(state: CompressionState, idx: int, scaling: float, softcap:
     else:  # a quantized layer is read back whole
         (keys, values), valid = layer.dequantized() if hasattr(layer, "dequantized") else (layer.keys, layer.values), None
     plan = state.method.plan(keys.shape[2], state.decode_budget, state.layout)
-    state.held = max(state.held, keys.shape[2])
-    if keys.shape[2] > plan.layer_budgets[idx]:
+    state.held, w = max(state.held, keys.shape[2]), state.queries[idx].shape[2]
+    if keys.shape[2] > plan.layer_budgets[idx] or state.cut_at_budget and keys.shape[2] == plan.layer_budgets[idx]:
         ctx = LayerContext(
             layer_idx=idx, layout=state.layout, keys=keys[..., :d], values=values[..., :d],
             window_queries=state.queries[idx], scaling=scaling, budget=int(plan.layer_budgets[idx]), softcap=softcap,
             head_budget=plan.head_budgets[idx] if plan.head_budgets is not None else None, rotary=state.rotary,
-            artifacts=state.method.artifacts, valid=valid, decoding=True)
+            artifacts=state.method.artifacts, valid=valid, decoding=True,
+            positions=torch.arange(state.position - w + 1, state.position + 1, device=keys.device))
         result = state.method.compress(ctx)
         store_layer(state.cache, idx, result.keys, result.values, result.valid, 0, scaling, state.reserve)
         state.compressions += 1

@@ -361,7 +361,8 @@ class Engine:
             )
         return CompressionState(method=self.method, plan=plan, layout=layout, cache=cache, rotary=self._rotary,
                                 reserve=reserve, reference_decode=self.reference_decode,
-                                decode_budget=None if d is None else self.budget, window=self.method.window_size)
+                                decode_budget=None if d is None else self.budget, window=self.method.window_size,
+                                cut_at_budget=d is not None and d.schedule == "length")  # R-KV rescores a full cache
 
     @torch.inference_mode()
     def open(self, prompt_ids: list[int], max_new_tokens: int, prefilled: Prefilled | None = None) -> Context:
@@ -393,7 +394,7 @@ class Engine:
         dev = self.loaded.device
         reset_peak_memory(self.devices)
         t0, pos = time.perf_counter(), torch.arange(ctx.next_pos, ctx.next_pos + len(ids), device=dev)
-        self._schedule(ctx, len(ids))
+        self._schedule(ctx, len(ids), ctx.next_pos)
         ctx.logits = self.model(input_ids=torch.tensor([ids], device=dev), past_key_values=ctx.state.cache, use_cache=True,
                                 position_ids=pos.view(1, -1), cache_position=pos, logits_to_keep=1,
                                 kvbench_state=ctx.state).logits[0, -1]
@@ -403,14 +404,14 @@ class Engine:
         ctx.peak_bytes = max(ctx.peak_bytes, peak_memory_bytes(self.devices))
         ctx.next_pos, ctx.ids = ctx.next_pos + len(ids), ctx.ids + list(ids)
 
-    def _schedule(self, ctx: Context, q: int) -> None:
-        """Flag whether the next decode-phase forward (``q`` tokens) compresses (``decode.schedule``, docs/DECODING.md):
-        ``steps``, every interval-th such forward (kvpress DecodingPress); ``length``, when the tokens fed before it are
-        a multiple of the interval (R-KV)."""
+    def _schedule(self, ctx: Context, q: int, first: int) -> None:
+        """Flag whether the next decode-phase forward (``q`` tokens from position ``first``) compresses
+        (``decode.schedule``, docs/DECODING.md): ``steps``, every interval-th such forward (kvpress DecodingPress);
+        ``length``, when the tokens fed before it are a multiple of the interval (R-KV)."""
         st, d = ctx.state, self.decoding
         if st.decode_budget is None:
             return
-        ctx.steps += 1
+        ctx.steps, st.position = ctx.steps + 1, first + q - 1
         st.compress_now = (ctx.steps if d.schedule == "steps" else len(ctx.ids)) % d.interval == 0
 
     @torch.inference_mode()
@@ -506,7 +507,7 @@ class Engine:
                 if step == max_new_tokens - 1:
                     break
                 pos = positions[step : step + 1]
-                self._schedule(ctx, 1)
+                self._schedule(ctx, 1, ctx.next_pos + step)
                 if state.compress_now:
                     trace.append(self._trace_point(state, len(tokens)))
                 out = forward(input_ids=next_tok, past_key_values=state.cache, use_cache=True, position_ids=pos.view(1, 1),

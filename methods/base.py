@@ -179,7 +179,8 @@ class LayerContext:
             token in the last slot), the empty slots first with zero keys and values.
         decoding: True at a decode-time compression (``decode.interval``, docs/DECODING.md): ``keys`` are the
             layer's whole cache, the current token last; ``window_queries`` the queries of the last W tokens fed
-            (the prompt's last ones, then each decode step's); ``positions`` is None.
+            (the prompt's last ones, then each decode step's); ``positions`` their positions ``(W,)``, the last the
+            current token's.
         reconstruction_scores: ``(B, H_kv, n)`` this layer's :meth:`Method.reconstruction_score` of every
             token, as :meth:`Method.allocate` left them (0 where no forward scored), or ``None``.
     """
