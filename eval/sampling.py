@@ -22,9 +22,9 @@ def by_problem(records: list[dict]) -> dict[str, dict[str, list[dict]]]:
     """The successful, scored records grouped by ``dataset``, then by problem (``problem``, else the record's ``id``:
     an unsampled record is its own problem), in stored order."""
     out: dict[str, dict[str, list[dict]]] = {}
-    for r in records:
+    for i, r in enumerate(records):
         if r.get("error") is None and r.get("score") is not None:
-            key = r["id"] if r.get("problem") is None else str(r["problem"])
+            key = r.get("id", i) if r.get("problem") is None else str(r["problem"])
             out.setdefault(r["dataset"], {}).setdefault(key, []).append(r)
     return out
 

@@ -180,7 +180,8 @@ def _stats(press: Any, src: Path) -> None:
 def _lukv_curve(press: Any, src: Path) -> None:
     import numpy as np
 
-    press._budget_curves = np.load(src, allow_pickle=False)  # (99, L, H_kv)
+    with open(src, "rb") as f:  # a .npy array, never pickled objects
+        press._budget_curves = np.lib.format.read_array(f, allow_pickle=False)  # (99, L, H_kv)
 
 
 #: press class -> (what kvpress fetches from the network by the model's name, installer of a local copy)
