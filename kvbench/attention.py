@@ -292,7 +292,8 @@ def compress_layer(state: CompressionState, idx: int, query, key, value, scaling
         layer_idx=idx, layout=state.layout, keys=key, values=value, window_queries=query[:, :, query.shape[2] - w :],
         scaling=float(scaling), budget=int(plan.layer_budgets[idx]), softcap=softcap,
         head_budget=plan.head_budgets[idx] if plan.head_budgets is not None else None,
-        positions=torch.arange(n, device=key.device), rotary=state.rotary, artifacts=state.method.artifacts, **scores,
+        positions=torch.arange(n, device=key.device), rotary=state.rotary, artifacts=state.method.artifacts,
+        recompressed=state.decode_budget is not None, **scores,
     )
     result = state.method.compress(ctx)
     # the cache keeps its own copy (room for the decoded tokens); the result points at it
@@ -310,10 +311,10 @@ def last(x: torch.Tensor, w: int) -> torch.Tensor:
     return x[:, :, x.shape[2] - min(w, x.shape[2]):]
 
 
-def _compress_decode(state: CompressionState, idx: int, scaling: float, softcap: float | None) -> None:
+def _compress_decode(state: CompressionState, idx: int, scaling: float, softcap: float | None, fed: int) -> None:
     """Cut layer ``idx`` back to the decode budget when it holds more (docs/DECODING.md): the method sees its whole
-    cache (a layer with per-head lengths left-padded, ``LayerContext.valid``) and the buffered queries; the kept
-    tokens are stored anew with ``state.reserve`` free slots."""
+    cache (a layer with per-head lengths left-padded, ``LayerContext.valid``) and the buffered queries (the forward
+    fed ``fed`` tokens); the kept tokens are stored anew, in the order returned, with ``state.reserve`` free slots."""
     sync = state.cache.layers[idx].keys.device.type == "cuda"
     if sync:
         torch.cuda.synchronize()
@@ -329,7 +330,7 @@ def _compress_decode(state: CompressionState, idx: int, scaling: float, softcap:
             layer_idx=idx, layout=state.layout, keys=keys[..., :d], values=values[..., :d],
             window_queries=state.queries[idx], scaling=scaling, budget=int(plan.layer_budgets[idx]), softcap=softcap,
             head_budget=plan.head_budgets[idx] if plan.head_budgets is not None else None, rotary=state.rotary,
-            artifacts=state.method.artifacts, valid=valid, decoding=True,
+            artifacts=state.method.artifacts, valid=valid, decoding=fed, recompressed=True,
             positions=torch.arange(state.position - w + 1, state.position + 1, device=keys.device))
         result = state.method.compress(ctx)
         store_layer(state.cache, idx, result.keys, result.values, result.valid, 0, scaling, state.reserve)
@@ -372,7 +373,7 @@ def kvbench_attention(module, query, key, value, attention_mask, scaling=None, d
         if state.decode_budget is not None and module.layer_idx in state.layout.compressible_layers:
             state.queries[module.layer_idx] = last(torch.cat([state.queries[module.layer_idx], query], 2), state.window)
             if state.compress_now:
-                _compress_decode(state, module.layer_idx, float(scaling), softcap)
+                _compress_decode(state, module.layer_idx, float(scaling), softcap, query.shape[2])
         return out, None
     states = [s for s in (state if isinstance(state, list) else [state])  # a shared prefill passes several
               if s is not None and s.compressing and s.scoring is None and module.layer_idx in s.layout.compressible_layers]

@@ -361,7 +361,7 @@ class Engine:
             )
         return CompressionState(method=self.method, plan=plan, layout=layout, cache=cache, rotary=self._rotary,
                                 reserve=reserve, reference_decode=self.reference_decode,
-                                decode_budget=None if d is None else self.budget, window=self.method.window_size,
+                                decode_budget=None if d is None else self.budget, window=self.method.decode_window,
                                 cut_at_budget=d is not None and d.schedule == "length")  # R-KV rescores a full cache
 
     @torch.inference_mode()
@@ -407,12 +407,16 @@ class Engine:
     def _schedule(self, ctx: Context, q: int, first: int) -> None:
         """Flag whether the next decode-phase forward (``q`` tokens from position ``first``) compresses
         (``decode.schedule``, docs/DECODING.md): ``steps``, every interval-th such forward (kvpress DecodingPress);
-        ``length``, when the tokens fed before it are a multiple of the interval (R-KV)."""
+        ``length``, when the tokens fed before it are a multiple of the interval (R-KV). ``steps`` counts from the last
+        compression, and a forward of at least ``budget`` tokens compresses at once (DecodingPress's rule)."""
         st, d = ctx.state, self.decoding
         if st.decode_budget is None:
             return
         ctx.steps, st.position = ctx.steps + 1, first + q - 1
-        st.compress_now = (ctx.steps if d.schedule == "steps" else len(ctx.ids)) % d.interval == 0
+        st.compress_now = (len(ctx.ids) % d.interval == 0 if d.schedule == "length"
+                           else ctx.steps >= d.interval or q >= st.decode_budget.tokens)
+        if st.compress_now:
+            ctx.steps = 0
 
     @torch.inference_mode()
     def checkpoint(self, ctx: Context) -> tuple:

@@ -177,10 +177,13 @@ class LayerContext:
         valid: ``(B, H_kv, n)`` bool, the slots that hold a token, or ``None`` (all). Set at decode time for a
             layer whose heads hold different numbers of tokens: each head's tokens right-aligned (its newest
             token in the last slot), the empty slots first with zero keys and values.
-        decoding: True at a decode-time compression (``decode.interval``, docs/DECODING.md): ``keys`` are the
-            layer's whole cache, the current token last; ``window_queries`` the queries of the last W tokens fed
-            (the prompt's last ones, then each decode step's); ``positions`` their positions ``(W,)``, the last the
+        decoding: at a decode-time compression (``decode.interval``, docs/DECODING.md) the tokens its forward fed
+            (1 for a decode step, the query part's q), else 0: ``keys`` are the layer's whole cache, the current
+            token last; ``window_queries`` the queries of the last W tokens fed (W = :attr:`Method.decode_window`;
+            the prompt's last ones, then each forward's); ``positions`` their positions ``(W,)``, the last the
             current token's.
+        recompressed: the cache will be compressed again while decoding (always at a decode-time compression): the
+            order of the returned tokens is the stored slot order the next compression sees.
         reconstruction_scores: ``(B, H_kv, n)`` this layer's :meth:`Method.reconstruction_score` of every
             token, as :meth:`Method.allocate` left them (0 where no forward scored), or ``None``.
     """
@@ -199,7 +202,8 @@ class LayerContext:
     artifacts: dict[str, Any] = field(default_factory=dict)
     prompt_attention: torch.Tensor | None = None
     valid: torch.Tensor | None = None
-    decoding: bool = False
+    decoding: int = 0
+    recompressed: bool = False
     reconstruction_scores: torch.Tensor | None = None
 
     @property
@@ -421,6 +425,11 @@ class Method:
     @property
     def window_size(self) -> int:
         return int(getattr(self.config, "window_size", 0) or 0)
+
+    @property
+    def decode_window(self) -> int:
+        """W of decode-time compression: the queries of the last W tokens fed that the engine keeps per layer."""
+        return self.window_size
 
     def min_budget(self) -> int:
         """Tokens the method always keeps (windows, sinks); a token budget below it is a config error."""

@@ -7,6 +7,10 @@
 * **Hook path**: every other prefill press runs its own code on the model, as kvpress's pipeline runs it
   (:mod:`methods.kvpress_hooks`, :meth:`KVPress.prefill_hooks`).
 
+Scorer-path presses also compress while decoding (``decode.*``: kvpress's DecodingPress / PrefillDecodingPress,
+docs/DECODING.md): the press scores the layer's whole cache from the buffered queries, keeps exactly the budget in
+kvpress's top-k slot order.
+
 A press is a Hydra node: ``press`` (the class name) and ``press_kwargs`` (its arguments); inside ``press_kwargs`` a
 node ``{press: <name>, press_kwargs: {...}}``, or a list of them, is a press (a wrapper's ``press``/``base_press``,
 ComposedPress's ``presses``); a wrapper's ``press: <name>`` may take its arguments beside it as ``press_kwargs``.
@@ -25,12 +29,13 @@ from typing import Any, Mapping
 import torch
 
 from .allocation import safeguard_keep_mask
-from .base import CompressResult, ConfigError, LayerContext, Method, MethodConfig, gather_tokens, pack_kept, require
-from .scoring import topk_keep_window
+from .base import (CompressResult, ConfigError, LayerContext, Method, MethodConfig, gather_tokens, masked_scores,
+                   pack_kept, require)
 
-DECODING = ("decode-time compression, which the engine runs with decode.interval (pending): DecodingPress(base_press, "
+DECODING = ("decode-time compression is the engine's decode.* settings: DecodingPress(base_press, "
             "compression_interval, target_size) is method.press=<base_press> decode.interval=<compression_interval> "
-            "budget=<target_size>, decode.prefill=false (true: PrefillDecodingPress)")
+            "budget=<target_size> decode.schedule=steps decode.prefill=false (true: PrefillDecodingPress)")
+PREFILL_ONLY = ("CompactorPress", "LeverageScorePress", "NonCausalAttnPress")  # kvpress asserts they only prefill
 REFUSED = {  # presses kvbench cannot run, and why
     "BasePress": "abstract base class", "ScorerPress": "abstract base class",
     "DecodingPress": DECODING, "PrefillDecodingPress": DECODING, "CompressionRatioDecodingPress": DECODING,
@@ -157,22 +162,34 @@ def compression_ratio(n: int, m: int) -> float:
 
 
 def press_inputs(ctx: LayerContext) -> tuple[Any, torch.Tensor, dict]:
-    """``(module, hidden_states (B, n, (H_q + H_kv)·d), kwargs)`` for a press's ``score`` (kvpress's forward hook) from
-    all n queries (``ctx.window_queries``) and keys: a stand-in module's ``q_proj`` / ``k_proj`` read them rotated
-    back by −θ (pre-RoPE, float64); ``rotary_emb``, ``kwargs["position_embeddings"]`` (``(1, n, d)`` each): RoPE."""
+    """``(module, hidden_states (B, w, (H_q + H_kv)·d), kwargs)`` for a press's ``score`` (kvpress's forward hook) from
+    the w queries handed over (``ctx.window_queries``: at prefill all n, beside the n keys) and keys: a stand-in
+    module's ``q_proj`` / ``k_proj`` read them rotated back by −θ of their positions (pre-RoPE, float64);
+    ``rotary_emb``, ``kwargs["position_embeddings"]`` (``(1, ·, d)`` each): RoPE of the forward's positions. At
+    decode, as DecodingPress hands its buffer of the last forwards' inputs: the buffered queries, a zero key part (read
+    only by prefill-only presses) and the compressing forward's ``ctx.decoding`` positions (a decode step's one, which
+    kvpress's SnapKV applies to every window query)."""
     from transformers.models.llama.modeling_llama import rotate_half
 
-    q, k, lay = ctx.window_queries, ctx.keys, ctx.layout
-    b, n, dt = k.shape[0], k.shape[2], k.dtype
-    cos, sin = ctx.rotary(torch.arange(n, device=k.device))  # (n, d) float32 each
-    pre = [(x.double() * cos.double() - rotate_half(x.double()) * sin.double()).to(dt).transpose(1, 2).reshape(b, n, -1)
-           for x in (q, k)]
+    q, lay = ctx.window_queries, ctx.layout
+    b, w, dt = q.shape[0], q.shape[2], ctx.keys.dtype
+    pos = ctx.positions[-w:]
+    cos, sin = ctx.rotary(pos)  # (w, d) float32 each
+
+    def pre_rope(x: torch.Tensor) -> torch.Tensor:  # (B, H, w, d) -> (B, w, H·d)
+        x = x.double() * cos.double() - rotate_half(x.double()) * sin.double()
+        return x.to(dt).transpose(1, 2).reshape(b, w, -1)
+
+    hidden = torch.cat([pre_rope(q), q.new_zeros(b, w, lay.num_kv_heads * lay.head_dim) if ctx.decoding
+                        else pre_rope(ctx.keys)], dim=-1)
+    if ctx.decoding:
+        cos, sin = ctx.rotary(pos[-ctx.decoding:])
     split = lay.num_q_heads * lay.head_dim
     module = SimpleNamespace(
         head_dim=lay.head_dim, q_proj=lambda h: h[..., :split], k_proj=lambda h: h[..., split:],
         config=SimpleNamespace(num_attention_heads=lay.num_q_heads, num_key_value_heads=lay.num_kv_heads),
         rotary_emb=lambda x, ids: tuple(t[None].to(x.dtype) for t in ctx.rotary(ids.reshape(-1))))
-    return module, torch.cat(pre, dim=-1), {"position_embeddings": (cos[None].to(dt), sin[None].to(dt))}
+    return module, hidden, {"position_embeddings": (cos[None].to(dt), sin[None].to(dt))}
 
 
 class KVPress(Method):
@@ -181,6 +198,20 @@ class KVPress(Method):
     Config = KVPressConfig
 
     window_size = 1 << 62  # the engine hands every prompt query (W capped at n)
+
+    @property
+    def decodes(self) -> bool:
+        """Scorer-path presses compress while decoding (kvpress's DecodingPress), but those kvpress asserts prefill."""
+        press = self.config.built
+        return scorer_path(press) and type(getattr(press, "press", press)).__name__ not in PREFILL_ONLY
+
+    @property
+    def decode_window(self) -> int:
+        """The queries of the last 256 tokens fed (DecodingPress's default ``hidden_states_buffer_size``; its buffer
+        holds the forwards since its last compression), more for a press whose window is longer."""
+        press = self.config.built
+        window = getattr(getattr(press, "press", press), "window_size", 0)
+        return max(_kvpress().DecodingPress.hidden_states_buffer_size, window + 1)
 
     def min_budget(self) -> int:
         return 1  # kvpress keeps max(1, int(n·(1 − cr)))
@@ -212,9 +243,12 @@ class KVPress(Method):
         scorer = press.press if hasattr(press, "alpha_safeguard") else press  # AdaKVPress wraps a scorer
         module, hidden, kwargs = press_inputs(ctx)
         scores = scorer.score(module, hidden, ctx.keys, ctx.values, None, kwargs)  # (B, H_kv, n)
+        scores = masked_scores(scores, ctx.valid)  # a decode-time layer's empty slots: never kept
         if scorer is not press:
-            return pack_kept(ctx.keys, ctx.values, safeguard_keep_mask(scores, m, press.alpha_safeguard))
-        idx = topk_keep_window(scores, m, 0)  # (B, H_kv, m), original order
+            keep = safeguard_keep_mask(scores, m, press.alpha_safeguard)
+            return pack_kept(ctx.keys, ctx.values, keep if ctx.valid is None else keep & ctx.valid)
+        idx = scores.topk(m, dim=-1).indices  # (B, H_kv, m): kvpress's stored order, kept when compressed again
+        idx = idx if ctx.recompressed else idx.sort(dim=-1).values
         return CompressResult(gather_tokens(ctx.keys, idx), gather_tokens(ctx.values, idx), kept_indices=idx)
 
 
@@ -224,6 +258,7 @@ if __name__ == "__main__":  # what runs, on which path, and why not for the rest
     kp = _kvpress()
     for name in sorted(n for n in kp.__all__ if refusal(n) != "unknown press"):
         cls, why = getattr(kp, name), refusal(name)
-        path = ("scorer path" if _plain_scorer(cls) else "scorer path around a plain scorer, else hook path"
-                if cls is kp.AdaKVPress else "hook path") + (f"; needs {ARTIFACTS[name][0]}" if name in ARTIFACTS else "")
+        path = ("scorer path" + ", prefill only" * (name in PREFILL_ONLY) if _plain_scorer(cls) else
+                "scorer path around a plain scorer, else hook path" if cls is kp.AdaKVPress else "hook path")
+        path += f"; needs {ARTIFACTS[name][0]}" if name in ARTIFACTS else ""
         print(f"{name}: {'refused: ' + why if why else path}")
