@@ -172,14 +172,14 @@ class LoogleTask(SuiteTask):
             wordnet()
         model = cfg.get("bert_score_model")
         if model:
+            if not Path(model).expanduser().is_dir() and not hub_reachable():
+                raise TaskConfigError(f"task.bert_score_model={model}: no such folder and the Hugging Face Hub is "
+                                      "unreachable; download the model (official: roberta-large) and pass its folder")
             try:
                 import bert_score  # noqa: F401
             except ImportError:
                 raise TaskConfigError(f"task.bert_score_model={model}: needs the bert-score package "
                                       "(pip install -e '.[loogle]')") from None
-            if not Path(model).expanduser().is_dir() and not hub_reachable():
-                raise TaskConfigError(f"task.bert_score_model={model}: no such folder and the Hugging Face Hub is "
-                                      "unreachable; download the model (official: roberta-large) and pass its folder")
 
     @classmethod
     def check_row(cls, dataset: str, row: dict, where: str) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+import sys
 
 import numpy as np
 import pytest
@@ -403,6 +404,9 @@ def test_metric_inputs_missing_are_one_line_errors(folder, monkeypatch):
     monkeypatch.setattr("eval.loogle.hub_reachable", lambda *a: False)
     with pytest.raises(TaskConfigError, match=r"^task\.bert_score_model=/nonexistent: no such folder"):
         LoogleTask.validate(cfg(str(folder), datasets=["shortdep_cloze"], bert_score_model="/nonexistent"))
+    monkeypatch.setitem(sys.modules, "bert_score", None)  # an existing folder, no package
+    with pytest.raises(TaskConfigError, match=r"^task\.bert_score_model=.*: needs the bert-score package"):
+        LoogleTask.validate(cfg(str(folder), datasets=["shortdep_cloze"], bert_score_model=str(folder)))
     monkeypatch.setattr("eval.loogle.wordnet", lambda: (_ for _ in ()).throw(TaskConfigError(INSTALL)))
     LoogleTask.validate(cfg(str(folder), datasets=["shortdep_cloze"]))  # the cloze task needs no WordNet
     with pytest.raises(TaskConfigError, match=r"wordnet_setup\.sh.*nltk\.download\('wordnet'\)"):

@@ -115,3 +115,56 @@ def test_candidates_are_records_that_resume_alone(loaded, tmp_path):
     ctx = engine.open(loaded.tokenizer.encode(sample.prompt), 6)  # candidate 3 alone, from its own seed
     alone = engine.decode(ctx, 6, None, 0, torch.Generator().manual_seed(candidate_seed(7, "d/0", 3)), sampling)
     assert records[3]["prediction"] == alone.text
+
+
+class Encoding(dict):
+    __getattr__ = dict.__getitem__
+
+
+class LoogleTokenizer(CharTokenizer):
+    """CharTokenizer whose calls answer as transformers' BatchEncoding does (keys and attributes)."""
+
+    def __call__(self, text, **kwargs):
+        return Encoding(input_ids=self.encode(text))
+
+
+def test_a_loogle_document_with_three_questions_is_prefilled_once_and_answers_as_alone(tmp_path, monkeypatch):
+    """Issue #48's acceptance: a LooGLE-shaped folder, 3 questions on one document, task.compress=context."""
+    import json
+
+    from eval.loogle import LoogleTask
+
+    lm = loaded_for(tiny_model("llama", layers=2))
+    lm.tokenizer = LoogleTokenizer()
+    qa = [{"S": "", "Q": q, "A": "x"} for q in ("Where was he born?", "Who was he?", "What did he play?")]
+    row = {"input": "Picardo was born in Jerez and played the guitar all his life. " * 4, "title": "Picardo",
+           "qa_pairs": str(qa), "output": "none"}
+    (tmp_path / "shortdep_qa.jsonl").write_text(json.dumps(row) + "\n")
+    cfg = {"name": "loogle", "datasets": ["shortdep_qa"], "n_samples": None, "data_dir": str(tmp_path),
+           "source": "official", "hub_dataset": None, "max_length": 100_000, "compress": "context"}
+    task = LoogleTask(cfg, lm.tokenizer, 100_000)
+    samples = list(task.samples())
+    alone = [run_sample(snapkv(lm), lm, task, s) for s in samples]
+    opened, store = counting(monkeypatch), JobStore(tmp_path / "job")
+    run_samples([snapkv(lm)], lm, task, samples, [store], quiet=True)
+    records = store.records()
+    assert len(samples) == 3 and len(opened) == 1  # the document's context: prefilled and compressed once
+    assert [r["group_compressions"] for r in records] == [1, 1, 1] and len({r["group"] for r in records}) == 1
+    assert [r["prediction"] for r in records] == [r["prediction"] for r in alone]
+
+
+def test_a_shared_sweep_prefills_a_shared_context_once_for_every_job(loaded, tmp_path, monkeypatch):
+    """sweep.share_prefill with units (issue #48.4): one prefill of the context for both methods' jobs, each job's
+    records as it stores them alone."""
+    import kvbench.engine
+
+    samples = [question(i) for i in range(3)]
+    knorm = lambda: Engine(loaded, build_method({"name": "knorm", "recent_window": 4}, loaded.layout), 32)  # noqa: E731
+    alone = [[run_sample(make(), loaded, EchoTask(), s)["prediction"] for s in samples]
+             for make in (lambda: snapkv(loaded), knorm)]
+    calls, prefill = [], kvbench.engine.prefill
+    monkeypatch.setattr(kvbench.engine, "prefill", lambda engines, *a: calls.append(len(engines)) or prefill(engines, *a))
+    stores = [JobStore(tmp_path / "a"), JobStore(tmp_path / "b")]
+    run_samples([snapkv(loaded), knorm()], loaded, EchoTask(), samples, stores, quiet=True)
+    assert calls == [2]  # one forward over the context, both methods compress it
+    assert [[r["prediction"] for r in s.records()] for s in stores] == alone
