@@ -137,9 +137,11 @@ class TopConfig:
         if d.interval < 0 or d.schedule not in ("steps", "length"):
             raise ConfigError(f"decode.interval={d.interval}, decode.schedule={d.schedule}: accepted values are an "
                               "integer >= 0 (0: off) and steps, length")
-        if d.interval and (self.budget.tokens is None or self.compile is True):
-            raise ConfigError(f"decode.interval={d.interval}: needs an integer token budget (budget={self.budget}) and "
-                              "eager decoding (compile=false or auto)")
+        if d.interval and self.compile is True:
+            raise ConfigError(f"decode.interval={d.interval}: needs eager decoding (compile=false or auto)")
+        if not d.prefill and not d.interval:
+            raise ConfigError("decode.prefill=false: decode-only compression needs decode.interval > 0 (0: at the end "
+                              "of prefill only)")
         if s.n < 1 or s.temperature < 0 or not 0 < s.top_p <= 1 or s.top_k < 0 or (s.n > 1 and not s.temperature):
             raise ConfigError(f"sampling.n={s.n}, temperature={s.temperature}, top_p={s.top_p}, top_k={s.top_k}: "
                               "accepted values are n >= 1 (> 1 only with temperature > 0), temperature >= 0 (0: greedy), "
@@ -373,9 +375,12 @@ def check(cfg: Any, preset: str | None = None) -> JobSpec:
     task, name = plain["task"], str(plain["task"].get("name"))
     tasks.get_task_class(name).validate(task)
     methods.check_min_budget(method, top.budget)
-    if top.decode.interval and not method.decodes and method.name != "full":  # the full cache: nothing to cut
-        raise ConfigError(f"decode.interval={top.decode.interval}: method {method.name} does not compress while decoding; "
-                          "accepted methods are the scoring ones (docs/DECODING.md)")
+    if top.decode.interval and method.name != "full":  # the full cache: nothing to cut
+        if not method.decodes:
+            raise ConfigError(f"decode.interval={top.decode.interval}: method {method.name} does not compress while "
+                              "decoding; accepted methods are the scoring ones (docs/DECODING.md)")
+        if top.budget.tokens is None:
+            raise ConfigError(f"decode.interval={top.decode.interval}: needs an integer token budget (budget={top.budget})")
     limit = int(task.get("max_length") or model.max_input_length)
     if task.get("max_new_tokens") and name == "niah" and min(task["context_lengths"]) > limit:
         raise TaskConfigError(f"task.context_lengths={task['context_lengths']}: every length exceeds the prompt budget "

@@ -302,6 +302,14 @@ def summarise(job: JobSpec, store: JobStore, task: Task, expected: list[str]) ->
         summary = summarize(job.cfg, task, records, expected, job.relpath, getattr(task, "skipped", None))
         if job.cfg["task"]["name"] == "niah":
             heatmap(store, [r for r in records if r["id"] in set(summary["ids"])], job.cfg)
+        try:
+            before = json.loads((store.path / "summary.json").read_text())
+        except (OSError, ValueError):
+            before = {}
+        if before.get("selection", summary["selection"]) != summary["selection"]:
+            log.warning("job %s: summary.json now scores %d samples (%s), not the %d of %s; predictions.jsonl keeps "
+                        "every record (run that selection again to score it)", job.relpath, summary["n_samples"],
+                        summary["selection"], before.get("n_samples", 0), before["selection"])
         store.write_json("summary.json", summary)
     print_summary(summary, store.path)
     return EXIT_SAMPLE_FAILED if summary["n_failed"] else EXIT_OK

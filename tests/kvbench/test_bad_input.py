@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.kvbench.cli_util import run_cli
+from tests.kvbench.cli_util import run_cli, run_cli_forked
 
 # (id, command-line arguments, the key the error line names); {tmp} is the module's temporary folder
 CASES = [
@@ -47,6 +47,11 @@ CASES = [
     ("threads-zero", ["threads=0"], "threads"),
     ("threads-10000", ["threads=10000"], "threads"),
     ("compile", ["compile=maybe"], "compile"),
+    ("decode-with-a-ratio-budget", ["method=snapkv", "decode.interval=16"], "decode.interval"),
+    ("decode-compiled", ["method=snapkv", "budget=64", "decode.interval=16", "compile=true"], "decode.interval"),
+    ("decode-only-without-interval", ["decode.prefill=false"], "decode.prefill"),
+    ("decode-method-that-cannot", ["method=headkv", "budget=64", "decode.interval=16"], "decode.interval"),
+    ("sampling-n-greedy", ["sampling.n=4"], "sampling.n"),
     ("run-name-escapes", ["run_name=../../elsewhere"], "run_name"),
     ("model-deleted", ["~model"], "model"),
     ("niah-length-scalar", ["task.context_lengths=512"], "task.context_lengths"),
@@ -112,16 +117,22 @@ def tmp(tmp_path_factory) -> Path:
     return root
 
 
-@pytest.mark.parametrize("case_id,args,key", CASES, ids=[c.values[0] if hasattr(c, "marks") else c[0] for c in CASES])
-def test_bad_input_is_one_line_naming_the_key_and_exit_2(tmp, case_id, args, key):
-    out_root = tmp / "out" / case_id
-    try:  # a few seconds when the input is refused; a job that runs instead is stopped here
-        out = run_cli([a.format(tmp=tmp) for a in args] + [f"output_root={out_root}"], timeout=60)
-    except subprocess.TimeoutExpired:
-        pytest.fail("not refused: the job started")
-    lines = out.stderr.splitlines()
-    assert (out.returncode, len(lines)) == (2, 1), out.stderr[-3000:]
+@pytest.fixture(scope="module")
+def refused(tmp) -> dict[str, tuple[int | None, str]]:
+    """Every case's ``(exit code, stderr)``; a job that starts instead of being refused is stopped after 60 s."""
+    cases = [[a.format(tmp=tmp) for a in args] + [f"output_root={tmp / 'out' / case_id}"] for case_id, args, _ in CASES]
+    (tmp / "stderr").mkdir()
+    return dict(zip([c[0] for c in CASES], run_cli_forked(cases, tmp / "stderr")))
+
+
+@pytest.mark.parametrize("case_id,args,key", CASES, ids=[c[0] for c in CASES])
+def test_bad_input_is_one_line_naming_the_key_and_exit_2(tmp, refused, case_id, args, key):
+    code, stderr = refused[case_id]
+    assert code is not None, "not refused: the job started"
+    lines = stderr.splitlines()
+    assert (code, len(lines)) == (2, 1), stderr[-3000:]
     assert lines[0].startswith("error: ") and key in lines[0]
+    out_root = tmp / "out" / case_id
     assert not any(out_root.rglob("predictions.jsonl")) and not any(out_root.rglob("env.json"))
 
 

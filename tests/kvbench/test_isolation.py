@@ -168,6 +168,7 @@ def test_the_sample_selection_and_run_control_keep_the_folder(base, tmp_path):
 def test_the_full_cache_is_one_folder_for_every_budget(base):
     full = relpath(base + ["method=full", "budget=0.25"])
     assert full == relpath(base + ["method=full", "budget=128"])
+    assert full == relpath(base + ["method=full", "budget=0.25", "decode.interval=16"])  # nothing to cut while decoding
     assert full.startswith("niah/tiny/full/") and re.fullmatch(r"[0-9a-f]{8}", full.split("/")[-1])  # no b<budget>
 
 
@@ -198,7 +199,7 @@ def run(args: list[str]) -> tuple[int, JobStore]:
     return code, JobStore(job.cfg["output_root"] + "/" + job.relpath)
 
 
-def test_a_wider_selection_resumes_and_runs_only_the_new_samples(base):
+def test_a_wider_selection_resumes_and_runs_only_the_new_samples(base, caplog):
     code, store = run(base + ["max_samples=1"])
     assert code == 0 and [r["id"] for r in store.records()] == ["niah/300/0"]
     code, again = run(base + ["task.context_lengths=[300,400]"])
@@ -207,6 +208,11 @@ def test_a_wider_selection_resumes_and_runs_only_the_new_samples(base):
     summary = json.loads((store.path / "summary.json").read_text())
     assert (summary["n_samples"], summary["complete"]) == (4, True)
     assert json.loads((store.path / "identity.json").read_text()) == check(base).identity
+    with caplog.at_level("WARNING", logger="kvbench"):  # the smaller selection again: scored, nothing lost, said so
+        assert run(base + ["max_samples=1"])[0] == 0
+    summary = json.loads((store.path / "summary.json").read_text())
+    assert (summary["n_samples"], len(store.records())) == (1, 4)
+    assert any("summary.json now scores 1 samples" in r.getMessage() for r in caplog.records)
 
 
 def test_a_failing_sample_is_stored_exit_1_and_the_rerun_retries_it(base, monkeypatch):
