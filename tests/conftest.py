@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -13,6 +14,10 @@ ROOT = Path(__file__).resolve().parents[1]
 SHARED_DATA = next((p for p in (ROOT.parent / "shared" / "data", ROOT.parent.parent / "shared" / "data") if p.is_dir()),
                    ROOT.parent / "shared" / "data")
 sys.path.insert(0, str(ROOT))
+# pytest-xdist workers share the cores: each gets its share of torch threads (oversubscribed OpenMP pools wait on
+# each other and run many times slower)
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 
 
 class StubTokenizer:
@@ -75,3 +80,10 @@ def shared_data() -> Path:
     if not SHARED_DATA.is_dir():
         pytest.skip(f"shared benchmark data not found at {SHARED_DATA}")
     return SHARED_DATA
+
+
+def pytest_collection_modifyitems(items):
+    """Files holding ``slow`` or ``slurm`` tests first: pytest-xdist hands out whole files in this order (``--dist
+    loadfile``), so the longest start first and the workers finish together (each file's order is kept)."""
+    long = {item.path for item in items if item.get_closest_marker("slow") or item.get_closest_marker("slurm")}
+    items.sort(key=lambda item: item.path not in long)

@@ -324,7 +324,8 @@ PAIR = ("The author moved to Madrid in 1990 and then he taught music at the cons
         "He taught music in Madrid after he moved there in 1990")
 
 
-def run_with_hash_seed(seed: int, code: str) -> float:
+def run_with_hash_seed(seed: int, code: str) -> list[float]:
+    """The numbers ``code`` prints (one line), run in a new interpreter under ``PYTHONHASHSEED=seed``."""
     import os
     import subprocess
     import sys
@@ -332,18 +333,16 @@ def run_with_hash_seed(seed: int, code: str) -> float:
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
                           env={**os.environ, "PYTHONHASHSEED": str(seed)}, cwd=str(ROOT))
     assert done.returncode == 0, done.stderr[-1000:]
-    return float(done.stdout)
+    return [float(x) for x in done.stdout.split()]
 
 
-@needs_wordnet
 def test_meteor_is_deterministic_where_the_official_set_order_is_not():
-    ours = f"from eval.loogle import meteor; print(meteor({PAIR[0]!r}.split(), {PAIR[1]!r}.split()))"
-    official = ("from nltk.translate.meteor_score import single_meteor_score as m; "
-                f"print(m(set({PAIR[0]!r}.split()), set({PAIR[1]!r}.split())))")  # get_meteor_score
-    mine = {run_with_hash_seed(s, ours) for s in (0, 1, 2)}
-    spread = [run_with_hash_seed(s, official) for s in range(6)]
-    assert len(mine) == 1 and len(set(spread)) > 1  # official: 0.241 to 0.464 over seeds 0-39 (docs/BENCHMARKS.md)
-    assert min(spread) <= mine.pop() <= max(spread)
+    code = ("from eval.loogle import meteor; from nltk.translate.meteor_score import single_meteor_score as m; "
+            f"print(meteor({PAIR[0]!r}.split(), {PAIR[1]!r}.split()), "
+            f"m(set({PAIR[0]!r}.split()), set({PAIR[1]!r}.split())))")  # ours, then the official get_meteor_score
+    mine, spread = zip(*(run_with_hash_seed(s, code) for s in range(6)))
+    assert len(set(mine)) == 1 and len(set(spread)) > 1  # official: 0.241 to 0.464 over seeds 0-39 (docs/BENCHMARKS.md)
+    assert min(spread) <= mine[0] <= max(spread)
 
 
 def tiny_roberta(path):

@@ -28,6 +28,50 @@ def run_cli(args: list[str], cwd: Path | None = None, timeout: float = 300, **en
     )
 
 
+# One interpreter imports run.py's modules once (and composes once), then forks a child per command line: each child is its own process
+# (state, stderr, exit code) as `python run.py` is, without importing torch and transformers again.
+_FORKED = r"""
+import json, os, signal, sys, time, traceback
+root, tmp, timeout = sys.argv[1], sys.argv[2], float(sys.argv[3])
+sys.path.insert(0, root)
+import run, kvbench.config
+kvbench.config.compose([])  # Hydra's plugin scan imports the schemas: methods, tasks, torch
+results = []
+for i, args in enumerate(json.loads(sys.stdin.read())):
+    err = os.path.join(tmp, f"{i}.stderr")
+    pid = os.fork()
+    if not pid:
+        os.dup2(os.open(err, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), 2)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
+        sys.argv, code = [os.path.join(root, "run.py"), *args], 1
+        try:
+            code = run.main()
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else 1
+        except BaseException:
+            traceback.print_exc()
+        sys.stdout.flush(), sys.stderr.flush(), os._exit(code)
+    deadline = time.monotonic() + timeout
+    while not (done := os.waitpid(pid, os.WNOHANG))[0] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    if not done[0]:
+        os.kill(pid, signal.SIGKILL), os.waitpid(pid, 0)
+    results.append([os.waitstatus_to_exitcode(done[1]) if done[0] else None, open(err).read()])
+print(json.dumps(results))
+"""
+
+
+def run_cli_forked(cases: list[list[str]], tmp: Path, timeout: float = 60) -> list[tuple[int | None, str]]:
+    """``python run.py *args`` for each of ``cases``: ``(exit code, stderr)``, the code None when the run was stopped
+    after ``timeout`` s. One interpreter imports run.py once and forks a child per case (Linux, macOS); what the
+    imports print to stderr is the import line of every case's stderr, so noise at import fails its tests too."""
+    out = subprocess.run([sys.executable, "-c", _FORKED, str(ROOT), str(tmp), str(timeout)], input=json.dumps(cases),
+                         cwd=ROOT, env=cli_env(), capture_output=True, text=True, timeout=timeout * len(cases) + 60)
+    if out.returncode:
+        raise RuntimeError(out.stderr[-3000:])
+    return [(code, out.stderr + err) for code, err in json.loads(out.stdout.splitlines()[-1])]
+
+
 def popen_cli(args: list[str], **env: str) -> subprocess.Popen:
     """Start ``python run.py *args`` without waiting (output discarded)."""
     return subprocess.Popen(

