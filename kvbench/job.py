@@ -117,7 +117,7 @@ def print_summary(summary: dict, path: Path) -> None:
     rows = [(ds, v.get("score"), v.get("n")) for ds, v in (summary.get("datasets") or {}).items()]
     w = max([7] + [len(r[0]) for r in rows])
     lines = [f"\njob {summary['job']}  ({'complete' if summary['complete'] else 'incomplete'}; {summary['n_samples']}/"
-             f"{summary['n_expected']} samples, {summary['n_failed']} failed)",
+             f"{summary['n_expected']} {'candidates' if summary.get('pass_at_k') else 'samples'}, {summary['n_failed']} failed)",
              f"{'dataset':<{w}}  {'score':>7}  {'n':>4}", f"{'-' * w}  {'-' * 7}  {'-' * 4}"]
     lines += [f"{ds:<{w}}  {'-' if s is None else f'{s:.2f}':>7}  {n:>4}" for ds, s, n in rows]
     lines += [f"failed: {f['id']}: {f.get('type')}: {str(f.get('message', ''))[:160]}" for f in summary.get("failed", [])[:10]]
