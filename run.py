@@ -10,7 +10,8 @@
 
 Exit codes: 0 ok, 1 some samples failed (stored with their error; rerun to retry them) or an
 I/O error, 2 configuration error (one line ``error: <key>...``, before any model loads), 3 the job
-shard is locked by another process; sbatch refusing a SLURM sweep: its one error line, exit 1.
+shard is locked by another process, 130 interrupted (Ctrl-C; stored samples are kept); sbatch refusing a
+SLURM sweep: its one error line, exit 1.
 A local sweep runs every job and exits with the largest code.
 
 Hydra does the work; what stays here: the arguments are reordered (options first: Hydra's parser

@@ -32,7 +32,8 @@ def by_problem(records: list[dict]) -> dict[str, dict[str, list[dict]]]:
 def summary(records: list[dict]) -> dict[str, dict[str, Any]]:
     """Per dataset, in % (two decimals): ``pass@1`` (mean over problems of the mean candidate score) and ``pass@1_se``
     (SD of those means / √problems; null under two problems), ``pass@k`` for k = 1, 2, 4, ... up to the fewest
-    candidates of a problem (a candidate is correct when it scores 1), ``answered`` (share of candidates whose
+    candidates of a problem (a candidate is correct when it scores 1; empty unless every candidate scores 0 or 1, as
+    pass@k counts right answers), ``answered`` (share of candidates whose
     ``scores.found`` is true; null when no record says), the mean ``generated_tokens`` of a candidate, and the counts
     ``problems`` and ``candidates``."""
     out = {}
@@ -48,7 +49,8 @@ def summary(records: list[dict]) -> dict[str, dict[str, Any]]:
             "pass@1": pct(sum(means) / len(means)),
             "pass@1_se": pct(statistics.stdev(means) / math.sqrt(len(means)) if len(means) > 1 else None),
             "pass@k": {str(k): pct(sum(pass_at_k(len(rs), sum(float(r["score"]) >= 1 for r in rs), k)
-                                       for rs in problems.values()) / len(problems)) for k in ks},
+                                       for rs in problems.values()) / len(problems))
+                       for k in ks if all(float(r["score"]) in (0, 1) for r in flat)},
             "answered": pct(sum(found) / len(found) if found else None),
             "generated_tokens": round(sum(tokens) / len(tokens), 2) if tokens else None,
             "problems": len(problems), "candidates": len(flat),

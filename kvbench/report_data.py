@@ -165,6 +165,21 @@ def _model_keys(df: pd.DataFrame) -> pd.Series:
     return keys
 
 
+def _full_in_every_group(df: pd.DataFrame) -> pd.DataFrame:
+    """A full-cache job (it compresses nothing while decoding) joins, as their reference, the groups of its task and
+    model whose settings differ from its own in ``decode.*`` only: a row per such model key."""
+    both = df.assign(bare=df["settings"].map(lambda text: json.dumps(
+        {k: v for k, v in json.loads(text).items() if not k.startswith("decode.")}, sort_keys=True)))
+    full, rest = both[both["method_name"] == FULL], both[both["method_name"] != FULL]
+    if full.empty or rest.empty:
+        return df
+    same = ["task", "model", "setting", "max_input_tokens", "bare"]
+    full = full.merge(rest[[*same, "model_key"]].drop_duplicates(), on=same, how="left", suffixes=("", "_of"))
+    group = full.pop("model_key_of")
+    full["model_key"] = group.where(group.notna(), full["model_key"])
+    return pd.concat([rest, full], ignore_index=True).drop(columns="bare")
+
+
 def _variants(df: pd.DataFrame) -> pd.DataFrame:
     """``variant`` (differing method fields, ``""`` when none) and ``default`` per row."""
     df["variant"], df["default"] = "", True
@@ -218,6 +233,7 @@ def load_results(root: str | Path) -> pd.DataFrame:
             "strict_se", "strict_samples", *TIMING_COLUMNS, *CACHE_COLUMNS, "compressed_fraction"]
     df = pd.DataFrame(rows, columns=cols)
     df["model_key"] = _model_keys(df) if len(df) else pd.Series(dtype=object)
+    df = _full_in_every_group(df)
     df = _variants(df) if len(df) else df.assign(variant=pd.Series(dtype=object), default=pd.Series(dtype=bool))
     for col in ["budget", "score", "n", "se", "strict", "strict_se", "max_input_tokens", *TIMING_COLUMNS,
                 *CACHE_COLUMNS]:

@@ -20,7 +20,7 @@ from eval.longbench_v2 import BREAKDOWN
 
 from .plots import draw_niah_heatmap, niah_colorbar, plt
 from .report_data import (DATASET_ABBR, FULL, LONG_CONTEXT_TOKENS, budget_semantics, budget_text, display_name,
-                          method_sort_key, model_sort_key, niah_grid_records, order_datasets)
+                          method_sort_key, model_sort_key, niah_grid_records, order_datasets, presets)
 
 
 @dataclass
@@ -138,13 +138,14 @@ class Grid:
 
 
 def grid(df: pd.DataFrame, task: str, budget: float, models=None, names=None, labels=None) -> Grid | None:
-    """One task at one budget, full cache at any budget; default ``labels``: preset label, else the shortest (noted)."""
+    """One task at one budget, full cache at any budget; default ``labels``: a method's preset label, else its shortest
+    (noted); a method without a preset of its name (``method=kvpress``, labelled by its press): each label."""
     comp = df[(df["task"] == task) & (df["method_name"] != FULL) & np.isclose(df["budget"], budget)]
     comp = comp[comp["model_key"].isin(models)] if models is not None else comp
     comp = comp[comp["method_name"].isin(names)] if names is not None else comp
     if labels is None:
-        labels = [display_name(n) if display_name(n) in set(g["method"]) else min(sorted(g["method"]), key=len)
-                  for n, g in comp.groupby("method_name")]
+        labels = [lab for n, g in comp.groupby("method_name") for lab in (sorted(set(g["method"])) if n not in presets()
+                  else [display_name(n) if display_name(n) in set(g["method"]) else min(sorted(g["method"]), key=len)])]
     comp = comp[comp["method"].isin(labels)]
     if comp.empty:
         return None

@@ -71,3 +71,15 @@ def test_protocols_apart_one_budget_nothing_and_the_cli_writes_png_and_pdf(tmp_p
     assert report.main([str(tmp_path / "two"), "--out", str(tmp_path / "r"), "--only", "score_vs_budget_niah"]) == 0
     assert {p.name for p in (tmp_path / "r").glob("score_vs_budget*")} == {
         "score_vs_budget_niah.png", "score_vs_budget_niah.pdf", "score_vs_budget_niah.sources.txt"}
+
+
+def test_each_kvpress_press_is_a_line_of_its_own(tmp_path):
+    """method=kvpress is labelled by its press: two presses are two methods, each drawn (and neither dropped)."""
+    niah_job(tmp_path, "full", 0.25, SAMPLES["full", 0.25])
+    for press, scores in (("TOVAPress", SAMPLES["snapkv", 0.25]), ("KnormPress", SAMPLES["streamingllm", 0.25])):
+        for budget in (0.25, 0.5):
+            niah_job(tmp_path, "kvpress_press", budget, scores, label=press, preset=f"kvpress_{press}")
+    (fig,) = score_vs_budget(report.load_results(tmp_path))
+    lines = {line.get_label(): line for line in fig.fig.axes[0].get_lines()}
+    assert {"TOVAPress", "KnormPress"} <= set(lines)
+    assert np.allclose(lines["KnormPress"].get_ydata(), [mean_se(SAMPLES["streamingllm", 0.25])[0]] * 2)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from pathlib import Path
 
 import pytest
@@ -112,3 +113,16 @@ def test_report_cli_writes_the_reasoning_artifacts(root, tmp_path):
             "gen_length_math500_r1_llama8b.pdf"} <= names
     md = (out / "passk_math500_r1_llama8b.md").read_text()
     assert f"{round(100 * 1.25 / 3, 2):.2f} ± {round(100 * se([1, 0.25, 0]), 2):.2f}" in md
+
+
+def test_the_full_cache_is_the_reference_of_every_decode_setting(root):
+    """A prefill-only job beside decode-compressed ones splits the model key by decode.*; the full cache (it compresses
+    nothing while decoding) joins both groups."""
+    job = shutil.copytree(root / "math500" / "r1_llama8b" / "rkv" / "b128", root / "math500" / "r1_llama8b" / "snapkv" / "b128")
+    cfg = yaml.safe_load((job / "config.yaml").read_text())
+    cfg["method"], cfg["decode"]["interval"] = {"name": "snapkv", "label": "SnapKV"}, 0
+    (job / "config.yaml").write_text(yaml.safe_dump(cfg))
+    df = load_results(root)
+    keys = {m: set(df.loc[df["method"] == m, "model_key"]) for m in ("Full Cache", "R-KV", "SnapKV")}
+    assert keys["R-KV"] == {"r1_llama8b [decode.interval=128]"} and keys["SnapKV"] == {"r1_llama8b [decode.interval=0]"}
+    assert keys["Full Cache"] == keys["R-KV"] | keys["SnapKV"]

@@ -192,6 +192,8 @@ def test_sampled_summary_and_aggregate():
     agg = task("math500").aggregate(records)
     assert agg["datasets"] == {"math500": {"score": round(100 / 3, 2), "n": 3}}  # a problem is one sample
     assert agg["pass_at_k"]["math500"] == out
+    partial = summary([{**r, "score": 0.5} if r["id"] == "math500/0#0" else r for r in records])["math500"]
+    assert partial["pass@k"] == {} and partial["pass@1"] < out["pass@1"]  # a score of 0.5 is no right answer
 
 
 def test_official_hub_dataset_from_a_local_snapshot(tmp_path):
