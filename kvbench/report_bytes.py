@@ -10,7 +10,7 @@ import json
 import pandas as pd
 from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
-from .report_data import budget_text, method_sort_key
+from .report_data import budget_text, full_in_every_group, method_sort_key
 from .report_tables import Artifact, _done, _figure, count
 
 DTYPE_BITS = {"float32": 32, "bfloat16": 16, "float16": 16}
@@ -30,6 +30,7 @@ def job_points(df: pd.DataFrame) -> pd.DataFrame:
         bits=settings.map(lambda s: s.get("cache.bits") or DTYPE_BITS.get(s.get("env.dtype"))),
         layout=settings.map(lambda s: f"G{s['cache.group_size']}, R{s['cache.residual']}" if "cache.bits" in s else ""),
         panel=settings.map(lambda s: json.dumps({k: v for k, v in s.items() if not k.startswith("cache.")}, sort_keys=True)))
+    rows = full_in_every_group(rows, "panel", "panel")
     keys = ["job", "task", "model", "panel", "method", "variant", "method_name", "bits", "quantized", "layout", "budget"]
     pts = rows.groupby(keys, dropna=False).agg(score=("score", "mean"), before=("cache_bytes_before", "mean"),
                                                after=("cache_bytes_after", "mean"), complete=("complete", "all"))

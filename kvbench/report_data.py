@@ -165,18 +165,18 @@ def _model_keys(df: pd.DataFrame) -> pd.Series:
     return keys
 
 
-def _full_in_every_group(df: pd.DataFrame) -> pd.DataFrame:
-    """A full-cache job (it compresses nothing while decoding) joins, as their reference, the groups of its task and
-    model whose settings differ from its own in ``decode.*`` only: a row per such model key."""
-    both = df.assign(bare=df["settings"].map(lambda text: json.dumps(
+def full_in_every_group(df: pd.DataFrame, key: str = "model_key", settings: str = "settings") -> pd.DataFrame:
+    """A full-cache job (it compresses nothing while decoding) joins, as their reference, the groups (``key``) of its
+    task and model whose ``settings`` (JSON) differ from its own in ``decode.*`` only: a row per such group."""
+    both = df.assign(bare=df[settings].map(lambda text: json.dumps(
         {k: v for k, v in json.loads(text).items() if not k.startswith("decode.")}, sort_keys=True)))
     full, rest = both[both["method_name"] == FULL], both[both["method_name"] != FULL]
     if full.empty or rest.empty:
         return df
     same = ["task", "model", "setting", "max_input_tokens", "bare"]
-    full = full.merge(rest[[*same, "model_key"]].drop_duplicates(), on=same, how="left", suffixes=("", "_of"))
-    group = full.pop("model_key_of")
-    full["model_key"] = group.where(group.notna(), full["model_key"])
+    full = full.merge(rest[[*same, key]].drop_duplicates(), on=same, how="left", suffixes=("", "_of"))
+    group = full.pop(f"{key}_of")
+    full[key] = group.where(group.notna(), full[key])
     return pd.concat([rest, full], ignore_index=True).drop(columns="bare")
 
 
@@ -233,7 +233,7 @@ def load_results(root: str | Path) -> pd.DataFrame:
             "strict_se", "strict_samples", *TIMING_COLUMNS, *CACHE_COLUMNS, "compressed_fraction"]
     df = pd.DataFrame(rows, columns=cols)
     df["model_key"] = _model_keys(df) if len(df) else pd.Series(dtype=object)
-    df = _full_in_every_group(df)
+    df = full_in_every_group(df)
     df = _variants(df) if len(df) else df.assign(variant=pd.Series(dtype=object), default=pd.Series(dtype=bool))
     for col in ["budget", "score", "n", "se", "strict", "strict_se", "max_input_tokens", *TIMING_COLUMNS,
                 *CACHE_COLUMNS]:

@@ -500,9 +500,14 @@ def _figure(n_rows: int, n_cols: int, w: float = 4.2, h: float = 3.2):
 
 
 def _done(name, fig, caption, used=None, sources=()) -> Artifact:
-    """The figure with its caption below the panels (the figure grows by the caption's wrapped lines)."""
+    """The figure with its caption below the panels (the figure grows by the caption's wrapped lines), panel titles
+    wrapped to their panels' width."""
     a = Artifact(name, caption, fig=fig, used=used, sources=list(sources))  # its caption names the protocol
     size, (w, h) = FontProperties(size="small").get_size_in_points(), fig.get_size_inches()
+    for ax in fig.axes:  # a panel title (a long model key) wraps to its panel's width
+        width = max(20, int(ax.get_position().width * w * 72 / (0.55 * ax.title.get_fontsize())))
+        if text := ax.get_title():
+            ax.title.set_text("\n".join(textwrap.fill(line, width) for line in text.split("\n")))
     lines = textwrap.wrap(a.caption, int(w * 72 / (0.6 * size)))
     below = len(lines) * 1.3 * size / 72 + 0.1  # inches
     fig.set_figheight(h + below)
