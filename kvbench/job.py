@@ -289,9 +289,10 @@ def write_env(job: JobSpec, store: JobStore, loaded: Any, compiled: bool, mine: 
     env = {**environment(loaded), "inputs": job.inputs, "artifacts": job.artifacts,
            "decode_compiled": compiled}
     store.write_json(name, env)
-    stored = store.done_ids()
-    log.info("job %s: %d samples in this shard, %d stored, %d to run", job.relpath, len(mine),
-             sum(s.id in stored for s in mine), sum(s.id not in stored for s in mine))
+    stored, ids = store.done_ids(), [i for s in mine for i in record_ids(s, job.top.sampling)]  # a record per candidate
+    done = sum(i in stored for i in ids)
+    log.info("job %s: %d samples in this shard, %d of their %d records stored, %d to run", job.relpath, len(mine),
+             done, len(ids), len(ids) - done)
     return name, env
 
 
@@ -306,7 +307,7 @@ def summarise(job: JobSpec, store: JobStore, task: Task, expected: list[str]) ->
             before = json.loads((store.path / "summary.json").read_text())
         except (OSError, ValueError):
             before = {}
-        if before.get("selection", summary["selection"]) != summary["selection"]:
+        if set(before.get("ids", ())) - set(summary["ids"]):  # a smaller selection: earlier records left unscored
             log.warning("job %s: summary.json now scores %d samples (%s), not the %d of %s; predictions.jsonl keeps "
                         "every record (run that selection again to score it)", job.relpath, summary["n_samples"],
                         summary["selection"], before.get("n_samples", 0), before["selection"])
