@@ -58,7 +58,8 @@ def score_dir(folder: Path, longbench_e: bool = False) -> dict:
     """Official scores of the ``*.jsonl`` prediction files in ``folder`` by dataset (TaskConfigError, one line:
     no such folder or file, an unknown or repeated dataset, an empty file or a bad line)."""
     if not folder.is_dir():
-        raise TaskConfigError(f"{folder}: no such directory")
+        raise TaskConfigError(f"{folder}: " + ("a file; give --task NAME to score it with a task's metric"
+                                               if folder.is_file() else "no such directory"))
     files = sorted(p for p in folder.glob("*jsonl") if p.is_file())
     if not files:
         raise TaskConfigError(f"{folder}: no prediction files (<dataset>.jsonl)")

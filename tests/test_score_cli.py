@@ -58,6 +58,10 @@ def test_score_dir_longbench_e_buckets(tmp_path):
 def test_score_dir_errors_are_one_line(tmp_path, capsys):
     assert main([str(tmp_path / "nope")]) == 2
     assert "no such directory" in capsys.readouterr().err
+    (tmp_path / "preds.jsonl").write_text("")
+    assert main([str(tmp_path / "preds.jsonl")]) == 2  # a file without --task
+    assert "--task" in capsys.readouterr().err
+    (tmp_path / "preds.jsonl").unlink()
     assert main([str(tmp_path)]) == 2
     assert "no prediction files" in capsys.readouterr().err
     write(tmp_path, "qa.jsonl", [pred("x", ["x"])])
