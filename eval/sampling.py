@@ -40,8 +40,9 @@ def summary(records: list[dict]) -> dict[str, dict[str, Any]]:
     for dataset, problems in by_problem(records).items():
         means = [sum(float(r["score"]) for r in rs) / len(rs) for rs in problems.values()]
         n_min = min(len(rs) for rs in problems.values())
-        ks = [2**i for i in range(n_min.bit_length()) if 2**i <= n_min]
         flat = [r for rs in problems.values() for r in rs]
+        binary = all(float(r["score"]) in (0, 1) for r in flat)  # pass@k counts right answers
+        ks = [2**i for i in range(n_min.bit_length()) if 2**i <= n_min] if binary else []
         found = [bool(r["scores"]["found"]) for r in flat if "found" in (r.get("scores") or {})]
         tokens = [r["generated_tokens"] for r in flat if isinstance(r.get("generated_tokens"), (int, float))]
         pct = lambda v: None if v is None else round(100 * v, 2)
@@ -49,8 +50,7 @@ def summary(records: list[dict]) -> dict[str, dict[str, Any]]:
             "pass@1": pct(sum(means) / len(means)),
             "pass@1_se": pct(statistics.stdev(means) / math.sqrt(len(means)) if len(means) > 1 else None),
             "pass@k": {str(k): pct(sum(pass_at_k(len(rs), sum(float(r["score"]) >= 1 for r in rs), k)
-                                       for rs in problems.values()) / len(problems))
-                       for k in ks if all(float(r["score"]) in (0, 1) for r in flat)},
+                                       for rs in problems.values()) / len(problems)) for k in ks},
             "answered": pct(sum(found) / len(found) if found else None),
             "generated_tokens": round(sum(tokens) / len(tokens), 2) if tokens else None,
             "problems": len(problems), "candidates": len(flat),

@@ -31,7 +31,7 @@ from methods.base import ConfigError
 from .config import SELECTION_KEYS, JobSpec, check
 from .prompts import encode_prompt, prompt_format, prompt_text, split_prompt, stop_ids_for  # noqa: F401 - the job's public helpers
 from .runner import conversations, error_record, free_cuda, record_ids, run_sample, run_samples  # noqa: F401
-from .store import JobLockedError, JobStore, atomic_write
+from .store import JobLockedError, JobStore, atomic_write, read_json
 
 log = logging.getLogger("kvbench")
 EXIT_OK, EXIT_SAMPLE_FAILED, EXIT_CONFIG, EXIT_LOCKED = 0, 1, 2, 3
@@ -233,10 +233,7 @@ def open_stores(jobs: list[JobSpec], stack: ExitStack, wait_s: float | None, cod
             for rel, text in job.resolved.get("files", {}).items():  # generated data (task.generate): its hash is in the identity
                 (store.path / "data" / rel).parent.mkdir(parents=True, exist_ok=True)
                 atomic_write(store.path / "data" / rel, text)
-        try:
-            done = json.loads((store.path / "summary.json").read_text())
-        except (OSError, ValueError):
-            done = None
+        done = read_json(store.path / "summary.json")
         if (done and done.get("complete") and done.get("selection") == selection(job.cfg) and shard[1] == 1
                 and not repaired and len(store.done_ids()) >= done["n_samples"]):  # the records still back it
             log.info("job %s: already complete; nothing to do", job.relpath)
@@ -303,10 +300,7 @@ def summarise(job: JobSpec, store: JobStore, task: Task, expected: list[str]) ->
         summary = summarize(job.cfg, task, records, expected, job.relpath, getattr(task, "skipped", None))
         if job.cfg["task"]["name"] == "niah":
             heatmap(store, [r for r in records if r["id"] in set(summary["ids"])], job.cfg)
-        try:
-            before = json.loads((store.path / "summary.json").read_text())
-        except (OSError, ValueError):
-            before = {}
+        before = read_json(store.path / "summary.json")
         if set(before.get("ids", ())) - set(summary["ids"]):  # a smaller selection: earlier records left unscored
             log.warning("job %s: summary.json now scores %d samples (%s), not the %d of %s; predictions.jsonl keeps "
                         "every record (run that selection again to score it)", job.relpath, summary["n_samples"],

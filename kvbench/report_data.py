@@ -16,7 +16,7 @@ import yaml
 from eval.longbench import DATASETS_EN, DATASETS_ZH
 from eval.niah import strict_match
 
-from .store import JobStore, is_job_folder
+from .store import JobStore, is_job_folder, read_json
 
 DATASET_ORDER = list(DATASETS_EN)
 DATASET_ABBR = dict(zip(DATASET_ORDER + list(DATASETS_ZH), "NrtQA Qasp MF-en HpQA 2Wiki Musi GovR QMSm MNws TREC TrvQA "
@@ -37,17 +37,10 @@ NOT_SETTINGS = ("method", "budget", "run_tag", "run_name", "hydra", "quiet", "lo
 RUN_CONTROL_FIELDS = ("kernel",)  # method fields that do not change a result
 
 
-def _json(path: Path) -> dict:
-    try:
-        return data if isinstance(data := json.loads(path.read_text()), dict) else {}
-    except (OSError, ValueError):
-        return {}
-
-
 def niah_grid_records(job_dir: Path) -> tuple[list[dict], str]:
     """A NIAH job's records on the grid its ``summary.json`` scores (every record when it records none), and that grid
     as text (``lengths [512, 1024] × depths [10, 90.5]``, sorted; ``""`` when none)."""
-    records, sel = JobStore(job_dir).records(), _json(Path(job_dir) / "summary.json").get("selection") or {}
+    records, sel = JobStore(job_dir).records(), read_json(Path(job_dir) / "summary.json").get("selection") or {}
     lengths, depths = sel.get("task.context_lengths"), sel.get("task.depth_percents")
     if not isinstance(lengths, list) or not isinstance(depths, list):
         return records, ""
@@ -83,7 +76,7 @@ def _job_rows(root: Path, job: Path) -> list[dict]:
     cfg = yaml.safe_load((job / "config.yaml").read_text()) or {}
     if not (isinstance(cfg, dict) and all(isinstance(cfg.get(k), dict) and cfg[k].get("name") for k in ("task", "model", "method"))):
         raise ValueError("config.yaml is not a kvbench job's config (task.name, model.name and method.name)")
-    summary = _json(job / "summary.json")
+    summary = read_json(job / "summary.json")
     method = dict(cfg.get("method") or {})
     task, model = cfg.get("task") or {}, cfg.get("model") or {}
     ctx = next((v for v in (task.get("max_length"), model.get("max_input_length")) if isinstance(v, (int, float))),
@@ -92,7 +85,7 @@ def _job_rows(root: Path, job: Path) -> list[dict]:
     flat["task.compress"] = compress = str(task.get("compress") or "prompt")  # a setting: prompt/context never merge
     if flat.get("cache.bits") is None:  # the model dtype's cache, as before cache.* existed: no setting
         flat = {k: v for k, v in flat.items() if not k.startswith("cache.")}
-    env = _json(job / "env.json")
+    env = read_json(job / "env.json")
     if env.get("device"):
         flat |= {"env.device_type": str(env["device"]).split(":")[0], "env.dtype": env.get("dtype")}
     sel = summary.get("selection") or {}

@@ -144,8 +144,10 @@ def grid(df: pd.DataFrame, task: str, budget: float, models=None, names=None, la
     comp = comp[comp["model_key"].isin(models)] if models is not None else comp
     comp = comp[comp["method_name"].isin(names)] if names is not None else comp
     if labels is None:
-        labels = [lab for n, g in comp.groupby("method_name") for lab in (sorted(set(g["method"])) if n not in presets()
-                  else [display_name(n) if display_name(n) in set(g["method"]) else min(sorted(g["method"]), key=len)])]
+        labels = []
+        for n, g in comp.groupby("method_name"):
+            labs = sorted(set(g["method"]))
+            labels += [display_name(n)] if display_name(n) in labs else labs if n not in presets() else [min(labs, key=len)]
     comp = comp[comp["method"].isin(labels)]
     if comp.empty:
         return None

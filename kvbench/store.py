@@ -89,6 +89,14 @@ def file_lock(path: Path, wait_s: float | None = None, busy: Callable[[], Except
             os.close(fd)
 
 
+def read_json(path: Path) -> dict:
+    """The JSON object in ``path``; ``{}`` when it is missing, unreadable or not an object (a summary not yet written)."""
+    try:
+        return data if isinstance(data := json.loads(path.read_text()), dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
 def is_job_folder(folder: Path) -> bool:
     """Whether ``folder`` holds a job: ``config.yaml`` beside ``identity.json`` (written when a job starts, so a job
     killed before its first sample counts), ``predictions.jsonl`` or ``summary.json``."""

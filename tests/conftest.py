@@ -81,9 +81,3 @@ def shared_data() -> Path:
         pytest.skip(f"shared benchmark data not found at {SHARED_DATA}")
     return SHARED_DATA
 
-
-def pytest_collection_modifyitems(items):
-    """Files holding ``slow`` or ``slurm`` tests first: pytest-xdist hands out whole files in this order (``--dist
-    loadfile``), so the longest start first and the workers finish together (each file's order is kept)."""
-    long = {item.path for item in items if item.get_closest_marker("slow") or item.get_closest_marker("slurm")}
-    items.sort(key=lambda item: item.path not in long)
