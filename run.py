@@ -122,8 +122,8 @@ def main() -> int:
     args = _arguments(sys.argv[1:])
     try:
         if not any(a.startswith("-") for a in args):  # one job: compose once (hydra.main also composes for the mode)
-            from kvbench.config import compose
-            from kvbench.job import main as run_job
+            from kvbench.job.config import compose
+            from kvbench.job.run import main as run_job
 
             cfg = compose(args, return_hydra_config=True)
             HydraConfig.instance().set_config(cfg)
@@ -134,7 +134,7 @@ def main() -> int:
 
         @hydra.main(version_base="1.3", config_path="conf", config_name="config")
         def app(cfg) -> int:
-            from kvbench.job import main as run_job
+            from kvbench.job.run import main as run_job
 
             return run_job(cfg)
 

@@ -24,7 +24,7 @@ from collections import Counter
 from pathlib import Path
 
 from kvbench.cli import ArgParser, flat, listof
-from kvbench.store import atomic_write
+from kvbench.job.store import atomic_write
 from methods.base import ConfigError
 
 from .common import ROOT, BenchResult, Context, Settings, log, machine_info, table
@@ -43,7 +43,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     from .compression import METHODS as COMPRESSION
     from .memory import METHODS as MEMORY
 
-    from kvbench.config import conf_model
+    from kvbench.job.config import conf_model
 
     methods = list(dict.fromkeys(COMPRESSION + MEMORY))
     p = ArgParser(prog="python -m benchmarks", description=__doc__,

@@ -59,7 +59,7 @@ class Settings:
 
 def build_method(name: str, layout=None, **overrides):
     """A method from ``conf/method/<name>.yaml`` (+ overrides), as a job builds it (ConfigError: a bad key)."""
-    from kvbench.config import preset
+    from kvbench.job.config import preset
     from methods import build_method as build
 
     node = preset("method", name) if (ROOT / "conf" / "method" / f"{name}.yaml").is_file() else {"name": name}
@@ -187,7 +187,7 @@ def _mem_now(device) -> int:
 
 
 def measure(engine, ids: list[int], new_tokens: int) -> dict[str, Any]:
-    """One ``engine.generate(ids, new_tokens, stop_ids=[])``: the :class:`kvbench.engine.GenerationResult`
+    """One ``engine.generate(ids, new_tokens, stop_ids=[])``: the :class:`kvbench.engine.generate.GenerationResult`
     record plus ``decode_step_ms`` (median from one step's start to the next, the first left out),
     ``rss_after_load_bytes`` (before the sample), ``prefill_peak_bytes`` (prefill + compression),
     ``decode_mem_bytes`` (largest between decode steps), ``peak_bytes``, ``weight_bytes`` and
@@ -197,7 +197,7 @@ def measure(engine, ids: list[int], new_tokens: int) -> dict[str, Any]:
     """
     import torch
 
-    from kvbench.engine import peak_memory_bytes, reset_peak_memory
+    from kvbench.engine.generate import peak_memory_bytes, reset_peak_memory
 
     loaded = engine.loaded
     dev = loaded.device
@@ -250,11 +250,11 @@ class Context:
 
     @functools.cached_property
     def loaded(self):
-        """The benchmark model (:class:`kvbench.models.LoadedModel`) on ``settings.device``."""
+        """The benchmark model (:class:`kvbench.engine.models.LoadedModel`) on ``settings.device``."""
         import torch
 
-        from kvbench.config import conf_model
-        from kvbench.models import load_model
+        from kvbench.job.config import conf_model
+        from kvbench.engine.models import load_model
 
         if self.settings.threads:
             torch.set_num_threads(self.settings.threads)
@@ -267,7 +267,7 @@ class Context:
         round. ``live_memory``: a run of its own even when an equal one was memoised."""
         key = json.dumps([configs, n, rounds, live_memory])
         if key not in self._runs:
-            from kvbench.engine import Engine
+            from kvbench.engine.generate import Engine
 
             log(f"run: {', '.join(f'{m} {b}' for _, m, b in configs)} at {n} tokens")
             loaded, ids = self.loaded, build_prompt(self.loaded.tokenizer, n)[1]

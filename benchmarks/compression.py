@@ -38,7 +38,7 @@ def targets(name: str, lengths: list[int], cost: dict[int, float], prefill: dict
 
 
 def run(ctx: Context) -> BenchResult:
-    from kvbench.engine import Engine
+    from kvbench.engine.generate import Engine
 
     s, loaded = ctx.settings, ctx.loaded
     lengths = s.lengths if s.quick or s.prompt_lengths else FULL_LENGTHS

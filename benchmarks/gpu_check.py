@@ -43,8 +43,8 @@ def build(device: torch.device, layers: int):
     """A random Llama-3.1-8B-shaped model (``SMALL`` on CPU) in bf16 (float32 on CPU) as a LoadedModel."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from kvbench.attention import ATTN_IMPLEMENTATION, register
-    from kvbench.models import LoadedModel, head_layout
+    from kvbench.engine.attention import ATTN_IMPLEMENTATION, register
+    from kvbench.engine.models import LoadedModel, head_layout
 
     register()
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -97,7 +97,7 @@ def sdpa_part(device, dtype, lengths: list[int], steps: int = 16) -> list[dict]:
     import torch.nn.functional as F
     from torch.nn.attention import sdpa_kernel
 
-    from kvbench.attention import DECODE_BACKENDS, sdpa_backend
+    from kvbench.engine.attention import DECODE_BACKENDS, sdpa_backend
 
     rows = []
     for n in lengths:
@@ -116,7 +116,7 @@ def sdpa_part(device, dtype, lengths: list[int], steps: int = 16) -> list[dict]:
 
 def engine_part(loaded, names, n: int, new_tokens: int, compiled: bool = False, reference: bool = True) -> list[dict]:
     """One shared prefill of n random tokens for each method (and its float32-reference twin); each decodes."""
-    from kvbench.engine import Engine, prefill
+    from kvbench.engine.generate import Engine, prefill
     from methods.base import ConfigError
 
     dev, tol = loaded.device, TOLERANCE[loaded.dtype]
@@ -161,10 +161,10 @@ def engine_part(loaded, names, n: int, new_tokens: int, compiled: bool = False, 
 
 
 def varlen_part(device, dtype, n: int) -> list[dict]:
-    """Decode attention over per-head lengths (:class:`kvbench.kvcache.RaggedLayer`) against float32 reference
+    """Decode attention over per-head lengths (:class:`kvbench.engine.kvcache.RaggedLayer`) against float32 reference
     attention, for (query heads, KV heads, head dim, bias columns) of Llama (GQA 4), Qwen (GQA 5), MHA, head dim 256."""
-    from kvbench.attention import _decode_attention, decode_backend, dense_layer, grouped_attention
-    from kvbench.kvcache import PreallocatedLayer, store_layer, write_bias
+    from kvbench.engine.attention import _decode_attention, decode_backend, dense_layer, grouped_attention
+    from kvbench.engine.kvcache import PreallocatedLayer, store_layer, write_bias
 
     rows, g = [], torch.Generator().manual_seed(0)
     for h_q, h_kv, d, bias in ((32, 8, 128, 0), (40, 8, 128, 0), (32, 32, 128, 0), (16, 4, 256, 0), (16, 4, 256, 1)):
@@ -218,7 +218,7 @@ def kvpress_part(loaded, n: int, new_tokens: int) -> list[dict]:
         return []
     finally:
         ALL_ATTENTION_FUNCTIONS.update(saved)
-    from kvbench.engine import cache_bytes
+    from kvbench.engine.generate import cache_bytes
 
     model, dev, own = loaded.model, loaded.device, loaded.model.config._attn_implementation
     ids = torch.randint(100, model.config.vocab_size, (1, n), generator=torch.Generator().manual_seed(n)).to(dev)

@@ -46,7 +46,7 @@ def run(ctx: Context) -> BenchResult:
     import torch
     from transformers import GenerationConfig
 
-    from kvbench.engine import Engine
+    from kvbench.engine.generate import Engine
 
     s, loaded = ctx.settings, ctx.loaded
     model = loaded.model

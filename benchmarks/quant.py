@@ -1,6 +1,6 @@
-"""Quantized cache (kvbench/quantcache.py): decode tokens/s and stored bytes at 2 and 4 bits vs the model dtype's
+"""Quantized cache (kvbench/engine/quantcache.py): decode tokens/s and stored bytes at 2 and 4 bits vs the model dtype's
 cache, full cache (no eviction), at 4k and 16k prompt tokens (``--lengths``; ``--quick``: 256 and 512). One prefill
-per length; each width decodes from the prompt's cache stored at that width (``kvbench.kvcache.store_layer``).
+per length; each width decodes from the prompt's cache stored at that width (``kvbench.engine.kvcache.store_layer``).
 Target: the stored bytes equal the packed size computed from the layout. ``benchmarks/gpu_check.py`` runs
 :func:`rows` too. On CPU the quantized cache decodes slower: every step reads the whole layer back (unpack,
 scale, add) before attention, as transformers' ``QuantizedCache`` does; no fused kernel."""
@@ -38,8 +38,8 @@ def packed_bytes(layout, n: int, bits: int | None, itemsize: int, group_size: in
 def rows(loaded, lengths: list[int], new_tokens: int) -> list[dict]:
     """Per length and width: decode tokens/s (eager), stored cache bytes and their analytic packed size, the
     generated tokens. Random prompt ids (speed and bytes do not depend on them); the engine is warmed up first."""
-    from kvbench.engine import Engine, Prefilled, prefill
-    from kvbench.kvcache import preallocated_cache, store_layer
+    from kvbench.engine.generate import Engine, Prefilled, prefill
+    from kvbench.engine.kvcache import preallocated_cache, store_layer
     from methods.full import FullCache
 
     engine, out = Engine(loaded, FullCache(layout=loaded.layout), 1.0), []

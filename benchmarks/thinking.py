@@ -34,8 +34,8 @@ def generation(engine, ids: list[int], new_tokens: int) -> dict:
 
 
 def run(ctx: Context) -> BenchResult:
-    from kvbench.config import Decode
-    from kvbench.engine import Engine
+    from kvbench.job.config import Decode
+    from kvbench.engine.generate import Engine
 
     new = 512 if ctx.settings.quick else 2048
     loaded = ctx.loaded

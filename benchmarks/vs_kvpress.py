@@ -36,7 +36,7 @@ def run(ctx: Context) -> BenchResult:
         ALL_ATTENTION_FUNCTIONS.update(saved)
     import torch
 
-    from kvbench.engine import Engine
+    from kvbench.engine.generate import Engine
 
     s, loaded = ctx.settings, ctx.loaded
     model, tok = loaded.model, loaded.tokenizer

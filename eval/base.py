@@ -34,7 +34,7 @@ def one_of(value: Any, key: str, choices: tuple) -> None:
 
 @dataclass
 class TaskConfig:
-    """Base of a task's config dataclass: the node ``conf/task/<name>.yaml`` extends (``kvbench.config.register``
+    """Base of a task's config dataclass: the node ``conf/task/<name>.yaml`` extends (``kvbench.job.config.register``
     stores it in Hydra's ConfigStore as ``schema/task/<name>``). OmegaConf checks keys and types while Hydra
     composes; ``__post_init__`` checks values, so that the :class:`TaskConfigError` comes before any model loads.
     """
@@ -156,9 +156,9 @@ class Task:
                 truncation and lengths in tokens; may be None for :meth:`validate`-only use.
             max_input_tokens: the model's max input length (tokens) unless the task overrides it.
             encode: the token ids the engine will prefill for a sample (chat template and special
-                tokens included; the job passes ``kvbench.job.encode_prompt``). None: the plain
+                tokens included; the job passes ``kvbench.job.run.encode_prompt``). None: the plain
                 tokenizer without special tokens.
-            resolved: inputs the job's check already read (``kvbench.config.resolved_inputs``: the NIAH
+            resolved: inputs the job's check already read (``kvbench.job.config.resolved_inputs``: the NIAH
                 haystack), so that the task does not read them again.
         """
         self.cfg = dict(cfg)

@@ -9,12 +9,13 @@ import os
 import sys
 from pathlib import Path
 
+#: command -> (the module whose ``main(argv)`` runs it, its one-line help)
 COMMANDS = {
-    "run": "run a job or a sweep (Hydra overrides, as python run.py)",
-    "report": "score tables of any sweep and the papers' tables and figures, from a results root",
-    "score": "score LongBench prediction files (official result.json), or a JSONL file with --task NAME",
-    "mask-heads": "NIAH score drop when the top-k SRH / TRH heads are masked (CompressKV Table 2a)",
-    "calibrate": "head and layer scores of a model for HeadKV / CompressKV (methods/artifacts/<model>)",
+    "run": ("", "run a job or a sweep (Hydra overrides, as python run.py)"),
+    "report": ("report.build", "score tables of any sweep and the papers' tables and figures, from a results root"),
+    "score": ("job.score", "score LongBench prediction files (official result.json), or a JSONL file with --task NAME"),
+    "mask-heads": ("tools.mask_heads", "NIAH score drop when the top-k SRH / TRH heads are masked (CompressKV Table 2a)"),
+    "calibrate": ("tools.calibrate", "head and layer scores of a model for HeadKV / CompressKV (methods/artifacts/<model>)"),
 }
 
 
@@ -60,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] not in COMMANDS:
         out = sys.stdout if argv[:1] in (["-h"], ["--help"]) else sys.stderr
         print(f"usage: kvbench {{{','.join(COMMANDS)}}} ...", file=out)
-        for name, text in COMMANDS.items():
+        for name, (_, text) in COMMANDS.items():
             print(f"  {name:<12}{text}", file=out)
         if out is sys.stderr:
             print(f"error: kvbench: {argv[0] if argv else 'a command'}: accepted values are {', '.join(COMMANDS)}",
@@ -69,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv[0] == "run":
         run_py = Path(__file__).resolve().parents[1] / "run.py"
         os.execv(sys.executable, [sys.executable, str(run_py), *argv[1:]])
-    return int(importlib.import_module(f"kvbench.{argv[0].replace('-', '_')}").main(argv[1:]) or 0)
+    return int(importlib.import_module(f"kvbench.{COMMANDS[argv[0]][0]}").main(argv[1:]) or 0)
 
 
 if __name__ == "__main__":

@@ -50,7 +50,7 @@ def get_method_class(name: str) -> type[Method]:
 
 @functools.cache
 def schema(name: str) -> type:
-    """The Hydra node of method ``name``, which ``conf/method/*.yaml`` extend (``kvbench.config.register`` stores it
+    """The Hydra node of method ``name``, which ``conf/method/*.yaml`` extend (``kvbench.job.config.register`` stores it
     in Hydra's ConfigStore as ``schema/method/<name>``): ``name``, ``label`` (the name in reports) and the fields of
     the method's config dataclass, a ``Literal`` field as an Enum so that OmegaConf checks its choices. ConfigError:
     unknown method (lists the accepted ones)."""

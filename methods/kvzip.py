@@ -4,7 +4,7 @@ arXiv 2505.23416; official code snu-mllab/KVzip).
 A KV pair matters as much as the model needs it to repeat the context. After the prefill the model is prompted
 to reconstruct it, chunk by chunk (``model/wrapper.py`` ``self_task``): for each chunk c_i of ≤ ``chunk_size``
 context tokens the engine feeds ``repeat prompt (+ the last ``overlap`` tokens of c_{i-1}) + the template's tail +
-c_i`` on top of the full cache (:mod:`kvbench.reconstruct`). The score of pair t in layer l, KV head h is the most
+c_i`` on top of the full cache (:mod:`kvbench.engine.reconstruct`). The score of pair t in layer l, KV head h is the most
 attention any fed query of its GQA group gives it (``attention/score.py`` ``_get_score``)::
 
     S[l, h, t] = max_{g, i} softmax_{t' ∈ sinks ∪ c_i ∪ fed}( q_{(h,g), i} · k_{h, t'} / √d ),   t ∈ c_i

@@ -43,7 +43,7 @@ def expand(overrides: list[str], shards: int = 1) -> list[list[str]]:
     """
     if shards < 1:
         raise SweepSpecError(f"--shards={shards}: must be an integer >= 1")
-    from kvbench.config import compose
+    from kvbench.job.config import compose
 
     try:
         presets = [o for o in overrides if o.lstrip("+").startswith("experiment=")]
@@ -67,7 +67,7 @@ def measure(run: Path, model: str) -> dict:
     import numpy as np
     import yaml
 
-    from kvbench.store import JobStore
+    from kvbench.job.store import JobStore
 
     if run.suffix == ".json":
         records = [r for r in json.loads(run.read_text()) if r.get("model") == model]
@@ -98,8 +98,8 @@ def job_samples(cfg: dict) -> list[tuple[int, int]]:
     job's order, before sharding (the task built with the model's tokenizer, as the job builds it)."""
     from types import SimpleNamespace
 
-    from kvbench.job import build_task, encode_prompt
-    from kvbench.models import chat_format, load_tokenizer, read_config
+    from kvbench.job.run import build_task, encode_prompt
+    from kvbench.engine.models import chat_format, load_tokenizer, read_config
 
     tok = load_tokenizer(cfg["model"])
     loaded = SimpleNamespace(tokenizer=tok, chat_template=chat_format(cfg["model"], tok),
@@ -114,7 +114,7 @@ def unique_jobs(jobs: list[list[str]]) -> list[tuple[list[str], dict]]:
     listed once at its first budget."""
     from omegaconf import OmegaConf
 
-    from kvbench.config import compose
+    from kvbench.job.config import compose
 
     out: dict[str, tuple[list[str], dict]] = {}
     for job in jobs:

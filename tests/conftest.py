@@ -35,7 +35,7 @@ def tiny_model(family: str = "llama", n_kv: int = 2, n_q: int = 4, layers: int =
     """A tiny random causal LM of ``family`` (llama, mistral, qwen2, qwen3, gemma2, gemma3) on CPU, float32."""
     import transformers as tf
 
-    from kvbench.attention import ATTN_IMPLEMENTATION, register
+    from kvbench.engine.attention import ATTN_IMPLEMENTATION, register
 
     torch.manual_seed(seed)
     common = dict(
@@ -65,8 +65,8 @@ def tiny_model(family: str = "llama", n_kv: int = 2, n_q: int = 4, layers: int =
 
 def loaded_for(model, name: str = "tiny"):
     """Wrap a tiny model as a kvbench LoadedModel using the kvbench attention function."""
-    from kvbench.attention import ATTN_IMPLEMENTATION
-    from kvbench.models import LoadedModel, head_layout
+    from kvbench.engine.attention import ATTN_IMPLEMENTATION
+    from kvbench.engine.models import LoadedModel, head_layout
 
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
     return LoadedModel(

@@ -1,7 +1,7 @@
 """The paper presets in conf/experiment/ compose into valid job configs.
 
 Each preset is composed with Hydra (``+experiment=NAME`` plus the first value of each swept key)
-and, where its model is local (the embedded one), checked by ``kvbench.config.check`` as a job.
+and, where its model is local (the embedded one), checked by ``kvbench.job.config.check`` as a job.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ def test_preset_composes_and_its_first_job_passes_the_check(name, monkeypatch):
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    from kvbench.config import check
+    from kvbench.job.config import check
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
@@ -107,7 +107,7 @@ def preset_jobs(name: str, root: Path) -> list:
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    from kvbench.report_data import presets
+    from kvbench.report.data import presets
 
     params, _ = references(name)
     swept = {k: [yaml.safe_load(v.strip()) for v in str(vals).split(",")] for k, vals in params.items()}
@@ -158,8 +158,8 @@ def test_preset_names_the_artifacts_its_jobs_feed(name, tmp_path):
     import re
     import shlex
 
-    from kvbench import report
-    from kvbench.report_data import load_results
+    from kvbench.report import build as report
+    from kvbench.report.data import load_results
 
     skip_pending(name)
     text = (CONF / "experiment" / f"{name}.yaml").read_text()

@@ -36,8 +36,8 @@ GRAPH = {p.relative_to(ROOT).as_posix(): imports(p) for top in ("kvbench", "meth
 
 
 def test_the_parser_sees_imports_inside_functions_and_relative_ones():
-    assert {"methods.base", "kvbench.kvcache"} <= GRAPH["kvbench/attention.py"]  # from .kvcache import ...
-    assert "eval.niah" in GRAPH["kvbench/config.py"]  # imported inside a function
+    assert {"methods.base", "kvbench.engine.kvcache"} <= GRAPH["kvbench/engine/attention.py"]
+    assert "eval.niah" in GRAPH["kvbench/job/config.py"]  # imported inside a function
     assert "methods.scoring" in GRAPH["methods/snapkv.py"]
 
 
@@ -53,9 +53,34 @@ def test_kvbench_imports_no_method_module():
     assert not {f: m for f, m in bad.items() if m}
 
 
+def module_name(f: str) -> str:
+    return f[:-3].replace("/", ".").removesuffix(".__init__")
+
+
+#: kvbench's packages, lowest first: each may import only itself and those before it (kvbench/__init__.py)
+FLOORS = ["kvbench.cli", "kvbench.engine", "kvbench.job", "kvbench.report", "kvbench.tools"]
+
+
+def floor(module: str) -> int:
+    return next(i for i, p in enumerate(FLOORS) if module == p or module.startswith(p + "."))
+
+
+def test_kvbench_packages_import_downward_only():
+    """The engine knows no job, the job no report, nothing but the cli the tools (the package docstrings)."""
+    assert {floor(module_name(f)) for f in GRAPH if f.startswith("kvbench/") and f.count("/") > 1} == {1, 2, 3, 4}
+    bad = {f: sorted(m for m in mods if m.startswith("kvbench.") and floor(m) > floor(module_name(f)))
+           for f, mods in GRAPH.items() if f.startswith("kvbench/") and f.count("/") > 1}
+    assert not {f: m for f, m in bad.items() if m}
+
+
+def test_no_kvbench_package_holds_more_than_twelve_modules():
+    folders = [p for p in (ROOT / "kvbench").rglob("*") if p.is_dir() and p.name != "__pycache__"]
+    assert folders and all(len(list(p.glob("*.py"))) <= 12 for p in folders)
+
+
 def test_kvbench_modules_import_downward_only():
     """No import cycle among kvbench's modules (config.py ↔ models.py was one): each imports only modules below it."""
-    graph = {f[:-3].replace("/", "."): {m for m in mods if m.startswith("kvbench.")}
+    graph = {module_name(f): {m for m in mods if m.startswith("kvbench.")}
              for f, mods in GRAPH.items() if f.startswith("kvbench/")}
     placed: list[str] = []
     while len(placed) < len(graph):  # peel off modules whose kvbench imports are all placed already

@@ -19,20 +19,20 @@ GRID = ["task.context_lengths=[256,512]", "task.depth_percents=[20,80]", "task.m
 @pytest.fixture(scope="module")
 def one_sample_job(tmp_path_factory):
     """Run a one-sample job through run.py's ``main()`` in this process, recording every Hydra
-    composition (its run mode) and the calls of ``kvbench.config.check`` and of the checks and
+    composition (its run mode) and the calls of ``kvbench.job.config.check`` and of the checks and
     resolutions that must run once."""
     from hydra._internal.config_loader_impl import ConfigLoaderImpl
 
     import eval.niah
-    import kvbench.config
-    import kvbench.job
-    import kvbench.models
+    import kvbench.job.config
+    import kvbench.job.run
+    import kvbench.engine.models
     import methods.selkv
     import run
 
     tmp = tmp_path_factory.mktemp("one_sample")
     calls = {"compose": [], "check": 0}
-    load, check = ConfigLoaderImpl.load_configuration, kvbench.config.check
+    load, check = ConfigLoaderImpl.load_configuration, kvbench.job.config.check
 
     def counted_load(self, config_name, overrides, run_mode, *args, **kwargs):
         calls["compose"].append(run_mode.name)
@@ -53,10 +53,10 @@ def one_sample_job(tmp_path_factory):
             "task.max_new_tokens=4", f"task.haystack_dir={hay}", f"output_root={tmp / 'out'}", "quiet=true", "threads=1"]
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(ConfigLoaderImpl, "load_configuration", counted_load)
-        mp.setattr(kvbench.config, "check", counted_check)
-        mp.setattr(kvbench.job, "check", counted_check)
-        for owner, name in ((kvbench.config, "check_budget"), (methods.selkv.SelKV, "check_layout"),
-                            (eval.niah, "load_haystack"), (kvbench.models, "resolve_source"), (kvbench.models, "head_layout")):
+        mp.setattr(kvbench.job.config, "check", counted_check)
+        mp.setattr(kvbench.job.run, "check", counted_check)
+        for owner, name in ((kvbench.job.config, "check_budget"), (methods.selkv.SelKV, "check_layout"),
+                            (eval.niah, "load_haystack"), (kvbench.engine.models, "resolve_source"), (kvbench.engine.models, "head_layout")):
             mp.setattr(owner, name, counted(name, getattr(owner, name)))
         mp.setenv("HYDRA_FULL_ERROR", "1")
         mp.setattr(sys, "argv", ["run.py", *args])

@@ -1,4 +1,4 @@
-"""Tests of kvbench.report on a hand-made results tree.
+"""Tests of kvbench.report.build on a hand-made results tree.
 
 The fixture tree (built in tmp_path) holds jobs for a full cache and three compressed methods
 on two models (LongBench, 6 datasets), with some jobs and datasets missing, ablation presets,
@@ -18,10 +18,10 @@ import pytest
 import yaml
 from notebook_runner import execute_figures_notebook
 
-from kvbench import report
-from kvbench.job import heatmap
-from kvbench.plots import niah_grid
-from kvbench.report_tables import (
+from kvbench.report import build as report
+from kvbench.job.run import heatmap
+from kvbench.job.plots import niah_grid
+from kvbench.report.tables import (
     compresskv_table1,
     compresskv_table2b,
     selkv_ratio_tables,
@@ -259,7 +259,7 @@ def test_paper_table1_ranks_reproduced(tmp_path):
         "pyramidkv": "22.43 39.70 46.71 46.37 47.30 22.41 24.46 18.94 22.12 66.50 91.92 42.36 7.00 33.50 72.53 69.10",
         "selkv": "23.32 40.01 46.44 46.67 46.84 22.90 24.94 19.33 22.79 67.00 91.76 42.89 7.00 33.50 72.24 69.35",
     }
-    from kvbench.report_data import DATASET_ORDER
+    from kvbench.report.data import DATASET_ORDER
     for m, text in paper.items():
         make_job(tmp_path, model="gemma2", method=m, label=m, scores=dict(zip(DATASET_ORDER, map(float, text.split()))))
     (t,) = selkv_table1(report.load_results(tmp_path))
@@ -448,7 +448,7 @@ class FakeResult:
 
 
 class FakeEngine:
-    """Stands in for kvbench.engine.Engine (generate(prompt_ids, max_new_tokens, stop_ids))."""
+    """Stands in for kvbench.engine.generate.Engine (generate(prompt_ids, max_new_tokens, stop_ids))."""
 
     calls: list = []
 
@@ -462,8 +462,9 @@ class FakeEngine:
 
 
 def test_latency_records_feed_figure3(tmp_path, monkeypatch):
-    from kvbench import engine, latency
-    from kvbench.report_tables import selkv_fig3
+    from kvbench.engine import generate as engine
+    from kvbench.tools import latency
+    from kvbench.report.tables import selkv_fig3
 
     resets = []  # each timed generation's peak starts afresh (not the process's peak so far)
     monkeypatch.setattr(engine, "reset_peak_rss", lambda: resets.append(len(FakeEngine.calls)) or True)
@@ -510,7 +511,7 @@ def test_niah_heatmap_records_follow_the_summarys_grid(tmp_path):
     """After a rerun with a smaller grid, summary.json counts that grid: the report's heatmap too."""
     import json
 
-    from kvbench.report_data import niah_grid_records
+    from kvbench.report.data import niah_grid_records
 
     job = tmp_path / "job"
     job.mkdir()
@@ -527,7 +528,7 @@ def test_niah_heatmap_records_follow_the_summarys_grid(tmp_path):
 def test_selkv_fig2_marks_the_bar_of_an_unfinished_job(df):
     """gemma2's SnapKV job is unfinished (no summary): its bar is hatched and pale, the caption
     says so; finished jobs' bars are plain."""
-    from kvbench.report_tables import selkv_fig2
+    from kvbench.report.tables import selkv_fig2
 
     (fig,) = selkv_fig2(df)
     ax = fig.fig.axes[0]
@@ -540,8 +541,8 @@ def test_selkv_fig2_marks_the_bar_of_an_unfinished_job(df):
 def test_jobs_of_one_setting_the_report_leaves_out(tmp_path):
     """Two finished jobs of one setting: the one with more scored samples fills the row and is the
     source; an unfinished duplicate does not keep a finished row out of bold."""
-    from kvbench.report_data import load_results
-    from kvbench.report_tables import score_tables
+    from kvbench.report.data import load_results
+    from kvbench.report.tables import score_tables
 
     for root, n in ((tmp_path / "exp2", 2), (tmp_path / "exp3", 4)):
         job = make_job(root, task="niah", model="smollm2", method="streamingllm", scores={"niah": 5.0 * n})
@@ -599,7 +600,7 @@ def test_bad_report_inputs_are_one_line_and_an_unreadable_job_is_left_out(tmp_pa
 
 
 def test_budget_one_is_the_full_retention_ratio_not_one_token():
-    from kvbench.report_data import budget_semantics, budget_text
+    from kvbench.report.data import budget_semantics, budget_text
 
     assert budget_text(1.0) == "100%" and budget_text(0.25) == "25%" and budget_text(256.0) == "256"
     assert (budget_text(1e-9), budget_text(2e-5), budget_text(0.125)) == ("0.0000001%", "0.002%", "12.5%")
@@ -608,7 +609,7 @@ def test_budget_one_is_the_full_retention_ratio_not_one_token():
 
 
 def test_a_niah_panel_cell_names_its_variant_and_an_unfinished_job(tmp_path):
-    from kvbench.report_tables import niah_figures
+    from kvbench.report.tables import niah_figures
 
     recs = [{"id": f"niah/{n}/50", "dataset": "niah", "score": 1.0, "error": None,
              "meta": {"context_length": n, "depth_percent": 50}} for n in (256, 512)]
@@ -654,7 +655,7 @@ def test_context_and_prompt_protocol_jobs_never_share_a_row_and_captions_name_th
 
 
 def test_an_all_zero_budget_sweep_keeps_a_readable_y_range_inside_markers_and_the_reference_on_top(tmp_path):
-    from kvbench.report_tables import budget_sweep_figure
+    from kvbench.report.tables import budget_sweep_figure
 
     make_job(tmp_path, method="full", budget=1.0, scores={"qasper": 0.0})
     for m in ("snapkv", "pyramidkv", "selkv"):

@@ -1,4 +1,4 @@
-"""The accuracy-vs-bytes figure and its points (kvbench/report_bytes.py) on a hand-made sweep with and without cache.bits."""
+"""The accuracy-vs-bytes figure and its points (kvbench/report/bytes.py) on a hand-made sweep with and without cache.bits."""
 
 import csv
 import json
@@ -6,8 +6,8 @@ import json
 import yaml
 from test_report import make_job
 
-from kvbench import report
-from kvbench.report_bytes import accuracy_vs_bytes
+from kvbench.report import build as report
+from kvbench.report.bytes import accuracy_vs_bytes
 
 # (method, budget, cache.bits, score, cache_bytes_after of 4000 before)
 JOBS = [("full", 1.0, None, 80.0, 4000), ("full", 1.0, 4, 78.0, 1250), ("full", 1.0, 2, 60.0, 750),

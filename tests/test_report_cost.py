@@ -1,10 +1,10 @@
-"""The ``cost`` report artifact (kvbench/report_cost.py) on hand-made job folders: every expected number by hand."""
+"""The ``cost`` report artifact (kvbench/report/cost.py) on hand-made job folders: every expected number by hand."""
 
 from __future__ import annotations
 
 import math
 
-from kvbench import report
+from kvbench.report import build as report
 from tests.test_report import make_job
 
 

@@ -36,7 +36,7 @@ def smoke_root(tmp_path_factory) -> Path:
 
 
 def test_report_renders_smoke_sweep(smoke_root, tmp_path):
-    from kvbench import report
+    from kvbench.report import build as report
 
     df = report.load_results(smoke_root)
     comp = df[df["method_name"] != "full"]

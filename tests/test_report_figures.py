@@ -4,8 +4,8 @@ import numpy as np
 import pandas as pd
 from test_report import make_job
 
-from kvbench import report
-from kvbench.report_tables import bolds, budget_sweep_figure, dodge, niah_figures, other_samples
+from kvbench.report import build as report
+from kvbench.report.tables import bolds, budget_sweep_figure, dodge, niah_figures, other_samples
 
 
 def display_x(ax, label: str, x: float) -> float:

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kvbench import report
-from kvbench.report_data import load_results
-from kvbench.report_reasoning import reasoning_reports
+from kvbench.report import build as report
+from kvbench.report.data import load_results
+from kvbench.report.reasoning import reasoning_reports
 
 # per job: candidate scores of problems p0, p1, p2 (4 candidates each)
 SCORES = {("full", 128): [[1, 1, 1, 1], [1, 0, 0, 0], [0, 0, 0, 0]],

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kvbench import report
-from kvbench.report_data import load_results
-from kvbench.report_scbench import scbench_records
+from kvbench.report import build as report
+from kvbench.report.data import load_results
+from kvbench.report.scbench import scbench_records
 
 #: (method, mode) -> per group, the turn scores (0/1)
 SCORES = {("snapkv", "multi_turn"): [[1, 1, 0], [1, 0, 0]], ("snapkv", "multi_request"): [[1, 1, 1], [1, 1, 0]],

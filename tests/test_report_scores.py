@@ -18,8 +18,8 @@ import pandas as pd
 import pytest
 from test_report import make_job
 
-from kvbench import report
-from kvbench.report_tables import score_tables
+from kvbench.report import build as report
+from kvbench.report.tables import score_tables
 
 NIAH = {("snapkv", 0.25): 40.0, ("snapkv", 256): 62.5, ("selkv", 0.25): 55.0, ("selkv", 256): 75.0}
 LONGBENCH = {  # {(method, budget): {dataset: score}}; selkv @256 lacks hotpotqa
@@ -232,8 +232,8 @@ def test_niah_jobs_on_different_grids_are_noted(tmp_path):
 def test_jobs_over_part_of_each_dataset_are_noted_in_score_and_paper_tables(tmp_path):
     import yaml
 
-    from kvbench.report_tables import grid as score_grid
-    from kvbench.report_tables import job_notes
+    from kvbench.report.tables import grid as score_grid
+    from kvbench.report.tables import job_notes
 
     for method, budget in (("full", 1.0), ("snapkv", 0.25)):
         job = make_job(tmp_path, task="longbench", model="tiny", method=method, budget=budget,

@@ -15,8 +15,8 @@ import pandas as pd
 import pytest
 from test_report import make_job
 
-from kvbench import report
-from kvbench.report_tables import avg_se, paired_bootstrap
+from kvbench.report import build as report
+from kvbench.report.tables import avg_se, paired_bootstrap
 
 ANSWER = "eat a sandwich and sit in Dolores Park on a sunny day"
 RIGHT, WRONG = "Eat a sandwich, and sit in Dolores Park on a sunny day.", "Go to the park and eat a sandwich."

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kvbench.score import main
+from kvbench.job.score import main
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -93,7 +93,7 @@ def test_score_dir_errors_are_one_line(tmp_path, capsys):
 def test_python_dash_m(tmp_path):
     write(tmp_path, "lcc.jsonl", [pred("# c\nreturn x + 1", ["return x + 1"]), pred("", ["return x + 1"])])
     done = subprocess.run(
-        [sys.executable, "-m", "kvbench.score", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "kvbench.job.score", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=120
     )
     assert done.returncode == 0, done.stderr
     assert json.loads((tmp_path / "result.json").read_text(encoding="utf-8")) == {"lcc": 50.0}

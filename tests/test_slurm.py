@@ -125,7 +125,7 @@ def sweep(tmp_path_factory) -> list[str]:
     """
     from omegaconf import OmegaConf
 
-    from kvbench.models import load_model
+    from kvbench.engine.models import load_model
 
     load_model(OmegaConf.to_container(OmegaConf.load(ROOT / "conf" / "model" / f"{MODEL}.yaml")), "cpu")
     haystack = make_haystack_dir(tmp_path_factory.mktemp("haystack"))
@@ -352,7 +352,7 @@ def test_smoke_sweep_runs_as_a_job_array_through_the_daemons(smoke):
             assert record["kept_tokens"]["mean"] == math.floor(budget * record["prompt_tokens"]), (job, record)
     # `kvbench report` reads the four job folders of the results root
     proc = subprocess.run(
-        [sys.executable, "-m", "kvbench.report", str(root), "--out", str(root.parent / "report")],
+        [sys.executable, "-m", "kvbench.report.build", str(root), "--out", str(root.parent / "report")],
         cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -117,7 +117,7 @@ def test_runs_are_memoised(monkeypatch):
 
 def test_worker_measures_decode_steps_and_memory_on_a_tiny_model():
     from benchmarks.common import measure, release_freed_memory
-    from kvbench.engine import Engine
+    from kvbench.engine.generate import Engine
     from methods.snapkv import SnapKV, SnapKVConfig
     from tests.conftest import loaded_for, tiny_model
 

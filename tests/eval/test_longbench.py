@@ -228,7 +228,7 @@ def test_samsum_stops_on_the_tokenizers_eos_and_newline_only():
     from types import SimpleNamespace
 
     from eval.base import Sample
-    from kvbench.job import stop_ids_for
+    from kvbench.job.run import stop_ids_for
 
     tok = SimpleNamespace(eos_token_id=128009, encode=lambda s, add_special_tokens: [220, 198] if s == "\n" else [])
     loaded = SimpleNamespace(tokenizer=tok, stop_ids=[128001, 128008, 128009])

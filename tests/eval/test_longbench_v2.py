@@ -181,8 +181,8 @@ def test_kvpress_copy_uses_its_prompt_parts(tmp_path, monkeypatch):
 def test_the_report_prints_result_py_columns_per_job(tmp_path):
     from test_report import make_job
 
-    from kvbench.report_data import load_results
-    from kvbench.report_tables import longbench_v2_tables
+    from kvbench.report.data import load_results
+    from kvbench.report.tables import longbench_v2_tables
 
     for method, budget, overall in (("full", 1.0, 40.0), ("snapkv", 0.25, 30.5)):
         job = make_job(tmp_path, task="longbench_v2", model="llama31", method=method, budget=budget,

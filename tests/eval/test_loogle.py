@@ -159,7 +159,7 @@ def test_kvpress_answer_prefix_follows_the_generation_prompt_on_the_embedded_tok
     The official source's prompt is unchanged (no template, the prompt as task2prompt builds it)."""
     from types import SimpleNamespace
 
-    from kvbench.job import encode_prompt, split_prompt
+    from kvbench.job.run import encode_prompt, split_prompt
 
     loaded = SimpleNamespace(tokenizer=tokenizer, chat_template="tokenizer")
     cloze, _ = kvpress_task(tmp_path, monkeypatch, tokenizer).samples()
@@ -285,8 +285,8 @@ def test_aggregate_as_automatic_eval(folder):
 def test_the_report_prints_every_metric_per_job(tmp_path):
     from test_report import make_job
 
-    from kvbench.report_data import load_results
-    from kvbench.report_tables import loogle_tables
+    from kvbench.report.data import load_results
+    from kvbench.report.tables import loogle_tables
 
     for method, budget, em in (("full", 1.0, 40.0), ("snapkv", 0.25, 30.5)):
         job = make_job(tmp_path, task="loogle", model="llama31", method=method, budget=budget,

@@ -95,7 +95,7 @@ def test_the_window_check_counts_the_room_left_for_generation(tmp_path):
     """A job whose budget equals the model's window (2048) runs gov_report's 1024 new tokens: each prompt is cut to
     1024 tokens; the same budget + 1 is refused, naming the key (the base bound, budget + new tokens, is unchanged)."""
     from eval.base import Sample, Task
-    from kvbench.job import load
+    from kvbench.job.run import load
     from methods.base import ConfigError
     from tests.kvbench.cli_util import check, make_tiny_model_dir, tiny_model_args
 
@@ -316,8 +316,8 @@ def test_aggregate_scores_rouge_tasks_by_the_geometric_mean_of_means(folder):
 def test_the_report_prints_the_average_and_rouge_components(tmp_path):
     from test_report import make_job
 
-    from kvbench.report_data import load_results
-    from kvbench.report_tables import zero_scrolls_tables
+    from kvbench.report.data import load_results
+    from kvbench.report.tables import zero_scrolls_tables
 
     job = make_job(tmp_path, task="zero_scrolls", model="llama31", method="snapkv", scores={"qmsum": 31.07})
     summary = json.loads((job / "summary.json").read_text())
@@ -328,7 +328,7 @@ def test_the_report_prints_the_average_and_rouge_components(tmp_path):
 
 
 def test_the_job_identity_hashes_the_task_files(folder):
-    from kvbench.config import resolved_inputs
+    from kvbench.job.config import resolved_inputs
 
     inputs, _ = resolved_inputs(cfg(str(folder), datasets=["quality", "musique"]))
     assert sorted(inputs["data_files"]) == ["musique/validation.jsonl", "quality/validation.jsonl"]
@@ -338,8 +338,8 @@ def test_two_jobs_of_different_methods_or_settings_are_two_rows_apart(tmp_path):
     """kvbench report: a row per job named by its method, and by its method fields where two jobs share a label."""
     from test_report import make_job
 
-    from kvbench.report_data import load_results
-    from kvbench.report_tables import zero_scrolls_tables
+    from kvbench.report.data import load_results
+    from kvbench.report.tables import zero_scrolls_tables
 
     for method, folder_tag, params, score in (("snapkv", "", None, 31.0), ("streamingllm", "", None, 20.0),
                                               ("snapkv", "w8", {"window_size": 8}, 25.0)):

@@ -34,8 +34,8 @@ _FORKED = r"""
 import json, os, signal, sys, time, traceback
 root, tmp, timeout = sys.argv[1], sys.argv[2], float(sys.argv[3])
 sys.path.insert(0, root)
-import run, kvbench.config
-kvbench.config.compose([])  # Hydra's plugin scan imports the schemas: methods, tasks, torch
+import run, kvbench.job.config
+kvbench.job.config.compose([])  # Hydra's plugin scan imports the schemas: methods, tasks, torch
 results = []
 for i, args in enumerate(json.loads(sys.stdin.read())):
     err = os.path.join(tmp, f"{i}.stderr")
@@ -105,8 +105,8 @@ def compose(args: list[str]):
 
 
 def check(args: list[str]):
-    """The checked :class:`kvbench.config.Job` of ``python run.py *args`` (no model is loaded)."""
-    from kvbench.config import check as check_cfg
+    """The checked :class:`kvbench.job.config.Job` of ``python run.py *args`` (no model is loaded)."""
+    from kvbench.job.config import check as check_cfg
 
     preset = next((a.split("=", 1)[1] for a in args if a.startswith("method=")), "selkv")
     return check_cfg(compose(args), preset)

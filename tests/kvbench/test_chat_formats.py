@@ -6,8 +6,8 @@ import pytest
 
 from eval.base import Sample
 from eval.longbench import build_prompt
-from kvbench.job import encode_prompt
-from kvbench.models import chat_format
+from kvbench.job.run import encode_prompt
+from kvbench.engine.models import chat_format
 from methods.base import ConfigError
 
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from kvbench.engine import Engine
+from kvbench.engine.generate import Engine
 from methods import build_method
 from tests.conftest import loaded_for, tiny_model
 from tests.kvbench.cli_util import (

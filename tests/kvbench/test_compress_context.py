@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from eval.base import Sample
-from kvbench.job import encode_prompt, split_prompt
+from kvbench.job.run import encode_prompt, split_prompt
 from tests.kvbench.cli_util import byte_tokenizer
 
 # SmolLM2's template shape, and Llama 3's (it trims the content)
@@ -40,7 +40,7 @@ def test_the_query_part_is_the_query_and_the_templates_closing(template, closing
 
 
 def test_context_and_prompt_jobs_differ_in_folder_and_compressed_tokens(tiny_model_dir, haystack_dir, tmp_path):
-    from kvbench.job import run_job, run_jobs
+    from kvbench.job.run import run_job, run_jobs
     from tests.kvbench.cli_util import check, job_dir, read_lines, tiny_model_args
 
     args = [*tiny_model_args(tiny_model_dir), f"task.haystack_dir={haystack_dir}", "task.context_lengths=[300]",
@@ -64,7 +64,7 @@ def test_context_and_prompt_jobs_differ_in_folder_and_compressed_tokens(tiny_mod
 
 
 def test_compiled_decode_after_a_query_part_equals_eager():
-    from kvbench.engine import Engine
+    from kvbench.engine.generate import Engine
     from methods import build_method
     from tests.conftest import loaded_for, tiny_model
 

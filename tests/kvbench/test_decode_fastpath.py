@@ -9,11 +9,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import kvbench.attention
-import kvbench.kvcache
-from kvbench.attention import _decode_attention, decode_backend, grouped_attention
-from kvbench.engine import Engine, layer_bytes
-from kvbench.kvcache import PreallocatedLayer, RaggedLayer, store_layer, write_bias
+import kvbench.engine.attention
+import kvbench.engine.kvcache
+from kvbench.engine.attention import _decode_attention, decode_backend, grouped_attention
+from kvbench.engine.generate import Engine, layer_bytes
+from kvbench.engine.kvcache import PreallocatedLayer, RaggedLayer, store_layer, write_bias
 from methods.base import CompressResult, Method
 from methods.full import FullCache
 from tests.conftest import loaded_for, tiny_model
@@ -76,10 +76,10 @@ def test_ragged_decode_equals_padded_reference(monkeypatch, layout, bias_kind, b
     h_q, h_kv = LAYOUTS[layout]
     d, scaling, reserve = 16, 16**-0.5, 4
     if backend == "flash varlen":  # the CUDA call's arguments, checked against the kernel's documented semantics
-        monkeypatch.setattr(kvbench.attention, "decode_backend", lambda layer, key, ref=False: "reference" if ref else backend)
-        monkeypatch.setattr(kvbench.attention, "varlen_attn", fake_varlen_attn)
+        monkeypatch.setattr(kvbench.engine.attention, "decode_backend", lambda layer, key, ref=False: "reference" if ref else backend)
+        monkeypatch.setattr(kvbench.engine.attention, "varlen_attn", fake_varlen_attn)
     if backend.endswith("8k"):  # CUDA's alignment of bias columns (zero padding to a multiple of 8)
-        monkeypatch.setitem(kvbench.kvcache.ALIGN, "cpu", 8)
+        monkeypatch.setitem(kvbench.engine.kvcache.ALIGN, "cpu", 8)
     keys, values, valid, bias = _padded(h_kv, d, seed=h_q, bias_heads={None: 0, "kv": h_kv, "q": h_q}[bias_kind])
     layer = _store(keys, values, valid, bias, scaling, reserve)
     kept = int(valid.sum())
@@ -87,7 +87,7 @@ def test_ragged_decode_equals_padded_reference(monkeypatch, layout, bias_kind, b
     width = d + rows if not backend.endswith("8k") or not rows else 24
     assert isinstance(layer, RaggedLayer) and layer.keys.shape == (kept + h_kv * reserve, 1, width)
     assert layer_bytes(layer) == kept * 2 * width * 4 and torch.isfinite(layer.keys).all()  # nothing −inf stored
-    assert kvbench.attention.decode_backend(layer, layer.keys) == backend.split(",")[0]
+    assert kvbench.engine.attention.decode_backend(layer, layer.keys) == backend.split(",")[0]
     gen = torch.Generator().manual_seed(1)
     new_k, new_v = torch.zeros(1, h_kv, 0, d), torch.zeros(1, h_kv, 0, d)
     for step in range(reserve + 3):
@@ -111,7 +111,7 @@ def test_bias_columns_decode_without_mask_equals_dense_bias(monkeypatch, layout,
     """Uniform lengths with a logit bias (SelKV): SDPA gets no attn_mask, and equals SDPA with the dense bias."""
     h_q, h_kv = LAYOUTS[layout]
     d, scaling = 16, 16**-0.5
-    monkeypatch.setitem(kvbench.kvcache.ALIGN, "cpu", 8)
+    monkeypatch.setitem(kvbench.engine.kvcache.ALIGN, "cpu", 8)
     keys, values, _, bias = _padded(h_kv, d, seed=5, lengths=[20] * h_kv, bias_heads=h_kv if bias_kind == "kv" else h_q)
     layer = _store(keys.to(dtype), values.to(dtype), None, bias, scaling, 3)
     assert layer.keys.shape == (1, h_kv, 20, 24) and decode_backend(layer, layer.keys) == "sdpa, bias columns"
@@ -120,7 +120,7 @@ def test_bias_columns_decode_without_mask_equals_dense_bias(monkeypatch, layout,
     key, value = layer.update(k1, v1)
     masks = []
     real_sdpa = F.scaled_dot_product_attention
-    monkeypatch.setattr(kvbench.attention.F, "scaled_dot_product_attention",
+    monkeypatch.setattr(kvbench.engine.attention.F, "scaled_dot_product_attention",
                         lambda *a, **kw: masks.append(kw.get("attn_mask")) or real_sdpa(*a, **kw))
     fast = _decode_attention(query, key, value, None, scaling, None, layer)
     monkeypatch.undo()
@@ -205,8 +205,8 @@ def test_backend_recorder_reports_pytorchs_choice():
     and each compressed layer kind's decode backend; decode runs under DECODE_BACKENDS whatever the caller set."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from kvbench.attention import sdpa_backend
-    from kvbench.engine import Engine
+    from kvbench.engine.attention import sdpa_backend
+    from kvbench.engine.generate import Engine
     from methods import build_method
     from tests.conftest import loaded_for, tiny_model
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvbench.config import Decode, Sampling
-from kvbench.engine import Engine, layer_tokens
+from kvbench.job.config import Decode, Sampling
+from kvbench.engine.generate import Engine, layer_tokens
 from methods import build_method
 from methods.full import FullCache
 from tests.conftest import loaded_for, tiny_model

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvbench.engine import Engine
+from kvbench.engine.generate import Engine
 from methods.base import CompressResult, Method, Plan
 from methods.full import FullCache
 from methods.snapkv import SnapKV, SnapKVConfig
@@ -205,7 +205,7 @@ def test_tiny_ratio_keeps_what_the_method_always_keeps(budget, caplog):
     loaded = loaded_for(model)
     ids = list(range(1, 61))
     eng = Engine(loaded, SnapKV(SnapKVConfig(window_size=4, kernel_size=3), loaded.layout), budget)
-    with caplog.at_level("WARNING", logger="kvbench.engine"):
+    with caplog.at_level("WARNING", logger="kvbench.engine.generate"):
         res = eng.generate(ids, 3, stop_ids=[])
     assert f"budget={budget}: fewer tokens than the 4 that method snapkv always keeps" in caplog.text
     assert res.compressed and res.generated_tokens == 3
@@ -249,8 +249,8 @@ def test_query_part_on_a_full_cache_generates_what_the_whole_prompt_does(family)
 def test_query_part_equals_its_ids_fed_one_by_one(name):
     """The query part in one forward (causal per head over the compressed cache) gives the logits and tokens of
     feeding its ids one by one as decode steps on the same compressed context."""
-    from kvbench.attention import attach_bias
-    from kvbench.engine import prefill
+    from kvbench.engine.attention import attach_bias
+    from kvbench.engine.generate import prefill
     from methods import build_method
 
     loaded = loaded_for(tiny_model("llama", layers=2))

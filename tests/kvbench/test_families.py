@@ -8,7 +8,7 @@ import copy
 import pytest
 import torch
 
-from kvbench.engine import Engine
+from kvbench.engine.generate import Engine
 from methods.full import FullCache
 from methods.snapkv import SnapKV, SnapKVConfig
 from tests.conftest import loaded_for, tiny_model

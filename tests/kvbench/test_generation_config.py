@@ -2,8 +2,8 @@
 
 import torch
 
-from kvbench.engine import Engine
-from kvbench.models import greedy_processors
+from kvbench.engine.generate import Engine
+from kvbench.engine.models import greedy_processors
 from methods.full import FullCache
 from tests.conftest import loaded_for, tiny_model
 

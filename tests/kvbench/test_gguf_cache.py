@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvbench import models
-from kvbench.models import gguf_cache_dir, load_model
+from kvbench.engine.generate import models
+from kvbench.engine.models import gguf_cache_dir, load_model
 
 ROOT = Path(__file__).resolve().parents[2]
 SHARED = ROOT.parent / "shared" / "data" / "longbench"

@@ -1,5 +1,5 @@
 """SentencePiece-BPE GGUF tokenizers (``tokenizer.ggml.model = llama``, e.g. Gemma 3) are rebuilt
-as BPE models that tokenize as llama.cpp does (kvbench.models.gguf_spm_as_bpe).
+as BPE models that tokenize as llama.cpp does (kvbench.engine.models.gguf_spm_as_bpe).
 
 transformers' GGUF conversion made Gemma 3 270M's tokenizer a Unigram model from the file's
 scores (BPE merge priorities), which split ``" statements"`` into ``▁st at em ents``. Here a
@@ -19,7 +19,7 @@ from tokenizers import Tokenizer, normalizers  # noqa: E402
 from tokenizers.models import BPE, Unigram  # noqa: E402
 from transformers import PreTrainedTokenizerFast  # noqa: E402
 
-from kvbench.models import gguf_spm_as_bpe, spm_bpe_merges  # noqa: E402
+from kvbench.engine.models import gguf_spm_as_bpe, spm_bpe_merges  # noqa: E402
 
 NORMAL, UNKNOWN, CONTROL, BYTE = 1, 2, 3, 6
 # (piece, score): long pieces have low scores (late merges), as in a SentencePiece BPE model

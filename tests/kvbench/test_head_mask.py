@@ -7,8 +7,8 @@ import copy
 import pytest
 import torch
 
-from kvbench.head_mask import HeadMask, attention_modules
-from kvbench.models import head_layout
+from kvbench.tools.head_mask import HeadMask, attention_modules
+from kvbench.engine.models import head_layout
 from methods.base import ConfigError
 from tests.conftest import tiny_model
 
@@ -112,7 +112,7 @@ def test_no_heads_is_the_unmasked_model():
 
 def test_engine_generation_with_mask_uses_kvbench_attention():
     """Through the engine (kvbench attention, preallocated cache): masked ≠ plain, mask-less = plain."""
-    from kvbench.engine import Engine
+    from kvbench.engine.generate import Engine
     from methods.full import FullCache
     from tests.conftest import loaded_for
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from eval.metrics import qa_f1_score as qa_f1
-from kvbench.calibrate import find_span, r2_step_scores, relative_output_error, srh_step_scores, trh_step_scores
+from kvbench.tools.calibrate import find_span, r2_step_scores, relative_output_error, srh_step_scores, trh_step_scores
 
 # 1 layer x 3 heads over n = 6 positions; answer span = positions [2, 4) holding tokens 7, 8
 PROMPT = torch.tensor([5, 6, 7, 8, 9, 10])

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from eval.base import Sample, Task
-from kvbench.engine import Engine
-from kvbench.job import run_samples, run_job, run_sample, summarize
-from kvbench.store import JobStore
+from kvbench.engine.generate import Engine
+from kvbench.job.run import run_samples, run_job, run_sample, summarize
+from kvbench.job.store import JobStore
 from methods.full import FullCache
 from methods.snapkv import SnapKV, SnapKVConfig
 from tests.conftest import loaded_for, tiny_model
@@ -243,16 +243,16 @@ def test_a_finished_job_frees_its_model_before_the_next_job_loads_one(base, monk
     import gc
     import weakref
 
-    import kvbench.models
+    import kvbench.engine.models
 
-    models, real = [], kvbench.models.load_model
+    models, real = [], kvbench.engine.models.load_model
 
     def load(cfg, device, *resolved):
         loaded = real(cfg, device)
         models.append(weakref.ref(loaded.model))
         return loaded
 
-    monkeypatch.setattr(kvbench.models, "load_model", load)
+    monkeypatch.setattr(kvbench.engine.models, "load_model", load)
     assert run(base + ["max_samples=1"])[0] == 0
     gc.collect()
     assert len(models) == 1 and models[0]() is None

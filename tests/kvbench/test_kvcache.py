@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import torch
 from transformers.cache_utils import DynamicLayer
 
-from kvbench.kvcache import PreallocatedLayer, preallocated_cache, store_layer
+from kvbench.engine.kvcache import PreallocatedLayer, preallocated_cache, store_layer
 from tests.conftest import tiny_model
 
 

@@ -1,4 +1,4 @@
-"""``python -m kvbench.latency``: bad input is one line and exit 2 before any model loads; records."""
+"""``python -m kvbench.tools.latency``: bad input is one line and exit 2 before any model loads; records."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from kvbench import latency
+from kvbench.tools import latency
 
 
 @pytest.mark.parametrize("argv, key", [

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from kvbench import mask_heads
-from kvbench.mask_heads import conditions, main, out_stem, random_heads, render_markdown, write_report
+from kvbench.tools import mask_heads
+from kvbench.tools.mask_heads import conditions, main, out_stem, random_heads, render_markdown, write_report
 from methods.artifacts import load_head_scores
 from methods.base import ConfigError
 
@@ -76,7 +76,7 @@ def no_model_load(monkeypatch):
     def fail(*a, **k):
         raise AssertionError("a model was loaded")
 
-    monkeypatch.setattr("kvbench.models.load_model", fail)
+    monkeypatch.setattr("kvbench.engine.models.load_model", fail)
 
 
 @pytest.mark.parametrize("args,flag", [

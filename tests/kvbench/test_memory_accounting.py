@@ -10,8 +10,8 @@ import weakref
 
 import torch
 
-from kvbench.engine import Engine
-from kvbench.kvcache import PreallocatedLayer
+from kvbench.engine.generate import Engine
+from kvbench.engine.kvcache import PreallocatedLayer
 from methods.lookm import LookM, LookMConfig
 from tests.conftest import loaded_for, tiny_model
 

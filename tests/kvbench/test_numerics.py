@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from eval.niah import NIAHTask
-from kvbench.engine import Engine
-from kvbench.job import summarize
+from kvbench.engine.generate import Engine
+from kvbench.job.run import summarize
 from methods.base import HeadLayout, LayerContext
 from methods.full import FullCache
 from methods.scoring import window_attention
@@ -143,7 +143,7 @@ def test_niah_lengths_too_short_for_a_haystack_are_skipped_and_reported():
 def test_the_printed_summary_counts_samples_whose_prompt_was_within_the_budget(capsys, tmp_path):
     """budget=4096 tokens on prompts of 3000 and 5000 tokens: the 3000-token sample keeps its
     whole prompt, which the printed summary says; a full-cache job never gets the line."""
-    from kvbench.job import print_summary
+    from kvbench.job.run import print_summary
 
     summary = {
         "job": "niah/m/snapkv/b4096", "complete": True, "n_samples": 4, "n_expected": 4, "n_failed": 0,

@@ -7,9 +7,9 @@ import logging
 
 import pytest
 
-import kvbench.runner as runner
+import kvbench.job.runner as runner
 from eval.base import Sample
-from kvbench.store import JobStore
+from kvbench.job.store import JobStore
 
 
 class Clock:

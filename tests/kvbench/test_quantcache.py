@@ -1,4 +1,4 @@
-"""The quantized cache (kvbench/quantcache.py): KIVI's quantizer, transformers' QuantizedCache, stored bytes."""
+"""The quantized cache (kvbench/engine/quantcache.py): KIVI's quantizer, transformers' QuantizedCache, stored bytes."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kvbench.engine import Engine
-from kvbench import kvcache
-from kvbench.kvcache import store_layer
-from kvbench.quantcache import QuantizedLayer, dequantize, quantize
+from kvbench.engine.generate import Engine
+from kvbench.engine.generate import kvcache
+from kvbench.engine.kvcache import store_layer
+from kvbench.engine.quantcache import QuantizedLayer, dequantize, quantize
 from methods.full import FullCache
 from methods.snapkv import SnapKV, SnapKVConfig
 from tests.conftest import loaded_for, tiny_model
@@ -161,8 +161,8 @@ def test_a_layer_restored_mid_decode_is_quantized_again():
 def test_a_query_part_on_a_quantized_cache_equals_its_ids_fed_one_by_one():
     """task.compress=context on SelKV's compressed, quantized layers (bias columns): the query part in one forward
     gives the logits and tokens of feeding its ids one by one (no block fills inside the query part)."""
-    from kvbench.attention import attach_bias
-    from kvbench.engine import prefill
+    from kvbench.engine.attention import attach_bias
+    from kvbench.engine.generate import prefill
     from methods import build_method
 
     loaded = loaded_for(tiny_model("llama", layers=2))

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kvbench.config import TopConfig, structured
+from kvbench.job.config import TopConfig, structured
 from methods.base import ConfigError
 from tests.kvbench.cli_util import ROOT
 
@@ -76,7 +76,7 @@ def test_trust_remote_code_is_off_in_every_model_config():
 def test_load_model_passes_trust_remote_code_false_by_default(tiny_model_dir, monkeypatch):
     import transformers
 
-    from kvbench.models import load_model
+    from kvbench.engine.models import load_model
 
     seen = []
     for cls in (transformers.AutoTokenizer, transformers.AutoModelForCausalLM):

@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import kvbench.attention
-from kvbench.engine import Engine
+import kvbench.engine.attention
+from kvbench.engine.generate import Engine
 from methods.selkv import SelKV, SelKVConfig
 from tests.conftest import loaded_for, tiny_model
 
@@ -17,7 +17,7 @@ LAYERS, D = 2, 16  # tiny_model's head_dim
 
 
 class RecordingF:
-    """``torch.nn.functional`` as seen by kvbench.attention, recording every decode-step SDPA call."""
+    """``torch.nn.functional`` as seen by kvbench.engine.attention, recording every decode-step SDPA call."""
 
     def __init__(self, calls: list):
         self.calls = calls
@@ -43,7 +43,7 @@ class RecordingF:
 
 def generate(monkeypatch, loaded, ids, **cfg):
     calls: list = []
-    monkeypatch.setattr(kvbench.attention, "F", RecordingF(calls))
+    monkeypatch.setattr(kvbench.engine.attention, "F", RecordingF(calls))
     config = SelKVConfig(window_size=8, kernel_size=3, recent_window=4, bucket_size=8, **cfg)
     eng = Engine(loaded, SelKV(config, loaded.layout), 0.5)
     eng.generate(ids, 3, stop_ids=[])

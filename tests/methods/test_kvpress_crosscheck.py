@@ -188,8 +188,8 @@ def test_pyramidkv_kvpress_preset_matches_kvpress_through_the_engine(n):
     just W = 64 tokens (no W + 1 floor)."""
     from transformers import DynamicCache
 
-    from kvbench.config import preset
-    from kvbench.engine import Engine
+    from kvbench.job.config import preset
+    from kvbench.engine.generate import Engine
     from methods import build_method
     from tests.conftest import loaded_for, tiny_model
 

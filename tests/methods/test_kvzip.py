@@ -20,7 +20,7 @@ import torch
 from transformers import DynamicCache
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from kvbench.engine import Engine
+from kvbench.engine.generate import Engine
 from methods import build_method
 from methods.base import ConfigError, PromptFormat
 from tests.conftest import loaded_for, tiny_model

@@ -100,7 +100,7 @@ def test_switch_errors_name_the_key(cfg, key):
 def test_per_query_head_decodes_as_the_repeated_kv_model():
     """KVCache-Factory's query-head cache is an MHA model whose KV heads are repeated: the GQA
     model with ``per_query_head`` must decode exactly as that model with plain SnapKV."""
-    from kvbench.engine import Engine
+    from kvbench.engine.generate import Engine
     from tests.conftest import loaded_for, tiny_model
 
     gqa, mha = tiny_model("llama", n_kv=2, n_q=4), tiny_model("llama", n_kv=4, n_q=4)
@@ -128,8 +128,8 @@ def test_compress_sliding_layers_when_the_prompt_fits_the_window():
     the shortened sliding layer equals masking the dropped token (−inf bias) in place."""
     from dataclasses import replace
 
-    from kvbench.engine import Engine
-    from kvbench.models import head_layout
+    from kvbench.engine.generate import Engine
+    from kvbench.engine.models import head_layout
     from tests.conftest import loaded_for, tiny_model
     from tests.kvbench.test_engine import BiasMethod
 
@@ -154,7 +154,7 @@ def test_compress_sliding_layers_when_the_prompt_fits_the_window():
 
 
 def test_compress_sliding_layers_false_keeps_the_job_folder():
-    from kvbench.config import identity
+    from kvbench.job.config import identity
 
     def ident(**model):
         cfg = {"model": {"name": "g", "source": "s", "dtype": {"cpu": "float32"}, **model}, "method": {"name": "snapkv"},

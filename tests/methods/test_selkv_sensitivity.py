@@ -60,7 +60,7 @@ def test_cosine_routing_and_gate_off_have_no_empty_bucket_statistic():
 def test_sensitivity_preset_composes_into_the_grid_of_jobs(monkeypatch):
     from hydra import compose, initialize_config_dir
 
-    from kvbench.config import check
+    from kvbench.job.config import check
 
     data = ROOT.parent / "shared" / "data" / "longbench"
     if not data.is_dir():

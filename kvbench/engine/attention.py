@@ -10,14 +10,14 @@ passes down to every attention call.
   after q-norm and RoPE) and full cache go to the method (:class:`methods.base.LayerContext`);
   its result replaces the layer's cache. Nothing n×n is built. A method that scores by
   reconstruction (``state.scoring``) is not called here but in the **score** phase: the forwards of
-  :mod:`kvbench.reconstruct` on the full cache, where each compressible layer's queries and cache go to
+  :mod:`kvbench.engine.reconstruct` on the full cache, where each compressible layer's queries and cache go to
   ``method.reconstruction_score`` (:class:`methods.base.ReconstructionContext`) after the layer's SDPA.
 * **Decode-time compression** (``state.decode_budget``, docs/DECODING.md): each compressible layer keeps the
   queries of the last W tokens fed; in a forward the engine flags (``compress_now``), after the attention output
   is computed with the whole cache, the method cuts the layer (its current token included) back to the budget.
 * **Decode**: SDPA without a mask, the G query heads of a KV head as G query rows of the
   un-repeated cache; a logit bias is in extra key columns, per-head lengths in a flat
-  :class:`kvbench.kvcache.RaggedLayer` (flash varlen on CUDA): :func:`decode_backend`.
+  :class:`kvbench.engine.kvcache.RaggedLayer` (flash varlen on CUDA): :func:`decode_backend`.
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from methods.base import Budget, CompressResult, HeadLayout, LayerContext, Method, Plan, Reconstruction, ReconstructionContext
 
-from .kvcache import RaggedLayer, store_layer, write_bias
-from .quantcache import QuantizedLayer
+from kvbench.engine.kvcache import RaggedLayer, store_layer, write_bias
+from kvbench.engine.quantcache import QuantizedLayer
 
 try:  # PyTorch's own flash varlen kernel (CUDA, fp16/bf16); no flash-attn package needed
     from torch.nn.attention.varlen import varlen_attn
@@ -51,7 +51,7 @@ _PREFILL_CHUNK = 1024  # query rows per block in the soft-capping prefill path
 
 @dataclass
 class Scoring:
-    """A method's reconstruction pass (:mod:`kvbench.reconstruct`): its forwards and what they collect.
+    """A method's reconstruction pass (:mod:`kvbench.engine.reconstruct`): its forwards and what they collect.
 
     Attributes:
         reconstruction: what the method asked for (:meth:`methods.base.Method.reconstruction`).
@@ -351,7 +351,7 @@ def kvbench_attention(module, query, key, value, attention_mask, scaling=None, d
         attention_mask: transformers' mask for this layer (None when causal SDPA suffices).
         scaling: logit scale; softcap: Gemma-2 soft-capping.
         kvbench_state: the :class:`CompressionState` of this generation (None: plain attention), or
-            a list of them in a shared prefill (:func:`kvbench.engine.prefill`).
+            a list of them in a shared prefill (:func:`kvbench.engine.generate.prefill`).
 
     Returns:
         ``(attn_output (B, q, H_q, d), None)``.

@@ -28,14 +28,14 @@ import eval as tasks
 from eval.base import Sample, Task, TaskConfigError
 from methods.base import ConfigError
 
-from .config import SELECTION_KEYS, JobSpec, check
-from .prompts import encode_prompt, prompt_format, prompt_text, split_prompt, stop_ids_for  # noqa: F401 - the job's public helpers
-from .runner import conversations, error_record, free_cuda, record_ids, run_sample, run_samples  # noqa: F401
-from .store import JobLockedError, JobStore, atomic_write, read_json
+from kvbench.job.config import SELECTION_KEYS, JobSpec, check
+from kvbench.job.prompts import encode_prompt, prompt_format, prompt_text, split_prompt, stop_ids_for  # noqa: F401 - the job's public helpers
+from kvbench.job.runner import conversations, error_record, free_cuda, record_ids, run_sample, run_samples  # noqa: F401
+from kvbench.job.store import JobLockedError, JobStore, atomic_write, read_json
 
 log = logging.getLogger("kvbench")
 EXIT_OK, EXIT_SAMPLE_FAILED, EXIT_CONFIG, EXIT_LOCKED = 0, 1, 2, 3
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 LOG_FORMAT = "[%(asctime)s] %(levelname)s %(name)s: %(message)s"
 
 
@@ -138,7 +138,7 @@ def print_summary(summary: dict, path: Path) -> None:
 def heatmap(store: JobStore, records: list[dict], cfg: dict) -> None:
     """Draw the NIAH job's depth × length ``heatmap.png`` and ``.pdf`` (a plot never fails a job)."""
     try:
-        from .plots import draw_niah_heatmap, niah_colorbar, niah_grid, plt
+        from kvbench.job.plots import draw_niah_heatmap, niah_colorbar, niah_grid, plt
 
         lengths, depths, _ = niah_grid(records)  # a failed sample's cell is grey
         fig, ax = plt.subplots(figsize=(max(4.8, 1.6 + 0.8 * len(lengths)), max(3.4, 1.6 + 0.4 * len(depths))),
@@ -172,7 +172,7 @@ def run_job(job: JobSpec, wait_s: float | None = None) -> int:
 
 def run_jobs(jobs: list[JobSpec], wait_s: float | None = None) -> list[int]:
     """Run checked jobs that differ only in method and budget, one model load and one prefill per sample
-    for all of them (:func:`kvbench.engine.prefill`), each job storing in its own folder under its own lock
+    for all of them (:func:`kvbench.engine.generate.prefill`), each job storing in its own folder under its own lock
     as if run alone; twins (``method=full`` at two budgets: one folder) run once, as the first. ``wait_s``:
     seconds to wait for another process on the same shard (default ``lock_wait_s``). Returns one exit code
     per job: 0 ok, 1 some samples failed, 3 the folder is locked by another process (one line).
@@ -181,7 +181,7 @@ def run_jobs(jobs: list[JobSpec], wait_s: float | None = None) -> list[int]:
         ConfigError: the model cannot be loaded, or the prompts do not fit its context window (a job
             folder this run made is removed again).
     """
-    from .engine import Engine
+    from kvbench.engine.generate import Engine
 
     unique: dict[str, JobSpec] = {}
     for job in jobs:
@@ -245,13 +245,13 @@ def open_stores(jobs: list[JobSpec], stack: ExitStack, wait_s: float | None, cod
 
 
 def load(job: JobSpec) -> tuple[Any, Task, list[Sample], list[str], bool]:
-    """Seed, set the threads, load the model (:func:`kvbench.models.load_model`, from the resolved source) and build
+    """Seed, set the threads, load the model (:func:`kvbench.engine.models.load_model`, from the resolved source) and build
     the task from the resolved inputs. Returns the model, the task, this shard's samples, the ids every shard
     together expects, and whether decode is compiled. ConfigError: the model cannot be loaded, or the prompts +
     generation exceed its context window."""
     import torch
 
-    from .models import load_model
+    from kvbench.engine.models import load_model
 
     top, (index, count) = job.top, (job.top.shard.index, job.top.shard.count)
     set_threads(top.threads)

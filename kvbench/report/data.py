@@ -16,7 +16,7 @@ import yaml
 from eval.longbench import DATASETS_EN, DATASETS_ZH
 from eval.niah import strict_match
 
-from .store import JobStore, is_job_folder, read_json
+from kvbench.job.store import JobStore, is_job_folder, read_json
 
 DATASET_ORDER = list(DATASETS_EN)
 DATASET_ABBR = dict(zip(DATASET_ORDER + list(DATASETS_ZH), "NrtQA Qasp MF-en HpQA 2Wiki Musi GovR QMSm MNws TREC TrvQA "
@@ -26,7 +26,7 @@ METHOD_ORDER = ["full", "streamingllm", "snapkv", "lookm", "pyramidkv", "cake", 
 MODEL_ORDER = ["llama31", "gemma2", "longchat", "mistral", "qwen25_14b", "qwen25_32b"]
 FULL = "full"
 LONG_CONTEXT_TOKENS = 16000  # prompts truncated at >= this many tokens: SelKV Table 7's "long inputs"
-CONF = Path(__file__).resolve().parents[1] / "conf"
+CONF = Path(__file__).resolve().parents[2] / "conf"
 TIMING_COLUMNS = ["prefill_s", "compress_s", "decode_s", "decode_tok_s"]
 CACHE_COLUMNS = ["prompt_tokens", "kept_tokens", "cache_bytes_before", "cache_bytes_after"]
 #: config keys that are not a job's setting: table rows/columns, folder naming, run control, sample selection
@@ -54,7 +54,7 @@ def niah_grid_records(job_dir: Path) -> tuple[list[dict], str]:
 @functools.cache
 def presets() -> dict[str, dict]:
     """``conf/method/<preset>.yaml`` as Hydra composes them (the schema's defaults filled in): ``{preset: mapping}``."""
-    from .config import preset
+    from kvbench.job.config import preset
 
     return {p.stem: preset("method", p.stem) for p in sorted((CONF / "method").glob("*.yaml"))}
 
@@ -192,7 +192,7 @@ def _variants(df: pd.DataFrame) -> pd.DataFrame:
 
 
 def job_folders(root: Path) -> list[Path]:
-    """The job folders under ``root`` (:func:`~kvbench.store.is_job_folder`), sorted; symbolic links to folders are
+    """The job folders under ``root`` (:func:`~kvbench.job.store.is_job_folder`), sorted; symbolic links to folders are
     followed, each real folder counted once; hidden folders (``.hydra``) are skipped."""
     seen, jobs = set(), []
     for folder, subfolders, _ in os.walk(root, followlinks=True):

@@ -1,8 +1,8 @@
 """Latency benchmark (SelKV Figure 3): prefill and compression time, decode throughput and peak
 memory of the full cache and compressed caches over prompt lengths.
 
-    python -m kvbench.latency +experiment=selkv_fig3 [hydra overrides...] [--out FILE]
-    python -m kvbench.latency model=smollm2 budget=0.25 --methods full snapkv --lengths 256 512
+    python -m kvbench.tools.latency +experiment=selkv_fig3 [hydra overrides...] [--out FILE]
+    python -m kvbench.tools.latency model=smollm2 budget=0.25 --methods full snapkv --lengths 256 512
 
 Model, budget and methods come from the Hydra config; a ``latency:`` node (``methods``, ``lengths``,
 ``max_new_tokens``, ``repeats``, ``out``) gives defaults; ``method.*`` overrides apply to every method but
@@ -24,10 +24,10 @@ from omegaconf import OmegaConf
 from methods import build_method
 from methods.base import ConfigError, check_budget
 
-from .cli import ArgParser, flat, listof
-from .config import CONF, compose
-from .job import set_threads
-from .store import atomic_write
+from kvbench.cli import ArgParser, flat, listof
+from kvbench.job.config import CONF, compose
+from kvbench.job.run import set_threads
+from kvbench.job.store import atomic_write
 
 DEFAULT_NEW_TOKENS = 256  # SelKV Figure 3 generates 256 tokens
 DEFAULT_LENGTHS = [512, 1024, 2048, 4096, 8192]
@@ -50,14 +50,14 @@ def run_latency(model_cfg: dict, method_cfgs: dict[str, dict], budget: float, le
     with a message), ``repeats`` timed runs each after one warm-up per method, rewriting ``out``
     atomically after each record. ``make_engine``: ``method node -> engine`` (default: an engine on
     the model loaded on ``device``). Returns the records. The peak memory is restarted before each run
-    (:func:`kvbench.engine.reset_peak_rss`), so an earlier, longer prompt's peak does not carry over.
+    (:func:`kvbench.engine.generate.reset_peak_rss`), so an earlier, longer prompt's peak does not carry over.
     """
     import torch
 
-    from . import engine as engine_module  # reset_peak_rss looked up at each call (tests replace it)
+    from kvbench.engine import generate as engine_module  # reset_peak_rss looked up at each call (tests replace it)
     if make_engine is None:
-        from .engine import Engine
-        from .models import load_model
+        from kvbench.engine.generate import Engine
+        from kvbench.engine.models import load_model
 
         loaded = load_model(model_cfg, device)
         make_engine = lambda cfg: Engine(loaded, build_method(cfg, loaded.layout), float(budget))  # noqa: E731
@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     """CLI entry point (see the module docstring); usage and config errors: one line, exit 2."""
     known = sorted(f.stem for f in (CONF / "method").glob("*.yaml"))
     positive, one = listof(int, lambda n: n >= 1, "integers >= 1"), listof(int, lambda n: n >= 1, "integers >= 1", one=True)
-    p = ArgParser(prog="python -m kvbench.latency", description=__doc__.split("\n\n")[0])
+    p = ArgParser(prog="python -m kvbench.tools.latency", description=__doc__.split("\n\n")[0])
     p.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. +experiment=selkv_fig3 model=llama31")
     p.add_argument("--methods", nargs="+", action="extend", type=listof(str, known.__contains__, ", ".join(known)),
                    help="method presets (conf/method/*.yaml), space- or comma-separated (default: latency.methods, "

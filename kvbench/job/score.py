@@ -25,8 +25,8 @@ import eval as tasks
 from eval.base import TaskConfigError, read_jsonl
 from eval.metrics import dataset2metric, score_dataset
 
-from .cli import ArgParser
-from .store import atomic_write
+from kvbench.cli import ArgParser
+from kvbench.job.store import atomic_write
 
 
 def _check_row(row, need_length: bool) -> str:
@@ -85,7 +85,7 @@ def score_file(path: Path, name: str, overrides: list[str]) -> dict:
     ``prediction`` or the task's reference fields, an empty file."""
     from omegaconf import OmegaConf
 
-    from .config import compose
+    from kvbench.job.config import compose
 
     if name not in tasks.available():
         raise TaskConfigError(f"--task {name!r}: accepted values are {', '.join(tasks.available())}")

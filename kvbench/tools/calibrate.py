@@ -30,11 +30,11 @@ from methods import build_method
 from methods.artifacts import ARTIFACTS_ROOT, ranking_from_scores
 from methods.base import ConfigError, LayerContext
 
-from .cli import ArgParser, listof
-from .kvcache import preallocated_cache
-from .config import CONF_MODEL_DIR, conf_model
-from .models import resolve_source
-from .store import atomic_write
+from kvbench.cli import ArgParser, listof
+from kvbench.engine.kvcache import preallocated_cache
+from kvbench.job.config import CONF_MODEL_DIR, conf_model
+from kvbench.engine.models import resolve_source
+from kvbench.job.store import atomic_write
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 QUESTION = "Based on the content of the book, Question: {question}\nAnswer:"
@@ -70,9 +70,9 @@ def artifact_name(model: str | None, name: str | None) -> str:
 
 
 def load_model(model: str | None, gguf_file: str | None, threads: int, device: str = "cpu", dtype: str | None = None):
-    """The :class:`kvbench.models.LoadedModel` of ``--model`` as a job loads it, on ``--device`` in
+    """The :class:`kvbench.engine.models.LoadedModel` of ``--model`` as a job loads it, on ``--device`` in
     ``--dtype`` (default: the model config's dtype for that device, bf16 on CUDA, float32 on CPU)."""
-    from .models import load_model as load_job_model
+    from kvbench.engine.models import load_model as load_job_model
 
     torch.set_num_threads(threads)
     return load_job_model({**model_config(model, gguf_file), **({"dtype": dtype} if dtype else {})}, device=device)
@@ -417,7 +417,7 @@ def _arg(kind: type, low: float = 0, high: float = float("inf"), choices: tuple[
 def build_parser() -> argparse.ArgumentParser:
     p = ArgParser(prog="kvbench calibrate", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
-    shared = os.environ.get("KVBENCH_SHARED_DATA", str(Path(__file__).resolve().parents[1] / ".." / "shared" / "data"))
+    shared = os.environ.get("KVBENCH_SHARED_DATA", str(Path(__file__).resolve().parents[2] / ".." / "shared" / "data"))
     for name in ("heads", "layers"):
         s = sub.add_parser(name)
         s.add_argument("--model", help="conf/model name or a model.source (default: the embedded SmolLM2)")

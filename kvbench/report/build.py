@@ -10,16 +10,16 @@ from pathlib import Path
 
 import pandas as pd
 
-from . import report_scbench, report_tables as rt
-from .cli import ArgParser
-from .plots import plt
-from .report_budget import score_vs_budget
-from .report_cost import cost_table
-from .report_bytes import accuracy_vs_bytes
-from .report_data import load_results
-from .report_reasoning import reasoning_reports
-from .report_tables import Artifact, dedupe, fmt, round2
-from .store import atomic_write
+from kvbench.report import scbench as report_scbench, tables as rt
+from kvbench.cli import ArgParser
+from kvbench.job.plots import plt
+from kvbench.report.budget import score_vs_budget
+from kvbench.report.cost import cost_table
+from kvbench.report.bytes import accuracy_vs_bytes
+from kvbench.report.data import load_results
+from kvbench.report.reasoning import reasoning_reports
+from kvbench.report.tables import Artifact, dedupe, fmt, round2
+from kvbench.job.store import atomic_write
 
 Context = namedtuple("Context", "root df latency latency_source", defaults=(None, "latency.json"))
 TEX = str.maketrans({"\\": r"\textbackslash{}", "&": r"\&", "%": r"\%", "_": r"\_", "#": r"\#", "Δ": r"$\Delta$",
@@ -117,7 +117,7 @@ def write(a: Artifact, out: Path) -> list[Path]:
 
 
 def load_latency(path: str | Path) -> list[dict]:
-    """Records of a kvbench.latency JSON file (a list of objects); ValueError if not."""
+    """Records of a kvbench.tools.latency JSON file (a list of objects); ValueError if not."""
     records = json.loads(Path(path).read_text())
     if not isinstance(records, list) or not all(isinstance(r, dict) for r in records):
         raise ValueError("expected a list of records")
@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         latency = load_latency(lat_path) if args.latency or lat_path.is_file() else None
     except (OSError, ValueError) as e:
-        p.error(f"--latency {str(lat_path)!r}: not a latency file of python -m kvbench.latency ({type(e).__name__}: {e})")
+        p.error(f"--latency {str(lat_path)!r}: not a latency file of python -m kvbench.tools.latency ({type(e).__name__}: {e})")
     df = load_results(root)
     for line in df.attrs["unreadable"]:
         print(f"warning: job folder {line}; left out of the report", file=sys.stderr)

@@ -20,10 +20,10 @@ from methods import build_method
 from methods.artifacts import artifact_path, keyed_errors, load_head_scores, top_heads
 from methods.base import ConfigError
 
-from .cli import ArgParser, flat, listof
-from .head_mask import MODES, PHASES, HeadMask
-from .job import encode_prompt, environment, run_sample
-from .store import atomic_write
+from kvbench.cli import ArgParser, flat, listof
+from kvbench.tools.head_mask import MODES, PHASES, HeadMask
+from kvbench.job.run import encode_prompt, environment, run_sample
+from kvbench.job.store import atomic_write
 
 KINDS = ("srh", "trh", "random")
 _SCORE_KIND = {"srh": "semantic_retrieval_heads", "trh": "retrieval_heads"}
@@ -141,9 +141,9 @@ def write_report(stem: Path, report: dict) -> list[Path]:
 
 def run(args) -> int:
     """Check every input, then load the model and run the no-mask and masked NIAH grids."""
-    from .engine import Engine  # torch._dynamo: imported once the flags are read
-    from .config import conf_model
-    from .models import load_model  # late: tests replace kvbench.models.load_model
+    from kvbench.engine.generate import Engine  # torch._dynamo: imported once the flags are read
+    from kvbench.job.config import conf_model
+    from kvbench.engine.models import load_model  # late: tests replace kvbench.engine.models.load_model
 
     model_cfg = {**conf_model(args.model), **({"source": args.model_source, "gguf_file": None} if args.model_source else {}),
                  **({"chat_template": args.chat_template == "true" or args.chat_template} if args.chat_template else {})}

@@ -19,7 +19,7 @@ from torch.nn.utils.rnn import pad_sequence
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from .quantcache import QuantizedLayer
+from kvbench.engine.quantcache import QuantizedLayer
 
 ALIGN = {"cuda": 8}  # stored channels are a multiple of this per device type (flash kernels: of 8)
 
@@ -88,7 +88,7 @@ class PreallocatedLayer(DynamicLayer):
 def preallocated_cache(config: Any, reserve: int, quant: Any = None) -> DynamicCache:
     """A ``DynamicCache`` for ``config`` whose full-attention layers are :class:`PreallocatedLayer`
     with ``reserve`` free slots (``max_new_tokens + 1``), or with ``quant`` (``cache.*``: bits, group_size,
-    residual) :class:`~kvbench.quantcache.QuantizedLayer`, as :func:`store_layer` then stores compressed layers
+    residual) :class:`~kvbench.engine.quantcache.QuantizedLayer`, as :func:`store_layer` then stores compressed layers
     (``cache.quant``); sliding-window layers (Gemma 2/3) keep transformers' own class."""
     cache = DynamicCache(config=config)
     cache.layers = [(QuantizedLayer(quant) if quant else PreallocatedLayer(reserve)) if type(layer) is DynamicLayer
@@ -161,7 +161,7 @@ def store_layer(cache: Any, idx: int, keys: torch.Tensor, values: torch.Tensor, 
                 bias_rows: int = 0, scaling: float = 1.0, reserve: int = 1) -> Any:
     """Store a compressed layer's ``keys``/``values`` ``(B, H_kv, m, d)`` as ``cache.layers[idx]`` and return it:
     a :class:`RaggedLayer` of the True slots of ``valid`` ``(B, H_kv, m)``, else a :class:`PreallocatedLayer`
-    (the existing one, or one with ``reserve`` free slots), or a new :class:`~kvbench.quantcache.QuantizedLayer`
+    (the existing one, or one with ``reserve`` free slots), or a new :class:`~kvbench.engine.quantcache.QuantizedLayer`
     when the cache has ``quant`` (:func:`preallocated_cache`; ValueError with ``valid``); ``bias_rows`` columns
     for :func:`write_bias`."""
     align = ALIGN.get(keys.device.type, 1)

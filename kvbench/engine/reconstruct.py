@@ -2,7 +2,7 @@
 
 A method whose :meth:`~methods.base.Method.reconstruction` asks for forwards gets them here, on its state's full
 prefilled cache: each forward feeds its ids at positions n, n + 1, ... through the model's own modules with the
-state in phase ``score`` (:func:`kvbench.attention.kvbench_attention` collects the method's
+state in phase ``score`` (:func:`kvbench.engine.attention.kvbench_attention` collects the method's
 ``reconstruction_score`` per compressible layer), then the cache is cut back to the n prefilled tokens. Then
 ``method.allocate`` gives the budgets and every compressible layer is compressed from its scores. The forwards'
 time is compression time (``compress_s``) and is also kept apart (``Scoring.seconds``, the record's
@@ -15,12 +15,12 @@ import time
 
 import torch
 
-from .attention import CompressionState, Scoring, compress_layer
-from .kvcache import PreallocatedLayer
+from kvbench.engine.attention import CompressionState, Scoring, compress_layer
+from kvbench.engine.kvcache import PreallocatedLayer
 
 
 def start_scoring(state: CompressionState, ids: list[int], fmt) -> None:
-    """Give ``state`` a :class:`~kvbench.attention.Scoring` when its method reconstructs ``ids`` (n prefilled ids;
+    """Give ``state`` a :class:`~kvbench.engine.attention.Scoring` when its method reconstructs ``ids`` (n prefilled ids;
     ``fmt``: the model's :class:`~methods.base.PromptFormat`), so that the prefill leaves its layers whole."""
     rec = state.method.reconstruction(ids, fmt) if state.compressing else None
     state.scoring = Scoring(rec) if rec is not None and rec.inputs else None

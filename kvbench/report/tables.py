@@ -18,8 +18,8 @@ from matplotlib.transforms import offset_copy
 from eval.longbench import CATEGORIES
 from eval.longbench_v2 import BREAKDOWN
 
-from .plots import draw_niah_heatmap, niah_colorbar, plt
-from .report_data import (DATASET_ABBR, FULL, LONG_CONTEXT_TOKENS, budget_semantics, budget_text, display_name,
+from kvbench.job.plots import draw_niah_heatmap, niah_colorbar, plt
+from kvbench.report.data import (DATASET_ABBR, FULL, LONG_CONTEXT_TOKENS, budget_semantics, budget_text, display_name,
                           method_sort_key, model_sort_key, niah_grid_records, order_datasets, presets)
 
 
@@ -620,7 +620,7 @@ def budget_sweep_figure(df, name: str, task: str, ratio: bool, title: str, per_d
 
 
 def selkv_fig3(latency: list[dict], source: str = "latency.json") -> list[Artifact]:
-    """SelKV Figure 3 from kvbench.latency records (repeats averaged), per model: (a) prefill, compression and decode
+    """SelKV Figure 3 from kvbench.tools.latency records (repeats averaged), per model: (a) prefill, compression and decode
     seconds stacked per prompt length and method, (b) decode tokens/s vs prompt length."""
     lat = pd.DataFrame(latency or [])
     if not {"model", "method", "prompt_tokens", "decode_tok_s"} <= set(lat.columns):

@@ -14,9 +14,9 @@ Timings compare on one device only: jobs on other devices or dtypes have other m
 
 import pandas as pd
 
-from .report_data import FULL, budget_text, method_sort_key, model_sort_key
-from .report_tables import Artifact
-from .store import JobStore
+from kvbench.report.data import FULL, budget_text, method_sort_key, model_sort_key
+from kvbench.report.tables import Artifact
+from kvbench.job.store import JobStore
 
 COLUMNS = ["prefill_s", "compress_s", "reconstruct_s", "cache_bytes_after"]
 

@@ -17,9 +17,9 @@ import pandas as pd
 
 from eval.scbench import turn_of
 
-from .report_data import FULL, budget_semantics, budget_text, method_sort_key, model_sort_key
-from .report_tables import Artifact, _done, _figure, count
-from .store import JobStore
+from kvbench.report.data import FULL, budget_semantics, budget_text, method_sort_key, model_sort_key
+from kvbench.report.tables import Artifact, _done, _figure, count
+from kvbench.job.store import JobStore
 
 MODES = {"multi_turn": "multi-turn", "own": "multi-turn, own answers", "multi_request": "multi-request"}
 RANK = {m: i for i, m in enumerate(MODES.values())}

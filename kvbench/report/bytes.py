@@ -10,8 +10,8 @@ import json
 import pandas as pd
 from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
-from .report_data import budget_text, full_in_every_group, method_sort_key
-from .report_tables import Artifact, _done, _figure, count
+from kvbench.report.data import budget_text, full_in_every_group, method_sort_key
+from kvbench.report.tables import Artifact, _done, _figure, count
 
 DTYPE_BITS = {"float32": 32, "bfloat16": 16, "float16": 16}
 STYLE = {32: ("o", "-"), 16: ("o", "-"), 8: ("D", "--"), 4: ("s", "--"), 2: ("^", ":")}  # bits -> marker, line

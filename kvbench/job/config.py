@@ -27,9 +27,9 @@ import methods
 from eval.base import TaskConfigError
 from methods.base import ConfigError, check_budget, structured
 
-from .models import CHAT_FORMATS
+from kvbench.engine.models import CHAT_FORMATS
 
-CONF = Path(__file__).resolve().parents[1] / "conf"
+CONF = Path(__file__).resolve().parents[2] / "conf"
 CONF_MODEL_DIR = CONF / "model"
 #: keys that choose which samples run (the sample ids encode them), not how one is computed
 SELECTION_KEYS = ("context_lengths", "depth_percents", "datasets", "n_samples", "subtasks")
@@ -71,7 +71,7 @@ class Sampling:
 
 @dataclass
 class Cache:
-    """``cache.*``: how the kept tokens are stored (kvbench/quantcache.py, docs/QUANTIZATION.md)."""
+    """``cache.*``: how the kept tokens are stored (kvbench/engine/quantcache.py, docs/QUANTIZATION.md)."""
 
     bits: Optional[int] = None  # null: the model dtype; 2, 4, 8: KIVI-quantized (keys per channel, values per token)
     group_size: int = 32  # entries per scale and minimum: tokens of a key channel, channels of a value token
@@ -162,7 +162,7 @@ class ModelConfig:
     name: str
     source: str
     gguf_file: Optional[str] = None
-    gguf_cache: Any = "auto"  # auto | true | false: convert a GGUF once to safetensors (kvbench.models)
+    gguf_cache: Any = "auto"  # auto | true | false: convert a GGUF once to safetensors (kvbench.engine.models)
     max_input_length: int = 3500
     dtype: dict = field(default_factory=lambda: {"cuda": "bfloat16", "cpu": "float32"})
     chat_template: Any = True  # true (the tokenizer's), vicuna (FastChat's, LongBench pred.py), none/false (raw prompt)
@@ -356,7 +356,7 @@ def check(cfg: Any, preset: str | None = None) -> JobSpec:
         ConfigError / TaskConfigError: the first problem found, as one line naming the key.
     """
     from methods import artifacts
-    from .models import head_layout, load_tokenizer, read_config, resolve_source
+    from kvbench.engine.models import head_layout, load_tokenizer, read_config, resolve_source
 
     try:  # Hydra checked keys, types and choices against the schemas (register); their __post_init__ check ranges
         plain = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)

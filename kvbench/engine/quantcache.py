@@ -65,7 +65,7 @@ class QuantizedLayer(DynamicLayer):
 
     Attributes:
         keys, values: the residual ``(B, H_kv, r, channels)`` and ``(B, H_kv, r, d)``, r < block: the most recent
-            tokens in the model dtype; keys' channels d..channels hold a logit bias (:func:`kvbench.kvcache.write_bias`).
+            tokens in the model dtype; keys' channels d..channels hold a logit bias (:func:`kvbench.engine.kvcache.write_bias`).
         quantized: tokens stored quantized (a multiple of ``block``); ``qk``/``qv``: their :func:`quantize`
             outputs for keys and values; ``extra``: their key channels d..channels in the model dtype (None: none).
 

@@ -20,8 +20,8 @@ from typing import Any
 
 from eval.base import Sample, Task
 
-from .prompts import split_prompt, stop_ids_for
-from .store import JobStore
+from kvbench.job.prompts import split_prompt, stop_ids_for
+from kvbench.job.store import JobStore
 
 log = logging.getLogger("kvbench")
 LOG_EVERY_S = 60.0  # in a log file: a line per sample, at most one a minute, and a sign of life during a long one
@@ -117,7 +117,7 @@ class Unit:
 
     def run(self, part: Any, on_record) -> None:
         """Answer every missing record; each goes to ``on_record(record)`` as soon as it is made. ``part``: this
-        engine's share of a shared prefill of the unit's context (:func:`kvbench.engine.prefill`), the error it
+        engine's share of a shared prefill of the unit's context (:func:`kvbench.engine.generate.prefill`), the error it
         raised, or None. Never raises but submitit's preemption: an error becomes the records' ``error`` (in a
         conversation, the later turns' too: they build on it)."""
         ctx, cut = None, False
@@ -247,9 +247,9 @@ class Progress:
 def run_samples(engines: list[Any], loaded: Any, task: Task, samples: list[Sample], stores: list[JobStore], quiet: bool,
                 sampling: Any = None, seed: int = 0) -> None:
     """Run every unit (:func:`units`) for each (engine, store) that has not stored all of it: one prefill of its
-    context for all of them (:func:`kvbench.engine.prefill`), each engine's answers from its own compressed cache
+    context for all of them (:func:`kvbench.engine.generate.prefill`), each engine's answers from its own compressed cache
     (:class:`Unit`), one record appended per answer and store; progress as :class:`Progress` says."""
-    from .engine import prefill
+    from kvbench.engine.generate import prefill
 
     done = [store.done_ids() for store in stores]
     compress = task.cfg.get("compress", "prompt")

@@ -9,7 +9,7 @@ from typing import Any
 from eval.base import Sample
 from methods.base import PromptFormat
 
-from .models import CHAT_FORMATS
+from kvbench.engine.models import CHAT_FORMATS
 
 
 def prompt_text(loaded: Any, sample: Sample) -> tuple[str, dict]:

@@ -7,7 +7,7 @@ uncompressed. With ``query_tokens`` (``task.compress=context``, kvpress's query-
 only the prompt's context is prefilled and compressed; its last ``query_tokens`` ids (the query
 part) are then prefilled in one forward on top of the compressed cache, uncompressed, positions
 continuing, before decoding. Prefill and every decode step are the model's own forward with
-``attn_implementation="kvbench"`` (:mod:`kvbench.attention`), so every family computes what
+``attn_implementation="kvbench"`` (:mod:`kvbench.engine.attention`), so every family computes what
 its Hugging Face modules compute.
 """
 
@@ -28,11 +28,11 @@ from torch.nn.attention import sdpa_kernel
 
 from methods.base import Budget, Method, Plan, PromptFormat, apply_budget_floor, check_budget
 
-from .attention import DECODE_BACKENDS, CompressionState, attach_bias, decode_backends
-from .kvcache import RaggedLayer, checkpoint, preallocated_cache, restore, store_layer
-from .models import LoadedModel, greedy_processors
-from .reconstruct import reconstruct, start_scoring
-from .quantcache import QuantizedLayer
+from kvbench.engine.attention import DECODE_BACKENDS, CompressionState, attach_bias, decode_backends
+from kvbench.engine.kvcache import RaggedLayer, checkpoint, preallocated_cache, restore, store_layer
+from kvbench.engine.models import LoadedModel, greedy_processors
+from kvbench.engine.reconstruct import reconstruct, start_scoring
+from kvbench.engine.quantcache import QuantizedLayer
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +60,7 @@ class GenerationResult:
         prefill_s: prefill seconds excluding compression (a score computed inside the
             prefill attention, LOOK-M's ``fused_score``, is prefill); compress_s: compression seconds, a method's
             reconstruction forwards included (KVzip); reconstruct_s / reconstruct_tokens: those forwards' seconds and
-            tokens fed (0 for other methods: :mod:`kvbench.reconstruct`);
+            tokens fed (0 for other methods: :mod:`kvbench.engine.reconstruct`);
         decode_s: seconds from the first decode step to the last, without the steps that compiled;
         compile_s: seconds of the decode steps during which ``torch.compile`` compiled (0 eager);
         decode_compiled: whether every decode step ran compiled (False: eager, or a compile failed);
@@ -68,7 +68,7 @@ class GenerationResult:
         peak_prefill_bytes / peak_decode_bytes: peak memory of prefill with compression, and of decoding
             (restarted after compression), summed over the model's devices (:func:`peak_memory_bytes`).
         sdpa_backends: the SDPA backend PyTorch chose, ``{"prefill": ..., "decode": {layer kind: ...}}``
-            (:func:`kvbench.attention.decode_backends`).
+            (:func:`kvbench.engine.attention.decode_backends`).
         method_stats: method statistics summed over layers (merged, dropped, ...).
         cache_trace: ``[generated tokens, stored tokens per KV head (mean over compressible layers of the longest
             head), stored bytes of the whole cache]`` when decoding starts, just before and after each decode-time
@@ -140,7 +140,7 @@ class GenerationResult:
 
 def layer_bytes(layer: Any) -> int:
     """Bytes of a cache layer's filled key/value slots (a :class:`RaggedLayer`'s free reserve not counted; a
-    :class:`~kvbench.quantcache.QuantizedLayer`'s packed codes, scales, minima and residual)."""
+    :class:`~kvbench.engine.quantcache.QuantizedLayer`'s packed codes, scales, minima and residual)."""
     if isinstance(layer, QuantizedLayer):
         return layer.nbytes
     slots = sum(layer.lens_host) + len(layer.lens_host) * layer.decoded if isinstance(layer, RaggedLayer) else None
@@ -262,19 +262,19 @@ class Engine:
     """Greedy generation with one-shot KV-cache compression.
 
     Args:
-        loaded: a :class:`kvbench.models.LoadedModel` (loaded with ``attn_implementation="kvbench"``).
+        loaded: a :class:`kvbench.engine.models.LoadedModel` (loaded with ``attn_implementation="kvbench"``).
         method: the compression method (``methods.full.FullCache`` for none).
         budget: the job's :class:`~methods.base.Budget` (a number is made one by :func:`~methods.base.check_budget`).
 
     Switches (tests, benchmarks): ``record_logits`` keeps every step's logits in ``last_logits``;
-    ``preallocate`` (default True) decodes into :func:`kvbench.kvcache.preallocated_cache`, else
+    ``preallocate`` (default True) decodes into :func:`kvbench.engine.kvcache.preallocated_cache`, else
     a ``DynamicCache``; ``reference_decode`` runs decode attention through
-    :func:`kvbench.attention.grouped_attention`; ``on_decode_step(step)`` is called before each
+    :func:`kvbench.engine.attention.grouped_attention`; ``on_decode_step(step)`` is called before each
     step; ``compile_decode`` runs decode steps through :meth:`decode_forward` (a compile failure sets it
     False and ``compile_error``); ``devices``: those whose peak memory is summed (the model's);
     ``prompt_format``: the model's :class:`~methods.base.PromptFormat` for methods that prompt the model (KVzip;
-    default: no head or tail, the tokenizer's ``encode``; a job sets the model's: :func:`kvbench.job.prompt_format`);
-    ``quant``: the ``cache`` settings of a quantized cache (:mod:`kvbench.quantcache`), None for the model dtype's.
+    default: no head or tail, the tokenizer's ``encode``; a job sets the model's: :func:`kvbench.job.run.prompt_format`);
+    ``quant``: the ``cache`` settings of a quantized cache (:mod:`kvbench.engine.quantcache`), None for the model dtype's.
     ``last_state`` holds the last generation's :class:`CompressionState`.
     """
 
@@ -325,7 +325,7 @@ class Engine:
     @staticmethod
     def _decode_scope(compiled: bool) -> ExitStack:
         """Enter the decode step's settings, restored on exit (nothing process-wide stays set): SDPA
-        restricted to :data:`kvbench.attention.DECODE_BACKENDS`; compiled, dynamo's ``suppress_errors``
+        restricted to :data:`kvbench.engine.attention.DECODE_BACKENDS`; compiled, dynamo's ``suppress_errors``
         (a frame it cannot compile runs eager, never a failed sample; :meth:`generate` records it) and
         no duck shapes (layers' lengths equal in one sample are no guard, hence no recompile, for the next)."""
         import torch.fx.experimental._config as fx_config
@@ -420,7 +420,7 @@ class Engine:
 
     @torch.inference_mode()
     def checkpoint(self, ctx: Context) -> tuple:
-        """``ctx``'s state, for :meth:`restore` (the cache's: :func:`kvbench.kvcache.checkpoint`)."""
+        """``ctx``'s state, for :meth:`restore` (the cache's: :func:`kvbench.engine.kvcache.checkpoint`)."""
         return (checkpoint(ctx.state.cache), dict(ctx.state.queries), ctx.logits, ctx.next_pos, list(ctx.ids), ctx.steps)
 
     @torch.inference_mode()
@@ -463,7 +463,7 @@ class Engine:
                generator: torch.Generator | None = None, sampling: Any = None) -> GenerationResult:
         """Generate from ``ctx`` (its cache then holds the answer but its last token): greedily, or with
         ``generator`` by sampling from the model's logits processors with ``sampling``'s temperature, top-p, top-k
-        (:func:`kvbench.models.greedy_processors`); decode-time compression as ``decode`` says. The result
+        (:func:`kvbench.engine.models.greedy_processors`); decode-time compression as ``decode`` says. The result
         carries the prefill time and peak ``ctx`` has not charged to an earlier result.
 
         Raises:

@@ -1,13 +1,13 @@
 """``score_vs_budget_<task>``: the score against the budget for any sweep of two budgets or more (docs/REPORTS.md).
 
 A panel per model key and kind of budget (retention ratio or tokens): a line per method through its score at each
-budget (the mean over the task's datasets, as :func:`kvbench.report_tables.sweep` takes it) with a band of ±1
+budget (the mean over the task's datasets, as :func:`kvbench.report.tables.sweep` takes it) with a band of ±1
 standard error, the full cache as a dashed line with its band. Jobs of the two ``task.compress`` protocols never
-share a model key (:func:`kvbench.report_data.load_results`), so they never share a panel.
+share a model key (:func:`kvbench.report.data.load_results`), so they never share a panel.
 """
 
-from .report_data import budget_text
-from .report_tables import Artifact, _done, _figure, budget_grids, count, slug, sweep, used_by
+from kvbench.report.data import budget_text
+from kvbench.report.tables import Artifact, _done, _figure, budget_grids, count, slug, sweep, used_by
 
 
 def score_vs_budget(df) -> list[Artifact]:

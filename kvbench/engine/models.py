@@ -2,7 +2,7 @@
 
 ``conf/model/<name>.yaml`` gives the source and the protocol facts (max input length, dtype per
 device, chat-template use, stop tokens). The model is loaded with kvbench's attention function
-(:mod:`kvbench.attention`, ``attn_implementation="kvbench"``), straight onto its device. A GGUF
+(:mod:`kvbench.engine.attention`, ``attn_implementation="kvbench"``), straight onto its device. A GGUF
 file is dequantized by transformers once and cached as float32 safetensors + ``tokenizer.json``
 under ``$KVBENCH_CACHE_DIR/gguf`` (default ``~/.cache/kvbench/gguf``).
 """
@@ -351,7 +351,7 @@ def load_model(model_cfg: dict, device: str = "auto", source: tuple[str, str | N
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
-    from .attention import ATTN_IMPLEMENTATION, register
+    from kvbench.engine.attention import ATTN_IMPLEMENTATION, register
 
     register()
     start = time.perf_counter()

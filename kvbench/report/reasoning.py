@@ -10,8 +10,8 @@ import pandas as pd
 
 from eval.sampling import by_problem, summary
 
-from .report_data import FULL, budget_text, job_records, method_sort_key, model_sort_key
-from .report_tables import Artifact, _done, _figure, slug
+from kvbench.report.data import FULL, budget_text, job_records, method_sort_key, model_sort_key
+from kvbench.report.tables import Artifact, _done, _figure, slug
 
 COLUMNS = ["id", "problem", "dataset", "error", "score", "scores", "generated_tokens", "cache_trace", "decode_compressions"]
 
