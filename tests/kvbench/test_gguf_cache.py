@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvbench.engine.generate import models
+from kvbench.engine import models
 from kvbench.engine.models import gguf_cache_dir, load_model
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kvbench.engine.generate import Engine
-from kvbench.engine.generate import kvcache
+from kvbench.engine import kvcache
 from kvbench.engine.kvcache import store_layer
 from kvbench.engine.quantcache import QuantizedLayer, dequantize, quantize
 from methods.full import FullCache
