@@ -393,6 +393,12 @@ def load_model(model_cfg: dict, device: str = "auto", source: tuple[str, str | N
     )
 
 
+def attention_modules(model: Any) -> dict[int, Any]:
+    """``{layer_idx: attention module}``: the modules with an int ``layer_idx`` and an ``o_proj`` (Llama, Mistral,
+    Qwen and Gemma families)."""
+    return {m.layer_idx: m for m in model.modules() if isinstance(getattr(m, "layer_idx", None), int) and hasattr(m, "o_proj")}
+
+
 def stop_token_ids(tokenizer: Any, model: Any, model_cfg: dict) -> list[int]:
     """Generation stops: ``model.stop_ids`` + ids of ``model.stop_tokens`` + the model's eos ids."""
     ids: list[int] = [int(i) for i in (model_cfg.get("stop_ids") or [])]

@@ -17,6 +17,7 @@ import torch
 
 from kvbench.engine.attention import CompressionState, Scoring, compress_layer
 from kvbench.engine.kvcache import PreallocatedLayer
+from kvbench.engine.models import attention_modules
 
 
 def start_scoring(state: CompressionState, ids: list[int], fmt) -> None:
@@ -24,10 +25,6 @@ def start_scoring(state: CompressionState, ids: list[int], fmt) -> None:
     ``fmt``: the model's :class:`~methods.base.PromptFormat`), so that the prefill leaves its layers whole."""
     rec = state.method.reconstruction(ids, fmt) if state.compressing else None
     state.scoring = Scoring(rec) if rec is not None and rec.inputs else None
-
-
-def _attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
-    return [m for m in model.modules() if isinstance(getattr(m, "layer_idx", None), int) and hasattr(m, "o_proj")]
 
 
 @torch.inference_mode()
@@ -45,7 +42,7 @@ def reconstruct(model: torch.nn.Module, state: CompressionState, n: int) -> None
         hidden = kwargs.get("hidden_states", args[0] if args else None)
         sc.hidden_norms[module.layer_idx] = torch.linalg.vector_norm(hidden, dim=-1)
 
-    hooks = [m.register_forward_pre_hook(keep_norm, with_kwargs=True) for m in _attention_modules(model)]
+    hooks = [m.register_forward_pre_hook(keep_norm, with_kwargs=True) for m in attention_modules(model).values()]
     if sync:
         torch.cuda.synchronize()
     t0, state.phase = time.perf_counter(), "score"

