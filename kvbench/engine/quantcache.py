@@ -1,24 +1,11 @@
 """A quantized KV cache layer: KIVI's layout, stored bits, decoded through the model's own attention.
 
-KIVI (Liu et al. 2024, arXiv 2402.02750; official code jy-yuan/KIVI) stores keys per channel and values per
+KIVI (Liu et al. 2024, arXiv 2402.02750; jy-yuan/KIVI ``quant/new_pack.py``) stores keys per channel and values per
 token in asymmetric min-max integers: a group of ``G`` entries x has ``mn = min x``, ``scale = (max x − mn) /
-(2^b − 1)``, codes ``round(clamp((x − mn) / scale, 0, 2^b − 1))`` and is read back as ``codes · scale + mn``
-(``quant/new_pack.py``: ``quant_and_pack_kcache`` groups G consecutive tokens of one channel,
-``quant_and_pack_vcache`` G consecutive channels of one token). optimum-quanto's affine quantizer, which
-transformers' ``QuantizedCache(backend="quanto")`` uses, computes the same numbers with ``axis_key=-1,
-axis_value=0``. Codes are packed ``8 / b`` to a byte along the channels.
-
-:class:`QuantizedLayer` keeps a layer's oldest tokens quantized and the most recent ones in full precision
-(the residual), as transformers' ``QuantizedLayer`` does: tokens are quantized in blocks of ``residual``
-tokens (``group_size`` when ``residual`` is 0) once a block is full, after the step that filled it attended
-to it in full precision, so the last ``T mod block`` tokens stay in the model dtype. Differences, on purpose:
-a block is quantized once and appended (transformers re-quantizes the whole layer, the old part from its
-dequantized values); values leave the residual with their keys (KIVI's code moves values one token at a
-time, keeping exactly ``residual`` of them). Each update returns the whole layer dequantized (model dtype),
-so decoding is the model's own attention over it; nothing else is kept in full precision.
+(2^b − 1)``, codes ``round(clamp((x − mn) / scale, 0, 2^b − 1))``, read back as ``codes · scale + mn``; codes are
+packed ``8 / b`` to a byte. Blocks of ``residual`` tokens are quantized once full, the rest stays in the model dtype
+(the residual); the order, the bytes and the differences from KIVI and transformers: docs/QUANTIZATION.md.
 """
-
-from __future__ import annotations
 
 from typing import Any
 
@@ -28,13 +15,10 @@ from transformers.cache_utils import DynamicLayer
 
 
 def quantize(x: torch.Tensor, bits: int, group: int, dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """KIVI's asymmetric min-max quantization of ``x`` ``(B, H, T, d)`` in groups of ``group`` consecutive entries
-    along ``dim``: ``-2`` (a channel over ``group`` tokens: keys) or ``-1`` (a token over ``group`` channels: values).
-
-    Returns ``(codes, scale, mn)``: codes uint8 ``(B, H, T, d·bits/8)`` (packed along d), scale and mn in x's dtype,
-    ``(B, H, T/group, 1, d)`` for dim −2, ``(B, H, T, d/group, 1)`` for dim −1. A constant group (scale 0) has codes 0
-    and reads back as mn (KIVI divides by 0 there). ``T`` (dim −2) or ``d`` (dim −1) must be a multiple of ``group``.
-    """
+    """KIVI's quantization of ``x`` ``(B, H, T, d)`` in groups of ``group`` entries along ``dim``: ``-2`` (a channel
+    over ``group`` tokens: keys) or ``-1`` (a token over ``group`` channels: values); T or d a multiple of ``group``.
+    Returns ``(codes, scale, mn)``: codes uint8 ``(B, H, T, d·bits/8)``, scale and mn in x's dtype, ``(B, H, T/group,
+    1, d)`` for dim −2, ``(B, H, T, d/group, 1)`` for dim −1. A constant group (scale 0) reads back as mn."""
     g = x.unflatten(dim, (-1, group))
     mn = g.amin(dim, keepdim=True)
     scale = (g.amax(dim, keepdim=True) - mn) / (2**bits - 1)
@@ -63,16 +47,11 @@ def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
 class QuantizedLayer(DynamicLayer):
     """A cache layer of quantized blocks (keys per channel, values per token) and a full-precision residual.
 
-    Attributes:
-        keys, values: the residual ``(B, H_kv, r, channels)`` and ``(B, H_kv, r, d)``, r < block: the most recent
-            tokens in the model dtype; keys' channels d..channels hold a logit bias (:func:`kvbench.engine.kvcache.write_bias`).
-        quantized: tokens stored quantized (a multiple of ``block``); ``qk``/``qv``: their :func:`quantize`
-            outputs for keys and values; ``extra``: their key channels d..channels in the model dtype (None: none).
-
-    Args:
-        spec: ``bits`` (2, 4, 8), ``group_size`` G (divides d) and ``residual`` (a multiple of G, or 0).
-        width: channels :meth:`update` returns, zero-padded (default ``channels``); channels: key channels stored
-            (default d, the first update's).
+    ``keys``, ``values``: the residual ``(B, H_kv, r, channels)``, ``(B, H_kv, r, d)``, r < block, key channels
+    d..channels a logit bias (:func:`kvbench.engine.kvcache.write_bias`); ``quantized``: tokens stored quantized,
+    ``qk``/``qv`` their :func:`quantize` outputs, ``extra`` their bias channels (model dtype; None: none).
+    ``spec``: ``bits`` (2, 4, 8), ``group_size`` G (divides d), ``residual`` (a multiple of G, or 0); ``width``:
+    channels :meth:`update` returns, zero-padded (default ``channels``, default d).
     """
 
     def __init__(self, spec: Any, width: int | None = None, channels: int | None = None):

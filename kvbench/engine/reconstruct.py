@@ -9,8 +9,6 @@ time is compression time (``compress_s``) and is also kept apart (``Scoring.seco
 ``reconstruct_s``): a method that pays two more prefills is compared at its cost.
 """
 
-from __future__ import annotations
-
 import time
 
 import torch

@@ -1,8 +1,6 @@
 """The token ids of a sample: its prompt in the model's format (chat template or an official script's format), the
 query part left uncompressed under ``task.compress=context``, and its stop ids, as the official scripts build them."""
 
-from __future__ import annotations
-
 from dataclasses import replace
 from typing import Any
 
@@ -42,10 +40,8 @@ def prompt_format(loaded: Any) -> PromptFormat:
 def split_prompt(loaded: Any, sample: Sample, compress: str = "prompt") -> tuple[list[int], int]:
     """``(ids, q)``: the ids to prefill and, under ``task.compress=context``, how many of them at the end are the
     query part, left uncompressed (else 0, and ``ids`` are :func:`encode_prompt`'s). The query part is
-    ``sample.query`` and, with a chat template, the template's closing and generation prompt; as kvpress's pipeline
-    (``KVPressTextGenerationPipeline.preprocess``) the context (with the template's head) and the query part are
-    tokenized apart, the context as the whole prompt would be (special tokens added), the query part without special
-    tokens, so a token that would straddle the boundary (a newline run) is split there as kvpress splits it."""
+    ``sample.query`` and, with a chat template, the template's closing and generation prompt, tokenized apart
+    (without special tokens) as kvpress's ``KVPressTextGenerationPipeline.preprocess`` does."""
     if compress != "context":
         return encode_prompt(loaded, sample), 0
     mark = "\ue000"  # a private-use character: in no template or prompt

@@ -1,21 +1,10 @@
-"""``kvbench score DIR [--e] [--out PATH]``: the official LongBench ``eval.py`` over prediction files;
-``kvbench score --task NAME FILE [task.KEY=VALUE ...] [--out PATH]``: any task's official metric over a JSONL file.
-
-Each ``<dataset>.jsonl`` in DIR (dataset = the name up to its first dot) holds the official
-``pred.py`` lines (``pred``, ``answers``, ``all_classes``, ``length``; the last line's
-``all_classes`` counts). Writes ``result.json``: ``{dataset: score}``, or with ``--e`` ``{dataset:
-{"0-4k": s, "4-8k": s, "8k+": s}}`` with ``null`` for an empty bucket (officially NaN). Two files
-of one dataset, an empty file or a wrongly typed field are errors (officially: the last file wins).
-
-With ``--task`` each line of FILE holds ``prediction`` beside the task's own reference fields (MATH-500, AIME,
-GSM8K, kvpress's copies: ``answer``; LongBench-v2: ``answer``, ``difficulty``, ``length``; every task: kvbench's
-``answers``, ``dataset``, ``all_classes``, ``meta`` of its predictions.jsonl); lines sharing ``problem`` are
-candidates of one problem (pass@k). The task's config (``conf/task/NAME.yaml``, ``task.KEY=VALUE`` overrides,
-e.g. ``task.scorer=kvpress``) chooses the metric. Writes the task's summary (``datasets``, ``pass_at_k``...) to
-``<FILE stem>.result.json`` or ``--out``.
+"""``kvbench score DIR [--e] [--out PATH]``: the official LongBench ``eval.py`` over ``<dataset>.jsonl`` files of
+``pred.py`` lines (``pred``, ``answers``, ``all_classes``, ``length``) into ``result.json``, ``{dataset: score}``
+(``--e``: per length bucket, ``null`` for an empty one); stricter than ``eval.py``: two files of one dataset, an
+empty file or a wrongly typed field are errors (docs/LONGBENCH.md).
+``kvbench score --task NAME FILE [task.KEY=VALUE ...]``: a task's own metric and summary over a JSONL file of
+``prediction`` beside the task's reference fields; lines sharing ``problem`` are candidates (docs/REASONING.md).
 """
-
-from __future__ import annotations
 
 import json
 import sys
@@ -29,8 +18,8 @@ from kvbench.cli import ArgParser
 from kvbench.job.store import atomic_write
 
 
-def _check_row(row, need_length: bool) -> str:
-    """What is wrong with one prediction line (``""`` when nothing)."""
+def _check_row(row: dict, need_length: bool) -> str:
+    """What is wrong with one ``pred.py`` line (``""`` when nothing); ``length`` is needed when ``need_length``."""
     missing = [k for k in ("pred", "answers", "all_classes", *(["length"] if need_length else [])) if k not in row]
     if missing:
         hint = "; this is kvbench's own predictions.jsonl, not the official pred.py format" if "prediction" in row else ""
@@ -44,16 +33,6 @@ def _check_row(row, need_length: bool) -> str:
     return ""
 
 
-def read_predictions(path: Path, need_length: bool) -> list[dict]:
-    """The prediction lines of one file (TaskConfigError, one line naming the file and line: a line that is not
-    JSON, lacks a field or has a wrongly typed one; ``length`` is needed when ``need_length``)."""
-    def check(row: dict, where: str) -> None:
-        if why := _check_row(row, need_length):
-            raise TaskConfigError(f"{where}: {why}")
-
-    return read_jsonl(path, check)
-
-
 def score_dir(folder: Path, longbench_e: bool = False) -> dict:
     """Official scores of the ``*.jsonl`` prediction files in ``folder`` by dataset (TaskConfigError, one line:
     no such folder or file, an unknown or repeated dataset, an empty file or a bad line)."""
@@ -63,6 +42,10 @@ def score_dir(folder: Path, longbench_e: bool = False) -> dict:
     files = sorted(p for p in folder.glob("*jsonl") if p.is_file())
     if not files:
         raise TaskConfigError(f"{folder}: no prediction files (<dataset>.jsonl)")
+    def check(row: dict, where: str) -> None:
+        if why := _check_row(row, longbench_e):
+            raise TaskConfigError(f"{where}: {why}")
+
     scores, seen = {}, {}
     for path in files:
         dataset = path.name.split(".")[0]
@@ -71,7 +54,7 @@ def score_dir(folder: Path, longbench_e: bool = False) -> dict:
         if dataset in seen:  # the official eval.py keeps whichever it reads last
             raise TaskConfigError(f"{path}: {seen[dataset].name} in the same folder is dataset {dataset!r} too")
         seen[dataset] = path
-        rows = read_predictions(path, need_length=longbench_e)
+        rows = read_jsonl(path, check)
         if not rows:
             raise TaskConfigError(f"{path}: no prediction lines")
         scores[dataset] = score_dataset(dataset, [r["pred"] for r in rows], [r["answers"] for r in rows],

@@ -1,10 +1,4 @@
-"""The results store: one folder per job, one flushed JSON line per sample, resumable.
-
-Layout, record schema and what protects the data (locks, atomic writes, a truncated last line moved
-aside, an OS error naming the file): ``docs/RESULTS.md``.
-"""
-
-from __future__ import annotations
+"""The results store: one folder per job, one flushed JSON line per sample, resumable (docs/RESULTS.md)."""
 
 import errno
 import fcntl
@@ -26,9 +20,8 @@ class JobLockedError(RuntimeError):
 
 @contextmanager
 def naming(path: Path | str) -> Iterator[None]:
-    """Re-raise an OS error of the block as the same error naming ``path``, the file being written
-    (a full disk fails ``write`` or ``fsync`` with ENOSPC and no file name): ``[Errno 28] No space
-    left on device: '<path>'``, the one line a job prints before it exits 1."""
+    """Re-raise an OS error of the block naming ``path`` (a full disk fails ``write``/``fsync`` with ENOSPC and no
+    file name): ``[Errno 28] No space left on device: '<path>'``, the line a job prints before it exits 1."""
     try:
         yield
     except OSError as e:
@@ -38,12 +31,8 @@ def naming(path: Path | str) -> Iterator[None]:
 
 
 def atomic_write(path: Path | str, text: str) -> None:
-    """Write ``text`` to ``path`` through a temp file, fsync and rename: readers see the old file
-    or the new one, never half of one. The temp file is removed if anything fails before the rename.
-
-    Raises:
-        OSError: naming ``path`` (:func:`naming`); the old file is left as it was.
-    """
+    """Write ``text`` to ``path`` through a temp file, fsync and rename: readers see the old file or the new one.
+    OSError: naming ``path`` (:func:`naming`); the old file and no temp file are left."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
@@ -60,11 +49,9 @@ def atomic_write(path: Path | str, text: str) -> None:
 
 @contextmanager
 def file_lock(path: Path, wait_s: float | None = None, busy: Callable[[], Exception] | None = None) -> Iterator[None]:
-    """Hold an exclusive ``flock`` on the file ``path`` for the block, then remove the file (a finished job leaves no
-    lock file). The file is removed while still locked, and a lock is kept only while ``path`` names the file locked
-    (same inode): a process that opened the file before its removal and then locks it sees that, and locks the
-    file now at ``path`` instead, so two processes never hold the lock at once. ``wait_s``: seconds to wait for
-    another holder, then ``busy()`` is raised (None: wait as long as it takes)."""
+    """Hold an exclusive ``flock`` on the file ``path`` for the block, then remove it (still locked). A lock counts only
+    while ``path`` names the locked inode: a waiter that opened the removed file locks the new one instead, so two
+    processes never hold it at once. ``wait_s``: seconds to wait, then ``busy()`` is raised (None: no limit)."""
     deadline = None if wait_s is None else time.monotonic() + wait_s
     while True:
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -98,8 +85,8 @@ def read_json(path: Path) -> dict:
 
 
 def is_job_folder(folder: Path) -> bool:
-    """Whether ``folder`` holds a job: ``config.yaml`` beside ``identity.json`` (written when a job starts, so a job
-    killed before its first sample counts), ``predictions.jsonl`` or ``summary.json``."""
+    """Whether ``folder`` holds a job: ``config.yaml`` beside ``identity.json`` (a job killed before its first sample
+    counts), ``predictions.jsonl`` or ``summary.json``."""
     return (folder / "config.yaml").is_file() and any((folder / n).exists()
                                                       for n in (PREDICTIONS, "summary.json", "identity.json"))
 
@@ -108,24 +95,16 @@ class JobStore:
     """One job folder, opened by shard ``(index, count)`` of the job (created if absent)."""
 
     def __init__(self, path: Path | str, shard: tuple[int, int] = (0, 1)):
-        self.path = Path(path)
-        #: the folders this store made, innermost first (:meth:`discard_if_empty`)
-        self.made = [p for p in (self.path, *self.path.parents) if not p.exists()]
+        self.path, self.shard = Path(path), shard
+        self.made = [p for p in (self.path, *self.path.parents) if not p.exists()]  # innermost first
         self.path.mkdir(parents=True, exist_ok=True)
-        self.shard = shard
         self.predictions = self.path / PREDICTIONS
-        self._lock_fd: int | None = None
 
     @contextmanager
     def locked(self, wait_s: float = 0.0) -> Iterator["JobStore"]:
-        """Hold this shard's run lock for the block (:func:`file_lock`).
-
-        Raises:
-            JobLockedError: another process still holds it after ``wait_s`` seconds.
-        """
-        def busy():
-            return JobLockedError(f"job folder {self.path} (shard {self.shard[0]} of {self.shard[1]}) is in use by "
-                                  "another process; wait for it, or set lock_wait_s=SECONDS")
+        """Hold this shard's run lock for the block (:func:`file_lock`); JobLockedError: still held after ``wait_s`` s."""
+        busy = lambda: JobLockedError(f"job folder {self.path} (shard {self.shard[0]} of {self.shard[1]}) is in use "  # noqa: E731
+                                      "by another process; wait for it, or set lock_wait_s=SECONDS")
         with file_lock(self.path / f".lock.shard{self.shard[0]}-of-{self.shard[1]}", wait_s, busy):
             yield self
 
@@ -134,8 +113,7 @@ class JobStore:
         return file_lock(self.path / ".append.lock")
 
     def repair(self) -> int:
-        """Move a truncated last line aside to ``predictions.jsonl.partial-<ms>`` (a warning names both files);
-        returns the bytes moved."""
+        """Move a truncated last line aside to ``predictions.jsonl.partial-<ms>`` (logged); returns the bytes moved."""
         if not self.predictions.exists():
             return 0
         with self.append_lock():
@@ -175,13 +153,9 @@ class JobStore:
         return {i for i, r in self.latest().items() if r.get("error") is None}
 
     def append(self, record: dict[str, Any]) -> None:
-        """Append one record as a JSON line, flushed and fsync-ed, under the append lock.
-
-        Raises:
-            ValueError / TypeError: the record is not strict JSON (NaN, inf, an unknown type).
-            OSError: naming ``predictions.jsonl`` (a full disk); the file is cut back to its
-                stored records, so no other shard appends to half a line.
-        """
+        """Append one record as a JSON line, flushed and fsync-ed, under the append lock. ValueError / TypeError: not
+        strict JSON (NaN, inf, an unknown type); OSError naming the file (a full disk): the file is cut back to its
+        stored records, so no other shard appends to half a line."""
         line = (json.dumps(record, ensure_ascii=False, allow_nan=False) + "\n").encode()
         with self.append_lock(), naming(self.predictions), open(self.predictions, "ab", buffering=0) as f:
             end = f.seek(0, os.SEEK_END)
@@ -194,8 +168,7 @@ class JobStore:
                 raise
 
     def discard_if_empty(self) -> None:
-        """Remove the folders this store made if no sample was stored (a job that fails before its first
-        sample leaves nothing behind); a folder another shard has opened is left alone."""
+        """Remove the folders this store made if no sample was stored; one another shard has opened is left alone."""
         if not self.made or self.predictions.exists() or any(self.path.glob(".lock.shard*")):  # (its own is gone)
             return
         for f in self.path.iterdir():

@@ -6,8 +6,6 @@ attention row scored (TRH, SRH = CompressKV Eq. 1, HeadKV R2) over the samples a
 layer's output on a minimally compressed cache. File formats: methods/artifacts/README.md.
 """
 
-from __future__ import annotations
-
 import argparse
 import dataclasses
 import json
@@ -209,6 +207,16 @@ def needle_prompt(tok, haystack_ids: list[int], needle: str, question: str, leng
     return encode_prompt(tok, (f"<book>{text}</book>\n" if chat else text) + QUESTION.format(question=question), chat)
 
 
+def needle_prompts(tok, needles: Path, lengths: list[int], depths: list[float], chat: bool):
+    """``(i, needle row, length, depth, (1, p) ids)`` of every needle of the file ``needles`` (its haystack:
+    ``part{i % 3 + 1}/`` beside it) at every length and depth (:func:`needle_prompt`)."""
+    for i, nd in enumerate(read_jsonl(needles)):
+        hay_ids = tok.encode(read_haystack(needles.parent / f"part{i % 3 + 1}", max(lengths)), add_special_tokens=False)
+        for length in lengths:
+            for depth in depths:
+                yield i, nd, length, depth, needle_prompt(tok, hay_ids, nd["needle"], nd["question"], length, depth, chat)
+
+
 def _stop_ids(lm, tok) -> set[int]:
     ids = lm.config.eos_token_id
     ids = set(ids if isinstance(ids, list) else [ids] if ids is not None else [])
@@ -273,22 +281,18 @@ def cmd_heads(args, out: Path) -> int:
     t0 = time.time()
     for fname, kinds in jobs.items():
         n_done, r2 = 0, kinds == ["r2"]  # the reasoning pass: HeadKV's stop and success rules
-        for i, nd in enumerate(read_jsonl(data_dir / fname)):
-            hay_ids = tok.encode(read_haystack(data_dir / f"part{i % 3 + 1}", max(lengths)), add_special_tokens=False)
+        for i, nd, length, depth, ids in needle_prompts(tok, data_dir / fname, lengths, depths, chat):
+            span = find_span(ids[0].tolist(), tok.encode(nd["real_needle"], add_special_tokens=False))
             answer_ids = tok.encode(nd.get("answer", nd["real_needle"]), add_special_tokens=False)
-            for length in lengths:
-                for depth in depths:
-                    ids = needle_prompt(tok, hay_ids, nd["needle"], nd["question"], length, depth, chat)
-                    span = find_span(ids[0].tolist(), tok.encode(nd["real_needle"], add_special_tokens=False))
-                    response, sums = score_sample(lm, tok, probe, ids, span, kinds, args.max_new_tokens,
-                                                  stop_after=len(answer_ids) if r2 else None)
-                    ok = (qa_f1_score(response, nd["answer"]) if r2 else
-                          scorer.score(nd["real_needle"], response)["rouge1"].recall) * 100 > args.min_score
-                    for k in kinds if ok else ():
-                        accepted[k].append(sums[k])
-                    n_done += 1
-                    print(f"[{time.time() - t0:6.0f}s] {fname} #{i} len={length} depth={depth:g} "
-                          f"n={ids.shape[1]} ok={ok} answer={response[:60]!r}", flush=True)
+            response, sums = score_sample(lm, tok, probe, ids, span, kinds, args.max_new_tokens,
+                                          stop_after=len(answer_ids) if r2 else None)
+            ok = (qa_f1_score(response, nd["answer"]) if r2 else
+                  scorer.score(nd["real_needle"], response)["rouge1"].recall) * 100 > args.min_score
+            for k in kinds if ok else ():
+                accepted[k].append(sums[k])
+            n_done += 1
+            print(f"[{time.time() - t0:6.0f}s] {fname} #{i} len={length} depth={depth:g} "
+                  f"n={ids.shape[1]} ok={ok} answer={response[:60]!r}", flush=True)
         for k in kinds:
             meta["samples"][k], meta["accepted"][k] = n_done, len(accepted[k])
     out.mkdir(parents=True, exist_ok=True)
@@ -327,14 +331,6 @@ def _longbench_prompts(tok, files: list[str], prompt_config: str | None, samples
             yield dataset, encode_prompt(tok, text, chat and dataset not in NO_CHAT_DATASETS)
 
 
-def _haystack_prompts(tok, data_dir: Path, lengths: list[int], chat: bool):
-    """``("retrieval_head_calibration", (1, p) ids)`` per needle and length, the needle at 50 %."""
-    for i, nd in enumerate(read_jsonl(data_dir / "needles.jsonl")):
-        hay_ids = tok.encode(read_haystack(data_dir / f"part{i % 3 + 1}", max(lengths)), add_special_tokens=False)
-        for length in lengths:
-            yield "retrieval_head_calibration", needle_prompt(tok, hay_ids, nd["needle"], nd["question"], length, 50, chat)
-
-
 @torch.no_grad()
 def cmd_layers(args, out: Path) -> int:
     """Calibrate the layer scores (CompressKV Eq. 2-4) into ``out/layer_score.jsonl``."""
@@ -361,7 +357,8 @@ def cmd_layers(args, out: Path) -> int:
     probe.install(lm)
     stop, chat = _stop_ids(lm, tok), args.chat_template == "on"
     prompts = (_longbench_prompts(tok, args.data, args.prompt_config, args.samples, args.max_tokens, chat) if args.data
-               else _haystack_prompts(tok, Path(args.data_dir), args.lengths, chat))
+               else (("retrieval_head_calibration", ids) for *_, ids in
+                     needle_prompts(tok, Path(args.data_dir) / "needles.jsonl", args.lengths, [50], chat)))
     per_dataset: dict[str, torch.Tensor] = {}
     t0 = time.time()
     for dataset, ids in prompts:

@@ -1,15 +1,12 @@
-"""Latency benchmark (SelKV Figure 3): prefill and compression time, decode throughput and peak
-memory of the full cache and compressed caches over prompt lengths.
+"""Latency benchmark (SelKV Figure 3): prefill and compression time, decode throughput and peak memory of the full
+cache and compressed caches over prompt lengths (what it measures, the records: docs/REPORTS.md).
 
     python -m kvbench.tools.latency +experiment=selkv_fig3 [hydra overrides...] [--out FILE]
     python -m kvbench.tools.latency model=smollm2 budget=0.25 --methods full snapkv --lengths 256 512
 
-Model, budget and methods come from the Hydra config; a ``latency:`` node (``methods``, ``lengths``,
-``max_new_tokens``, ``repeats``, ``out``) gives defaults; ``method.*`` overrides apply to every method but
-the full cache. What it measures (stop tokens off) and its records, a JSON list: docs/REPORTS.md.
+Model, budget and methods come from the Hydra config, a ``latency:`` node gives defaults (``methods``, ``lengths``,
+``max_new_tokens``, ``repeats``, ``out``); ``method.*`` overrides apply to every method but the full cache.
 """
-
-from __future__ import annotations
 
 import gc
 import json
@@ -45,13 +42,10 @@ def prompt_ids(n_tokens: int, vocab_size: int, seed: int = 0) -> list[int]:
 def run_latency(model_cfg: dict, method_cfgs: dict[str, dict], budget: float, lengths: list[int],
                 max_new_tokens: int, repeats: int, out: Path, make_engine: Callable[[dict], Any] | None = None,
                 log: Callable[[str], None] = print, device: str = "auto") -> list[dict]:
-    """Measure every method (``{preset: method node}``; a record's ``method`` is the node's ``label``)
-    at every prompt length (tokens; those over the context window minus ``max_new_tokens`` skipped
-    with a message), ``repeats`` timed runs each after one warm-up per method, rewriting ``out``
-    atomically after each record. ``make_engine``: ``method node -> engine`` (default: an engine on
-    the model loaded on ``device``). Returns the records. The peak memory is restarted before each run
-    (:func:`kvbench.engine.generate.reset_peak_rss`), so an earlier, longer prompt's peak does not carry over.
-    """
+    """Measure every method (``{preset: method node}``) at every prompt length (tokens; those over the context window
+    minus ``max_new_tokens`` skipped, logged), ``repeats`` runs each after one warm-up per method, the peak memory
+    restarted before each; ``out`` rewritten after each record. ``make_engine``: ``method node -> engine`` (default:
+    on the model loaded on ``device``). Returns the records."""
     import torch
 
     from kvbench.engine import generate as engine_module  # reset_peak_rss looked up at each call (tests replace it)

@@ -4,8 +4,6 @@
 The heads, the random control, the masking modes and the output files: docs/COMPRESSKV.md.
 """
 
-from __future__ import annotations
-
 import dataclasses
 import json
 import re
