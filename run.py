@@ -13,20 +13,20 @@ import sys
 from pathlib import Path
 
 import hydra
+from hydra._internal.utils import get_args_parser
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import open_dict
 
 CONFIG_ERRORS = ("ConfigError", "TaskConfigError", "HydraException", "OmegaConfBaseException", "OverrideParseException")
-VALUE_FLAGS = {"-c", "--cfg", "-p", "--package", "-cn", "--config-name", "-cp", "--config-path", "-cd", "--config-dir",
-               "--info", "-sc", "--shell-completion", "--experimental-rerun"}
+FLAGS = {s: a.nargs != 0 for a in get_args_parser()._actions for s in a.option_strings}  # Hydra's: takes a value?
 
 
 def _arguments(argv: list[str]) -> list[str]:
     """The arguments as Hydra takes them (the module docstring says which changes and why)."""
     options, overrides, i = [], [], 0
     while i < len(argv):
-        takes = argv[i] in VALUE_FLAGS and i + 1 < len(argv) and "=" not in argv[i + 1] and not argv[i + 1].startswith("-")
+        takes = FLAGS.get(argv[i], False) and i + 1 < len(argv) and "=" not in argv[i + 1] and not argv[i + 1].startswith("-")
         (options if argv[i].startswith("-") else overrides).extend(argv[i : i + 1 + takes])
         i += 1 + takes
     overrides = [f"+{a}" if a.startswith("experiment=") else a for a in overrides]
@@ -62,12 +62,9 @@ def _override_as_option(argv: list[str]) -> str | None:
     """The one line for an argument written as an option that neither Hydra nor run.py has (``--budget 0.25``,
     ``--method=snapkv``): config keys are set by overrides, ``key=value``. None when every option is Hydra's (a
     unique prefix of a long option too, as argparse takes it)."""
-    from hydra._internal.utils import get_args_parser
-
-    flags = [s for action in get_args_parser()._actions for s in action.option_strings]
     for i, arg in enumerate(argv):
         name, eq, value = arg.partition("=")
-        if not arg.startswith("-") or name in flags or (name[:2] == "--" and sum(f.startswith(name) for f in flags) == 1):
+        if not arg.startswith("-") or name in FLAGS or (name[:2] == "--" and sum(f.startswith(name) for f in FLAGS) == 1):
             continue
         given = [arg]
         if not eq and i + 1 < len(argv) and not argv[i + 1].startswith("-") and "=" not in argv[i + 1]:

@@ -34,15 +34,14 @@ def reconstruct(model: torch.nn.Module, state: CompressionState, n: int) -> None
         RuntimeError: an input that does not fit the model (as its forward raises it).
     """
     sc, cache, dev = state.scoring, state.cache, model.get_input_embeddings().weight.device
-    sync = dev.type == "cuda"
+    sync = torch.cuda.synchronize if dev.type == "cuda" else lambda: None
 
     def keep_norm(module, args, kwargs):  # KVzip+'s ||h||: the attention input, which the attention function never sees
         hidden = kwargs.get("hidden_states", args[0] if args else None)
         sc.hidden_norms[module.layer_idx] = torch.linalg.vector_norm(hidden, dim=-1)
 
     hooks = [m.register_forward_pre_hook(keep_norm, with_kwargs=True) for m in attention_modules(model).values()]
-    if sync:
-        torch.cuda.synchronize()
+    sync()
     t0, state.phase = time.perf_counter(), "score"
     try:
         for sc.forward, (ids, _start, _end) in enumerate(sc.reconstruction.inputs):
@@ -58,14 +57,12 @@ def reconstruct(model: torch.nn.Module, state: CompressionState, n: int) -> None
         for hook in hooks:
             hook.remove()
         state.phase = "prefill"
-    if sync:
-        torch.cuda.synchronize()
+    sync()
     sc.seconds = time.perf_counter() - t0
     state.compress_s += sc.seconds
     t0 = time.perf_counter()
     state.plan = state.method.allocate(state.plan, sc.scores, sc.reconstruction)
-    if sync:
-        torch.cuda.synchronize()
+    sync()
     state.compress_s += time.perf_counter() - t0
     for idx, (scaling, softcap) in sc.scaling.items():
         key, value = cache.layers[idx].keys[:, :, :n], cache.layers[idx].values[:, :, :n]

@@ -111,12 +111,11 @@ def main(argv: list[str] | None = None) -> int:
           and not (i and argv[i - 1] == "--out")}
     args = p.parse_args([a for i, a in enumerate(argv) if i not in at])
     overrides = [argv[i] for i in sorted(at)] + args.overrides
-    presets, lengths = flat(args.methods) or [], flat(args.lengths) or []
     try:
         cfg = compose(overrides)
     except Exception as e:  # noqa: BLE001 - Hydra's override and config errors: one line
         p.error(f"{' '.join(overrides)}: {str(e).strip() or type(e).__name__}")
-    lat = OmegaConf.to_container(cfg.get("latency") or OmegaConf.create({}), resolve=True)
+    lat = OmegaConf.to_container(cfg.get("latency") or OmegaConf.create(), resolve=True)
     model_cfg = OmegaConf.to_container(cfg.model, resolve=True)
     budget = cfg.get("budget")
     try:
@@ -124,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         p.error(str(e))
     method_cfgs = {}
-    for preset in dict.fromkeys(presets or lat.get("methods") or ["full", cfg.method.name]):
+    for preset in dict.fromkeys(flat(args.methods) or lat.get("methods") or ["full", cfg.method.name]):
         # method.* overrides tune the compressed methods; the full cache has none of their fields
         keep = [o for o in overrides if not o.startswith("method=")
                 and not (preset == "full" and o.lstrip("+~").startswith("method."))]
@@ -135,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as e:  # noqa: BLE001 - a bad method key (methods.base.ConfigError): one line
             p.error(f"method={preset}: {str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}")
     new_tokens = int(args.new_tokens or lat.get("max_new_tokens") or DEFAULT_NEW_TOKENS)
-    lengths = list(dict.fromkeys(int(x) for x in lengths or lat.get("lengths") or DEFAULT_LENGTHS))
+    lengths = list(dict.fromkeys(int(x) for x in flat(args.lengths) or lat.get("lengths") or DEFAULT_LENGTHS))
     out = Path(args.out or lat.get("out") or Path(cfg.get("output_root", "results")) / "latency.json")
     set_threads(cfg.get("threads"))  # as a job does, before the model loads
     records = run_latency(model_cfg, method_cfgs, float(budget), lengths, new_tokens,
