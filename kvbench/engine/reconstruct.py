@@ -1,12 +1,9 @@
 """Reconstruction forwards (KVzip's context reconstruction): after the prefill, before compression.
 
-A method whose :meth:`~methods.base.Method.reconstruction` asks for forwards gets them here, on its state's full
-prefilled cache: each forward feeds its ids at positions n, n + 1, ... through the model's own modules with the
-state in phase ``score`` (:func:`kvbench.engine.attention.kvbench_attention` collects the method's
-``reconstruction_score`` per compressible layer), then the cache is cut back to the n prefilled tokens. Then
-``method.allocate`` gives the budgets and every compressible layer is compressed from its scores. The forwards'
-time is compression time (``compress_s``) and is also kept apart (``Scoring.seconds``, the record's
-``reconstruct_s``): a method that pays two more prefills is compared at its cost.
+A method whose :meth:`~methods.base.Method.reconstruction` asks for forwards gets them on its state's full prefilled
+cache, in phase ``score`` (the attention function collects ``reconstruction_score`` per compressible layer); the
+cache is then cut back to the prefill, ``method.allocate`` gives the budgets and every compressible layer is
+compressed from its scores. Their time counts as ``compress_s`` and apart as ``reconstruct_s``.
 """
 
 import time

@@ -69,7 +69,6 @@ def load_model(model: str | None, gguf_file: str | None, threads: int, device: s
     return load_job_model({**model_config(model, gguf_file), **({"dtype": dtype} if dtype else {})}, device=device)
 
 
-# --------------------------------------------------------------------------- step scores
 # A decoding step of a needle prompt gives ``attn (L, H_q, n)`` (float32 attention of the step's query),
 # the generated token y_t and the needle span [start, end); a sample's step scores are summed.
 def find_span(prompt_ids: list[int], needle_ids: list[int]) -> tuple[int, int]:
@@ -122,7 +121,6 @@ def relative_output_error(full: torch.Tensor, compressed: torch.Tensor, eps: flo
     return torch.linalg.vector_norm(full - compressed.float()) / (torch.linalg.vector_norm(full) + eps)
 
 
-# --------------------------------------------------------------------------- instrumented attention
 class AttentionProbe:
     """An SDPA attention function (registered with transformers' ``AttentionInterface``) that also
     records what the calibration needs.
@@ -167,7 +165,6 @@ class AttentionProbe:
         return out, weights
 
 
-# --------------------------------------------------------------------------- prompts
 def read_haystack(part_dir: Path, min_words: int) -> str:
     """The part's ``*.txt`` files, concatenated (repeated) until at least ``min_words`` words."""
     files = sorted(part_dir.glob("*.txt"))
@@ -227,7 +224,6 @@ def _stop_ids(lm, tok) -> set[int]:
     return ids
 
 
-# --------------------------------------------------------------------------- head scores
 @torch.no_grad()
 def score_sample(lm, tok, probe, prompt_ids, span, kinds, max_new, stop_after=None):
     """``(response, {kind: (L, H_q) float64 sum of step scores})``: prefill ``prompt[:-1]``, then
@@ -315,7 +311,6 @@ def cmd_heads(args, out: Path) -> int:
     return 1 if failed else 0
 
 
-# --------------------------------------------------------------------------- layer scores
 def _longbench_prompts(tok, files: list[str], prompt_config: str | None, samples: int, max_tokens: int, chat: bool):
     """``(dataset, (1, p) ids)`` of the first ``samples`` rows of each LongBench jsonl file,
     middle-truncated to ``max_tokens`` as LongBench does."""
@@ -384,7 +379,6 @@ def cmd_layers(args, out: Path) -> int:
     return 0
 
 
-# --------------------------------------------------------------------------- CLI
 def _arg(kind: type, low: float = 0, high: float = float("inf"), choices: tuple[str, ...] = (), many: bool = True):
     """argparse type: a comma-separated list (or with ``many=False`` one value) of numbers in
     [``low``, ``high``] or of ``choices`` (:func:`kvbench.cli.listof`)."""

@@ -34,20 +34,11 @@ _TASK_FLAGS = {"context_lengths": "lengths", "depth_percents": "depths", "haysta
 
 
 class HeadMask:
-    """Silences the ``(layer, query head)`` pairs ``heads`` of ``model`` (laid out as ``layout``) inside a ``with``
-    block, by forward hooks on the attention's own projections (the attention function is untouched). Query head h
-    is columns ``[h·d, (h+1)·d)`` of the projections' ``(B, q, H_q·d)``.
-
-    ``mode``: ``zero`` sets the head's output before W_O to 0 (o_proj input); ``uniform`` its query (q_proj output;
-    still 0 after RoPE and q-norm), so it attends uniformly to the visible keys, as Wu et al.'s code does.
-    ``phase``: ``all`` masks every position; ``decode`` only those that yield a generated token (the last prompt
-    position and every decoded one), as the reference does by prefilling ``prompt[:-1]`` unmasked (earlier
-    positions never see the last one: the same cache and logits).
-
-    Raises:
-        ConfigError: an unknown mode or phase, a head outside the layout, or (on entering) no ``q_proj``/``o_proj``
-            of ``H_q·d`` features in a layer.
-    """
+    """Silences the ``(layer, query head)`` pairs ``heads`` of ``model`` inside a ``with`` block by forward hooks on
+    columns ``[h·d, (h+1)·d)`` of the attention's projections ``(B, q, H_q·d)`` (docs/COMPRESSKV.md): ``mode`` ``zero``
+    the head's output before W_O, ``uniform`` its query (it attends uniformly); ``phase`` ``all`` every position,
+    ``decode`` only those that yield a token (the last prompt position, the decoded ones). ConfigError: an unknown
+    mode or phase, a head outside ``layout``, or (on entering) a layer without ``q_proj``/``o_proj`` of H_q·d."""
 
     def __init__(self, model: torch.nn.Module, layout: HeadLayout, heads: Iterable[tuple[int, int]],
                  mode: str = "zero", phase: str = "all"):
