@@ -32,6 +32,8 @@ REGISTRY: dict[str, str] = {
     "rkv": "RKV",
     "kvpress_press": "KVPress",
     "kvzip": "KVzip",
+    "quest": "Quest",
+    "ashape": "AShape",
 }
 
 

@@ -412,6 +412,10 @@ class Method:
     decodes: ClassVar[bool] = False
     #: whether :meth:`compress` returns per-head lengths (``CompressResult.valid``): read before a model loads
     per_head_lengths: ClassVar[bool] = False
+    #: whether decode steps read a query-dependent part of the cache (:meth:`select`: Quest)
+    reads: ClassVar[bool] = False
+    #: whether the prefill attention follows a static sparse pattern (:meth:`prefill_attention`: A-shape, Tri-shape)
+    sparse_prefill: ClassVar[bool] = False
 
     def __init__(self, config: Any = None, layout: HeadLayout | None = None, artifacts: dict | None = None):
         self.config = config if config is not None else self.Config()
@@ -482,6 +486,19 @@ class Method:
         """The plan after the reconstruction forwards, from every compressible layer's scores ``{layer: (B, H_kv, n)}``
         (which it may change in place, e.g. sinks to +inf). Default: ``plan``."""
         return plan
+
+    def select(self, ctx: LayerContext) -> torch.Tensor | None:
+        """Sparse reading (``reads``), at each one-token decode step of a compressible layer: ``(B, H_kv, T)`` bool,
+        the slots each KV head's attention reads, or None (all). ``ctx.keys`` ``(B, H_kv, T, d)``: the layer's cache,
+        the current token last; ``ctx.window_queries`` ``(B, H_q, 1, d)``: the step's query; ``ctx.budget``: the plan's."""
+        return None
+
+    def prefill_attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,
+                          budget: int) -> torch.Tensor:
+        """The prefill attention of a compressible layer under a static sparse pattern (``sparse_prefill``): ``query``
+        ``(B, H_q, q, d)`` at positions T − q … T − 1, ``key``/``value`` ``(B, H_kv, T, d)``, ``budget`` the plan's.
+        Returns ``(B, H_q, q, d)``."""
+        raise NotImplementedError(f"method {self.name} has no sparse prefill")
 
     def plan(self, n_tokens: int, budget: Budget, layout: HeadLayout) -> Plan:
         """Uniform per-layer budget (override for layer/head-wise allocation); ``compress=False`` when n ≤ m."""

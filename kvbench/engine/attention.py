@@ -96,6 +96,7 @@ class CompressionState:
             ``position`` the position of the last token of the current forward; ``cut_at_budget``: a layer holding
             exactly the budget is compressed too (R-KV's update_kv, ``schedule=length``), else only one holding more.
         scoring: the method's reconstruction pass, or None (the method compresses at the end of each layer's prefill).
+        reads: layer → slots its attention read in the running decode step, summed over KV heads (``Method.select``).
     """
 
     method: Method | None
@@ -119,6 +120,7 @@ class CompressionState:
     position: int = 0
     cut_at_budget: bool = False
     scoring: Scoring | None = None
+    reads: dict[int, torch.Tensor] = field(default_factory=dict)
 
     @property
     def compressing(self) -> bool:
@@ -251,6 +253,8 @@ def _decode_attention(query, key, value, mask, scaling, softcap, layer=None, ref
         if q_len > 1 and mask is None:
             lens = torch.tensor(layer.lens_host, device=k.device) + (layer.decoded - q_len) if ragged else None
             offset = k.shape[2] - q_len if lens is None else lens.view(b, -1, 1, 1).repeat_interleave(h_q // layer.shape[1], 1)
+        if mask is not None and mask.shape[1] not in (1, h_q):  # a per-KV-head mask (Method.select)
+            mask = mask.repeat_interleave(h_q // mask.shape[1], 1)
         return grouped_attention(query, k, v, scaling, bias=bias, mask=mask, softcap=softcap, causal_offset=offset)
     h_kv = layer.shape[1] if ragged else key.shape[1]
     rows, r = query.reshape(b, h_kv, h_q // h_kv, d), getattr(layer, "bias_rows", 0)
@@ -369,6 +373,13 @@ def kvbench_attention(module, query, key, value, attention_mask, scaling=None, d
         # (torch.compile), transformers builds an all-True one sized by layer 0's cache, wrong for per-layer budgets.
         # Several (the query part): transformers' mask on a sliding layer, else causal per head (_decode_attention)
         mask = attention_mask if query.shape[2] > 1 and getattr(layer, "is_sliding", False) else None
+        if state.method.reads and query.shape[2] == 1 and module.layer_idx in state.layout.compressible_layers:
+            keep = state.method.select(LayerContext(  # sparse reading (Quest): the slots each KV head reads
+                layer_idx=module.layer_idx, layout=state.layout, keys=key[..., : query.shape[-1]], values=value,
+                window_queries=query, scaling=float(scaling), budget=int(state.plan.layer_budgets[module.layer_idx]),
+                softcap=softcap, decoding=1))
+            if keep is not None:
+                mask, state.reads[module.layer_idx] = keep.unsqueeze(2), keep.sum()  # (B, H_kv, 1, T)
         out = _decode_attention(query, key, value, mask, scaling, softcap, layer, state.reference_decode)
         if state.decode_budget is not None and module.layer_idx in state.layout.compressible_layers:
             state.queries[module.layer_idx] = last(torch.cat([state.queries[module.layer_idx], query], 2), state.window)
@@ -377,8 +388,12 @@ def kvbench_attention(module, query, key, value, attention_mask, scaling=None, d
         return out, None
     states = [s for s in (state if isinstance(state, list) else [state])  # a shared prefill passes several
               if s is not None and s.compressing and s.scoring is None and module.layer_idx in s.layout.compressible_layers]
-    sums = None
-    if states and fuse_prompt_attention(states[0].method, query, key, attention_mask, softcap):
+    sums, own = None, state[0] if isinstance(state, list) else state  # a sparse prefill is never shared (prefill)
+    if (own is not None and own.plan is not None and own.method.sparse_prefill and attention_mask is None
+            and query.shape[2] > 1 and module.layer_idx in own.layout.compressible_layers):
+        out = own.method.prefill_attention(query, key, value, scaling, int(own.plan.layer_budgets[module.layer_idx]))
+        out = out.transpose(1, 2).contiguous()
+    elif states and fuse_prompt_attention(states[0].method, query, key, attention_mask, softcap):
         # the method's whole-prompt score (LOOK-M's) comes out of this attention: one pass over QK^T, not two
         out, sums = states[0].method.prompt_attention(query, key, value, scaling, softcap)
         out = out.transpose(1, 2).contiguous()

@@ -75,6 +75,9 @@ class GenerationResult:
             compression, and at the end; peak_stored_tokens: the most any KV head of a compressible layer held.
         decode_compressions: decode-time compressions (forwards that cut a layer); decode_compress_s: their
             seconds (within ``decode_s``).
+        read_tokens / read_bytes: what the attention read per decode step (one-token forward), mean over the steps
+            (None without one): tokens per KV head (mean/min/max over compressible layers, as ``stored_tokens``) and
+            bytes of every layer (:func:`read_point`): what the cache holds, or the slots a sparse-reading method chose.
     """
 
     tokens: list[int]
@@ -105,6 +108,8 @@ class GenerationResult:
     decode_compress_s: float = 0.0
     reconstruct_s: float = 0.0
     reconstruct_tokens: int = 0
+    read_tokens: dict[str, float] | None = None
+    read_bytes: int | None = None
 
     def record(self) -> dict[str, Any]:
         """The fields stored in ``predictions.jsonl``."""
@@ -135,6 +140,8 @@ class GenerationResult:
             "peak_stored_tokens": self.peak_stored_tokens,
             "decode_compressions": self.decode_compressions,
             "decode_compress_s": round(self.decode_compress_s, 6),
+            "read_tokens": self.read_tokens,
+            "read_bytes": self.read_bytes,
         }
 
 
@@ -146,6 +153,20 @@ def layer_bytes(layer: Any) -> int:
     slots = sum(layer.lens_host) + len(layer.lens_host) * layer.decoded if isinstance(layer, RaggedLayer) else None
     return sum((t.numel() if slots is None else slots * t.shape[-1]) * t.element_size()
                for t in (getattr(layer, "keys", None), getattr(layer, "values", None)) if isinstance(t, torch.Tensor))
+
+
+def read_point(state: CompressionState) -> tuple[list, Any]:
+    """(tokens read per KV head by each compressible layer, bytes read by every layer) in the decode step just run:
+    each layer's slots after it (its new token included), or the slots :meth:`methods.base.Method.select` chose
+    (``state.reads``, device tensors: summed without a sync); bytes pro rata of :func:`layer_bytes`."""
+    tokens, nbytes, h = [], 0, state.layout.num_kv_heads
+    for i, layer in enumerate(state.cache.layers):
+        held = (sum(layer.lens_host) + len(layer.lens_host) * layer.decoded if isinstance(layer, RaggedLayer)
+                else h * layer.get_seq_length())
+        read = state.reads.pop(i, held)
+        nbytes = nbytes + layer_bytes(layer) * read / max(held, 1)
+        tokens += [read / h] if i in state.layout.compressible_layers else []
+    return tokens, nbytes
 
 
 def layer_tokens(layer: Any) -> int:
@@ -484,7 +505,7 @@ class Engine:
         seq = torch.tensor([ctx.ids + [0] * max_new_tokens], device=dev) if processors else None
         forward = self.decode_forward()
         compiled, compile_s, compiling_steps = forward is not model, 0.0, 0
-        trace, compress_s0, state.held = [self._trace_point(state, 0)], state.decode_compress_s, 0
+        trace, compress_s0, state.held, reads = [self._trace_point(state, 0)], state.decode_compress_s, 0, []
         with self._decode_scope(compiled):
             state.backends["decode"] = decode_backends(state)
             t1 = time.perf_counter()
@@ -518,6 +539,7 @@ class Engine:
                               cache_position=pos, kvbench_state=state)
                 logits = out.logits[0, -1]
                 ctx.ids.append(tok)
+                reads.append(read_point(state))
                 if state.compress_now:
                     trace.append(self._trace_point(state, len(tokens)))
                 now = _compile_frames()
@@ -550,6 +572,8 @@ class Engine:
             cache_trace=[p[:3] for p in trace], peak_stored_tokens=max(state.held, *(p[3] for p in trace)),
             decode_compressions=sum(a[3] > b[3] for a, b in zip(trace[1:-1:2], trace[2:-1:2])),
             decode_compress_s=state.decode_compress_s - compress_s0,
+            read_tokens=_stats([round(float(sum(t)) / len(reads), 3) for t in zip(*(r[0] for r in reads))]) if reads else None,
+            read_bytes=round(float(sum(r[1] for r in reads)) / len(reads)) if reads else None,
         )
 
     def _trace_point(self, state: CompressionState, generated: int) -> list:
@@ -602,7 +626,7 @@ def prefill(engines: list[Engine], prompt_ids: list[int], max_new_tokens: int) -
     kinds: dict[Any, list[int]] = {}
     hooks = [st.compressing and st.method.prefill_hooks(first.model, st, n) or None for st in states]
     for i, st in enumerate(states):
-        fused = st.compressing and st.method.wants_prompt_attention(dev)
+        fused = st.compressing and st.method.wants_prompt_attention(dev) or st.method.sparse_prefill
         kinds.setdefault(i if hooks[i] else repr(st.method.config) if fused else None, []).append(i)
     out: list[Prefilled | None] = [None] * len(engines)
     for group in kinds.values():

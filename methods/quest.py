@@ -1,0 +1,115 @@
+"""Quest (Tang et al., ICML 2024, "Quest: Query-Aware Sparsity for Efficient Long-Context LLM Inference").
+
+Quest keeps the whole cache and reads a query-dependent part of it at every decode step. The cache of a layer is cut
+into pages of P = ``page_size`` consecutive tokens (page j holds positions [jP, (j+1)P), the last one partial); page j
+is summarised by the per-channel minimum m_j and maximum M_j of its keys, and the current query q bounds every q·k of
+the page from above by
+
+    U_j = Σ_i max(q_i · M_{j,i}, q_i · m_{j,i})                                   (paper Sec. 3.2, Alg. 1)
+
+(Quest's evaluation code: ``sign(q)·k`` maxed over the page, times ``|q|``; sign(0) = −1). Each KV head reads the top
+k = min(max(3, ⌊B/P⌋), pages) pages by U (``evaluation/quest_attention.py``'s ``local_heavy_hitter_mask``, B the
+token budget), plus the current (last) page (``current_page``: the page Quest's kernels always read; false: the
+evaluation code exactly), so a step reads at most max(3P, B) + P tokens. A KV head with G > 1 query heads ranks a
+page by the largest bound of its query heads (Quest's code repeats keys, each query head chooses); for G = 1 the
+pages are the reference's. The first ``dense_layers`` layers and every forward of more than one token (prefill, the
+query part) read everything (``layer_id < 2``, ``q_len > 1`` in the reference).
+
+The engine calls :meth:`Quest.select` at each decode step of every compressible layer (``Method.reads``) and masks
+the attention to the chosen slots; nothing is evicted, unless ``keep`` is set: SnapKV (W=32, K=5, avg pooling)
+then keeps ``keep`` prompt tokens per KV head at the end of prefill and Quest reads pages of what it kept.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn.functional as F
+
+from .base import Budget, CompressResult, HeadLayout, LayerContext, Method, MethodConfig, Plan, require
+
+
+@dataclass
+class QuestConfig(MethodConfig):
+    """Attributes:
+        page_size: P, tokens per page (Quest's ``chunk_size``; its scripts: 16).
+        dense_layers: the first layers that read the whole cache (Quest's evaluation: 2).
+        current_page: the page of the current token is always read (Quest's kernels); false: it competes.
+        keep: prompt tokens per KV head SnapKV keeps first (> its window of 32), or null: the whole prompt.
+    """
+
+    page_size: int = 16
+    dense_layers: int = 2
+    current_page: bool = True
+    keep: int | None = None
+
+    def check(self) -> None:
+        require(self.page_size >= 1, "page_size", self.page_size, "must be an integer >= 1")
+        require(self.dense_layers >= 0, "dense_layers", self.dense_layers, "must be an integer >= 0")
+        require(self.keep is None or self.keep > 32, "keep", self.keep, "must be an integer > 32 (SnapKV's window) or null")
+
+
+def page_bounds(query: torch.Tensor, keys: torch.Tensor, page_size: int) -> torch.Tensor:
+    """Quest's bound U ``(B, H_q, pages)`` of every page for one query ``(B, H_q, 1, d)`` over keys ``(B, H_kv, T, d)``,
+    float32: ``|q| · S`` with S_i = M_i where q_i > 0, else −m_i (= max over the page of sign(q_i)·k_i, as the
+    reference computes it; M, m over the page's tokens only)."""
+    b, h_q, _, d = query.shape
+    h_kv, pad = keys.shape[1], -keys.shape[2] % page_size
+    fill = torch.finfo(keys.dtype)
+    top = F.pad(keys, (0, 0, 0, pad), value=fill.min).unflatten(2, (-1, page_size)).amax(3)  # M (B, H_kv, pages, d)
+    low = F.pad(keys, (0, 0, 0, pad), value=fill.max).unflatten(2, (-1, page_size)).amin(3)  # m
+    q = query.view(b, h_kv, -1, 1, d)  # (B, H_kv, G, 1, d)
+    signed = torch.where(q > 0, top.unsqueeze(2), -low.unsqueeze(2))  # (B, H_kv, G, pages, d)
+    return torch.matmul(q.abs().float(), signed.float().transpose(-1, -2)).view(b, h_q, -1)
+
+
+def select_pages(bounds: torch.Tensor, budget: int, page_size: int, t: int, current_page: bool) -> torch.Tensor:
+    """``(B, H, t)`` bool: the tokens of the top min(max(3, ⌊budget/P⌋), pages) pages of ``bounds`` ``(B, H, pages)``
+    (and the last page when ``current_page``)."""
+    pages = bounds.shape[-1]
+    k = min(max(3, min(t, budget) // page_size), pages)
+    top = bounds.topk(k, dim=-1).indices
+    chosen = torch.zeros_like(bounds, dtype=torch.bool).scatter_(-1, top, True)
+    if current_page:
+        chosen[..., -1] = True
+    return chosen.repeat_interleave(page_size, -1)[..., :t]
+
+
+class Quest(Method):
+    """Whole cache, top pages read per decode step (:meth:`select`); the prompt left whole (or SnapKV's ``keep``)."""
+
+    Config = QuestConfig
+    reads = True
+
+    def __init__(self, config=None, layout=None, artifacts=None):
+        super().__init__(config, layout, artifacts)
+        self.evictor = None
+        if self.config.keep is not None:
+            from .snapkv import SnapKV
+
+            self.evictor = SnapKV(None, layout, artifacts)
+
+    @property
+    def window_size(self) -> int:
+        return self.evictor.window_size if self.evictor else 0
+
+    def min_budget(self) -> int:
+        return self.config.page_size
+
+    def plan(self, n_tokens: int, budget: Budget, layout: HeadLayout) -> Plan:
+        """The budget per layer (read at each step by :meth:`select`); the prompt is compressed only to ``keep``."""
+        plan = super().plan(n_tokens, budget, layout)
+        return Plan(plan.layer_budgets, compress=self.evictor is not None and n_tokens > self.config.keep)
+
+    def compress(self, ctx: LayerContext) -> CompressResult:
+        return self.evictor.compress(replace(ctx, budget=self.config.keep))
+
+    def select(self, ctx: LayerContext) -> torch.Tensor | None:
+        """``(B, H_kv, T)`` bool: the slots each KV head reads (``ctx.window_queries``: the step's query)."""
+        if ctx.layer_idx < self.config.dense_layers or ctx.window_queries.shape[2] != 1:
+            return None
+        b, h_kv, t = ctx.keys.shape[:3]
+        bounds = page_bounds(ctx.window_queries, ctx.keys, self.config.page_size)  # (B, H_q, pages)
+        bounds = bounds.view(b, h_kv, -1, bounds.shape[-1]).amax(2)  # a KV head: its query heads' largest bound
+        return select_pages(bounds, ctx.budget, self.config.page_size, t, self.config.current_page)
