@@ -7,7 +7,7 @@ import yaml
 from test_report import make_job
 
 from kvbench.report import build as report
-from kvbench.report.bytes import accuracy_vs_bytes
+from kvbench.report.bytes import accuracy_vs_bytes, job_points
 
 # (method, budget, cache.bits, score, cache_bytes_after of 4000 before)
 JOBS = [("full", 1.0, None, 80.0, 4000), ("full", 1.0, 4, 78.0, 1250), ("full", 1.0, 2, 60.0, 750),
@@ -61,3 +61,24 @@ def test_two_residuals_at_one_width_are_two_curves(tmp_path):
     (ax,) = accuracy_vs_bytes(report.load_results(tmp_path))[0].fig.axes
     assert sorted(ln.get_label() for ln in ax.lines if not ln.get_label().startswith("_")) == [
         "SnapKV · 4-bit (G32, R128)", "SnapKV · 4-bit (G32, R32)"]
+
+
+def test_read_bytes_figure_puts_sparse_reading_beside_eviction(tmp_path):
+    # (method, budget, score, stored after of 4000, read per step): eviction reads what it stores, Quest stores all
+    for method, budget, score, after, read in [("full", 1.0, 80.0, 4000, 4100), ("snapkv", 0.25, 70.0, 1000, 1100),
+                                                ("quest", 0.25, 76.0, 4000, 1200)]:
+        recs = [{"id": f"niah/{i}", "dataset": "niah", "score": score / 100, "error": None, "cache_bytes_before": 4000,
+                 "cache_bytes_after": after, "read_bytes": read} for i in range(2)]
+        make_job(tmp_path, task="niah", model="smollm2", method=method, budget=budget, records=recs, summary=False,
+                 label=method.capitalize())
+    make_job(tmp_path, task="niah", model="smollm2", method="knorm", budget=0.5, summary=False, label="Knorm",  # no reads
+             records=[{"id": "niah/0", "dataset": "niah", "score": 0.5, "error": None, "cache_bytes_before": 4000,
+                       "cache_bytes_after": 2000}])
+    df = report.load_results(tmp_path)
+    for read, want in ((False, {"full": 100.0, "snapkv": 25.0, "quest": 100.0, "knorm": 50.0}),
+                       (True, {"full": 102.5, "snapkv": 27.5, "quest": 30.0})):
+        fig, points = accuracy_vs_bytes(df, read=read)
+        assert fig.name == ("accuracy_vs_read_bytes" if read else "accuracy_vs_bytes")
+        sizes = {r.method_name: r.size for r in job_points(df, "read_bytes" if read else "cache_bytes_after").itertuples()}
+        assert sizes == want
+        assert ("read_bytes / cache_bytes_before" in fig.caption) == read

@@ -56,14 +56,14 @@ ARTIFACTS = {  # family -> builder of its artifacts
     "reasoning": lambda c: reasoning_reports(c.df, c.root),
     "scbench": lambda c: report_scbench.scbench_artifacts(c.df, c.root),
     "cost": lambda c: cost_table(c.df, c.root),
-    "accuracy_vs_bytes": lambda c: accuracy_vs_bytes(c.df),
+    "accuracy_vs_bytes": lambda c: accuracy_vs_bytes(c.df) + accuracy_vs_bytes(c.df, read=True),
 }
 OUTPUTS = {"scores": ["scores_*", "paired_*"], "longbench_v2": ["longbench_v2_*"], "loogle": ["loogle_*"],
            "zero_scrolls": ["zero_scrolls_*"], "selkv_ratio_tables": ["selkv_table5", "selkv_table6", "selkv_ratios_*"],
            "compresskv_table3": ["compresskv_table3a", "compresskv_table3b"], "niah": ["niah_panel_*"],
            "score_vs_budget": ["score_vs_budget_*"], "reasoning": ["passk_*", "cache_trace_*", "gen_length_*"], "scbench": ["scbench_*"],
            "cost": ["cost"],
-           "accuracy_vs_bytes": ["accuracy_vs_bytes", "accuracy_vs_bytes_points"]}
+           "accuracy_vs_bytes": ["accuracy_vs_bytes", "accuracy_vs_bytes_points", "accuracy_vs_read_bytes*"]}
 
 
 def _cells(t: Artifact, bold: str = "**%s**", missing: str = "–", esc=str) -> pd.DataFrame:

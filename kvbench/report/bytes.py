@@ -3,6 +3,8 @@
 A job's point is its average score (the mean of its datasets' scores) at its stored cache: ``cache_bytes_after`` /
 ``cache_bytes_before``, the bytes every layer holds after eviction and quantization (packed codes, scales, minima,
 full-precision residual) relative to the whole prompt's cache in the model dtype, mean over samples (docs/RESULTS.md).
+``accuracy_vs_read_bytes`` puts a job at what its attention read per decode step instead (``read_bytes``: sparse
+attention such as Quest stores everything and reads its budget, eviction reads what it stores).
 """
 
 import json
@@ -17,11 +19,12 @@ DTYPE_BITS = {"float32": 32, "bfloat16": 16, "float16": 16}
 STYLE = {32: ("o", "-"), 16: ("o", "-"), 8: ("D", "--"), 4: ("s", "--"), 2: ("^", ":")}  # bits -> marker, line
 
 
-def job_points(df: pd.DataFrame) -> pd.DataFrame:
+def job_points(df: pd.DataFrame, column: str = "cache_bytes_after") -> pd.DataFrame:
     """A row per scored job: task, model, panel (its settings but ``cache.*``), method, variant, method_name, bits
     (``cache.bits``, else the model dtype's; NaN unknown), quantized, layout (``G<group_size>, R<residual>``), budget,
-    score (mean over its datasets), size (stored cache, % of the model-dtype cache), complete, job."""
-    rows = df[df["score"].notna() & (df["cache_bytes_before"] > 0)]
+    score (mean over its datasets), size (``column``: the stored cache, or ``read_bytes``, % of the model-dtype cache),
+    complete, job."""
+    rows = df[df["score"].notna() & (df["cache_bytes_before"] > 0) & df[column].notna()]
     if rows.empty:
         return pd.DataFrame()
     settings = rows["settings"].map(json.loads)
@@ -33,7 +36,7 @@ def job_points(df: pd.DataFrame) -> pd.DataFrame:
     rows = full_in_every_group(rows, "panel", "panel")
     keys = ["job", "task", "model", "panel", "method", "variant", "method_name", "bits", "quantized", "layout", "budget"]
     pts = rows.groupby(keys, dropna=False).agg(score=("score", "mean"), before=("cache_bytes_before", "mean"),
-                                               after=("cache_bytes_after", "mean"), complete=("complete", "all"))
+                                               after=(column, "mean"), complete=("complete", "all"))
     return pts.reset_index().assign(size=lambda p: 100 * p["after"] / p["before"]).drop(columns=["before", "after"])
 
 
@@ -49,10 +52,11 @@ def _curve(r, layouts: int) -> str:
     return f"{r.method}{f' ({r.variant})' if r.variant else ''} · {width}" + f" ({r.layout})" * bool(layouts > 1 and r.quantized)
 
 
-def accuracy_vs_bytes(df: pd.DataFrame) -> list[Artifact]:
+def accuracy_vs_bytes(df: pd.DataFrame, read: bool = False) -> list[Artifact]:
     """The figure ``accuracy_vs_bytes`` (a panel per task × model; a curve per method and cache width through its
-    budgets; hollow: an unfinished job) and the table ``accuracy_vs_bytes_points`` of its points; [] without jobs."""
-    pts = job_points(df)
+    budgets; hollow: an unfinished job) and the table ``accuracy_vs_bytes_points`` of its points; [] without jobs.
+    ``read``: ``accuracy_vs_read_bytes`` (``_points``), at the bytes read per decode step."""
+    pts, name = job_points(df, "read_bytes" if read else "cache_bytes_after"), "accuracy_vs_read_bytes" if read else "accuracy_vs_bytes"
     if pts.empty:
         return []
     layouts = pts[pts["quantized"]].groupby(["task", "model", "panel"])["layout"].nunique()
@@ -74,9 +78,14 @@ def accuracy_vs_bytes(df: pd.DataFrame) -> list[Artifact]:
         ax.xaxis.set(major_locator=LogLocator(subs=(1, 2, 5)), major_formatter=FuncFormatter(lambda x, _: f"{x:g}%"),
                      minor_formatter=NullFormatter())
         ax.set(title=_title(task, model, panel, list(pts.loc[(pts["task"] == task) & (pts["model"] == model), "panel"].unique())),
-               xlabel="Stored KV cache (% of the full cache in the model dtype)", ylabel="Average score (points)")
+               xlabel=f"{'Read per decode step' if read else 'Stored'}: KV cache (% of the full cache in the model dtype)",
+               ylabel="Average score (points)")
         ax.legend(fontsize="x-small")
-    caption = (f"Score against stored KV-cache bytes ({count(len(pts), 'job')}): all layers after eviction and "
+    caption = (f"Score against KV-cache bytes read per decode step ({count(len(pts), 'job')}): what every layer's "
+               "attention read (a sparse-reading method's chosen slots, else the whole cache, mean over steps) relative "
+               "to the whole prompt's cache in the model dtype (read_bytes / cache_bytes_before, mean over samples; log "
+               "scale); " if read else
+               f"Score against stored KV-cache bytes ({count(len(pts), 'job')}): all layers after eviction and "
                "quantization (packed codes, scales, minima, full-precision residual) relative to the whole prompt's "
                "cache in the model dtype (cache_bytes_after / cache_bytes_before, mean over samples; log scale); "
                "score: the mean of a job's datasets; a curve per method and cache width (cache.bits, else the model "
@@ -88,6 +97,6 @@ def accuracy_vs_bytes(df: pd.DataFrame) -> list[Artifact]:
                         for b, q, g in zip(p["bits"], p["quantized"], p["layout"])])
     data = table.rename(columns={"task": "Task", "model": "Model", "method": "Method", "size": "Cache %", "score": "Score"})[
         ["Task", "Model", "Method", "Bits", "Budget", "Cache %", "Score"]].reset_index(drop=True)
-    return [_done("accuracy_vs_bytes", fig, caption, used),
-            Artifact("accuracy_vs_bytes_points", "The points of accuracy_vs_bytes: " + caption[0].lower() + caption[1:],
+    return [_done(name, fig, caption, used),
+            Artifact(f"{name}_points", f"The points of {name}: " + caption[0].lower() + caption[1:],
                      data, used=used)]

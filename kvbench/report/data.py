@@ -28,7 +28,7 @@ FULL = "full"
 LONG_CONTEXT_TOKENS = 16000  # prompts truncated at >= this many tokens: SelKV Table 7's "long inputs"
 CONF = Path(__file__).resolve().parents[2] / "conf"
 TIMING_COLUMNS = ["prefill_s", "compress_s", "decode_s", "decode_tok_s"]
-CACHE_COLUMNS = ["prompt_tokens", "kept_tokens", "cache_bytes_before", "cache_bytes_after"]
+CACHE_COLUMNS = ["prompt_tokens", "kept_tokens", "cache_bytes_before", "cache_bytes_after", "read_bytes"]
 #: config keys that are not a job's setting: table rows/columns, folder naming, run control, sample selection
 NOT_SETTINGS = ("method", "budget", "run_tag", "run_name", "hydra", "quiet", "lock_wait_s", "output_root",
                 "threads", "compile", "reuse_full", "max_samples", "shard", "task.context_lengths", "task.depth_percents",
