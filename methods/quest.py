@@ -107,7 +107,7 @@ class Quest(Method):
 
     def select(self, ctx: LayerContext) -> torch.Tensor | None:
         """``(B, H_kv, T)`` bool: the slots each KV head reads (``ctx.window_queries``: the step's query)."""
-        if ctx.layer_idx < self.config.dense_layers or ctx.window_queries.shape[2] != 1:
+        if ctx.layer_idx < self.config.dense_layers:
             return None
         b, h_kv, t = ctx.keys.shape[:3]
         bounds = page_bounds(ctx.window_queries, ctx.keys, self.config.page_size)  # (B, H_q, pages)

@@ -65,10 +65,9 @@ def test_gqa_head_reads_the_pages_of_its_query_heads_largest_bound():
     assert bool(Quest(QuestConfig(current_page=False)).select(context(q, k, 48))[0, 1, 32:48].all())
 
 
-def test_dense_layers_and_prefill_read_everything():
+def test_dense_layers_read_everything():
     q, k = torch.randn(1, 2, 1, 16), torch.randn(1, 2, 80, 16)
     assert Quest().select(context(q, k, 16, layer=1)) is None  # dense_layers = 2
-    assert Quest().select(context(torch.randn(1, 2, 3, 16), k, 16)) is None  # a forward of 3 tokens
 
 
 def test_engine_stores_everything_and_reads_budget_plus_a_page():
@@ -112,3 +111,19 @@ def test_quest_over_a_snapkv_compressed_prompt():
     assert rec["stored_tokens"] == alone["stored_tokens"] == {"mean": 100.0, "min": 100, "max": 100}
     assert rec["stored_bytes"] == alone["stored_bytes"]  # SnapKV's cache, read three pages + the current one per step
     assert alone["read_tokens"]["max"] == 102.0 and rec["read_tokens"]["max"] <= 48 + 16
+
+
+def test_sampled_candidates_from_one_context_read_pages_too():
+    from types import SimpleNamespace
+
+    loaded = loaded_for(tiny_model("llama", layers=3))
+    ids = torch.randint(0, 128, (160,), generator=torch.Generator().manual_seed(5)).tolist()
+    eng = Engine(loaded, build_method({"name": "quest", "dense_layers": 0}, loaded.layout), 32)
+    ctx, sampling = eng.open(ids, 5), SimpleNamespace(temperature=1.0, top_p=1.0, top_k=0)
+    saved, runs = eng.checkpoint(ctx), []
+    for seed in (0, 0, 1):
+        eng.restore(ctx, saved)
+        res = eng.decode(ctx, 5, [], generator=torch.Generator().manual_seed(seed), sampling=sampling)
+        runs.append((res.tokens, res.read_tokens))
+    assert runs[0] == runs[1]  # a candidate is its seed's, whatever ran before
+    assert all(r[1]["max"] <= 3 * 16 + 16 for r in runs)  # three pages (budget 32 < 3 pages) + the current one
