@@ -375,9 +375,8 @@ def kvbench_attention(module, query, key, value, attention_mask, scaling=None, d
         mask = attention_mask if query.shape[2] > 1 and getattr(layer, "is_sliding", False) else None
         if state.method.reads and query.shape[2] == 1 and module.layer_idx in state.layout.compressible_layers:
             keep = state.method.select(LayerContext(  # sparse reading (Quest): the slots each KV head reads
-                layer_idx=module.layer_idx, layout=state.layout, keys=key[..., : query.shape[-1]], values=value,
-                window_queries=query, scaling=float(scaling), budget=int(state.plan.layer_budgets[module.layer_idx]),
-                softcap=softcap, decoding=1))
+                module.layer_idx, state.layout, key[..., : query.shape[-1]], value, query, float(scaling),
+                int(state.plan.layer_budgets[module.layer_idx]), softcap, decoding=1))
             if keep is not None:
                 mask, state.reads[module.layer_idx] = keep.unsqueeze(2), keep.sum()  # (B, H_kv, 1, T)
         out = _decode_attention(query, key, value, mask, scaling, softcap, layer, state.reference_decode)

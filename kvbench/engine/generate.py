@@ -75,9 +75,8 @@ class GenerationResult:
             compression, and at the end; peak_stored_tokens: the most any KV head of a compressible layer held.
         decode_compressions: decode-time compressions (forwards that cut a layer); decode_compress_s: their
             seconds (within ``decode_s``).
-        read_tokens / read_bytes: what the attention read per decode step (one-token forward), mean over the steps
-            (None without one): tokens per KV head (mean/min/max over compressible layers, as ``stored_tokens``) and
-            bytes of every layer (:func:`read_point`): what the cache holds, or the slots a sparse-reading method chose.
+        read_tokens / read_bytes: what the attention read per decode step, mean over the one-token forwards (None without
+            one): per KV head as ``stored_tokens``, and bytes of every layer (:func:`read_point`).
     """
 
     tokens: list[int]

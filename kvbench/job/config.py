@@ -376,8 +376,7 @@ def check(cfg: Any, preset: str | None = None) -> JobSpec:
     tasks.get_task_class(name).validate(task)
     methods.check_min_budget(method, top.budget)
     if method.reads and top.compile is True:
-        raise ConfigError(f"compile=true: method {method.name} selects what each decode step reads, which runs eager; "
-                          "use compile=false or auto")
+        raise ConfigError(f"compile=true: method {method.name} decodes eager; use compile=false or auto")
     if top.decode.interval and method.name != "full":  # the full cache: nothing to cut
         if not method.decodes:
             raise ConfigError(f"decode.interval={top.decode.interval}: method {method.name} does not compress while "

@@ -96,8 +96,7 @@ def summarize(cfg: dict, task: Task, records: list[dict], expected: list[str], r
     ok = [r for r in records if r.get("error") is None]
     cache = {k: _mean([r.get(k) for r in ok])
              for k in ("prompt_tokens", "compressed_tokens", "cache_bytes_before", "cache_bytes_after", "read_bytes")}
-    cache.update({k: _mean([(r.get(k) or {}).get("mean") for r in ok]) for k in ("kept_tokens", "stored_tokens",
-                                                                               "read_tokens")})
+    cache.update({k: _mean([(r.get(k) or {}).get("mean") for r in ok]) for k in ("kept_tokens", "stored_tokens", "read_tokens")})
     cache["compressed_fraction"] = _mean([float(bool(r.get("compressed"))) for r in ok])
     return {
         "job": relpath, "task": cfg["task"]["name"], "model": cfg["model"]["name"], "method": cfg["method"]["name"],
@@ -272,8 +271,8 @@ def load(job: JobSpec) -> tuple[Any, Task, list[Sample], list[str], bool]:
     if isinstance(window, int) and need > window:
         raise ConfigError(f"task.max_length / model.max_input_length: {need} tokens of prompt + generation exceed "
                           f"the model's context window of {window} tokens")
-    compiled = not top.decode.interval and not job.method.reads and (top.compile is True or (top.compile == "auto" and loaded.device.type == "cuda"
-                                                                    and not top.model.device_map))
+    compiled = not (top.decode.interval or job.method.reads) and (top.compile is True or (
+        top.compile == "auto" and loaded.device.type == "cuda" and not top.model.device_map))
     return loaded, task, mine, expected, compiled
 
 

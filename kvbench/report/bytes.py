@@ -3,8 +3,6 @@
 A job's point is its average score (the mean of its datasets' scores) at its stored cache: ``cache_bytes_after`` /
 ``cache_bytes_before``, the bytes every layer holds after eviction and quantization (packed codes, scales, minima,
 full-precision residual) relative to the whole prompt's cache in the model dtype, mean over samples (docs/RESULTS.md).
-``accuracy_vs_read_bytes`` puts a job at what its attention read per decode step instead (``read_bytes``: sparse
-attention such as Quest stores everything and reads its budget, eviction reads what it stores).
 """
 
 import json
@@ -56,7 +54,8 @@ def accuracy_vs_bytes(df: pd.DataFrame, read: bool = False) -> list[Artifact]:
     """The figure ``accuracy_vs_bytes`` (a panel per task × model; a curve per method and cache width through its
     budgets; hollow: an unfinished job) and the table ``accuracy_vs_bytes_points`` of its points; [] without jobs.
     ``read``: ``accuracy_vs_read_bytes`` (``_points``), at the bytes read per decode step."""
-    pts, name = job_points(df, "read_bytes" if read else "cache_bytes_after"), "accuracy_vs_read_bytes" if read else "accuracy_vs_bytes"
+    pts = job_points(df, "read_bytes" if read else "cache_bytes_after")
+    name = "accuracy_vs_read_bytes" if read else "accuracy_vs_bytes"
     if pts.empty:
         return []
     layouts = pts[pts["quantized"]].groupby(["task", "model", "panel"])["layout"].nunique()
@@ -78,13 +77,11 @@ def accuracy_vs_bytes(df: pd.DataFrame, read: bool = False) -> list[Artifact]:
         ax.xaxis.set(major_locator=LogLocator(subs=(1, 2, 5)), major_formatter=FuncFormatter(lambda x, _: f"{x:g}%"),
                      minor_formatter=NullFormatter())
         ax.set(title=_title(task, model, panel, list(pts.loc[(pts["task"] == task) & (pts["model"] == model), "panel"].unique())),
-               xlabel=f"{'Read per decode step' if read else 'Stored'}: KV cache (% of the full cache in the model dtype)",
+               xlabel=f"{'Read per step' if read else 'Stored'} KV cache (% of the full cache in the model dtype)",
                ylabel="Average score (points)")
         ax.legend(fontsize="x-small")
-    caption = (f"Score against KV-cache bytes read per decode step ({count(len(pts), 'job')}): what every layer's "
-               "attention read (a sparse-reading method's chosen slots, else the whole cache, mean over steps) relative "
-               "to the whole prompt's cache in the model dtype (read_bytes / cache_bytes_before, mean over samples; log "
-               "scale); " if read else
+    caption = (f"Score against the KV-cache bytes every layer's attention read per decode step ({count(len(pts), 'job')}; "
+               "read_bytes / cache_bytes_before, mean over samples; log scale); " if read else
                f"Score against stored KV-cache bytes ({count(len(pts), 'job')}): all layers after eviction and "
                "quantization (packed codes, scales, minima, full-precision residual) relative to the whole prompt's "
                "cache in the model dtype (cache_bytes_after / cache_bytes_before, mean over samples; log scale); "
