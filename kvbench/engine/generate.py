@@ -607,7 +607,7 @@ def prefill(engines: list[Engine], prompt_ids: list[int], max_new_tokens: int) -
     layer into the engine's own cache; layers an engine leaves whole are copied after the prefill.
     Engines whose method computes the prefill attention itself (``Method.prompt_attention``, LOOK-M's
     ``fused_score``: blocked float32 attention, not SDPA) get a prefill of their own, one per method
-    config, so every engine sees the numbers it would see alone.
+    config, so every engine sees the numbers it would see alone; a sparse prefill (A-shape) one per engine.
 
     Returns:
         One :class:`Prefilled` per engine, in order.
@@ -625,8 +625,8 @@ def prefill(engines: list[Engine], prompt_ids: list[int], max_new_tokens: int) -
     kinds: dict[Any, list[int]] = {}
     hooks = [st.compressing and st.method.prefill_hooks(first.model, st, n) or None for st in states]
     for i, st in enumerate(states):
-        fused = st.compressing and st.method.wants_prompt_attention(dev) or st.method.sparse_prefill
-        kinds.setdefault(i if hooks[i] else repr(st.method.config) if fused else None, []).append(i)
+        fused, alone = st.compressing and st.method.wants_prompt_attention(dev), hooks[i] or st.method.sparse_prefill
+        kinds.setdefault(i if alone else repr(st.method.config) if fused else None, []).append(i)
     out: list[Prefilled | None] = [None] * len(engines)
     for group in kinds.values():
         mine, shared, sync = [states[i] for i in group], len(group) > 1, dev.type == "cuda"

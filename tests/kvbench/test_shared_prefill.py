@@ -14,7 +14,9 @@ from tests.conftest import loaded_for, tiny_model
 VARIANTS = [("snapkv", {}, 0.5), ("selkv", {}, 0.3), ("pyramidkv", {}, 40), ("lookm", {}, 0.5),
             ("lookm", {"fused_score": "off"}, 0.25), ("streamingllm", {}, 0.5),
             ("kvzip", {"chunk_size": 32}, 0.3),  # reconstruction forwards on its own copy of the full cache
-            ("full", {}, 1.0), ("snapkv", {}, 1.0)]  # budget 1.0: a variant that keeps every layer whole
+            ("full", {}, 1.0), ("snapkv", {}, 1.0),  # budget 1.0: a variant that keeps every layer whole
+            ("ashape", {"n_init": 4}, 20), ("ashape", {"n_init": 4}, 40),  # sparse prefills: one each
+            ("quest", {"dense_layers": 0, "page_size": 8}, 24)]
 
 
 def engines(loaded):
@@ -39,9 +41,9 @@ def test_a_shared_prefill_generates_what_each_variant_generates_alone(family):
         assert res.tokens == ref.tokens and len(res.tokens) == 6
         assert all(torch.equal(a, b) for a, b in zip(e.last_logits, lone.last_logits))  # bit for bit
         assert (res.kept_tokens, res.stored_tokens, res.compressed) == (ref.kept_tokens, ref.stored_tokens, ref.compressed)
-        assert (res.cache_bytes_before, res.cache_bytes_after, res.method_stats) == (
-            ref.cache_bytes_before, ref.cache_bytes_after, ref.method_stats)
-    assert [p.state.compressing for p in parts] == [True] * 7 + [False, False]
+        assert (res.cache_bytes_before, res.cache_bytes_after, res.method_stats, res.read_tokens, res.read_bytes) == (
+            ref.cache_bytes_before, ref.cache_bytes_after, ref.method_stats, ref.read_tokens, ref.read_bytes)
+    assert [p.state.compressing for p in parts] == [True] * 7 + [False] * 5
 
 
 # ---- through the command line: python run.py -m ... sweep.share_prefill=true -------------------
