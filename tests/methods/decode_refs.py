@@ -96,12 +96,16 @@ def official_update_kv(key_states, query_states, value_states, budget: int, wind
 @contextmanager
 def attention(model, name: str, fn: Callable | None = None):
     """``model`` running the attention function ``fn`` registered as ``name`` (or the registered ``name``, e.g.
-    ``sdpa``), no grad; afterwards its own attention and no kvpress AdaKVPress mask left on its layers."""
+    ``sdpa``), no grad; afterwards its own attention and no kvpress AdaKVPress mask left on its layers. ``fn`` is
+    also set in the models' own mapping, which shadows the registry: importing kvpress wraps every function then
+    registered into it, a stale ``fn`` of an earlier call among them."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     if fn is not None:
         AttentionInterface.register(name, fn)
+        ALL_ATTENTION_FUNCTIONS[name] = fn
         AttentionMaskInterface.register(name, sdpa_mask)
     own = model.config._attn_implementation
     model.set_attn_implementation(name)
