@@ -14,10 +14,19 @@ ROOT = Path(__file__).resolve().parents[1]
 SHARED_DATA = next((p for p in (ROOT.parent / "shared" / "data", ROOT.parent.parent / "shared" / "data") if p.is_dir()),
                    ROOT.parent / "shared" / "data")
 sys.path.insert(0, str(ROOT))
-# pytest-xdist workers share the cores: each gets its share of torch threads (oversubscribed OpenMP pools wait on
-# each other and run many times slower)
+# Torch threads are fixed for the session, never derived from the load: pytest-xdist workers share the cores, each
+# gets its share (oversubscribed OpenMP pools wait on each other and run many times slower); else torch's default.
 if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+
+
+@pytest.fixture(autouse=True)
+def _threads_as_found():
+    """Each test leaves torch's thread count as it found it: a job run in this process sets its own (``threads=1``;
+    ``auto``: the cores minus the load), which would otherwise carry into whichever test a worker runs next."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
 
 
 class StubTokenizer:

@@ -1,8 +1,10 @@
 """Decode-time compression in kvbench's engine against the reference pipelines of ``tests/methods/decode_refs.py``
 (issue 46.2): ``method=rkv`` with R-KV's schedule against R-KV's own pipeline, and ``method=kvpress`` with
-``decode.*`` against kvpress 0.5.5's own DecodingPress / PrefillDecodingPress hooks. Each compares the greedy tokens
-and, at every compression, the tokens fed, the layer and the original positions each KV head keeps in stored slot
-order (kvbench's tracked through its compressions from the ``kept_indices`` the method returns)."""
+``decode.*`` against kvpress 0.5.5's own DecodingPress / PrefillDecodingPress hooks. Each compares, with
+:func:`~tests.methods.decode_refs.assert_same_compressions`, at every compression the tokens fed, the layer and the
+original positions each KV head keeps (kvbench's tracked through its compressions from the ``kept_indices`` the
+method returns): the same sets, in the same stored order except near-ties (two keys whose scores differ by float
+noise, which another vector kernel or attention implementation orders otherwise), and the greedy tokens."""
 
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ from kvbench.job.config import Decode
 from kvbench.engine.generate import Engine
 from methods import build_method
 from tests.conftest import ROOT, SHARED_DATA, loaded_for, tiny_model
-from tests.methods.decode_refs import Compression, RefRun, rkv_generate
+from tests.methods.decode_refs import Compression, RefRun, assert_same_compressions, rkv_generate
 
 
 @contextmanager
@@ -47,10 +49,6 @@ def tracked(engine: Engine):
         del method.compress
 
 
-def steps(run: RefRun) -> list:
-    return [(c.fed, c.layer, c.kept) for c in run.compressions]
-
-
 @pytest.fixture(scope="module")
 def smollm2():
     """SmolLM2 (the embedded model) loaded as the job loads it, without generation-config processors (neither
@@ -72,8 +70,11 @@ def smollm2():
 
 
 def assert_rkv_parity(loaded, ids, new, budget, interval, **cfg):
-    """kvbench's engine with method=rkv against R-KV's pipeline (``rkv_generate``): equal greedy tokens and equal
-    kept positions, in stored order, at every compression (the prompt's included); several decode compressions."""
+    """kvbench's engine with method=rkv against R-KV's pipeline (``rkv_generate``): equal kept positions, in stored
+    order up to near-ties, at every compression (the prompt's included; several decode compressions), and equal
+    greedy tokens. R-KV's next compression depends on the slot order (of two similar keys its redundancy term keeps
+    the one in the higher slot): after a near-tie stored in the other order the runs may part, and the comparison
+    stops there (:func:`assert_same_compressions`)."""
     engine = Engine(loaded, build_method({"name": "rkv", **cfg}, loaded.layout), budget,
                     Decode(interval=interval, prefill=True, schedule="length"))
     with tracked(engine) as ours:
@@ -82,8 +83,9 @@ def assert_rkv_parity(loaded, ids, new, budget, interval, **cfg):
                           cfg.get("window_size", 8), **{k: v for k, v in cfg.items() if k != "window_size"})
     layers = loaded.layout.num_layers
     assert len(theirs.compressions) >= 4 * layers and theirs.compressions[0].fed == len(ids)  # the prompt, then 3+
-    assert steps(ours) == steps(theirs)
-    assert tokens == theirs.tokens and len(tokens) == new
+    ours.tokens = tokens
+    assert_same_compressions(ours, theirs, len(ids), order_feeds_forward=True)
+    assert len(tokens) == new
 
 
 @pytest.mark.parametrize("family,n_kv", [("llama", 2), ("qwen3", 4)], ids=["gqa-llama", "mha-qwen3"])
@@ -172,7 +174,8 @@ def assert_kvpress_parity(loaded, base: str, prefill: bool, ids, new, question, 
                           window=4):
     """Knorm, StreamingLLM: every compression (the question forward counting as one decode step) keeps the same
     positions per layer and KV head in kvpress's stored order (top-k order: StreamingLLM's sinks drift as kvpress's
-    do), and the greedy tokens are equal.
+    do; its scores are positions, so its order is exact; Knorm's up to near-ties: it scores each key alone, its next
+    compression reads the order only to break exact ties), and the greedy tokens are equal.
 
     AdaKVPress(SnapKVPress): kvpress masks the pruned slots behind fake keys it writes into the cache, and its next
     compression scores those keys again and may keep them; kvbench frees them (per-head lengths) and never brings a
@@ -184,10 +187,12 @@ def assert_kvpress_parity(loaded, base: str, prefill: bool, ids, new, question, 
     theirs, mine = reference(loaded, *args), ours(loaded, *args)
     layers = loaded.layout.num_layers
     if base != "adakv":
-        assert steps(mine) == steps(theirs) and mine.tokens == theirs.tokens and len(mine.tokens) == new
+        assert_same_compressions(mine, theirs, len(ids))
+        assert len(mine.tokens) == new
         return theirs
     assert [c.fed for c in mine.compressions] == [c.fed for c in theirs.compressions]
-    assert steps(mine)[:layers] == steps(theirs)[:layers]
+    sets = [[(c.fed, c.layer, [set(h) for h in c.kept]) for c in run.compressions[:layers]] for run in (mine, theirs)]
+    assert sets[0] == sets[1]  # kvpress masks: it stores no order to compare
     second = theirs.compressions[layers].fed  # its forward computed its logits before it compressed
     assert mine.tokens[: second - len(ids) + 1] == theirs.tokens[: second - len(ids) + 1]
     first = {c.layer: c for c in theirs.compressions[:layers]}
@@ -224,7 +229,7 @@ def test_kvpress_step_counter(tiny, base, n, question, prefill, feds):
     theirs = reference(tiny, node(base), prefill, ids_of(n), NEW, question)
     mine = ours(tiny, node(base), prefill, ids_of(n), NEW, question)
     assert [c.fed for c in theirs.compressions[::2]] == feds
-    assert steps(mine) == steps(theirs) and mine.tokens == theirs.tokens
+    assert_same_compressions(mine, theirs, n)
 
 
 def test_kvpress_snapkv_needs_more_queries_than_its_window_kvbench_does_not(tiny):
@@ -239,14 +244,17 @@ def test_kvpress_snapkv_needs_more_queries_than_its_window_kvbench_does_not(tiny
 def test_native_knorm_and_streamingllm_where_they_agree_with_decoding_press(tiny):
     """method=knorm recent_window=0 stores its tokens in position order, not kvpress's top-k order: the same kept sets
     and tokens until two keys tie (a repeated token's keys differ only by their rotation, which keeps the norm) and the
-    slot order breaks the tie; here from the third compression. method=streamingllm keeps kvpress's first decode
-    compression, then its sinks stay the first 4 positions while kvpress's drift with its top-k slot order."""
+    slot order breaks the tie (here from the third compression on AVX2; which of the two norms is the larger is
+    float noise, so whether the sets then differ is not asserted, only that they differ by one token's keys).
+    method=streamingllm keeps kvpress's first decode compression, then its sinks stay the first 4 positions while
+    kvpress's drift with its top-k slot order."""
     theirs = reference(tiny, node("knorm"), False, ids_of(N), NEW)
     mine = ours(tiny, {"name": "knorm", "recent_window": 0}, False, ids_of(N), NEW)
     sets = [[[set(h) for h in c.kept] for c in run.compressions] for run in (mine, theirs)]
-    assert sets[0][:4] == sets[1][:4] and sets[0][4] != sets[1][4] and mine.tokens == theirs.tokens
+    assert sets[0][:4] == sets[1][:4] and len(sets[0]) == len(sets[1]) and mine.tokens == theirs.tokens
     tokens = ids_of(N) + theirs.tokens
-    assert all(len({tokens[p] for p in a ^ b}) <= 1 for a, b in zip(sets[0][4], sets[1][4]))  # a tie: one token's keys
+    assert all(len({tokens[p] for p in a ^ b}) <= 1  # a tie: one token's keys
+               for c0, c1 in zip(sets[0], sets[1]) for a, b in zip(c0, c1))
     theirs = reference(tiny, node("streamingllm"), False, ids_of(N), NEW)
     mine = ours(tiny, {"name": "streamingllm"}, False, ids_of(N), NEW)
     assert [set(h) for h in mine.compressions[0].kept] == [set(h) for h in theirs.compressions[0].kept]

@@ -7,6 +7,7 @@ slots, StreamingLLM's lost sinks, AdaKVPress's fake keys) are asserted where the
 
 from __future__ import annotations
 
+import math
 from contextlib import contextmanager, nullcontext
 
 import pytest
@@ -14,7 +15,8 @@ import torch
 
 from tests.conftest import tiny_model
 from tests.methods import decode_refs
-from tests.methods.decode_refs import attention, kvpress_generate, rkv_generate
+from tests.methods.decode_refs import (Compression, RefRun, assert_same_compressions, attention, kvpress_generate,
+                                       rkv_generate)
 
 N, Q, NEW, TARGET, INTERVAL = 40, 6, 30, 24, 10  # prompt, question part, new tokens; kvpress target and interval
 
@@ -162,3 +164,47 @@ def test_adakv_decoding_masks_with_fake_keys_and_rescoring_unmasks(model, ids):
         assert all(not torch.equal(second.keys[h, p], rows[0][p][h]) for p in slots)  # fake keys
         assert all(torch.equal(second.keys[h, p], rows[0][p][h]) for p in set(range(60)) - slots)
     assert any(slots & set(kept) for slots, kept in zip(masked, second.kept))  # masked, then kept again
+
+
+def run_of(*kept, tokens=(1, 2, 3), scores=None, feds=None) -> RefRun:
+    """A run of one head's compressions, ``kept[k]`` at the forward ``feds[k]`` (prompt 10: 10, 11, ...)."""
+    return RefRun(list(tokens), [Compression(fed, 0, [list(k)], torch.empty(0), 1, scores and [list(scores[i])])
+                                 for i, (fed, k) in enumerate(zip(feds or range(10, 10 + len(kept)), kept))])
+
+
+def test_comparison_accepts_near_ties_in_the_other_order_and_nothing_else():
+    """assert_same_compressions: equal runs pass, and two positions whose reference scores differ by float noise
+    (2e-7 of the head's largest score) may come in the other order; a changed kept set, a duplicate, two positions
+    of well-separated scores (or a run with no scores) in the other order, other tokens: all fail."""
+    scores = [[0.9, 0.5 + 2e-7, 0.5, 0.1]]
+    theirs = run_of([7, 3, 5, 1], scores=scores)
+    assert assert_same_compressions(run_of([7, 3, 5, 1]), theirs, 10) == 1
+    assert assert_same_compressions(run_of([7, 5, 3, 1]), theirs, 10) == 1  # 3 and 5: a near-tie
+    for kept, tokens, why in [([7, 3, 5, 2], (1, 2, 3), "kept sets differ"), ([7, 3, 5, 5], (1, 2, 3), "kept twice"),
+                              ([3, 7, 5, 1], (1, 2, 3), "order differs"), ([7, 3, 1, 5], (1, 2, 3), "order differs"),
+                              ([7, 3, 5, 1], (1, 2, 4), "tokens differ")]:
+        with pytest.raises(AssertionError, match=why):
+            assert_same_compressions(run_of(kept, tokens=tokens), theirs, 10)
+    with pytest.raises(AssertionError, match="order differs"):  # exact scores (None): the exact order
+        assert_same_compressions(run_of([7, 5, 3, 1]), run_of([7, 3, 5, 1]), 10)
+    with pytest.raises(AssertionError, match="order differs"):  # R-KV's window (inf): its position order
+        window = run_of([3, 1, 7, 5], scores=[[0.2, 0.1, math.inf, math.inf]])
+        assert_same_compressions(run_of([3, 1, 5, 7]), window, 10)
+
+
+def test_comparison_stops_where_the_order_feeds_the_next_compression():
+    """order_feeds_forward (R-KV): a near-tie stored in the other order at the forward fed 10 tokens; the next
+    compression (fed 12) may then keep another set and the tokens after the forward at 12 differ. Compared: the
+    compressions at 10 and the tokens through 12. Without a swap everything is compared."""
+    near = [[0.9, 0.5 + 2e-7, 0.5, 0.1], [0.9, 0.8, 0.7, 0.6]]
+    theirs = run_of([7, 3, 5, 1], [7, 3, 5, 11], tokens=(1, 2, 3, 4), scores=near, feds=[10, 12])
+    parted = run_of([7, 5, 3, 1], [7, 3, 5, 9], tokens=(1, 2, 3, 9), feds=[10, 12])
+    assert assert_same_compressions(parted, theirs, 10, order_feeds_forward=True) == 1
+    with pytest.raises(AssertionError, match="kept sets differ"):
+        assert_same_compressions(parted, theirs, 10)
+    with pytest.raises(AssertionError, match="greedy tokens differ"):  # the token of the forward at 12
+        assert_same_compressions(run_of([7, 5, 3, 1], [7, 3, 5, 9], tokens=(1, 2, 8, 9), feds=[10, 12]), theirs, 10,
+                                 order_feeds_forward=True)
+    with pytest.raises(AssertionError, match="kept sets differ"):  # no swap: the next compression compared too
+        assert_same_compressions(run_of([7, 3, 5, 1], [7, 3, 5, 9], tokens=(1, 2, 3, 4), feds=[10, 12]), theirs, 10,
+                                 order_feeds_forward=True)
