@@ -122,6 +122,8 @@ class Sample:
             format, ``chat`` off) to its group's cache after turn ``turn - 1`` was answered.
         keep_answer: multi-turn: the answer generated for this turn stays in the cache for the next turn (SCBench's
             ``--disable_golden_context``); else it is dropped and the next segment carries the golden answer.
+        ids: the token ids to prefill instead of tokenizing ``prompt`` (special tokens included; the query part is
+            their tail), when the official code feeds ids it cut by tokens (SCBench); ``prompt`` is then their text.
     """
 
     id: str
@@ -140,6 +142,7 @@ class Sample:
     turn: int = 0
     follow_up: bool = False
     keep_answer: bool = False
+    ids: list[int] | None = None
 
 
 class Task:

@@ -71,6 +71,8 @@ class SCBenchConfig(SuiteConfig):
         count(self.max_turns, "max_turns")
         one_of(self.source, "source", ("official",))
         one_of(self.mode, "mode", MODES)
+        if self.mode == "multi_request":  # the questions share the context: compressed once per row, never per question
+            self.compress = "context"
 
 
 def fields(dataset: str, turn: dict) -> dict[str, Any]:
@@ -90,16 +92,16 @@ def label_of(dataset: str, turn: dict) -> Any:
     return [turn["answer"]] if dataset == "scbench_qa_eng" else turn["answer"]
 
 
-def middle_truncate(tokenizer: Any, text: str, limit: int) -> tuple[str, int]:
+def middle_truncate(tokenizer: Any, text: str, limit: int) -> tuple[str, list[int] | None, int]:
     """``truncate_by_tokens``: ``ids = tokenizer.encode(text)`` (special tokens added); above ``limit`` (>= 0) the
-    first and last ``limit // 2`` ids are kept. Returns the text of the kept ids less the tokens the tokenizer adds
-    itself (the engine adds them again; special tokens in the text, a chat template's, are kept) and the untruncated
-    length in tokens."""
+    first and last ``limit // 2`` ids are kept. Returns the text of the kept ids (for the record; the tokens the
+    tokenizer adds itself left out), the kept ids, which ``get_pred`` feeds as they are (None: not cut, the text's
+    own ids), and the untruncated length in tokens."""
     ids = list(tokenizer(text).input_ids)
     if limit < 0 or len(ids) <= limit:
-        return text, len(ids)
-    half, added = limit // 2, len(tokenizer("").input_ids)
-    return tokenizer.decode((ids[:half] + ids[-half:])[added:], clean_up_tokenization_spaces=False), len(ids)
+        return text, None, len(ids)
+    kept, added = ids[:limit // 2] + ids[-(limit // 2):], len(tokenizer("").input_ids)
+    return tokenizer.decode(kept[added:], clean_up_tokenization_spaces=False), kept, len(ids)
 
 
 class SCBenchTask(SuiteTask):
@@ -243,7 +245,7 @@ class SCBenchTask(SuiteTask):
             head, query = self.first_turn(dataset, context, turns[0])
         else:
             head, query = self.context_prompt(dataset, context, turns[0]), ""
-        head, n = middle_truncate(self.tokenizer, head, limit)
+        head, ids, n = middle_truncate(self.tokenizer, head, limit)
         for i, turn in enumerate(turns):
             meta = {"label": label_of(dataset, turn), "task": turn.get("task", dataset)}
             meta.update({"lang": row["lang"], "repo": row["repo"], "name": turn["name"]} if "name" in turn else {})
@@ -251,17 +253,18 @@ class SCBenchTask(SuiteTask):
                 meta.update(prompt_tokens_full=n, truncated=n > limit >= 0)
             if not multi_turn:
                 query = self.query_prompt(dataset, turn)
-                prompt = head + query
+                prompt = head + query  # test_scdq: the context's kept ids, then the query's without special tokens
+                fed = ids and ids + self.tokenizer(query, add_special_tokens=False).input_ids
             elif i:
-                prompt, query = self.follow_up(dataset, turns[i - 1], turn, turns[-1]), ""
+                prompt, query, fed = self.follow_up(dataset, turns[i - 1], turn, turns[-1]), "", None
             else:
-                prompt = head
+                prompt, fed = head, ids
             label = meta["label"]
             yield Sample(id=f"{dataset}/{index}/{i}", dataset=dataset, prompt=prompt, query=split(prompt, query)[1],
                          max_new_tokens=table[turn["task"]] if isinstance(table, dict) else table,
                          answers=[str(a) for a in label] if isinstance(label, list) else [str(label)], chat=False,
                          meta=meta, group=f"{dataset}/{index}", turn=i, follow_up=multi_turn and i > 0,
-                         keep_answer=multi_turn and not golden)
+                         keep_answer=multi_turn and not golden, ids=fed)
 
     def score(self, sample: Sample, prediction: str) -> float:
         meta = sample.meta

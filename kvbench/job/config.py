@@ -364,6 +364,7 @@ def check(cfg: Any, preset: str | None = None) -> JobSpec:
             if not isinstance(plain.get(group), dict):
                 raise ConfigError(f"{group}: missing; it is required (see conf/config.yaml)")
         top = OmegaConf.to_object(cfg)
+        plain["task"].update(dataclasses.asdict(top.task) if dataclasses.is_dataclass(top.task) else {})  # implied values
     except OmegaConfBaseException as e:
         raise ConfigError(f"{e.full_key}: {str(e.msg).splitlines()[0]}") from None
     for prefix, node, given in (("", top, plain), ("model.", top.model, plain["model"]), ("task.", top.task, plain["task"])):

@@ -22,7 +22,10 @@ def prompt_text(loaded: Any, sample: Sample) -> tuple[str, dict]:
 
 
 def encode_prompt(loaded: Any, sample: Sample) -> list[int]:
-    """Token ids of a sample's prompt: :func:`prompt_text` tokenized (``apply_chat_template(tokenize=True)``'s ids)."""
+    """Token ids of a sample's prompt: :func:`prompt_text` tokenized (``apply_chat_template(tokenize=True)``'s ids),
+    or the task's own ``sample.ids``."""
+    if sample.ids is not None:
+        return list(sample.ids)
     text, kwargs = prompt_text(loaded, sample)
     return [int(i) for i in loaded.tokenizer(text, **kwargs)["input_ids"]]
 
@@ -44,6 +47,8 @@ def split_prompt(loaded: Any, sample: Sample, compress: str = "prompt") -> tuple
     (without special tokens) as kvpress's ``KVPressTextGenerationPipeline.preprocess`` does."""
     if compress != "context":
         return encode_prompt(loaded, sample), 0
+    if sample.ids is not None:  # the task's own ids (SCBench's cut ones) end in the query part, tokenized alone
+        return list(sample.ids), len(loaded.tokenizer(sample.query, add_special_tokens=False)["input_ids"])
     mark = "\ue000"  # a private-use character: in no template or prompt
     cut = len(sample.prompt) - len(sample.query)
     text, kwargs = prompt_text(loaded, replace(sample, prompt=sample.prompt[:cut] + mark + sample.prompt[cut:]))

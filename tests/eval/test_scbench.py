@@ -10,6 +10,7 @@ import re
 import string
 from collections import Counter
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -17,6 +18,7 @@ from eval import TaskConfigError
 from eval.infinitebench import score_sum
 from eval.scbench import DATASETS, FIRST_TURN, FOLLOW_UP, FOLLOW_UP_CHAT, MAX_NEW_TOKENS, SCBenchTask, turn_of
 from eval.scbench_metrics import SCORERS, score_repoqa
+from kvbench.job.prompts import encode_prompt, split_prompt
 from tests.eval.test_infinitebench import o_choice as official_choice  # the same function in SCBench
 from tests.kvbench.cli_util import byte_tokenizer, make_tiny_model_dir, read_lines, run_cli, tiny_model_args
 
@@ -147,6 +149,7 @@ def official_ids(name, tok, mode, chat, own, max_seq_length, max_turns=5):
                                            ("multi_request", True, False), ("multi_request", False, False)])
 @pytest.mark.parametrize("max_seq_length", [131072, 2300, 1000])
 def test_samples_give_the_official_input_ids_and_generation_limits(tok, mode, chat, own, max_seq_length):
+    loaded = SimpleNamespace(tokenizer=tok, chat_template=None)  # the job's encode_prompt: SCBench's samples are plain
     SCBenchTask.validate(cfg())
     task = SCBenchTask(cfg(mode=mode, chat_template=chat, golden_context=not own, max_length=max_seq_length), tok)
     samples = list(task.samples())
@@ -154,9 +157,8 @@ def test_samples_give_the_official_input_ids_and_generation_limits(tok, mode, ch
     for name in DATASETS:
         mine = [s for s in samples if s.dataset == name]
         want = official_ids(name, tok, mode, chat, own, max_seq_length)
-        got = [(tok(s.prompt, add_special_tokens=not s.follow_up).input_ids, s.max_new_tokens) for s in mine]
-        if name == "scbench_qa_chn" and max_seq_length < 10_000:  # cut inside a UTF-8 character: compare the text
-            got, want = [(tok.decode(i), n) for i, n in got], [(tok.decode(i), n) for i, n in want]
+        got = [(tok(s.prompt, add_special_tokens=False).input_ids if s.follow_up else encode_prompt(loaded, s),
+                s.max_new_tokens) for s in mine]
         assert got == want, name
         for s in mine:
             assert s.group == f"{name}/0" and s.id == f"{name}/0/{s.turn}" and not s.chat
@@ -165,6 +167,24 @@ def test_samples_give_the_official_input_ids_and_generation_limits(tok, mode, ch
             assert s.prompt.endswith(s.query) and bool(s.query) == (not s.follow_up)
     negative = mode == "multi_request" and max_seq_length == 1000  # a budget < 0 leaves the prompt whole
     assert any(s.meta.get("truncated") for s in samples) == (max_seq_length < 10_000 and not negative)
+
+
+@pytest.mark.parametrize("mode", ["multi_turn", "multi_request"])
+def test_a_context_cut_inside_a_character_feeds_the_kept_ids(tok, mode):
+    """get_pred hands truncate_by_tokens' ids to the model as they are: their text re-encoded differs where the cut
+    splits a UTF-8 character (scbench_qa_chn, one token per byte); task.compress=context leaves each query apart."""
+    length = 305 + 40 * len(rows("scbench_qa_chn")[0]["multi_turns"]) + 1000 * (mode == "multi_request")
+    samples = list(SCBenchTask(cfg(datasets=["scbench_qa_chn"], mode=mode, chat_template=False, max_length=length),
+                               tok).samples())
+    want = [ids for ids, _ in official_ids("scbench_qa_chn", tok, mode, False, False, length)]
+    loaded = SimpleNamespace(tokenizer=tok, chat_template=None)
+    assert samples[0].meta["truncated"] and encode_prompt(loaded, samples[0]) == want[0]
+    assert tok(samples[0].prompt).input_ids != want[0]
+    if mode == "multi_request":
+        splits = [split_prompt(loaded, s, "context") for s in samples]
+        assert [ids for ids, _ in splits] == want
+        assert len({str(ids[:-q]) for ids, q in splits}) == 1  # one context: compressed once for the row
+        assert [ids[-q:] for ids, q in splits] == [tok(s.query, add_special_tokens=False).input_ids for s in samples]
 
 
 def test_query_parts_and_templates_verbatim(tok):
@@ -334,13 +354,25 @@ def test_repoqa_equals_pass_at_1_of_repo_qa_utils(tok):
                         task.needles[("scbench_repoqa", "toy/mathutils")]) == 1.0
 
 
+def test_multi_request_implies_one_compression_of_the_shared_context():
+    """SCBench's multi-request shares the context: ``task.mode=multi_request`` implies ``task.compress=context`` (the
+    job is the one named with it); multi-turn keeps its choice."""
+    from kvbench.job.config import check, compose
+
+    args = ["task=scbench", f"task.data_dir={DATA}", "task.datasets=[scbench_kv]"]
+    implied, named, turns = (check(compose(args + extra)) for extra in (
+        ["task.mode=multi_request"], ["task.mode=multi_request", "task.compress=context"], ["task.mode=multi_turn"]))
+    assert implied.cfg["task"]["compress"] == "context" and implied.relpath == named.relpath
+    assert turns.cfg["task"]["compress"] == "prompt" and "compress" not in turns.identity["task"]
+
+
 @pytest.mark.slow
 def test_a_job_runs_every_turn_in_both_modes(tmp_path):
     model = make_tiny_model_dir(tmp_path / "model")
     out = tmp_path / "out"
     done = run_cli(["-m", *tiny_model_args(model), "task=scbench", f"task.data_dir={DATA}", "task.datasets=[scbench_kv]",
                     "task.chat_template=false", "task.mode=multi_turn,multi_request", "method=snapkv", "budget=0.25",
-                    "task.compress=context", "max_samples=3", f"output_root={out}", "quiet=true", "threads=1"])
+                    "max_samples=3", f"output_root={out}", "quiet=true", "threads=1"])
     assert done.returncode == 0, done.stderr[-2000:]
     runs = sorted(out.rglob("predictions.jsonl"))
     assert len(runs) == 2
@@ -348,5 +380,7 @@ def test_a_job_runs_every_turn_in_both_modes(tmp_path):
         records = read_lines(pred)
         assert [r["id"] for r in records] == ["scbench_kv/0/0", "scbench_kv/0/1", "scbench_kv/0/2"]
         assert all(r["error"] is None for r in records)
+        if "multi_request" in (pred.parent / "config.yaml").read_text():  # one compression of the row's context
+            assert [(r["group"], r["group_compressions"]) for r in records] == [("scbench_kv/0", 1)] * 3
         summary = json.loads((pred.parent / "summary.json").read_text())
         assert set(summary["averages"]) >= {"scbench", "scbench_kv turn 0", "scbench_kv turn 2"}
