@@ -19,12 +19,12 @@ code renders them, with the tokenizer's chat template (``task.chat_template``, t
   rendering of the lone system message, ``This paper`` appended for ``scbench_summary``; ``scbench_mf``'s chat
   follow-ups all name the last turn's target, as the official list comprehension does.
 * ``multi_request`` (``create_scdq_prompt``, ``--same_context_different_query``): each question is a sample whose
-  prompt is the context prompt + that question's query prompt (query = the latter), so that
-  ``task.compress=context`` compresses the context once for the group.
+  prompt is the context prompt + that question's query prompt (query = the latter); the mode implies
+  ``task.compress=context``: the context is compressed once for the group.
 
-Truncation (``get_pred``): only the context-bearing prompt, by tokens, in the middle, to ``max_input_length =
-max_seq_length - max_new_tokens × turns`` (the mixed tasks: ``- sum(max_new_tokens) × turns // 2``; minus 1000 more
-in ``multi_request``), ``turns`` = the first row's turn count after ``max_turns``; ``task.max_length`` is
+Truncation (``get_pred``): only the context-bearing prompt, by tokens, in the middle (the kept ids are fed as they
+are: ``Sample.ids``), to ``max_input_length = max_seq_length - max_new_tokens × turns`` (the mixed tasks: ``-
+sum(max_new_tokens) × turns // 2``; minus 1000 more in ``multi_request``), ``turns`` = the first row's turn count after ``max_turns``; ``task.max_length`` is
 SCBench's ``--max_seq_length`` (official 131072; null: the model's input budget). Each question generates up to its
 task's ``DATA_NAME_TO_MAX_NEW_TOKENS`` (a mixed dataset: its turn's ``task``). Scores: :mod:`eval.scbench_metrics`.
 Data: ``task.data_dir`` (``<dataset>.jsonl`` files holding the Hub's rows) or ``data/<dataset>.jsonl`` of the Hub
