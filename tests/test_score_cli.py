@@ -122,7 +122,7 @@ def test_score_task_file_official_fields_candidates_and_scorer(tmp_path, capsys)
         {"prediction": "no idea", "answer": "3", "problem": "b", "generated_tokens": 30},
         {"prediction": "\\boxed{3}", "answer": "3", "problem": "b", "generated_tokens": 40}])
     assert main(["--task", "math500", str(tmp_path / "m.jsonl")]) == 0
-    result = json.loads((tmp_path / "m.result.json").read_text())
+    result = json.loads((tmp_path / "m.math500.result.json").read_text())
     assert result["datasets"] == {"math500": {"score": 75.0, "n": 2}}
     assert result["pass_at_k"]["math500"] | {} == {"pass@1": 75.0, "pass@1_se": 25.0, "pass@k": {"1": 75.0, "2": 100.0},
                                                    "answered": 75.0, "generated_tokens": 25.0, "problems": 2,
@@ -131,7 +131,10 @@ def test_score_task_file_official_fields_candidates_and_scorer(tmp_path, capsys)
     assert json.loads((tmp_path / "result.json").read_text())["datasets"]["math500"]["score"] == 25.0  # only "3"
     write(tmp_path, "g.jsonl", [{"prediction": "\\boxed{2000}", "answer": "1,000 * 2\n#### 2,000"}])
     assert main(["--task", "gsm8k", str(tmp_path / "g.jsonl")]) == 0
-    assert json.loads((tmp_path / "g.result.json").read_text())["datasets"] == {"gsm8k": {"score": 100.0, "n": 1}}
+    assert json.loads((tmp_path / "g.gsm8k.result.json").read_text())["datasets"] == {"gsm8k": {"score": 100.0, "n": 1}}
+    assert main(["--task", "math500", str(tmp_path / "g.jsonl")]) == 0  # a second task: its own file, the first kept
+    assert json.loads((tmp_path / "g.gsm8k.result.json").read_text())["task"] == "gsm8k"
+    assert json.loads((tmp_path / "g.math500.result.json").read_text())["task"] == "math500"
 
 
 def test_score_task_file_other_tasks(tmp_path):
@@ -141,13 +144,13 @@ def test_score_task_file_other_tasks(tmp_path):
                                  {"prediction": "The correct answer is A", "answer": "C", "difficulty": "easy",
                                   "length": "long"}])
     assert main(["--task", "longbench_v2", str(tmp_path / "v2.jsonl")]) == 0
-    out = json.loads((tmp_path / "v2.result.json").read_text())
+    out = json.loads((tmp_path / "v2.longbench_v2.result.json").read_text())
     assert out["datasets"] == {"longbench_v2": {"score": 50.0, "n": 2}}
     assert (out["averages"]["hard"], out["averages"]["easy"], out["averages"]["long"]) == (100.0, 0.0, 0.0)
     write(tmp_path, "lb.jsonl", [{"prediction": "3", "answers": ["3"], "dataset": "passage_count"},
                                  {"prediction": "4", "answers": ["3"], "dataset": "passage_count"}])
     assert main(["--task", "longbench", str(tmp_path / "lb.jsonl")]) == 0
-    assert json.loads((tmp_path / "lb.result.json").read_text())["datasets"] == {"passage_count": {"score": 50.0, "n": 2}}
+    assert json.loads((tmp_path / "lb.longbench.result.json").read_text())["datasets"] == {"passage_count": {"score": 50.0, "n": 2}}
 
 
 @pytest.mark.parametrize("args, rows, key", [

@@ -252,13 +252,17 @@ def gguf_spm_as_bpe(tokenizer: Any, gguf_path: Path) -> bool:
 
 
 def source_error(source: str, path: str, err: Exception, what: str) -> ConfigError:
-    """The one-line error for a model source that cannot be read: a local ``path`` (``what`` and why), or a Hub id."""
+    """The one-line error for a model source that cannot be read: a local ``path`` (``what`` and why), or a Hub id
+    neither in the local Hugging Face cache (offline) nor on the Hub."""
+    from huggingface_hub import constants
+
+    why = (str(err).strip().splitlines() or [type(err).__name__])[0]
     if Path(path).exists():
-        why = (str(err).strip().splitlines() or [type(err).__name__])[0]
         return ConfigError(f"model.source={source!r}: {what} ({why})")
-    return ConfigError(f"model.source={source!r}: cannot load it from the Hugging Face Hub ({type(err).__name__}); "
-                       f"download it where the Hub is reachable (`hf download {source} --local-dir DIR`) and pass "
-                       "model.source=DIR")
+    where = ("not in the local Hugging Face cache, and the Hub is offline (HF_HUB_OFFLINE=1)" if constants.HF_HUB_OFFLINE
+             else f"the Hugging Face Hub cannot serve it ({why})")
+    return ConfigError(f"model.source={source!r}: no such local path; as a Hub id {where}: check the id, or pass a "
+                       "local model.source=DIR")
 
 
 def read_config(model_cfg: dict, source: tuple[str, str | None] | None = None) -> Any:

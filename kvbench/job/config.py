@@ -39,6 +39,12 @@ DTYPES = ("float32", "bfloat16", "float16")
 DEVICE_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")
 
 
+def need(ok: Any, key: str, value: Any, rule: str) -> None:
+    """Unless ``ok``, ConfigError ``<key>=<value>: <rule>``: every check names exactly the key it checks."""
+    if not ok:
+        raise ConfigError(f"{key}={value}: {rule}")
+
+
 @dataclass
 class Shard:
     index: int = 0
@@ -78,13 +84,14 @@ class Cache:
     residual: int = 128  # tokens per quantized block: the last (T mod residual) stay in full precision; 0: group_size
 
     def __post_init__(self):
-        if self.bits not in (None, 2, 4, 8):
-            raise ConfigError(f"cache.bits={self.bits}: accepted values are null (the model dtype), 2, 4, 8")
-        if self.group_size < 1:
-            raise ConfigError(f"cache.group_size={self.group_size}: must be an integer >= 1 (it divides the head dim)")
-        if self.residual < 0 or self.residual % self.group_size:
-            raise ConfigError(f"cache.residual={self.residual}: must be 0 or a multiple of cache.group_size="
-                              f"{self.group_size} (keys are quantized in whole groups of tokens)")
+        need(self.bits in (None, 2, 4, 8), "cache.bits", self.bits, "accepted values are null (the model dtype), 2, 4, 8")
+        need(self.group_size >= 1, "cache.group_size", self.group_size, "must be an integer >= 1 (it divides the head dim)")
+        need(self.residual >= 0, "cache.residual", self.residual, "must be an integer >= 0 (0: cache.group_size)")
+        key = "group_size" if self.residual == Cache.residual else "residual"  # the one set: the default is right
+        rule = (f"must divide cache.residual={self.residual}" if key == "group_size" else
+                f"must be 0 or a multiple of cache.group_size={self.group_size}")
+        need(not self.residual % self.group_size, f"cache.{key}", getattr(self, key), f"{rule} (keys are quantized in "
+             "whole groups of tokens)")
 
 
 @dataclass
@@ -115,44 +122,37 @@ class TopConfig:
 
     def __post_init__(self):
         self.budget = check_budget(self.budget)
-        if not -2**63 <= self.seed < 2**64:
-            raise ConfigError(f"seed={self.seed}: must be an integer from -2**63 to 2**64 - 1 (torch.manual_seed's range)")
-        if self.device not in ("auto", "cpu", "cuda", "mps") and not (self.device.startswith("cuda:")
-                                                                      and self.device[5:].isdigit()):
-            raise ConfigError(f"device={self.device}: accepted values are auto, cpu, cuda, cuda:<index>, mps")
-        if self.max_samples is not None and self.max_samples < 1:
-            raise ConfigError(f"max_samples={self.max_samples}: must be an integer >= 1 or null")
-        if self.shard.count < 1 or not 0 <= self.shard.index < self.shard.count:
-            raise ConfigError(f"shard.index={self.shard.index}, shard.count={self.shard.count}: accepted values are "
-                              "count >= 1 and 0 <= index < count")
-        if self.lock_wait_s < 0:
-            raise ConfigError(f"lock_wait_s={self.lock_wait_s}: must be a number of seconds >= 0")
-        if self.threads != "auto" and self.threads is not None and (not isinstance(self.threads, int)
-                                                                    or not 1 <= self.threads <= 4 * (os.cpu_count() or 1)):
-            raise ConfigError(f"threads={self.threads}: accepted values are auto, null or an integer from 1 to "
-                              f"{4 * (os.cpu_count() or 1)} (4 x this machine's cores)")
-        if self.compile not in ("auto", True, False):
-            raise ConfigError(f"compile={self.compile}: accepted values are auto, true, false")
-        d, s = self.decode, self.sampling
-        if d.interval < 0 or d.schedule not in ("steps", "length"):
-            raise ConfigError(f"decode.interval={d.interval}, decode.schedule={d.schedule}: accepted values are an "
-                              "integer >= 0 (0: off) and steps, length")
-        if d.interval and self.compile is True:
-            raise ConfigError(f"decode.interval={d.interval}: needs eager decoding (compile=false or auto)")
-        if not d.prefill and not d.interval:
-            raise ConfigError("decode.prefill=false: decode-only compression needs decode.interval > 0 (0: at the end "
-                              "of prefill only)")
-        if s.n < 1 or s.temperature < 0 or not 0 < s.top_p <= 1 or s.top_k < 0 or (s.n > 1 and not s.temperature):
-            raise ConfigError(f"sampling.n={s.n}, temperature={s.temperature}, top_p={s.top_p}, top_k={s.top_k}: "
-                              "accepted values are n >= 1 (> 1 only with temperature > 0), temperature >= 0 (0: greedy), "
-                              "0 < top_p <= 1, top_k >= 0 (0: off)")
-        if not str(self.output_root).strip():
-            raise ConfigError("output_root='': must name a folder for the results (default: results)")
-        if self.run_tag is not None and ("/" in str(self.run_tag) or not str(self.run_tag).strip()):
-            raise ConfigError(f"run_tag={self.run_tag}: must be a non-empty name without '/' (a suffix of the job folder)")
-        if self.run_name is not None and (Path(self.run_name).is_absolute() or ".." in Path(self.run_name).parts
-                                          or not self.run_name.strip()):
-            raise ConfigError(f"run_name={self.run_name}: must be a relative folder path inside output_root (no '..')")
+        cores, d, s = 4 * (os.cpu_count() or 1), self.decode, self.sampling
+        need(-2**63 <= self.seed < 2**64, "seed", self.seed, "must be an integer from -2**63 to 2**64 - 1 (torch.manual_seed's range)")
+        need(self.device in ("auto", "cpu", "cuda", "mps") or (self.device.startswith("cuda:") and self.device[5:].isdigit()),
+             "device", self.device, "accepted values are auto, cpu, cuda, cuda:<index>, mps")
+        need(self.max_samples is None or self.max_samples >= 1, "max_samples", self.max_samples, "must be an integer >= 1 or null")
+        need(self.shard.count >= 1, "shard.count", self.shard.count, "must be an integer >= 1")
+        need(0 <= self.shard.index < self.shard.count, "shard.index", self.shard.index, f"must be from 0 to shard.count - 1 "
+             f"({self.shard.count - 1})")
+        need(self.lock_wait_s >= 0, "lock_wait_s", self.lock_wait_s, "must be a number of seconds >= 0")
+        need(self.threads in ("auto", None) or (isinstance(self.threads, int) and 1 <= self.threads <= cores), "threads",
+             self.threads, f"accepted values are auto, null or an integer from 1 to {cores} (4 x this machine's cores)")
+        need(self.compile in ("auto", True, False), "compile", self.compile, "accepted values are auto, true, false")
+        need(d.interval >= 0, "decode.interval", d.interval, "must be an integer >= 0 (0: off)")
+        need(d.schedule in ("steps", "length"), "decode.schedule", d.schedule, "accepted values are steps, length")
+        need(not (d.interval and self.compile is True), "decode.interval", d.interval,
+             "needs eager decoding (compile=false or auto)")
+        need(d.prefill or d.interval, "decode.prefill", d.prefill, "decode-only compression needs decode.interval > 0 "
+             "(0: at the end of prefill only)")
+        need(s.temperature >= 0, "sampling.temperature", s.temperature, "must be a number >= 0 (0: greedy)")
+        need(s.n >= 1 and (s.n == 1 or s.temperature), "sampling.n", s.n, "must be an integer >= 1 (> 1 only with "
+             "sampling.temperature > 0)")
+        need(0 < s.top_p <= 1, "sampling.top_p", s.top_p, "must be a number with 0 < top_p <= 1")
+        need(s.top_k >= 0, "sampling.top_k", s.top_k, "must be an integer >= 0 (0: off)")
+        root = Path(str(self.output_root)).expanduser().absolute()
+        need(str(self.output_root).strip() and next(p for p in (root, *root.parents) if p.exists()).is_dir(), "output_root",
+             repr(self.output_root), "must name a folder for the results, not a file or a path under one (default: results)")
+        need(self.run_tag is None or ("/" not in str(self.run_tag) and str(self.run_tag).strip()), "run_tag", self.run_tag,
+             "must be a non-empty name without '/' (a suffix of the job folder)")
+        need(self.run_name is None or not (Path(self.run_name).is_absolute() or ".." in Path(self.run_name).parts
+                                           or not self.run_name.strip()), "run_name", self.run_name,
+             "must be a relative folder path inside output_root (no '..')")
 
 
 @dataclass
@@ -175,27 +175,21 @@ class ModelConfig:
     compress_sliding_layers: bool = False  # Gemma 2/3: also compress sliding-window layers when a prompt fits their window
 
     def __post_init__(self):
-        if self.chat_template not in (True, False, "none", *CHAT_FORMATS):
-            raise ConfigError(f"model.chat_template={self.chat_template}: accepted values are true (the tokenizer's "
-                              f"template), {', '.join(CHAT_FORMATS)}, none")
-        if self.tokenizer not in ("fast", "slow"):
-            raise ConfigError(f"model.tokenizer={self.tokenizer}: accepted values are fast, slow")
-        if self.gguf_cache not in ("auto", True, False):
-            raise ConfigError(f"model.gguf_cache={self.gguf_cache}: accepted values are auto, true, false")
+        need(self.chat_template in (True, False, "none", *CHAT_FORMATS), "model.chat_template", self.chat_template,
+             f"accepted values are true (the tokenizer's template), {', '.join(CHAT_FORMATS)}, none")
+        need(self.tokenizer in ("fast", "slow"), "model.tokenizer", self.tokenizer, "accepted values are fast, slow")
+        need(self.gguf_cache in ("auto", True, False), "model.gguf_cache", self.gguf_cache, "accepted values are auto, true, false")
         for dev, name in self.dtype.items():
-            if name not in DTYPES:
-                raise ConfigError(f"model.dtype.{dev}={name}: accepted values are {', '.join(DTYPES)}")
-        if self.max_input_length < 2:
-            raise ConfigError(f"model.max_input_length={self.max_input_length}: must be an integer >= 2 (tokens)")
-        if not all(isinstance(t, str) for t in self.stop_tokens):
-            raise ConfigError(f"model.stop_tokens={self.stop_tokens}: must be a list of token strings, e.g. ['<|im_end|>']")
-        if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in self.stop_ids):
-            raise ConfigError(f"model.stop_ids={self.stop_ids}: must be a list of token ids (integers >= 0)")
+            need(name in DTYPES, f"model.dtype.{dev}", name, f"accepted values are {', '.join(DTYPES)}")
+        need(self.max_input_length >= 2, "model.max_input_length", self.max_input_length, "must be an integer >= 2 (tokens)")
+        need(all(isinstance(t, str) for t in self.stop_tokens), "model.stop_tokens", self.stop_tokens,
+             "must be a list of token strings, e.g. ['<|im_end|>']")
+        need(all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in self.stop_ids), "model.stop_ids",
+             self.stop_ids, "must be a list of token ids (integers >= 0)")
         dm = self.device_map
-        if not (dm is None or isinstance(dm, dict) or dm in DEVICE_MAPS or dm == "cpu"
-                or (isinstance(dm, int) and dm >= 0) or (isinstance(dm, str) and dm.startswith("cuda"))):
-            raise ConfigError(f"model.device_map={dm}: accepted values are null, {', '.join(DEVICE_MAPS)}, a device "
-                              "(cpu, cuda, cuda:1, a GPU index) or a mapping of module names to devices")
+        need(dm is None or isinstance(dm, dict) or dm in DEVICE_MAPS or dm == "cpu" or (isinstance(dm, int) and dm >= 0)
+             or (isinstance(dm, str) and dm.startswith("cuda")), "model.device_map", dm, f"accepted values are null, "
+             f"{', '.join(DEVICE_MAPS)}, a device (cpu, cuda, cuda:1, a GPU index) or a mapping of module names to devices")
 
 
 def conf_model(name: str, key: str = "--model") -> dict:

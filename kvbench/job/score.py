@@ -3,7 +3,8 @@
 (``--e``: per length bucket, ``null`` for an empty one); stricter than ``eval.py``: two files of one dataset, an
 empty file or a wrongly typed field are errors (docs/LONGBENCH.md).
 ``kvbench score --task NAME FILE [task.KEY=VALUE ...]``: a task's own metric and summary over a JSONL file of
-``prediction`` beside the task's reference fields; lines sharing ``problem`` are candidates (docs/REASONING.md).
+``prediction`` beside the task's reference fields; lines sharing ``problem`` are candidates (docs/REASONING.md); into
+``<FILE stem>.<NAME>.result.json`` (one file per task) or ``--out``.
 """
 
 import json
@@ -97,7 +98,7 @@ def score_file(path: Path, name: str, overrides: list[str]) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Score DIR (or FILE with ``--task``), write ``result.json`` (DIR/result.json, ``<FILE stem>.result.json`` or
+    """Score DIR (or FILE with ``--task``), write ``result.json`` (DIR/result.json, ``<FILE stem>.<task>.result.json`` or
     ``--out``) and print it. Returns 0, or 2 on a user error (one line on stderr)."""
     parser = ArgParser(prog="kvbench score", description=__doc__.split("\n\n")[0])
     parser.add_argument("dir", type=Path, metavar="DIR|FILE",
@@ -109,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.overrides and not args.task or any(not o.startswith("task.") for o in args.overrides):
         parser.error(f"{args.overrides[0]!r}: settings are task.KEY=VALUE, with --task only")
-    out = Path(args.out) if args.out else (args.dir.with_name(args.dir.stem + ".result.json") if args.task
+    out = Path(args.out) if args.out else (args.dir.with_name(f"{args.dir.stem}.{args.task}.result.json") if args.task
                                            else args.dir / "result.json")
     if args.out and (out.is_dir() or args.out.endswith("/")):
         out = out / "result.json"

@@ -56,6 +56,11 @@ CASES = [
     ("decode-only-without-interval", ["decode.prefill=false"], "decode.prefill"),
     ("decode-method-that-cannot", ["method=headkv", "budget=64", "decode.interval=16"], "decode.interval"),
     ("sampling-n-greedy", ["sampling.n=4"], "sampling.n"),
+    ("sampling-n-zero", ["sampling.n=0"], "sampling.n=0"),
+    ("sampling-top-p", ["sampling.top_p=0"], "sampling.top_p=0"),
+    ("decode-schedule-misspelled", ["decode.schedule=stepz"], "decode.schedule=stepz"),
+    ("cache-group-size-not-dividing-the-residual", ["cache.bits=4", "cache.group_size=48"], "cache.group_size=48"),
+    ("cache-residual-not-a-multiple", ["cache.bits=4", "cache.residual=100"], "cache.residual=100"),
     ("run-name-escapes", ["run_name=../../elsewhere"], "run_name"),
     ("model-deleted", ["~model"], "model"),
     ("niah-length-scalar", ["task.context_lengths=512"], "task.context_lengths"),
@@ -140,6 +145,22 @@ def test_bad_input_is_one_line_naming_the_key_and_exit_2(tmp, refused, case_id, 
     assert not any(out_root.rglob("predictions.jsonl")) and not any(out_root.rglob("env.json"))
 
 
+#: cases whose line must begin with the key (a check names exactly its own key, never a neighbour's)
+OWN_KEY = ("sampling-n-zero", "sampling-top-p", "decode-schedule-misspelled", "cache-group-size-not-dividing-the-residual",
+           "cache-residual-not-a-multiple", "hub-id-offline")
+
+
+@pytest.mark.parametrize("case_id", OWN_KEY)
+def test_the_line_begins_with_the_key_it_blames(refused, case_id):
+    code, stderr = refused[case_id]
+    key = dict((c[0], c[2]) for c in CASES)[case_id]
+    assert code == 2 and stderr.startswith(f"error: {key}"), stderr[-2000:]
+    others = {"sampling-n-zero": ("top_p", "top_k"), "decode-schedule-misspelled": ("decode.interval",)}
+    assert not any(k in stderr for k in others.get(case_id, ()))
+    if case_id == "hub-id-offline":  # not found locally, the Hub offline: no advice to download a misspelled id
+        assert "HF_HUB_OFFLINE=1" in stderr and "download" not in stderr
+
+
 def test_a_model_that_fails_to_load_leaves_no_job_folder(tmp, tiny_model_dir):
     from tests.kvbench.cli_util import tiny_model_args
 
@@ -162,11 +183,11 @@ def test_cuda_device_on_a_machine_without_cuda(tmp):
     assert out.returncode == 2 and out.stderr.startswith("error: device=cuda") and len(out.stderr.splitlines()) == 1
 
 
-def test_output_root_at_or_under_a_file_is_one_line_and_exit_1(tmp):
-    for root in (f"{tmp}/afile/results", f"{tmp}/afile"):  # an I/O error (README's exit codes)
+def test_output_root_at_or_under_a_file_is_refused_before_the_model_loads(tmp):
+    for root in (f"{tmp}/afile/results", f"{tmp}/afile"):
         out = run_cli([f"output_root={root}"])
-        assert out.returncode == 1 and len(out.stderr.splitlines()) == 1, out.stderr[-2000:]
-        assert out.stderr.startswith(f"error: output_root={root}: ") and "Not a directory" in out.stderr
+        assert out.returncode == 2 and len(out.stderr.splitlines()) == 1, out.stderr[-2000:]
+        assert out.stderr.startswith(f"error: output_root='{root}': ")
 
 
 def test_sbatch_refusing_a_slurm_sweep_is_its_one_line_and_exit_1(tmp):
