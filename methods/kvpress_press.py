@@ -120,11 +120,15 @@ def make_press(name: Any, kwargs: Any, key: str = "press") -> Any:
         except Exception as e:  # noqa: BLE001 - any reader's error: one line
             raise ConfigError(f"method.{key}_kwargs.artifact={artifact!r}: cannot read it ({type(e).__name__}: "
                               f"{str(e).splitlines()[0] if str(e) else ''})") from None
-    needs = "the kmfoda/booksum data set" if getattr(press, "on_the_fly_scoring", False) else (
+    fly = getattr(press, "on_the_fly_scoring", False)  # DuoAttention scoring its heads on kmfoda/booksum
+    needs = "the kmfoda/booksum data set" if fly else (
         ARTIFACTS.get(name, ("",))[0] if artifact is None and not getattr(press, "stats_folder", None) else "")
-    require(not (needs and constants.HF_HUB_OFFLINE), f"{key}_kwargs.artifact", artifact,
-            f"{name} needs {needs}, which kvpress fetches by the model's name, and the Hub is offline "
-            "(HF_HUB_OFFLINE=1): give a local path or Hub id")
+    route = ("set it false and give press_kwargs.artifact=<a DuoAttention pattern folder>" if fly else
+             "give press_kwargs.artifact=<a local copy>" if ARTIFACTS.get(name, ("", None))[1] else
+             "kvbench takes no local copy of it: run it where the Hub is reachable")
+    require(not (needs and constants.HF_HUB_OFFLINE), f"{key}_kwargs.{'on_the_fly_scoring' if fly else 'artifact'}",
+            True if fly else artifact, f"{name} needs {needs}, which kvpress fetches, and the Hub is offline "
+            f"(HF_HUB_OFFLINE=1): {route}")
     return press
 
 

@@ -27,7 +27,8 @@ Sinks (``n_sink``): null: the template's head (system prompt, user header), neve
 reconstruction query, as the official code's system prompt; an integer s (kvpress: 4): the first s tokens, the
 fed queries attend the first min(s, start) (kvpress's ``n_sink``). Heads keep different numbers of tokens: the
 cache stores each head's own (:func:`methods.base.pack_kept`). Cost: about two prefills more; the record's
-``reconstruct_s`` and ``reconstruct_tokens``. Differences from the official code and kvpress: docs/METHODS.md.
+``reconstruct_s`` and ``reconstruct_tokens``. Differences from the official code and kvpress:
+docs/METHODS.md#kvzip-methodkvzip.
 """
 
 from __future__ import annotations

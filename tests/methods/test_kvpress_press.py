@@ -314,6 +314,21 @@ def test_config_errors_name_the_key():
             assert "KnormPress" in str(e.value)  # the accepted presses
 
 
+@pytest.mark.parametrize("cfg, key, route", [
+    ({"press": "QFilterPress"}, "method.press_kwargs.artifact=", "artifact=<a local copy>"),
+    ({"press": "FastKVzipPress"}, "method.press_kwargs.artifact=", "Hub is reachable"),  # no local copy taken
+    ({"press": "DuoAttentionPress", "press_kwargs": {"on_the_fly_scoring": True}},
+     "method.press_kwargs.on_the_fly_scoring=", "set it false"),  # booksum: a pattern folder instead
+])
+def test_offline_refusal_names_the_route_that_works(cfg, key, route, monkeypatch):
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(ConfigError) as e:
+        build_method({"name": "kvpress_press", **cfg})
+    assert str(e.value).startswith(key) and route in str(e.value), str(e.value)
+
+
 def test_refused_press_exits_2_before_the_model_loads(tmp_path, capsys):
     run = run_cli(["method=kvpress", "method.press=DecodingPress", "model.source=/nonexistent", f"output_root={tmp_path}"])
     assert run.returncode == 2 and "method.press='DecodingPress'" in run.stderr and "decode.interval" in run.stderr

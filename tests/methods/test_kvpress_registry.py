@@ -36,7 +36,7 @@ KNOBS = {"key_channel_compression_ratio": 0.5, "head_compression_ratio": 0.5, "t
 # forward builds one mask from layer 0's length (SDPA: size mismatch); kvbench's cache takes per-layer lengths
 KVPRESS_FAILS = {("kvcompose", "context")}
 REFUSED = {"decoding": "method.press=", "cam": "method.press=", "fastkvzip": "method.press_kwargs.artifact=",
-           "RestoreKV": "method.press_kwargs.artifact=", "duo_attention_on_the_fly": "method.press_kwargs.artifact="}
+           "RestoreKV": "method.press_kwargs.artifact=", "duo_attention_on_the_fly": "method.press_kwargs.on_the_fly_scoring="}
 
 # name: (the press as kvpress 0.5.5's PRESS_REGISTRY writes it, the same press as a kvbench node (press, press_kwargs));
 # "@<artefact>" marks the random artefact of test_artifacts given as press_kwargs.artifact
