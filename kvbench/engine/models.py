@@ -335,10 +335,13 @@ def load_model(model_cfg: dict, device: str = "auto", source: tuple[str, str | N
     if not sys.stderr.isatty():
         hf_logging.disable_progress_bar()  # in a log file the loading bars' redraws are one long line
     cache = gguf_cache_dir(path, gguf_file, model_cfg.get("gguf_cache", "auto")) if gguf_file else None
+    log.info("loading model %s from %s onto %s", model_cfg.get("name"), Path(path, gguf_file or ""), dev)
     loaded = _load_cached(cache, dtype, model_kwargs) if cache is not None else None
     if loaded is not None:
         tokenizer, model = loaded
     else:
+        if gguf_file:
+            log.info("converting %s from GGUF, %s", gguf_file, f"once (cached in {cache})" if cache else "not cached")
         try:
             tokenizer = load_tokenizer(model_cfg, (path, gguf_file))
             first = torch.float32 if cache is not None else dtype  # the cache keeps the exact float32 weights

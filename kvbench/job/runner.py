@@ -198,8 +198,9 @@ class Unit:
 
 class Progress:
     """Progress of a job's samples: on a terminal a tqdm bar; in a log file (SLURM, nohup) a line per sample, at
-    most one a minute (and the last), and a sign of life at least once a minute during a long generation. Each
-    carries done/total, the mean score over every stored record of each job (resumed ones included) and an eta."""
+    most one a minute (and the last), and a sign of life when the first context's prefill starts and at least once a
+    minute during a long generation. Each carries done/total, the mean score over every stored record of each job
+    (resumed ones included; several jobs: each labelled by its folder) and an eta."""
 
     def __init__(self, total: int, stores: list[JobStore], quiet: bool):
         from tqdm import tqdm
@@ -207,11 +208,12 @@ class Progress:
         self.total, self.done, self.quiet, self.interactive = total, 0, quiet, sys.stderr.isatty()
         self.scores = [[100 * r["score"] for r in s.latest().values() if r.get("error") is None and r.get("score") is not None]
                        for s in stores]
+        self.labels = ["/".join(s.path.parts[-2:]) + " " if len(stores) > 1 else "" for s in stores]
         self.bar = tqdm(total=total, desc="samples", unit="sample", disable=quiet or not self.interactive)
         self.t0 = self.last = time.monotonic()
 
     def means(self) -> str:
-        return "/".join(f"{sum(v) / len(v):.2f}" if v else "-" for v in self.scores)
+        return ", ".join(f"{label}{sum(v) / len(v):.2f}" if v else f"{label}-" for label, v in zip(self.labels, self.scores))
 
     def eta(self) -> str:
         if not self.done:
@@ -223,12 +225,18 @@ class Progress:
         if record.get("error") is None:
             self.scores[j].append(100 * record["score"])
 
+    def _alive(self, what: str, now: bool = False) -> None:
+        if not (self.quiet or self.interactive) and (now or time.monotonic() - self.last >= LOG_EVERY_S):
+            self.last = time.monotonic()
+            log.info("sample %d/%d%s; mean %s, eta %s", self.done + 1, self.total, what, self.means(), self.eta())
+
     def step(self, generated: int) -> None:
         """A decode step of the current sample (``Engine.on_decode_step``): a sign of life in a log file."""
-        if not (self.quiet or self.interactive) and time.monotonic() - self.last >= LOG_EVERY_S:
-            self.last = time.monotonic()
-            log.info("sample %d/%d: generating, %d tokens so far; mean %s, eta %s", self.done + 1, self.total,
-                     generated, self.means(), self.eta())
+        self._alive(f": generating, {generated} tokens so far")
+
+    def starting(self, sample: Sample) -> None:
+        """A unit's prefill begins: a line for the first one (model load to first answer is silent otherwise)."""
+        self._alive(f" {sample.id}: prefilling", now=not self.done)
 
     def sample_done(self, sample: Sample, outcomes: list[str]) -> None:
         self.done += 1
@@ -260,6 +268,7 @@ def run_samples(engines: list[Any], loaded: Any, task: Task, samples: list[Sampl
         engine.on_decode_step = progress.step
     try:
         for unit in todo:
+            progress.starting(unit[0])
             runs = [Unit(engines[j], loaded, task, unit, done[j], sampling, seed) for j in range(len(engines))]
             mine = [j for j, r in enumerate(runs) if any(r.missing(s) for s in unit)]
             first = next(s for s in unit if any(runs[j].missing(s) for j in mine) or s.turn == 0)
@@ -282,8 +291,7 @@ def run_samples(engines: list[Any], loaded: Any, task: Task, samples: list[Sampl
                     progress.scored(j, rec)
                     sid = rec.get("problem", rec["id"])
                     outcomes.setdefault(sid, []).append(
-                        f"{'/'.join(stores[j].path.parts[-2:]) + ' ' if len(stores) > 1 else ''}"
-                        + (f"score {100 * rec['score']:.2f}" if rec["error"] is None else f"failed ({rec['error']['type']})"))
+                        progress.labels[j] + (f"score {100 * rec['score']:.2f}" if rec["error"] is None else f"failed ({rec['error']['type']})"))
                     left[sid] -= 1
                     if not left[sid]:
                         progress.sample_done(by_id[sid], outcomes[sid])

@@ -53,3 +53,16 @@ def test_log_lines_are_at_most_one_a_minute_with_the_resumed_mean_and_an_eta(tmp
     assert len(lines) == 2
     assert lines[0].startswith("sample 2/3: generating, 17 tokens so far; mean 75.00, eta 00:02:40")  # 80 s for 1 sample, 2 left
     assert lines[1] == "sample 3/3 s/3: score 100.00; mean 62.50, eta 00:00:00"  # (50 + 100 + 0 + 100) / 4
+
+
+def test_the_first_prefill_has_a_line_and_several_jobs_label_their_means(tmp_path, clock, caplog):
+    stores = [JobStore(tmp_path / "snapkv" / "b0.25-aaaa"), JobStore(tmp_path / "knorm" / "b0.25-bbbb")]
+    stores[0].append({"id": "s/0", "score": 0.5, "error": None})
+    progress = runner.Progress(total=2, stores=stores, quiet=False)
+    caplog.set_level(logging.INFO, logger="kvbench")
+    progress.starting(sample(1))  # at once: loading to the first answer says what it does
+    clock.now += 10
+    progress.sample_done(sample(1), ["score 0.00"])
+    progress.starting(sample(2))  # within the minute: none
+    assert [r.getMessage() for r in caplog.records] == [
+        "sample 1/2 s/1: prefilling; mean snapkv/b0.25-aaaa 50.00, knorm/b0.25-bbbb -, eta ?"]
