@@ -257,12 +257,9 @@ def source_error(source: str, path: str, err: Exception, what: str) -> ConfigErr
     from huggingface_hub import constants
 
     why = (str(err).strip().splitlines() or [type(err).__name__])[0]
-    if Path(path).exists():
-        return ConfigError(f"model.source={source!r}: {what} ({why})")
-    where = ("not in the local Hugging Face cache, and the Hub is offline (HF_HUB_OFFLINE=1)" if constants.HF_HUB_OFFLINE
-             else f"the Hugging Face Hub cannot serve it ({why})")
-    return ConfigError(f"model.source={source!r}: no such local path; as a Hub id {where}: check the id, or pass a "
-                       "local model.source=DIR")
+    hub = "is offline (HF_HUB_OFFLINE=1)" if constants.HF_HUB_OFFLINE else f"cannot serve it ({why})"
+    return ConfigError(f"model.source={source!r}: {what} ({why})" if Path(path).exists() else f"model.source={source!r}: "
+                       f"no such local path nor Hub id in the local cache, and the Hub {hub}: check the id, or give a folder")
 
 
 def read_config(model_cfg: dict, source: tuple[str, str | None] | None = None) -> Any:
@@ -335,13 +332,12 @@ def load_model(model_cfg: dict, device: str = "auto", source: tuple[str, str | N
     if not sys.stderr.isatty():
         hf_logging.disable_progress_bar()  # in a log file the loading bars' redraws are one long line
     cache = gguf_cache_dir(path, gguf_file, model_cfg.get("gguf_cache", "auto")) if gguf_file else None
-    log.info("loading model %s from %s onto %s", model_cfg.get("name"), Path(path, gguf_file or ""), dev)
+    log.info("loading model %s from %s onto %s%s", model_cfg.get("name"), Path(path, gguf_file or ""), dev,
+             " (converting the GGUF file: a minute or more)" * bool(gguf_file and not (cache and (cache / "COMPLETE").is_file())))
     loaded = _load_cached(cache, dtype, model_kwargs) if cache is not None else None
     if loaded is not None:
         tokenizer, model = loaded
     else:
-        if gguf_file:
-            log.info("converting %s from GGUF, %s", gguf_file, f"once (cached in {cache})" if cache else "not cached")
         try:
             tokenizer = load_tokenizer(model_cfg, (path, gguf_file))
             first = torch.float32 if cache is not None else dtype  # the cache keeps the exact float32 weights

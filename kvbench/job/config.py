@@ -197,9 +197,8 @@ def conf_model(name: str, key: str = "--model") -> dict:
     (:class:`ModelConfig`), for the command-line tools that take ``--model``. ConfigError naming ``key`` and the
     accepted names when there is no such file, or naming the model key that is wrong."""
     path = Path(name) if name.endswith((".yaml", ".yml")) else CONF_MODEL_DIR / f"{name}.yaml"
-    if not path.is_file():
-        names = ", ".join(sorted(p.stem for p in CONF_MODEL_DIR.glob("*.yaml")))
-        raise ConfigError(f"{key}={name!r}: no such model config; accepted values are {names}")
+    need(path.is_file(), key, repr(name), "no such model config; accepted values are "
+         + ", ".join(sorted(p.stem for p in CONF_MODEL_DIR.glob("*.yaml"))))
     node = {k: v for k, v in yaml.safe_load(path.read_text(encoding="utf-8")).items() if k != "defaults"}
     return dataclasses.asdict(structured(ModelConfig, node, "model."))
 
@@ -338,8 +337,8 @@ def device_type(device: str) -> str:
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     kind = device.split(":")[0]
-    if kind == "cuda" and (not torch.cuda.is_available() or int(device[5:] or 0) >= torch.cuda.device_count()):
-        raise ConfigError(f"device={device}: this machine has {torch.cuda.device_count()} CUDA device(s); use device=auto or cpu")
+    need(kind != "cuda" or (torch.cuda.is_available() and int(device[5:] or 0) < torch.cuda.device_count()), "device",
+         device, f"this machine has {torch.cuda.device_count()} CUDA device(s); use device=auto or cpu")
     return kind
 
 
@@ -370,14 +369,12 @@ def check(cfg: Any, preset: str | None = None) -> JobSpec:
     task, name = plain["task"], str(plain["task"].get("name"))
     tasks.get_task_class(name).validate(task)
     methods.check_min_budget(method, top.budget)
-    if method.reads and top.compile is True:
-        raise ConfigError(f"compile=true: method {method.name} decodes eager; use compile=false or auto")
-    if top.decode.interval and method.name != "full":  # the full cache: nothing to cut
-        if not method.decodes:
-            raise ConfigError(f"decode.interval={top.decode.interval}: method {method.name} does not compress while "
-                              "decoding; accepted methods are the scoring ones (docs/DECODING.md)")
-        if top.budget.tokens is None:
-            raise ConfigError(f"decode.interval={top.decode.interval}: needs an integer token budget (budget={top.budget})")
+    need(not (method.reads and top.compile is True), "compile", "true", f"method {method.name} decodes eager; use "
+         "compile=false or auto")
+    cut = top.decode.interval if method.name != "full" else 0  # the full cache: nothing to cut
+    need(not cut or method.decodes, "decode.interval", cut, f"method {method.name} does not compress while decoding; "
+         "accepted methods are the scoring ones (docs/DECODING.md)")
+    need(not cut or top.budget.tokens, "decode.interval", cut, f"needs an integer token budget (budget={top.budget})")
     limit = int(task.get("max_length") or model.max_input_length)
     if task.get("max_new_tokens") and name == "niah" and min(task["context_lengths"]) > limit:
         raise TaskConfigError(f"task.context_lengths={task['context_lengths']}: every length exceeds the prompt budget "
@@ -385,12 +382,12 @@ def check(cfg: Any, preset: str | None = None) -> JobSpec:
     source = resolve_source(plain["model"])
     hf_config = read_config(plain["model"], source)  # the layout and context window, without the weights
     method.layout = layout = head_layout(hf_config, model.name, model.compress_sliding_layers)
-    if (bits := top.cache.bits) and (layout.head_dim % top.cache.group_size or layout.head_dim % (8 // bits)):
-        raise ConfigError(f"cache.group_size={top.cache.group_size}: must divide the model's head dim "
-                          f"({layout.head_dim}, which {8 // bits} {bits}-bit codes per byte must divide too)")
-    if bits and method.per_head_lengths:
-        raise ConfigError(f"cache.bits={bits}: method {method.name} keeps per-head lengths, which the quantized cache "
-                          "does not store; use a method with one length per layer, or cache.bits=null")
+    bits = top.cache.bits
+    need(not bits or not (layout.head_dim % top.cache.group_size or layout.head_dim % (8 // bits)), "cache.group_size",
+         top.cache.group_size, f"must divide the model's head dim ({layout.head_dim}, which {bits and 8 // bits} "
+         f"{bits}-bit codes per byte must divide too)")
+    need(not bits or not method.per_head_lengths, "cache.bits", bits, f"method {method.name} keeps per-head lengths, "
+         "which the quantized cache does not store; use a method with one length per layer, or cache.bits=null")
     artifacts.reset_files_read()
     method.check_layout(layout)  # reads the method's artifact files (head / layer scores)
     window = getattr(hf_config.get_text_config(), "max_position_embeddings", None)

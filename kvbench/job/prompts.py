@@ -22,8 +22,7 @@ def prompt_text(loaded: Any, sample: Sample) -> tuple[str, dict]:
 
 
 def encode_prompt(loaded: Any, sample: Sample) -> list[int]:
-    """Token ids of a sample's prompt: :func:`prompt_text` tokenized (``apply_chat_template(tokenize=True)``'s ids),
-    or the task's own ``sample.ids``."""
+    """Token ids of a sample's prompt: :func:`prompt_text` tokenized (``apply_chat_template(tokenize=True)``'s ids), or ``sample.ids``."""
     if sample.ids is not None:
         return list(sample.ids)
     text, kwargs = prompt_text(loaded, sample)

@@ -197,10 +197,9 @@ class Unit:
 
 
 class Progress:
-    """Progress of a job's samples: on a terminal a tqdm bar; in a log file (SLURM, nohup) a line per sample, at
-    most one a minute (and the last), and a sign of life when the first context's prefill starts and at least once a
-    minute during a long generation. Each carries done/total, the mean score over every stored record of each job
-    (resumed ones included; several jobs: each labelled by its folder) and an eta."""
+    """Progress of a job's samples: on a terminal a tqdm bar; in a log file (SLURM, nohup) a line as the first prefill
+    starts, then a line per sample or a sign of life in a long generation at most once a minute (and the last). Each
+    carries done/total, each job's mean over its stored records (resumed ones too; by job folder) and an eta."""
 
     def __init__(self, total: int, stores: list[JobStore], quiet: bool):
         from tqdm import tqdm
@@ -225,28 +224,24 @@ class Progress:
         if record.get("error") is None:
             self.scores[j].append(100 * record["score"])
 
-    def _alive(self, what: str, now: bool = False) -> None:
+    def _line(self, n: int, what: str, now: bool = False) -> None:  # about sample n: at once when now
         if not (self.quiet or self.interactive) and (now or time.monotonic() - self.last >= LOG_EVERY_S):
             self.last = time.monotonic()
-            log.info("sample %d/%d%s; mean %s, eta %s", self.done + 1, self.total, what, self.means(), self.eta())
+            log.info("sample %d/%d%s; mean %s, eta %s", n, self.total, what, self.means(), self.eta())
 
     def step(self, generated: int) -> None:
         """A decode step of the current sample (``Engine.on_decode_step``): a sign of life in a log file."""
-        self._alive(f": generating, {generated} tokens so far")
+        self._line(self.done + 1, f": generating, {generated} tokens so far")
 
     def starting(self, sample: Sample) -> None:
         """A unit's prefill begins: a line for the first one (model load to first answer is silent otherwise)."""
-        self._alive(f" {sample.id}: prefilling", now=not self.done)
+        self._line(self.done + 1, f" {sample.id}: prefilling", now=not self.done)
 
     def sample_done(self, sample: Sample, outcomes: list[str]) -> None:
         self.done += 1
         self.bar.set_postfix(mean_score=self.means(), refresh=False)
         self.bar.update(1)
-        now = time.monotonic()
-        if not (self.quiet or self.interactive) and (now - self.last >= LOG_EVERY_S or self.done == self.total):
-            self.last = now
-            log.info("sample %d/%d %s: %s; mean %s, eta %s", self.done, self.total, sample.id, ", ".join(outcomes),
-                     self.means(), self.eta())
+        self._line(self.done, f" {sample.id}: {', '.join(outcomes)}", now=self.done == self.total)
 
     def close(self) -> None:
         self.bar.close()

@@ -110,10 +110,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.overrides and not args.task or any(not o.startswith("task.") for o in args.overrides):
         parser.error(f"{args.overrides[0]!r}: settings are task.KEY=VALUE, with --task only")
-    out = Path(args.out) if args.out else (args.dir.with_name(f"{args.dir.stem}.{args.task}.result.json") if args.task
-                                           else args.dir / "result.json")
-    if args.out and (out.is_dir() or args.out.endswith("/")):
-        out = out / "result.json"
+    out = Path(args.out or (args.dir.with_name(f"{args.dir.stem}.{args.task}.result.json") if args.task else args.dir / "result.json"))
+    out = out / "result.json" if args.out and (out.is_dir() or args.out.endswith("/")) else out
     try:
         scores = score_file(args.dir, args.task, args.overrides) if args.task else score_dir(args.dir, longbench_e=args.e)
         text = json.dumps(scores, ensure_ascii=False, indent=4)
