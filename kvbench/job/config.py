@@ -136,13 +136,11 @@ class TopConfig:
         need(self.compile in ("auto", True, False), "compile", self.compile, "accepted values are auto, true, false")
         need(d.interval >= 0, "decode.interval", d.interval, "must be an integer >= 0 (0: off)")
         need(d.schedule in ("steps", "length"), "decode.schedule", d.schedule, "accepted values are steps, length")
-        need(not (d.interval and self.compile is True), "decode.interval", d.interval,
-             "needs eager decoding (compile=false or auto)")
+        need(not d.interval or self.compile is not True, "decode.interval", d.interval, "needs eager decoding (compile=false or auto)")
         need(d.prefill or d.interval, "decode.prefill", d.prefill, "decode-only compression needs decode.interval > 0 "
              "(0: at the end of prefill only)")
         need(s.temperature >= 0, "sampling.temperature", s.temperature, "must be a number >= 0 (0: greedy)")
-        need(s.n >= 1 and (s.n == 1 or s.temperature), "sampling.n", s.n, "must be an integer >= 1 (> 1 only with "
-             "sampling.temperature > 0)")
+        need(s.n >= 1 and (s.n == 1 or s.temperature), "sampling.n", s.n, "must be >= 1 (> 1 only with sampling.temperature > 0)")
         need(0 < s.top_p <= 1, "sampling.top_p", s.top_p, "must be a number with 0 < top_p <= 1")
         need(s.top_k >= 0, "sampling.top_k", s.top_k, "must be an integer >= 0 (0: off)")
         root = Path(str(self.output_root)).expanduser().absolute()

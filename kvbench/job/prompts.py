@@ -22,7 +22,8 @@ def prompt_text(loaded: Any, sample: Sample) -> tuple[str, dict]:
 
 
 def encode_prompt(loaded: Any, sample: Sample) -> list[int]:
-    """Token ids of a sample's prompt: :func:`prompt_text` tokenized (``apply_chat_template(tokenize=True)``'s ids), or ``sample.ids``."""
+    """Token ids of a sample's prompt: ``sample.ids``, else :func:`prompt_text` tokenized (chat: the ids of
+    ``apply_chat_template(tokenize=True)``)."""
     if sample.ids is not None:
         return list(sample.ids)
     text, kwargs = prompt_text(loaded, sample)
