@@ -252,8 +252,7 @@ def gguf_spm_as_bpe(tokenizer: Any, gguf_path: Path) -> bool:
 
 
 def source_error(source: str, path: str, err: Exception, what: str) -> ConfigError:
-    """The one-line error for a model source that cannot be read: a local ``path`` (``what`` and why), or a Hub id
-    neither in the local Hugging Face cache (offline) nor on the Hub."""
+    """The one-line error for a model source that cannot be read: a local ``path`` (``what`` and why), or a Hub id."""
     from huggingface_hub import constants
 
     why = (str(err).strip().splitlines() or [type(err).__name__])[0]
