@@ -218,6 +218,9 @@ def register() -> None:
     store.store(group="schema", name="model", node=ModelConfig)
     for name in methods.available():
         store.store(group="schema/method", name=name, node=methods.schema(name))
+    plugin = OmegaConf.create({"name": methods.PLUGIN, "label": None, "target": "???"})
+    OmegaConf.set_struct(plugin, False)  # method.<field>= of the class's Config: checked by methods.build_method
+    store.store(group="schema/method", name=methods.PLUGIN, node=plugin)
     for name in tasks.available():
         store.store(group="schema/task", name=name, node=tasks.get_task_class(name).Config)
 
@@ -379,7 +382,7 @@ def check(cfg: Any, preset: str | None = None) -> JobSpec:
         raise ConfigError(f"compile=true: method {method.name} decodes eager; use compile=false or auto")
     if top.decode.interval and method.name != "full":  # the full cache: nothing to cut
         if not method.decodes:
-            raise ConfigError(f"decode.interval={top.decode.interval}: method {method.name} does not compress while "
+            raise ConfigError(f"decode.interval={top.decode.interval}: method {plain['method'].get('label')} does not compress while "
                               "decoding; accepted methods are the scoring ones (docs/DECODING.md)")
         if top.budget.tokens is None:
             raise ConfigError(f"decode.interval={top.decode.interval}: needs an integer token budget (budget={top.budget})")
@@ -404,6 +407,10 @@ def check(cfg: Any, preset: str | None = None) -> JobSpec:
                           f"tokens) plus the generation exceed the model's context window of {window} tokens")
     inputs, resolved = resolved_inputs(task, lambda: load_tokenizer(plain["model"], source))
     resolved["context_window"] = window  # tasks that fit prompt + generation to it (InfiniteBench)
+    if plain["method"]["name"] == methods.PLUGIN:  # an edited plugin is a new job; its class names the folder
+        inputs["method_source_sha256"] = methods.source_sha256(type(method))
+        preset = type(method).__name__ if preset in (None, methods.PLUGIN) else preset
+        plain["method"]["label"] = plain["method"].get("label") or type(method).__name__  # its name in reports
     ident = identity(plain, source, inputs, device_type(top.device))
     return JobSpec(plain, top, method, source, layout, inputs, resolved, artifacts.files_read(), ident,
                    job_relpath(plain, preset, ident))
