@@ -13,6 +13,7 @@ import importlib.metadata
 import inspect
 import os
 import types
+from pathlib import Path
 import typing
 from typing import Any, Mapping, Optional
 
@@ -72,7 +73,7 @@ def source_sha256(cls: type) -> str:
     an edited method is a new job. ConfigError: no source (a class typed into ``python -c``)."""
     try:
         path = inspect.getsourcefile(cls)
-        data = open(path, "rb").read() if path and os.path.isfile(path) else inspect.getsource(cls).encode()
+        data = Path(path).read_bytes() if path and os.path.isfile(path) else inspect.getsource(cls).encode()
     except (OSError, TypeError):
         raise ConfigError(f"method.target={cls.__module__}:{cls.__qualname__}: its source cannot be read (the job "
                           "identity hashes it); define the class in a file or a notebook cell") from None

@@ -11,6 +11,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -367,8 +368,11 @@ def check(cfg: Any, preset: str | None = None) -> JobSpec:
             if not isinstance(plain.get(group), dict):
                 raise ConfigError(f"{group}: missing; it is required (see conf/config.yaml)")
         top = OmegaConf.to_object(cfg)
-    except OmegaConfBaseException as e:
-        raise ConfigError(f"{e.full_key}: {str(e.msg).splitlines()[0]}") from None
+    except OmegaConfBaseException as e:  # a missing value, also behind an interpolation (label: ${.press})
+        missing = re.search(r"Missing mandatory value: ([\w.]+)", str(e.msg))
+        key = missing and (missing[1] if "." in missing[1] else e.full_key)
+        raise ConfigError(f"{key}: missing; it is required (docs/METHODS.md)" if missing
+                          else f"{e.full_key}: {str(e.msg).splitlines()[0]}") from None
     for prefix, node, given in (("", top, plain), ("model.", top.model, plain["model"]), ("task.", top.task, plain["task"])):
         keys = [f.name for f in dataclasses.fields(node)] if dataclasses.is_dataclass(node) else []  # + passes Hydra
         if keys and set(given) - set(keys):  # (the method's keys: build_method)
@@ -407,8 +411,10 @@ def check(cfg: Any, preset: str | None = None) -> JobSpec:
                           f"tokens) plus the generation exceed the model's context window of {window} tokens")
     inputs, resolved = resolved_inputs(task, lambda: load_tokenizer(plain["model"], source))
     resolved["context_window"] = window  # tasks that fit prompt + generation to it (InfiniteBench)
-    if plain["method"]["name"] == methods.PLUGIN:  # an edited plugin is a new job; its class names the folder
-        inputs["method_source_sha256"] = methods.source_sha256(type(method))
+    for key, cls in (("method_source_sha256", type(method)), ("scorer_source_sha256", type(getattr(method, "scorer", None)))):
+        if cls.__module__.split(".")[0] not in ("methods", "builtins"):  # an edited plugin is a new job
+            inputs[key] = methods.source_sha256(cls)
+    if plain["method"]["name"] == methods.PLUGIN:  # its class names the folder and the report's row
         preset = type(method).__name__ if preset in (None, methods.PLUGIN) else preset
         plain["method"]["label"] = plain["method"].get("label") or type(method).__name__  # its name in reports
     ident = identity(plain, source, inputs, device_type(top.device))
