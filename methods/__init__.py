@@ -69,15 +69,21 @@ def resolve(target: str, key: str = "method.target", group: str = "kvbench.metho
 
 
 def source_sha256(cls: type) -> str:
-    """SHA-256 of the file that defines ``cls`` (a notebook cell's class: of its source), in a plugin's job identity:
-    an edited method is a new job. ConfigError: no source (a class typed into ``python -c``)."""
+    """SHA-256 of the file that defines ``cls`` (a notebook cell's class: of its functions' sources and its Config's
+    fields), in a plugin's job identity: an edited method is a new job. ConfigError: no source (``python -c``)."""
     try:
         path = inspect.getsourcefile(cls)
-        data = Path(path).read_bytes() if path and os.path.isfile(path) else inspect.getsource(cls).encode()
+        if path and os.path.isfile(path):
+            return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    except (OSError, TypeError):  # a class of __main__ without a file (IPython)
+        pass
+    try:
+        text = "".join(inspect.getsource(f) for f in vars(cls).values() if inspect.isfunction(f))
     except (OSError, TypeError):
         raise ConfigError(f"method.target={cls.__module__}:{cls.__qualname__}: its source cannot be read (the job "
                           "identity hashes it); define the class in a file or a notebook cell") from None
-    return hashlib.sha256(data).hexdigest()
+    fields = [(f.name, str(f.type), repr(f.default)) for f in dataclasses.fields(cls.Config)]
+    return hashlib.sha256((text + repr(fields)).encode()).hexdigest()
 
 
 def get_method_class(name: str, target: str | None = None) -> type[Method]:
