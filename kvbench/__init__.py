@@ -13,8 +13,7 @@ Packages, each importing only those above it in this list (tests/test_import_gra
 
 
 def run(overrides: list[str], method=None) -> dict:
-    """The job of ``overrides`` (``python run.py``'s), ``method`` a Method class or instance: its summary
-    (:func:`kvbench.job.run.api`)."""
+    """The job of ``overrides``, ``method`` a Method class or instance: its summary (:func:`kvbench.job.run.api`)."""
     from kvbench.job.run import api
 
     return api(overrides, method)

@@ -312,38 +312,28 @@ def summarise(job: JobSpec, store: JobStore, task: Task, expected: list[str]) ->
 
 
 class Summary(dict):
-    """A job's ``summary.json`` (:func:`api`); :meth:`records` its records, ``path`` its folder."""
-
-    path: Path
+    """A job's ``summary.json`` (:func:`api`); ``path``: its folder; :meth:`records`: its records, a pandas frame."""
 
     def records(self) -> Any:
-        """The job's records (the latest of each sample id), one row each, as a pandas DataFrame."""
         import pandas
 
         return pandas.DataFrame(list(JobStore(self.path).latest().values()))
 
 
 def api(overrides: list[str], method: Any = None) -> Summary:
-    """``kvbench.run``: the job of ``overrides`` (as ``python run.py``'s) run in this process, on the same store,
-    identity and resume as the command. ``method``: a :class:`methods.base.Method` subclass or instance, run as
-    ``method=plugin method.target=<its module>:<its name>`` (an instance's config fields as ``method.<field>``);
-    a class typed into a notebook cell is found by that target in this process only.
-
-    Returns:
-        the job's :class:`Summary` (``n_samples``, ``n_failed``, ``complete``, the scores).
-
-    Raises:
-        ConfigError / TaskConfigError: a bad value, one line naming the key, before a model loads; JobLockedError.
-    """
+    """``kvbench.run``: the job of ``overrides`` (``python run.py``'s) in this process, with the command's store, identity
+    and resume; ``method``: a Method class or instance, run as ``method=plugin method.target=<module>:<name>`` (an
+    instance's config fields as ``method.<field>=``; a class of a notebook cell is found in this process).
+    ConfigError / TaskConfigError: a bad value, one line naming the key, before a model loads; JobLockedError."""
     import methods
     from kvbench.job.config import compose
 
-    cls = method if method is None or isinstance(method, type) else type(method)
-    if cls is not None:
-        target = f"{cls.__module__}:{cls.__qualname__}"
-        methods.CLASSES[target] = cls
-        fields = dataclasses.asdict(method.config) if cls is not method else {}
-        overrides = ["method=plugin", f"method.target={target}", *overrides, *(f"method.{k}={json.dumps(v)}" for k, v in fields.items())]
+    if method is not None:
+        cls = method if isinstance(method, type) else type(method)
+        methods.CLASSES[target := f"{cls.__module__}:{cls.__qualname__}"] = cls
+        fields = {} if cls is method else dataclasses.asdict(method.config)
+        overrides = ["method=plugin", f"method.target={target}", *overrides, *(f"method.{k}={json.dumps(v)}"
+                                                                                for k, v in fields.items())]
     cfg = compose(list(overrides), return_hydra_config=True)
     preset = cfg.hydra.runtime.choices.get("method")
     with open_dict(cfg):
@@ -352,8 +342,8 @@ def api(overrides: list[str], method: Any = None) -> Summary:
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
     if run_job(job) == EXIT_LOCKED:
         raise JobLockedError(f"job folder {job.relpath} is in use by another process")
-    summary = Summary(read_json(Path(job.top.output_root).resolve() / job.relpath / "summary.json"))
-    summary.path = Path(job.top.output_root).resolve() / job.relpath
+    summary = Summary(read_json(path := Path(job.top.output_root).resolve() / job.relpath / "summary.json"))
+    summary.path = path.parent
     return summary
 
 
