@@ -411,8 +411,9 @@ def check(cfg: Any, preset: str | None = None) -> JobSpec:
                           f"tokens) plus the generation exceed the model's context window of {window} tokens")
     inputs, resolved = resolved_inputs(task, lambda: load_tokenizer(plain["model"], source))
     resolved["context_window"] = window  # tasks that fit prompt + generation to it (InfiniteBench)
-    for key, cls in (("method_source_sha256", type(method)), ("scorer_source_sha256", type(getattr(method, "scorer", None)))):
-        if cls.__module__.split(".")[0] not in ("methods", "builtins"):  # an edited plugin is a new job
+    for key, cls in (("method_source_sha256", type(method)), ("scorer_source_sha256", type(getattr(method, "scorer", None))),
+                     ("task_source_sha256", tasks.get_task_class(name))):
+        if cls.__module__.split(".")[0] not in ("methods", "builtins", "eval"):  # an edited plugin is a new job
             inputs[key] = methods.source_sha256(cls)
     if plain["method"]["name"] == methods.PLUGIN:  # its class names the folder and the report's row
         preset = type(method).__name__ if preset in (None, methods.PLUGIN) else preset

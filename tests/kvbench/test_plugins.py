@@ -140,3 +140,16 @@ def test_the_fixture_runs_in_a_users_own_tests(plugin, tmp_path):
     """))
     assert pytest.main([str(tmp_path / "test_mine.py"), "-p", "kvbench.testing", "-q", "-n", "0", "-p",
                         "no:cacheprovider"]) == 0
+
+
+def test_a_task_class_from_anywhere_is_a_task_whose_source_is_in_the_identity(tmp_path, monkeypatch):
+    import eval as tasks
+
+    (tmp_path / "my_tasks.py").write_text("from eval.niah import NIAHTask\n\n\nclass MyNIAH(NIAHTask):\n    pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert tasks.get_task_class("my_tasks:MyNIAH").__name__ == "MyNIAH"
+    job = check(["task.name=my_tasks:MyNIAH", *SHORT])
+    assert len(job.identity["inputs"]["task_source_sha256"]) == 64
+    assert "task_source_sha256" not in check(SHORT).identity["inputs"]
+    with pytest.raises(tasks.TaskConfigError, match=r"^task\.name='my_tasks:Nope': unknown task"):
+        tasks.get_task_class("my_tasks:Nope")
