@@ -512,6 +512,11 @@ class Method:
     def compress(self, ctx: LayerContext) -> CompressResult:  # pragma: no cover - abstract
         raise NotImplementedError
 
+    def stored_budget(self, ctx: LayerContext) -> int:
+        """Tokens per KV head :meth:`compress` may keep of ``ctx`` (:func:`check_result`): ``ctx.budget``. A method that
+        stores more than it reads (Quest: ``keep``) says so here."""
+        return ctx.budget
+
     def finalize(self, results: Mapping[int, CompressResult] | Sequence[CompressResult | None]) -> None:
         """Called once per sample with every layer's result (``{layer: result}``, or a sequence with
         ``None`` for uncompressed layers), before decode; may rewrite them in place (SelKV's
@@ -591,17 +596,17 @@ def check_result(method: Method, ctx: LayerContext, result: CompressResult) -> N
             raise breach(method, ctx, f"{name} {tuple(x.shape)} must be (B, H_kv, m) = {pad}")
     if idx is not None and bool(((idx < 0) | (idx >= n)).any()):
         raise breach(method, ctx, f"kept_indices must lie in [0, {n})")
-    group = 1 if result.logit_bias is None else max(1, result.logit_bias.shape[1] // h)
+    group, budget = 1 if result.logit_bias is None else max(1, result.logit_bias.shape[1] // h), method.stored_budget(ctx)
     counts = result.valid.sum(-1) if result.valid is not None else None  # (B, H_kv)
     if ctx.head_budget is not None:
         if bool(((counts if counts is not None else m) > ctx.head_budget.to(k.device) * group).any()):
             raise breach(method, ctx, f"keeps more tokens in a KV head than LayerContext.head_budget "
                                       f"{ctx.head_budget.tolist()}")
-    elif counts is not None and float(counts.float().mean()) > ctx.budget + 0.5:
+    elif counts is not None and float(counts.float().mean()) > budget + 0.5:
         raise breach(method, ctx, f"keeps {float(counts.float().mean()):.1f} tokens per KV head on average, over the "
-                                  f"layer budget of {ctx.budget} (LayerContext.budget)")
-    elif counts is None and m > ctx.budget * group:
-        raise breach(method, ctx, f"keeps {m} tokens per KV head, over the layer budget of {ctx.budget} "
+                                  f"layer budget of {budget} (LayerContext.budget)")
+    elif counts is None and m > budget * group:
+        raise breach(method, ctx, f"keeps {m} tokens per KV head, over the layer budget of {budget} "
                                   "(LayerContext.budget: the job's budget as this layer's token count)")
 
 
