@@ -7,6 +7,7 @@ ZeroSCROLLS, the math reasoning sets (AIME 2024/2025, MATH-500, GSM8K), SCBench.
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 
 from .base import Sample, Task, TaskConfigError  # noqa: F401
 
@@ -33,8 +34,16 @@ def available() -> list[str]:
 
 
 def get_task_class(name: str) -> type[Task]:
-    """The task class registered as ``name``. TaskConfigError: unknown task (lists the accepted names)."""
-    if name not in _TASKS:
-        raise TaskConfigError(f"task.name={name!r}: unknown task; accepted values are {', '.join(available())}")
-    mod, cls = _TASKS[name].split(":")
-    return getattr(importlib.import_module(mod), cls)
+    """The task class registered as ``name``, an installed entry point of the group ``kvbench.tasks`` or ``module:Class``
+    (a task of one's own, ``name:`` of its yaml in one's own ``--config-dir``). TaskConfigError: none of them (lists the
+    accepted names)."""
+    points = {e.name: e.value for e in importlib.metadata.entry_points(group="kvbench.tasks")}
+    mod, _, cls = _TASKS.get(name, points.get(name, name)).partition(":")
+    try:
+        found = getattr(importlib.import_module(mod), cls) if mod and cls else None
+    except (ImportError, AttributeError):
+        found = None
+    if not (isinstance(found, type) and issubclass(found, Task)):
+        raise TaskConfigError(f"task.name={name!r}: unknown task; accepted values are {', '.join(available())}, "
+                              "module:Class (a Task on PYTHONPATH) or an entry point of kvbench.tasks")
+    return found

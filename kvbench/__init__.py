@@ -8,4 +8,12 @@ Packages, each importing only those above it in this list (tests/test_import_gra
 - ``kvbench.tools``: the seed papers' tools (head calibration, head masking, latency).
 
 ``kvbench.cli`` is the ``kvbench`` command and the one-line argument parser every tool uses.
+``kvbench.run`` runs a job from Python (a notebook): docs/METHODS.md.
 """
+
+
+def run(overrides: list[str], method=None) -> dict:
+    """The job of ``overrides``, ``method`` a Method class or instance: its summary (:func:`kvbench.job.run.api`)."""
+    from kvbench.job.run import api
+
+    return api(overrides, method)

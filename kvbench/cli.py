@@ -13,6 +13,7 @@ COMMANDS = {
     "report": ("report.build", "score tables of any sweep and the papers' tables and figures, from a results root"),
     "score": ("job.score", "score LongBench prediction files (official result.json), or a JSONL file with --task NAME"),
     "mask-heads": ("tools.mask_heads", "NIAH score drop when the top-k SRH / TRH heads are masked (CompressKV Table 2a)"),
+    "check-method": ("testing", "run a method (method=... overrides) on tiny random models; a table of what holds"),
     "calibrate": ("tools.calibrate", "head and layer scores of a model for HeadKV / CompressKV (methods/artifacts/<model>)"),
 }
 

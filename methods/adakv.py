@@ -9,7 +9,8 @@ plus the observation window. Heads keep different numbers of tokens: they are st
 and padded to the layer's longest head with a validity mask (:func:`methods.base.pack_kept`).
 
 * Scores are SnapKV's (:func:`methods.snapkv.snapkv_scores`), per KV head (GQA: mean or max
-  over the group, AdaKV's ``gqa_support``).
+  over the group, AdaKV's ``gqa_support``), or ``scorer``'s: any ScoreMethod, built-in (``knorm``) or
+  ``module:Class``, its config the defaults but for the fields AdaKV's config shares (``window_size``...).
 * ``layer_schedule: pyramid`` composes with PyramidKV's layer budgets (AdaKV ``pyram`` mode).
 * ``floor_mode: capacity`` is the AdaKV paper/code rule (budget of head h =
   round((1 − α)·c_h + ⌊α·(m − W)⌋), c_h its share of the global top H·(m − W), window excluded);
@@ -28,13 +29,16 @@ W = 8, K = 5, avg pooling), ``adakv_kvpress`` (kvpress semantics, for the cross-
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 
 from .allocation import adaptive_head_budgets, keep_topk_per_head, safeguard_keep_mask
-from .base import Budget, CompressResult, HeadLayout, LayerContext, Method, Plan, masked_scores, pack_kept, require
+from .base import (Budget, CompressResult, HeadLayout, LayerContext, Method, Plan, ScoreMethod, masked_scores, pack_kept,
+                   require)
 from .pyramidkv import PyramidKV, PyramidKVConfig
 
 
@@ -43,7 +47,7 @@ class AdaKVConfig(PyramidKVConfig):
     """AdaKV hyper-parameters: PyramidKV's (SnapKV scores, pyramid schedule), and
 
     Attributes:
-        scorer: token scorer, ``snapkv``.
+        scorer: token scorer: ``snapkv``, a built-in ScoreMethod's name or ``module:Class`` (:func:`methods.resolve`).
         floor_ratio: α, the share of each head's average budget it is guaranteed.
         normalize: rescale each head's scores by its top-budget mass share before the global
             top-k (AdaKV ``normalize``).
@@ -53,7 +57,7 @@ class AdaKVConfig(PyramidKVConfig):
 
     kernel_size: int = 7
     pooling: Literal["avg", "max"] = "max"
-    scorer: Literal["snapkv"] = "snapkv"
+    scorer: str = "snapkv"
     floor_ratio: float = 0.2
     normalize: bool = False
     floor_mode: Literal["capacity", "safeguard"] = "capacity"
@@ -62,8 +66,19 @@ class AdaKVConfig(PyramidKVConfig):
     def check(self) -> None:
         super().check()
         require(0.0 <= self.floor_ratio <= 1.0, "floor_ratio", self.floor_ratio, "must be in [0, 1]")
+        scorer_class(self.scorer)  # importable, a ScoreMethod
         require(self.gqa_aggregation != "per_query_head", "gqa_aggregation", self.gqa_aggregation,
                 "accepted values are mean, max")
+
+
+def scorer_class(name: str) -> type[ScoreMethod] | None:
+    """The ScoreMethod ``method.scorer`` names (None: SnapKV's own scores). ConfigError: not one."""
+    from . import REGISTRY, get_method_class, resolve
+
+    cls = None if name == "snapkv" else get_method_class(name) if name in REGISTRY else resolve(name, "method.scorer")
+    require(cls is None or issubclass(cls, ScoreMethod), "scorer", name, "must name a ScoreMethod (snapkv, knorm, "
+            "module:Class)")
+    return cls
 
 
 class AdaKV(PyramidKV):
@@ -71,6 +86,22 @@ class AdaKV(PyramidKV):
 
     Config = AdaKVConfig
     per_head_lengths = True
+
+    @functools.cached_property
+    def scorer(self) -> ScoreMethod | None:
+        """The ``scorer`` method (None: SnapKV's scores), configured by the fields its config shares with AdaKV's."""
+        if (cls := scorer_class(self.config.scorer)) is None:
+            return None
+        shared = {f.name: getattr(self.config, f.name) for f in dataclasses.fields(cls.Config) if hasattr(self.config, f.name)}
+        return cls(cls.Config(**shared), self.layout, self.artifacts)
+
+    def score(self, ctx: LayerContext) -> torch.Tensor:
+        """SnapKV's scores, or the scorer's with the recent window at +inf (always kept)."""
+        if self.scorer is None:
+            return super().score(ctx)
+        scores = self.scorer.score(ctx).clone()
+        scores[..., ctx.n_tokens - min(self.recent_window, ctx.n_tokens):] = float("inf")
+        return scores
 
     def plan(self, n_tokens: int, budget: Budget, layout: HeadLayout) -> Plan:
         """Uniform layer budgets, or PyramidKV's when ``layer_schedule: pyramid``."""

@@ -41,6 +41,10 @@ class ConfigError(ValueError):
     """A user-caused configuration problem; the message is one line naming key and accepted values."""
 
 
+class ContractError(RuntimeError):
+    """A method's output breaks the contract (:func:`check_result`): one line naming the method, layer and clause."""
+
+
 def structured(schema: type, node: Any, prefix: str = "") -> Any:
     """``node`` (a dict) checked against the dataclass ``schema`` by OmegaConf (as Hydra checks a composed
     config): an instance of it.
@@ -508,6 +512,11 @@ class Method:
     def compress(self, ctx: LayerContext) -> CompressResult:  # pragma: no cover - abstract
         raise NotImplementedError
 
+    def stored_budget(self, ctx: LayerContext) -> int:
+        """Tokens per KV head :meth:`compress` may keep of ``ctx`` (:func:`check_result`): ``ctx.budget``. A method that
+        stores more than it reads (Quest: ``keep``) says so here."""
+        return ctx.budget
+
     def finalize(self, results: Mapping[int, CompressResult] | Sequence[CompressResult | None]) -> None:
         """Called once per sample with every layer's result (``{layer: result}``, or a sequence with
         ``None`` for uncompressed layers), before decode; may rewrite them in place (SelKV's
@@ -548,12 +557,57 @@ class ScoreMethod(Method):
 
         from .scoring import topk_keep_window
 
-        idx = topk_keep_window(masked_scores(self.score(ctx), ctx.valid), ctx.budget,
+        scores = self.score(ctx)
+        if tuple(scores.shape) != (*ctx.keys.shape[:2], ctx.n_tokens) or bool(scores.isnan().any()):
+            raise breach(self, ctx, f"score(ctx) must be (B, H_kv, n) = {(*ctx.keys.shape[:2], ctx.n_tokens)} without "
+                                    f"NaN; got {tuple(scores.shape)}" + " with NaN" * bool(scores.isnan().any()))
+        idx = topk_keep_window(masked_scores(scores, ctx.valid), ctx.budget,
                                min(self.recent_window, ctx.n_tokens))  # (B, H_kv, m)
         if ctx.valid is not None:  # each head keeps its valid slots among the top m
             keep = torch.zeros_like(ctx.valid).scatter_(-1, idx, True) & ctx.valid
             return pack_kept(ctx.keys, ctx.values, keep)
         return CompressResult(keys=gather_tokens(ctx.keys, idx), values=gather_tokens(ctx.values, idx), kept_indices=idx)
+
+
+def breach(method: Method, ctx: LayerContext, clause: str) -> ContractError:
+    """The :class:`ContractError` of ``method`` on ``ctx``'s layer: one line naming the method, layer and clause."""
+    phase = f"decode-time compression (fed {ctx.decoding})" if ctx.decoding else "prefill"
+    return ContractError(f"method {type(method).__name__}, layer {ctx.layer_idx} ({phase}, n={ctx.n_tokens}): {clause}")
+
+
+def check_result(method: Method, ctx: LayerContext, result: CompressResult) -> None:
+    """The engine's check of ``method.compress(ctx)``'s ``result`` (docs/METHODS.md, "The contract"): keys and values
+    ``(B, H_kv, m, d)`` with ``ctx.keys``' B, H_kv, d; ``valid``/``kept_indices`` ``(B, H_kv, m)``, indices in
+    [0, n); the tokens kept per KV head within the allocation: each head ≤ ``ctx.head_budget[h]`` when the plan has
+    head budgets, else ≤ ``ctx.budget`` (a ``logit_bias`` per query head: ≤ G·budget, each query head's own), and for
+    per-head lengths (``valid``) the layer's average ≤ ``ctx.budget`` + ½ (rounding). Shapes are read without a sync;
+    ``valid`` and ``kept_indices`` cost one reduction each.
+
+    Raises:
+        ContractError: the first clause broken.
+    """
+    k, v, (b, h, n, d) = result.keys, result.values, ctx.keys.shape
+    if k.dim() != 4 or k.shape != v.shape or (k.shape[0], k.shape[1], k.shape[3]) != (b, h, d):
+        raise breach(method, ctx, f"keys {tuple(k.shape)} and values {tuple(v.shape)} must be (B, H_kv, m, d) = "
+                                  f"({b}, {h}, m, {d})")
+    m, pad, idx = k.shape[2], (b, h, k.shape[2]), result.kept_indices
+    for name, x in (("valid", result.valid), ("kept_indices", idx)):
+        if x is not None and tuple(x.shape) != pad:
+            raise breach(method, ctx, f"{name} {tuple(x.shape)} must be (B, H_kv, m) = {pad}")
+    if idx is not None and bool(((idx < 0) | (idx >= n)).any()):
+        raise breach(method, ctx, f"kept_indices must lie in [0, {n})")
+    group, budget = 1 if result.logit_bias is None else max(1, result.logit_bias.shape[1] // h), method.stored_budget(ctx)
+    counts = result.valid.sum(-1) if result.valid is not None else None  # (B, H_kv)
+    if ctx.head_budget is not None:
+        if bool(((counts if counts is not None else m) > ctx.head_budget.to(k.device) * group).any()):
+            raise breach(method, ctx, f"keeps more tokens in a KV head than LayerContext.head_budget "
+                                      f"{ctx.head_budget.tolist()}")
+    elif counts is not None and float(counts.float().mean()) > budget + 0.5:
+        raise breach(method, ctx, f"keeps {float(counts.float().mean()):.1f} tokens per KV head on average, over the "
+                                  f"layer budget of {budget} (LayerContext.budget)")
+    elif counts is None and m > budget * group:
+        raise breach(method, ctx, f"keeps {m} tokens per KV head, over the layer budget of {budget} "
+                                  "(LayerContext.budget: the job's budget as this layer's token count)")
 
 
 def masked_scores(scores: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:

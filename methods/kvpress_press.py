@@ -21,6 +21,7 @@ take their own knob from ``press_kwargs``, as kvpress's evaluate.py takes it fro
 
 from __future__ import annotations
 
+import ast
 import math
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -42,6 +43,51 @@ REFUSED = {  # presses kvbench cannot run, and why
     "CAMPress": "merges values at decode time (a DecodingPress): " + DECODING}
 
 
+#: kvpress 0.5.5's PRESS_REGISTRY (evaluation/evaluate_registry.py) as it writes each press: ``method.press=<key>``
+KEYS = {
+    "adakv_snapkv": "AdaKVPress(SnapKVPress())", "block_keydiff": "BlockPress(press=KeyDiffPress(), block_size=128)",
+    "chunkkv": "ChunkKVPress(press=SnapKVPress(), chunk_length=20)",
+    "critical_adakv_expected_attention": "CriticalAdaKVPress(ExpectedAttentionPress(use_vnorm=False))",
+    "critical_adakv_snapkv": "CriticalAdaKVPress(SnapKVPress())",
+    "critical_expected_attention": "CriticalKVPress(ExpectedAttentionPress(use_vnorm=False))",
+    "critical_snapkv": "CriticalKVPress(SnapKVPress())", "cur": "CURPress()", "duo_attention": "DuoAttentionPress()",
+    "duo_attention_on_the_fly": "DuoAttentionPress(on_the_fly_scoring=True)",
+    "entropy_gated_chunkkv": "EntropyGatedChunkKVPress(press=SnapKVPress())",
+    "expected_attention": "AdaKVPress(ExpectedAttentionPress(epsilon=1e-2))", "fastkvzip": "FastKVzipPress()",
+    "finch": "FinchPress()", "keydiff": "KeyDiffPress()", "kvcompose": "KVComposePress()",
+    "kvcompose_unstructured": "KVComposePress(structured=False)", "kvzip": "KVzipPress()",
+    "kvzip_plus": "KVzipPress(kvzip_plus_normalization=True)",
+    "kvzap_linear": 'DMSPress(press=KVzapPress(model_type="linear"))', "kvzap_mlp": 'DMSPress(press=KVzapPress(model_type="mlp"))',
+    "kvzap_mlp_head": 'KVzapPress(model_type="mlp")', "kvzap_mlp_layer": 'AdaKVPress(KVzapPress(model_type="mlp"))',
+    "lagkv": "LagKVPress()", "lukv": "LUKVPress(ExpectedAttentionPress(epsilon=2e-2), sink=4, window=1)",
+    "knorm": "KnormPress()", "observed_attention": "ObservedAttentionPress()", "pyramidkv": "PyramidKVPress()",
+    "qfilter": "QFilterPress()", "random": "RandomPress()", "RestoreKV": "RestoreKVPress()",
+    "RestoreKV_plus": "RestoreKVPress(kvzip_plus_normalization=True)",
+    "snap_think": "ComposedPress([SnapKVPress(), ThinKPress()])", "snapkv": "SnapKVPress()",
+    "streaming_llm": "StreamingLLMPress()", "think": "ThinKPress()", "tova": "TOVAPress()",
+    "compactor": "CompactorPress()", "adakv_compactor": "AdaKVPress(CompactorPress())",
+    "merging_knorm": "MergingPress(KnormPress())", "merging_snapkv": "MergingPress(SnapKVPress())",
+    "merging_expected_attention": "MergingPress(ExpectedAttentionPress(epsilon=1e-2))",
+    "merging_kvzap_mlp": 'MergingPress(KVzapPress(model_type="mlp"))',
+    **{f"decoding_{k}": f"DecodingPress(base_press={p})" for k, p in (
+        ("knorm", "KnormPress()"), ("streaming_llm", "StreamingLLMPress()"), ("tova", "TOVAPress()"),
+        ("qfilter", "QFilterPress()"), ("adakv_snapkv", "AdaKVPress(SnapKVPress())"), ("keydiff", "KeyDiffPress()"),
+        ("adakv_expected_attention_e2", "AdaKVPress(ExpectedAttentionPress(epsilon=1e-2))"))},
+}
+
+
+def registry_node(key: str) -> dict:
+    """The press node ``{press, press_kwargs}`` of kvpress's registry ``key`` (:data:`KEYS`): a positional argument is
+    ``press`` (ComposedPress: ``presses``)."""
+    def node(e: ast.expr) -> Any:
+        if isinstance(e, ast.Call):
+            kwargs = {k.arg: node(k.value) for k in e.keywords}
+            kwargs.update({"presses" if e.func.id == "ComposedPress" else "press": node(a) for a in e.args})
+            return {"press": e.func.id, "press_kwargs": kwargs}
+        return [node(x) for x in e.elts] if isinstance(e, ast.List) else ast.literal_eval(e)
+    return node(ast.parse(KEYS[key], mode="eval").body)
+
+
 def _kvpress():
     """The kvpress package, imported without letting it wrap kvbench's attention function."""
     try:
@@ -56,10 +102,19 @@ def _kvpress():
     return kvpress
 
 
+def press_class(name: str) -> Any:
+    """The press class ``name``: kvpress's, or ``module:Class`` (a user's own, :func:`methods.resolve`); None if none."""
+    from . import resolve
+
+    kp = _kvpress()
+    if ":" in name:
+        return resolve(name, "method.press", "kvbench.presses", kp.BasePress)
+    return getattr(kp, name, None) if name in kp.__all__ else None
+
+
 def refusal(name: str) -> str | None:
     """Why kvbench cannot run the press class ``name`` (``unknown press`` if there is none); None if it can."""
-    kp = _kvpress()
-    cls = getattr(kp, name, None) if name in kp.__all__ else None
+    kp, cls = _kvpress(), press_class(name)
     if not (isinstance(cls, type) and issubclass(cls, kp.BasePress)):
         return "unknown press"
     return REFUSED.get(name)
@@ -91,9 +146,17 @@ def make_press(name: Any, kwargs: Any, key: str = "press") -> Any:
 
     from .kvpress_hooks import ARTIFACTS, install_artifact
 
-    kp, why = _kvpress(), refusal(str(name))
+    if name in KEYS:  # kvpress's registry key: its press, the arguments given added
+        node = registry_node(str(name))
+        if node["press"] == "DecodingPress":  # its decode-time schedule is kvbench's decode.* (kvpress's defaults here)
+            raise ConfigError(f"method.{key}={name!r}: a decoding press; run its base press with kvpress's defaults: "
+                              f"method.press={node['press_kwargs']['base_press']['press']} decode.interval=512 budget=2048 "
+                              "decode.schedule=steps decode.prefill=false (docs/DECODING.md)")
+        name, kwargs = node["press"], {**node["press_kwargs"], **(kwargs or {})}
+    why = refusal(str(name))
     if why is not None:
-        raise ConfigError(f"method.{key}={name!r}: {why}; accepted values are {', '.join(supported())}")
+        raise ConfigError(f"method.{key}={name!r}: {why}; accepted values are {', '.join(supported())}, "
+                          "kvpress's registry keys (chunkkv, snap_think, ...) or module:Class")
     kwargs = dict(kwargs or {})
     require("compression_ratio" not in kwargs, f"{key}_kwargs.compression_ratio", "set", "comes from budget; remove it")
     artifact, window = kwargs.pop("artifact", None), kwargs.pop("window_size", None) if name == "FinchPress" else None
@@ -102,7 +165,7 @@ def make_press(name: Any, kwargs: Any, key: str = "press") -> Any:
             kwargs[sub] = {"press": kwargs[sub], "press_kwargs": kwargs.pop(f"{sub}_kwargs", None) or {}}
     kwargs = {k: _nested(v, f"{key}_kwargs.{k}") for k, v in kwargs.items()}
     try:
-        press = getattr(kp, name)(**kwargs)
+        press = press_class(name)(**kwargs)
     except (AssertionError, TypeError, ValueError) as e:
         raise ConfigError(f"method.{key}_kwargs={kwargs!r}: {name} rejects them ({e})") from None
     require(not getattr(press, "decoding", False), f"{key}_kwargs.decoding", True, DECODING)
@@ -144,12 +207,13 @@ def _nested(value: Any, key: str) -> Any:
 @dataclass
 class KVPressConfig(MethodConfig):
     """Attributes:
-        press: a kvpress press class name (``python -m methods.kvpress_press`` lists them).
+        press: a kvpress press class name (``python -m methods.kvpress_press`` lists them), a key of kvpress's
+            registry (:data:`KEYS`) or ``module:Class`` (a press of one's own); required.
         press_kwargs: its arguments (null: none), ``compression_ratio`` excepted (set from the budget); nested press
             nodes; ``artifact``: a trained artefact's local path or Hub id; FinchPress: ``window_size``.
     """
 
-    press: str = "KnormPress"
+    press: str = "???"  # OmegaConf's missing value: method=kvpress names its press
     press_kwargs: dict = field(default_factory=dict)
 
     def check(self) -> None:

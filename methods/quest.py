@@ -105,6 +105,9 @@ class Quest(Method):
     def compress(self, ctx: LayerContext) -> CompressResult:
         return self.evictor.compress(replace(ctx, budget=self.config.keep))
 
+    def stored_budget(self, ctx: LayerContext) -> int:
+        return self.config.keep  # the cache keeps `keep`; each step reads the budget
+
     def select(self, ctx: LayerContext) -> torch.Tensor | None:
         """``(B, H_kv, T)`` bool: the slots each KV head reads (``ctx.window_queries``: the step's query)."""
         if ctx.layer_idx < self.config.dense_layers:

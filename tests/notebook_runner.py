@@ -1,4 +1,4 @@
-"""Execute notebooks/figures.ipynb on a results root (shared by the report tests)."""
+"""Execute the notebooks: figures.ipynb on a results root (shared by the report tests), new_method.ipynb."""
 
 from __future__ import annotations
 
@@ -16,12 +16,18 @@ def execute_figures_notebook(results_root: Path, out: Path, figures: list[str] |
 
     Skips the calling test when nbclient, nbformat or ipykernel is missing (the ``test`` extra).
     """
+    execute_notebook("figures", f"RESULTS_ROOT = {str(results_root)!r}\nOUT = {str(out)!r}\nFIGURES = {figures!r}",
+                     timeout)
+
+
+def execute_notebook(name: str, parameters: str | None = None, timeout: int = 600) -> object:
+    """Run ``notebooks/<name>.ipynb`` from the repository root, its ``parameters`` cell's source replaced (None: kept);
+    returns the executed notebook. Skips the calling test when nbclient, nbformat or ipykernel is missing."""
     nbclient = pytest.importorskip("nbclient", reason="nbclient not installed (pip install -e '.[test]')")
     nbformat = pytest.importorskip("nbformat", reason="nbformat not installed (pip install -e '.[test]')")
     pytest.importorskip("ipykernel", reason="ipykernel not installed (pip install -e '.[test]')")
-    nb = nbformat.read(REPO / "notebooks" / "figures.ipynb", as_version=4)
+    nb = nbformat.read(REPO / "notebooks" / f"{name}.ipynb", as_version=4)
     params = next(c for c in nb.cells if "parameters" in c.metadata.get("tags", []))
-    params.source = f"RESULTS_ROOT = {str(results_root)!r}\nOUT = {str(out)!r}\nFIGURES = {figures!r}"
-    client = nbclient.NotebookClient(nb, timeout=timeout, kernel_name="python3",
-                                     resources={"metadata": {"path": str(REPO)}})
-    client.execute()
+    params.source = params.source if parameters is None else parameters
+    return nbclient.NotebookClient(nb, timeout=timeout, kernel_name="python3",
+                                   resources={"metadata": {"path": str(REPO)}}).execute()

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from methods.base import Budget, CompressResult, HeadLayout, LayerContext, Method, Plan, Reconstruction, ReconstructionContext
+from methods.base import Budget, CompressResult, check_result, HeadLayout, LayerContext, Method, Plan, Reconstruction, ReconstructionContext
 
 from kvbench.engine.kvcache import RaggedLayer, store_layer, write_bias
 from kvbench.engine.quantcache import QuantizedLayer
@@ -299,7 +299,7 @@ def compress_layer(state: CompressionState, idx: int, query, key, value, scaling
         positions=torch.arange(n, device=key.device), rotary=state.rotary, artifacts=state.method.artifacts,
         recompressed=state.decode_budget is not None, **scores,
     )
-    result = state.method.compress(ctx)
+    check_result(state.method, ctx, result := state.method.compress(ctx))
     # the cache keeps its own copy (room for the decoded tokens); the result points at it
     rows = 0 if result.logit_bias is None else result.logit_bias.shape[1] // key.shape[1]
     layer = store_layer(state.cache, idx, result.keys, result.values, result.valid, rows, float(scaling), state.reserve)
@@ -336,7 +336,7 @@ def _compress_decode(state: CompressionState, idx: int, scaling: float, softcap:
             head_budget=plan.head_budgets[idx] if plan.head_budgets is not None else None, rotary=state.rotary,
             artifacts=state.method.artifacts, valid=valid, decoding=fed, recompressed=True,
             positions=torch.arange(state.position - w + 1, state.position + 1, device=keys.device))
-        result = state.method.compress(ctx)
+        check_result(state.method, ctx, result := state.method.compress(ctx))
         store_layer(state.cache, idx, result.keys, result.values, result.valid, 0, scaling, state.reserve)
         state.compressions += 1
     if sync:

@@ -11,6 +11,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -209,6 +210,9 @@ def register() -> None:
     store.store(group="schema", name="model", node=ModelConfig)
     for name in methods.available():
         store.store(group="schema/method", name=name, node=methods.schema(name))
+    plugin = OmegaConf.create({"name": methods.PLUGIN, "label": None, "target": "???"})
+    OmegaConf.set_struct(plugin, False)  # method.<field>= of the class's Config: checked by methods.build_method
+    store.store(group="schema/method", name=methods.PLUGIN, node=plugin)
     for name in tasks.available():
         store.store(group="schema/task", name=name, node=tasks.get_task_class(name).Config)
 
@@ -356,8 +360,11 @@ def check(cfg: Any, preset: str | None = None) -> JobSpec:
                 raise ConfigError(f"{group}: missing; it is required (see conf/config.yaml)")
         top = OmegaConf.to_object(cfg)
         plain["task"].update(dataclasses.asdict(top.task) if dataclasses.is_dataclass(top.task) else {})  # implied values
-    except OmegaConfBaseException as e:
-        raise ConfigError(f"{e.full_key}: {str(e.msg).splitlines()[0]}") from None
+    except OmegaConfBaseException as e:  # a missing value, also behind an interpolation (label: ${.press})
+        missing = re.search(r"Missing mandatory value: ([\w.]+)", str(e.msg))
+        key = missing and (missing[1] if "." in missing[1] else e.full_key)
+        raise ConfigError(f"{key}: missing; it is required (docs/METHODS.md)" if missing
+                          else f"{e.full_key}: {str(e.msg).splitlines()[0]}") from None
     for prefix, node, given in (("", top, plain), ("model.", top.model, plain["model"]), ("task.", top.task, plain["task"])):
         keys = [f.name for f in dataclasses.fields(node)] if dataclasses.is_dataclass(node) else []  # + passes Hydra
         if keys and set(given) - set(keys):  # (the method's keys: build_method)
@@ -370,8 +377,8 @@ def check(cfg: Any, preset: str | None = None) -> JobSpec:
     need(not (method.reads and top.compile is True), "compile", "true", f"method {method.name} decodes eager; use "
          "compile=false or auto")
     cut = top.decode.interval if method.name != "full" else 0  # the full cache: nothing to cut
-    need(not cut or method.decodes, "decode.interval", cut, f"method {method.name} does not compress while decoding; "
-         "accepted methods are the scoring ones (docs/DECODING.md)")
+    need(not cut or method.decodes, "decode.interval", cut, f"method {plain['method'].get('label')} does not compress "
+         "while decoding; accepted methods are the scoring ones (docs/DECODING.md)")
     need(not cut or top.budget.tokens, "decode.interval", cut, f"needs an integer token budget (budget={top.budget})")
     limit = int(task.get("max_length") or model.max_input_length)
     if task.get("max_new_tokens") and name == "niah" and min(task["context_lengths"]) > limit:
@@ -394,6 +401,13 @@ def check(cfg: Any, preset: str | None = None) -> JobSpec:
                           f"tokens) plus the generation exceed the model's context window of {window} tokens")
     inputs, resolved = resolved_inputs(task, lambda: load_tokenizer(plain["model"], source))
     resolved["context_window"] = window  # tasks that fit prompt + generation to it (InfiniteBench)
+    for key, cls in (("method_source_sha256", type(method)), ("scorer_source_sha256", type(getattr(method, "scorer", None))),
+                     ("task_source_sha256", tasks.get_task_class(name))):
+        if cls.__module__.split(".")[0] not in ("methods", "builtins", "eval"):  # an edited plugin is a new job
+            inputs[key] = methods.source_sha256(cls)
+    if plain["method"]["name"] == methods.PLUGIN:  # its class names the folder and the report's row
+        preset = type(method).__name__ if preset in (None, methods.PLUGIN) else preset
+        plain["method"]["label"] = plain["method"].get("label") or type(method).__name__  # its name in reports
     ident = identity(plain, source, inputs, device_type(top.device))
     return JobSpec(plain, top, method, source, layout, inputs, resolved, artifacts.files_read(), ident,
                    job_relpath(plain, preset, ident))

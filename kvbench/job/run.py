@@ -6,6 +6,7 @@ job goes on; the exit code is then 1. The job's folder, reruns and resumes: docs
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.metadata
 import json
 import logging
@@ -22,7 +23,7 @@ from typing import Any
 from hydra.core.hydra_config import HydraConfig
 from hydra.experimental.callback import Callback
 from hydra.types import RunMode
-from omegaconf import OmegaConf
+from omegaconf import OmegaConf, open_dict
 
 import eval as tasks
 from eval.base import Sample, Task, TaskConfigError
@@ -308,6 +309,42 @@ def summarise(job: JobSpec, store: JobStore, task: Task, expected: list[str]) ->
         store.write_json("summary.json", summary)
     print_summary(summary, store.path)
     return EXIT_SAMPLE_FAILED if summary["n_failed"] else EXIT_OK
+
+
+class Summary(dict):
+    """A job's ``summary.json`` (:func:`api`); ``path``: its folder; :meth:`records`: its records, a pandas frame."""
+
+    def records(self) -> Any:
+        import pandas
+
+        return pandas.DataFrame(list(JobStore(self.path).latest().values()))
+
+
+def api(overrides: list[str], method: Any = None) -> Summary:
+    """``kvbench.run``: the job of ``overrides`` (``python run.py``'s) in this process, with the command's store, identity
+    and resume; ``method``: a Method class or instance, run as ``method=plugin method.target=<module>:<name>`` (an
+    instance's config fields as ``method.<field>=``; a class of a notebook cell is found in this process).
+    ConfigError / TaskConfigError: a bad value, one line naming the key, before a model loads; JobLockedError."""
+    import methods
+    from kvbench.job.config import compose
+
+    if method is not None:
+        cls = method if isinstance(method, type) else type(method)
+        methods.CLASSES[target := f"{cls.__module__}:{cls.__qualname__}"] = cls
+        fields = {} if cls is method else dataclasses.asdict(method.config)
+        overrides = ["method=plugin", f"method.target={target}", *overrides, *(f"method.{k}={json.dumps(v)}"
+                                                                                for k, v in fields.items())]
+    cfg = compose(list(overrides), return_hydra_config=True)
+    preset = cfg.hydra.runtime.choices.get("method")
+    with open_dict(cfg):
+        del cfg["hydra"]
+    job = check(cfg, preset)
+    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
+    if run_job(job) == EXIT_LOCKED:
+        raise JobLockedError(f"job folder {job.relpath} is in use by another process")
+    summary = Summary(read_json(path := Path(job.top.output_root).resolve() / job.relpath / "summary.json"))
+    summary.path = path.parent
+    return summary
 
 
 def main(cfg: Any) -> Any:

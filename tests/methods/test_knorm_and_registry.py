@@ -74,10 +74,11 @@ def test_every_method_preset_builds(path):
 
     from tests.kvbench.cli_util import compose
 
-    node = OmegaConf.to_container(compose([f"method={path.stem}"]).method, resolve=True, enum_to_str=True)
+    given = {"kvpress": ["method.press=KnormPress"], "plugin": ["method.target=methods.knorm:Knorm"]}.get(path.stem, [])
+    node = OmegaConf.to_container(compose([f"method={path.stem}", *given]).method, resolve=True, enum_to_str=True)
     if node["name"] == "kvpress_press":
         pytest.importorskip("kvpress", reason="method=kvpress needs the kvpress extra (pip install 'kvbench[kvpress]')")
-    assert build_method(node).name == node["name"]
+    assert build_method(node).name == ("knorm" if path.stem == "plugin" else node["name"])
 
 
 def test_snapkv_recent_window_is_separate_from_the_observation_window():
