@@ -137,9 +137,12 @@ def build_method(method_cfg: Mapping[str, Any], layout: HeadLayout | None = None
         raise ConfigError(f"method.name={name}: invalid configuration ({e})") from None
 
 
-def check_min_budget(method: Method, budget: Budget) -> None:
-    """Raise :class:`ConfigError` when a token ``budget`` is below :meth:`Method.min_budget`
-    (the windows and sinks the method always keeps); ratios are floored at run time instead."""
-    if budget.tokens is not None and budget.tokens < method.min_budget():
-        raise ConfigError(f"budget={budget}: smaller than the {method.min_budget()} tokens method {method.name} "
-                          f"always keeps (its windows and attention sinks); use budget >= {method.min_budget()}")
+def check_min_budget(method: Method, budget: Budget, decoding: bool = False) -> None:
+    """Raise :class:`ConfigError` when a token ``budget`` is below :meth:`Method.min_budget` (the windows and sinks the
+    method always keeps; ``decoding``: :meth:`Method.min_decode_budget`, a kvpress press's window); ratios are floored
+    at run time instead."""
+    low = method.min_decode_budget() if decoding else method.min_budget()
+    what = "needs to compress while decoding (windows, sinks, a press's window)" if decoding else \
+        "always keeps (its windows and attention sinks)"
+    if budget.tokens is not None and budget.tokens < low:
+        raise ConfigError(f"budget={budget}: smaller than the {low} tokens method {method.name} {what}; use budget >= {low}")

@@ -410,10 +410,12 @@ class Method:
         window_size: W, how many trailing prompt queries the engine hands over (0 if none).
         decodes: whether :meth:`compress` takes decode-time contexts (``LayerContext.decoding``, ``valid``):
             the scoring methods; ``decode.interval > 0`` with another method is a configuration error.
+        decode_only: a decode-time method (R-KV): ``decode.interval=0`` with it is a configuration error.
     """
 
     Config: ClassVar[type] = MethodConfig
     decodes: ClassVar[bool] = False
+    decode_only: ClassVar[bool] = False
     #: whether :meth:`compress` returns per-head lengths (``CompressResult.valid``): read before a model loads
     per_head_lengths: ClassVar[bool] = False
     #: whether decode steps read a query-dependent part of the cache (:meth:`select`: Quest)
@@ -442,6 +444,10 @@ class Method:
     def min_budget(self) -> int:
         """Tokens the method always keeps (windows, sinks); a token budget below it is a config error."""
         return self.window_size
+
+    def min_decode_budget(self) -> int:
+        """The least token budget that decode-time compression can cut to (default :meth:`min_budget`)."""
+        return self.min_budget()
 
     def check_layout(self, layout: HeadLayout) -> None:
         """Raise :class:`ConfigError` if the method cannot run on this attention layout."""

@@ -277,12 +277,21 @@ class KVPress(Method):
     def decode_window(self) -> int:
         """The queries of the last 256 tokens fed (DecodingPress's default ``hidden_states_buffer_size``; its buffer
         holds the forwards since its last compression), more for a press whose window is longer."""
-        press = self.config.built
-        window = getattr(getattr(press, "press", press), "window_size", 0)
-        return max(_kvpress().DecodingPress.hidden_states_buffer_size, window + 1)
+        return max(_kvpress().DecodingPress.hidden_states_buffer_size, self.min_decode_budget() + 1)
+
+    @property
+    def per_head_lengths(self) -> bool:
+        """AdaKVPress and hook-path presses: what they keep may differ per head (``module.masked_key_indices``)."""
+        return not _plain_scorer(type(self.config.built))
 
     def min_budget(self) -> int:
         return 1  # kvpress keeps max(1, int(n·(1 − cr)))
+
+    def min_decode_budget(self) -> int:
+        """The scorer's observation window (SnapKVPress: 64): a decode-time cache no longer than it leaves the press no
+        key to score (kvpress's SnapKV asserts more queries than its window)."""
+        press = self.config.built
+        return max(1, int(getattr(getattr(press, "press", press), "window_size", 0) or 0))
 
     def check_layout(self, layout: Any) -> None:
         from .kvpress_hooks import presses

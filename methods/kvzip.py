@@ -76,6 +76,7 @@ class KVzip(Method):
     """Context-reconstruction scores, one ranking over layers and heads (``level``), per-head storage."""
 
     Config = KVzipConfig
+    per_head_lengths = True  # every level keeps each head's own tokens (pack_kept)
 
     def reconstruction(self, ids: Sequence[int], fmt: PromptFormat) -> Reconstruction:
         """One forward per chunk of the tokens after the template's head (official ``self_task``)."""

@@ -100,7 +100,7 @@ class RKV(Method):
     """R-KV: importance (window attention) minus redundancy (key similarity), per-KV-head top-k + the window."""
 
     Config = RKVConfig
-    decodes = True
+    decodes = decode_only = True
 
     def min_budget(self) -> int:
         return self.window_size + 1  # the official asserts budget > window_size

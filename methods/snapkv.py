@@ -96,6 +96,10 @@ class SnapKV(ScoreMethod):
     def decodes(self) -> bool:  # per_query_head's logit bias is written once, after prefill
         return self.config.gqa_aggregation != "per_query_head"
 
+    @property
+    def per_head_lengths(self) -> bool:  # per_query_head on GQA: each KV head keeps its query heads' union
+        return self.config.gqa_aggregation == "per_query_head" and (self.layout is None or self.layout.is_gqa)
+
     def score(self, ctx: LayerContext) -> torch.Tensor:
         return snapkv_scores(ctx, self.config)
 

@@ -73,8 +73,8 @@ class GenerationResult:
         cache_trace: ``[generated tokens, stored tokens per KV head (mean over compressible layers of the longest
             head), stored bytes of the whole cache]`` when decoding starts, just before and after each decode-time
             compression, and at the end; peak_stored_tokens: the most any KV head of a compressible layer held.
-        decode_compressions: decode-time compressions (forwards that cut a layer); decode_compress_s: their
-            seconds (within ``decode_s``).
+        decode_compressions: decode-time compressions (decode forwards in which the method cut a layer, one that held
+            exactly the budget too under ``cut_at_budget``); decode_compress_s: their seconds (within ``decode_s``).
         read_tokens / read_bytes: what the attention read per decode step, mean over the one-token forwards (None without
             one): per KV head as ``stored_tokens``, and bytes of every layer (:func:`read_point`).
     """
@@ -504,7 +504,7 @@ class Engine:
         seq = torch.tensor([ctx.ids + [0] * max_new_tokens], device=dev) if processors else None
         forward = self.decode_forward()
         compiled, compile_s, compiling_steps = forward is not model, 0.0, 0
-        trace, compress_s0, state.held, reads = [self._trace_point(state, 0)], state.decode_compress_s, 0, []
+        trace, compress_s0, state.held, reads, cuts = [self._trace_point(state, 0)], state.decode_compress_s, 0, [], 0
         with self._decode_scope(compiled):
             state.backends["decode"] = decode_backends(state)
             t1 = time.perf_counter()
@@ -534,6 +534,7 @@ class Engine:
                 self._schedule(ctx, 1, ctx.next_pos + step)
                 if state.compress_now:
                     trace.append(self._trace_point(state, len(tokens)))
+                    layer_cuts = state.compressions
                 out = forward(input_ids=next_tok, past_key_values=state.cache, use_cache=True, position_ids=pos.view(1, 1),
                               cache_position=pos, kvbench_state=state)
                 logits = out.logits[0, -1]
@@ -541,6 +542,7 @@ class Engine:
                 reads.append(read_point(state))
                 if state.compress_now:
                     trace.append(self._trace_point(state, len(tokens)))
+                    cuts += state.compressions > layer_cuts
                 now = _compile_frames()
                 if now != frames:  # this step compiled (a first call, a new layout): its time is compile_s
                     if sync:
@@ -569,7 +571,7 @@ class Engine:
             decode_compiled=compiled and forward is not model, peak_prefill_bytes=peak,
             peak_decode_bytes=peak_memory_bytes(self.devices), sdpa_backends=dict(state.backends),
             cache_trace=[p[:3] for p in trace], peak_stored_tokens=max(state.held, *(p[3] for p in trace)),
-            decode_compressions=sum(a[3] > b[3] for a, b in zip(trace[1:-1:2], trace[2:-1:2])),
+            decode_compressions=cuts,
             decode_compress_s=state.decode_compress_s - compress_s0,
             read_tokens=_stats([round(float(sum(t)) / len(reads), 3) for t in zip(*(r[0] for r in reads))]) if reads else None,
             read_bytes=round(float(sum(r[1] for r in reads)) / len(reads)) if reads else None,
@@ -582,13 +584,15 @@ class Engine:
         return [generated, round(sum(lens) / max(1, len(lens)), 3), cache_bytes(state.cache), max(lens, default=0)]
 
     def _cache_stats(self, state: CompressionState, n: int):
-        """(kept, stored, byte fields, method_stats): per-layer kept/stored token stats per KV head;
-        ``cache_bytes_before`` (compressed layers at n tokens), ``kept_bytes``, ``stored_bytes``; summed method stats."""
+        """(kept, stored, byte fields, method_stats): per-layer kept/stored token stats per KV head, read from the cache
+        layers (a quantized layer's blocks and residual together); ``cache_bytes_before`` (compressed layers at n
+        tokens), ``kept_bytes`` (kept tokens in the model dtype), ``stored_bytes`` (what the layers hold); summed method
+        stats."""
         layout, layers = self.loaded.layout, state.cache.layers
         token = 2 * layout.num_kv_heads * layout.head_dim * self.model.dtype.itemsize  # K and V of one token, all heads
         kept, stored, mstats = [], [], {}
         for i, res in state.results.items():
-            kept.append(float(res.valid.float().sum(-1).mean()) if res.valid is not None else float(res.keys.shape[-2]))
+            kept.append(float(res.valid.float().sum(-1).mean()) if res.valid is not None else float(layers[i].get_seq_length()))
             stored.append(kept[-1] if isinstance(layers[i], RaggedLayer) else layers[i].get_seq_length())
             for k, v in res.stats.items():
                 mstats[k] = mstats.get(k, 0.0) + float(v)

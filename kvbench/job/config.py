@@ -373,9 +373,11 @@ def check(cfg: Any, preset: str | None = None) -> JobSpec:
     method = methods.build_method(plain["method"])
     task, name = plain["task"], str(plain["task"].get("name"))
     tasks.get_task_class(name).validate(task)
-    methods.check_min_budget(method, top.budget)
+    methods.check_min_budget(method, top.budget, bool(top.decode.interval))
     need(not (method.reads and top.compile is True), "compile", "true", f"method {method.name} decodes eager; use "
          "compile=false or auto")
+    need(top.decode.interval or not method.decode_only, "decode.interval", 0, f"method {method.name} compresses while "
+         "decoding; set decode.interval > 0 (R-KV's run_math.py: 128 with decode.schedule=length)")
     cut = top.decode.interval if method.name != "full" else 0  # the full cache: nothing to cut
     need(not cut or method.decodes, "decode.interval", cut, f"method {plain['method'].get('label')} does not compress "
          "while decoding; accepted methods are the scoring ones (docs/DECODING.md)")
@@ -391,7 +393,7 @@ def check(cfg: Any, preset: str | None = None) -> JobSpec:
     need(not bits or not (layout.head_dim % top.cache.group_size or layout.head_dim % (8 // bits)), "cache.group_size",
          top.cache.group_size, f"must divide the model's head dim ({layout.head_dim}, which {bits and 8 // bits} "
          f"{bits}-bit codes per byte must divide too)")
-    need(not bits or not method.per_head_lengths, "cache.bits", bits, f"method {method.name} keeps per-head lengths, "
+    need(not bits or not method.per_head_lengths, "cache.bits", bits, f"method {method.name} may keep per-head lengths, "
          "which the quantized cache does not store; use a method with one length per layer, or cache.bits=null")
     artifacts.reset_files_read()
     method.check_layout(layout)  # reads the method's artifact files (head / layer scores)

@@ -99,12 +99,15 @@ def summarize(cfg: dict, task: Task, records: list[dict], expected: list[str], r
              for k in ("prompt_tokens", "compressed_tokens", "cache_bytes_before", "cache_bytes_after", "read_bytes")}
     cache.update({k: _mean([(r.get(k) or {}).get("mean") for r in ok]) for k in ("kept_tokens", "stored_tokens", "read_tokens")})
     cache["compressed_fraction"] = _mean([float(bool(r.get("compressed"))) for r in ok])
+    if any(r.get("decode_compressions") for r in ok):  # compression while decoding (docs/DECODING.md)
+        cache.update({k: _mean([r.get(k) for r in ok]) for k in ("decode_compressions", "decode_compress_s", "peak_stored_tokens")})
     return {
         "job": relpath, "task": cfg["task"]["name"], "model": cfg["model"]["name"], "method": cfg["method"]["name"],
         "method_label": cfg["method"].get("label") or cfg["method"]["name"], "budget": cfg["budget"],
         "n_samples": len(ok), "n_failed": len(records) - len(ok), "n_expected": len(expected),
         "complete": ids <= {r["id"] for r in ok}, "selection": selection(cfg), "ids": list(expected),
-        "failed": [{"id": r["id"], **r["error"]} for r in records if r.get("error")][:100],
+        "failed": [{"id": r["id"], **{k: v for k, v in r["error"].items() if k != "traceback"}}
+                   for r in records if r.get("error")][:100],
         "n_skipped": sum(int(s.get("samples", 1)) for s in skipped or []), "skipped": list(skipped or []),
         **task.aggregate(records),
         "timings": {k: _mean([r.get(k) for r in ok]) for k in ("prefill_s", "compress_s", "reconstruct_s", "decode_s",
@@ -131,7 +134,9 @@ def print_summary(summary: dict, path: Path) -> None:
     if t.get("prefill_s") is not None:
         lines.append(f"mean prefill {t['prefill_s']:.3f}s  compress {t['compress_s']:.4f}s  decode {t['decode_s']:.3f}s "
                      f"({t['decode_tok_s']:.1f} tok/s)  kept {c['kept_tokens']:.0f}/{c.get('compressed_tokens') or c['prompt_tokens']:.0f} tokens per "
-                     "compressible layer")
+                     "compressible layer" + (f"; while decoding {c['decode_compressions']:.1f} compressions "
+                                             f"({c['decode_compress_s']:.4f}s), at most {c['peak_stored_tokens']:.0f} "
+                                             "tokens per KV head" if c.get("decode_compressions") else ""))
     lines.append(f"results: {path}")
     print("\n".join(lines), flush=True)
 

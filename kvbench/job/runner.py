@@ -16,6 +16,7 @@ import logging
 import math
 import sys
 import time
+import traceback
 from typing import Any
 
 from eval.base import Sample, Task
@@ -72,9 +73,23 @@ def base_record(sample: Sample) -> dict[str, Any]:
             "length": sample.length, "meta": sample.meta, "prompt_sha256": hashlib.sha256(sample.prompt.encode()).hexdigest()}
 
 
+def last_frame(err: BaseException) -> str:
+    """Where ``err`` was raised: ``path:line in function`` of its traceback's last frame ('' without one)."""
+    frames = traceback.extract_tb(err.__traceback__)
+    return f"{frames[-1].filename}:{frames[-1].lineno} in {frames[-1].name}" if frames else ""
+
+
+def failed(sample_id: str, err: BaseException) -> None:
+    """Log a failed sample: one line, with the last frame of its traceback (:func:`last_frame`)."""
+    log.error("sample %s failed: %s: %s (at %s)", sample_id, type(err).__name__, err, last_frame(err))
+
+
 def error_record(base: dict[str, Any], err: BaseException) -> dict[str, Any]:
-    """The stored record of a failed sample: ``score`` null, ``error`` = type and message."""
-    return {**base, "prediction": None, "score": None, "error": {"type": type(err).__name__, "message": str(err)[:2000]}}
+    """The stored record of a failed sample: ``score`` null, ``error`` = type, message, ``where`` (:func:`last_frame`)
+    and ``traceback`` (Python's, its last 20,000 characters)."""
+    tb = "".join(traceback.format_exception(type(err), err, err.__traceback__))[-20000:]
+    return {**base, "prediction": None, "score": None, "error": {
+        "type": type(err).__name__, "message": str(err)[:2000], "where": last_frame(err), "traceback": tb}}
 
 
 def free_cuda() -> None:
@@ -158,7 +173,7 @@ class Unit:
             except Exception as e:  # noqa: BLE001 - per-sample isolation is the point
                 if type(e).__name__ == "UncompletedJobError":
                     raise  # submitit's preemption signal: the task must stop and be requeued
-                log.error("sample %s failed: %s: %s", sample.id, type(e).__name__, e)
+                failed(sample.id, e)
                 free_cuda()
                 for s in self.samples[i:] if self.turns else [sample]:
                     for k in self.missing(s) if s is not sample else want:
@@ -192,7 +207,7 @@ class Unit:
         try:
             return scored(self.task, sample, result, base)
         except Exception as e:  # noqa: BLE001
-            log.error("sample %s failed: %s: %s", base["id"], type(e).__name__, e)
+            failed(base["id"], e)
             return error_record(base, e)
 
 

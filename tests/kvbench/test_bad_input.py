@@ -55,6 +55,9 @@ CASES = [
     ("ashape-budget", ["method=trishape", "budget=64"], "budget"),
     ("decode-only-without-interval", ["decode.prefill=false"], "decode.prefill"),
     ("decode-method-that-cannot", ["method=headkv", "budget=64", "decode.interval=16"], "decode.interval"),
+    ("decode-budget-below-press-window", ["method=kvpress", "method.press=SnapKVPress", "decode.interval=16", "budget=48"],
+     "budget=48"),  # SnapKVPress's window is 64
+    ("decode-time-method-without-decode", ["method=rkv"], "decode.interval=0"),
     ("sampling-n-greedy", ["sampling.n=4"], "sampling.n"),
     ("sampling-n-zero", ["sampling.n=0"], "sampling.n=0"),
     ("sampling-top-p", ["sampling.top_p=0"], "sampling.top_p=0"),

@@ -62,6 +62,16 @@ def test_decode_only_keeps_the_prompt_until_the_first_compression(loaded):
     assert result.cache_trace[1][:2] == [32, 181.0] and result.cache_trace[2][:2] == [32, 64.0]
 
 
+def test_a_compression_of_a_cache_that_holds_exactly_the_budget_counts(loaded):
+    """R-KV's schedule cuts a layer holding exactly the budget (cut_at_budget): 40 prompt tokens < budget 48, the cache
+    holds 48 when the tokens fed reach 48 (counted, though it holds 48 before and after), then at 64 and 80."""
+    engine = Engine(loaded, build_method({"name": "rkv", "window_size": 4}, loaded.layout), 48,
+                    Decode(interval=16, schedule="length"))
+    result = engine.generate(PROMPT[:40], 45, stop_ids=[])
+    assert [p[:2] for p in result.cache_trace[1:3]] == [[9, 48.0], [9, 48.0]]
+    assert result.decode_compressions == 3
+
+
 def test_adakv_cuts_ragged_layers_to_the_layer_budget(loaded):
     method = build_method({"name": "adakv", "floor_mode": "safeguard"}, loaded.layout)
     engine = Engine(loaded, method, 64, Decode(interval=32))

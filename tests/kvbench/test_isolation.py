@@ -92,11 +92,19 @@ def test_non_finite_logits_from_the_model_are_never_scored(poison):
 
 @pytest.mark.parametrize("case,error_type", [("nan-score", "FloatingPointError"), ("empty", "ValueError"),
                                              ("nul", "UnicodeError")])
-def test_a_failing_sample_is_an_error_record_not_a_crash(loaded, case, error_type):
+def test_a_failing_sample_is_an_error_record_not_a_crash(loaded, case, error_type, caplog):
     task = ConstTask(math.nan if case == "nan-score" else 1.0)
     prompt = {"nan-score": "some text", "empty": "", "nul": "bad \x00 text"}[case]
     rec = run_sample(engine_for(loaded), loaded, task, sample(case, prompt=prompt))
     assert rec["error"]["type"] == error_type and rec["score"] is None and rec["prediction"] is None
+    # the traceback is stored, its last frame is in the record and the log line
+    err = rec["error"]
+    assert err["traceback"].startswith("Traceback") and err["traceback"].rstrip().splitlines()[-1].startswith(error_type)
+    place, function = err["where"].rsplit(" in ", 1)
+    if case != "nul":
+        assert (place.rsplit("/", 1)[-1].split(":")[0], function) == {
+            "nan-score": ("runner.py", "scored"), "empty": ("generate.py", "prefill")}[case]
+    assert f"(at {err['where']})" in caplog.text
 
 
 def test_loop_goes_on_after_failures_and_summary_counts_them(loaded, tmp_path, monkeypatch):

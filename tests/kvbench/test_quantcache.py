@@ -188,6 +188,21 @@ def test_a_query_part_on_a_quantized_cache_equals_its_ids_fed_one_by_one():
 
 
 @torch.inference_mode()
+def test_kept_tokens_and_bytes_count_the_quantized_blocks_too():
+    """One accounting (issue 56.12): a quantized job keeps what the dtype job keeps (blocks + residual), stores less."""
+    loaded = loaded_for(tiny_model("llama", layers=2))
+    results = []
+    for quant in (None, SPEC):
+        eng = Engine(loaded, SnapKV(SnapKVConfig(window_size=4, kernel_size=3), loaded.layout), 40)
+        eng.quant = quant
+        results.append(eng.generate(list(range(1, 101)), 3, stop_ids=[]))
+    plain, quantized = results
+    assert quantized.kept_tokens == plain.kept_tokens == {"mean": 40.0, "min": 40.0, "max": 40.0}  # 32 quantized + 8
+    assert quantized.stored_tokens == plain.stored_tokens and quantized.kept_bytes == plain.kept_bytes == 2 * 40 * 2 * 2 * 16 * 4
+    assert quantized.stored_bytes < plain.stored_bytes == plain.kept_bytes
+
+
+@torch.inference_mode()
 def test_off_is_todays_cache():
     loaded = loaded_for(tiny_model("llama", layers=2))
     eng = Engine(loaded, FullCache(layout=loaded.layout), 1.0)
@@ -220,6 +235,8 @@ def test_snapkv_at_4_bits_on_the_embedded_model_stores_the_analytic_packed_size(
     (["cache.bits=4", "cache.group_size=128"], "cache.group_size"),  # does not divide SmolLM2's head dim 64
     (["cache.bits=2", "method=adakv"], "cache.bits"),
     (["cache.bits=2", "method=headcompresskv", "budget=64"], "cache.bits"),
+    (["cache.bits=4", "method=kvzip"], "cache.bits"),  # per-head lengths, whatever the method (Method.per_head_lengths)
+    (["cache.bits=4", "method=adakv_kvpress"], "cache.bits"),
 ])
 def test_bad_cache_settings_are_one_line_and_exit_2(tmp_path, args, key):
     out = run_cli([*args, f"output_root={tmp_path}"], timeout=120)
