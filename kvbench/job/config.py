@@ -35,7 +35,8 @@ CONF_MODEL_DIR = CONF / "model"
 #: keys that choose which samples run (the sample ids encode them), not how one is computed
 SELECTION_KEYS = ("context_lengths", "depth_percents", "datasets", "n_samples", "subtasks")
 #: settings added after results were stored with them unset: at this value they stay out of the identity (the folders resume)
-FORMER = {("model", "compress_sliding_layers"): False, ("method", "score_dtype"): "float32", ("task", "compress"): "prompt"}
+FORMER = {("model", "compress_sliding_layers"): False, ("method", "score_dtype"): "float32", ("task", "compress"): "prompt",
+          ("task", "max_total_tokens"): None}
 DTYPES = ("float32", "bfloat16", "float16")
 DEVICE_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")
 

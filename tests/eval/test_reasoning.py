@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from eval import TaskConfigError, get_task_class
-from eval.reasoning import PROMPTS, equivalent, kvpress_answer, last_boxed
+from eval.reasoning import PROMPTS, equivalent, kvpress_answer, last_boxed, rkv_answer, rkv_equal, rkv_normal
 from eval.sampling import pass_at_k, summary
 
 DATA = Path(__file__).resolve().parents[1] / "data"
@@ -36,6 +36,7 @@ def task(name: str, **kw):
     ("first \\boxed{1}, then \\boxed{2}", "2"),                      # several boxes: the last
     ("\\boxed{3} and \\fbox{x^{2}}", "x^{2}"),
     ("\\boxed {7}", "7"),
+    ("so \\boxed 5.", "5"), ("\\boxed{1} then \\boxed 12 $", "12"),  # no braces: the word after it
     ("\\boxed{\\text{(B)}}", "\\text{(B)}"),
     ("no box: 5", None),
     ("cut short \\boxed{\\frac{1}{", None),                           # not closed
@@ -53,6 +54,7 @@ def test_last_boxed(text, answer):
     ("(-\\infty, 3]", "(-\\infty,3]", True), ("(2,5)", "[2,5)", False), ("[1,2)", "(1,2)", False),  # intervals
     ("C", "\\text{(C)}", True), ("1,000", "1000", True), ("x+1", "1+x", True),
     ("3", "4", False), ("\\frac{1}{3}", "0.33", False), ("", "0", False),
+    ("50\\%", "50", True), ("50%", "0.5", False),  # MATH writes a percentage without its sign
 ])
 def test_equivalent(answer, reference, same):
     assert equivalent(answer, reference) is same
@@ -65,6 +67,39 @@ def test_score_reads_the_last_box_and_records_whether_one_was_found():
     assert t.score(s, "\\boxed{6} wait, \\boxed{7}") == 0.0
     assert t.extra_scores(s, "it is 6") == {"answer": None, "found": False}
     assert t.extra_scores(s, "\\boxed{6}") == {"answer": "6", "found": True}
+
+
+# --------------------------------------------------------------------------- R-KV's rule (task.scorer=rkv)
+
+
+@pytest.mark.parametrize("prediction, reference, right", [
+    ("\\boxed 5", "5", True), ("\\boxed{50\\%}", "50", True), ("\\boxed{x = 3}", "3", True),
+    ("\\boxed{10 \\text{ inches}}", "10", True), ("\\boxed{\\text{(C)}}", "\\text{(C)}", True),
+    ("\\boxed{\\dfrac{\\sqrt{3}}{2}}", "\\frac{\\sqrt{3}}{2}", True), ("\\boxed{3/4}", "\\frac34", True),
+    ("\\boxed{five}", "5", True), ("\\boxed{90^\\circ}", "90", True),
+    # where R-KV's evaluator and math-verify part: a hundredth or hundredfold counts (percentages), intervals are
+    # compared element-wise, an unclosed box is read to the end, no box falls back to "the answer is" / the last number
+    ("\\boxed{0.5}", "50", True), ("\\boxed{5000}", "50", True), ("\\boxed{(2,5)}", "[2,5)", True),
+    ("\\boxed{\\frac{1}{2", "\\frac{1}{2}", True), ("The answer is 1,000.", "1000", True), ("so it is 7", "7", True),
+    ("\\boxed{\\frac{1}{3}}", "0.33", False), ("\\boxed{a}", "b", False), ("\\boxed{2}", "\\text{two}", False),
+    ("no number at all", "7", False),
+])
+def test_rkv_scorer_follows_rkv_eval_math(prediction, reference, right):
+    assert rkv_equal(rkv_answer(prediction), rkv_normal(reference)) is right
+    t = task("math500", scorer="rkv")
+    sample = next(iter(t.samples()))
+    sample.answers = [reference]
+    assert t.score(sample, prediction) == float(right)
+    assert t.extra_scores(sample, prediction)["found"] == ("boxed" in prediction)
+
+
+def test_max_total_tokens_counts_the_prompt_as_run_math_max_length():
+    t = get_task_class("math500")(cfg("math500", max_total_tokens=8192), max_input_tokens=1000,
+                                  encode=lambda s: list(range(100)))
+    assert next(iter(t.samples())).max_new_tokens == 8192 - 100
+    with pytest.raises(TaskConfigError, match="task.max_total_tokens=100"):
+        next(iter(get_task_class("math500")(cfg("math500", max_total_tokens=100), max_input_tokens=1000,
+                                             encode=lambda s: list(range(100))).samples()))
 
 
 # --------------------------------------------------------------------------- kvpress's rule
