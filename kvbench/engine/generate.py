@@ -43,41 +43,10 @@ class NonFiniteLogitsError(RuntimeError):
 
 @dataclass
 class GenerationResult:
-    """Output and measurements of one generation.
-
-    Attributes:
-        tokens: generated token ids (stop token excluded).
-        text: decoded text (special tokens skipped).
-        prompt_tokens: n, prompt length in tokens; compressed_tokens: the tokens the method saw (n, or the
-            context's under ``query_tokens``).
-        compressed: whether the cache was compressed (False when n ≤ budget or method=full).
-        kept_tokens / stored_tokens: of the compressed tokens, per compressible layer, mean/min/max of logical kept tokens
-            (valid slots, averaged over KV heads) and of stored prompt slots per KV head.
-        kept_bytes / stored_bytes: the compressed layers' kept tokens at 2·d model-dtype values, and the
-            bytes their cache holds for them (bias columns included, free decode slots not).
-        cache_bytes_before / cache_bytes_after: KV cache bytes of all layers right after prefill,
-            before and after compression (filled slots, bias columns included after).
-        prefill_s: prefill seconds excluding compression (a score computed inside the
-            prefill attention, LOOK-M's ``fused_score``, is prefill); compress_s: compression seconds, a method's
-            reconstruction forwards included (KVzip); reconstruct_s / reconstruct_tokens: those forwards' seconds and
-            tokens fed (0 for other methods: :mod:`kvbench.engine.reconstruct`);
-        decode_s: seconds from the first decode step to the last, without the steps that compiled;
-        compile_s: seconds of the decode steps during which ``torch.compile`` compiled (0 eager);
-        decode_compiled: whether every decode step ran compiled (False: eager, or a compile failed);
-        generated_tokens; decode_tok_s: generated tokens per decode second (the compiling steps' apart).
-        peak_prefill_bytes / peak_decode_bytes: peak memory of prefill with compression, and of decoding
-            (restarted after compression), summed over the model's devices (:func:`peak_memory_bytes`).
-        sdpa_backends: the SDPA backend PyTorch chose, ``{"prefill": ..., "decode": {layer kind: ...}}``
-            (:func:`kvbench.engine.attention.decode_backends`).
-        method_stats: method statistics summed over layers (merged, dropped, ...).
-        cache_trace: ``[generated tokens, stored tokens per KV head (mean over compressible layers of the longest
-            head), stored bytes of the whole cache]`` when decoding starts, just before and after each decode-time
-            compression, and at the end; peak_stored_tokens: the most any KV head of a compressible layer held.
-        decode_compressions: decode-time compressions (decode forwards in which the method cut a layer, one that held
-            exactly the budget too under ``cut_at_budget``); decode_compress_s: their seconds (within ``decode_s``).
-        read_tokens / read_bytes: what the attention read per decode step, mean over the one-token forwards (None without
-            one): per KV head as ``stored_tokens``, and bytes of every layer (:func:`read_point`).
-    """
+    """Output and measurements of one generation: ``tokens`` (stop token excluded), ``text`` (special tokens skipped)
+    and the record's fields, which docs/RESULTS.md defines (tokens and bytes of the cache, seconds, peaks, backends,
+    ``cache_trace``, the decode-time compressions, ``read_tokens``/``read_bytes``: :func:`read_point`); ``compressed``
+    is False when n ≤ budget or method=full."""
 
     tokens: list[int]
     text: str
@@ -214,13 +183,8 @@ def cache_bytes(cache: Any) -> int:
 
 
 def peak_rss_bytes() -> int:
-    """Peak resident set size of this process (bytes): ``VmHWM`` of ``/proc/self/status``.
-
-    ``ru_maxrss`` (the fallback where ``/proc`` is missing) is not used on Linux because a
-    child process inherits its parent's resident set size at ``fork`` as its starting peak: a
-    worker started by a 3 GB parent reported a 3 GB peak whatever it did. ``VmHWM`` belongs to
-    the process's own address space, and :func:`reset_peak_rss` can restart it.
-    """
+    """Peak resident set size of this process (bytes): ``VmHWM`` of ``/proc/self/status`` (restartable, its own; a forked
+    worker's ``ru_maxrss``, the fallback without ``/proc``, starts at its parent's)."""
     try:
         with open("/proc/self/status") as f:
             for line in f:
@@ -232,11 +196,8 @@ def peak_rss_bytes() -> int:
 
 
 def reset_peak_rss() -> bool:
-    """Restart the peak of :func:`peak_rss_bytes` at the current resident set size.
-
-    Writes ``5`` to ``/proc/self/clear_refs`` (Linux ≥ 4.0). Returns False where that is not
-    possible (other systems, restricted ``/proc``): the peak then stays the process's peak.
-    """
+    """Restart the peak of :func:`peak_rss_bytes` (``5`` to ``/proc/self/clear_refs``, Linux ≥ 4.0); False where that is
+    not possible: the peak then stays the process's."""
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
@@ -332,12 +293,9 @@ class Engine:
         return rotary
 
     def decode_forward(self):
-        """The callable of a decode step: the model, or with ``compile_decode`` the model compiled once per
-        engine by ``torch.compile(dynamic=True)``: the cache views ``(B, H_kv, T, d)`` grow by one token a
-        step and lengths differ per layer and sample, so T is symbolic (one graph, no recompile per step;
-        inductor fuses norms, RoPE and MLP activations: fewer launches). Compiles on its first call (and
-        :meth:`generate` times that step as ``compile_s``, not ``decode_s``); greedy tokens equal eager's
-        (tests/kvbench/test_compile_decode.py, CPU float32)."""
+        """The callable of a decode step: the model, or with ``compile_decode`` the model compiled once per engine by
+        ``torch.compile(dynamic=True)`` (T symbolic: one graph for every cache length; its first call's step is
+        ``compile_s``); greedy tokens equal eager's (tests/kvbench/test_compile_decode.py)."""
         if self.compile_decode and self._compiled is None:
             self._compiled = torch.compile(self.model, dynamic=True)
         return self._compiled if self.compile_decode else self.model
@@ -504,7 +462,7 @@ class Engine:
         seq = torch.tensor([ctx.ids + [0] * max_new_tokens], device=dev) if processors else None
         forward = self.decode_forward()
         compiled, compile_s, compiling_steps = forward is not model, 0.0, 0
-        trace, compress_s0, state.held, reads, cuts = [self._trace_point(state, 0)], state.decode_compress_s, 0, [], 0
+        trace, compress_s0, state.held, reads = [self._trace_point(state, 0)], state.decode_compress_s, 0, []
         with self._decode_scope(compiled):
             state.backends["decode"] = decode_backends(state)
             t1 = time.perf_counter()
@@ -534,7 +492,6 @@ class Engine:
                 self._schedule(ctx, 1, ctx.next_pos + step)
                 if state.compress_now:
                     trace.append(self._trace_point(state, len(tokens)))
-                    layer_cuts = state.compressions
                 out = forward(input_ids=next_tok, past_key_values=state.cache, use_cache=True, position_ids=pos.view(1, 1),
                               cache_position=pos, kvbench_state=state)
                 logits = out.logits[0, -1]
@@ -542,7 +499,6 @@ class Engine:
                 reads.append(read_point(state))
                 if state.compress_now:
                     trace.append(self._trace_point(state, len(tokens)))
-                    cuts += state.compressions > layer_cuts
                 now = _compile_frames()
                 if now != frames:  # this step compiled (a first call, a new layout): its time is compile_s
                     if sync:
@@ -571,7 +527,7 @@ class Engine:
             decode_compiled=compiled and forward is not model, peak_prefill_bytes=peak,
             peak_decode_bytes=peak_memory_bytes(self.devices), sdpa_backends=dict(state.backends),
             cache_trace=[p[:3] for p in trace], peak_stored_tokens=max(state.held, *(p[3] for p in trace)),
-            decode_compressions=cuts,
+            decode_compressions=sum(a[4] < b[4] for a, b in zip(trace[1:-1:2], trace[2:-1:2])),
             decode_compress_s=state.decode_compress_s - compress_s0,
             read_tokens=_stats([round(float(sum(t)) / len(reads), 3) for t in zip(*(r[0] for r in reads))]) if reads else None,
             read_bytes=round(float(sum(r[1] for r in reads)) / len(reads)) if reads else None,
@@ -579,15 +535,14 @@ class Engine:
 
     def _trace_point(self, state: CompressionState, generated: int) -> list:
         """``[generated tokens, stored tokens per KV head (mean over compressible layers of the longest head),
-        stored bytes of the whole cache, the longest head of any compressible layer]``."""
+        stored bytes of the whole cache, the longest head of any compressible layer, the layer compressions so far]``."""
         lens = [layer_tokens(state.cache.layers[i]) for i in state.layout.compressible_layers]
-        return [generated, round(sum(lens) / max(1, len(lens)), 3), cache_bytes(state.cache), max(lens, default=0)]
+        return [generated, round(sum(lens) / max(1, len(lens)), 3), cache_bytes(state.cache), max(lens, default=0),
+                state.compressions]
 
     def _cache_stats(self, state: CompressionState, n: int):
-        """(kept, stored, byte fields, method_stats): per-layer kept/stored token stats per KV head, read from the cache
-        layers (a quantized layer's blocks and residual together); ``cache_bytes_before`` (compressed layers at n
-        tokens), ``kept_bytes`` (kept tokens in the model dtype), ``stored_bytes`` (what the layers hold); summed method
-        stats."""
+        """(kept, stored, byte fields, method_stats): per-layer kept/stored token stats per KV head, read from the layers
+        (quantized blocks + residual); ``cache_bytes_before`` (compressed layers at n tokens), ``kept_bytes``, ``stored_bytes``."""
         layout, layers = self.loaded.layout, state.cache.layers
         token = 2 * layout.num_kv_heads * layout.head_dim * self.model.dtype.itemsize  # K and V of one token, all heads
         kept, stored, mstats = [], [], {}

@@ -99,8 +99,8 @@ def summarize(cfg: dict, task: Task, records: list[dict], expected: list[str], r
              for k in ("prompt_tokens", "compressed_tokens", "cache_bytes_before", "cache_bytes_after", "read_bytes")}
     cache.update({k: _mean([(r.get(k) or {}).get("mean") for r in ok]) for k in ("kept_tokens", "stored_tokens", "read_tokens")})
     cache["compressed_fraction"] = _mean([float(bool(r.get("compressed"))) for r in ok])
-    if any(r.get("decode_compressions") for r in ok):  # compression while decoding (docs/DECODING.md)
-        cache.update({k: _mean([r.get(k) for r in ok]) for k in ("decode_compressions", "decode_compress_s", "peak_stored_tokens")})
+    decoded = ("decode_compressions", "decode_compress_s", "peak_stored_tokens")  # only when on (docs/DECODING.md)
+    cache.update({k: _mean([r.get(k) for r in ok]) for k in decoded} if any(r.get(decoded[0]) for r in ok) else {})
     return {
         "job": relpath, "task": cfg["task"]["name"], "model": cfg["model"]["name"], "method": cfg["method"]["name"],
         "method_label": cfg["method"].get("label") or cfg["method"]["name"], "budget": cfg["budget"],

@@ -73,23 +73,19 @@ def base_record(sample: Sample) -> dict[str, Any]:
             "length": sample.length, "meta": sample.meta, "prompt_sha256": hashlib.sha256(sample.prompt.encode()).hexdigest()}
 
 
-def last_frame(err: BaseException) -> str:
-    """Where ``err`` was raised: ``path:line in function`` of its traceback's last frame ('' without one)."""
+def failed(sample_id: str, err: BaseException) -> dict[str, Any]:
+    """Log a failed sample in one line naming the last frame of its traceback; return its records' ``error``: type,
+    message, ``where`` (that frame, ``path:line in function``), ``traceback`` (Python's, the last 20,000 characters)."""
     frames = traceback.extract_tb(err.__traceback__)
-    return f"{frames[-1].filename}:{frames[-1].lineno} in {frames[-1].name}" if frames else ""
+    where = f"{frames[-1].filename}:{frames[-1].lineno} in {frames[-1].name}" if frames else ""
+    log.error("sample %s failed: %s: %s (at %s)", sample_id, type(err).__name__, err, where)
+    return {"type": type(err).__name__, "message": str(err)[:2000], "where": where,
+            "traceback": "".join(traceback.format_exception(type(err), err, err.__traceback__))[-20000:]}
 
 
-def failed(sample_id: str, err: BaseException) -> None:
-    """Log a failed sample: one line, with the last frame of its traceback (:func:`last_frame`)."""
-    log.error("sample %s failed: %s: %s (at %s)", sample_id, type(err).__name__, err, last_frame(err))
-
-
-def error_record(base: dict[str, Any], err: BaseException) -> dict[str, Any]:
-    """The stored record of a failed sample: ``score`` null, ``error`` = type, message, ``where`` (:func:`last_frame`)
-    and ``traceback`` (Python's, its last 20,000 characters)."""
-    tb = "".join(traceback.format_exception(type(err), err, err.__traceback__))[-20000:]
-    return {**base, "prediction": None, "score": None, "error": {
-        "type": type(err).__name__, "message": str(err)[:2000], "where": last_frame(err), "traceback": tb}}
+def error_record(base: dict[str, Any], error: dict) -> dict[str, Any]:
+    """The stored record of a failed sample: ``score`` null, ``error`` from :func:`failed`."""
+    return {**base, "prediction": None, "score": None, "error": error}
 
 
 def free_cuda() -> None:
@@ -173,11 +169,11 @@ class Unit:
             except Exception as e:  # noqa: BLE001 - per-sample isolation is the point
                 if type(e).__name__ == "UncompletedJobError":
                     raise  # submitit's preemption signal: the task must stop and be requeued
-                failed(sample.id, e)
+                error = failed(sample.id, e)
                 free_cuda()
                 for s in self.samples[i:] if self.turns else [sample]:
                     for k in self.missing(s) if s is not sample else want:
-                        on_record(error_record(self.base(s, k), e))
+                        on_record(error_record(self.base(s, k), error))
                 if self.turns:
                     break
                 part = part if isinstance(part, BaseException) else None
@@ -207,8 +203,7 @@ class Unit:
         try:
             return scored(self.task, sample, result, base)
         except Exception as e:  # noqa: BLE001
-            failed(base["id"], e)
-            return error_record(base, e)
+            return error_record(base, failed(base["id"], e))
 
 
 class Progress:
@@ -296,7 +291,8 @@ def run_samples(engines: list[Any], loaded: Any, task: Task, samples: list[Sampl
                     try:
                         stores[j].append(rec)
                     except (TypeError, ValueError) as e:  # not strict JSON (a NaN): store the failure instead
-                        rec = error_record({k: rec.get(k) for k in ("id", "dataset", "answers", "all_classes", "length")}, e)
+                        rec = error_record({k: rec.get(k) for k in ("id", "dataset", "answers", "all_classes", "length")},
+                                           failed(rec["id"], e))
                         stores[j].append(rec)
                     progress.scored(j, rec)
                     sid = rec.get("problem", rec["id"])
