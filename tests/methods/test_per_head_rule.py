@@ -32,13 +32,12 @@ def test_a_method_that_keeps_per_head_lengths_declares_it(loaded, cfg):
         method.check_layout(loaded.layout)
     except ConfigError:
         pytest.skip("needs artifact files")
-    if method.name == "full":
-        pytest.skip("keeps everything")
     budget = max(24, method.min_budget())
     engine = Engine(loaded, method, budget)
     engine.prompt_format = PromptFormat(lambda text: [1 + ord(c) % 120 for c in text])  # KVzip's repeat prompts
     engine.generate([1 + i % 120 for i in range(budget + 56)], 2, stop_ids=[])
     results = engine.last_state.results
-    assert results, "nothing compressed: the rule is not exercised"
+    if not results:  # sparse attention (Quest, A-shape): every token stays stored
+        pytest.skip("evicts nothing")
     if any(r.valid is not None for r in results.values()):
         assert method.per_head_lengths
