@@ -429,17 +429,14 @@ def attach_bias(state: CompressionState) -> None:
             write_bias(state.cache.layers[idx], res.logit_bias, state.layout.head_dim, res.valid)
 
 
-_registered = False
-
-
 def register() -> None:
-    """Register ``kvbench`` with transformers' attention and mask interfaces (idempotent)."""
-    global _registered
-    if _registered:
-        return
+    """Register ``kvbench`` with transformers' attention and mask interfaces, again at every call: importing kvpress
+    wraps every attention function registered at that moment (kvbench's too), and a model built after that must
+    still run kvbench's own."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     AttentionInterface.register(ATTN_IMPLEMENTATION, kvbench_attention)
+    ALL_ATTENTION_FUNCTIONS[ATTN_IMPLEMENTATION] = kvbench_attention  # over kvpress's wrapper (its local mapping)
     AttentionMaskInterface.register(ATTN_IMPLEMENTATION, sdpa_mask)
-    _registered = True
