@@ -251,6 +251,20 @@ def model_sort_key(key: str) -> tuple:
     return MODEL_ORDER.index(base) if base in MODEL_ORDER else len(MODEL_ORDER), len(key), key
 
 
+def paper_order(frame: pd.DataFrame, by: list[str], ranks: dict | None = None) -> pd.DataFrame:
+    """``frame`` sorted (stably) by the columns ``by``, the one row order of every report: ``model`` and ``model_key``
+    by :func:`model_sort_key`, ``method`` by :func:`method_sort_key` (with ``method_name``), a column whose values
+    ``ranks`` all ranks by those ranks, any other by value; index reset."""
+    order = {}
+    for c in by:
+        vals = pd.Series(list(zip(frame["method_name"], frame[c])) if c == "method" else list(frame[c]), frame.index,
+                         dtype=object)
+        key = {"model": model_sort_key, "model_key": model_sort_key, "method": lambda p: method_sort_key(*p)}.get(
+            c, (ranks or {}).get if set(vals) <= set(ranks or {}) else None)
+        order[f"_{c}"] = vals.map({v: i for i, v in enumerate(sorted(set(vals), key=key))})
+    return frame.assign(**order).sort_values(list(order), kind="stable").drop(columns=list(order)).reset_index(drop=True)
+
+
 def order_datasets(datasets: Iterable) -> list[str]:
     """LongBench order, then other datasets alphabetically."""
     ds = {d for d in datasets if isinstance(d, str)}

@@ -10,7 +10,8 @@ import pandas as pd
 
 from eval.sampling import by_problem, summary
 
-from kvbench.report.data import FULL, budget_text, job_records, method_sort_key, model_sort_key
+from kvbench.job.store import read_json
+from kvbench.report.data import FULL, budget_text, job_records, paper_order
 from kvbench.report.tables import Artifact, _done, _figure, draw_lines, reference, slug
 
 COLUMNS = ["id", "problem", "dataset", "error", "score", "scores", "generated_tokens", "cache_trace", "decode_compressions"]
@@ -18,23 +19,16 @@ COLUMNS = ["id", "problem", "dataset", "error", "score", "scores", "generated_to
 
 def _jobs(df: pd.DataFrame, root) -> dict[tuple[str, str], list[tuple[pd.Series, list[dict]]]]:
     """``{(task, model key): [(job row, its scored records), ...]}`` for the jobs whose records are sampled candidates
-    (``problem``), say whether they found an answer (``scores.found``) or were compressed while decoding; rows sorted
-    by method and budget."""
-    import json
-
+    (``problem``), say whether they found an answer (``scores.found``) or were compressed while decoding, in
+    :func:`~kvbench.report.data.paper_order`."""
     out: dict = {}
-    jobs = df[df["dataset"].notna()].drop_duplicates("job")
-    for _, row in jobs.iterrows():
+    for _, row in paper_order(df[df["dataset"].notna()].drop_duplicates("job"), ["task", "model_key", "method",
+                                                                                  "budget"]).iterrows():
         path = root / row["job"]
-        try:
-            summ = json.loads((path / "summary.json").read_text())
-        except (OSError, ValueError):
-            summ = {}
-        recs = job_records(path, summ, COLUMNS).astype(object).where(lambda f: f.notna(), None).to_dict("records")
+        recs = job_records(path, read_json(path / "summary.json"), COLUMNS).astype(object).where(
+            lambda f: f.notna(), None).to_dict("records")
         if any(r["problem"] is not None or "found" in (r["scores"] or {}) or r["decode_compressions"] for r in recs):
             out.setdefault((row["task"], row["model_key"]), []).append((row, recs))
-    for rows in out.values():
-        rows.sort(key=lambda p: (method_sort_key(p[0]["method_name"], p[0]["method"]), p[0]["budget"]))
     return out
 
 
@@ -121,7 +115,7 @@ def reasoning_reports(df: pd.DataFrame, root) -> list[Artifact]:
     """Every task × model key with generation-heavy jobs (:func:`_jobs`): its pass@k table, cache-trace figure and
     generated-length figure."""
     out = []
-    for (task, mk), jobs in sorted(_jobs(df, root).items(), key=lambda p: (p[0][0], model_sort_key(p[0][1]))):
+    for (task, mk), jobs in _jobs(df, root).items():
         if any(r["problem"] is not None or "found" in (r["scores"] or {}) for _, recs in jobs for r in recs):
             out.append(passk_table(task, mk, jobs))
         out += cache_trace_figure(task, mk, jobs) + gen_length_figure(task, mk, jobs)

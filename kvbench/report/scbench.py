@@ -17,9 +17,9 @@ import pandas as pd
 
 from eval.scbench import CAPABILITIES, turn_of
 
-from kvbench.report.data import FULL, budget_semantics, budget_text, method_sort_key, model_sort_key
+from kvbench.report.data import FULL, budget_semantics, budget_text, paper_order
 from kvbench.report.tables import Artifact, _done, _figure, count, draw_lines
-from kvbench.job.store import JobStore
+from kvbench.job.store import JobStore, read_json
 
 MODES = {"multi_turn": "multi-turn", "own": "multi-turn, own answers", "multi_request": "multi-request"}
 RANK = {m: i for i, m in enumerate(MODES.values())} | {c: i for i, c in enumerate(CAPABILITIES)}
@@ -41,8 +41,7 @@ def scbench_records(df: pd.DataFrame, root: Path) -> pd.DataFrame:
     jobs = df[(df["task"] == "scbench") & df["dataset"].notna()].drop_duplicates("job")
     rows = []
     for job in jobs.itertuples():
-        summary = json.loads(p.read_text()) if (p := Path(root) / job.job / "summary.json").is_file() else {}
-        ids = set(summary.get("ids") or [])
+        ids = set(read_json(Path(root) / job.job / "summary.json").get("ids") or [])
         for r in JobStore(Path(root) / job.job).latest().values():
             if r.get("error") is not None or r.get("score") is None or ids and r["id"] not in ids:
                 continue
@@ -66,26 +65,6 @@ def scbench_records(df: pd.DataFrame, root: Path) -> pd.DataFrame:
     return out[out["job"].isin(keep)]
 
 
-def _rows(rec: pd.DataFrame) -> list[tuple]:
-    """(model, method, budget) in paper order: models, then methods, then budgets."""
-    keys = rec[["model", "method", "method_name", "budget"]].drop_duplicates()
-    keys = sorted(keys.itertuples(index=False), key=lambda k: (model_sort_key(k.model), method_sort_key(
-        k.method_name, k.method), k.budget))
-    return [(k.model, k.method, k.budget) for k in keys]
-
-
-def _ordered(frame: pd.DataFrame, rec: pd.DataFrame, within: list[str] = (), then: list[str] = ()) -> pd.DataFrame:
-    """``frame`` (columns model, method, budget, ``within``, ``then``) by model, ``within``, method and budget in
-    :func:`_rows`' order, then ``then``."""
-    order = {k: i for i, k in enumerate(_rows(rec))}
-    models = {m: i for i, m in enumerate(sorted(set(frame["model"]), key=model_sort_key))}
-    return frame.assign(_model=frame["model"].map(models), _rank=[order[k] for k in zip(
-        frame["model"], frame["method"], frame["budget"])]).sort_values(
-        ["_model", *within, "_rank", *then], kind="stable", key=lambda c: c.map(RANK) if c.name in ("mode", "capability")
-        else c
-    ).reset_index(drop=True)
-
-
 def _budgets(frame: pd.DataFrame) -> list[str]:
     """The budget column as printed: ``–`` for the full cache (its budget is not a setting)."""
     return ["–" if n == FULL else budget_text(b) for n, b in zip(frame["method_name"], frame["budget"])]
@@ -104,8 +83,7 @@ def turn_table(rec: pd.DataFrame) -> Artifact:
     turns, keys = sorted(rec["turn"].unique()), ["model", "capability", "dataset", "method", "method_name", "budget",
                                                   "mode"]
     piv = rec.pivot_table(index=keys, columns="turn", values="score", aggfunc="mean")
-    piv = _ordered(piv.assign(Avg=rec.groupby(keys)["score"].mean()).reset_index(), rec, ["capability", "dataset"],
-                   ["mode"])
+    piv = paper_order(piv.assign(Avg=rec.groupby(keys)["score"].mean()).reset_index(), keys, RANK)
     data = pd.DataFrame({"Model": piv["model"], "Capability": piv["capability"], "Dataset": piv["dataset"],
                          "Method": piv["method"], "Budget": _budgets(piv), "Mode": piv["mode"],
                          **{f"Turn {t}": piv[t] for t in turns}, "Avg": piv["Avg"]})
@@ -125,7 +103,8 @@ def turn_figure(rec: pd.DataFrame) -> Artifact:
     cols = min(4, len(panels))
     fig, axes = _figure(math.ceil(len(panels) / cols), cols, w=3.6, h=3.0)
     models, full = len(set(rec["model"])) > 1, set(rec.loc[rec["method_name"] == FULL, "method"])
-    rows = {k: f"C{i % 10}" for i, k in enumerate(_rows(rec))}
+    rows = {k: f"C{i % 10}" for i, k in enumerate(paper_order(rec, ["model", "method", "budget"])[
+        ["model", "method", "budget"]].drop_duplicates().itertuples(index=False, name=None))}
     label = lambda model, method, budget, mode: (f"{model}: " * models + f"{method}, " + f"{budget_text(budget)}, " * (
         method not in full) + mode)
     for ax, cap in zip(axes.flat, panels):
@@ -152,7 +131,7 @@ def mode_table(rec: pd.DataFrame) -> Artifact | None:
         return None
     piv = rec.groupby(["model", "method", "method_name", "budget", "capability", "dataset", "mode"])["score"].mean(
     ).unstack("mode").reset_index()
-    piv = _ordered(piv, rec, then=["capability", "dataset"])
+    piv = paper_order(piv, ["model", "method", "budget", "capability", "dataset"], RANK)
     data = pd.DataFrame({"Model": piv["model"], "Method": piv["method"], "Budget": _budgets(piv),
                          "Capability": piv["capability"], "Dataset": piv["dataset"], **{m: piv[m] for m in modes}})
     if {"multi-turn", "multi-request"} <= set(modes):
@@ -175,7 +154,7 @@ def cost_table(rec: pd.DataFrame) -> Artifact | None:
     t = per_group.groupby("job").agg(n=("n", "sum"), groups=("n", "size"), pc=("pc", "sum"), dec=("dec", "sum"),
                                      comp=("comp", "mean"), alone=("alone", "sum"))
     t = t.join(timed.drop_duplicates("job").set_index("job")[["model", "method", "method_name", "budget", "mode"]])
-    t = _ordered(t, rec, then=["mode"])
+    t = paper_order(t, ["model", "method", "budget", "mode"], RANK)
     reuse, alone = (t["pc"] + t["dec"]) / t["n"], (t["alone"] + t["dec"]) / t["n"]
     data = pd.DataFrame({"Model": t["model"], "Method": t["method"], "Budget": _budgets(t), "Mode": t["mode"],
                          "Questions": t["n"].map(str), "Contexts": t["groups"].map(str),

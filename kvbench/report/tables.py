@@ -19,8 +19,10 @@ from eval.longbench import CATEGORIES
 from eval.longbench_v2 import BREAKDOWN
 
 from kvbench.job.plots import draw_niah_heatmap, niah_colorbar, plt
+from kvbench.job.store import read_json
 from kvbench.report.data import (DATASET_ABBR, FULL, LONG_CONTEXT_TOKENS, budget_semantics, budget_text, display_name,
-                          method_sort_key, model_sort_key, niah_grid_records, order_datasets, presets)
+                                 method_sort_key, model_sort_key, niah_grid_records, order_datasets, paper_order,
+                                 presets)
 
 
 @dataclass
@@ -276,12 +278,10 @@ def averages_tables(df: pd.DataFrame, root: Path, task: str, caption: str, colum
     order); ``caption`` formatted with the model key."""
     out = []
     for mk, rows in df[(df["task"] == task) & df["score"].notna()].groupby("model_key"):
-        part = rows.drop_duplicates("job")
-        part = part.iloc[sorted(range(len(part)), key=lambda i: (
-            method_sort_key(part["method_name"].iat[i], part["method"].iat[i]), part["budget"].iat[i]))]
+        part = paper_order(rows.drop_duplicates("job"), ["method", "budget"])
         heads = ["Method", *["Variant"] * bool(part["variant"].any()), "Budget"]  # jobs of one label apart, as score_tables
         found = [{"Method": m, "Variant": v, "Budget": None if name == FULL else budget_text(b),
-                  **(json.loads((Path(root) / job / "summary.json").read_text()).get("averages") or {})}
+                  **(read_json(Path(root) / job / "summary.json").get("averages") or {})}
                  for job, m, v, name, b in zip(part["job"], part["method"], part["variant"], part["method_name"], part["budget"])]
         cols = list(columns) or list(dict.fromkeys(k for r in found for k in r if k not in ("Method", "Variant", "Budget")))
         data = pd.DataFrame(found, columns=[*heads, *cols])
@@ -371,6 +371,27 @@ def sweep(grids: dict[float, Grid], mk: str, dataset: str | None = None, se: boo
     if full and table.loc[full].notna().any():
         table.loc[full] = table.loc[full].dropna().iloc[0]
     return table
+
+
+def sweep_panel(ax, grids: dict[float, Grid], mk: str, ratio: bool, dataset: str | None = None, band=False) -> None:
+    """One model's average over the datasets (or ``dataset``'s score) against the budget (:func:`sweep`) on ``ax``: the
+    full cache (:func:`reference`), a line per method with ±1 SE (error bars; ``band``: bands; :func:`draw_lines`),
+    ticks at the budgets, scores within -3 to 103 over at least 5 points."""
+    t, err = sweep(grids, mk, dataset), sweep(grids, mk, dataset, True).fillna(0.0)
+    full, x = next((g.full for g in grids.values() if g.full), None), {b: 100 * b if ratio else b for b in t.columns}
+    if not ratio:
+        ax.set_xscale("log", base=2)
+    if full in t.index and t.loc[full].notna().any():  # the full cache keeps every token: one score at every budget
+        late = not band and any((mk, full) in g.incomplete for g in grids.values())  # bands: the caption says it
+        reference(ax, t.loc[full].iloc[0], err.loc[full].iloc[0], full + " (unfinished)" * late)
+    lines = {lab: y.dropna().rename(x) for lab, y in t.iterrows() if lab != full and y.notna().any()}
+    draw_lines(ax, lines, {lab: err.loc[lab].rename(x)[y.index] for lab, y in lines.items()},
+               {lab: [x[b] for b in t.columns if (mk, lab) in grids[b].incomplete] for lab in lines}, band)
+    ax.set_xticks(list(x.values()), [budget_text(b) for b in x])
+    ax.minorticks_off()
+    lo, hi = ax.get_ylim()
+    ax.set_ylim(max(lo, -3.0), min(max(hi, lo + 5), 103.0))
+    ax.set_xlabel("KV retention ratio ρ (% of prompt tokens)" if ratio else "KV budget (tokens per layer per KV head)")
 
 
 def used_by(grids: dict[float, Grid], models: list[str]) -> pd.DataFrame:
@@ -630,24 +651,9 @@ def budget_sweep_figure(df, name: str, task: str, ratio: bool, title: str, per_d
     full = next((g.full for g in grids.values() if g.full), None)
     for i, mk in enumerate(models):
         for j, ds in enumerate(datasets):  # one model's average (or one dataset's score) across budgets
-            ax, t, err = axes[i, j] if per_dataset else axes[0, i], sweep(grids, mk, ds), sweep(grids, mk, ds, True)
-            if not ratio:
-                ax.set_xscale("log", base=2)
-                ax.set_xticks(list(t.columns), [f"{b:g}" for b in t.columns])
-                ax.minorticks_off()
-            if full in t.index and t.loc[full].notna().any():
-                late = any((mk, full) in g.incomplete for g in grids.values())
-                reference(ax, t.loc[full].iloc[0], err.loc[full].iloc[0], full + " (unfinished)" * late)
-            comp = [lab for lab in t.index if lab != full]
-            draw_lines(ax, {lab: t.loc[lab].dropna().rename(lambda b: b * 100 if ratio else b) for lab in comp},
-                       {lab: err.loc[lab, t.loc[lab].dropna().index].to_numpy() for lab in comp},
-                       {lab: [b * 100 if ratio else b for b in t.columns if (mk, lab) in grids[b].incomplete]
-                        for lab in comp})
-            lo, hi = ax.get_ylim()  # scores 0-100: a span of at least 5 points, never below 0
-            ax.set_ylim(max(0.0, min(lo, (lo + hi) / 2 - 2.5)), max(hi, max(0.0, (lo + hi) / 2 - 2.5) + 5))
-            ax.set(ylabel="Score (points)" if ds else "Average score (points)", title=mk + f" — {ds}" * bool(ds),
-                   xlabel="KV retention ratio ρ (% of prompt tokens)" if ratio else "KV budget (tokens per layer per "
-                   "KV head)")
+            ax = axes[i, j] if per_dataset else axes[0, i]
+            sweep_panel(ax, grids, mk, ratio, ds)
+            ax.set(ylabel="Score (points)" if ds else "Average score (points)", title=mk + f" — {ds}" * bool(ds))
     fig.suptitle(title)
     used = used_by(grids, models)
     ns = used.loc[used["method"] != full, "n"].dropna()
