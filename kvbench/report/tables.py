@@ -619,7 +619,7 @@ def selkv_fig2(df: pd.DataFrame, budget: float = 0.25, task: str = "longbench") 
     ax.margins(y=0.15)
     ax.set(xticks=range(len(g.models)), xticklabels=g.models, xlabel="Model", ylabel=f"Δ LongBench average vs "
            f"{g.full} (points)", title="Gap to the full cache\n(closer to 0 is better)")
-    ax.legend(handles=ax.get_legend_handles_labels()[0] + late)
+    legend(ax, ax.get_legend_handles_labels()[0] + late)
     caption = (f"LongBench ({count(len(g.datasets), 'dataset')}), {budget_semantics([budget])}, ρ = "
                f"{budget_text(budget)}; error bars: ±1 SE, √(SE² + SE full²). Hatched, pale bars: an unfinished job "
                "(fewer samples scored).")
@@ -682,11 +682,13 @@ def selkv_fig3(latency: list[dict], source: str = "latency.json") -> list[Artifa
         m[list(stages)].rename(columns=stages).plot.bar(stacked=True, ax=ax_a, width=0.8, ylabel="Time per "
                                                         "request (s)", title=f"(a) {mk}: time breakdown")
         ax_a.set_xticks(range(len(m)), [f"{n:.0f} {meth}" for n, meth in m.index], rotation=60, ha="right")
-        ax_a.set(xlabel="Prompt length (tokens), method", ylim=(0, ax_a.get_ylim()[1] * 1.3))
-        ax_a.legend(ncols=3, loc="upper left")
+        ax_a.set(xlabel="Prompt length (tokens), method")
+        legend(ax_a)
         tok_s = m["decode_tok_s"].unstack("method")
-        tok_s.rename_axis(columns="Method").plot(ax=ax_b, marker="o", logx=True, xlabel="Prompt length (tokens)",
-                   ylabel="Decode throughput (tokens/s)", title=f"(b) {mk}: decode throughput")
+        ax_b.set_xscale("log")
+        draw_lines(ax_b, {meth: tok_s[meth].dropna() for meth in tok_s})
+        ax_b.set(xlabel="Prompt length (tokens)", ylabel="Decode throughput (tokens/s)",
+                 title=f"(b) {mk}: decode throughput")
         ax_b.set_xticks(tok_s.index, [f"{n:.0f}" for n in tok_s.index], minor=False)
         ax_b.minorticks_off()
     budgets = sorted(set(pd.to_numeric(lat["budget"], errors="coerce").dropna()) - {1.0})
