@@ -376,7 +376,7 @@ def sweep(grids: dict[float, Grid], mk: str, dataset: str | None = None, se: boo
 def sweep_panel(ax, grids: dict[float, Grid], mk: str, ratio: bool, dataset: str | None = None, band=False) -> None:
     """One model's average over the datasets (or ``dataset``'s score) against the budget (:func:`sweep`) on ``ax``: the
     full cache (:func:`reference`), a line per method with ±1 SE (error bars; ``band``: bands; :func:`draw_lines`),
-    ticks at the budgets, scores within -3 to 103 over at least 5 points."""
+    ticks at the budgets, y from 0 (scores 0-100) over at least 5 points."""
     t, err = sweep(grids, mk, dataset), sweep(grids, mk, dataset, True).fillna(0.0)
     full, x = next((g.full for g in grids.values() if g.full), None), {b: 100 * b if ratio else b for b in t.columns}
     if not ratio:
@@ -390,7 +390,8 @@ def sweep_panel(ax, grids: dict[float, Grid], mk: str, ratio: bool, dataset: str
     ax.set_xticks(list(x.values()), [budget_text(b) for b in x])
     ax.minorticks_off()
     lo, hi = ax.get_ylim()
-    ax.set_ylim(max(lo, -3.0), min(max(hi, lo + 5), 103.0))
+    lo = max(0.0, min(lo, (lo + hi) / 2 - 2.5))
+    ax.set_ylim(lo, min(103.0, max(hi, lo + 5)))
     ax.set_xlabel("KV retention ratio ρ (% of prompt tokens)" if ratio else "KV budget (tokens per layer per KV head)")
 
 
@@ -546,7 +547,6 @@ def _done(name, fig, caption, used=None, sources=()) -> Artifact:
     return a
 
 
-MARKERS, DASHES = "osD^vPX*", ("-", "--", "-.", ":")
 
 
 def dodge(n: int, step: float = 6.0) -> list[float]:
@@ -568,16 +568,15 @@ def reference(ax, y: float, se: float, label: str) -> None:
 def draw_lines(ax, series: dict, err: dict | None = None, hollow: dict | None = None, band: bool = False,
                styles: dict | None = None, show_legend: bool = True) -> None:
     """The one rule of every line figure, so that tied lines stay visible: line ``k`` of ``series`` (``{label:
-    pd.Series}``, y indexed by x, in legend order) gets colour ``Ck``, marker ``MARKERS[k]`` and line style
-    ``DASHES[k]`` (``styles[label]`` overrides); the lines that share an x with another are drawn side by side, the
-    k-th of n ``dodge(n)[k]`` points sideways (the data stay exact: the shift is in the transform; the x range grows to
+    pd.Series}``, y indexed by x, in legend order) gets colour ``Ck``, solid with round markers (``styles[label]``
+    overrides; dashed is the full cache's, :func:`reference`); the lines that share an x with another are drawn side
+    by side, the k-th of n ``dodge(n)[k]`` points sideways (the data stay exact: the shift is in the transform; the x range grows to
     keep the markers inside). ``err[label]``: ±1 SE, error bars (``band``:
     a shaded band); ``hollow[label]``: the x of an unfinished job's points (hollow markers). Set the x scale first."""
     shared = [a for a, y in series.items() if any(b != a and y.index.isin(z.index).any() for b, z in series.items())]
     shift = dict(zip(shared, dodge(len(shared))))
     for k, (label, y) in enumerate(series.items()):
-        style = {"color": f"C{k % 10}", "marker": MARKERS[k % len(MARKERS)],
-                 "linestyle": DASHES[k % len(DASHES)]} | (styles or {}).get(label, {})
+        style = {"color": f"C{k % 10}", "marker": "o", "linestyle": "-"} | (styles or {}).get(label, {})
         e = (err or {}).get(label)
         if e is not None and not band:
             drawn = list(ax.errorbar(y.index, y, e, capsize=2, label=label, **style).get_children())
