@@ -54,6 +54,9 @@ REPOQA = ("scbench_repoqa", "scbench_repoqa_and_kv")
 SEP = "[SEPSEPSEP]"  # create_scdq_prompt's special_delimiter
 MARK = "\ue000"  # a private-use character: in no template or data
 MODES = ("multi_turn", "multi_request")
+#: SCBench's four capabilities (Li et al. 2024, Table 1) and the tasks that test each, in the paper's order
+CAPABILITIES = {"string retrieval": DATASETS[:3], "semantic retrieval": DATASETS[3:7],
+                "global information": DATASETS[7:10], "multi-tasking": DATASETS[10:]}
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""score_vs_budget_<task> (kvbench/report/budget.py): score against budget for any sweep of two budgets or more."""
+"""score_vs_budget_<task> (kvbench/report/tables.py): score against budget for any sweep of two budgets or more."""
 
 import statistics
 
@@ -8,7 +8,7 @@ from matplotlib.colors import to_rgb
 from test_report import make_job
 
 from kvbench.report import build as report
-from kvbench.report.budget import score_vs_budget
+from kvbench.report.tables import score_vs_budget
 
 #: per-sample NIAH scores (0-1) of each (method, budget); the full cache's at 0.25 (it holds for every budget)
 SAMPLES = {("snapkv", 0.25): [0.0, 0.5, 1.0, 0.5], ("snapkv", 0.5): [1.0, 1.0, 0.5, 1.0],

@@ -13,7 +13,6 @@ import pandas as pd
 from kvbench.report import scbench as report_scbench, tables as rt
 from kvbench.cli import ArgParser
 from kvbench.job.plots import plt
-from kvbench.report.budget import score_vs_budget
 from kvbench.report.cost import cost_table
 from kvbench.report.bytes import accuracy_vs_bytes
 from kvbench.report.data import load_results
@@ -52,7 +51,7 @@ ARTIFACTS = {  # family -> builder of its artifacts
     "compresskv_fig4": _sweep_fig("compresskv_fig4", "longbench", False, "LongBench average under varying KV budgets"),
     "compresskv_fig5": _sweep_fig("compresskv_fig5", "niah", False, "Needle-in-a-Haystack average under KV budgets"),
     "niah": lambda c: rt.niah_figures(c.df, c.root),
-    "score_vs_budget": lambda c: score_vs_budget(c.df),
+    "score_vs_budget": lambda c: rt.score_vs_budget(c.df),
     "reasoning": lambda c: reasoning_reports(c.df, c.root),
     "scbench": lambda c: report_scbench.scbench_artifacts(c.df, c.root),
     "cost": lambda c: cost_table(c.df, c.root),

@@ -10,39 +10,30 @@ import json
 import pandas as pd
 from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
-from kvbench.report.data import budget_text, full_in_every_group, method_sort_key
-from kvbench.report.tables import Artifact, _done, _figure, count
+from kvbench.report.data import budget_text, method_sort_key
+from kvbench.report.tables import Artifact, _done, _figure, count, draw_lines
 
 DTYPE_BITS = {"float32": 32, "bfloat16": 16, "float16": 16}
 STYLE = {32: ("o", "-"), 16: ("o", "-"), 8: ("D", "--"), 4: ("s", "--"), 2: ("^", ":")}  # bits -> marker, line
 
 
 def job_points(df: pd.DataFrame, column: str = "cache_bytes_after") -> pd.DataFrame:
-    """A row per scored job: task, model, panel (its settings but ``cache.*``), method, variant, method_name, bits
-    (``cache.bits``, else the model dtype's; NaN unknown), quantized, layout (``G<group_size>, R<residual>``), budget,
-    score (mean over its datasets), size (``column``: the stored cache, or ``read_bytes``, % of the model-dtype cache),
-    complete, job."""
+    """A row per scored job and panel (``table_key``: its model key but ``cache.*``): task, method, variant,
+    method_name, bits (``cache.bits``, else the model dtype's; NaN unknown), quantized, layout (``G<group_size>,
+    R<residual>``), budget, score (mean over its datasets), size (``column``: the stored cache, or ``read_bytes``, % of
+    the model-dtype cache), complete."""
     rows = df[df["score"].notna() & (df["cache_bytes_before"] > 0) & df[column].notna()]
     if rows.empty:
         return pd.DataFrame()
     settings = rows["settings"].map(json.loads)
     rows = rows.assign(
-        quantized=settings.map(lambda s: s.get("cache.bits") is not None),
-        bits=settings.map(lambda s: s.get("cache.bits") or DTYPE_BITS.get(s.get("env.dtype"))),
-        layout=settings.map(lambda s: f"G{s['cache.group_size']}, R{s['cache.residual']}" if "cache.bits" in s else ""),
-        panel=settings.map(lambda s: json.dumps({k: v for k, v in s.items() if not k.startswith("cache.")}, sort_keys=True)))
-    rows = full_in_every_group(rows, "panel", "panel")
-    keys = ["job", "task", "model", "panel", "method", "variant", "method_name", "bits", "quantized", "layout", "budget"]
+        quantized=rows["bits"].notna(),
+        bits=rows["bits"].fillna(settings.map(lambda s: DTYPE_BITS.get(s.get("env.dtype"))).astype(float)),
+        layout=settings.map(lambda s: f"G{s['cache.group_size']}, R{s['cache.residual']}" if "cache.bits" in s else ""))
+    keys = ["job", "task", "table_key", "method", "variant", "method_name", "bits", "quantized", "layout", "budget"]
     pts = rows.groupby(keys, dropna=False).agg(score=("score", "mean"), before=("cache_bytes_before", "mean"),
                                                after=(column, "mean"), complete=("complete", "all"))
     return pts.reset_index().assign(size=lambda p: 100 * p["after"] / p["before"]).drop(columns=["before", "after"])
-
-
-def _title(task: str, model: str, panel: str, panels: list[str]) -> str:
-    """``task — model``, with the settings that differ among the panels of one task and model."""
-    own = json.loads(panel)
-    differ = [k for k in own if len({json.dumps(json.loads(p).get(k)) for p in panels}) > 1]
-    return f"{task} — {model}" + (f" [{', '.join(f'{k}={own[k]}' for k in differ)}]" if differ else "")
 
 
 def _curve(r, layouts: int) -> str:
@@ -58,28 +49,24 @@ def accuracy_vs_bytes(df: pd.DataFrame, read: bool = False) -> list[Artifact]:
     name = "accuracy_vs_read_bytes" if read else "accuracy_vs_bytes"
     if pts.empty:
         return []
-    layouts = pts[pts["quantized"]].groupby(["task", "model", "panel"])["layout"].nunique()
-    pts["curve"] = [_curve(r, layouts.get((r.task, r.model, r.panel), 0)) for r in pts.itertuples()]
-    panels = pts[["task", "model", "panel"]].drop_duplicates().sort_values(["task", "model", "panel"]).to_numpy()
+    layouts = pts[pts["quantized"]].groupby(["task", "table_key"])["layout"].nunique()
+    pts["curve"] = [_curve(r, layouts.get((r.task, r.table_key), 0)) for r in pts.itertuples()]
+    panels = pts[["task", "table_key"]].drop_duplicates().sort_values(["task", "table_key"]).to_numpy()
     fig, axes = _figure(1, len(panels), w=5.2, h=3.8)
     methods = sorted(pts["method"].unique(), key=lambda m: method_sort_key(pts.loc[pts["method"] == m, "method_name"].iat[0], m))
     colors = {m: f"C{i % 10}" for i, m in enumerate(methods)}
-    for ax, (task, model, panel) in zip(axes[0], panels):
-        mine = pts[(pts["task"] == task) & (pts["model"] == model) & (pts["panel"] == panel)]
-        for curve, c in sorted(mine.groupby("curve"), key=lambda kv: (methods.index(kv[1]["method"].iat[0]), -kv[1]["bits"].iat[0])):
-            c = c.sort_values("size")
-            marker, line = STYLE.get(c["bits"].iat[0], ("x", "-."))
-            color = colors[c["method"].iat[0]]
-            ax.plot(c["size"], c["score"], line, color=color, marker=marker, label=curve)
-            late = c[~c["complete"]]
-            ax.plot(late["size"], late["score"], marker, mfc="white", mec=color, ls="", zorder=3)
+    for ax, (task, model) in zip(axes[0], panels):
+        mine = pts[(pts["task"] == task) & (pts["table_key"] == model)]
         ax.set_xscale("log")
+        curves = sorted(mine.groupby("curve"), key=lambda kv: (methods.index(kv[1]["method"].iat[0]), -kv[1]["bits"].iat[0]))
+        draw_lines(ax, {k: c.set_index("size")["score"].sort_index() for k, c in curves},
+                   hollow={k: c.loc[~c["complete"], "size"].tolist() for k, c in curves},
+                   styles={k: dict(zip(("marker", "linestyle"), STYLE.get(c["bits"].iat[0], ("x", "-."))),
+                                   color=colors[c["method"].iat[0]]) for k, c in curves})
         ax.xaxis.set(major_locator=LogLocator(subs=(1, 2, 5)), major_formatter=FuncFormatter(lambda x, _: f"{x:g}%"),
                      minor_formatter=NullFormatter())
-        ax.set(title=_title(task, model, panel, list(pts.loc[(pts["task"] == task) & (pts["model"] == model), "panel"].unique())),
-               xlabel=f"{'Read per step' if read else 'Stored'} KV cache (% of the full cache in the model dtype)",
-               ylabel="Average score (points)")
-        ax.legend(fontsize="x-small")
+        ax.set(title=f"{task} — {model}", ylabel="Average score (points)",
+               xlabel=f"{'Read per step' if read else 'Stored'} KV cache (% of the full cache in the model dtype)")
     caption = (f"Score against the KV-cache bytes every layer's attention read per decode step ({count(len(pts), 'job')}; "
                "read_bytes / cache_bytes_before, mean over samples; log scale); " if read else
                f"Score against stored KV-cache bytes ({count(len(pts), 'job')}): all layers after eviction and "
@@ -88,12 +75,11 @@ def accuracy_vs_bytes(df: pd.DataFrame, read: bool = False) -> list[Artifact]:
                "score: the mean of a job's datasets; a curve per method and cache width (cache.bits, else the model "
                "dtype) through its budgets; hollow: an unfinished job.")
     used = df[df["job"].isin(pts["job"])]
-    table = pts.sort_values(["task", "model", "panel", "method", "bits", "layout", "size"]).assign(
+    table = pts.sort_values(["task", "table_key", "method", "bits", "layout", "size"]).assign(
         Budget=lambda p: [budget_text(b) if n != "full" else "–" for b, n in zip(p["budget"], p["method_name"])],
         Bits=lambda p: [f"{b:.0f}" + (f" ({g})" if q else " (dtype)") if b == b else "dtype"
                         for b, q, g in zip(p["bits"], p["quantized"], p["layout"])])
-    data = table.rename(columns={"task": "Task", "model": "Model", "method": "Method", "size": "Cache %", "score": "Score"})[
+    data = table.rename(columns={"task": "Task", "table_key": "Model", "method": "Method", "size": "Cache %", "score": "Score"})[
         ["Task", "Model", "Method", "Bits", "Budget", "Cache %", "Score"]].reset_index(drop=True)
     return [_done(name, fig, caption, used),
-            Artifact(f"{name}_points", f"The points of {name}: " + caption[0].lower() + caption[1:],
-                     data, used=used)]
+            Artifact(f"{name}_points", f"The points of {name}: " + caption[0].lower() + caption[1:], data, used=used)]

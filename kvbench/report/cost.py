@@ -14,7 +14,7 @@ Timings compare on one device only: jobs on other devices or dtypes have other m
 
 import pandas as pd
 
-from kvbench.report.data import FULL, budget_text, method_sort_key, model_sort_key
+from kvbench.report.data import FULL, budget_text, paper_order
 from kvbench.report.tables import Artifact
 from kvbench.job.store import JobStore
 
@@ -38,16 +38,15 @@ def job_samples(root, job: str) -> pd.DataFrame:
 def cost_table(df: pd.DataFrame, root) -> list[Artifact]:
     """One table over every task × model key: a row per job (method, variant, budget), full cache first."""
     rows, used, notes = [], [], []
-    for (task, mk), grp in sorted(df.groupby(["task", "model_key"]), key=lambda g: (g[0][0], model_sort_key(g[0][1]))):
-        jobs = grp.drop_duplicates("job")
+    ordered = paper_order(df.drop_duplicates("job").assign(compressed=df["method_name"] != FULL),
+                          ["task", "model_key", "compressed", "method", "variant", "budget"])
+    for (task, mk), jobs in ordered.groupby(["task", "model_key"], sort=False):
         samples = {job: job_samples(root, job) for job in jobs["job"]}
         fulls = [j for j, name in zip(jobs["job"], jobs["method_name"]) if name == FULL and len(samples[j])]
         ref = samples[max(fulls, key=lambda j: len(samples[j]))] if fulls else None
         if ref is None:
             notes.append(f"no full-cache job: {task} {mk}: relative to each job's own prefill (compression excluded)")
-        order = sorted(jobs.itertuples(), key=lambda r: (r.method_name != FULL, method_sort_key(r.method_name, r.method),
-                                                         r.variant, r.budget))
-        for r in order:
+        for r in jobs.itertuples():
             own = samples[r.job]
             base = own if ref is None else ref
             ids = own.index.intersection(base.index)
@@ -63,7 +62,7 @@ def cost_table(df: pd.DataFrame, root) -> list[Artifact]:
                 "cache MiB": mine["cache_bytes_after"].mean() / 2**20,
                 "÷ full": ratio(mine["cache_bytes_after"], plain["cache_bytes_after"]) if ref is not None else None,
             })
-        used.append(grp)
+        used.append(df[df["job"].isin(jobs["job"])])
     if not rows:
         return []
     caption = ("Cost of compression: mean prefill, compression and (inside it) reconstruction time per sample, "

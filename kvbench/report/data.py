@@ -142,12 +142,14 @@ def _job_rows(root: Path, job: Path) -> list[dict]:
     return rows or [dict(base, dataset=None, score=math.nan, n=0, n_failed=0)]
 
 
-def _model_keys(df: pd.DataFrame) -> pd.Series:
-    """Model name, suffixed where jobs of one (task, model) differ in a setting: run tag, else the differing keys."""
+def _model_keys(df: pd.DataFrame, skip: str = "\0") -> pd.Series:
+    """Model name, suffixed where jobs of one (task, model) differ in a setting (but the keys starting with ``skip``):
+    run tag, else the differing keys."""
     keys = df["model"].copy()
     for _, grp in df.groupby(["task", "model"]):
         sets = [json.loads(text) for text in grp["settings"].unique()]
-        differ = sorted({k for s in sets for k in s if len({json.dumps(q[k]) for q in sets if k in q}) > 1})
+        differ = sorted({k for s in sets for k in s if len({json.dumps(q[k]) for q in sets if k in q}) > 1
+                         and not k.startswith(skip)})
         tags, ctxs = grp["setting"].nunique() > 1, grp["max_input_tokens"].nunique(dropna=False) > 1
         for idx, tag, ctx, text in zip(grp.index, grp["setting"], grp["max_input_tokens"], grp["settings"]):
             own = json.loads(text)
@@ -158,8 +160,8 @@ def _model_keys(df: pd.DataFrame) -> pd.Series:
     return keys
 
 
-def full_in_every_group(df: pd.DataFrame, key: str = "model_key", settings: str = "settings") -> pd.DataFrame:
-    """A full-cache job (it compresses nothing while decoding) joins, as their reference, the groups (``key``) of its
+def full_in_every_group(df: pd.DataFrame, keys=("model_key", "table_key"), settings: str = "settings") -> pd.DataFrame:
+    """A full-cache job (it compresses nothing while decoding) joins, as their reference, the groups (``keys``) of its
     task and model whose ``settings`` (JSON) differ from its own in ``decode.*`` only: a row per such group."""
     both = df.assign(bare=df[settings].map(lambda text: json.dumps(
         {k: v for k, v in json.loads(text).items() if not k.startswith("decode.")}, sort_keys=True)))
@@ -167,9 +169,10 @@ def full_in_every_group(df: pd.DataFrame, key: str = "model_key", settings: str 
     if full.empty or rest.empty:
         return df
     same = ["task", "model", "setting", "max_input_tokens", "bare"]
-    full = full.merge(rest[[*same, key]].drop_duplicates(), on=same, how="left", suffixes=("", "_of"))
-    group = full.pop(f"{key}_of")
-    full[key] = group.where(group.notna(), full[key])
+    full = full.merge(rest[[*same, *keys]].drop_duplicates(), on=same, how="left", suffixes=("", "_of"))
+    for key in keys:
+        group = full.pop(f"{key}_of")
+        full[key] = group.where(group.notna(), full[key])
     return pd.concat([rest, full], ignore_index=True).drop(columns="bare")
 
 
@@ -226,6 +229,8 @@ def load_results(root: str | Path) -> pd.DataFrame:
             "strict_se", "strict_samples", *TIMING_COLUMNS, *CACHE_COLUMNS, "compressed_fraction"]
     df = pd.DataFrame(rows, columns=cols)
     df["model_key"] = _model_keys(df) if len(df) else pd.Series(dtype=object)
+    df["table_key"] = _model_keys(df, "cache.") if len(df) else pd.Series(dtype=object)  # score tables: a Bits column
+    df["bits"] = df["settings"].map(lambda s: json.loads(s).get("cache.bits"), na_action="ignore").astype(float)
     df = full_in_every_group(df)
     df = _variants(df) if len(df) else df.assign(variant=pd.Series(dtype=object), default=pd.Series(dtype=bool))
     for col in ["budget", "score", "n", "se", "strict", "strict_se", "max_input_tokens", *TIMING_COLUMNS,
@@ -244,6 +249,20 @@ def model_sort_key(key: str) -> tuple:
     """Paper model order, then the key (``[ctx3500]`` before ``[ctx31500]`` by length)."""
     base = key.split(" ")[0]
     return MODEL_ORDER.index(base) if base in MODEL_ORDER else len(MODEL_ORDER), len(key), key
+
+
+def paper_order(frame: pd.DataFrame, by: list[str], ranks: dict | None = None) -> pd.DataFrame:
+    """``frame`` sorted (stably) by the columns ``by``, the one row order of every report: ``model`` and ``model_key``
+    by :func:`model_sort_key`, ``method`` by :func:`method_sort_key` (with ``method_name``), a column whose values
+    ``ranks`` all ranks by those ranks, any other by value; index reset."""
+    order = {}
+    for c in by:
+        vals = pd.Series(list(zip(frame["method_name"], frame[c])) if c == "method" else list(frame[c]), frame.index,
+                         dtype=object)
+        key = {"model": model_sort_key, "model_key": model_sort_key, "method": lambda p: method_sort_key(*p)}.get(
+            c, (ranks or {}).get if set(vals) <= set(ranks or {}) else None)
+        order[f"_{c}"] = vals.map({v: i for i, v in enumerate(sorted(set(vals), key=key))})
+    return frame.assign(**order).sort_values(list(order), kind="stable").drop(columns=list(order)).reset_index(drop=True)
 
 
 def order_datasets(datasets: Iterable) -> list[str]:

@@ -10,31 +10,25 @@ import pandas as pd
 
 from eval.sampling import by_problem, summary
 
-from kvbench.report.data import FULL, budget_text, job_records, method_sort_key, model_sort_key
-from kvbench.report.tables import Artifact, _done, _figure, slug
+from kvbench.job.store import read_json
+from kvbench.report.data import FULL, budget_text, job_records, paper_order
+from kvbench.report.tables import Artifact, _done, _figure, draw_lines, reference, slug
 
 COLUMNS = ["id", "problem", "dataset", "error", "score", "scores", "generated_tokens", "cache_trace", "decode_compressions"]
 
 
 def _jobs(df: pd.DataFrame, root) -> dict[tuple[str, str], list[tuple[pd.Series, list[dict]]]]:
     """``{(task, model key): [(job row, its scored records), ...]}`` for the jobs whose records are sampled candidates
-    (``problem``), say whether they found an answer (``scores.found``) or were compressed while decoding; rows sorted
-    by method and budget."""
-    import json
-
+    (``problem``), say whether they found an answer (``scores.found``) or were compressed while decoding, in
+    :func:`~kvbench.report.data.paper_order`."""
     out: dict = {}
-    jobs = df[df["dataset"].notna()].drop_duplicates("job")
-    for _, row in jobs.iterrows():
+    for _, row in paper_order(df[df["dataset"].notna()].drop_duplicates("job"), ["task", "model_key", "method",
+                                                                                  "budget"]).iterrows():
         path = root / row["job"]
-        try:
-            summ = json.loads((path / "summary.json").read_text())
-        except (OSError, ValueError):
-            summ = {}
-        recs = job_records(path, summ, COLUMNS).astype(object).where(lambda f: f.notna(), None).to_dict("records")
+        recs = job_records(path, read_json(path / "summary.json"), COLUMNS).astype(object).where(
+            lambda f: f.notna(), None).to_dict("records")
         if any(r["problem"] is not None or "found" in (r["scores"] or {}) or r["decode_compressions"] for r in recs):
             out.setdefault((row["task"], row["model_key"]), []).append((row, recs))
-    for rows in out.values():
-        rows.sort(key=lambda p: (method_sort_key(p[0]["method_name"], p[0]["method"]), p[0]["budget"]))
     return out
 
 
@@ -72,16 +66,14 @@ def cache_trace_figure(task: str, mk: str, jobs: list) -> list[Artifact]:
     if not traced:
         return []
     fig, axes = _figure(1, 2)
-    for row, rec in traced:
-        x, tokens, nbytes = np.array(rec["cache_trace"], dtype=float).T
-        label = row["method"] + (f" b{_budget(row)}" if _budget(row) else "")
-        style = {"color": "black", "linestyle": "--"} if row["method_name"] == FULL else {}
-        axes[0, 0].plot(x, tokens, label=label, **style)
-        axes[0, 1].plot(x, nbytes / 2**20, label=label, **style)
-    for ax, what in zip(axes[0], ("Stored tokens per KV head", "Stored cache (MiB, all layers)")):
+    label = lambda row: row["method"] + (f" b{_budget(row)}" if _budget(row) else "")
+    full = {label(row): {"color": "black", "linestyle": "--"} for row, _ in traced if row["method_name"] == FULL}
+    for k, (ax, what) in enumerate(zip(axes[0], ("Stored tokens per KV head", "Stored cache (MiB, all layers)"))):
+        traces = [np.array(rec["cache_trace"], dtype=float).T for _, rec in traced]
+        draw_lines(ax, {label(row): pd.Series(t[k + 1] / (2**20 if k else 1), t[0]) for (row, _), t in zip(traced, traces)},
+                   styles=full, show_legend=k == 1)
         ax.set(xlabel="Generated tokens", ylabel=what, title=f"{mk} — {task}")
         ax.set_ylim(bottom=0)
-    axes[0, 1].legend(fontsize="small")
     caption = (f"KV cache against generated tokens on {task} ({mk}): each job's longest generation, its cache (tokens "
                "per KV head: mean over the compressible layers) after prefill, just before and after each compression "
                "while decoding, and at the end (records' cache_trace). A full cache grows with the generation; a "
@@ -105,15 +97,15 @@ def gen_length_figure(task: str, mk: str, jobs: list) -> list[Artifact]:
         return []
     for (full, label), pts in lines.items():
         if full:
-            ax.axhline(pts[0][1], color="black", linestyle="--", label=label)
-            ax.axhspan(pts[0][1] - pts[0][2], pts[0][1] + pts[0][2], color="grey", alpha=0.2)
-        else:
-            b, y, e = zip(*sorted(pts))
-            ax.errorbar(b, y, e, marker="o", capsize=2, label=label)
+            reference(ax, pts[0][1], pts[0][2], label)
+    comp = {label: pd.DataFrame(sorted(pts)).set_index(0) for (full, label), pts in lines.items() if not full}
+    budgets = sorted({b for t in comp.values() for b in t.index})
     ax.set_xscale("log", base=2)
+    draw_lines(ax, {label: t[1] for label, t in comp.items()}, {label: t[2].to_numpy() for label, t in comp.items()})
+    ax.set_xticks(budgets, [f"{b:g}" for b in budgets])
+    ax.minorticks_off()
     ax.set(xlabel="KV budget (tokens per layer per KV head)", ylabel="Generated tokens per candidate",
            title=f"{mk} — {task}")
-    ax.legend()
     caption = (f"Generation length on {task} ({mk}): mean generated tokens per candidate (± SE over problems) by "
                "method and budget; dashed: the full cache.")
     return [_done(f"gen_length_{slug(task)}_{slug(mk)}", fig, caption, sources=drawn)]
@@ -123,7 +115,7 @@ def reasoning_reports(df: pd.DataFrame, root) -> list[Artifact]:
     """Every task × model key with generation-heavy jobs (:func:`_jobs`): its pass@k table, cache-trace figure and
     generated-length figure."""
     out = []
-    for (task, mk), jobs in sorted(_jobs(df, root).items(), key=lambda p: (p[0][0], model_sort_key(p[0][1]))):
+    for (task, mk), jobs in _jobs(df, root).items():
         if any(r["problem"] is not None or "found" in (r["scores"] or {}) for _, recs in jobs for r in recs):
             out.append(passk_table(task, mk, jobs))
         out += cache_trace_figure(task, mk, jobs) + gen_length_figure(task, mk, jobs)

@@ -15,14 +15,15 @@ from pathlib import Path
 
 import pandas as pd
 
-from eval.scbench import turn_of
+from eval.scbench import CAPABILITIES, turn_of
 
-from kvbench.report.data import FULL, budget_semantics, budget_text, method_sort_key, model_sort_key
-from kvbench.report.tables import Artifact, _done, _figure, count
-from kvbench.job.store import JobStore
+from kvbench.report.data import FULL, budget_semantics, budget_text, paper_order
+from kvbench.report.tables import Artifact, _done, _figure, count, draw_lines
+from kvbench.job.store import JobStore, read_json
 
 MODES = {"multi_turn": "multi-turn", "own": "multi-turn, own answers", "multi_request": "multi-request"}
-RANK = {m: i for i, m in enumerate(MODES.values())}
+RANK = {m: i for i, m in enumerate(MODES.values())} | {c: i for i, c in enumerate(CAPABILITIES)}
+CAPABILITY = {d: c for c, ds in CAPABILITIES.items() for d in ds}
 STYLE = {"multi-turn": "-", "multi-turn, own answers": ":", "multi-request": "--"}
 
 
@@ -40,8 +41,7 @@ def scbench_records(df: pd.DataFrame, root: Path) -> pd.DataFrame:
     jobs = df[(df["task"] == "scbench") & df["dataset"].notna()].drop_duplicates("job")
     rows = []
     for job in jobs.itertuples():
-        summary = json.loads(p.read_text()) if (p := Path(root) / job.job / "summary.json").is_file() else {}
-        ids = set(summary.get("ids") or [])
+        ids = set(read_json(Path(root) / job.job / "summary.json").get("ids") or [])
         for r in JobStore(Path(root) / job.job).latest().values():
             if r.get("error") is not None or r.get("score") is None or ids and r["id"] not in ids:
                 continue
@@ -49,10 +49,12 @@ def scbench_records(df: pd.DataFrame, root: Path) -> pd.DataFrame:
             rows.append({"job": job.job, "model": job.model, "method": job.method, "method_name": job.method_name,
                          "budget": job.budget, "mode": mode_of(job.settings), "complete": job.complete,
                          "dataset": r["dataset"] + f" / {task}" * (task != r["dataset"]),
+                         "capability": CAPABILITY.get(r["dataset"], "other"),
                          "group": r.get("group") or r["id"].rsplit("/", 1)[0], "turn": turn_of(r) + 1,
                          "score": 100 * float(r["score"]), **{k: r.get(k) for k in (
                              "prefill_s", "compress_s", "decode_s", "group_compressions")}})
-    cols = ["job", "model", "method", "method_name", "budget", "mode", "complete", "dataset", "group", "turn", "score",
+    cols = ["job", "model", "method", "method_name", "budget", "mode", "complete", "dataset", "capability", "group",
+            "turn", "score",
             "prefill_s", "compress_s", "decode_s", "group_compressions"]
     out = pd.DataFrame(rows, columns=cols)
     out[cols[-4:]] = out[cols[-4:]].apply(pd.to_numeric, errors="coerce")
@@ -61,25 +63,6 @@ def scbench_records(df: pd.DataFrame, root: Path) -> pd.DataFrame:
         "n", ascending=False, kind="stable").drop_duplicates(["model", "method", "budget", "mode"])["job"]
     out.attrs["dropped"] = sorted(set(out["job"]) - set(keep))
     return out[out["job"].isin(keep)]
-
-
-def _rows(rec: pd.DataFrame) -> list[tuple]:
-    """(model, method, budget) in paper order: models, then methods, then budgets."""
-    keys = rec[["model", "method", "method_name", "budget"]].drop_duplicates()
-    keys = sorted(keys.itertuples(index=False), key=lambda k: (model_sort_key(k.model), method_sort_key(
-        k.method_name, k.method), k.budget))
-    return [(k.model, k.method, k.budget) for k in keys]
-
-
-def _ordered(frame: pd.DataFrame, rec: pd.DataFrame, within: list[str] = (), then: list[str] = ()) -> pd.DataFrame:
-    """``frame`` (columns model, method, budget, ``within``, ``then``) by model, ``within``, method and budget in
-    :func:`_rows`' order, then ``then``."""
-    order = {k: i for i, k in enumerate(_rows(rec))}
-    models = {m: i for i, m in enumerate(sorted(set(frame["model"]), key=model_sort_key))}
-    return frame.assign(_model=frame["model"].map(models), _rank=[order[k] for k in zip(
-        frame["model"], frame["method"], frame["budget"])]).sort_values(
-        ["_model", *within, "_rank", *then], kind="stable", key=lambda c: c.map(RANK) if c.name == "mode" else c
-    ).reset_index(drop=True)
 
 
 def _budgets(frame: pd.DataFrame) -> list[str]:
@@ -95,47 +78,48 @@ def _notes(rec: pd.DataFrame) -> list[str]:
 
 
 def turn_table(rec: pd.DataFrame) -> Artifact:
-    """Score per turn (columns) of every model × dataset × method × budget × mode, and the mean over turns."""
-    turns = sorted(rec["turn"].unique())
-    piv = rec.pivot_table(index=["model", "dataset", "method", "method_name", "budget", "mode"], columns="turn",
-                          values="score", aggfunc="mean").reset_index()
-    piv = _ordered(piv, rec, ["dataset"], ["mode"])
-    data = pd.DataFrame({"Model": piv["model"], "Dataset": piv["dataset"], "Method": piv["method"],
-                         "Budget": _budgets(piv), "Mode": piv["mode"],
-                         **{f"Turn {t}": piv[t] for t in turns}}).reset_index(drop=True)
-    data["Avg"] = data[[f"Turn {t}" for t in turns]].mean(axis=1, skipna=False)
-    caption = (f"SCBench: score per turn (points; mean over the groups that reached the turn), "
-               f"{budget_semantics(rec['budget'])}; multi-request: per question index. Avg: mean over turns.")
+    """Score per turn (columns) of every model × capability × dataset × method × budget × mode, and Avg: the mean
+    over the row's questions (as :func:`mode_table`)."""
+    turns, keys = sorted(rec["turn"].unique()), ["model", "capability", "dataset", "method", "method_name", "budget",
+                                                  "mode"]
+    piv = rec.pivot_table(index=keys, columns="turn", values="score", aggfunc="mean")
+    piv = paper_order(piv.assign(Avg=rec.groupby(keys)["score"].mean()).reset_index(), keys, RANK)
+    data = pd.DataFrame({"Model": piv["model"], "Capability": piv["capability"], "Dataset": piv["dataset"],
+                         "Method": piv["method"], "Budget": _budgets(piv), "Mode": piv["mode"],
+                         **{f"Turn {t}": piv[t] for t in turns}, "Avg": piv["Avg"]})
+    caption = (f"SCBench by capability: score per turn (points; mean over the groups that reached the turn), "
+               f"{budget_semantics(rec['budget'])}; multi-request: per question index. Avg: mean over the row's "
+               "questions.")
     return Artifact("scbench_turns", caption, data, sources=sorted(set(rec["job"])), notes=_notes(rec))
 
 
 def turn_figure(rec: pd.DataFrame) -> Artifact:
-    """A panel per dataset and an average panel: score vs turn, a line per method × budget, a style per mode."""
-    datasets = sorted(rec["dataset"].unique())
-    per = rec.groupby(["model", "method", "budget", "mode", "dataset", "turn"])["score"].mean().reset_index()
-    avg = per.groupby(["model", "method", "budget", "mode", "turn"])["score"].mean().reset_index()
-    avg["dataset"] = "Average"
-    panels = ["Average"] * (len(datasets) > 1) + datasets
+    """A panel per SCBench capability (the mean over its datasets) and an average panel: score vs turn, a line per
+    method × budget (its colour) × mode (its line style) (:func:`~kvbench.report.tables.draw_lines`)."""
+    keys = ["model", "method", "budget", "mode"]
+    per = rec.groupby([*keys, "capability", "dataset", "turn"])["score"].mean().reset_index()
+    caps = sorted(per["capability"].unique(), key=RANK.get)
+    panels = ["Average"] * (len(caps) > 1) + caps
     cols = min(4, len(panels))
     fig, axes = _figure(math.ceil(len(panels) / cols), cols, w=3.6, h=3.0)
-    models = len(set(rec["model"])) > 1
-    colors = {k: f"C{i % 10}" for i, k in enumerate(_rows(rec))}
-    full = set(rec.loc[rec["method_name"] == FULL, "method"])
-    for ax, ds in zip(axes.flat, panels):
-        sel = (avg if ds == "Average" else per)
-        lines = sel[sel["dataset"] == ds].groupby(["model", "method", "budget", "mode"])
-        for (model, method, budget, mode), g in sorted(lines, key=lambda kg: (list(colors).index(kg[0][:3]),
-                                                                             RANK[kg[0][3]])):
-            label = f"{model}: " * models + f"{method}, " + f"{budget_text(budget)}, " * (method not in full) + mode
-            ax.plot(g["turn"], g["score"], STYLE[mode], marker="o", color=colors[(model, method, budget)], label=label)
-        ax.set(title=ds.replace("scbench_", ""), xlabel="Turn", ylabel="Score (points)", ylim=(-3, 103))
+    models, full = len(set(rec["model"])) > 1, set(rec.loc[rec["method_name"] == FULL, "method"])
+    rows = {k: f"C{i % 10}" for i, k in enumerate(paper_order(rec, ["model", "method", "budget"])[
+        ["model", "method", "budget"]].drop_duplicates().itertuples(index=False, name=None))}
+    label = lambda model, method, budget, mode: (f"{model}: " * models + f"{method}, " + f"{budget_text(budget)}, " * (
+        method not in full) + mode)
+    for ax, cap in zip(axes.flat, panels):
+        lines = per[per["capability"].isin(caps if cap == "Average" else [cap])].groupby([*keys, "turn"])["score"].mean()
+        lines = sorted(lines.groupby(keys), key=lambda kg: (list(rows).index(kg[0][:3]), RANK[kg[0][3]]))
+        draw_lines(ax, {label(*k): g.droplevel(keys) for k, g in lines}, show_legend=ax is axes.flat[cols - 1],
+                   styles={label(*k): {"color": rows[k[:3]], "linestyle": STYLE[k[3]]} for k, _ in lines})
+        ax.set(title=cap, xlabel="Turn", ylabel="Score (points)", ylim=(-3, 103))
         ax.set_xticks(sorted(rec["turn"].unique()))
     for ax in axes.flat[len(panels):]:
         ax.axis("off")
-    axes.flat[0].legend()
-    caption = (f"SCBench per-turn scores ({count(len(datasets), 'dataset')}; Average: mean over the datasets shown "
-               f"at each turn); {budget_semantics(rec['budget'])}; solid: multi-turn (golden answers), dotted: "
-               "multi-turn with the model's own answers, dashed: multi-request (question index).")
+    caption = (f"SCBench per-turn scores by capability ({count(rec['dataset'].nunique(), 'dataset')}; a panel: the "
+               f"mean over its datasets at each turn; Average: over the capabilities shown); "
+               f"{budget_semantics(rec['budget'])}; solid: multi-turn (golden answers), dotted: multi-turn with the "
+               "model's own answers, dashed: multi-request (question index); lines drawn side by side.")
     return _done("scbench_turns_fig", fig, caption, sources=sorted(set(rec["job"])))
 
 
@@ -145,11 +129,11 @@ def mode_table(rec: pd.DataFrame) -> Artifact | None:
     modes = [m for m in MODES.values() if m in set(rec["mode"])]
     if len(modes) < 2:
         return None
-    piv = rec.groupby(["model", "method", "method_name", "budget", "dataset", "mode"])["score"].mean().unstack(
-        "mode").reset_index()
-    piv = _ordered(piv, rec, then=["dataset"])
+    piv = rec.groupby(["model", "method", "method_name", "budget", "capability", "dataset", "mode"])["score"].mean(
+    ).unstack("mode").reset_index()
+    piv = paper_order(piv, ["model", "method", "budget", "capability", "dataset"], RANK)
     data = pd.DataFrame({"Model": piv["model"], "Method": piv["method"], "Budget": _budgets(piv),
-                         "Dataset": piv["dataset"], **{m: piv[m] for m in modes}}).reset_index(drop=True)
+                         "Capability": piv["capability"], "Dataset": piv["dataset"], **{m: piv[m] for m in modes}})
     if {"multi-turn", "multi-request"} <= set(modes):
         data["Δ"] = data["multi-request"] - data["multi-turn"]
     caption = ("SCBench, multi-turn vs multi-request: each dataset's score (points, mean over turns / questions) per "
@@ -170,7 +154,7 @@ def cost_table(rec: pd.DataFrame) -> Artifact | None:
     t = per_group.groupby("job").agg(n=("n", "sum"), groups=("n", "size"), pc=("pc", "sum"), dec=("dec", "sum"),
                                      comp=("comp", "mean"), alone=("alone", "sum"))
     t = t.join(timed.drop_duplicates("job").set_index("job")[["model", "method", "method_name", "budget", "mode"]])
-    t = _ordered(t, rec, then=["mode"])
+    t = paper_order(t, ["model", "method", "budget", "mode"], RANK)
     reuse, alone = (t["pc"] + t["dec"]) / t["n"], (t["alone"] + t["dec"]) / t["n"]
     data = pd.DataFrame({"Model": t["model"], "Method": t["method"], "Budget": _budgets(t), "Mode": t["mode"],
                          "Questions": t["n"].map(str), "Contexts": t["groups"].map(str),

@@ -19,8 +19,10 @@ from eval.longbench import CATEGORIES
 from eval.longbench_v2 import BREAKDOWN
 
 from kvbench.job.plots import draw_niah_heatmap, niah_colorbar, plt
+from kvbench.job.store import read_json
 from kvbench.report.data import (DATASET_ABBR, FULL, LONG_CONTEXT_TOKENS, budget_semantics, budget_text, display_name,
-                          method_sort_key, model_sort_key, niah_grid_records, order_datasets, presets)
+                                 method_sort_key, model_sort_key, niah_grid_records, order_datasets, paper_order,
+                                 presets)
 
 
 @dataclass
@@ -206,30 +208,35 @@ def paired_table(name: str, what: str, heads: list[dict], samples: list[pd.Serie
 
 
 def score_tables(df: pd.DataFrame, root: Path | None = None) -> list[Artifact]:
-    """A table per task × model key, a row per (label, variant, budget): dataset scores ± SE, Avg, n; bold: see caption.
+    """A table per task × model key (but ``cache.*``: a Bits column where cache widths differ), a row per (label,
+    variant, budget, bits): dataset scores ± SE, Avg, n; bold: see caption.
     With per-sample records, also ``paired_<task>_<model>``: each row vs the full cache (else the first row)."""
     out, scored = [], df[df["score"].notna()]
     natural = lambda s: [(0, int(t), "") if t.isdigit() else (1, 0, t) for t in re.split(r"(\d+)", s)]
-    for task, mk in sorted(set(zip(scored["task"], scored["model_key"])), key=lambda p: (p[0], model_sort_key(p[1]))):
-        sel = df[(df["task"] == task) & (df["model_key"] == mk)]
-        sel = sel.assign(bkey=sel["budget"].where(sel["method_name"] != FULL, -1.0).fillna(-1.0))
-        picked = pick(sel, ["method", "variant", "bkey"])
+    for task, mk in sorted(set(zip(scored["task"], scored["table_key"])), key=lambda p: (p[0], model_sort_key(p[1]))):
+        sel = df[(df["task"] == task) & (df["table_key"] == mk)]
+        sel = sel.assign(bkey=sel["budget"].where(sel["method_name"] != FULL, -1.0).fillna(-1.0),
+                         bits=sel["bits"].fillna(0.0))  # 0: the model dtype's cache
+        picked = pick(sel, ["method", "variant", "bkey", "bits"])
         avg_ds = order_datasets(picked["dataset"])  # the NIAH strict match: a column beside each dataset, not averaged
         strict = picked[picked["strict"].notna()]
         used = pd.concat([picked, strict.assign(dataset=strict["dataset"] + " strict", score=strict["strict"],
                                                 se=strict["strict_se"], samples=strict["strict_samples"])])
         datasets = order_datasets(used["dataset"])
-        keys = sorted(set(zip(sel["method_name"], sel["method"], sel["variant"], sel["bkey"], ~sel["default"])),
-                      key=lambda k: (method_sort_key(k[0], k[1]), k[3], k[4], natural(k[2])))
-        show_variant = any(k[2] for k in keys)
+        keys = sorted(set(zip(sel["method_name"], sel["method"], sel["variant"], sel["bkey"], ~sel["default"],
+                              sel["bits"])), key=lambda k: (method_sort_key(k[0], k[1]), k[3], -(k[5] or 99), k[4],
+                                                            natural(k[2])))
+        show_variant, show_bits = any(k[2] for k in keys), len({k[5] for k in keys}) > 1
         grids = {j: niah_grid_records(Path(root) / j)[1] for j in set(used["job"])} if task == "niah" and root else {}
         rows, errs, samples, notes, comp, kinds = [], [], [], [], [], []
-        for name, label, variant, b, _nd in keys:
-            part, mine = (t[(t["method"] == label) & (t["variant"] == variant) & (t["bkey"] == b)] for t in (sel, used))
+        for name, label, variant, b, _nd, bits in keys:
+            part, mine = (t[(t["method"] == label) & (t["variant"] == variant) & (t["bkey"] == b) & (t["bits"] == bits)]
+                          for t in (sel, used))
             btext = None if b < 0 else budget_text(b)
             cells = mine.set_index("dataset").reindex(datasets)
             ns = cells.loc[avg_ds, "n"].dropna()
             rows.append({"Method": label, **({"Variant": variant} if show_variant else {}), "Budget": btext,
+                         **({"Bits": f"{bits:.0f}" if bits else "–"} if show_bits else {}),
                          **cells["score"], "Avg": cells.loc[avg_ds, "score"].mean(skipna=False),
                          "n": None if ns.empty else f"{ns.min():.0f}" + f"–{ns.max():.0f}" * bool(ns.min() < ns.max())})
             errs.append({**cells["se"], "Avg": avg_se(cells.loc[avg_ds, "se"])})
@@ -248,15 +255,17 @@ def score_tables(df: pd.DataFrame, root: Path | None = None) -> list[Artifact]:
                 sorted({k or "whole datasets" for k in kinds})) + "); no bold")
             comp = []
         budgets = "; " + budget_semantics(bs) if (bs := [k[3] for k in keys if k[3] >= 0]) else ""
-        caption = (f"Scores of {mk} on {task}, a row per method" + ", method variant" * show_variant + f" and budget"
-                   f"{budgets}; bold: best finished compressed row. Score: round(100·mean, 2) of per-sample scores ± "
+        caption = (f"Scores of {mk} on {task}, a row per method" + ", method variant" * show_variant + (
+                   ", budget and cache width (Bits: cache.bits; –: the model dtype)" if show_bits else " and budget")
+                   + f"{budgets}; bold: best finished compressed row. Score: round(100·mean, 2) of per-sample scores ± "
                    "SE (SD/√n; Avg: √ΣSE²/datasets); n: samples" + "; strict: % of samples holding the needle's "
                    "answer" * (not strict.empty) + ".")
         name = f"scores_{slug(task)}_{slug(mk)}"
-        data = pd.DataFrame(rows, columns=["Method", *["Variant"] * show_variant, "Budget", *datasets, "Avg", "n"])
+        data = pd.DataFrame(rows, columns=["Method", *["Variant"] * show_variant, "Budget", *["Bits"] * show_bits,
+                                           *datasets, "Avg", "n"])
         out.append(Artifact(name, caption, data, bold=bolds(data, [*datasets, "Avg"], comp), used=picked,
                             notes=notes, se=pd.DataFrame(errs, columns=[*datasets, "Avg"])))
-        heads = [{k: r[k] for k in ("Method", "Variant", "Budget") if k in r} for r in rows]
+        heads = [{k: r[k] for k in ("Method", "Variant", "Budget", "Bits") if k in r} for r in rows]
         ref = next((i for i, k in enumerate(keys) if k[0] == FULL), 0)
         out += paired_table(name.replace("scores_", "paired_", 1), f"Paired comparison on {task} of {mk}", heads,
                             samples, ref, {"Avg": avg_ds} | {d: [d] for d in datasets if d not in avg_ds}, used["job"])
@@ -269,12 +278,10 @@ def averages_tables(df: pd.DataFrame, root: Path, task: str, caption: str, colum
     order); ``caption`` formatted with the model key."""
     out = []
     for mk, rows in df[(df["task"] == task) & df["score"].notna()].groupby("model_key"):
-        part = rows.drop_duplicates("job")
-        part = part.iloc[sorted(range(len(part)), key=lambda i: (
-            method_sort_key(part["method_name"].iat[i], part["method"].iat[i]), part["budget"].iat[i]))]
+        part = paper_order(rows.drop_duplicates("job"), ["method", "budget"])
         heads = ["Method", *["Variant"] * bool(part["variant"].any()), "Budget"]  # jobs of one label apart, as score_tables
         found = [{"Method": m, "Variant": v, "Budget": None if name == FULL else budget_text(b),
-                  **(json.loads((Path(root) / job / "summary.json").read_text()).get("averages") or {})}
+                  **(read_json(Path(root) / job / "summary.json").get("averages") or {})}
                  for job, m, v, name, b in zip(part["job"], part["method"], part["variant"], part["method_name"], part["budget"])]
         cols = list(columns) or list(dict.fromkeys(k for r in found for k in r if k not in ("Method", "Variant", "Budget")))
         data = pd.DataFrame(found, columns=[*heads, *cols])
@@ -364,6 +371,28 @@ def sweep(grids: dict[float, Grid], mk: str, dataset: str | None = None, se: boo
     if full and table.loc[full].notna().any():
         table.loc[full] = table.loc[full].dropna().iloc[0]
     return table
+
+
+def sweep_panel(ax, grids: dict[float, Grid], mk: str, ratio: bool, dataset: str | None = None, band=False) -> None:
+    """One model's average over the datasets (or ``dataset``'s score) against the budget (:func:`sweep`) on ``ax``: the
+    full cache (:func:`reference`), a line per method with ±1 SE (error bars; ``band``: bands; :func:`draw_lines`),
+    ticks at the budgets, y from 0 (scores 0-100) over at least 5 points."""
+    t, err = sweep(grids, mk, dataset), sweep(grids, mk, dataset, True).fillna(0.0)
+    full, x = next((g.full for g in grids.values() if g.full), None), {b: 100 * b if ratio else b for b in t.columns}
+    if not ratio:
+        ax.set_xscale("log", base=2)
+    if full in t.index and t.loc[full].notna().any():  # the full cache keeps every token: one score at every budget
+        late = not band and any((mk, full) in g.incomplete for g in grids.values())  # bands: the caption says it
+        reference(ax, t.loc[full].iloc[0], err.loc[full].iloc[0], full + " (unfinished)" * late)
+    lines = {lab: y.dropna().rename(x) for lab, y in t.iterrows() if lab != full and y.notna().any()}
+    draw_lines(ax, lines, {lab: err.loc[lab].rename(x)[y.index] for lab, y in lines.items()},
+               {lab: [x[b] for b in t.columns if (mk, lab) in grids[b].incomplete] for lab in lines}, band)
+    ax.set_xticks(list(x.values()), [budget_text(b) for b in x])
+    ax.minorticks_off()
+    lo, hi = ax.get_ylim()
+    lo = max(0.0, min(lo, (lo + hi) / 2 - 2.5))
+    ax.set_ylim(lo, min(103.0, max(hi, lo + 5)))
+    ax.set_xlabel("KV retention ratio ρ (% of prompt tokens)" if ratio else "KV budget (tokens per layer per KV head)")
 
 
 def used_by(grids: dict[float, Grid], models: list[str]) -> pd.DataFrame:
@@ -518,6 +547,55 @@ def _done(name, fig, caption, used=None, sources=()) -> Artifact:
     return a
 
 
+
+
+def dodge(n: int, step: float = 6.0) -> list[float]:
+    """Horizontal offsets (points) of ``n`` lines' markers at one x, ``step`` apart, centred on it."""
+    return [step * (k - (n - 1) / 2) for k in range(n)]
+
+
+def legend(ax, handles=None):
+    """The legend right of the axes (constrained layout makes room), never over the data."""
+    return ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.02, 1), borderaxespad=0)
+
+
+def reference(ax, y: float, se: float, label: str) -> None:
+    """The full cache's horizontal dashed line at ``y`` with a ±``se`` band (NaN: none)."""
+    ax.axhline(y, color="black", linestyle="--", linewidth=1.2, label=label, zorder=5)
+    ax.axhspan(y - np.nan_to_num(se), y + np.nan_to_num(se), color="grey", alpha=0.2, linewidth=0)
+
+
+def draw_lines(ax, series: dict, err: dict | None = None, hollow: dict | None = None, band: bool = False,
+               styles: dict | None = None, show_legend: bool = True) -> None:
+    """The one rule of every line figure, so that tied lines stay visible: line ``k`` of ``series`` (``{label:
+    pd.Series}``, y indexed by x, in legend order) gets colour ``Ck``, solid with round markers (``styles[label]``
+    overrides; dashed is the full cache's, :func:`reference`); the lines that share an x with another are drawn side
+    by side, the k-th of n ``dodge(n)[k]`` points sideways (the data stay exact: the shift is in the transform; the x range grows to
+    keep the markers inside). ``err[label]``: ±1 SE, error bars (``band``:
+    a shaded band); ``hollow[label]``: the x of an unfinished job's points (hollow markers). Set the x scale first."""
+    shared = [a for a, y in series.items() if any(b != a and y.index.isin(z.index).any() for b, z in series.items())]
+    shift = dict(zip(shared, dodge(len(shared))))
+    for k, (label, y) in enumerate(series.items()):
+        style = {"color": f"C{k % 10}", "marker": "o", "linestyle": "-"} | (styles or {}).get(label, {})
+        e = (err or {}).get(label)
+        if e is not None and not band:
+            drawn = list(ax.errorbar(y.index, y, e, capsize=2, label=label, **style).get_children())
+        else:
+            drawn = ax.plot(y.index, y, label=label, **style)
+            if e is not None:
+                drawn.append(ax.fill_between(y.index, y - e, y + e, color=style["color"], alpha=0.2, linewidth=0))
+        late = y[y.index.isin((hollow or {}).get(label, []))]
+        drawn += ax.plot(late.index, late, style["marker"], mfc="white", mec=style["color"], zorder=4) if len(late) else []
+        for artist in drawn:  # after autoscaling to the data; a score of 0 sits on the axis
+            artist.set_transform(offset_copy(ax.transData, ax.figure, x=shift.get(label, 0), units="points")), artist.set_clip_on(False)
+    pad = (max(shift.values(), default=0) + 8) * ax.figure.dpi / 72  # pixels
+    px = ax.transData.transform([(x, 0) for x in ax.get_xlim()])[:, 0] + [-pad, pad]
+    ax.set_xlim(*ax.transData.inverted().transform([(x, 0) for x in px])[:, 0])
+    if show_legend:
+        legend(ax, ax.get_legend_handles_labels()[0] + [Line2D([], [], marker="o", ls="", mfc="white", mec="grey", label="unfinished job")] * any(
+            len((hollow or {}).get(lab, [])) for lab in series))
+
+
 def selkv_fig2(df: pd.DataFrame, budget: float = 0.25, task: str = "longbench") -> list[Artifact]:
     """SelKV Figure 2: bars of each method's LongBench average − the full cache's per model (unfinished: hatched)."""
     g = grid(df, task, budget)
@@ -540,16 +618,11 @@ def selkv_fig2(df: pd.DataFrame, budget: float = 0.25, task: str = "longbench") 
     ax.margins(y=0.15)
     ax.set(xticks=range(len(g.models)), xticklabels=g.models, xlabel="Model", ylabel=f"Δ LongBench average vs "
            f"{g.full} (points)", title="Gap to the full cache\n(closer to 0 is better)")
-    ax.legend(handles=ax.get_legend_handles_labels()[0] + late)
+    legend(ax, ax.get_legend_handles_labels()[0] + late)
     caption = (f"LongBench ({count(len(g.datasets), 'dataset')}), {budget_semantics([budget])}, ρ = "
                f"{budget_text(budget)}; error bars: ±1 SE, √(SE² + SE full²). Hatched, pale bars: an unfinished job "
                "(fewer samples scored).")
     return [_done("selkv_fig2", fig, caption, g.used)]
-
-
-def dodge(n: int, step: float = 6.0) -> list[float]:
-    """Horizontal offsets (points) of ``n`` methods' markers at one budget, ``step`` apart, centred on it."""
-    return [step * (k - (n - 1) / 2) for k in range(n)]
 
 
 def other_samples(used: pd.DataFrame, full: str | None) -> bool:
@@ -567,7 +640,7 @@ def other_samples(used: pd.DataFrame, full: str | None) -> bool:
 
 def budget_sweep_figure(df, name: str, task: str, ratio: bool, title: str, per_dataset: bool = False):
     """Average vs budget, a panel per model (SelKV Fig. 4, CompressKV Figs. 4, 5); ``per_dataset``: SelKV Fig. 5.
-    Methods at one budget are dodged (:func:`dodge`); an unfinished job's marker is hollow."""
+    Lines: :func:`draw_lines`."""
     grids, models = budget_grids(df, task, ratio)
     if not models:
         return []
@@ -577,36 +650,9 @@ def budget_sweep_figure(df, name: str, task: str, ratio: bool, title: str, per_d
     full = next((g.full for g in grids.values() if g.full), None)
     for i, mk in enumerate(models):
         for j, ds in enumerate(datasets):  # one model's average (or one dataset's score) across budgets
-            ax, t, err = axes[i, j] if per_dataset else axes[0, i], sweep(grids, mk, ds), sweep(grids, mk, ds, True)
-            if not ratio:
-                ax.set_xscale("log", base=2)
-                ax.set_xticks(list(t.columns), [f"{b:g}" for b in t.columns])
-                ax.minorticks_off()
-            if full in t.index and t.loc[full].notna().any():
-                y, e = t.loc[full].iloc[0], np.nan_to_num(err.loc[full].iloc[0])  # sweep: one value per row
-                late = any((mk, full) in g.incomplete for g in grids.values())
-                ax.axhline(y, color="black", linestyle="--", linewidth=1, label=full + " (unfinished)" * late, zorder=5)
-                ax.axhspan(y - e, y + e, color="grey", alpha=0.2)
-            comp, hollow = [lab for lab in t.index if lab != full], []
-            for lab, dx in zip(comp, dodge(len(comp))):
-                vals, shift = t.loc[lab].dropna(), offset_copy(ax.transData, fig, x=dx, units="points")
-                xs = [b * 100 if ratio else b for b in vals.index]
-                bars = ax.errorbar(xs, vals, err.loc[lab, vals.index], marker="o", capsize=2, label=lab)
-                late = [(x, v) for x, b, v in zip(xs, vals.index, vals) if (mk, lab) in grids[b].incomplete]
-                hollow += ax.plot(*zip(*late), "o", mfc="white", mec=bars[0].get_color(), zorder=3) if late else []
-                for artist in bars.get_children() + hollow[-1:] * bool(late):  # after autoscaling to the data
-                    artist.set_transform(shift), artist.set_clip_on(False)  # a score of 0 sits on the axis
-            lo, hi = ax.get_ylim()  # scores 0-100: a span of at least 5 points, never below 0
-            ax.set_ylim(max(0.0, min(lo, (lo + hi) / 2 - 2.5)), max(hi, max(0.0, (lo + hi) / 2 - 2.5) + 5))
-            pad = (max(dodge(len(comp)), default=0) + 8) * fig.dpi / 72  # pixels: dodged markers stay inside
-            px = ax.transData.transform([(x, 0) for x in ax.get_xlim()])[:, 0] + [-pad, pad]
-            ax.set_xlim(*ax.transData.inverted().transform([(x, 0) for x in px])[:, 0])
-            ax.set(ylabel="Score (points)" if ds else "Average score (points)", title=mk + f" — {ds}" * bool(ds),
-                   xlabel="KV retention ratio ρ (% of prompt tokens)" if ratio else "KV budget (tokens per layer per "
-                   "KV head)")
-            handles = ax.get_legend_handles_labels()[0] + [Line2D([], [], marker="o", ls="", mfc="white", mec="grey",
-                                                                  label="unfinished job")] * bool(hollow)
-            ax.legend(handles=handles)
+            ax = axes[i, j] if per_dataset else axes[0, i]
+            sweep_panel(ax, grids, mk, ratio, ds)
+            ax.set(ylabel="Score (points)" if ds else "Average score (points)", title=mk + f" — {ds}" * bool(ds))
     fig.suptitle(title)
     used = used_by(grids, models)
     ns = used.loc[used["method"] != full, "n"].dropna()
@@ -617,6 +663,36 @@ def budget_sweep_figure(df, name: str, task: str, ratio: bool, title: str, per_d
         " (scored on other samples than the compressed points: not a paired comparison)" if other_samples(
             used, full) else "") + "; error bars and band: ±1 SE; methods at one budget drawn side by side.")
     return [_done(name, fig, caption, used)]
+
+
+def score_vs_budget(df) -> list[Artifact]:
+    """``score_vs_budget_<task>``: a figure per task whose jobs of one model key ran at two budgets or more ([] when
+    none did), a panel per model key and kind of budget (:func:`sweep_panel` with bands; the two ``task.compress``
+    protocols never share a model key, so never a panel)."""
+    out = []
+    for task in sorted(df.loc[df["score"].notna(), "task"].unique()):
+        panels = [(mk, ratio, grids) for ratio in (True, False) for grids, models in [budget_grids(df, task, ratio)]
+                  for mk in models]
+        if not panels:
+            continue
+        fig, axes = _figure(1, len(panels), w=5.6)
+        multi = df.loc[(df["task"] == task) & df["score"].notna(), "dataset"].nunique() > 1
+        for ax, (mk, ratio, grids) in zip(axes[0], panels):
+            sweep_panel(ax, grids, mk, ratio, band=True)
+            ax.set(title=mk, ylabel="Average score (points)" if multi else "Score (points)")
+            ax.grid(alpha=0.3)
+        fig.suptitle(f"{task}: score against KV budget")
+        used = used_by({b: g for _, _, grids in panels for b, g in grids.items()}, [mk for mk, _, _ in panels])
+        datasets = sorted(set(used["dataset"]))
+        ns = used["n"].dropna()
+        n_text = f"n = {ns.min():.0f}" + f"–{ns.max():.0f}" * bool(ns.min() < ns.max()) + " samples per dataset"
+        caption = (f"Task: {task} ({count(len(datasets), 'dataset')}" + ", score: their mean" * (len(datasets) > 1)
+                   + f"); {n_text}; budget = retention ratio ρ of prompt tokens" * any(r for _, r, _ in panels)
+                   + "; budget = tokens kept per layer per KV head" * (not all(r for _, r, _ in panels))
+                   + "; band: ±1 SE" + "; dashed: full cache" * bool((used["method_name"] == "full").any()) + "; hollow: an unfinished job" * bool(
+                       (~used["complete"]).any()) + ".")
+        out.append(_done(f"score_vs_budget_{slug(task)}", fig, caption, used))
+    return out
 
 
 def selkv_fig3(latency: list[dict], source: str = "latency.json") -> list[Artifact]:
@@ -635,11 +711,13 @@ def selkv_fig3(latency: list[dict], source: str = "latency.json") -> list[Artifa
         m[list(stages)].rename(columns=stages).plot.bar(stacked=True, ax=ax_a, width=0.8, ylabel="Time per "
                                                         "request (s)", title=f"(a) {mk}: time breakdown")
         ax_a.set_xticks(range(len(m)), [f"{n:.0f} {meth}" for n, meth in m.index], rotation=60, ha="right")
-        ax_a.set(xlabel="Prompt length (tokens), method", ylim=(0, ax_a.get_ylim()[1] * 1.3))
-        ax_a.legend(ncols=3, loc="upper left")
+        ax_a.set(xlabel="Prompt length (tokens), method")
+        legend(ax_a)
         tok_s = m["decode_tok_s"].unstack("method")
-        tok_s.rename_axis(columns="Method").plot(ax=ax_b, marker="o", logx=True, xlabel="Prompt length (tokens)",
-                   ylabel="Decode throughput (tokens/s)", title=f"(b) {mk}: decode throughput")
+        ax_b.set_xscale("log")
+        draw_lines(ax_b, {meth: tok_s[meth].dropna() for meth in tok_s})
+        ax_b.set(xlabel="Prompt length (tokens)", ylabel="Decode throughput (tokens/s)",
+                 title=f"(b) {mk}: decode throughput")
         ax_b.set_xticks(tok_s.index, [f"{n:.0f}" for n in tok_s.index], minor=False)
         ax_b.minorticks_off()
     budgets = sorted(set(pd.to_numeric(lat["budget"], errors="coerce").dropna()) - {1.0})
