@@ -225,8 +225,10 @@ def compose(overrides: list[str], **kw: Any) -> Any:
 
 
 def preset(group: str, name: str) -> dict:
-    """``conf/<group>/<name>.yaml`` as Hydra composes it, its schema's defaults filled in (a plain dict)."""
-    return OmegaConf.to_container(compose([f"{group}={name}"])[group], resolve=True, enum_to_str=True)
+    """``conf/<group>/<name>.yaml`` as Hydra composes it, its schema's defaults filled in (a plain dict); a value the
+    user must give (``???``: kvpress's ``press``) reads as None."""
+    node = OmegaConf.to_container(compose([f"{group}={name}"])[group], enum_to_str=True)
+    return OmegaConf.to_container(OmegaConf.create({k: None if v == "???" else v for k, v in node.items()}), resolve=True)
 
 
 def resolved_inputs(task: dict, tokenizer: Any = None) -> tuple[dict, dict]:
