@@ -672,3 +672,13 @@ def test_an_all_zero_budget_sweep_keeps_a_readable_y_range_inside_markers_and_th
           for x, _ in line.get_transform().transform(line.get_xydata())]
     assert len(xs) == 6 and box.x0 < min(xs) and max(xs) < box.x1
     assert "(task.compress=prompt)" in fig.texts[-1].get_text().replace("\n", " ")
+
+
+def test_a_started_job_beside_scored_ones_fails_no_artifact(tmp_path, capsys):
+    """An in-flight sweep: a LongBench job with no sample yet is listed, and every table and figure reads the rest."""
+    for method, budget, scores in (("full", 0.25, {"qasper": 40.0}), ("snapkv", 0.25, {"qasper": 30.0}),
+                                   ("snapkv", 0.1, None)):
+        make_job(tmp_path / "root", method=method, budget=budget, scores=scores, summary=bool(scores))
+    assert report.main([str(tmp_path / "root"), "--out", str(tmp_path / "rep")]) == 0
+    assert "FAILED" not in capsys.readouterr().out
+    assert (tmp_path / "rep" / "selkv_table1.md").is_file()

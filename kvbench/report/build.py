@@ -181,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
         index.insert(-1, f"Started, no samples: {job}")
     if df.empty and not (only and all(fnmatch.fnmatch("selkv_fig3", x) for x in only)):
         print(f"warning: no job folders under {root}; only the latency figure is drawn", file=sys.stderr)
-    built = build(Context(root, df, latency, str(lat_path)), only)
+    built = build(Context(root, df[df["dataset"].notna()], latency, str(lat_path)), only)  # jobs with samples
     for family, arts in built.items():
         if isinstance(arts, Exception):
             index.append(f"- {family}: FAILED ({type(arts).__name__}: {arts})")
