@@ -214,22 +214,12 @@ def needle_prompts(tok, needles: Path, lengths: list[int], depths: list[float], 
                 yield i, nd, length, depth, needle_prompt(tok, hay_ids, nd["needle"], nd["question"], length, depth, chat)
 
 
-def _stop_ids(lm, tok) -> set[int]:
-    ids = lm.config.eos_token_id
-    ids = set(ids if isinstance(ids, list) else [ids] if ids is not None else [])
-    for t in ("<|im_end|>", "<|endoftext|>", "<|eot_id|>"):
-        tid = tok.convert_tokens_to_ids(t)
-        if isinstance(tid, int) and tid != tok.unk_token_id:
-            ids.add(tid)
-    return ids
-
-
 @torch.no_grad()
-def score_sample(lm, tok, probe, prompt_ids, span, kinds, max_new, stop_after=None):
+def score_sample(lm, tok, probe, prompt_ids, span, kinds, max_new, stop, stop_after=None):
     """``(response, {kind: (L, H_q) float64 sum of step scores})``: prefill ``prompt[:-1]``, then
-    decode greedily from its last token (the reference's procedure)."""
+    decode greedily from its last token until a ``stop`` id, a newline or ``stop_after`` tokens (the reference's procedure)."""
     prompt_ids = prompt_ids.to(lm.device)
-    stop, (start, end), flat = _stop_ids(lm, tok), span, prompt_ids[0]
+    (start, end), flat = span, prompt_ids[0]
     out = lm(input_ids=prompt_ids[:, :-1], past_key_values=preallocated_cache(lm.config, max_new + 1), use_cache=True,
              logits_to_keep=1)
     past, inp = out.past_key_values, prompt_ids[:, -1:]
@@ -280,7 +270,7 @@ def cmd_heads(args, out: Path) -> int:
         for i, nd, length, depth, ids in needle_prompts(tok, data_dir / fname, lengths, depths, chat):
             span = find_span(ids[0].tolist(), tok.encode(nd["real_needle"], add_special_tokens=False))
             answer_ids = tok.encode(nd.get("answer", nd["real_needle"]), add_special_tokens=False)
-            response, sums = score_sample(lm, tok, probe, ids, span, kinds, args.max_new_tokens,
+            response, sums = score_sample(lm, tok, probe, ids, span, kinds, args.max_new_tokens, loaded.stop_ids,
                                           stop_after=len(answer_ids) if r2 else None)
             ok = (qa_f1_score(response, nd["answer"]) if r2 else
                   scorer.score(nd["real_needle"], response)["rouge1"].recall) * 100 > args.min_score
@@ -350,7 +340,7 @@ def cmd_layers(args, out: Path) -> int:
 
     probe.selector = selector
     probe.install(lm)
-    stop, chat = _stop_ids(lm, tok), args.chat_template == "on"
+    stop, chat = loaded.stop_ids, args.chat_template == "on"  # the job's stop ids
     prompts = (_longbench_prompts(tok, args.data, args.prompt_config, args.samples, args.max_tokens, chat) if args.data
                else (("retrieval_head_calibration", ids) for *_, ids in
                      needle_prompts(tok, Path(args.data_dir) / "needles.jsonl", args.lengths, [50], chat)))
