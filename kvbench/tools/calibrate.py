@@ -8,6 +8,7 @@ layer's output on a minimally compressed cache. File formats: methods/artifacts/
 
 import argparse
 import dataclasses
+import itertools
 import json
 import os
 import sys
@@ -214,32 +215,27 @@ def needle_prompts(tok, needles: Path, lengths: list[int], depths: list[float], 
                 yield i, nd, length, depth, needle_prompt(tok, hay_ids, nd["needle"], nd["question"], length, depth, chat)
 
 
-def _stop_ids(lm, tok) -> set[int]:
-    ids = lm.config.eos_token_id
-    ids = set(ids if isinstance(ids, list) else [ids] if ids is not None else [])
-    for t in ("<|im_end|>", "<|endoftext|>", "<|eot_id|>"):
-        tid = tok.convert_tokens_to_ids(t)
-        if isinstance(tid, int) and tid != tok.unk_token_id:
-            ids.add(tid)
-    return ids
+def greedy(lm, ids: torch.Tensor, reserve: int, feed: torch.Tensor | None = None):
+    """Greedy token ids after prefilling ``ids (1, p)`` (a cache with room for ``reserve`` more), each fed back;
+    ``feed``: ids fed after the prefill first, the prefill's own prediction dropped. The caller stops it."""
+    out = lm(input_ids=ids.to(lm.device), past_key_values=preallocated_cache(lm.config, reserve), use_cache=True,
+             logits_to_keep=1)
+    while True:
+        if feed is not None:
+            out = lm(input_ids=feed.to(lm.device), past_key_values=out.past_key_values, use_cache=True)
+        token = int(out.logits[0, -1].argmax())
+        yield token
+        feed = torch.tensor([[token]])
 
 
 @torch.no_grad()
-def score_sample(lm, tok, probe, prompt_ids, span, kinds, max_new, stop_after=None):
-    """``(response, {kind: (L, H_q) float64 sum of step scores})``: prefill ``prompt[:-1]``, then
-    decode greedily from its last token (the reference's procedure)."""
-    prompt_ids = prompt_ids.to(lm.device)
-    stop, (start, end), flat = _stop_ids(lm, tok), span, prompt_ids[0]
-    out = lm(input_ids=prompt_ids[:, :-1], past_key_values=preallocated_cache(lm.config, max_new + 1), use_cache=True,
-             logits_to_keep=1)
-    past, inp = out.past_key_values, prompt_ids[:, -1:]
-    sums = {k: None for k in kinds}
-    generated: list[int] = []
-    probe.record_rows = True
+def score_sample(lm, tok, probe, prompt_ids, span, kinds, max_new, stop, stop_after=None):
+    """``(response, {kind: (L, H_q) float64 sum of step scores})``: prefill ``prompt[:-1]``, then decode greedily
+    from its last token until a ``stop`` id, a newline or ``stop_after`` tokens (the reference's procedure)."""
+    (start, end), flat, sums, generated = span, prompt_ids[0], {k: None for k in kinds}, []
+    probe.record_rows = True  # the step rows (a prefill records none)
     try:
-        for _ in range(max_new):
-            out = lm(input_ids=inp, past_key_values=past, use_cache=True)
-            past, token = out.past_key_values, int(out.logits[0, -1].argmax())
+        for token in itertools.islice(greedy(lm, prompt_ids[:, :-1], max_new + 1, prompt_ids[:, -1:]), max_new):
             attn = torch.stack(probe.rows)  # (L, H_q, n)
             for k in kinds:
                 s = (trh_step_scores(attn, flat, start, end, token) if k == "trh" else
@@ -248,7 +244,6 @@ def score_sample(lm, tok, probe, prompt_ids, span, kinds, max_new, stop_after=No
             generated.append(token)
             if token in stop or "\n" in tok.decode([token]) or (stop_after and len(generated) >= stop_after):
                 break
-            inp = torch.tensor([[token]], device=lm.device)
     finally:
         probe.record_rows = False
     return tok.decode(generated, skip_special_tokens=True).strip(), sums
@@ -280,7 +275,7 @@ def cmd_heads(args, out: Path) -> int:
         for i, nd, length, depth, ids in needle_prompts(tok, data_dir / fname, lengths, depths, chat):
             span = find_span(ids[0].tolist(), tok.encode(nd["real_needle"], add_special_tokens=False))
             answer_ids = tok.encode(nd.get("answer", nd["real_needle"]), add_special_tokens=False)
-            response, sums = score_sample(lm, tok, probe, ids, span, kinds, args.max_new_tokens,
+            response, sums = score_sample(lm, tok, probe, ids, span, kinds, args.max_new_tokens, loaded.stop_ids,
                                           stop_after=len(answer_ids) if r2 else None)
             ok = (qa_f1_score(response, nd["answer"]) if r2 else
                   scorer.score(nd["real_needle"], response)["rouge1"].recall) * 100 > args.min_score
@@ -350,7 +345,7 @@ def cmd_layers(args, out: Path) -> int:
 
     probe.selector = selector
     probe.install(lm)
-    stop, chat = _stop_ids(lm, tok), args.chat_template == "on"
+    stop, chat = loaded.stop_ids, args.chat_template == "on"  # the job's stop ids
     prompts = (_longbench_prompts(tok, args.data, args.prompt_config, args.samples, args.max_tokens, chat) if args.data
                else (("retrieval_head_calibration", ids) for *_, ids in
                      needle_prompts(tok, Path(args.data_dir) / "needles.jsonl", args.lengths, [50], chat)))
@@ -358,14 +353,9 @@ def cmd_layers(args, out: Path) -> int:
     t0 = time.time()
     for dataset, ids in prompts:
         probe.errors.zero_()
-        out_ = lm(input_ids=ids.to(lm.device), past_key_values=preallocated_cache(lm.config, args.max_new_tokens), use_cache=True,
-                  logits_to_keep=1)
-        past, token = out_.past_key_values, int(out_.logits[0, -1].argmax())
-        for _ in range(args.max_new_tokens - 1):  # the first token comes from prefill (no compressed output)
-            if token in stop:
+        for token in itertools.islice(greedy(lm, ids, args.max_new_tokens), args.max_new_tokens):
+            if token in stop:  # the first token comes from prefill (no compressed output)
                 break
-            out_ = lm(input_ids=torch.tensor([[token]], device=lm.device), past_key_values=past, use_cache=True)
-            past, token = out_.past_key_values, int(out_.logits[0, -1].argmax())
         per_dataset[dataset] = per_dataset.get(dataset, 0) + probe.errors.clone()
         print(f"[{time.time() - t0:6.0f}s] {dataset} n={ids.shape[1]}", flush=True)
     if not per_dataset:

@@ -4,7 +4,6 @@
 The heads, the random control, the masking modes and the output files: docs/COMPRESSKV.md.
 """
 
-import dataclasses
 import json
 import re
 import sys
@@ -15,22 +14,21 @@ from typing import Iterable
 import torch
 
 from eval.base import TaskConfigError
-from eval.niah import NIAHConfig, NIAHTask
-from methods import build_method
 from methods.artifacts import artifact_path, keyed_errors, load_head_scores, top_heads
 from methods.base import ConfigError, HeadLayout
 
 from kvbench.cli import ArgParser, flat, listof
-from kvbench.engine.models import attention_modules
-from kvbench.job.run import encode_prompt, environment, run_sample
+from kvbench.engine import models
+from kvbench.job.config import check, compose, conf_model
+from kvbench.job.run import build_task, environment, run_sample, set_threads
 from kvbench.job.store import atomic_write
 
 KINDS = ("srh", "trh", "random")
 MODES = ("zero", "uniform")
 PHASES = ("all", "decode")
 _SCORE_KIND = {"srh": "semantic_retrieval_heads", "trh": "retrieval_heads"}
-_TASK_FLAGS = {"context_lengths": "lengths", "depth_percents": "depths", "haystack_dir": "haystack-dir",
-               "max_new_tokens": "max-new-tokens"}
+_FLAGS = {"context_lengths": "lengths", "depth_percents": "depths", "haystack_dir": "haystack-dir",
+          "max_new_tokens": "max-new-tokens", "source": "model-source", "chat_template": "chat-template"}
 
 
 class HeadMask:
@@ -59,7 +57,7 @@ class HeadMask:
         return torch.cat([x[..., :-1, :], x[..., -1:, :] * keep], -2)  # a prefill: its last row only
 
     def __enter__(self) -> "HeadMask":
-        modules, name = attention_modules(self.model), self.layout.model_name or "?"
+        modules, name = models.attention_modules(self.model), self.layout.model_name or "?"
         h_q, d = self.layout.num_q_heads, self.layout.head_dim
         try:
             for layer, heads in sorted(self.by_layer.items()):
@@ -109,23 +107,16 @@ def conditions(scores: dict, ks: list[int], kinds: list[str], seed: int) -> list
     return out
 
 
-def _flag_error(err: TaskConfigError) -> ConfigError:
-    """The task's one-line error, naming this command's flag instead of the task key it sets."""
-    return ConfigError(re.sub(r"^task\.(\w+)=", lambda m: f"--{_TASK_FLAGS.get(m[1], 'task.' + m[1])}=", str(err)))
-
-
-def niah_config(args) -> dict:
-    """:class:`eval.niah.NIAHConfig` with the command's grid flags, validated (ConfigError naming the flag)."""
-    cfg = {k: v for k, v in (("context_lengths", args.lengths), ("depth_percents", args.depths),
-                             ("max_new_tokens", args.max_new_tokens)) if v is not None}
-    if args.haystack_dir:
-        cfg["haystack_dir"], cfg["haystack_source"] = args.haystack_dir, "dir"
-    try:
-        cfg = dataclasses.asdict(NIAHConfig(**cfg))
-        NIAHTask.validate(cfg)
-    except TaskConfigError as e:
-        raise _flag_error(e) from None
-    return cfg
+def job(args):
+    """The checked NIAH job (method ``full``) of the command's model and grid flags (ConfigError naming the flag)."""
+    grid = {"context_lengths": args.lengths or None, "depth_percents": args.depths or None,
+            "max_new_tokens": args.max_new_tokens, "haystack_dir": args.haystack_dir}
+    overrides = [f"model={args.model}", "task=niah", "method=full", f"device={args.device}",
+                 f"threads={args.threads or 'null'}", *(f"task.{k}={json.dumps(v)}" for k, v in grid.items() if v is not None),
+                 *(["task.haystack_source=dir"] if args.haystack_dir else []),
+                 *([f"model.source={json.dumps(args.model_source)}", "model.gguf_file=null"] if args.model_source else []),
+                 *([f"model.chat_template={args.chat_template}"] if args.chat_template else [])]
+    return check(compose(overrides))
 
 
 def run_condition(engine, loaded, task, samples, heads, mode: str, phase: str) -> dict:
@@ -196,11 +187,8 @@ def write_report(stem: Path, report: dict) -> list[Path]:
 def run(args) -> int:
     """Check every input, then load the model and run the no-mask and masked NIAH grids."""
     from kvbench.engine.generate import Engine  # torch._dynamo: imported once the flags are read
-    from kvbench.job.config import conf_model
-    from kvbench.engine.models import load_model  # late: tests replace kvbench.engine.models.load_model
 
-    model_cfg = {**conf_model(args.model), **({"source": args.model_source, "gguf_file": None} if args.model_source else {}),
-                 **({"chat_template": args.chat_template == "true" or args.chat_template} if args.chat_template else {})}
+    conf_model(args.model)  # --model names a conf/model file
     files = {kind: artifact_path(_SCORE_KIND[kind], args.model, getattr(args, f"{kind}_scores"), f"--{kind}-scores")
              for kind in ("srh", "trh") if kind in args.kinds}  # the published llama31/mistral files: no SRH scores
     scores = {}
@@ -210,19 +198,14 @@ def run(args) -> int:
     if len({tuple(s.shape) for s in scores.values()}) > 1:
         raise ConfigError("--srh-scores/--trh-scores: the files cover different layer x head grids")
     plan = conditions(scores, args.k, args.kinds, args.seed)
-    task_cfg = niah_config(args)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    t0 = time.time()
-    loaded = load_model(model_cfg, args.device)
+    spec = job(args)
     for path in files.values():
-        load_head_scores(path, loaded.layout)  # the score grid must be the model's layers x query heads
-    task = NIAHTask(task_cfg, loaded.tokenizer, loaded.max_input_length, encode=lambda s: encode_prompt(loaded, s))
-    try:
-        samples = list(task.samples())
-    except TaskConfigError as e:  # every length too long for the model or too short for the needle
-        raise _flag_error(e) from None
-    engine = Engine(loaded, build_method({"name": "full"}, loaded.layout), budget=1.0)
+        load_head_scores(path, spec.layout)  # the score grid must be the model's layers x query heads
+    t0 = time.time()
+    set_threads(spec.top.threads)
+    loaded = models.load_model(spec.cfg["model"], spec.top.device, spec.source, spec.layout)  # no context-window check
+    task, samples = build_task(spec.cfg, loaded, spec.resolved)  # (the job's: prompts are the lengths asked for)
+    engine, task_cfg = Engine(loaded, spec.method, budget=1.0), spec.cfg["task"]
     report = {
         "model": args.model, "mode": args.mode, "phase": args.phase, "k": args.k, "kinds": args.kinds,
         "seed": args.seed, "score_files": {k: str(p) for k, p in files.items()},
@@ -282,8 +265,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--kinds={args.kinds}: at least one of srh, trh")
     try:
         return run(args)
-    except ConfigError as e:
-        parser.error(str(e))
+    except (ConfigError, TaskConfigError) as e:  # a key that a flag sets: named as the flag
+        parser.error(re.sub(r"^(?:task\.|model\.)?(\w+)=", lambda m: f"--{_FLAGS.get(m[1], m[1])}=", str(e)))
 
 
 if __name__ == "__main__":
