@@ -14,9 +14,8 @@ Timings compare on one device only: jobs on other devices or dtypes have other m
 
 import pandas as pd
 
-from kvbench.report.data import FULL, budget_text, paper_order
+from kvbench.report.data import FULL, budget_text, job_records, paper_order
 from kvbench.report.tables import Artifact
-from kvbench.job.store import JobStore
 
 COLUMNS = ["prefill_s", "compress_s", "reconstruct_s", "cache_bytes_after"]
 
@@ -29,10 +28,10 @@ def ratio(part: pd.Series, whole: pd.Series) -> float | None:
 
 def job_samples(root, job: str) -> pd.DataFrame:
     """The job's latest successful record per sample id: :data:`COLUMNS` (``reconstruct_s`` 0 when not recorded)."""
-    recs = [r for r in JobStore(root / job).latest().values() if r.get("error") is None]
-    frame = pd.DataFrame([{c: r.get(c, 0.0 if c == "reconstruct_s" else None) for c in COLUMNS} for r in recs],
-                         index=[str(r["id"]) for r in recs], columns=COLUMNS)
-    return frame.apply(pd.to_numeric, errors="coerce")
+    recs = job_records(root / job, {}, ["id", "error", *COLUMNS], latest=True)
+    recs = recs[recs["error"].isna()]
+    return recs[COLUMNS].set_axis(recs["id"].astype(str)).apply(pd.to_numeric, errors="coerce").fillna(
+        {"reconstruct_s": 0.0})
 
 
 def cost_table(df: pd.DataFrame, root) -> list[Artifact]:

@@ -64,12 +64,15 @@ def display_name(method_name: str) -> str:
     return presets().get(method_name, {}).get("label") or method_name
 
 
-def job_records(job: Path, summary: dict, columns: list[str]) -> pd.DataFrame:
-    """The records of ``job`` that its ``summary.json`` scores (its ``ids``: sample ids, or the problems of sampled
-    candidates; every record without a summary), ``columns`` of them."""
-    recs = pd.DataFrame(JobStore(job).records(), columns=list(dict.fromkeys(["id", "problem", *columns])))
+def job_records(job: Path, summary: dict | None, columns: list[str], latest: bool = False) -> pd.DataFrame:
+    """The one reader of a job's records: those its ``summary.json`` scores (its ``ids``: sample ids, or the problems of
+    sampled candidates; every record without one; ``summary`` None: read it), ``latest``: a sample id's last record
+    only; ``columns`` of them, None where a record lacks one."""
+    store, summary = JobStore(job), read_json(job / "summary.json") if summary is None else summary
+    recs = pd.DataFrame(list(store.latest().values()) if latest else store.records(),
+                        columns=list(dict.fromkeys(["id", "problem", *columns])))
     ids = summary.get("ids", recs["id"])
-    return recs[recs["id"].isin(ids) | recs["problem"].isin(ids)][columns]
+    return recs[recs["id"].isin(ids) | recs["problem"].isin(ids)][columns].astype(object).where(lambda f: f.notna(), None)
 
 
 def _job_rows(root: Path, job: Path) -> list[dict]:

@@ -10,7 +10,6 @@ import pandas as pd
 
 from eval.sampling import by_problem, summary
 
-from kvbench.job.store import read_json
 from kvbench.report.data import FULL, budget_text, job_records, paper_order
 from kvbench.report.tables import Artifact, _done, _figure, draw_lines, reference, slug
 
@@ -24,9 +23,7 @@ def _jobs(df: pd.DataFrame, root) -> dict[tuple[str, str], list[tuple[pd.Series,
     out: dict = {}
     for _, row in paper_order(df[df["dataset"].notna()].drop_duplicates("job"), ["task", "model_key", "method",
                                                                                   "budget"]).iterrows():
-        path = root / row["job"]
-        recs = job_records(path, read_json(path / "summary.json"), COLUMNS).astype(object).where(
-            lambda f: f.notna(), None).to_dict("records")
+        recs = job_records(root / row["job"], None, COLUMNS).to_dict("records")
         if any(r["problem"] is not None or "found" in (r["scores"] or {}) or r["decode_compressions"] for r in recs):
             out.setdefault((row["task"], row["model_key"]), []).append((row, recs))
     return out

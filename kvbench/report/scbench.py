@@ -17,9 +17,8 @@ import pandas as pd
 
 from eval.scbench import CAPABILITIES, turn_of
 
-from kvbench.report.data import FULL, budget_semantics, budget_text, paper_order
+from kvbench.report.data import FULL, budget_semantics, budget_text, job_records, paper_order
 from kvbench.report.tables import Artifact, _done, _figure, count, draw_lines
-from kvbench.job.store import JobStore, read_json
 
 MODES = {"multi_turn": "multi-turn", "own": "multi-turn, own answers", "multi_request": "multi-request"}
 RANK = {m: i for i, m in enumerate(MODES.values())} | {c: i for i, c in enumerate(CAPABILITIES)}
@@ -39,23 +38,20 @@ def scbench_records(df: pd.DataFrame, root: Path) -> pd.DataFrame:
     model, method (label), method_name, budget, mode, complete, dataset (``<dataset> / <sub-task>`` for the mixed
     ones), group, turn (1-based, as SCBench prints it), score (points), the timings (s) and group_compressions."""
     jobs = df[(df["task"] == "scbench") & df["dataset"].notna()].drop_duplicates("job")
-    rows = []
+    rows, times = [], ["prefill_s", "compress_s", "decode_s", "group_compressions"]
     for job in jobs.itertuples():
-        ids = set(read_json(Path(root) / job.job / "summary.json").get("ids") or [])
-        for r in JobStore(Path(root) / job.job).latest().values():
-            if r.get("error") is not None or r.get("score") is None or ids and r["id"] not in ids:
-                continue
-            task = (r.get("meta") or {}).get("task", r["dataset"])
+        recs = job_records(Path(root) / job.job, None, ["id", "dataset", "error", "score", "meta", "group", "turn", *times],
+                           latest=True)
+        for r in recs[recs["error"].isna() & recs["score"].notna()].to_dict("records"):
+            task = (r["meta"] or {}).get("task", r["dataset"])
             rows.append({"job": job.job, "model": job.model, "method": job.method, "method_name": job.method_name,
                          "budget": job.budget, "mode": mode_of(job.settings), "complete": job.complete,
                          "dataset": r["dataset"] + f" / {task}" * (task != r["dataset"]),
                          "capability": CAPABILITY.get(r["dataset"], "other"),
-                         "group": r.get("group") or r["id"].rsplit("/", 1)[0], "turn": turn_of(r) + 1,
-                         "score": 100 * float(r["score"]), **{k: r.get(k) for k in (
-                             "prefill_s", "compress_s", "decode_s", "group_compressions")}})
+                         "group": r["group"] or r["id"].rsplit("/", 1)[0], "turn": turn_of(r) + 1,
+                         "score": 100 * float(r["score"]), **{k: r[k] for k in times}})
     cols = ["job", "model", "method", "method_name", "budget", "mode", "complete", "dataset", "capability", "group",
-            "turn", "score",
-            "prefill_s", "compress_s", "decode_s", "group_compressions"]
+            "turn", "score", *times]
     out = pd.DataFrame(rows, columns=cols)
     out[cols[-4:]] = out[cols[-4:]].apply(pd.to_numeric, errors="coerce")
     # one job per (model, method, budget, mode): the one with the most scored records (others: noted)
