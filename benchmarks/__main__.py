@@ -30,7 +30,8 @@ from methods.base import ConfigError
 from .common import ROOT, BenchResult, Context, Settings, log, machine_info, table
 
 BENCHMARKS = {"engine": "engine", "overhead": "overhead", "kvpress": "vs_kvpress", "compression": "compression",
-              "decode": "decode", "memory": "memory", "thinking": "thinking", "quant": "quant"}  # name -> module
+              "decode": "decode", "memory": "memory", "thinking": "thinking", "quant": "quant",
+              "throughput": "throughput"}  # name -> module
 MIN_LENGTH = 64  # shortest --lengths value (the question frame of the prompt alone is ~40 tokens)
 DOC = ROOT / "docs" / "PERFORMANCE.md"
 for key, value in (("HF_HUB_OFFLINE", "1"), ("TRANSFORMERS_VERBOSITY", "error"), ("TOKENIZERS_PARALLELISM", "false"),

@@ -4,7 +4,7 @@
     python benchmarks/gpu_check.py --device cpu              # tiny shapes (what CI runs)
 
 Writes ``<out>/gpu_check.json`` after each part (a timeout keeps what was measured) and prints a table. The parts
-(``sdpa``, ``engine``, ``compiled``, ``varlen``, ``lookm``, ``quant``, ``kvpress``) and what their rows settle:
+(``sdpa``, ``engine``, ``compiled``, ``varlen``, ``lookm``, ``quant``, ``kvpress``, ``throughput``) and what their rows settle:
 docs/PERFORMANCE.md.
 Exit 1 when a part failed or an error exceeded its tolerance.
 """
@@ -25,7 +25,7 @@ import torch
 if __package__ in (None, ""):  # python benchmarks/gpu_check.py
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks import quant  # noqa: E402
+from benchmarks import quant, throughput  # noqa: E402
 from kvbench.cli import ArgParser  # noqa: E402
 
 LLAMA31_8B = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
@@ -270,6 +270,9 @@ def main(argv: list[str] | None = None) -> int:
     parts.append(("quant", lambda: [{"part": "quant", **r, "ok": r["stored_bytes"] == r["analytic_bytes"]} for r in
                                     quant.rows(loaded, [4096, 16384] if cuda else lengths[:1], new)]))
     parts.append(("kvpress", lambda: kvpress_part(loaded, lengths[0], new)))
+    parts.append(("throughput", lambda: [  # batched decoding at a cache cap: full vs decode-time compression (#58)
+        {"part": "throughput", "method": label, **m} for label, m in throughput.measure(
+            loaded, list(range(1, 65)), 1024 if cuda else 256, 8 if cuda else 2)["measured"].items()]))
     for label, part in parts:
         try:
             rows = part()
@@ -294,6 +297,9 @@ def main(argv: list[str] | None = None) -> int:
             print(" | ".join(str(x) for x in (r["part"], r["method"], r["tokens"], ms, round(r.get("peak_decode_bytes", 0) / 2**20),
                                               round(r["cache_bytes_after"] / 2**20, 1), (r.get("sdpa_backends") or {}).get("decode", ""),
                                               r.get("logits_rel_err", ""), r.get("compile_s", ""))))
+    tput = {r["method"]: r for r in report["rows"] if r["part"] == "throughput" and "tok_s" in r}
+    for label, r in tput.items():  # rows that fit the full cache's cap, their tokens/s, over full
+        print(f"throughput | {label} | {r['rows']} rows | {r['tok_s']:.1f} tok/s | {r['tok_s'] / tput['full']['tok_s']:.2f}x")
     print("\n".join(f"FAIL {f}" for f in report["failures"]) or "all checks passed")
     return 1 if report["failures"] else 0
 

@@ -355,7 +355,8 @@ def kvbench_attention(module, query, key, value, attention_mask, scaling=None, d
         attention_mask: transformers' mask for this layer (None when causal SDPA suffices).
         scaling: logit scale; softcap: Gemma-2 soft-capping.
         kvbench_state: the :class:`CompressionState` of this generation (None: plain attention), or
-            a list of them in a shared prefill (:func:`kvbench.engine.generate.prefill`).
+            a list of them: in a shared prefill (:func:`kvbench.engine.generate.prefill`), or one per row of a decode
+            batch (key, value: lists, one per row: :class:`kvbench.engine.kvcache.RowsCache`).
 
     Returns:
         ``(attn_output (B, q, H_q, d), None)``.
@@ -367,6 +368,9 @@ def kvbench_attention(module, query, key, value, attention_mask, scaling=None, d
         if module.layer_idx in state.layout.compressible_layers:
             _score_layer(state, module, query, key, value, scaling, softcap)
         return out, None
+    if isinstance(state, list) and state[0].phase == "decode":  # a decode batch: each row on its own cache
+        return torch.cat([kvbench_attention(module, query[r : r + 1], key[r], value[r], None, scaling, dropout, softcap, s)[0]
+                          for r, s in enumerate(state)]), None
     if isinstance(state, CompressionState) and state.phase == "decode":
         layer = state.cache.layers[module.layer_idx]
         # one query sees every key its layer caches (a sliding layer caches its window only): no mask; traced

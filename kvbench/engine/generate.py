@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import copy
 import inspect
+import itertools
 import logging
 import resource
 import time
 from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass, field, replace
-from typing import Any, NamedTuple
+from typing import Any, Callable, Iterable, NamedTuple
 
 import torch
 from torch._dynamo.utils import counters
@@ -29,7 +30,7 @@ from torch.nn.attention import sdpa_kernel
 from methods.base import Budget, Method, Plan, PromptFormat, apply_budget_floor, check_budget
 
 from kvbench.engine.attention import DECODE_BACKENDS, CompressionState, attach_bias, decode_backends
-from kvbench.engine.kvcache import RaggedLayer, checkpoint, preallocated_cache, restore, store_layer
+from kvbench.engine.kvcache import RaggedLayer, RowsCache, checkpoint, preallocated_cache, restore, store_layer
 from kvbench.engine.models import LoadedModel, greedy_processors
 from kvbench.engine.reconstruct import reconstruct, start_scoring
 from kvbench.engine.quantcache import QuantizedLayer
@@ -164,6 +165,20 @@ class Context:
     peak_bytes: int
     compress_s: float
     steps: int = 0
+
+
+@dataclass
+class Row:
+    """One answer of a decode batch (:meth:`Engine.decode_rows`): its context (decoded in place), limits, stop ids
+    (None: the model's), sampling generator (None: greedy) and ``tag`` (the caller's); the decode's own fields are
+    set when it starts."""
+
+    ctx: Context
+    max_new_tokens: int
+    stop_ids: list[int] | None = None
+    min_new_tokens: int = 0
+    generator: torch.Generator | None = None
+    tag: Any = None
 
 
 class Prefilled(NamedTuple):
@@ -412,25 +427,11 @@ class Engine:
     @torch.inference_mode()
     def generate(self, prompt_ids: list[int], max_new_tokens: int, stop_ids: list[int] | None = None,
                  min_new_tokens: int = 0, prefilled: Prefilled | None = None, query_tokens: int = 0) -> GenerationResult:
-        """Prefill ``prompt_ids``, compress the cache once, decode greedily: :meth:`open` on the first n − q ids,
-        :meth:`feed` the last q (the query part, kvpress's question), :meth:`decode`.
-
-        Args:
-            prompt_ids: prompt token ids (already truncated by the task).
-            max_new_tokens: generation limit (tokens).
-            stop_ids: ids that end generation (defaults to the model's stop ids).
-            min_new_tokens: steps during which stop ids cannot be chosen (their logits are −inf),
-                as ``generate(min_length=prompt + k)`` does.
-            prefilled: this engine's part of a shared :func:`prefill` of the compressed ids (None: prefill here).
-            query_tokens: q, the last q ids are the query part: prefilled on the compressed cache, uncompressed.
-
-        Returns:
-            A :class:`GenerationResult`.
-
-        Raises:
-            ValueError: an empty prompt.
-            NonFiniteLogitsError: NaN/inf logits at any step.
-        """
+        """Prefill ``prompt_ids`` (truncated by the task), compress the cache once, decode greedily up to
+        ``max_new_tokens``: :meth:`open` on the first n − q ids, :meth:`feed` the last q (``query_tokens``, the query
+        part, kvpress's question), :meth:`decode` (``stop_ids`` default to the model's; no stop id in the first
+        ``min_new_tokens`` steps, as ``generate(min_length=prompt + k)``). ``prefilled``: this engine's part of a shared
+        :func:`prefill`. ValueError: an empty prompt; NonFiniteLogitsError: NaN/inf logits at a step."""
         c = len(prompt_ids) - query_tokens
         ctx = self.open(prompt_ids[:c], max_new_tokens + query_tokens, prefilled)
         self.feed(ctx, prompt_ids[c:])
@@ -439,71 +440,97 @@ class Engine:
     @torch.inference_mode()
     def decode(self, ctx: Context, max_new_tokens: int, stop_ids: list[int] | None = None, min_new_tokens: int = 0,
                generator: torch.Generator | None = None, sampling: Any = None) -> GenerationResult:
-        """Generate from ``ctx`` (its cache then holds the answer but its last token): greedily, or with
-        ``generator`` by sampling from the model's logits processors with ``sampling``'s temperature, top-p, top-k
-        (:func:`kvbench.engine.models.greedy_processors`); decode-time compression as ``decode`` says. The result
-        carries the prefill time and peak ``ctx`` has not charged to an earlier result.
+        """Generate from ``ctx`` (its cache then holds the answer but its last token): greedily, or with ``generator``
+        by sampling from the model's logits processors with ``sampling``'s temperature, top-p, top-k
+        (:func:`kvbench.engine.models.greedy_processors`); decode-time compression as ``decode`` says; a row of
+        :meth:`decode_rows`. The result carries the prefill time and peak ``ctx`` has not charged to an earlier result.
+        NonFiniteLogitsError: NaN/inf logits at a step."""
+        out: list = []
+        self.decode_rows([Row(ctx, max_new_tokens, stop_ids, min_new_tokens, generator)], 1, sampling,
+                         lambda row, result: out.append(result))
+        if isinstance(out[0], BaseException):
+            raise out[0]
+        return out[0]
 
-        Raises:
-            NonFiniteLogitsError: NaN/inf logits at any step.
-        """
-        model, dev, state = self.model, self.loaded.device, ctx.state
-        stops = sorted(set(self.loaded.stop_ids if stop_ids is None else stop_ids))
-        sync, n, logits = dev.type == "cuda", len(ctx.ids), ctx.logits
+    @torch.inference_mode()
+    def fork(self, ctx: Context) -> Context:
+        """A copy of ``ctx`` with a cache of its own, to decode beside others (a row of :meth:`decode_rows`); it takes
+        over the costs ``ctx`` has not charged yet (:meth:`decode`): ``ctx`` then has none."""
+        st = ctx.state
+        out = replace(ctx, ids=list(ctx.ids), state=replace(st, cache=copy.deepcopy(st.cache), queries=dict(st.queries),
+                                                            backends=dict(st.backends), reads={}))
+        ctx.prefill_s, ctx.peak_bytes, ctx.compress_s = 0.0, 0, 0.0
+        ctx.stats = {**ctx.stats, "reconstruct_s": 0.0}
+        return out
+
+    @torch.inference_mode()
+    def decode_rows(self, rows: Iterable[Row], batch_size: int = 1, sampling: Any = None,
+                    on_result: Callable[[Row, Any], None] = lambda row, result: None) -> None:
+        """Decode ``rows`` (each its own context: :meth:`fork`), ``batch_size`` at a time: each step one forward of
+        the live rows' tokens ``(B, 1)``, every row through its own cache (:class:`kvbench.engine.kvcache.RowsCache`)
+        with its own decode-time compression schedule, stop ids, processors and generator (candidate k draws the
+        stream it draws alone); a row leaves when it stops and the next row takes its slot. ``on_result(row,
+        result)`` as each row ends: its :class:`GenerationResult`, or the :class:`NonFiniteLogitsError` that ended it.
+        Batched rows decode eagerly; their ``decode_s`` is their time in the batch, the peak memory the batch's."""
+        model, pending, live = self.model, iter(rows), []
         reset_peak_memory(self.devices)  # the decode phase's own peak: the compressed cache and decoding
-
-        # Decode: the next token is the argmax tensor itself and the positions are slices of one
-        # tensor, so a step's only host-device sync is reading the token (and the finiteness flag).
-        positions = torch.arange(ctx.next_pos, ctx.next_pos + max(1, max_new_tokens), device=dev)
-        stop_index = torch.tensor(stops, dtype=torch.long, device=dev)
-        tokens: list[int] = []
-        processors = self.loaded.processors if generator is None else greedy_processors(
-            model, sampling, self.loaded.generation_config)
-        seq = torch.tensor([ctx.ids + [0] * max_new_tokens], device=dev) if processors else None
-        forward = self.decode_forward()
-        compiled, compile_s, compiling_steps = forward is not model, 0.0, 0
-        trace, compress_s0, state.held, reads = [self._trace_point(state, 0)], state.decode_compress_s, 0, []
+        forward = self.decode_forward() if batch_size == 1 else model
+        compiled = forward is not model
         with self._decode_scope(compiled):
-            state.backends["decode"] = decode_backends(state)
-            t1 = time.perf_counter()
-            for step in range(max_new_tokens):
+            while True:
+                while len(live) < batch_size and (row := next(pending, None)) is not None:
+                    live.append(self._begin(row, sampling))
+                if not live:
+                    break
                 t_step, frames = time.perf_counter(), _compile_frames()
                 if self.on_decode_step is not None:
-                    self.on_decode_step(step)
-                if self.record_logits:
-                    self.last_logits.append(logits.float().clone())
-                scores = logits
-                for proc in processors:  # the model's generation config, as model.generate applies it
-                    scores = proc(seq[:, : n + step], scores.view(1, -1))[0]
-                masked = scores.index_fill(0, stop_index, float("-inf")) if step < min_new_tokens and stops else scores
-                next_tok = (masked.argmax() if generator is None else torch.multinomial(
-                    torch.softmax(masked.float(), -1), 1, generator=generator)[0]).view(1, 1)
-                tok, finite = torch.stack([next_tok[0, 0], torch.isfinite(logits).all().long()]).tolist()
-                if not finite:
-                    raise NonFiniteLogitsError(f"non-finite logits at decode step {step}")
-                if tok in stops:
-                    break
-                tokens.append(tok)
-                if processors:
-                    seq[0, n + step] = next_tok[0, 0]
-                if step == max_new_tokens - 1:
-                    break
-                pos = positions[step : step + 1]
-                self._schedule(ctx, 1, ctx.next_pos + step)
-                if state.compress_now:
-                    trace.append(self._trace_point(state, len(tokens)))
-                out = forward(input_ids=next_tok, past_key_values=state.cache, use_cache=True, position_ids=pos.view(1, 1),
-                              cache_position=pos, kvbench_state=state)
-                logits = out.logits[0, -1]
-                ctx.ids.append(tok)
-                reads.append(read_point(state))
-                if state.compress_now:
-                    trace.append(self._trace_point(state, len(tokens)))
+                    self.on_decode_step(live[0].step)
+                going = []
+                for row in live:
+                    try:
+                        if self._choose(row):
+                            going.append(row)
+                            continue
+                        result = self._result(row, compiled and forward is not model)
+                    except NonFiniteLogitsError as e:
+                        result = e
+                    on_result(row, result)
+                live = going
+                if not live:
+                    continue
+                pos, one = torch.cat([r.positions[r.step : r.step + 1] for r in live]), len(live) == 1
+                try:
+                    out = forward(input_ids=torch.cat([r.next_tok for r in live]), position_ids=pos.view(-1, 1),
+                                  past_key_values=live[0].ctx.state.cache if one else RowsCache([r.ctx.state.cache for r in live]),
+                                  use_cache=True, cache_position=pos[:1], kvbench_state=live[0].ctx.state if one else
+                                  [r.ctx.state for r in live])
+                except Exception as e:  # noqa: BLE001 - out of memory: half the batch, its rows again from their start
+                    if type(e).__name__ == "UncompletedJobError":
+                        raise  # submitit's preemption signal: the task must stop and be requeued
+                    if one:  # a row alone fails
+                        on_result(live.pop(), e)
+                        continue
+                    log.warning("a batch of %d rows failed (%s: %s): again with %d", len(live), type(e).__name__, e,
+                                len(live) // 2)
+                    for row in live:
+                        self.restore(row.ctx, row.saved)
+                        if row.generator is not None:
+                            row.generator.set_state(row.gen_state)
+                    batch_size, pending, live = len(live) // 2, itertools.chain(live, pending), []
+                    if self.loaded.device.type == "cuda":
+                        torch.cuda.empty_cache()
+                    continue
+                for i, row in enumerate(live):
+                    row.logits, row.step = out.logits[i, -1], row.step + 1
+                    row.ctx.ids.append(row.tokens[-1])
+                    row.reads.append(read_point(row.ctx.state))
+                    if row.ctx.state.compress_now:
+                        row.trace.append(self._trace_point(row.ctx.state, len(row.tokens)))
                 now = _compile_frames()
                 if now != frames:  # this step compiled (a first call, a new layout): its time is compile_s
-                    if sync:
+                    if self.loaded.device.type == "cuda":
                         torch.cuda.synchronize()
-                    compile_s, compiling_steps = compile_s + time.perf_counter() - t_step, compiling_steps + 1
+                    live[0].compile_s, live[0].compiling = live[0].compile_s + time.perf_counter() - t_step, live[0].compiling + 1
                 if now[0] - now[1] != frames[0] - frames[1]:  # a frame failed to compile and ran eager
                     self.compile_error = "torch.compile failed on a decode frame (dynamo's warning in the log); eager"
                     log.warning("compile=true: %s from here on", self.compile_error)
@@ -511,24 +538,76 @@ class Engine:
                     # dynamo marks a failed frame's code "skip" for the whole process: a later engine's compile
                     # would then run those frames eager, unseen by the counters, while recorded as compiled
                     torch._dynamo.reset()
-        if sync:
+
+    def _begin(self, row: Row, sampling: Any) -> Row:
+        """Start ``row``: its stop ids, positions, processors, the trace's first point, its clock."""
+        ctx, dev = row.ctx, self.loaded.device
+        row.stops = sorted(set(self.loaded.stop_ids if row.stop_ids is None else row.stop_ids))
+        row.stop_index = torch.tensor(row.stops, dtype=torch.long, device=dev)
+        # the next token is the argmax tensor itself and the positions are slices of one tensor, so a step's only
+        # host-device sync is reading the token (and the finiteness flag)
+        row.positions = torch.arange(ctx.next_pos, ctx.next_pos + max(1, row.max_new_tokens), device=dev)
+        row.processors = self.loaded.processors if row.generator is None else greedy_processors(
+            self.model, sampling, self.loaded.generation_config)
+        row.n, row.logits, row.tokens, row.step, row.compile_s, row.compiling = len(ctx.ids), ctx.logits, [], 0, 0.0, 0
+        row.seq = torch.tensor([ctx.ids + [0] * row.max_new_tokens], device=dev) if row.processors else None
+        state = ctx.state
+        row.trace, row.compress_s0, state.held, row.reads = [self._trace_point(state, 0)], state.decode_compress_s, 0, []
+        state.backends["decode"] = decode_backends(state)
+        row.saved, row.gen_state = self.checkpoint(ctx), row.generator.get_state() if row.generator else None
+        row.t1 = time.perf_counter()
+        return row
+
+    def _choose(self, row: Row) -> bool:
+        """Choose ``row``'s next token; whether the row goes on (a forward of it), False at a stop or its limit."""
+        step, ctx = row.step, row.ctx
+        if step >= row.max_new_tokens:
+            return False
+        if self.record_logits:
+            self.last_logits.append(row.logits.float().clone())
+        scores = row.logits
+        for proc in row.processors:  # the model's generation config, as model.generate applies it
+            scores = proc(row.seq[:, : row.n + step], scores.view(1, -1))[0]
+        masked = scores.index_fill(0, row.stop_index, float("-inf")) if step < row.min_new_tokens and row.stops else scores
+        next_tok = (masked.argmax() if row.generator is None else torch.multinomial(
+            torch.softmax(masked.float(), -1), 1, generator=row.generator)[0]).view(1, 1)
+        tok, finite = torch.stack([next_tok[0, 0], torch.isfinite(row.logits).all().long()]).tolist()
+        if not finite:
+            raise NonFiniteLogitsError(f"non-finite logits at decode step {step}")
+        if tok in row.stops:
+            return False
+        row.tokens.append(tok)
+        if row.processors:
+            row.seq[0, row.n + step] = next_tok[0, 0]
+        if step == row.max_new_tokens - 1:
+            return False
+        row.next_tok = next_tok
+        self._schedule(ctx, 1, ctx.next_pos + step)
+        if ctx.state.compress_now:
+            row.trace.append(self._trace_point(ctx.state, len(row.tokens)))
+        return True
+
+    def _result(self, row: Row, compiled: bool) -> GenerationResult:
+        """``row``'s :class:`GenerationResult`; its context is left after the answer (the fed tokens)."""
+        if self.loaded.device.type == "cuda":
             torch.cuda.synchronize()
-        decode_s = time.perf_counter() - t1 - compile_s
-        timed = len(tokens) - compiling_steps
-        ctx.logits, ctx.next_pos = logits, ctx.next_pos + len(ctx.ids) - n  # the fed ones: not a stop, not the last
+        ctx, state, tokens, trace, reads = row.ctx, row.ctx.state, row.tokens, row.trace, row.reads
+        decode_s = time.perf_counter() - row.t1 - row.compile_s
+        timed = len(tokens) - row.compiling
+        ctx.logits, ctx.next_pos = row.logits, ctx.next_pos + len(ctx.ids) - row.n  # the fed ones: not a stop, not the last
         prefill_s, peak, ctx.prefill_s, ctx.peak_bytes = ctx.prefill_s, ctx.peak_bytes, 0.0, 0
         trace.append(self._trace_point(state, len(tokens)))
         compress_s, ctx.compress_s = ctx.compress_s, 0.0
         stats, ctx.stats = ctx.stats, {**ctx.stats, "reconstruct_s": 0.0}  # a reused context's cost, charged once
         return GenerationResult(
-            tokens=tokens, text=self.loaded.tokenizer.decode(tokens, skip_special_tokens=True), prompt_tokens=n,
+            tokens=tokens, text=self.loaded.tokenizer.decode(tokens, skip_special_tokens=True), prompt_tokens=row.n,
             **stats, prefill_s=prefill_s, compress_s=compress_s, decode_s=decode_s, generated_tokens=len(tokens),
-            decode_tok_s=timed / decode_s if decode_s > 0 and timed > 0 else 0.0, compile_s=compile_s,
-            decode_compiled=compiled and forward is not model, peak_prefill_bytes=peak,
+            decode_tok_s=timed / decode_s if decode_s > 0 and timed > 0 else 0.0, compile_s=row.compile_s,
+            decode_compiled=compiled, peak_prefill_bytes=peak,
             peak_decode_bytes=peak_memory_bytes(self.devices), sdpa_backends=dict(state.backends),
             cache_trace=[p[:3] for p in trace], peak_stored_tokens=max(state.held, *(p[3] for p in trace)),
             decode_compressions=sum(a[4] < b[4] for a, b in zip(trace[1:-1:2], trace[2:-1:2])),
-            decode_compress_s=state.decode_compress_s - compress_s0,
+            decode_compress_s=state.decode_compress_s - row.compress_s0,
             read_tokens=_stats([round(float(sum(t)) / len(reads), 3) for t in zip(*(r[0] for r in reads))]) if reads else None,
             read_bytes=round(float(sum(r[1] for r in reads)) / len(reads)) if reads else None,
         )

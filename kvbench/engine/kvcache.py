@@ -194,3 +194,17 @@ def write_bias(layer: Any, bias: torch.Tensor, d: int, valid: torch.Tensor | Non
     if q:
         layer.extra[:, :, :, :r] = cols[:, :, :q].to(layer.extra.dtype)
     layer.keys[:, :, : cols.shape[2] - q, d : d + r] = cols[:, :, q:].to(layer.keys.dtype)
+
+
+class RowsCache(DynamicCache):
+    """The caches of a decode batch's rows as one transformers cache (:meth:`kvbench.engine.generate.Engine.decode_rows`):
+    a layer's update ``(B, H_kv, q, d)`` goes row by row to each row's own cache and returns the lists of what they
+    return (the attention function takes them row by row); row 0's cache answers transformers' other questions."""
+
+    def __init__(self, caches: list[Any]):
+        vars(self).update(vars(caches[0]))
+        self.rows = caches
+
+    def update(self, key_states, value_states, layer_idx: int, cache_kwargs: dict[str, Any] | None = None):
+        return tuple(map(list, zip(*(c.update(key_states[r : r + 1], value_states[r : r + 1], layer_idx, cache_kwargs)
+                                     for r, c in enumerate(self.rows)))))

@@ -119,6 +119,7 @@ class TopConfig:
     quiet: bool = False
     threads: Any = "auto"
     compile: Any = False  # torch.compile the decode step: false, true, auto (CUDA, one device)
+    batch_size: Any = 1  # answers decoded together (docs/DECODING.md); not in the identity: results equal batch 1's
     per_model: Any = None  # experiment presets: per-model helper tables for interpolations
     latency: Any = None  # the latency benchmark's node (conf/experiment/selkv_fig3*.yaml)
 
@@ -136,6 +137,8 @@ class TopConfig:
         need(self.threads in ("auto", None) or (isinstance(self.threads, int) and 1 <= self.threads <= cores), "threads",
              self.threads, f"accepted values are auto, null or an integer from 1 to {cores} (4 x this machine's cores)")
         need(self.compile in ("auto", True, False), "compile", self.compile, "accepted values are auto, true, false")
+        need(type(self.batch_size) is int and self.batch_size >= 1, "batch_size", self.batch_size,
+             "must be an integer >= 1 (1: each answer alone)")
         need(d.interval >= 0, "decode.interval", d.interval, "must be an integer >= 0 (0: off)")
         need(d.schedule in ("steps", "length"), "decode.schedule", d.schedule, "accepted values are steps, length")
         need(not d.interval or self.compile is not True, "decode.interval", d.interval, "needs eager decoding (compile=false or auto)")

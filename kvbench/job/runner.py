@@ -17,7 +17,7 @@ import math
 import sys
 import time
 import traceback
-from typing import Any
+from typing import Any, Iterator
 
 from eval.base import Sample, Task
 
@@ -180,13 +180,50 @@ class Unit:
 
     def answer(self, ctx: Any, sample: Sample, k: int | None) -> Any:
         """Decode one answer from ``ctx``: greedily, or candidate k sampled with its own generator."""
+        return self.engine.decode(ctx, sample.max_new_tokens, stop_ids_for(self.loaded, sample), sample.min_new_tokens,
+                                  self.generator(sample, k), self.sampling)
+
+    def generator(self, sample: Sample, k: int | None) -> Any:
+        """Candidate k's sampling generator (:func:`candidate_seed`); None when greedy."""
         import torch
 
-        gen = None
-        if k is not None and self.sampling is not None and self.sampling.temperature:
-            gen = torch.Generator(device=self.loaded.device).manual_seed(candidate_seed(self.seed, sample.id, k))
-        return self.engine.decode(ctx, sample.max_new_tokens, stop_ids_for(self.loaded, sample), sample.min_new_tokens,
-                                  gen, self.sampling)
+        if k is None or self.sampling is None or not self.sampling.temperature:
+            return None
+        return torch.Generator(device=self.loaded.device).manual_seed(candidate_seed(self.seed, sample.id, k))
+
+    def rows(self, on_record) -> Iterator[Any]:
+        """The unit's missing answers as rows of a decode batch (:meth:`kvbench.engine.generate.Engine.decode_rows`),
+        made as the batch pulls them: the context opened once, each question fed on its own copy, each candidate on
+        its own (:meth:`~kvbench.engine.generate.Engine.fork`); a row's ``tag(result)`` stores its record with
+        ``on_record``. A failure before decoding stores the sample's records with its ``error``."""
+        from kvbench.engine.generate import Row
+
+        ctx = None
+        for sample in self.samples:
+            if not (want := self.missing(sample)):
+                continue
+            try:
+                ids, q = split_prompt(self.loaded, sample, self.task.cfg.get("compress", "prompt"))
+                if ctx is None:
+                    ctx, self.opened = self.engine.open(ids[: len(ids) - q], sample.max_new_tokens + q), 1
+                    self.group = sample.group or hashlib.sha256(str(ids[: len(ids) - q]).encode()).hexdigest()[:12]
+                mine = self.engine.fork(ctx) if len(self.samples) > 1 else ctx
+                self.engine.feed(mine, ids[len(ids) - q :])
+            except Exception as e:  # noqa: BLE001 - per-sample isolation
+                self.fail(sample, want, e, on_record)
+                continue
+            for i, k in enumerate(want):
+                yield Row(self.engine.fork(mine) if i < len(want) - 1 else mine, sample.max_new_tokens,
+                          stop_ids_for(self.loaded, sample), sample.min_new_tokens, self.generator(sample, k),
+                          lambda result, sample=sample, k=k: self.fail(sample, [k], result, on_record) if isinstance(
+                              result, BaseException) else on_record(self.record(sample, k, result)))
+
+    def fail(self, sample: Sample, want: list[int], err: BaseException, on_record) -> None:
+        """Store candidates ``want`` of ``sample`` as failed with ``err``."""
+        error = failed(sample.id, err)
+        free_cuda()
+        for k in want:
+            on_record(error_record(self.base(sample, k), error))
 
     def base(self, sample: Sample, k: int) -> dict[str, Any]:
         """The record's identity fields: candidate (sampling) and group fields (a shared unit)."""
@@ -258,7 +295,7 @@ class Progress:
 
 
 def run_samples(engines: list[Any], loaded: Any, task: Task, samples: list[Sample], stores: list[JobStore], quiet: bool,
-                sampling: Any = None, seed: int = 0) -> None:
+                sampling: Any = None, seed: int = 0, batch_size: int = 1) -> None:
     """Run every unit (:func:`units`) for each (engine, store) that has not stored all of it: one prefill of its
     context for all of them (:func:`kvbench.engine.generate.prefill`), each engine's answers from its own compressed cache
     (:class:`Unit`), one record appended per answer and store; progress as :class:`Progress` says."""
@@ -269,13 +306,43 @@ def run_samples(engines: list[Any], loaded: Any, task: Task, samples: list[Sampl
     todo = [u for u in units(loaded, samples, compress)
             if any(rid not in d for d in done for s in u for rid in record_ids(s, sampling))]
     progress = Progress(sum(map(len, todo)), stores, quiet)
+    left: dict[str, int] = {}
+    outcomes: dict[str, list[str]] = {}
+    by_id: dict[str, Sample] = {}
+
+    def on_record(j: int, rec: dict) -> None:
+        try:
+            stores[j].append(rec)
+        except (TypeError, ValueError) as e:  # not strict JSON (a NaN): store the failure instead
+            rec = error_record({k: rec.get(k) for k in ("id", "dataset", "answers", "all_classes", "length")},
+                               failed(rec["id"], e))
+            stores[j].append(rec)
+        progress.scored(j, rec)
+        sid = rec.get("problem", rec["id"])
+        outcomes.setdefault(sid, []).append(
+            progress.labels[j] + (f"score {100 * rec['score']:.2f}" if rec["error"] is None else f"failed ({rec['error']['type']})"))
+        left[sid] -= 1
+        if not left[sid]:
+            progress.sample_done(by_id[sid], outcomes[sid])
+
+    def finish(unit: list[Sample]) -> None:
+        for sample in unit:
+            if left[sample.id] > 0 or sample.id not in outcomes:  # nothing stored for it (a done turn)
+                progress.sample_done(sample, outcomes.get(sample.id, ["stored before"]))
+
     for engine in engines:
         engine.on_decode_step = progress.step
+    batched: list[Unit] = []  # with batch_size > 1: decoded together at the end
     try:
         for unit in todo:
             progress.starting(unit[0])
             runs = [Unit(engines[j], loaded, task, unit, done[j], sampling, seed) for j in range(len(engines))]
             mine = [j for j, r in enumerate(runs) if any(r.missing(s) for s in unit)]
+            left.update({s.id: sum(len(runs[j].missing(s)) for j in mine) for s in unit})
+            by_id.update({s.id: s for s in unit})
+            if batch_size > 1 and len(engines) == 1 and not runs[0].turns:
+                batched.append(runs[0])
+                continue
             first = next(s for s in unit if any(runs[j].missing(s) for j in mine) or s.turn == 0)
             try:  # the context's ids (task.compress=context: without the query part), room for the rest
                 ids, q = split_prompt(loaded, first, compress) if len(mine) > 1 else ([], 0)
@@ -283,28 +350,14 @@ def run_samples(engines: list[Any], loaded: Any, task: Task, samples: list[Sampl
                     [engines[j] for j in mine], ids[: len(ids) - q], first.max_new_tokens + q)
             except Exception as e:  # noqa: BLE001 - every variant of this unit stores the error
                 parts = [e] * len(mine)
-            left = {s.id: sum(len(runs[j].missing(s)) for j in mine) for s in unit}
-            outcomes: dict[str, list[str]] = {}
-            by_id = {s.id: s for s in unit}
             for j, part in zip(mine, parts):
-                def on_record(rec: dict, j: int = j) -> None:
-                    try:
-                        stores[j].append(rec)
-                    except (TypeError, ValueError) as e:  # not strict JSON (a NaN): store the failure instead
-                        rec = error_record({k: rec.get(k) for k in ("id", "dataset", "answers", "all_classes", "length")},
-                                           failed(rec["id"], e))
-                        stores[j].append(rec)
-                    progress.scored(j, rec)
-                    sid = rec.get("problem", rec["id"])
-                    outcomes.setdefault(sid, []).append(
-                        progress.labels[j] + (f"score {100 * rec['score']:.2f}" if rec["error"] is None else f"failed ({rec['error']['type']})"))
-                    left[sid] -= 1
-                    if not left[sid]:
-                        progress.sample_done(by_id[sid], outcomes[sid])
-                runs[j].run(part, on_record)
-            for sample in unit:
-                if left[sample.id] > 0 or sample.id not in outcomes:  # nothing stored for it (a done turn)
-                    progress.sample_done(sample, outcomes.get(sample.id, ["stored before"]))
+                runs[j].run(part, lambda rec, j=j: on_record(j, rec))
+            finish(unit)
+        if batched:
+            rows = (row for run in batched for row in run.rows(lambda rec: on_record(0, rec)))
+            engines[0].decode_rows(rows, batch_size, sampling, lambda row, result: row.tag(result))
+            for run in batched:
+                finish(run.samples)
     finally:
         progress.close()
         for engine in engines:

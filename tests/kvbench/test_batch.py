@@ -1,0 +1,94 @@
+"""Batched decoding (issue #58): rows of one decode batch answer as each answers alone, on tiny random models."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvbench.engine.generate import Engine, Row
+from kvbench.job.config import Decode, Sampling
+from kvbench.job.runner import candidate_seed, run_samples
+from kvbench.job.store import JobStore
+from methods import build_method
+from tests.conftest import loaded_for, tiny_model
+from tests.kvbench.test_units import EchoTask, loaded, question  # noqa: F401 - the fixture
+
+SAMPLING = Sampling(n=5, temperature=0.8, top_p=0.95)
+
+
+def alone(engine, ctx, rows):
+    """Each row's result decoded alone from a fork of ``ctx``."""
+    return [engine.decode(engine.fork(ctx), n, [], 0, torch.Generator().manual_seed(k) if k is not None else None,
+                          SAMPLING) for n, k in rows]
+
+
+def batched(engine, ctx, rows, batch_size):
+    out = {}
+    engine.decode_rows([Row(engine.fork(ctx), n, [], 0, torch.Generator().manual_seed(k) if k is not None else None,
+                            tag=i) for i, (n, k) in enumerate(rows)], batch_size, SAMPLING,
+                       lambda row, result: out.setdefault(row.tag, result))
+    return [out[i].tokens for i in range(len(rows))], [out[i] for i in range(len(rows))]
+
+
+@pytest.mark.parametrize("name", ["rkv", "adakv"])  # uniform and per-head lengths, compressed while decoding
+def test_sampled_candidates_in_a_batch_equal_each_alone(name):
+    lm = loaded_for(tiny_model("llama", n_kv=2, n_q=4, layers=2))
+    engine = Engine(lm, build_method({"name": name}, lm.layout), 40, Decode(interval=8, schedule="length"))
+    ctx = engine.open([1 + (i * 7) % 120 for i in range(60)], 60)
+    rows = [(40, 0), (13, 1), (40, 2), (25, 3), (40, 4)]  # rows leave at different steps, slots refill (batch 3)
+    want = alone(engine, ctx, rows)
+    got, results = batched(engine, ctx, rows, 3)
+    assert got == [r.tokens for r in want] and [len(t) for t in got] == [40, 13, 40, 25, 40]
+    assert [r.decode_compressions for r in results] == [5, 1, 5, 3, 5]  # each row on its own schedule
+    assert [(r.peak_stored_tokens, r.cache_trace) for r in results] == [(r.peak_stored_tokens, r.cache_trace) for r in want]
+
+
+def test_greedy_rows_of_different_prompts_equal_each_alone():
+    lm = loaded_for(tiny_model("qwen3", n_kv=2, n_q=4, layers=2))
+    engine = Engine(lm, build_method({"name": "snapkv", "window_size": 8}, lm.layout), 32)
+    prompts = [[1 + (i * s) % 120 for i in range(n)] for s, n in ((7, 90), (11, 50), (5, 120))]
+    want = [engine.decode(engine.open(p, 20), 20, []).tokens for p in prompts]
+    out = {}
+    engine.decode_rows([Row(engine.open(p, 20), 20, [], tag=i) for i, p in enumerate(prompts)], 4, None,
+                       lambda row, result: out.setdefault(row.tag, result.tokens))
+    assert [out[i] for i in range(3)] == want
+
+
+def test_a_failed_batch_halves_and_decodes_every_row_again(monkeypatch):
+    lm = loaded_for(tiny_model("llama", n_kv=2, n_q=4, layers=2))
+    engine = Engine(lm, build_method({"name": "rkv"}, lm.layout), 24, Decode(interval=8))
+    ctx = engine.open([1 + (i * 7) % 120 for i in range(60)], 30)
+    rows = [(30, k) for k in range(4)]
+    want = alone(engine, ctx, rows)
+    forward, calls = lm.model.forward, []
+
+    def oom_at_four(*a, **k):  # a batch of 4 rows runs out of memory at its 5th step
+        calls.append(k["input_ids"].shape[0])
+        if calls[-1] == 4 and calls.count(4) == 5:
+            raise torch.OutOfMemoryError("CUDA out of memory")
+        return forward(*a, **k)
+
+    monkeypatch.setattr(lm.model, "forward", oom_at_four)
+    got, _ = batched(engine, ctx, rows, 4)
+    assert got == [r.tokens for r in want] and 2 in calls and 4 not in calls[calls.index(2):]
+
+
+@pytest.mark.parametrize("sampling", [None, SAMPLING])  # greedy samples (NIAH's protocol) or sampled candidates
+def test_a_batched_job_stores_the_records_of_batch_one(loaded, tmp_path, sampling):  # noqa: F811
+    samples, n = [question(i) for i in range(3)], 5 if sampling else 1
+    samples[1].prompt = samples[1].prompt[40:]  # prompts of other lengths
+    records = []
+    for b in (1, 4):
+        store = JobStore(tmp_path / f"b{b}")
+        engine = Engine(loaded, build_method({"name": "snapkv", "window_size": 8}, loaded.layout), 32)
+        run_samples([engine], loaded, EchoTask("prompt"), samples, [store], True, sampling, 7, batch_size=b)
+        records.append(sorted(store.records(), key=lambda r: r["id"]))
+    ids = [f"d/{i}#{k}" if sampling else f"d/{i}" for i in range(3) for k in range(n)]
+    assert [r["id"] for r in records[1]] == ids
+    assert [r["prediction"] for r in records[1]] == [r["prediction"] for r in records[0]]
+    assert [r["prefill_s"] > 0 for r in records[1]] == [k == 0 for i in range(3) for k in range(n)]  # charged once
+    if sampling:
+        assert len({r["prediction"] for r in records[1]}) > 1
+        ctx = engine.open(loaded.tokenizer.encode(samples[2].prompt), 6)  # d/2#4 alone, from its own seed
+        solo = engine.decode(ctx, 6, None, 0, torch.Generator().manual_seed(candidate_seed(7, "d/2", 4)), SAMPLING)
+        assert records[1][-1]["prediction"] == solo.text
