@@ -586,8 +586,8 @@ def check_result(method: Method, ctx: LayerContext, result: CompressResult) -> N
     ``(B, H_kv, m, d)`` with ``ctx.keys``' B, H_kv, d; ``valid``/``kept_indices`` ``(B, H_kv, m)``, indices in
     [0, n); the tokens kept per KV head within the allocation: each head ≤ ``ctx.head_budget[h]`` when the plan has
     head budgets, else ≤ ``ctx.budget`` (a ``logit_bias`` per query head: ≤ G·budget, each query head's own), and for
-    per-head lengths (``valid``) the layer's average ≤ ``ctx.budget`` + ½ (rounding). Shapes are read without a sync;
-    ``valid`` and ``kept_indices`` cost one reduction each.
+    per-head lengths (``valid``) the layer's average ≤ ``ctx.budget`` (G·budget with such a bias) + ½. Shapes are
+    read without a sync; ``valid`` and ``kept_indices`` cost one reduction each.
 
     Raises:
         ContractError: the first clause broken.
@@ -608,9 +608,9 @@ def check_result(method: Method, ctx: LayerContext, result: CompressResult) -> N
         if bool(((counts if counts is not None else m) > ctx.head_budget.to(k.device) * group).any()):
             raise breach(method, ctx, f"keeps more tokens in a KV head than LayerContext.head_budget "
                                       f"{ctx.head_budget.tolist()}")
-    elif counts is not None and float(counts.float().mean()) > budget + 0.5:
+    elif counts is not None and float(counts.float().mean()) > budget * group + 0.5:
         raise breach(method, ctx, f"keeps {float(counts.float().mean()):.1f} tokens per KV head on average, over the "
-                                  f"layer budget of {budget} (LayerContext.budget)")
+                                  f"layer budget of {budget * group} (LayerContext.budget{f' x {group} query heads' * (group > 1)})")
     elif counts is None and m > budget * group:
         raise breach(method, ctx, f"keeps {m} tokens per KV head, over the layer budget of {budget} "
                                   "(LayerContext.budget: the job's budget as this layer's token count)")

@@ -31,7 +31,7 @@ TIMING_COLUMNS = ["prefill_s", "compress_s", "decode_s", "decode_tok_s"]
 CACHE_COLUMNS = ["prompt_tokens", "kept_tokens", "cache_bytes_before", "cache_bytes_after", "read_bytes"]
 #: config keys that are not a job's setting: table rows/columns, folder naming, run control, sample selection
 NOT_SETTINGS = ("method", "budget", "run_tag", "run_name", "hydra", "quiet", "lock_wait_s", "output_root",
-                "threads", "compile", "reuse_full", "max_samples", "shard", "task.context_lengths", "task.depth_percents",
+                "threads", "compile", "reuse_full", "max_samples", "shard", "batch_size", "task.context_lengths", "task.depth_percents",
                 "task.datasets", "task.n_samples", "model.gguf_cache", "device", "task.max_length",
                 "model.max_input_length")
 RUN_CONTROL_FIELDS = ("kernel",)  # method fields that do not change a result
