@@ -30,6 +30,18 @@ def batched(engine, ctx, rows, batch_size):
     return [out[i].tokens for i in range(len(rows))], [out[i] for i in range(len(rows))]
 
 
+def test_sparse_reading_in_a_batch_equals_each_alone():
+    """Quest (issue #59.5): each row of a batch reads its own pages, as it does alone."""
+    lm = loaded_for(tiny_model("llama", n_kv=2, n_q=4, layers=4))
+    engine = Engine(lm, build_method({"name": "quest", "dense_layers": 1}, lm.layout), 32)
+    ctx = engine.open([1 + (i * 7) % 120 for i in range(90)], 90)
+    rows = [(20, 0), (9, 1), (20, 2)]
+    want = alone(engine, ctx, rows)
+    got, results = batched(engine, ctx, rows, 2)
+    assert got == [r.tokens for r in want] and [len(t) for t in got] == [20, 9, 20]
+    assert [r.read_tokens for r in results] == [r.read_tokens for r in want] and want[0].read_tokens
+
+
 @pytest.mark.parametrize("name", ["rkv", "adakv"])  # uniform and per-head lengths, compressed while decoding
 def test_sampled_candidates_in_a_batch_equal_each_alone(name):
     lm = loaded_for(tiny_model("llama", n_kv=2, n_q=4, layers=2))
