@@ -148,10 +148,8 @@ def make_press(name: Any, kwargs: Any, key: str = "press") -> Any:
 
     if name in KEYS:  # kvpress's registry key: its press, the arguments given added
         node = registry_node(str(name))
-        if node["press"] == "DecodingPress":  # its decode-time schedule is kvbench's decode.* (kvpress's defaults here)
-            raise ConfigError(f"method.{key}={name!r}: a decoding press; run its base press with kvpress's defaults: "
-                              f"method.press={node['press_kwargs']['base_press']['press']} decode.interval=512 budget=2048 "
-                              "decode.schedule=steps decode.prefill=false (docs/DECODING.md)")
+        if node["press"] == "DecodingPress":  # its base press; the schedule is kvbench's decode.* (KVPressConfig)
+            node = node["press_kwargs"]["base_press"]
         name, kwargs = node["press"], {**node["press_kwargs"], **(kwargs or {})}
     why = refusal(str(name))
     if why is not None:
@@ -218,6 +216,10 @@ class KVPressConfig(MethodConfig):
 
     def check(self) -> None:
         self.built = make_press(self.press, self.press_kwargs or {})  # the press object (not a field)
+        # a decoding_* registry key: DecodingPress's defaults (compression_interval 512, prompt left whole), which the
+        # job applies as decode.* unless decode.interval is given (kvbench/job/config.py); the budget is target_size
+        self.implied_decode = {"interval": 512, "prefill": False, "schedule": "steps"} if str(self.press).startswith(
+            "decoding_") and self.press in KEYS else None
 
 
 def compression_ratio(n: int, m: int) -> float:

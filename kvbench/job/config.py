@@ -377,6 +377,9 @@ def check(cfg: Any, preset: str | None = None) -> JobSpec:
             raise ConfigError(f"{prefix}{min(set(given) - set(keys))}: unknown key; accepted keys are {', '.join(keys)}")
     plain["budget"], model = top.budget.value, top.model  # 64.0 is the token budget 64, 0.30000000000000004 the ratio 0.3
     method = methods.build_method(plain["method"])
+    if getattr(method.config, "implied_decode", None) and not top.decode.interval:  # kvpress's decoding_* keys
+        top.decode = Decode(**method.config.implied_decode)
+        plain["decode"] = dict(method.config.implied_decode)
     task, name = plain["task"], str(plain["task"].get("name"))
     tasks.get_task_class(name).validate(task)
     methods.check_min_budget(method, top.budget, bool(top.decode.interval))

@@ -88,8 +88,13 @@ def test_kvpress_needs_its_press_and_takes_its_registry_keys():
         {"press": "SnapKVPress", "press_kwargs": {}}, {"press": "ThinKPress", "press_kwargs": {}}]}}
     job = check(["method=kvpress", "method.press=chunkkv", *SHORT])
     assert type(job.method.config.built).__name__ == "ChunkKVPress" and job.method.config.built.chunk_length == 20
-    with pytest.raises(methods.ConfigError, match="decoding_knorm.*method.press=KnormPress decode.interval=512 budget=2048"):
-        check(["method=kvpress", "method.press=decoding_knorm", *SHORT])
+    job = check(["method=kvpress", "method.press=decoding_knorm", "budget=64", *SHORT])  # kvpress's DecodingPress defaults
+    assert type(job.method.config.built).__name__ == "KnormPress"
+    assert (job.top.decode.interval, job.top.decode.prefill, job.top.decode.schedule) == (512, False, "steps")
+    assert job.cfg["decode"]["interval"] == 512 and job.relpath != check(["method=kvpress", "method.press=knorm",
+                                                                           "budget=64", *SHORT]).relpath
+    job = check(["method=kvpress", "method.press=decoding_knorm", "budget=64", "decode.interval=16", *SHORT])
+    assert (job.top.decode.interval, job.top.decode.prefill) == (16, True)  # given decode.* wins
 
 
 @pytest.mark.parametrize("target, clause", [
