@@ -45,8 +45,7 @@ def _run(case: str, method_cfg: dict) -> str:
 
 
 def check_method(overrides: list[str] | dict) -> dict[str, str]:
-    """``{case: "ok" | "n/a (why)" | "<Error>: <message>"}`` for the method of ``overrides`` (``["method=plugin",
-    "method.target=my_module:MyMethod"]``) or of a method config dict. ConfigError: a bad method setting."""
+    """``{case: "ok" | "n/a (why)" | "<Error>: <message>"}`` for a method's overrides or config dict (ConfigError)."""
     from omegaconf import OmegaConf
 
     from kvbench.job.config import compose
@@ -64,7 +63,7 @@ def check_method(overrides: list[str] | dict) -> dict[str, str]:
 
 
 def main(argv: list[str]) -> int:
-    """Print :func:`check_method`'s table; exit 0 when every case holds or is n/a, 1 when one fails, 2: a bad setting."""
+    """Print :func:`check_method`'s table; exit 0, 1 when a case fails, 2: a bad setting."""
     from methods.base import ConfigError
 
     try:
