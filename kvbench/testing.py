@@ -1,6 +1,4 @@
-"""``kvbench check-method <overrides>`` and the pytest fixture ``check_method`` (``pytest -p kvbench.testing``): a method
-through the engine on a random 2-layer Llama, 160 tokens at budget 0.25 (decoding: W + 8 tokens), each compression
-checked by :func:`methods.base.check_result` (docs/METHODS.md, "Write a method")."""
+"""``kvbench check-method`` and the pytest fixture ``check_method``: a method on a random 2-layer Llama (docs/METHODS.md)."""
 
 from __future__ import annotations
 

@@ -1,11 +1,7 @@
 #!/usr/bin/env python
-"""Expand a Hydra sweep into a job list for ``slurm/array.sbatch``: one line of overrides per job, in the order of
-Hydra's basic sweeper (array task *i* runs ``python run.py <line i>``; lines are ``shlex.join``-quoted)::
+"""Expand a Hydra sweep into a job list for ``slurm/array.sbatch``, a ``shlex.join``-quoted line per job (docs/SWEEPS.md)::
 
     python slurm/make_joblist.py method=snapkv,selkv budget=0.1,0.25 task=niah -o jobs.txt
-
-``--shards N`` splits every job into N array tasks; ``--cost RUN`` prints what the sweep will cost instead. Presets,
-what expands and how the cost is estimated: docs/SWEEPS.md.
 """
 
 import argparse

@@ -1,5 +1,4 @@
-"""A KV cache of preallocated buffers written in place. A logit bias b is stored as ``bias_rows`` key columns
-``b / scaling`` after the d channels (query component 1: ``scaling·q'·k' = scaling·q·k + b``), padded to ``ALIGN``."""
+"""A KV cache of preallocated buffers written in place; a logit bias b: key columns ``b / scaling`` after d channels."""
 
 from typing import Any
 
@@ -77,13 +76,9 @@ def preallocated_cache(config: Any, reserve: int, quant: Any = None) -> DynamicC
 
 
 class RaggedLayer(DynamicLayer):
-    """A compressed layer whose KV heads keep different numbers of tokens, flat as AdaKV's code stores it.
-
-    Head i of the B·H_kv heads owns slots ``[cu[i], cu[i + 1])`` of ``keys``/``values`` ``(S, 1, width)``: its
-    ``lengths[i]`` kept tokens, then ``reserve`` slots for decoded ones; one contiguous run per head, so decode is
-    one flash varlen call (``cu_seq_k = cu``, ``seqused_k = lengths``) or one SDPA call per head. Built from
-    ``keys``/``values`` ``(B, H_kv, m, d)`` padded per head and ``valid`` ``(B, H_kv, m)``, the kept slots.
-    """
+    """A compressed layer whose KV heads keep different numbers of tokens, flat as AdaKV stores it: head i owns slots
+    ``[cu[i], cu[i + 1])`` of ``keys``/``values`` ``(S, 1, width)``, its ``lengths[i]`` tokens, then ``reserve``
+    free ones. Built from ``keys``/``values`` ``(B, H_kv, m, d)`` and ``valid`` ``(B, H_kv, m)``, the kept slots."""
 
     def __init__(self, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor, reserve: int, width: int):
         super().__init__()
@@ -122,9 +117,8 @@ class RaggedLayer(DynamicLayer):
         return max(self.lens_host) + self.decoded
 
     def padded(self, left: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The reference layout: keys, values ``(B, H_kv, T, width)`` padded with zeros to the longest head (each
-        head's tokens first; ``left``: last, its newest token in slot T − 1), and the validity mask ``(B, H_kv, T)``
-        (T = :meth:`get_seq_length`)."""
+        """Keys, values ``(B, H_kv, T, width)`` zero-padded to the longest head (``left``: on the left) and the
+        validity mask ``(B, H_kv, T)``."""
         lens = [n + self.decoded for n in self.lens_host]
         side = "left" if left else "right"
         pad = lambda buf: pad_sequence([buf[s : s + n, 0] for s, n in zip(self.cu_host, lens)], batch_first=True,

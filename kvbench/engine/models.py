@@ -33,8 +33,7 @@ _GGUF_CACHE_VERSION = 4  # bump when the conversion changes (4: the tokenizer sa
 
 @dataclass
 class LoadedModel:
-    """A model in eval mode with what the engine needs; ``chat_template``: ``tokenizer``, a :data:`CHAT_FORMATS` name
-    or None (the raw prompt)."""
+    """A model in eval mode; ``chat_template``: ``tokenizer``, a :data:`CHAT_FORMATS` name or None (the raw prompt)."""
 
     model: Any
     tokenizer: Any
@@ -77,8 +76,7 @@ MAGIC = ((0, b"GGUF", "GGUF"), (8, b"{", "a safetensors file"), (0, b"PK\x03\x04
 
 
 def resolve_source(model_cfg: dict) -> tuple[str, str | None]:
-    """``model.source`` (+ ``model.gguf_file``) as ``(path_or_hub_id, gguf_file)``. ConfigError: a missing package,
-    chunk, file or path; a file not GGUF."""
+    """``model.source`` (+ ``model.gguf_file``) as ``(path_or_hub_id, gguf_file)``; ConfigError: missing, not GGUF."""
     source, gguf_file = str(model_cfg.get("source") or ""), model_cfg.get("gguf_file")
     if not source:
         raise ConfigError("model.source is empty: give a Hub id, a local folder or a .gguf file")
@@ -291,8 +289,7 @@ def load_tokenizer(model_cfg: dict, source: tuple[str, str | None] | None = None
 
 def load_model(model_cfg: dict, device: str = "auto", source: tuple[str, str | None] | None = None,
                layout: HeadLayout | None = None) -> LoadedModel:
-    """Load tokenizer and model, the weights straight onto ``device`` (``auto``: CUDA when present). ConfigError:
-    a source, tokenizer or weights that cannot be read (one line)."""
+    """Tokenizer and model, the weights straight onto ``device``; ConfigError: what cannot be read (one line)."""
     import torch
     from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM

@@ -9,10 +9,8 @@ from transformers.cache_utils import DynamicLayer
 
 
 def quantize(x: torch.Tensor, bits: int, group: int, dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """KIVI's quantization of ``x`` ``(B, H, T, d)`` in groups of ``group`` entries along ``dim``: ``-2`` (a channel
-    over ``group`` tokens: keys) or ``-1`` (a token over ``group`` channels: values); T or d a multiple of ``group``.
-    Returns ``(codes, scale, mn)``: codes uint8 ``(B, H, T, d·bits/8)``, scale and mn in x's dtype, ``(B, H, T/group,
-    1, d)`` for dim −2, ``(B, H, T, d/group, 1)`` for dim −1. A constant group (scale 0) reads back as mn."""
+    """KIVI's quantization of ``x`` ``(B, H, T, d)`` in groups of ``group`` along ``dim`` (-2: keys, -1: values):
+    codes uint8 ``(B, H, T, d·bits/8)``, scale and mn ``(B, H, T/group, 1, d)`` (dim −2) or ``(B, H, T, d/group, 1)``."""
     g = x.unflatten(dim, (-1, group))
     mn = g.amin(dim, keepdim=True)
     scale = (g.amax(dim, keepdim=True) - mn) / (2**bits - 1)

@@ -10,8 +10,7 @@ from kvbench.engine.models import attention_modules
 
 
 def start_scoring(state: CompressionState, ids: list[int], fmt) -> None:
-    """Give ``state`` a :class:`~kvbench.engine.attention.Scoring` when its method reconstructs ``ids`` (n prefilled ids;
-    ``fmt``: the model's :class:`~methods.base.PromptFormat`), so that the prefill leaves its layers whole."""
+    """Give ``state`` a ``Scoring`` when its method reconstructs ``ids``: the prefill then leaves its layers whole."""
     rec = state.method.reconstruction(ids, fmt) if state.compressing else None
     state.scoring = Scoring(rec) if rec is not None and rec.inputs else None
 

@@ -201,8 +201,7 @@ def run_jobs(jobs: list[JobSpec], wait_s: float | None = None) -> list[int]:
 
 
 def open_stores(jobs: list[JobSpec], stack: ExitStack, wait_s: float | None, codes: dict[str, int]) -> list[tuple]:
-    """Open each job's store in ``stack`` (docs/ARCHITECTURE.md, step 3); returns the ``(job, store)`` pairs to run,
-    the others' exit codes in ``codes``."""
+    """Open each job's store in ``stack`` (docs/ARCHITECTURE.md, step 3): the ``(job, store)`` pairs to run."""
     runs = []
     for job in jobs:
         top, shard = job.top, (job.top.shard.index, job.top.shard.count)
@@ -333,8 +332,7 @@ def api(overrides: list[str], method: Any = None) -> Summary:
 
 
 def main(cfg: Any) -> Any:
-    """Hydra's task function: check and run the job, exit with its code; in a local sweep return the checked job
-    (or its error) to the launcher; with other launchers a failing job raises."""
+    """Hydra's task function: check and run the job (a local sweep: return it, or its error, to the launcher)."""
     for noisy in ("transformers", "datasets", "httpx", "urllib3", "huggingface_hub"):
         logging.getLogger(noisy).setLevel(logging.ERROR)
     hc = HydraConfig.get()
@@ -364,8 +362,7 @@ def main(cfg: Any) -> Any:
 
 
 class SweepCheck(Callback):
-    """``sweep.share_prefill=true`` with another launcher than the local one: one line, exit 2 (a callback's
-    exception would be a warning)."""
+    """``sweep.share_prefill=true`` with another launcher than the local one: one line, exit 2."""
 
     def on_multirun_start(self, config: Any, **kwargs: Any) -> None:
         if config.sweep.share_prefill and not str(config.hydra.launcher._target_).endswith(".LocalLauncher"):
@@ -375,8 +372,7 @@ class SweepCheck(Callback):
 
 
 def run_sweep(jobs: list[JobSpec]) -> int:
-    """Run a local sweep's checked jobs in order (``sweep.share_prefill``: grouped, :func:`run_jobs`); returns the
-    largest exit code."""
+    """Run a local sweep's checked jobs in order (``sweep.share_prefill``: grouped); the largest exit code."""
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT, force=True)  # not Hydra's launcher format ([HYDRA])
     groups: dict[str, list[JobSpec]] = {}
     for i, job in enumerate(jobs):

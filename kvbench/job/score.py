@@ -1,11 +1,5 @@
-"""``kvbench score DIR [--e] [--out PATH]``: the official LongBench ``eval.py`` over ``<dataset>.jsonl`` files of
-``pred.py`` lines (``pred``, ``answers``, ``all_classes``, ``length``) into ``result.json``, ``{dataset: score}``
-(``--e``: per length bucket, ``null`` for an empty one); stricter than ``eval.py``: two files of one dataset, an
-empty file or a wrongly typed field are errors (docs/LONGBENCH.md).
-``kvbench score --task NAME FILE [task.KEY=VALUE ...]``: a task's own metric and summary over a JSONL file of
-``prediction`` beside the task's reference fields; lines sharing ``problem`` are candidates (docs/REASONING.md); into
-``<FILE stem>.<NAME>.result.json`` (one file per task) or ``--out``.
-"""
+"""``kvbench score DIR``: LongBench's official ``eval.py`` over ``pred.py`` files into ``result.json``
+(docs/LONGBENCH.md); ``kvbench score --task NAME FILE``: a task's own metric (docs/REASONING.md)."""
 
 import json
 import sys

@@ -149,8 +149,7 @@ class JobStore:
         return {i for i, r in self.latest().items() if r.get("error") is None}
 
     def append(self, record: dict[str, Any]) -> None:
-        """Append one record as a fsync-ed JSON line under the append lock (ValueError: not strict JSON; OSError: the
-        file is cut back to its stored records)."""
+        """Append a fsync-ed JSON line (ValueError: not strict JSON; OSError: the file is cut back)."""
         line = (json.dumps(record, ensure_ascii=False, allow_nan=False) + "\n").encode()
         with self.append_lock(), naming(self.predictions), open(self.predictions, "ab", buffering=0) as f:
             end = f.seek(0, os.SEEK_END)
