@@ -1,11 +1,7 @@
 #!/usr/bin/env python
-"""kvbench job entry point (Hydra): ``python run.py [overrides]`` runs one job, ``python run.py -m ...`` a sweep
-(local, or ``hydra/launcher=slurm``); ``--help`` lists the groups and exit codes (also README.md).
-
-What stays here beside Hydra: options are moved before the overrides (Hydra's parser takes none after one),
-``experiment=X`` becomes ``+experiment=X`` (presets come after ``_self_``), a chosen launcher adds ``--multirun``,
-and a configuration error Hydra reports at length or naming no key becomes one line naming it, exit 2.
-"""
+"""kvbench's entry point (Hydra): ``python run.py [overrides]`` one job, ``-m`` a sweep (README.md). Beside Hydra:
+options go before overrides, ``experiment=X`` is ``+experiment=X``, a launcher adds ``--multirun``, and a
+configuration error becomes one line naming the key, exit 2."""
 
 import os
 import re
@@ -59,9 +55,7 @@ def _one_line(e: BaseException, args: list[str]) -> str:
 
 
 def _override_as_option(argv: list[str]) -> str | None:
-    """The one line for an argument written as an option that neither Hydra nor run.py has (``--budget 0.25``,
-    ``--method=snapkv``): config keys are set by overrides, ``key=value``. None when every option is Hydra's (a
-    unique prefix of a long option too, as argparse takes it)."""
+    """The one line for an option Hydra does not have (``--budget 0.25``), or None."""
     for i, arg in enumerate(argv):
         name, eq, value = arg.partition("=")
         if not arg.startswith("-") or name in FLAGS or (name[:2] == "--" and sum(f.startswith(name) for f in FLAGS) == 1):
@@ -75,8 +69,7 @@ def _override_as_option(argv: list[str]) -> str | None:
 
 
 def _group_override(e: BaseException, args: list[str]) -> str | None:
-    """The one line for a config group's override whose value is not an option name (``method=null``): Hydra
-    raises a bare ValueError naming no key."""
+    """The one line for a config group set to a non-option (``method=null``: a bare ValueError), or None."""
     if isinstance(e, ValueError) and "Config group override" in str(e):
         for o in OverridesParser.create().parse_overrides([a for a in args if not a.startswith("-")]):
             folder = Path(__file__).resolve().parent / "conf" / o.key_or_group
@@ -92,8 +85,7 @@ def _escaped(text: str) -> str:
 
 
 def main() -> int:
-    """Run one job (composed once) or, with an option such as ``-m``, the Hydra app; turn a
-    configuration error into one line and exit code 2."""
+    """Run one job (composed once) or the Hydra app; a configuration error: one line, exit 2."""
     os.environ["HYDRA_FULL_ERROR"] = "1"  # errors reach the handler below instead of Hydra's report
     if line := _override_as_option(sys.argv[1:]):
         print(f"error: {_escaped(line)}", file=sys.stderr)

@@ -19,8 +19,7 @@ COMMANDS = {
 
 
 class ArgParser(argparse.ArgumentParser):
-    """:class:`argparse.ArgumentParser` whose usage errors are one line, ``<prog>: error: ...``, exit 2
-    (:meth:`io_error`: an I/O error, exit 1, as README's exit codes)."""
+    """An ArgumentParser whose usage errors are one line, exit 2 (:meth:`io_error`: exit 1)."""
 
     def error(self, message: str, status: int = 2):
         self.exit(status, f"{self.prog}: error: {message.splitlines()[0] if message else ''}\n")
@@ -31,8 +30,7 @@ class ArgParser(argparse.ArgumentParser):
 
 
 def listof(kind: type = str, ok=lambda v: True, accepted: str = "", one: bool = False):
-    """argparse type: a non-empty comma-separated list of ``kind`` values that pass ``ok`` (``one``: exactly one, bare);
-    with ``nargs="+", action="extend"`` also space-separated or repeated (:func:`flat`). Else a one-line error."""
+    """argparse type: a non-empty comma-separated list of ``kind`` values that pass ``ok`` (``one``: one, bare)."""
     def parse(text: str) -> list:
         try:
             values = [kind(x.strip()) for x in text.split(",") if x.strip()]
@@ -53,8 +51,7 @@ def flat(lists: list[list] | None) -> list | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Dispatch ``kvbench <command> ...``; ``kvbench run`` replaces this process by ``python run.py``
-    (same pid, so that Ctrl-C and ``scancel`` reach the job). Exit 2 on an unknown command."""
+    """Dispatch ``kvbench <command> ...`` (``run`` execs ``python run.py``: same pid for Ctrl-C and scancel)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] not in COMMANDS:
         out = sys.stdout if argv[:1] in (["-h"], ["--help"]) else sys.stderr

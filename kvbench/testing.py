@@ -1,6 +1,4 @@
-"""``kvbench check-method <overrides>`` and the pytest fixture ``check_method`` (``pytest -p kvbench.testing``): a method
-through the engine on a random 2-layer Llama, 160 tokens at budget 0.25 (decoding: W + 8 tokens), each compression
-checked by :func:`methods.base.check_result` (docs/METHODS.md, "Write a method")."""
+"""``kvbench check-method`` and the pytest fixture ``check_method``: a method on a random 2-layer Llama (docs/METHODS.md)."""
 
 from __future__ import annotations
 
@@ -45,8 +43,7 @@ def _run(case: str, method_cfg: dict) -> str:
 
 
 def check_method(overrides: list[str] | dict) -> dict[str, str]:
-    """``{case: "ok" | "n/a (why)" | "<Error>: <message>"}`` for the method of ``overrides`` (``["method=plugin",
-    "method.target=my_module:MyMethod"]``) or of a method config dict. ConfigError: a bad method setting."""
+    """``{case: "ok" | "n/a (why)" | "<Error>: <message>"}`` for a method's overrides or config dict (ConfigError)."""
     from omegaconf import OmegaConf
 
     from kvbench.job.config import compose
@@ -64,7 +61,7 @@ def check_method(overrides: list[str] | dict) -> dict[str, str]:
 
 
 def main(argv: list[str]) -> int:
-    """Print :func:`check_method`'s table; exit 0 when every case holds or is n/a, 1 when one fails, 2: a bad setting."""
+    """Print :func:`check_method`'s table; exit 0, 1 when a case fails, 2: a bad setting."""
     from methods.base import ConfigError
 
     try:

@@ -8,26 +8,19 @@ ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 TOOLS=${KVBENCH_SLURM_TOOLS:-$ROOT/../shared/tools/slurm}
 
 need_tool() {
-    if [ ! -x "$TOOLS/$1" ]; then
-        echo "cluster.sh: $TOOLS/$1 not found: the single-node test cluster scripts live in" \
-             "../shared/tools/slurm beside the repository (or set KVBENCH_SLURM_TOOLS)" >&2
-        exit 3
-    fi
+    [ -x "$TOOLS/$1" ] || { echo "cluster.sh: $TOOLS/$1 not found: the single-node test cluster scripts live in" \
+        "../shared/tools/slurm beside the repository (or set KVBENCH_SLURM_TOOLS)" >&2; exit 3; }
 }
 
 case "${1:-}" in
     start)
         need_tool start_slurm.sh
-        if ! command -v slurmctld >/dev/null && [ ! -x /usr/sbin/slurmctld ]; then
-            echo "cluster.sh: SLURM is not installed; run: bash .ci/slurm_setup.sh" >&2
-            exit 3
-        fi
+        command -v slurmctld >/dev/null || [ -x /usr/sbin/slurmctld ] ||
+            { echo "cluster.sh: SLURM is not installed; run: bash .ci/slurm_setup.sh" >&2; exit 3; }
         # start_slurm.sh writes /etc/slurm/slurm.conf: never over a real cluster's configuration
         conf=/etc/slurm/slurm.conf
-        if [ -s "$conf" ] && ! head -n 1 "$conf" | grep -q "config for CI"; then
-            echo "cluster.sh: $conf is not the test cluster's; not replacing it" >&2
-            exit 3
-        fi
+        [ ! -s "$conf" ] || head -n 1 "$conf" | grep -q "config for CI" ||
+            { echo "cluster.sh: $conf is not the test cluster's; not replacing it" >&2; exit 3; }
         exec "$TOOLS/start_slurm.sh"
         ;;
     stop)

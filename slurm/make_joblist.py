@@ -1,11 +1,7 @@
 #!/usr/bin/env python
-"""Expand a Hydra sweep into a job list for ``slurm/array.sbatch``: one line of overrides per job, in the order of
-Hydra's basic sweeper (array task *i* runs ``python run.py <line i>``; lines are ``shlex.join``-quoted)::
+"""Expand a Hydra sweep into a job list for ``slurm/array.sbatch``, a ``shlex.join``-quoted line per job (docs/SWEEPS.md)::
 
     python slurm/make_joblist.py method=snapkv,selkv budget=0.1,0.25 task=niah -o jobs.txt
-
-``--shards N`` splits every job into N array tasks; ``--cost RUN`` prints what the sweep will cost instead. Presets,
-what expands and how the cost is estimated: docs/SWEEPS.md.
 """
 
 import argparse
@@ -30,10 +26,8 @@ class SweepSpecError(ValueError):
 
 
 def expand(overrides: list[str], shards: int = 1) -> list[list[str]]:
-    """``n_jobs * shards`` override lists (a job's shards side by side, with ``shard.index``/``shard.count``) from
-    the overrides of ``run.py -m``, as Hydra's basic sweeper makes them: a ``+experiment=NAME`` preset's
-    ``hydra.sweeper.params`` first, then the overrides. SweepSpecError: an override that does not parse, a
-    ``glob()`` or ``interval()`` sweep, no such preset, or shards < 1."""
+    """``n_jobs * shards`` override lists from those of ``run.py -m``, as Hydra's basic sweeper makes them (a preset's
+    ``hydra.sweeper.params`` first). SweepSpecError: a bad override or preset, a glob/interval sweep, shards < 1."""
     if shards < 1:
         raise SweepSpecError(f"--shards={shards}: must be an integer >= 1")
     from kvbench.job.config import compose
@@ -54,9 +48,8 @@ def expand(overrides: list[str], shards: int = 1) -> list[list[str]]:
 
 
 def measure(run: Path, model: str) -> dict:
-    """What ``run`` (a ``latency.json``, a job folder or a results root) measured for ``model`` (docs/SWEEPS.md):
-    prefill s ≈ ``a``·n^``p`` (``note``: the fit in words), ``decode_tok_s``, ``load_s``, ``compile_s``.
-    SweepSpecError: no successful record."""
+    """What ``run`` measured for ``model`` (docs/SWEEPS.md): prefill s ≈ ``a``·n^``p``, ``decode_tok_s``, ``load_s``,
+    ``compile_s``. SweepSpecError: no successful record."""
     import numpy as np
     import yaml
 
@@ -117,9 +110,8 @@ def unique_jobs(jobs: list[list[str]]) -> list[tuple[list[str], dict]]:
 
 
 def cost(jobs: list[tuple[list[str], dict]], run: Path):
-    """A pandas frame, a row per job (array task): its shard's samples, prompt and (at most) new tokens, the longest
-    sample's sum, and hours = load + compile + Σ a·n^p + new tokens / decode tok/s (:func:`measure` on ``run``; an
-    upper bound: generation may stop earlier); ``attrs["fits"]``: each model's fit in words."""
+    """A pandas frame, a row per job: samples, tokens and hours = load + compile + Σ a·n^p + new tokens / decode tok/s
+    (an upper bound; :func:`measure`); ``attrs["fits"]``: each model's fit in words."""
     import pandas as pd
 
     rows, samples, fits = [], {}, {}
@@ -141,8 +133,7 @@ def cost(jobs: list[tuple[list[str], dict]], run: Path):
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Command line: write the job list (``-o`` or standard output) and print the sbatch command.
-    Returns 0, or 2 on a bad sweep or an unwritable ``-o`` (one line on stderr)."""
+    """Write the job list (``-o`` or stdout), print the sbatch command; 2 on a bad sweep or ``-o`` (one line)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("overrides", nargs="+", help="Hydra overrides, sweeps as comma lists")
     parser.add_argument("-o", "--output", type=Path, help="job list file (default: standard output)")

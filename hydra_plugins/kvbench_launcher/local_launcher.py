@@ -1,7 +1,4 @@
-"""``hydra/launcher=local`` (the default): a sweep in this process. The task function (:func:`kvbench.job.run.main`)
-only checks each job here, so a bad value in any job stops the sweep before a model loads; then
-:func:`kvbench.job.run.run_sweep` runs them and the process exits with the largest exit code.
-"""
+"""``hydra/launcher=local``: check every job of the sweep first, then run them (:func:`kvbench.job.run.run_sweep`)."""
 
 import sys
 

@@ -1,10 +1,4 @@
-"""A KV cache whose layers are preallocated buffers written in place (no ``torch.cat`` per decoded token).
-
-:class:`PreallocatedLayer` keeps buffers ``(B, H_kv, T + reserve, width)``; :class:`RaggedLayer` a compressed layer
-whose KV heads keep different numbers of tokens. A decode logit bias b (SelKV) is stored as ``bias_rows`` key
-columns ``b / scaling`` after the d channels (0 for decoded tokens), zero-padded to ``ALIGN``: with the query's
-extra component 1, ``scaling·q'·k' = scaling·q·k + b`` exactly, so no mask is needed.
-"""
+"""A KV cache of preallocated buffers written in place; a logit bias b: key columns ``b / scaling`` after d channels."""
 
 from typing import Any
 
@@ -73,9 +67,7 @@ class PreallocatedLayer(DynamicLayer):
 
 
 def preallocated_cache(config: Any, reserve: int, quant: Any = None) -> DynamicCache:
-    """A ``DynamicCache`` for ``config`` whose full-attention layers are :class:`PreallocatedLayer` with ``reserve``
-    free slots, or with ``quant`` (``cache.*``) :class:`~kvbench.engine.quantcache.QuantizedLayer` (kept as
-    ``cache.quant`` for :func:`store_layer`); sliding-window layers (Gemma 2/3) keep transformers' own class."""
+    """A ``DynamicCache`` whose full-attention layers are :class:`PreallocatedLayer` (``quant``: ``QuantizedLayer``)."""
     cache = DynamicCache(config=config)
     cache.layers = [(QuantizedLayer(quant) if quant else PreallocatedLayer(reserve)) if type(layer) is DynamicLayer
                     else layer for layer in cache.layers]
@@ -84,13 +76,9 @@ def preallocated_cache(config: Any, reserve: int, quant: Any = None) -> DynamicC
 
 
 class RaggedLayer(DynamicLayer):
-    """A compressed layer whose KV heads keep different numbers of tokens, flat as AdaKV's code stores it.
-
-    Head i of the B·H_kv heads owns slots ``[cu[i], cu[i + 1])`` of ``keys``/``values`` ``(S, 1, width)``: its
-    ``lengths[i]`` kept tokens, then ``reserve`` slots for decoded ones; one contiguous run per head, so decode is
-    one flash varlen call (``cu_seq_k = cu``, ``seqused_k = lengths``) or one SDPA call per head. Built from
-    ``keys``/``values`` ``(B, H_kv, m, d)`` padded per head and ``valid`` ``(B, H_kv, m)``, the kept slots.
-    """
+    """A compressed layer whose KV heads keep different numbers of tokens, flat as AdaKV stores it: head i owns slots
+    ``[cu[i], cu[i + 1])`` of ``keys``/``values`` ``(S, 1, width)``, its ``lengths[i]`` tokens, then ``reserve``
+    free ones. Built from ``keys``/``values`` ``(B, H_kv, m, d)`` and ``valid`` ``(B, H_kv, m)``, the kept slots."""
 
     def __init__(self, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor, reserve: int, width: int):
         super().__init__()
@@ -129,9 +117,8 @@ class RaggedLayer(DynamicLayer):
         return max(self.lens_host) + self.decoded
 
     def padded(self, left: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The reference layout: keys, values ``(B, H_kv, T, width)`` padded with zeros to the longest head (each
-        head's tokens first; ``left``: last, its newest token in slot T − 1), and the validity mask ``(B, H_kv, T)``
-        (T = :meth:`get_seq_length`)."""
+        """Keys, values ``(B, H_kv, T, width)`` zero-padded to the longest head (``left``: on the left) and the
+        validity mask ``(B, H_kv, T)``."""
         lens = [n + self.decoded for n in self.lens_host]
         side = "left" if left else "right"
         pad = lambda buf: pad_sequence([buf[s : s + n, 0] for s, n in zip(self.cu_host, lens)], batch_first=True,
@@ -143,10 +130,8 @@ class RaggedLayer(DynamicLayer):
 
 def store_layer(cache: Any, idx: int, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor | None = None,
                 bias_rows: int = 0, scaling: float = 1.0, reserve: int = 1) -> Any:
-    """Store a compressed layer's ``keys``/``values`` ``(B, H_kv, m, d)`` as ``cache.layers[idx]`` and return it: a
-    :class:`RaggedLayer` of the True slots of ``valid`` ``(B, H_kv, m)``, a new ``QuantizedLayer`` when the cache
-    has ``quant`` (ValueError with ``valid``), else a :class:`PreallocatedLayer` (the existing one, or one with
-    ``reserve`` free slots); ``bias_rows`` columns for :func:`write_bias`."""
+    """Store a compressed layer's ``keys``/``values`` ``(B, H_kv, m, d)`` (``valid`` ``(B, H_kv, m)``: ragged) as
+    ``cache.layers[idx]`` and return it; ``bias_rows`` columns for :func:`write_bias`."""
     align = ALIGN.get(keys.device.type, 1)
     width = -(-(keys.shape[-1] + bias_rows) // align) * align  # d + bias columns, zero-padded to ``align``
     if getattr(cache, "quant", None):
@@ -164,8 +149,7 @@ def store_layer(cache: Any, idx: int, keys: torch.Tensor, values: torch.Tensor, 
 
 
 def checkpoint(cache: Any) -> list:
-    """The state of every layer of ``cache`` (O(1) memory: decoding writes past a layer's filled slots, and a
-    compression or a regrowth gives it new buffers), for :func:`restore`."""
+    """The state of every layer of ``cache`` for :func:`restore` (O(1) memory: decoding writes past the filled slots)."""
     return [(layer, dict(vars(layer)), layer.lengths.clone() if isinstance(layer, RaggedLayer) else None)
             for layer in cache.layers]
 
@@ -181,9 +165,8 @@ def restore(cache: Any, saved: list) -> None:
 
 
 def write_bias(layer: Any, bias: torch.Tensor, d: int, valid: torch.Tensor | None = None) -> None:
-    """Write a method's logit bias ``(B, H_kv · bias_rows, m)`` into the bias columns ``[d, d + bias_rows)``
-    of a layer made by :func:`store_layer`, as ``bias / bias_scale``; slots where ``valid``
-    ``(B, H_kv, m)`` is False (not stored by a :class:`RaggedLayer`) are dropped."""
+    """Write a logit bias ``(B, H_kv · bias_rows, m)`` as ``bias / bias_scale`` into the columns ``[d, d + bias_rows)``
+    of a layer made by :func:`store_layer` (``valid``: a ragged layer's stored slots)."""
     r = layer.bias_rows
     # −inf (a hidden slot) → −1e3: exp underflows to 0 as for −inf, 0·(−1e3) is no NaN, fp16 holds it
     cols = (bias.float().clamp(min=-1e3) / layer.bias_scale).view(bias.shape[0], -1, r, bias.shape[-1]).transpose(-1, -2)

@@ -1,7 +1,4 @@
-"""Model loading (``conf/model/<name>.yaml``): a Hub id, a local folder, a GGUF file, or a GGUF shipped in a PyPI
-package, with kvbench's attention function, straight onto its device. A GGUF file is dequantized by transformers
-once and cached as float32 safetensors under ``$KVBENCH_CACHE_DIR/gguf`` (default ``~/.cache/kvbench/gguf``).
-"""
+"""Model loading: a Hub id, a local folder or a GGUF file (converted once, cached under ``$KVBENCH_CACHE_DIR/gguf``)."""
 
 from __future__ import annotations
 
@@ -25,9 +22,7 @@ if TYPE_CHECKING:
     import torch
 
 log = logging.getLogger(__name__)
-#: chat formats of official evaluation scripts that are not the tokenizer's template (``model.chat_template``):
-#: ``vicuna`` is FastChat's vicuna_v1.1 conversation, one user turn, as LongBench's ``pred.py`` builds it for
-#: LongChat and Vicuna (``get_conversation_template("vicuna")``, then the slow tokenizer adds BOS).
+#: official scripts' chat formats (``model.chat_template``): ``vicuna``, FastChat's vicuna_v1.1 (LongBench pred.py)
 CHAT_FORMATS = {
     "vicuna": "A chat between a curious user and an artificial intelligence assistant. The assistant gives helpful, "
               "detailed, and polite answers to the user's questions. USER: {prompt} ASSISTANT:",
@@ -38,10 +33,7 @@ _GGUF_CACHE_VERSION = 4  # bump when the conversion changes (4: the tokenizer sa
 
 @dataclass
 class LoadedModel:
-    """A loaded model (``transformers`` causal LM in eval mode) with what the engine needs. ``device``: of its input
-    embeddings; ``chat_template``: ``tokenizer``, a :data:`CHAT_FORMATS` name, or None (the raw prompt);
-    ``max_input_length``: the prompt budget (tokens); ``processors``: :func:`greedy_processors` (none with
-    ``model.generation_config=false``); ``load_s``: seconds to load."""
+    """A model in eval mode; ``chat_template``: ``tokenizer``, a :data:`CHAT_FORMATS` name or None (the raw prompt)."""
 
     model: Any
     tokenizer: Any
@@ -58,9 +50,8 @@ class LoadedModel:
 
 
 def greedy_processors(model: Any, sampling: Any = None, own: bool = True) -> list:
-    """The logits processors ``model.generate(do_sample=False, num_beams=1)`` builds from the model's
-    ``generation_config`` (as LongBench's ``pred.py``: Qwen2.5's repetition penalty 1.05), length limits aside; with
-    ``sampling`` (``temperature`` > 0) those of ``do_sample=True``, warpers included; ``own=False``: a default config."""
+    """The logits processors ``model.generate`` builds from ``generation_config`` (greedy; ``sampling``: sampled),
+    length limits aside; ``own=False``: a default config."""
     from transformers import GenerationConfig
 
     cfg = copy.deepcopy(model.generation_config) if own else GenerationConfig()
@@ -85,9 +76,7 @@ MAGIC = ((0, b"GGUF", "GGUF"), (8, b"{", "a safetensors file"), (0, b"PK\x03\x04
 
 
 def resolve_source(model_cfg: dict) -> tuple[str, str | None]:
-    """``model.source`` (+ ``model.gguf_file``) as ``(path_or_hub_id, gguf_file)``: ``pypi:<module>`` (a GGUF in an
-    installed package), ``pypi-assemble:<module>`` (its ``assemble()`` joins GGUF chunks), a GGUF file (by its first
-    bytes), a local folder, or a Hub id. ConfigError: a missing package, chunk, file or path; a file not GGUF."""
+    """``model.source`` (+ ``model.gguf_file``) as ``(path_or_hub_id, gguf_file)``; ConfigError: missing, not GGUF."""
     source, gguf_file = str(model_cfg.get("source") or ""), model_cfg.get("gguf_file")
     if not source:
         raise ConfigError("model.source is empty: give a Hub id, a local folder or a .gguf file")
@@ -125,8 +114,7 @@ def resolve_source(model_cfg: dict) -> tuple[str, str | None]:
 
 
 def head_layout(config: Any, name: str = "", compress_sliding: bool = False) -> HeadLayout:
-    """The :class:`HeadLayout` of a transformers config: ``sliding_attention`` layers (Gemma 2/3) are not compressible;
-    ``compress_sliding`` (``model.compress_sliding_layers``) records their window (:meth:`HeadLayout.for_prompt`)."""
+    """The :class:`HeadLayout` of a transformers config (sliding-window layers not compressible)."""
     cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
     n_q, types = cfg.num_attention_heads, getattr(cfg, "layer_types", None) or []
     comp = tuple(i for i in range(cfg.num_hidden_layers) if i >= len(types) or types[i] != "sliding_attention")
@@ -136,9 +124,7 @@ def head_layout(config: Any, name: str = "", compress_sliding: bool = False) -> 
 
 
 def gguf_cache_dir(folder: str, gguf_file: str, mode: Any = "auto") -> Path | None:
-    """Where the converted copy of a GGUF file lives (maybe not yet), or None when not cached (``mode`` =
-    ``model.gguf_cache``: ``auto``, files up to 2 GiB; true; false). Keyed by the file's size, first and last MiB,
-    the transformers version and :data:`_GGUF_CACHE_VERSION`."""
+    """Where the converted copy of a GGUF file lives (maybe not yet), or None when not cached (``model.gguf_cache``)."""
     import transformers
 
     path = Path(folder, gguf_file).resolve()
@@ -155,7 +141,7 @@ def gguf_cache_dir(folder: str, gguf_file: str, mode: Any = "auto") -> Path | No
 
 
 def _load_cached(cache: Path, dtype: Any, model_kwargs: dict) -> tuple[Any, Any] | None:
-    """Tokenizer and model from a complete cache folder (``COMPLETE`` written last), or None; a damaged one is removed."""
+    """Tokenizer and model from a complete cache folder, or None; a damaged one is removed."""
     from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -192,8 +178,7 @@ def _gguf_fields(path: str) -> dict[str, Any]:
 
 
 def gguf_special_tokens(tokenizer: Any, gguf_path: Path) -> None:
-    """Give a tokenizer converted from ``gguf_path`` (in place) that file's BOS/EOS tokens and flags, as llama.cpp
-    does: transformers 5.x ignores ``add_bos_token`` (SmolLM2's ``false``) and can name the wrong EOS."""
+    """Give a tokenizer converted from ``gguf_path`` that file's BOS/EOS tokens and flags (transformers ignores them)."""
     fields = _gguf_fields(str(gguf_path))
     value = {role: fields[f"tokenizer.ggml.{role}"].contents() for role in
              ("bos_token_id", "eos_token_id", "add_bos_token", "add_eos_token") if f"tokenizer.ggml.{role}" in fields}
@@ -211,9 +196,8 @@ _GGUF_NORMAL, _GGUF_BYTE = 1, 6
 
 
 def spm_bpe_merges(tokens: list[str], scores: list[float], types: list[int]) -> list[tuple[str, str]]:
-    """``[(left, right), ...]`` in priority order: BPE merges equivalent to llama.cpp's SentencePiece tokenization of
-    a GGUF's ``tokens``, ``scores`` and ``types`` (it merges the adjacent pair whose concatenation is the normal piece
-    of highest score): each normal piece ``t = l + r`` gives ``(l, r)``, ranked by t's score, then token id."""
+    """BPE merges ``[(left, right), ...]`` equivalent to llama.cpp's SentencePiece tokenization of a GGUF: each normal
+    piece ``t = l + r`` gives ``(l, r)``, ranked by t's score, then token id."""
     vocab = set(tokens)
     ranked = []
     for tid, (piece, score, kind) in enumerate(zip(tokens, scores, types)):
@@ -228,9 +212,8 @@ def spm_bpe_merges(tokens: list[str], scores: list[float], types: list[int]) -> 
 
 
 def gguf_spm_as_bpe(tokenizer: Any, gguf_path: Path) -> bool:
-    """Give a tokenizer converted from a SentencePiece-BPE GGUF (``tokenizer.ggml.model = llama``; in place) the BPE
-    model (:func:`spm_bpe_merges`, byte fallback) its scores describe when transformers (5.2) made it a Unigram
-    model, which garbles Gemma 3's text (``▁st at em ents``); True when rebuilt."""
+    """Rebuild (in place) a SentencePiece-BPE GGUF's tokenizer that transformers made a Unigram model (garbling Gemma
+    3's text) as the BPE model its scores describe (:func:`spm_bpe_merges`); True when rebuilt."""
     from tokenizers.models import BPE, Unigram
 
     backend = getattr(tokenizer, "backend_tokenizer", None)
@@ -252,7 +235,7 @@ def gguf_spm_as_bpe(tokenizer: Any, gguf_path: Path) -> bool:
 
 
 def source_error(source: str, path: str, err: Exception, what: str) -> ConfigError:
-    """The one-line error for a model source that cannot be read: a local ``path`` (``what`` and why), or a Hub id."""
+    """The one-line error for a model source (a local ``path`` or a Hub id) that cannot be read."""
     from huggingface_hub import constants
 
     why = (str(err).strip().splitlines() or [type(err).__name__])[0]
@@ -262,8 +245,7 @@ def source_error(source: str, path: str, err: Exception, what: str) -> ConfigErr
 
 
 def read_config(model_cfg: dict, source: tuple[str, str | None] | None = None) -> Any:
-    """The model's transformers config, without the weights (a GGUF's converted copy when cached, else its metadata).
-    ConfigError: no readable config there, or a Hub id that cannot be read."""
+    """The model's transformers config, without the weights. ConfigError: none readable there."""
     from transformers import AutoConfig
 
     path, gguf_file = source or resolve_source(model_cfg)  # ``source``: already resolved by the caller
@@ -278,8 +260,7 @@ def read_config(model_cfg: dict, source: tuple[str, str | None] | None = None) -
 
 
 def chat_format(model_cfg: dict, tokenizer: Any) -> str | None:
-    """``model.chat_template`` resolved: ``tokenizer``, a :data:`CHAT_FORMATS` name, or None (raw prompt).
-    ConfigError: ``true`` for a tokenizer without a chat template (name the format, or ``none`` on purpose)."""
+    """``model.chat_template`` resolved (:class:`LoadedModel`). ConfigError: ``true`` for a tokenizer without one."""
     want = model_cfg.get("chat_template", True)
     if want is True and tokenizer.chat_template is None:
         raise ConfigError(f"model.chat_template=true: the tokenizer of {model_cfg.get('source')} has no chat template; "
@@ -289,8 +270,7 @@ def chat_format(model_cfg: dict, tokenizer: Any) -> str | None:
 
 
 def load_tokenizer(model_cfg: dict, source: tuple[str, str | None] | None = None) -> Any:
-    """The model's tokenizer alone, as :func:`load_model` gives it; ``source``: :func:`resolve_source`'s answer.
-    Raises what ``AutoTokenizer.from_pretrained`` raises (OSError, ValueError)."""
+    """The model's tokenizer alone, as :func:`load_model` gives it (OSError, ValueError as transformers raises)."""
     from transformers import AutoTokenizer
 
     path, gguf_file = source or resolve_source(model_cfg)
@@ -309,10 +289,7 @@ def load_tokenizer(model_cfg: dict, source: tuple[str, str | None] | None = None
 
 def load_model(model_cfg: dict, device: str = "auto", source: tuple[str, str | None] | None = None,
                layout: HeadLayout | None = None) -> LoadedModel:
-    """Load tokenizer and model as ``model_cfg`` says, the weights straight onto ``device`` (``auto``: CUDA in the
-    config's CUDA dtype when present, else CPU float32; ``model.device_map=auto``: over all GPUs). ``source``,
-    ``layout``: :func:`resolve_source`'s and :func:`head_layout`'s answers, when the caller has them. ConfigError:
-    a bad source, a Hub id that cannot be downloaded, a tokenizer or weights that cannot be read (one line)."""
+    """Tokenizer and model, the weights straight onto ``device``; ConfigError: what cannot be read (one line)."""
     import torch
     from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM
@@ -363,8 +340,7 @@ def load_model(model_cfg: dict, device: str = "auto", source: tuple[str, str | N
 
 
 def attention_modules(model: Any) -> dict[int, Any]:
-    """``{layer_idx: attention module}``: the modules with an int ``layer_idx`` and an ``o_proj`` (Llama, Mistral,
-    Qwen and Gemma families)."""
+    """``{layer_idx: attention module}`` (the modules with an int ``layer_idx`` and an ``o_proj``)."""
     return {m.layer_idx: m for m in model.modules() if isinstance(getattr(m, "layer_idx", None), int) and hasattr(m, "o_proj")}
 
 

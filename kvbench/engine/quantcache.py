@@ -1,11 +1,5 @@
-"""A quantized KV cache layer: KIVI's layout, stored bits, decoded through the model's own attention.
-
-KIVI (Liu et al. 2024, arXiv 2402.02750; jy-yuan/KIVI ``quant/new_pack.py``) stores keys per channel and values per
-token in asymmetric min-max integers: a group of ``G`` entries x has ``mn = min x``, ``scale = (max x − mn) /
-(2^b − 1)``, codes ``round(clamp((x − mn) / scale, 0, 2^b − 1))``, read back as ``codes · scale + mn``; codes are
-packed ``8 / b`` to a byte. Blocks of ``residual`` tokens are quantized once full, the rest stays in the model dtype
-(the residual); the order, the bytes and the differences from KIVI and transformers: docs/QUANTIZATION.md.
-"""
+"""A quantized KV cache layer in KIVI's layout (arXiv 2402.02750): keys per channel, values per token, asymmetric
+min-max codes packed ``8 / b`` to a byte, full blocks of ``residual`` tokens quantized (docs/QUANTIZATION.md)."""
 
 from typing import Any
 
@@ -15,10 +9,8 @@ from transformers.cache_utils import DynamicLayer
 
 
 def quantize(x: torch.Tensor, bits: int, group: int, dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """KIVI's quantization of ``x`` ``(B, H, T, d)`` in groups of ``group`` entries along ``dim``: ``-2`` (a channel
-    over ``group`` tokens: keys) or ``-1`` (a token over ``group`` channels: values); T or d a multiple of ``group``.
-    Returns ``(codes, scale, mn)``: codes uint8 ``(B, H, T, d·bits/8)``, scale and mn in x's dtype, ``(B, H, T/group,
-    1, d)`` for dim −2, ``(B, H, T, d/group, 1)`` for dim −1. A constant group (scale 0) reads back as mn."""
+    """KIVI's quantization of ``x`` ``(B, H, T, d)`` in groups of ``group`` along ``dim`` (-2: keys, -1: values):
+    codes uint8 ``(B, H, T, d·bits/8)``, scale and mn ``(B, H, T/group, 1, d)`` (dim −2) or ``(B, H, T, d/group, 1)``."""
     g = x.unflatten(dim, (-1, group))
     mn = g.amin(dim, keepdim=True)
     scale = (g.amax(dim, keepdim=True) - mn) / (2**bits - 1)
@@ -45,14 +37,8 @@ def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 class QuantizedLayer(DynamicLayer):
-    """A cache layer of quantized blocks (keys per channel, values per token) and a full-precision residual.
-
-    ``keys``, ``values``: the residual ``(B, H_kv, r, channels)``, ``(B, H_kv, r, d)``, r < block, key channels
-    d..channels a logit bias (:func:`kvbench.engine.kvcache.write_bias`); ``quantized``: tokens stored quantized,
-    ``qk``/``qv`` their :func:`quantize` outputs, ``extra`` their bias channels (model dtype; None: none).
-    ``spec``: ``bits`` (2, 4, 8), ``group_size`` G (divides d), ``residual`` (a multiple of G, or 0); ``width``:
-    channels :meth:`update` returns, zero-padded (default ``channels``, default d).
-    """
+    """Quantized blocks (``qk``/``qv``: :func:`quantize`'s outputs, ``extra``: their bias channels) and the residual
+    ``keys`` ``(B, H_kv, r, channels)``, ``values`` ``(B, H_kv, r, d)``; ``spec``: ``cache.*``; ``width``: returned."""
 
     def __init__(self, spec: Any, width: int | None = None, channels: int | None = None):
         super().__init__()
@@ -61,9 +47,8 @@ class QuantizedLayer(DynamicLayer):
         self.quantized, self.qk, self.qv, self.extra = 0, None, None, None
 
     def update(self, key_states, value_states, cache_kwargs: dict[str, Any] | None = None):
-        """Append ``(B, H_kv, q, d)``; return the layer ``(B, H_kv, T, width)`` dequantized, the new tokens and the
-        residual in full precision (the first update, a prefill or a store: the given states themselves); then
-        quantize the full blocks of the residual."""
+        """Append ``(B, H_kv, q, d)``; return the layer ``(B, H_kv, T, width)`` dequantized (the first update: the
+        states given), then quantize the residual's full blocks."""
         first = not self.is_initialized
         if first:
             self.lazy_initialization(key_states, value_states)

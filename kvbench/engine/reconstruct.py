@@ -1,10 +1,4 @@
-"""Reconstruction forwards (KVzip's context reconstruction): after the prefill, before compression.
-
-A method whose :meth:`~methods.base.Method.reconstruction` asks for forwards gets them on its state's full prefilled
-cache, in phase ``score`` (the attention function collects ``reconstruction_score`` per compressible layer); the
-cache is then cut back to the prefill, ``method.allocate`` gives the budgets and every compressible layer is
-compressed from its scores. Their time counts as ``compress_s`` and apart as ``reconstruct_s``.
-"""
+"""Reconstruction forwards (KVzip) after the prefill, before compression (docs/ARCHITECTURE.md, method contract)."""
 
 import time
 
@@ -16,8 +10,7 @@ from kvbench.engine.models import attention_modules
 
 
 def start_scoring(state: CompressionState, ids: list[int], fmt) -> None:
-    """Give ``state`` a :class:`~kvbench.engine.attention.Scoring` when its method reconstructs ``ids`` (n prefilled ids;
-    ``fmt``: the model's :class:`~methods.base.PromptFormat`), so that the prefill leaves its layers whole."""
+    """Give ``state`` a ``Scoring`` when its method reconstructs ``ids``: the prefill then leaves its layers whole."""
     rec = state.method.reconstruction(ids, fmt) if state.compressing else None
     state.scoring = Scoring(rec) if rec is not None and rec.inputs else None
 
@@ -25,11 +18,7 @@ def start_scoring(state: CompressionState, ids: list[int], fmt) -> None:
 @torch.inference_mode()
 def reconstruct(model: torch.nn.Module, state: CompressionState, n: int) -> None:
     """Run ``state.scoring``'s forwards on ``state.cache`` (n prefilled tokens), then compress every compressible
-    layer from their scores into the cache (``state.results``).
-
-    Raises:
-        RuntimeError: an input that does not fit the model (as its forward raises it).
-    """
+    layer from their scores (RuntimeError: an input that does not fit the model)."""
     sc, cache, dev = state.scoring, state.cache, model.get_input_embeddings().weight.device
     sync = torch.cuda.synchronize if dev.type == "cuda" else lambda: None
 

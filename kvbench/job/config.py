@@ -1,9 +1,4 @@
-"""Job configuration: Hydra composes ``conf/`` once; :func:`check` validates it once and names the job.
-
-The schemas (:func:`register`) and the checks: docs/ARCHITECTURE.md, step 2. Every problem is a
-:class:`~methods.base.ConfigError` (or ``TaskConfigError``), one line naming the key and the accepted values.
-The job folder and what its hash covers (:func:`identity`, :func:`job_relpath`): docs/RESULTS.md.
-"""
+"""Job configuration: the schemas and :func:`check` (docs/ARCHITECTURE.md, step 2); the job folder: docs/RESULTS.md."""
 
 from __future__ import annotations
 
@@ -60,8 +55,6 @@ class Sweep:
 
 @dataclass
 class Decode:
-    """Compression while decoding (docs/DECODING.md)."""
-
     interval: int = 0  # compress every `interval` decode steps to `budget` tokens (an integer); 0: at the end of prefill only
     prefill: bool = True  # with interval > 0: compress the prompt at the end of prefill too (false: decode-only)
     schedule: str = "steps"  # steps (kvpress DecodingPress) | length (R-KV: when the tokens fed are a multiple of interval)
@@ -69,8 +62,6 @@ class Decode:
 
 @dataclass
 class Sampling:
-    """Sampled candidates (docs/DECODING.md); temperature 0 is greedy decoding."""
-
     n: int = 1  # candidates per sample (temperature > 0), each its own record <id>#<k>
     temperature: float = 0.0
     top_p: float = 1.0
@@ -79,8 +70,6 @@ class Sampling:
 
 @dataclass
 class Cache:
-    """``cache.*``: how the kept tokens are stored (kvbench/engine/quantcache.py, docs/QUANTIZATION.md)."""
-
     bits: Optional[int] = None  # null: the model dtype; 2, 4, 8: KIVI-quantized (keys per channel, values per token)
     group_size: int = 32  # entries per scale and minimum: tokens of a key channel, channels of a value token
     residual: int = 128  # tokens per quantized block: the last (T mod residual) stay in full precision; 0: group_size
@@ -98,8 +87,6 @@ class Cache:
 
 @dataclass
 class TopConfig:
-    """conf/config.yaml's keys (``model``, ``method`` and ``task`` are checked by their own schemas)."""
-
     model: Any = None
     method: Any = None
     task: Any = None
@@ -160,8 +147,6 @@ class TopConfig:
 
 @dataclass
 class ModelConfig:
-    """conf/model/*.yaml: source and the protocol facts of one model."""
-
     name: str
     source: str
     gguf_file: Optional[str] = None
@@ -196,9 +181,7 @@ class ModelConfig:
 
 
 def conf_model(name: str, key: str = "--model") -> dict:
-    """``conf/model/<name>.yaml`` (or a YAML file path) as a dict, the schema's defaults filled in
-    (:class:`ModelConfig`), for the command-line tools that take ``--model``. ConfigError naming ``key`` and the
-    accepted names when there is no such file, or naming the model key that is wrong."""
+    """``conf/model/<name>.yaml`` (or a YAML path) as a dict with the schema's defaults (the tools' ``--model``)."""
     path = Path(name) if name.endswith((".yaml", ".yml")) else CONF_MODEL_DIR / f"{name}.yaml"
     need(path.is_file(), key, repr(name), "no such model config; accepted values are "
          + ", ".join(sorted(p.stem for p in CONF_MODEL_DIR.glob("*.yaml"))))
@@ -207,8 +190,7 @@ def conf_model(name: str, key: str = "--model") -> dict:
 
 
 def register() -> None:
-    """Store the schemas in Hydra's ConfigStore before any composition (``hydra_plugins/kvbench_launcher``): ``kvbench``
-    (the top level), ``schema/model``, ``schema/method/<name>`` and ``schema/task/<name>``, which ``conf/`` extends."""
+    """Store the schemas that ``conf/`` extends in Hydra's ConfigStore (``hydra_plugins/kvbench_launcher``)."""
     store = ConfigStore.instance()
     store.store(name="kvbench", node=TopConfig)
     store.store(group="schema", name="model", node=ModelConfig)
@@ -228,23 +210,14 @@ def compose(overrides: list[str], **kw: Any) -> Any:
 
 
 def preset(group: str, name: str) -> dict:
-    """``conf/<group>/<name>.yaml`` as Hydra composes it, its schema's defaults filled in (a plain dict); a value the
-    user must give (``???``: kvpress's ``press``) reads as None."""
+    """``conf/<group>/<name>.yaml`` composed, as a plain dict; a value the user must give (``???``) reads as None."""
     node = OmegaConf.to_container(compose([f"{group}={name}"])[group], enum_to_str=True)
     return OmegaConf.to_container(OmegaConf.create({k: None if v == "???" else v for k, v in node.items()}), resolve=True)
 
 
 def resolved_inputs(task: dict, tokenizer: Any = None) -> tuple[dict, dict]:
-    """What the task will read, resolved once: ``(inputs, resolved)``. ``inputs`` is part of the job's
-    identity: the NIAH haystack actually used (its source after ``auto`` and the SHA-256 of its text),
-    RULER's generated files and their SHA-256 (``task.generate``; ``tokenizer()``: the model's tokenizer), or
-    the data files and their SHA-256 (``task.data_dir``; the Hub dataset and revision otherwise).
-    ``resolved`` is what the task is built with (``{"haystack": (text, source)}`` for NIAH, ``{"files":
-    {relative path: text}}`` generated, which the job writes into its folder).
-
-    Raises:
-        TaskConfigError: a haystack folder or data folder that does not exist or is empty.
-    """
+    """``(inputs, resolved)``: the SHA-256 of what the task reads (in the identity; docs/RESULTS.md) and what it
+    is built with. TaskConfigError: a haystack or data folder that does not exist or is empty."""
     if task["name"] == "niah":
         from eval.niah import load_haystack
 
@@ -267,18 +240,9 @@ def resolved_inputs(task: dict, tokenizer: Any = None) -> tuple[dict, dict]:
 
 @dataclass
 class JobSpec:
-    """A checked job, built once by :func:`check` from the composed config; everything downstream takes
-    it and nothing re-checks it.
+    """A job checked once by :func:`check`; nothing downstream re-checks it."""
 
-    Attributes:
-        cfg: the plain config (``config.yaml``); ``top``: its typed top level (``top.budget``: the checked budget).
-        method: the built method (its layout set, artifacts read).
-        source: the resolved model source ``(path, gguf_file)``; ``layout``: the model's head layout.
-        inputs: the resolved inputs in the identity (hashes); ``resolved``: what the task reads, read once.
-        artifacts: the artifact files the method read. ``identity``/``relpath``: the job folder's name.
-    """
-
-    cfg: dict
+    cfg: dict  # the plain config (config.yaml); top: its typed top level
     top: TopConfig
     method: Any
     source: tuple[str, str | None]
@@ -291,21 +255,17 @@ class JobSpec:
 
 
 def _package(source: str) -> str:
-    """``pypi:<module>`` with the installed distribution's version (not its path: any venv is the same model)."""
+    """``pypi:<module>==<version>`` (not its path: any venv is the same model)."""
     from importlib.metadata import PackageNotFoundError, version
 
-    module = source.split(":", 1)[1]
     try:
-        return f"{source}=={version(module.replace('_', '-'))}"
+        return f"{source}=={version(source.split(':', 1)[1].replace('_', '-'))}"
     except PackageNotFoundError:
         return source
 
 
 def identity(cfg: dict, source: tuple[str, str | None], inputs: dict, device: str) -> dict:
-    """Every resolved setting that can change a result: model (resolved source, dtype on this
-    device), method (its label excepted), task (the sample selection excepted) and its resolved
-    inputs, budget (not for the full cache, which keeps every token), seed; decode-time compression and sampling
-    settings when on."""
+    """Every resolved setting that can change a result (docs/RESULTS.md)."""
     model = {k: v for k, v in cfg["model"].items()
              if k not in ("name", "gguf_cache", "device_map") and FORMER.get(("model", k), ...) != v}
     model.update(dtype=cfg["model"]["dtype"].get(device, "float32"),
@@ -351,11 +311,7 @@ def device_type(device: str) -> str:
 
 
 def check(cfg: Any, preset: str | None = None) -> JobSpec:
-    """Validate a composed job config once and resolve its inputs; return the :class:`JobSpec`.
-
-    Raises:
-        ConfigError / TaskConfigError: the first problem found, as one line naming the key.
-    """
+    """The :class:`JobSpec` of a composed config. ConfigError / TaskConfigError: the first problem, one line."""
     from methods import artifacts
     from kvbench.engine.models import head_layout, load_tokenizer, read_config, resolve_source
 

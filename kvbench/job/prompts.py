@@ -1,5 +1,4 @@
-"""The token ids of a sample: its prompt in the model's format (chat template or an official script's format), the
-query part left uncompressed under ``task.compress=context``, and its stop ids, as the official scripts build them."""
+"""A sample's token ids and stop ids, as the official scripts build them."""
 
 from dataclasses import replace
 from typing import Any
@@ -11,9 +10,7 @@ from kvbench.engine.models import CHAT_FORMATS
 
 
 def prompt_text(loaded: Any, sample: Sample) -> tuple[str, dict]:
-    """The text the tokenizer encodes for a sample and the tokenizer call's keywords, as LongBench's ``pred.py`` builds
-    it: for a chat sample the tokenizer's chat template (one user turn, generation prompt; its special tokens are in
-    the text, none added) or the model's official format (``vicuna``); else the plain prompt."""
+    """The text the tokenizer encodes for a sample and the call's keywords, as LongBench's ``pred.py`` builds it."""
     tok, fmt = loaded.tokenizer, loaded.chat_template if sample.chat else None
     if fmt == "tokenizer" or fmt is True:
         return tok.apply_chat_template([{"role": "user", "content": sample.prompt}], add_generation_prompt=True,
@@ -22,8 +19,7 @@ def prompt_text(loaded: Any, sample: Sample) -> tuple[str, dict]:
 
 
 def encode_prompt(loaded: Any, sample: Sample) -> list[int]:
-    """Token ids of a sample's prompt: ``sample.ids``, else :func:`prompt_text` tokenized (chat: the ids of
-    ``apply_chat_template(tokenize=True)``)."""
+    """Token ids of a sample's prompt: ``sample.ids``, else :func:`prompt_text` tokenized."""
     if sample.ids is not None:
         return list(sample.ids)
     text, kwargs = prompt_text(loaded, sample)
@@ -31,8 +27,7 @@ def encode_prompt(loaded: Any, sample: Sample) -> list[int]:
 
 
 def prompt_format(loaded: Any) -> PromptFormat:
-    """The model's :class:`~methods.base.PromptFormat`: the ids :func:`encode_prompt` puts before and after a chat
-    sample's text (for KVzip's repeat prompt), and the tokenizer's ``encode`` without special tokens."""
+    """The model's :class:`~methods.base.PromptFormat`: the ids around a chat sample's text, the tokenizer's encode."""
     mark = "\ue000"  # a private-use character: in no template or prompt
     text, kwargs = prompt_text(loaded, Sample(id="", dataset="", prompt=mark, max_new_tokens=0, answers=[]))
     head, tail = text.split(mark)
@@ -41,10 +36,8 @@ def prompt_format(loaded: Any) -> PromptFormat:
 
 
 def split_prompt(loaded: Any, sample: Sample, compress: str = "prompt") -> tuple[list[int], int]:
-    """``(ids, q)``: the ids to prefill and, under ``task.compress=context``, how many of them at the end are the
-    query part, left uncompressed (else 0, and ``ids`` are :func:`encode_prompt`'s). The query part is
-    ``sample.query`` and, with a chat template, the template's closing and generation prompt, tokenized apart
-    (without special tokens) as kvpress's ``KVPressTextGenerationPipeline.preprocess`` does."""
+    """``(ids, q)``: the ids to prefill and, under ``task.compress=context``, the length of the query part at their
+    end, tokenized apart as kvpress's pipeline does (else 0)."""
     if compress != "context":
         return encode_prompt(loaded, sample), 0
     if sample.ids is not None:  # the task's own ids (SCBench's cut ones) end in the query part, tokenized alone
@@ -59,9 +52,7 @@ def split_prompt(loaded: Any, sample: Sample, compress: str = "prompt") -> tuple
 
 
 def stop_ids_for(loaded: Any, sample: Sample) -> list[int]:
-    """The model's stop ids; for a sample with stop strings instead the tokenizer's eos id and the last token id of
-    each, as LongBench's ``pred.py`` stops samsum: ``eos_token_id=[tokenizer.eos_token_id,
-    tokenizer.encode("\\n", add_special_tokens=False)[-1]]`` (that list replaces the model's whole eos list)."""
+    """The model's stop ids; with stop strings instead the eos id and each one's last token id (LongBench samsum)."""
     if not sample.stop_strings:
         return list(loaded.stop_ids)
     eos = getattr(loaded.tokenizer, "eos_token_id", None)

@@ -1,8 +1,4 @@
-"""The job, as the steps of docs/ARCHITECTURE.md: open the store, load, generate and store each sample, summarise.
-
-Every sample is isolated: an exception (out of memory, non-finite logits) is stored as an error record and the
-job goes on; the exit code is then 1. The job's folder, reruns and resumes: docs/RESULTS.md.
-"""
+"""The job, as the steps of docs/ARCHITECTURE.md; its folder, reruns and resumes: docs/RESULTS.md."""
 
 from __future__ import annotations
 
@@ -68,9 +64,7 @@ def environment(loaded: Any) -> dict[str, Any]:
 
 
 def build_task(cfg: dict, loaded: Any, resolved: dict | None = None) -> tuple[Task, list[Sample]]:
-    """A job's task built with ``loaded``'s tokenizer and chat format (``slurm/make_joblist.py --cost`` too), the
-    inputs the check resolved (:attr:`JobSpec.resolved`) and the prompt budget in tokens (``task.max_length``, else
-    the model's), and its samples (ids unique, in order)."""
+    """A job's task (``loaded``'s tokenizer and chat format, the check's resolved inputs) and its unique samples."""
     max_input = int(cfg["task"].get("max_length") or loaded.max_input_length)
     task = tasks.get_task_class(cfg["task"]["name"])(cfg["task"], loaded.tokenizer, max_input,
                                                      encode=lambda s: encode_prompt(loaded, s), resolved=resolved)
@@ -78,8 +72,7 @@ def build_task(cfg: dict, loaded: Any, resolved: dict | None = None) -> tuple[Ta
 
 
 def _mean(values: list) -> float | None:
-    vals = [v for v in values if v is not None]
-    return round(sum(vals) / len(vals), 6) if vals else None
+    return round(sum(vals) / len(vals), 6) if (vals := [v for v in values if v is not None]) else None
 
 
 def selection(cfg: dict) -> dict[str, Any]:
@@ -160,8 +153,7 @@ def heatmap(store: JobStore, records: list[dict], cfg: dict) -> None:
 
 
 def set_threads(threads: Any) -> None:
-    """Set torch's CPU threads; ``auto``: the cores minus the 1-minute load (at least 1): other busy processes
-    on the same cores make OpenMP threads wait on each other and decoding many times slower."""
+    """Set torch's CPU threads; ``auto``: the cores minus the 1-minute load (busy cores stall OpenMP threads)."""
     import torch
 
     if threads == "auto":
@@ -177,16 +169,9 @@ def run_job(job: JobSpec, wait_s: float | None = None) -> int:
 
 
 def run_jobs(jobs: list[JobSpec], wait_s: float | None = None) -> list[int]:
-    """Run checked jobs that differ only in method and budget, one model load and one prefill per sample
-    for all of them (:func:`kvbench.engine.generate.prefill`), each job storing in its own folder under its own lock
-    as if run alone; twins (``method=full`` at two budgets: one folder) run once, as the first. ``wait_s``:
-    seconds to wait for another process on the same shard (default ``lock_wait_s``). Returns one exit code
-    per job: 0 ok, 1 some samples failed, 3 the folder is locked by another process (one line).
-
-    Raises:
-        ConfigError: the model cannot be loaded, or the prompts do not fit its context window (a job
-            folder this run made is removed again).
-    """
+    """Run checked jobs that differ only in method and budget on one model load and one prefill per sample
+    (docs/SWEEPS.md); twins run once. ``wait_s``: for a held lock (default ``lock_wait_s``). Returns an exit code
+    per job (0, 1 failed samples, 3 locked). ConfigError: the model cannot be loaded or the prompts do not fit."""
     from kvbench.engine.generate import Engine
 
     unique: dict[str, JobSpec] = {}
@@ -216,9 +201,7 @@ def run_jobs(jobs: list[JobSpec], wait_s: float | None = None) -> list[int]:
 
 
 def open_stores(jobs: list[JobSpec], stack: ExitStack, wait_s: float | None, codes: dict[str, int]) -> list[tuple]:
-    """Open each job's store in ``stack`` (docs/ARCHITECTURE.md, step 3; a lock held by another process: one
-    line, code 3). A finished job prints its summary and gets its code in ``codes``. Returns the ``(job, store)``
-    pairs to run; a folder made here is removed when ``stack`` closes on an error before any sample is stored."""
+    """Open each job's store in ``stack`` (docs/ARCHITECTURE.md, step 3): the ``(job, store)`` pairs to run."""
     runs = []
     for job in jobs:
         top, shard = job.top, (job.top.shard.index, job.top.shard.count)
@@ -252,10 +235,8 @@ def open_stores(jobs: list[JobSpec], stack: ExitStack, wait_s: float | None, cod
 
 
 def load(job: JobSpec) -> tuple[Any, Task, list[Sample], list[str], bool]:
-    """Seed, set the threads, load the model (:func:`kvbench.engine.models.load_model`, from the resolved source) and build
-    the task from the resolved inputs. Returns the model, the task, this shard's samples, the ids every shard
-    together expects, and whether decode is compiled. ConfigError: the model cannot be loaded, or the prompts +
-    generation exceed its context window."""
+    """Seed, load the model, build the task: the model, the task, this shard's samples, the ids every shard expects,
+    whether decode is compiled. ConfigError: the prompts + generation exceed the context window."""
     import torch
 
     from kvbench.engine.models import load_model
@@ -284,8 +265,7 @@ def load(job: JobSpec) -> tuple[Any, Task, list[Sample], list[str], bool]:
 
 
 def write_env(job: JobSpec, store: JobStore, loaded: Any, compiled: bool, mine: list[Sample]) -> tuple[str, dict]:
-    """``env.json`` (``env.shard<k>.json``; a rerun's gets a timestamp): versions, device, the resolved inputs and
-    artifact files, whether decode is compiled. Returns the file's name and content."""
+    """Write ``env.json`` (``env.shard<k>.json``; a rerun's timestamped); returns its name and content."""
     shard = job.top.shard
     name = "env.json" if shard.count == 1 else f"env.shard{shard.index}.json"
     if (store.path / name).exists():  # every run that stores samples keeps its provenance
@@ -327,10 +307,8 @@ class Summary(dict):
 
 
 def api(overrides: list[str], method: Any = None) -> Summary:
-    """``kvbench.run``: the job of ``overrides`` (``python run.py``'s) in this process, with the command's store, identity
-    and resume; ``method``: a Method class or instance, run as ``method=plugin method.target=<module>:<name>`` (an
-    instance's config fields as ``method.<field>=``; a class of a notebook cell is found in this process).
-    ConfigError / TaskConfigError: a bad value, one line naming the key, before a model loads; JobLockedError."""
+    """``kvbench.run`` (docs/METHODS.md): the job of ``overrides`` in this process; ``method``: a Method class or
+    instance, run as ``method=plugin``. ConfigError / TaskConfigError before a model loads; JobLockedError."""
     import methods
     from kvbench.job.config import compose
 
@@ -354,9 +332,7 @@ def api(overrides: list[str], method: Any = None) -> Summary:
 
 
 def main(cfg: Any) -> Any:
-    """Hydra's task function (``run.py``): check the config once (:class:`JobSpec`), run the job, exit with its
-    code. In a local sweep it returns the checked job (or its one-line error) to the launcher
-    (``hydra_plugins/kvbench_launcher``); with other launchers (SLURM, joblib) a failing job raises."""
+    """Hydra's task function: check and run the job (a local sweep: return it, or its error, to the launcher)."""
     for noisy in ("transformers", "datasets", "httpx", "urllib3", "huggingface_hub"):
         logging.getLogger(noisy).setLevel(logging.ERROR)
     hc = HydraConfig.get()
@@ -386,9 +362,7 @@ def main(cfg: Any) -> Any:
 
 
 class SweepCheck(Callback):
-    """Hydra callback (``hydra.callbacks`` in ``conf/config.yaml``) run once in the launching process before any job
-    starts (Hydra turns a callback's exception into a warning, so it exits itself): ``sweep.share_prefill=true`` with
-    a launcher other than the local one prints one line ``error: sweep.share_prefill...`` and exits 2."""
+    """``sweep.share_prefill=true`` with another launcher than the local one: one line, exit 2."""
 
     def on_multirun_start(self, config: Any, **kwargs: Any) -> None:
         if config.sweep.share_prefill and not str(config.hydra.launcher._target_).endswith(".LocalLauncher"):
@@ -398,10 +372,7 @@ class SweepCheck(Callback):
 
 
 def run_sweep(jobs: list[JobSpec]) -> int:
-    """Run the checked jobs of a local sweep in order; returns the largest exit code. Each runs alone (a twin
-    folder, e.g. ``method=full`` at several budgets, waits for its twin), or with ``sweep.share_prefill=true``
-    one :func:`run_jobs` per group of jobs differing only in ``method`` and ``budget``. Raises ConfigError /
-    TaskConfigError / OSError as :func:`run_jobs` does (``run.py`` prints one line)."""
+    """Run a local sweep's checked jobs in order (``sweep.share_prefill``: grouped); the largest exit code."""
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT, force=True)  # not Hydra's launcher format ([HYDRA])
     groups: dict[str, list[JobSpec]] = {}
     for i, job in enumerate(jobs):

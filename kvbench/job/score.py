@@ -1,11 +1,5 @@
-"""``kvbench score DIR [--e] [--out PATH]``: the official LongBench ``eval.py`` over ``<dataset>.jsonl`` files of
-``pred.py`` lines (``pred``, ``answers``, ``all_classes``, ``length``) into ``result.json``, ``{dataset: score}``
-(``--e``: per length bucket, ``null`` for an empty one); stricter than ``eval.py``: two files of one dataset, an
-empty file or a wrongly typed field are errors (docs/LONGBENCH.md).
-``kvbench score --task NAME FILE [task.KEY=VALUE ...]``: a task's own metric and summary over a JSONL file of
-``prediction`` beside the task's reference fields; lines sharing ``problem`` are candidates (docs/REASONING.md); into
-``<FILE stem>.<NAME>.result.json`` (one file per task) or ``--out``.
-"""
+"""``kvbench score DIR``: LongBench's official ``eval.py`` over ``pred.py`` files into ``result.json``
+(docs/LONGBENCH.md); ``kvbench score --task NAME FILE``: a task's own metric (docs/REASONING.md)."""
 
 import json
 import sys
@@ -35,8 +29,7 @@ def _check_row(row: dict, need_length: bool) -> str:
 
 
 def score_dir(folder: Path, longbench_e: bool = False) -> dict:
-    """Official scores of the ``*.jsonl`` prediction files in ``folder`` by dataset (TaskConfigError, one line:
-    no such folder or file, an unknown or repeated dataset, an empty file or a bad line)."""
+    """Official scores of the ``*.jsonl`` prediction files in ``folder`` by dataset (TaskConfigError, one line)."""
     if not folder.is_dir():
         raise TaskConfigError(f"{folder}: " + ("a file; give --task NAME to score it with a task's metric"
                                                if folder.is_file() else "no such directory"))
@@ -46,7 +39,6 @@ def score_dir(folder: Path, longbench_e: bool = False) -> dict:
     def check(row: dict, where: str) -> None:
         if why := _check_row(row, longbench_e):
             raise TaskConfigError(f"{where}: {why}")
-
     scores, seen = {}, {}
     for path in files:
         dataset = path.name.split(".")[0]
@@ -65,8 +57,7 @@ def score_dir(folder: Path, longbench_e: bool = False) -> dict:
 
 def score_file(path: Path, name: str, overrides: list[str]) -> dict:
     """``{"task", "n", **task.aggregate(records)}`` of the ``prediction`` lines of ``path`` scored by task ``name``
-    (:meth:`eval.base.Task.scoring_sample`). TaskConfigError, one line: an unknown task or override, a line without
-    ``prediction`` or the task's reference fields, an empty file."""
+    (TaskConfigError, one line)."""
     from omegaconf import OmegaConf
 
     from kvbench.job.config import compose
@@ -98,8 +89,7 @@ def score_file(path: Path, name: str, overrides: list[str]) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Score DIR (or FILE with ``--task``), write ``result.json`` (DIR/result.json, ``<FILE stem>.<task>.result.json`` or
-    ``--out``) and print it. Returns 0, or 2 on a user error (one line on stderr)."""
+    """Score DIR (or FILE with ``--task``), write and print ``result.json``; 2 on a user error (one line)."""
     parser = ArgParser(prog="kvbench score", description=__doc__.split("\n\n")[0])
     parser.add_argument("dir", type=Path, metavar="DIR|FILE",
                         help="folder of <dataset>.jsonl prediction files, or with --task one JSONL file")

@@ -20,8 +20,7 @@ class JobLockedError(RuntimeError):
 
 @contextmanager
 def naming(path: Path | str) -> Iterator[None]:
-    """Re-raise an OS error of the block naming ``path`` (a full disk fails ``write``/``fsync`` with ENOSPC and no
-    file name): ``[Errno 28] No space left on device: '<path>'``, the line a job prints before it exits 1."""
+    """Re-raise an OS error of the block naming ``path`` (a full disk's ENOSPC names no file)."""
     try:
         yield
     except OSError as e:
@@ -31,8 +30,7 @@ def naming(path: Path | str) -> Iterator[None]:
 
 
 def atomic_write(path: Path | str, text: str) -> None:
-    """Write ``text`` to ``path`` through a temp file, fsync and rename: readers see the old file or the new one.
-    OSError: naming ``path`` (:func:`naming`); the old file and no temp file are left."""
+    """Write ``text`` to ``path`` through a temp file, fsync and rename (OSError: the old file is left)."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
@@ -49,9 +47,8 @@ def atomic_write(path: Path | str, text: str) -> None:
 
 @contextmanager
 def file_lock(path: Path, wait_s: float | None = None, busy: Callable[[], Exception] | None = None) -> Iterator[None]:
-    """Hold an exclusive ``flock`` on the file ``path`` for the block, then remove it (still locked). A lock counts only
-    while ``path`` names the locked inode: a waiter that opened the removed file locks the new one instead, so two
-    processes never hold it at once. ``wait_s``: seconds to wait, then ``busy()`` is raised (None: no limit)."""
+    """Hold an exclusive ``flock`` on ``path`` for the block, then remove it; it counts only while ``path`` names the
+    locked inode. ``wait_s``: seconds to wait, then ``busy()`` is raised (None: no limit)."""
     deadline = None if wait_s is None else time.monotonic() + wait_s
     while True:
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -85,8 +82,7 @@ def read_json(path: Path) -> dict:
 
 
 def is_job_folder(folder: Path) -> bool:
-    """Whether ``folder`` holds a job: ``config.yaml`` beside ``identity.json`` (a job killed before its first sample
-    counts), ``predictions.jsonl`` or ``summary.json``."""
+    """Whether ``folder`` holds a job: ``config.yaml`` beside ``identity.json``, ``predictions.jsonl`` or ``summary.json``."""
     return (folder / "config.yaml").is_file() and any((folder / n).exists()
                                                       for n in (PREDICTIONS, "summary.json", "identity.json"))
 
@@ -153,9 +149,7 @@ class JobStore:
         return {i for i, r in self.latest().items() if r.get("error") is None}
 
     def append(self, record: dict[str, Any]) -> None:
-        """Append one record as a JSON line, flushed and fsync-ed, under the append lock. ValueError / TypeError: not
-        strict JSON (NaN, inf, an unknown type); OSError naming the file (a full disk): the file is cut back to its
-        stored records, so no other shard appends to half a line."""
+        """Append a fsync-ed JSON line (ValueError: not strict JSON; OSError: the file is cut back)."""
         line = (json.dumps(record, ensure_ascii=False, allow_nan=False) + "\n").encode()
         with self.append_lock(), naming(self.predictions), open(self.predictions, "ab", buffering=0) as f:
             end = f.seek(0, os.SEEK_END)
