@@ -16,6 +16,7 @@ def _run(case: str, method_cfg: dict) -> str:
     import transformers as tf
 
     import methods
+    from kvbench.engine.attention import register
     from kvbench.engine.generate import Engine
     from kvbench.engine.models import LoadedModel, head_layout
     from kvbench.job.config import Cache, Decode
@@ -23,7 +24,7 @@ def _run(case: str, method_cfg: dict) -> str:
     torch.manual_seed(0)
     config = tf.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, head_dim=16,
                             num_attention_heads=4, num_key_value_heads=4 if case == "prefill MHA" else 2)
-    __import__("kvbench.engine.attention").engine.attention.register()
+    register()
     config._attn_implementation = "kvbench"
     method = methods.build_method(method_cfg, layout := head_layout(config, "tiny"))
     method.check_layout(layout)
@@ -46,11 +47,12 @@ def check_method(overrides: list[str] | dict) -> dict[str, str]:
     """``{case: "ok" | "n/a (why)" | "<Error>: <message>"}`` for a method's overrides or config dict (ConfigError)."""
     from omegaconf import OmegaConf
 
+    import methods
     from kvbench.job.config import compose
 
     cfg = overrides if isinstance(overrides, dict) else OmegaConf.to_container(compose(list(overrides)).method,
                                                                                  resolve=True, enum_to_str=True)
-    __import__("methods").build_method(cfg)  # a bad setting: ConfigError, before any case
+    methods.build_method(cfg)  # a bad setting: ConfigError, before any case
     rows = {}
     for case in CASES:
         try:

@@ -27,7 +27,9 @@ def test_gpu_check_writes_every_figure_without_kvpress(tmp_path, capsys, monkeyp
     parts = {}
     for r in report["rows"]:
         parts.setdefault(r["part"], []).append(r)
-    assert sorted(parts) == ["compiled", "engine", "lookm", "quant", "sdpa", "varlen"]  # no kvpress row without kvpress
+    assert sorted(parts) == ["compiled", "engine", "lookm", "quant", "sdpa", "throughput", "varlen"]  # no kvpress row
+    tput = {r["method"]: r for r in parts["throughput"]}
+    assert all(tput[m]["rows"] > tput["full"]["rows"] for m in tput if m != "full")  # a cut cache fits more rows
     assert [(r["tokens"], r["bits"]) for r in parts["quant"]] == [(160, None), (160, 4), (160, 2)]
     assert all(r["ok"] and r["decode_tok_s"] > 0 for r in parts["quant"])
     assert parts["quant"][0]["stored_bytes"] == 2 * 2 * 2 * 160 * 32 * 4 > 3 * parts["quant"][2]["stored_bytes"]  # float32, 2 bits
