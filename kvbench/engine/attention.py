@@ -32,7 +32,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from methods.base import Budget, CompressResult, check_result, HeadLayout, LayerContext, Method, Plan, Reconstruction, ReconstructionContext
 
-from kvbench.engine.kvcache import RaggedLayer, store_layer, write_bias
+from kvbench.engine.kvcache import RaggedLayer, stack_ragged, store_layer, write_bias
 from kvbench.engine.quantcache import QuantizedLayer
 
 try:  # PyTorch's own flash varlen kernel (CUDA, fp16/bf16); no flash-attn package needed
@@ -345,7 +345,8 @@ def _compress_decode(state: CompressionState, idx: int, scaling: float, softcap:
 
 
 def kvbench_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, softcap=None,
-                      kvbench_state: CompressionState | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+                      kvbench_state: CompressionState | None = None, row_out: torch.Tensor | None = None,
+                      **kwargs: Any) -> tuple[torch.Tensor, None]:
     """The attention function behind ``attn_implementation="kvbench"``.
 
     Args:
@@ -356,7 +357,9 @@ def kvbench_attention(module, query, key, value, attention_mask, scaling=None, d
         scaling: logit scale; softcap: Gemma-2 soft-capping.
         kvbench_state: the :class:`CompressionState` of this generation (None: plain attention), or
             a list of them: in a shared prefill (:func:`kvbench.engine.generate.prefill`), or one per row of a decode
-            batch (key, value: lists, one per row: :class:`kvbench.engine.kvcache.RowsCache`).
+            batch (key, value: lists, one per row: :class:`kvbench.engine.kvcache.RowsCache`; rows whose layers all
+            have per-head lengths attend in one flash varlen call on CUDA, :func:`kvbench.engine.kvcache.stack_ragged`).
+        row_out: a decode row's attention output, computed with the batch's (the row's other decode work done here).
 
     Returns:
         ``(attn_output (B, q, H_q, d), None)``.
@@ -369,8 +372,14 @@ def kvbench_attention(module, query, key, value, attention_mask, scaling=None, d
             _score_layer(state, module, query, key, value, scaling, softcap)
         return out, None
     if isinstance(state, list) and state[0].phase == "decode":  # a decode batch: each row on its own cache
-        return torch.cat([kvbench_attention(module, query[r : r + 1], key[r], value[r], None, scaling, dropout, softcap, s)[0]
-                          for r, s in enumerate(state)]), None
+        layers, out = [s.cache.layers[module.layer_idx] for s in state], [None] * len(state)
+        plain = not softcap and query.shape[2] == 1 and not any(s.reference_decode or s.method.reads for s in state)
+        if (plain and all(isinstance(x, RaggedLayer) for x in layers) and len({x.keys.shape[-1] for x in layers}) == 1
+                and decode_backend(layers[0], key[0]) == "flash varlen"):  # one varlen call for all rows' heads
+            stacked = stack_ragged(layers)
+            out = _decode_attention(query, stacked.keys, stacked.values, None, scaling, None, stacked).split(1)
+        return torch.cat([kvbench_attention(module, query[r : r + 1], key[r], value[r], None, scaling, dropout, softcap,
+                                            s, out[r])[0] for r, s in enumerate(state)]), None
     if isinstance(state, CompressionState) and state.phase == "decode":
         layer = state.cache.layers[module.layer_idx]
         # one query sees every key its layer caches (a sliding layer caches its window only): no mask; traced
@@ -383,7 +392,8 @@ def kvbench_attention(module, query, key, value, attention_mask, scaling=None, d
                 int(state.plan.layer_budgets[module.layer_idx]), softcap, decoding=1))
             if keep is not None:
                 mask, state.reads[module.layer_idx] = keep.unsqueeze(2), keep.sum()  # (B, H_kv, 1, T)
-        out = _decode_attention(query, key, value, mask, scaling, softcap, layer, state.reference_decode)
+        out = row_out if row_out is not None else _decode_attention(query, key, value, mask, scaling, softcap, layer,
+                                                                    state.reference_decode)
         if state.decode_budget is not None and module.layer_idx in state.layout.compressible_layers:
             state.queries[module.layer_idx] = last(torch.cat([state.queries[module.layer_idx], query], 2), state.window)
             if state.compress_now:

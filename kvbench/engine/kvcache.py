@@ -1,5 +1,6 @@
 """A KV cache of preallocated buffers written in place; a logit bias b: key columns ``b / scaling`` after d channels."""
 
+from itertools import accumulate
 from typing import Any
 
 import torch
@@ -126,6 +127,20 @@ class RaggedLayer(DynamicLayer):
         slot, n = torch.arange(max(lens), device=self.keys.device), torch.tensor(lens, device=self.keys.device).unsqueeze(1)
         valid = slot >= max(lens) - n if left else slot < n
         return pad(self.keys), pad(self.values), valid.view(*self.shape, -1)
+
+
+def stack_ragged(layers: list[RaggedLayer]) -> RaggedLayer:
+    """The ragged layers ``(1, H_kv)`` of one width of a decode batch's rows as one ``(B, H_kv)`` ragged layer for one
+    attention call: keys/values ``(S, 1, width)`` concatenated (a copy, S their slots), decoded tokens in lengths."""
+    out, starts = RaggedLayer.__new__(RaggedLayer), [0, *accumulate(x.keys.shape[0] for x in layers)]
+    lens = [n + x.decoded for x in layers for n in x.lens_host]
+    vars(out).update(vars(layers[0]), shape=(len(layers), layers[0].shape[1]), decoded=0, lens_host=lens,
+                     keys=torch.cat([x.keys for x in layers]), values=torch.cat([x.values for x in layers]),
+                     cu=torch.cat([layers[0].cu[:1], *(x.cu[1:] + s for x, s in zip(layers, starts))]),
+                     cu_host=[c + s for x, s in zip(layers, starts) for c in x.cu_host[:-1]] + starts[-1:],
+                     lengths=torch.cat([x.lengths for x in layers]),
+                     cu_q=torch.arange(len(lens) + 1, device=layers[0].cu.device, dtype=torch.int32))
+    return out
 
 
 def store_layer(cache: Any, idx: int, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor | None = None,

@@ -5,12 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvbench.engine import attention
 from kvbench.engine.generate import Engine, Row
+from kvbench.engine.kvcache import RaggedLayer
 from kvbench.job.config import Decode, Sampling
 from kvbench.job.runner import candidate_seed, run_samples
 from kvbench.job.store import JobStore
 from methods import build_method
 from tests.conftest import loaded_for, tiny_model
+from tests.kvbench.test_decode_fastpath import fake_varlen_attn
 from tests.kvbench.test_units import EchoTask, loaded, question  # noqa: F401 - the fixture
 
 SAMPLING = Sampling(n=5, temperature=0.8, top_p=0.95)
@@ -42,10 +45,21 @@ def test_sparse_reading_in_a_batch_equals_each_alone():
     assert [r.read_tokens for r in results] == [r.read_tokens for r in want] and want[0].read_tokens
 
 
-@pytest.mark.parametrize("name", ["rkv", "adakv"])  # uniform and per-head lengths, compressed while decoding
-def test_sampled_candidates_in_a_batch_equal_each_alone(name):
+# uniform and per-head lengths, compressed while decoding; "varlen": CUDA's path, the rows' heads in one varlen call
+@pytest.mark.parametrize("name", ["rkv", "adakv", "adakv varlen"])
+def test_sampled_candidates_in_a_batch_equal_each_alone(monkeypatch, name):
+    calls, backend = [], attention.decode_backend
+
+    def varlen(q, *a, **k):  # varlen_attn's documented semantics on CPU; calls: the query rows (KV heads) of each
+        calls.append(len(q))
+        return fake_varlen_attn(q, *a, **k)
+
+    if name.endswith("varlen"):
+        monkeypatch.setattr(attention, "decode_backend", lambda layer, key, ref=False: "flash varlen" if not ref and
+                            isinstance(layer, RaggedLayer) else backend(layer, key, ref))
+        monkeypatch.setattr(attention, "varlen_attn", varlen)
     lm = loaded_for(tiny_model("llama", n_kv=2, n_q=4, layers=2))
-    engine = Engine(lm, build_method({"name": name}, lm.layout), 40, Decode(interval=8, schedule="length"))
+    engine = Engine(lm, build_method({"name": name.split()[0]}, lm.layout), 40, Decode(interval=8, schedule="length"))
     ctx = engine.open([1 + (i * 7) % 120 for i in range(60)], 60)
     rows = [(40, 0), (13, 1), (40, 2), (25, 3), (40, 4)]  # rows leave at different steps, slots refill (batch 3)
     want = alone(engine, ctx, rows)
@@ -53,6 +67,7 @@ def test_sampled_candidates_in_a_batch_equal_each_alone(name):
     assert got == [r.tokens for r in want] and [len(t) for t in got] == [40, 13, 40, 25, 40]
     assert [r.decode_compressions for r in results] == [5, 1, 5, 3, 5]  # each row on its own schedule
     assert [(r.peak_stored_tokens, r.cache_trace) for r in results] == [(r.peak_stored_tokens, r.cache_trace) for r in want]
+    assert not name.endswith("varlen") or {2, 4, 6} <= set(calls)  # alone, 2 and 3 rows' KV heads in one call
 
 
 def test_greedy_rows_of_different_prompts_equal_each_alone():

@@ -11,7 +11,8 @@ import torch.nn.functional as F
 
 import kvbench.engine.attention
 import kvbench.engine.kvcache
-from kvbench.engine.attention import _decode_attention, decode_backend, grouped_attention
+from kvbench.engine.attention import (CompressionState, _decode_attention, decode_backend, grouped_attention,
+                                      kvbench_attention)
 from kvbench.engine.generate import Engine, layer_bytes
 from kvbench.engine.kvcache import PreallocatedLayer, RaggedLayer, store_layer, write_bias
 from methods.base import CompressResult, Method
@@ -102,6 +103,34 @@ def test_ragged_decode_equals_padded_reference(monkeypatch, layout, bias_kind, b
         torch.testing.assert_close(fast, expected, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(ref, expected, atol=1e-5, rtol=1e-5)
     assert layer.reserve == 2 * reserve and layer.keys.shape[0] == kept + h_kv * (reserve + 2 * reserve)
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize("bias_kind", [None, "q"])
+def test_decode_batch_in_one_varlen_call_equals_each_row(monkeypatch, layout, bias_kind):
+    """A decode batch whose layers have per-head lengths (rows of different lengths, decoded tokens, one laid out again
+    past its reserve) attends in one varlen call (CUDA) that equals each row's own per-head SDPA (CPU)."""
+    h_q, h_kv = LAYOUTS[layout]
+    d, scaling, gen = 16, 16**-0.5, torch.Generator().manual_seed(2)
+    layers = []
+    for r, steps in enumerate((1, 3, 6)):  # reserve 4: row 2 is laid out again
+        keys, values, valid, bias = _padded(h_kv, d, seed=10 + r, bias_heads=h_q if bias_kind else 0)
+        layers.append(_store(keys, values, valid, bias, scaling, 4))
+        for _ in range(steps):
+            layers[-1].update(torch.randn(1, h_kv, 1, d, generator=gen), torch.randn(1, h_kv, 1, d, generator=gen))
+    assert len({tuple(x.lengths.tolist()) for x in layers}) == 3
+    query = torch.randn(3, h_q, 1, d, generator=gen)
+    states = [CompressionState(SimpleNamespace(reads=False), None, None, SimpleNamespace(layers=[x]), "decode")
+              for x in layers]
+    run = lambda: kvbench_attention(SimpleNamespace(layer_idx=0), query, [x.keys for x in layers],
+                                    [x.values for x in layers], None, scaling, kvbench_state=states)[0]
+    want, calls, attn = run(), [], kvbench.engine.attention  # want: row by row, one SDPA call per KV head (CPU)
+    monkeypatch.setattr(attn, "decode_backend", lambda layer, key, ref=False: "flash varlen")
+    monkeypatch.setattr(attn, "varlen_attn", lambda *a, **k: calls.append(a) or fake_varlen_attn(*a, **k))
+    got = run()
+    assert len(calls) == 1 and calls[0][0].shape == (3 * h_kv, h_q // h_kv, layers[0].keys.shape[-1])
+    assert calls[0][6] == max(x.get_seq_length() for x in layers)  # max_k
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
