@@ -160,28 +160,49 @@ def engine_part(loaded, names, n: int, new_tokens: int, compiled: bool = False, 
     return rows
 
 
-def varlen_part(device, dtype, n: int) -> list[dict]:
-    """Decode attention over per-head lengths (:class:`kvbench.engine.kvcache.RaggedLayer`) against float32 reference
-    attention, for (query heads, KV heads, head dim, bias columns) of Llama (GQA 4), Qwen (GQA 5), MHA, head dim 256."""
-    from kvbench.engine.attention import _decode_attention, decode_backend, dense_layer, grouped_attention
+def _ragged(device, dtype, h_kv: int, d: int, n: int, bias: int, g: torch.Generator):
+    """A layer with random per-head lengths of n prompt slots (``bias`` columns), one token decoded."""
     from kvbench.engine.kvcache import PreallocatedLayer, store_layer, write_bias
 
+    keys, values = (torch.randn(1, h_kv, n, d, generator=g).to(device, dtype) for _ in range(2))
+    valid = (torch.rand(1, h_kv, n, generator=g) < torch.rand(1, h_kv, 1, generator=g).clamp(0.2, 0.9)).to(device)
+    layer = store_layer(SimpleNamespace(layers=[PreallocatedLayer(2)]), 0, keys, values, valid, bias, d**-0.5, 2)
+    if bias:
+        write_bias(layer, torch.randn(1, h_kv, n, generator=g).to(device), d, valid)
+    k1 = torch.randn(1, h_kv, 1, d, generator=g).to(device, dtype)
+    layer.update(k1, k1)
+    return layer
+
+
+def varlen_part(device, dtype, n: int, batch: int = 4) -> list[dict]:
+    """Decode attention over per-head lengths (:class:`kvbench.engine.kvcache.RaggedLayer`) against float32 reference
+    attention, for (query heads, KV heads, head dim, bias columns) of Llama (GQA 4), Qwen (GQA 5), MHA, head dim 256;
+    then ``batch`` rows of Llama's shape in one call, as a decode batch attends them
+    (:func:`kvbench.engine.kvcache.stack_ragged`): its ms (stacking included) and the rows' calls' one by one."""
+    from kvbench.engine.attention import _decode_attention, decode_backend, dense_layer, grouped_attention
+    from kvbench.engine.kvcache import stack_ragged
+
+    def attend(query, layers):  # B rows: one call over their stacked layers
+        s = stack_ragged(layers) if len(layers) > 1 else layers[0]
+        return _decode_attention(query, s.keys, s.values, None, query.shape[-1] ** -0.5, None, s)
+
     rows, g = [], torch.Generator().manual_seed(0)
-    for h_q, h_kv, d, bias in ((32, 8, 128, 0), (40, 8, 128, 0), (32, 32, 128, 0), (16, 4, 256, 0), (16, 4, 256, 1)):
-        row = {"part": "varlen", "query_heads": h_q, "kv_heads": h_kv, "head_dim": d, "bias_columns": bias}
+    shapes = ((32, 8, 128, 0, 1), (40, 8, 128, 0, 1), (32, 32, 128, 0, 1), (16, 4, 256, 0, 1), (16, 4, 256, 1, 1))
+    for h_q, h_kv, d, bias, b in (*shapes, (32, 8, 128, 0, batch)):
+        row = {"part": "varlen", "query_heads": h_q, "kv_heads": h_kv, "head_dim": d, "bias_columns": bias, "rows": b}
         try:
-            keys, values = (torch.randn(1, h_kv, n, d, generator=g).to(device, dtype) for _ in range(2))
-            valid = (torch.rand(1, h_kv, n, generator=g) < torch.rand(1, h_kv, 1, generator=g).clamp(0.2, 0.9)).to(device)
-            layer = store_layer(SimpleNamespace(layers=[PreallocatedLayer(2)]), 0, keys, values, valid, bias, d**-0.5, 2)
-            if bias:
-                write_bias(layer, torch.randn(1, h_kv, n, generator=g).to(device), d, valid)
-            query, k1 = torch.randn(1, h_q, 1, d, generator=g).to(device, dtype), torch.randn(1, h_kv, 1, d, generator=g).to(device, dtype)
-            key, value = layer.update(k1, k1)
-            out = _decode_attention(query, key, value, None, d**-0.5, None, layer)
-            k, v, b = dense_layer(layer, key, value, query)
-            ref = grouped_attention(query.float(), k.float(), v.float(), d**-0.5, bias=b)
+            layers = [_ragged(device, dtype, h_kv, d, n, bias, g) for _ in range(b)]
+            query = torch.randn(b, h_q, 1, d, generator=g).to(device, dtype)
+            out, queries = attend(query, layers), query.split(1)
+            ref = torch.cat([grouped_attention(q.float(), k.float(), v.float(), d**-0.5, bias=dense)
+                             for q, x in zip(queries, layers) for k, v, dense in [dense_layer(x, x.keys, x.values, q)]])
             err = _rel(out, ref)
-            row.update(backend=decode_backend(layer, key), rel_err=round(err, 6), ok=err <= TOLERANCE[dtype])
+            row.update(backend=decode_backend(layers[0], layers[0].keys), rel_err=round(err, 6),
+                       ok=err <= TOLERANCE[dtype])
+            if b > 1:  # the faster of 3 calls each
+                row.update(ms=round(min(_timed(device, lambda: attend(query, layers))[0] for _ in range(3)), 3),
+                           rows_one_by_one_ms=round(min(_timed(device, lambda: [attend(q, [x]) for q, x in zip(
+                               queries, layers)])[0] for _ in range(3)), 3))
         except Exception as e:  # noqa: BLE001 - reported (a kernel's shape limit), the check goes on
             row.update(error=f"{type(e).__name__}: {str(e).splitlines()[0][:200]}", ok=False)
         rows.append(row)

@@ -49,8 +49,9 @@ def test_gpu_check_writes_every_figure_without_kvpress(tmp_path, capsys, monkeyp
     assert sorted(compiled) == ["adakv", "full", "selkv"]
     assert all(r["decode_compiled"] and r["compile_s"] > 0 and r["compile_error"] is None for r in compiled.values())
     assert not any(r["decode_compiled"] or r["compile_s"] or r["compile_error"] for r in engine.values())  # eager
-    assert {(r["query_heads"], r["kv_heads"], r["head_dim"]) for r in parts["varlen"]} >= {(32, 8, 128), (40, 8, 128),
-                                                                                           (32, 32, 128), (16, 4, 256)}
+    assert {(r["query_heads"], r["kv_heads"], r["head_dim"], r["rows"]) for r in parts["varlen"]} >= {
+        (32, 8, 128, 1), (40, 8, 128, 1), (32, 32, 128, 1), (16, 4, 256, 1), (32, 8, 128, 4)}  # 4: a decode batch's call
+    assert all(r["ms"] > 0 and r["rows_one_by_one_ms"] > 0 for r in parts["varlen"] if r["rows"] > 1)
     assert all(r["ok"] and r["backend"] == "sdpa per head" for r in parts["varlen"])
     (lookm,) = parts["lookm"]
     assert lookm["ok"] and lookm["rel_err"] <= 1e-5 and lookm["bf16_ms"] > 0 and lookm["float32_ms"] > 0
