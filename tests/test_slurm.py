@@ -23,6 +23,7 @@ configuration on this machine.
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import math
@@ -55,7 +56,7 @@ MODEL = "smollm2"  # the embedded default model
 JOBS = [f"niah/{MODEL}/{m}/b{b}" for m in METHODS for b in BUDGETS]  # Hydra's multirun order = array index;
 # a job's folder is JOBS[k] + "-<settings hash>"
 IDS = sorted(f"niah/256/{d}" for d in DEPTHS)
-NAMES = ("kvbench-smoke", "kvbench-kill", "kvbench-sbatch")  # SLURM job names of the test arrays
+NAMES = ("kvbench-smoke", "kvbench-kill", "kvbench-sbatch", "kvbench-plugin")  # SLURM job names of the test arrays
 WAIT_S = 600  # upper bound for one sweep on a loaded 2-core machine; a free one needs well under a minute
 
 
@@ -399,6 +400,40 @@ def test_a_preempted_task_resumes_to_the_uninterrupted_store(smoke, sweep, tmp_p
     logs = "".join(p.read_text() for p in (tmp_path / "sweep2" / ".submitit").glob("*/*_log.*"))
     assert logs.count("already complete") == len(jobs), "a finished job was run again"
     print(f"\npreempt + resubmit: {time.monotonic() - t0:.0f} s")
+
+
+PLUGIN = """
+import torch
+
+from methods.base import ScoreMethod
+
+
+class VNorm(ScoreMethod):
+    def score(self, ctx):
+        return torch.linalg.vector_norm(ctx.values.float(), dim=-1)
+"""
+
+
+def test_a_plugin_method_from_the_users_folder_runs_as_a_job_array(cluster, sweep, tmp_path):
+    """Issue 57: a method class outside the repository (on the submitting shell's PYTHONPATH, which sbatch exports
+    to the tasks) runs through the submitit launcher, its source hash in each job's identity."""
+    (tmp_path / "plugins").mkdir()
+    (tmp_path / "plugins" / "vnorm_plugin.py").write_text(PLUGIN)
+    overrides = ["method=plugin", "method.target=vnorm_plugin:VNorm", f"budget={','.join(BUDGETS)}", *sweep[2:]]
+    root, sweep_dir = tmp_path / "results", tmp_path / "sweep"
+    proc = subprocess.run(
+        _sweep_cmd(root, sweep_dir, "kvbench-plugin", overrides), cwd=ROOT, env=_env(PYTHONPATH=str(tmp_path / "plugins")),
+        capture_output=True, text=True, timeout=WAIT_S,
+    )  # fmt: skip
+    assert proc.returncode == 0, _log_tail(sweep_dir, proc.stdout + proc.stderr)
+    array_id = _array_id(sweep_dir)
+    assert _states(array_id, len(BUDGETS)) == {f"{array_id}_{k}": "COMPLETED" for k in range(len(BUDGETS))}
+    jobs = [f"niah/{MODEL}/VNorm/b{b}" for b in BUDGETS]
+    store = _store(root)
+    assert sorted(store) == sorted(jobs) and all(sorted(store[job]) == IDS for job in jobs)
+    digest = hashlib.sha256((tmp_path / "plugins" / "vnorm_plugin.py").read_bytes()).hexdigest()
+    for job in jobs:
+        assert json.loads((_folder(root, job) / "identity.json").read_text())["inputs"]["method_source_sha256"] == digest
 
 
 def test_sbatch_template_runs_the_same_sweep_with_a_sharded_job(smoke, sweep, tmp_path):

@@ -81,37 +81,9 @@ class GenerationResult:
     read_bytes: int | None = None
 
     def record(self) -> dict[str, Any]:
-        """The fields stored in ``predictions.jsonl``."""
-        return {
-            "prompt_tokens": self.prompt_tokens,
-            "compressed_tokens": self.compressed_tokens,
-            "compressed": self.compressed,
-            "kept_tokens": self.kept_tokens,
-            "stored_tokens": self.stored_tokens,
-            "kept_bytes": self.kept_bytes,
-            "stored_bytes": self.stored_bytes,
-            "cache_bytes_before": self.cache_bytes_before,
-            "cache_bytes_after": self.cache_bytes_after,
-            "prefill_s": round(self.prefill_s, 6),
-            "compress_s": round(self.compress_s, 6),
-            "reconstruct_s": round(self.reconstruct_s, 6),
-            "reconstruct_tokens": self.reconstruct_tokens,
-            "decode_s": round(self.decode_s, 6),
-            "generated_tokens": self.generated_tokens,
-            "decode_tok_s": round(self.decode_tok_s, 4),
-            "compile_s": round(self.compile_s, 6),
-            "decode_compiled": self.decode_compiled,
-            "peak_prefill_bytes": self.peak_prefill_bytes,
-            "peak_decode_bytes": self.peak_decode_bytes,
-            "sdpa_backends": self.sdpa_backends,
-            "method_stats": self.method_stats,
-            "cache_trace": self.cache_trace,
-            "peak_stored_tokens": self.peak_stored_tokens,
-            "decode_compressions": self.decode_compressions,
-            "decode_compress_s": round(self.decode_compress_s, 6),
-            "read_tokens": self.read_tokens,
-            "read_bytes": self.read_bytes,
-        }
+        """The fields stored in ``predictions.jsonl``: all but ``tokens`` and ``text``, seconds to the µs."""
+        return {k: round(v, 4 if k == "decode_tok_s" else 6) if k.endswith("_s") else v
+                for k, v in vars(self).items() if k not in ("tokens", "text")}
 
 
 def layer_bytes(layer: Any) -> int:

@@ -110,3 +110,25 @@ def test_budget_below_window_keeps_the_last_m_tokens():
     layout, ctx = _ctx(budget=5)  # W = 8 > m = 5 (a small ratio budget on a short prompt)
     res = AdaKV(AdaKVConfig(window_size=8, kernel_size=3), layout).compress(ctx)
     assert res.valid.all() and res.kept_indices[0].tolist() == [list(range(91, 96))] * 2
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_floor_ratio_one_with_the_pyramid_schedule_is_pyramidkv(seed):
+    """docs/METHODS.md: PyramidKV's schedule around any scorer is `method=adakv method.scorer=...
+    method.layer_schedule=pyramid method.floor_ratio=1`; with SnapKV's scores it keeps PyramidKV's sets."""
+    from methods.pyramidkv import PyramidKV, PyramidKVConfig
+
+    g = torch.Generator().manual_seed(seed)
+    layout = HeadLayout(num_layers=4, num_q_heads=4, num_kv_heads=2, head_dim=8)
+    pyramid = PyramidKV(PyramidKVConfig(window_size=6), layout)
+    c = pyramid.config
+    ada = AdaKV(AdaKVConfig(window_size=6, kernel_size=c.kernel_size, pooling=c.pooling, floor_ratio=1.0,
+                            group_before_pooling=c.group_before_pooling, layer_schedule="pyramid"), layout)
+    plans = [m.plan(300, check_budget(40), layout) for m in (pyramid, ada)]
+    assert plans[0].layer_budgets == plans[1].layer_budgets and len(set(plans[0].layer_budgets)) == 4
+    for layer, budget in enumerate(plans[0].layer_budgets):
+        ctx = LayerContext(layer_idx=layer, layout=layout, keys=torch.randn(1, 2, 300, 8, generator=g),
+                           values=torch.randn(1, 2, 300, 8, generator=g), scaling=8**-0.5, budget=budget,
+                           window_queries=torch.randn(1, 4, 6, 8, generator=g))
+        kept = [m.compress(ctx).kept_indices.sort(-1).values for m in (pyramid, ada)]
+        assert torch.equal(*kept) and kept[0].shape[-1] == budget
