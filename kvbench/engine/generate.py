@@ -436,21 +436,31 @@ class Engine:
         return out
 
     @torch.inference_mode()
-    def decode_rows(self, rows: Iterable[Row], batch_size: int = 1, sampling: Any = None,
-                    on_result: Callable[[Row, Any], None] = lambda row, result: None) -> None:
+    def decode_rows(self, rows: Iterable[Row], batch_size: int | str = 1, sampling: Any = None,
+                    on_result: Callable[[Row, Any], None] = lambda row, result: None,
+                    max_bytes: int | None = None) -> None:
         """Decode ``rows`` (each its own context: :meth:`fork`), ``batch_size`` at a time: each step one forward of
         the live rows' tokens ``(B, 1)``, every row through its own cache (:class:`kvbench.engine.kvcache.RowsCache`)
         with its own decode-time compression schedule, stop ids, processors and generator (candidate k draws the
         stream it draws alone); a row leaves when it stops and the next row takes its slot. ``on_result(row,
         result)`` as each row ends: its :class:`GenerationResult`, or the :class:`NonFiniteLogitsError` that ended it.
-        Batched rows decode eagerly; their ``decode_s`` is their time in the batch, the peak memory the batch's."""
-        model, pending, live = self.model, iter(rows), []
+        Batched rows decode eagerly; their ``decode_s`` is their time in the batch, the peak memory the batch's.
+        ``batch_size="auto"``: as many rows as their :meth:`row_bytes` fit in ``max_bytes`` (None: the CUDA device's
+        free memory once the first row is prefilled), at least one."""
+        model, pending, live, cap = self.model, iter(rows), [], None
+        auto, batch_size = batch_size == "auto", 2**62 if batch_size == "auto" else batch_size
         reset_peak_memory(self.devices)  # the decode phase's own peak: the compressed cache and decoding
         forward = self.decode_forward() if batch_size == 1 else model
         compiled = forward is not model
         with self._decode_scope(compiled):
             while True:
                 while len(live) < batch_size and (row := next(pending, None)) is not None:
+                    if auto:
+                        cap = cap or max_bytes or torch.cuda.mem_get_info(self.loaded.device)[0]
+                        row.bytes = self.row_bytes(row)
+                        if live and sum(r.bytes for r in live) + row.bytes > cap:  # waits for a free slot
+                            pending = itertools.chain([row], pending)
+                            break
                     live.append(self._begin(row, sampling))
                 if not live:
                     break
@@ -510,6 +520,14 @@ class Engine:
                     # dynamo marks a failed frame's code "skip" for the whole process: a later engine's compile
                     # would then run those frames eager, unseen by the counters, while recorded as compiled
                     torch._dynamo.reset()
+
+    def row_bytes(self, row: Row) -> int:
+        """Bytes ``row``'s cache holds at its peak: its filled slots now (:func:`cache_bytes`) plus every layer's
+        keys and values of the tokens it may add, ``max_new_tokens`` (decode-time compression: budget + interval)."""
+        lay, add = self.loaded.layout, row.max_new_tokens
+        add = min(add, self.budget.tokens + self.decoding.interval) if self.decoding else add
+        return cache_bytes(row.ctx.state.cache) + add * lay.num_layers * lay.num_kv_heads * lay.head_dim * 2 * (
+            self.loaded.dtype.itemsize)
 
     def _begin(self, row: Row, sampling: Any) -> Row:
         """Start ``row``: its stop ids, positions, processors, the trace's first point, its clock."""

@@ -73,10 +73,13 @@ class Cache:
     bits: Optional[int] = None  # null: the model dtype; 2, 4, 8: KIVI-quantized (keys per channel, values per token)
     group_size: int = 32  # entries per scale and minimum: tokens of a key channel, channels of a value token
     residual: int = 128  # tokens per quantized block: the last (T mod residual) stay in full precision; 0: group_size
+    max_bytes: Optional[int] = None  # batch_size=auto: bytes all rows' caches may hold (null: CUDA's free memory)
 
     def __post_init__(self):
         need(self.bits in (None, 2, 4, 8), "cache.bits", self.bits, "accepted values are null (the model dtype), 2, 4, 8")
         need(self.group_size >= 1, "cache.group_size", self.group_size, "must be an integer >= 1 (it divides the head dim)")
+        need(self.max_bytes is None or self.max_bytes >= 1, "cache.max_bytes", self.max_bytes, "must be null or an "
+             "integer >= 1")
         need(self.residual >= 0, "cache.residual", self.residual, "must be an integer >= 0 (0: cache.group_size)")
         key = "group_size" if self.residual == Cache.residual else "residual"  # the one set: the default is right
         rule = (f"must divide cache.residual={self.residual}" if key == "group_size" else
@@ -124,8 +127,8 @@ class TopConfig:
         need(self.threads in ("auto", None) or (isinstance(self.threads, int) and 1 <= self.threads <= cores), "threads",
              self.threads, f"accepted values are auto, null or an integer from 1 to {cores} (4 x this machine's cores)")
         need(self.compile in ("auto", True, False), "compile", self.compile, "accepted values are auto, true, false")
-        need(type(self.batch_size) is int and self.batch_size >= 1, "batch_size", self.batch_size,
-             "must be an integer >= 1 (1: each answer alone)")
+        need(self.batch_size == "auto" or type(self.batch_size) is int and self.batch_size >= 1, "batch_size",
+             self.batch_size, "must be auto or an integer >= 1 (1: each answer alone)")
         need(d.interval >= 0, "decode.interval", d.interval, "must be an integer >= 0 (0: off)")
         need(d.schedule in ("steps", "length"), "decode.schedule", d.schedule, "accepted values are steps, length")
         need(not d.interval or self.compile is not True, "decode.interval", d.interval, "needs eager decoding (compile=false or auto)")
@@ -283,7 +286,8 @@ def identity(cfg: dict, source: tuple[str, str | None], inputs: dict, device: st
         **({"decode": cfg["decode"]} if (cfg.get("decode") or {}).get("interval") and cfg["method"]["name"] != "full" else {}),
         **({"sampling": {k: v for k, v in cfg["sampling"].items() if k != "n"}}
            if (cfg.get("sampling") or {}).get("temperature") else {}),
-        **({"cache": cfg["cache"]} if (cfg.get("cache") or {}).get("bits") else {}),  # a quantized cache only
+        **({"cache": {k: v for k, v in cfg["cache"].items() if k != "max_bytes"}}  # a quantized cache only
+           if (cfg.get("cache") or {}).get("bits") else {}),
     }
 
 
@@ -376,5 +380,7 @@ def check(cfg: Any, preset: str | None = None) -> JobSpec:
         preset = type(method).__name__ if preset in (None, methods.PLUGIN) else preset
         plain["method"]["label"] = plain["method"].get("label") or type(method).__name__  # its name in reports
     ident = identity(plain, source, inputs, device_type(top.device))
+    need(top.batch_size != "auto" or top.cache.max_bytes or ident["device"] == "cuda", "batch_size", "auto",
+         "needs cache.max_bytes off CUDA (on CUDA the cap defaults to the free memory)")
     return JobSpec(plain, top, method, source, layout, inputs, resolved, artifacts.files_read(), ident,
                    job_relpath(plain, preset, ident))

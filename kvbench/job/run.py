@@ -190,7 +190,7 @@ def run_jobs(jobs: list[JobSpec], wait_s: float | None = None) -> list[int]:
                 engine.compile_decode, engine.prompt_format = compiled, fmt
                 engine.quant = job.top.cache if job.top.cache.bits else None
             run_samples(engines, loaded, task, mine, [store for _, store in runs], top.quiet, top.sampling, top.seed,
-                        top.batch_size)
+                        top.batch_size, top.cache.max_bytes)
             for engine, (_, store), (name, env) in zip(engines, runs, envs):
                 if engine.compile_error:  # this run's env.json says what ran: eager from the failure on
                     store.write_json(name, {**env, "decode_compiled": False, "compile_error": engine.compile_error})

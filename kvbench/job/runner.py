@@ -295,7 +295,7 @@ class Progress:
 
 
 def run_samples(engines: list[Any], loaded: Any, task: Task, samples: list[Sample], stores: list[JobStore], quiet: bool,
-                sampling: Any = None, seed: int = 0, batch_size: int = 1) -> None:
+                sampling: Any = None, seed: int = 0, batch_size: int | str = 1, max_bytes: int | None = None) -> None:
     """Run every unit (:func:`units`) for each (engine, store) that has not stored all of it: one prefill of its
     context for all of them (:func:`kvbench.engine.generate.prefill`), each engine's answers from its own compressed cache
     (:class:`Unit`), one record appended per answer and store; progress as :class:`Progress` says."""
@@ -332,7 +332,7 @@ def run_samples(engines: list[Any], loaded: Any, task: Task, samples: list[Sampl
 
     for engine in engines:
         engine.on_decode_step = progress.step
-    batched: list[Unit] = []  # with batch_size > 1: decoded together at the end
+    batched: list[Unit] = []  # batch_size > 1 or auto (rows up to max_bytes): decoded together at the end
     try:
         for unit in todo:
             progress.starting(unit[0])
@@ -340,7 +340,7 @@ def run_samples(engines: list[Any], loaded: Any, task: Task, samples: list[Sampl
             mine = [j for j, r in enumerate(runs) if any(r.missing(s) for s in unit)]
             left.update({s.id: sum(len(runs[j].missing(s)) for j in mine) for s in unit})
             by_id.update({s.id: s for s in unit})
-            if batch_size > 1 and len(engines) == 1 and not runs[0].turns:
+            if batch_size != 1 and len(engines) == 1 and not runs[0].turns:
                 batched.append(runs[0])
                 continue
             first = next(s for s in unit if any(runs[j].missing(s) for j in mine) or s.turn == 0)
@@ -355,7 +355,7 @@ def run_samples(engines: list[Any], loaded: Any, task: Task, samples: list[Sampl
             finish(unit)
         if batched:
             rows = (row for run in batched for row in run.rows(lambda rec: on_record(0, rec)))
-            engines[0].decode_rows(rows, batch_size, sampling, lambda row, result: row.tag(result))
+            engines[0].decode_rows(rows, batch_size, sampling, lambda row, result: row.tag(result), max_bytes)
             for run in batched:
                 finish(run.samples)
     finally:

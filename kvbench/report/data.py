@@ -33,7 +33,7 @@ CACHE_COLUMNS = ["prompt_tokens", "kept_tokens", "cache_bytes_before", "cache_by
 NOT_SETTINGS = ("method", "budget", "run_tag", "run_name", "hydra", "quiet", "lock_wait_s", "output_root",
                 "threads", "compile", "reuse_full", "max_samples", "shard", "batch_size", "task.context_lengths", "task.depth_percents",
                 "task.datasets", "task.n_samples", "model.gguf_cache", "device", "task.max_length",
-                "model.max_input_length")
+                "model.max_input_length", "cache.max_bytes")
 RUN_CONTROL_FIELDS = ("kernel",)  # method fields that do not change a result
 
 

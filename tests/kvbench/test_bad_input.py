@@ -47,6 +47,11 @@ CASES = [
     ("threads-zero", ["threads=0"], "threads"),
     ("threads-10000", ["threads=10000"], "threads"),
     ("compile", ["compile=maybe"], "compile"),
+    ("batch-size-zero", ["batch_size=0"], "batch_size=0"),
+    ("batch-size-text", ["batch_size=foo"], "batch_size=foo"),
+    ("batch-size-auto-on-cpu", ["batch_size=auto", "device=cpu"], "batch_size=auto"),  # without cache.max_bytes
+    ("cache-max-bytes-negative", ["cache.max_bytes=-1"], "cache.max_bytes=-1"),
+    ("cache-max-bytes-text", ["cache.max_bytes=lots"], "cache.max_bytes"),
     ("decode-with-a-ratio-budget", ["method=snapkv", "decode.interval=16"], "decode.interval"),
     ("decode-compiled", ["method=snapkv", "budget=64", "decode.interval=16", "compile=true"], "decode.interval"),
     ("quest-compiled", ["method=quest", "budget=64", "compile=true"], "compile=true: method quest"),

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kvbench.engine import attention
-from kvbench.engine.generate import Engine, Row
+from kvbench.engine.generate import Engine, Row, cache_bytes
 from kvbench.engine.kvcache import RaggedLayer
 from kvbench.job.config import Decode, Sampling
 from kvbench.job.runner import candidate_seed, run_samples
@@ -14,7 +14,7 @@ from kvbench.job.store import JobStore
 from methods import build_method
 from tests.conftest import loaded_for, tiny_model
 from tests.kvbench.test_decode_fastpath import fake_varlen_attn
-from tests.kvbench.test_units import EchoTask, loaded, question  # noqa: F401 - the fixture
+from tests.kvbench.test_units import EchoTask, loaded, question, snapkv  # noqa: F401 - the fixture
 
 SAMPLING = Sampling(n=5, temperature=0.8, top_p=0.95)
 
@@ -119,3 +119,27 @@ def test_a_batched_job_stores_the_records_of_batch_one(loaded, tmp_path, samplin
         ctx = engine.open(loaded.tokenizer.encode(samples[2].prompt), 6)  # d/2#4 alone, from its own seed
         solo = engine.decode(ctx, 6, None, 0, torch.Generator().manual_seed(candidate_seed(7, "d/2", 4)), SAMPLING)
         assert records[1][-1]["prediction"] == solo.text
+
+
+def test_auto_decodes_as_many_rows_as_max_bytes_fits(loaded, tmp_path, monkeypatch):  # noqa: F811
+    """batch_size=auto: each row's peak bytes (its cache now, plus max_new_tokens tokens in every layer) against
+    cache.max_bytes (or CUDA's free memory); a cap that fits 3 rows decodes 3 at a time; the records are batch 1's."""
+    engine = Engine(loaded, build_method({"name": "snapkv", "window_size": 8}, loaded.layout), 32)
+    ids, lay = loaded.tokenizer.encode(question(0).prompt), loaded.layout
+    ctx, token = engine.open(ids, 6), lay.num_layers * lay.num_kv_heads * lay.head_dim * 2 * 4  # float32 keys, values
+    row = engine.row_bytes(Row(ctx, 6))
+    assert row == cache_bytes(ctx.state.cache) + 6 * token and cache_bytes(ctx.state.cache)
+    decoding = Engine(loaded, build_method({"name": "rkv"}, loaded.layout), 24, Decode(interval=8))
+    ctx = decoding.open(ids, 100)  # compressed while decoding: at most budget + interval tokens added
+    assert decoding.row_bytes(Row(ctx, 100)) == cache_bytes(ctx.state.cache) + 32 * token
+    forward, widths = loaded.model.forward, []
+    monkeypatch.setattr(loaded.model, "forward", lambda *a, **k: widths.append(k["input_ids"].shape)
+                        or forward(*a, **k))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (2 * row + 1, 10**12))  # free, total on "CUDA"
+    samples, records, most = [question(i) for i in range(7)], [], []
+    for b, cap in ((1, None), ("auto", 3 * row + row // 2), ("auto", None)):
+        store, widths[:] = JobStore(tmp_path / f"{b}{cap}"), []
+        run_samples([snapkv(loaded)], loaded, EchoTask("prompt"), samples, [store], True, None, 7, b, cap)
+        records.append([(r["id"], r["prediction"]) for r in sorted(store.records(), key=lambda r: r["id"])])
+        most.append(max(w[0] for w in widths if w[1] == 1))  # decode steps: (rows, 1)
+    assert most == [1, 3, 2] and records[1] == records[2] == records[0] and len(records[0]) == 7

@@ -41,3 +41,32 @@ def test_kill_9_then_rerun_stores_every_sample_once(tiny_model_dir, haystack_dir
     (partial,) = predictions.parent.glob("predictions.jsonl.partial-*")
     assert partial.read_bytes() == half
     assert predictions.read_bytes().endswith(b"\n")
+
+
+def test_kill_9_in_a_batch_then_rerun_stores_each_answer_once(tiny_model_dir, haystack_dir, tmp_path):
+    """Sampled candidates decoded 4 rows at a time (issue #58): killed after its first records, run again, every
+    (sample, candidate) is stored once, with batch 1's answer."""
+    args = [*tiny_model_args(tiny_model_dir), *GRID, f"task.haystack_dir={haystack_dir}", "sampling.n=3",
+            "sampling.temperature=0.8", "threads=1"]
+    batched = [*args, "batch_size=4", f"output_root={tmp_path / 'b4'}"]
+    predictions = job_dir(batched) / "predictions.jsonl"
+    proc = popen_cli(batched)
+    deadline = time.monotonic() + 300
+    while proc.poll() is None and time.monotonic() < deadline and not (
+            predictions.exists() and predictions.read_bytes().count(b"\n") >= 1):
+        time.sleep(0.02)
+    assert proc.poll() is None, f"the job ended (exit {proc.returncode}) before it could be killed"
+    os.kill(proc.pid, signal.SIGKILL)
+    assert proc.wait() == -signal.SIGKILL
+    assert 1 <= len(read_lines(predictions)) < 18
+    with open(predictions, "ab") as f:  # what a kill in the middle of a write leaves
+        f.write(b'{"id": "niah/400/100#2", "dataset": "niah", "predic')
+
+    assert (out := run_cli(batched)).returncode == 0, out.stderr[-2000:]
+    one = [*args, "batch_size=1", f"output_root={tmp_path / 'b1'}"]
+    assert (out := run_cli(one)).returncode == 0, out.stderr[-2000:]
+    records, alone = read_lines(predictions), read_lines(job_dir(one) / "predictions.jsonl")
+    ids = [r["id"] for r in records]
+    assert len(ids) == len(set(ids)) == 18 and all(r["error"] is None for r in records)
+    assert {r["id"]: r["prediction"] for r in records} == {r["id"]: r["prediction"] for r in alone}
+    assert len({r["prediction"] for r in alone}) > 1
