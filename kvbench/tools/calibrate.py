@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from methods import build_method
 from methods.artifacts import ARTIFACTS_ROOT, ranking_from_scores
@@ -23,9 +24,10 @@ from methods.base import ConfigError, LayerContext
 from eval.base import read_jsonl
 
 from kvbench.cli import ArgParser, listof
+from kvbench.engine.attention import ATTN_IMPLEMENTATION, register
 from kvbench.engine.kvcache import preallocated_cache
 from kvbench.job.config import CONF_MODEL_DIR, conf_model
-from kvbench.engine.models import resolve_source
+from kvbench.engine.models import attention_modules, resolve_source
 from kvbench.job.store import atomic_write
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -123,8 +125,8 @@ def relative_output_error(full: torch.Tensor, compressed: torch.Tensor, eps: flo
 
 
 class AttentionProbe:
-    """An SDPA attention function (registered with transformers' ``AttentionInterface``) that also
-    records what the calibration needs.
+    """What the calibration needs from the engine's attention (:func:`kvbench.engine.attention.kvbench_attention`
+    calls it after each plain attention call of a layer whose module carries it as ``kvbench_probe``).
 
     * ``record_rows``: at a decoding step, ``rows[l]`` = ``(H_q, n)`` float32 attention of the query.
     * ``selector``: at prefill, ``keep[l] = selector(layer, window_queries, keys, values, scaling)``
@@ -140,17 +142,13 @@ class AttentionProbe:
         self.record_rows, self.selector, self.window, self.n_prompt = False, None, window, 0
 
     def install(self, lm) -> None:
-        from transformers import AttentionInterface
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward
-        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+        """Run ``lm`` on the engine's attention, this probe on every layer."""
+        register()
+        lm.set_attn_implementation(ATTN_IMPLEMENTATION)
+        for module in attention_modules(lm).values():
+            module.kvbench_probe = self
 
-        self._sdpa = sdpa_attention_forward
-        AttentionInterface.register("kvbench_calibrate", self)
-        AttentionMaskInterface.register("kvbench_calibrate", sdpa_mask)
-        lm.set_attn_implementation("kvbench_calibrate")
-
-    def __call__(self, module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-        out, weights = self._sdpa(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+    def __call__(self, module, query, key, value, scaling, out) -> None:
         layer, q_len = module.layer_idx, query.shape[2]
         if q_len == 1 and self.record_rows:
             logits = query[0, :, 0].float().reshape(key.shape[1], -1, query.shape[-1]) @ key[0].float().transpose(1, 2)
@@ -160,10 +158,9 @@ class AttentionProbe:
             self.keep[layer] = self.selector(layer, query[:, :, -min(self.window, q_len):], key, value, scaling)
         elif q_len == 1 and self.keep[layer] is not None:
             idx = torch.cat([self.keep[layer], torch.arange(self.n_prompt, key.shape[2], device=key.device)])
-            comp, _ = self._sdpa(module, query, key[:, :, idx], value[:, :, idx], None, scaling=scaling, dropout=dropout)
-            o_full, o_comp = module.o_proj(out.reshape(1, -1)), module.o_proj(comp.reshape(1, -1))
+            comp = F.scaled_dot_product_attention(query, key[:, :, idx], value[:, :, idx], scale=scaling, enable_gqa=True)
+            o_full, o_comp = module.o_proj(out.reshape(1, -1)), module.o_proj(comp.transpose(1, 2).reshape(1, -1))
             self.errors[layer] += float(relative_output_error(o_full, o_comp))
-        return out, weights
 
 
 def read_haystack(part_dir: Path, min_words: int) -> str:
