@@ -21,7 +21,7 @@ from omegaconf import OmegaConf
 from methods import build_method
 from methods.base import ConfigError, check_budget
 
-from kvbench.cli import ArgParser, flat, listof
+from kvbench.cli import ArgParser, flat, listof, parse_with_overrides
 from kvbench.job.config import CONF, compose
 from kvbench.job.run import set_threads
 from kvbench.job.store import atomic_write
@@ -105,12 +105,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--new-tokens", type=one, help=f"generated tokens per request (default {DEFAULT_NEW_TOKENS})")
     p.add_argument("--repeats", type=one, help="timed runs per method and length (default 1)")
     p.add_argument("--out", help="output JSON (default: latency.out, else <output_root>/latency.json)")
-    argv = list(sys.argv[1:] if argv is None else argv)
-    # Hydra overrides may follow the options (--methods full snapkv budget=0.3): take them out first
-    at = {i for i, a in enumerate(argv) if not a.startswith("-") and ("=" in a or a.startswith("~"))
-          and not (i and argv[i - 1] == "--out")}
-    args = p.parse_args([a for i, a in enumerate(argv) if i not in at])
-    overrides = [argv[i] for i in sorted(at)] + args.overrides
+    args = parse_with_overrides(p, argv)
+    overrides = args.overrides
     try:
         cfg = compose(overrides)
     except Exception as e:  # noqa: BLE001 - Hydra's override and config errors: one line
