@@ -51,9 +51,9 @@ def flat(lists: list[list] | None) -> list | None:
 
 
 def parse_with_overrides(p: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
-    """``p.parse_args(argv)`` whose positional ``overrides`` (Hydra's) come first in ``args.overrides``: the ``key=value``
-    and ``~key`` arguments anywhere (after a list flag too: ``--methods full snapkv budget=0.3``), but the value of
-    ``--out`` or ``--*-scores``."""
+    """``p.parse_args(argv)`` whose positional ``overrides`` (Hydra's) come first in ``args.overrides``: the
+    ``key=value`` and ``~key`` arguments anywhere (after a list flag too: ``--methods full snapkv budget=0.3``), but
+    the value of ``--out`` or ``--*-scores``."""
     argv = list(sys.argv[1:] if argv is None else argv)
     at = {i for i, a in enumerate(argv) if not a.startswith("-") and ("=" in a or a.startswith("~"))
           and not (i and (argv[i - 1] == "--out" or argv[i - 1].endswith("-scores")))}

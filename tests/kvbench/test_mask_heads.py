@@ -119,7 +119,8 @@ def test_end_to_end_on_a_tiny_model(tiny_model_dir, haystack_dir, tmp_path, caps
     out = tmp_path / "out"
     argv = [f"model.source={tiny_model_dir}", "model.gguf_file=null", "--srh-scores", str(s), "--trh-scores", str(t),
             "--k", "1,2", "task.context_lengths=[400]", "task.depth_percents=[50]", f"task.haystack_dir={haystack_dir}",
-            "task.haystack_source=dir", "task.max_new_tokens=3", "threads=1", "--out", str(out), "model.chat_template=none"]
+            "task.haystack_source=dir", "task.max_new_tokens=3", "threads=1", "--out", str(out),
+            "model.chat_template=none"]
     assert main(argv) == 0
     report = json.loads((out / "mask_heads_smollm2_uniform-decode.json").read_text())
     assert report["no_mask"]["n"] == 1 and report["grid"]["samples"] == 1
