@@ -48,13 +48,10 @@ def run_latency(model_cfg: dict, method_cfgs: dict[str, dict], budget: float, le
     on the model loaded on ``device``). Returns the records."""
     import torch
 
-    from kvbench.engine import generate as engine_module  # reset_peak_rss looked up at each call (tests replace it)
+    from kvbench.engine import generate as engine_module, models  # reset_peak_rss read at each call (tests replace it)
     if make_engine is None:
-        from kvbench.engine.generate import Engine
-        from kvbench.engine.models import load_model
-
-        loaded = load_model(model_cfg, device)
-        make_engine = lambda cfg: Engine(loaded, build_method(cfg, loaded.layout), float(budget))  # noqa: E731
+        loaded = models.load_model(model_cfg, device)
+        make_engine = lambda cfg: engine_module.Engine(loaded, build_method(cfg, loaded.layout), budget)  # noqa: E731
     records: list[dict] = []
     for preset, method_cfg in method_cfgs.items():
         engine = make_engine(dict(method_cfg))
@@ -113,9 +110,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"{' '.join(overrides)}: {str(e).strip() or type(e).__name__}")
     lat = OmegaConf.to_container(cfg.get("latency") or OmegaConf.create(), resolve=True)
     model_cfg = OmegaConf.to_container(cfg.model, resolve=True)
-    budget = cfg.get("budget")
     try:
-        check_budget(budget)  # the job's own check: a ratio in (0, 1] or a token count >= 2
+        check_budget(budget := cfg.get("budget"))  # the job's own check: a ratio in (0, 1] or a token count >= 2
     except ConfigError as e:
         p.error(str(e))
     method_cfgs = {}
