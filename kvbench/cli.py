@@ -50,6 +50,18 @@ def flat(lists: list[list] | None) -> list | None:
     return None if lists is None else [v for values in lists for v in values]
 
 
+def parse_with_overrides(p: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """``p.parse_args(argv)`` whose positional ``overrides`` (Hydra's) come first in ``args.overrides``: the
+    ``key=value`` and ``~key`` arguments anywhere (after a list flag too: ``--methods full snapkv budget=0.3``), but
+    the value of ``--out`` or ``--*-scores``."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    at = {i for i, a in enumerate(argv) if not a.startswith("-") and ("=" in a or a.startswith("~"))
+          and not (i and (argv[i - 1] == "--out" or argv[i - 1].endswith("-scores")))}
+    args = p.parse_args([a for i, a in enumerate(argv) if i not in at])
+    args.overrides = [argv[i] for i in sorted(at)] + args.overrides
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
     """Dispatch ``kvbench <command> ...`` (``run`` execs ``python run.py``: same pid for Ctrl-C and scancel)."""
     argv = list(sys.argv[1:] if argv is None else argv)

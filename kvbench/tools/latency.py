@@ -21,7 +21,7 @@ from omegaconf import OmegaConf
 from methods import build_method
 from methods.base import ConfigError, check_budget
 
-from kvbench.cli import ArgParser, flat, listof
+from kvbench.cli import ArgParser, flat, listof, parse_with_overrides
 from kvbench.job.config import CONF, compose
 from kvbench.job.run import set_threads
 from kvbench.job.store import atomic_write
@@ -48,13 +48,10 @@ def run_latency(model_cfg: dict, method_cfgs: dict[str, dict], budget: float, le
     on the model loaded on ``device``). Returns the records."""
     import torch
 
-    from kvbench.engine import generate as engine_module  # reset_peak_rss looked up at each call (tests replace it)
+    from kvbench.engine import generate as engine_module, models  # reset_peak_rss read at each call (tests replace it)
     if make_engine is None:
-        from kvbench.engine.generate import Engine
-        from kvbench.engine.models import load_model
-
-        loaded = load_model(model_cfg, device)
-        make_engine = lambda cfg: Engine(loaded, build_method(cfg, loaded.layout), float(budget))  # noqa: E731
+        loaded = models.load_model(model_cfg, device)
+        make_engine = lambda cfg: engine_module.Engine(loaded, build_method(cfg, loaded.layout), budget)  # noqa: E731
     records: list[dict] = []
     for preset, method_cfg in method_cfgs.items():
         engine = make_engine(dict(method_cfg))
@@ -105,21 +102,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--new-tokens", type=one, help=f"generated tokens per request (default {DEFAULT_NEW_TOKENS})")
     p.add_argument("--repeats", type=one, help="timed runs per method and length (default 1)")
     p.add_argument("--out", help="output JSON (default: latency.out, else <output_root>/latency.json)")
-    argv = list(sys.argv[1:] if argv is None else argv)
-    # Hydra overrides may follow the options (--methods full snapkv budget=0.3): take them out first
-    at = {i for i, a in enumerate(argv) if not a.startswith("-") and ("=" in a or a.startswith("~"))
-          and not (i and argv[i - 1] == "--out")}
-    args = p.parse_args([a for i, a in enumerate(argv) if i not in at])
-    overrides = [argv[i] for i in sorted(at)] + args.overrides
+    args = parse_with_overrides(p, argv)
+    overrides = args.overrides
     try:
         cfg = compose(overrides)
     except Exception as e:  # noqa: BLE001 - Hydra's override and config errors: one line
         p.error(f"{' '.join(overrides)}: {str(e).strip() or type(e).__name__}")
     lat = OmegaConf.to_container(cfg.get("latency") or OmegaConf.create(), resolve=True)
     model_cfg = OmegaConf.to_container(cfg.model, resolve=True)
-    budget = cfg.get("budget")
     try:
-        check_budget(budget)  # the job's own check: a ratio in (0, 1] or a token count >= 2
+        check_budget(budget := cfg.get("budget"))  # the job's own check: a ratio in (0, 1] or a token count >= 2
     except ConfigError as e:
         p.error(str(e))
     method_cfgs = {}

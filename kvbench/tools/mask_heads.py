@@ -5,7 +5,6 @@ The heads, the random control, the masking modes and the output files: docs/COMP
 """
 
 import json
-import re
 import sys
 import time
 from pathlib import Path
@@ -17,7 +16,7 @@ from eval.base import TaskConfigError
 from methods.artifacts import artifact_path, keyed_errors, load_head_scores, top_heads
 from methods.base import ConfigError, HeadLayout
 
-from kvbench.cli import ArgParser, flat, listof
+from kvbench.cli import ArgParser, flat, listof, parse_with_overrides
 from kvbench.engine import models
 from kvbench.job.config import check, compose, conf_model
 from kvbench.job.run import build_task, environment, run_sample, set_threads
@@ -27,8 +26,6 @@ KINDS = ("srh", "trh", "random")
 MODES = ("zero", "uniform")
 PHASES = ("all", "decode")
 _SCORE_KIND = {"srh": "semantic_retrieval_heads", "trh": "retrieval_heads"}
-_FLAGS = {"context_lengths": "lengths", "depth_percents": "depths", "haystack_dir": "haystack-dir",
-          "max_new_tokens": "max-new-tokens", "source": "model-source", "chat_template": "chat-template"}
 
 
 class HeadMask:
@@ -108,15 +105,12 @@ def conditions(scores: dict, ks: list[int], kinds: list[str], seed: int) -> list
 
 
 def job(args):
-    """The checked NIAH job (method ``full``) of the command's model and grid flags (ConfigError naming the flag)."""
-    grid = {"context_lengths": args.lengths or None, "depth_percents": args.depths or None,
-            "max_new_tokens": args.max_new_tokens, "haystack_dir": args.haystack_dir}
-    overrides = [f"model={args.model}", "task=niah", "method=full", f"device={args.device}",
-                 f"threads={args.threads or 'null'}", *(f"task.{k}={json.dumps(v)}" for k, v in grid.items() if v is not None),
-                 *(["task.haystack_source=dir"] if args.haystack_dir else []),
-                 *([f"model.source={json.dumps(args.model_source)}", "model.gguf_file=null"] if args.model_source else []),
-                 *([f"model.chat_template={args.chat_template}"] if args.chat_template else [])]
-    return check(compose(overrides))
+    """The checked NIAH job (method ``full``) of ``--model`` and the Hydra overrides (ConfigError naming the key)."""
+    try:
+        cfg = compose([f"model={args.model}", "task=niah", "method=full", "threads=null", *args.overrides])
+    except Exception as e:  # noqa: BLE001 - Hydra's override and config errors: one line
+        raise ConfigError(f"{' '.join(args.overrides)}: {str(e).strip() or type(e).__name__}") from e
+    return check(cfg)
 
 
 def run_condition(engine, loaded, task, samples, heads, mode: str, phase: str) -> dict:
@@ -229,10 +223,9 @@ def run(args) -> int:
 def build_parser() -> ArgParser:
     p = ArgParser(prog="kvbench mask-heads", description=__doc__.split("\n\n")[0])
     lst = dict(nargs="+", action="extend")  # "--k 10 20", "--k 10,20" and "--k 10 --k 20" alike
+    p.add_argument("overrides", nargs="*", help="Hydra overrides of the NIAH job (task=niah method=full), e.g. "
+                   "task.context_lengths=[512,1024] task.depth_percents=[50] model.source=DIR device=cpu threads=1")
     p.add_argument("--model", default="smollm2", help="conf/model/<name>.yaml; also names methods/artifacts/<name>/")
-    p.add_argument("--model-source", default=None, help="override model.source (a local folder or file)")
-    p.add_argument("--chat-template", default=None, choices=("true", "vicuna", "none"),
-                   help="override model.chat_template (none: raw prompts, for a model without a chat template)")
     p.add_argument("--k", **lst, type=listof(int, lambda k: k >= 1), default=[],
                    help="numbers of top heads to mask, distinct (default 10,20,30)")
     p.add_argument("--kinds", **lst, type=listof(str, KINDS.__contains__, ", ".join(KINDS)), default=[],
@@ -242,13 +235,6 @@ def build_parser() -> ArgParser:
     p.add_argument("--seed", type=int, default=0, help="seed of the random-heads control")
     p.add_argument("--mode", choices=MODES, default="uniform", help="uniform (default, Wu et al.'s code): query set to 0; zero: head output before W_O set to 0")
     p.add_argument("--phase", choices=PHASES, default="decode", help="decode (default, Wu et al.'s code): the last prompt position and decoded tokens; all: every position")
-    p.add_argument("--lengths", **lst, type=listof(int), help="NIAH context lengths in tokens (default eval/niah.py NIAHConfig)")
-    p.add_argument("--depths", **lst, type=listof(float), help="NIAH needle depths in percent (default eval/niah.py NIAHConfig)")
-    p.add_argument("--haystack-dir", default=None, help="folder of .txt haystack files (default: the task's haystack_source)")
-    p.add_argument("--max-new-tokens", type=int, default=None, help="generation limit (default eval/niah.py NIAHConfig)")
-    p.add_argument("--device", type=listof(str, re.compile(r"auto|cpu|mps|cuda(:\d+)?").fullmatch, "auto, cpu, mps, "
-                   "cuda, cuda:<index>", one=True), default="auto", help="auto, cpu, mps, cuda, cuda:<index>")
-    p.add_argument("--threads", type=listof(int, lambda n: n >= 1, one=True), default=None, help="torch CPU threads (default: torch's)")
     p.add_argument("--out", default="results/mask_heads", help="output folder, or NAME.json/.csv/.md for the three files")
     return p
 
@@ -256,17 +242,16 @@ def build_parser() -> ArgParser:
 def main(argv: list[str] | None = None) -> int:
     """Run the ablation. Returns 0; exit 2 on a user error (one line on stderr)."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parse_with_overrides(parser, argv)
     args.k, args.kinds = flat(args.k) or [10, 20, 30], flat(args.kinds) or list(KINDS)
-    args.lengths, args.depths = flat(args.lengths), flat(args.depths)
     if len(set(args.k)) != len(args.k):
         parser.error(f"--k={args.k}: must be distinct positive integers (e.g. 10,20,30)")
     if not set(args.kinds) & {"srh", "trh"}:
         parser.error(f"--kinds={args.kinds}: at least one of srh, trh")
     try:
         return run(args)
-    except (ConfigError, TaskConfigError) as e:  # a key that a flag sets: named as the flag
-        parser.error(re.sub(r"^(?:task\.|model\.)?(\w+)=", lambda m: f"--{_FLAGS.get(m[1], m[1])}=", str(e)))
+    except (ConfigError, TaskConfigError) as e:  # naming the flag or the key
+        parser.error(str(e))
 
 
 if __name__ == "__main__":

@@ -88,14 +88,14 @@ def no_model_load(monkeypatch):
     (["--kinds", "srh,foo"], "--kinds"),
     (["--kinds", "random"], "--kinds="),
     (["--model", "llama31"], "--srh-scores"),
-    (["--lengths", "0"], "--lengths="),
-    (["--depths", "50,150"], "--depths="),
-    (["--max-new-tokens", "0"], "--max-new-tokens="),
-    (["--lengths", "abc"], "--lengths"),
-    (["--lengths", ""], "--lengths"),
-    (["--device", "gpu"], "--device"),
-    (["--threads", "0"], "--threads"),
-    (["--device", "cpu,cpu"], "--device"),  # one value
+    (["task.context_lengths=[0]"], "task.context_lengths="),
+    (["task.depth_percents=[50,150]"], "task.depth_percents="),
+    (["task.max_new_tokens=0"], "task.max_new_tokens="),
+    (["task.context_lengths=abc"], "task.context_lengths"),
+    (["task.context_lengths="], "task.context_lengths"),
+    (["device=gpu"], "device"),
+    (["threads=0"], "threads"),
+    (["device=cpu,cpu"], "device"),  # one value
     (["--srh-scores", "README.md", "--kinds", "srh"], "--srh-scores"),
 ])
 def test_user_errors_are_one_line_before_loading_a_model(args, flag, tmp_path, capsys, no_model_load):
@@ -117,9 +117,10 @@ def test_k_larger_than_a_hand_made_grid(tmp_path, capsys, no_model_load):
 def test_end_to_end_on_a_tiny_model(tiny_model_dir, haystack_dir, tmp_path, capsys):
     s, t = _score_file(tmp_path / "s.json", SRH), _score_file(tmp_path / "t.json", TRH)
     out = tmp_path / "out"
-    argv = ["--model-source", str(tiny_model_dir), "--srh-scores", str(s), "--trh-scores", str(t), "--k", "1,2",
-            "--lengths", "400", "--depths", "50", "--haystack-dir", str(haystack_dir), "--max-new-tokens", "3",
-            "--threads", "1", "--out", str(out), "--chat-template", "none"]
+    argv = [f"model.source={tiny_model_dir}", "model.gguf_file=null", "--srh-scores", str(s), "--trh-scores", str(t),
+            "--k", "1,2", "task.context_lengths=[400]", "task.depth_percents=[50]", f"task.haystack_dir={haystack_dir}",
+            "task.haystack_source=dir", "task.max_new_tokens=3", "threads=1", "--out", str(out),
+            "model.chat_template=none"]
     assert main(argv) == 0
     report = json.loads((out / "mask_heads_smollm2_uniform-decode.json").read_text())
     assert report["no_mask"]["n"] == 1 and report["grid"]["samples"] == 1
