@@ -26,7 +26,7 @@ def references(name: str) -> tuple[dict, list[Path]]:
                 group = key.replace("override", "").strip().strip("/")
                 needed.append(CONF / group / f"{value}.yaml")
     params = (((data.get("hydra") or {}).get("sweeper") or {}).get("params")) or {}
-    for group in SWEPT_GROUPS:
+    for group in [*SWEPT_GROUPS, *(k for k in params if (CONF / k).is_dir() and k not in SWEPT_GROUPS)]:  # + rows
         needed += [CONF / group / f"{v.strip()}.yaml" for v in str(params.get(group, "")).split(",") if v.strip()]
     return params, needed
 
@@ -98,6 +98,36 @@ def test_method_presets_have_distinct_labels_without_comment_text():
     assert labels["PyramidKV (CompressKV)"] == "pyramidkv_compresskv.yaml"
 
 
+SCBENCH_ROWS = {m: [f"method={m}"] for m in ("full", "ashape", "trishape", "streamingllm_scbench", "snapkv",
+                                              "snapkv_minference", "pyramidkv", "pyramidkv_minference", "quest_scbench")}
+SCBENCH_ROWS.update(quest_1024=["method=quest_scbench", "budget=1024"],
+                    kivi=["method=full", "cache.bits=2", "cache.group_size=32", "cache.residual=32"])
+
+
+@pytest.mark.parametrize("name", ["scbench_multi_turn", "scbench_multi_request"])
+def test_scbench_presets_sweep_11_rows_each_the_job_of_its_explicit_command(name):
+    """One -m sweep of rows (conf/scbench_row): each composes to the config and method choice (the job folder's
+    <preset>) of the explicit ``method=... budget=... cache.*=...`` command beside the preset."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    def job(overrides):
+        node = compose("config", [f"+experiment={name}", *overrides], return_hydra_config=True)
+        cfg = OmegaConf.to_container(node, resolve=False)
+        return cfg.pop("hydra")["runtime"]["choices"]["method"], cfg
+
+    swept = references(name)[0]["scbench_row"]
+    assert [v.strip() for v in swept.split(",")] == list(SCBENCH_ROWS)
+    with initialize_config_dir(config_dir=str(CONF), version_base=None):
+        for row, explicit in SCBENCH_ROWS.items():
+            preset, cfg = job([f"scbench_row={row}"])
+            assert (preset, cfg) == job(explicit), row
+            assert preset == explicit[0].split("=")[1]
+            assert (cfg["budget"], cfg["cache"]) == ({"quest_1024": 1024}.get(row, 4096), {
+                "bits": 2 if row == "kivi" else None, "group_size": 32, "residual": 32 if row == "kivi" else 128}), row
+        assert job([]) == job(["method=snapkv"])  # without -m: SnapKV, as before the rows
+
+
 def preset_jobs(name: str, root: Path) -> list:
     """Job folders (config.yaml + summary.json, distinct made-up scores) for every job of the preset's sweep, as
     Hydra composes them per model; a preset with ``latency`` settings writes ``root/latency.json`` instead."""
@@ -112,9 +142,11 @@ def preset_jobs(name: str, root: Path) -> list:
     params, _ = references(name)
     swept = {k: [yaml.safe_load(v.strip()) for v in str(vals).split(",")] for k, vals in params.items()}
     models = swept.pop("model", [None])
+    rows = {k: swept.pop(k) for k in list(swept) if k not in SWEPT_GROUPS and (CONF / k).is_dir()}  # composed each
     with initialize_config_dir(config_dir=str(CONF), version_base=None):
-        cfgs = {m: OmegaConf.to_container(compose("config", [f"+experiment={name}"] + [f"model={m}"] * bool(m)),
-                                          resolve=True, enum_to_str=True) for m in models}
+        cfgs = {"-".join(map(str, c)): OmegaConf.to_container(compose("config", [
+            f"+experiment={name}", *[f"model={c[0]}"] * bool(c[0]), *(f"{k}={v}" for k, v in zip(rows, c[1:]))]),
+            resolve=True, enum_to_str=True) for c in itertools.product(models, *rows.values())}
     latency = []
     for m, base in cfgs.items():
         lat = base.get("latency") or {}
