@@ -498,9 +498,11 @@ class Method:
         return plan
 
     def select(self, ctx: LayerContext) -> torch.Tensor | None:
-        """Sparse reading (``reads``), at each one-token decode step of a compressible layer: ``(B, H_kv, T)`` bool,
-        the slots each KV head's attention reads, or None (all). ``ctx.keys`` ``(B, H_kv, T, d)``: the layer's cache,
-        the current token last; ``ctx.window_queries`` ``(B, H_q, 1, d)``: the step's query; ``ctx.budget``: the plan's."""
+        """Sparse reading (``reads``), at each one-token decode step of a compressible layer: ``(B, H_kv, G, T)``
+        bool, the slots each query head reads (query head h = kv·G + g, G = H_q / H_kv; a KV head reads the union of
+        its G heads'), or ``(B, H_kv, 1, T)``, one set per KV head, or None (all). ``ctx.keys`` ``(B, H_kv, T, d)``:
+        the layer's cache, the current token last; ``ctx.window_queries`` ``(B, H_q, 1, d)``: the step's query;
+        ``ctx.budget``: the plan's."""
         return None
 
     def prefill_attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,

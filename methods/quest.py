@@ -7,13 +7,15 @@ the page from above by
 
     U_j = Σ_i max(q_i · M_{j,i}, q_i · m_{j,i})                                   (paper Sec. 3.2, Alg. 1)
 
-(Quest's evaluation code: ``sign(q)·k`` maxed over the page, times ``|q|``; sign(0) = −1). Each KV head reads the top
+(Quest's evaluation code: ``sign(q)·k`` maxed over the page, times ``|q|``; sign(0) = −1). Each query head reads the top
 k = min(max(3, ⌊B/P⌋), pages) pages by U (``evaluation/quest_attention.py``'s ``local_heavy_hitter_mask``, B the
 token budget), plus the current (last) page (``current_page``: the page Quest's kernels always read; false: the
-evaluation code exactly), so a step reads at most max(3P, B) + P tokens. A KV head with G > 1 query heads ranks a
-page by the largest bound of its query heads (Quest's code repeats keys, each query head chooses); for G = 1 the
-pages are the reference's. The first ``dense_layers`` layers and every forward of more than one token (prefill, the
-query part) read everything (``layer_id < 2``, ``q_len > 1`` in the reference).
+evaluation code exactly), so a step reads at most max(3P, B) + P tokens per query head. With GQA (G > 1 query heads
+per KV head) every query head chooses its own pages (``per_query_head``), as the reference does: Quest's evaluation
+code and MInference's quest path (SCBench) repeat the keys to the query heads before the bound (``repeat_kv``), and
+Quest's kernels are MHA only; a KV head then reads the union of its query heads' pages (``read_tokens``). False: one
+set per KV head, ranked by its query heads' largest bound. The first ``dense_layers`` layers and every forward of
+more than one token (prefill, the query part) read everything (``layer_id < 2``, ``q_len > 1`` in the reference).
 
 The engine calls :meth:`Quest.select` at each decode step of every compressible layer (``Method.reads``) and masks
 the attention to the chosen slots; nothing is evicted, unless ``keep`` is set: SnapKV (W=32, K=5, avg pooling)
@@ -37,12 +39,15 @@ class QuestConfig(MethodConfig):
         dense_layers: the first layers that read the whole cache (Quest's evaluation: 2).
         current_page: the page of the current token is always read (Quest's kernels); false: it competes.
         keep: prompt tokens per KV head SnapKV keeps first (> its window of 32), or null: the whole prompt.
+        per_query_head: with GQA each query head reads its own top pages (the reference: keys repeated); false: a KV
+            head's query heads share one set, ranked by their largest bound. MHA: the same pages either way.
     """
 
     page_size: int = 16
     dense_layers: int = 2
     current_page: bool = True
     keep: int | None = None
+    per_query_head: bool = True
 
     def check(self) -> None:
         require(self.page_size >= 1, "page_size", self.page_size, "must be an integer >= 1")
@@ -51,21 +56,21 @@ class QuestConfig(MethodConfig):
 
 
 def page_bounds(query: torch.Tensor, keys: torch.Tensor, page_size: int) -> torch.Tensor:
-    """Quest's bound U ``(B, H_q, pages)`` of every page for one query ``(B, H_q, 1, d)`` over keys ``(B, H_kv, T, d)``,
+    """Quest's bound U ``(B, H_kv, G, pages)`` of every page for each query head g of each KV head (query head
+    kv·G + g) for one query ``(B, H_q, 1, d)`` over keys ``(B, H_kv, T, d)``,
     float32: ``|q| · S`` with S_i = M_i where q_i > 0, else −m_i (= max over the page of sign(q_i)·k_i, as the
     reference computes it; M, m over the page's tokens only)."""
-    b, h_q, _, d = query.shape
-    h_kv, pad = keys.shape[1], -keys.shape[2] % page_size
+    (b, h_kv, _, d), pad = keys.shape, -keys.shape[2] % page_size
     fill = torch.finfo(keys.dtype)
     top = F.pad(keys, (0, 0, 0, pad), value=fill.min).unflatten(2, (-1, page_size)).amax(3)  # M (B, H_kv, pages, d)
     low = F.pad(keys, (0, 0, 0, pad), value=fill.max).unflatten(2, (-1, page_size)).amin(3)  # m
     q = query.view(b, h_kv, -1, 1, d)  # (B, H_kv, G, 1, d)
     signed = torch.where(q > 0, top.unsqueeze(2), -low.unsqueeze(2))  # (B, H_kv, G, pages, d)
-    return torch.matmul(q.abs().float(), signed.float().transpose(-1, -2)).view(b, h_q, -1)
+    return torch.matmul(q.abs().float(), signed.float().transpose(-1, -2)).squeeze(3)
 
 
 def select_pages(bounds: torch.Tensor, budget: int, page_size: int, t: int, current_page: bool) -> torch.Tensor:
-    """``(B, H, t)`` bool: the tokens of the top min(max(3, ⌊budget/P⌋), pages) pages of ``bounds`` ``(B, H, pages)``
+    """``(..., t)`` bool: the tokens of the top min(max(3, ⌊budget/P⌋), pages) pages of ``bounds`` ``(..., pages)``
     (and the last page when ``current_page``)."""
     pages = bounds.shape[-1]
     k = min(max(3, min(t, budget) // page_size), pages)
@@ -109,10 +114,12 @@ class Quest(Method):
         return self.config.keep  # the cache keeps `keep`; each step reads the budget
 
     def select(self, ctx: LayerContext) -> torch.Tensor | None:
-        """``(B, H_kv, T)`` bool: the slots each KV head reads (``ctx.window_queries``: the step's query)."""
+        """``(B, H_kv, G, T)`` bool: the slots each query head reads (``ctx.window_queries``: the step's query), or
+        ``(B, H_kv, 1, T)``, each KV head's, without ``per_query_head``."""
         if ctx.layer_idx < self.config.dense_layers:
             return None
-        b, h_kv, t = ctx.keys.shape[:3]
-        bounds = page_bounds(ctx.window_queries, ctx.keys, self.config.page_size)  # (B, H_q, pages)
-        bounds = bounds.view(b, h_kv, -1, bounds.shape[-1]).amax(2)  # a KV head: its query heads' largest bound
-        return select_pages(bounds, ctx.budget, self.config.page_size, t, self.config.current_page)
+        bounds = page_bounds(ctx.window_queries, ctx.keys, self.config.page_size)  # (B, H_kv, G, pages)
+        if not self.config.per_query_head:  # a KV head: its query heads' largest bound
+            bounds = bounds.amax(2, keepdim=True)
+        return select_pages(bounds, ctx.budget, self.config.page_size, ctx.keys.shape[2],
+                            self.config.current_page)

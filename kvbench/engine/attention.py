@@ -253,8 +253,8 @@ def _decode_attention(query, key, value, mask, scaling, softcap, layer=None, ref
         if q_len > 1 and mask is None:
             lens = torch.tensor(layer.lens_host, device=k.device) + (layer.decoded - q_len) if ragged else None
             offset = k.shape[2] - q_len if lens is None else lens.view(b, -1, 1, 1).repeat_interleave(h_q // layer.shape[1], 1)
-        if mask is not None and mask.shape[1] not in (1, h_q):  # a per-KV-head mask (Method.select)
-            mask = mask.repeat_interleave(h_q // mask.shape[1], 1)
+        if mask is not None and q_len == 1:  # Method.select's (B, H_kv, 1 or G, T), as (B, H_q, 1, T)
+            mask = mask.expand(-1, -1, h_q // mask.shape[1], -1).reshape(b, h_q, 1, -1)
         return grouped_attention(query, k, v, scaling, bias=bias, mask=mask, softcap=softcap, causal_offset=offset)
     h_kv = layer.shape[1] if ragged else key.shape[1]
     rows, r = query.reshape(b, h_kv, h_q // h_kv, d), getattr(layer, "bias_rows", 0)
@@ -269,7 +269,7 @@ def _decode_attention(query, key, value, mask, scaling, softcap, layer=None, ref
         out = torch.cat([F.scaled_dot_product_attention(rows[i : i + 1], key[s : s + n + t].view(1, 1, -1, w),
                                                          value[s : s + n + t].view(1, 1, -1, w), scale=scaling)
                          for i, (s, n) in enumerate(zip(layer.cu_host, layer.lens_host))])
-    else:  # mask (B, 1, 1, T) broadcasts over (B, H_kv, G, T)
+    else:  # mask (B, H_kv, 1 or G, T) broadcasts over (B, H_kv, G, T)
         out = F.scaled_dot_product_attention(rows, key, value, attn_mask=mask, scale=scaling)
     return out[..., :d].reshape(b, 1, h_q, d)
 
@@ -387,11 +387,11 @@ def kvbench_attention(module, query, key, value, attention_mask, scaling=None, d
         # Several (the query part): transformers' mask on a sliding layer, else causal per head (_decode_attention)
         mask = attention_mask if query.shape[2] > 1 and getattr(layer, "is_sliding", False) else None
         if state.method.reads and query.shape[2] == 1 and module.layer_idx in state.layout.compressible_layers:
-            keep = state.method.select(LayerContext(  # sparse reading (Quest): the slots each KV head reads
+            keep = state.method.select(LayerContext(  # sparse reading (Quest): the slots each query head reads
                 module.layer_idx, state.layout, key[..., : query.shape[-1]], value, query, float(scaling),
                 int(state.plan.layer_budgets[module.layer_idx]), softcap, decoding=1))
-            if keep is not None:
-                mask, state.reads[module.layer_idx] = keep.unsqueeze(2), keep.sum()  # (B, H_kv, 1, T)
+            if keep is not None:  # (B, H_kv, 1 or G, T): a KV head reads the union of its query heads' slots
+                mask, state.reads[module.layer_idx] = keep, keep.any(2).sum()
         out = row_out if row_out is not None else _decode_attention(query, key, value, mask, scaling, softcap, layer,
                                                                     state.reference_decode)
         if state.decode_budget is not None and module.layer_idx in state.layout.compressible_layers:

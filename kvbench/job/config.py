@@ -31,7 +31,7 @@ CONF_MODEL_DIR = CONF / "model"
 SELECTION_KEYS = ("context_lengths", "depth_percents", "datasets", "n_samples", "subtasks")
 #: settings added after results were stored with them unset: at this value they stay out of the identity (the folders resume)
 FORMER = {("model", "compress_sliding_layers"): False, ("method", "score_dtype"): "float32", ("task", "compress"): "prompt",
-          ("task", "max_total_tokens"): None}
+          ("task", "max_total_tokens"): None, ("method", "per_query_head"): False}
 DTYPES = ("float32", "bfloat16", "float16")
 DEVICE_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")
 
