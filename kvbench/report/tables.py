@@ -281,7 +281,8 @@ AVERAGES = {  # task -> the caption of its averages tables (formatted with the m
     "longbench_v2": ("LongBench-v2 accuracy (%) of {}: overall, easy/hard, short/medium/long (result.py's columns), a "
                      "row per job.", BREAKDOWN, {c: c.capitalize() for c in BREAKDOWN}),
     "loogle": ("LooGLE automatic metrics (×100) of {}, a row per job: cloze exact/partial match (matched / all masks), "
-               "QA and summarization ROUGE recall and BLEU (mean over questions); loogle: the mean of the task scores.",),
+               "QA and summarization ROUGE recall and BLEU (mean over questions); loogle: the mean of the task "
+               "scores.",),
     "zero_scrolls": ("ZeroSCROLLS (validation split) of {}, a row per job: zero_scrolls (the mean of the task scores) "
                      "and the mean ROUGE-1/2/L F (×100) of the summarization tasks, whose score is their geometric "
                      "mean.",)}
