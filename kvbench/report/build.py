@@ -31,9 +31,7 @@ def _sweep_fig(name: str, task: str, ratio: bool, title: str = "", per_dataset: 
 
 ARTIFACTS = {  # family -> builder of its artifacts
     "scores": lambda c: rt.score_tables(c.df, c.root),
-    "longbench_v2": lambda c: rt.longbench_v2_tables(c.df, c.root),
-    "loogle": lambda c: rt.loogle_tables(c.df, c.root),
-    "zero_scrolls": lambda c: rt.zero_scrolls_tables(c.df, c.root),
+    **{task: lambda c, task=task: rt.averages_tables(c.df, c.root, task) for task in rt.AVERAGES},
     "selkv_table1": lambda c: rt.selkv_table1(c.df),
     "selkv_table2": lambda c: rt.staged_table(c.df, "selkv_table2", 0.25),
     "selkv_table3": lambda c: rt.sensitivity_table(c.df, "selkv_table3", "selkv", 0.25),
@@ -57,12 +55,11 @@ ARTIFACTS = {  # family -> builder of its artifacts
     "cost": lambda c: cost_table(c.df, c.root),
     "accuracy_vs_bytes": lambda c: accuracy_vs_bytes(c.df) + accuracy_vs_bytes(c.df, read=True),
 }
-OUTPUTS = {"scores": ["scores_*", "paired_*"], "longbench_v2": ["longbench_v2_*"], "loogle": ["loogle_*"],
-           "zero_scrolls": ["zero_scrolls_*"], "selkv_ratio_tables": ["selkv_table5", "selkv_table6", "selkv_ratios_*"],
+OUTPUTS = {"scores": ["scores_*", "paired_*"], "selkv_ratio_tables": ["selkv_table5", "selkv_table6", "selkv_ratios_*"],
            "compresskv_table3": ["compresskv_table3a", "compresskv_table3b"], "niah": ["niah_panel_*"],
-           "score_vs_budget": ["score_vs_budget_*"], "reasoning": ["passk_*", "cache_trace_*", "gen_length_*"], "scbench": ["scbench_*"],
-           "cost": ["cost"],
-           "accuracy_vs_bytes": ["accuracy_vs_bytes", "accuracy_vs_bytes_points", "accuracy_vs_read_bytes*"]}
+           "reasoning": ["passk_*", "cache_trace_*", "gen_length_*"],  # any other family: its name, or <name>_*:
+           "accuracy_vs_bytes": ["accuracy_vs_bytes", "accuracy_vs_bytes_points", "accuracy_vs_read_bytes*"],
+           **{family: [f"{family}_*"] for family in [*rt.AVERAGES, "score_vs_budget", "scbench"]}}
 
 
 def _cells(t: Artifact, bold: str = "**%s**", missing: str = "–", esc=str) -> pd.DataFrame:
@@ -175,10 +172,9 @@ def main(argv: list[str] | None = None) -> int:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         p.io_error(f"--out {str(out)!r}", e)
-    index = [f"# Report of {root}", "", f"{df['job'].nunique()} job folder(s) read.", ""]
-    index[-1:-1] = [f"Left out (unreadable): {line}" for line in df.attrs["unreadable"]]
-    for job in sorted(df.loc[df["dataset"].isna(), "job"]):  # no stored (nor summarised) sample
-        index.insert(-1, f"Started, no samples: {job}")
+    index = [f"# Report of {root}", "", f"{df['job'].nunique()} job folder(s) read.",
+             *[f"Left out (unreadable): {line}" for line in df.attrs["unreadable"]],  # and jobs with no stored sample:
+             *[f"Started, no samples: {job}" for job in sorted(df.loc[df["dataset"].isna(), "job"])], ""]
     if df.empty and not (only and all(fnmatch.fnmatch("selkv_fig3", x) for x in only)):
         print(f"warning: no job folders under {root}; only the latency figure is drawn", file=sys.stderr)
     built = build(Context(root, df[df["dataset"].notna()], latency, str(lat_path)), only)  # jobs with samples

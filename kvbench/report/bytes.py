@@ -10,7 +10,7 @@ import json
 import pandas as pd
 from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
-from kvbench.report.data import budget_text, method_sort_key
+from kvbench.report.data import budget_cell, method_sort_key
 from kvbench.report.tables import Artifact, _done, _figure, count, draw_lines
 
 DTYPE_BITS = {"float32": 32, "bfloat16": 16, "float16": 16}
@@ -36,11 +36,6 @@ def job_points(df: pd.DataFrame, column: str = "cache_bytes_after") -> pd.DataFr
     return pts.reset_index().assign(size=lambda p: 100 * p["after"] / p["before"]).drop(columns=["before", "after"])
 
 
-def _curve(r, layouts: int) -> str:
-    width = f"{r.bits:.0f}-bit" if r.bits == r.bits else "model dtype"
-    return f"{r.method}{f' ({r.variant})' if r.variant else ''} · {width}" + f" ({r.layout})" * bool(layouts > 1 and r.quantized)
-
-
 def accuracy_vs_bytes(df: pd.DataFrame, read: bool = False) -> list[Artifact]:
     """The figure ``accuracy_vs_bytes`` (a panel per task × model; a curve per method and cache width through its
     budgets; hollow: an unfinished job) and the table ``accuracy_vs_bytes_points`` of its points; [] without jobs.
@@ -50,7 +45,9 @@ def accuracy_vs_bytes(df: pd.DataFrame, read: bool = False) -> list[Artifact]:
     if pts.empty:
         return []
     layouts = pts[pts["quantized"]].groupby(["task", "table_key"])["layout"].nunique()
-    pts["curve"] = [_curve(r, layouts.get((r.task, r.table_key), 0)) for r in pts.itertuples()]
+    pts["curve"] = [f"{r.method}{f' ({r.variant})' if r.variant else ''} · " + (
+        f"{r.bits:.0f}-bit" if r.bits == r.bits else "model dtype") + f" ({r.layout})" * bool(
+        layouts.get((r.task, r.table_key), 0) > 1 and r.quantized) for r in pts.itertuples()]
     panels = pts[["task", "table_key"]].drop_duplicates().sort_values(["task", "table_key"]).to_numpy()
     fig, axes = _figure(1, len(panels), w=5.2, h=3.8)
     methods = sorted(pts["method"].unique(), key=lambda m: method_sort_key(pts.loc[pts["method"] == m, "method_name"].iat[0], m))
@@ -76,7 +73,7 @@ def accuracy_vs_bytes(df: pd.DataFrame, read: bool = False) -> list[Artifact]:
                "dtype) through its budgets; hollow: an unfinished job.")
     used = df[df["job"].isin(pts["job"])]
     table = pts.sort_values(["task", "table_key", "method", "bits", "layout", "size"]).assign(
-        Budget=lambda p: [budget_text(b) if n != "full" else "–" for b, n in zip(p["budget"], p["method_name"])],
+        Budget=lambda p: [budget_cell(n, b, "–") for b, n in zip(p["budget"], p["method_name"])],
         Bits=lambda p: [f"{b:.0f}" + (f" ({g})" if q else " (dtype)") if b == b else "dtype"
                         for b, q, g in zip(p["bits"], p["quantized"], p["layout"])])
     data = table.rename(columns={"task": "Task", "table_key": "Model", "method": "Method", "size": "Cache %", "score": "Score"})[

@@ -14,7 +14,7 @@ Timings compare on one device only: jobs on other devices or dtypes have other m
 
 import pandas as pd
 
-from kvbench.report.data import FULL, budget_text, job_records, paper_order
+from kvbench.report.data import FULL, budget_cell, job_records, paper_order
 from kvbench.report.tables import Artifact
 
 COLUMNS = ["prefill_s", "compress_s", "reconstruct_s", "cache_bytes_after"]
@@ -54,7 +54,7 @@ def cost_table(df: pd.DataFrame, root) -> list[Artifact]:
             mine, plain = own.loc[ids], base.loc[ids]
             rows.append({
                 "Task": task, "Model": mk, "Method": r.method + (f" ({r.variant})" if r.variant else ""),
-                "Budget": None if r.method_name == FULL else budget_text(r.budget), "n": str(len(ids)),
+                "Budget": budget_cell(r.method_name, r.budget), "n": str(len(ids)),
                 "prefill ms": 1e3 * mine["prefill_s"].mean(), "compress ms": 1e3 * mine["compress_s"].mean(),
                 "reconstruct ms": 1e3 * mine["reconstruct_s"].mean(),
                 "prefill + compress ÷ plain": ratio(mine["prefill_s"] + mine["compress_s"], plain["prefill_s"]),

@@ -80,8 +80,7 @@ def _job_rows(root: Path, job: Path) -> list[dict]:
     if not (isinstance(cfg, dict) and all(isinstance(cfg.get(k), dict) and cfg[k].get("name") for k in ("task", "model", "method"))):
         raise ValueError("config.yaml is not a kvbench job's config (task.name, model.name and method.name)")
     summary = read_json(job / "summary.json")
-    method = dict(cfg.get("method") or {})
-    task, model = cfg.get("task") or {}, cfg.get("model") or {}
+    method, task, model = dict(cfg["method"]), cfg["task"], cfg["model"]
     ctx = next((v for v in (task.get("max_length"), model.get("max_input_length")) if isinstance(v, (int, float))),
                math.nan)
     flat = pd.json_normalize(json.loads(json.dumps(cfg, default=str))).iloc[0].to_dict()
@@ -278,6 +277,11 @@ def budget_text(budget: float) -> str:
     """``25%`` for a retention ratio (budget <= 1; 6 significant digits, never an exponent), ``256`` for tokens."""
     return np.format_float_positional(100 * budget, 6, fractional=False, trim="-") + "%" if budget <= 1 \
         else f"{budget:g}"
+
+
+def budget_cell(method_name: str, budget: float, missing: str | None = None) -> str | None:
+    """A table's Budget cell: :func:`budget_text`, ``missing`` for the full cache (its budget is not a setting)."""
+    return missing if method_name == FULL else budget_text(budget)
 
 
 def budget_semantics(budgets: Iterable[float]) -> str:

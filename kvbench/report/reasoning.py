@@ -10,7 +10,7 @@ import pandas as pd
 
 from eval.sampling import by_problem, summary
 
-from kvbench.report.data import FULL, budget_text, job_records, paper_order
+from kvbench.report.data import FULL, budget_cell, budget_text, job_records, paper_order
 from kvbench.report.tables import Artifact, _done, _figure, draw_lines, reference, slug
 
 COLUMNS = ["id", "problem", "dataset", "error", "score", "scores", "generated_tokens", "cache_trace", "decode_compressions"]
@@ -29,17 +29,14 @@ def _jobs(df: pd.DataFrame, root) -> dict[tuple[str, str], list[tuple[pd.Series,
     return out
 
 
-def _budget(row: pd.Series) -> str | None:
-    return None if row["method_name"] == FULL else budget_text(row["budget"])
-
-
 def passk_table(task: str, mk: str, jobs: list) -> Artifact:
     """pass@1 ± SE, pass@k, answered (%), mean generated tokens, problems and candidates per job (summed datasets:
     a task's datasets are scored apart, the first one shown; reasoning tasks have one)."""
     rows, errs = [], []
     for row, recs in jobs:
         for dataset, s in summary(recs).items():
-            rows.append({"Method": row["method"], "Budget": _budget(row), "Dataset": dataset, "pass@1": s["pass@1"],
+            rows.append({"Method": row["method"], "Budget": budget_cell(row["method_name"], row["budget"]),
+                         "Dataset": dataset, "pass@1": s["pass@1"],
                          **{f"pass@{k}": v for k, v in s["pass@k"].items() if k != "1"},
                          "Answered %": s["answered"], "Gen. tokens": s["generated_tokens"],
                          "Problems": str(s["problems"]), "Candidates": str(s["candidates"])})
@@ -63,7 +60,7 @@ def cache_trace_figure(task: str, mk: str, jobs: list) -> list[Artifact]:
     if not traced:
         return []
     fig, axes = _figure(1, 2)
-    label = lambda row: row["method"] + (f" b{_budget(row)}" if _budget(row) else "")
+    label = lambda row: row["method"] + f" b{budget_text(row['budget'])}" * (row["method_name"] != FULL)
     full = {label(row): {"color": "black", "linestyle": "--"} for row, _ in traced if row["method_name"] == FULL}
     for k, (ax, what) in enumerate(zip(axes[0], ("Stored tokens per KV head", "Stored cache (MiB, all layers)"))):
         traces = [np.array(rec["cache_trace"], dtype=float).T for _, rec in traced]

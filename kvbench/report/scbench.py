@@ -17,7 +17,7 @@ import pandas as pd
 
 from eval.scbench import CAPABILITIES, turn_of
 
-from kvbench.report.data import FULL, budget_semantics, budget_text, job_records, paper_order
+from kvbench.report.data import FULL, budget_cell, budget_semantics, budget_text, job_records, paper_order
 from kvbench.report.tables import Artifact, _done, _figure, count, draw_lines
 
 MODES = {"multi_turn": "multi-turn", "own": "multi-turn, own answers", "multi_request": "multi-request"}
@@ -61,9 +61,11 @@ def scbench_records(df: pd.DataFrame, root: Path) -> pd.DataFrame:
     return out[out["job"].isin(keep)]
 
 
-def _budgets(frame: pd.DataFrame) -> list[str]:
-    """The budget column as printed: ``–`` for the full cache (its budget is not a setting)."""
-    return ["–" if n == FULL else budget_text(b) for n, b in zip(frame["method_name"], frame["budget"])]
+def _heads(frame: pd.DataFrame, cols: str) -> dict:
+    """A table's label columns ``cols`` (``model method budget``…), capitalized; the budget as printed (``–``: the full
+    cache, whose budget is not a setting)."""
+    return {c.capitalize(): [budget_cell(n, b, "–") for n, b in zip(frame["method_name"], frame["budget"])]
+            if c == "budget" else frame[c] for c in cols.split()}
 
 
 def _notes(rec: pd.DataFrame) -> list[str]:
@@ -80,8 +82,7 @@ def turn_table(rec: pd.DataFrame) -> Artifact:
                                                   "mode"]
     piv = rec.pivot_table(index=keys, columns="turn", values="score", aggfunc="mean")
     piv = paper_order(piv.assign(Avg=rec.groupby(keys)["score"].mean()).reset_index(), keys, RANK)
-    data = pd.DataFrame({"Model": piv["model"], "Capability": piv["capability"], "Dataset": piv["dataset"],
-                         "Method": piv["method"], "Budget": _budgets(piv), "Mode": piv["mode"],
+    data = pd.DataFrame({**_heads(piv, "model capability dataset method budget mode"),
                          **{f"Turn {t}": piv[t] for t in turns}, "Avg": piv["Avg"]})
     caption = (f"SCBench by capability: score per turn (points; mean over the groups that reached the turn), "
                f"{budget_semantics(rec['budget'])}; multi-request: per question index. Avg: mean over the row's "
@@ -128,8 +129,7 @@ def mode_table(rec: pd.DataFrame) -> Artifact | None:
     piv = rec.groupby(["model", "method", "method_name", "budget", "capability", "dataset", "mode"])["score"].mean(
     ).unstack("mode").reset_index()
     piv = paper_order(piv, ["model", "method", "budget", "capability", "dataset"], RANK)
-    data = pd.DataFrame({"Model": piv["model"], "Method": piv["method"], "Budget": _budgets(piv),
-                         "Capability": piv["capability"], "Dataset": piv["dataset"], **{m: piv[m] for m in modes}})
+    data = pd.DataFrame({**_heads(piv, "model method budget capability dataset"), **{m: piv[m] for m in modes}})
     if {"multi-turn", "multi-request"} <= set(modes):
         data["Δ"] = data["multi-request"] - data["multi-turn"]
     caption = ("SCBench, multi-turn vs multi-request: each dataset's score (points, mean over turns / questions) per "
@@ -152,9 +152,9 @@ def cost_table(rec: pd.DataFrame) -> Artifact | None:
     t = t.join(timed.drop_duplicates("job").set_index("job")[["model", "method", "method_name", "budget", "mode"]])
     t = paper_order(t, ["model", "method", "budget", "mode"], RANK)
     reuse, alone = (t["pc"] + t["dec"]) / t["n"], (t["alone"] + t["dec"]) / t["n"]
-    data = pd.DataFrame({"Model": t["model"], "Method": t["method"], "Budget": _budgets(t), "Mode": t["mode"],
-                         "Questions": t["n"].map(str), "Contexts": t["groups"].map(str),
-                         "Compressions / context": t["comp"], "Prefill+compress s/q (reuse)": t["pc"] / t["n"],
+    data = pd.DataFrame({**_heads(t, "model method budget mode"), "Questions": t["n"].map(str),
+                         "Contexts": t["groups"].map(str), "Compressions / context": t["comp"],
+                         "Prefill+compress s/q (reuse)": t["pc"] / t["n"],
                          "Prefill+compress s/q (each, est.)": t["alone"] / t["n"], "Decode s/q": t["dec"] / t["n"],
                          "Saved (%)": 100 * (1 - reuse / alone)}).reset_index(drop=True)
     caption = ("SCBench, cost per question (s): prefill + compression and decoding as run (the context prefilled and "

@@ -20,9 +20,9 @@ from eval.longbench_v2 import BREAKDOWN
 
 from kvbench.job.plots import draw_niah_heatmap, niah_colorbar, plt
 from kvbench.job.store import read_json
-from kvbench.report.data import (DATASET_ABBR, FULL, LONG_CONTEXT_TOKENS, budget_semantics, budget_text, display_name,
-                                 method_sort_key, model_sort_key, niah_grid_records, order_datasets, paper_order,
-                                 presets)
+from kvbench.report.data import (DATASET_ABBR, FULL, LONG_CONTEXT_TOKENS, budget_cell, budget_semantics, budget_text,
+                                 display_name, method_sort_key, model_sort_key, niah_grid_records, order_datasets,
+                                 paper_order, presets)
 
 
 @dataclass
@@ -81,6 +81,12 @@ def bolds(data: pd.DataFrame, cols, ok, by: str | None = None, higher: bool = Tr
 def count(n: int, noun: str) -> str:
     """``1 dataset``, ``2 datasets``."""
     return f"{n} {noun}" + "s" * (n != 1)
+
+
+def span(ns: pd.Series) -> str | None:
+    """``5`` or ``2–5``: the range of the counts ``ns`` (NaN dropped); None when there is none."""
+    ns = ns.dropna()
+    return None if ns.empty else f"{ns.min():.0f}" + f"–{ns.max():.0f}" * bool(ns.min() < ns.max())
 
 
 def dedupe(items) -> list:
@@ -234,11 +240,10 @@ def score_tables(df: pd.DataFrame, root: Path | None = None) -> list[Artifact]:
                           for t in (sel, used))
             btext = None if b < 0 else budget_text(b)
             cells = mine.set_index("dataset").reindex(datasets)
-            ns = cells.loc[avg_ds, "n"].dropna()
             rows.append({"Method": label, **({"Variant": variant} if show_variant else {}), "Budget": btext,
                          **({"Bits": f"{bits:.0f}" if bits else "–"} if show_bits else {}),
                          **cells["score"], "Avg": cells.loc[avg_ds, "score"].mean(skipna=False),
-                         "n": None if ns.empty else f"{ns.min():.0f}" + f"–{ns.max():.0f}" * bool(ns.min() < ns.max())})
+                         "n": span(cells.loc[avg_ds, "n"])})
             errs.append({**cells["se"], "Avg": avg_se(cells.loc[avg_ds, "se"])})
             samples.append(cells["samples"])
             kinds.append(" / ".join(sorted({" ".join(filter(None, [grids.get(j), s]))
@@ -272,42 +277,34 @@ def score_tables(df: pd.DataFrame, root: Path | None = None) -> list[Artifact]:
     return out
 
 
-def averages_tables(df: pd.DataFrame, root: Path, task: str, caption: str, columns=(), headers=None) -> list[Artifact]:
-    """A table per model key of ``task``, a row per job (Method, Variant where jobs of one label differ in method
-    fields, Budget), its ``summary.json`` ``averages`` as columns (``columns`` in order, else every key in stored
-    order); ``caption`` formatted with the model key."""
+AVERAGES = {  # task -> the caption of its averages tables (formatted with the model key), columns, headers
+    "longbench_v2": ("LongBench-v2 accuracy (%) of {}: overall, easy/hard, short/medium/long (result.py's columns), a "
+                     "row per job.", BREAKDOWN, {c: c.capitalize() for c in BREAKDOWN}),
+    "loogle": ("LooGLE automatic metrics (×100) of {}, a row per job: cloze exact/partial match (matched / all masks), "
+               "QA and summarization ROUGE recall and BLEU (mean over questions); loogle: the mean of the task "
+               "scores.",),
+    "zero_scrolls": ("ZeroSCROLLS (validation split) of {}, a row per job: zero_scrolls (the mean of the task scores) "
+                     "and the mean ROUGE-1/2/L F (×100) of the summarization tasks, whose score is their geometric "
+                     "mean.",)}
+
+
+def averages_tables(df: pd.DataFrame, root: Path, task: str) -> list[Artifact]:
+    """A table per model key of ``task`` (LongBench-v2's ``result.py`` columns, LooGLE's ``automatic_eval.py`` metrics,
+    ZeroSCROLLS's score and ROUGE-1/2/L: :data:`AVERAGES`), a row per job (Method, Variant where jobs of one label
+    differ in method fields, Budget), its ``summary.json`` ``averages`` as columns (the task's columns in order, else
+    every key in stored order)."""
+    caption, columns, headers = (*AVERAGES[task], (), {})[:3]
     out = []
     for mk, rows in df[(df["task"] == task) & df["score"].notna()].groupby("model_key"):
         part = paper_order(rows.drop_duplicates("job"), ["method", "budget"])
         heads = ["Method", *["Variant"] * bool(part["variant"].any()), "Budget"]  # jobs of one label apart, as score_tables
-        found = [{"Method": m, "Variant": v, "Budget": None if name == FULL else budget_text(b),
+        found = [{"Method": m, "Variant": v, "Budget": budget_cell(name, b),
                   **(read_json(Path(root) / job / "summary.json").get("averages") or {})}
                  for job, m, v, name, b in zip(part["job"], part["method"], part["variant"], part["method_name"], part["budget"])]
         cols = list(columns) or list(dict.fromkeys(k for r in found for k in r if k not in ("Method", "Variant", "Budget")))
         data = pd.DataFrame(found, columns=[*heads, *cols])
-        out.append(Artifact(f"{slug(task)}_{slug(mk)}", caption.format(mk), data, used=rows, headers=headers or {}))
+        out.append(Artifact(f"{slug(task)}_{slug(mk)}", caption.format(mk), data, used=rows, headers=headers))
     return out
-
-
-def longbench_v2_tables(df: pd.DataFrame, root: Path) -> list[Artifact]:
-    """LongBench-v2's ``result.py`` columns (accuracy overall, by difficulty and by length) per model key."""
-    return averages_tables(df, root, "longbench_v2", "LongBench-v2 accuracy (%) of {}: overall, easy/hard, "
-                           "short/medium/long (result.py's columns), a row per job.", BREAKDOWN,
-                           {c: c.capitalize() for c in BREAKDOWN})
-
-
-def loogle_tables(df: pd.DataFrame, root: Path) -> list[Artifact]:
-    """LooGLE's automatic metrics (``automatic_eval.py``) per task, per model key."""
-    return averages_tables(df, root, "loogle", "LooGLE automatic metrics (×100) of {}, a row per job: cloze exact/"
-                           "partial match (matched / all masks), QA and summarization ROUGE recall and BLEU (mean over "
-                           "questions); loogle: the mean of the task scores.")
-
-
-def zero_scrolls_tables(df: pd.DataFrame, root: Path) -> list[Artifact]:
-    """ZeroSCROLLS's score (mean over tasks) and the ROUGE-1/2/L behind each summarization task, per model key."""
-    return averages_tables(df, root, "zero_scrolls", "ZeroSCROLLS (validation split) of {}, a row per job: zero_scrolls"
-                           " (the mean of the task scores) and the mean ROUGE-1/2/L F (×100) of the summarization "
-                           "tasks, whose score is their geometric mean.")
 
 
 def selkv_table1(df: pd.DataFrame, budget: float = 0.25, task: str = "longbench", long: bool = False):
@@ -655,9 +652,7 @@ def budget_sweep_figure(df, name: str, task: str, ratio: bool, title: str, per_d
             ax.set(ylabel="Score (points)" if ds else "Average score (points)", title=mk + f" — {ds}" * bool(ds))
     fig.suptitle(title)
     used = used_by(grids, models)
-    ns = used.loc[used["method"] != full, "n"].dropna()
-    n_text = f"; n = {ns.min():.0f}" + f"–{ns.max():.0f}" * bool(ns.min() < ns.max()) + " samples per dataset" if len(
-        ns) else ""
+    n_text = f"; n = {ns} samples per dataset" if (ns := span(used.loc[used["method"] != full, "n"])) else ""
     what = f"datasets {', '.join(datasets)}, a panel each" if per_dataset else count(len(present), "dataset")
     caption = (f"Task: {task} ({what}){n_text}; {budget_semantics(grids)}; dashed line: full cache" + (
         " (scored on other samples than the compressed points: not a paired comparison)" if other_samples(
@@ -684,8 +679,7 @@ def score_vs_budget(df) -> list[Artifact]:
         fig.suptitle(f"{task}: score against KV budget")
         used = used_by({b: g for _, _, grids in panels for b, g in grids.items()}, [mk for mk, _, _ in panels])
         datasets = sorted(set(used["dataset"]))
-        ns = used["n"].dropna()
-        n_text = f"n = {ns.min():.0f}" + f"–{ns.max():.0f}" * bool(ns.min() < ns.max()) + " samples per dataset"
+        n_text = f"n = {span(used['n'])} samples per dataset"
         caption = (f"Task: {task} ({count(len(datasets), 'dataset')}" + ", score: their mean" * (len(datasets) > 1)
                    + f"); {n_text}; budget = retention ratio ρ of prompt tokens" * any(r for _, r, _ in panels)
                    + "; budget = tokens kept per layer per KV head" * (not all(r for _, r, _ in panels))

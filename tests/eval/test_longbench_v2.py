@@ -182,7 +182,7 @@ def test_the_report_prints_result_py_columns_per_job(tmp_path):
     from test_report import make_job
 
     from kvbench.report.data import load_results
-    from kvbench.report.tables import longbench_v2_tables
+    from kvbench.report.tables import averages_tables
 
     for method, budget, overall in (("full", 1.0, 40.0), ("snapkv", 0.25, 30.5)):
         job = make_job(tmp_path, task="longbench_v2", model="llama31", method=method, budget=budget,
@@ -190,7 +190,7 @@ def test_the_report_prints_result_py_columns_per_job(tmp_path):
         summary = json.loads((job / "summary.json").read_text())
         summary["averages"] = {"overall": overall, "easy": 50.0, "hard": 20.1, "short": None, "medium": 10.0, "long": 0.0}
         (job / "summary.json").write_text(json.dumps(summary))
-    (table,) = longbench_v2_tables(load_results(tmp_path), tmp_path)
+    (table,) = averages_tables(load_results(tmp_path), tmp_path, "longbench_v2")
     assert table.name == "longbench_v2_llama31" and list(table.data["overall"]) == [40.0, 30.5]
     assert list(table.data["Budget"].fillna("–")) == ["–", "25%"] and table.data["short"].isna().all()  # pandas 3: NaN
     assert table.headers["overall"] == "Overall" and len(table.sources) == 2

@@ -286,7 +286,7 @@ def test_the_report_prints_every_metric_per_job(tmp_path):
     from test_report import make_job
 
     from kvbench.report.data import load_results
-    from kvbench.report.tables import loogle_tables
+    from kvbench.report.tables import averages_tables
 
     for method, budget, em in (("full", 1.0, 40.0), ("snapkv", 0.25, 30.5)):
         job = make_job(tmp_path, task="loogle", model="llama31", method=method, budget=budget,
@@ -295,7 +295,7 @@ def test_the_report_prints_every_metric_per_job(tmp_path):
         summary["averages"] = {"loogle": (em + 20) / 2, "shortdep_cloze exact_match": em,
                                "shortdep_cloze partial_match": 50.0, "shortdep_qa rouge_l": 20.0}
         (job / "summary.json").write_text(json.dumps(summary))
-    (table,) = loogle_tables(load_results(tmp_path), tmp_path)
+    (table,) = averages_tables(load_results(tmp_path), tmp_path, "loogle")
     assert table.name == "loogle_llama31" and list(table.data["shortdep_cloze exact_match"]) == [40.0, 30.5]
     assert list(table.data.columns)[:3] == ["Method", "Budget", "loogle"] and len(table.sources) == 2
 

@@ -317,13 +317,13 @@ def test_the_report_prints_the_average_and_rouge_components(tmp_path):
     from test_report import make_job
 
     from kvbench.report.data import load_results
-    from kvbench.report.tables import zero_scrolls_tables
+    from kvbench.report.tables import averages_tables
 
     job = make_job(tmp_path, task="zero_scrolls", model="llama31", method="snapkv", scores={"qmsum": 31.07})
     summary = json.loads((job / "summary.json").read_text())
     summary["averages"] = {"zero_scrolls": 31.07, "qmsum rouge1": 50.0, "qmsum rouge2": 20.0, "qmsum rougeL": 30.0}
     (job / "summary.json").write_text(json.dumps(summary))
-    (table,) = zero_scrolls_tables(load_results(tmp_path), tmp_path)
+    (table,) = averages_tables(load_results(tmp_path), tmp_path, "zero_scrolls")
     assert table.name == "zero_scrolls_llama31" and list(table.data.columns)[2:] == list(summary["averages"])
 
 
@@ -339,7 +339,7 @@ def test_two_jobs_of_different_methods_or_settings_are_two_rows_apart(tmp_path):
     from test_report import make_job
 
     from kvbench.report.data import load_results
-    from kvbench.report.tables import zero_scrolls_tables
+    from kvbench.report.tables import averages_tables
 
     for method, folder_tag, params, score in (("snapkv", "", None, 31.0), ("streamingllm", "", None, 20.0),
                                               ("snapkv", "w8", {"window_size": 8}, 25.0)):
@@ -347,7 +347,7 @@ def test_two_jobs_of_different_methods_or_settings_are_two_rows_apart(tmp_path):
                        params=params, scores={"quality": score})
         summary = json.loads((job / "summary.json").read_text())
         (job / "summary.json").write_text(json.dumps({**summary, "averages": {"zero_scrolls": score}}))
-    (table,) = zero_scrolls_tables(load_results(tmp_path), tmp_path)
+    (table,) = averages_tables(load_results(tmp_path), tmp_path, "zero_scrolls")
     rows = table.data[["Method", "Variant", "Budget"]].astype(str).agg(" ".join, axis=1)
     assert len(rows) == 3 == rows.nunique() and sorted(table.data["zero_scrolls"]) == [20.0, 25.0, 31.0]
     assert set(table.data["Variant"]) >= {"window_size=8"}
