@@ -1,7 +1,5 @@
 """The job, as the steps of docs/ARCHITECTURE.md; its folder, reruns and resumes: docs/RESULTS.md."""
 
-from __future__ import annotations
-
 import dataclasses
 import importlib.metadata
 import json
@@ -270,8 +268,7 @@ def write_env(job: JobSpec, store: JobStore, loaded: Any, compiled: bool, mine: 
     name = "env.json" if shard.count == 1 else f"env.shard{shard.index}.json"
     if (store.path / name).exists():  # every run that stores samples keeps its provenance
         name = name.replace(".json", f".{time.strftime('%Y%m%d-%H%M%S')}.json")
-    env = {**environment(loaded), "inputs": job.inputs, "artifacts": job.artifacts,
-           "decode_compiled": compiled}
+    env = {**environment(loaded), "inputs": job.inputs, "artifacts": job.artifacts, "decode_compiled": compiled}
     store.write_json(name, env)
     stored, ids = store.done_ids(), [i for s in mine for i in record_ids(s, job.top.sampling)]  # a record per candidate
     done = sum(i in stored for i in ids)
