@@ -44,11 +44,10 @@ class PreallocatedLayer(DynamicLayer):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         q = key_states.shape[-2]
-        if self._key_buf is None or self._value_buf is None:  # the first update (prefill), or keys/values assigned
+        # the first update (prefill), keys/values assigned, or the buffers full
+        if self._key_buf is None or self._value_buf is None or self._len + q > self._key_buf.shape[-2]:
             old = (self.keys, self.values) if self.keys.dim() == 4 else (key_states[:, :, :0], value_states[:, :, :0])
             self.replace(*old, capacity=old[0].shape[-2] + q + self.reserve)
-        elif self._len + q > self._key_buf.shape[-2]:
-            self.replace(self.keys, self.values, capacity=self._len + q + self.reserve)
         t = self._len
         self._key_buf[:, :, t : t + q, : key_states.shape[-1]].copy_(key_states)
         self._value_buf[:, :, t : t + q, : value_states.shape[-1]].copy_(value_states)

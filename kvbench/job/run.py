@@ -6,7 +6,6 @@ import json
 import logging
 import os
 import platform
-import random
 import subprocess
 import sys
 import time
@@ -235,14 +234,13 @@ def open_stores(jobs: list[JobSpec], stack: ExitStack, wait_s: float | None, cod
 def load(job: JobSpec) -> tuple[Any, Task, list[Sample], list[str], bool]:
     """Seed, load the model, build the task: the model, the task, this shard's samples, the ids every shard expects,
     whether decode is compiled. ConfigError: the prompts + generation exceed the context window."""
-    import torch
+    from transformers import set_seed
 
     from kvbench.engine.models import load_model
 
     top, (index, count) = job.top, (job.top.shard.index, job.top.shard.count)
     set_threads(top.threads)
-    random.seed(top.seed)
-    torch.manual_seed(top.seed)
+    set_seed(top.seed)  # random, numpy, torch
     loaded = load_model(job.cfg["model"], top.device, job.source, job.layout)
     task, samples = build_task(job.cfg, loaded, job.resolved)
     if not samples:  # e.g. a Hub or parquet subset with no row of the chosen datasets
