@@ -26,7 +26,8 @@ def _arguments(argv: list[str]) -> list[str] | str:
     while i < len(argv):
         name, eq, value = argv[i].partition("=")
         valued = i + 1 < len(argv) and "=" not in argv[i + 1] and not argv[i + 1].startswith("-")  # a value follows
-        if name[:1] == "-" and name not in FLAGS and not (name[:2] == "--" and sum(f.startswith(name) for f in FLAGS) == 1):
+        known = name in FLAGS or name[:2] == "--" and sum(f.startswith(name) for f in FLAGS) == 1  # or its prefix
+        if name[:1] == "-" and not known:
             given = argv[i : i + 1 + (valued and not eq)]
             return (f"{' '.join(given)}: no such option; a config key is set by an override, key=value without dashes: "
                     f"{name.lstrip('-')}={(given[1:] or [value])[0] or '...'} (python run.py --help)")

@@ -174,8 +174,8 @@ def _gguf_fields(path: str) -> dict[str, Any]:
     """The ``tokenizer.ggml.<key>`` values of a GGUF file by key (the reader scans the whole file: read once a load)."""
     import gguf
 
-    fields = gguf.GGUFReader(path).fields
-    return {k.removeprefix("tokenizer.ggml."): f.contents() for k, f in fields.items() if k.startswith("tokenizer.ggml.")}
+    return {k.removeprefix("tokenizer.ggml."): f.contents()
+            for k, f in gguf.GGUFReader(path).fields.items() if k.startswith("tokenizer.ggml.")}
 
 
 def gguf_special_tokens(tokenizer: Any, gguf_path: Path) -> None:

@@ -14,7 +14,7 @@ from kvbench.job.store import atomic_write
 
 
 def _check_row(row: dict, where: str, need_length: bool = False) -> None:
-    """TaskConfigError naming ``where`` when one ``pred.py`` line is wrong; ``length`` is needed when ``need_length``."""
+    """TaskConfigError naming ``where`` if one ``pred.py`` line is wrong; ``length`` is needed when ``need_length``."""
     missing = [k for k in ("pred", "answers", "all_classes", *(["length"] if need_length else [])) if k not in row]
     if missing:
         hint = "; this is kvbench's own predictions.jsonl, not the official pred.py format" if "prediction" in row else ""
