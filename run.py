@@ -15,14 +15,23 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import open_dict
 
 CONFIG_ERRORS = ("ConfigError", "TaskConfigError", "HydraException", "OmegaConfBaseException", "OverrideParseException")
+CONF = Path(__file__).resolve().parent / "conf"
 FLAGS = {s: a.nargs != 0 for a in get_args_parser()._actions for s in a.option_strings}  # Hydra's: takes a value?
 
 
-def _arguments(argv: list[str]) -> list[str]:
-    """The arguments as Hydra takes them (the module docstring says which changes and why)."""
+def _arguments(argv: list[str]) -> list[str] | str:
+    """The arguments as Hydra takes them (the module docstring says which changes and why), or the one line for an
+    option Hydra does not have (``--budget 0.25``)."""
     options, overrides, i = [], [], 0
     while i < len(argv):
-        takes = FLAGS.get(argv[i], False) and i + 1 < len(argv) and "=" not in argv[i + 1] and not argv[i + 1].startswith("-")
+        name, eq, value = argv[i].partition("=")
+        valued = i + 1 < len(argv) and "=" not in argv[i + 1] and not argv[i + 1].startswith("-")  # a value follows
+        known = name in FLAGS or name[:2] == "--" and sum(f.startswith(name) for f in FLAGS) == 1  # or its prefix
+        if name[:1] == "-" and not known:
+            given = argv[i : i + 1 + (valued and not eq)]
+            return (f"{' '.join(given)}: no such option; a config key is set by an override, key=value without dashes: "
+                    f"{name.lstrip('-')}={(given[1:] or [value])[0] or '...'} (python run.py --help)")
+        takes = FLAGS.get(argv[i], False) and valued
         (options if argv[i].startswith("-") else overrides).extend(argv[i : i + 1 + takes])
         i += 1 + takes
     overrides = [f"+{a}" if a.startswith("experiment=") else a for a in overrides]
@@ -33,8 +42,7 @@ def _arguments(argv: list[str]) -> list[str]:
 
 def _one_line(e: BaseException, args: list[str]) -> str:
     """A Hydra / OmegaConf / kvbench configuration error as one line naming the key."""
-    line = re.sub(r" To append to your config use \S+", "", " ".join(str(e).split()))
-    line = line.split(" Config search path:")[0]
+    line = re.sub(r" To append to your config use \S+", "", " ".join(str(e).split())).split(" Config search path:")[0]
     if "Could not load 'hydra/launcher/joblib'" in line:  # hydra/launcher=parallel without its plugin
         line += ' Install the joblib launcher plugin: pip install -e ".[sweeps]" (hydra-joblib-launcher)'
     cause, parent = e.__cause__, getattr(e.__cause__, "parent_node", None)
@@ -54,25 +62,11 @@ def _one_line(e: BaseException, args: list[str]) -> str:
     return line
 
 
-def _override_as_option(argv: list[str]) -> str | None:
-    """The one line for an option Hydra does not have (``--budget 0.25``), or None."""
-    for i, arg in enumerate(argv):
-        name, eq, value = arg.partition("=")
-        if not arg.startswith("-") or name in FLAGS or (name[:2] == "--" and sum(f.startswith(name) for f in FLAGS) == 1):
-            continue
-        given = [arg]
-        if not eq and i + 1 < len(argv) and not argv[i + 1].startswith("-") and "=" not in argv[i + 1]:
-            value, given = argv[i + 1], argv[i : i + 2]
-        return (f"{' '.join(given)}: no such option; a config key is set by an override, key=value without dashes: "
-                f"{name.lstrip('-')}={value or '...'} (python run.py --help)")
-    return None
-
-
 def _group_override(e: BaseException, args: list[str]) -> str | None:
     """The one line for a config group set to a non-option (``method=null``: a bare ValueError), or None."""
     if isinstance(e, ValueError) and "Config group override" in str(e):
         for o in OverridesParser.create().parse_overrides([a for a in args if not a.startswith("-")]):
-            folder = Path(__file__).resolve().parent / "conf" / o.key_or_group
+            folder = CONF / o.key_or_group
             if folder.is_dir() and not o.is_sweep_override() and not isinstance(o.value(), str):
                 return (f"{o.input_line}: {o.key_or_group} is a config group; accepted values are "
                         f"{', '.join(sorted(p.stem for p in folder.glob('*.yaml')))}")
@@ -87,29 +81,22 @@ def _escaped(text: str) -> str:
 def main() -> int:
     """Run one job (composed once) or the Hydra app; a configuration error: one line, exit 2."""
     os.environ["HYDRA_FULL_ERROR"] = "1"  # errors reach the handler below instead of Hydra's report
-    if line := _override_as_option(sys.argv[1:]):
-        print(f"error: {_escaped(line)}", file=sys.stderr)
-        return 2
     args = _arguments(sys.argv[1:])
+    if isinstance(args, str):
+        print(f"error: {_escaped(args)}", file=sys.stderr)
+        return 2
     try:
-        if not any(a.startswith("-") for a in args):  # one job: compose once (hydra.main also composes for the mode)
-            from kvbench.job.config import compose
-            from kvbench.job.run import main as run_job
+        from kvbench.job.config import compose
+        from kvbench.job.run import main as run_job
 
+        if not any(a.startswith("-") for a in args):  # one job: compose once (hydra.main also composes for the mode)
             cfg = compose(args, return_hydra_config=True)
             HydraConfig.instance().set_config(cfg)
             with open_dict(cfg):
                 del cfg["hydra"]
             return run_job(cfg)
         sys.argv[1:] = args
-
-        @hydra.main(version_base="1.3", config_path="conf", config_name="config")
-        def app(cfg) -> int:
-            from kvbench.job.run import main as run_job
-
-            return run_job(cfg)
-
-        app()  # a local sweep's launcher ends the process itself, with the largest exit code
+        hydra.main(version_base="1.3", config_path=str(CONF), config_name="config")(run_job)()  # a sweep: exits
     except KeyboardInterrupt:
         print("interrupted: the samples stored so far are kept; rerun the same command to resume", file=sys.stderr)
         return 130

@@ -1,7 +1,5 @@
 """``kvbench check-method`` and the pytest fixture ``check_method``: a method on a random 2-layer Llama (docs/METHODS.md)."""
 
-from __future__ import annotations
-
 import sys
 from types import SimpleNamespace
 

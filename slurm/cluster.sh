@@ -25,12 +25,9 @@ case "${1:-}" in
         ;;
     stop)
         need_tool stop_slurm.sh
-        shift
-        exec "$TOOLS/stop_slurm.sh" "$@"
+        exec "$TOOLS/stop_slurm.sh" "${@:2}"
         ;;
-    status)
-        sinfo && squeue
-        ;;
+    status) sinfo && squeue ;;
     *)
         echo "usage: $0 start | stop [--purge] | status" >&2
         exit 2

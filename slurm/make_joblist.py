@@ -9,16 +9,16 @@ import json
 import shlex
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra.core.override_parser.types import ValueType
 from hydra.errors import HydraException
+from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # kvbench, methods, eval of this checkout
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # kvbench, methods, eval of this checkout
 
 
 class SweepSpecError(ValueError):
@@ -81,8 +81,6 @@ def measure(run: Path, model: str) -> dict:
 
 def job_samples(cfg: dict) -> list[tuple[int, int]]:
     """``(prompt tokens, max new tokens)`` of every sample of a composed job config's task, in order, unsharded."""
-    from types import SimpleNamespace
-
     from kvbench.job.run import build_task, encode_prompt
     from kvbench.engine.models import chat_format, load_tokenizer, read_config
 
@@ -96,8 +94,6 @@ def job_samples(cfg: dict) -> list[tuple[int, int]]:
 
 def unique_jobs(jobs: list[list[str]]) -> list[tuple[list[str], dict]]:
     """Each job with its composed config; ``method=full`` at several budgets (one job folder) once, at the first."""
-    from omegaconf import OmegaConf
-
     from kvbench.job.config import compose
 
     out: dict[str, tuple[list[str], dict]] = {}

@@ -34,12 +34,10 @@ class PreallocatedLayer(DynamicLayer):
             self.lazy_initialization(keys, values)
         b, h, t, _ = keys.shape
         self._key_buf = self._value_buf = None  # free the old buffers before allocating new ones
-        key_buf = keys.new_zeros((b, h, capacity or t + self.reserve, width or keys.shape[-1]))
-        value_buf = values.new_zeros((b, h, capacity or t + self.reserve, width or values.shape[-1]))
-        key_buf[:, :, :t, : keys.shape[-1]].copy_(keys)
-        value_buf[:, :, :t, : values.shape[-1]].copy_(values)
-        self._key_buf, self._value_buf, self._len = key_buf, value_buf, t
-        self._k, self._v = key_buf[:, :, :t], value_buf[:, :, :t]
+        for name, x in (("_key_buf", keys), ("_value_buf", values)):
+            setattr(self, name, x.new_zeros((b, h, capacity or t + self.reserve, width or x.shape[-1])))
+            getattr(self, name)[:, :, :t, : x.shape[-1]].copy_(x)
+        self._len, self._k, self._v = t, self._key_buf[:, :, :t], self._value_buf[:, :, :t]
         return self.keys, self.values
 
     def update(self, key_states, value_states, cache_kwargs: dict[str, Any] | None = None):
@@ -47,11 +45,10 @@ class PreallocatedLayer(DynamicLayer):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         q = key_states.shape[-2]
-        if self._key_buf is None or self._value_buf is None:  # the first update (prefill), or keys/values assigned
+        # the first update (prefill), keys/values assigned, or the buffers full
+        if self._key_buf is None or self._value_buf is None or self._len + q > self._key_buf.shape[-2]:
             old = (self.keys, self.values) if self.keys.dim() == 4 else (key_states[:, :, :0], value_states[:, :, :0])
             self.replace(*old, capacity=old[0].shape[-2] + q + self.reserve)
-        elif self._len + q > self._key_buf.shape[-2]:
-            self.replace(self.keys, self.values, capacity=self._len + q + self.reserve)
         t = self._len
         self._key_buf[:, :, t : t + q, : key_states.shape[-1]].copy_(key_states)
         self._value_buf[:, :, t : t + q, : value_states.shape[-1]].copy_(value_states)
@@ -90,8 +87,7 @@ class RaggedLayer(DynamicLayer):
         self.lengths = lens.int()  # (B·H_kv,) filled slots per head, on the device
         self.cu_q = torch.arange(len(self.cu), device=keys.device, dtype=torch.int32)  # one query row per head
         self.lens_host, self.cu_host = lens.tolist(), self.cu.tolist()
-        self.keys = keys.new_zeros((self.cu_host[-1], 1, width))
-        self.values = values.new_zeros((self.cu_host[-1], 1, width))
+        self.keys, self.values = (x.new_zeros((self.cu_host[-1], 1, width)) for x in (keys, values))
         slots = self.slots(valid)
         self.keys[slots, 0, : keys.shape[-1]] = keys[valid]
         self.values[slots, 0, : values.shape[-1]] = values[valid]

@@ -171,17 +171,16 @@ def _write_cache(cache: Path, tokenizer: Any, model: Any) -> None:
 
 @functools.lru_cache(maxsize=2)
 def _gguf_fields(path: str) -> dict[str, Any]:
-    """The metadata fields of a GGUF file (the reader scans the whole file: read once per load)."""
+    """The ``tokenizer.ggml.<key>`` values of a GGUF file by key (the reader scans the whole file: read once a load)."""
     import gguf
 
-    return gguf.GGUFReader(path).fields
+    return {k.removeprefix("tokenizer.ggml."): f.contents()
+            for k, f in gguf.GGUFReader(path).fields.items() if k.startswith("tokenizer.ggml.")}
 
 
 def gguf_special_tokens(tokenizer: Any, gguf_path: Path) -> None:
     """Give a tokenizer converted from ``gguf_path`` that file's BOS/EOS tokens and flags (transformers ignores them)."""
-    fields = _gguf_fields(str(gguf_path))
-    value = {role: fields[f"tokenizer.ggml.{role}"].contents() for role in
-             ("bos_token_id", "eos_token_id", "add_bos_token", "add_eos_token") if f"tokenizer.ggml.{role}" in fields}
+    value = _gguf_fields(str(gguf_path))
     for role in ("bos", "eos"):
         if 0 <= int(value.get(f"{role}_token_id", -1)) < len(tokenizer):
             setattr(tokenizer, f"{role}_token", tokenizer.convert_ids_to_tokens(int(value[f"{role}_token_id"])))
@@ -199,15 +198,9 @@ def spm_bpe_merges(tokens: list[str], scores: list[float], types: list[int]) -> 
     """BPE merges ``[(left, right), ...]`` equivalent to llama.cpp's SentencePiece tokenization of a GGUF: each normal
     piece ``t = l + r`` gives ``(l, r)``, ranked by t's score, then token id."""
     vocab = set(tokens)
-    ranked = []
-    for tid, (piece, score, kind) in enumerate(zip(tokens, scores, types)):
-        if kind != _GGUF_NORMAL or len(piece) < 2:
-            continue
-        for cut in range(1, len(piece)):
-            left, right = piece[:cut], piece[cut:]
-            if left in vocab and right in vocab:
-                ranked.append((-float(score), tid, left, right))
-    ranked.sort()
+    ranked = sorted((-float(score), tid, piece[:cut], piece[cut:])
+                    for tid, (piece, score, kind) in enumerate(zip(tokens, scores, types)) if kind == _GGUF_NORMAL
+                    for cut in range(1, len(piece)) if piece[:cut] in vocab and piece[cut:] in vocab)
     return [(left, right) for _s, _t, left, right in ranked]
 
 
@@ -220,15 +213,11 @@ def gguf_spm_as_bpe(tokenizer: Any, gguf_path: Path) -> bool:
     if backend is None or not isinstance(backend.model, Unigram):
         return False
     fields = _gguf_fields(str(gguf_path))
-    kind = fields.get("tokenizer.ggml.model")
-    if kind is None or kind.contents() != "llama" or "tokenizer.ggml.scores" not in fields:
+    if fields.get("model") != "llama" or "scores" not in fields:
         return False
-    tokens = list(fields["tokenizer.ggml.tokens"].contents())
-    scores = list(fields["tokenizer.ggml.scores"].contents())
-    types = list(fields["tokenizer.ggml.token_type"].contents()) if "tokenizer.ggml.token_type" in fields \
-        else [_GGUF_NORMAL] * len(tokens)
-    unk_id = fields.get("tokenizer.ggml.unknown_token_id")
-    unk = tokens[int(unk_id.contents())] if unk_id is not None else None
+    tokens, scores = list(fields["tokens"]), list(fields["scores"])
+    types = list(fields.get("token_type", [_GGUF_NORMAL] * len(tokens)))
+    unk = tokens[int(fields["unknown_token_id"])] if "unknown_token_id" in fields else None
     backend.model = BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=spm_bpe_merges(tokens, scores, types),
                         unk_token=unk, fuse_unk=True, byte_fallback=_GGUF_BYTE in types)
     return True
@@ -325,18 +314,13 @@ def load_model(model_cfg: dict, device: str = "auto", source: tuple[str, str | N
             _write_cache(cache, tokenizer, model)
             model.to(dtype)
     model.eval()
-    return LoadedModel(
-        model=model, tokenizer=tokenizer,
-        layout=layout or head_layout(model.config, str(model_cfg.get("name", "")),
-                                     bool(model_cfg.get("compress_sliding_layers"))),
-        device=model.get_input_embeddings().weight.device, dtype=dtype,
-        stop_ids=stop_token_ids(tokenizer, model, model_cfg),
-        chat_template=chat_format(model_cfg, tokenizer),
-        max_input_length=int(model_cfg.get("max_input_length") or 3500), source=str(model_cfg.get("source")),
-        processors=greedy_processors(model) if model_cfg.get("generation_config", True) else [],
-        generation_config=bool(model_cfg.get("generation_config", True)),
-        load_s=time.perf_counter() - start,
-    )
+    own = bool(model_cfg.get("generation_config", True))
+    layout = layout or head_layout(model.config, str(model_cfg.get("name", "")),
+                                   bool(model_cfg.get("compress_sliding_layers")))
+    return LoadedModel(model, tokenizer, layout, model.get_input_embeddings().weight.device, dtype,
+                       stop_token_ids(tokenizer, model, model_cfg), chat_format(model_cfg, tokenizer),
+                       int(model_cfg.get("max_input_length") or 3500), str(model_cfg.get("source")),
+                       greedy_processors(model) if own else [], time.perf_counter() - start, own)
 
 
 def attention_modules(model: Any) -> dict[int, Any]:

@@ -28,11 +28,9 @@ def encode_prompt(loaded: Any, sample: Sample) -> list[int]:
 
 def prompt_format(loaded: Any) -> PromptFormat:
     """The model's :class:`~methods.base.PromptFormat`: the ids around a chat sample's text, the tokenizer's encode."""
-    mark = "\ue000"  # a private-use character: in no template or prompt
-    text, kwargs = prompt_text(loaded, Sample(id="", dataset="", prompt=mark, max_new_tokens=0, answers=[]))
-    head, tail = text.split(mark)
+    ids, q = split_prompt(loaded, Sample(id="", dataset="", prompt="", max_new_tokens=0, answers=[]), "context")
     encode = lambda s: [int(i) for i in loaded.tokenizer(s, add_special_tokens=False)["input_ids"]]  # noqa: E731
-    return PromptFormat(encode, tuple(int(i) for i in loaded.tokenizer(head, **kwargs)["input_ids"]), tuple(encode(tail)))
+    return PromptFormat(encode, tuple(ids[: len(ids) - q]), tuple(ids[len(ids) - q :]))
 
 
 def split_prompt(loaded: Any, sample: Sample, compress: str = "prompt") -> tuple[list[int], int]:

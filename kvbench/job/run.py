@@ -1,14 +1,11 @@
 """The job, as the steps of docs/ARCHITECTURE.md; its folder, reruns and resumes: docs/RESULTS.md."""
 
-from __future__ import annotations
-
 import dataclasses
 import importlib.metadata
 import json
 import logging
 import os
 import platform
-import random
 import subprocess
 import sys
 import time
@@ -237,14 +234,13 @@ def open_stores(jobs: list[JobSpec], stack: ExitStack, wait_s: float | None, cod
 def load(job: JobSpec) -> tuple[Any, Task, list[Sample], list[str], bool]:
     """Seed, load the model, build the task: the model, the task, this shard's samples, the ids every shard expects,
     whether decode is compiled. ConfigError: the prompts + generation exceed the context window."""
-    import torch
+    from transformers import set_seed
 
     from kvbench.engine.models import load_model
 
     top, (index, count) = job.top, (job.top.shard.index, job.top.shard.count)
     set_threads(top.threads)
-    random.seed(top.seed)
-    torch.manual_seed(top.seed)
+    set_seed(top.seed)  # random, numpy, torch
     loaded = load_model(job.cfg["model"], top.device, job.source, job.layout)
     task, samples = build_task(job.cfg, loaded, job.resolved)
     if not samples:  # e.g. a Hub or parquet subset with no row of the chosen datasets
@@ -270,8 +266,7 @@ def write_env(job: JobSpec, store: JobStore, loaded: Any, compiled: bool, mine: 
     name = "env.json" if shard.count == 1 else f"env.shard{shard.index}.json"
     if (store.path / name).exists():  # every run that stores samples keeps its provenance
         name = name.replace(".json", f".{time.strftime('%Y%m%d-%H%M%S')}.json")
-    env = {**environment(loaded), "inputs": job.inputs, "artifacts": job.artifacts,
-           "decode_compiled": compiled}
+    env = {**environment(loaded), "inputs": job.inputs, "artifacts": job.artifacts, "decode_compiled": compiled}
     store.write_json(name, env)
     stored, ids = store.done_ids(), [i for s in mine for i in record_ids(s, job.top.sampling)]  # a record per candidate
     done = sum(i in stored for i in ids)

@@ -13,19 +13,19 @@ from kvbench.cli import ArgParser
 from kvbench.job.store import atomic_write
 
 
-def _check_row(row: dict, need_length: bool) -> str:
-    """What is wrong with one ``pred.py`` line (``""`` when nothing); ``length`` is needed when ``need_length``."""
+def _check_row(row: dict, where: str, need_length: bool = False) -> None:
+    """TaskConfigError naming ``where`` if one ``pred.py`` line is wrong; ``length`` is needed when ``need_length``."""
     missing = [k for k in ("pred", "answers", "all_classes", *(["length"] if need_length else [])) if k not in row]
     if missing:
         hint = "; this is kvbench's own predictions.jsonl, not the official pred.py format" if "prediction" in row else ""
-        return f"missing field {', '.join(map(repr, missing))}{hint}"
+        raise TaskConfigError(f"{where}: missing field {', '.join(map(repr, missing))}{hint}")
     if not isinstance(row["pred"], str):
-        return f"'pred' must be a string, not {type(row['pred']).__name__}"
+        raise TaskConfigError(f"{where}: 'pred' must be a string, not {type(row['pred']).__name__}")
     if not isinstance(row["answers"], list) or not all(isinstance(a, str) for a in row["answers"]):
-        return "'answers' must be a list of strings"
+        raise TaskConfigError(f"{where}: 'answers' must be a list of strings")
     if need_length and (isinstance(row["length"], bool) or not isinstance(row["length"], (int, float))):
-        return f"'length' must be a number (the context's length in words), not {row['length']!r}"
-    return ""
+        raise TaskConfigError(f"{where}: 'length' must be a number (the context's length in words), "
+                              f"not {row['length']!r}")
 
 
 def score_dir(folder: Path, longbench_e: bool = False) -> dict:
@@ -36,9 +36,6 @@ def score_dir(folder: Path, longbench_e: bool = False) -> dict:
     files = sorted(p for p in folder.glob("*jsonl") if p.is_file())
     if not files:
         raise TaskConfigError(f"{folder}: no prediction files (<dataset>.jsonl)")
-    def check(row: dict, where: str) -> None:
-        if why := _check_row(row, longbench_e):
-            raise TaskConfigError(f"{where}: {why}")
     scores, seen = {}, {}
     for path in files:
         dataset = path.name.split(".")[0]
@@ -47,7 +44,7 @@ def score_dir(folder: Path, longbench_e: bool = False) -> dict:
         if dataset in seen:  # the official eval.py keeps whichever it reads last
             raise TaskConfigError(f"{path}: {seen[dataset].name} in the same folder is dataset {dataset!r} too")
         seen[dataset] = path
-        rows = read_jsonl(path, check)
+        rows = read_jsonl(path, lambda row, where: _check_row(row, where, longbench_e))
         if not rows:
             raise TaskConfigError(f"{path}: no prediction lines")
         scores[dataset] = score_dataset(dataset, [r["pred"] for r in rows], [r["answers"] for r in rows],

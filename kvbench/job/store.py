@@ -6,7 +6,7 @@ import json
 import logging
 import os
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -110,10 +110,8 @@ class JobStore:
 
     def repair(self) -> int:
         """Move a truncated last line aside to ``predictions.jsonl.partial-<ms>`` (logged); returns the bytes moved."""
-        if not self.predictions.exists():
-            return 0
         with self.append_lock():
-            data = self.predictions.read_bytes()
+            data = self.predictions.read_bytes() if self.predictions.exists() else b""
             if not data or data.endswith(b"\n"):
                 return 0
             cut = data.rfind(b"\n") + 1
@@ -128,10 +126,8 @@ class JobStore:
 
     def records(self) -> list[dict[str, Any]]:
         """Every stored record, in file order (a retried sample's latest record wins in :meth:`latest`)."""
-        if not self.predictions.exists():
-            return []
         records = []
-        with open(self.predictions, encoding="utf-8") as f:
+        with suppress(FileNotFoundError), open(self.predictions, encoding="utf-8") as f:
             for i, line in enumerate(f, 1):
                 try:
                     records += [json.loads(line)] if line.endswith("\n") and line.strip() else []
