@@ -6,19 +6,24 @@ Rows of one batch are sampled candidates of one short prompt (temperature 0.6, s
 preset decodes them; a row's peak cache is its prompt and generation (full) or ``budget + interval`` tokens per KV
 head (compressed; the prompt is shorter than the budget), so the rows that fit the cap are analytic, and the
 measured peak stored bytes of the rows (``cache_trace``) are checked against it.
+
+Also the full cache's generated tokens/s at batch 1, 2, 4 and 8 (no cap), stored in ``benchmarks/rates.json`` under
+``<model> on <device>`` with the machine and date: the decode rates ``kvbench plan`` turns a sweep's tokens into hours.
 """
 
 from __future__ import annotations
 
+import json
 import time
 
 import torch
 
-from benchmarks.common import MB, BenchResult, Context, Target, build_method, build_prompt
+from benchmarks.common import MB, ROOT, BenchResult, Context, Target, build_method, build_prompt, machine_info
 
 NAME = "throughput"
 TITLE = "Throughput at a cache cap: full cache vs decode-time compression (budget 10 % of the generation)"
 PROMPT, FULL_ROWS = 64, 2
+RATES, BATCHES = ROOT / "benchmarks" / "rates.json", (1, 2, 4, 8)
 
 
 def run_batch(engine, ids: list[int], rows: int, new: int) -> dict:
@@ -57,6 +62,8 @@ def measure(loaded, ids: list[int], new: int, full_rows: int = FULL_ROWS) -> dic
 
 
 def run(ctx: Context) -> BenchResult:
+    from kvbench.engine.generate import Engine
+
     loaded, new = ctx.loaded, 256 if ctx.settings.quick else 1024
     ids = build_prompt(loaded.tokenizer, PROMPT)[1]
     res = BenchResult(NAME, TITLE, headers=["cache", "rows at the cap", "generated tok/s", "over full",
@@ -74,7 +81,17 @@ def run(ctx: Context) -> BenchResult:
                    ratio >= 5 if cuda else ratio > 1),
             Target(f"{label}: the rows' peak stored bytes within the cap", f"{measured[label]['peak_bytes'] / MB:.1f} MB",
                    f"≤ {cap / MB:.1f} MB", measured[label]["peak_bytes"] <= cap)]
-    res.data = data
+    full = Engine(loaded, build_method("full", loaded.layout), 1.0)
+    rates = {str(b): round(run_batch(full, ids, b, new)["tok_s"], 2) for b in BATCHES}
+    res.rows += [[f"full, batch {b}", int(b), tok_s, "", "", ""] for b, tok_s in rates.items()]
+    machine = machine_info(ctx.settings)
+    table = json.loads(RATES.read_text()) if RATES.is_file() else {}
+    table[f"{ctx.settings.model} on {ctx.settings.device}"] = {
+        "tok_s": rates, "device": machine["gpu"] or f"{machine['cpu']}, {machine['torch_threads']} threads",
+        "date": machine["date"], "prompt_tokens": len(ids), "new_tokens": new, "command": "python -m benchmarks --only "
+        f"throughput --model {ctx.settings.model} --device {ctx.settings.device}" + " --quick" * ctx.settings.quick}
+    RATES.write_text(json.dumps(table, indent=1) + "\n", encoding="utf-8")
+    res.data = data | {"rates": rates}
     res.notes.append(f"{len(ids)}-token prompt, {new} generated tokens per row (stop tokens off, temperature 0.6); "
                      f"budget {data['budget']}, interval {data['interval']} (decode.schedule=length); the cap holds the "
                      f"full cache of {FULL_ROWS} rows; tok/s = all rows' tokens over the batch's wall time.")

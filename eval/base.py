@@ -184,6 +184,12 @@ class Task:
         its ``.json``/``.jsonl`` files; a task reading a folder tree overrides it."""
         return sorted(p for p in Path(cfg["data_dir"]).expanduser().glob("*.json*") if p.suffix in (".json", ".jsonl") and is_data_file(p))
 
+    @classmethod
+    def documented(cls, cfg: dict) -> list[int] | None:
+        """Without the data: each sample's ``max_new_tokens`` from the dataset's documented size and limits (an upper
+        bound, for ``kvbench plan``); None when the task documents none."""
+        return None
+
     def samples(self) -> Iterator[Sample]:  # pragma: no cover - abstract
         raise NotImplementedError
 

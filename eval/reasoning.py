@@ -57,15 +57,17 @@ class Spec:
     kvpress_hub: str = ""
     kvpress_box: int = -1
     year: str = ""
+    rows: int = 0  # the problems of the official set
 
 
 SPECS = {
-    "aime24": Spec(("aime24.jsonl",), "AI-MO/aimo-validation-aime", (None,), "train", "problem", 32768, year="2024"),
+    "aime24": Spec(("aime24.jsonl",), "AI-MO/aimo-validation-aime", (None,), "train", "problem", 32768, year="2024",
+                   rows=30),
     "aime25": Spec(("aime2025-I.jsonl", "aime2025-II.jsonl"), "opencompass/AIME2025", ("AIME2025-I", "AIME2025-II"),
-                   "test", "question", 32768, "alessiodevoto/aime25"),
+                   "test", "question", 32768, "alessiodevoto/aime25", rows=30),
     "math500": Spec(("test.jsonl",), "HuggingFaceH4/MATH-500", (None,), "test", "problem", 16384,
-                    "alessiodevoto/math500", kvpress_box=1),
-    "gsm8k": Spec(("test.jsonl",), "openai/gsm8k", ("main",), "test", "question", 8192),
+                    "alessiodevoto/math500", kvpress_box=1, rows=500),
+    "gsm8k": Spec(("test.jsonl",), "openai/gsm8k", ("main",), "test", "question", 8192, rows=1319),
 }
 META = ("unique_id", "subject", "level", "id", "url")  # official fields kept in a record's meta
 
@@ -316,6 +318,14 @@ class ReasoningTask(SuiteTask):
         n = self.cfg.get("n_samples")
         self.cut_datasets += [dataset] * (n is not None and len(rows) > n)
         return rows[:n]
+
+    @classmethod
+    def documented(cls, cfg: dict) -> list[int]:
+        """:attr:`Spec.rows` problems (``n_samples`` at most), each up to ``max_total_tokens``, else ``max_new_tokens``
+        or the dataset's limit (kvpress's copies: their rows' own limits, unknown without the data)."""
+        spec = cls.spec()
+        return [cfg.get("max_total_tokens") or cfg.get("max_new_tokens") or spec.max_new_tokens] * min(
+            spec.rows, cfg.get("n_samples") or spec.rows)
 
     def kvpress_config(self, dataset: str) -> None:
         return None

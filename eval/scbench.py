@@ -54,6 +54,10 @@ REPOQA = ("scbench_repoqa", "scbench_repoqa_and_kv")
 SEP = "[SEPSEPSEP]"  # create_scdq_prompt's special_delimiter
 MARK = "\ue000"  # a private-use character: in no template or data
 MODES = ("multi_turn", "multi_request")
+#: rows (contexts) per dataset of microsoft/SCBench's test split (its dataset viewer)
+ROWS = {"scbench_kv": 100, "scbench_prefix_suffix": 100, "scbench_vt": 90, "scbench_repoqa": 88,
+        "scbench_qa_eng": 69, "scbench_qa_chn": 35, "scbench_choice_eng": 58, "scbench_many_shot": 54,
+        "scbench_summary": 70, "scbench_mf": 100, "scbench_summary_with_needles": 70, "scbench_repoqa_and_kv": 88}
 #: SCBench's four capabilities (Li et al. 2024, Table 1) and the tasks that test each, in the paper's order
 CAPABILITIES = {"string retrieval": DATASETS[:3], "semantic retrieval": DATASETS[3:7],
                 "global information": DATASETS[7:10], "multi-tasking": DATASETS[10:]}
@@ -209,6 +213,16 @@ class SCBenchTask(SuiteTask):
         return text
 
     # ------------------------------------------------------------------ samples
+
+    @classmethod
+    def documented(cls, cfg: dict) -> list[int] | None:
+        """``max_turns`` questions (None when null) of each documented row (:data:`ROWS`; ``n_samples`` at most), each
+        up to its task's limit (a mixed dataset's largest)."""
+        if not cfg.get("max_turns"):
+            return None
+        limits = {d: max(t.values()) if isinstance(t := MAX_NEW_TOKENS[d], dict) else t for d in MAX_NEW_TOKENS}
+        return [limits[d] for d in cfg.get("datasets") or DATASETS
+                for _ in range(min(ROWS[d], cfg.get("n_samples") or ROWS[d]) * cfg["max_turns"])]
 
     def turns(self, rows: list[dict]) -> tuple[list[dict], int]:
         """Rows with ``max_turns`` applied as run_scbench.py does, and the turn count of its truncation budget."""

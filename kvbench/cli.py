@@ -1,4 +1,5 @@
-"""The ``kvbench`` command: ``kvbench run ...`` (= ``python run.py ...``), ``kvbench report``,
+"""The ``kvbench`` command: ``kvbench run ...`` (= ``python run.py ...``), ``kvbench plan ...`` (= ``python
+slurm/make_joblist.py --plan ...``), ``kvbench report``,
 ``kvbench score``, ``kvbench mask-heads``, ``kvbench calibrate``; and the one-line argument parser of every tool."""
 
 import argparse
@@ -10,6 +11,7 @@ from pathlib import Path
 #: command -> (the module whose ``main(argv)`` runs it, its one-line help)
 COMMANDS = {
     "run": ("", "run a job or a sweep (Hydra overrides, as python run.py)"),
+    "plan": ("", "a sweep's jobs, samples, decoded tokens (a bound) and device-hours at batch 1 and batch_size"),
     "report": ("report.build", "score tables of any sweep and the papers' tables and figures, from a results root"),
     "score": ("job.score", "score LongBench prediction files (official result.json), or a JSONL file with --task NAME"),
     "mask-heads": ("tools.mask_heads", "NIAH score drop when the top-k SRH / TRH heads are masked (CompressKV Table 2a)"),
@@ -73,9 +75,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: kvbench: {argv[0] if argv else 'a command'}: accepted values are {', '.join(COMMANDS)}",
                   file=out)
         return 0 if out is sys.stdout else 2
-    if argv[0] == "run":
-        run_py = Path(__file__).resolve().parents[1] / "run.py"
-        os.execv(sys.executable, [sys.executable, str(run_py), *argv[1:]])
+    if argv[0] in ("run", "plan"):
+        script = Path(__file__).resolve().parents[1] / ("run.py" if argv[0] == "run" else "slurm/make_joblist.py")
+        os.execv(sys.executable, [sys.executable, str(script), *["--plan"] * (argv[0] == "plan"), *argv[1:]])
     return int(importlib.import_module(f"kvbench.{COMMANDS[argv[0]][0]}").main(argv[1:]) or 0)
 
 

@@ -2,6 +2,8 @@
 """Expand a Hydra sweep into a job list for ``slurm/array.sbatch``, a ``shlex.join``-quoted line per job (docs/SWEEPS.md)::
 
     python slurm/make_joblist.py method=snapkv,selkv budget=0.1,0.25 task=niah -o jobs.txt
+
+With ``--plan`` (``kvbench plan``) it prints what the sweep will decode and its device-hours instead.
 """
 
 import argparse
@@ -98,7 +100,8 @@ def unique_jobs(jobs: list[list[str]]) -> list[tuple[list[str], dict]]:
 
     out: dict[str, tuple[list[str], dict]] = {}
     for job in jobs:
-        cfg = OmegaConf.to_container(compose(job), resolve=True, enum_to_str=True)
+        OmegaConf.to_object(composed := compose(job))  # the schemas' range checks (ConfigError: the key)
+        cfg = OmegaConf.to_container(composed, resolve=True, enum_to_str=True)
         twin = json.dumps({k: v for k, v in cfg.items() if k != "budget" or cfg["method"]["name"] != "full"},
                           sort_keys=True, default=str)
         out.setdefault(twin, (job, cfg))
@@ -117,7 +120,7 @@ def cost(jobs: list[tuple[list[str], dict]], run: Path):
         name = cfg["model"]["name"]
         fit = fits[name] = fits.get(name) or measure(run, name)
         mine = samples[key][cfg["shard"]["index"]::cfg["shard"]["count"]][:cfg.get("max_samples") or None]
-        prompt, new = sum(p for p, _ in mine), sum(n for _, n in mine)
+        prompt, new = sum(p for p, _ in mine), cfg["sampling"]["n"] * sum(n for _, n in mine)  # each candidate
         once = fit["load_s"] + (fit["compile_s"] if cfg.get("compile", False) is not False else 0)
         seconds = once + sum(fit["a"] * p ** fit["p"] for p, _ in mine) + new / fit["decode_tok_s"]
         rows.append({"job": shlex.join(job), "samples": len(mine), "prompt_tokens": prompt, "new_tokens": new,
@@ -128,15 +131,76 @@ def cost(jobs: list[tuple[list[str], dict]], run: Path):
     return table
 
 
+def rates(model: str, given: dict[int, float] | None) -> tuple[dict[int, float], str]:
+    """Decode tok/s by batch size: ``given`` (``--rate``), else ``model``'s entry of ``benchmarks/rates.json`` (else its
+    first entry, another model's); and where they come from, in words."""
+    if given:
+        return given, "given (--rate)"
+    table = json.loads((ROOT / "benchmarks" / "rates.json").read_text(encoding="utf-8"))
+    key = next((k for k in table if k.startswith(f"{model} on ")), next(iter(table)))
+    entry, mine = table[key], "" if key.startswith(f"{model} on ") else f", not {model}'s (pass --rate)"
+    return {int(b): r for b, r in entry["tok_s"].items()}, f"{key} ({entry['device']}, {entry['date']}){mine}"
+
+
+def plan(jobs: list[tuple[list[str], dict]], given: dict[int, float] | None = None):
+    """A pandas frame, a row per job: its samples after shard and ``max_samples`` (from the data, else the task's
+    documented size, else unknown: NA), candidates (× ``sampling.n``), new tokens (each candidate's
+    ``max_new_tokens``: an upper bound) and decode hours at batch 1 and at ``batch_size`` (:func:`rates` at the
+    largest batch measured <= it; ``auto``: the largest); ``attrs["rates"]``: each model's rates in words."""
+    import pandas as pd
+
+    from eval import get_task_class
+
+    rows, found, notes = [], {}, {}
+    for job, cfg in jobs:
+        key = json.dumps([cfg["model"], cfg["task"]], sort_keys=True)
+        try:
+            found[key] = found.get(key) or ([n for _, n in job_samples(cfg)], "data")
+        except (OSError, ValueError, ImportError):  # no data or tokenizer here (offline)
+            found[key] = (get_task_class(cfg["task"]["name"]).documented(cfg["task"]), "documented")
+        news, source = found[key]
+        rate, notes[cfg["model"]["name"]] = rates(cfg["model"]["name"], given)
+        batch = cfg["batch_size"] if isinstance(cfg["batch_size"], int) else max(rate)
+        mine = (news or None) and news[cfg["shard"]["index"]::cfg["shard"]["count"]][:cfg.get("max_samples") or None]
+        new = mine and cfg["sampling"]["n"] * sum(mine)
+        hours = [mine and new / rate[max([1, *(k for k in rate if k <= b)])] / 3600 for b in (1, batch)]
+        rows.append({"job": shlex.join(job), "samples": mine and len(mine), "from": source if mine else "unknown",
+                     "candidates": mine and cfg["sampling"]["n"] * len(mine), "new tokens <=": new, "batch": batch,
+                     "hours at 1": hours[0], "hours at batch": hours[1]})
+    table = pd.DataFrame(rows)
+    table.attrs["rates"] = notes
+    return table
+
+
+def rate_arg(text: str) -> dict[int, float]:
+    """``--rate``: decode tok/s at batch 1 (``35``) or by batch size (``1:35,8:240``)."""
+    try:
+        given = {int(b): float(r) for b, r in (p.split(":") if ":" in p else ("1", p) for p in text.split(","))}
+    except ValueError:
+        given = {}
+    if not given or min(given) < 1 or min(given.values()) <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: accepted values are tok/s > 0 at batch 1 (35) or BATCH:TOK_S "
+                                         "pairs (1:35,8:240)")
+    return given
+
+
 def main(argv: list[str] | None = None) -> int:
     """Write the job list (``-o`` or stdout), print the sbatch command; 2 on a bad sweep or ``-o`` (one line)."""
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    from kvbench.cli import ArgParser
+
+    name = "kvbench plan" if "--plan" in (sys.argv[1:] if argv is None else argv) else "make_joblist"
+    parser = ArgParser(prog=name, description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("overrides", nargs="+", help="Hydra overrides, sweeps as comma lists")
     parser.add_argument("-o", "--output", type=Path, help="job list file (default: standard output)")
     parser.add_argument("--shards", type=int, default=1, help="split every job into this many shards")
     parser.add_argument("--parallel", type=int, default=16, help="array tasks at once, for the printed command")
     parser.add_argument("--cost", type=Path, metavar="RUN", help="print the sweep's samples and estimated hours "
                         "from the times measured in RUN (latency.json, a job folder or a results root)")
+    parser.add_argument("--plan", action="store_true", help="print each job's samples, candidates, new tokens (a "
+                        "bound) and decode hours at batch 1 and batch_size from benchmarks/rates.json (docs/SWEEPS.md)")
+    parser.add_argument("--rate", type=rate_arg, metavar="TOK_S", help="with --plan: your decode tok/s, at batch 1 "
+                        "(35) or by batch size (1:35,8:240)")
     args = parser.parse_intermixed_args(argv)  # overrides may follow the options, as with run.py
     if args.parallel < 1:
         parser.error(f"--parallel {args.parallel}: must be an integer >= 1 (array tasks run at once)")
@@ -149,6 +213,16 @@ def main(argv: list[str] | None = None) -> int:
         overrides = [("+" + o if o.startswith("experiment=") else o) for o in args.overrides]
         composed = unique_jobs(expand(overrides, args.shards))
         jobs = [job for job, _ in composed]
+        if args.plan:
+            table = plan(composed, args.rate)
+            print(table.to_string(index=False, float_format="{:.3g}".format, na_rep="?"))
+            print("\n".join(f"rate of {model}: {words}" for model, words in table.attrs["rates"].items()))
+            t = table.sum(numeric_only=True)
+            print(f"{len(table)} jobs ({table.samples.isna().sum()} unknown: no data here, no documented size), "
+                  f"{t['samples']:.0f} samples, {t['candidates']:.0f} candidates, {t['new tokens <=']:.0f} new tokens "
+                  f"at most; {t['hours at 1']:.3g} device-hours at batch 1, {t['hours at batch']:.3g} at batch_size "
+                  "(decode only, an upper bound; prefill and model loads: --cost RUN)")
+            return 0
         if args.cost:
             table = cost(composed, args.cost)
             print(table.to_string(index=False, float_format="{:.2f}".format))
@@ -161,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         args.output.write_text(text, encoding="utf-8")
     except (SweepSpecError, OSError, ValueError, KeyError, HydraException, OmegaConfBaseException) as error:
-        print(f"make_joblist: {' '.join(str(error).split()) or type(error).__name__}", file=sys.stderr)
+        print(f"{name}: {' '.join(str(error).split()) or type(error).__name__}", file=sys.stderr)
         return 2
     print(f"{len(jobs)} jobs written to {args.output}; submit with:\n"
           f"  sbatch --array=1-{len(jobs)}%{args.parallel} slurm/array.sbatch {args.output}", file=sys.stderr)

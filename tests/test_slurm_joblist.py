@@ -208,3 +208,46 @@ def test_cost_without_a_record_of_the_model_is_one_line(tmp_path, capsys):
     assert main(["method=snapkv", "--cost", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip()
     assert "--cost" in err and "smollm2" in err and "\n" not in err
+
+
+PLAN = ["method=full,snapkv", "budget=64", "task=math500", "task.data_dir=tests/data/math500", "task.max_new_tokens=16",
+        "sampling.n=4", "sampling.temperature=0.6", "batch_size=2"]
+
+
+def test_plan_counts_samples_candidates_tokens_and_hours_from_the_data(capsys):
+    """kvbench plan: 2 jobs x 3 problems x 4 candidates x 16 new tokens at most; hours at each batch size's rate."""
+    assert main(["--plan", *PLAN, "--rate", "1:10,2:16"]) == 0
+    out = capsys.readouterr().out
+    assert "2 jobs (0 unknown: no data here, no documented size), 6 samples, 24 candidates, 384 new tokens" in out
+    assert f"{384 / 10 / 3600:.3g} device-hours at batch 1, {384 / 16 / 3600:.3g} at batch_size" in out
+
+
+def test_plan_without_data_uses_documented_sizes_and_the_stored_rates(monkeypatch):
+    import make_joblist
+
+    def offline(cfg):
+        raise OSError("no data")
+
+    monkeypatch.setattr(make_joblist, "job_samples", offline)
+    jobs = make_joblist.unique_jobs(expand(["method=snapkv", *PLAN[1:2], "task=aime24", *PLAN[4:], "max_samples=20"]))
+    table = make_joblist.plan(jobs)
+    assert table.samples.tolist() == [20] and table["from"].tolist() == ["documented"]  # AIME 2024's 30, capped
+    assert table["new tokens <="].tolist() == [20 * 4 * 16]
+    rates = json.loads((ROOT / "benchmarks" / "rates.json").read_text())["smollm2 on cpu"]["tok_s"]
+    assert table["hours at 1"].tolist() == [pytest.approx(20 * 4 * 16 / rates["1"] / 3600)]
+    assert table["hours at batch"].tolist() == [pytest.approx(20 * 4 * 16 / rates["2"] / 3600)]
+    assert "smollm2 on cpu" in table.attrs["rates"]["smollm2"]
+    scbench = make_joblist.plan(make_joblist.unique_jobs(expand(["task=scbench", "task.max_turns=2", "task.n_samples=3",
+                                                                 "task.datasets=[scbench_kv,scbench_mf]"])))
+    assert scbench["new tokens <="].tolist() == [3 * 2 * (150 + 5)]  # 3 rows x 2 turns, 150 and 5 new tokens
+    unknown = make_joblist.plan(make_joblist.unique_jobs(expand(["task=scbench", "task.max_turns=null"])))
+    assert unknown["from"].tolist() == ["unknown"] and unknown.samples.isna().all()
+
+
+@pytest.mark.parametrize("argv, key", [(["sampling.n=0"], "sampling.n"), (["batch_size=0"], "batch_size"),
+                                       (["--rate", "fast"], "--rate"), (["--rate", "0:5"], "--rate")])
+def test_plan_bad_input_is_one_line_naming_the_key_exit_2(argv, key):
+    run = subprocess.run([sys.executable, "-m", "kvbench.cli", "plan", *argv], cwd=ROOT, capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert run.returncode == 2 and key in run.stderr and run.stderr.startswith("kvbench plan")
+    assert run.stderr.count("\n") == 1
