@@ -87,7 +87,7 @@ def run(ctx: Context) -> BenchResult:
     machine = machine_info(ctx.settings)
     table = json.loads(RATES.read_text()) if RATES.is_file() else {}
     table[f"{ctx.settings.model} on {ctx.settings.device}"] = {
-        "tok_s": rates, "device": machine["gpu"] or f"{machine['cpu']}, {machine['torch_threads']} threads",
+        "tok_s": rates, "device": machine["gpu"] or f"{machine['cpu']}, torch threads {machine['torch_threads']}",
         "date": machine["date"], "prompt_tokens": len(ids), "new_tokens": new, "command": "python -m benchmarks --only "
         f"throughput --model {ctx.settings.model} --device {ctx.settings.device}" + " --quick" * ctx.settings.quick}
     RATES.write_text(json.dumps(table, indent=1) + "\n", encoding="utf-8")
