@@ -1,6 +1,6 @@
 """The ``kvbench`` command: ``kvbench run ...`` (= ``python run.py ...``), ``kvbench plan ...`` (= ``python
-slurm/make_joblist.py --plan ...``), ``kvbench report``,
-``kvbench score``, ``kvbench mask-heads``, ``kvbench calibrate``; and the one-line argument parser of every tool."""
+slurm/make_joblist.py --plan ...``), ``kvbench report``, ``kvbench score``, ``kvbench mask-heads``, ``kvbench
+calibrate``; and the one-line argument parser of every tool."""
 
 import argparse
 import importlib

@@ -131,35 +131,30 @@ def cost(jobs: list[tuple[list[str], dict]], run: Path):
     return table
 
 
-def rates(model: str, given: dict[int, float] | None) -> tuple[dict[int, float], str]:
-    """Decode tok/s by batch size: ``given`` (``--rate``), else ``model``'s entry of ``benchmarks/rates.json`` (else its
-    first entry, another model's); and where they come from, in words."""
-    if given:
-        return given, "given (--rate)"
-    table = json.loads((ROOT / "benchmarks" / "rates.json").read_text(encoding="utf-8"))
-    key = next((k for k in table if k.startswith(f"{model} on ")), next(iter(table)))
-    entry, mine = table[key], "" if key.startswith(f"{model} on ") else f", not {model}'s (pass --rate)"
-    return {int(b): r for b, r in entry["tok_s"].items()}, f"{key} ({entry['device']}, {entry['date']}){mine}"
-
-
 def plan(jobs: list[tuple[list[str], dict]], given: dict[int, float] | None = None):
     """A pandas frame, a row per job: its samples after shard and ``max_samples`` (from the data, else the task's
     documented size, else unknown: NA), candidates (× ``sampling.n``), new tokens (each candidate's
-    ``max_new_tokens``: an upper bound) and decode hours at batch 1 and at ``batch_size`` (:func:`rates` at the
-    largest batch measured <= it; ``auto``: the largest); ``attrs["rates"]``: each model's rates in words."""
+    ``max_new_tokens``: an upper bound) and decode hours at batch 1 and at ``batch_size`` (``auto``: the largest
+    measured) at the tok/s of ``given`` (``--rate``), else of the model's entry of ``benchmarks/rates.json`` (else its
+    first, another model's), by the largest batch measured <= it; ``attrs["rates"]``: each model's rates in words."""
     import pandas as pd
 
     from eval import get_task_class
 
+    table = {} if given else json.loads((ROOT / "benchmarks" / "rates.json").read_text(encoding="utf-8"))
     rows, found, notes = [], {}, {}
     for job, cfg in jobs:
-        key = json.dumps([cfg["model"], cfg["task"]], sort_keys=True)
+        key, name = json.dumps([cfg["model"], cfg["task"]], sort_keys=True), cfg["model"]["name"]
         try:
             found[key] = found.get(key) or ([n for _, n in job_samples(cfg)], "data")
         except (OSError, ValueError, ImportError):  # no data or tokenizer here (offline)
             found[key] = (get_task_class(cfg["task"]["name"]).documented(cfg["task"]), "documented")
         news, source = found[key]
-        rate, notes[cfg["model"]["name"]] = rates(cfg["model"]["name"], given)
+        measured = next((k for k in table if k.startswith(f"{name} on ")), next(iter(table), ""))
+        entry = table.get(measured, {})
+        other = "" if measured.startswith(f"{name} on ") else f", not {name}'s (pass --rate)"
+        rate = given or {int(b): r for b, r in entry["tok_s"].items()}
+        notes[name] = "given (--rate)" if given else f"{measured} ({entry['device']}, {entry['date']}){other}"
         batch = cfg["batch_size"] if isinstance(cfg["batch_size"], int) else max(rate)
         mine = (news or None) and news[cfg["shard"]["index"]::cfg["shard"]["count"]][:cfg.get("max_samples") or None]
         new = mine and cfg["sampling"]["n"] * sum(mine)
@@ -167,9 +162,9 @@ def plan(jobs: list[tuple[list[str], dict]], given: dict[int, float] | None = No
         rows.append({"job": shlex.join(job), "samples": mine and len(mine), "from": source if mine else "unknown",
                      "candidates": mine and cfg["sampling"]["n"] * len(mine), "new tokens <=": new, "batch": batch,
                      "hours at 1": hours[0], "hours at batch": hours[1]})
-    table = pd.DataFrame(rows)
-    table.attrs["rates"] = notes
-    return table
+    frame = pd.DataFrame(rows)
+    frame.attrs["rates"] = notes
+    return frame
 
 
 def rate_arg(text: str) -> dict[int, float]:
@@ -178,9 +173,9 @@ def rate_arg(text: str) -> dict[int, float]:
         given = {int(b): float(r) for b, r in (p.split(":") if ":" in p else ("1", p) for p in text.split(","))}
     except ValueError:
         given = {}
-    if not given or min(given) < 1 or min(given.values()) <= 0:
+    if not given or min(given) != 1 or min(given.values()) <= 0:
         raise argparse.ArgumentTypeError(f"{text!r}: accepted values are tok/s > 0 at batch 1 (35) or BATCH:TOK_S "
-                                         "pairs (1:35,8:240)")
+                                         "pairs, batch 1 among them (1:35,8:240)")
     return given
 
 
@@ -189,8 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     from kvbench.cli import ArgParser
 
     name = "kvbench plan" if "--plan" in (sys.argv[1:] if argv is None else argv) else "make_joblist"
-    parser = ArgParser(prog=name, description=__doc__,
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgParser(prog=name, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("overrides", nargs="+", help="Hydra overrides, sweeps as comma lists")
     parser.add_argument("-o", "--output", type=Path, help="job list file (default: standard output)")
     parser.add_argument("--shards", type=int, default=1, help="split every job into this many shards")
@@ -215,8 +209,8 @@ def main(argv: list[str] | None = None) -> int:
         jobs = [job for job, _ in composed]
         if args.plan:
             table = plan(composed, args.rate)
-            print(table.to_string(index=False, float_format="{:.3g}".format, na_rep="?"))
-            print("\n".join(f"rate of {model}: {words}" for model, words in table.attrs["rates"].items()))
+            print(table.to_string(index=False, float_format="{:.3g}".format, na_rep="?"),
+                  *(f"rate of {model}: {words}" for model, words in table.attrs["rates"].items()), sep="\n")
             t = table.sum(numeric_only=True)
             print(f"{len(table)} jobs ({table.samples.isna().sum()} unknown: no data here, no documented size), "
                   f"{t['samples']:.0f} samples, {t['candidates']:.0f} candidates, {t['new tokens <=']:.0f} new tokens "

@@ -245,7 +245,7 @@ def test_plan_without_data_uses_documented_sizes_and_the_stored_rates(monkeypatc
 
 
 @pytest.mark.parametrize("argv, key", [(["sampling.n=0"], "sampling.n"), (["batch_size=0"], "batch_size"),
-                                       (["--rate", "fast"], "--rate"), (["--rate", "0:5"], "--rate")])
+                                       (["--rate", "fast"], "--rate"), (["--rate", "8:5"], "--rate")])
 def test_plan_bad_input_is_one_line_naming_the_key_exit_2(argv, key):
     run = subprocess.run([sys.executable, "-m", "kvbench.cli", "plan", *argv], cwd=ROOT, capture_output=True, text=True,
                          env={**os.environ, "PYTHONPATH": str(ROOT)})
