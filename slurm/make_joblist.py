@@ -141,7 +141,7 @@ def plan(jobs: list[tuple[list[str], dict]], given: dict[int, float] | None = No
 
     from eval import get_task_class
 
-    table = {} if given else json.loads((ROOT / "benchmarks" / "rates.json").read_text(encoding="utf-8"))
+    table = {} if given else json.loads((Path(__file__).resolve().parents[1] / "benchmarks/rates.json").read_text())
     rows, found, notes = [], {}, {}
     for job, cfg in jobs:
         key, name = json.dumps([cfg["model"], cfg["task"]], sort_keys=True), cfg["model"]["name"]
