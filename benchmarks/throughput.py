@@ -4,8 +4,9 @@ generated length) and their generated tokens/s, each batch decoded together (``E
 
 Rows of one batch are sampled candidates of one short prompt (temperature 0.6, stop tokens off), as a reasoning
 preset decodes them; a row's peak cache is its prompt and generation (full) or ``budget + interval`` tokens per KV
-head (compressed; the prompt is shorter than the budget), so the rows that fit the cap are analytic, and the
-measured peak stored bytes of the rows (``cache_trace``) are checked against it.
+head (compressed; the budget at least the method's floor, SnapKV's window; the prompt is shorter than the budget), so
+the rows that fit the cap are analytic, and the measured peak stored bytes of the rows (``cache_trace``) are checked
+against it.
 
 Also the full cache's generated tokens/s at batch 1, 2, 4 and 8 (no cap), stored in ``benchmarks/rates.json`` under
 ``<model> on <device>`` with the machine and date: the decode rates ``kvbench plan`` turns a sweep's tokens into hours.
@@ -55,8 +56,9 @@ def measure(loaded, ids: list[int], new: int, full_rows: int = FULL_ROWS) -> dic
         engines[name] = Engine(loaded, build_method(name, lay), budget, Decode(interval=interval, schedule="length"))
     for engine in engines.values():
         run_batch(engine, ids, 2, 8)  # warm-up
-    measured = {label: run_batch(engine, ids, full_rows if label == "full" else cap // (token * (budget + interval)), new)
-                for label, engine in engines.items()}
+    held = {label: max(budget, engine.method.min_budget()) + interval for label, engine in engines.items()}
+    measured = {label: run_batch(engine, ids, full_rows if label == "full" else cap // (token * held[label]), new)
+                for label, engine in engines.items()}  # a budget under the method's floor (window) keeps the floor
     return {"measured": measured, "cap_bytes": cap, "new_tokens": new, "prompt_tokens": len(ids), "budget": budget,
             "interval": interval}
 
