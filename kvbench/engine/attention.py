@@ -1,23 +1,11 @@
-"""kvbench's attention function, registered with transformers' ``AttentionInterface``.
+"""kvbench's attention function, registered with transformers' ``AttentionInterface`` as ``"kvbench"``.
 
-The model is loaded with ``attn_implementation="kvbench"``; no global monkey-patching. Every
-forward call (prefill and each decode step) runs the model's own modules and carries a
-:class:`CompressionState` in its keyword arguments (``kvbench_state=...``), which transformers
-passes down to every attention call.
-
-* **Prefill** (``state.phase == "prefill"``): SDPA (chunked float32 attention when the model
-  soft-caps logits, Gemma 2). Then each compressible layer's last W queries (the model's own,
-  after q-norm and RoPE) and full cache go to the method (:class:`methods.base.LayerContext`);
-  its result replaces the layer's cache. Nothing n×n is built. A method that scores by
-  reconstruction (``state.scoring``) is not called here but in the **score** phase: the forwards of
-  :mod:`kvbench.engine.reconstruct` on the full cache, where each compressible layer's queries and cache go to
-  ``method.reconstruction_score`` (:class:`methods.base.ReconstructionContext`) after the layer's SDPA.
-* **Decode-time compression** (``state.decode_budget``, docs/DECODING.md): each compressible layer keeps the
-  queries of the last W tokens fed; in a forward the engine flags (``compress_now``), after the attention output
-  is computed with the whole cache, the method cuts the layer (its current token included) back to the budget.
-* **Decode**: SDPA without a mask, the G query heads of a KV head as G query rows of the
-  un-repeated cache; a logit bias is in extra key columns, per-head lengths in a flat
-  :class:`kvbench.engine.kvcache.RaggedLayer` (flash varlen on CUDA): :func:`decode_backend`.
+Every forward (prefill, score, each decode step) runs the model's own modules and carries a :class:`CompressionState`
+(``kvbench_state=...``) down to every attention call. Prefill: SDPA (blocked float32 when the model soft-caps), then
+each compressible layer's last W queries and full cache go to the method, whose result replaces the layer's cache; a
+method scoring by reconstruction is called in the score phase instead (:mod:`kvbench.engine.reconstruct`). Decode:
+SDPA without a mask, the G query heads of a KV head as G query rows of the un-repeated cache (:func:`decode_backend`);
+decode-time compression cuts a flagged forward's layers back to the budget (docs/DECODING.md, docs/ARCHITECTURE.md).
 """
 
 from __future__ import annotations
@@ -41,10 +29,9 @@ except ImportError:  # pragma: no cover - older torch
     varlen_attn = None
 
 ATTN_IMPLEMENTATION = "kvbench"
-#: SDPA backends decode may use (the engine sets them with ``sdpa_kernel`` around its decode steps), in
-#: PyTorch's order: flash, memory-efficient, math. Not cuDNN: its graph cache is keyed on the KV length, which
-#: grows every step (a plan rebuilt per step, pytorch/pytorch#155958); choosing here needs no process-wide
-#: ``TORCH_CUDNN_SDPA_AVOID_RECOMPILE`` and leaves cuDNN to prefill, where PyTorch may prefer it.
+#: SDPA backends decode may use (the engine's ``sdpa_kernel`` around its decode steps), in PyTorch's order. Not cuDNN:
+#: its graph cache is keyed on the KV length, which grows every step (pytorch/pytorch#155958); choosing here needs no
+#: process-wide ``TORCH_CUDNN_SDPA_AVOID_RECOMPILE`` and leaves cuDNN to prefill, where PyTorch may prefer it.
 DECODE_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 _PREFILL_CHUNK = 1024  # query rows per block in the soft-capping prefill path
 
@@ -76,27 +63,22 @@ class CompressionState:
     """Per-generation state of the compressed cache, passed to the attention function.
 
     Attributes:
-        method, plan, layout: the compression method, its per-sample :class:`methods.base.Plan`,
-            the model's head layout.
-        cache: the transformers cache being filled.
-        phase: ``prefill``, ``score`` (reconstruction forwards) or ``decode``.
-        results: per-layer :class:`CompressResult` of this sample (layer index → result).
-        compress_s: seconds spent in the method during prefill (synchronised on CUDA); a score
-            computed inside the prefill attention (LOOK-M's ``fused_score``) counts as prefill,
-            reconstruction forwards (``scoring``) as compression.
+        method, plan, layout: the method, its per-sample :class:`methods.base.Plan`, the model's head layout.
+        cache: the transformers cache being filled; phase: ``prefill``, ``score`` (reconstruction) or ``decode``.
+        results: layer index → this sample's :class:`CompressResult`.
+        compress_s: seconds in the method during prefill (CUDA synchronised); a score computed inside the prefill
+            attention (LOOK-M's) counts as prefill, reconstruction forwards (``scoring``) as compression.
         rotary: callable positions → (cos, sin) for methods that re-position keys.
-        reserve: free slots per head a compressed layer keeps for the tokens fed after it (the generation, or
-            the decode steps up to the next decode-time compression); more are made when needed.
-        reference_decode: decode with :func:`grouped_attention` (float32 softmax; tests).
-        backends: the attention PyTorch chose, ``prefill`` (first prefill call) and ``decode`` (:func:`decode_backends`).
+        reserve: free slots per head a compressed layer keeps for the tokens fed until the next compression (more are
+            made when needed); reference_decode: decode with :func:`grouped_attention` (float32 softmax; tests).
+        backends: the attention PyTorch chose, ``prefill`` (first call) and ``decode`` (:func:`decode_backends`).
         decode_budget: the token budget of decode-time compression, None when off; then ``queries`` holds each
-            compressible layer's last ``window`` queries ``(B, H_q, ≤ window, d)``, ``compress_now`` flags the
-            forward that compresses, ``compressions`` counts the layer compressions and ``decode_compress_s`` their
-            seconds (synchronised on CUDA); ``held`` is the most tokens a layer's longest head held when it was cut;
-            ``position`` the position of the last token of the current forward; ``cut_at_budget``: a layer holding
-            exactly the budget is compressed too (R-KV's update_kv, ``schedule=length``), else only one holding more.
-        scoring: the method's reconstruction pass, or None (the method compresses at the end of each layer's prefill).
-        reads: layer → slots its attention read in the running decode step, summed over KV heads (``Method.select``).
+            compressible layer's last ``window`` queries ``(B, H_q, ≤ window, d)``, ``compress_now`` flags the forward
+            that compresses, ``compressions`` counts layer compressions, ``decode_compress_s`` their seconds; ``held``:
+            the most tokens a layer's longest head held when cut; ``position``: the current forward's last position;
+            ``cut_at_budget``: a layer holding exactly the budget is cut too (R-KV's update_kv, ``schedule=length``).
+        scoring: the method's reconstruction pass, or None; reads: layer → slots its attention read in the running
+            decode step, summed over KV heads (``Method.select``).
     """
 
     method: Method | None
@@ -171,9 +153,8 @@ def _prefill_attention(query, key, value, mask, scaling, softcap) -> torch.Tenso
 
 
 def decode_backend(layer: Any, key: torch.Tensor, reference: bool = False) -> str:
-    """The decode attention of a cache layer (:func:`decode_backends` names the kernel PyTorch picks): ``reference``
-    (:func:`grouped_attention`), ``flash varlen`` (ragged heads, CUDA, fp16/bf16), ``sdpa per head``
-    (ragged heads elsewhere), ``sdpa, bias columns`` or ``sdpa`` (no mask: flash eligible on CUDA)."""
+    """The decode attention of a cache layer: ``reference`` (:func:`grouped_attention`), ``flash varlen`` (ragged
+    heads, CUDA, fp16/bf16), ``sdpa per head`` (ragged heads elsewhere), ``sdpa, bias columns`` or ``sdpa``."""
     if reference:
         return "reference"
     if isinstance(layer, RaggedLayer):
@@ -183,29 +164,23 @@ def decode_backend(layer: Any, key: torch.Tensor, reference: bool = False) -> st
 
 
 def sdpa_backend(query, key, value, **kwargs: Any) -> str:
-    """The backend ``F.scaled_dot_product_attention(query, key, value, **kwargs)`` dispatches to on these
-    tensors under the current ``sdpa_kernel`` settings, as PyTorch decides it (``torch._fused_sdp_choice``,
-    the check SDPA itself runs; nothing computed): ``flash_attention``, ``efficient_attention``,
-    ``cudnn_attention``, ``math`` or ``overrideable`` (CPU: ``flash_attention`` is its own CPU kernel)."""
+    """The backend ``F.scaled_dot_product_attention(query, key, value, **kwargs)`` picks under the current
+    ``sdpa_kernel`` settings (``torch._fused_sdp_choice``; nothing computed): ``flash_attention`` (CPU: its own
+    kernel), ``efficient_attention``, ``cudnn_attention``, ``math`` or ``overrideable``."""
     return SDPBackend(torch._fused_sdp_choice(query, key, value, **kwargs)).name.lower()
 
 
-def layer_kind(layer: Any) -> str:
-    """A cache layer's decode layout: ``per-head lengths`` (ragged), ``quantized`` (read back in full, its bias
-    columns included), ``bias columns`` or ``uniform``."""
-    return ("per-head lengths" if isinstance(layer, RaggedLayer) else "quantized" if isinstance(layer, QuantizedLayer)
-            else "bias columns" if getattr(layer, "bias_rows", 0) else "uniform")
-
-
 def decode_backends(state: CompressionState) -> dict[str, str]:
-    """The attention of one decode step on each kind of layer (:func:`layer_kind`) of ``state.cache``, as
-    :func:`_decode_attention` calls it: ``flash varlen`` (PyTorch's varlen flash kernel, ragged heads on
-    CUDA), ``reference`` (float32 :func:`grouped_attention`), else :func:`sdpa_backend` of the step's SDPA
-    call (a ragged layer's first head on CPU). Call it under the decode's ``sdpa_kernel`` settings."""
+    """The attention of one decode step on each kind of layer of ``state.cache`` (``per-head lengths``, ``quantized``:
+    read back in full, ``bias columns``, ``uniform``), as :func:`_decode_attention` calls it: ``flash varlen``
+    (ragged heads on CUDA), ``reference`` (float32 :func:`grouped_attention`), else :func:`sdpa_backend` of the
+    step's SDPA call (a ragged layer's first head on CPU). Call it under the decode's ``sdpa_kernel`` settings."""
     out: dict[str, str] = {}
     g = state.layout.num_q_heads // state.layout.num_kv_heads
     for layer in state.cache.layers:
-        kind, key = layer_kind(layer), getattr(layer, "keys", None)
+        kind = ("per-head lengths" if isinstance(layer, RaggedLayer) else "quantized" if isinstance(
+            layer, QuantizedLayer) else "bias columns" if getattr(layer, "bias_rows", 0) else "uniform")
+        key = getattr(layer, "keys", None)
         if kind in out or not isinstance(key, torch.Tensor):
             continue
         backend = decode_backend(layer, key, state.reference_decode)
@@ -233,17 +208,11 @@ def dense_layer(layer: Any, key: torch.Tensor, value: torch.Tensor, query: torch
 
 
 def _decode_attention(query, key, value, mask, scaling, softcap, layer=None, reference=False) -> torch.Tensor:
-    """Decode attention over a cache layer, with no ``attn_mask`` built: :func:`grouped_attention` over
-    :func:`dense_layer` (the padded reference, dense bias) within rounding.
-
-    One query token, no soft-capping: the G query heads of a KV head are G query rows ``(B, H_kv, G, d)``
-    (query head h = kv·G + g), given the component 1 (or a one-hot over G) for the bias columns and
-    zeros up to the stored width; the output keeps d channels. Invalid slots of ragged heads are not
-    stored, so no logit is −inf. Else (``reference``, soft-capping, q > 1, a mask on a ragged layer):
-    the reference; q > 1 queries (the query part on a compressed cache) without ``mask`` are causal: row i sees
-    a head's first L − q + i + 1 slots, L its filled length. key, value: what ``layer.update`` returned.
-    Returns ``(B, q, H_q, d)``.
-    """
+    """Decode attention ``(B, q, H_q, d)`` over a cache layer (key, value: what ``layer.update`` returned), no
+    ``attn_mask`` built; equals :func:`grouped_attention` over :func:`dense_layer` within rounding. One query, no
+    soft-capping: the G query heads of a KV head are G query rows ``(B, H_kv, G, d)`` (head h = kv·G + g), given a 1
+    (or a one-hot over G) for the bias columns. Else (``reference``, soft-capping, q > 1, a mask on a ragged layer):
+    the reference, q > 1 queries without ``mask`` causal per head (row i sees a head's first L − q + i + 1 slots)."""
     b, h_q, q_len, d = query.shape
     ragged = isinstance(layer, RaggedLayer)
     backend = decode_backend(layer, key, reference or bool(softcap) or q_len > 1 or (ragged and mask is not None))
@@ -274,23 +243,18 @@ def _decode_attention(query, key, value, mask, scaling, softcap, layer=None, ref
     return out[..., :d].reshape(b, 1, h_q, d)
 
 
-def fuse_prompt_attention(method: Method, query, key, mask, softcap) -> bool:
-    """Whether this prefill call computes the method's column sums with its output (LOOK-M):
-    a whole causal prompt in one call (queries = keys, no mask), no soft-capping, and the
-    method asks for it (``wants_prompt_attention``)."""
-    return (mask is None and not softcap and query.shape[2] == key.shape[2] > 1
-            and method.wants_prompt_attention(key.device))
+def clock(device: torch.device) -> float:
+    """``time.perf_counter()`` (seconds) once the work queued on ``device`` is done (CUDA synchronised)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter()
 
 
 def compress_layer(state: CompressionState, idx: int, query, key, value, scaling, softcap, **scores) -> None:
     """Run the method on layer ``idx`` (its prefill's last queries ``query``, its cache ``key``/``value``) and write
     its result into the cache. ``scores``: ``prompt_attention`` ``(B, H_q, n)`` column sums from the prefill
     attention, or ``reconstruction_scores`` ``(B, H_kv, n)`` (:class:`methods.base.LayerContext`)."""
-    sync = key.device.type == "cuda"
-    if sync:
-        torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    n, plan = key.shape[2], state.plan
+    t0, n, plan = clock(key.device), key.shape[2], state.plan
     w = min(state.method.window_size, n)
     ctx = LayerContext(
         layer_idx=idx, layout=state.layout, keys=key, values=value, window_queries=query[:, :, query.shape[2] - w :],
@@ -305,9 +269,7 @@ def compress_layer(state: CompressionState, idx: int, query, key, value, scaling
     layer = store_layer(state.cache, idx, result.keys, result.values, result.valid, rows, float(scaling), state.reserve)
     result.keys, result.values = layer.keys, layer.values
     state.results[idx] = result
-    if sync:
-        torch.cuda.synchronize()
-    state.compress_s += time.perf_counter() - t0
+    state.compress_s += clock(key.device) - t0
 
 
 def last(x: torch.Tensor, w: int) -> torch.Tensor:
@@ -319,10 +281,8 @@ def _compress_decode(state: CompressionState, idx: int, scaling: float, softcap:
     """Cut layer ``idx`` back to the decode budget when it holds more (docs/DECODING.md): the method sees its whole
     cache (a layer with per-head lengths left-padded, ``LayerContext.valid``) and the buffered queries (the forward
     fed ``fed`` tokens); the kept tokens are stored anew, in the order returned, with ``state.reserve`` free slots."""
-    sync = state.cache.layers[idx].keys.device.type == "cuda"
-    if sync:
-        torch.cuda.synchronize()
-    t0, layer, d = time.perf_counter(), state.cache.layers[idx], state.layout.head_dim
+    layer, d = state.cache.layers[idx], state.layout.head_dim
+    t0, dev = clock(layer.keys.device), layer.keys.device
     if isinstance(layer, RaggedLayer):
         keys, values, valid = layer.padded(left=True)
     else:  # a quantized layer is read back whole
@@ -339,9 +299,7 @@ def _compress_decode(state: CompressionState, idx: int, scaling: float, softcap:
         check_result(state.method, ctx, result := state.method.compress(ctx))
         store_layer(state.cache, idx, result.keys, result.values, result.valid, 0, scaling, state.reserve)
         state.compressions += 1
-    if sync:
-        torch.cuda.synchronize()
-    state.decode_compress_s += time.perf_counter() - t0
+    state.decode_compress_s += clock(dev) - t0
 
 
 def kvbench_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, softcap=None,
@@ -406,7 +364,8 @@ def kvbench_attention(module, query, key, value, attention_mask, scaling=None, d
             and query.shape[2] > 1 and module.layer_idx in own.layout.compressible_layers):
         out = own.method.prefill_attention(query, key, value, scaling, int(own.plan.layer_budgets[module.layer_idx]))
         out = out.transpose(1, 2).contiguous()
-    elif states and fuse_prompt_attention(states[0].method, query, key, attention_mask, softcap):
+    elif (states and attention_mask is None and not softcap and query.shape[2] == key.shape[2] > 1
+          and states[0].method.wants_prompt_attention(key.device)):  # a whole causal prompt in one call
         # the method's whole-prompt score (LOOK-M's) comes out of this attention: one pass over QK^T, not two
         out, sums = states[0].method.prompt_attention(query, key, value, scaling, softcap)
         out = out.transpose(1, 2).contiguous()
