@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention import SDPBackend
 
 from methods.base import Budget, CompressResult, check_result, HeadLayout, LayerContext, Method, Plan, Reconstruction, ReconstructionContext
 
@@ -41,12 +41,11 @@ class Scoring:
     """A method's reconstruction pass (:mod:`kvbench.engine.reconstruct`): its forwards and what they collect.
 
     Attributes:
-        reconstruction: what the method asked for (:meth:`methods.base.Method.reconstruction`).
-        forward: index of the running forward in ``reconstruction.inputs``.
-        scores: compressible layer → ``(B, H_kv, n)`` scores of the prefilled tokens (0 where none scored).
-        scaling: compressible layer → its ``(scaling, softcap)``, for compressing it afterwards.
-        hidden_norms: layer → ``(B, q)`` attention-input norms of the running forward (a pre-hook's).
-        seconds: wall time of the forwards (synchronised on CUDA); tokens: tokens fed by them.
+        reconstruction: what the method asked for (:meth:`methods.base.Method.reconstruction`); forward: index of the
+            running forward in ``reconstruction.inputs``; scores: compressible layer → ``(B, H_kv, n)`` scores of the
+            prefilled tokens (0 where none scored); scaling: compressible layer → its ``(scaling, softcap)``;
+            hidden_norms: layer → ``(B, q)`` attention-input norms of the running forward (a pre-hook's);
+            seconds: wall time of the forwards (synchronised on CUDA); tokens: tokens fed by them.
     """
 
     reconstruction: Reconstruction
@@ -256,13 +255,10 @@ def compress_layer(state: CompressionState, idx: int, query, key, value, scaling
     attention, or ``reconstruction_scores`` ``(B, H_kv, n)`` (:class:`methods.base.LayerContext`)."""
     t0, n, plan = clock(key.device), key.shape[2], state.plan
     w = min(state.method.window_size, n)
-    ctx = LayerContext(
-        layer_idx=idx, layout=state.layout, keys=key, values=value, window_queries=query[:, :, query.shape[2] - w :],
-        scaling=float(scaling), budget=int(plan.layer_budgets[idx]), softcap=softcap,
-        head_budget=plan.head_budgets[idx] if plan.head_budgets is not None else None,
-        positions=torch.arange(n, device=key.device), rotary=state.rotary, artifacts=state.method.artifacts,
-        recompressed=state.decode_budget is not None, **scores,
-    )
+    heads = None if plan.head_budgets is None else plan.head_budgets[idx]
+    ctx = LayerContext(idx, state.layout, key, value, query[:, :, query.shape[2] - w :], float(scaling),
+                       int(plan.layer_budgets[idx]), softcap, heads, torch.arange(n, device=key.device), state.rotary,
+                       state.method.artifacts, recompressed=state.decode_budget is not None, **scores)
     check_result(state.method, ctx, result := state.method.compress(ctx))
     # the cache keeps its own copy (room for the decoded tokens); the result points at it
     rows = 0 if result.logit_bias is None else result.logit_bias.shape[1] // key.shape[1]
@@ -270,11 +266,6 @@ def compress_layer(state: CompressionState, idx: int, query, key, value, scaling
     result.keys, result.values = layer.keys, layer.values
     state.results[idx] = result
     state.compress_s += clock(key.device) - t0
-
-
-def last(x: torch.Tensor, w: int) -> torch.Tensor:
-    """The last ``w`` (≥ 0) rows of dimension 2 of ``x``."""
-    return x[:, :, x.shape[2] - min(w, x.shape[2]):]
 
 
 def _compress_decode(state: CompressionState, idx: int, scaling: float, softcap: float | None, fed: int) -> None:
@@ -290,12 +281,10 @@ def _compress_decode(state: CompressionState, idx: int, scaling: float, softcap:
     plan = state.method.plan(keys.shape[2], state.decode_budget, state.layout)
     state.held, w = max(state.held, keys.shape[2]), state.queries[idx].shape[2]
     if keys.shape[2] > plan.layer_budgets[idx] or state.cut_at_budget and keys.shape[2] == plan.layer_budgets[idx]:
-        ctx = LayerContext(
-            layer_idx=idx, layout=state.layout, keys=keys[..., :d], values=values[..., :d],
-            window_queries=state.queries[idx], scaling=scaling, budget=int(plan.layer_budgets[idx]), softcap=softcap,
-            head_budget=plan.head_budgets[idx] if plan.head_budgets is not None else None, rotary=state.rotary,
-            artifacts=state.method.artifacts, valid=valid, decoding=fed, recompressed=True,
-            positions=torch.arange(state.position - w + 1, state.position + 1, device=keys.device))
+        heads, pos = None if plan.head_budgets is None else plan.head_budgets[idx], state.position + 1
+        ctx = LayerContext(idx, state.layout, keys[..., :d], values[..., :d], state.queries[idx], scaling,
+                           int(plan.layer_budgets[idx]), softcap, heads, torch.arange(pos - w, pos, device=keys.device),
+                           state.rotary, state.method.artifacts, valid=valid, decoding=fed, recompressed=True)
         check_result(state.method, ctx, result := state.method.compress(ctx))
         store_layer(state.cache, idx, result.keys, result.values, result.valid, 0, scaling, state.reserve)
         state.compressions += 1
@@ -309,28 +298,27 @@ def kvbench_attention(module, query, key, value, attention_mask, scaling=None, d
 
     Args:
         module: the attention module (its ``layer_idx`` names the cache layer).
-        query: ``(B, H_q, q, d)`` after q-norm and RoPE; key, value: ``(B, H_kv, T, d)``, the
-            layer's whole cache after the update.
+        query: ``(B, H_q, q, d)`` after q-norm and RoPE; key, value: ``(B, H_kv, T, d)``, the layer's whole cache.
         attention_mask: transformers' mask for this layer (None when causal SDPA suffices).
         scaling: logit scale; softcap: Gemma-2 soft-capping.
-        kvbench_state: the :class:`CompressionState` of this generation (None: plain attention), or
-            a list of them: in a shared prefill (:func:`kvbench.engine.generate.prefill`), or one per row of a decode
-            batch (key, value: lists, one per row: :class:`kvbench.engine.kvcache.RowsCache`; rows whose layers all
-            have per-head lengths attend in one flash varlen call on CUDA, :func:`kvbench.engine.kvcache.stack_ragged`).
+        kvbench_state: the :class:`CompressionState` of this generation (None: plain attention), or a list of them:
+            in a shared prefill (:func:`kvbench.engine.generate.prefill`), or one per row of a decode batch (key,
+            value: lists, one per row: :class:`kvbench.engine.kvcache.RowsCache`; rows whose layers all have per-head
+            lengths attend in one flash varlen call on CUDA, :func:`kvbench.engine.kvcache.stack_ragged`).
         row_out: a decode row's attention output, computed with the batch's (the row's other decode work done here).
 
     Returns:
         ``(attn_output (B, q, H_q, d), None)``.
     """
+    idx, state = getattr(module, "layer_idx", None), kvbench_state
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
-    state = kvbench_state
     if isinstance(state, CompressionState) and state.phase == "score":
         out = _prefill_attention(query, key, value, attention_mask, scaling, softcap)
-        if module.layer_idx in state.layout.compressible_layers:
+        if idx in state.layout.compressible_layers:
             _score_layer(state, module, query, key, value, scaling, softcap)
         return out, None
     if isinstance(state, list) and state[0].phase == "decode":  # a decode batch: each row on its own cache
-        layers, out = [s.cache.layers[module.layer_idx] for s in state], [None] * len(state)
+        layers, out = [s.cache.layers[idx] for s in state], [None] * len(state)
         plain = not softcap and query.shape[2] == 1 and not any(s.reference_decode or s.method.reads for s in state)
         if (plain and all(isinstance(x, RaggedLayer) for x in layers) and len({x.keys.shape[-1] for x in layers}) == 1
                 and decode_backend(layers[0], key[0]) == "flash varlen"):  # one varlen call for all rows' heads
@@ -339,30 +327,31 @@ def kvbench_attention(module, query, key, value, attention_mask, scaling=None, d
         return torch.cat([kvbench_attention(module, query[r : r + 1], key[r], value[r], None, scaling, dropout, softcap,
                                             s, out[r])[0] for r, s in enumerate(state)]), None
     if isinstance(state, CompressionState) and state.phase == "decode":
-        layer = state.cache.layers[module.layer_idx]
+        layer = state.cache.layers[idx]
         # one query sees every key its layer caches (a sliding layer caches its window only): no mask; traced
         # (torch.compile), transformers builds an all-True one sized by layer 0's cache, wrong for per-layer budgets.
         # Several (the query part): transformers' mask on a sliding layer, else causal per head (_decode_attention)
         mask = attention_mask if query.shape[2] > 1 and getattr(layer, "is_sliding", False) else None
-        if state.method.reads and query.shape[2] == 1 and module.layer_idx in state.layout.compressible_layers:
+        if state.method.reads and query.shape[2] == 1 and idx in state.layout.compressible_layers:
             keep = state.method.select(LayerContext(  # sparse reading (Quest): the slots each query head reads
-                module.layer_idx, state.layout, key[..., : query.shape[-1]], value, query, float(scaling),
-                int(state.plan.layer_budgets[module.layer_idx]), softcap, decoding=1))
+                idx, state.layout, key[..., : query.shape[-1]], value, query, float(scaling),
+                int(state.plan.layer_budgets[idx]), softcap, decoding=1))
             if keep is not None:  # (B, H_kv, 1 or G, T): a KV head reads the union of its query heads' slots
-                mask, state.reads[module.layer_idx] = keep, keep.any(2).sum()
+                mask, state.reads[idx] = keep, keep.any(2).sum()
         out = row_out if row_out is not None else _decode_attention(query, key, value, mask, scaling, softcap, layer,
                                                                     state.reference_decode)
-        if state.decode_budget is not None and module.layer_idx in state.layout.compressible_layers:
-            state.queries[module.layer_idx] = last(torch.cat([state.queries[module.layer_idx], query], 2), state.window)
+        if state.decode_budget is not None and idx in state.layout.compressible_layers:
+            buf = torch.cat([state.queries[idx], query], 2)  # the last ``window`` (≥ 0) queries fed
+            state.queries[idx] = buf[:, :, max(0, buf.shape[2] - state.window) :]
             if state.compress_now:
-                _compress_decode(state, module.layer_idx, float(scaling), softcap, query.shape[2])
+                _compress_decode(state, idx, float(scaling), softcap, query.shape[2])
         return out, None
-    states = [s for s in (state if isinstance(state, list) else [state])  # a shared prefill passes several
-              if s is not None and s.compressing and s.scoring is None and module.layer_idx in s.layout.compressible_layers]
-    sums, own = None, state[0] if isinstance(state, list) else state  # a sparse prefill is never shared (prefill)
+    every = state if isinstance(state, list) else [state] if state is not None else []  # a shared prefill: several
+    states = [s for s in every if s.compressing and s.scoring is None and idx in s.layout.compressible_layers]
+    sums, own = None, every[0] if every else None  # a sparse prefill is never shared (prefill)
     if (own is not None and own.plan is not None and own.method.sparse_prefill and attention_mask is None
-            and query.shape[2] > 1 and module.layer_idx in own.layout.compressible_layers):
-        out = own.method.prefill_attention(query, key, value, scaling, int(own.plan.layer_budgets[module.layer_idx]))
+            and query.shape[2] > 1 and idx in own.layout.compressible_layers):
+        out = own.method.prefill_attention(query, key, value, scaling, int(own.plan.layer_budgets[idx]))
         out = out.transpose(1, 2).contiguous()
     elif (states and attention_mask is None and not softcap and query.shape[2] == key.shape[2] > 1
           and states[0].method.wants_prompt_attention(key.device)):  # a whole causal prompt in one call
@@ -371,15 +360,15 @@ def kvbench_attention(module, query, key, value, attention_mask, scaling=None, d
         out = out.transpose(1, 2).contiguous()
     else:
         out = _prefill_attention(query, key, value, attention_mask, scaling, softcap)
-    for s in state if isinstance(state, list) else [state] if state is not None else []:
+    for s in every:
         s.backends.setdefault("prefill", "blocked float32 (column sums)" if sums is not None else "blocked float32"
                               if softcap else sdpa_backend(query, key, value, attn_mask=attention_mask, enable_gqa=True,
                                                            is_causal=attention_mask is None and query.shape[2] > 1))
     for s in states:  # each compresses the layer into its own cache
-        compress_layer(s, module.layer_idx, query, key, value, scaling, softcap, prompt_attention=sums)
-    for s in state if isinstance(state, list) else [state] if state is not None else []:
-        if s.decode_budget is not None and module.layer_idx in s.layout.compressible_layers:
-            s.queries[module.layer_idx] = last(query, s.window).clone()  # R-KV's query cache starts with the prompt's
+        compress_layer(s, idx, query, key, value, scaling, softcap, prompt_attention=sums)
+    for s in every:
+        if s.decode_budget is not None and idx in s.layout.compressible_layers:  # R-KV's query cache: the prompt's
+            s.queries[idx] = query[:, :, max(0, query.shape[2] - s.window) :].clone()
     if (probe := getattr(module, "kvbench_probe", None)) is not None:  # kvbench.tools.calibrate's, after each call
         probe(module, query, key, value, scaling, out)
     return out, None

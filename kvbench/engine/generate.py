@@ -22,6 +22,7 @@ import torch
 import torch.fx.experimental._config as fx_config
 from torch._dynamo.utils import counters
 from torch.nn.attention import sdpa_kernel
+from transformers import DynamicCache
 
 from methods.base import Budget, Method, Plan, PromptFormat, apply_budget_floor, check_budget
 
@@ -148,9 +149,8 @@ class Row:
 
 
 class Prefilled(NamedTuple):
-    """One engine's part of a (shared) prefill: its state with the compressed cache, the last
-    position's logits ``(V,)``, the prefill's seconds without compression, its peak memory (bytes,
-    compression included, :func:`peak_memory_bytes`)."""
+    """One engine's part of a (shared) prefill: its state with the compressed cache, the last position's logits
+    ``(V,)``, the prefill's seconds without compression, its peak memory (bytes, compression included)."""
 
     state: CompressionState
     logits: torch.Tensor
@@ -199,9 +199,8 @@ def reset_peak_memory(devices: list[torch.device]) -> None:
 
 
 def _stats(values: list[float]) -> dict[str, float]:
-    if not values:
-        return {"mean": 0.0, "min": 0, "max": 0}
-    return {"mean": round(sum(values) / len(values), 3), "min": min(values), "max": max(values)}
+    return {"mean": round(sum(values) / len(values), 3) if values else 0.0, "min": min(values, default=0),
+            "max": max(values, default=0)}
 
 
 class Engine:
@@ -265,8 +264,6 @@ class Engine:
 
     def _start(self, n: int, max_new_tokens: int, preallocate: bool) -> CompressionState:
         """This engine's state for an n-token prompt: its plan (budget floor applied) and an empty cache."""
-        from transformers import DynamicCache
-
         self.last_state, self.last_logits = None, []  # free the previous sample's cache before this prefill
         d = self.decoding
         reserve = (max_new_tokens if d is None else min(max_new_tokens, d.interval)) + 1  # tokens until a compression
@@ -356,11 +353,10 @@ class Engine:
     @torch.inference_mode()
     def generate(self, prompt_ids: list[int], max_new_tokens: int, stop_ids: list[int] | None = None,
                  min_new_tokens: int = 0, prefilled: Prefilled | None = None, query_tokens: int = 0) -> GenerationResult:
-        """Prefill ``prompt_ids`` (truncated by the task), compress the cache once, decode greedily up to
-        ``max_new_tokens``: :meth:`open` on the first n − q ids, :meth:`feed` the last q (``query_tokens``, the query
-        part, kvpress's question), :meth:`decode` (``stop_ids`` default to the model's; no stop id in the first
-        ``min_new_tokens`` steps, as ``generate(min_length=prompt + k)``). ``prefilled``: this engine's part of a shared
-        :func:`prefill`. ValueError: an empty prompt; NonFiniteLogitsError: NaN/inf logits at a step."""
+        """Prefill ``prompt_ids`` (truncated by the task), compress the cache once, decode up to ``max_new_tokens``:
+        :meth:`open` on the first n − q ids, :meth:`feed` the last q (``query_tokens``, the query part), :meth:`decode`
+        (``stop_ids`` default to the model's; no stop id in the first ``min_new_tokens`` steps). ``prefilled``: this
+        engine's part of a shared :func:`prefill`. ValueError: an empty prompt; NonFiniteLogitsError: NaN/inf logits."""
         c = len(prompt_ids) - query_tokens
         ctx = self.open(prompt_ids[:c], max_new_tokens + query_tokens, prefilled)
         self.feed(ctx, prompt_ids[c:])
@@ -369,11 +365,10 @@ class Engine:
     @torch.inference_mode()
     def decode(self, ctx: Context, max_new_tokens: int, stop_ids: list[int] | None = None, min_new_tokens: int = 0,
                generator: torch.Generator | None = None, sampling: Any = None) -> GenerationResult:
-        """Generate from ``ctx`` (its cache then holds the answer but its last token): greedily, or with ``generator``
-        by sampling from the model's logits processors with ``sampling``'s temperature, top-p, top-k
-        (:func:`kvbench.engine.models.greedy_processors`); decode-time compression as ``decode`` says; a row of
-        :meth:`decode_rows`. The result carries the prefill time and peak ``ctx`` has not charged to an earlier result.
-        NonFiniteLogitsError: NaN/inf logits at a step."""
+        """Generate from ``ctx`` (its cache then holds the answer but its last token), a row of :meth:`decode_rows`:
+        greedily, or with ``generator`` by sampling with ``sampling``'s temperature, top-p, top-k
+        (:func:`kvbench.engine.models.greedy_processors`). The result carries the prefill time and peak ``ctx`` has not
+        charged to an earlier result. NonFiniteLogitsError: NaN/inf logits at a step."""
         out: list = []
         self.decode_rows([Row(ctx, max_new_tokens, stop_ids, min_new_tokens, generator)], 1, sampling,
                          lambda row, result: out.append(result))
@@ -396,14 +391,14 @@ class Engine:
     def decode_rows(self, rows: Iterable[Row], batch_size: int | str = 1, sampling: Any = None,
                     on_result: Callable[[Row, Any], None] = lambda row, result: None,
                     max_bytes: int | None = None) -> None:
-        """Decode ``rows`` (each its own context: :meth:`fork`), ``batch_size`` at a time: each step one forward of
-        the live rows' tokens ``(B, 1)``, every row through its own cache (:class:`kvbench.engine.kvcache.RowsCache`)
-        with its own decode-time compression schedule, stop ids, processors and generator (candidate k draws the
-        stream it draws alone); a row leaves when it stops and the next row takes its slot. ``on_result(row,
-        result)`` as each row ends: its :class:`GenerationResult`, or the :class:`NonFiniteLogitsError` that ended it.
-        Batched rows decode eagerly; their ``decode_s`` is their time in the batch, the peak memory the batch's.
-        ``batch_size="auto"``: as many rows as their :meth:`row_bytes` fit in ``max_bytes`` (None: the CUDA device's
-        free memory once the first row is prefilled), at least one."""
+        """Decode ``rows`` (each its own context: :meth:`fork`), ``batch_size`` at a time: each step one forward of the
+        live rows' tokens ``(B, 1)``, every row through its own cache (:class:`kvbench.engine.kvcache.RowsCache`) with
+        its own decode-time compression schedule, stop ids, processors and generator (candidate k draws the stream it
+        draws alone); a row leaves when it stops and the next takes its slot. ``on_result(row, result)`` as each row
+        ends: its :class:`GenerationResult`, or the :class:`NonFiniteLogitsError` that ended it. Batched rows decode
+        eagerly; their ``decode_s`` is their time in the batch, the peak memory the batch's. ``batch_size="auto"``: as
+        many rows as their :meth:`row_bytes` fit in ``max_bytes`` (None: the CUDA device's free memory at the first
+        row), at least one."""
         model, pending, live, cap = self.model, iter(rows), [], None
         auto, batch_size = batch_size == "auto", 2**62 if batch_size == "auto" else batch_size
         reset_peak_memory(self.devices)  # the decode phase's own peak: the compressed cache and decoding
@@ -461,8 +456,7 @@ class Engine:
                         if row.generator is not None:
                             row.generator.set_state(row.gen_state)
                     batch_size, pending, live = len(live) // 2, itertools.chain(live, pending), []
-                    if self.loaded.device.type == "cuda":
-                        torch.cuda.empty_cache()
+                    torch.cuda.empty_cache()  # a no-op where CUDA is not in use
                     continue
                 for i, row in enumerate(live):
                     row.logits, row.step = out.logits[i, -1], row.step + 1
