@@ -1,23 +1,11 @@
-"""kvbench's attention function, registered with transformers' ``AttentionInterface``.
+"""kvbench's attention function, registered with transformers' ``AttentionInterface`` as ``"kvbench"``.
 
-The model is loaded with ``attn_implementation="kvbench"``; no global monkey-patching. Every
-forward call (prefill and each decode step) runs the model's own modules and carries a
-:class:`CompressionState` in its keyword arguments (``kvbench_state=...``), which transformers
-passes down to every attention call.
-
-* **Prefill** (``state.phase == "prefill"``): SDPA (chunked float32 attention when the model
-  soft-caps logits, Gemma 2). Then each compressible layer's last W queries (the model's own,
-  after q-norm and RoPE) and full cache go to the method (:class:`methods.base.LayerContext`);
-  its result replaces the layer's cache. Nothing n×n is built. A method that scores by
-  reconstruction (``state.scoring``) is not called here but in the **score** phase: the forwards of
-  :mod:`kvbench.engine.reconstruct` on the full cache, where each compressible layer's queries and cache go to
-  ``method.reconstruction_score`` (:class:`methods.base.ReconstructionContext`) after the layer's SDPA.
-* **Decode-time compression** (``state.decode_budget``, docs/DECODING.md): each compressible layer keeps the
-  queries of the last W tokens fed; in a forward the engine flags (``compress_now``), after the attention output
-  is computed with the whole cache, the method cuts the layer (its current token included) back to the budget.
-* **Decode**: SDPA without a mask, the G query heads of a KV head as G query rows of the
-  un-repeated cache; a logit bias is in extra key columns, per-head lengths in a flat
-  :class:`kvbench.engine.kvcache.RaggedLayer` (flash varlen on CUDA): :func:`decode_backend`.
+Every forward (prefill, score, each decode step) runs the model's own modules and carries a :class:`CompressionState`
+(``kvbench_state=...``) down to every attention call. Prefill: SDPA (blocked float32 when the model soft-caps), then
+each compressible layer's last W queries and full cache go to the method, whose result replaces the layer's cache; a
+method scoring by reconstruction is called in the score phase instead (:mod:`kvbench.engine.reconstruct`). Decode:
+SDPA without a mask, the G query heads of a KV head as G query rows of the un-repeated cache (:func:`decode_backend`);
+decode-time compression cuts a flagged forward's layers back to the budget (docs/DECODING.md, docs/ARCHITECTURE.md).
 """
 
 from __future__ import annotations
@@ -28,7 +16,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention import SDPBackend
 
 from methods.base import Budget, CompressResult, check_result, HeadLayout, LayerContext, Method, Plan, Reconstruction, ReconstructionContext
 
@@ -41,10 +29,9 @@ except ImportError:  # pragma: no cover - older torch
     varlen_attn = None
 
 ATTN_IMPLEMENTATION = "kvbench"
-#: SDPA backends decode may use (the engine sets them with ``sdpa_kernel`` around its decode steps), in
-#: PyTorch's order: flash, memory-efficient, math. Not cuDNN: its graph cache is keyed on the KV length, which
-#: grows every step (a plan rebuilt per step, pytorch/pytorch#155958); choosing here needs no process-wide
-#: ``TORCH_CUDNN_SDPA_AVOID_RECOMPILE`` and leaves cuDNN to prefill, where PyTorch may prefer it.
+#: SDPA backends decode may use (the engine's ``sdpa_kernel`` around its decode steps), in PyTorch's order. Not cuDNN:
+#: its graph cache is keyed on the KV length, which grows every step (pytorch/pytorch#155958); choosing here needs no
+#: process-wide ``TORCH_CUDNN_SDPA_AVOID_RECOMPILE`` and leaves cuDNN to prefill, where PyTorch may prefer it.
 DECODE_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 _PREFILL_CHUNK = 1024  # query rows per block in the soft-capping prefill path
 
@@ -54,12 +41,11 @@ class Scoring:
     """A method's reconstruction pass (:mod:`kvbench.engine.reconstruct`): its forwards and what they collect.
 
     Attributes:
-        reconstruction: what the method asked for (:meth:`methods.base.Method.reconstruction`).
-        forward: index of the running forward in ``reconstruction.inputs``.
-        scores: compressible layer → ``(B, H_kv, n)`` scores of the prefilled tokens (0 where none scored).
-        scaling: compressible layer → its ``(scaling, softcap)``, for compressing it afterwards.
-        hidden_norms: layer → ``(B, q)`` attention-input norms of the running forward (a pre-hook's).
-        seconds: wall time of the forwards (synchronised on CUDA); tokens: tokens fed by them.
+        reconstruction: what the method asked for (:meth:`methods.base.Method.reconstruction`); forward: index of the
+            running forward in ``reconstruction.inputs``; scores: compressible layer → ``(B, H_kv, n)`` scores of the
+            prefilled tokens (0 where none scored); scaling: compressible layer → its ``(scaling, softcap)``;
+            hidden_norms: layer → ``(B, q)`` attention-input norms of the running forward (a pre-hook's);
+            seconds: wall time of the forwards (synchronised on CUDA); tokens: tokens fed by them.
     """
 
     reconstruction: Reconstruction
@@ -76,27 +62,22 @@ class CompressionState:
     """Per-generation state of the compressed cache, passed to the attention function.
 
     Attributes:
-        method, plan, layout: the compression method, its per-sample :class:`methods.base.Plan`,
-            the model's head layout.
-        cache: the transformers cache being filled.
-        phase: ``prefill``, ``score`` (reconstruction forwards) or ``decode``.
-        results: per-layer :class:`CompressResult` of this sample (layer index → result).
-        compress_s: seconds spent in the method during prefill (synchronised on CUDA); a score
-            computed inside the prefill attention (LOOK-M's ``fused_score``) counts as prefill,
-            reconstruction forwards (``scoring``) as compression.
+        method, plan, layout: the method, its per-sample :class:`methods.base.Plan`, the model's head layout.
+        cache: the transformers cache being filled; phase: ``prefill``, ``score`` (reconstruction) or ``decode``.
+        results: layer index → this sample's :class:`CompressResult`.
+        compress_s: seconds in the method during prefill (CUDA synchronised); a score computed inside the prefill
+            attention (LOOK-M's) counts as prefill, reconstruction forwards (``scoring``) as compression.
         rotary: callable positions → (cos, sin) for methods that re-position keys.
-        reserve: free slots per head a compressed layer keeps for the tokens fed after it (the generation, or
-            the decode steps up to the next decode-time compression); more are made when needed.
-        reference_decode: decode with :func:`grouped_attention` (float32 softmax; tests).
-        backends: the attention PyTorch chose, ``prefill`` (first prefill call) and ``decode`` (:func:`decode_backends`).
+        reserve: free slots per head a compressed layer keeps for the tokens fed until the next compression (more are
+            made when needed); reference_decode: decode with :func:`grouped_attention` (float32 softmax; tests).
+        backends: the attention PyTorch chose, ``prefill`` (first call) and ``decode`` (:func:`decode_backends`).
         decode_budget: the token budget of decode-time compression, None when off; then ``queries`` holds each
-            compressible layer's last ``window`` queries ``(B, H_q, ≤ window, d)``, ``compress_now`` flags the
-            forward that compresses, ``compressions`` counts the layer compressions and ``decode_compress_s`` their
-            seconds (synchronised on CUDA); ``held`` is the most tokens a layer's longest head held when it was cut;
-            ``position`` the position of the last token of the current forward; ``cut_at_budget``: a layer holding
-            exactly the budget is compressed too (R-KV's update_kv, ``schedule=length``), else only one holding more.
-        scoring: the method's reconstruction pass, or None (the method compresses at the end of each layer's prefill).
-        reads: layer → slots its attention read in the running decode step, summed over KV heads (``Method.select``).
+            compressible layer's last ``window`` queries ``(B, H_q, ≤ window, d)``, ``compress_now`` flags the forward
+            that compresses, ``compressions`` counts layer compressions, ``decode_compress_s`` their seconds; ``held``:
+            the most tokens a layer's longest head held when cut; ``position``: the current forward's last position;
+            ``cut_at_budget``: a layer holding exactly the budget is cut too (R-KV's update_kv, ``schedule=length``).
+        scoring: the method's reconstruction pass, or None; reads: layer → slots its attention read in the running
+            decode step, summed over KV heads (``Method.select``).
     """
 
     method: Method | None
@@ -171,9 +152,8 @@ def _prefill_attention(query, key, value, mask, scaling, softcap) -> torch.Tenso
 
 
 def decode_backend(layer: Any, key: torch.Tensor, reference: bool = False) -> str:
-    """The decode attention of a cache layer (:func:`decode_backends` names the kernel PyTorch picks): ``reference``
-    (:func:`grouped_attention`), ``flash varlen`` (ragged heads, CUDA, fp16/bf16), ``sdpa per head``
-    (ragged heads elsewhere), ``sdpa, bias columns`` or ``sdpa`` (no mask: flash eligible on CUDA)."""
+    """The decode attention of a cache layer: ``reference`` (:func:`grouped_attention`), ``flash varlen`` (ragged
+    heads, CUDA, fp16/bf16), ``sdpa per head`` (ragged heads elsewhere), ``sdpa, bias columns`` or ``sdpa``."""
     if reference:
         return "reference"
     if isinstance(layer, RaggedLayer):
@@ -183,29 +163,23 @@ def decode_backend(layer: Any, key: torch.Tensor, reference: bool = False) -> st
 
 
 def sdpa_backend(query, key, value, **kwargs: Any) -> str:
-    """The backend ``F.scaled_dot_product_attention(query, key, value, **kwargs)`` dispatches to on these
-    tensors under the current ``sdpa_kernel`` settings, as PyTorch decides it (``torch._fused_sdp_choice``,
-    the check SDPA itself runs; nothing computed): ``flash_attention``, ``efficient_attention``,
-    ``cudnn_attention``, ``math`` or ``overrideable`` (CPU: ``flash_attention`` is its own CPU kernel)."""
+    """The backend ``F.scaled_dot_product_attention(query, key, value, **kwargs)`` picks under the current
+    ``sdpa_kernel`` settings (``torch._fused_sdp_choice``; nothing computed): ``flash_attention`` (CPU: its own
+    kernel), ``efficient_attention``, ``cudnn_attention``, ``math`` or ``overrideable``."""
     return SDPBackend(torch._fused_sdp_choice(query, key, value, **kwargs)).name.lower()
 
 
-def layer_kind(layer: Any) -> str:
-    """A cache layer's decode layout: ``per-head lengths`` (ragged), ``quantized`` (read back in full, its bias
-    columns included), ``bias columns`` or ``uniform``."""
-    return ("per-head lengths" if isinstance(layer, RaggedLayer) else "quantized" if isinstance(layer, QuantizedLayer)
-            else "bias columns" if getattr(layer, "bias_rows", 0) else "uniform")
-
-
 def decode_backends(state: CompressionState) -> dict[str, str]:
-    """The attention of one decode step on each kind of layer (:func:`layer_kind`) of ``state.cache``, as
-    :func:`_decode_attention` calls it: ``flash varlen`` (PyTorch's varlen flash kernel, ragged heads on
-    CUDA), ``reference`` (float32 :func:`grouped_attention`), else :func:`sdpa_backend` of the step's SDPA
-    call (a ragged layer's first head on CPU). Call it under the decode's ``sdpa_kernel`` settings."""
+    """The attention of one decode step on each kind of layer of ``state.cache`` (``per-head lengths``, ``quantized``:
+    read back in full, ``bias columns``, ``uniform``), as :func:`_decode_attention` calls it: ``flash varlen``
+    (ragged heads on CUDA), ``reference`` (float32 :func:`grouped_attention`), else :func:`sdpa_backend` of the
+    step's SDPA call (a ragged layer's first head on CPU). Call it under the decode's ``sdpa_kernel`` settings."""
     out: dict[str, str] = {}
     g = state.layout.num_q_heads // state.layout.num_kv_heads
     for layer in state.cache.layers:
-        kind, key = layer_kind(layer), getattr(layer, "keys", None)
+        kind = ("per-head lengths" if isinstance(layer, RaggedLayer) else "quantized" if isinstance(
+            layer, QuantizedLayer) else "bias columns" if getattr(layer, "bias_rows", 0) else "uniform")
+        key = getattr(layer, "keys", None)
         if kind in out or not isinstance(key, torch.Tensor):
             continue
         backend = decode_backend(layer, key, state.reference_decode)
@@ -233,17 +207,11 @@ def dense_layer(layer: Any, key: torch.Tensor, value: torch.Tensor, query: torch
 
 
 def _decode_attention(query, key, value, mask, scaling, softcap, layer=None, reference=False) -> torch.Tensor:
-    """Decode attention over a cache layer, with no ``attn_mask`` built: :func:`grouped_attention` over
-    :func:`dense_layer` (the padded reference, dense bias) within rounding.
-
-    One query token, no soft-capping: the G query heads of a KV head are G query rows ``(B, H_kv, G, d)``
-    (query head h = kv·G + g), given the component 1 (or a one-hot over G) for the bias columns and
-    zeros up to the stored width; the output keeps d channels. Invalid slots of ragged heads are not
-    stored, so no logit is −inf. Else (``reference``, soft-capping, q > 1, a mask on a ragged layer):
-    the reference; q > 1 queries (the query part on a compressed cache) without ``mask`` are causal: row i sees
-    a head's first L − q + i + 1 slots, L its filled length. key, value: what ``layer.update`` returned.
-    Returns ``(B, q, H_q, d)``.
-    """
+    """Decode attention ``(B, q, H_q, d)`` over a cache layer (key, value: what ``layer.update`` returned), no
+    ``attn_mask`` built; equals :func:`grouped_attention` over :func:`dense_layer` within rounding. One query, no
+    soft-capping: the G query heads of a KV head are G query rows ``(B, H_kv, G, d)`` (head h = kv·G + g), given a 1
+    (or a one-hot over G) for the bias columns. Else (``reference``, soft-capping, q > 1, a mask on a ragged layer):
+    the reference, q > 1 queries without ``mask`` causal per head (row i sees a head's first L − q + i + 1 slots)."""
     b, h_q, q_len, d = query.shape
     ragged = isinstance(layer, RaggedLayer)
     backend = decode_backend(layer, key, reference or bool(softcap) or q_len > 1 or (ragged and mask is not None))
@@ -274,55 +242,38 @@ def _decode_attention(query, key, value, mask, scaling, softcap, layer=None, ref
     return out[..., :d].reshape(b, 1, h_q, d)
 
 
-def fuse_prompt_attention(method: Method, query, key, mask, softcap) -> bool:
-    """Whether this prefill call computes the method's column sums with its output (LOOK-M):
-    a whole causal prompt in one call (queries = keys, no mask), no soft-capping, and the
-    method asks for it (``wants_prompt_attention``)."""
-    return (mask is None and not softcap and query.shape[2] == key.shape[2] > 1
-            and method.wants_prompt_attention(key.device))
+def clock(device: torch.device) -> float:
+    """``time.perf_counter()`` (seconds) once the work queued on ``device`` is done (CUDA synchronised)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter()
 
 
 def compress_layer(state: CompressionState, idx: int, query, key, value, scaling, softcap, **scores) -> None:
     """Run the method on layer ``idx`` (its prefill's last queries ``query``, its cache ``key``/``value``) and write
     its result into the cache. ``scores``: ``prompt_attention`` ``(B, H_q, n)`` column sums from the prefill
     attention, or ``reconstruction_scores`` ``(B, H_kv, n)`` (:class:`methods.base.LayerContext`)."""
-    sync = key.device.type == "cuda"
-    if sync:
-        torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    n, plan = key.shape[2], state.plan
+    t0, n, plan = clock(key.device), key.shape[2], state.plan
     w = min(state.method.window_size, n)
-    ctx = LayerContext(
-        layer_idx=idx, layout=state.layout, keys=key, values=value, window_queries=query[:, :, query.shape[2] - w :],
-        scaling=float(scaling), budget=int(plan.layer_budgets[idx]), softcap=softcap,
-        head_budget=plan.head_budgets[idx] if plan.head_budgets is not None else None,
-        positions=torch.arange(n, device=key.device), rotary=state.rotary, artifacts=state.method.artifacts,
-        recompressed=state.decode_budget is not None, **scores,
-    )
+    heads = None if plan.head_budgets is None else plan.head_budgets[idx]
+    ctx = LayerContext(idx, state.layout, key, value, query[:, :, query.shape[2] - w :], float(scaling),
+                       int(plan.layer_budgets[idx]), softcap, heads, torch.arange(n, device=key.device), state.rotary,
+                       state.method.artifacts, recompressed=state.decode_budget is not None, **scores)
     check_result(state.method, ctx, result := state.method.compress(ctx))
     # the cache keeps its own copy (room for the decoded tokens); the result points at it
     rows = 0 if result.logit_bias is None else result.logit_bias.shape[1] // key.shape[1]
     layer = store_layer(state.cache, idx, result.keys, result.values, result.valid, rows, float(scaling), state.reserve)
     result.keys, result.values = layer.keys, layer.values
     state.results[idx] = result
-    if sync:
-        torch.cuda.synchronize()
-    state.compress_s += time.perf_counter() - t0
-
-
-def last(x: torch.Tensor, w: int) -> torch.Tensor:
-    """The last ``w`` (≥ 0) rows of dimension 2 of ``x``."""
-    return x[:, :, x.shape[2] - min(w, x.shape[2]):]
+    state.compress_s += clock(key.device) - t0
 
 
 def _compress_decode(state: CompressionState, idx: int, scaling: float, softcap: float | None, fed: int) -> None:
     """Cut layer ``idx`` back to the decode budget when it holds more (docs/DECODING.md): the method sees its whole
     cache (a layer with per-head lengths left-padded, ``LayerContext.valid``) and the buffered queries (the forward
     fed ``fed`` tokens); the kept tokens are stored anew, in the order returned, with ``state.reserve`` free slots."""
-    sync = state.cache.layers[idx].keys.device.type == "cuda"
-    if sync:
-        torch.cuda.synchronize()
-    t0, layer, d = time.perf_counter(), state.cache.layers[idx], state.layout.head_dim
+    layer, d = state.cache.layers[idx], state.layout.head_dim
+    t0, dev = clock(layer.keys.device), layer.keys.device
     if isinstance(layer, RaggedLayer):
         keys, values, valid = layer.padded(left=True)
     else:  # a quantized layer is read back whole
@@ -330,18 +281,14 @@ def _compress_decode(state: CompressionState, idx: int, scaling: float, softcap:
     plan = state.method.plan(keys.shape[2], state.decode_budget, state.layout)
     state.held, w = max(state.held, keys.shape[2]), state.queries[idx].shape[2]
     if keys.shape[2] > plan.layer_budgets[idx] or state.cut_at_budget and keys.shape[2] == plan.layer_budgets[idx]:
-        ctx = LayerContext(
-            layer_idx=idx, layout=state.layout, keys=keys[..., :d], values=values[..., :d],
-            window_queries=state.queries[idx], scaling=scaling, budget=int(plan.layer_budgets[idx]), softcap=softcap,
-            head_budget=plan.head_budgets[idx] if plan.head_budgets is not None else None, rotary=state.rotary,
-            artifacts=state.method.artifacts, valid=valid, decoding=fed, recompressed=True,
-            positions=torch.arange(state.position - w + 1, state.position + 1, device=keys.device))
+        heads, pos = None if plan.head_budgets is None else plan.head_budgets[idx], state.position + 1
+        ctx = LayerContext(idx, state.layout, keys[..., :d], values[..., :d], state.queries[idx], scaling,
+                           int(plan.layer_budgets[idx]), softcap, heads, torch.arange(pos - w, pos, device=keys.device),
+                           state.rotary, state.method.artifacts, valid=valid, decoding=fed, recompressed=True)
         check_result(state.method, ctx, result := state.method.compress(ctx))
         store_layer(state.cache, idx, result.keys, result.values, result.valid, 0, scaling, state.reserve)
         state.compressions += 1
-    if sync:
-        torch.cuda.synchronize()
-    state.decode_compress_s += time.perf_counter() - t0
+    state.decode_compress_s += clock(dev) - t0
 
 
 def kvbench_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, softcap=None,
@@ -351,28 +298,27 @@ def kvbench_attention(module, query, key, value, attention_mask, scaling=None, d
 
     Args:
         module: the attention module (its ``layer_idx`` names the cache layer).
-        query: ``(B, H_q, q, d)`` after q-norm and RoPE; key, value: ``(B, H_kv, T, d)``, the
-            layer's whole cache after the update.
+        query: ``(B, H_q, q, d)`` after q-norm and RoPE; key, value: ``(B, H_kv, T, d)``, the layer's whole cache.
         attention_mask: transformers' mask for this layer (None when causal SDPA suffices).
         scaling: logit scale; softcap: Gemma-2 soft-capping.
-        kvbench_state: the :class:`CompressionState` of this generation (None: plain attention), or
-            a list of them: in a shared prefill (:func:`kvbench.engine.generate.prefill`), or one per row of a decode
-            batch (key, value: lists, one per row: :class:`kvbench.engine.kvcache.RowsCache`; rows whose layers all
-            have per-head lengths attend in one flash varlen call on CUDA, :func:`kvbench.engine.kvcache.stack_ragged`).
+        kvbench_state: the :class:`CompressionState` of this generation (None: plain attention), or a list of them:
+            in a shared prefill (:func:`kvbench.engine.generate.prefill`), or one per row of a decode batch (key,
+            value: lists, one per row: :class:`kvbench.engine.kvcache.RowsCache`; rows whose layers all have per-head
+            lengths attend in one flash varlen call on CUDA, :func:`kvbench.engine.kvcache.stack_ragged`).
         row_out: a decode row's attention output, computed with the batch's (the row's other decode work done here).
 
     Returns:
         ``(attn_output (B, q, H_q, d), None)``.
     """
+    idx, state = getattr(module, "layer_idx", None), kvbench_state
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
-    state = kvbench_state
     if isinstance(state, CompressionState) and state.phase == "score":
         out = _prefill_attention(query, key, value, attention_mask, scaling, softcap)
-        if module.layer_idx in state.layout.compressible_layers:
+        if idx in state.layout.compressible_layers:
             _score_layer(state, module, query, key, value, scaling, softcap)
         return out, None
     if isinstance(state, list) and state[0].phase == "decode":  # a decode batch: each row on its own cache
-        layers, out = [s.cache.layers[module.layer_idx] for s in state], [None] * len(state)
+        layers, out = [s.cache.layers[idx] for s in state], [None] * len(state)
         plain = not softcap and query.shape[2] == 1 and not any(s.reference_decode or s.method.reads for s in state)
         if (plain and all(isinstance(x, RaggedLayer) for x in layers) and len({x.keys.shape[-1] for x in layers}) == 1
                 and decode_backend(layers[0], key[0]) == "flash varlen"):  # one varlen call for all rows' heads
@@ -381,46 +327,48 @@ def kvbench_attention(module, query, key, value, attention_mask, scaling=None, d
         return torch.cat([kvbench_attention(module, query[r : r + 1], key[r], value[r], None, scaling, dropout, softcap,
                                             s, out[r])[0] for r, s in enumerate(state)]), None
     if isinstance(state, CompressionState) and state.phase == "decode":
-        layer = state.cache.layers[module.layer_idx]
+        layer = state.cache.layers[idx]
         # one query sees every key its layer caches (a sliding layer caches its window only): no mask; traced
         # (torch.compile), transformers builds an all-True one sized by layer 0's cache, wrong for per-layer budgets.
         # Several (the query part): transformers' mask on a sliding layer, else causal per head (_decode_attention)
         mask = attention_mask if query.shape[2] > 1 and getattr(layer, "is_sliding", False) else None
-        if state.method.reads and query.shape[2] == 1 and module.layer_idx in state.layout.compressible_layers:
+        if state.method.reads and query.shape[2] == 1 and idx in state.layout.compressible_layers:
             keep = state.method.select(LayerContext(  # sparse reading (Quest): the slots each query head reads
-                module.layer_idx, state.layout, key[..., : query.shape[-1]], value, query, float(scaling),
-                int(state.plan.layer_budgets[module.layer_idx]), softcap, decoding=1))
+                idx, state.layout, key[..., : query.shape[-1]], value, query, float(scaling),
+                int(state.plan.layer_budgets[idx]), softcap, decoding=1))
             if keep is not None:  # (B, H_kv, 1 or G, T): a KV head reads the union of its query heads' slots
-                mask, state.reads[module.layer_idx] = keep, keep.any(2).sum()
+                mask, state.reads[idx] = keep, keep.any(2).sum()
         out = row_out if row_out is not None else _decode_attention(query, key, value, mask, scaling, softcap, layer,
                                                                     state.reference_decode)
-        if state.decode_budget is not None and module.layer_idx in state.layout.compressible_layers:
-            state.queries[module.layer_idx] = last(torch.cat([state.queries[module.layer_idx], query], 2), state.window)
+        if state.decode_budget is not None and idx in state.layout.compressible_layers:
+            buf = torch.cat([state.queries[idx], query], 2)  # the last ``window`` (≥ 0) queries fed
+            state.queries[idx] = buf[:, :, max(0, buf.shape[2] - state.window) :]
             if state.compress_now:
-                _compress_decode(state, module.layer_idx, float(scaling), softcap, query.shape[2])
+                _compress_decode(state, idx, float(scaling), softcap, query.shape[2])
         return out, None
-    states = [s for s in (state if isinstance(state, list) else [state])  # a shared prefill passes several
-              if s is not None and s.compressing and s.scoring is None and module.layer_idx in s.layout.compressible_layers]
-    sums, own = None, state[0] if isinstance(state, list) else state  # a sparse prefill is never shared (prefill)
+    every = state if isinstance(state, list) else [state] if state is not None else []  # a shared prefill: several
+    states = [s for s in every if s.compressing and s.scoring is None and idx in s.layout.compressible_layers]
+    sums, own = None, every[0] if every else None  # a sparse prefill is never shared (prefill)
     if (own is not None and own.plan is not None and own.method.sparse_prefill and attention_mask is None
-            and query.shape[2] > 1 and module.layer_idx in own.layout.compressible_layers):
-        out = own.method.prefill_attention(query, key, value, scaling, int(own.plan.layer_budgets[module.layer_idx]))
+            and query.shape[2] > 1 and idx in own.layout.compressible_layers):
+        out = own.method.prefill_attention(query, key, value, scaling, int(own.plan.layer_budgets[idx]))
         out = out.transpose(1, 2).contiguous()
-    elif states and fuse_prompt_attention(states[0].method, query, key, attention_mask, softcap):
+    elif (states and attention_mask is None and not softcap and query.shape[2] == key.shape[2] > 1
+          and states[0].method.wants_prompt_attention(key.device)):  # a whole causal prompt in one call
         # the method's whole-prompt score (LOOK-M's) comes out of this attention: one pass over QK^T, not two
         out, sums = states[0].method.prompt_attention(query, key, value, scaling, softcap)
         out = out.transpose(1, 2).contiguous()
     else:
         out = _prefill_attention(query, key, value, attention_mask, scaling, softcap)
-    for s in state if isinstance(state, list) else [state] if state is not None else []:
+    for s in every:
         s.backends.setdefault("prefill", "blocked float32 (column sums)" if sums is not None else "blocked float32"
                               if softcap else sdpa_backend(query, key, value, attn_mask=attention_mask, enable_gqa=True,
                                                            is_causal=attention_mask is None and query.shape[2] > 1))
     for s in states:  # each compresses the layer into its own cache
-        compress_layer(s, module.layer_idx, query, key, value, scaling, softcap, prompt_attention=sums)
-    for s in state if isinstance(state, list) else [state] if state is not None else []:
-        if s.decode_budget is not None and module.layer_idx in s.layout.compressible_layers:
-            s.queries[module.layer_idx] = last(query, s.window).clone()  # R-KV's query cache starts with the prompt's
+        compress_layer(s, idx, query, key, value, scaling, softcap, prompt_attention=sums)
+    for s in every:
+        if s.decode_budget is not None and idx in s.layout.compressible_layers:  # R-KV's query cache: the prompt's
+            s.queries[idx] = query[:, :, max(0, query.shape[2] - s.window) :].clone()
     if (probe := getattr(module, "kvbench_probe", None)) is not None:  # kvbench.tools.calibrate's, after each call
         probe(module, query, key, value, scaling, out)
     return out, None

@@ -1,14 +1,9 @@
 """One-shot compression engine: prefill, compress once, decode greedily, all through the model's own modules.
 
-The protocol of every paper reproduced here: batch size 1, greedy decoding, the prompt's KV
-cache compressed once at the end of prefill (each layer right after its own prefill attention,
-so every layer's prefill output is computed with the full cache), new tokens appended
-uncompressed. With ``query_tokens`` (``task.compress=context``, kvpress's query-agnostic protocol)
-only the prompt's context is prefilled and compressed; its last ``query_tokens`` ids (the query
-part) are then prefilled in one forward on top of the compressed cache, uncompressed, positions
-continuing, before decoding. Prefill and every decode step are the model's own forward with
-``attn_implementation="kvbench"`` (:mod:`kvbench.engine.attention`), so every family computes what
-its Hugging Face modules compute.
+The papers' protocol (docs/ARCHITECTURE.md): batch size 1, greedy decoding, each layer's prompt cache compressed
+right after its own prefill attention, new tokens appended uncompressed. With ``query_tokens``
+(``task.compress=context``) only the context is prefilled and compressed; the query part then follows in one forward
+on the compressed cache, uncompressed. Every forward is the model's own with ``attn_implementation="kvbench"``.
 """
 
 from __future__ import annotations
@@ -24,12 +19,14 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterable, NamedTuple
 
 import torch
+import torch.fx.experimental._config as fx_config
 from torch._dynamo.utils import counters
 from torch.nn.attention import sdpa_kernel
+from transformers import DynamicCache
 
 from methods.base import Budget, Method, Plan, PromptFormat, apply_budget_floor, check_budget
 
-from kvbench.engine.attention import DECODE_BACKENDS, CompressionState, attach_bias, decode_backends
+from kvbench.engine.attention import DECODE_BACKENDS, CompressionState, attach_bias, clock, decode_backends
 from kvbench.engine.kvcache import RaggedLayer, RowsCache, checkpoint, preallocated_cache, restore, store_layer
 from kvbench.engine.models import LoadedModel, greedy_processors
 from kvbench.engine.reconstruct import reconstruct, start_scoring
@@ -120,12 +117,10 @@ class Context:
     """A prefilled (and compressed) context: where every answer from it starts (:meth:`Engine.open`).
 
     Attributes:
-        state: its :class:`CompressionState` (the cache); logits: ``(V,)`` after the last token fed;
-        next_pos: the position of the next token; ids: every token fed so far (the logits processors' input);
-        stats: the compression's :class:`GenerationResult` fields; prefill_s, peak_bytes, compress_s: prefill
-            seconds, peak memory and compression seconds not yet charged to a result (:meth:`Engine.decode`
-            charges them to the first answer: a reused context costs the later ones nothing);
-        steps: decode-phase forwards so far (``decode.schedule=steps``).
+        state: its :class:`CompressionState` (the cache); logits: ``(V,)`` after the last token fed; next_pos: the
+            next token's position; ids: every token fed so far; stats: the compression's :class:`GenerationResult`
+            fields; prefill_s, peak_bytes, compress_s: prefill seconds, peak memory (bytes) and compression seconds
+            not yet charged to a result (the first answer's); steps: decode-phase forwards so far (``schedule=steps``).
     """
 
     state: CompressionState
@@ -154,9 +149,8 @@ class Row:
 
 
 class Prefilled(NamedTuple):
-    """One engine's part of a (shared) prefill: its state with the compressed cache, the last
-    position's logits ``(V,)``, the prefill's seconds without compression, its peak memory (bytes,
-    compression included, :func:`peak_memory_bytes`)."""
+    """One engine's part of a (shared) prefill: its state with the compressed cache, the last position's logits
+    ``(V,)``, the prefill's seconds without compression, its peak memory (bytes, compression included)."""
 
     state: CompressionState
     logits: torch.Tensor
@@ -169,22 +163,9 @@ def cache_bytes(cache: Any) -> int:
     return sum(layer_bytes(layer) for layer in cache.layers)
 
 
-def peak_rss_bytes() -> int:
-    """Peak resident set size of this process (bytes): ``VmHWM`` of ``/proc/self/status`` (restartable, its own; a forked
-    worker's ``ru_maxrss``, the fallback without ``/proc``, starts at its parent's)."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024  # kB
-    except OSError:
-        pass
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
-
-
 def reset_peak_rss() -> bool:
-    """Restart the peak of :func:`peak_rss_bytes` (``5`` to ``/proc/self/clear_refs``, Linux ≥ 4.0); False where that is
-    not possible: the peak then stays the process's."""
+    """Restart the process's peak resident set size (``5`` to ``/proc/self/clear_refs``, Linux ≥ 4.0); False where
+    that is not possible: the peak then stays the process's."""
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
@@ -194,11 +175,18 @@ def reset_peak_rss() -> bool:
 
 
 def peak_memory_bytes(devices: list[torch.device]) -> int:
-    """Peak memory since :func:`reset_peak_memory` (bytes), summed over ``devices`` (a model split by
-    ``device_map`` uses several): ``torch.cuda.max_memory_allocated`` of each CUDA device, plus the
-    process's peak resident set size (:func:`peak_rss_bytes`) once if any device is not CUDA."""
-    return (sum(int(torch.cuda.max_memory_allocated(d)) for d in devices if d.type == "cuda")
-            + (peak_rss_bytes() if any(d.type != "cuda" for d in devices) else 0))
+    """Peak memory since :func:`reset_peak_memory` (bytes), summed over ``devices`` (a model split by ``device_map``
+    uses several): ``torch.cuda.max_memory_allocated`` of each CUDA device, plus once if any device is not CUDA the
+    process's peak resident set size, ``VmHWM`` of ``/proc/self/status`` (its own, restartable: :func:`reset_peak_rss`;
+    without ``/proc`` ``ru_maxrss``, which in a forked worker starts at its parent's)."""
+    rss = 0
+    if any(d.type != "cuda" for d in devices):
+        try:
+            with open("/proc/self/status") as f:
+                rss = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))  # kB
+        except (OSError, StopIteration):
+            rss = int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+    return sum(int(torch.cuda.max_memory_allocated(d)) for d in devices if d.type == "cuda") + rss
 
 
 def reset_peak_memory(devices: list[torch.device]) -> None:
@@ -210,20 +198,9 @@ def reset_peak_memory(devices: list[torch.device]) -> None:
         reset_peak_rss()
 
 
-def model_devices(model: torch.nn.Module) -> list[torch.device]:
-    """The devices holding ``model``'s parameters (its cache layers live beside them), sorted."""
-    return sorted({p.device for p in model.parameters()}, key=str)
-
-
-def _compile_frames() -> tuple[int, int]:
-    """(frames torch.compile tried to compile, frames it compiled) so far in this process (dynamo's counters)."""
-    return counters["frames"]["total"], counters["frames"]["ok"]
-
-
 def _stats(values: list[float]) -> dict[str, float]:
-    if not values:
-        return {"mean": 0.0, "min": 0, "max": 0}
-    return {"mean": round(sum(values) / len(values), 3), "min": min(values), "max": max(values)}
+    return {"mean": round(sum(values) / len(values), 3) if values else 0.0, "min": min(values, default=0),
+            "max": max(values, default=0)}
 
 
 class Engine:
@@ -234,16 +211,14 @@ class Engine:
         method: the compression method (``methods.full.FullCache`` for none).
         budget: the job's :class:`~methods.base.Budget` (a number is made one by :func:`~methods.base.check_budget`).
 
-    Switches (tests, benchmarks): ``record_logits`` keeps every step's logits in ``last_logits``;
-    ``preallocate`` (default True) decodes into :func:`kvbench.engine.kvcache.preallocated_cache`, else
-    a ``DynamicCache``; ``reference_decode`` runs decode attention through
-    :func:`kvbench.engine.attention.grouped_attention`; ``on_decode_step(step)`` is called before each
-    step; ``compile_decode`` runs decode steps through :meth:`decode_forward` (a compile failure sets it
-    False and ``compile_error``); ``devices``: those whose peak memory is summed (the model's);
-    ``prompt_format``: the model's :class:`~methods.base.PromptFormat` for methods that prompt the model (KVzip;
-    default: no head or tail, the tokenizer's ``encode``; a job sets the model's: :func:`kvbench.job.run.prompt_format`);
-    ``quant``: the ``cache`` settings of a quantized cache (:mod:`kvbench.engine.quantcache`), None for the model dtype's.
-    ``last_state`` holds the last generation's :class:`CompressionState`.
+    Switches (tests, benchmarks): ``record_logits`` keeps every step's logits in ``last_logits``; ``preallocate``
+    (default True) decodes into :func:`kvbench.engine.kvcache.preallocated_cache`, else a ``DynamicCache``;
+    ``reference_decode``: decode attention by :func:`kvbench.engine.attention.grouped_attention`; ``on_decode_step``
+    is called with the step before each step; ``compile_decode``: decode steps through :meth:`decode_forward` (a
+    compile failure sets it False and ``compile_error``); ``devices``: those whose peak memory is summed (the model's);
+    ``prompt_format``: the :class:`~methods.base.PromptFormat` for methods that prompt the model (KVzip; default the
+    tokenizer's ``encode``; a job sets the model's); ``quant``: a quantized cache's ``cache`` settings, None for the
+    model dtype's. ``last_state`` holds the last generation's :class:`CompressionState`.
     """
 
     def __init__(self, loaded: LoadedModel, method: Method, budget: Budget | float | int, decode: Any = None):
@@ -259,7 +234,7 @@ class Engine:
         self.compile_error: str | None = None
         self.quant = None
         self._compiled = None
-        self.devices = model_devices(self.model) or [loaded.device]
+        self.devices = sorted({p.device for p in self.model.parameters()}, key=str) or [loaded.device]
         self.prompt_format = PromptFormat(lambda text: loaded.tokenizer.encode(text, add_special_tokens=False))
         self.last_state: CompressionState | None = None
         self.last_logits: list[torch.Tensor] = []
@@ -287,25 +262,8 @@ class Engine:
             self._compiled = torch.compile(self.model, dynamic=True)
         return self._compiled if self.compile_decode else self.model
 
-    @staticmethod
-    def _decode_scope(compiled: bool) -> ExitStack:
-        """Enter the decode step's settings, restored on exit (nothing process-wide stays set): SDPA
-        restricted to :data:`kvbench.engine.attention.DECODE_BACKENDS`; compiled, dynamo's ``suppress_errors``
-        (a frame it cannot compile runs eager, never a failed sample; :meth:`generate` records it) and
-        no duck shapes (layers' lengths equal in one sample are no guard, hence no recompile, for the next)."""
-        import torch.fx.experimental._config as fx_config
-
-        stack = ExitStack()
-        stack.enter_context(sdpa_kernel(DECODE_BACKENDS))
-        if compiled:
-            stack.enter_context(torch._dynamo.config.patch(suppress_errors=True))
-            stack.enter_context(fx_config.patch(use_duck_shape=False))
-        return stack
-
     def _start(self, n: int, max_new_tokens: int, preallocate: bool) -> CompressionState:
         """This engine's state for an n-token prompt: its plan (budget floor applied) and an empty cache."""
-        from transformers import DynamicCache
-
         self.last_state, self.last_logits = None, []  # free the previous sample's cache before this prefill
         d = self.decoding
         reserve = (max_new_tokens if d is None else min(max_new_tokens, d.interval)) + 1  # tokens until a compression
@@ -318,12 +276,10 @@ class Engine:
         plan = apply_budget_floor(planned, n, self.method.min_budget())
         if plan is not planned and not self._floor_warned:
             self._floor_warned = True
-            log.warning(
-                "budget=%s: fewer tokens than the %d that method %s always keeps (window, recent, sinks) at a "
-                "%d-token prompt; such layers keep min(n, %d)%s",
-                self.budget, self.method.min_budget(), self.method.name, n, self.method.min_budget(),
-                "" if plan.compress else " (here all n: the cache is not compressed)",
-            )
+            log.warning("budget=%s: fewer tokens than the %d that method %s always keeps (window, recent, sinks) at a "
+                        "%d-token prompt; such layers keep min(n, %d)%s", self.budget, self.method.min_budget(),
+                        self.method.name, n, self.method.min_budget(),
+                        "" if plan.compress else " (here all n: the cache is not compressed)")
         return CompressionState(method=self.method, plan=plan, layout=layout, cache=cache, rotary=self._rotary,
                                 reserve=reserve, reference_decode=self.reference_decode,
                                 decode_budget=None if d is None else self.budget, window=self.method.decode_window,
@@ -363,9 +319,7 @@ class Engine:
         ctx.logits = self.model(input_ids=torch.tensor([ids], device=dev), past_key_values=ctx.state.cache, use_cache=True,
                                 position_ids=pos.view(1, -1), cache_position=pos, logits_to_keep=1,
                                 kvbench_state=ctx.state).logits[0, -1]
-        if dev.type == "cuda":
-            torch.cuda.synchronize()
-        ctx.prefill_s += time.perf_counter() - t0
+        ctx.prefill_s += clock(dev) - t0
         ctx.peak_bytes = max(ctx.peak_bytes, peak_memory_bytes(self.devices))
         ctx.next_pos, ctx.ids = ctx.next_pos + len(ids), ctx.ids + list(ids)
 
@@ -399,11 +353,10 @@ class Engine:
     @torch.inference_mode()
     def generate(self, prompt_ids: list[int], max_new_tokens: int, stop_ids: list[int] | None = None,
                  min_new_tokens: int = 0, prefilled: Prefilled | None = None, query_tokens: int = 0) -> GenerationResult:
-        """Prefill ``prompt_ids`` (truncated by the task), compress the cache once, decode greedily up to
-        ``max_new_tokens``: :meth:`open` on the first n − q ids, :meth:`feed` the last q (``query_tokens``, the query
-        part, kvpress's question), :meth:`decode` (``stop_ids`` default to the model's; no stop id in the first
-        ``min_new_tokens`` steps, as ``generate(min_length=prompt + k)``). ``prefilled``: this engine's part of a shared
-        :func:`prefill`. ValueError: an empty prompt; NonFiniteLogitsError: NaN/inf logits at a step."""
+        """Prefill ``prompt_ids`` (truncated by the task), compress the cache once, decode up to ``max_new_tokens``:
+        :meth:`open` on the first n − q ids, :meth:`feed` the last q (``query_tokens``, the query part), :meth:`decode`
+        (``stop_ids`` default to the model's; no stop id in the first ``min_new_tokens`` steps). ``prefilled``: this
+        engine's part of a shared :func:`prefill`. ValueError: an empty prompt; NonFiniteLogitsError: NaN/inf logits."""
         c = len(prompt_ids) - query_tokens
         ctx = self.open(prompt_ids[:c], max_new_tokens + query_tokens, prefilled)
         self.feed(ctx, prompt_ids[c:])
@@ -412,11 +365,10 @@ class Engine:
     @torch.inference_mode()
     def decode(self, ctx: Context, max_new_tokens: int, stop_ids: list[int] | None = None, min_new_tokens: int = 0,
                generator: torch.Generator | None = None, sampling: Any = None) -> GenerationResult:
-        """Generate from ``ctx`` (its cache then holds the answer but its last token): greedily, or with ``generator``
-        by sampling from the model's logits processors with ``sampling``'s temperature, top-p, top-k
-        (:func:`kvbench.engine.models.greedy_processors`); decode-time compression as ``decode`` says; a row of
-        :meth:`decode_rows`. The result carries the prefill time and peak ``ctx`` has not charged to an earlier result.
-        NonFiniteLogitsError: NaN/inf logits at a step."""
+        """Generate from ``ctx`` (its cache then holds the answer but its last token), a row of :meth:`decode_rows`:
+        greedily, or with ``generator`` by sampling with ``sampling``'s temperature, top-p, top-k
+        (:func:`kvbench.engine.models.greedy_processors`). The result carries the prefill time and peak ``ctx`` has not
+        charged to an earlier result. NonFiniteLogitsError: NaN/inf logits at a step."""
         out: list = []
         self.decode_rows([Row(ctx, max_new_tokens, stop_ids, min_new_tokens, generator)], 1, sampling,
                          lambda row, result: out.append(result))
@@ -439,20 +391,25 @@ class Engine:
     def decode_rows(self, rows: Iterable[Row], batch_size: int | str = 1, sampling: Any = None,
                     on_result: Callable[[Row, Any], None] = lambda row, result: None,
                     max_bytes: int | None = None) -> None:
-        """Decode ``rows`` (each its own context: :meth:`fork`), ``batch_size`` at a time: each step one forward of
-        the live rows' tokens ``(B, 1)``, every row through its own cache (:class:`kvbench.engine.kvcache.RowsCache`)
-        with its own decode-time compression schedule, stop ids, processors and generator (candidate k draws the
-        stream it draws alone); a row leaves when it stops and the next row takes its slot. ``on_result(row,
-        result)`` as each row ends: its :class:`GenerationResult`, or the :class:`NonFiniteLogitsError` that ended it.
-        Batched rows decode eagerly; their ``decode_s`` is their time in the batch, the peak memory the batch's.
-        ``batch_size="auto"``: as many rows as their :meth:`row_bytes` fit in ``max_bytes`` (None: the CUDA device's
-        free memory once the first row is prefilled), at least one."""
+        """Decode ``rows`` (each its own context: :meth:`fork`), ``batch_size`` at a time: each step one forward of the
+        live rows' tokens ``(B, 1)``, every row through its own cache (:class:`kvbench.engine.kvcache.RowsCache`) with
+        its own decode-time compression schedule, stop ids, processors and generator (candidate k draws the stream it
+        draws alone); a row leaves when it stops and the next takes its slot. ``on_result(row, result)`` as each row
+        ends: its :class:`GenerationResult`, or the :class:`NonFiniteLogitsError` that ended it. Batched rows decode
+        eagerly; their ``decode_s`` is their time in the batch, the peak memory the batch's. ``batch_size="auto"``: as
+        many rows as their :meth:`row_bytes` fit in ``max_bytes`` (None: the CUDA device's free memory at the first
+        row), at least one."""
         model, pending, live, cap = self.model, iter(rows), [], None
         auto, batch_size = batch_size == "auto", 2**62 if batch_size == "auto" else batch_size
         reset_peak_memory(self.devices)  # the decode phase's own peak: the compressed cache and decoding
         forward = self.decode_forward() if batch_size == 1 else model
         compiled = forward is not model
-        with self._decode_scope(compiled):
+        with ExitStack() as scope:  # the decode's settings, restored on exit: nothing process-wide stays set
+            scope.enter_context(sdpa_kernel(DECODE_BACKENDS))
+            if compiled:  # a frame dynamo cannot compile runs eager, never a failed sample (compile_error below)
+                scope.enter_context(torch._dynamo.config.patch(suppress_errors=True))
+                # no duck shapes: layers' lengths equal in one sample are no guard, hence no recompile, for the next
+                scope.enter_context(fx_config.patch(use_duck_shape=False))
             while True:
                 while len(live) < batch_size and (row := next(pending, None)) is not None:
                     if auto:
@@ -464,7 +421,7 @@ class Engine:
                     live.append(self._begin(row, sampling))
                 if not live:
                     break
-                t_step, frames = time.perf_counter(), _compile_frames()
+                t_step, frames = time.perf_counter(), (counters["frames"]["total"], counters["frames"]["ok"])
                 if self.on_decode_step is not None:
                     self.on_decode_step(live[0].step)
                 going = []
@@ -499,8 +456,7 @@ class Engine:
                         if row.generator is not None:
                             row.generator.set_state(row.gen_state)
                     batch_size, pending, live = len(live) // 2, itertools.chain(live, pending), []
-                    if self.loaded.device.type == "cuda":
-                        torch.cuda.empty_cache()
+                    torch.cuda.empty_cache()  # a no-op where CUDA is not in use
                     continue
                 for i, row in enumerate(live):
                     row.logits, row.step = out.logits[i, -1], row.step + 1
@@ -508,11 +464,10 @@ class Engine:
                     row.reads.append(read_point(row.ctx.state))
                     if row.ctx.state.compress_now:
                         row.trace.append(self._trace_point(row.ctx.state, len(row.tokens)))
-                now = _compile_frames()
+                now = counters["frames"]["total"], counters["frames"]["ok"]  # frames dynamo tried, compiled
                 if now != frames:  # this step compiled (a first call, a new layout): its time is compile_s
-                    if self.loaded.device.type == "cuda":
-                        torch.cuda.synchronize()
-                    live[0].compile_s, live[0].compiling = live[0].compile_s + time.perf_counter() - t_step, live[0].compiling + 1
+                    live[0].compile_s += clock(self.loaded.device) - t_step
+                    live[0].compiling += 1
                 if now[0] - now[1] != frames[0] - frames[1]:  # a frame failed to compile and ran eager
                     self.compile_error = "torch.compile failed on a decode frame (dynamo's warning in the log); eager"
                     log.warning("compile=true: %s from here on", self.compile_error)
@@ -579,10 +534,8 @@ class Engine:
 
     def _result(self, row: Row, compiled: bool) -> GenerationResult:
         """``row``'s :class:`GenerationResult`; its context is left after the answer (the fed tokens)."""
-        if self.loaded.device.type == "cuda":
-            torch.cuda.synchronize()
         ctx, state, tokens, trace, reads = row.ctx, row.ctx.state, row.tokens, row.trace, row.reads
-        decode_s = time.perf_counter() - row.t1 - row.compile_s
+        decode_s = clock(self.loaded.device) - row.t1 - row.compile_s
         timed = len(tokens) - row.compiling
         ctx.logits, ctx.next_pos = row.logits, ctx.next_pos + len(ctx.ids) - row.n  # the fed ones: not a stop, not the last
         prefill_s, peak, ctx.prefill_s, ctx.peak_bytes = ctx.prefill_s, ctx.peak_bytes, 0.0, 0
@@ -630,12 +583,11 @@ class Engine:
 
 @torch.inference_mode()
 def prefill(engines: list[Engine], prompt_ids: list[int], max_new_tokens: int) -> list[Prefilled]:
-    """Prefill ``prompt_ids`` once for several engines on one loaded model (a shared sweep,
-    docs/SWEEPS.md): at the end of each layer's prefill every engine's method compresses that
-    layer into the engine's own cache; layers an engine leaves whole are copied after the prefill.
-    Engines whose method computes the prefill attention itself (``Method.prompt_attention``, LOOK-M's
-    ``fused_score``: blocked float32 attention, not SDPA) get a prefill of their own, one per method
-    config, so every engine sees the numbers it would see alone; a sparse prefill (A-shape) one per engine.
+    """Prefill ``prompt_ids`` once for several engines on one loaded model (a shared sweep, docs/SWEEPS.md): at the end
+    of each layer's prefill every engine's method compresses that layer into the engine's own cache; layers an engine
+    leaves whole are copied after the prefill. A method computing the prefill attention itself (LOOK-M's
+    ``prompt_attention``) gets a prefill per method config, so every engine sees the numbers it would see alone; a
+    sparse prefill (A-shape) or hooks one per engine.
 
     Returns:
         One :class:`Prefilled` per engine, in order.
@@ -657,7 +609,7 @@ def prefill(engines: list[Engine], prompt_ids: list[int], max_new_tokens: int) -
         kinds.setdefault(i if alone else repr(st.method.config) if fused else None, []).append(i)
     out: list[Prefilled | None] = [None] * len(engines)
     for group in kinds.values():
-        mine, shared, sync = [states[i] for i in group], len(group) > 1, dev.type == "cuda"
+        mine, shared = [states[i] for i in group], len(group) > 1
         cache = preallocated_cache(first.model.config, max_new_tokens + 1, first.quant) if shared else mine[0].cache
         hooked = hooks[group[0]]  # the method compresses through the model's hooks (Method.prefill_hooks)
         reset_peak_memory(first.devices)
@@ -669,9 +621,7 @@ def prefill(engines: list[Engine], prompt_ids: list[int], max_new_tokens: int) -
         for idx, res in mine[0].results.items() if hooked else ():  # the hooks' layers, as _compress_layer stores
             layer = store_layer(cache, idx, res.keys, res.values, res.valid, reserve=mine[0].reserve)
             res.keys, res.values = layer.keys, layer.values
-        if sync:
-            torch.cuda.synchronize()
-        prefill_s = max(0.0, time.perf_counter() - t0 - sum(st.compress_s for st in mine))
+        prefill_s = max(0.0, clock(dev) - t0 - sum(st.compress_s for st in mine))
         for i, st in zip(group, mine):
             if shared:  # the layers this engine did not compress: its own copy of the prompt's cache
                 st.cache.layers = [layer if j in st.results else copy.deepcopy(cache.layers[j])
