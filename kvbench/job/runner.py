@@ -121,12 +121,17 @@ class Unit:
         """The candidates of ``sample`` not stored yet."""
         return [k for k, rid in enumerate(record_ids(sample, self.sampling)) if rid not in self.done]
 
-    def run(self, part: Any, on_record) -> None:
+    def run(self, on_record, part: Any = None, batched: bool = False) -> Iterator[Any]:
         """Answer every missing record; each goes to ``on_record(record)`` as soon as it is made. ``part``: this
         engine's share of a shared prefill of the unit's context (:func:`kvbench.engine.generate.prefill`), the error it
-        raised, or None. Never raises but submitit's preemption: an error becomes the records' ``error`` (in a
-        conversation, the later turns' too: they build on it)."""
-        ctx, cut = None, False
+        raised, or None. ``batched`` (no conversation): yield the answers as rows of a decode batch instead
+        (:meth:`kvbench.engine.generate.Engine.decode_rows`), made as the batch pulls them: each question fed on its own
+        copy of the context, each candidate on its own (:meth:`~kvbench.engine.generate.Engine.fork`); a row's
+        ``tag(result)`` stores its record. Never raises but submitit's preemption: an error becomes the records'
+        ``error`` (in a conversation, the later turns' too: they build on it)."""
+        from kvbench.engine.generate import Row
+
+        ctx, start, cut = None, None, False
         for i, sample in enumerate(self.samples):
             want = self.missing(sample)
             if self.turns and not any(self.missing(s) for s in self.samples[i:]):
@@ -144,15 +149,23 @@ class Unit:
                     ids, q = split_prompt(self.loaded, sample, self.task.cfg.get("compress", "prompt"))
                     c = len(ids) - q
                     if ctx is None:
-                        ctx, self.opened = self.engine.open(ids[:c], sample.max_new_tokens + q, part), self.opened + 1
-                        self.group, start = sample.group or hashlib.sha256(str(ids[:c]).encode()).hexdigest()[:12], None
-                        start = self.engine.checkpoint(ctx) if len(self.samples) > 1 and not self.turns else None
+                        ctx, self.opened = self.engine.open(ids[:c], sample.max_new_tokens + q, part), 1
+                        self.group = sample.group or hashlib.sha256(str(ids[:c]).encode()).hexdigest()[:12]
+                        many = len(self.samples) > 1 and not (self.turns or batched)  # each question restores it
+                        start = self.engine.checkpoint(ctx) if many else None
                     elif start is not None:
                         self.engine.restore(ctx, start)
-                    self.engine.feed(ctx, ids[c:])
-                question = self.engine.checkpoint(ctx) if len(want) > 1 or self.turns else None
+                    mine = self.engine.fork(ctx) if batched and len(self.samples) > 1 else ctx
+                    self.engine.feed(mine, ids[c:])
+                question = self.engine.checkpoint(ctx) if not batched and (len(want) > 1 or self.turns) else None
                 result = None
                 for n, k in enumerate(want if want or not sample.keep_answer else [None]):  # an own answer stays
+                    if batched:
+                        yield Row(self.engine.fork(mine) if n < len(want) - 1 else mine, sample.max_new_tokens,
+                                  stop_ids_for(self.loaded, sample), sample.min_new_tokens, self.generator(sample, k),
+                                  lambda result, sample=sample, k=k: self.fail(result, on_record, [(sample, [k])])
+                                  if isinstance(result, BaseException) else on_record(self.record(sample, k, result)))
+                        continue
                     if n:
                         self.engine.restore(ctx, question)
                     result = self.engine.decode(ctx, sample.max_new_tokens, stop_ids_for(self.loaded, sample),
@@ -178,33 +191,6 @@ class Unit:
         if k is None or self.sampling is None or not self.sampling.temperature:
             return None
         return torch.Generator(device=self.loaded.device).manual_seed(candidate_seed(self.seed, sample.id, k))
-
-    def rows(self, on_record) -> Iterator[Any]:
-        """The unit's missing answers as rows of a decode batch (:meth:`kvbench.engine.generate.Engine.decode_rows`),
-        made as the batch pulls them: the context opened once, each question fed on its own copy, each candidate on
-        its own (:meth:`~kvbench.engine.generate.Engine.fork`); a row's ``tag(result)`` stores its record with
-        ``on_record``. A failure before decoding stores the sample's records with its ``error``."""
-        from kvbench.engine.generate import Row
-
-        ctx = None
-        for sample in self.samples:
-            if not (want := self.missing(sample)):
-                continue
-            try:
-                ids, q = split_prompt(self.loaded, sample, self.task.cfg.get("compress", "prompt"))
-                if ctx is None:
-                    ctx, self.opened = self.engine.open(ids[: len(ids) - q], sample.max_new_tokens + q), 1
-                    self.group = sample.group or hashlib.sha256(str(ids[: len(ids) - q]).encode()).hexdigest()[:12]
-                mine = self.engine.fork(ctx) if len(self.samples) > 1 else ctx
-                self.engine.feed(mine, ids[len(ids) - q :])
-            except Exception as e:  # noqa: BLE001 - per-sample isolation
-                self.fail(e, on_record, [(sample, want)])
-                continue
-            for i, k in enumerate(want):
-                yield Row(self.engine.fork(mine) if i < len(want) - 1 else mine, sample.max_new_tokens,
-                          stop_ids_for(self.loaded, sample), sample.min_new_tokens, self.generator(sample, k),
-                          lambda result, sample=sample, k=k: self.fail(result, on_record, [(sample, [k])])
-                          if isinstance(result, BaseException) else on_record(self.record(sample, k, result)))
 
     def fail(self, err: BaseException, on_record, todo: list[tuple[Sample, list[int]]]) -> None:
         """Store the candidates ``ks`` of each ``(sample, ks)`` in ``todo`` as failed with ``err`` (logged once)."""
@@ -331,9 +317,9 @@ def run_samples(engines: list[Any], loaded: Any, task: Task, samples: list[Sampl
             except Exception as e:  # noqa: BLE001 - every variant of this unit stores the error
                 parts = [e] * len(mine)
             for j, part in zip(mine, parts):
-                runs[j].run(part, lambda rec, j=j: on_record(j, rec))
+                list(runs[j].run(lambda rec, j=j: on_record(j, rec), part))  # decodes as it goes: yields nothing
         if batched:
-            rows = (row for run in batched for row in run.rows(lambda rec: on_record(0, rec)))
+            rows = (row for run in batched for row in run.run(lambda rec: on_record(0, rec), batched=True))
             engines[0].decode_rows(rows, batch_size, sampling, lambda row, result: row.tag(result), max_bytes)
     finally:
         progress.bar.close()
@@ -345,5 +331,5 @@ def run_sample(engine: Any, loaded: Any, task: Task, sample: Sample) -> dict[str
     """Generate and score one sample alone (greedy) and return its record; never raises (an error becomes the
     record's ``error``)."""
     records: list[dict] = []
-    Unit(engine, loaded, task, [sample], set(), None, 0).run(None, records.append)
+    list(Unit(engine, loaded, task, [sample], set(), None, 0).run(records.append))
     return records[0]
