@@ -8,6 +8,7 @@ import json
 import os
 import re
 from dataclasses import dataclass, field
+from importlib import metadata
 from pathlib import Path
 from typing import Any, Optional
 
@@ -78,8 +79,7 @@ class Cache:
     def __post_init__(self):
         need(self.bits in (None, 2, 4, 8), "cache.bits", self.bits, "accepted values are null (the model dtype), 2, 4, 8")
         need(self.group_size >= 1, "cache.group_size", self.group_size, "must be an integer >= 1 (it divides the head dim)")
-        need(self.max_bytes is None or self.max_bytes >= 1, "cache.max_bytes", self.max_bytes, "must be null or an "
-             "integer >= 1")
+        need(self.max_bytes is None or self.max_bytes >= 1, "cache.max_bytes", self.max_bytes, "must be null or >= 1")
         need(self.residual >= 0, "cache.residual", self.residual, "must be an integer >= 0 (0: cache.group_size)")
         key = "group_size" if self.residual == Cache.residual else "residual"  # the one set: the default is right
         rule = (f"must divide cache.residual={self.residual}" if key == "group_size" else
@@ -115,14 +115,13 @@ class TopConfig:
 
     def __post_init__(self):
         self.budget = check_budget(self.budget)
-        cores, d, s = 4 * (os.cpu_count() or 1), self.decode, self.sampling
+        cores, d, s, sh = 4 * (os.cpu_count() or 1), self.decode, self.sampling, self.shard
         need(-2**63 <= self.seed < 2**64, "seed", self.seed, "must be an integer from -2**63 to 2**64 - 1 (torch.manual_seed's range)")
         need(self.device in ("auto", "cpu", "cuda", "mps") or (self.device.startswith("cuda:") and self.device[5:].isdigit()),
              "device", self.device, "accepted values are auto, cpu, cuda, cuda:<index>, mps")
         need(self.max_samples is None or self.max_samples >= 1, "max_samples", self.max_samples, "must be an integer >= 1 or null")
-        need(self.shard.count >= 1, "shard.count", self.shard.count, "must be an integer >= 1")
-        need(0 <= self.shard.index < self.shard.count, "shard.index", self.shard.index, f"must be from 0 to shard.count - 1 "
-             f"({self.shard.count - 1})")
+        need(sh.count >= 1, "shard.count", sh.count, "must be an integer >= 1")
+        need(0 <= sh.index < sh.count, "shard.index", sh.index, f"must be from 0 to shard.count - 1 ({sh.count - 1})")
         need(self.lock_wait_s >= 0, "lock_wait_s", self.lock_wait_s, "must be a number of seconds >= 0")
         need(self.threads in ("auto", None) or (isinstance(self.threads, int) and 1 <= self.threads <= cores), "threads",
              self.threads, f"accepted values are auto, null or an integer from 1 to {cores} (4 x this machine's cores)")
@@ -132,8 +131,7 @@ class TopConfig:
         need(d.interval >= 0, "decode.interval", d.interval, "must be an integer >= 0 (0: off)")
         need(d.schedule in ("steps", "length"), "decode.schedule", d.schedule, "accepted values are steps, length")
         need(not d.interval or self.compile is not True, "decode.interval", d.interval, "needs eager decoding (compile=false or auto)")
-        need(d.prefill or d.interval, "decode.prefill", d.prefill, "decode-only compression needs decode.interval > 0 "
-             "(0: at the end of prefill only)")
+        need(d.prefill or d.interval, "decode.prefill", d.prefill, "decode-only compression needs decode.interval > 0")
         need(s.temperature >= 0, "sampling.temperature", s.temperature, "must be a number >= 0 (0: greedy)")
         need(s.n >= 1 and (s.n == 1 or s.temperature), "sampling.n", s.n, "must be >= 1 (> 1 only with sampling.temperature > 0)")
         need(0 < s.top_p <= 1, "sampling.top_p", s.top_p, "must be a number with 0 < top_p <= 1")
@@ -199,8 +197,8 @@ def register() -> None:
     store.store(group="schema", name="model", node=ModelConfig)
     for name in methods.available():
         store.store(group="schema/method", name=name, node=methods.schema(name))
-    plugin = OmegaConf.create({"name": methods.PLUGIN, "label": None, "target": "???"})
-    OmegaConf.set_struct(plugin, False)  # method.<field>= of the class's Config: checked by methods.build_method
+    # not struct: method.<field>= of the class's Config, checked by methods.build_method
+    plugin = OmegaConf.create({"name": methods.PLUGIN, "label": None, "target": "???"}, flags={"struct": False})
     store.store(group="schema/method", name=methods.PLUGIN, node=plugin)
     for name in tasks.available():
         store.store(group="schema/task", name=name, node=tasks.get_task_class(name).Config)
@@ -257,22 +255,14 @@ class JobSpec:
     relpath: str
 
 
-def _package(source: str) -> str:
-    """``pypi:<module>==<version>`` (not its path: any venv is the same model)."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return f"{source}=={version(source.split(':', 1)[1].replace('_', '-'))}"
-    except PackageNotFoundError:
-        return source
-
-
 def identity(cfg: dict, source: tuple[str, str | None], inputs: dict, device: str) -> dict:
     """Every resolved setting that can change a result (docs/RESULTS.md)."""
     model = {k: v for k, v in cfg["model"].items()
              if k not in ("name", "gguf_cache", "device_map") and FORMER.get(("model", k), ...) != v}
+    src = cfg["model"]["source"]  # pypi:<module>==<version>, not its path: any venv is the same model
+    dist = src.startswith("pypi") and next(metadata.distributions(name=src.split(":", 1)[1].replace("_", "-")), None)
     model.update(dtype=cfg["model"]["dtype"].get(device, "float32"),
-                 source=_package(cfg["model"]["source"]) if cfg["model"]["source"].startswith("pypi") else list(source))
+                 source=(f"{src}=={dist.version}" if dist else src) if src.startswith("pypi") else list(source))
     return {
         "model": model,
         "method": {k: v for k, v in cfg["method"].items() if k != "label" and FORMER.get(("method", k), ...) != v},

@@ -68,11 +68,6 @@ def units(loaded: Any, samples: list[Sample], compress: str) -> list[list[Sample
     return [sorted(u, key=lambda s: s.turn) if k[0] == "turns" else u for k, u in out.items()]
 
 
-def base_record(sample: Sample) -> dict[str, Any]:
-    return {"id": sample.id, "dataset": sample.dataset, "answers": sample.answers, "all_classes": sample.all_classes,
-            "length": sample.length, "meta": sample.meta, "prompt_sha256": hashlib.sha256(sample.prompt.encode()).hexdigest()}
-
-
 def failed(sample_id: str, err: BaseException) -> dict[str, Any]:
     """Log a failed sample in one line naming the last frame of its traceback; return its records' ``error``: type,
     message, ``where`` (that frame, ``path:line in function``), ``traceback`` (Python's, the last 20,000 characters)."""
@@ -126,12 +121,17 @@ class Unit:
         """The candidates of ``sample`` not stored yet."""
         return [k for k, rid in enumerate(record_ids(sample, self.sampling)) if rid not in self.done]
 
-    def run(self, part: Any, on_record) -> None:
+    def run(self, on_record, part: Any = None, batched: bool = False) -> Iterator[Any]:
         """Answer every missing record; each goes to ``on_record(record)`` as soon as it is made. ``part``: this
         engine's share of a shared prefill of the unit's context (:func:`kvbench.engine.generate.prefill`), the error it
-        raised, or None. Never raises but submitit's preemption: an error becomes the records' ``error`` (in a
-        conversation, the later turns' too: they build on it)."""
-        ctx, cut = None, False
+        raised, or None. ``batched`` (no conversation): yield the answers as rows of a decode batch instead
+        (:meth:`kvbench.engine.generate.Engine.decode_rows`), made as the batch pulls them: each question fed on its own
+        copy of the context, each candidate on its own (:meth:`~kvbench.engine.generate.Engine.fork`); a row's
+        ``tag(result)`` stores its record. Never raises but submitit's preemption: an error becomes the records'
+        ``error`` (in a conversation, the later turns' too: they build on it)."""
+        from kvbench.engine.generate import Row
+
+        ctx, start, cut = None, None, False
         for i, sample in enumerate(self.samples):
             want = self.missing(sample)
             if self.turns and not any(self.missing(s) for s in self.samples[i:]):
@@ -149,18 +149,27 @@ class Unit:
                     ids, q = split_prompt(self.loaded, sample, self.task.cfg.get("compress", "prompt"))
                     c = len(ids) - q
                     if ctx is None:
-                        ctx, self.opened = self.engine.open(ids[:c], sample.max_new_tokens + q, part), self.opened + 1
-                        self.group, start = sample.group or hashlib.sha256(str(ids[:c]).encode()).hexdigest()[:12], None
-                        start = self.engine.checkpoint(ctx) if len(self.samples) > 1 and not self.turns else None
+                        ctx, self.opened = self.engine.open(ids[:c], sample.max_new_tokens + q, part), 1
+                        self.group = sample.group or hashlib.sha256(str(ids[:c]).encode()).hexdigest()[:12]
+                        many = len(self.samples) > 1 and not (self.turns or batched)  # each question restores it
+                        start = self.engine.checkpoint(ctx) if many else None
                     elif start is not None:
                         self.engine.restore(ctx, start)
-                    self.engine.feed(ctx, ids[c:])
-                question = self.engine.checkpoint(ctx) if len(want) > 1 or self.turns else None
+                    mine = self.engine.fork(ctx) if batched and len(self.samples) > 1 else ctx
+                    self.engine.feed(mine, ids[c:])
+                question = self.engine.checkpoint(ctx) if not batched and (len(want) > 1 or self.turns) else None
                 result = None
                 for n, k in enumerate(want if want or not sample.keep_answer else [None]):  # an own answer stays
+                    if batched:
+                        yield Row(self.engine.fork(mine) if n < len(want) - 1 else mine, sample.max_new_tokens,
+                                  stop_ids_for(self.loaded, sample), sample.min_new_tokens, self.generator(sample, k),
+                                  lambda result, sample=sample, k=k: self.fail(result, on_record, [(sample, [k])])
+                                  if isinstance(result, BaseException) else on_record(self.record(sample, k, result)))
+                        continue
                     if n:
                         self.engine.restore(ctx, question)
-                    result = self.answer(ctx, sample, k)
+                    result = self.engine.decode(ctx, sample.max_new_tokens, stop_ids_for(self.loaded, sample),
+                                                sample.min_new_tokens, self.generator(sample, k), self.sampling)
                     if k is not None:
                         on_record(self.record(sample, k, result))
                 if self.turns and not sample.keep_answer:  # golden history: the answer leaves the cache
@@ -169,19 +178,11 @@ class Unit:
             except Exception as e:  # noqa: BLE001 - per-sample isolation is the point
                 if type(e).__name__ == "UncompletedJobError":
                     raise  # submitit's preemption signal: the task must stop and be requeued
-                error = failed(sample.id, e)
-                free_cuda()
-                for s in self.samples[i:] if self.turns else [sample]:
-                    for k in self.missing(s) if s is not sample else want:
-                        on_record(error_record(self.base(s, k), error))
+                later = [(s, self.missing(s)) for s in self.samples[i + 1 :]] if self.turns else []
+                self.fail(e, on_record, [(sample, want), *later])
                 if self.turns:
                     break
                 part = part if isinstance(part, BaseException) else None
-
-    def answer(self, ctx: Any, sample: Sample, k: int | None) -> Any:
-        """Decode one answer from ``ctx``: greedily, or candidate k sampled with its own generator."""
-        return self.engine.decode(ctx, sample.max_new_tokens, stop_ids_for(self.loaded, sample), sample.min_new_tokens,
-                                  self.generator(sample, k), self.sampling)
 
     def generator(self, sample: Sample, k: int | None) -> Any:
         """Candidate k's sampling generator (:func:`candidate_seed`); None when greedy."""
@@ -191,43 +192,19 @@ class Unit:
             return None
         return torch.Generator(device=self.loaded.device).manual_seed(candidate_seed(self.seed, sample.id, k))
 
-    def rows(self, on_record) -> Iterator[Any]:
-        """The unit's missing answers as rows of a decode batch (:meth:`kvbench.engine.generate.Engine.decode_rows`),
-        made as the batch pulls them: the context opened once, each question fed on its own copy, each candidate on
-        its own (:meth:`~kvbench.engine.generate.Engine.fork`); a row's ``tag(result)`` stores its record with
-        ``on_record``. A failure before decoding stores the sample's records with its ``error``."""
-        from kvbench.engine.generate import Row
-
-        ctx = None
-        for sample in self.samples:
-            if not (want := self.missing(sample)):
-                continue
-            try:
-                ids, q = split_prompt(self.loaded, sample, self.task.cfg.get("compress", "prompt"))
-                if ctx is None:
-                    ctx, self.opened = self.engine.open(ids[: len(ids) - q], sample.max_new_tokens + q), 1
-                    self.group = sample.group or hashlib.sha256(str(ids[: len(ids) - q]).encode()).hexdigest()[:12]
-                mine = self.engine.fork(ctx) if len(self.samples) > 1 else ctx
-                self.engine.feed(mine, ids[len(ids) - q :])
-            except Exception as e:  # noqa: BLE001 - per-sample isolation
-                self.fail(sample, want, e, on_record)
-                continue
-            for i, k in enumerate(want):
-                yield Row(self.engine.fork(mine) if i < len(want) - 1 else mine, sample.max_new_tokens,
-                          stop_ids_for(self.loaded, sample), sample.min_new_tokens, self.generator(sample, k),
-                          lambda result, sample=sample, k=k: self.fail(sample, [k], result, on_record) if isinstance(
-                              result, BaseException) else on_record(self.record(sample, k, result)))
-
-    def fail(self, sample: Sample, want: list[int], err: BaseException, on_record) -> None:
-        """Store candidates ``want`` of ``sample`` as failed with ``err``."""
-        error = failed(sample.id, err)
+    def fail(self, err: BaseException, on_record, todo: list[tuple[Sample, list[int]]]) -> None:
+        """Store the candidates ``ks`` of each ``(sample, ks)`` in ``todo`` as failed with ``err`` (logged once)."""
+        error = failed(todo[0][0].id, err)
         free_cuda()
-        for k in want:
-            on_record(error_record(self.base(sample, k), error))
+        for sample, want in todo:
+            for k in want:
+                on_record(error_record(self.base(sample, k), error))
 
     def base(self, sample: Sample, k: int) -> dict[str, Any]:
         """The record's identity fields: candidate (sampling) and group fields (a shared unit)."""
-        base = base_record(sample)
+        base = {"id": sample.id, "dataset": sample.dataset, "answers": sample.answers,
+                "all_classes": sample.all_classes, "length": sample.length, "meta": sample.meta,
+                "prompt_sha256": hashlib.sha256(sample.prompt.encode()).hexdigest()}
         if self.sampling is not None and self.sampling.temperature:
             base.update(id=f"{sample.id}#{k}", problem=sample.id, candidate=k)
         if self.shared:
@@ -261,12 +238,6 @@ class Progress:
     def means(self) -> str:
         return ", ".join(f"{label}{sum(v) / len(v):.2f}" if v else f"{label}-" for label, v in zip(self.labels, self.scores))
 
-    def eta(self) -> str:
-        if not self.done:
-            return "?"
-        left = (time.monotonic() - self.t0) / self.done * (self.total - self.done)
-        return time.strftime("%H:%M:%S", time.gmtime(left)) if left < 86400 else f"{left / 86400:.1f}d"
-
     def scored(self, j: int, record: dict) -> None:
         if record.get("error") is None:
             self.scores[j].append(100 * record["score"])
@@ -274,7 +245,9 @@ class Progress:
     def _line(self, n: int, what: str, now: bool = False) -> None:  # about sample n: at once when now
         if not (self.quiet or self.interactive) and (now or time.monotonic() - self.last >= LOG_EVERY_S):
             self.last = time.monotonic()
-            log.info("sample %d/%d%s; mean %s, eta %s", n, self.total, what, self.means(), self.eta())
+            left = (self.last - self.t0) / max(self.done, 1) * (self.total - self.done)
+            eta = time.strftime("%H:%M:%S", time.gmtime(left)) if left < 86400 else f"{left / 86400:.1f}d"
+            log.info("sample %d/%d%s; mean %s, eta %s", n, self.total, what, self.means(), eta if self.done else "?")
 
     def step(self, generated: int) -> None:
         """A decode step of the current sample (``Engine.on_decode_step``): a sign of life in a log file."""
@@ -290,9 +263,6 @@ class Progress:
         self.bar.update(1)
         self._line(self.done, f" {sample.id}: {', '.join(outcomes)}", now=self.done == self.total)
 
-    def close(self) -> None:
-        self.bar.close()
-
 
 def run_samples(engines: list[Any], loaded: Any, task: Task, samples: list[Sample], stores: list[JobStore], quiet: bool,
                 sampling: Any = None, seed: int = 0, batch_size: int | str = 1, max_bytes: int | None = None) -> None:
@@ -306,9 +276,7 @@ def run_samples(engines: list[Any], loaded: Any, task: Task, samples: list[Sampl
     todo = [u for u in units(loaded, samples, compress)
             if any(rid not in d for d in done for s in u for rid in record_ids(s, sampling))]
     progress = Progress(sum(map(len, todo)), stores, quiet)
-    left: dict[str, int] = {}
-    outcomes: dict[str, list[str]] = {}
-    by_id: dict[str, Sample] = {}
+    left, outcomes, by_id = {}, {}, {}  # by sample id: records to come, their outcomes, the sample
 
     def on_record(j: int, rec: dict) -> None:
         try:
@@ -325,11 +293,6 @@ def run_samples(engines: list[Any], loaded: Any, task: Task, samples: list[Sampl
         if not left[sid]:
             progress.sample_done(by_id[sid], outcomes[sid])
 
-    def finish(unit: list[Sample]) -> None:
-        for sample in unit:
-            if left[sample.id] > 0 or sample.id not in outcomes:  # nothing stored for it (a done turn)
-                progress.sample_done(sample, outcomes.get(sample.id, ["stored before"]))
-
     for engine in engines:
         engine.on_decode_step = progress.step
     batched: list[Unit] = []  # batch_size > 1 or auto (rows up to max_bytes): decoded together at the end
@@ -340,6 +303,9 @@ def run_samples(engines: list[Any], loaded: Any, task: Task, samples: list[Sampl
             mine = [j for j, r in enumerate(runs) if any(r.missing(s) for s in unit)]
             left.update({s.id: sum(len(runs[j].missing(s)) for j in mine) for s in unit})
             by_id.update({s.id: s for s in unit})
+            for s in unit:
+                if not left[s.id]:  # nothing to store for it (a done turn)
+                    progress.sample_done(s, ["stored before"])
             if batch_size != 1 and len(engines) == 1 and not runs[0].turns:
                 batched.append(runs[0])
                 continue
@@ -351,15 +317,12 @@ def run_samples(engines: list[Any], loaded: Any, task: Task, samples: list[Sampl
             except Exception as e:  # noqa: BLE001 - every variant of this unit stores the error
                 parts = [e] * len(mine)
             for j, part in zip(mine, parts):
-                runs[j].run(part, lambda rec, j=j: on_record(j, rec))
-            finish(unit)
+                list(runs[j].run(lambda rec, j=j: on_record(j, rec), part))  # decodes as it goes: yields nothing
         if batched:
-            rows = (row for run in batched for row in run.rows(lambda rec: on_record(0, rec)))
+            rows = (row for run in batched for row in run.run(lambda rec: on_record(0, rec), batched=True))
             engines[0].decode_rows(rows, batch_size, sampling, lambda row, result: row.tag(result), max_bytes)
-            for run in batched:
-                finish(run.samples)
     finally:
-        progress.close()
+        progress.bar.close()
         for engine in engines:
             engine.on_decode_step = None
 
@@ -368,5 +331,5 @@ def run_sample(engine: Any, loaded: Any, task: Task, sample: Sample) -> dict[str
     """Generate and score one sample alone (greedy) and return its record; never raises (an error becomes the
     record's ``error``)."""
     records: list[dict] = []
-    Unit(engine, loaded, task, [sample], set(), None, 0).run(None, records.append)
+    list(Unit(engine, loaded, task, [sample], set(), None, 0).run(records.append))
     return records[0]
