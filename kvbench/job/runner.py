@@ -165,6 +165,7 @@ class Unit:
                                   stop_ids_for(self.loaded, sample), sample.min_new_tokens, self.generator(sample, k),
                                   lambda result, sample=sample, k=k: self.fail(result, on_record, [(sample, [k])])
                                   if isinstance(result, BaseException) else on_record(self.record(sample, k, result)))
+                        self.done.add(record_ids(sample, self.sampling)[k])  # its row stores it, a later failure not
                         continue
                     if n:
                         self.engine.restore(ctx, question)
@@ -172,6 +173,7 @@ class Unit:
                                                 sample.min_new_tokens, self.generator(sample, k), self.sampling)
                     if k is not None:
                         on_record(self.record(sample, k, result))
+                        self.done.add(record_ids(sample, self.sampling)[k])
                 if self.turns and not sample.keep_answer:  # golden history: the answer leaves the cache
                     self.engine.restore(ctx, question)
                 cut = result is not None and sample.keep_answer and result.generated_tokens >= sample.max_new_tokens
@@ -179,7 +181,7 @@ class Unit:
                 if type(e).__name__ == "UncompletedJobError":
                     raise  # submitit's preemption signal: the task must stop and be requeued
                 later = [(s, self.missing(s)) for s in self.samples[i + 1 :]] if self.turns else []
-                self.fail(e, on_record, [(sample, want), *later])
+                self.fail(e, on_record, [(sample, self.missing(sample)), *later])  # stored or sent: not again
                 if self.turns:
                     break
                 part = part if isinstance(part, BaseException) else None

@@ -117,6 +117,31 @@ def test_candidates_are_records_that_resume_alone(loaded, tmp_path):
     assert records[3]["prediction"] == alone.text
 
 
+@pytest.mark.parametrize("batch_size", [1, 2])
+def test_a_failed_candidate_leaves_the_stored_ones_alone(loaded, tmp_path, monkeypatch, batch_size):
+    """Candidate 1's forking/decoding fails after candidate 0 was stored (or sent to the batch): every candidate
+    is stored exactly once: 0 answered, 1 and 2 (the sample's rest) failed."""
+    import kvbench.engine.generate as generate
+
+    engine, store = Engine(loaded, FullCache(), 1.0), JobStore(tmp_path)
+    calls, fork, decode = [], Engine.fork, Engine.decode
+
+    def failing(real):
+        def call(self, *a, **k):
+            calls.append(1)
+            if len(calls) == 2:
+                raise generate.NonFiniteLogitsError("injected")
+            return real(self, *a, **k)
+        return call
+
+    monkeypatch.setattr(Engine, "fork" if batch_size > 1 else "decode", failing(fork if batch_size > 1 else decode))
+    run_samples([engine], loaded, EchoTask("prompt"), [question(0)], [store], True, Sampling(n=3, temperature=0.8),
+                seed=7, batch_size=batch_size)
+    records = store.records()
+    assert sorted(r["id"] for r in records) == [f"d/0#{k}" for k in range(3)]
+    assert [r["error"] is None for r in sorted(records, key=lambda r: r["id"])] == [True, False, False]
+
+
 class Encoding(dict):
     __getattr__ = dict.__getitem__
 
