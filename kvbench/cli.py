@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] not in COMMANDS:
         out = sys.stdout if argv[:1] in (["-h"], ["--help"]) else sys.stderr
-        print(f"usage: kvbench {{{','.join(COMMANDS)}}} ...", *(f"  {n:<12}{t}" for n, (_, t) in COMMANDS.items()),
+        print(f"usage: kvbench {{{','.join(COMMANDS)}}} ...", *(f"  {n:<14}{t}" for n, (_, t) in COMMANDS.items()),
               sep="\n", file=out)
         if out is sys.stderr:
             print(f"error: kvbench: {argv[0] if argv else 'a command'}: accepted values are {', '.join(COMMANDS)}",

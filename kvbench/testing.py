@@ -3,7 +3,10 @@
 import sys
 from types import SimpleNamespace
 
-import pytest
+try:
+    import pytest
+except ImportError:  # a command-1 install: no test extra
+    pytest = None
 
 CASES = ("prefill GQA", "prefill MHA", "query-agnostic", "multi-turn", "decoding", "quantized cache")
 
@@ -73,11 +76,13 @@ def main(argv: list[str]) -> int:
     return int(any(r != "ok" and not r.startswith("n/a") for r in rows.values()))
 
 
-@pytest.fixture(name="check_method")
-def check_method_fixture():
-    """:func:`check_method`, failing the test with the failed cases."""
-    def check(overrides: list[str] | dict) -> dict[str, str]:
-        rows = check_method(overrides)
-        assert all(r == "ok" or r.startswith("n/a") for r in rows.values()), rows
-        return rows
-    return check
+if pytest is not None:  # the fixture needs pytest; ``kvbench check-method`` runs without it
+    @pytest.fixture(name="check_method")
+    def check_method_fixture():
+        """:func:`check_method`, failing the test with the failed cases (``-p kvbench.testing`` or imported in a
+        ``conftest.py``)."""
+        def check(overrides: list[str] | dict) -> dict[str, str]:
+            rows = check_method(overrides)
+            assert all(r == "ok" or r.startswith("n/a") for r in rows.values()), rows
+            return rows
+        return check

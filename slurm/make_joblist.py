@@ -215,7 +215,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{len(table)} jobs ({table.samples.isna().sum()} unknown: no data here, no documented size), "
                   f"{t['samples']:.0f} samples, {t['candidates']:.0f} candidates, {t['new tokens <=']:.0f} new tokens "
                   f"at most; {t['hours at 1']:.3g} device-hours at batch 1, {t['hours at batch']:.3g} at batch_size "
-                  "(decode only, an upper bound; prefill and model loads: --cost RUN)")
+                  "(decode only, an upper bound; prefill and model loads: --cost RUN)"
+                  + "; a rate above is another model's: pass --rate" * any("(pass --rate)" in w for w in table.attrs["rates"].values()))
             return 0
         if args.cost:
             table = cost(composed, args.cost)
@@ -229,7 +230,8 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         args.output.write_text(text, encoding="utf-8")
     except (SweepSpecError, OSError, ValueError, KeyError, HydraException, OmegaConfBaseException) as error:
-        print(f"{name}: {' '.join(str(error).split()) or type(error).__name__}", file=sys.stderr)
+        line = " ".join(str(error).split()).split(" Config search path:")[0]  # Hydra's options, not its search path
+        print(f"{name}: {line or type(error).__name__}", file=sys.stderr)
         return 2
     print(f"{len(jobs)} jobs written to {args.output}; submit with:\n"
           f"  sbatch --array=1-{len(jobs)}%{args.parallel} slurm/array.sbatch {args.output}", file=sys.stderr)

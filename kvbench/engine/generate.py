@@ -399,7 +399,7 @@ class Engine:
         eagerly; their ``decode_s`` is their time in the batch, the peak memory the batch's. ``batch_size="auto"``: as
         many rows as their :meth:`row_bytes` fit in ``max_bytes`` (None: the CUDA device's free memory at the first
         row), at least one."""
-        model, pending, live, cap = self.model, iter(rows), [], None
+        model, pending, live, cap, most = self.model, iter(rows), [], None, 0
         auto, batch_size = batch_size == "auto", 2**62 if batch_size == "auto" else batch_size
         reset_peak_memory(self.devices)  # the decode phase's own peak: the compressed cache and decoding
         forward = self.decode_forward() if batch_size == 1 else model
@@ -419,6 +419,7 @@ class Engine:
                             pending = itertools.chain([row], pending)
                             break
                     live.append(self._begin(row, sampling))
+                most = max(most, len(live))
                 if not live:
                     break
                 t_step, frames = time.perf_counter(), (counters["frames"]["total"], counters["frames"]["ok"])
@@ -475,6 +476,8 @@ class Engine:
                     # dynamo marks a failed frame's code "skip" for the whole process: a later engine's compile
                     # would then run those frames eager, unseen by the counters, while recorded as compiled
                     torch._dynamo.reset()
+        if auto:
+            log.info("batch_size=auto: at most %d rows decoded together (cache cap %.0f bytes)", most, cap or 0)
 
     def row_bytes(self, row: Row) -> int:
         """Bytes ``row``'s cache holds at its peak: its filled slots now (:func:`cache_bytes`) plus every layer's

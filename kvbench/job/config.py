@@ -74,7 +74,7 @@ class Cache:
     bits: Optional[int] = None  # null: the model dtype; 2, 4, 8: KIVI-quantized (keys per channel, values per token)
     group_size: int = 32  # entries per scale and minimum: tokens of a key channel, channels of a value token
     residual: int = 128  # tokens per quantized block: the last (T mod residual) stay in full precision; 0: group_size
-    max_bytes: Optional[int] = None  # batch_size=auto: bytes all rows' caches may hold (null: CUDA's free memory)
+    max_bytes: Optional[float] = None  # batch_size=auto: bytes all rows' caches may hold, e.g. 1e9 (null: CUDA's free)
 
     def __post_init__(self):
         need(self.bits in (None, 2, 4, 8), "cache.bits", self.bits, "accepted values are null (the model dtype), 2, 4, 8")

@@ -121,7 +121,7 @@ def test_a_batched_job_stores_the_records_of_batch_one(loaded, tmp_path, samplin
         assert records[1][-1]["prediction"] == solo.text
 
 
-def test_auto_decodes_as_many_rows_as_max_bytes_fits(loaded, tmp_path, monkeypatch):  # noqa: F811
+def test_auto_decodes_as_many_rows_as_max_bytes_fits(loaded, tmp_path, monkeypatch, caplog):  # noqa: F811
     """batch_size=auto: each row's peak bytes (its cache now, plus max_new_tokens tokens in every layer) against
     cache.max_bytes (or CUDA's free memory); a cap that fits 3 rows decodes 3 at a time; the records are batch 1's."""
     engine = Engine(loaded, build_method({"name": "snapkv", "window_size": 8}, loaded.layout), 32)
@@ -137,9 +137,11 @@ def test_auto_decodes_as_many_rows_as_max_bytes_fits(loaded, tmp_path, monkeypat
                         or forward(*a, **k))
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (2 * row + 1, 10**12))  # free, total on "CUDA"
     samples, records, most = [question(i) for i in range(7)], [], []
-    for b, cap in ((1, None), ("auto", 3 * row + row // 2), ("auto", None)):
+    caplog.set_level("INFO", "kvbench")
+    for b, cap in ((1, None), ("auto", 3.5 * row), ("auto", None)):  # cache.max_bytes=1e9 is a float
         store, widths[:] = JobStore(tmp_path / f"{b}{cap}"), []
         run_samples([snapkv(loaded)], loaded, EchoTask("prompt"), samples, [store], True, None, 7, b, cap)
         records.append([(r["id"], r["prediction"]) for r in sorted(store.records(), key=lambda r: r["id"])])
         most.append(max(w[0] for w in widths if w[1] == 1))  # decode steps: (rows, 1)
     assert most == [1, 3, 2] and records[1] == records[2] == records[0] and len(records[0]) == 7
+    assert "at most 3 rows decoded together" in caplog.text and "at most 2 rows" in caplog.text

@@ -158,3 +158,13 @@ def test_a_task_class_from_anywhere_is_a_task_whose_source_is_in_the_identity(tm
     assert "task_source_sha256" not in check(SHORT).identity["inputs"]
     with pytest.raises(tasks.TaskConfigError, match=r"^task\.name='my_tasks:Nope': unknown task"):
         tasks.get_task_class("my_tasks:Nope")
+
+
+def test_check_method_imports_without_pytest():
+    """A command-1 install has no pytest: ``kvbench check-method`` must still import (the fixture needs pytest)."""
+    import subprocess
+    import sys
+
+    code = "import sys; sys.modules['pytest'] = None; import kvbench.testing as t; print(t.pytest, callable(t.main))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.split() == ["None", "True"], out.stderr
