@@ -120,7 +120,7 @@ def print_summary(summary: dict, path: Path) -> None:
     t, c = summary["timings"], summary["cache"]
     if summary["method"] != "full" and (c.get("compressed_fraction") or 1) < 1:
         lines.append(f"not compressed: {round((1 - c['compressed_fraction']) * summary['n_samples'])}/"
-                     f"{summary['n_samples']} answers (prompt within budget={summary['budget']}: every prompt token kept)")
+                     f"{summary['n_samples']} samples (prompt within budget={summary['budget']}: every prompt token kept)")
     if t.get("prefill_s") is not None:
         lines.append(f"mean prefill {t['prefill_s']:.3f}s  compress {t['compress_s']:.4f}s  decode {t['decode_s']:.3f}s "
                      f"({t['decode_tok_s']:.1f} tok/s)  kept {c['kept_tokens']:.0f}/{c.get('compressed_tokens') or c['prompt_tokens']:.0f} tokens per "
