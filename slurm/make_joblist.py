@@ -182,6 +182,7 @@ def rate_arg(text: str) -> dict[int, float]:
 def main(argv: list[str] | None = None) -> int:
     """Write the job list (``-o`` or stdout), print the sbatch command; 2 on a bad sweep or ``-o`` (one line)."""
     from kvbench.cli import ArgParser
+    from run import _one_line  # configuration errors as run.py words them: one line naming the key
 
     name = "kvbench plan" if "--plan" in (sys.argv[1:] if argv is None else argv) else "make_joblist"
     parser = ArgParser(prog=name, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -215,8 +216,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{len(table)} jobs ({table.samples.isna().sum()} unknown: no data here, no documented size), "
                   f"{t['samples']:.0f} samples, {t['candidates']:.0f} candidates, {t['new tokens <=']:.0f} new tokens "
                   f"at most; {t['hours at 1']:.3g} device-hours at batch 1, {t['hours at batch']:.3g} at batch_size "
-                  "(decode only, an upper bound; prefill and model loads: --cost RUN)"
-                  + "; a rate above is another model's: pass --rate" * any("(pass --rate)" in w for w in table.attrs["rates"].values()))
+                  "(decode only, an upper bound; prefill and model loads: --cost RUN)")
             return 0
         if args.cost:
             table = cost(composed, args.cost)
@@ -230,8 +230,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         args.output.write_text(text, encoding="utf-8")
     except (SweepSpecError, OSError, ValueError, KeyError, HydraException, OmegaConfBaseException) as error:
-        line = " ".join(str(error).split()).split(" Config search path:")[0]  # Hydra's options, not its search path
-        print(f"{name}: {line or type(error).__name__}", file=sys.stderr)
+        print(f"{name}: {_one_line(error, args.overrides) or type(error).__name__}", file=sys.stderr)
         return 2
     print(f"{len(jobs)} jobs written to {args.output}; submit with:\n"
           f"  sbatch --array=1-{len(jobs)}%{args.parallel} slurm/array.sbatch {args.output}", file=sys.stderr)
