@@ -21,14 +21,10 @@ COMMANDS = {
 
 
 class ArgParser(argparse.ArgumentParser):
-    """An ArgumentParser whose usage errors are one line, exit 2 (:meth:`io_error`: exit 1)."""
+    """An ArgumentParser whose usage errors are one line, exit 2 (or ``status``)."""
 
     def error(self, message: str, status: int = 2):
         self.exit(status, f"{self.prog}: error: {message.splitlines()[0] if message else ''}\n")
-
-    def io_error(self, what: str, e: OSError):
-        """Exit 1 with one line, ``what`` (the flag and path) and the OS's reason (a file in the way: not a directory)."""
-        self.error(f"{what}: {'Not a directory' if isinstance(e, FileExistsError) else e.strerror}", 1)
 
 
 def listof(kind: type = str, ok=lambda v: True, accepted: str = "", one: bool = False):
@@ -66,19 +62,15 @@ def parse_with_overrides(p: argparse.ArgumentParser, argv: list[str] | None) -> 
 
 def main(argv: list[str] | None = None) -> int:
     """Dispatch ``kvbench <command> ...`` (``run`` execs ``python run.py``: same pid for Ctrl-C and scancel)."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] not in COMMANDS:
-        out = sys.stdout if argv[:1] in (["-h"], ["--help"]) else sys.stderr
-        print(f"usage: kvbench {{{','.join(COMMANDS)}}} ...", *(f"  {n:<14}{t}" for n, (_, t) in COMMANDS.items()),
-              sep="\n", file=out)
-        if out is sys.stderr:
-            print(f"error: kvbench: {argv[0] if argv else 'a command'}: accepted values are {', '.join(COMMANDS)}",
-                  file=out)
-        return 0 if out is sys.stdout else 2
-    if argv[0] in ("run", "plan"):
-        script = Path(__file__).resolve().parents[1] / ("run.py" if argv[0] == "run" else "slurm/make_joblist.py")
-        os.execv(sys.executable, [sys.executable, str(script), *["--plan"] * (argv[0] == "plan"), *argv[1:]])
-    return int(importlib.import_module(f"kvbench.{COMMANDS[argv[0]][0]}").main(argv[1:]) or 0)
+    p = ArgParser(prog="kvbench", formatter_class=argparse.RawDescriptionHelpFormatter,
+                  epilog="\n".join(f"  {n:<14}{t}" for n, (_, t) in COMMANDS.items()))
+    p.add_argument("command", choices=COMMANDS, metavar="COMMAND", help="one of those below")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="the command's own (kvbench COMMAND -h)")
+    args = p.parse_args(argv)
+    if args.command in ("run", "plan"):
+        script = Path(__file__).resolve().parents[1] / ("run.py" if args.command == "run" else "slurm/make_joblist.py")
+        os.execv(sys.executable, [sys.executable, str(script), *["--plan"] * (args.command == "plan"), *args.args])
+    return int(importlib.import_module(f"kvbench.{COMMANDS[args.command][0]}").main(args.args) or 0)
 
 
 if __name__ == "__main__":

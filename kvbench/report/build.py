@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        p.io_error(f"--out {str(out)!r}", e)
+        p.error(f"--out {str(out)!r}: {'Not a directory' if isinstance(e, FileExistsError) else e.strerror}", 1)
     index = [f"# Report of {root}", "", f"{df['job'].nunique()} job folder(s) read.",
              *[f"Left out (unreadable): {line}" for line in df.attrs["unreadable"]],  # and jobs with no stored sample:
              *[f"Started, no samples: {job}" for job in sorted(df.loc[df["dataset"].isna(), "job"])], ""]
