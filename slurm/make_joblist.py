@@ -7,6 +7,7 @@ With ``--plan`` (``kvbench plan``) it prints what the sweep will decode and its 
 """
 
 import argparse
+import contextlib
 import json
 import shlex
 import sys
@@ -169,14 +170,12 @@ def plan(jobs: list[tuple[list[str], dict]], given: dict[int, float] | None = No
 
 def rate_arg(text: str) -> dict[int, float]:
     """``--rate``: decode tok/s at batch 1 (``35``) or by batch size (``1:35,8:240``)."""
-    try:
-        given = {int(b): float(r) for b, r in (p.split(":") if ":" in p else ("1", p) for p in text.split(","))}
-    except ValueError:
-        given = {}
-    if not given or min(given) != 1 or min(given.values()) <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: accepted values are tok/s > 0 at batch 1 (35) or BATCH:TOK_S "
-                                         "pairs, batch 1 among them (1:35,8:240)")
-    return given
+    with contextlib.suppress(ValueError):
+        given = {int(b if c else 1): float(r) for b, c, r in (p.rpartition(":") for p in text.split(","))}
+        if min(given) == 1 and min(given.values()) > 0:
+            return given
+    raise argparse.ArgumentTypeError(f"{text!r}: accepted values are tok/s > 0 at batch 1 (35) or BATCH:TOK_S "
+                                     "pairs, batch 1 among them (1:35,8:240)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -190,12 +189,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("-o", "--output", type=Path, help="job list file (default: standard output)")
     parser.add_argument("--shards", type=int, default=1, help="split every job into this many shards")
     parser.add_argument("--parallel", type=int, default=16, help="array tasks at once, for the printed command")
-    parser.add_argument("--cost", type=Path, metavar="RUN", help="print the sweep's samples and estimated hours "
-                        "from the times measured in RUN (latency.json, a job folder or a results root)")
-    parser.add_argument("--plan", action="store_true", help="print each job's samples, candidates, new tokens (a "
-                        "bound) and decode hours at batch 1 and batch_size from benchmarks/rates.json (docs/SWEEPS.md)")
-    parser.add_argument("--rate", type=rate_arg, metavar="TOK_S", help="with --plan: your decode tok/s, at batch 1 "
-                        "(35) or by batch size (1:35,8:240)")
+    parser.add_argument("--cost", type=Path, metavar="RUN", help="print samples and hours from the times measured in "
+                        "RUN (latency.json, a job folder or a results root)")
+    parser.add_argument("--plan", action="store_true", help="print samples, new tokens, decode hours (docs/SWEEPS.md)")
+    parser.add_argument("--rate", type=rate_arg, metavar="TOK_S", help="with --plan: decode tok/s (35 or 1:35,8:240)")
     args = parser.parse_intermixed_args(argv)  # overrides may follow the options, as with run.py
     if args.parallel < 1:
         parser.error(f"--parallel {args.parallel}: must be an integer >= 1 (array tasks run at once)")
@@ -207,7 +204,6 @@ def main(argv: list[str] | None = None) -> int:
     try:
         overrides = [("+" + o if o.startswith("experiment=") else o) for o in args.overrides]
         composed = unique_jobs(expand(overrides, args.shards))
-        jobs = [job for job, _ in composed]
         if args.plan:
             table = plan(composed, args.rate)
             print(table.to_string(index=False, float_format="{:.3g}".format, na_rep="?"),
@@ -224,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
             print("\n".join(f"{name}: {fit}" for name, fit in table.attrs["fits"].items()))
             print(f"{len(table)} jobs, {table.samples.sum()} samples, {table.hours.sum():.2f} hours on RUN's device; "
                   f"the longest job {60 * table.hours.max():.0f} min (size timeout_min, or split it with --shards / shard.count)")
-        text = "".join(shlex.join(job) + "\n" for job in jobs)
+        text = "".join(shlex.join(job) + "\n" for job, _ in composed)
         if args.output is None:
             sys.stdout.write("" if args.cost else text)
             return 0
@@ -232,8 +228,8 @@ def main(argv: list[str] | None = None) -> int:
     except (SweepSpecError, OSError, ValueError, KeyError, HydraException, OmegaConfBaseException) as error:
         print(f"{name}: {_one_line(error, args.overrides) or type(error).__name__}", file=sys.stderr)
         return 2
-    print(f"{len(jobs)} jobs written to {args.output}; submit with:\n"
-          f"  sbatch --array=1-{len(jobs)}%{args.parallel} slurm/array.sbatch {args.output}", file=sys.stderr)
+    print(f"{len(composed)} jobs written to {args.output}; submit with:\n"
+          f"  sbatch --array=1-{len(composed)}%{args.parallel} slurm/array.sbatch {args.output}", file=sys.stderr)
     return 0
 
 
