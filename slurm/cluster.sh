@@ -7,14 +7,12 @@ set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 TOOLS=${KVBENCH_SLURM_TOOLS:-$ROOT/../shared/tools/slurm}
 
-need_tool() {
-    [ -x "$TOOLS/$1" ] || { echo "cluster.sh: $TOOLS/$1 not found: the single-node test cluster scripts live in" \
-        "../shared/tools/slurm beside the repository (or set KVBENCH_SLURM_TOOLS)" >&2; exit 3; }
-}
-
 case "${1:-}" in
+    start | stop)  # then on to the command's own case below
+        [ -x "$TOOLS/${1}_slurm.sh" ] || { echo "cluster.sh: $TOOLS/${1}_slurm.sh not found: the test cluster's" \
+            "scripts live in ../shared/tools/slurm beside the repository (or set KVBENCH_SLURM_TOOLS)" >&2; exit 3; }
+        ;;&
     start)
-        need_tool start_slurm.sh
         command -v slurmctld >/dev/null || [ -x /usr/sbin/slurmctld ] ||
             { echo "cluster.sh: SLURM is not installed; run: bash .ci/slurm_setup.sh" >&2; exit 3; }
         # start_slurm.sh writes /etc/slurm/slurm.conf: never over a real cluster's configuration
@@ -23,10 +21,7 @@ case "${1:-}" in
             { echo "cluster.sh: $conf is not the test cluster's; not replacing it" >&2; exit 3; }
         exec "$TOOLS/start_slurm.sh"
         ;;
-    stop)
-        need_tool stop_slurm.sh
-        exec "$TOOLS/stop_slurm.sh" "${@:2}"
-        ;;
+    stop) exec "$TOOLS/stop_slurm.sh" "${@:2}" ;;
     status) sinfo && squeue ;;
     *)
         echo "usage: $0 start | stop [--purge] | status" >&2
