@@ -23,7 +23,7 @@ import warnings
 from collections import Counter
 from pathlib import Path
 
-from kvbench.cli import ArgParser, flat, listof
+from kvbench.cli import ArgParser, listof
 from kvbench.job.store import atomic_write
 from methods.base import ConfigError
 
@@ -65,8 +65,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="prompt lengths in tokens (default 1024,2048,4096,8000; --quick 256,512); compression, decode "
                         "and memory targets are measured at 4096 or the longest given")
     args = p.parse_args(argv)
-    args.names = list(dict.fromkeys(flat(args.only))) or list(BENCHMARKS)
-    args.method_names, args.prompt_lengths = flat(args.methods) or None, sorted(set(flat(args.lengths))) or None
+    args.names = list(dict.fromkeys(sum(args.only, []))) or list(BENCHMARKS)
+    args.method_names, args.prompt_lengths = sum(args.methods, []) or None, sorted(set(sum(args.lengths, []))) or None
     if args.threads is not None and args.threads < 1:
         p.error(f"--threads {args.threads}: must be an integer >= 1")
     try:

@@ -43,11 +43,6 @@ def listof(kind: type = str, ok=lambda v: True, accepted: str = "", one: bool = 
     return parse
 
 
-def flat(lists: list[list] | None) -> list | None:
-    """The values of a :func:`listof` flag as one list (None when the flag was not given)."""
-    return None if lists is None else [v for values in lists for v in values]
-
-
 def parse_with_overrides(p: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
     """``p.parse_args(argv)`` whose positional ``overrides`` (Hydra's) come first in ``args.overrides``: the
     ``key=value`` and ``~key`` arguments anywhere (after a list flag too: ``--methods full snapkv budget=0.3``), but

@@ -21,7 +21,7 @@ from omegaconf import OmegaConf
 from methods import build_method
 from methods.base import ConfigError, check_budget
 
-from kvbench.cli import ArgParser, flat, listof, parse_with_overrides
+from kvbench.cli import ArgParser, listof, parse_with_overrides
 from kvbench.job.config import CONF, compose
 from kvbench.job.run import set_threads
 from kvbench.job.store import atomic_write
@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         p.error(str(e))
     method_cfgs = {}
-    for preset in dict.fromkeys(flat(args.methods) or lat.get("methods") or ["full", cfg.method.name]):
+    for preset in dict.fromkeys(sum(args.methods or [], []) or lat.get("methods") or ["full", cfg.method.name]):
         # method.* overrides tune the compressed methods; the full cache has none of their fields
         keep = [o for o in overrides if not o.startswith("method=")
                 and not (preset == "full" and o.lstrip("+~").startswith("method."))]
@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as e:  # noqa: BLE001 - a bad method key (methods.base.ConfigError): one line
             p.error(f"method={preset}: {str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}")
     new_tokens = int(args.new_tokens or lat.get("max_new_tokens") or DEFAULT_NEW_TOKENS)
-    lengths = list(dict.fromkeys(int(x) for x in flat(args.lengths) or lat.get("lengths") or DEFAULT_LENGTHS))
+    lengths = list(dict.fromkeys(int(x) for x in sum(args.lengths or [], []) or lat.get("lengths") or DEFAULT_LENGTHS))
     out = Path(args.out or lat.get("out") or Path(cfg.get("output_root", "results")) / "latency.json")
     set_threads(cfg.get("threads"))  # as a job does, before the model loads
     records = run_latency(model_cfg, method_cfgs, float(budget), lengths, new_tokens,

@@ -16,7 +16,7 @@ from eval.base import TaskConfigError
 from methods.artifacts import artifact_path, keyed_errors, load_head_scores, top_heads
 from methods.base import ConfigError, HeadLayout
 
-from kvbench.cli import ArgParser, flat, listof, parse_with_overrides
+from kvbench.cli import ArgParser, listof, parse_with_overrides
 from kvbench.engine import models
 from kvbench.job.config import check, compose, conf_model
 from kvbench.job.run import build_task, environment, run_sample, set_threads
@@ -243,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     """Run the ablation. Returns 0; exit 2 on a user error (one line on stderr)."""
     parser = build_parser()
     args = parse_with_overrides(parser, argv)
-    args.k, args.kinds = flat(args.k) or [10, 20, 30], flat(args.kinds) or list(KINDS)
+    args.k, args.kinds = sum(args.k, []) or [10, 20, 30], sum(args.kinds, []) or list(KINDS)
     if len(set(args.k)) != len(args.k):
         parser.error(f"--k={args.k}: must be distinct positive integers (e.g. 10,20,30)")
     if not set(args.kinds) & {"srh", "trh"}:
