@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Expand a Hydra sweep into a job list for ``slurm/array.sbatch``, a ``shlex.join``-quoted line per job (docs/SWEEPS.md)::
+"""Expand a Hydra sweep into a job list for ``slurm/array.sbatch``, a shell-quoted line per job (docs/SWEEPS.md)::
 
     python slurm/make_joblist.py method=snapkv,selkv budget=0.1,0.25 task=niah -o jobs.txt
 
@@ -45,9 +45,7 @@ def expand(overrides: list[str], shards: int = 1) -> list[list[str]]:
         jobs = BasicSweeper.split_arguments(parsed, None)[0]
     except HydraException as error:
         raise SweepSpecError(" ".join(str(error).split())) from None  # Hydra's accepted options too
-    if shards == 1:
-        return jobs
-    return [job + [f"shard.index={k}", f"shard.count={shards}"] for job in jobs for k in range(shards)]
+    return [job + [f"shard.index={k}", f"shard.count={shards}"] * (shards > 1) for job in jobs for k in range(shards)]
 
 
 def measure(run: Path, model: str) -> dict:
@@ -116,9 +114,8 @@ def cost(jobs: list[tuple[list[str], dict]], run: Path):
 
     rows, samples, fits = [], {}, {}
     for job, cfg in jobs:
-        key = json.dumps([cfg["model"], cfg["task"]], sort_keys=True)
+        key, name = json.dumps([cfg["model"], cfg["task"]], sort_keys=True), cfg["model"]["name"]
         samples[key] = samples.get(key) or job_samples(cfg)
-        name = cfg["model"]["name"]
         fit = fits[name] = fits.get(name) or measure(run, name)
         mine = samples[key][cfg["shard"]["index"]::cfg["shard"]["count"]][:cfg.get("max_samples") or None]
         prompt, new = sum(p for p, _ in mine), cfg["sampling"]["n"] * sum(n for _, n in mine)  # each candidate
