@@ -1,6 +1,5 @@
-"""The ``kvbench`` command: ``kvbench run ...`` (= ``python run.py ...``), ``kvbench plan ...`` (= ``python
-slurm/make_joblist.py --plan ...``), ``kvbench report``, ``kvbench score``, ``kvbench mask-heads``, ``kvbench
-calibrate``; and the one-line argument parser of every tool."""
+"""The ``kvbench`` command (:data:`COMMANDS`; ``run`` = ``python run.py``, ``plan`` = ``python slurm/make_joblist.py
+--plan``) and the one-line argument parser of every tool."""
 
 import argparse
 import importlib
@@ -14,9 +13,9 @@ COMMANDS = {
     "plan": ("", "a sweep's jobs, samples, decoded tokens (a bound) and device-hours at batch 1 and batch_size"),
     "report": ("report.build", "score tables of any sweep and the papers' tables and figures, from a results root"),
     "score": ("job.score", "score LongBench prediction files (official result.json), or a JSONL file with --task NAME"),
-    "mask-heads": ("tools.mask_heads", "NIAH score drop when the top-k SRH / TRH heads are masked (CompressKV Table 2a)"),
+    "mask-heads": ("tools.mask_heads", "NIAH score drop with the top-k SRH / TRH heads masked (CompressKV Table 2a)"),
     "check-method": ("testing", "run a method (method=... overrides) on tiny random models; a table of what holds"),
-    "calibrate": ("tools.calibrate", "head and layer scores of a model for HeadKV / CompressKV (methods/artifacts/<model>)"),
+    "calibrate": ("tools.calibrate", "head and layer scores for HeadKV / CompressKV (methods/artifacts/<model>)"),
 }
 
 
@@ -36,9 +35,8 @@ def listof(kind: type = str, ok=lambda v: True, accepted: str = "", one: bool = 
             values = []
         bad = [v for v in values if not ok(v)]
         if bad or not values or (one and len(values) > 1):
-            raise argparse.ArgumentTypeError(f"{bad[0] if bad else text!r}: accepted values are "
-                                             f"{accepted or kind.__name__ + ' values' + ', comma-separated' * (not one)}"
-                                             + "; one value only" * one)
+            what = (accepted or f"{kind.__name__} values{', comma-separated' * (not one)}") + "; one value only" * one
+            raise argparse.ArgumentTypeError(f"{bad[0] if bad else text!r}: accepted values are {what}")
         return values[0] if one else values
     return parse
 

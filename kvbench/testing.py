@@ -1,4 +1,4 @@
-"""``kvbench check-method`` and the pytest fixture ``check_method``: a method on a random 2-layer Llama (docs/METHODS.md)."""
+"""``kvbench check-method`` and the fixture ``check_method``: a method on tiny random Llamas (docs/METHODS.md)."""
 
 import sys
 from types import SimpleNamespace
@@ -31,8 +31,8 @@ def _run(case: str, method_cfg: dict) -> str:
     method.check_layout(layout)
     if case == "decoding" and not method.decodes or case == "quantized cache" and method.per_head_lengths:
         return "n/a (does not decode)" if case == "decoding" else "n/a (per-head lengths)"
-    loaded = LoadedModel(tf.LlamaForCausalLM(config).eval(), SimpleNamespace(decode=lambda ids, **kw: ""), layout, torch.device("cpu"), torch.float32, [], None,
-                         512, "random")
+    loaded = LoadedModel(tf.LlamaForCausalLM(config).eval(), SimpleNamespace(decode=lambda ids, **kw: ""), layout,
+                         torch.device("cpu"), torch.float32, [], None, 512, "random")
     engine = Engine(loaded, method, method.min_budget() + 8 if case == "decoding" else 0.25,
                     Decode(interval=4) if case == "decoding" else None)
     engine.quant = Cache(bits=4, group_size=16, residual=16) if case == "quantized cache" else None
@@ -79,8 +79,7 @@ def main(argv: list[str]) -> int:
 if pytest is not None:  # the fixture needs pytest; ``kvbench check-method`` runs without it
     @pytest.fixture(name="check_method")
     def check_method_fixture():
-        """:func:`check_method`, failing the test with the failed cases (``-p kvbench.testing`` or imported in a
-        ``conftest.py``)."""
+        """:func:`check_method`, failing on a failed case (``-p kvbench.testing`` or imported in a ``conftest.py``)."""
         def check(overrides: list[str] | dict) -> dict[str, str]:
             rows = check_method(overrides)
             assert all(r == "ok" or r.startswith("n/a") for r in rows.values()), rows

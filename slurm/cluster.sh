@@ -16,9 +16,8 @@ case "${1:-}" in
         command -v slurmctld >/dev/null || [ -x /usr/sbin/slurmctld ] ||
             { echo "cluster.sh: SLURM is not installed; run: bash .ci/slurm_setup.sh" >&2; exit 3; }
         # start_slurm.sh writes /etc/slurm/slurm.conf: never over a real cluster's configuration
-        conf=/etc/slurm/slurm.conf
-        [ ! -s "$conf" ] || head -n 1 "$conf" | grep -q "config for CI" ||
-            { echo "cluster.sh: $conf is not the test cluster's; not replacing it" >&2; exit 3; }
+        [ ! -s /etc/slurm/slurm.conf ] || head -n 1 /etc/slurm/slurm.conf | grep -q "config for CI" ||
+            { echo "cluster.sh: /etc/slurm/slurm.conf is not the test cluster's; not replacing it" >&2; exit 3; }
         exec "$TOOLS/start_slurm.sh"
         ;;
     stop) exec "$TOOLS/stop_slurm.sh" "${@:2}" ;;
