@@ -1,7 +1,5 @@
 """``hydra/launcher=local``: check every job of the sweep first, then run them (:func:`kvbench.job.run.run_sweep`)."""
 
-import sys
-
 from hydra._internal.core_plugins.basic_launcher import BasicLauncher
 
 
@@ -12,4 +10,4 @@ class LocalLauncher(BasicLauncher):
         jobs = [r.return_value for r in super().launch(job_overrides, initial_job_idx)]
         for error in (j for j in jobs if isinstance(j, Exception)):
             raise error  # the first bad job's one line (run.py), exit 2
-        sys.exit(run_sweep(jobs))
+        raise SystemExit(run_sweep(jobs))
