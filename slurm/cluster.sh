@@ -4,8 +4,7 @@
 # Usage: slurm/cluster.sh start | stop [--purge] | status
 set -euo pipefail
 
-ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-TOOLS=${KVBENCH_SLURM_TOOLS:-$ROOT/../shared/tools/slurm}
+TOOLS=${KVBENCH_SLURM_TOOLS:-$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)/shared/tools/slurm}
 
 case "${1:-}" in
     start | stop)  # then on to the command's own case below
