@@ -64,9 +64,7 @@ class HeadMask:
                 width = proj.in_features if self.mode == "zero" else proj.out_features
                 if width != h_q * d:
                     raise ConfigError(f"model {name}: projection width {width} is not {h_q} heads x {d}")
-                keep = torch.ones(h_q, d)
-                keep[heads] = 0.0
-                keep = keep.flatten()
+                keep = torch.ones(h_q, d).index_fill_(0, torch.tensor(heads), 0.0).flatten()
                 self._handles.append(
                     proj.register_forward_pre_hook(lambda m, args, k=keep: (self._mask(k, args[0]), *args[1:]))
                     if self.mode == "zero" else proj.register_forward_hook(lambda m, args, out, k=keep: self._mask(k, out)))
@@ -104,15 +102,6 @@ def conditions(scores: dict, ks: list[int], kinds: list[str], seed: int) -> list
     return out
 
 
-def job(args):
-    """The checked NIAH job (method ``full``) of ``--model`` and the Hydra overrides (ConfigError naming the key)."""
-    try:
-        cfg = compose([f"model={args.model}", "task=niah", "method=full", "threads=null", *args.overrides])
-    except Exception as e:  # noqa: BLE001 - Hydra's override and config errors: one line
-        raise ConfigError(f"{' '.join(args.overrides)}: {str(e).strip() or type(e).__name__}") from e
-    return check(cfg)
-
-
 def run_condition(engine, loaded, task, samples, heads, mode: str, phase: str) -> dict:
     """``{"score", "n", "failed", "samples"}`` of every sample run with ``heads`` masked: score =
     100 × mean ROUGE-1 recall of the samples that did not fail."""
@@ -129,12 +118,10 @@ def run_condition(engine, loaded, task, samples, heads, mode: str, phase: str) -
 
 def table_rows(report: dict) -> list[dict]:
     """The no-mask row, then one row per (kind, k): masked score and drop (no-mask − masked, points)."""
-    base = report["no_mask"]
-    rows = [{"kind": "none", "k": 0, "score": base["score"], "drop": 0.0, "n": base["n"], "failed": base["failed"]}]
-    for c in report["conditions"]:
-        drop = round(base["score"] - c["score"], 2) if base["score"] is not None and c["score"] is not None else None
-        rows.append({"kind": c["kind"], "k": c["k"], "score": c["score"], "drop": drop, "n": c["n"], "failed": c["failed"]})
-    return rows
+    base, score = report["no_mask"], report["no_mask"]["score"]
+    return [{"kind": c.get("kind", "none"), "k": c.get("k", 0), "score": c["score"],
+             "drop": 0.0 if c is base else None if None in (score, c["score"]) else round(score - c["score"], 2),
+             "n": c["n"], "failed": c["failed"]} for c in [base, *report["conditions"]]]
 
 
 def render_markdown(report: dict) -> str:
@@ -169,11 +156,10 @@ def write_report(stem: Path, report: dict) -> list[Path]:
     import pandas as pd
 
     stem.parent.mkdir(parents=True, exist_ok=True)
-    texts = {".json": json.dumps(report, indent=2, ensure_ascii=False) + "\n",
-             ".csv": pd.DataFrame(table_rows(report)).to_csv(index=False, lineterminator="\n"),
-             ".md": render_markdown(report)}
-    paths = [stem.parent / (stem.name + suffix) for suffix in texts]  # not with_suffix: names may hold dots
-    for path, text in zip(paths, texts.values()):
+    paths = [stem.parent / (stem.name + suffix) for suffix in (".json", ".csv", ".md")]  # names may hold dots
+    texts = [json.dumps(report, indent=2, ensure_ascii=False) + "\n",
+             pd.DataFrame(table_rows(report)).to_csv(index=False, lineterminator="\n"), render_markdown(report)]
+    for path, text in zip(paths, texts):
         atomic_write(path, text)
     return paths
 
@@ -192,7 +178,11 @@ def run(args) -> int:
     if len({tuple(s.shape) for s in scores.values()}) > 1:
         raise ConfigError("--srh-scores/--trh-scores: the files cover different layer x head grids")
     plan = conditions(scores, args.k, args.kinds, args.seed)
-    spec = job(args)
+    try:  # the NIAH job (method full) of --model and the Hydra overrides
+        cfg = compose([f"model={args.model}", "task=niah", "method=full", "threads=null", *args.overrides])
+    except Exception as e:  # noqa: BLE001 - Hydra's override and config errors: one line
+        raise ConfigError(f"{' '.join(args.overrides)}: {str(e).strip() or type(e).__name__}") from e
+    spec = check(cfg)
     for path in files.values():
         load_head_scores(path, spec.layout)  # the score grid must be the model's layers x query heads
     t0 = time.time()
