@@ -19,7 +19,7 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from methods import build_method
-from methods.base import ConfigError, check_budget
+from methods.base import check_budget
 
 from kvbench.cli import ArgParser, flat, listof, parse_with_overrides
 from kvbench.job.config import CONF, compose
@@ -95,36 +95,29 @@ def main(argv: list[str] | None = None) -> int:
     p = ArgParser(prog="python -m kvbench.tools.latency", description=__doc__.split("\n\n")[0])
     p.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. +experiment=selkv_fig3 model=llama31")
     p.add_argument("--methods", nargs="+", action="extend", type=listof(str, known.__contains__, ", ".join(known)),
-                   help="method presets (conf/method/*.yaml), space- or comma-separated (default: latency.methods, "
-                        "else full and the configured method)")
+                   help="method presets (conf/method/*.yaml; default: latency.methods, else full and the method)")
     p.add_argument("--lengths", nargs="+", action="extend", type=positive, help="prompt lengths in tokens, space- or "
                    "comma-separated (default: latency.lengths, else 512 to 8192 in powers of two)")
     p.add_argument("--new-tokens", type=one, help=f"generated tokens per request (default {DEFAULT_NEW_TOKENS})")
     p.add_argument("--repeats", type=one, help="timed runs per method and length (default 1)")
     p.add_argument("--out", help="output JSON (default: latency.out, else <output_root>/latency.json)")
     args = parse_with_overrides(p, argv)
-    overrides = args.overrides
-    try:
-        cfg = compose(overrides)
-    except Exception as e:  # noqa: BLE001 - Hydra's override and config errors: one line
-        p.error(f"{' '.join(overrides)}: {str(e).strip() or type(e).__name__}")
-    lat = OmegaConf.to_container(cfg.get("latency") or OmegaConf.create(), resolve=True)
-    model_cfg = OmegaConf.to_container(cfg.model, resolve=True)
-    try:
+    overrides, where = args.overrides, f"{' '.join(args.overrides)}: "
+    try:  # before the model loads; an error names the overrides, the budget or the method preset
+        cfg, where = compose(overrides), ""
         check_budget(budget := cfg.get("budget"))  # the job's own check: a ratio in (0, 1] or a token count >= 2
-    except ConfigError as e:
-        p.error(str(e))
-    method_cfgs = {}
-    for preset in dict.fromkeys(flat(args.methods) or lat.get("methods") or ["full", cfg.method.name]):
-        # method.* overrides tune the compressed methods; the full cache has none of their fields
-        keep = [o for o in overrides if not o.startswith("method=")
-                and not (preset == "full" and o.lstrip("+~").startswith("method."))]
-        try:
+        lat = OmegaConf.to_container(cfg.get("latency") or OmegaConf.create(), resolve=True)
+        model_cfg, method_cfgs = OmegaConf.to_container(cfg.model, resolve=True), {}
+        for preset in dict.fromkeys(flat(args.methods) or lat.get("methods") or ["full", cfg.method.name]):
+            # method.* overrides tune the compressed methods; the full cache has none of their fields
+            keep = [o for o in overrides if not o.startswith("method=")
+                    and not (preset == "full" and o.lstrip("+~").startswith("method."))]
+            where = f"method={preset}: "
             method_cfgs[preset] = OmegaConf.to_container(compose(keep + [f"method={preset}"]).method, resolve=True,
                                                           enum_to_str=True)
-            build_method(dict(method_cfgs[preset]))  # the method's own checks, before the model loads
-        except Exception as e:  # noqa: BLE001 - a bad method key (methods.base.ConfigError): one line
-            p.error(f"method={preset}: {str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}")
+            build_method(dict(method_cfgs[preset]))  # the method's own checks
+    except Exception as e:  # noqa: BLE001 - Hydra's, the budget's and the methods' ConfigError: one line
+        p.error(where + (str(e).strip() or type(e).__name__))
     new_tokens = int(args.new_tokens or lat.get("max_new_tokens") or DEFAULT_NEW_TOKENS)
     lengths = list(dict.fromkeys(int(x) for x in flat(args.lengths) or lat.get("lengths") or DEFAULT_LENGTHS))
     out = Path(args.out or lat.get("out") or Path(cfg.get("output_root", "results")) / "latency.json")
