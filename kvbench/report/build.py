@@ -17,7 +17,7 @@ from kvbench.report.cost import cost_table
 from kvbench.report.bytes import accuracy_vs_bytes
 from kvbench.report.data import load_results
 from kvbench.report.reasoning import reasoning_reports
-from kvbench.report.tables import Artifact, dedupe, fmt, round2
+from kvbench.report.tables import Artifact, fmt, round2
 from kvbench.job.store import atomic_write
 
 Context = namedtuple("Context", "root df latency latency_source", defaults=(None, "latency.json"))
@@ -184,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{family}: FAILED: {type(arts).__name__}: {arts}", file=sys.stderr)
         index += [f"- {family}: no inputs in this results root"] if arts == [] else []
         for a in arts if isinstance(arts, list) else []:
-            kinds = ", ".join(dedupe(n.split(":")[0] for n in a.notes))
+            kinds = ", ".join(dict.fromkeys(n.split(":")[0] for n in a.notes))
             kinds = f", {len(a.notes)} note(s): {kinds}" if a.notes else ""
             index.append(f"- {a.name}: {', '.join(q.name for q in write(a, out))} ({len(a.sources)} job(s){kinds})")
             print(f"wrote {a.name}{kinds}")

@@ -11,7 +11,7 @@ import pandas as pd
 from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
 from kvbench.report.data import budget_cell, method_sort_key
-from kvbench.report.tables import Artifact, _done, _figure, count, draw_lines
+from kvbench.report.tables import Artifact, _figure, count, draw_lines
 
 DTYPE_BITS = {"float32": 32, "bfloat16": 16, "float16": 16}
 STYLE = {32: ("o", "-"), 16: ("o", "-"), 8: ("D", "--"), 4: ("s", "--"), 2: ("^", ":")}  # bits -> marker, line
@@ -78,5 +78,5 @@ def accuracy_vs_bytes(df: pd.DataFrame, read: bool = False) -> list[Artifact]:
                         for b, q, g in zip(p["bits"], p["quantized"], p["layout"])])
     data = table.rename(columns={"task": "Task", "table_key": "Model", "method": "Method", "size": "Cache %", "score": "Score"})[
         ["Task", "Model", "Method", "Bits", "Budget", "Cache %", "Score"]].reset_index(drop=True)
-    return [_done(name, fig, caption, used),
+    return [Artifact(name, caption, fig=fig, used=used),
             Artifact(f"{name}_points", f"The points of {name}: " + caption[0].lower() + caption[1:], data, used=used)]

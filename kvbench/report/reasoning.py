@@ -11,7 +11,7 @@ import pandas as pd
 from eval.sampling import by_problem, summary
 
 from kvbench.report.data import FULL, budget_cell, budget_text, job_records, paper_order
-from kvbench.report.tables import Artifact, _done, _figure, draw_lines, reference, slug
+from kvbench.report.tables import Artifact, _figure, draw_lines, reference, slug
 
 COLUMNS = ["id", "problem", "dataset", "error", "score", "scores", "generated_tokens", "cache_trace", "decode_compressions"]
 
@@ -72,7 +72,7 @@ def cache_trace_figure(task: str, mk: str, jobs: list) -> list[Artifact]:
                "per KV head: mean over the compressible layers) after prefill, just before and after each compression "
                "while decoding, and at the end (records' cache_trace). A full cache grows with the generation; a "
                "compressed one stays within budget + interval.")
-    return [_done(f"cache_trace_{slug(task)}_{slug(mk)}", fig, caption, sources=[r["job"] for r, _ in traced])]
+    return [Artifact(f"cache_trace_{slug(task)}_{slug(mk)}", caption, fig=fig, sources=[r["job"] for r, _ in traced])]
 
 
 def gen_length_figure(task: str, mk: str, jobs: list) -> list[Artifact]:
@@ -102,7 +102,7 @@ def gen_length_figure(task: str, mk: str, jobs: list) -> list[Artifact]:
            title=f"{mk} — {task}")
     caption = (f"Generation length on {task} ({mk}): mean generated tokens per candidate (± SE over problems) by "
                "method and budget; dashed: the full cache.")
-    return [_done(f"gen_length_{slug(task)}_{slug(mk)}", fig, caption, sources=drawn)]
+    return [Artifact(f"gen_length_{slug(task)}_{slug(mk)}", caption, fig=fig, sources=drawn)]
 
 
 def reasoning_reports(df: pd.DataFrame, root) -> list[Artifact]:

@@ -18,7 +18,7 @@ import pandas as pd
 from eval.scbench import CAPABILITIES, turn_of
 
 from kvbench.report.data import FULL, budget_cell, budget_semantics, budget_text, job_records, paper_order
-from kvbench.report.tables import Artifact, _done, _figure, count, draw_lines
+from kvbench.report.tables import Artifact, _figure, count, draw_lines
 
 MODES = {"multi_turn": "multi-turn", "own": "multi-turn, own answers", "multi_request": "multi-request"}
 RANK = {m: i for i, m in enumerate(MODES.values())} | {c: i for i, c in enumerate(CAPABILITIES)}
@@ -117,7 +117,7 @@ def turn_figure(rec: pd.DataFrame) -> Artifact:
                f"mean over its datasets at each turn; Average: over the capabilities shown); "
                f"{budget_semantics(rec['budget'])}; solid: multi-turn (golden answers), dotted: multi-turn with the "
                "model's own answers, dashed: multi-request (question index); lines drawn side by side.")
-    return _done("scbench_turns_fig", fig, caption, sources=sorted(set(rec["job"])))
+    return Artifact("scbench_turns_fig", caption, fig=fig, sources=sorted(set(rec["job"])))
 
 
 def mode_table(rec: pd.DataFrame) -> Artifact | None:

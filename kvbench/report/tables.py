@@ -45,11 +45,22 @@ class Artifact:
         cols = [] if self.data is None else self.data.columns
         self.headers = {c: DATASET_ABBR[c] for c in cols if c in DATASET_ABBR} | self.headers
         used = pd.DataFrame(columns=["job", "dataset", "n", "complete", "subset"]) if self.used is None else self.used
-        self.sources, self.notes = sorted({*self.sources, *used["job"]}), dedupe(job_notes(used) + self.notes)
+        self.sources, self.notes = sorted({*self.sources, *used["job"]}), [*dict.fromkeys(job_notes(used) + self.notes)]
         protocols = sorted(set(used["compress"])) if "compress" in used else []  # task.compress of the jobs shown
         self.caption = self.caption.replace("ρ of prompt tokens", " or ".join(
             f"ρ of the {'context' if p == 'context' else 'prompt'} tokens (task.compress={p})" for p in protocols
         ) or "ρ of prompt tokens")
+        if self.fig is not None:  # the caption below the panels (the figure grows), titles wrapped to their panels
+            fig, size, (w, h) = self.fig, FontProperties(size="small").get_size_in_points(), self.fig.get_size_inches()
+            for ax in fig.axes:
+                width = max(20, int(ax.get_position().width * w * 72 / (0.55 * ax.title.get_fontsize())))
+                if text := ax.get_title():
+                    ax.title.set_text("\n".join(textwrap.fill(line, width) for line in text.split("\n")))
+            lines = textwrap.wrap(self.caption, int(w * 72 / (0.6 * size)))
+            below = len(lines) * 1.3 * size / 72 + 0.1  # inches
+            fig.set_figheight(h + below)
+            fig.get_layout_engine().set(rect=(0, below / (h + below), 1, h / (h + below)))
+            fig.text(0.5, 0.005, "\n".join(lines), ha="center", va="bottom", fontsize="small")
 
 
 def round2(x: float) -> float:
@@ -87,10 +98,6 @@ def span(ns: pd.Series) -> str | None:
     """``5`` or ``2–5``: the range of the counts ``ns`` (NaN dropped); None when there is none."""
     ns = ns.dropna()
     return None if ns.empty else f"{ns.min():.0f}" + f"–{ns.max():.0f}" * bool(ns.min() < ns.max())
-
-
-def dedupe(items) -> list:
-    return list(dict.fromkeys(items))
 
 
 def slug(text: str) -> str:
@@ -168,7 +175,7 @@ def grid(df: pd.DataFrame, task: str, budget: float, models=None, names=None, la
     used = pick(rows, ["model_key", "method"])
     piv = used.set_index(["model_key", "method", "dataset"])[["score", "se"]].unstack()
     return Grid(piv["score"][order_datasets(piv["score"].columns)], piv["se"], full_label,
-                dedupe(lab for _n, lab in order), {lab: n for n, lab in order}, used)
+                list(dict.fromkeys(lab for _n, lab in order)), {lab: n for n, lab in order}, used)
 
 
 def avg_se(se: pd.Series) -> float:
@@ -527,25 +534,6 @@ def _figure(n_rows: int, n_cols: int, w: float = 4.2, h: float = 3.2):
     return plt.subplots(n_rows, n_cols, figsize=(w * n_cols, h * n_rows + 0.15), squeeze=False, layout="constrained")
 
 
-def _done(name, fig, caption, used=None, sources=()) -> Artifact:
-    """The figure with its caption below the panels (the figure grows by the caption's wrapped lines), panel titles
-    wrapped to their panels' width."""
-    a = Artifact(name, caption, fig=fig, used=used, sources=list(sources))  # its caption names the protocol
-    size, (w, h) = FontProperties(size="small").get_size_in_points(), fig.get_size_inches()
-    for ax in fig.axes:  # a panel title (a long model key) wraps to its panel's width
-        width = max(20, int(ax.get_position().width * w * 72 / (0.55 * ax.title.get_fontsize())))
-        if text := ax.get_title():
-            ax.title.set_text("\n".join(textwrap.fill(line, width) for line in text.split("\n")))
-    lines = textwrap.wrap(a.caption, int(w * 72 / (0.6 * size)))
-    below = len(lines) * 1.3 * size / 72 + 0.1  # inches
-    fig.set_figheight(h + below)
-    fig.get_layout_engine().set(rect=(0, below / (h + below), 1, h / (h + below)))
-    fig.text(0.5, 0.005, "\n".join(lines), ha="center", va="bottom", fontsize="small")
-    return a
-
-
-
-
 def dodge(n: int, step: float = 6.0) -> list[float]:
     """Horizontal offsets (points) of ``n`` lines' markers at one x, ``step`` apart, centred on it."""
     return [step * (k - (n - 1) / 2) for k in range(n)]
@@ -619,7 +607,7 @@ def selkv_fig2(df: pd.DataFrame, budget: float = 0.25, task: str = "longbench") 
     caption = (f"LongBench ({count(len(g.datasets), 'dataset')}), {budget_semantics([budget])}, ρ = "
                f"{budget_text(budget)}; error bars: ±1 SE, √(SE² + SE full²). Hatched, pale bars: an unfinished job "
                "(fewer samples scored).")
-    return [_done("selkv_fig2", fig, caption, g.used)]
+    return [Artifact("selkv_fig2", caption, fig=fig, used=g.used)]
 
 
 def other_samples(used: pd.DataFrame, full: str | None) -> bool:
@@ -657,7 +645,7 @@ def budget_sweep_figure(df, name: str, task: str, ratio: bool, title: str, per_d
     caption = (f"Task: {task} ({what}){n_text}; {budget_semantics(grids)}; dashed line: full cache" + (
         " (scored on other samples than the compressed points: not a paired comparison)" if other_samples(
             used, full) else "") + "; error bars and band: ±1 SE; methods at one budget drawn side by side.")
-    return [_done(name, fig, caption, used)]
+    return [Artifact(name, caption, fig=fig, used=used)]
 
 
 def score_vs_budget(df) -> list[Artifact]:
@@ -685,7 +673,7 @@ def score_vs_budget(df) -> list[Artifact]:
                    + "; budget = tokens kept per layer per KV head" * (not all(r for _, r, _ in panels))
                    + "; band: ±1 SE" + "; dashed: full cache" * bool((used["method_name"] == "full").any()) + "; hollow: an unfinished job" * bool(
                        (~used["complete"]).any()) + ".")
-        out.append(_done(f"score_vs_budget_{slug(task)}", fig, caption, used))
+        out.append(Artifact(f"score_vs_budget_{slug(task)}", caption, fig=fig, used=used))
     return out
 
 
@@ -696,7 +684,7 @@ def selkv_fig3(latency: list[dict], source: str = "latency.json") -> list[Artifa
     if not {"model", "method", "prompt_tokens", "decode_tok_s"} <= set(lat.columns):
         return []
     stages = {"prefill_s": "prefill", "compress_s": "compression", "decode_s": "decode"}
-    lat = lat.reindex(columns=dedupe([*lat.columns, *stages, "budget", "device"]))
+    lat = lat.reindex(columns=[*dict.fromkeys([*lat.columns, *stages, "budget", "device"])])
     means = lat.groupby(["model", "prompt_tokens", "method"]).mean(numeric_only=True).fillna({c: 0.0 for c in stages})
     models = sorted(lat["model"].unique(), key=model_sort_key)
     fig, axes = _figure(len(models), 2, w=5.2)
@@ -718,7 +706,7 @@ def selkv_fig3(latency: list[dict], source: str = "latency.json") -> list[Artifa
     devices = ", ".join(sorted(lat["device"].dropna().astype(str).unique())) or "a device not recorded"
     caption = (f"Latency on {devices} (synthetic prompts; repeats averaged) at budget "
                f"{', '.join(map(budget_text, budgets)) or '?'} ({budget_semantics(budgets or [math.nan])}).")
-    return [_done("selkv_fig3", fig, caption, sources=[source])]
+    return [Artifact("selkv_fig3", caption, fig=fig, sources=[source])]
 
 
 def niah_figures(df: pd.DataFrame, root: Path) -> list[Artifact]:
@@ -751,8 +739,8 @@ def niah_figures(df: pd.DataFrame, root: Path) -> list[Artifact]:
                                ylabel="Needle depth (%)" * (j == (cols[0] is None and i > 0)))
         niah_colorbar(fig, images, axes)
         fig.suptitle(f"Needle-in-a-Haystack: {mk}")
-        out.append(_done(f"niah_panel_{slug(mk)}", fig, f"NIAH, {mk}; {budget_semantics(budgets)}; score: mean per "
-                         "cell (%).", pd.concat(used)))
+        out.append(Artifact(f"niah_panel_{slug(mk)}", f"NIAH, {mk}; {budget_semantics(budgets)}; score: mean per "
+                            "cell (%).", fig=fig, used=pd.concat(used)))
     return out
 
 
