@@ -14,7 +14,7 @@ Timings compare on one device only: jobs on other devices or dtypes have other m
 
 import pandas as pd
 
-from kvbench.report.data import FULL, budget_cell, job_records, paper_order
+from kvbench.report.data import FULL, budget_cell, paper_order, samples
 from kvbench.report.tables import Artifact
 
 COLUMNS = ["prefill_s", "compress_s", "reconstruct_s", "cache_bytes_after"]
@@ -26,27 +26,22 @@ def ratio(part: pd.Series, whole: pd.Series) -> float | None:
     return part[both].sum() / whole[both].sum() if both.any() and whole[both].sum() > 0 else None
 
 
-def job_samples(root, job: str) -> pd.DataFrame:
-    """The job's latest successful record per sample id: :data:`COLUMNS` (``reconstruct_s`` 0 when not recorded)."""
-    recs = job_records(root / job, {}, ["id", "error", *COLUMNS], latest=True)
-    recs = recs[recs["error"].isna()]
-    return recs[COLUMNS].set_axis(recs["id"].astype(str)).apply(pd.to_numeric, errors="coerce").fillna(
-        {"reconstruct_s": 0.0})
-
-
 def cost_table(df: pd.DataFrame, root) -> list[Artifact]:
     """One table over every task × model key: a row per job (method, variant, budget), full cache first."""
     rows, used, notes = [], [], []
     ordered = paper_order(df.drop_duplicates("job").assign(compressed=df["method_name"] != FULL),
                           ["task", "model_key", "compressed", "method", "variant", "budget"])
     for (task, mk), jobs in ordered.groupby(["task", "model_key"], sort=False):
-        samples = {job: job_samples(root, job) for job in jobs["job"]}
-        fulls = [j for j, name in zip(jobs["job"], jobs["method_name"]) if name == FULL and len(samples[j])]
-        ref = samples[max(fulls, key=lambda j: len(samples[j]))] if fulls else None
+        recs = samples(jobs, root, ["id", "error", *COLUMNS], latest=True, every=True)  # a job's latest records
+        recs = recs[recs["error"].isna()].set_index("id")
+        per = {j: recs.loc[recs["job"] == j, COLUMNS].apply(pd.to_numeric, errors="coerce").fillna(
+            {"reconstruct_s": 0.0}) for j in jobs["job"]}
+        fulls = [j for j, name in zip(jobs["job"], jobs["method_name"]) if name == FULL and len(per[j])]
+        ref = per[max(fulls, key=lambda j: len(per[j]))] if fulls else None
         if ref is None:
             notes.append(f"no full-cache job: {task} {mk}: relative to each job's own prefill (compression excluded)")
         for r in jobs.itertuples():
-            own = samples[r.job]
+            own = per[r.job]
             base = own if ref is None else ref
             ids = own.index.intersection(base.index)
             if not len(ids):
