@@ -66,8 +66,7 @@ def cache_trace_figure(task: str, mk: str, jobs: list) -> list[Artifact]:
         traces = [np.array(rec["cache_trace"], dtype=float).T for _, rec in traced]
         draw_lines(ax, {label(row): pd.Series(t[k + 1] / (2**20 if k else 1), t[0]) for (row, _), t in zip(traced, traces)},
                    styles=full, show_legend=k == 1)
-        ax.set(xlabel="Generated tokens", ylabel=what, title=f"{mk} — {task}")
-        ax.set_ylim(bottom=0)
+        ax.set(xlabel="Generated tokens", ylabel=what, title=f"{mk} — {task}", ylim=(0, None))
     caption = (f"KV cache against generated tokens on {task} ({mk}): each job's longest generation, its cache (tokens "
                "per KV head: mean over the compressible layers) after prefill, just before and after each compression "
                "while decoding, and at the end (records' cache_trace). A full cache grows with the generation; a "

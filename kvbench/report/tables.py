@@ -600,9 +600,8 @@ def selkv_fig2(df: pd.DataFrame, budget: float = 0.25, task: str = "longbench") 
                 bar.set(hatch="///", alpha=0.5)
                 late = [Patch(facecolor="white", edgecolor="black", hatch="///", label="unfinished job")]
     ax.axhline(0, color="black", linewidth=0.8)
-    ax.margins(y=0.15)
-    ax.set(xticks=range(len(g.models)), xticklabels=g.models, xlabel="Model", ylabel=f"Δ LongBench average vs "
-           f"{g.full} (points)", title="Gap to the full cache\n(closer to 0 is better)")
+    ax.set(ymargin=0.15, xticks=range(len(g.models)), xticklabels=g.models, xlabel="Model",
+           ylabel=f"Δ LongBench average vs {g.full} (points)", title="Gap to the full cache\n(closer to 0 is better)")
     legend(ax, ax.get_legend_handles_labels()[0] + late)
     caption = (f"LongBench ({count(len(g.datasets), 'dataset')}), {budget_semantics([budget])}, ρ = "
                f"{budget_text(budget)}; error bars: ±1 SE, √(SE² + SE full²). Hatched, pale bars: an unfinished job "
