@@ -106,12 +106,11 @@ def accuracy_vs_bytes(df: pd.DataFrame, read: bool = False) -> list[Artifact]:
     pts["curve"] = [f"{r.method}{f' ({r.variant})' if r.variant else ''} · " + (
         f"{r.bits:.0f}-bit" if r.bits == r.bits else "model dtype") + f" ({r.layout})" * bool(
         layouts.get((r.task, r.table_key), 0) > 1 and r.quantized) for r in pts.itertuples()]
-    panels = pts[["task", "table_key"]].drop_duplicates().sort_values(["task", "table_key"]).to_numpy()
-    fig, axes = _figure(1, len(panels), w=5.2, h=3.8)
+    panels = pts.groupby(["task", "table_key"])
+    fig, axes = _figure(1, panels.ngroups, w=5.2, h=3.8)
     methods = sorted(pts["method"].unique(), key=lambda m: method_sort_key(pts.loc[pts["method"] == m, "method_name"].iat[0], m))
     colors = {m: f"C{i % 10}" for i, m in enumerate(methods)}
-    for ax, (task, model) in zip(axes[0], panels):
-        mine = pts[(pts["task"] == task) & (pts["table_key"] == model)]
+    for ax, ((task, model), mine) in zip(axes[0], panels):
         ax.set_xscale("log")
         curves = sorted(mine.groupby("curve"), key=lambda kv: (methods.index(kv[1]["method"].iat[0]), -kv[1]["bits"].iat[0]))
         draw_lines(ax, {k: c.set_index("size")["score"].sort_index() for k, c in curves},

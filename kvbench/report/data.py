@@ -137,11 +137,11 @@ def _job_rows(root: Path, job: Path) -> list[dict]:
     per = by[numeric].mean().reindex(datasets)
     per["score"] = by["score"].agg(lambda s: round(100 * sum(s) / len(s), 2))
     per["n"], per["n_failed"], per["se"] = by.size(), recs.groupby("dataset")["failed"].sum(), 100 * by["score"].sem()
-    samples = lambda col: pd.Series({d: dict(zip(g["id"].astype(str), g[col])) for d, g in by}, dtype=object)
-    per["samples"] = samples("score")
+    by_id = lambda col: pd.Series({d: dict(zip(g["id"].astype(str), g[col])) for d, g in by}, dtype=object)
+    per["samples"] = by_id("score")
     if "strict" in ok:
         per["strict"], per["strict_se"] = 100 * by["strict"].mean(), 100 * by["strict"].sem()
-        per["strict_samples"] = samples("strict")
+        per["strict_samples"] = by_id("strict")
     for d, s in stored.items():
         per.loc[d, ["score", "n"]] = float(s["score"]), s.get("n", per.at[d, "n"])
     job_means = {**(summary.get("timings") or {}), **(summary.get("cache") or {}), "n": 0, "n_failed": 0}
