@@ -17,9 +17,8 @@ COLUMNS = ["id", "problem", "dataset", "error", "score", "scores", "generated_to
 
 
 def _jobs(df: pd.DataFrame, root) -> dict[tuple[str, str], list[tuple[pd.Series, list[dict]]]]:
-    """``{(task, model key): [(job row, its scored records), ...]}`` for the jobs whose records are sampled candidates
-    (``problem``), say whether they found an answer (``scores.found``) or were compressed while decoding, in
-    :func:`~kvbench.report.data.paper_order`."""
+    """``{(task, model key): [(job row, its scored records), ...]}``, in paper order, of the jobs whose records are
+    sampled candidates (``problem``), say if they found an answer (``scores.found``) or compressed while decoding."""
     out: dict = {}
     for _, row in paper_order(df[df["dataset"].notna()].drop_duplicates("job"), ["task", "model_key", "method",
                                                                                   "budget"]).iterrows():

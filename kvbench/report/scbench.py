@@ -58,8 +58,7 @@ def scbench_records(df: pd.DataFrame, root: Path) -> pd.DataFrame:
 
 
 def _heads(frame: pd.DataFrame, cols: str) -> dict:
-    """A table's label columns ``cols`` (``model method budget``…), capitalized; the budget as printed (``–``: the full
-    cache, whose budget is not a setting)."""
+    """A table's label columns ``cols`` (``model method budget``…), capitalized; the budget as :func:`budget_cell`."""
     return {c.capitalize(): [budget_cell(n, b, "–") for n, b in zip(frame["method_name"], frame["budget"])]
             if c == "budget" else frame[c] for c in cols.split()}
 

@@ -400,7 +400,6 @@ def sweep_panel(ax, grids: dict[float, Grid], mk: str, ratio: bool, dataset: str
 
 
 def used_by(grids: dict[float, Grid], models: list[str]) -> pd.DataFrame:
-    """The job rows of ``grids`` for ``models``."""
     return pd.concat([g.used[g.used["model_key"].isin(models)] for g in grids.values()])
 
 
@@ -509,8 +508,7 @@ def sensitivity_table(df, name: str, method: str, budget: float, task: str = "lo
     keys = sorted({k for p in params.values() for k in p if len({json.dumps(q.get(k)) for q in params.values()}) > 1})
     num = lambda v: (0, float(v), "") if isinstance(v, (int, float)) else (1, 0.0, str(v))
     rows = []
-    for mk in sorted(sel["model_key"].unique(), key=model_sort_key):
-        mine = used[used["model_key"] == mk]
+    for mk, mine in sorted(used.groupby("model_key"), key=lambda kv: model_sort_key(kv[0])):
         if mine["variant"].nunique() < 2:
             continue
         block = []
@@ -623,8 +621,7 @@ def other_samples(used: pd.DataFrame, full: str | None) -> bool:
 
 
 def budget_sweep_figure(df, name: str, task: str, ratio: bool, title: str, per_dataset: bool = False):
-    """Average vs budget, a panel per model (SelKV Fig. 4, CompressKV Figs. 4, 5); ``per_dataset``: SelKV Fig. 5.
-    Lines: :func:`draw_lines`."""
+    """Average vs budget, a panel per model (SelKV Fig. 4, CompressKV Figs. 4, 5); ``per_dataset``: SelKV Fig. 5."""
     grids, models = budget_grids(df, task, ratio)
     if not models:
         return []
@@ -714,8 +711,7 @@ def niah_figures(df: pd.DataFrame, root: Path) -> list[Artifact]:
     niah = df[(df["task"] == "niah") & df["dataset"].notna()]
     records = {job: niah_grid_records(Path(root) / job)[0] for job in niah["job"].unique()}
     out = []
-    for mk in sorted(niah["model_key"].unique(), key=model_sort_key):
-        sel = niah[niah["model_key"] == mk]
+    for mk, sel in sorted(niah.groupby("model_key"), key=lambda kv: model_sort_key(kv[0])):
         comp, full = sel[sel["method_name"] != FULL], pick(sel[sel["method_name"] == FULL], ["model_key"])
         budgets = sorted(comp["budget"].unique()) or [math.nan]
         cols = [None] * (len(full) > 0) + sorted(set(comp["method"]), key=lambda lab: method_sort_key(
