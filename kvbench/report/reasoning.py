@@ -10,7 +10,7 @@ import pandas as pd
 
 from eval.sampling import by_problem, summary
 
-from kvbench.report.data import FULL, budget_cell, budget_text, job_records, paper_order
+from kvbench.report.data import FULL, budget_cell, budget_text, paper_order, samples
 from kvbench.report.tables import Artifact, _figure, draw_lines, reference, slug
 
 COLUMNS = ["id", "problem", "dataset", "error", "score", "scores", "generated_tokens", "cache_trace", "decode_compressions"]
@@ -19,12 +19,12 @@ COLUMNS = ["id", "problem", "dataset", "error", "score", "scores", "generated_to
 def _jobs(df: pd.DataFrame, root) -> dict[tuple[str, str], list[tuple[pd.Series, list[dict]]]]:
     """``{(task, model key): [(job row, its scored records), ...]}``, in paper order, of the jobs whose records are
     sampled candidates (``problem``), say if they found an answer (``scores.found``) or compressed while decoding."""
-    out: dict = {}
-    for _, row in paper_order(df[df["dataset"].notna()].drop_duplicates("job"), ["task", "model_key", "method",
-                                                                                  "budget"]).iterrows():
-        recs = job_records(root / row["job"], None, COLUMNS).to_dict("records")
-        if any(r["problem"] is not None or "found" in (r["scores"] or {}) or r["decode_compressions"] for r in recs):
-            out.setdefault((row["task"], row["model_key"]), []).append((row, recs))
+    jobs = paper_order(df[df["dataset"].notna()].drop_duplicates("job"), ["task", "model_key", "method", "budget"])
+    recs, out = samples(jobs, root, COLUMNS), {}
+    for _, row in jobs.iterrows():
+        mine = recs.loc[recs["job"] == row["job"], COLUMNS].to_dict("records")
+        if any(r["problem"] is not None or "found" in (r["scores"] or {}) or r["decode_compressions"] for r in mine):
+            out.setdefault((row["task"], row["model_key"]), []).append((row, mine))
     return out
 
 

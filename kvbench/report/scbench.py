@@ -7,8 +7,6 @@ the sample id ``<dataset>/<row>/<turn>``), ``meta.task`` (the mixed datasets' su
 answers when ``task.golden_context`` is false).
 """
 
-from __future__ import annotations
-
 import json
 import math
 from pathlib import Path
