@@ -1,4 +1,4 @@
-"""The accuracy-vs-bytes figure and its points (kvbench/report/bytes.py) on a hand-made sweep with and without cache.bits."""
+"""The accuracy-vs-bytes figure and its points (kvbench/report/cost.py) on a hand-made sweep with and without cache.bits."""
 
 import csv
 import json
@@ -7,7 +7,7 @@ import yaml
 from test_report import make_job
 
 from kvbench.report import build as report
-from kvbench.report.bytes import accuracy_vs_bytes, job_points
+from kvbench.report.cost import accuracy_vs_bytes, job_points
 
 # (method, budget, cache.bits, score, cache_bytes_after of 4000 before)
 JOBS = [("full", 1.0, None, 80.0, 4000), ("full", 1.0, 4, 78.0, 1250), ("full", 1.0, 2, 60.0, 750),

@@ -13,20 +13,15 @@ import pandas as pd
 from kvbench.report import scbench as report_scbench, tables as rt
 from kvbench.cli import ArgParser
 from kvbench.job.plots import plt
-from kvbench.report.cost import cost_table
-from kvbench.report.bytes import accuracy_vs_bytes
+from kvbench.report.cost import accuracy_vs_bytes, cost_table
 from kvbench.report.data import load_results
 from kvbench.report.reasoning import reasoning_reports
-from kvbench.report.tables import Artifact, dedupe, fmt, round2
+from kvbench.report.tables import Artifact, fmt, round2
 from kvbench.job.store import atomic_write
 
 Context = namedtuple("Context", "root df latency latency_source", defaults=(None, "latency.json"))
 TEX = str.maketrans({"\\": r"\textbackslash{}", "&": r"\&", "%": r"\%", "_": r"\_", "#": r"\#", "Δ": r"$\Delta$",
                      "ρ": r"$\rho$", "✓": r"\checkmark", "–": "--", "×": r"$\times$", "·": r"$\cdot$", "±": r"$\pm$"})
-
-
-def _sweep_fig(name: str, task: str, ratio: bool, title: str = "", per_dataset: bool = False):
-    return lambda c: rt.budget_sweep_figure(c.df, name, task, ratio, title, per_dataset)
 
 
 ARTIFACTS = {  # family -> builder of its artifacts
@@ -40,14 +35,17 @@ ARTIFACTS = {  # family -> builder of its artifacts
     "selkv_table7": lambda c: rt.selkv_table1(c.df, long=True),
     "selkv_fig2": lambda c: rt.selkv_fig2(c.df),
     "selkv_fig3": lambda c: rt.selkv_fig3(c.latency, c.latency_source),
-    "selkv_fig4": _sweep_fig("selkv_fig4", "longbench", True, "LongBench average at varying KV retention ratios"),
-    "selkv_fig5": _sweep_fig("selkv_fig5", "longbench", True, per_dataset=True),
+    "selkv_fig4": lambda c: rt.budget_sweep_figure(c.df, "selkv_fig4", "longbench", True,
+                                                   "LongBench average at varying KV retention ratios"),
+    "selkv_fig5": lambda c: rt.budget_sweep_figure(c.df, "selkv_fig5", "longbench", True, "", per_dataset=True),
     "compresskv_table1": lambda c: rt.compresskv_table1(c.df),
     "compresskv_table2b": lambda c: rt.compresskv_table2b(c.df),
     "compresskv_table3": lambda c: rt.staged_table(c.df, "compresskv_table3a", 256) + rt.sensitivity_table(
         c.df, "compresskv_table3b", "compresskv", 256, per_dataset=False, preset="compresskv_uniform"),
-    "compresskv_fig4": _sweep_fig("compresskv_fig4", "longbench", False, "LongBench average under varying KV budgets"),
-    "compresskv_fig5": _sweep_fig("compresskv_fig5", "niah", False, "Needle-in-a-Haystack average under KV budgets"),
+    "compresskv_fig4": lambda c: rt.budget_sweep_figure(c.df, "compresskv_fig4", "longbench", False,
+                                                        "LongBench average under varying KV budgets"),
+    "compresskv_fig5": lambda c: rt.budget_sweep_figure(c.df, "compresskv_fig5", "niah", False,
+                                                        "Needle-in-a-Haystack average under KV budgets"),
     "niah": lambda c: rt.niah_figures(c.df, c.root),
     "score_vs_budget": lambda c: rt.score_vs_budget(c.df),
     "reasoning": lambda c: reasoning_reports(c.df, c.root),
@@ -184,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{family}: FAILED: {type(arts).__name__}: {arts}", file=sys.stderr)
         index += [f"- {family}: no inputs in this results root"] if arts == [] else []
         for a in arts if isinstance(arts, list) else []:
-            kinds = ", ".join(dedupe(n.split(":")[0] for n in a.notes))
+            kinds = ", ".join(dict.fromkeys(n.split(":")[0] for n in a.notes))
             kinds = f", {len(a.notes)} note(s): {kinds}" if a.notes else ""
             index.append(f"- {a.name}: {', '.join(q.name for q in write(a, out))} ({len(a.sources)} job(s){kinds})")
             print(f"wrote {a.name}{kinds}")

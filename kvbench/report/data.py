@@ -75,6 +75,16 @@ def job_records(job: Path, summary: dict | None, columns: list[str], latest: boo
     return recs[recs["id"].isin(ids) | recs["problem"].isin(ids)][columns].astype(object).where(lambda f: f.notna(), None)
 
 
+def samples(jobs: pd.DataFrame, root, columns: list[str], latest: bool = False, every: bool = False) -> pd.DataFrame:
+    """The per-sample frame of the jobs of ``jobs`` (rows of :func:`load_results`, in order): a row per record that
+    :func:`job_records` reads (``every``: all of a job's records, not only those its summary scores), the job's columns
+    beside the records' ``columns`` (the record's wins; None where it lacks one)."""
+    jobs = jobs.drop_duplicates("job")
+    recs = [job_records(Path(root) / j, {} if every else None, columns, latest).assign(job=j) for j in jobs["job"]]
+    recs = pd.concat(recs, ignore_index=True) if recs else pd.DataFrame(columns=[*columns, "job"])
+    return jobs.drop(columns=[c for c in columns if c in jobs]).merge(recs, on="job")
+
+
 def _job_rows(root: Path, job: Path) -> list[dict]:
     cfg = yaml.safe_load((job / "config.yaml").read_text()) or {}
     if not (isinstance(cfg, dict) and all(isinstance(cfg.get(k), dict) and cfg[k].get("name") for k in ("task", "model", "method"))):
@@ -127,11 +137,11 @@ def _job_rows(root: Path, job: Path) -> list[dict]:
     per = by[numeric].mean().reindex(datasets)
     per["score"] = by["score"].agg(lambda s: round(100 * sum(s) / len(s), 2))
     per["n"], per["n_failed"], per["se"] = by.size(), recs.groupby("dataset")["failed"].sum(), 100 * by["score"].sem()
-    samples = lambda col: pd.Series({d: dict(zip(g["id"].astype(str), g[col])) for d, g in by}, dtype=object)
-    per["samples"] = samples("score")
+    by_id = lambda col: pd.Series({d: dict(zip(g["id"].astype(str), g[col])) for d, g in by}, dtype=object)
+    per["samples"] = by_id("score")
     if "strict" in ok:
         per["strict"], per["strict_se"] = 100 * by["strict"].mean(), 100 * by["strict"].sem()
-        per["strict_samples"] = samples("strict")
+        per["strict_samples"] = by_id("strict")
     for d, s in stored.items():
         per.loc[d, ["score", "n"]] = float(s["score"]), s.get("n", per.at[d, "n"])
     job_means = {**(summary.get("timings") or {}), **(summary.get("cache") or {}), "n": 0, "n_failed": 0}

@@ -10,22 +10,21 @@ import pandas as pd
 
 from eval.sampling import by_problem, summary
 
-from kvbench.report.data import FULL, budget_cell, budget_text, job_records, paper_order
-from kvbench.report.tables import Artifact, _done, _figure, draw_lines, reference, slug
+from kvbench.report.data import FULL, budget_cell, budget_text, paper_order, samples
+from kvbench.report.tables import Artifact, _figure, draw_lines, reference, slug
 
 COLUMNS = ["id", "problem", "dataset", "error", "score", "scores", "generated_tokens", "cache_trace", "decode_compressions"]
 
 
 def _jobs(df: pd.DataFrame, root) -> dict[tuple[str, str], list[tuple[pd.Series, list[dict]]]]:
-    """``{(task, model key): [(job row, its scored records), ...]}`` for the jobs whose records are sampled candidates
-    (``problem``), say whether they found an answer (``scores.found``) or were compressed while decoding, in
-    :func:`~kvbench.report.data.paper_order`."""
-    out: dict = {}
-    for _, row in paper_order(df[df["dataset"].notna()].drop_duplicates("job"), ["task", "model_key", "method",
-                                                                                  "budget"]).iterrows():
-        recs = job_records(root / row["job"], None, COLUMNS).to_dict("records")
-        if any(r["problem"] is not None or "found" in (r["scores"] or {}) or r["decode_compressions"] for r in recs):
-            out.setdefault((row["task"], row["model_key"]), []).append((row, recs))
+    """``{(task, model key): [(job row, its scored records), ...]}``, in paper order, of the jobs whose records are
+    sampled candidates (``problem``), say if they found an answer (``scores.found``) or compressed while decoding."""
+    jobs = paper_order(df[df["dataset"].notna()].drop_duplicates("job"), ["task", "model_key", "method", "budget"])
+    recs, out = samples(jobs, root, COLUMNS), {}
+    for _, row in jobs.iterrows():
+        mine = recs.loc[recs["job"] == row["job"], COLUMNS].to_dict("records")
+        if any(r["problem"] is not None or "found" in (r["scores"] or {}) or r["decode_compressions"] for r in mine):
+            out.setdefault((row["task"], row["model_key"]), []).append((row, mine))
     return out
 
 
@@ -66,13 +65,12 @@ def cache_trace_figure(task: str, mk: str, jobs: list) -> list[Artifact]:
         traces = [np.array(rec["cache_trace"], dtype=float).T for _, rec in traced]
         draw_lines(ax, {label(row): pd.Series(t[k + 1] / (2**20 if k else 1), t[0]) for (row, _), t in zip(traced, traces)},
                    styles=full, show_legend=k == 1)
-        ax.set(xlabel="Generated tokens", ylabel=what, title=f"{mk} — {task}")
-        ax.set_ylim(bottom=0)
+        ax.set(xlabel="Generated tokens", ylabel=what, title=f"{mk} — {task}", ylim=(0, None))
     caption = (f"KV cache against generated tokens on {task} ({mk}): each job's longest generation, its cache (tokens "
                "per KV head: mean over the compressible layers) after prefill, just before and after each compression "
                "while decoding, and at the end (records' cache_trace). A full cache grows with the generation; a "
                "compressed one stays within budget + interval.")
-    return [_done(f"cache_trace_{slug(task)}_{slug(mk)}", fig, caption, sources=[r["job"] for r, _ in traced])]
+    return [Artifact(f"cache_trace_{slug(task)}_{slug(mk)}", caption, fig=fig, sources=[r["job"] for r, _ in traced])]
 
 
 def gen_length_figure(task: str, mk: str, jobs: list) -> list[Artifact]:
@@ -102,7 +100,7 @@ def gen_length_figure(task: str, mk: str, jobs: list) -> list[Artifact]:
            title=f"{mk} — {task}")
     caption = (f"Generation length on {task} ({mk}): mean generated tokens per candidate (± SE over problems) by "
                "method and budget; dashed: the full cache.")
-    return [_done(f"gen_length_{slug(task)}_{slug(mk)}", fig, caption, sources=drawn)]
+    return [Artifact(f"gen_length_{slug(task)}_{slug(mk)}", caption, fig=fig, sources=drawn)]
 
 
 def reasoning_reports(df: pd.DataFrame, root) -> list[Artifact]:

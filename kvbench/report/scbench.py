@@ -7,8 +7,6 @@ the sample id ``<dataset>/<row>/<turn>``), ``meta.task`` (the mixed datasets' su
 answers when ``task.golden_context`` is false).
 """
 
-from __future__ import annotations
-
 import json
 import math
 from pathlib import Path
@@ -17,8 +15,8 @@ import pandas as pd
 
 from eval.scbench import CAPABILITIES, turn_of
 
-from kvbench.report.data import FULL, budget_cell, budget_semantics, budget_text, job_records, paper_order
-from kvbench.report.tables import Artifact, _done, _figure, count, draw_lines
+from kvbench.report.data import FULL, budget_cell, budget_semantics, budget_text, paper_order, samples
+from kvbench.report.tables import Artifact, _figure, count, draw_lines
 
 MODES = {"multi_turn": "multi-turn", "own": "multi-turn, own answers", "multi_request": "multi-request"}
 RANK = {m: i for i, m in enumerate(MODES.values())} | {c: i for i, c in enumerate(CAPABILITIES)}
@@ -37,23 +35,19 @@ def scbench_records(df: pd.DataFrame, root: Path) -> pd.DataFrame:
     """A row per scored record of the ``scbench`` jobs of ``df`` (the samples each ``summary.json`` scores): job,
     model, method (label), method_name, budget, mode, complete, dataset (``<dataset> / <sub-task>`` for the mixed
     ones), group, turn (1-based, as SCBench prints it), score (points), the timings (s) and group_compressions."""
-    jobs = df[(df["task"] == "scbench") & df["dataset"].notna()].drop_duplicates("job")
-    rows, times = [], ["prefill_s", "compress_s", "decode_s", "group_compressions"]
-    for job in jobs.itertuples():
-        recs = job_records(Path(root) / job.job, None, ["id", "dataset", "error", "score", "meta", "group", "turn", *times],
-                           latest=True)
-        for r in recs[recs["error"].isna() & recs["score"].notna()].to_dict("records"):
-            task = (r["meta"] or {}).get("task", r["dataset"])
-            rows.append({"job": job.job, "model": job.model, "method": job.method, "method_name": job.method_name,
-                         "budget": job.budget, "mode": mode_of(job.settings), "complete": job.complete,
-                         "dataset": r["dataset"] + f" / {task}" * (task != r["dataset"]),
-                         "capability": CAPABILITY.get(r["dataset"], "other"),
-                         "group": r["group"] or r["id"].rsplit("/", 1)[0], "turn": turn_of(r) + 1,
-                         "score": 100 * float(r["score"]), **{k: r[k] for k in times}})
+    times = ["prefill_s", "compress_s", "decode_s", "group_compressions"]
+    r = samples(df[(df["task"] == "scbench") & df["dataset"].notna()], root,
+                ["id", "dataset", "error", "score", "meta", "group", "turn", *times], latest=True)
+    r = r[r["error"].isna() & r["score"].notna()]
+    tasks = [(m or {}).get("task", d) for m, d in zip(r["meta"], r["dataset"])]
     cols = ["job", "model", "method", "method_name", "budget", "mode", "complete", "dataset", "capability", "group",
             "turn", "score", *times]
-    out = pd.DataFrame(rows, columns=cols)
-    out[cols[-4:]] = out[cols[-4:]].apply(pd.to_numeric, errors="coerce")
+    out = r.assign(mode=r["settings"].map(mode_of), capability=[CAPABILITY.get(d, "other") for d in r["dataset"]],
+                   dataset=[d + f" / {t}" * (t != d) for d, t in zip(r["dataset"], tasks)],
+                   group=[g or i.rsplit("/", 1)[0] for g, i in zip(r["group"], r["id"])],
+                   turn=[turn_of({"id": i, "turn": t}) + 1 for i, t in zip(r["id"], r["turn"])],
+                   score=100 * r["score"].astype(float))[cols]
+    out[times] = out[times].apply(pd.to_numeric, errors="coerce")
     # one job per (model, method, budget, mode): the one with the most scored records (others: noted)
     keep = out.groupby(["model", "method", "budget", "mode", "job"]).size().reset_index(name="n").sort_values(
         "n", ascending=False, kind="stable").drop_duplicates(["model", "method", "budget", "mode"])["job"]
@@ -62,8 +56,7 @@ def scbench_records(df: pd.DataFrame, root: Path) -> pd.DataFrame:
 
 
 def _heads(frame: pd.DataFrame, cols: str) -> dict:
-    """A table's label columns ``cols`` (``model method budget``…), capitalized; the budget as printed (``–``: the full
-    cache, whose budget is not a setting)."""
+    """A table's label columns ``cols`` (``model method budget``…), capitalized; the budget as :func:`budget_cell`."""
     return {c.capitalize(): [budget_cell(n, b, "–") for n, b in zip(frame["method_name"], frame["budget"])]
             if c == "budget" else frame[c] for c in cols.split()}
 
@@ -117,7 +110,7 @@ def turn_figure(rec: pd.DataFrame) -> Artifact:
                f"mean over its datasets at each turn; Average: over the capabilities shown); "
                f"{budget_semantics(rec['budget'])}; solid: multi-turn (golden answers), dotted: multi-turn with the "
                "model's own answers, dashed: multi-request (question index); lines drawn side by side.")
-    return _done("scbench_turns_fig", fig, caption, sources=sorted(set(rec["job"])))
+    return Artifact("scbench_turns_fig", caption, fig=fig, sources=sorted(set(rec["job"])))
 
 
 def mode_table(rec: pd.DataFrame) -> Artifact | None:

@@ -45,11 +45,22 @@ class Artifact:
         cols = [] if self.data is None else self.data.columns
         self.headers = {c: DATASET_ABBR[c] for c in cols if c in DATASET_ABBR} | self.headers
         used = pd.DataFrame(columns=["job", "dataset", "n", "complete", "subset"]) if self.used is None else self.used
-        self.sources, self.notes = sorted({*self.sources, *used["job"]}), dedupe(job_notes(used) + self.notes)
+        self.sources, self.notes = sorted({*self.sources, *used["job"]}), [*dict.fromkeys(job_notes(used) + self.notes)]
         protocols = sorted(set(used["compress"])) if "compress" in used else []  # task.compress of the jobs shown
         self.caption = self.caption.replace("ρ of prompt tokens", " or ".join(
             f"ρ of the {'context' if p == 'context' else 'prompt'} tokens (task.compress={p})" for p in protocols
         ) or "ρ of prompt tokens")
+        if self.fig is not None:  # the caption below the panels (the figure grows), titles wrapped to their panels
+            fig, size, (w, h) = self.fig, FontProperties(size="small").get_size_in_points(), self.fig.get_size_inches()
+            for ax in fig.axes:
+                width = max(20, int(ax.get_position().width * w * 72 / (0.55 * ax.title.get_fontsize())))
+                if text := ax.get_title():
+                    ax.title.set_text("\n".join(textwrap.fill(line, width) for line in text.split("\n")))
+            lines = textwrap.wrap(self.caption, int(w * 72 / (0.6 * size)))
+            below = len(lines) * 1.3 * size / 72 + 0.1  # inches
+            fig.set_figheight(h + below)
+            fig.get_layout_engine().set(rect=(0, below / (h + below), 1, h / (h + below)))
+            fig.text(0.5, 0.005, "\n".join(lines), ha="center", va="bottom", fontsize="small")
 
 
 def round2(x: float) -> float:
@@ -87,10 +98,6 @@ def span(ns: pd.Series) -> str | None:
     """``5`` or ``2–5``: the range of the counts ``ns`` (NaN dropped); None when there is none."""
     ns = ns.dropna()
     return None if ns.empty else f"{ns.min():.0f}" + f"–{ns.max():.0f}" * bool(ns.min() < ns.max())
-
-
-def dedupe(items) -> list:
-    return list(dict.fromkeys(items))
 
 
 def slug(text: str) -> str:
@@ -168,7 +175,7 @@ def grid(df: pd.DataFrame, task: str, budget: float, models=None, names=None, la
     used = pick(rows, ["model_key", "method"])
     piv = used.set_index(["model_key", "method", "dataset"])[["score", "se"]].unstack()
     return Grid(piv["score"][order_datasets(piv["score"].columns)], piv["se"], full_label,
-                dedupe(lab for _n, lab in order), {lab: n for n, lab in order}, used)
+                list(dict.fromkeys(lab for _n, lab in order)), {lab: n for n, lab in order}, used)
 
 
 def avg_se(se: pd.Series) -> float:
@@ -393,7 +400,6 @@ def sweep_panel(ax, grids: dict[float, Grid], mk: str, ratio: bool, dataset: str
 
 
 def used_by(grids: dict[float, Grid], models: list[str]) -> pd.DataFrame:
-    """The job rows of ``grids`` for ``models``."""
     return pd.concat([g.used[g.used["model_key"].isin(models)] for g in grids.values()])
 
 
@@ -502,8 +508,7 @@ def sensitivity_table(df, name: str, method: str, budget: float, task: str = "lo
     keys = sorted({k for p in params.values() for k in p if len({json.dumps(q.get(k)) for q in params.values()}) > 1})
     num = lambda v: (0, float(v), "") if isinstance(v, (int, float)) else (1, 0.0, str(v))
     rows = []
-    for mk in sorted(sel["model_key"].unique(), key=model_sort_key):
-        mine = used[used["model_key"] == mk]
+    for mk, mine in sorted(used.groupby("model_key"), key=lambda kv: model_sort_key(kv[0])):
         if mine["variant"].nunique() < 2:
             continue
         block = []
@@ -525,25 +530,6 @@ def sensitivity_table(df, name: str, method: str, budget: float, task: str = "lo
 
 def _figure(n_rows: int, n_cols: int, w: float = 4.2, h: float = 3.2):
     return plt.subplots(n_rows, n_cols, figsize=(w * n_cols, h * n_rows + 0.15), squeeze=False, layout="constrained")
-
-
-def _done(name, fig, caption, used=None, sources=()) -> Artifact:
-    """The figure with its caption below the panels (the figure grows by the caption's wrapped lines), panel titles
-    wrapped to their panels' width."""
-    a = Artifact(name, caption, fig=fig, used=used, sources=list(sources))  # its caption names the protocol
-    size, (w, h) = FontProperties(size="small").get_size_in_points(), fig.get_size_inches()
-    for ax in fig.axes:  # a panel title (a long model key) wraps to its panel's width
-        width = max(20, int(ax.get_position().width * w * 72 / (0.55 * ax.title.get_fontsize())))
-        if text := ax.get_title():
-            ax.title.set_text("\n".join(textwrap.fill(line, width) for line in text.split("\n")))
-    lines = textwrap.wrap(a.caption, int(w * 72 / (0.6 * size)))
-    below = len(lines) * 1.3 * size / 72 + 0.1  # inches
-    fig.set_figheight(h + below)
-    fig.get_layout_engine().set(rect=(0, below / (h + below), 1, h / (h + below)))
-    fig.text(0.5, 0.005, "\n".join(lines), ha="center", va="bottom", fontsize="small")
-    return a
-
-
 
 
 def dodge(n: int, step: float = 6.0) -> list[float]:
@@ -612,14 +598,13 @@ def selkv_fig2(df: pd.DataFrame, budget: float = 0.25, task: str = "longbench") 
                 bar.set(hatch="///", alpha=0.5)
                 late = [Patch(facecolor="white", edgecolor="black", hatch="///", label="unfinished job")]
     ax.axhline(0, color="black", linewidth=0.8)
-    ax.margins(y=0.15)
-    ax.set(xticks=range(len(g.models)), xticklabels=g.models, xlabel="Model", ylabel=f"Δ LongBench average vs "
-           f"{g.full} (points)", title="Gap to the full cache\n(closer to 0 is better)")
+    ax.set(ymargin=0.15, xticks=range(len(g.models)), xticklabels=g.models, xlabel="Model",
+           ylabel=f"Δ LongBench average vs {g.full} (points)", title="Gap to the full cache\n(closer to 0 is better)")
     legend(ax, ax.get_legend_handles_labels()[0] + late)
     caption = (f"LongBench ({count(len(g.datasets), 'dataset')}), {budget_semantics([budget])}, ρ = "
                f"{budget_text(budget)}; error bars: ±1 SE, √(SE² + SE full²). Hatched, pale bars: an unfinished job "
                "(fewer samples scored).")
-    return [_done("selkv_fig2", fig, caption, g.used)]
+    return [Artifact("selkv_fig2", caption, fig=fig, used=g.used)]
 
 
 def other_samples(used: pd.DataFrame, full: str | None) -> bool:
@@ -636,8 +621,7 @@ def other_samples(used: pd.DataFrame, full: str | None) -> bool:
 
 
 def budget_sweep_figure(df, name: str, task: str, ratio: bool, title: str, per_dataset: bool = False):
-    """Average vs budget, a panel per model (SelKV Fig. 4, CompressKV Figs. 4, 5); ``per_dataset``: SelKV Fig. 5.
-    Lines: :func:`draw_lines`."""
+    """Average vs budget, a panel per model (SelKV Fig. 4, CompressKV Figs. 4, 5); ``per_dataset``: SelKV Fig. 5."""
     grids, models = budget_grids(df, task, ratio)
     if not models:
         return []
@@ -657,7 +641,7 @@ def budget_sweep_figure(df, name: str, task: str, ratio: bool, title: str, per_d
     caption = (f"Task: {task} ({what}){n_text}; {budget_semantics(grids)}; dashed line: full cache" + (
         " (scored on other samples than the compressed points: not a paired comparison)" if other_samples(
             used, full) else "") + "; error bars and band: ±1 SE; methods at one budget drawn side by side.")
-    return [_done(name, fig, caption, used)]
+    return [Artifact(name, caption, fig=fig, used=used)]
 
 
 def score_vs_budget(df) -> list[Artifact]:
@@ -685,7 +669,7 @@ def score_vs_budget(df) -> list[Artifact]:
                    + "; budget = tokens kept per layer per KV head" * (not all(r for _, r, _ in panels))
                    + "; band: ±1 SE" + "; dashed: full cache" * bool((used["method_name"] == "full").any()) + "; hollow: an unfinished job" * bool(
                        (~used["complete"]).any()) + ".")
-        out.append(_done(f"score_vs_budget_{slug(task)}", fig, caption, used))
+        out.append(Artifact(f"score_vs_budget_{slug(task)}", caption, fig=fig, used=used))
     return out
 
 
@@ -696,7 +680,7 @@ def selkv_fig3(latency: list[dict], source: str = "latency.json") -> list[Artifa
     if not {"model", "method", "prompt_tokens", "decode_tok_s"} <= set(lat.columns):
         return []
     stages = {"prefill_s": "prefill", "compress_s": "compression", "decode_s": "decode"}
-    lat = lat.reindex(columns=dedupe([*lat.columns, *stages, "budget", "device"]))
+    lat = lat.reindex(columns=[*dict.fromkeys([*lat.columns, *stages, "budget", "device"])])
     means = lat.groupby(["model", "prompt_tokens", "method"]).mean(numeric_only=True).fillna({c: 0.0 for c in stages})
     models = sorted(lat["model"].unique(), key=model_sort_key)
     fig, axes = _figure(len(models), 2, w=5.2)
@@ -718,7 +702,7 @@ def selkv_fig3(latency: list[dict], source: str = "latency.json") -> list[Artifa
     devices = ", ".join(sorted(lat["device"].dropna().astype(str).unique())) or "a device not recorded"
     caption = (f"Latency on {devices} (synthetic prompts; repeats averaged) at budget "
                f"{', '.join(map(budget_text, budgets)) or '?'} ({budget_semantics(budgets or [math.nan])}).")
-    return [_done("selkv_fig3", fig, caption, sources=[source])]
+    return [Artifact("selkv_fig3", caption, fig=fig, sources=[source])]
 
 
 def niah_figures(df: pd.DataFrame, root: Path) -> list[Artifact]:
@@ -727,8 +711,7 @@ def niah_figures(df: pd.DataFrame, root: Path) -> list[Artifact]:
     niah = df[(df["task"] == "niah") & df["dataset"].notna()]
     records = {job: niah_grid_records(Path(root) / job)[0] for job in niah["job"].unique()}
     out = []
-    for mk in sorted(niah["model_key"].unique(), key=model_sort_key):
-        sel = niah[niah["model_key"] == mk]
+    for mk, sel in sorted(niah.groupby("model_key"), key=lambda kv: model_sort_key(kv[0])):
         comp, full = sel[sel["method_name"] != FULL], pick(sel[sel["method_name"] == FULL], ["model_key"])
         budgets = sorted(comp["budget"].unique()) or [math.nan]
         cols = [None] * (len(full) > 0) + sorted(set(comp["method"]), key=lambda lab: method_sort_key(
@@ -751,8 +734,8 @@ def niah_figures(df: pd.DataFrame, root: Path) -> list[Artifact]:
                                ylabel="Needle depth (%)" * (j == (cols[0] is None and i > 0)))
         niah_colorbar(fig, images, axes)
         fig.suptitle(f"Needle-in-a-Haystack: {mk}")
-        out.append(_done(f"niah_panel_{slug(mk)}", fig, f"NIAH, {mk}; {budget_semantics(budgets)}; score: mean per "
-                         "cell (%).", pd.concat(used)))
+        out.append(Artifact(f"niah_panel_{slug(mk)}", f"NIAH, {mk}; {budget_semantics(budgets)}; score: mean per "
+                            "cell (%).", fig=fig, used=pd.concat(used)))
     return out
 
 
