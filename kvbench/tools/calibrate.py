@@ -163,33 +163,28 @@ def encode_prompt(tok, text: str, chat: bool) -> torch.Tensor:
     return tok(text, return_tensors="pt").input_ids
 
 
-def needle_prompt(tok, haystack_ids: list[int], needle: str, question: str, length: int, depth: float,
-                  chat: bool) -> torch.Tensor:
-    """``(1, p)`` ids of a needle-in-a-haystack prompt (the reference ``insert_needle``): the haystack
-    cut to ``length − 200 − |needle|`` tokens, the needle at ``depth`` % moved back to the previous
-    '.' token, then the question; chat models get ``<book>…</book>`` in a user turn."""
-    needle_ids = tok.encode(needle, add_special_tokens=False)
-    context = haystack_ids[: max(length - CONTEXT_BUFFER - len(needle_ids), 0)]
-    cut, period = int(len(context) * depth / 100), set(tok.encode(".", add_special_tokens=False))
-    while depth < 100 and cut > 0 and context[cut - 1] not in period:
-        cut -= 1
-    text = tok.decode(context[:cut] + needle_ids + context[cut:])
-    return encode_prompt(tok, (f"<book>{text}</book>\n" if chat else text) + QUESTION.format(question=question), chat)
-
-
 def needle_prompts(tok, needles: Path, lengths: list[int], depths: list[float], chat: bool):
-    """``(i, needle row, length, depth, (1, p) ids)`` of every needle of the file ``needles`` at every length and depth
-    (:func:`needle_prompt`); its haystack: the ``*.txt`` files of ``part{i % 3 + 1}/`` beside it, repeated until
-    ``max(lengths)`` words. ConfigError: no such file."""
+    """``(i, needle row, length, depth, (1, p) ids)`` of every needle of the file ``needles`` at every length and depth,
+    as the reference ``insert_needle``: the haystack cut to ``length − 200 − |needle|`` tokens, the needle at ``depth``
+    % moved back to the previous '.' token, then the question; chat models get ``<book>…</book>`` in a user turn.
+    The haystack: the ``*.txt`` files of ``part{i % 3 + 1}/`` beside ``needles``, repeated until ``max(lengths)``
+    words. ConfigError: no such file."""
+    period = set(tok.encode(".", add_special_tokens=False))
     for i, nd in enumerate(read_jsonl(needles)):
         part, text = needles.parent / f"part{i % 3 + 1}", ""
         if not (files := sorted(part.glob("*.txt"))):
             raise ConfigError(f"--data-dir: no *.txt haystack in {part}")
         while len(text.split()) < max(lengths):
             text += "".join(f.read_text(encoding="utf-8", errors="replace") for f in files)
-        hay_ids = tok.encode(text, add_special_tokens=False)
+        hay_ids, needle_ids = (tok.encode(t, add_special_tokens=False) for t in (text, nd["needle"]))
         for length, depth in itertools.product(lengths, depths):
-            yield i, nd, length, depth, needle_prompt(tok, hay_ids, nd["needle"], nd["question"], length, depth, chat)
+            context = hay_ids[: max(length - CONTEXT_BUFFER - len(needle_ids), 0)]
+            cut = int(len(context) * depth / 100)
+            while depth < 100 and cut > 0 and context[cut - 1] not in period:
+                cut -= 1
+            book = tok.decode(context[:cut] + needle_ids + context[cut:])
+            prompt = (f"<book>{book}</book>\n" if chat else book) + QUESTION.format(question=nd["question"])
+            yield i, nd, length, depth, encode_prompt(tok, prompt, chat)
 
 
 def greedy(lm, ids: torch.Tensor, reserve: int, feed: torch.Tensor | None = None):

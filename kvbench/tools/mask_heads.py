@@ -157,16 +157,15 @@ def run(args) -> int:
     for kind, path in files.items():
         with keyed_errors(f"--{kind}-scores", path):
             scores[kind] = load_head_scores(path)
-    if len({tuple(s.shape) for s in scores.values()}) > 1:
-        raise ConfigError("--srh-scores/--trh-scores: the files cover different layer x head grids")
     plan = conditions(scores, args.k, args.kinds, args.seed)
     try:  # the NIAH job (method full) of --model and the Hydra overrides
         cfg = compose([f"model={args.model}", "task=niah", "method=full", "threads=null", *args.overrides])
     except Exception as e:  # noqa: BLE001 - Hydra's override and config errors: one line
         raise ConfigError(f"{' '.join(args.overrides)}: {str(e).strip() or type(e).__name__}") from e
     spec = check(cfg)
-    for path in files.values():
-        load_head_scores(path, spec.layout)  # the score grid must be the model's layers x query heads
+    for kind, path in files.items():  # the score grids must be the model's layers x query heads
+        with keyed_errors(f"--{kind}-scores", path):
+            load_head_scores(path, spec.layout)
     t0 = time.time()
     set_threads(spec.top.threads)
     loaded = models.load_model(spec.cfg["model"], spec.top.device, spec.source, spec.layout)  # no context-window check
