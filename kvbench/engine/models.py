@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import functools
 import hashlib
 import importlib.util
 import logging
@@ -140,12 +139,12 @@ def gguf_cache_dir(folder: str, gguf_file: str, mode: Any = "auto") -> Path | No
     return Path(base) / "gguf" / f"{path.stem}-{digest.hexdigest()[:16]}"
 
 
-def _load_cached(cache: Path, dtype: Any, model_kwargs: dict) -> tuple[Any, Any] | None:
+def _load_cached(cache: Path | None, dtype: Any, model_kwargs: dict) -> tuple[Any, Any] | None:
     """Tokenizer and model from a complete cache folder, or None; a damaged one is removed."""
     from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    if not (cache / "COMPLETE").is_file():
+    if cache is None or not (cache / "COMPLETE").is_file():
         return None
     try:
         return AutoTokenizer.from_pretrained(cache), AutoModelForCausalLM.from_pretrained(cache, dtype=dtype, **model_kwargs)
@@ -169,8 +168,7 @@ def _write_cache(cache: Path, tokenizer: Any, model: Any) -> None:
         log.warning("could not cache the converted GGUF model in %s (%s)", cache, err)
 
 
-@functools.lru_cache(maxsize=2)
-def _gguf_fields(path: str) -> dict[str, Any]:
+def _gguf_fields(path: Path) -> dict[str, Any]:
     """The ``tokenizer.ggml.<key>`` values of a GGUF file by key (the reader scans the whole file: read once a load)."""
     import gguf
 
@@ -178,9 +176,8 @@ def _gguf_fields(path: str) -> dict[str, Any]:
             for k, f in gguf.GGUFReader(path).fields.items() if k.startswith("tokenizer.ggml.")}
 
 
-def gguf_special_tokens(tokenizer: Any, gguf_path: Path) -> None:
-    """Give a tokenizer converted from ``gguf_path`` that file's BOS/EOS tokens and flags (transformers ignores them)."""
-    value = _gguf_fields(str(gguf_path))
+def gguf_special_tokens(tokenizer: Any, value: dict[str, Any]) -> None:
+    """Set a GGUF tokenizer's BOS/EOS tokens and flags from ``value`` (:func:`_gguf_fields`; transformers won't)."""
     for role in ("bos", "eos"):
         if 0 <= int(value.get(f"{role}_token_id", -1)) < len(tokenizer):
             setattr(tokenizer, f"{role}_token", tokenizer.convert_ids_to_tokens(int(value[f"{role}_token_id"])))
@@ -204,15 +201,15 @@ def spm_bpe_merges(tokens: list[str], scores: list[float], types: list[int]) -> 
     return [(left, right) for _s, _t, left, right in ranked]
 
 
-def gguf_spm_as_bpe(tokenizer: Any, gguf_path: Path) -> bool:
+def gguf_spm_as_bpe(tokenizer: Any, fields: dict[str, Any]) -> bool:
     """Rebuild (in place) a SentencePiece-BPE GGUF's tokenizer that transformers made a Unigram model (garbling Gemma
-    3's text) as the BPE model its scores describe (:func:`spm_bpe_merges`); True when rebuilt."""
+    3's text) as the BPE model its scores describe (:func:`spm_bpe_merges`; ``fields``: :func:`_gguf_fields`); True
+    when rebuilt."""
     from tokenizers.models import BPE, Unigram
 
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None or not isinstance(backend.model, Unigram):
         return False
-    fields = _gguf_fields(str(gguf_path))
     if fields.get("model") != "llama" or "scores" not in fields:
         return False
     tokens, scores = list(fields["tokens"]), list(fields["scores"])
@@ -238,12 +235,11 @@ def read_config(model_cfg: dict, source: tuple[str, str | None] | None = None) -
     from transformers import AutoConfig
 
     path, gguf_file = source or resolve_source(model_cfg)  # ``source``: already resolved by the caller
-    cache = gguf_cache_dir(path, gguf_file, True) if gguf_file else None
-    if cache is not None and (cache / "config.json").is_file():
+    if gguf_file and (cache := gguf_cache_dir(path, gguf_file, True)) and (cache / "config.json").is_file():
         path, gguf_file = str(cache), None
     try:
         return AutoConfig.from_pretrained(path, trust_remote_code=bool(model_cfg.get("trust_remote_code")),
-                                          **({"gguf_file": gguf_file} if gguf_file else {}))
+                                          gguf_file=gguf_file)
     except (OSError, ValueError, KeyError) as err:
         raise source_error(model_cfg.get("source"), path, err, "cannot read a model config there") from None
 
@@ -263,16 +259,13 @@ def load_tokenizer(model_cfg: dict, source: tuple[str, str | None] | None = None
     from transformers import AutoTokenizer
 
     path, gguf_file = source or resolve_source(model_cfg)
-    cache = gguf_cache_dir(path, gguf_file, True) if gguf_file else None
-    if cache is not None and (cache / "COMPLETE").is_file():
+    if gguf_file and (cache := gguf_cache_dir(path, gguf_file, True)) and (cache / "COMPLETE").is_file():
         return AutoTokenizer.from_pretrained(cache)
     tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=bool(model_cfg.get("trust_remote_code")),
-                                              use_fast=model_cfg.get("tokenizer", "fast") != "slow",
-                                              **({"gguf_file": gguf_file} if gguf_file else {}))
+                                              use_fast=model_cfg.get("tokenizer") != "slow", gguf_file=gguf_file)
     if gguf_file:
-        gguf_special_tokens(tokenizer, Path(path, gguf_file))
-        gguf_spm_as_bpe(tokenizer, Path(path, gguf_file))
-        _gguf_fields.cache_clear()
+        gguf_special_tokens(tokenizer, fields := _gguf_fields(Path(path, gguf_file)))
+        gguf_spm_as_bpe(tokenizer, fields)
     return tokenizer
 
 
@@ -299,15 +292,12 @@ def load_model(model_cfg: dict, device: str = "auto", source: tuple[str, str | N
     cache = gguf_cache_dir(path, gguf_file, model_cfg.get("gguf_cache", "auto")) if gguf_file else None
     log.info("loading model %s from %s onto %s%s", model_cfg.get("name"), Path(path, gguf_file or ""), dev,
              " (converting the GGUF file: a minute or more)" * bool(gguf_file and not (cache and (cache / "COMPLETE").is_file())))
-    loaded = _load_cached(cache, dtype, model_kwargs) if cache is not None else None
-    if loaded is not None:
-        tokenizer, model = loaded
-    else:
+    tokenizer, model = _load_cached(cache, dtype, model_kwargs) or (None, None)
+    if model is None:
         try:
             tokenizer = load_tokenizer(model_cfg, (path, gguf_file))
             first = torch.float32 if cache is not None else dtype  # the cache keeps the exact float32 weights
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=first, **model_kwargs,
-                                                         **({"gguf_file": gguf_file} if gguf_file else {}))
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=first, gguf_file=gguf_file, **model_kwargs)
         except (OSError, ValueError, RuntimeError, SafetensorError) as err:
             raise source_error(model_cfg.get("source"), path, err, "cannot load the model or its tokenizer") from None
         if cache is not None:

@@ -19,7 +19,7 @@ from tokenizers import Tokenizer, normalizers  # noqa: E402
 from tokenizers.models import BPE, Unigram  # noqa: E402
 from transformers import PreTrainedTokenizerFast  # noqa: E402
 
-from kvbench.engine.models import gguf_spm_as_bpe, spm_bpe_merges  # noqa: E402
+from kvbench.engine.models import _gguf_fields, gguf_spm_as_bpe, spm_bpe_merges  # noqa: E402
 
 NORMAL, UNKNOWN, CONTROL, BYTE = 1, 2, 3, 6
 # (piece, score): long pieces have low scores (late merges), as in a SentencePiece BPE model
@@ -96,12 +96,12 @@ def test_rebuilt_tokenizer_tokenizes_as_llama_cpp(gguf_file):
     before = [tok(t, add_special_tokens=False)["input_ids"] for t in TEXTS]
     expected = [llama_cpp_spm(t, tokens, scores, types) for t in TEXTS]
     assert before != expected  # the Unigram reading of the scores differs (the bug)
-    assert gguf_spm_as_bpe(tok, gguf_file) is True
+    assert gguf_spm_as_bpe(tok, _gguf_fields(gguf_file)) is True
     assert isinstance(tok.backend_tokenizer.model, BPE)
     assert [tok(t, add_special_tokens=False)["input_ids"] for t in TEXTS] == expected
     assert tok.convert_ids_to_tokens(tok(" mat", add_special_tokens=False)["input_ids"]) == ["▁m", "at"]
     assert tok.convert_ids_to_tokens(tok("é", add_special_tokens=False)["input_ids"]) == ["<0xC3>", "<0xA9>"]
-    assert gguf_spm_as_bpe(tok, gguf_file) is False  # already BPE: left as it is
+    assert gguf_spm_as_bpe(tok, _gguf_fields(gguf_file)) is False  # already BPE: left as it is
 
 
 def test_merges_are_ranked_by_the_merged_pieces_score():
