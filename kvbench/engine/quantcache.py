@@ -52,9 +52,8 @@ class QuantizedLayer(DynamicLayer):
         first = not self.is_initialized
         if first:
             self.lazy_initialization(key_states, value_states)
-            self.d = key_states.shape[-1]
-            self.channels = self.channels or self.d
-            self.width = self.width or self.channels
+            self.d = d = key_states.shape[-1]
+            self.channels, self.width = self.channels or d, self.width or self.channels or d
             self.keys = key_states.new_zeros(*key_states.shape[:2], 0, self.channels)
             self.values = value_states[:, :, :0]
         self.keys = torch.cat([self.keys, F.pad(key_states, (0, self.channels - self.d))], -2)

@@ -1,10 +1,8 @@
 """Reconstruction forwards (KVzip) after the prefill, before compression (docs/ARCHITECTURE.md, method contract)."""
 
-import time
-
 import torch
 
-from kvbench.engine.attention import CompressionState, Scoring, compress_layer
+from kvbench.engine.attention import CompressionState, Scoring, clock, compress_layer
 from kvbench.engine.kvcache import PreallocatedLayer
 from kvbench.engine.models import attention_modules
 
@@ -20,15 +18,13 @@ def reconstruct(model: torch.nn.Module, state: CompressionState, n: int) -> None
     """Run ``state.scoring``'s forwards on ``state.cache`` (n prefilled tokens), then compress every compressible
     layer from their scores (RuntimeError: an input that does not fit the model)."""
     sc, cache, dev = state.scoring, state.cache, model.get_input_embeddings().weight.device
-    sync = torch.cuda.synchronize if dev.type == "cuda" else lambda: None
 
     def keep_norm(module, args, kwargs):  # KVzip+'s ||h||: the attention input, which the attention function never sees
         hidden = kwargs.get("hidden_states", args[0] if args else None)
         sc.hidden_norms[module.layer_idx] = torch.linalg.vector_norm(hidden, dim=-1)
 
     hooks = [m.register_forward_pre_hook(keep_norm, with_kwargs=True) for m in attention_modules(model).values()]
-    sync()
-    t0, state.phase = time.perf_counter(), "score"
+    t0, state.phase = clock(dev), "score"
     try:
         for sc.forward, (ids, _start, _end) in enumerate(sc.reconstruction.inputs):
             # sliding-window layers (Gemma) drop old tokens as they take new ones: restored as they were
@@ -43,11 +39,9 @@ def reconstruct(model: torch.nn.Module, state: CompressionState, n: int) -> None
         for hook in hooks:
             hook.remove()
         state.phase = "prefill"
-    sync()
-    sc.seconds = time.perf_counter() - t0
+    sc.seconds = clock(dev) - t0
     state.plan = state.method.allocate(state.plan, sc.scores, sc.reconstruction)
-    sync()
-    state.compress_s += time.perf_counter() - t0
+    state.compress_s += clock(dev) - t0
     for idx, (scaling, softcap) in sc.scaling.items():
         key, value = cache.layers[idx].keys[:, :, :n], cache.layers[idx].values[:, :, :n]
         compress_layer(state, idx, key[:, :, :0], key, value, scaling, softcap, reconstruction_scores=sc.scores[idx])
