@@ -121,8 +121,7 @@ def grouped_attention(query, key, value, scaling: float, bias=None, mask=None, s
     Returns:
         ``(B, q, H_q, d)`` (transformers' attention output layout).
     """
-    b, h_q, q, d = query.shape
-    h_kv, t = key.shape[1], key.shape[2]
+    (b, h_q, q, d), (h_kv, t) = query.shape, key.shape[1:3]
     logits = torch.matmul(query.reshape(b, h_kv, -1, d), key.transpose(-1, -2)).float() * scaling
     if softcap:
         logits = torch.tanh(logits / softcap) * softcap
@@ -143,12 +142,9 @@ def _prefill_attention(query, key, value, mask, scaling, softcap) -> torch.Tenso
                                              is_causal=mask is None and query.shape[2] > 1, enable_gqa=True)
         return out.transpose(1, 2).contiguous()
     q_len, t = query.shape[2], key.shape[2]
-    return torch.cat([
-        grouped_attention(query[:, :, s : s + _PREFILL_CHUNK], key, value, scaling, softcap=softcap,
-                          mask=mask[:, :, s : s + _PREFILL_CHUNK] if mask is not None else None,
-                          causal_offset=t - q_len + s)
-        for s in range(0, q_len, _PREFILL_CHUNK)
-    ], dim=1)
+    return torch.cat([grouped_attention(query[:, :, s : s + _PREFILL_CHUNK], key, value, scaling, softcap=softcap,
+                                        mask=mask[:, :, s : s + _PREFILL_CHUNK] if mask is not None else None,
+                                        causal_offset=t - q_len + s) for s in range(0, q_len, _PREFILL_CHUNK)], dim=1)
 
 
 def decode_backend(layer: Any, key: torch.Tensor, reference: bool = False) -> str:
@@ -179,14 +175,12 @@ def decode_backends(state: CompressionState) -> dict[str, str]:
     for layer in state.cache.layers:
         kind = ("per-head lengths" if isinstance(layer, RaggedLayer) else "quantized" if isinstance(
             layer, QuantizedLayer) else "bias columns" if getattr(layer, "bias_rows", 0) else "uniform")
-        key = getattr(layer, "keys", None)
-        if kind in out or not isinstance(key, torch.Tensor):
+        if kind in out or not isinstance(key := layer.keys, torch.Tensor):
             continue
         backend = decode_backend(layer, key, state.reference_decode)
         if backend.startswith("sdpa"):  # the step's SDPA call: G query rows per KV head, no mask
-            if kind == "per-head lengths":
-                key = key[: layer.lens_host[0] + layer.decoded].reshape(1, 1, -1, key.shape[-1])
-            key = key.new_zeros(*key.shape[:2], 1, layer.width) if kind == "quantized" else key  # as read back
+            key = (key[: layer.lens_host[0] + layer.decoded].view(1, 1, -1, key.shape[-1]) if kind == "per-head lengths"
+                   else key.new_zeros(*key.shape[:2], 1, layer.width) if kind == "quantized" else key)  # as read back
             backend = sdpa_backend(key.new_zeros(*key.shape[:2], g, key.shape[-1]), key, key)
         out[kind] = backend
     return out
@@ -195,8 +189,7 @@ def decode_backends(state: CompressionState) -> dict[str, str]:
 def dense_layer(layer: Any, key: torch.Tensor, value: torch.Tensor, query: torch.Tensor):
     """A layer's decode content in the padded reference layout: keys, values ``(B, H_kv, T, d)`` and the
     additive bias ``(B, H_q, 1, T)`` (from the bias columns; −inf on padded slots of ragged heads) or None."""
-    b, h_q, _, d = query.shape
-    r = getattr(layer, "bias_rows", 0)
+    (b, h_q, _, d), r = query.shape, getattr(layer, "bias_rows", 0)
     key, value, valid = layer.padded() if isinstance(layer, RaggedLayer) else (key, value, None)
     h_kv, t = key.shape[1], key.shape[2]
     bias = key[..., d : d + r].float().transpose(-1, -2) * layer.bias_scale if r else key.new_zeros(b, h_kv, 1, t).float()
@@ -313,9 +306,15 @@ def kvbench_attention(module, query, key, value, attention_mask, scaling=None, d
     idx, state = getattr(module, "layer_idx", None), kvbench_state
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
     if isinstance(state, CompressionState) and state.phase == "score":
-        out = _prefill_attention(query, key, value, attention_mask, scaling, softcap)
-        if idx in state.layout.compressible_layers:
-            _score_layer(state, module, query, key, value, scaling, softcap)
+        out, sc = _prefill_attention(query, key, value, attention_mask, scaling, softcap), state.scoring
+        if idx in state.layout.compressible_layers:  # the method's scores of this forward's positions [start, end)
+            _, start, end = sc.reconstruction.inputs[sc.forward]  # key: the n prefilled tokens, then the q fed ones
+            ctx = ReconstructionContext(idx, query, key, value, start, end, sc.reconstruction.sinks,
+                                        sc.hidden_norms.pop(idx, None),
+                                        getattr(getattr(module, "o_proj", None), "weight", None))
+            scores = sc.scores.setdefault(idx, key.new_zeros(*key.shape[:2], key.shape[2] - query.shape[2]))
+            scores[..., start:end] = state.method.reconstruction_score(ctx)
+            sc.scaling[idx] = (float(scaling), softcap)
         return out, None
     if isinstance(state, list) and state[0].phase == "decode":  # a decode batch: each row on its own cache
         layers, out = [s.cache.layers[idx] for s in state], [None] * len(state)
@@ -348,42 +347,27 @@ def kvbench_attention(module, query, key, value, attention_mask, scaling=None, d
         return out, None
     every = state if isinstance(state, list) else [state] if state is not None else []  # a shared prefill: several
     states = [s for s in every if s.compressing and s.scoring is None and idx in s.layout.compressible_layers]
-    sums, own = None, every[0] if every else None  # a sparse prefill is never shared (prefill)
+    out, sums, own = None, None, every[0] if every else None  # a sparse prefill is never shared (prefill)
     if (own is not None and own.plan is not None and own.method.sparse_prefill and attention_mask is None
             and query.shape[2] > 1 and idx in own.layout.compressible_layers):
         out = own.method.prefill_attention(query, key, value, scaling, int(own.plan.layer_budgets[idx]))
-        out = out.transpose(1, 2).contiguous()
     elif (states and attention_mask is None and not softcap and query.shape[2] == key.shape[2] > 1
           and states[0].method.wants_prompt_attention(key.device)):  # a whole causal prompt in one call
         # the method's whole-prompt score (LOOK-M's) comes out of this attention: one pass over QK^T, not two
         out, sums = states[0].method.prompt_attention(query, key, value, scaling, softcap)
-        out = out.transpose(1, 2).contiguous()
-    else:
-        out = _prefill_attention(query, key, value, attention_mask, scaling, softcap)
+    out = (_prefill_attention(query, key, value, attention_mask, scaling, softcap) if out is None
+           else out.transpose(1, 2).contiguous())  # (B, H_q, q, d) from a method's
     for s in every:
         s.backends.setdefault("prefill", "blocked float32 (column sums)" if sums is not None else "blocked float32"
                               if softcap else sdpa_backend(query, key, value, attn_mask=attention_mask, enable_gqa=True,
                                                            is_causal=attention_mask is None and query.shape[2] > 1))
-    for s in states:  # each compresses the layer into its own cache
-        compress_layer(s, idx, query, key, value, scaling, softcap, prompt_attention=sums)
-    for s in every:
         if s.decode_budget is not None and idx in s.layout.compressible_layers:  # R-KV's query cache: the prompt's
             s.queries[idx] = query[:, :, max(0, query.shape[2] - s.window) :].clone()
+    for s in states:  # each compresses the layer into its own cache
+        compress_layer(s, idx, query, key, value, scaling, softcap, prompt_attention=sums)
     if (probe := getattr(module, "kvbench_probe", None)) is not None:  # kvbench.tools.calibrate's, after each call
         probe(module, query, key, value, scaling, out)
     return out, None
-
-
-def _score_layer(state: CompressionState, module, query, key, value, scaling, softcap) -> None:
-    """The score phase on one compressible layer: the method's scores of the running forward's positions
-    [start, end) into ``state.scoring.scores`` (``key``: the n prefilled tokens, then the q fed ones)."""
-    sc, idx, q = state.scoring, module.layer_idx, query.shape[2]
-    _, start, end = sc.reconstruction.inputs[sc.forward]
-    ctx = ReconstructionContext(idx, query, key, value, start, end, sc.reconstruction.sinks,
-                                sc.hidden_norms.pop(idx, None), getattr(getattr(module, "o_proj", None), "weight", None))
-    scores = sc.scores.setdefault(idx, key.new_zeros(*key.shape[:2], key.shape[2] - q))
-    scores[..., start:end] = state.method.reconstruction_score(ctx)
-    sc.scaling[idx] = (float(scaling), softcap)
 
 
 def attach_bias(state: CompressionState) -> None:
