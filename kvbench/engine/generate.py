@@ -27,7 +27,7 @@ from transformers import DynamicCache
 from methods.base import Budget, Method, Plan, PromptFormat, apply_budget_floor, check_budget
 
 from kvbench.engine.attention import DECODE_BACKENDS, CompressionState, attach_bias, clock, decode_backends
-from kvbench.engine.kvcache import RaggedLayer, RowsCache, checkpoint, preallocated_cache, restore, store_layer
+from kvbench.engine.kvcache import RaggedLayer, RowsCache, preallocated_cache, store_layer
 from kvbench.engine.models import LoadedModel, greedy_processors
 from kvbench.engine.reconstruct import reconstruct, start_scoring
 from kvbench.engine.quantcache import QuantizedLayer
@@ -105,11 +105,6 @@ def read_point(state: CompressionState) -> tuple[list, Any]:
         nbytes = nbytes + layer_bytes(layer) * read / max(held, 1)
         tokens += [read / h] if i in state.layout.compressible_layers else []
     return tokens, nbytes
-
-
-def layer_tokens(layer: Any) -> int:
-    """Tokens a cache layer holds for its longest KV head."""
-    return max(layer.lens_host) + layer.decoded if isinstance(layer, RaggedLayer) else layer.get_seq_length()
 
 
 @dataclass
@@ -226,14 +221,8 @@ class Engine:
         self.budget = budget if isinstance(budget, Budget) else check_budget(budget)
         self.decoding = decode if decode is not None and decode.interval and method.decodes else None
         self._rotary = self._make_rotary()
-        self.record_logits = False
-        self.preallocate = True
-        self.reference_decode = False
-        self.on_decode_step = None
-        self.compile_decode = False
-        self.compile_error: str | None = None
-        self.quant = None
-        self._compiled = None
+        self.record_logits, self.preallocate, self.reference_decode, self.on_decode_step = False, True, False, None
+        self.compile_decode, self.compile_error, self.quant, self._compiled = False, None, None, None
         self.devices = sorted({p.device for p in self.model.parameters()}, key=str) or [loaded.device]
         self.prompt_format = PromptFormat(lambda text: loaded.tokenizer.encode(text, add_special_tokens=False))
         self.last_state: CompressionState | None = None
@@ -241,18 +230,15 @@ class Engine:
         self._floor_warned = False  # the budget-floor warning is logged once per engine
 
     def _make_rotary(self):
-        """Callable positions (k,) → (cos, sin) ``(k, d)`` float32 of the full-attention layers' RoPE."""
+        """Callable positions (k,) → (cos, sin) ``(k, d)`` float32 of the full-attention layers' RoPE; None: none."""
         rope = getattr(getattr(self.model, "model", self.model), "rotary_emb", None)
-        if rope is None:
-            return None
-        extra = ("full_attention",) if "layer_type" in inspect.signature(rope.forward).parameters else ()
-        dtype = self.loaded.dtype
+        extra = ("full_attention",) if rope and "layer_type" in inspect.signature(rope.forward).parameters else ()
 
         def rotary(positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            cos, sin = rope(torch.zeros(1, dtype=dtype, device=positions.device), positions.view(1, -1), *extra)
+            cos, sin = rope(positions.new_zeros(1, dtype=self.loaded.dtype), positions.view(1, -1), *extra)
             return cos[0].float(), sin[0].float()
 
-        return rotary
+        return None if rope is None else rotary
 
     def decode_forward(self):
         """The callable of a decode step: the model, or with ``compile_decode`` the model compiled once per engine by
@@ -280,8 +266,8 @@ class Engine:
                         "%d-token prompt; such layers keep min(n, %d)%s", self.budget, self.method.min_budget(),
                         self.method.name, n, self.method.min_budget(),
                         "" if plan.compress else " (here all n: the cache is not compressed)")
-        return CompressionState(method=self.method, plan=plan, layout=layout, cache=cache, rotary=self._rotary,
-                                reserve=reserve, reference_decode=self.reference_decode,
+        return CompressionState(method=self.method, plan=plan, layout=layout, cache=cache, reserve=reserve,
+                                rotary=self._rotary, reference_decode=self.reference_decode,
                                 decode_budget=None if d is None else self.budget, window=self.method.decode_window,
                                 cut_at_budget=d is not None and d.schedule == "length")  # R-KV rescores a full cache
 
@@ -292,13 +278,11 @@ class Engine:
         tokens fed after it (query part + generation), the room compressed layers keep. ValueError: empty prompt."""
         state, logits, prefill_s, peak = prefilled or prefill([self], prompt_ids, max_new_tokens)[0]
         c = len(prompt_ids)
-        kept, stored, nbytes, mstats = self._cache_stats(state, c)
-        finalize = getattr(self.method, "finalize", None)
-        if state.results and callable(finalize):
-            finalize(state.results)
+        stats = self._cache_stats(state, c)
+        if state.results:
+            self.method.finalize(state.results)
         attach_bias(state)
-        stats = dict(compressed_tokens=c, compressed=bool(state.results), kept_tokens=kept, stored_tokens=stored,
-                     cache_bytes_after=cache_bytes(state.cache), method_stats=mstats, **nbytes,
+        stats.update(compressed_tokens=c, compressed=bool(state.results), cache_bytes_after=cache_bytes(state.cache),
                      reconstruct_s=state.scoring.seconds if state.scoring else 0.0,
                      reconstruct_tokens=state.scoring.tokens if state.scoring else 0)
         next_pos = max([r.next_position for r in state.results.values() if r.next_position is not None], default=c)
@@ -339,16 +323,22 @@ class Engine:
 
     @torch.inference_mode()
     def checkpoint(self, ctx: Context) -> tuple:
-        """``ctx``'s state, for :meth:`restore` (the cache's: :func:`kvbench.engine.kvcache.checkpoint`)."""
-        return (checkpoint(ctx.state.cache), dict(ctx.state.queries), ctx.logits, ctx.next_pos, list(ctx.ids), ctx.steps)
+        """``ctx``'s state, for :meth:`restore`: its cache's layers as they are (O(1) memory: decoding writes past the
+        filled slots)."""
+        layers = [(x, dict(vars(x)), x.lengths.clone() if isinstance(x, RaggedLayer) else None)
+                  for x in ctx.state.cache.layers]
+        return layers, dict(ctx.state.queries), ctx.logits, ctx.next_pos, list(ctx.ids), ctx.steps
 
     @torch.inference_mode()
     def restore(self, ctx: Context, saved: tuple) -> None:
-        """Put ``ctx`` back as :meth:`checkpoint` saved it (a shared context's next question, a candidate)."""
-        cache, queries, ctx.logits, ctx.next_pos, ids, ctx.steps = saved
-        ctx.ids = list(ids)
-        restore(ctx.state.cache, cache)
-        ctx.state.queries = dict(queries)
+        """Put ``ctx`` back as :meth:`checkpoint` saved it (any number of times: a shared context's next question)."""
+        layers, queries, ctx.logits, ctx.next_pos, ids, ctx.steps = saved
+        ctx.ids, ctx.state.queries, ctx.state.cache.layers = list(ids), dict(queries), [x for x, _, _ in layers]
+        for layer, state, lengths in layers:
+            vars(layer).clear()
+            vars(layer).update(state)
+            if lengths is not None:
+                layer.lengths = lengths.clone()
 
     @torch.inference_mode()
     def generate(self, prompt_ids: list[int], max_new_tokens: int, stop_ids: list[int] | None = None,
@@ -403,10 +393,9 @@ class Engine:
         auto, batch_size = batch_size == "auto", 2**62 if batch_size == "auto" else batch_size
         reset_peak_memory(self.devices)  # the decode phase's own peak: the compressed cache and decoding
         forward = self.decode_forward() if batch_size == 1 else model
-        compiled = forward is not model
         with ExitStack() as scope:  # the decode's settings, restored on exit: nothing process-wide stays set
             scope.enter_context(sdpa_kernel(DECODE_BACKENDS))
-            if compiled:  # a frame dynamo cannot compile runs eager, never a failed sample (compile_error below)
+            if forward is not model:  # a frame dynamo cannot compile runs eager, never a failed sample (compile_error)
                 scope.enter_context(torch._dynamo.config.patch(suppress_errors=True))
                 # no duck shapes: layers' lengths equal in one sample are no guard, hence no recompile, for the next
                 scope.enter_context(fx_config.patch(use_duck_shape=False))
@@ -427,14 +416,10 @@ class Engine:
                     self.on_decode_step(live[0].step)
                 going = []
                 for row in live:
-                    try:
-                        if self._choose(row):
-                            going.append(row)
-                            continue
-                        result = self._result(row, compiled and forward is not model)
-                    except NonFiniteLogitsError as e:
-                        result = e
-                    on_result(row, result)
+                    if (result := self._choose(row, forward is not model)) is None:
+                        going.append(row)
+                    else:
+                        on_result(row, result)
                 live = going
                 if not live:
                     continue
@@ -489,7 +474,7 @@ class Engine:
 
     def _begin(self, row: Row, sampling: Any) -> Row:
         """Start ``row``: its stop ids, positions, processors, the trace's first point, its clock."""
-        ctx, dev = row.ctx, self.loaded.device
+        ctx, state, dev = row.ctx, row.ctx.state, self.loaded.device
         row.stops = sorted(set(self.loaded.stop_ids if row.stop_ids is None else row.stop_ids))
         row.stop_index = torch.tensor(row.stops, dtype=torch.long, device=dev)
         # the next token is the argmax tensor itself and the positions are slices of one tensor, so a step's only
@@ -499,18 +484,18 @@ class Engine:
             self.model, sampling, self.loaded.generation_config)
         row.n, row.logits, row.tokens, row.step, row.compile_s, row.compiling = len(ctx.ids), ctx.logits, [], 0, 0.0, 0
         row.seq = torch.tensor([ctx.ids + [0] * row.max_new_tokens], device=dev) if row.processors else None
-        state = ctx.state
         row.trace, row.compress_s0, state.held, row.reads = [self._trace_point(state, 0)], state.decode_compress_s, 0, []
         state.backends["decode"] = decode_backends(state)
         row.saved, row.gen_state = self.checkpoint(ctx), row.generator.get_state() if row.generator else None
         row.t1 = time.perf_counter()
         return row
 
-    def _choose(self, row: Row) -> bool:
-        """Choose ``row``'s next token; whether the row goes on (a forward of it), False at a stop or its limit."""
+    def _choose(self, row: Row, compiled: bool) -> Any:
+        """Choose ``row``'s next token: None while the row goes on (a forward of it), else (a stop, its limit) its
+        :meth:`_result`, or the :class:`NonFiniteLogitsError` that ended it."""
         step, ctx = row.step, row.ctx
         if step >= row.max_new_tokens:
-            return False
+            return self._result(row, compiled)
         if self.record_logits:
             self.last_logits.append(row.logits.float().clone())
         scores = row.logits
@@ -521,25 +506,23 @@ class Engine:
             torch.softmax(masked.float(), -1), 1, generator=row.generator)[0]).view(1, 1)
         tok, finite = torch.stack([next_tok[0, 0], torch.isfinite(row.logits).all().long()]).tolist()
         if not finite:
-            raise NonFiniteLogitsError(f"non-finite logits at decode step {step}")
-        if tok in row.stops:
-            return False
-        row.tokens.append(tok)
+            return NonFiniteLogitsError(f"non-finite logits at decode step {step}")
+        if tok not in row.stops:
+            row.tokens.append(tok)
+        if tok in row.stops or step == row.max_new_tokens - 1:
+            return self._result(row, compiled)
         if row.processors:
             row.seq[0, row.n + step] = next_tok[0, 0]
-        if step == row.max_new_tokens - 1:
-            return False
         row.next_tok = next_tok
         self._schedule(ctx, 1, ctx.next_pos + step)
         if ctx.state.compress_now:
             row.trace.append(self._trace_point(ctx.state, len(row.tokens)))
-        return True
+        return None
 
     def _result(self, row: Row, compiled: bool) -> GenerationResult:
         """``row``'s :class:`GenerationResult`; its context is left after the answer (the fed tokens)."""
         ctx, state, tokens, trace, reads = row.ctx, row.ctx.state, row.tokens, row.trace, row.reads
-        decode_s = clock(self.loaded.device) - row.t1 - row.compile_s
-        timed = len(tokens) - row.compiling
+        decode_s, timed = clock(self.loaded.device) - row.t1 - row.compile_s, len(tokens) - row.compiling
         ctx.logits, ctx.next_pos = row.logits, ctx.next_pos + len(ctx.ids) - row.n  # the fed ones: not a stop, not the last
         prefill_s, peak, ctx.prefill_s, ctx.peak_bytes = ctx.prefill_s, ctx.peak_bytes, 0.0, 0
         trace.append(self._trace_point(state, len(tokens)))
@@ -549,11 +532,10 @@ class Engine:
             tokens=tokens, text=self.loaded.tokenizer.decode(tokens, skip_special_tokens=True), prompt_tokens=row.n,
             **stats, prefill_s=prefill_s, compress_s=compress_s, decode_s=decode_s, generated_tokens=len(tokens),
             decode_tok_s=timed / decode_s if decode_s > 0 and timed > 0 else 0.0, compile_s=row.compile_s,
-            decode_compiled=compiled, peak_prefill_bytes=peak,
-            peak_decode_bytes=peak_memory_bytes(self.devices), sdpa_backends=dict(state.backends),
+            decode_compiled=compiled, peak_prefill_bytes=peak, peak_decode_bytes=peak_memory_bytes(self.devices),
+            sdpa_backends=dict(state.backends), decode_compress_s=state.decode_compress_s - row.compress_s0,
             cache_trace=[p[:3] for p in trace], peak_stored_tokens=max(state.held, *(p[3] for p in trace)),
             decode_compressions=sum(a[4] < b[4] for a, b in zip(trace[1:-1:2], trace[2:-1:2])),
-            decode_compress_s=state.decode_compress_s - row.compress_s0,
             read_tokens=_stats([round(float(sum(t)) / len(reads), 3) for t in zip(*(r[0] for r in reads))]) if reads else None,
             read_bytes=round(float(sum(r[1] for r in reads)) / len(reads)) if reads else None,
         )
@@ -561,13 +543,13 @@ class Engine:
     def _trace_point(self, state: CompressionState, generated: int) -> list:
         """``[generated tokens, stored tokens per KV head (mean over compressible layers of the longest head),
         stored bytes of the whole cache, the longest head of any compressible layer, the layer compressions so far]``."""
-        lens = [layer_tokens(state.cache.layers[i]) for i in state.layout.compressible_layers]
+        lens = [state.cache.layers[i].get_seq_length() for i in state.layout.compressible_layers]
         return [generated, round(sum(lens) / max(1, len(lens)), 3), cache_bytes(state.cache), max(lens, default=0),
                 state.compressions]
 
     def _cache_stats(self, state: CompressionState, n: int):
-        """(kept, stored, byte fields, method_stats): per-layer kept/stored token stats per KV head, read from the layers
-        (quantized blocks + residual); ``cache_bytes_before`` (compressed layers at n tokens), ``kept_bytes``, ``stored_bytes``."""
+        """Fields ``kept_tokens``, ``stored_tokens`` (per-layer stats per KV head, read from the layers: quantized
+        blocks + residual), ``method_stats``, ``kept_bytes``, ``stored_bytes``, ``cache_bytes_before`` (n tokens)."""
         layout, layers = self.loaded.layout, state.cache.layers
         token = 2 * layout.num_kv_heads * layout.head_dim * self.model.dtype.itemsize  # K and V of one token, all heads
         kept, stored, mstats = [], [], {}
@@ -581,7 +563,7 @@ class Engine:
                   "kept_bytes": round(sum(kept) * token), "stored_bytes": sum(layer_bytes(layers[i]) for i in state.results)}
         if not state.results:
             kept, stored = [float(n)] * len(layout.compressible_layers), [n] * len(layout.compressible_layers)
-        return _stats(kept), _stats(stored), nbytes, mstats
+        return dict(kept_tokens=_stats(kept), stored_tokens=_stats(stored), method_stats=mstats, **nbytes)
 
 
 @torch.inference_mode()
@@ -598,10 +580,9 @@ def prefill(engines: list[Engine], prompt_ids: list[int], max_new_tokens: int) -
     Raises:
         ValueError: an empty prompt.
     """
-    n, first = len(prompt_ids), engines[0]
+    n, first, dev = len(prompt_ids), engines[0], engines[0].loaded.device
     if n == 0:
         raise ValueError("empty prompt: nothing to prefill")
-    dev = first.loaded.device
     states = [e._start(n, max_new_tokens, e.preallocate or len(engines) > 1) for e in engines]
     for e, st in zip(engines, states):
         start_scoring(st, prompt_ids, e.prompt_format)  # a method that scores by reconstruction (KVzip)

@@ -30,10 +30,8 @@ class PreallocatedLayer(DynamicLayer):
                 capacity: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Copy ``keys``/``values`` ``(B, H_kv, T, d)`` into new zeroed buffers of ``capacity`` (default
         T + reserve) slots and ``width`` (default d) channels; return the views ``(B, H_kv, T, width)``."""
-        if not self.is_initialized:
-            self.lazy_initialization(keys, values)
+        self.lazy_initialization(keys, values)  # its empty keys/values free the old buffers before the new ones
         b, h, t, _ = keys.shape
-        self._key_buf = self._value_buf = None  # free the old buffers before allocating new ones
         for name, x in (("_key_buf", keys), ("_value_buf", values)):
             setattr(self, name, x.new_zeros((b, h, capacity or t + self.reserve, width or x.shape[-1])))
             getattr(self, name)[:, :, :t, : x.shape[-1]].copy_(x)
@@ -42,12 +40,10 @@ class PreallocatedLayer(DynamicLayer):
 
     def update(self, key_states, value_states, cache_kwargs: dict[str, Any] | None = None):
         """Append ``key_states``/``value_states`` ``(B, H_kv, q, d)`` in place; return the filled views."""
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
         q = key_states.shape[-2]
         # the first update (prefill), keys/values assigned, or the buffers full
         if self._key_buf is None or self._value_buf is None or self._len + q > self._key_buf.shape[-2]:
-            old = (self.keys, self.values) if self.keys.dim() == 4 else (key_states[:, :, :0], value_states[:, :, :0])
+            old = (self.keys, self.values) if self.is_initialized else (key_states[:, :, :0], value_states[:, :, :0])
             self.replace(*old, capacity=old[0].shape[-2] + q + self.reserve)
         t = self._len
         self._key_buf[:, :, t : t + q, : key_states.shape[-1]].copy_(key_states)
@@ -79,8 +75,7 @@ class RaggedLayer(DynamicLayer):
     free ones. Built from ``keys``/``values`` ``(B, H_kv, m, d)`` and ``valid`` ``(B, H_kv, m)``, the kept slots."""
 
     def __init__(self, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor, reserve: int, width: int):
-        super().__init__()
-        self.lazy_initialization(keys, values)
+        self.lazy_initialization(keys, values)  # what DynamicLayer's __init__ sets, for these keys
         self.shape, self.reserve, self.decoded = valid.shape[:2], reserve, 0
         lens = valid.sum(-1).flatten()
         self.cu = F.pad((lens + reserve).cumsum(0), (1, 0)).int()  # (B·H_kv + 1,) segment starts
@@ -117,9 +112,8 @@ class RaggedLayer(DynamicLayer):
         """Keys, values ``(B, H_kv, T, width)`` zero-padded to the longest head (``left``: on the left) and the
         validity mask ``(B, H_kv, T)``."""
         lens = [n + self.decoded for n in self.lens_host]
-        side = "left" if left else "right"
         pad = lambda buf: pad_sequence([buf[s : s + n, 0] for s, n in zip(self.cu_host, lens)], batch_first=True,
-                                       padding_side=side).view(*self.shape, max(lens), -1)
+                                       padding_side="left" if left else "right").view(*self.shape, max(lens), -1)
         slot, n = torch.arange(max(lens), device=self.keys.device), torch.tensor(lens, device=self.keys.device).unsqueeze(1)
         valid = slot >= max(lens) - n if left else slot < n
         return pad(self.keys), pad(self.values), valid.view(*self.shape, -1)
@@ -157,22 +151,6 @@ def store_layer(cache: Any, idx: int, keys: torch.Tensor, values: torch.Tensor, 
         layer.replace(keys, values, width)
     cache.layers[idx], layer.bias_rows, layer.bias_scale = layer, bias_rows, scaling
     return layer
-
-
-def checkpoint(cache: Any) -> list:
-    """The state of every layer of ``cache`` for :func:`restore` (O(1) memory: decoding writes past the filled slots)."""
-    return [(layer, dict(vars(layer)), layer.lengths.clone() if isinstance(layer, RaggedLayer) else None)
-            for layer in cache.layers]
-
-
-def restore(cache: Any, saved: list) -> None:
-    """Put ``cache`` back in the state :func:`checkpoint` saved (any number of times)."""
-    cache.layers = [layer for layer, _, _ in saved]
-    for layer, state, lengths in saved:
-        vars(layer).clear()
-        vars(layer).update(state)
-        if lengths is not None:
-            layer.lengths = lengths.clone()
 
 
 def write_bias(layer: Any, bias: torch.Tensor, d: int, valid: torch.Tensor | None = None) -> None:

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvbench.job.config import Decode, Sampling
-from kvbench.engine.generate import Engine, layer_tokens
+from kvbench.engine.generate import Engine
 from methods import build_method
 from methods.full import FullCache
 from tests.conftest import loaded_for, tiny_model
@@ -24,7 +24,7 @@ def stored_per_step(engine: Engine) -> list[list[int]]:
     """The tokens each compressible layer's longest KV head holds before every decode step, read from the cache."""
     seen = []
     engine.on_decode_step = lambda step: seen.append(
-        [layer_tokens(engine.last_state.cache.layers[i]) for i in engine.last_state.layout.compressible_layers])
+        [engine.last_state.cache.layers[i].get_seq_length() for i in engine.last_state.layout.compressible_layers])
     return seen
 
 
