@@ -150,12 +150,10 @@ def _prefill_attention(query, key, value, mask, scaling, softcap) -> torch.Tenso
 def decode_backend(layer: Any, key: torch.Tensor, reference: bool = False) -> str:
     """The decode attention of a cache layer: ``reference`` (:func:`grouped_attention`), ``flash varlen`` (ragged
     heads, CUDA, fp16/bf16), ``sdpa per head`` (ragged heads elsewhere), ``sdpa, bias columns`` or ``sdpa``."""
-    if reference:
-        return "reference"
-    if isinstance(layer, RaggedLayer):
-        half = key.is_cuda and key.dtype in (torch.float16, torch.bfloat16)
-        return "flash varlen" if half and varlen_attn is not None else "sdpa per head"
-    return "sdpa, bias columns" if getattr(layer, "bias_rows", 0) else "sdpa"
+    if reference or not isinstance(layer, RaggedLayer):
+        return "reference" if reference else "sdpa, bias columns" if getattr(layer, "bias_rows", 0) else "sdpa"
+    half = key.is_cuda and key.dtype in (torch.float16, torch.bfloat16)
+    return "flash varlen" if half and varlen_attn is not None else "sdpa per head"
 
 
 def sdpa_backend(query, key, value, **kwargs: Any) -> str:
@@ -170,8 +168,7 @@ def decode_backends(state: CompressionState) -> dict[str, str]:
     read back in full, ``bias columns``, ``uniform``), as :func:`_decode_attention` calls it: ``flash varlen``
     (ragged heads on CUDA), ``reference`` (float32 :func:`grouped_attention`), else :func:`sdpa_backend` of the
     step's SDPA call (a ragged layer's first head on CPU). Call it under the decode's ``sdpa_kernel`` settings."""
-    out: dict[str, str] = {}
-    g = state.layout.num_q_heads // state.layout.num_kv_heads
+    out, g = {}, state.layout.num_q_heads // state.layout.num_kv_heads
     for layer in state.cache.layers:
         kind = ("per-head lengths" if isinstance(layer, RaggedLayer) else "quantized" if isinstance(
             layer, QuantizedLayer) else "bias columns" if getattr(layer, "bias_rows", 0) else "uniform")
@@ -205,8 +202,7 @@ def _decode_attention(query, key, value, mask, scaling, softcap, layer=None, ref
     soft-capping: the G query heads of a KV head are G query rows ``(B, H_kv, G, d)`` (head h = kv·G + g), given a 1
     (or a one-hot over G) for the bias columns. Else (``reference``, soft-capping, q > 1, a mask on a ragged layer):
     the reference, q > 1 queries without ``mask`` causal per head (row i sees a head's first L − q + i + 1 slots)."""
-    b, h_q, q_len, d = query.shape
-    ragged = isinstance(layer, RaggedLayer)
+    (b, h_q, q_len, d), ragged = query.shape, isinstance(layer, RaggedLayer)
     backend = decode_backend(layer, key, reference or bool(softcap) or q_len > 1 or (ragged and mask is not None))
     if backend == "reference":
         k, v, bias = dense_layer(layer, key, value, query)
@@ -246,8 +242,7 @@ def compress_layer(state: CompressionState, idx: int, query, key, value, scaling
     """Run the method on layer ``idx`` (its prefill's last queries ``query``, its cache ``key``/``value``) and write
     its result into the cache. ``scores``: ``prompt_attention`` ``(B, H_q, n)`` column sums from the prefill
     attention, or ``reconstruction_scores`` ``(B, H_kv, n)`` (:class:`methods.base.LayerContext`)."""
-    t0, n, plan = clock(key.device), key.shape[2], state.plan
-    w = min(state.method.window_size, n)
+    t0, n, plan, w = clock(key.device), key.shape[2], state.plan, min(state.method.window_size, key.shape[2])
     heads = None if plan.head_budgets is None else plan.head_budgets[idx]
     ctx = LayerContext(idx, state.layout, key, value, query[:, :, query.shape[2] - w :], float(scaling),
                        int(plan.layer_budgets[idx]), softcap, heads, torch.arange(n, device=key.device), state.rotary,
