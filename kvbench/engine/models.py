@@ -203,14 +203,12 @@ def spm_bpe_merges(tokens: list[str], scores: list[float], types: list[int]) -> 
 
 def gguf_spm_as_bpe(tokenizer: Any, fields: dict[str, Any]) -> bool:
     """Rebuild (in place) a SentencePiece-BPE GGUF's tokenizer that transformers made a Unigram model (garbling Gemma
-    3's text) as the BPE model its scores describe (:func:`spm_bpe_merges`; ``fields``: :func:`_gguf_fields`); True
-    when rebuilt."""
+    3's text) as the BPE model the scores in ``fields`` (:func:`_gguf_fields`) describe; True when rebuilt."""
     from tokenizers.models import BPE, Unigram
 
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is None or not isinstance(backend.model, Unigram):
-        return False
-    if fields.get("model") != "llama" or "scores" not in fields:
+    llama = fields.get("model") == "llama" and "scores" in fields  # SentencePiece with scores
+    if not llama or not isinstance(getattr(backend, "model", None), Unigram):
         return False
     tokens, scores = list(fields["tokens"]), list(fields["scores"])
     types = list(fields.get("token_type", [_GGUF_NORMAL] * len(tokens)))
