@@ -225,8 +225,7 @@ class Engine:
         self.compile_decode, self.compile_error, self.quant, self._compiled = False, None, None, None
         self.devices = sorted({p.device for p in self.model.parameters()}, key=str) or [loaded.device]
         self.prompt_format = PromptFormat(lambda text: loaded.tokenizer.encode(text, add_special_tokens=False))
-        self.last_state: CompressionState | None = None
-        self.last_logits: list[torch.Tensor] = []
+        self.last_state, self.last_logits = None, []
         self._floor_warned = False  # the budget-floor warning is logged once per engine
 
     def _make_rotary(self):
@@ -318,8 +317,7 @@ class Engine:
         ctx.steps, st.position = ctx.steps + 1, first + q - 1
         st.compress_now = (len(ctx.ids) % d.interval == 0 if d.schedule == "length"
                            else ctx.steps >= d.interval or q >= st.decode_budget.tokens)
-        if st.compress_now:
-            ctx.steps = 0
+        ctx.steps = 0 if st.compress_now else ctx.steps
 
     @torch.inference_mode()
     def checkpoint(self, ctx: Context) -> tuple:
@@ -373,8 +371,7 @@ class Engine:
         st = ctx.state
         out = replace(ctx, ids=list(ctx.ids), state=replace(st, cache=copy.deepcopy(st.cache), queries=dict(st.queries),
                                                             backends=dict(st.backends), reads={}))
-        ctx.prefill_s, ctx.peak_bytes, ctx.compress_s = 0.0, 0, 0.0
-        ctx.stats = {**ctx.stats, "reconstruct_s": 0.0}
+        ctx.stats, ctx.prefill_s, ctx.peak_bytes, ctx.compress_s = {**ctx.stats, "reconstruct_s": 0.0}, 0.0, 0, 0.0
         return out
 
     @torch.inference_mode()
@@ -524,10 +521,9 @@ class Engine:
         ctx, state, tokens, trace, reads = row.ctx, row.ctx.state, row.tokens, row.trace, row.reads
         decode_s, timed = clock(self.loaded.device) - row.t1 - row.compile_s, len(tokens) - row.compiling
         ctx.logits, ctx.next_pos = row.logits, ctx.next_pos + len(ctx.ids) - row.n  # the fed ones: not a stop, not the last
-        prefill_s, peak, ctx.prefill_s, ctx.peak_bytes = ctx.prefill_s, ctx.peak_bytes, 0.0, 0
         trace.append(self._trace_point(state, len(tokens)))
-        compress_s, ctx.compress_s = ctx.compress_s, 0.0
-        stats, ctx.stats = ctx.stats, {**ctx.stats, "reconstruct_s": 0.0}  # a reused context's cost, charged once
+        stats, prefill_s, peak, compress_s = ctx.stats, ctx.prefill_s, ctx.peak_bytes, ctx.compress_s  # charged once
+        ctx.stats, ctx.prefill_s, ctx.peak_bytes, ctx.compress_s = {**ctx.stats, "reconstruct_s": 0.0}, 0.0, 0, 0.0
         return GenerationResult(
             tokens=tokens, text=self.loaded.tokenizer.decode(tokens, skip_special_tokens=True), prompt_tokens=row.n,
             **stats, prefill_s=prefill_s, compress_s=compress_s, decode_s=decode_s, generated_tokens=len(tokens),
