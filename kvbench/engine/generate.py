@@ -26,10 +26,10 @@ from transformers import DynamicCache
 
 from methods.base import Budget, Method, Plan, PromptFormat, apply_budget_floor, check_budget
 
-from kvbench.engine.attention import DECODE_BACKENDS, CompressionState, attach_bias, clock, decode_backends
+from kvbench.engine.attention import DECODE_BACKENDS, CompressionState, Scoring, attach_bias, clock, decode_backends
 from kvbench.engine.kvcache import RaggedLayer, RowsCache, preallocated_cache, store_layer
 from kvbench.engine.models import LoadedModel, greedy_processors
-from kvbench.engine.reconstruct import reconstruct, start_scoring
+from kvbench.engine.reconstruct import reconstruct
 from kvbench.engine.quantcache import QuantizedLayer
 
 log = logging.getLogger(__name__)
@@ -220,24 +220,20 @@ class Engine:
         self.loaded, self.model, self.method = loaded, loaded.model, method
         self.budget = budget if isinstance(budget, Budget) else check_budget(budget)
         self.decoding = decode if decode is not None and decode.interval and method.decodes else None
-        self._rotary = self._make_rotary()
+        rope = getattr(getattr(self.model, "model", self.model), "rotary_emb", None)  # the full-attention layers' RoPE
+        extra = ("full_attention",) if rope and "layer_type" in inspect.signature(rope.forward).parameters else ()
+
+        def rotary(positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # (k,) → (cos, sin) (k, d) float32
+            cos, sin = rope(positions.new_zeros(1, dtype=loaded.dtype), positions.view(1, -1), *extra)
+            return cos[0].float(), sin[0].float()
+
+        self._rotary = None if rope is None else rotary
         self.record_logits, self.preallocate, self.reference_decode, self.on_decode_step = False, True, False, None
         self.compile_decode, self.compile_error, self.quant, self._compiled = False, None, None, None
         self.devices = sorted({p.device for p in self.model.parameters()}, key=str) or [loaded.device]
         self.prompt_format = PromptFormat(lambda text: loaded.tokenizer.encode(text, add_special_tokens=False))
         self.last_state, self.last_logits = None, []
         self._floor_warned = False  # the budget-floor warning is logged once per engine
-
-    def _make_rotary(self):
-        """Callable positions (k,) → (cos, sin) ``(k, d)`` float32 of the full-attention layers' RoPE; None: none."""
-        rope = getattr(getattr(self.model, "model", self.model), "rotary_emb", None)
-        extra = ("full_attention",) if rope and "layer_type" in inspect.signature(rope.forward).parameters else ()
-
-        def rotary(positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            cos, sin = rope(positions.new_zeros(1, dtype=self.loaded.dtype), positions.view(1, -1), *extra)
-            return cos[0].float(), sin[0].float()
-
-        return None if rope is None else rotary
 
     def decode_forward(self):
         """The callable of a decode step: the model, or with ``compile_decode`` the model compiled once per engine by
@@ -276,17 +272,29 @@ class Engine:
         :func:`prefill`): the :class:`Context` every answer from this context starts from. ``max_new_tokens``: the
         tokens fed after it (query part + generation), the room compressed layers keep. ValueError: empty prompt."""
         state, logits, prefill_s, peak = prefilled or prefill([self], prompt_ids, max_new_tokens)[0]
-        c = len(prompt_ids)
-        stats = self._cache_stats(state, c)
-        if state.results:
+        c, layout, layers = len(prompt_ids), self.loaded.layout, state.cache.layers
+        token = 2 * layout.num_kv_heads * layout.head_dim * self.model.dtype.itemsize  # K and V of one token, all heads
+        kept, stored, mstats = [], [], {}  # tokens per KV head, read from the layers (quantized blocks + residual)
+        for i, res in state.results.items():
+            kept.append(float(layers[i].get_seq_length() if res.valid is None else res.valid.float().sum(-1).mean()))
+            stored.append(kept[-1] if isinstance(layers[i], RaggedLayer) else layers[i].get_seq_length())
+            for k, v in res.stats.items():
+                mstats[k] = mstats.get(k, 0.0) + float(v)
+        nbytes = {"cache_bytes_before": sum(token * c if i in state.results or isinstance(x, QuantizedLayer)
+                                            else layer_bytes(x) for i, x in enumerate(layers)),
+                  "kept_bytes": round(sum(kept) * token),
+                  "stored_bytes": sum(layer_bytes(layers[i]) for i in state.results)}
+        if state.results:  # after the stats: a method's finalize may rewrite its results
             self.method.finalize(state.results)
+        else:
+            kept, stored = [float(c)] * len(layout.compressible_layers), [c] * len(layout.compressible_layers)
         attach_bias(state)
-        stats.update(compressed_tokens=c, compressed=bool(state.results), cache_bytes_after=cache_bytes(state.cache),
+        stats = dict(compressed_tokens=c, compressed=bool(state.results), kept_tokens=_stats(kept), method_stats=mstats,
+                     stored_tokens=_stats(stored), cache_bytes_after=cache_bytes(state.cache), **nbytes,
                      reconstruct_s=state.scoring.seconds if state.scoring else 0.0,
                      reconstruct_tokens=state.scoring.tokens if state.scoring else 0)
         next_pos = max([r.next_position for r in state.results.values() if r.next_position is not None], default=c)
-        state.phase = "decode"
-        self.last_state = state
+        state.phase, self.last_state = "decode", state
         return Context(state, logits, next_pos, list(prompt_ids), stats, prefill_s, peak, state.compress_s)
 
     @torch.inference_mode()
@@ -543,24 +551,6 @@ class Engine:
         return [generated, round(sum(lens) / max(1, len(lens)), 3), cache_bytes(state.cache), max(lens, default=0),
                 state.compressions]
 
-    def _cache_stats(self, state: CompressionState, n: int):
-        """Fields ``kept_tokens``, ``stored_tokens`` (per-layer stats per KV head, read from the layers: quantized
-        blocks + residual), ``method_stats``, ``kept_bytes``, ``stored_bytes``, ``cache_bytes_before`` (n tokens)."""
-        layout, layers = self.loaded.layout, state.cache.layers
-        token = 2 * layout.num_kv_heads * layout.head_dim * self.model.dtype.itemsize  # K and V of one token, all heads
-        kept, stored, mstats = [], [], {}
-        for i, res in state.results.items():
-            kept.append(float(res.valid.float().sum(-1).mean()) if res.valid is not None else float(layers[i].get_seq_length()))
-            stored.append(kept[-1] if isinstance(layers[i], RaggedLayer) else layers[i].get_seq_length())
-            for k, v in res.stats.items():
-                mstats[k] = mstats.get(k, 0.0) + float(v)
-        nbytes = {"cache_bytes_before": sum(token * n if i in state.results or isinstance(x, QuantizedLayer)
-                                            else layer_bytes(x) for i, x in enumerate(layers)),
-                  "kept_bytes": round(sum(kept) * token), "stored_bytes": sum(layer_bytes(layers[i]) for i in state.results)}
-        if not state.results:
-            kept, stored = [float(n)] * len(layout.compressible_layers), [n] * len(layout.compressible_layers)
-        return dict(kept_tokens=_stats(kept), stored_tokens=_stats(stored), method_stats=mstats, **nbytes)
-
 
 @torch.inference_mode()
 def prefill(engines: list[Engine], prompt_ids: list[int], max_new_tokens: int) -> list[Prefilled]:
@@ -580,8 +570,9 @@ def prefill(engines: list[Engine], prompt_ids: list[int], max_new_tokens: int) -
     if n == 0:
         raise ValueError("empty prompt: nothing to prefill")
     states = [e._start(n, max_new_tokens, e.preallocate or len(engines) > 1) for e in engines]
-    for e, st in zip(engines, states):
-        start_scoring(st, prompt_ids, e.prompt_format)  # a method that scores by reconstruction (KVzip)
+    for e, st in zip(engines, states):  # a method that scores by reconstruction (KVzip): the prefill leaves it whole
+        rec = st.method.reconstruction(prompt_ids, e.prompt_format) if st.compressing else None
+        st.scoring = Scoring(rec) if rec is not None and rec.inputs else None
     kinds: dict[Any, list[int]] = {}
     hooks = [st.compressing and st.method.prefill_hooks(first.model, st, n) or None for st in states]
     for i, st in enumerate(states):

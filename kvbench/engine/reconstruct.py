@@ -2,15 +2,9 @@
 
 import torch
 
-from kvbench.engine.attention import CompressionState, Scoring, clock, compress_layer
+from kvbench.engine.attention import CompressionState, clock, compress_layer
 from kvbench.engine.kvcache import PreallocatedLayer
 from kvbench.engine.models import attention_modules
-
-
-def start_scoring(state: CompressionState, ids: list[int], fmt) -> None:
-    """Give ``state`` a ``Scoring`` when its method reconstructs ``ids``: the prefill then leaves its layers whole."""
-    rec = state.method.reconstruction(ids, fmt) if state.compressing else None
-    state.scoring = Scoring(rec) if rec is not None and rec.inputs else None
 
 
 @torch.inference_mode()
