@@ -174,8 +174,7 @@ class RowsCache(DynamicCache):
     return (the attention function takes them row by row); row 0's cache answers transformers' other questions."""
 
     def __init__(self, caches: list[Any]):
-        vars(self).update(vars(caches[0]))
-        self.rows = caches
+        vars(self).update(vars(caches[0]), rows=caches)
 
     def update(self, key_states, value_states, layer_idx: int, cache_kwargs: dict[str, Any] | None = None):
         return tuple(map(list, zip(*(c.update(key_states[r : r + 1], value_states[r : r + 1], layer_idx, cache_kwargs)
