@@ -23,8 +23,8 @@ from eval.base import Sample, Task, TaskConfigError
 from methods.base import ConfigError
 
 from kvbench.job.config import SELECTION_KEYS, JobSpec, check
-from kvbench.job.prompts import encode_prompt, prompt_format, prompt_text, split_prompt, stop_ids_for  # noqa: F401 - the job's public helpers
-from kvbench.job.runner import conversations, error_record, free_cuda, record_ids, run_sample, run_samples  # noqa: F401
+from kvbench.job.prompts import encode_prompt, prompt_format, split_prompt, stop_ids_for  # noqa: F401 - public helpers
+from kvbench.job.runner import conversations, free_cuda, record_ids, run_sample, run_samples  # noqa: F401
 from kvbench.job.store import JobLockedError, JobStore, atomic_write, read_json
 
 log = logging.getLogger("kvbench")

@@ -69,18 +69,14 @@ def units(loaded: Any, samples: list[Sample], compress: str) -> list[list[Sample
 
 
 def failed(sample_id: str, err: BaseException) -> dict[str, Any]:
-    """Log a failed sample in one line naming the last frame of its traceback; return its records' ``error``: type,
-    message, ``where`` (that frame, ``path:line in function``), ``traceback`` (Python's, the last 20,000 characters)."""
+    """Log a failed sample in one line naming the last frame of its traceback; return what its records add to their
+    fields: ``prediction`` and ``score`` null, ``error``: type, message, ``where`` (that frame, ``path:line in
+    function``), ``traceback`` (Python's, the last 20,000 characters)."""
     frames = traceback.extract_tb(err.__traceback__)
     where = f"{frames[-1].filename}:{frames[-1].lineno} in {frames[-1].name}" if frames else ""
     log.error("sample %s failed: %s: %s (at %s)", sample_id, type(err).__name__, err, where)
-    return {"type": type(err).__name__, "message": str(err)[:2000], "where": where,
-            "traceback": "".join(traceback.format_exception(type(err), err, err.__traceback__))[-20000:]}
-
-
-def error_record(base: dict[str, Any], error: dict) -> dict[str, Any]:
-    """The stored record of a failed sample: ``score`` null, ``error`` from :func:`failed`."""
-    return {**base, "prediction": None, "score": None, "error": error}
+    return {"prediction": None, "score": None, "error": {"type": type(err).__name__, "message": str(err)[:2000],
+            "where": where, "traceback": "".join(traceback.format_exception(type(err), err, err.__traceback__))[-20000:]}}
 
 
 def free_cuda() -> None:
@@ -89,16 +85,6 @@ def free_cuda() -> None:
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-
-
-def scored(task: Task, sample: Sample, result: Any, base: dict) -> dict[str, Any]:
-    """The record of one answer: prediction, the official score (FloatingPointError: not finite) and the engine's
-    measurements."""
-    score = float(task.score(sample, result.text))
-    if not math.isfinite(score):
-        raise FloatingPointError(f"non-finite score {score!r}")
-    extra = task.extra_scores(sample, result.text) if hasattr(task, "extra_scores") else {}
-    return {**base, "prediction": result.text, "score": score, "scores": extra, **result.record(), "error": None}
 
 
 class Unit:
@@ -200,7 +186,7 @@ class Unit:
         free_cuda()
         for sample, want in todo:
             for k in want:
-                on_record(error_record(self.base(sample, k), error))
+                on_record({**self.base(sample, k), **error})
 
     def base(self, sample: Sample, k: int) -> dict[str, Any]:
         """The record's identity fields: candidate (sampling) and group fields (a shared unit)."""
@@ -214,12 +200,17 @@ class Unit:
         return base
 
     def record(self, sample: Sample, k: int, result: Any) -> dict[str, Any]:
-        """The scored record of candidate k (an error record when scoring fails)."""
+        """Candidate k's record: the prediction, the official score and the engine's measurements (an error record
+        when scoring fails or the score is not finite)."""
         base = self.base(sample, k)
         try:
-            return scored(self.task, sample, result, base)
+            score = float(self.task.score(sample, result.text))
+            if not math.isfinite(score):
+                raise FloatingPointError(f"non-finite score {score!r}")
+            extra = self.task.extra_scores(sample, result.text) if hasattr(self.task, "extra_scores") else {}
+            return {**base, "prediction": result.text, "score": score, "scores": extra, **result.record(), "error": None}
         except Exception as e:  # noqa: BLE001
-            return error_record(base, failed(base["id"], e))
+            return {**base, **failed(base["id"], e)}
 
 
 class Progress:
@@ -284,8 +275,7 @@ def run_samples(engines: list[Any], loaded: Any, task: Task, samples: list[Sampl
         try:
             stores[j].append(rec)
         except (TypeError, ValueError) as e:  # not strict JSON (a NaN): store the failure instead
-            rec = error_record({k: rec.get(k) for k in ("id", "dataset", "answers", "all_classes", "length")},
-                               failed(rec["id"], e))
+            rec = {**{k: rec.get(k) for k in ("id", "dataset", "answers", "all_classes", "length")}, **failed(rec["id"], e)}
             stores[j].append(rec)
         progress.scored(j, rec)
         sid = rec.get("problem", rec["id"])
