@@ -17,26 +17,21 @@ from omegaconf import open_dict
 
 CONFIG_ERRORS = ("ConfigError", "TaskConfigError", "HydraException", "OmegaConfBaseException", "OverrideParseException")
 CONF = Path(__file__).resolve().parent / "conf"
-FLAGS = {s: a.nargs != 0 for a in get_args_parser()._actions for s in a.option_strings}  # Hydra's: takes a value?
 
 
 def _arguments(argv: list[str]) -> list[str]:
     """The arguments as Hydra takes them (the module docstring says which changes and why). HydraException: an
     option Hydra does not have (``--budget 0.25``)."""
-    options, overrides, i = [], [], 0
-    while i < len(argv):
-        name, eq, value = argv[i].partition("=")
-        valued = i + 1 < len(argv) and "=" not in argv[i + 1] and not argv[i + 1].startswith("-")  # a value follows
-        known = name in FLAGS or name[:2] == "--" and sum(f.startswith(name) for f in FLAGS) == 1  # or its prefix
-        if name[:1] == "-" and not known:
-            given = argv[i : i + 1 + (valued and not eq)]
-            raise HydraException(f"{' '.join(given)}: no such option; a config key is set by an override, key=value"
-                                 f" without dashes: {name.lstrip('-')}={(given[1:] or [value])[0] or '...'} (python "
-                                 "run.py --help)")
-        takes = FLAGS.get(argv[i], False) and valued
-        (options if argv[i].startswith("-") else overrides).extend(argv[i : i + 1 + takes])
-        i += 1 + takes
-    overrides = [f"+{a}" if a.startswith("experiment=") else a for a in overrides]
+    parsed, unknown = get_args_parser().parse_known_intermixed_args(argv)
+    if unknown:
+        name, eq, value = unknown[0].partition("=")
+        i = argv.index(unknown[0])
+        given = argv[i : i + 1 + (not eq and i + 1 < len(argv) and "=" not in argv[i + 1] and argv[i + 1][:1] != "-")]
+        raise HydraException(f"{' '.join(given)}: no such option; a config key is set by an override, key=value"
+                             f" without dashes: {name.lstrip('-')}={(given[1:] or [value])[0] or '...'} (python "
+                             "run.py --help)")
+    options = [a for a in argv if a not in parsed.overrides]
+    overrides = [f"+{a}" if a.startswith("experiment=") else a for a in parsed.overrides]
     if any(a.startswith("hydra/launcher=") for a in overrides) and not options:
         options = ["--multirun"]
     return options + overrides
