@@ -1,12 +1,7 @@
-"""The per-sample loop of a job (docs/ARCHITECTURE.md, steps 6 to 8): samples that share a context form a unit,
-prefilled and compressed once; each answer (a question, a turn, a sampled candidate) is decoded from it and
-stored as one record; progress on a terminal or in a log.
-
-Units (docs/DECODING.md, "One context, many questions"): under ``task.compress=context`` the samples whose
-context tokens are equal (multi-request: a LooGLE document, a SCBench row); a multi-turn conversation (its
-``follow_up`` samples); else a sample alone. A unit is the unit of resume: it runs again if any of its records
-is missing, storing only those.
-"""
+"""The per-sample loop of a job (docs/ARCHITECTURE.md, steps 6 to 8): samples that share a context form a unit
+(docs/DECODING.md, "One context, many questions"; the unit of resume), prefilled and compressed once; each answer
+(a question, a turn, a sampled candidate) is decoded from it and stored as one record; progress on a terminal or
+in a log."""
 
 from __future__ import annotations
 
@@ -75,25 +70,32 @@ def failed(sample_id: str, err: BaseException) -> dict[str, Any]:
     frames = traceback.extract_tb(err.__traceback__)
     where = f"{frames[-1].filename}:{frames[-1].lineno} in {frames[-1].name}" if frames else ""
     log.error("sample %s failed: %s: %s (at %s)", sample_id, type(err).__name__, err, where)
+    text = "".join(traceback.format_exception(type(err), err, err.__traceback__))
     return {"prediction": None, "score": None, "error": {"type": type(err).__name__, "message": str(err)[:2000],
-            "where": where, "traceback": "".join(traceback.format_exception(type(err), err, err.__traceback__))[-20000:]}}
+                                                         "where": where, "traceback": text[-20000:]}}
 
 
 def free_cuda() -> None:
     import torch
 
     gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    torch.cuda.empty_cache()  # a no-op before CUDA is initialized
+
+
+def scored(task: Task, sample: Sample, result: Any, base: dict) -> dict[str, Any]:
+    """The record of one answer: prediction, the official score (FloatingPointError: not finite) and the engine's
+    measurements."""
+    score = float(task.score(sample, result.text))
+    if not math.isfinite(score):
+        raise FloatingPointError(f"non-finite score {score!r}")
+    extra = task.extra_scores(sample, result.text) if hasattr(task, "extra_scores") else {}
+    return {**base, "prediction": result.text, "score": score, "scores": extra, **result.record(), "error": None}
 
 
 class Unit:
     """One unit run by one engine into one store: its context opened once, then each missing record answered.
-
-    Args:
-        samples: the unit (:func:`units`); done: the record ids stored already; sampling: the job's ``sampling``
-            node (None: greedy); seed: the job's seed (candidates' seeds, :func:`candidate_seed`).
-    """
+    ``samples``: the unit (:func:`units`); ``done``: the record ids stored already; ``sampling``: the job's
+    ``sampling`` node (None: greedy); ``seed``: the job's seed (candidates' seeds, :func:`candidate_seed`)."""
 
     def __init__(self, engine: Any, loaded: Any, task: Task, samples: list[Sample], done: set[str], sampling: Any,
                  seed: int):
@@ -200,15 +202,10 @@ class Unit:
         return base
 
     def record(self, sample: Sample, k: int, result: Any) -> dict[str, Any]:
-        """Candidate k's record: the prediction, the official score and the engine's measurements (an error record
-        when scoring fails or the score is not finite)."""
+        """The scored record of candidate k (an error record when scoring fails)."""
         base = self.base(sample, k)
         try:
-            score = float(self.task.score(sample, result.text))
-            if not math.isfinite(score):
-                raise FloatingPointError(f"non-finite score {score!r}")
-            extra = self.task.extra_scores(sample, result.text) if hasattr(self.task, "extra_scores") else {}
-            return {**base, "prediction": result.text, "score": score, "scores": extra, **result.record(), "error": None}
+            return scored(self.task, sample, result, base)
         except Exception as e:  # noqa: BLE001
             return {**base, **failed(base["id"], e)}
 
@@ -275,7 +272,8 @@ def run_samples(engines: list[Any], loaded: Any, task: Task, samples: list[Sampl
         try:
             stores[j].append(rec)
         except (TypeError, ValueError) as e:  # not strict JSON (a NaN): store the failure instead
-            rec = {**{k: rec.get(k) for k in ("id", "dataset", "answers", "all_classes", "length")}, **failed(rec["id"], e)}
+            rec = {**{k: rec.get(k) for k in ("id", "dataset", "answers", "all_classes", "length")},
+                   **failed(rec["id"], e)}
             stores[j].append(rec)
         progress.scored(j, rec)
         sid = rec.get("problem", rec["id"])
