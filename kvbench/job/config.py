@@ -24,7 +24,7 @@ import methods
 from eval.base import TaskConfigError
 from methods.base import ConfigError, check_budget, structured
 
-from kvbench.engine.models import CHAT_FORMATS, head_layout, load_tokenizer, read_config, resolve_source
+from kvbench.engine.models import CHAT_FORMATS
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
 CONF_MODEL_DIR = CONF / "model"
@@ -306,7 +306,8 @@ def device_type(device: str) -> str:
 
 def check(cfg: Any, preset: str | None = None) -> JobSpec:
     """The :class:`JobSpec` of a composed config. ConfigError / TaskConfigError: the first problem, one line."""
-    from methods import artifacts  # (torch)
+    from methods import artifacts
+    from kvbench.engine.models import head_layout, load_tokenizer, read_config, resolve_source
 
     try:  # Hydra checked keys, types and choices against the schemas (register); their __post_init__ check ranges
         plain = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
