@@ -12,37 +12,34 @@ import hydra
 from hydra._internal.utils import get_args_parser
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.errors import HydraException
 from omegaconf import open_dict
 
 CONFIG_ERRORS = ("ConfigError", "TaskConfigError", "HydraException", "OmegaConfBaseException", "OverrideParseException")
 CONF = Path(__file__).resolve().parent / "conf"
-FLAGS = {s: a.nargs != 0 for a in get_args_parser()._actions for s in a.option_strings}  # Hydra's: takes a value?
 
 
-def _arguments(argv: list[str]) -> list[str] | str:
-    """The arguments as Hydra takes them (the module docstring says which changes and why), or the one line for an
+def _arguments(argv: list[str]) -> list[str]:
+    """The arguments as Hydra takes them (the module docstring says which changes and why). HydraException: an
     option Hydra does not have (``--budget 0.25``)."""
-    options, overrides, i = [], [], 0
-    while i < len(argv):
-        name, eq, value = argv[i].partition("=")
-        valued = i + 1 < len(argv) and "=" not in argv[i + 1] and not argv[i + 1].startswith("-")  # a value follows
-        known = name in FLAGS or name[:2] == "--" and sum(f.startswith(name) for f in FLAGS) == 1  # or its prefix
-        if name[:1] == "-" and not known:
-            given = argv[i : i + 1 + (valued and not eq)]
-            return (f"{' '.join(given)}: no such option; a config key is set by an override, key=value without dashes: "
-                    f"{name.lstrip('-')}={(given[1:] or [value])[0] or '...'} (python run.py --help)")
-        takes = FLAGS.get(argv[i], False) and valued
-        (options if argv[i].startswith("-") else overrides).extend(argv[i : i + 1 + takes])
-        i += 1 + takes
-    overrides = [f"+{a}" if a.startswith("experiment=") else a for a in overrides]
+    parsed, unknown = get_args_parser().parse_known_intermixed_args(argv)
+    if unknown:
+        name, eq, value = unknown[0].partition("=")
+        i = argv.index(unknown[0])
+        given = argv[i : i + 1 + (not eq and i + 1 < len(argv) and "=" not in argv[i + 1] and argv[i + 1][:1] != "-")]
+        raise HydraException(f"{' '.join(given)}: no such option; a config key is set by an override, key=value"
+                             f" without dashes: {name.lstrip('-')}={(given[1:] or [value])[0] or '...'} (python "
+                             "run.py --help)")
+    options = [a for a in argv if a not in parsed.overrides]
+    overrides = [f"+{a}" if a.startswith("experiment=") else a for a in parsed.overrides]
     if any(a.startswith("hydra/launcher=") for a in overrides) and not options:
         options = ["--multirun"]
     return options + overrides
 
 
 def _one_line(e: BaseException, args: list[str]) -> str:
-    """A Hydra / OmegaConf / kvbench configuration error as one line naming the key."""
-    line = re.sub(r" To append to your config use \S+", "", " ".join(str(e).split())).split(" Config search path:")[0]
+    """A Hydra / OmegaConf / kvbench configuration error as one line naming the key, control characters escaped."""
+    line = re.sub(r" To append to your config use \S+", "", " ".join(str(e).split())).split(" Config search path")[0]
     if "Could not load 'hydra/launcher/joblib'" in line:  # hydra/launcher=parallel without its plugin
         line += ' Install the joblib launcher plugin: pip install -e ".[sweeps]" (hydra-joblib-launcher)'
     cause, parent = e.__cause__, getattr(e.__cause__, "parent_node", None)
@@ -57,35 +54,23 @@ def _one_line(e: BaseException, args: list[str]) -> str:
                 OverridesParser.create().parse_override(a)
             except Exception:  # noqa: BLE001
                 bad = [c for c in a if not c.isprintable()]
-                why = f"control character {bad[0]!r}" if bad else line
-                return f"{a}: cannot parse this override ({why}); write key=value, see python run.py --help"
-    return line
-
-
-def _group_override(e: BaseException, args: list[str]) -> str | None:
-    """The one line for a config group set to a non-option (``method=null``: a bare ValueError), or None."""
-    if isinstance(e, ValueError) and "Config group override" in str(e):
-        for o in OverridesParser.create().parse_overrides([a for a in args if not a.startswith("-")]):
-            folder = CONF / o.key_or_group
-            if folder.is_dir() and not o.is_sweep_override() and not isinstance(o.value(), str):
-                return (f"{o.input_line}: {o.key_or_group} is a config group; accepted values are "
-                        f"{', '.join(sorted(p.stem for p in folder.glob('*.yaml')))}")
-    return None
-
-
-def _escaped(text: str) -> str:
-    """``text`` with control characters escaped (``\\x01``, ``\\r``): an error stays one readable line."""
-    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+                line = f"{a}: cannot parse this override ({f'control character {bad[0]!r}' if bad else line}); write "
+                line += "key=value, see python run.py --help"
+                break
+    if isinstance(e, ValueError) and "Config group override" in line:  # a group set to a non-option: method=null
+        for o in OverridesParser.create().parse_overrides([a for a in args if "=" in a and a[:1] != "-"]):
+            if (CONF / o.key_or_group).is_dir() and not o.is_sweep_override() and not isinstance(o.value(), str):
+                line = (f"{o.input_line}: {o.key_or_group} is a config group; accepted values are "
+                        f"{', '.join(sorted(p.stem for p in (CONF / o.key_or_group).glob('*.yaml')))}")
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in line)
 
 
 def main() -> int:
     """Run one job (composed once) or the Hydra app; a configuration error: one line, exit 2."""
     os.environ["HYDRA_FULL_ERROR"] = "1"  # errors reach the handler below instead of Hydra's report
-    args = _arguments(sys.argv[1:])
-    if isinstance(args, str):
-        print(f"error: {_escaped(args)}", file=sys.stderr)
-        return 2
+    args = sys.argv[1:]
     try:
+        args = _arguments(args)
         from kvbench.job.config import compose
         from kvbench.job.run import main as run_job
 
@@ -102,12 +87,12 @@ def main() -> int:
         return 130
     except Exception as e:  # noqa: BLE001 - one line for the user, exit code by kind
         kinds = {c.__name__ for c in type(e).__mro__}
-        group = _group_override(e, args) or (str(e) if str(e).startswith("Only one of --run") else None)  # -m --cfg
-        if not (kinds & {*CONFIG_ERRORS, "OSError", "FailedJobError"} or group):  # FailedJobError: sbatch failed
+        config = kinds & set(CONFIG_ERRORS) or str(e).startswith(("Config group override", "Only one of --run"))
+        if not (config or kinds & {"OSError", "FailedJobError"}):  # FailedJobError: sbatch failed
             raise
         if not ("FailedJobError" in kinds and getattr(e.__cause__, "stderr", None)):  # else submitit printed sbatch's
-            print(f"error: {_escaped(group or _one_line(e, args))}", file=sys.stderr, flush=True)
-        return 2 if kinds & set(CONFIG_ERRORS) or group else 1
+            print(f"error: {_one_line(e, args)}", file=sys.stderr, flush=True)
+        return 2 if config else 1
     return 0
 
 

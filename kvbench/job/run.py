@@ -9,7 +9,7 @@ import platform
 import subprocess
 import sys
 import time
-from contextlib import ExitStack
+from contextlib import ExitStack, suppress
 from pathlib import Path
 from typing import Any
 
@@ -19,12 +19,13 @@ from hydra.types import RunMode
 from omegaconf import OmegaConf, open_dict
 
 import eval as tasks
+import methods
 from eval.base import Sample, Task, TaskConfigError
 from methods.base import ConfigError
 
-from kvbench.job.config import SELECTION_KEYS, JobSpec, check
-from kvbench.job.prompts import encode_prompt, prompt_format, prompt_text, split_prompt, stop_ids_for  # noqa: F401 - the job's public helpers
-from kvbench.job.runner import conversations, error_record, free_cuda, record_ids, run_sample, run_samples  # noqa: F401
+from kvbench.job.config import SELECTION_KEYS, JobSpec, check, compose
+from kvbench.job.prompts import encode_prompt, prompt_format, split_prompt, stop_ids_for  # noqa: F401 - public helpers
+from kvbench.job.runner import conversations, free_cuda, record_ids, run_sample, run_samples  # noqa: F401
 from kvbench.job.store import JobLockedError, JobStore, atomic_write, read_json
 
 log = logging.getLogger("kvbench")
@@ -39,10 +40,9 @@ def environment(loaded: Any) -> dict[str, Any]:
     import transformers
 
     def git(*args: str) -> str:
-        try:
+        with suppress(OSError, subprocess.SubprocessError):
             return subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True, timeout=5).stdout.strip()
-        except (OSError, subprocess.SubprocessError):
-            return ""
+        return ""
 
     return {
         "python": sys.version.split()[0], "torch": torch.__version__, "transformers": transformers.__version__,
@@ -155,14 +155,9 @@ def set_threads(threads: Any) -> None:
 
     if threads == "auto":
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        threads = max(1, cores - round(os.getloadavg()[0])) if hasattr(os, "getloadavg") else cores
+        threads = max(1, cores - round(os.getloadavg()[0]))  # (POSIX, as the store's fcntl locks)
     if threads:
         torch.set_num_threads(threads)
-
-
-def run_job(job: JobSpec, wait_s: float | None = None) -> int:
-    """Run a checked job; returns the exit code (:func:`run_jobs`)."""
-    return run_jobs([job], wait_s)[0]
 
 
 def run_jobs(jobs: list[JobSpec], wait_s: float | None = None) -> list[int]:
@@ -304,9 +299,6 @@ class Summary(dict):
 def api(overrides: list[str], method: Any = None) -> Summary:
     """``kvbench.run`` (docs/METHODS.md): the job of ``overrides`` in this process; ``method``: a Method class or
     instance, run as ``method=plugin``. ConfigError / TaskConfigError before a model loads; JobLockedError."""
-    import methods
-    from kvbench.job.config import compose
-
     if method is not None:
         cls = method if isinstance(method, type) else type(method)
         methods.CLASSES[target := f"{cls.__module__}:{cls.__qualname__}"] = cls
@@ -319,7 +311,7 @@ def api(overrides: list[str], method: Any = None) -> Summary:
         del cfg["hydra"]
     job = check(cfg, preset)
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
-    if run_job(job) == EXIT_LOCKED:
+    if run_jobs([job])[0] == EXIT_LOCKED:
         raise JobLockedError(f"job folder {job.relpath} is in use by another process")
     summary = Summary(read_json(path := Path(job.top.output_root).resolve() / job.relpath / "summary.json"))
     summary.path = path.parent
@@ -332,18 +324,17 @@ def main(cfg: Any) -> Any:
         logging.getLogger(noisy).setLevel(logging.ERROR)
     hc = HydraConfig.get()
     multirun = hc.mode == RunMode.MULTIRUN
-    if not multirun and OmegaConf.select(hc, "sweeper.params"):
-        print(f"error: experiment={hc.runtime.choices.get('experiment')} sweeps {', '.join(hc.sweeper.params)}: add "
-              "--multirun (-m) to run its jobs", file=sys.stderr)
-        sys.exit(EXIT_CONFIG)
     local = multirun and str(OmegaConf.select(hc, "launcher._target_", default="")).endswith(".LocalLauncher")
     try:
+        if not multirun and OmegaConf.select(hc, "sweeper.params"):
+            raise ConfigError(f"experiment={hc.runtime.choices.get('experiment')} sweeps {', '.join(hc.sweeper.params)}:"
+                              " add --multirun (-m) to run its jobs")
         job = check(cfg, hc.runtime.choices.get("method"))
         if local:
             return job
         logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
         # in a sweep a job may meet its twin (method=full at several budgets is one folder): wait for it
-        code = run_job(job, max(job.top.lock_wait_s, 86400) if multirun else None)
+        code = run_jobs([job], max(job.top.lock_wait_s, 86400) if multirun else None)[0]
     except (ConfigError, TaskConfigError, OSError) as e:  # one line, before any model loads where it can
         if local:
             return e  # the launcher stops the sweep with it, once every job is checked
@@ -363,7 +354,7 @@ class SweepCheck(Callback):
         if config.sweep.share_prefill and not str(config.hydra.launcher._target_).endswith(".LocalLauncher"):
             print(f"error: sweep.share_prefill=true: runs with the local launcher only (hydra/launcher=local), not "
                   f"{config.hydra.runtime.choices['hydra/launcher']}", file=sys.stderr, flush=True)
-            sys.exit(EXIT_CONFIG)
+            sys.exit(EXIT_CONFIG)  # (an exception would be a warning: Hydra's callbacks catch them)
 
 
 def run_sweep(jobs: list[JobSpec]) -> int:

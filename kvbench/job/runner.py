@@ -1,12 +1,7 @@
-"""The per-sample loop of a job (docs/ARCHITECTURE.md, steps 6 to 8): samples that share a context form a unit,
-prefilled and compressed once; each answer (a question, a turn, a sampled candidate) is decoded from it and
-stored as one record; progress on a terminal or in a log.
-
-Units (docs/DECODING.md, "One context, many questions"): under ``task.compress=context`` the samples whose
-context tokens are equal (multi-request: a LooGLE document, a SCBench row); a multi-turn conversation (its
-``follow_up`` samples); else a sample alone. A unit is the unit of resume: it runs again if any of its records
-is missing, storing only those.
-"""
+"""The per-sample loop of a job (docs/ARCHITECTURE.md, steps 6 to 8): samples that share a context form a unit
+(docs/DECODING.md, "One context, many questions"; the unit of resume), prefilled and compressed once; each answer
+(a question, a turn, a sampled candidate) is decoded from it and stored as one record; progress on a terminal or
+in a log."""
 
 from __future__ import annotations
 
@@ -69,26 +64,22 @@ def units(loaded: Any, samples: list[Sample], compress: str) -> list[list[Sample
 
 
 def failed(sample_id: str, err: BaseException) -> dict[str, Any]:
-    """Log a failed sample in one line naming the last frame of its traceback; return its records' ``error``: type,
-    message, ``where`` (that frame, ``path:line in function``), ``traceback`` (Python's, the last 20,000 characters)."""
+    """Log a failed sample in one line naming the last frame of its traceback; return what its records add to their
+    fields: ``prediction`` and ``score`` null, ``error``: type, message, ``where`` (that frame, ``path:line in
+    function``), ``traceback`` (Python's, the last 20,000 characters)."""
     frames = traceback.extract_tb(err.__traceback__)
     where = f"{frames[-1].filename}:{frames[-1].lineno} in {frames[-1].name}" if frames else ""
     log.error("sample %s failed: %s: %s (at %s)", sample_id, type(err).__name__, err, where)
-    return {"type": type(err).__name__, "message": str(err)[:2000], "where": where,
-            "traceback": "".join(traceback.format_exception(type(err), err, err.__traceback__))[-20000:]}
-
-
-def error_record(base: dict[str, Any], error: dict) -> dict[str, Any]:
-    """The stored record of a failed sample: ``score`` null, ``error`` from :func:`failed`."""
-    return {**base, "prediction": None, "score": None, "error": error}
+    text = "".join(traceback.format_exception(type(err), err, err.__traceback__))
+    return {"prediction": None, "score": None, "error": {"type": type(err).__name__, "message": str(err)[:2000],
+                                                         "where": where, "traceback": text[-20000:]}}
 
 
 def free_cuda() -> None:
     import torch
 
     gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    torch.cuda.empty_cache()  # a no-op before CUDA is initialized
 
 
 def scored(task: Task, sample: Sample, result: Any, base: dict) -> dict[str, Any]:
@@ -103,11 +94,8 @@ def scored(task: Task, sample: Sample, result: Any, base: dict) -> dict[str, Any
 
 class Unit:
     """One unit run by one engine into one store: its context opened once, then each missing record answered.
-
-    Args:
-        samples: the unit (:func:`units`); done: the record ids stored already; sampling: the job's ``sampling``
-            node (None: greedy); seed: the job's seed (candidates' seeds, :func:`candidate_seed`).
-    """
+    ``samples``: the unit (:func:`units`); ``done``: the record ids stored already; ``sampling``: the job's
+    ``sampling`` node (None: greedy); ``seed``: the job's seed (candidates' seeds, :func:`candidate_seed`)."""
 
     def __init__(self, engine: Any, loaded: Any, task: Task, samples: list[Sample], done: set[str], sampling: Any,
                  seed: int):
@@ -200,7 +188,7 @@ class Unit:
         free_cuda()
         for sample, want in todo:
             for k in want:
-                on_record(error_record(self.base(sample, k), error))
+                on_record({**self.base(sample, k), **error})
 
     def base(self, sample: Sample, k: int) -> dict[str, Any]:
         """The record's identity fields: candidate (sampling) and group fields (a shared unit)."""
@@ -219,7 +207,7 @@ class Unit:
         try:
             return scored(self.task, sample, result, base)
         except Exception as e:  # noqa: BLE001
-            return error_record(base, failed(base["id"], e))
+            return {**base, **failed(base["id"], e)}
 
 
 class Progress:
@@ -284,8 +272,8 @@ def run_samples(engines: list[Any], loaded: Any, task: Task, samples: list[Sampl
         try:
             stores[j].append(rec)
         except (TypeError, ValueError) as e:  # not strict JSON (a NaN): store the failure instead
-            rec = error_record({k: rec.get(k) for k in ("id", "dataset", "answers", "all_classes", "length")},
-                               failed(rec["id"], e))
+            rec = {**{k: rec.get(k) for k in ("id", "dataset", "answers", "all_classes", "length")},
+                   **failed(rec["id"], e)}
             stores[j].append(rec)
         progress.scored(j, rec)
         sid = rec.get("problem", rec["id"])

@@ -34,11 +34,10 @@ def atomic_write(path: Path | str, text: str) -> None:
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
-        with naming(path):
-            with open(tmp, "w", encoding="utf-8") as f:
-                f.write(text)
-                f.flush()
-                os.fsync(f.fileno())
+        with naming(path), open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
             os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)

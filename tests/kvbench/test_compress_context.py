@@ -40,7 +40,7 @@ def test_the_query_part_is_the_query_and_the_templates_closing(template, closing
 
 
 def test_context_and_prompt_jobs_differ_in_folder_and_compressed_tokens(tiny_model_dir, haystack_dir, tmp_path):
-    from kvbench.job.run import run_job, run_jobs
+    from kvbench.job.run import run_jobs
     from tests.kvbench.cli_util import check, job_dir, read_lines, tiny_model_args
 
     args = [*tiny_model_args(tiny_model_dir), f"task.haystack_dir={haystack_dir}", "task.context_lengths=[300]",
@@ -48,7 +48,7 @@ def test_context_and_prompt_jobs_differ_in_folder_and_compressed_tokens(tiny_mod
             "budget=0.25", f"output_root={tmp_path}"]
     prompt, context = check(args), check([*args, "task.compress=context"])
     assert "compress" not in prompt.identity["task"] and context.identity["task"]["compress"] == "context"
-    assert [run_job(prompt), run_job(context)] == [0, 0] and job_dir(args) != job_dir([*args, "task.compress=context"])
+    assert run_jobs([prompt]) + run_jobs([context]) == [0, 0] and job_dir(args) != job_dir([*args, "task.compress=context"])
     (p,), (c,) = (read_lines(job_dir(a) / "predictions.jsonl") for a in (args, [*args, "task.compress=context"]))
     assert p["prompt_tokens"] == p["compressed_tokens"] == c["prompt_tokens"] == 300
     query = len(" </book>.\nBased on the content of the book, answer the question: "

@@ -14,7 +14,7 @@ import torch
 
 from eval.base import Sample, Task
 from kvbench.engine.generate import Engine
-from kvbench.job.run import run_samples, run_job, run_sample, summarize
+from kvbench.job.run import run_jobs, run_sample, run_samples, summarize
 from kvbench.job.store import JobStore
 from methods.full import FullCache
 from methods.snapkv import SnapKV, SnapKVConfig
@@ -203,7 +203,7 @@ def test_identity_json_holds_the_resolved_inputs(base, haystack_dir):
 
 def run(args: list[str]) -> tuple[int, JobStore]:
     job = check(args)
-    code = run_job(job)
+    (code,) = run_jobs([job])
     return code, JobStore(job.cfg["output_root"] + "/" + job.relpath)
 
 

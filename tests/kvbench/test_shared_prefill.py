@@ -65,7 +65,7 @@ def records(folder):
 
 
 def test_a_shared_sweep_stores_what_separate_jobs_store_resumes_and_respects_locks(tiny_model_dir, haystack_dir, tmp_path):
-    from kvbench.job.run import run_job
+    from kvbench.job.run import run_jobs
     from kvbench.job.store import JobStore
     from tests.kvbench.cli_util import check, read_lines, run_cli, tiny_model_args
 
@@ -75,7 +75,7 @@ def test_a_shared_sweep_stores_what_separate_jobs_store_resumes_and_respects_loc
     out = run_cli(["-m", *SWEEP, *alone])
     assert out.returncode == 0, out.stderr[-3000:]
     first, locked = folders(shared)[0], folders(shared)[3]
-    assert run_job(check([*shared, "method=selkv", "budget=0.5", "max_samples=1"])) == 0  # one sample stored before
+    assert run_jobs([check([*shared, "method=selkv", "budget=0.5", "max_samples=1"])]) == [0]  # one stored before
     with JobStore(locked).locked():  # another process runs snapkv, budget 64: the sweep leaves it out, exit 3
         out = run_cli(["-m", *SWEEP, *shared, "sweep.share_prefill=true"])
     assert out.returncode == 3 and "error: job folder" in out.stderr and str(locked) in out.stderr, out.stderr[-3000:]
@@ -104,13 +104,13 @@ def test_a_shared_sweep_refuses_other_launchers(tmp_path):
 def test_the_full_cache_twin_keeps_the_first_budget_shared_or_alone(tiny_model_dir, haystack_dir, tmp_path):
     import yaml
 
-    from kvbench.job.run import run_job, run_jobs
+    from kvbench.job.run import run_jobs
     from tests.kvbench.cli_util import check, job_dir, tiny_model_args
 
     common = [*tiny_model_args(tiny_model_dir), f"task.haystack_dir={haystack_dir}", "task.context_lengths=[300]",
               "task.depth_percents=[50]", "task.max_new_tokens=2", "quiet=true", "threads=1", "method=full"]
     alone, shared = [*common, f"output_root={tmp_path / 'alone'}"], [*common, f"output_root={tmp_path / 'shared'}"]
-    assert [run_job(check([*alone, f"budget={b}"])) for b in (0.1, 0.5)] == [0, 0]  # the second finds it finished
+    assert [run_jobs([check([*alone, f"budget={b}"])])[0] for b in (0.1, 0.5)] == [0, 0]  # the second finds it finished
     assert run_jobs([check([*shared, f"budget={b}"]) for b in (0.1, 0.5)]) == [0, 0]  # one job for both
     configs = [yaml.safe_load((job_dir([*args, "budget=0.5"]) / "config.yaml").read_text()) for args in (alone, shared)]
     assert [c["budget"] for c in configs] == [0.1, 0.1]

@@ -12,7 +12,7 @@ import pytest
 
 pytest.importorskip("kvpress", reason="kvpress not installed (optional extra: pip install -e '.[kvpress]')")
 
-from kvbench.job.run import run_job  # noqa: E402
+from kvbench.job.run import run_jobs  # noqa: E402
 from tests.kvbench.cli_util import check, job_dir, make_haystack_dir, make_tiny_model_dir, read_lines, run_cli, tiny_model_args  # noqa: E402
 
 PRESSES = {  # press: its press_kwargs override ({duo}: the pattern folder)
@@ -46,7 +46,7 @@ def run_presses(model_args: list[str], tmp_path, duo: str, cli: bool = True) -> 
             run = run_cli(args, timeout=900)
             assert run.returncode == 0, (press, run.stderr[-2000:])
         else:
-            assert run_job(check(args)) == 0, press
+            assert run_jobs([check(args)]) == [0], press
         (records[press],) = read_lines(job_dir(args) / "predictions.jsonl")
         assert records[press]["error"] is None and records[press]["compressed"]
     return records
