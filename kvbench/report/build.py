@@ -93,7 +93,6 @@ def write(a: Artifact, out: Path) -> list[Path]:
     """Write a table (``.md``, ``.tex``, ``.csv``) or figure (``.png``, ``.pdf``) and ``<name>.sources.txt``; returns
     the table or figure paths."""
     paths = [Path(f"{out / a.name}{s}") for s in ((".png", ".pdf") if a.fig is not None else (".md", ".tex", ".csv"))]
-    paths[0].parent.mkdir(parents=True, exist_ok=True)
     if a.fig is not None:
         for path in paths:
             a.fig.savefig(path, dpi=150)
@@ -108,14 +107,6 @@ def write(a: Artifact, out: Path) -> list[Path]:
             *a.sources, *([""] + [f"# note: {n}" for n in a.notes] if a.notes else [])]
     atomic_write(Path(f"{out / a.name}.sources.txt"), "\n".join(text) + "\n")
     return paths
-
-
-def load_latency(path: str | Path) -> list[dict]:
-    """Records of a kvbench.tools.latency JSON file (a list of objects); ValueError if not."""
-    records = json.loads(Path(path).read_text())
-    if not isinstance(records, list) or not all(isinstance(r, dict) for r in records):
-        raise ValueError("expected a list of records")
-    return records
 
 
 def _selected(family: str, only) -> bool:
@@ -157,7 +148,9 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--only {bad[0]!r}: no such artifact; accepted: {', '.join(names)}")
     lat_path = Path(args.latency or root / "latency.json")
     try:
-        latency = load_latency(lat_path) if args.latency or lat_path.is_file() else None
+        latency = json.loads(lat_path.read_text()) if args.latency or lat_path.is_file() else None
+        if not (latency is None or isinstance(latency, list) and all(isinstance(r, dict) for r in latency)):
+            raise ValueError("expected a list of records")
     except (OSError, ValueError) as e:
         p.error(f"--latency {str(lat_path)!r}: not a latency file of python -m kvbench.tools.latency ({type(e).__name__}: {e})")
     df = load_results(root)

@@ -91,11 +91,9 @@ def gen_length_figure(task: str, mk: str, jobs: list) -> list[Artifact]:
         if full:
             reference(ax, pts[0][1], pts[0][2], label)
     comp = {label: pd.DataFrame(sorted(pts)).set_index(0) for (full, label), pts in lines.items() if not full}
-    budgets = sorted({b for t in comp.values() for b in t.index})
     ax.set_xscale("log", base=2)
-    draw_lines(ax, {label: t[1] for label, t in comp.items()}, {label: t[2].to_numpy() for label, t in comp.items()})
-    ax.set_xticks(budgets, [f"{b:g}" for b in budgets])
-    ax.minorticks_off()
+    draw_lines(ax, {label: t[1] for label, t in comp.items()}, {label: t[2].to_numpy() for label, t in comp.items()},
+               ticks={b: f"{b:g}" for b in sorted({b for t in comp.values() for b in t.index})})
     ax.set(xlabel="KV budget (tokens per layer per KV head)", ylabel="Generated tokens per candidate",
            title=f"{mk} — {task}")
     caption = (f"Generation length on {task} ({mk}): mean generated tokens per candidate (± SE over problems) by "

@@ -346,9 +346,8 @@ def selkv_table4(df: pd.DataFrame, budget: float = 0.25, task: str = "longbench"
     data = pd.DataFrame([{"Model": mk, "Category": c, **{lab: g.avg(mk, lab, ds) for lab in g.rows}}
                          for mk in g.models for c, ds in cats.items() if ds], columns=["Model", "Category", *g.rows])
     v = data[g.labels].where(pd.DataFrame({lab: [(m, lab) not in g.incomplete for m in data["Model"]]
-                                           for lab in g.labels})).map(round2, na_action="ignore")
-    differ = (v.nunique(axis=1) > 1) | (v.count(axis=1) < 2)  # no bold where the methods print one value
-    bold = set(v[v.eq(v.max(axis=1), axis=0) & differ.to_numpy()[:, None]].stack().dropna().index)  # NaN: pandas 3
+                                           for lab in g.labels}))  # bold: best per row (a column of v.T)
+    bold = {(i, lab) for lab, i in bolds(v.T, v.index, v.columns)}
     caption = (f"Category-level averages on LongBench ({budget_text(budget)} KV budget; {budget_semantics([budget])}):"
                " mean over the category's datasets present; bold: best compressed method per category.")
     return [Artifact("selkv_table4", caption, data, bold=bold, used=g.used)]
@@ -390,9 +389,8 @@ def sweep_panel(ax, grids: dict[float, Grid], mk: str, ratio: bool, dataset: str
         reference(ax, t.loc[full].iloc[0], err.loc[full].iloc[0], full + " (unfinished)" * late)
     lines = {lab: y.dropna().rename(x) for lab, y in t.iterrows() if lab != full and y.notna().any()}
     draw_lines(ax, lines, {lab: err.loc[lab].rename(x)[y.index] for lab, y in lines.items()},
-               {lab: [x[b] for b in t.columns if (mk, lab) in grids[b].incomplete] for lab in lines}, band)
-    ax.set_xticks(list(x.values()), [budget_text(b) for b in x])
-    ax.minorticks_off()
+               {lab: [x[b] for b in t.columns if (mk, lab) in grids[b].incomplete] for lab in lines}, band,
+               ticks={x[b]: budget_text(b) for b in x})
     lo, hi = ax.get_ylim()
     lo = max(0.0, min(lo, (lo + hi) / 2 - 2.5))
     ax.set_ylim(lo, min(103.0, max(hi, lo + 5)))
@@ -511,17 +509,15 @@ def sensitivity_table(df, name: str, method: str, budget: float, task: str = "lo
     for mk, mine in sorted(used.groupby("model_key"), key=lambda kv: model_sort_key(kv[0])):
         if mine["variant"].nunique() < 2:
             continue
-        block = []
         for (p, dflt), v in sorted(mine.groupby(["params", "default"]),
                                    key=lambda x: [num(params[x[0][0]].get(k)) for k in keys]):
             vals = v.set_index("dataset")["score"].reindex(datasets)
-            block.append({"Model": mk, **{k: str(params[p].get(k, "–")) for k in keys}, "Default": "✓" * bool(dflt),
-                          **(vals if per_dataset else {}), "Avg": vals.mean(skipna=False)})
-        ref = next((r["Avg"] for r in block if r["Default"]), math.nan)
-        rows += [dict(r, **{"Δ default": r["Avg"] - ref}) for r in block]
+            rows.append({"Model": mk, **{k: str(params[p].get(k, "–")) for k in keys}, "Default": "✓" * bool(dflt),
+                         **(vals if per_dataset else {}), "Avg": vals.mean(skipna=False)})
     if not rows:
         return []
     data, headers = pd.DataFrame(rows), {"window_size": "W", "kernel_size": "K"}
+    data["Δ default"] = data["Avg"] - data["Avg"].where(data["Default"] != "").groupby(data["Model"]).transform("first")
     caption = (f"Sensitivity of {label} to {', '.join(headers.get(k, k) for k in keys)} on LongBench at "
                f"budget {budget_text(budget)} ({budget_semantics([budget])}). Δ default: gap to the default (✓).")
     return [Artifact(name, caption, data, bold=bolds(data, [*datasets] * per_dataset + ["Avg"], data.index, "Model"),
@@ -549,13 +545,14 @@ def reference(ax, y: float, se: float, label: str) -> None:
 
 
 def draw_lines(ax, series: dict, err: dict | None = None, hollow: dict | None = None, band: bool = False,
-               styles: dict | None = None, show_legend: bool = True) -> None:
+               styles: dict | None = None, show_legend: bool = True, ticks: dict | None = None) -> None:
     """The one rule of every line figure, so that tied lines stay visible: line ``k`` of ``series`` (``{label:
     pd.Series}``, y indexed by x, in legend order) gets colour ``Ck``, solid with round markers (``styles[label]``
     overrides; dashed is the full cache's, :func:`reference`); the lines that share an x with another are drawn side
-    by side, the k-th of n ``dodge(n)[k]`` points sideways (the data stay exact: the shift is in the transform; the x range grows to
-    keep the markers inside). ``err[label]``: ±1 SE, error bars (``band``:
-    a shaded band); ``hollow[label]``: the x of an unfinished job's points (hollow markers). Set the x scale first."""
+    by side, the k-th of n ``dodge(n)[k]`` points sideways (the data stay exact: the shift is in the transform; the x
+    range grows to keep the markers inside). ``err[label]``: ±1 SE, error bars (``band``: a shaded band);
+    ``hollow[label]``: the x of an unfinished job's points (hollow markers); ``ticks``: ``{x: text}``, the only x ticks.
+    Set the x scale first."""
     shared = [a for a, y in series.items() if any(b != a and y.index.isin(z.index).any() for b, z in series.items())]
     shift = dict(zip(shared, dodge(len(shared))))
     for k, (label, y) in enumerate(series.items()):
@@ -577,6 +574,9 @@ def draw_lines(ax, series: dict, err: dict | None = None, hollow: dict | None = 
     if show_legend:
         legend(ax, ax.get_legend_handles_labels()[0] + [Line2D([], [], marker="o", ls="", mfc="white", mec="grey", label="unfinished job")] * any(
             len((hollow or {}).get(lab, [])) for lab in series))
+    if ticks:
+        ax.set_xticks(list(ticks), list(ticks.values()))
+        ax.minorticks_off()
 
 
 def selkv_fig2(df: pd.DataFrame, budget: float = 0.25, task: str = "longbench") -> list[Artifact]:
@@ -610,14 +610,10 @@ def selkv_fig2(df: pd.DataFrame, budget: float = 0.25, task: str = "longbench") 
 def other_samples(used: pd.DataFrame, full: str | None) -> bool:
     """Whether a full-cache row of ``used`` scored other samples than a compressed row of its model key × dataset
     (sample ids where both list them, else ``n`` and ``subset``)."""
-    ref = used[used["method"] == full].drop_duplicates(["model_key", "dataset"]).set_index(["model_key", "dataset"])
-    for r in used[used["method"] != full].itertuples():
-        if (r.model_key, r.dataset) in ref.index:
-            q = ref.loc[(r.model_key, r.dataset)]
-            ids = [set(x) for x in (r.samples, q["samples"]) if isinstance(x, dict)]
-            if (r.n, r.subset) != (q["n"], q["subset"]) or len(ids) == 2 and ids[0] != ids[1]:
-                return True
-    return False
+    ref = used[used["method"] == full].drop_duplicates(["model_key", "dataset"])
+    pairs = used[used["method"] != full].merge(ref, on=["model_key", "dataset"], suffixes=("", "_f"))
+    return any((r.n, r.subset) != (r.n_f, r.subset_f) or isinstance(r.samples, dict) and isinstance(r.samples_f, dict)
+               and set(r.samples) != set(r.samples_f) for r in pairs.itertuples())
 
 
 def budget_sweep_figure(df, name: str, task: str, ratio: bool, title: str, per_dataset: bool = False):
@@ -693,11 +689,9 @@ def selkv_fig3(latency: list[dict], source: str = "latency.json") -> list[Artifa
         legend(ax_a)
         tok_s = m["decode_tok_s"].unstack("method")
         ax_b.set_xscale("log")
-        draw_lines(ax_b, {meth: tok_s[meth].dropna() for meth in tok_s})
+        draw_lines(ax_b, {meth: tok_s[meth].dropna() for meth in tok_s}, ticks={n: f"{n:.0f}" for n in tok_s.index})
         ax_b.set(xlabel="Prompt length (tokens)", ylabel="Decode throughput (tokens/s)",
                  title=f"(b) {mk}: decode throughput")
-        ax_b.set_xticks(tok_s.index, [f"{n:.0f}" for n in tok_s.index], minor=False)
-        ax_b.minorticks_off()
     budgets = sorted(set(pd.to_numeric(lat["budget"], errors="coerce").dropna()) - {1.0})
     devices = ", ".join(sorted(lat["device"].dropna().astype(str).unique())) or "a device not recorded"
     caption = (f"Latency on {devices} (synthetic prompts; repeats averaged) at budget "
