@@ -31,7 +31,7 @@ def niah_grid(records: Iterable[dict]) -> tuple[list[int], list[float], np.ndarr
     return lengths, depths, grid.reindex(index=depths, columns=lengths).to_numpy(dtype=float)
 
 
-def draw_niah_heatmap(ax, records: Iterable[dict], title: str = "", labels: bool = True):
+def draw_niah_heatmap(ax, records: Iterable[dict], title: str = ""):
     """Draw the depth × length heatmap on ``ax`` (cell values up to 12 × 12 cells; grey: no scored sample); returns
     the image (for :func:`niah_colorbar`), None without NIAH records."""
     lengths, depths, grid = niah_grid(records)
@@ -45,8 +45,7 @@ def draw_niah_heatmap(ax, records: Iterable[dict], title: str = "", labels: bool
     ticks = [f"{n // 1024}k" if n % 1024 == 0 else f"{n / 1000:g}k" if n >= 1000 else str(n) for n in lengths]
     ax.set_xticks(range(len(lengths)), ticks, rotation=45 * (len(lengths) > 6))
     ax.set_yticks(range(len(depths)), [f"{d:g}" for d in depths])
-    if labels:
-        ax.set(xlabel="Context length (tokens)", ylabel="Needle depth (%)")
+    ax.set(xlabel="Context length (tokens)", ylabel="Needle depth (%)")
     for (i, j), v in np.ndenumerate(grid if len(lengths) <= 12 and len(depths) <= 12 else []):
         if not np.isnan(v):  # white on the colormap's dark ends
             ax.text(j, i, f"{v:.0f}", ha="center", va="center", fontsize="small",

@@ -16,18 +16,6 @@ from kvbench.report.tables import Artifact, _figure, draw_lines, reference, slug
 COLUMNS = ["id", "problem", "dataset", "error", "score", "scores", "generated_tokens", "cache_trace", "decode_compressions"]
 
 
-def _jobs(df: pd.DataFrame, root) -> dict[tuple[str, str], list[tuple[pd.Series, list[dict]]]]:
-    """``{(task, model key): [(job row, its scored records), ...]}``, in paper order, of the jobs whose records are
-    sampled candidates (``problem``), say if they found an answer (``scores.found``) or compressed while decoding."""
-    jobs = paper_order(df[df["dataset"].notna()].drop_duplicates("job"), ["task", "model_key", "method", "budget"])
-    recs, out = samples(jobs, root, COLUMNS), {}
-    for _, row in jobs.iterrows():
-        mine = recs.loc[recs["job"] == row["job"], COLUMNS].to_dict("records")
-        if any(r["problem"] is not None or "found" in (r["scores"] or {}) or r["decode_compressions"] for r in mine):
-            out.setdefault((row["task"], row["model_key"]), []).append((row, mine))
-    return out
-
-
 def passk_table(task: str, mk: str, jobs: list) -> Artifact:
     """pass@1 ± SE, pass@k, answered (%), mean generated tokens, problems and candidates per job (summed datasets:
     a task's datasets are scored apart, the first one shown; reasoning tasks have one)."""
@@ -102,10 +90,16 @@ def gen_length_figure(task: str, mk: str, jobs: list) -> list[Artifact]:
 
 
 def reasoning_reports(df: pd.DataFrame, root) -> list[Artifact]:
-    """Every task × model key with generation-heavy jobs (:func:`_jobs`): its pass@k table, cache-trace figure and
-    generated-length figure."""
-    out = []
-    for (task, mk), jobs in _jobs(df, root).items():
+    """Every task × model key with generation-heavy jobs (whose records are sampled candidates, ``problem``, say if
+    they found an answer, ``scores.found``, or compressed while decoding): its pass@k table, cache-trace figure and
+    generated-length figure, each from ``[(job row, its scored records), ...]`` in paper order."""
+    jobs = paper_order(df[df["dataset"].notna()].drop_duplicates("job"), ["task", "model_key", "method", "budget"])
+    recs, groups, out = samples(jobs, root, COLUMNS), {}, []
+    for _, row in jobs.iterrows():
+        mine = recs.loc[recs["job"] == row["job"], COLUMNS].to_dict("records")
+        if any(r["problem"] is not None or "found" in (r["scores"] or {}) or r["decode_compressions"] for r in mine):
+            groups.setdefault((row["task"], row["model_key"]), []).append((row, mine))
+    for (task, mk), jobs in groups.items():
         if any(r["problem"] is not None or "found" in (r["scores"] or {}) for _, recs in jobs for r in recs):
             out.append(passk_table(task, mk, jobs))
         out += cache_trace_figure(task, mk, jobs) + gen_length_figure(task, mk, jobs)

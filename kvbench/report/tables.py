@@ -708,8 +708,7 @@ def niah_figures(df: pd.DataFrame, root: Path) -> list[Artifact]:
     for mk, sel in sorted(niah.groupby("model_key"), key=lambda kv: model_sort_key(kv[0])):
         comp, full = sel[sel["method_name"] != FULL], pick(sel[sel["method_name"] == FULL], ["model_key"])
         budgets = sorted(comp["budget"].unique()) or [math.nan]
-        cols = [None] * (len(full) > 0) + sorted(set(comp["method"]), key=lambda lab: method_sort_key(
-            comp.loc[comp["method"] == lab, "method_name"].iloc[0], lab))
+        cols = [None] * (len(full) > 0) + list(paper_order(comp, ["method"])["method"].unique())
         fig, axes = _figure(len(budgets), len(cols), w=3.2, h=2.8)
         images, used = [], []
         for i, b in enumerate(budgets):
@@ -723,7 +722,7 @@ def niah_figures(df: pd.DataFrame, root: Path) -> list[Artifact]:
                 title = r["method"] + f", budget {budget_text(b)}" * (lab is not None) + f"\n{r['variant']}" * bool(
                     r["variant"]) + " (unfinished)" * (not r["complete"])
                 used.append(chosen)
-                images.append(draw_niah_heatmap(axes[i, j], records.get(r.get("job"), []), title, labels=False))
+                images.append(draw_niah_heatmap(axes[i, j], records.get(r.get("job"), []), title))
                 axes[i, j].set(xlabel="Context length (tokens)" * (i == len(budgets) - 1 or lab is None),
                                ylabel="Needle depth (%)" * (j == (cols[0] is None and i > 0)))
         niah_colorbar(fig, images, axes)
