@@ -2,10 +2,10 @@
 score table of every task × model and the seed papers' tables (``.md``, ``.tex``, ``.csv``) and figures
 (``.png``, ``.pdf``) from the tidy frame of the store, each with ``<name>.sources.txt``, and ``index.md``."""
 
-import fnmatch
 import json
 import sys
 from collections import namedtuple
+from fnmatch import fnmatch
 from pathlib import Path
 
 import pandas as pd
@@ -110,7 +110,7 @@ def write(a: Artifact, out: Path) -> list[Path]:
 
 
 def _selected(family: str, only) -> bool:
-    return not only or any(fnmatch.fnmatch(family, p) or any(fnmatch.fnmatch(o, p) or fnmatch.fnmatch(p, o)
+    return not only or any(fnmatch(family, p) or any(fnmatch(o, p) or fnmatch(p, o)
                                                              for o in OUTPUTS.get(family, [family])) for p in only)
 
 
@@ -119,10 +119,9 @@ def build(ctx: Context, only: list[str] | None = None) -> dict[str, list | Excep
     built = {}
     for family, builder in ARTIFACTS.items():
         if _selected(family, only):
-            whole = not only or any(fnmatch.fnmatch(family, p) for p in only)
             try:
                 built[family] = [a for a in builder(ctx) if (a.fig is not None or not a.data.empty)  # empty: no inputs
-                                 and (whole or any(fnmatch.fnmatch(a.name, p) for p in only))]
+                                 and (not only or any(fnmatch(family, p) or fnmatch(a.name, p) for p in only))]
             except Exception as e:
                 built[family] = e
     return built
@@ -166,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     index = [f"# Report of {root}", "", f"{df['job'].nunique()} job folder(s) read.",
              *[f"Left out (unreadable): {line}" for line in df.attrs["unreadable"]],  # and jobs with no stored sample:
              *[f"Started, no samples: {job}" for job in sorted(df.loc[df["dataset"].isna(), "job"])], ""]
-    if df.empty and not (only and all(fnmatch.fnmatch("selkv_fig3", x) for x in only)):
+    if df.empty and not (only and all(fnmatch("selkv_fig3", x) for x in only)):
         print(f"warning: no job folders under {root}; only the latency figure is drawn", file=sys.stderr)
     built = build(Context(root, df[df["dataset"].notna()], latency, str(lat_path)), only)  # jobs with samples
     for family, arts in built.items():

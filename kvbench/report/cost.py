@@ -46,8 +46,7 @@ def cost_table(df: pd.DataFrame, root) -> list[Artifact]:
         recs = recs[recs["error"].isna()].set_index("id")
         per = {j: recs.loc[recs["job"] == j, COLUMNS].apply(pd.to_numeric, errors="coerce").fillna(
             {"reconstruct_s": 0.0}) for j in jobs["job"]}
-        fulls = [j for j, name in zip(jobs["job"], jobs["method_name"]) if name == FULL and len(per[j])]
-        ref = per[max(fulls, key=lambda j: len(per[j]))] if fulls else None
+        ref = max([per[j] for j in jobs.loc[jobs["method_name"] == FULL, "job"] if len(per[j])], key=len, default=None)
         if ref is None:
             notes.append(f"no full-cache job: {task} {mk}: relative to each job's own prefill (compression excluded)")
         for r in jobs.itertuples():

@@ -42,8 +42,7 @@ class Artifact:
     used: pd.DataFrame | None = None  # the job × dataset rows shown: added to ``sources``, :func:`job_notes` to notes
 
     def __post_init__(self):
-        cols = [] if self.data is None else self.data.columns
-        self.headers = {c: DATASET_ABBR[c] for c in cols if c in DATASET_ABBR} | self.headers
+        self.headers = {c: DATASET_ABBR.get(c, c) for c in getattr(self.data, "columns", [])} | self.headers
         used = pd.DataFrame(columns=["job", "dataset", "n", "complete", "subset"]) if self.used is None else self.used
         self.sources, self.notes = sorted({*self.sources, *used["job"]}), [*dict.fromkeys(job_notes(used) + self.notes)]
         protocols = sorted(set(used["compress"])) if "compress" in used else []  # task.compress of the jobs shown
@@ -305,9 +304,8 @@ def averages_tables(df: pd.DataFrame, root: Path, task: str) -> list[Artifact]:
     for mk, rows in df[(df["task"] == task) & df["score"].notna()].groupby("model_key"):
         part = paper_order(rows.drop_duplicates("job"), ["method", "budget"])
         heads = ["Method", *["Variant"] * bool(part["variant"].any()), "Budget"]  # jobs of one label apart, as score_tables
-        found = [{"Method": m, "Variant": v, "Budget": budget_cell(name, b),
-                  **(read_json(Path(root) / job / "summary.json").get("averages") or {})}
-                 for job, m, v, name, b in zip(part["job"], part["method"], part["variant"], part["method_name"], part["budget"])]
+        found = [{"Method": r.method, "Variant": r.variant, "Budget": budget_cell(r.method_name, r.budget),
+                  **(read_json(Path(root) / r.job / "summary.json").get("averages") or {})} for r in part.itertuples()]
         cols = list(columns) or list(dict.fromkeys(k for r in found for k in r if k not in ("Method", "Variant", "Budget")))
         data = pd.DataFrame(found, columns=[*heads, *cols])
         out.append(Artifact(f"{slug(task)}_{slug(mk)}", caption.format(mk), data, used=rows, headers=headers))
@@ -406,9 +404,8 @@ def sweep_table(name: str, grids: dict[float, Grid], models: list[str], caption:
     col = (lambda mk, b: budget_text(b)) if ratio else (lambda mk, b: f"{mk} @{b:g}")
     cols = {col(mk, b): (mk, b, g) for mk in models for b, g in grids.items()}
     t = pd.concat([sweep(grids, mk).rename(columns=lambda b, mk=mk: col(mk, b)) for mk in models], axis=1)
-    names = {lab: n for g in grids.values() for lab, n in g.names.items()}
-    full = next((g.full for g in grids.values() if g.full), None)
-    data = t.loc[sorted(t.index, key=lambda lab: (lab != full, method_sort_key(names.get(lab, ""), lab)))]
+    names = {lab: n for g in grids.values() for lab, n in g.names.items()}  # the full cache's label: none, first
+    data = t.loc[sorted(t.index, key=lambda lab: method_sort_key(names.get(lab, FULL), lab))]
     data = data.rename_axis("Method").reset_index()
     bold = set().union(*(bolds(data, [c], cols[c][2].ok(data.assign(Model=cols[c][0]))) for c in t.columns))
     return Artifact(name, caption, data, bold=bold, used=used_by(grids, models))
@@ -416,12 +413,11 @@ def sweep_table(name: str, grids: dict[float, Grid], models: list[str], caption:
 
 def selkv_ratio_tables(df: pd.DataFrame, task: str = "longbench") -> list[Artifact]:
     """SelKV Tables 5 (llama31), 6 (gemma2), ``selkv_ratios_<model>``: LongBench average per method × ratio (>= 2)."""
-    (grids, models), out, names = budget_grids(df, task, ratio=True), [], set()
+    (grids, models), out = budget_grids(df, task, ratio=True), []
     n_ds = len(order_datasets(d for g in grids.values() for d in g.datasets))
     for mk in models:
         name = {"llama31": "selkv_table5", "gemma2": "selkv_table6"}.get(mk.split(" ")[0], "")
-        name = name if name and name not in names else f"selkv_ratios_{slug(mk)}"
-        names.add(name)
+        name = name if name and name not in {a.name for a in out} else f"selkv_ratios_{slug(mk)}"
         out.append(sweep_table(name, grids, [mk], f"LongBench average ({count(n_ds, 'dataset')}) of {mk} at KV "
                                f"retention ratios ({budget_semantics(grids)}). Best compressed method per ratio in bold.",
                                ratio=True))
