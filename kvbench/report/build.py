@@ -93,6 +93,7 @@ def write(a: Artifact, out: Path) -> list[Path]:
     """Write a table (``.md``, ``.tex``, ``.csv``) or figure (``.png``, ``.pdf``) and ``<name>.sources.txt``; returns
     the table or figure paths."""
     paths = [Path(f"{out / a.name}{s}") for s in ((".png", ".pdf") if a.fig is not None else (".md", ".tex", ".csv"))]
+    paths[0].parent.mkdir(parents=True, exist_ok=True)
     if a.fig is not None:
         for path in paths:
             a.fig.savefig(path, dpi=150)
