@@ -26,9 +26,8 @@ def niah_grid(records: Iterable[dict]) -> tuple[list[int], list[float], np.ndarr
                            100.0 * r["score"] if r.get("error") is None and r.get("score") is not None else np.nan)
                           for r in records if {"context_length", "depth_percent"} <= set(r.get("meta") or {})],
                          columns=["n", "d", "s"])
-    grid = cells.pivot_table(index="d", columns="n", values="s", aggfunc="mean", dropna=False)
-    lengths, depths = sorted(set(cells["n"])), sorted(set(cells["d"]))
-    return lengths, depths, grid.reindex(index=depths, columns=lengths).to_numpy(dtype=float)
+    grid = cells.pivot_table(index="d", columns="n", values="s", aggfunc="mean", dropna=False)  # sorted
+    return list(grid.columns), list(grid.index), grid.to_numpy(dtype=float)
 
 
 def draw_niah_heatmap(ax, records: Iterable[dict], title: str = ""):

@@ -437,7 +437,7 @@ def staged_table(df: pd.DataFrame, name: str, budget: float, task: str = "longbe
     sel = df[(df["task"] == task) & np.isclose(df["budget"], budget)]
     rows, ok, used, selkv = [], [], [], name == "selkv_table2"
     main, snap = display_name("compresskv"), display_name("snapkv")
-    on = lambda v: None if v is None else str(v).lower() not in ("", "none", "off", "false", "0")  # None: unsaid
+    on = lambda v: None if v is None else str(v).lower() not in ("", "none", "off", "false", "0")  # None: unsaid (? < – < ✓)
     for mk in sorted(sel["model_key"].unique(), key=model_sort_key):
         mine = sel[(sel["model_key"] == mk) & (sel["method_name"] == ("selkv" if selkv else "compresskv"))]
         labels = set(mine["method"])
@@ -447,10 +447,9 @@ def staged_table(df: pd.DataFrame, name: str, budget: float, task: str = "longbe
         flags = {lab: {"Gate": on(p.get("gate")), "Comp": on(p.get("compensation")),  # gate: soft, none, off (evict)
                        "Merge": p.get("merge", None if p.get("gate") is None else str(p["gate"]).lower() != "off")}
                  for p, lab in ((json.loads(p), lab) for p, lab in by_params.items())}
-        switches = {lab: ([-1 if f[k] is None else int(f[k]) for k in ("Merge", "Gate", "Comp")], lab)
-                    for lab, f in flags.items()}
-        order = sorted(flags, key=switches.get) if selkv else [snap] * (snap in set(
-            sel.loc[sel["model_key"] == mk, "method"])) + [lab for lab in map(display_name, (
+        marks = {lab: {k: "?" if v is None else "✓" if v else "–" for k, v in f.items()} for lab, f in flags.items()}
+        order = sorted(marks, key=lambda lab: ([marks[lab][k] for k in ("Merge", "Gate", "Comp")], lab)) if selkv else [
+            snap] * (snap in set(sel.loc[sel["model_key"] == mk, "method"])) + [lab for lab in map(display_name, (
                 "compresskv_snapkv", "compresskv_uniform", "compresskv")) if lab in labels]  # Table 3a's presets
         g = grid(df, task, budget, models=[mk], names=["selkv"] if selkv else ["snapkv", "compresskv"], labels=order)
         avgs = [g.avg(mk, lab) for lab in order]
@@ -458,7 +457,6 @@ def staged_table(df: pd.DataFrame, name: str, budget: float, task: str = "longbe
             rows.append({"Model": mk, "Method": g.full, **dict.fromkeys(("Gate", "Comp", "Merge"), "–"),
                          "Avg": g.avg(mk, g.full)})
         ok += range(len(rows), len(rows) + len(order))
-        marks = {lab: {k: "?" if v is None else "✓" if v else "–" for k, v in f.items()} for lab, f in flags.items()}
         rows += [{"Model": mk, "Method": lab, **(marks[lab] if selkv else {}), "Avg": a, "Δ prev": a - p,
                   **({"Δ full": a - g.avg(mk, g.full)} if selkv else {})}
                  for lab, a, p in zip(order, avgs, [math.nan] + avgs)]
@@ -621,11 +619,9 @@ def budget_sweep_figure(df, name: str, task: str, ratio: bool, title: str, per_d
     datasets = ([d for d in ("qasper", "musique") if d in present] or present[:4]) if per_dataset else [None]
     fig, axes = _figure(len(models) if per_dataset else 1, len(datasets) if per_dataset else len(models))
     full = next((g.full for g in grids.values() if g.full), None)
-    for i, mk in enumerate(models):
-        for j, ds in enumerate(datasets):  # one model's average (or one dataset's score) across budgets
-            ax = axes[i, j] if per_dataset else axes[0, i]
-            sweep_panel(ax, grids, mk, ratio, ds)
-            ax.set(ylabel="Score (points)" if ds else "Average score (points)", title=mk + f" — {ds}" * bool(ds))
+    for ax, (mk, ds) in zip(axes.flat, [(mk, ds) for mk in models for ds in datasets]):  # a model × dataset a row
+        sweep_panel(ax, grids, mk, ratio, ds)  # one model's average (or one dataset's score) across budgets
+        ax.set(ylabel="Score (points)" if ds else "Average score (points)", title=mk + f" — {ds}" * bool(ds))
     fig.suptitle(title)
     used = used_by(grids, models)
     n_text = f"; n = {ns} samples per dataset" if (ns := span(used.loc[used["method"] != full, "n"])) else ""
