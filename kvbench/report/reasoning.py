@@ -64,8 +64,7 @@ def cache_trace_figure(task: str, mk: str, jobs: list) -> list[Artifact]:
 def gen_length_figure(task: str, mk: str, jobs: list) -> list[Artifact]:
     """Mean generated tokens per candidate (± SE over problems) against the budget, a line per method; the full
     cache dashed (longer chains of thought when compression hurts)."""
-    fig, axes = _figure(1, 1)
-    ax, lines, drawn = axes[0, 0], {}, []
+    ax, lines, drawn = _figure(1, 1)[1][0, 0], {}, []
     for row, recs in jobs:
         per = [np.mean([r["generated_tokens"] for r in rs]) for ds in by_problem(recs).values() for rs in ds.values()
                if all(isinstance(r["generated_tokens"], (int, float)) for r in rs)]
@@ -86,7 +85,7 @@ def gen_length_figure(task: str, mk: str, jobs: list) -> list[Artifact]:
            title=f"{mk} — {task}")
     caption = (f"Generation length on {task} ({mk}): mean generated tokens per candidate (± SE over problems) by "
                "method and budget; dashed: the full cache.")
-    return [Artifact(f"gen_length_{slug(task)}_{slug(mk)}", caption, fig=fig, sources=drawn)]
+    return [Artifact(f"gen_length_{slug(task)}_{slug(mk)}", caption, fig=ax.figure, sources=drawn)]
 
 
 def reasoning_reports(df: pd.DataFrame, root) -> list[Artifact]:

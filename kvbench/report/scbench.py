@@ -71,12 +71,11 @@ def _notes(rec: pd.DataFrame) -> list[str]:
 def turn_table(rec: pd.DataFrame) -> Artifact:
     """Score per turn (columns) of every model × capability × dataset × method × budget × mode, and Avg: the mean
     over the row's questions (as :func:`mode_table`)."""
-    turns, keys = sorted(rec["turn"].unique()), ["model", "capability", "dataset", "method", "method_name", "budget",
-                                                  "mode"]
+    keys = ["model", "capability", "dataset", "method", "method_name", "budget", "mode"]
     piv = rec.pivot_table(index=keys, columns="turn", values="score", aggfunc="mean")
     piv = paper_order(piv.assign(Avg=rec.groupby(keys)["score"].mean()).reset_index(), keys, RANK)
     data = pd.DataFrame({**_heads(piv, "model capability dataset method budget mode"),
-                         **{f"Turn {t}": piv[t] for t in turns}, "Avg": piv["Avg"]})
+                         **{f"Turn {t}": piv[t] for t in sorted(rec["turn"].unique())}, "Avg": piv["Avg"]})
     caption = (f"SCBench by capability: score per turn (points; mean over the groups that reached the turn), "
                f"{budget_semantics(rec['budget'])}; multi-request: per question index. Avg: mean over the row's "
                "questions.")

@@ -45,10 +45,9 @@ class Artifact:
         self.headers = {c: DATASET_ABBR.get(c, c) for c in getattr(self.data, "columns", [])} | self.headers
         used = pd.DataFrame(columns=["job", "dataset", "n", "complete", "subset"]) if self.used is None else self.used
         self.sources, self.notes = sorted({*self.sources, *used["job"]}), [*dict.fromkeys(job_notes(used) + self.notes)]
-        protocols = sorted(set(used["compress"])) if "compress" in used else []  # task.compress of the jobs shown
+        words = {p: p if p == "context" else "prompt" for p in sorted(set(used.get("compress", [])))}  # jobs shown
         self.caption = self.caption.replace("ρ of prompt tokens", " or ".join(
-            f"ρ of the {'context' if p == 'context' else 'prompt'} tokens (task.compress={p})" for p in protocols
-        ) or "ρ of prompt tokens")
+            f"ρ of the {w} tokens (task.compress={p})" for p, w in words.items()) or "ρ of prompt tokens")
         if self.fig is not None:  # the caption below the panels (the figure grows), titles wrapped to their panels
             fig, size, (w, h) = self.fig, FontProperties(size="small").get_size_in_points(), self.fig.get_size_inches()
             for ax in fig.axes:
@@ -578,8 +577,7 @@ def selkv_fig2(df: pd.DataFrame, budget: float = 0.25, task: str = "longbench") 
     g = grid(df, task, budget)
     if g is None or g.full is None:
         return []
-    fig, axes = _figure(1, 1, w=max(4.5, 1.6 * len(g.models) + 2))
-    ax, width, late = axes[0, 0], 0.8 / len(g.labels), []
+    ax, width, late = _figure(1, 1, w=max(4.5, 1.6 * len(g.models) + 2))[1][0, 0], 0.8 / len(g.labels), []
     for j, lab in enumerate(g.labels):
         xs = [i - 0.4 + width * (j + 0.5) for i in range(len(g.models))]
         ys = [g.avg(mk, lab) - g.avg(mk, g.full) for mk in g.models]
@@ -598,7 +596,7 @@ def selkv_fig2(df: pd.DataFrame, budget: float = 0.25, task: str = "longbench") 
     caption = (f"LongBench ({count(len(g.datasets), 'dataset')}), {budget_semantics([budget])}, ρ = "
                f"{budget_text(budget)}; error bars: ±1 SE, √(SE² + SE full²). Hatched, pale bars: an unfinished job "
                "(fewer samples scored).")
-    return [Artifact("selkv_fig2", caption, fig=fig, used=g.used)]
+    return [Artifact("selkv_fig2", caption, fig=ax.figure, used=g.used)]
 
 
 def other_samples(used: pd.DataFrame, full: str | None) -> bool:
