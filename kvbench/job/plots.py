@@ -15,7 +15,6 @@ from matplotlib.patches import Patch
 plt.rcParams.update({"figure.max_open_warning": 0, "font.size": 10, "axes.titlesize": "medium",
                      "axes.labelsize": "medium", "xtick.labelsize": "small", "ytick.labelsize": "small",
                      "legend.fontsize": "small", "legend.title_fontsize": "small", "figure.titlesize": "large"})
-SCORE_LABEL = "Score (ROUGE-1 recall × 100)"
 NO_SCORE = "lightgrey"  # a NIAH cell without a scored sample
 
 
@@ -56,6 +55,6 @@ def niah_colorbar(fig, images: list, ax) -> None:
     """The score colorbar beside ``ax`` (an axes or array of them) and, when a heatmap has a grey cell, its legend."""
     images = [im for im in images if im is not None]
     if images:
-        fig.colorbar(images[0], ax=ax, label=SCORE_LABEL, shrink=0.8)
+        fig.colorbar(images[0], ax=ax, label="Score (ROUGE-1 recall × 100)", shrink=0.8)
     if any(np.ma.count_masked(im.get_array()) for im in images):
         fig.legend(handles=[Patch(color=NO_SCORE, label="no scored sample")], loc="outside upper right")

@@ -477,9 +477,8 @@ def compresskv_table2b(df: pd.DataFrame, budget: float = 256, task: str = "longb
     g = grid(df, task, budget, names=["compresskv"], labels=list(heads))
     if g is None:
         return []
-    trh = next(iter(heads))
     data = pd.DataFrame([{"Model": mk, "Heads": heads[lab], "Method": lab, "Avg": g.avg(mk, lab),
-                          "Δ": g.avg(mk, lab) - g.avg(mk, trh)} for mk in g.models for lab in heads])
+                          "Δ": g.avg(mk, lab) - g.avg(mk, [*heads][0])} for mk in g.models for lab in heads])
     caption = (f"CompressKV with TRH vs SRH token selection (uniform layer budgets) on LongBench ({len(g.datasets)} "
                f"datasets) at budget {budget_text(budget)} ({budget_semantics([budget])}). Δ: gap to TRH; bold: best.")
     return [Artifact("compresskv_table2b", caption, data, bold=bolds(data, ["Avg"], g.ok(data), "Model"),
