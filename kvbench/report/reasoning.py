@@ -98,8 +98,8 @@ def reasoning_reports(df: pd.DataFrame, root) -> list[Artifact]:
         mine = recs.loc[recs["job"] == row["job"], COLUMNS].to_dict("records")
         if any(r["problem"] is not None or "found" in (r["scores"] or {}) or r["decode_compressions"] for r in mine):
             groups.setdefault((row["task"], row["model_key"]), []).append((row, mine))
-    for (task, mk), jobs in groups.items():
-        if any(r["problem"] is not None or "found" in (r["scores"] or {}) for _, recs in jobs for r in recs):
-            out.append(passk_table(task, mk, jobs))
-        out += cache_trace_figure(task, mk, jobs) + gen_length_figure(task, mk, jobs)
+    for (task, mk), group in groups.items():
+        if any(r["problem"] is not None or "found" in (r["scores"] or {}) for _, rs in group for r in rs):
+            out.append(passk_table(task, mk, group))
+        out += cache_trace_figure(task, mk, group) + gen_length_figure(task, mk, group)
     return out

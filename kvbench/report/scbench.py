@@ -138,8 +138,8 @@ def cost_table(rec: pd.DataFrame) -> Artifact | None:
     timed = timed.assign(pc=timed["prefill_s"] + timed["compress_s"])
     g = timed.groupby(["job", "group"]).agg(n=("pc", "size"), pc=("pc", "sum"), worst=("pc", "max"),
                                             dec=("decode_s", "sum"), comp=("group_compressions", "max"))
-    t = g.eval("alone = worst * n").groupby("job").agg(n=("n", "sum"), groups=("n", "size"), pc=("pc", "sum"),
-                                                       dec=("dec", "sum"), comp=("comp", "mean"), alone=("alone", "sum"))
+    t = g.eval("alone = worst * n").groupby("job").agg(n=("n", "sum"), groups=("n", "size"), dec=("dec", "sum"),
+                                                       pc=("pc", "sum"), comp=("comp", "mean"), alone=("alone", "sum"))
     t = t.join(timed.drop_duplicates("job").set_index("job")[["model", "method", "method_name", "budget", "mode"]])
     t = paper_order(t, ["model", "method", "budget", "mode"], RANK)
     reuse, alone = (t["pc"] + t["dec"]) / t["n"], (t["alone"] + t["dec"]) / t["n"]
