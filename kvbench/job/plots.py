@@ -15,7 +15,6 @@ from matplotlib.patches import Patch
 plt.rcParams.update({"figure.max_open_warning": 0, "font.size": 10, "axes.titlesize": "medium",
                      "axes.labelsize": "medium", "xtick.labelsize": "small", "ytick.labelsize": "small",
                      "legend.fontsize": "small", "legend.title_fontsize": "small", "figure.titlesize": "large"})
-SCORE_LABEL = "Score (ROUGE-1 recall × 100)"
 NO_SCORE = "lightgrey"  # a NIAH cell without a scored sample
 
 
@@ -26,12 +25,11 @@ def niah_grid(records: Iterable[dict]) -> tuple[list[int], list[float], np.ndarr
                            100.0 * r["score"] if r.get("error") is None and r.get("score") is not None else np.nan)
                           for r in records if {"context_length", "depth_percent"} <= set(r.get("meta") or {})],
                          columns=["n", "d", "s"])
-    grid = cells.pivot_table(index="d", columns="n", values="s", aggfunc="mean", dropna=False)
-    lengths, depths = sorted(set(cells["n"])), sorted(set(cells["d"]))
-    return lengths, depths, grid.reindex(index=depths, columns=lengths).to_numpy(dtype=float)
+    grid = cells.pivot_table(index="d", columns="n", values="s", aggfunc="mean", dropna=False)  # sorted
+    return list(grid.columns), list(grid.index), grid.to_numpy(dtype=float)
 
 
-def draw_niah_heatmap(ax, records: Iterable[dict], title: str = "", labels: bool = True):
+def draw_niah_heatmap(ax, records: Iterable[dict], title: str = ""):
     """Draw the depth × length heatmap on ``ax`` (cell values up to 12 × 12 cells; grey: no scored sample); returns
     the image (for :func:`niah_colorbar`), None without NIAH records."""
     lengths, depths, grid = niah_grid(records)
@@ -45,8 +43,7 @@ def draw_niah_heatmap(ax, records: Iterable[dict], title: str = "", labels: bool
     ticks = [f"{n // 1024}k" if n % 1024 == 0 else f"{n / 1000:g}k" if n >= 1000 else str(n) for n in lengths]
     ax.set_xticks(range(len(lengths)), ticks, rotation=45 * (len(lengths) > 6))
     ax.set_yticks(range(len(depths)), [f"{d:g}" for d in depths])
-    if labels:
-        ax.set(xlabel="Context length (tokens)", ylabel="Needle depth (%)")
+    ax.set(xlabel="Context length (tokens)", ylabel="Needle depth (%)")
     for (i, j), v in np.ndenumerate(grid if len(lengths) <= 12 and len(depths) <= 12 else []):
         if not np.isnan(v):  # white on the colormap's dark ends
             ax.text(j, i, f"{v:.0f}", ha="center", va="center", fontsize="small",
@@ -58,6 +55,6 @@ def niah_colorbar(fig, images: list, ax) -> None:
     """The score colorbar beside ``ax`` (an axes or array of them) and, when a heatmap has a grey cell, its legend."""
     images = [im for im in images if im is not None]
     if images:
-        fig.colorbar(images[0], ax=ax, label=SCORE_LABEL, shrink=0.8)
+        fig.colorbar(images[0], ax=ax, label="Score (ROUGE-1 recall × 100)", shrink=0.8)
     if any(np.ma.count_masked(im.get_array()) for im in images):
         fig.legend(handles=[Patch(color=NO_SCORE, label="no scored sample")], loc="outside upper right")

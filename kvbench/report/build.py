@@ -2,10 +2,10 @@
 score table of every task × model and the seed papers' tables (``.md``, ``.tex``, ``.csv``) and figures
 (``.png``, ``.pdf``) from the tidy frame of the store, each with ``<name>.sources.txt``, and ``index.md``."""
 
-import fnmatch
 import json
 import sys
 from collections import namedtuple
+from fnmatch import fnmatch
 from pathlib import Path
 
 import pandas as pd
@@ -110,16 +110,8 @@ def write(a: Artifact, out: Path) -> list[Path]:
     return paths
 
 
-def load_latency(path: str | Path) -> list[dict]:
-    """Records of a kvbench.tools.latency JSON file (a list of objects); ValueError if not."""
-    records = json.loads(Path(path).read_text())
-    if not isinstance(records, list) or not all(isinstance(r, dict) for r in records):
-        raise ValueError("expected a list of records")
-    return records
-
-
 def _selected(family: str, only) -> bool:
-    return not only or any(fnmatch.fnmatch(family, p) or any(fnmatch.fnmatch(o, p) or fnmatch.fnmatch(p, o)
+    return not only or any(fnmatch(family, p) or any(fnmatch(o, p) or fnmatch(p, o)
                                                              for o in OUTPUTS.get(family, [family])) for p in only)
 
 
@@ -128,10 +120,9 @@ def build(ctx: Context, only: list[str] | None = None) -> dict[str, list | Excep
     built = {}
     for family, builder in ARTIFACTS.items():
         if _selected(family, only):
-            whole = not only or any(fnmatch.fnmatch(family, p) for p in only)
             try:
                 built[family] = [a for a in builder(ctx) if (a.fig is not None or not a.data.empty)  # empty: no inputs
-                                 and (whole or any(fnmatch.fnmatch(a.name, p) for p in only))]
+                                 and (not only or any(fnmatch(family, p) or fnmatch(a.name, p) for p in only))]
             except Exception as e:
                 built[family] = e
     return built
@@ -157,7 +148,9 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--only {bad[0]!r}: no such artifact; accepted: {', '.join(names)}")
     lat_path = Path(args.latency or root / "latency.json")
     try:
-        latency = load_latency(lat_path) if args.latency or lat_path.is_file() else None
+        latency = json.loads(lat_path.read_text()) if args.latency or lat_path.is_file() else None
+        if not (latency is None or isinstance(latency, list) and all(isinstance(r, dict) for r in latency)):
+            raise ValueError("expected a list of records")
     except (OSError, ValueError) as e:
         p.error(f"--latency {str(lat_path)!r}: not a latency file of python -m kvbench.tools.latency ({type(e).__name__}: {e})")
     df = load_results(root)
@@ -173,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     index = [f"# Report of {root}", "", f"{df['job'].nunique()} job folder(s) read.",
              *[f"Left out (unreadable): {line}" for line in df.attrs["unreadable"]],  # and jobs with no stored sample:
              *[f"Started, no samples: {job}" for job in sorted(df.loc[df["dataset"].isna(), "job"])], ""]
-    if df.empty and not (only and all(fnmatch.fnmatch("selkv_fig3", x) for x in only)):
+    if df.empty and not (only and all(fnmatch("selkv_fig3", x) for x in only)):
         print(f"warning: no job folders under {root}; only the latency figure is drawn", file=sys.stderr)
     built = build(Context(root, df[df["dataset"].notna()], latency, str(lat_path)), only)  # jobs with samples
     for family, arts in built.items():

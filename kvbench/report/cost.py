@@ -46,13 +46,11 @@ def cost_table(df: pd.DataFrame, root) -> list[Artifact]:
         recs = recs[recs["error"].isna()].set_index("id")
         per = {j: recs.loc[recs["job"] == j, COLUMNS].apply(pd.to_numeric, errors="coerce").fillna(
             {"reconstruct_s": 0.0}) for j in jobs["job"]}
-        fulls = [j for j, name in zip(jobs["job"], jobs["method_name"]) if name == FULL and len(per[j])]
-        ref = per[max(fulls, key=lambda j: len(per[j]))] if fulls else None
+        ref = max([per[j] for j in jobs.loc[jobs["method_name"] == FULL, "job"] if len(per[j])], key=len, default=None)
         if ref is None:
             notes.append(f"no full-cache job: {task} {mk}: relative to each job's own prefill (compression excluded)")
         for r in jobs.itertuples():
-            own = per[r.job]
-            base = own if ref is None else ref
+            own, base = per[r.job], per[r.job] if ref is None else ref
             ids = own.index.intersection(base.index)
             if not len(ids):
                 continue
@@ -81,8 +79,6 @@ def job_points(df: pd.DataFrame, column: str = "cache_bytes_after") -> pd.DataFr
     R<residual>``), budget, score (mean over its datasets), size (``column``: the stored cache, or ``read_bytes``, % of
     the model-dtype cache), complete."""
     rows = df[df["score"].notna() & (df["cache_bytes_before"] > 0) & df[column].notna()]
-    if rows.empty:
-        return pd.DataFrame()
     settings = rows["settings"].map(json.loads)
     rows = rows.assign(
         quantized=rows["bits"].notna(),

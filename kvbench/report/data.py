@@ -183,8 +183,7 @@ def full_in_every_group(df: pd.DataFrame, keys=("model_key", "table_key"), setti
     same = ["task", "model", "setting", "max_input_tokens", "bare"]
     full = full.merge(rest[[*same, *keys]].drop_duplicates(), on=same, how="left", suffixes=("", "_of"))
     for key in keys:
-        group = full.pop(f"{key}_of")
-        full[key] = group.where(group.notna(), full[key])
+        full[key] = full.pop(f"{key}_of").fillna(full[key])
     return pd.concat([rest, full], ignore_index=True).drop(columns="bare")
 
 
@@ -195,9 +194,8 @@ def _variants(df: pd.DataFrame) -> pd.DataFrame:
         params = {p: json.loads(p) for p in grp["params"].unique()}
         ref = next(({k: v for k, v in d.items() if k not in ("name", "label")} for p, d in presets().items()
                     if d.get("name", p) == name and d.get("label", p) == label), None)
-        varying = {k for p in params.values() for k in p if len({json.dumps(q.get(k)) for q in params.values()}) > 1}
-        varying |= {k for p in params.values() for k in p
-                    if ref and k in ref and json.dumps(p[k]) != json.dumps(ref[k])}
+        varying = {k for p in params.values() for k in p if len({json.dumps(q.get(k)) for q in params.values()}) > 1
+                   or ref and k in ref and json.dumps(p[k]) != json.dumps(ref[k])}
         for p, own in params.items():
             idx = grp.index[grp["params"] == p]
             df.loc[idx, "variant"] = ", ".join(f"{k}={own.get(k, '–')}" for k in sorted(varying))

@@ -16,18 +16,6 @@ from kvbench.report.tables import Artifact, _figure, draw_lines, reference, slug
 COLUMNS = ["id", "problem", "dataset", "error", "score", "scores", "generated_tokens", "cache_trace", "decode_compressions"]
 
 
-def _jobs(df: pd.DataFrame, root) -> dict[tuple[str, str], list[tuple[pd.Series, list[dict]]]]:
-    """``{(task, model key): [(job row, its scored records), ...]}``, in paper order, of the jobs whose records are
-    sampled candidates (``problem``), say if they found an answer (``scores.found``) or compressed while decoding."""
-    jobs = paper_order(df[df["dataset"].notna()].drop_duplicates("job"), ["task", "model_key", "method", "budget"])
-    recs, out = samples(jobs, root, COLUMNS), {}
-    for _, row in jobs.iterrows():
-        mine = recs.loc[recs["job"] == row["job"], COLUMNS].to_dict("records")
-        if any(r["problem"] is not None or "found" in (r["scores"] or {}) or r["decode_compressions"] for r in mine):
-            out.setdefault((row["task"], row["model_key"]), []).append((row, mine))
-    return out
-
-
 def passk_table(task: str, mk: str, jobs: list) -> Artifact:
     """pass@1 ± SE, pass@k, answered (%), mean generated tokens, problems and candidates per job (summed datasets:
     a task's datasets are scored apart, the first one shown; reasoning tasks have one)."""
@@ -76,8 +64,7 @@ def cache_trace_figure(task: str, mk: str, jobs: list) -> list[Artifact]:
 def gen_length_figure(task: str, mk: str, jobs: list) -> list[Artifact]:
     """Mean generated tokens per candidate (± SE over problems) against the budget, a line per method; the full
     cache dashed (longer chains of thought when compression hurts)."""
-    fig, axes = _figure(1, 1)
-    ax, lines, drawn = axes[0, 0], {}, []
+    ax, lines, drawn = _figure(1, 1)[1][0, 0], {}, []
     for row, recs in jobs:
         per = [np.mean([r["generated_tokens"] for r in rs]) for ds in by_problem(recs).values() for rs in ds.values()
                if all(isinstance(r["generated_tokens"], (int, float)) for r in rs)]
@@ -91,24 +78,28 @@ def gen_length_figure(task: str, mk: str, jobs: list) -> list[Artifact]:
         if full:
             reference(ax, pts[0][1], pts[0][2], label)
     comp = {label: pd.DataFrame(sorted(pts)).set_index(0) for (full, label), pts in lines.items() if not full}
-    budgets = sorted({b for t in comp.values() for b in t.index})
     ax.set_xscale("log", base=2)
-    draw_lines(ax, {label: t[1] for label, t in comp.items()}, {label: t[2].to_numpy() for label, t in comp.items()})
-    ax.set_xticks(budgets, [f"{b:g}" for b in budgets])
-    ax.minorticks_off()
+    draw_lines(ax, {label: t[1] for label, t in comp.items()}, {label: t[2].to_numpy() for label, t in comp.items()},
+               ticks={b: f"{b:g}" for b in sorted({b for t in comp.values() for b in t.index})})
     ax.set(xlabel="KV budget (tokens per layer per KV head)", ylabel="Generated tokens per candidate",
            title=f"{mk} — {task}")
     caption = (f"Generation length on {task} ({mk}): mean generated tokens per candidate (± SE over problems) by "
                "method and budget; dashed: the full cache.")
-    return [Artifact(f"gen_length_{slug(task)}_{slug(mk)}", caption, fig=fig, sources=drawn)]
+    return [Artifact(f"gen_length_{slug(task)}_{slug(mk)}", caption, fig=ax.figure, sources=drawn)]
 
 
 def reasoning_reports(df: pd.DataFrame, root) -> list[Artifact]:
-    """Every task × model key with generation-heavy jobs (:func:`_jobs`): its pass@k table, cache-trace figure and
-    generated-length figure."""
-    out = []
-    for (task, mk), jobs in _jobs(df, root).items():
-        if any(r["problem"] is not None or "found" in (r["scores"] or {}) for _, recs in jobs for r in recs):
-            out.append(passk_table(task, mk, jobs))
-        out += cache_trace_figure(task, mk, jobs) + gen_length_figure(task, mk, jobs)
+    """Every task × model key with generation-heavy jobs (whose records are sampled candidates, ``problem``, say if
+    they found an answer, ``scores.found``, or compressed while decoding): its pass@k table, cache-trace figure and
+    generated-length figure, each from ``[(job row, its scored records), ...]`` in paper order."""
+    jobs = paper_order(df[df["dataset"].notna()].drop_duplicates("job"), ["task", "model_key", "method", "budget"])
+    recs, groups, out = samples(jobs, root, COLUMNS), {}, []
+    for _, row in jobs.iterrows():
+        mine = recs.loc[recs["job"] == row["job"], COLUMNS].to_dict("records")
+        if any(r["problem"] is not None or "found" in (r["scores"] or {}) or r["decode_compressions"] for r in mine):
+            groups.setdefault((row["task"], row["model_key"]), []).append((row, mine))
+    for (task, mk), group in groups.items():
+        if any(r["problem"] is not None or "found" in (r["scores"] or {}) for _, rs in group for r in rs):
+            out.append(passk_table(task, mk, group))
+        out += cache_trace_figure(task, mk, group) + gen_length_figure(task, mk, group)
     return out

@@ -71,12 +71,11 @@ def _notes(rec: pd.DataFrame) -> list[str]:
 def turn_table(rec: pd.DataFrame) -> Artifact:
     """Score per turn (columns) of every model × capability × dataset × method × budget × mode, and Avg: the mean
     over the row's questions (as :func:`mode_table`)."""
-    turns, keys = sorted(rec["turn"].unique()), ["model", "capability", "dataset", "method", "method_name", "budget",
-                                                  "mode"]
+    keys = ["model", "capability", "dataset", "method", "method_name", "budget", "mode"]
     piv = rec.pivot_table(index=keys, columns="turn", values="score", aggfunc="mean")
     piv = paper_order(piv.assign(Avg=rec.groupby(keys)["score"].mean()).reset_index(), keys, RANK)
     data = pd.DataFrame({**_heads(piv, "model capability dataset method budget mode"),
-                         **{f"Turn {t}": piv[t] for t in turns}, "Avg": piv["Avg"]})
+                         **{f"Turn {t}": piv[t] for t in sorted(rec["turn"].unique())}, "Avg": piv["Avg"]})
     caption = (f"SCBench by capability: score per turn (points; mean over the groups that reached the turn), "
                f"{budget_semantics(rec['budget'])}; multi-request: per question index. Avg: mean over the row's "
                "questions.")
@@ -137,11 +136,10 @@ def cost_table(rec: pd.DataFrame) -> Artifact | None:
     if timed.empty:
         return None
     timed = timed.assign(pc=timed["prefill_s"] + timed["compress_s"])
-    per_group = timed.groupby(["job", "group"]).agg(n=("pc", "size"), pc=("pc", "sum"), worst=("pc", "max"),
-                                                    dec=("decode_s", "sum"), comp=("group_compressions", "max"))
-    per_group["alone"] = per_group["worst"] * per_group["n"]
-    t = per_group.groupby("job").agg(n=("n", "sum"), groups=("n", "size"), pc=("pc", "sum"), dec=("dec", "sum"),
-                                     comp=("comp", "mean"), alone=("alone", "sum"))
+    g = timed.groupby(["job", "group"]).agg(n=("pc", "size"), pc=("pc", "sum"), worst=("pc", "max"),
+                                            dec=("decode_s", "sum"), comp=("group_compressions", "max"))
+    t = g.eval("alone = worst * n").groupby("job").agg(n=("n", "sum"), groups=("n", "size"), dec=("dec", "sum"),
+                                                       pc=("pc", "sum"), comp=("comp", "mean"), alone=("alone", "sum"))
     t = t.join(timed.drop_duplicates("job").set_index("job")[["model", "method", "method_name", "budget", "mode"]])
     t = paper_order(t, ["model", "method", "budget", "mode"], RANK)
     reuse, alone = (t["pc"] + t["dec"]) / t["n"], (t["alone"] + t["dec"]) / t["n"]

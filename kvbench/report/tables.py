@@ -42,14 +42,12 @@ class Artifact:
     used: pd.DataFrame | None = None  # the job × dataset rows shown: added to ``sources``, :func:`job_notes` to notes
 
     def __post_init__(self):
-        cols = [] if self.data is None else self.data.columns
-        self.headers = {c: DATASET_ABBR[c] for c in cols if c in DATASET_ABBR} | self.headers
+        self.headers = {c: DATASET_ABBR.get(c, c) for c in getattr(self.data, "columns", [])} | self.headers
         used = pd.DataFrame(columns=["job", "dataset", "n", "complete", "subset"]) if self.used is None else self.used
         self.sources, self.notes = sorted({*self.sources, *used["job"]}), [*dict.fromkeys(job_notes(used) + self.notes)]
-        protocols = sorted(set(used["compress"])) if "compress" in used else []  # task.compress of the jobs shown
+        words = {p: p if p == "context" else "prompt" for p in sorted(set(used.get("compress", [])))}  # jobs shown
         self.caption = self.caption.replace("ρ of prompt tokens", " or ".join(
-            f"ρ of the {'context' if p == 'context' else 'prompt'} tokens (task.compress={p})" for p in protocols
-        ) or "ρ of prompt tokens")
+            f"ρ of the {w} tokens (task.compress={p})" for p, w in words.items()) or "ρ of prompt tokens")
         if self.fig is not None:  # the caption below the panels (the figure grows), titles wrapped to their panels
             fig, size, (w, h) = self.fig, FontProperties(size="small").get_size_in_points(), self.fig.get_size_inches()
             for ax in fig.axes:
@@ -305,9 +303,8 @@ def averages_tables(df: pd.DataFrame, root: Path, task: str) -> list[Artifact]:
     for mk, rows in df[(df["task"] == task) & df["score"].notna()].groupby("model_key"):
         part = paper_order(rows.drop_duplicates("job"), ["method", "budget"])
         heads = ["Method", *["Variant"] * bool(part["variant"].any()), "Budget"]  # jobs of one label apart, as score_tables
-        found = [{"Method": m, "Variant": v, "Budget": budget_cell(name, b),
-                  **(read_json(Path(root) / job / "summary.json").get("averages") or {})}
-                 for job, m, v, name, b in zip(part["job"], part["method"], part["variant"], part["method_name"], part["budget"])]
+        found = [{"Method": r.method, "Variant": r.variant, "Budget": budget_cell(r.method_name, r.budget),
+                  **(read_json(Path(root) / r.job / "summary.json").get("averages") or {})} for r in part.itertuples()]
         cols = list(columns) or list(dict.fromkeys(k for r in found for k in r if k not in ("Method", "Variant", "Budget")))
         data = pd.DataFrame(found, columns=[*heads, *cols])
         out.append(Artifact(f"{slug(task)}_{slug(mk)}", caption.format(mk), data, used=rows, headers=headers))
@@ -346,9 +343,8 @@ def selkv_table4(df: pd.DataFrame, budget: float = 0.25, task: str = "longbench"
     data = pd.DataFrame([{"Model": mk, "Category": c, **{lab: g.avg(mk, lab, ds) for lab in g.rows}}
                          for mk in g.models for c, ds in cats.items() if ds], columns=["Model", "Category", *g.rows])
     v = data[g.labels].where(pd.DataFrame({lab: [(m, lab) not in g.incomplete for m in data["Model"]]
-                                           for lab in g.labels})).map(round2, na_action="ignore")
-    differ = (v.nunique(axis=1) > 1) | (v.count(axis=1) < 2)  # no bold where the methods print one value
-    bold = set(v[v.eq(v.max(axis=1), axis=0) & differ.to_numpy()[:, None]].stack().dropna().index)  # NaN: pandas 3
+                                           for lab in g.labels}))  # bold: best per row (a column of v.T)
+    bold = {(i, lab) for lab, i in bolds(v.T, v.index, v.columns)}
     caption = (f"Category-level averages on LongBench ({budget_text(budget)} KV budget; {budget_semantics([budget])}):"
                " mean over the category's datasets present; bold: best compressed method per category.")
     return [Artifact("selkv_table4", caption, data, bold=bold, used=g.used)]
@@ -390,9 +386,8 @@ def sweep_panel(ax, grids: dict[float, Grid], mk: str, ratio: bool, dataset: str
         reference(ax, t.loc[full].iloc[0], err.loc[full].iloc[0], full + " (unfinished)" * late)
     lines = {lab: y.dropna().rename(x) for lab, y in t.iterrows() if lab != full and y.notna().any()}
     draw_lines(ax, lines, {lab: err.loc[lab].rename(x)[y.index] for lab, y in lines.items()},
-               {lab: [x[b] for b in t.columns if (mk, lab) in grids[b].incomplete] for lab in lines}, band)
-    ax.set_xticks(list(x.values()), [budget_text(b) for b in x])
-    ax.minorticks_off()
+               {lab: [x[b] for b in t.columns if (mk, lab) in grids[b].incomplete] for lab in lines}, band,
+               ticks={x[b]: budget_text(b) for b in x})
     lo, hi = ax.get_ylim()
     lo = max(0.0, min(lo, (lo + hi) / 2 - 2.5))
     ax.set_ylim(lo, min(103.0, max(hi, lo + 5)))
@@ -408,9 +403,8 @@ def sweep_table(name: str, grids: dict[float, Grid], models: list[str], caption:
     col = (lambda mk, b: budget_text(b)) if ratio else (lambda mk, b: f"{mk} @{b:g}")
     cols = {col(mk, b): (mk, b, g) for mk in models for b, g in grids.items()}
     t = pd.concat([sweep(grids, mk).rename(columns=lambda b, mk=mk: col(mk, b)) for mk in models], axis=1)
-    names = {lab: n for g in grids.values() for lab, n in g.names.items()}
-    full = next((g.full for g in grids.values() if g.full), None)
-    data = t.loc[sorted(t.index, key=lambda lab: (lab != full, method_sort_key(names.get(lab, ""), lab)))]
+    names = {lab: n for g in grids.values() for lab, n in g.names.items()}  # the full cache's label: none, first
+    data = t.loc[sorted(t.index, key=lambda lab: method_sort_key(names.get(lab, FULL), lab))]
     data = data.rename_axis("Method").reset_index()
     bold = set().union(*(bolds(data, [c], cols[c][2].ok(data.assign(Model=cols[c][0]))) for c in t.columns))
     return Artifact(name, caption, data, bold=bold, used=used_by(grids, models))
@@ -418,12 +412,11 @@ def sweep_table(name: str, grids: dict[float, Grid], models: list[str], caption:
 
 def selkv_ratio_tables(df: pd.DataFrame, task: str = "longbench") -> list[Artifact]:
     """SelKV Tables 5 (llama31), 6 (gemma2), ``selkv_ratios_<model>``: LongBench average per method × ratio (>= 2)."""
-    (grids, models), out, names = budget_grids(df, task, ratio=True), [], set()
+    (grids, models), out = budget_grids(df, task, ratio=True), []
     n_ds = len(order_datasets(d for g in grids.values() for d in g.datasets))
     for mk in models:
         name = {"llama31": "selkv_table5", "gemma2": "selkv_table6"}.get(mk.split(" ")[0], "")
-        name = name if name and name not in names else f"selkv_ratios_{slug(mk)}"
-        names.add(name)
+        name = name if name and name not in {a.name for a in out} else f"selkv_ratios_{slug(mk)}"
         out.append(sweep_table(name, grids, [mk], f"LongBench average ({count(n_ds, 'dataset')}) of {mk} at KV "
                                f"retention ratios ({budget_semantics(grids)}). Best compressed method per ratio in bold.",
                                ratio=True))
@@ -443,7 +436,7 @@ def staged_table(df: pd.DataFrame, name: str, budget: float, task: str = "longbe
     sel = df[(df["task"] == task) & np.isclose(df["budget"], budget)]
     rows, ok, used, selkv = [], [], [], name == "selkv_table2"
     main, snap = display_name("compresskv"), display_name("snapkv")
-    on = lambda v: None if v is None else str(v).lower() not in ("", "none", "off", "false", "0")  # None: unsaid
+    on = lambda v: None if v is None else str(v).lower() not in ("", "none", "off", "false", "0")  # None: unsaid (? < – < ✓)
     for mk in sorted(sel["model_key"].unique(), key=model_sort_key):
         mine = sel[(sel["model_key"] == mk) & (sel["method_name"] == ("selkv" if selkv else "compresskv"))]
         labels = set(mine["method"])
@@ -453,10 +446,9 @@ def staged_table(df: pd.DataFrame, name: str, budget: float, task: str = "longbe
         flags = {lab: {"Gate": on(p.get("gate")), "Comp": on(p.get("compensation")),  # gate: soft, none, off (evict)
                        "Merge": p.get("merge", None if p.get("gate") is None else str(p["gate"]).lower() != "off")}
                  for p, lab in ((json.loads(p), lab) for p, lab in by_params.items())}
-        switches = {lab: ([-1 if f[k] is None else int(f[k]) for k in ("Merge", "Gate", "Comp")], lab)
-                    for lab, f in flags.items()}
-        order = sorted(flags, key=switches.get) if selkv else [snap] * (snap in set(
-            sel.loc[sel["model_key"] == mk, "method"])) + [lab for lab in map(display_name, (
+        marks = {lab: {k: "?" if v is None else "✓" if v else "–" for k, v in f.items()} for lab, f in flags.items()}
+        order = sorted(marks, key=lambda lab: ([marks[lab][k] for k in ("Merge", "Gate", "Comp")], lab)) if selkv else [
+            snap] * (snap in set(sel.loc[sel["model_key"] == mk, "method"])) + [lab for lab in map(display_name, (
                 "compresskv_snapkv", "compresskv_uniform", "compresskv")) if lab in labels]  # Table 3a's presets
         g = grid(df, task, budget, models=[mk], names=["selkv"] if selkv else ["snapkv", "compresskv"], labels=order)
         avgs = [g.avg(mk, lab) for lab in order]
@@ -464,7 +456,6 @@ def staged_table(df: pd.DataFrame, name: str, budget: float, task: str = "longbe
             rows.append({"Model": mk, "Method": g.full, **dict.fromkeys(("Gate", "Comp", "Merge"), "–"),
                          "Avg": g.avg(mk, g.full)})
         ok += range(len(rows), len(rows) + len(order))
-        marks = {lab: {k: "?" if v is None else "✓" if v else "–" for k, v in f.items()} for lab, f in flags.items()}
         rows += [{"Model": mk, "Method": lab, **(marks[lab] if selkv else {}), "Avg": a, "Δ prev": a - p,
                   **({"Δ full": a - g.avg(mk, g.full)} if selkv else {})}
                  for lab, a, p in zip(order, avgs, [math.nan] + avgs)]
@@ -486,9 +477,8 @@ def compresskv_table2b(df: pd.DataFrame, budget: float = 256, task: str = "longb
     g = grid(df, task, budget, names=["compresskv"], labels=list(heads))
     if g is None:
         return []
-    trh = next(iter(heads))
     data = pd.DataFrame([{"Model": mk, "Heads": heads[lab], "Method": lab, "Avg": g.avg(mk, lab),
-                          "Δ": g.avg(mk, lab) - g.avg(mk, trh)} for mk in g.models for lab in heads])
+                          "Δ": g.avg(mk, lab) - g.avg(mk, [*heads][0])} for mk in g.models for lab in heads])
     caption = (f"CompressKV with TRH vs SRH token selection (uniform layer budgets) on LongBench ({len(g.datasets)} "
                f"datasets) at budget {budget_text(budget)} ({budget_semantics([budget])}). Δ: gap to TRH; bold: best.")
     return [Artifact("compresskv_table2b", caption, data, bold=bolds(data, ["Avg"], g.ok(data), "Model"),
@@ -511,17 +501,15 @@ def sensitivity_table(df, name: str, method: str, budget: float, task: str = "lo
     for mk, mine in sorted(used.groupby("model_key"), key=lambda kv: model_sort_key(kv[0])):
         if mine["variant"].nunique() < 2:
             continue
-        block = []
         for (p, dflt), v in sorted(mine.groupby(["params", "default"]),
                                    key=lambda x: [num(params[x[0][0]].get(k)) for k in keys]):
             vals = v.set_index("dataset")["score"].reindex(datasets)
-            block.append({"Model": mk, **{k: str(params[p].get(k, "–")) for k in keys}, "Default": "✓" * bool(dflt),
-                          **(vals if per_dataset else {}), "Avg": vals.mean(skipna=False)})
-        ref = next((r["Avg"] for r in block if r["Default"]), math.nan)
-        rows += [dict(r, **{"Δ default": r["Avg"] - ref}) for r in block]
+            rows.append({"Model": mk, **{k: str(params[p].get(k, "–")) for k in keys}, "Default": "✓" * bool(dflt),
+                         **(vals if per_dataset else {}), "Avg": vals.mean(skipna=False)})
     if not rows:
         return []
     data, headers = pd.DataFrame(rows), {"window_size": "W", "kernel_size": "K"}
+    data["Δ default"] = data["Avg"] - data["Avg"].where(data["Default"] != "").groupby(data["Model"]).transform("first")
     caption = (f"Sensitivity of {label} to {', '.join(headers.get(k, k) for k in keys)} on LongBench at "
                f"budget {budget_text(budget)} ({budget_semantics([budget])}). Δ default: gap to the default (✓).")
     return [Artifact(name, caption, data, bold=bolds(data, [*datasets] * per_dataset + ["Avg"], data.index, "Model"),
@@ -549,13 +537,14 @@ def reference(ax, y: float, se: float, label: str) -> None:
 
 
 def draw_lines(ax, series: dict, err: dict | None = None, hollow: dict | None = None, band: bool = False,
-               styles: dict | None = None, show_legend: bool = True) -> None:
+               styles: dict | None = None, show_legend: bool = True, ticks: dict | None = None) -> None:
     """The one rule of every line figure, so that tied lines stay visible: line ``k`` of ``series`` (``{label:
     pd.Series}``, y indexed by x, in legend order) gets colour ``Ck``, solid with round markers (``styles[label]``
     overrides; dashed is the full cache's, :func:`reference`); the lines that share an x with another are drawn side
-    by side, the k-th of n ``dodge(n)[k]`` points sideways (the data stay exact: the shift is in the transform; the x range grows to
-    keep the markers inside). ``err[label]``: ±1 SE, error bars (``band``:
-    a shaded band); ``hollow[label]``: the x of an unfinished job's points (hollow markers). Set the x scale first."""
+    by side, the k-th of n ``dodge(n)[k]`` points sideways (the data stay exact: the shift is in the transform; the x
+    range grows to keep the markers inside). ``err[label]``: ±1 SE, error bars (``band``: a shaded band);
+    ``hollow[label]``: the x of an unfinished job's points (hollow markers); ``ticks``: ``{x: text}``, the only x ticks.
+    Set the x scale first."""
     shared = [a for a, y in series.items() if any(b != a and y.index.isin(z.index).any() for b, z in series.items())]
     shift = dict(zip(shared, dodge(len(shared))))
     for k, (label, y) in enumerate(series.items()):
@@ -577,6 +566,9 @@ def draw_lines(ax, series: dict, err: dict | None = None, hollow: dict | None = 
     if show_legend:
         legend(ax, ax.get_legend_handles_labels()[0] + [Line2D([], [], marker="o", ls="", mfc="white", mec="grey", label="unfinished job")] * any(
             len((hollow or {}).get(lab, [])) for lab in series))
+    if ticks:
+        ax.set_xticks(list(ticks), list(ticks.values()))
+        ax.minorticks_off()
 
 
 def selkv_fig2(df: pd.DataFrame, budget: float = 0.25, task: str = "longbench") -> list[Artifact]:
@@ -584,8 +576,7 @@ def selkv_fig2(df: pd.DataFrame, budget: float = 0.25, task: str = "longbench") 
     g = grid(df, task, budget)
     if g is None or g.full is None:
         return []
-    fig, axes = _figure(1, 1, w=max(4.5, 1.6 * len(g.models) + 2))
-    ax, width, late = axes[0, 0], 0.8 / len(g.labels), []
+    ax, width, late = _figure(1, 1, w=max(4.5, 1.6 * len(g.models) + 2))[1][0, 0], 0.8 / len(g.labels), []
     for j, lab in enumerate(g.labels):
         xs = [i - 0.4 + width * (j + 0.5) for i in range(len(g.models))]
         ys = [g.avg(mk, lab) - g.avg(mk, g.full) for mk in g.models]
@@ -604,20 +595,16 @@ def selkv_fig2(df: pd.DataFrame, budget: float = 0.25, task: str = "longbench") 
     caption = (f"LongBench ({count(len(g.datasets), 'dataset')}), {budget_semantics([budget])}, ρ = "
                f"{budget_text(budget)}; error bars: ±1 SE, √(SE² + SE full²). Hatched, pale bars: an unfinished job "
                "(fewer samples scored).")
-    return [Artifact("selkv_fig2", caption, fig=fig, used=g.used)]
+    return [Artifact("selkv_fig2", caption, fig=ax.figure, used=g.used)]
 
 
 def other_samples(used: pd.DataFrame, full: str | None) -> bool:
     """Whether a full-cache row of ``used`` scored other samples than a compressed row of its model key × dataset
     (sample ids where both list them, else ``n`` and ``subset``)."""
-    ref = used[used["method"] == full].drop_duplicates(["model_key", "dataset"]).set_index(["model_key", "dataset"])
-    for r in used[used["method"] != full].itertuples():
-        if (r.model_key, r.dataset) in ref.index:
-            q = ref.loc[(r.model_key, r.dataset)]
-            ids = [set(x) for x in (r.samples, q["samples"]) if isinstance(x, dict)]
-            if (r.n, r.subset) != (q["n"], q["subset"]) or len(ids) == 2 and ids[0] != ids[1]:
-                return True
-    return False
+    ref = used[used["method"] == full].drop_duplicates(["model_key", "dataset"])
+    pairs = used[used["method"] != full].merge(ref, on=["model_key", "dataset"], suffixes=("", "_f"))
+    return any((r.n, r.subset) != (r.n_f, r.subset_f) or isinstance(r.samples, dict) and isinstance(r.samples_f, dict)
+               and set(r.samples) != set(r.samples_f) for r in pairs.itertuples())
 
 
 def budget_sweep_figure(df, name: str, task: str, ratio: bool, title: str, per_dataset: bool = False):
@@ -629,11 +616,9 @@ def budget_sweep_figure(df, name: str, task: str, ratio: bool, title: str, per_d
     datasets = ([d for d in ("qasper", "musique") if d in present] or present[:4]) if per_dataset else [None]
     fig, axes = _figure(len(models) if per_dataset else 1, len(datasets) if per_dataset else len(models))
     full = next((g.full for g in grids.values() if g.full), None)
-    for i, mk in enumerate(models):
-        for j, ds in enumerate(datasets):  # one model's average (or one dataset's score) across budgets
-            ax = axes[i, j] if per_dataset else axes[0, i]
-            sweep_panel(ax, grids, mk, ratio, ds)
-            ax.set(ylabel="Score (points)" if ds else "Average score (points)", title=mk + f" — {ds}" * bool(ds))
+    for ax, (mk, ds) in zip(axes.flat, [(mk, ds) for mk in models for ds in datasets]):  # a model × dataset a row
+        sweep_panel(ax, grids, mk, ratio, ds)  # one model's average (or one dataset's score) across budgets
+        ax.set(ylabel="Score (points)" if ds else "Average score (points)", title=mk + f" — {ds}" * bool(ds))
     fig.suptitle(title)
     used = used_by(grids, models)
     n_text = f"; n = {ns} samples per dataset" if (ns := span(used.loc[used["method"] != full, "n"])) else ""
@@ -693,11 +678,9 @@ def selkv_fig3(latency: list[dict], source: str = "latency.json") -> list[Artifa
         legend(ax_a)
         tok_s = m["decode_tok_s"].unstack("method")
         ax_b.set_xscale("log")
-        draw_lines(ax_b, {meth: tok_s[meth].dropna() for meth in tok_s})
+        draw_lines(ax_b, {meth: tok_s[meth].dropna() for meth in tok_s}, ticks={n: f"{n:.0f}" for n in tok_s.index})
         ax_b.set(xlabel="Prompt length (tokens)", ylabel="Decode throughput (tokens/s)",
                  title=f"(b) {mk}: decode throughput")
-        ax_b.set_xticks(tok_s.index, [f"{n:.0f}" for n in tok_s.index], minor=False)
-        ax_b.minorticks_off()
     budgets = sorted(set(pd.to_numeric(lat["budget"], errors="coerce").dropna()) - {1.0})
     devices = ", ".join(sorted(lat["device"].dropna().astype(str).unique())) or "a device not recorded"
     caption = (f"Latency on {devices} (synthetic prompts; repeats averaged) at budget "
@@ -714,8 +697,7 @@ def niah_figures(df: pd.DataFrame, root: Path) -> list[Artifact]:
     for mk, sel in sorted(niah.groupby("model_key"), key=lambda kv: model_sort_key(kv[0])):
         comp, full = sel[sel["method_name"] != FULL], pick(sel[sel["method_name"] == FULL], ["model_key"])
         budgets = sorted(comp["budget"].unique()) or [math.nan]
-        cols = [None] * (len(full) > 0) + sorted(set(comp["method"]), key=lambda lab: method_sort_key(
-            comp.loc[comp["method"] == lab, "method_name"].iloc[0], lab))
+        cols = [None] * (len(full) > 0) + list(paper_order(comp, ["method"])["method"].unique())
         fig, axes = _figure(len(budgets), len(cols), w=3.2, h=2.8)
         images, used = [], []
         for i, b in enumerate(budgets):
@@ -729,7 +711,7 @@ def niah_figures(df: pd.DataFrame, root: Path) -> list[Artifact]:
                 title = r["method"] + f", budget {budget_text(b)}" * (lab is not None) + f"\n{r['variant']}" * bool(
                     r["variant"]) + " (unfinished)" * (not r["complete"])
                 used.append(chosen)
-                images.append(draw_niah_heatmap(axes[i, j], records.get(r.get("job"), []), title, labels=False))
+                images.append(draw_niah_heatmap(axes[i, j], records.get(r.get("job"), []), title))
                 axes[i, j].set(xlabel="Context length (tokens)" * (i == len(budgets) - 1 or lab is None),
                                ylabel="Needle depth (%)" * (j == (cols[0] is None and i > 0)))
         niah_colorbar(fig, images, axes)
