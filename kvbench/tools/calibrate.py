@@ -1,9 +1,6 @@
 """Offline calibration of head and layer scores: ``kvbench calibrate heads|layers`` (docs/COMPRESSKV.md).
 
-``heads``: the retrieval-head detection of Wu et al. (2025): needles in haystacks, greedy answers, each step's
-attention row scored (TRH, SRH = CompressKV Eq. 1, HeadKV R2) over the samples answered right.
-``layers``: CompressKV Eq. 2-4, e_l += ‖O_full − O_comp‖_F / (‖O_full‖_F + ε) per decoding step, O_comp the
-layer's output on a minimally compressed cache. File formats: methods/artifacts/README.md.
+What each sub-command computes: docs/COMPRESSKV.md; file formats: methods/artifacts/README.md.
 """
 
 import dataclasses
