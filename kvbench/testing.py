@@ -12,7 +12,6 @@ CASES = ("prefill GQA", "prefill MHA", "query-agnostic", "multi-turn", "decoding
 
 
 def _run(case: str, method_cfg: dict) -> str:
-    """``ok`` or ``n/a (why)``; raises what the case raised."""
     import torch
     import transformers as tf
 
