@@ -38,7 +38,7 @@ def expand(overrides: list[str], shards: int = 1) -> list[list[str]]:
         raise SweepSpecError(f"--shards={shards}: must be an integer >= 1")
     try:
         presets = [o for o in overrides if o.lstrip("+").startswith("experiment=")]
-        params = compose(presets, return_hydra_config=True).hydra.sweeper.params if presets else {}
+        params = (compose(presets, return_hydra_config=True).hydra.sweeper.params if presets else None) or {}
         parsed = OverridesParser.create().parse_overrides([f"{k}={v}" for k, v in params.items()] + overrides)
         bad = [o.input_line for o in parsed if o.is_interval_sweep() or o.value_type == ValueType.GLOB_CHOICE_SWEEP]
         if bad:
