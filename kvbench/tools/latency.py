@@ -104,8 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         lat = OmegaConf.to_container(cfg.get("latency") or OmegaConf.create(), resolve=True)
         model_cfg, method_cfgs = OmegaConf.to_container(cfg.model, resolve=True), {}
         for preset in dict.fromkeys(sum(args.methods or [], []) or lat.get("methods") or ["full", cfg.method.name]):
-            # method.* overrides tune the compressed methods; the full cache has none of their fields
-            keep = [o for o in overrides if not o.startswith("method=")
+            keep = [o for o in overrides if not o.startswith("method=")  # method.* are no fields of the full cache
                     and not (preset == "full" and o.lstrip("+~").startswith("method."))]
             where = f"method={preset}: "
             method_cfgs[preset] = OmegaConf.to_container(compose(keep + [f"method={preset}"]).method, resolve=True,
