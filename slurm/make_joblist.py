@@ -14,6 +14,9 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
+import pandas as pd
+import yaml
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra.core.override_parser.types import ValueType
@@ -22,8 +25,10 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # kvbench, methods, eval of this checkout
+from eval import get_task_class  # noqa: E402
 from kvbench.cli import ArgParser  # noqa: E402
 from kvbench.job.config import compose  # noqa: E402
+from kvbench.job.store import JobStore  # noqa: E402
 from run import _one_line  # noqa: E402 - configuration errors as run.py words them: one line naming the key
 
 
@@ -52,11 +57,6 @@ def expand(overrides: list[str], shards: int = 1) -> list[list[str]]:
 def measure(run: Path, model: str) -> dict:
     """What ``run`` measured for ``model`` (docs/SWEEPS.md): prefill s ≈ ``a``·n^``p``, ``decode_tok_s``, ``load_s``,
     ``compile_s``. SweepSpecError: no successful record."""
-    import numpy as np
-    import yaml
-
-    from kvbench.job.store import JobStore
-
     if run.suffix == ".json":
         records = [r for r in json.loads(run.read_text()) if r.get("model") == model]
         loads = [r.get("load_s") for r in records]
@@ -109,8 +109,6 @@ def unique_jobs(jobs: list[list[str]]) -> list[tuple[list[str], dict]]:
 def cost(jobs: list[tuple[list[str], dict]], run: Path):
     """A pandas frame, a row per job: samples, tokens and hours = load + compile + Σ a·n^p + new tokens / decode tok/s
     (an upper bound; :func:`measure`); ``attrs["fits"]``: each model's fit in words."""
-    import pandas as pd
-
     rows, samples, fits = [], {}, {}
     for job, cfg in jobs:
         key, name = json.dumps([cfg["model"], cfg["task"]], sort_keys=True), cfg["model"]["name"]
@@ -132,10 +130,6 @@ def plan(jobs: list[tuple[list[str], dict]], given: dict[int, float] | None = No
     """A pandas frame, a row per job: samples (NA: unknown), candidates, new tokens at most and decode hours at batch 1
     and ``batch_size`` at the tok/s of ``given`` (``--rate``) else ``benchmarks/rates.json`` (docs/SWEEPS.md);
     ``attrs["rates"]``: each model's rates in words."""
-    import pandas as pd
-
-    from eval import get_task_class
-
     table = {} if given else json.loads((Path(__file__).resolve().parents[1] / "benchmarks/rates.json").read_text())
     rows, found, notes = [], {}, {}
     for job, cfg in jobs:
