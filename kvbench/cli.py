@@ -42,9 +42,8 @@ def listof(kind: type = str, ok=lambda v: True, accepted: str = "", one: bool = 
 
 
 def parse_with_overrides(p: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
-    """``p.parse_args(argv)`` whose positional ``overrides`` (Hydra's) come first in ``args.overrides``: the
-    ``key=value`` and ``~key`` arguments anywhere (after a list flag too: ``--methods full snapkv budget=0.3``), but
-    the value of ``--out`` or ``--*-scores``."""
+    """``p.parse_args(argv)``, Hydra's ``key=value`` and ``~key`` arguments taken from anywhere (after a list flag too)
+    into ``args.overrides``, first; not the value of ``--out`` or ``--*-scores``."""
     argv = list(sys.argv[1:] if argv is None else argv)
     at = {i for i, a in enumerate(argv) if not a.startswith("-") and ("=" in a or a.startswith("~"))
           and not (i and (argv[i - 1] == "--out" or argv[i - 1].endswith("-scores")))}

@@ -3,6 +3,18 @@
 import sys
 from types import SimpleNamespace
 
+import torch
+import transformers as tf
+from omegaconf import OmegaConf
+
+import methods
+from methods.base import ConfigError
+
+from kvbench.engine.attention import register
+from kvbench.engine.generate import Engine
+from kvbench.engine.models import LoadedModel, head_layout
+from kvbench.job.config import Cache, Decode, compose
+
 try:
     import pytest
 except ImportError:  # a command-1 install: no test extra
@@ -12,16 +24,6 @@ CASES = ("prefill GQA", "prefill MHA", "query-agnostic", "multi-turn", "decoding
 
 
 def _run(case: str, method_cfg: dict) -> str:
-    """``ok`` or ``n/a (why)``; raises what the case raised."""
-    import torch
-    import transformers as tf
-
-    import methods
-    from kvbench.engine.attention import register
-    from kvbench.engine.generate import Engine
-    from kvbench.engine.models import LoadedModel, head_layout
-    from kvbench.job.config import Cache, Decode
-
     torch.manual_seed(0)
     config = tf.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, head_dim=16,
                             num_attention_heads=4, num_key_value_heads=4 if case == "prefill MHA" else 2)
@@ -46,11 +48,6 @@ def _run(case: str, method_cfg: dict) -> str:
 
 def check_method(overrides: list[str] | dict) -> dict[str, str]:
     """``{case: "ok" | "n/a (why)" | "<Error>: <message>"}`` for a method's overrides or config dict (ConfigError)."""
-    from omegaconf import OmegaConf
-
-    import methods
-    from kvbench.job.config import compose
-
     cfg = overrides if isinstance(overrides, dict) else OmegaConf.to_container(compose(list(overrides)).method,
                                                                                  resolve=True, enum_to_str=True)
     methods.build_method(cfg)  # a bad setting: ConfigError, before any case
@@ -65,8 +62,6 @@ def check_method(overrides: list[str] | dict) -> dict[str, str]:
 
 def main(argv: list[str]) -> int:
     """Print :func:`check_method`'s table; exit 0, 1 when a case fails, 2: a bad setting."""
-    from methods.base import ConfigError
-
     try:
         rows = check_method(argv)
     except ConfigError as e:

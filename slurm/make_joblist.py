@@ -14,6 +14,9 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
+import pandas as pd
+import yaml
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra.core.override_parser.types import ValueType
@@ -22,6 +25,11 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # kvbench, methods, eval of this checkout
+from eval import get_task_class  # noqa: E402
+from kvbench.cli import ArgParser  # noqa: E402
+from kvbench.job.config import compose  # noqa: E402
+from kvbench.job.store import JobStore  # noqa: E402
+from run import _one_line  # noqa: E402 - configuration errors as run.py words them: one line naming the key
 
 
 class SweepSpecError(ValueError):
@@ -33,11 +41,9 @@ def expand(overrides: list[str], shards: int = 1) -> list[list[str]]:
     ``hydra.sweeper.params`` first). SweepSpecError: a bad override or preset, a glob/interval sweep, shards < 1."""
     if shards < 1:
         raise SweepSpecError(f"--shards={shards}: must be an integer >= 1")
-    from kvbench.job.config import compose
-
     try:
         presets = [o for o in overrides if o.lstrip("+").startswith("experiment=")]
-        params = compose(presets, return_hydra_config=True).hydra.sweeper.params if presets else {}
+        params = (compose(presets, return_hydra_config=True).hydra.sweeper.params if presets else None) or {}
         parsed = OverridesParser.create().parse_overrides([f"{k}={v}" for k, v in params.items()] + overrides)
         bad = [o.input_line for o in parsed if o.is_interval_sweep() or o.value_type == ValueType.GLOB_CHOICE_SWEEP]
         if bad:
@@ -51,11 +57,6 @@ def expand(overrides: list[str], shards: int = 1) -> list[list[str]]:
 def measure(run: Path, model: str) -> dict:
     """What ``run`` measured for ``model`` (docs/SWEEPS.md): prefill s ≈ ``a``·n^``p``, ``decode_tok_s``, ``load_s``,
     ``compile_s``. SweepSpecError: no successful record."""
-    import numpy as np
-    import yaml
-
-    from kvbench.job.store import JobStore
-
     if run.suffix == ".json":
         records = [r for r in json.loads(run.read_text()) if r.get("model") == model]
         loads = [r.get("load_s") for r in records]
@@ -95,8 +96,6 @@ def job_samples(cfg: dict) -> list[tuple[int, int]]:
 
 def unique_jobs(jobs: list[list[str]]) -> list[tuple[list[str], dict]]:
     """Each job with its composed config; ``method=full`` at several budgets (one job folder) once, at the first."""
-    from kvbench.job.config import compose
-
     out: dict[str, tuple[list[str], dict]] = {}
     for job in jobs:
         OmegaConf.to_object(composed := compose(job))  # the schemas' range checks (ConfigError: the key)
@@ -110,8 +109,6 @@ def unique_jobs(jobs: list[list[str]]) -> list[tuple[list[str], dict]]:
 def cost(jobs: list[tuple[list[str], dict]], run: Path):
     """A pandas frame, a row per job: samples, tokens and hours = load + compile + Σ a·n^p + new tokens / decode tok/s
     (an upper bound; :func:`measure`); ``attrs["fits"]``: each model's fit in words."""
-    import pandas as pd
-
     rows, samples, fits = [], {}, {}
     for job, cfg in jobs:
         key, name = json.dumps([cfg["model"], cfg["task"]], sort_keys=True), cfg["model"]["name"]
@@ -124,21 +121,15 @@ def cost(jobs: list[tuple[list[str], dict]], run: Path):
         rows.append({"job": shlex.join(job), "samples": len(mine), "prompt_tokens": prompt, "new_tokens": new,
                      "longest": max((p + n for p, n in mine), default=0), "hours": seconds / 3600})
     table = pd.DataFrame(rows)
-    table.attrs["fits"] = {name: f"{f['note']}; {f['decode_tok_s']:.1f} decode tok/s; per job: model load "
-                           f"{f['load_s']:.0f} s, compile {f['compile_s']:.0f} s" for name, f in fits.items()}
+    table.attrs["fits"] = [f"{name}: {f['note']}; {f['decode_tok_s']:.1f} decode tok/s; per job: model load "
+                           f"{f['load_s']:.0f} s, compile {f['compile_s']:.0f} s" for name, f in fits.items()]
     return table
 
 
 def plan(jobs: list[tuple[list[str], dict]], given: dict[int, float] | None = None):
-    """A pandas frame, a row per job: its samples after shard and ``max_samples`` (from the data, else the task's
-    documented size, else unknown: NA), candidates (× ``sampling.n``), new tokens (each candidate's
-    ``max_new_tokens``: an upper bound) and decode hours at batch 1 and at ``batch_size`` (``auto``: the largest
-    measured) at the tok/s of ``given`` (``--rate``), else of the model's entry of ``benchmarks/rates.json`` (else its
-    first, another model's), by the largest batch measured <= it; ``attrs["rates"]``: each model's rates in words."""
-    import pandas as pd
-
-    from eval import get_task_class
-
+    """A pandas frame, a row per job: samples (NA: unknown), candidates, new tokens at most and decode hours at batch 1
+    and ``batch_size`` at the tok/s of ``given`` (``--rate``) else ``benchmarks/rates.json`` (docs/SWEEPS.md);
+    ``attrs["rates"]``: each model's rates in words."""
     table = {} if given else json.loads((Path(__file__).resolve().parents[1] / "benchmarks/rates.json").read_text())
     rows, found, notes = [], {}, {}
     for job, cfg in jobs:
@@ -177,17 +168,13 @@ def rate_arg(text: str) -> dict[int, float]:
 
 def main(argv: list[str] | None = None) -> int:
     """Write the job list (``-o`` or stdout), print the sbatch command; 2 on a bad sweep or ``-o`` (one line)."""
-    from kvbench.cli import ArgParser
-    from run import _one_line  # configuration errors as run.py words them: one line naming the key
-
     name = "kvbench plan" if "--plan" in (sys.argv[1:] if argv is None else argv) else "make_joblist"
     parser = ArgParser(prog=name, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("overrides", nargs="+", help="Hydra overrides, sweeps as comma lists")
     parser.add_argument("-o", "--output", type=Path, help="job list file (default: standard output)")
     parser.add_argument("--shards", type=int, default=1, help="split every job into this many shards")
     parser.add_argument("--parallel", type=int, default=16, help="array tasks at once, for the printed command")
-    parser.add_argument("--cost", type=Path, metavar="RUN", help="print samples and hours from the times measured in "
-                        "RUN (latency.json, a job folder or a results root)")
+    parser.add_argument("--cost", type=Path, metavar="RUN", help="print samples, hours at RUN's speed (docs/SWEEPS.md)")
     parser.add_argument("--plan", action="store_true", help="print samples, new tokens, decode hours (docs/SWEEPS.md)")
     parser.add_argument("--rate", type=rate_arg, metavar="TOK_S", help="with --plan: decode tok/s (35 or 1:35,8:240)")
     args = parser.parse_intermixed_args(argv)  # overrides may follow the options, as with run.py
@@ -213,8 +200,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.cost:
             table = cost(composed, args.cost)
-            print(table.to_string(index=False, float_format="{:.2f}".format))
-            print("\n".join(f"{name}: {fit}" for name, fit in table.attrs["fits"].items()))
+            print(table.to_string(index=False, float_format="{:.2f}".format), *table.attrs["fits"], sep="\n")
             print(f"{len(table)} jobs, {table.samples.sum()} samples, {table.hours.sum():.2f} hours on RUN's device; "
                   f"the longest job {60 * table.hours.max():.0f} min (size timeout_min, or split it with --shards / shard.count)")
         text = "".join(shlex.join(job) + "\n" for job, _ in composed)

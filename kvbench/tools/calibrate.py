@@ -1,9 +1,6 @@
 """Offline calibration of head and layer scores: ``kvbench calibrate heads|layers`` (docs/COMPRESSKV.md).
 
-``heads``: the retrieval-head detection of Wu et al. (2025): needles in haystacks, greedy answers, each step's
-attention row scored (TRH, SRH = CompressKV Eq. 1, HeadKV R2) over the samples answered right.
-``layers``: CompressKV Eq. 2-4, e_l += ‖O_full − O_comp‖_F / (‖O_full‖_F + ε) per decoding step, O_comp the
-layer's output on a minimally compressed cache. File formats: methods/artifacts/README.md.
+What each sub-command computes: docs/COMPRESSKV.md; file formats: methods/artifacts/README.md.
 """
 
 import dataclasses
@@ -240,7 +237,6 @@ def cmd_heads(args, out: Path, loaded) -> int:
             print(f"[{time.time() - t0:6.0f}s] {fname} #{i} len={length} depth={depth:g} "
                   f"n={ids.shape[1]} ok={ok} answer={response[:60]!r}", flush=True)
     meta["accepted"] = {k: len(v) for k, v in accepted.items()}
-    out.mkdir(parents=True, exist_ok=True)
     for k, stacked in ((k, torch.stack(v)) for k, v in accepted.items() if v):  # (samples, L, H)
         scores = {f"{l}-{h}": [round(float(x), 6) for x in stacked[:, l, h]]
                   for l in range(stacked.shape[1]) for h in range(stacked.shape[2])}
@@ -260,7 +256,6 @@ def cmd_heads(args, out: Path, loaded) -> int:
 
 
 def _longbench_prompts(tok, files: list[str], prompt_config: str | None, samples: int, max_tokens: int, chat: bool):
-    """``(dataset, (1, p) ids)`` of the first ``samples`` rows of each LongBench jsonl, middle-truncated."""
     templates = json.loads(Path(prompt_config).read_text()) if prompt_config else {}
     for f in files:
         template = templates.get(dataset := Path(f).stem, "{context}\n\n{input}")
@@ -299,14 +294,12 @@ def cmd_layers(args, out: Path, loaded) -> int:
     result = {d: (e / e.sum().clamp(min=1e-12)).tolist() for d, e in per_dataset.items()}
     mean = torch.tensor(list(result.values()), dtype=torch.float64).mean(dim=0)
     result["avg_score"] = (mean / (mean.sum() + 1e-12)).tolist()
-    out.mkdir(parents=True, exist_ok=True)
     atomic_write(out / "layer_score.jsonl", json.dumps(result, indent=2) + "\n")
     print(f"wrote {out / 'layer_score.jsonl'} in {time.time() - t0:.0f} s")
     return 0
 
 
 def _arg(kind: type, low: float = 0, high: float = float("inf"), choices: tuple[str, ...] = (), many: bool = True):
-    """argparse type (:func:`kvbench.cli.listof`): numbers in [low, high] or ``choices``; ``many=False``: one."""
     return listof(kind, choices.__contains__ if choices else lambda v: low <= v <= high,
                   ", ".join(choices) or f"{kind.__name__}s in [{low:g}, {high:g}]", one=not many)
 
@@ -362,6 +355,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "layers" and not Path(args.head_idx).is_file():
             raise ConfigError(f"--head-idx={args.head_idx!r}: not found; run `kvbench calibrate heads` first")
         loaded = load_model(args.model, args.gguf_file, args.threads, args.device, args.dtype)
+        out.mkdir(parents=True, exist_ok=True)
         return (cmd_heads if args.command == "heads" else cmd_layers)(args, out, loaded)
     except (ConfigError, OSError, ValueError, KeyError) as e:  # one line, naming this command's flags
         text = str(e).replace("model.source=", "--model=").replace("model.gguf_file=", "--gguf-file=").replace(

@@ -3,9 +3,6 @@ cache and compressed caches over prompt lengths (what it measures, the records: 
 
     python -m kvbench.tools.latency +experiment=selkv_fig3 [hydra overrides...] [--out FILE]
     python -m kvbench.tools.latency model=smollm2 budget=0.25 --methods full snapkv --lengths 256 512
-
-Model, budget and methods come from the Hydra config, a ``latency:`` node gives defaults (``methods``, ``lengths``,
-``max_new_tokens``, ``repeats``, ``out``); ``method.*`` overrides apply to every method but the full cache.
 """
 
 import gc
@@ -42,10 +39,9 @@ def prompt_ids(n_tokens: int, vocab_size: int, seed: int = 0) -> list[int]:
 def run_latency(model_cfg: dict, method_cfgs: dict[str, dict], budget: float, lengths: list[int],
                 max_new_tokens: int, repeats: int, out: Path, make_engine: Callable[[dict], Any] | None = None,
                 log: Callable[[str], None] = print, device: str = "auto") -> list[dict]:
-    """Measure every method (``{preset: method node}``) at every prompt length (tokens; those over the context window
-    minus ``max_new_tokens`` skipped, logged), ``repeats`` runs each after one warm-up per method, the peak memory
-    restarted before each; ``out`` rewritten after each record. ``make_engine``: ``method node -> engine`` (default:
-    on the model loaded on ``device``). Returns the records."""
+    """The records (docs/REPORTS.md) of every method (``{preset: method node}``) at every prompt length (tokens),
+    ``repeats`` runs each, ``out`` rewritten after each. ``make_engine``: ``method node -> engine`` (default: on the
+    model loaded on ``device``)."""
     import torch
 
     from kvbench.engine import generate as engine_module, models  # reset_peak_rss read at each call (tests replace it)
@@ -108,8 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         lat = OmegaConf.to_container(cfg.get("latency") or OmegaConf.create(), resolve=True)
         model_cfg, method_cfgs = OmegaConf.to_container(cfg.model, resolve=True), {}
         for preset in dict.fromkeys(sum(args.methods or [], []) or lat.get("methods") or ["full", cfg.method.name]):
-            # method.* overrides tune the compressed methods; the full cache has none of their fields
-            keep = [o for o in overrides if not o.startswith("method=")
+            keep = [o for o in overrides if not o.startswith("method=")  # method.* are no fields of the full cache
                     and not (preset == "full" and o.lstrip("+~").startswith("method."))]
             where = f"method={preset}: "
             method_cfgs[preset] = OmegaConf.to_container(compose(keep + [f"method={preset}"]).method, resolve=True,

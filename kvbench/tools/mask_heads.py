@@ -56,21 +56,19 @@ class HeadMask:
     def __enter__(self) -> "HeadMask":
         modules, name = models.attention_modules(self.model), self.layout.model_name or "?"
         h_q, d = self.layout.num_q_heads, self.layout.head_dim
-        try:
-            for layer, heads in sorted(self.by_layer.items()):
-                proj = getattr(modules.get(layer), "o_proj" if self.mode == "zero" else "q_proj", None)
-                if proj is None:
-                    raise ConfigError(f"model {name}: no attention module with q_proj/o_proj for layer {layer}")
-                width = proj.in_features if self.mode == "zero" else proj.out_features
-                if width != h_q * d:
-                    raise ConfigError(f"model {name}: projection width {width} is not {h_q} heads x {d}")
-                keep = torch.ones(h_q, d).index_fill_(0, torch.tensor(heads), 0.0).flatten()
-                self._handles.append(
-                    proj.register_forward_pre_hook(lambda m, args, k=keep: (self._mask(k, args[0]), *args[1:]))
-                    if self.mode == "zero" else proj.register_forward_hook(lambda m, args, out, k=keep: self._mask(k, out)))
-        except BaseException:
-            self.__exit__()
-            raise
+        masks = []  # every layer checked before any hook is registered
+        for layer, heads in sorted(self.by_layer.items()):
+            proj = getattr(modules.get(layer), "o_proj" if self.mode == "zero" else "q_proj", None)
+            if proj is None:
+                raise ConfigError(f"model {name}: no attention module with q_proj/o_proj for layer {layer}")
+            width = proj.in_features if self.mode == "zero" else proj.out_features
+            if width != h_q * d:
+                raise ConfigError(f"model {name}: projection width {width} is not {h_q} heads x {d}")
+            masks.append((proj, torch.ones(h_q, d).index_fill_(0, torch.tensor(heads), 0.0).flatten()))
+        self._handles = [
+            proj.register_forward_pre_hook(lambda m, args, k=keep: (self._mask(k, args[0]), *args[1:]))
+            if self.mode == "zero" else proj.register_forward_hook(lambda m, args, out, k=keep: self._mask(k, out))
+            for proj, keep in masks]
         return self
 
     def __exit__(self, *exc) -> None:
@@ -123,8 +121,7 @@ def render_markdown(report: dict) -> str:
     lines += ["", "Cells: drop of the NIAH score in points (score with the heads masked)."]
     heads = {(c["kind"], c["k"]): {tuple(h) for h in c.get("heads", [])} for c in report["conditions"]}
     shared = [f"{len(heads['srh', k] & heads['trh', k])}/{k}" for k in ks if ("srh", k) in heads and ("trh", k) in heads]
-    if shared:
-        lines.append(f"SRH and TRH top-k share {', '.join(shared)} heads.")
+    lines += [f"SRH and TRH top-k share {', '.join(shared)} heads."] * bool(shared)
     return "\n".join(lines) + "\n"
 
 
@@ -153,19 +150,17 @@ def run(args) -> int:
     conf_model(args.model)  # --model names a conf/model file
     files = {kind: artifact_path(_SCORE_KIND[kind], args.model, getattr(args, f"{kind}_scores"), f"--{kind}-scores")
              for kind in ("srh", "trh") if kind in args.kinds}  # the published llama31/mistral files: no SRH scores
-    scores = {}
-    for kind, path in files.items():
-        with keyed_errors(f"--{kind}-scores", path):
-            scores[kind] = load_head_scores(path)
-    plan = conditions(scores, args.k, args.kinds, args.seed)
+    def read(kind: str, layout: HeadLayout | None = None):  # a score file's errors name its flag
+        with keyed_errors(f"--{kind}-scores", files[kind]):
+            return load_head_scores(files[kind], layout)
+    plan = conditions({kind: read(kind) for kind in files}, args.k, args.kinds, args.seed)
     try:  # the NIAH job (method full) of --model and the Hydra overrides
         cfg = compose([f"model={args.model}", "task=niah", "method=full", "threads=null", *args.overrides])
     except Exception as e:  # noqa: BLE001 - Hydra's override and config errors: one line
         raise ConfigError(f"{' '.join(args.overrides)}: {str(e).strip() or type(e).__name__}") from e
     spec = check(cfg)
-    for kind, path in files.items():  # the score grids must be the model's layers x query heads
-        with keyed_errors(f"--{kind}-scores", path):
-            load_head_scores(path, spec.layout)
+    for kind in files:  # the score grids must be the model's layers x query heads
+        read(kind, spec.layout)
     t0 = time.time()
     set_threads(spec.top.threads)
     loaded = models.load_model(spec.cfg["model"], spec.top.device, spec.source, spec.layout)  # no context-window check
