@@ -331,20 +331,16 @@ class Engine:
     def checkpoint(self, ctx: Context) -> tuple:
         """``ctx``'s state, for :meth:`restore`: its cache's layers as they are (O(1) memory: decoding writes past the
         filled slots)."""
-        layers = [(x, dict(vars(x)), x.lengths.clone() if isinstance(x, RaggedLayer) else None)
-                  for x in ctx.state.cache.layers]
+        layers = [(x, dict(vars(x))) for x in ctx.state.cache.layers]
         return layers, dict(ctx.state.queries), ctx.logits, ctx.next_pos, list(ctx.ids), ctx.steps
 
     @torch.inference_mode()
     def restore(self, ctx: Context, saved: tuple) -> None:
         """Put ``ctx`` back as :meth:`checkpoint` saved it (any number of times: a shared context's next question)."""
         layers, queries, ctx.logits, ctx.next_pos, ids, ctx.steps = saved
-        ctx.ids, ctx.state.queries, ctx.state.cache.layers = list(ids), dict(queries), [x for x, _, _ in layers]
-        for layer, state, lengths in layers:
-            vars(layer).clear()
-            vars(layer).update(state)
-            if lengths is not None:
-                layer.lengths = lengths.clone()
+        ctx.ids, ctx.state.queries, ctx.state.cache.layers = list(ids), dict(queries), [x for x, _ in layers]
+        for layer, state in layers:
+            layer.__dict__ = dict(state)
 
     @torch.inference_mode()
     def generate(self, prompt_ids: list[int], max_new_tokens: int, stop_ids: list[int] | None = None,

@@ -100,8 +100,7 @@ class RaggedLayer(DynamicLayer):
         idx = ((self.cu[:-1] + self.lengths).unsqueeze(1) + torch.arange(q, device=self.cu.device)).flatten()
         self.keys[idx, 0, : key_states.shape[-1]] = key_states.reshape(-1, key_states.shape[-1])
         self.values[idx, 0, : value_states.shape[-1]] = value_states.reshape(-1, value_states.shape[-1])
-        self.lengths += q
-        self.decoded += q
+        self.lengths, self.decoded = self.lengths + q, self.decoded + q  # new tensors: a checkpoint's stay as they were
         return self.keys, self.values
 
     def get_seq_length(self) -> int:
