@@ -8,6 +8,7 @@ on the compressed cache, uncompressed. Every forward is the model's own with ``a
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 import itertools
@@ -158,15 +159,11 @@ def cache_bytes(cache: Any) -> int:
     return sum(layer_bytes(layer) for layer in cache.layers)
 
 
-def reset_peak_rss() -> bool:
-    """Restart the process's peak resident set size (``5`` to ``/proc/self/clear_refs``, Linux ≥ 4.0); False where
-    that is not possible: the peak then stays the process's."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
+def reset_peak_rss() -> None:
+    """Restart the process's peak resident set size (``5`` to ``/proc/self/clear_refs``, Linux ≥ 4.0); where that is
+    not possible the peak stays the process's."""
+    with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
 
 
 def peak_memory_bytes(devices: list[torch.device]) -> int:
@@ -415,13 +412,10 @@ class Engine:
                 t_step, frames = time.perf_counter(), (counters["frames"]["total"], counters["frames"]["ok"])
                 if self.on_decode_step is not None:
                     self.on_decode_step(live[0].step)
-                going = []
-                for row in live:
-                    if (result := self._choose(row, forward is not model)) is None:
-                        going.append(row)
-                    else:
-                        on_result(row, result)
-                live = going
+                results = [self._choose(row, forward is not model) for row in live]
+                for row, result in zip(live, results):
+                    on_result(row, result) if result is not None else None
+                live = [row for row, result in zip(live, results) if result is None]
                 if not live:
                     continue
                 pos, one = torch.cat([r.positions[r.step : r.step + 1] for r in live]), len(live) == 1
