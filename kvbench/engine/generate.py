@@ -184,10 +184,7 @@ def peak_memory_bytes(devices: list[torch.device]) -> int:
 def reset_peak_memory(devices: list[torch.device]) -> None:
     """Restart the peaks of :func:`peak_memory_bytes` for ``devices`` at their current use."""
     for d in devices:
-        if d.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(d)
-    if any(d.type != "cuda" for d in devices):
-        reset_peak_rss()
+        torch.cuda.reset_peak_memory_stats(d) if d.type == "cuda" else reset_peak_rss()
 
 
 def _stats(values: list[float]) -> dict[str, float]:
@@ -219,12 +216,8 @@ class Engine:
         self.decoding = decode if decode is not None and decode.interval and method.decodes else None
         rope = getattr(getattr(self.model, "model", self.model), "rotary_emb", None)  # the full-attention layers' RoPE
         extra = ("full_attention",) if rope and "layer_type" in inspect.signature(rope.forward).parameters else ()
-
-        def rotary(positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # (k,) → (cos, sin) (k, d) float32
-            cos, sin = rope(positions.new_zeros(1, dtype=loaded.dtype), positions.view(1, -1), *extra)
-            return cos[0].float(), sin[0].float()
-
-        self._rotary = None if rope is None else rotary
+        self._rotary = None if rope is None else lambda pos: tuple(  # (k,) positions → (cos, sin) (k, d) float32
+            x[0].float() for x in rope(pos.new_zeros(1, dtype=loaded.dtype), pos.view(1, -1), *extra))
         self.record_logits, self.preallocate, self.reference_decode, self.on_decode_step = False, True, False, None
         self.compile_decode, self.compile_error, self.quant, self._compiled = False, None, None, None
         self.devices = sorted({p.device for p in self.model.parameters()}, key=str) or [loaded.device]
