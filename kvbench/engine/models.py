@@ -297,7 +297,6 @@ def load_model(model_cfg: dict, device: str = "auto", source: tuple[str, str | N
         if cache is not None:
             _write_cache(cache, tokenizer, model)
             model.to(dtype)
-    model.eval()
     own = bool(model_cfg.get("generation_config", True))
     layout = layout or head_layout(model.config, str(model_cfg.get("name", "")),
                                    bool(model_cfg.get("compress_sliding_layers")))
