@@ -233,10 +233,10 @@ class Engine:
             self._compiled = torch.compile(self.model, dynamic=True)
         return self._compiled if self.compile_decode else self.model
 
-    def _start(self, n: int, max_new_tokens: int, preallocate: bool) -> CompressionState:
-        """This engine's state for an n-token prompt: its plan (budget floor applied) and an empty cache."""
+    def _start(self, ids: list[int], max_new_tokens: int, preallocate: bool) -> CompressionState:
+        """This engine's state for a prompt: its plan (budget floor applied), empty cache and reconstruction pass."""
         self.last_state, self.last_logits = None, []  # free the previous sample's cache before this prefill
-        d = self.decoding
+        d, n = self.decoding, len(ids)
         reserve = (max_new_tokens if d is None else min(max_new_tokens, d.interval)) + 1  # tokens until a compression
         cache = (preallocated_cache(self.model.config, reserve, self.quant) if preallocate or self.quant
                  else DynamicCache(config=self.model.config))
@@ -251,7 +251,9 @@ class Engine:
                         "%d-token prompt; such layers keep min(n, %d)%s", self.budget, self.method.min_budget(),
                         self.method.name, n, self.method.min_budget(),
                         "" if plan.compress else " (here all n: the cache is not compressed)")
+        rec = self.method.reconstruction(ids, self.prompt_format) if plan.compress else None
         return CompressionState(method=self.method, plan=plan, layout=layout, cache=cache, reserve=reserve,
+                                scoring=Scoring(rec) if rec is not None and rec.inputs else None,
                                 rotary=self._rotary, reference_decode=self.reference_decode,
                                 decode_budget=None if d is None else self.budget, window=self.method.decode_window,
                                 cut_at_budget=d is not None and d.schedule == "length")  # R-KV rescores a full cache
@@ -270,19 +272,17 @@ class Engine:
             stored.append(kept[-1] if isinstance(layers[i], RaggedLayer) else layers[i].get_seq_length())
             for k, v in res.stats.items():
                 mstats[k] = mstats.get(k, 0.0) + float(v)
-        nbytes = {"cache_bytes_before": sum(token * c if i in state.results or isinstance(x, QuantizedLayer)
-                                            else layer_bytes(x) for i, x in enumerate(layers)),
-                  "kept_bytes": round(sum(kept) * token),
-                  "stored_bytes": sum(layer_bytes(layers[i]) for i in state.results)}
-        if state.results:  # after the stats: a method's finalize may rewrite its results
+        if state.results:  # after the stats: a method's finalize may rewrite its results (not the layers)
             self.method.finalize(state.results)
-        else:
-            kept, stored = [float(c)] * len(layout.compressible_layers), [c] * len(layout.compressible_layers)
         attach_bias(state)
-        stats = dict(compressed_tokens=c, compressed=bool(state.results), kept_tokens=_stats(kept), method_stats=mstats,
-                     stored_tokens=_stats(stored), cache_bytes_after=cache_bytes(state.cache), **nbytes,
-                     reconstruct_s=state.scoring.seconds if state.scoring else 0.0,
-                     reconstruct_tokens=state.scoring.tokens if state.scoring else 0)
+        whole = len(layout.compressible_layers)  # uncompressed: c tokens in each compressible layer
+        sc = state.scoring or Scoring(None)
+        stats = dict(compressed_tokens=c, compressed=bool(state.results), kept_bytes=round(sum(kept) * token),
+                     kept_tokens=_stats(kept or [float(c)] * whole), stored_tokens=_stats(stored or [c] * whole),
+                     method_stats=mstats, stored_bytes=sum(layer_bytes(layers[i]) for i in state.results),
+                     cache_bytes_before=sum(token * c if i in state.results or isinstance(x, QuantizedLayer)
+                                            else layer_bytes(x) for i, x in enumerate(layers)),
+                     cache_bytes_after=cache_bytes(state.cache), reconstruct_s=sc.seconds, reconstruct_tokens=sc.tokens)
         next_pos = max([r.next_position for r in state.results.values() if r.next_position is not None], default=c)
         state.phase, self.last_state = "decode", state
         return Context(state, logits, next_pos, list(prompt_ids), stats, prefill_s, peak, state.compress_s)
@@ -552,10 +552,7 @@ def prefill(engines: list[Engine], prompt_ids: list[int], max_new_tokens: int) -
     n, first, dev = len(prompt_ids), engines[0], engines[0].loaded.device
     if n == 0:
         raise ValueError("empty prompt: nothing to prefill")
-    states = [e._start(n, max_new_tokens, e.preallocate or len(engines) > 1) for e in engines]
-    for e, st in zip(engines, states):  # a method that scores by reconstruction (KVzip): the prefill leaves it whole
-        rec = st.method.reconstruction(prompt_ids, e.prompt_format) if st.compressing else None
-        st.scoring = Scoring(rec) if rec is not None and rec.inputs else None
+    states = [e._start(prompt_ids, max_new_tokens, e.preallocate or len(engines) > 1) for e in engines]
     kinds: dict[Any, list[int]] = {}
     hooks = [st.compressing and st.method.prefill_hooks(first.model, st, n) or None for st in states]
     for i, st in enumerate(states):
