@@ -150,8 +150,7 @@ def _load_cached(cache: Path | None, dtype: Any, model_kwargs: dict) -> tuple[An
         return AutoTokenizer.from_pretrained(cache), AutoModelForCausalLM.from_pretrained(cache, dtype=dtype, **model_kwargs)
     except (ImportError, OSError, ValueError, RuntimeError, SafetensorError) as err:
         log.warning("GGUF cache %s unreadable (%s); converting the GGUF file again", cache, err)
-        shutil.rmtree(cache, ignore_errors=True)
-        return None
+        shutil.rmtree(cache, ignore_errors=True)  # None: converted again
 
 
 def _write_cache(cache: Path, tokenizer: Any, model: Any) -> None:
