@@ -319,8 +319,7 @@ class Engine:
 
     @torch.inference_mode()
     def checkpoint(self, ctx: Context) -> tuple:
-        """``ctx``'s state, for :meth:`restore`: its cache's layers as they are (O(1) memory: decoding writes past the
-        filled slots)."""
+        """``ctx``'s state for :meth:`restore`: its cache's layers as they are (O(1): decoding writes past them)."""
         layers = [(x, dict(vars(x))) for x in ctx.state.cache.layers]
         return layers, dict(ctx.state.queries), ctx.logits, ctx.next_pos, list(ctx.ids), ctx.steps
 
