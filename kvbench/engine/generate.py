@@ -17,7 +17,7 @@ import resource
 import time
 from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Iterable, NamedTuple
+from typing import Any, Callable, Iterable
 
 import torch
 import torch.fx.experimental._config as fx_config
@@ -110,23 +110,24 @@ def read_point(state: CompressionState) -> tuple[list, Any]:
 
 @dataclass
 class Context:
-    """A prefilled (and compressed) context: where every answer from it starts (:meth:`Engine.open`).
+    """A prefilled (and compressed) context: where every answer from it starts (:meth:`Engine.open`, :func:`prefill`).
 
     Attributes:
-        state: its :class:`CompressionState` (the cache); logits: ``(V,)`` after the last token fed; next_pos: the
-            next token's position; ids: every token fed so far; stats: the compression's :class:`GenerationResult`
-            fields; prefill_s, peak_bytes, compress_s: prefill seconds, peak memory (bytes) and compression seconds
-            not yet charged to a result (the first answer's); steps: decode-phase forwards so far (``schedule=steps``).
+        state: its :class:`CompressionState` (the cache); logits: ``(V,)`` after the last token fed; prefill_s,
+            peak_bytes, compress_s: prefill seconds (compression excluded), peak memory (bytes, compression included)
+            and compression seconds not yet charged to a result (the first answer's); next_pos: the next token's
+            position; ids: every token fed so far; stats: the compression's :class:`GenerationResult` fields; steps:
+            decode-phase forwards so far (``schedule=steps``).
     """
 
     state: CompressionState
     logits: torch.Tensor
-    next_pos: int
-    ids: list[int]
-    stats: dict[str, Any]
     prefill_s: float
-    peak_bytes: int
-    compress_s: float
+    peak_bytes: int = 0
+    compress_s: float = 0.0
+    next_pos: int = 0
+    ids: list[int] = field(default_factory=list)
+    stats: dict[str, Any] = field(default_factory=dict)
     steps: int = 0
 
 
@@ -144,24 +145,13 @@ class Row:
     tag: Any = None
 
 
-class Prefilled(NamedTuple):
-    """One engine's part of a (shared) prefill: its state with the compressed cache, the last position's logits
-    ``(V,)``, the prefill's seconds without compression, its peak memory (bytes, compression included)."""
-
-    state: CompressionState
-    logits: torch.Tensor
-    prefill_s: float
-    peak_bytes: int = 0
-
-
 def cache_bytes(cache: Any) -> int:
     """Bytes of the filled key/value slots of every layer of a transformers cache."""
     return sum(layer_bytes(layer) for layer in cache.layers)
 
 
 def reset_peak_rss() -> None:
-    """Restart the process's peak resident set size (``5`` to ``/proc/self/clear_refs``, Linux ≥ 4.0); where that is
-    not possible the peak stays the process's."""
+    """Restart the process's peak resident set size (``5`` to ``/proc/self/clear_refs``, Linux ≥ 4.0) where possible."""
     with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w") as f:
         f.write("5")
 
@@ -259,12 +249,12 @@ class Engine:
                                 cut_at_budget=d is not None and d.schedule == "length")  # R-KV rescores a full cache
 
     @torch.inference_mode()
-    def open(self, prompt_ids: list[int], max_new_tokens: int, prefilled: Prefilled | None = None) -> Context:
+    def open(self, prompt_ids: list[int], max_new_tokens: int, prefilled: Context | None = None) -> Context:
         """Prefill ``prompt_ids`` (the context) and compress the cache once (or take this engine's part of a shared
         :func:`prefill`): the :class:`Context` every answer from this context starts from. ``max_new_tokens``: the
         tokens fed after it (query part + generation), the room compressed layers keep. ValueError: empty prompt."""
-        state, logits, prefill_s, peak = prefilled or prefill([self], prompt_ids, max_new_tokens)[0]
-        c, layout, layers = len(prompt_ids), self.loaded.layout, state.cache.layers
+        ctx = prefilled or prefill([self], prompt_ids, max_new_tokens)[0]
+        state, c, layout, layers = ctx.state, len(prompt_ids), self.loaded.layout, ctx.state.cache.layers
         token = 2 * layout.num_kv_heads * layout.head_dim * self.model.dtype.itemsize  # K and V of one token, all heads
         kept, stored, mstats = [], [], {}  # tokens per KV head, read from the layers (quantized blocks + residual)
         for i, res in state.results.items():
@@ -283,9 +273,10 @@ class Engine:
                      cache_bytes_before=sum(token * c if i in state.results or isinstance(x, QuantizedLayer)
                                             else layer_bytes(x) for i, x in enumerate(layers)),
                      cache_bytes_after=cache_bytes(state.cache), reconstruct_s=sc.seconds, reconstruct_tokens=sc.tokens)
-        next_pos = max([r.next_position for r in state.results.values() if r.next_position is not None], default=c)
+        ctx.next_pos = max([r.next_position for r in state.results.values() if r.next_position is not None], default=c)
+        ctx.ids, ctx.stats, ctx.compress_s = list(prompt_ids), stats, state.compress_s
         state.phase, self.last_state = "decode", state
-        return Context(state, logits, next_pos, list(prompt_ids), stats, prefill_s, peak, state.compress_s)
+        return ctx
 
     @torch.inference_mode()
     def feed(self, ctx: Context, ids: list[int]) -> None:
@@ -333,7 +324,7 @@ class Engine:
 
     @torch.inference_mode()
     def generate(self, prompt_ids: list[int], max_new_tokens: int, stop_ids: list[int] | None = None,
-                 min_new_tokens: int = 0, prefilled: Prefilled | None = None, query_tokens: int = 0) -> GenerationResult:
+                 min_new_tokens: int = 0, prefilled: Context | None = None, query_tokens: int = 0) -> GenerationResult:
         """Prefill ``prompt_ids`` (truncated by the task), compress the cache once, decode up to ``max_new_tokens``:
         :meth:`open` on the first n − q ids, :meth:`feed` the last q (``query_tokens``, the query part), :meth:`decode`
         (``stop_ids`` default to the model's; no stop id in the first ``min_new_tokens`` steps). ``prefilled``: this
@@ -535,7 +526,7 @@ class Engine:
 
 
 @torch.inference_mode()
-def prefill(engines: list[Engine], prompt_ids: list[int], max_new_tokens: int) -> list[Prefilled]:
+def prefill(engines: list[Engine], prompt_ids: list[int], max_new_tokens: int) -> list[Context]:
     """Prefill ``prompt_ids`` once for several engines on one loaded model (a shared sweep, docs/SWEEPS.md): at the end
     of each layer's prefill every engine's method compresses that layer into the engine's own cache; layers an engine
     leaves whole are copied after the prefill. A method computing the prefill attention itself (LOOK-M's
@@ -543,7 +534,7 @@ def prefill(engines: list[Engine], prompt_ids: list[int], max_new_tokens: int) -
     sparse prefill (A-shape) or hooks one per engine.
 
     Returns:
-        One :class:`Prefilled` per engine, in order.
+        One :class:`Context` per engine, in order, for its :meth:`Engine.open`.
 
     Raises:
         ValueError: an empty prompt.
@@ -557,7 +548,7 @@ def prefill(engines: list[Engine], prompt_ids: list[int], max_new_tokens: int) -
     for i, st in enumerate(states):
         fused, alone = st.compressing and st.method.wants_prompt_attention(dev), hooks[i] or st.method.sparse_prefill
         kinds.setdefault(i if alone else repr(st.method.config) if fused else None, []).append(i)
-    out: list[Prefilled | None] = [None] * len(engines)
+    out: list[Context | None] = [None] * len(engines)
     for group in kinds.values():
         mine, shared = [states[i] for i in group], len(group) > 1
         cache = preallocated_cache(first.model.config, max_new_tokens + 1, first.quant) if shared else mine[0].cache
@@ -578,5 +569,5 @@ def prefill(engines: list[Engine], prompt_ids: list[int], max_new_tokens: int) -
                                    for j, layer in enumerate(st.cache.layers)]
             if st.scoring is not None:  # its forwards and compression, in its prefill's peak memory
                 reconstruct(first.model, st, n)
-            out[i] = Prefilled(st, logits.clone() if shared else logits, prefill_s, peak_memory_bytes(first.devices))
+            out[i] = Context(st, logits.clone() if shared else logits, prefill_s, peak_memory_bytes(first.devices))
     return out
