@@ -8,6 +8,7 @@ scale, add) before attention, as transformers' ``QuantizedCache`` does; no fused
 from __future__ import annotations
 
 import copy
+import dataclasses
 from types import SimpleNamespace
 
 import torch
@@ -38,7 +39,7 @@ def packed_bytes(layout, n: int, bits: int | None, itemsize: int, group_size: in
 def rows(loaded, lengths: list[int], new_tokens: int) -> list[dict]:
     """Per length and width: decode tokens/s (eager), stored cache bytes and their analytic packed size, the
     generated tokens. Random prompt ids (speed and bytes do not depend on them); the engine is warmed up first."""
-    from kvbench.engine.generate import Engine, Prefilled, prefill
+    from kvbench.engine.generate import Engine, prefill
     from kvbench.engine.kvcache import preallocated_cache, store_layer
     from methods.full import FullCache
 
@@ -55,7 +56,7 @@ def rows(loaded, lengths: list[int], new_tokens: int) -> list[dict]:
             state.cache = preallocated_cache(loaded.model.config, new_tokens + 1, engine.quant)
             for i, layer in enumerate(base.state.cache.layers):
                 store_layer(state.cache, i, layer.keys, layer.values, reserve=new_tokens + 1)
-            r = engine.generate(ids, new_tokens, stop_ids=[], prefilled=Prefilled(state, base.logits, base.prefill_s))
+            r = engine.generate(ids, new_tokens, stop_ids=[], prefilled=dataclasses.replace(base, state=state))
             out.append({"tokens": n, "bits": bits, "decode_tok_s": r.decode_tok_s, "stored_bytes": r.cache_bytes_after,
                         "analytic_bytes": packed_bytes(loaded.layout, n, bits, itemsize, **SPEC),
                         "model_dtype_bytes": r.cache_bytes_before, "generated": r.tokens})

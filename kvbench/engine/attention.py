@@ -262,10 +262,8 @@ def _compress_decode(state: CompressionState, idx: int, scaling: float, softcap:
     fed ``fed`` tokens); the kept tokens are stored anew, in the order returned, with ``state.reserve`` free slots."""
     layer, d = state.cache.layers[idx], state.layout.head_dim
     t0, dev = clock(layer.keys.device), layer.keys.device
-    if isinstance(layer, RaggedLayer):
-        keys, values, valid = layer.padded(left=True)
-    else:  # a quantized layer is read back whole
-        (keys, values), valid = layer.dequantized() if hasattr(layer, "dequantized") else (layer.keys, layer.values), None
+    keys, values, valid = layer.padded(left=True) if isinstance(layer, RaggedLayer) else (  # a quantized layer: whole
+        *(layer.dequantized() if isinstance(layer, QuantizedLayer) else (layer.keys, layer.values)), None)
     plan = state.method.plan(keys.shape[2], state.decode_budget, state.layout)
     state.held, w = max(state.held, keys.shape[2]), state.queries[idx].shape[2]
     if keys.shape[2] > plan.layer_budgets[idx] or state.cut_at_budget and keys.shape[2] == plan.layer_budgets[idx]:
@@ -313,8 +311,8 @@ def kvbench_attention(module, query, key, value, attention_mask, scaling=None, d
         return out, None
     if isinstance(state, list) and state[0].phase == "decode":  # a decode batch: each row on its own cache
         layers, out = [s.cache.layers[idx] for s in state], [None] * len(state)
-        plain = not softcap and query.shape[2] == 1 and not any(s.reference_decode or s.method.reads for s in state)
-        if (plain and all(isinstance(x, RaggedLayer) for x in layers) and len({x.keys.shape[-1] for x in layers}) == 1
+        if (not softcap and query.shape[2] == 1 and not any(s.reference_decode or s.method.reads for s in state)
+                and all(isinstance(x, RaggedLayer) for x in layers) and len({x.keys.shape[-1] for x in layers}) == 1
                 and decode_backend(layers[0], key[0]) == "flash varlen"):  # one varlen call for all rows' heads
             stacked = stack_ragged(layers)
             out = _decode_attention(query, stacked.keys, stacked.values, None, scaling, None, stacked).split(1)

@@ -8,6 +8,7 @@ on the compressed cache, uncompressed. Every forward is the model's own with ``a
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 import itertools
@@ -16,7 +17,7 @@ import resource
 import time
 from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Iterable, NamedTuple
+from typing import Any, Callable, Iterable
 
 import torch
 import torch.fx.experimental._config as fx_config
@@ -109,23 +110,24 @@ def read_point(state: CompressionState) -> tuple[list, Any]:
 
 @dataclass
 class Context:
-    """A prefilled (and compressed) context: where every answer from it starts (:meth:`Engine.open`).
+    """A prefilled (and compressed) context: where every answer from it starts (:meth:`Engine.open`, :func:`prefill`).
 
     Attributes:
-        state: its :class:`CompressionState` (the cache); logits: ``(V,)`` after the last token fed; next_pos: the
-            next token's position; ids: every token fed so far; stats: the compression's :class:`GenerationResult`
-            fields; prefill_s, peak_bytes, compress_s: prefill seconds, peak memory (bytes) and compression seconds
-            not yet charged to a result (the first answer's); steps: decode-phase forwards so far (``schedule=steps``).
+        state: its :class:`CompressionState` (the cache); logits: ``(V,)`` after the last token fed; prefill_s,
+            peak_bytes, compress_s: prefill seconds (compression excluded), peak memory (bytes, compression included)
+            and compression seconds not yet charged to a result (the first answer's); next_pos: the next token's
+            position; ids: every token fed so far; stats: the compression's :class:`GenerationResult` fields; steps:
+            decode-phase forwards so far (``schedule=steps``).
     """
 
     state: CompressionState
     logits: torch.Tensor
-    next_pos: int
-    ids: list[int]
-    stats: dict[str, Any]
     prefill_s: float
-    peak_bytes: int
-    compress_s: float
+    peak_bytes: int = 0
+    compress_s: float = 0.0
+    next_pos: int = 0
+    ids: list[int] = field(default_factory=list)
+    stats: dict[str, Any] = field(default_factory=dict)
     steps: int = 0
 
 
@@ -143,30 +145,15 @@ class Row:
     tag: Any = None
 
 
-class Prefilled(NamedTuple):
-    """One engine's part of a (shared) prefill: its state with the compressed cache, the last position's logits
-    ``(V,)``, the prefill's seconds without compression, its peak memory (bytes, compression included)."""
-
-    state: CompressionState
-    logits: torch.Tensor
-    prefill_s: float
-    peak_bytes: int = 0
-
-
 def cache_bytes(cache: Any) -> int:
     """Bytes of the filled key/value slots of every layer of a transformers cache."""
     return sum(layer_bytes(layer) for layer in cache.layers)
 
 
-def reset_peak_rss() -> bool:
-    """Restart the process's peak resident set size (``5`` to ``/proc/self/clear_refs``, Linux ≥ 4.0); False where
-    that is not possible: the peak then stays the process's."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
+def reset_peak_rss() -> None:
+    """Restart the process's peak resident set size (``5`` to ``/proc/self/clear_refs``, Linux ≥ 4.0) where possible."""
+    with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
 
 
 def peak_memory_bytes(devices: list[torch.device]) -> int:
@@ -187,10 +174,7 @@ def peak_memory_bytes(devices: list[torch.device]) -> int:
 def reset_peak_memory(devices: list[torch.device]) -> None:
     """Restart the peaks of :func:`peak_memory_bytes` for ``devices`` at their current use."""
     for d in devices:
-        if d.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(d)
-    if any(d.type != "cuda" for d in devices):
-        reset_peak_rss()
+        torch.cuda.reset_peak_memory_stats(d) if d.type == "cuda" else reset_peak_rss()
 
 
 def _stats(values: list[float]) -> dict[str, float]:
@@ -222,12 +206,8 @@ class Engine:
         self.decoding = decode if decode is not None and decode.interval and method.decodes else None
         rope = getattr(getattr(self.model, "model", self.model), "rotary_emb", None)  # the full-attention layers' RoPE
         extra = ("full_attention",) if rope and "layer_type" in inspect.signature(rope.forward).parameters else ()
-
-        def rotary(positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # (k,) → (cos, sin) (k, d) float32
-            cos, sin = rope(positions.new_zeros(1, dtype=loaded.dtype), positions.view(1, -1), *extra)
-            return cos[0].float(), sin[0].float()
-
-        self._rotary = None if rope is None else rotary
+        self._rotary = None if rope is None else lambda pos: tuple(  # (k,) positions → (cos, sin) (k, d) float32
+            x[0].float() for x in rope(pos.new_zeros(1, dtype=loaded.dtype), pos.view(1, -1), *extra))
         self.record_logits, self.preallocate, self.reference_decode, self.on_decode_step = False, True, False, None
         self.compile_decode, self.compile_error, self.quant, self._compiled = False, None, None, None
         self.devices = sorted({p.device for p in self.model.parameters()}, key=str) or [loaded.device]
@@ -243,10 +223,10 @@ class Engine:
             self._compiled = torch.compile(self.model, dynamic=True)
         return self._compiled if self.compile_decode else self.model
 
-    def _start(self, n: int, max_new_tokens: int, preallocate: bool) -> CompressionState:
-        """This engine's state for an n-token prompt: its plan (budget floor applied) and an empty cache."""
+    def _start(self, ids: list[int], max_new_tokens: int, preallocate: bool) -> CompressionState:
+        """This engine's state for a prompt: its plan (budget floor applied), empty cache and reconstruction pass."""
         self.last_state, self.last_logits = None, []  # free the previous sample's cache before this prefill
-        d = self.decoding
+        d, n = self.decoding, len(ids)
         reserve = (max_new_tokens if d is None else min(max_new_tokens, d.interval)) + 1  # tokens until a compression
         cache = (preallocated_cache(self.model.config, reserve, self.quant) if preallocate or self.quant
                  else DynamicCache(config=self.model.config))
@@ -261,18 +241,20 @@ class Engine:
                         "%d-token prompt; such layers keep min(n, %d)%s", self.budget, self.method.min_budget(),
                         self.method.name, n, self.method.min_budget(),
                         "" if plan.compress else " (here all n: the cache is not compressed)")
+        rec = self.method.reconstruction(ids, self.prompt_format) if plan.compress else None
         return CompressionState(method=self.method, plan=plan, layout=layout, cache=cache, reserve=reserve,
+                                scoring=Scoring(rec) if rec is not None and rec.inputs else None,
                                 rotary=self._rotary, reference_decode=self.reference_decode,
                                 decode_budget=None if d is None else self.budget, window=self.method.decode_window,
                                 cut_at_budget=d is not None and d.schedule == "length")  # R-KV rescores a full cache
 
     @torch.inference_mode()
-    def open(self, prompt_ids: list[int], max_new_tokens: int, prefilled: Prefilled | None = None) -> Context:
+    def open(self, prompt_ids: list[int], max_new_tokens: int, prefilled: Context | None = None) -> Context:
         """Prefill ``prompt_ids`` (the context) and compress the cache once (or take this engine's part of a shared
         :func:`prefill`): the :class:`Context` every answer from this context starts from. ``max_new_tokens``: the
         tokens fed after it (query part + generation), the room compressed layers keep. ValueError: empty prompt."""
-        state, logits, prefill_s, peak = prefilled or prefill([self], prompt_ids, max_new_tokens)[0]
-        c, layout, layers = len(prompt_ids), self.loaded.layout, state.cache.layers
+        ctx = prefilled or prefill([self], prompt_ids, max_new_tokens)[0]
+        state, c, layout, layers = ctx.state, len(prompt_ids), self.loaded.layout, ctx.state.cache.layers
         token = 2 * layout.num_kv_heads * layout.head_dim * self.model.dtype.itemsize  # K and V of one token, all heads
         kept, stored, mstats = [], [], {}  # tokens per KV head, read from the layers (quantized blocks + residual)
         for i, res in state.results.items():
@@ -280,22 +262,21 @@ class Engine:
             stored.append(kept[-1] if isinstance(layers[i], RaggedLayer) else layers[i].get_seq_length())
             for k, v in res.stats.items():
                 mstats[k] = mstats.get(k, 0.0) + float(v)
-        nbytes = {"cache_bytes_before": sum(token * c if i in state.results or isinstance(x, QuantizedLayer)
-                                            else layer_bytes(x) for i, x in enumerate(layers)),
-                  "kept_bytes": round(sum(kept) * token),
-                  "stored_bytes": sum(layer_bytes(layers[i]) for i in state.results)}
-        if state.results:  # after the stats: a method's finalize may rewrite its results
+        if state.results:  # after the stats: a method's finalize may rewrite its results (not the layers)
             self.method.finalize(state.results)
-        else:
-            kept, stored = [float(c)] * len(layout.compressible_layers), [c] * len(layout.compressible_layers)
         attach_bias(state)
-        stats = dict(compressed_tokens=c, compressed=bool(state.results), kept_tokens=_stats(kept), method_stats=mstats,
-                     stored_tokens=_stats(stored), cache_bytes_after=cache_bytes(state.cache), **nbytes,
-                     reconstruct_s=state.scoring.seconds if state.scoring else 0.0,
-                     reconstruct_tokens=state.scoring.tokens if state.scoring else 0)
-        next_pos = max([r.next_position for r in state.results.values() if r.next_position is not None], default=c)
+        whole = len(layout.compressible_layers)  # uncompressed: c tokens in each compressible layer
+        sc = state.scoring or Scoring(None)
+        stats = dict(compressed_tokens=c, compressed=bool(state.results), kept_bytes=round(sum(kept) * token),
+                     kept_tokens=_stats(kept or [float(c)] * whole), stored_tokens=_stats(stored or [c] * whole),
+                     method_stats=mstats, stored_bytes=sum(layer_bytes(layers[i]) for i in state.results),
+                     cache_bytes_before=sum(token * c if i in state.results or isinstance(x, QuantizedLayer)
+                                            else layer_bytes(x) for i, x in enumerate(layers)),
+                     cache_bytes_after=cache_bytes(state.cache), reconstruct_s=sc.seconds, reconstruct_tokens=sc.tokens)
+        ctx.next_pos = max([r.next_position for r in state.results.values() if r.next_position is not None], default=c)
+        ctx.ids, ctx.stats, ctx.compress_s = list(prompt_ids), stats, state.compress_s
         state.phase, self.last_state = "decode", state
-        return Context(state, logits, next_pos, list(prompt_ids), stats, prefill_s, peak, state.compress_s)
+        return ctx
 
     @torch.inference_mode()
     def feed(self, ctx: Context, ids: list[int]) -> None:
@@ -329,26 +310,21 @@ class Engine:
 
     @torch.inference_mode()
     def checkpoint(self, ctx: Context) -> tuple:
-        """``ctx``'s state, for :meth:`restore`: its cache's layers as they are (O(1) memory: decoding writes past the
-        filled slots)."""
-        layers = [(x, dict(vars(x)), x.lengths.clone() if isinstance(x, RaggedLayer) else None)
-                  for x in ctx.state.cache.layers]
+        """``ctx``'s state for :meth:`restore`: its cache's layers as they are (O(1): decoding writes past them)."""
+        layers = [(x, dict(vars(x))) for x in ctx.state.cache.layers]
         return layers, dict(ctx.state.queries), ctx.logits, ctx.next_pos, list(ctx.ids), ctx.steps
 
     @torch.inference_mode()
     def restore(self, ctx: Context, saved: tuple) -> None:
         """Put ``ctx`` back as :meth:`checkpoint` saved it (any number of times: a shared context's next question)."""
         layers, queries, ctx.logits, ctx.next_pos, ids, ctx.steps = saved
-        ctx.ids, ctx.state.queries, ctx.state.cache.layers = list(ids), dict(queries), [x for x, _, _ in layers]
-        for layer, state, lengths in layers:
-            vars(layer).clear()
-            vars(layer).update(state)
-            if lengths is not None:
-                layer.lengths = lengths.clone()
+        ctx.ids, ctx.state.queries, ctx.state.cache.layers = list(ids), dict(queries), [x for x, _ in layers]
+        for layer, state in layers:
+            layer.__dict__ = dict(state)
 
     @torch.inference_mode()
     def generate(self, prompt_ids: list[int], max_new_tokens: int, stop_ids: list[int] | None = None,
-                 min_new_tokens: int = 0, prefilled: Prefilled | None = None, query_tokens: int = 0) -> GenerationResult:
+                 min_new_tokens: int = 0, prefilled: Context | None = None, query_tokens: int = 0) -> GenerationResult:
         """Prefill ``prompt_ids`` (truncated by the task), compress the cache once, decode up to ``max_new_tokens``:
         :meth:`open` on the first n − q ids, :meth:`feed` the last q (``query_tokens``, the query part), :meth:`decode`
         (``stop_ids`` default to the model's; no stop id in the first ``min_new_tokens`` steps). ``prefilled``: this
@@ -419,13 +395,10 @@ class Engine:
                 t_step, frames = time.perf_counter(), (counters["frames"]["total"], counters["frames"]["ok"])
                 if self.on_decode_step is not None:
                     self.on_decode_step(live[0].step)
-                going = []
-                for row in live:
-                    if (result := self._choose(row, forward is not model)) is None:
-                        going.append(row)
-                    else:
-                        on_result(row, result)
-                live = going
+                results = [self._choose(row, forward is not model) for row in live]
+                for row, result in zip(live, results):
+                    on_result(row, result) if result is not None else None
+                live = [row for row, result in zip(live, results) if result is None]
                 if not live:
                     continue
                 pos, one = torch.cat([r.positions[r.step : r.step + 1] for r in live]), len(live) == 1
@@ -553,7 +526,7 @@ class Engine:
 
 
 @torch.inference_mode()
-def prefill(engines: list[Engine], prompt_ids: list[int], max_new_tokens: int) -> list[Prefilled]:
+def prefill(engines: list[Engine], prompt_ids: list[int], max_new_tokens: int) -> list[Context]:
     """Prefill ``prompt_ids`` once for several engines on one loaded model (a shared sweep, docs/SWEEPS.md): at the end
     of each layer's prefill every engine's method compresses that layer into the engine's own cache; layers an engine
     leaves whole are copied after the prefill. A method computing the prefill attention itself (LOOK-M's
@@ -561,7 +534,7 @@ def prefill(engines: list[Engine], prompt_ids: list[int], max_new_tokens: int) -
     sparse prefill (A-shape) or hooks one per engine.
 
     Returns:
-        One :class:`Prefilled` per engine, in order.
+        One :class:`Context` per engine, in order, for its :meth:`Engine.open`.
 
     Raises:
         ValueError: an empty prompt.
@@ -569,16 +542,13 @@ def prefill(engines: list[Engine], prompt_ids: list[int], max_new_tokens: int) -
     n, first, dev = len(prompt_ids), engines[0], engines[0].loaded.device
     if n == 0:
         raise ValueError("empty prompt: nothing to prefill")
-    states = [e._start(n, max_new_tokens, e.preallocate or len(engines) > 1) for e in engines]
-    for e, st in zip(engines, states):  # a method that scores by reconstruction (KVzip): the prefill leaves it whole
-        rec = st.method.reconstruction(prompt_ids, e.prompt_format) if st.compressing else None
-        st.scoring = Scoring(rec) if rec is not None and rec.inputs else None
+    states = [e._start(prompt_ids, max_new_tokens, e.preallocate or len(engines) > 1) for e in engines]
     kinds: dict[Any, list[int]] = {}
     hooks = [st.compressing and st.method.prefill_hooks(first.model, st, n) or None for st in states]
     for i, st in enumerate(states):
         fused, alone = st.compressing and st.method.wants_prompt_attention(dev), hooks[i] or st.method.sparse_prefill
         kinds.setdefault(i if alone else repr(st.method.config) if fused else None, []).append(i)
-    out: list[Prefilled | None] = [None] * len(engines)
+    out: list[Context | None] = [None] * len(engines)
     for group in kinds.values():
         mine, shared = [states[i] for i in group], len(group) > 1
         cache = preallocated_cache(first.model.config, max_new_tokens + 1, first.quant) if shared else mine[0].cache
@@ -599,5 +569,5 @@ def prefill(engines: list[Engine], prompt_ids: list[int], max_new_tokens: int) -
                                    for j, layer in enumerate(st.cache.layers)]
             if st.scoring is not None:  # its forwards and compression, in its prefill's peak memory
                 reconstruct(first.model, st, n)
-            out[i] = Prefilled(st, logits.clone() if shared else logits, prefill_s, peak_memory_bytes(first.devices))
+            out[i] = Context(st, logits.clone() if shared else logits, prefill_s, peak_memory_bytes(first.devices))
     return out

@@ -26,17 +26,15 @@ class PreallocatedLayer(DynamicLayer):
         self.reserve = max(1, int(reserve))
         self._len = 0  # filled slots: an int, so that a compiled decode step reads no view of a buffer it writes
 
-    def replace(self, keys: torch.Tensor, values: torch.Tensor, width: int | None = None,
-                capacity: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Copy ``keys``/``values`` ``(B, H_kv, T, d)`` into new zeroed buffers of ``capacity`` (default
-        T + reserve) slots and ``width`` (default d) channels; return the views ``(B, H_kv, T, width)``."""
+    def replace(self, keys: torch.Tensor, values: torch.Tensor, width: int | None = None, capacity: int | None = None):
+        """Copy ``keys``/``values`` ``(B, H_kv, T, d)`` into new zeroed buffers of ``capacity`` (default T + reserve)
+        slots and ``width`` (default d) channels; ``keys``/``values`` are then views ``(B, H_kv, T, width)``."""
         self.lazy_initialization(keys, values)  # its empty keys/values free the old buffers before the new ones
         b, h, t, _ = keys.shape
         for name, x in (("_key_buf", keys), ("_value_buf", values)):
             setattr(self, name, x.new_zeros((b, h, capacity or t + self.reserve, width or x.shape[-1])))
             getattr(self, name)[:, :, :t, : x.shape[-1]].copy_(x)
         self._len, self._k, self._v = t, self._key_buf[:, :, :t], self._value_buf[:, :, :t]
-        return self.keys, self.values
 
     def update(self, key_states, value_states, cache_kwargs: dict[str, Any] | None = None):
         """Append ``key_states``/``value_states`` ``(B, H_kv, q, d)`` in place; return the filled views."""
@@ -100,8 +98,7 @@ class RaggedLayer(DynamicLayer):
         idx = ((self.cu[:-1] + self.lengths).unsqueeze(1) + torch.arange(q, device=self.cu.device)).flatten()
         self.keys[idx, 0, : key_states.shape[-1]] = key_states.reshape(-1, key_states.shape[-1])
         self.values[idx, 0, : value_states.shape[-1]] = value_states.reshape(-1, value_states.shape[-1])
-        self.lengths += q
-        self.decoded += q
+        self.lengths, self.decoded = self.lengths + q, self.decoded + q  # new tensors: a checkpoint's stay as they were
         return self.keys, self.values
 
     def get_seq_length(self) -> int:

@@ -150,8 +150,7 @@ def _load_cached(cache: Path | None, dtype: Any, model_kwargs: dict) -> tuple[An
         return AutoTokenizer.from_pretrained(cache), AutoModelForCausalLM.from_pretrained(cache, dtype=dtype, **model_kwargs)
     except (ImportError, OSError, ValueError, RuntimeError, SafetensorError) as err:
         log.warning("GGUF cache %s unreadable (%s); converting the GGUF file again", cache, err)
-        shutil.rmtree(cache, ignore_errors=True)
-        return None
+        shutil.rmtree(cache, ignore_errors=True)  # None: converted again
 
 
 def _write_cache(cache: Path, tokenizer: Any, model: Any) -> None:
@@ -174,17 +173,6 @@ def _gguf_fields(path: Path) -> dict[str, Any]:
 
     return {k.removeprefix("tokenizer.ggml."): f.contents()
             for k, f in gguf.GGUFReader(path).fields.items() if k.startswith("tokenizer.ggml.")}
-
-
-def gguf_special_tokens(tokenizer: Any, value: dict[str, Any]) -> None:
-    """Set a GGUF tokenizer's BOS/EOS tokens and flags from ``value`` (:func:`_gguf_fields`; transformers won't)."""
-    for role in ("bos", "eos"):
-        if 0 <= int(value.get(f"{role}_token_id", -1)) < len(tokenizer):
-            setattr(tokenizer, f"{role}_token", tokenizer.convert_ids_to_tokens(int(value[f"{role}_token_id"])))
-        if f"add_{role}_token" in value and hasattr(tokenizer, f"add_{role}_token"):
-            setattr(tokenizer, f"add_{role}_token", bool(value[f"add_{role}_token"]))
-    if hasattr(tokenizer, "update_post_processor"):
-        tokenizer.update_post_processor()
 
 
 #: ``tokenizer.ggml.token_type`` values (llama.cpp): normal pieces and byte-fallback pieces.
@@ -261,8 +249,15 @@ def load_tokenizer(model_cfg: dict, source: tuple[str, str | None] | None = None
         return AutoTokenizer.from_pretrained(cache)
     tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=bool(model_cfg.get("trust_remote_code")),
                                               use_fast=model_cfg.get("tokenizer") != "slow", gguf_file=gguf_file)
-    if gguf_file:
-        gguf_special_tokens(tokenizer, fields := _gguf_fields(Path(path, gguf_file)))
+    if gguf_file:  # the GGUF's BOS/EOS tokens and flags, which transformers does not set
+        fields = _gguf_fields(Path(path, gguf_file))
+        for role in ("bos", "eos"):
+            if 0 <= int(fields.get(f"{role}_token_id", -1)) < len(tokenizer):
+                setattr(tokenizer, f"{role}_token", tokenizer.convert_ids_to_tokens(int(fields[f"{role}_token_id"])))
+            if f"add_{role}_token" in fields and hasattr(tokenizer, f"add_{role}_token"):
+                setattr(tokenizer, f"add_{role}_token", bool(fields[f"add_{role}_token"]))
+        if hasattr(tokenizer, "update_post_processor"):
+            tokenizer.update_post_processor()
         gguf_spm_as_bpe(tokenizer, fields)
     return tokenizer
 
@@ -301,7 +296,6 @@ def load_model(model_cfg: dict, device: str = "auto", source: tuple[str, str | N
         if cache is not None:
             _write_cache(cache, tokenizer, model)
             model.to(dtype)
-    model.eval()
     own = bool(model_cfg.get("generation_config", True))
     layout = layout or head_layout(model.config, str(model_cfg.get("name", "")),
                                    bool(model_cfg.get("compress_sliding_layers")))

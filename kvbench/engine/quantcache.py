@@ -51,13 +51,9 @@ class QuantizedLayer(DynamicLayer):
         states given), then quantize the residual's full blocks."""
         first = not self.is_initialized
         if first:
-            self.lazy_initialization(key_states, value_states)
             self.d = d = key_states.shape[-1]
             self.channels, self.width = self.channels or d, self.width or self.channels or d
-            self.keys = key_states.new_zeros(*key_states.shape[:2], 0, self.channels)
-            self.values = value_states[:, :, :0]
-        self.keys = torch.cat([self.keys, F.pad(key_states, (0, self.channels - self.d))], -2)
-        self.values = torch.cat([self.values, value_states], -2)
+        super().update(F.pad(key_states, (0, self.channels - self.d)), value_states)  # the residual grows
         out = (key_states, value_states) if first else self.dequantized()
         self._quantize_blocks()
         return out

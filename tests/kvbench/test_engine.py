@@ -261,7 +261,7 @@ def test_query_part_equals_its_ids_fed_one_by_one(name):
     res = one.generate(ids, 4, stop_ids=[], query_tokens=10)
     assert res.compressed and (res.prompt_tokens, res.compressed_tokens) == (80, 70)
     ref = Engine(loaded, build_method(cfg, loaded.layout), 0.3)
-    ((state, *_),), tokens = prefill([ref], ids[:70], 14), []
+    state, tokens = prefill([ref], ids[:70], 14)[0].state, []
     with torch.inference_mode():
         if callable(getattr(ref.method, "finalize", None)):
             ref.method.finalize(state.results)

@@ -173,7 +173,7 @@ def test_a_query_part_on_a_quantized_cache_equals_its_ids_fed_one_by_one():
     assert res.compressed and one.last_state.cache.layers[0].quantized == 32
     ref = Engine(loaded, build_method({"name": "selkv"}, loaded.layout), 0.3)
     ref.quant = SPEC
-    ((state, *_),), tokens = prefill([ref], ids[:70], 14), []
+    state, tokens = prefill([ref], ids[:70], 14)[0].state, []
     with torch.inference_mode():
         ref.method.finalize(state.results)
         attach_bias(state)
