@@ -169,13 +169,15 @@ def rate_arg(text: str) -> dict[int, float]:
 def main(argv: list[str] | None = None) -> int:
     """Write the job list (``-o`` or stdout), print the sbatch command; 2 on a bad sweep or ``-o`` (one line)."""
     name = "kvbench plan" if "--plan" in (sys.argv[1:] if argv is None else argv) else "make_joblist"
-    parser = ArgParser(prog=name, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    slurm = (lambda text: argparse.SUPPRESS) if name == "kvbench plan" else str  # kvbench plan -h: its own options
+    parser = ArgParser(prog=name, description="Print what a sweep will decode and its device-hours (docs/SWEEPS.md)."
+                       if name == "kvbench plan" else __doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("overrides", nargs="+", help="Hydra overrides, sweeps as comma lists")
-    parser.add_argument("-o", "--output", type=Path, help="job list file (default: standard output)")
+    parser.add_argument("-o", "--output", type=Path, help=slurm("job list file (default: standard output)"))
     parser.add_argument("--shards", type=int, default=1, help="split every job into this many shards")
-    parser.add_argument("--parallel", type=int, default=16, help="array tasks at once, for the printed command")
-    parser.add_argument("--cost", type=Path, metavar="RUN", help="print samples, hours at RUN's speed (docs/SWEEPS.md)")
-    parser.add_argument("--plan", action="store_true", help="print samples, new tokens, decode hours (docs/SWEEPS.md)")
+    parser.add_argument("--parallel", type=int, default=16, help=slurm("array tasks at once, for the printed command"))
+    parser.add_argument("--cost", type=Path, metavar="RUN", help=slurm("print hours at RUN's speed (docs/SWEEPS.md)"))
+    parser.add_argument("--plan", action="store_true", help=slurm("print samples, new tokens, decode hours"))
     parser.add_argument("--rate", type=rate_arg, metavar="TOK_S", help="with --plan: decode tok/s (35 or 1:35,8:240)")
     args = parser.parse_intermixed_args(argv)  # overrides may follow the options, as with run.py
     if args.parallel < 1:
