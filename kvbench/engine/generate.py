@@ -367,9 +367,9 @@ class Engine:
         its own decode-time compression schedule, stop ids, processors and generator (candidate k draws the stream it
         draws alone); a row leaves when it stops and the next takes its slot. ``on_result(row, result)`` as each row
         ends: its :class:`GenerationResult`, or the :class:`NonFiniteLogitsError` that ended it. Batched rows decode
-        eagerly; their ``decode_s`` is their time in the batch, the peak memory the batch's. ``batch_size="auto"``: as
-        many rows as their :meth:`row_bytes` fit in ``max_bytes`` (None: the CUDA device's free memory at the first
-        row), at least one."""
+        eagerly; their ``decode_s``: their time in the batch (not other rows' prefill), the peak memory the batch's.
+        ``batch_size="auto"``: as many rows as their :meth:`row_bytes` fit in ``max_bytes`` (None: the CUDA device's
+        free memory at the first row), at least one."""
         model, pending, live, cap, most = self.model, iter(rows), [], None, 0
         auto, batch_size = batch_size == "auto", 2**62 if batch_size == "auto" else batch_size
         reset_peak_memory(self.devices)  # the decode phase's own peak: the compressed cache and decoding
@@ -381,7 +381,12 @@ class Engine:
                 # no duck shapes: layers' lengths equal in one sample are no guard, hence no recompile, for the next
                 scope.enter_context(fx_config.patch(use_duck_shape=False))
             while True:
-                while len(live) < batch_size and (row := next(pending, None)) is not None:
+                while len(live) < batch_size:
+                    t_pull, row = time.perf_counter(), next(pending, None)  # the runner prefills a row as it is pulled
+                    for r in live:  # another row's prefill is no part of this row's decode time
+                        r.t1 += time.perf_counter() - t_pull
+                    if row is None:
+                        break
                     if auto:
                         cap = cap or max_bytes or torch.cuda.mem_get_info(self.loaded.device)[0]
                         row.bytes = self.row_bytes(row)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -79,6 +81,22 @@ def test_greedy_rows_of_different_prompts_equal_each_alone():
     engine.decode_rows([Row(engine.open(p, 20), 20, [], tag=i) for i, p in enumerate(prompts)], 4, None,
                        lambda row, result: out.setdefault(row.tag, result.tokens))
     assert [out[i] for i in range(3)] == want
+
+
+def test_a_row_pulled_later_is_no_part_of_a_live_rows_decode_time(monkeypatch):
+    """The runner prefills a row as the batch pulls it: that time (here 100 s on a shifted clock) is the new row's,
+    never the decode_s of the rows already decoding."""
+    lm = loaded_for(tiny_model("qwen3", n_kv=2, n_q=4, layers=2))
+    engine, shift, real = Engine(lm, build_method({"name": "full"}, lm.layout), 1.0), [0.0], time.perf_counter
+    monkeypatch.setattr(time, "perf_counter", lambda: real() + shift[0])
+
+    def rows():
+        for i in range(3):
+            shift[0] += 100.0 * bool(i)  # rows 1 and 2 take 100 s to prefill
+            yield Row(engine.open([1 + (i * 7 + j) % 120 for j in range(30)], 12), 12, [], tag=i)
+    out = {}
+    engine.decode_rows(rows(), 2, None, lambda row, result: out.setdefault(row.tag, result.decode_s))
+    assert sorted(out) == [0, 1, 2] and all(0 < s < 100 for s in out.values()), out
 
 
 def test_a_failed_batch_halves_and_decodes_every_row_again(monkeypatch):
