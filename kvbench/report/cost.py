@@ -105,7 +105,8 @@ def accuracy_vs_bytes(df: pd.DataFrame, read: bool = False) -> list[Artifact]:
     panels = pts.groupby(["task", "table_key"])
     fig, axes = _figure(1, panels.ngroups, w=5.2, h=3.8)
     methods = sorted(pts["method"].unique(), key=lambda m: method_sort_key(pts.loc[pts["method"] == m, "method_name"].iat[0], m))
-    colors = {m: f"C{i % 10}" for i, m in enumerate(methods)}
+    comp = [m for m in methods if (pts.loc[pts["method"] == m, "method_name"] != FULL).all()]
+    colors = {m: f"C{comp.index(m) % 10}" if m in comp else "black" for m in methods}  # as score_vs_budget's lines
     for ax, ((task, model), mine) in zip(axes[0], panels):
         ax.set_xscale("log")
         curves = sorted(mine.groupby("curve"), key=lambda kv: (methods.index(kv[1]["method"].iat[0]), -kv[1]["bits"].iat[0]))
@@ -116,12 +117,12 @@ def accuracy_vs_bytes(df: pd.DataFrame, read: bool = False) -> list[Artifact]:
         ax.xaxis.set(major_locator=LogLocator(subs=(1, 2, 5)), major_formatter=FuncFormatter(lambda x, _: f"{x:g}%"),
                      minor_formatter=NullFormatter())
         ax.set(title=f"{task} — {model}", ylabel="Average score (points)",
-               xlabel=f"{'Read per step' if read else 'Stored'} KV cache (% of the full cache in the model dtype)")
+               xlabel=f"{'KV read per step' if read else 'Stored KV cache'} (% of the full cache, model dtype)")
     caption = (f"Score against the KV-cache bytes every layer's attention read per decode step ({count(len(pts), 'job')}; "
                "read_bytes / cache_bytes_before, mean over samples; log scale); " if read else
                f"Score against stored KV-cache bytes ({count(len(pts), 'job')}): all layers after eviction and "
                "quantization (packed codes, scales, minima, full-precision residual) relative to the whole prompt's "
-               "cache in the model dtype (cache_bytes_after / cache_bytes_before, mean over samples; log scale); "
+               "cache in the model dtype (cache_bytes_after / cache_bytes_before, mean over samples; log scale); ") + (
                "score: the mean of a job's datasets; a curve per method and cache width (cache.bits, else the model "
                "dtype) through its budgets; hollow: an unfinished job.")
     used = df[df["job"].isin(pts["job"])]
