@@ -10,6 +10,7 @@ from omegaconf import OmegaConf
 import methods
 from methods.base import ConfigError
 
+from kvbench.cli import ArgParser, parse_with_overrides
 from kvbench.engine.attention import register
 from kvbench.engine.generate import Engine
 from kvbench.engine.models import LoadedModel, head_layout
@@ -62,8 +63,10 @@ def check_method(overrides: list[str] | dict) -> dict[str, str]:
 
 def main(argv: list[str]) -> int:
     """Print :func:`check_method`'s table; exit 0, 1 when a case fails, 2: a bad setting."""
+    p = ArgParser(prog="kvbench check-method", description=__doc__.splitlines()[0].replace("``", ""))
+    p.add_argument("overrides", nargs="*", help="method=NAME (or method=plugin method.target=module:Class), method.*")
     try:
-        rows = check_method(argv)
+        rows = check_method(parse_with_overrides(p, argv).overrides)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
