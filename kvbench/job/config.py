@@ -292,20 +292,9 @@ def job_relpath(cfg: dict, preset: str | None, ident: dict) -> str:
     return f"{cfg['task']['name']}/{cfg['model']['name']}/{preset or cfg['method']['name']}/{'-'.join(parts + [digest])}"
 
 
-def device_type(device: str) -> str:
-    """``cuda`` or ``cpu`` (``auto``: CUDA when present). ConfigError: CUDA asked for on a machine without it."""
-    import torch
-
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    kind = device.split(":")[0]
-    need(kind != "cuda" or (torch.cuda.is_available() and int(device[5:] or 0) < torch.cuda.device_count()), "device",
-         device, f"this machine has {torch.cuda.device_count()} CUDA device(s); use device=auto or cpu")
-    return kind
-
-
 def check(cfg: Any, preset: str | None = None) -> JobSpec:
     """The :class:`JobSpec` of a composed config. ConfigError / TaskConfigError: the first problem, one line."""
+    import torch
     from methods import artifacts
     from kvbench.engine.models import head_layout, load_tokenizer, read_config, resolve_source
 
@@ -369,7 +358,10 @@ def check(cfg: Any, preset: str | None = None) -> JobSpec:
     if plain["method"]["name"] == methods.PLUGIN:  # its class names the folder and the report's row
         preset = type(method).__name__ if preset in (None, methods.PLUGIN) else preset
         plain["method"]["label"] = plain["method"].get("label") or type(method).__name__  # its name in reports
-    ident = identity(plain, source, inputs, device_type(top.device))
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if top.device == "auto" else top.device.split(":")[0]
+    need(device != "cuda" or top.device == "auto" or int(top.device[5:] or 0) < torch.cuda.device_count(), "device",
+         top.device, f"this machine has {torch.cuda.device_count()} CUDA device(s); use device=auto or cpu")
+    ident = identity(plain, source, inputs, device)
     need(top.batch_size != "auto" or top.cache.max_bytes or ident["device"] == "cuda", "batch_size", "auto",
          "needs cache.max_bytes off CUDA (on CUDA the cap defaults to the free memory)")
     return JobSpec(plain, top, method, source, layout, inputs, resolved, artifacts.files_read(), ident,
