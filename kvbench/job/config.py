@@ -243,12 +243,10 @@ def resolved_inputs(task: dict, tokenizer: Any = None) -> tuple[dict, dict]:
 class JobSpec:
     """A job checked once by :func:`check`; nothing downstream re-checks it."""
 
-    cfg: dict  # the plain config (config.yaml); top: its typed top level
+    cfg: dict  # the plain config (config.yaml); top: its typed top level; method.layout: the model's heads
     top: TopConfig
     method: Any
     source: tuple[str, str | None]
-    layout: Any
-    inputs: dict
     resolved: dict
     artifacts: dict
     identity: dict
@@ -364,5 +362,5 @@ def check(cfg: Any, preset: str | None = None) -> JobSpec:
     ident = identity(plain, source, inputs, device)
     need(top.batch_size != "auto" or top.cache.max_bytes or ident["device"] == "cuda", "batch_size", "auto",
          "needs cache.max_bytes off CUDA (on CUDA the cap defaults to the free memory)")
-    return JobSpec(plain, top, method, source, layout, inputs, resolved, artifacts.files_read(), ident,
+    return JobSpec(plain, top, method, source, resolved, artifacts.files_read(), ident,
                    job_relpath(plain, preset, ident))

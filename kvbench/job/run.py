@@ -236,7 +236,7 @@ def load(job: JobSpec) -> tuple[Any, Task, list[Sample], list[str], bool]:
     top, (index, count) = job.top, (job.top.shard.index, job.top.shard.count)
     set_threads(top.threads)
     set_seed(top.seed)  # random, numpy, torch
-    loaded = load_model(job.cfg["model"], top.device, job.source, job.layout)
+    loaded = load_model(job.cfg["model"], top.device, job.source, job.method.layout)
     task, samples = build_task(job.cfg, loaded, job.resolved)
     if not samples:  # e.g. a Hub or parquet subset with no row of the chosen datasets
         raise TaskConfigError(f"task={job.cfg['task']['name']}: no samples to run (task.data_dir, its datasets or "
@@ -261,7 +261,8 @@ def write_env(job: JobSpec, store: JobStore, loaded: Any, compiled: bool, mine: 
     name = "env.json" if shard.count == 1 else f"env.shard{shard.index}.json"
     if (store.path / name).exists():  # every run that stores samples keeps its provenance
         name = name.replace(".json", f".{time.strftime('%Y%m%d-%H%M%S')}.json")
-    env = {**environment(loaded), "inputs": job.inputs, "artifacts": job.artifacts, "decode_compiled": compiled}
+    env = {**environment(loaded), "inputs": job.identity["inputs"], "artifacts": job.artifacts,
+           "decode_compiled": compiled}
     store.write_json(name, env)
     stored, ids = store.done_ids(), [i for s in mine for i in record_ids(s, job.top.sampling)]  # a record per candidate
     done = sum(i in stored for i in ids)

@@ -165,10 +165,10 @@ def run(args) -> int:
     spec = check(cfg)
     for kind, path in files.items():  # the score grids must be the model's layers x query heads
         with keyed_errors(f"--{kind}-scores", path):
-            load_head_scores(path, spec.layout)
+            load_head_scores(path, spec.method.layout)
     t0 = time.time()
     set_threads(spec.top.threads)
-    loaded = models.load_model(spec.cfg["model"], spec.top.device, spec.source, spec.layout)  # no context-window check
+    loaded = models.load_model(spec.cfg["model"], spec.top.device, spec.source, spec.method.layout)  # no window check
     task, samples = build_task(spec.cfg, loaded, spec.resolved)  # (the job's: prompts are the lengths asked for)
     engine, task_cfg = Engine(loaded, spec.method, budget=1.0), spec.cfg["task"]
     report = {
