@@ -166,18 +166,14 @@ def run_jobs(jobs: list[JobSpec], wait_s: float | None = None) -> list[int]:
     per job (0, 1 failed samples, 3 locked). ConfigError: the model cannot be loaded or the prompts do not fit."""
     from kvbench.engine.generate import Engine
 
-    unique: dict[str, JobSpec] = {}
-    for job in jobs:
-        unique.setdefault(job.relpath, job)
     codes: dict[str, int] = {}
-    with ExitStack() as stack:
-        runs = open_stores(list(unique.values()), stack, wait_s, codes)
-        if runs:
+    with ExitStack() as stack:  # twins (one folder) run once
+        unique = [job for i, job in enumerate(jobs) if job.relpath not in {j.relpath for j in jobs[:i]}]
+        if runs := open_stores(unique, stack, wait_s, codes):
             loaded, task, mine, expected, compiled = load(runs[0][0])
             envs = [write_env(job, store, loaded, compiled, mine) for job, store in runs]
-            top = runs[0][0].top
+            top, fmt = runs[0][0].top, prompt_format(loaded)
             engines = [Engine(loaded, job.method, job.top.budget, job.top.decode) for job, _ in runs]
-            fmt = prompt_format(loaded)
             for engine, (job, _) in zip(engines, runs):
                 engine.compile_decode, engine.prompt_format = compiled, fmt
                 engine.quant = job.top.cache if job.top.cache.bits else None
