@@ -249,7 +249,7 @@ def run_samples(engines: list[Any], loaded: Any, task: Task, samples: list[Sampl
     todo = [u for u in units(loaded, samples, compress)
             if any(rid not in d for d in done for s in u for rid in record_ids(s, sampling))]
     progress = Progress(sum(map(len, todo)), stores, quiet)
-    left, outcomes, by_id = {}, {}, {}  # by sample id: records to come, their outcomes, the sample
+    pending: dict[str, tuple[Sample, int, list[str]]] = {}  # by sample id: it, its records to come, their outcomes
 
     def on_record(j: int, rec: dict) -> None:
         try:
@@ -259,12 +259,11 @@ def run_samples(engines: list[Any], loaded: Any, task: Task, samples: list[Sampl
                    **failed(rec["id"], e)}
             stores[j].append(rec)
         progress.scored(j, rec)
-        sid = rec.get("problem", rec["id"])
-        outcomes.setdefault(sid, []).append(
-            progress.labels[j] + (f"score {100 * rec['score']:.2f}" if rec["error"] is None else f"failed ({rec['error']['type']})"))
-        left[sid] -= 1
-        if not left[sid]:
-            progress.sample_done(by_id[sid], outcomes[sid])
+        sample, n, outcomes = pending[rec.get("problem", rec["id"])]
+        outcomes.append(progress.labels[j] + (f"score {100 * rec['score']:.2f}" if rec["error"] is None
+                                              else f"failed ({rec['error']['type']})"))
+        if len(outcomes) == n:
+            progress.sample_done(sample, outcomes)
 
     for engine in engines:
         engine.on_decode_step = progress.step
@@ -274,10 +273,9 @@ def run_samples(engines: list[Any], loaded: Any, task: Task, samples: list[Sampl
             progress.starting(unit[0])
             runs = [Unit(engines[j], loaded, task, unit, done[j], sampling, seed) for j in range(len(engines))]
             mine = [j for j, r in enumerate(runs) if any(r.missing(s) for s in unit)]
-            left.update({s.id: sum(len(runs[j].missing(s)) for j in mine) for s in unit})
-            by_id.update({s.id: s for s in unit})
             for s in unit:
-                if not left[s.id]:  # nothing to store for it (a done turn)
+                pending[s.id] = (s, sum(len(runs[j].missing(s)) for j in mine), [])
+                if not pending[s.id][1]:  # nothing to store for it (a done turn)
                     progress.sample_done(s, ["stored before"])
             if batch_size != 1 and len(engines) == 1 and not runs[0].turns:
                 batched.append(runs[0])
