@@ -255,27 +255,26 @@ class JobSpec:
 
 def identity(cfg: dict, source: tuple[str, str | None], inputs: dict, device: str) -> dict:
     """Every resolved setting that can change a result (docs/RESULTS.md)."""
-    model = {k: v for k, v in cfg["model"].items()
-             if k not in ("name", "gguf_cache", "device_map") and FORMER.get(("model", k), ...) != v}
+    def kept(group: str, *out: str) -> dict:  # a FORMER setting at its former value stays out
+        return {k: v for k, v in cfg[group].items() if k not in out and FORMER.get((group, k), ...) != v}
+
+    model = kept("model", "name", "gguf_cache", "device_map")
     src = cfg["model"]["source"]  # pypi:<module>==<version>, not its path: any venv is the same model
     dist = src.startswith("pypi") and next(metadata.distributions(name=src.split(":", 1)[1].replace("_", "-")), None)
     model.update(dtype=cfg["model"]["dtype"].get(device, "float32"),
                  source=(f"{src}=={dist.version}" if dist else src) if src.startswith("pypi") else list(source))
     return {
         "model": model,
-        "method": {k: v for k, v in cfg["method"].items() if k != "label" and FORMER.get(("method", k), ...) != v},
-        "task": {k: v for k, v in cfg["task"].items() if k not in (*SELECTION_KEYS, "data_dir", "haystack_dir", "qa_files", "cwe_words")
-                 and FORMER.get(("task", k), ...) != v},
+        "method": kept("method", "label"),
+        "task": kept("task", *SELECTION_KEYS, "data_dir", "haystack_dir", "qa_files", "cwe_words"),
         "inputs": inputs,
         "budget": None if cfg["method"]["name"] == "full" else cfg["budget"],
         "seed": cfg["seed"],
         "device": device,
         # only when on (earlier folders resume); sampling.n chooses records, as max_samples does
         **({"decode": cfg["decode"]} if (cfg.get("decode") or {}).get("interval") and cfg["method"]["name"] != "full" else {}),
-        **({"sampling": {k: v for k, v in cfg["sampling"].items() if k != "n"}}
-           if (cfg.get("sampling") or {}).get("temperature") else {}),
-        **({"cache": {k: v for k, v in cfg["cache"].items() if k != "max_bytes"}}  # a quantized cache only
-           if (cfg.get("cache") or {}).get("bits") else {}),
+        **({"sampling": kept("sampling", "n")} if (cfg.get("sampling") or {}).get("temperature") else {}),
+        **({"cache": kept("cache", "max_bytes")} if (cfg.get("cache") or {}).get("bits") else {}),
     }
 
 
