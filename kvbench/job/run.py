@@ -85,12 +85,12 @@ def summarize(cfg: dict, task: Task, records: list[dict], expected: list[str], r
     ids = set(expected)
     records = [r for r in records if r["id"] in ids]
     ok = [r for r in records if r.get("error") is None]
-    cache = {k: _mean([r.get(k) for r in ok])
-             for k in ("prompt_tokens", "compressed_tokens", "cache_bytes_before", "cache_bytes_after", "read_bytes")}
+    means = lambda *keys: {k: _mean([r.get(k) for r in ok]) for k in keys}  # noqa: E731
+    cache = means("prompt_tokens", "compressed_tokens", "cache_bytes_before", "cache_bytes_after", "read_bytes")
     cache.update({k: _mean([(r.get(k) or {}).get("mean") for r in ok]) for k in ("kept_tokens", "stored_tokens", "read_tokens")})
     cache["compressed_fraction"] = _mean([float(bool(r.get("compressed"))) for r in ok])
     decoded = ("decode_compressions", "decode_compress_s", "peak_stored_tokens")  # only when on (docs/DECODING.md)
-    cache.update({k: _mean([r.get(k) for r in ok]) for k in decoded} if any(r.get(decoded[0]) for r in ok) else {})
+    cache.update(means(*decoded) if any(r.get(decoded[0]) for r in ok) else {})
     return {
         "job": relpath, "task": cfg["task"]["name"], "model": cfg["model"]["name"], "method": cfg["method"]["name"],
         "method_label": cfg["method"].get("label") or cfg["method"]["name"], "budget": cfg["budget"],
@@ -100,8 +100,7 @@ def summarize(cfg: dict, task: Task, records: list[dict], expected: list[str], r
                    for r in records if r.get("error")][:100],
         "n_skipped": sum(int(s.get("samples", 1)) for s in skipped or []), "skipped": list(skipped or []),
         **task.aggregate(records),
-        "timings": {k: _mean([r.get(k) for r in ok]) for k in ("prefill_s", "compress_s", "reconstruct_s", "decode_s",
-                                                              "decode_tok_s", "compile_s")},
+        "timings": means("prefill_s", "compress_s", "reconstruct_s", "decode_s", "decode_tok_s", "compile_s"),
         "cache": cache,
     }
 
@@ -167,7 +166,7 @@ def run_jobs(jobs: list[JobSpec], wait_s: float | None = None) -> list[int]:
     from kvbench.engine.generate import Engine
 
     codes: dict[str, int] = {}
-    with ExitStack() as stack:  # twins (one folder) run once
+    with ExitStack() as stack:
         unique = [job for i, job in enumerate(jobs) if job.relpath not in {j.relpath for j in jobs[:i]}]
         if runs := open_stores(unique, stack, wait_s, codes):
             loaded, task, mine, expected, compiled = load(runs[0][0])
