@@ -105,8 +105,8 @@ def summarize(cfg: dict, task: Task, records: list[dict], expected: list[str], r
     }
 
 
-def print_summary(summary: dict, path: Path) -> None:
-    """Print the per-dataset score table of a job."""
+def print_summary(summary: dict, path: Path) -> int:
+    """Print the per-dataset score table of a job; returns its exit code (0, 1: failed samples)."""
     rows = [(ds, v.get("score"), v.get("n")) for ds, v in (summary.get("datasets") or {}).items()]
     w = max([7] + [len(r[0]) for r in rows])
     lines = [f"\njob {summary['job']}  ({'complete' if summary['complete'] else 'incomplete'}; {summary['n_samples']}/"
@@ -128,6 +128,7 @@ def print_summary(summary: dict, path: Path) -> None:
                                              "tokens per KV head" if c.get("decode_compressions") else ""))
     lines.append(f"results: {path}")
     print("\n".join(lines), flush=True)
+    return EXIT_SAMPLE_FAILED if summary["n_failed"] else EXIT_OK
 
 
 def heatmap(store: JobStore, records: list[dict], cfg: dict) -> None:
@@ -214,8 +215,7 @@ def open_stores(jobs: list[JobSpec], stack: ExitStack, wait_s: float | None, cod
         if (done and done.get("complete") and done.get("selection") == selection(job.cfg) and shard[1] == 1
                 and not repaired and len(store.done_ids()) >= done["n_samples"]):  # the records still back it
             log.info("job %s: already complete; nothing to do", job.relpath)
-            print_summary(done, store.path)
-            codes[job.relpath] = EXIT_SAMPLE_FAILED if done["n_failed"] else EXIT_OK
+            codes[job.relpath] = print_summary(done, store.path)
         else:
             runs.append((job, store))
     return runs
@@ -252,8 +252,7 @@ def load(job: JobSpec) -> tuple[Any, Task, list[Sample], list[str], bool]:
 
 def write_env(job: JobSpec, store: JobStore, loaded: Any, compiled: bool, mine: list[Sample]) -> tuple[str, dict]:
     """Write ``env.json`` (``env.shard<k>.json``; a rerun's timestamped); returns its name and content."""
-    shard = job.top.shard
-    name = "env.json" if shard.count == 1 else f"env.shard{shard.index}.json"
+    name = "env.json" if job.top.shard.count == 1 else f"env.shard{job.top.shard.index}.json"
     if (store.path / name).exists():  # every run that stores samples keeps its provenance
         name = name.replace(".json", f".{time.strftime('%Y%m%d-%H%M%S')}.json")
     env = {**environment(loaded), "inputs": job.identity["inputs"], "artifacts": job.artifacts,
@@ -279,8 +278,7 @@ def summarise(job: JobSpec, store: JobStore, task: Task, expected: list[str]) ->
                         "every record (run that selection again to score it)", job.relpath, summary["n_samples"],
                         summary["selection"], before.get("n_samples", 0), before["selection"])
         store.write_json("summary.json", summary)
-    print_summary(summary, store.path)
-    return EXIT_SAMPLE_FAILED if summary["n_failed"] else EXIT_OK
+    return print_summary(summary, store.path)
 
 
 class Summary(dict):
