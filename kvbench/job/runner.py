@@ -239,9 +239,8 @@ class Progress:
 
 def run_samples(engines: list[Any], loaded: Any, task: Task, samples: list[Sample], stores: list[JobStore], quiet: bool,
                 sampling: Any = None, seed: int = 0, batch_size: int | str = 1, max_bytes: int | None = None) -> None:
-    """Run every unit (:func:`units`) for each (engine, store) that has not stored all of it: one prefill of its
-    context for all of them (:func:`kvbench.engine.generate.prefill`), each engine's answers from its own compressed cache
-    (:class:`Unit`), one record appended per answer and store; progress as :class:`Progress` says."""
+    """Run every unit (:func:`units`) for each (engine, store) that lacks some of it: one prefill of its context for
+    all (:func:`kvbench.engine.generate.prefill`), each engine's answers (:class:`Unit`) appended to its store."""
     from kvbench.engine.generate import prefill
 
     done = [store.done_ids() for store in stores]
@@ -255,8 +254,7 @@ def run_samples(engines: list[Any], loaded: Any, task: Task, samples: list[Sampl
         try:
             stores[j].append(rec)
         except (TypeError, ValueError) as e:  # not strict JSON (a NaN): store the failure instead
-            rec = {**{k: rec.get(k) for k in ("id", "dataset", "answers", "all_classes", "length")},
-                   **failed(rec["id"], e)}
+            rec = {k: rec.get(k) for k in ("id", "dataset", "answers", "all_classes", "length")} | failed(rec["id"], e)
             stores[j].append(rec)
         progress.scored(j, rec)
         sample, n, outcomes = pending[rec.get("problem", rec["id"])]
