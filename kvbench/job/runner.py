@@ -126,9 +126,8 @@ class Unit:
                     if ctx is None:
                         ctx, self.opened = self.engine.open(ids[:c], sample.max_new_tokens + q, part), 1
                         self.group = sample.group or hashlib.sha256(str(ids[:c]).encode()).hexdigest()[:12]
-                        many = len(self.samples) > 1 and not (self.turns or batched)  # each question restores it
-                        start = self.engine.checkpoint(ctx) if many else None
-                    elif start is not None:
+                        start = self.engine.checkpoint(ctx) if self.shared and not (self.turns or batched) else None
+                    elif start is not None:  # each question starts from the context
                         self.engine.restore(ctx, start)
                     mine = self.engine.fork(ctx) if batched and len(self.samples) > 1 else ctx
                     self.engine.feed(mine, ids[c:])
