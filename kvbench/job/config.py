@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from importlib import metadata
 from pathlib import Path
 from typing import Any, Optional
@@ -187,7 +186,7 @@ def conf_model(name: str, key: str = "--model") -> dict:
     need(path.is_file(), key, repr(name), "no such model config; accepted values are "
          + ", ".join(sorted(p.stem for p in CONF_MODEL_DIR.glob("*.yaml"))))
     node = {k: v for k, v in yaml.safe_load(path.read_text(encoding="utf-8")).items() if k != "defaults"}
-    return dataclasses.asdict(structured(ModelConfig, node, "model."))
+    return asdict(structured(ModelConfig, node, "model."))
 
 
 def register() -> None:
@@ -301,14 +300,14 @@ def check(cfg: Any, preset: str | None = None) -> JobSpec:
             if not isinstance(plain.get(group), dict):
                 raise ConfigError(f"{group}: missing; it is required (see conf/config.yaml)")
         top = OmegaConf.to_object(cfg)
-        plain["task"].update(dataclasses.asdict(top.task) if dataclasses.is_dataclass(top.task) else {})  # implied values
+        plain["task"].update(asdict(top.task) if is_dataclass(top.task) else {})  # implied values
     except OmegaConfBaseException as e:  # a missing value, also behind an interpolation (label: ${.press})
         missing = re.search(r"Missing mandatory value: ([\w.]+)", str(e.msg))
         key = missing and (missing[1] if "." in missing[1] else e.full_key)
         raise ConfigError(f"{key}: missing; it is required (docs/METHODS.md)" if missing
                           else f"{e.full_key}: {str(e.msg).splitlines()[0]}") from None
     for prefix, node, given in (("", top, plain), ("model.", top.model, plain["model"]), ("task.", top.task, plain["task"])):
-        keys = [f.name for f in dataclasses.fields(node)] if dataclasses.is_dataclass(node) else []  # + passes Hydra
+        keys = [f.name for f in fields(node)] if is_dataclass(node) else []  # + passes Hydra
         if keys and set(given) - set(keys):  # (the method's keys: build_method)
             raise ConfigError(f"{prefix}{min(set(given) - set(keys))}: unknown key; accepted keys are {', '.join(keys)}")
     plain["budget"], model = top.budget.value, top.model  # 64.0 is the token budget 64, 0.30000000000000004 the ratio 0.3
