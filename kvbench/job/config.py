@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from importlib import metadata
 from pathlib import Path
 from typing import Any, Optional
@@ -187,7 +186,7 @@ def conf_model(name: str, key: str = "--model") -> dict:
     need(path.is_file(), key, repr(name), "no such model config; accepted values are "
          + ", ".join(sorted(p.stem for p in CONF_MODEL_DIR.glob("*.yaml"))))
     node = {k: v for k, v in yaml.safe_load(path.read_text(encoding="utf-8")).items() if k != "defaults"}
-    return dataclasses.asdict(structured(ModelConfig, node, "model."))
+    return asdict(structured(ModelConfig, node, "model."))
 
 
 def register() -> None:
@@ -243,12 +242,10 @@ def resolved_inputs(task: dict, tokenizer: Any = None) -> tuple[dict, dict]:
 class JobSpec:
     """A job checked once by :func:`check`; nothing downstream re-checks it."""
 
-    cfg: dict  # the plain config (config.yaml); top: its typed top level
+    cfg: dict  # the plain config (config.yaml); top: its typed top level; method.layout: the model's heads
     top: TopConfig
     method: Any
     source: tuple[str, str | None]
-    layout: Any
-    inputs: dict
     resolved: dict
     artifacts: dict
     identity: dict
@@ -257,27 +254,26 @@ class JobSpec:
 
 def identity(cfg: dict, source: tuple[str, str | None], inputs: dict, device: str) -> dict:
     """Every resolved setting that can change a result (docs/RESULTS.md)."""
-    model = {k: v for k, v in cfg["model"].items()
-             if k not in ("name", "gguf_cache", "device_map") and FORMER.get(("model", k), ...) != v}
+    def kept(group: str, *out: str) -> dict:  # a FORMER setting at its former value stays out
+        return {k: v for k, v in cfg[group].items() if k not in out and FORMER.get((group, k), ...) != v}
+
+    model = kept("model", "name", "gguf_cache", "device_map")
     src = cfg["model"]["source"]  # pypi:<module>==<version>, not its path: any venv is the same model
     dist = src.startswith("pypi") and next(metadata.distributions(name=src.split(":", 1)[1].replace("_", "-")), None)
     model.update(dtype=cfg["model"]["dtype"].get(device, "float32"),
                  source=(f"{src}=={dist.version}" if dist else src) if src.startswith("pypi") else list(source))
     return {
         "model": model,
-        "method": {k: v for k, v in cfg["method"].items() if k != "label" and FORMER.get(("method", k), ...) != v},
-        "task": {k: v for k, v in cfg["task"].items() if k not in (*SELECTION_KEYS, "data_dir", "haystack_dir", "qa_files", "cwe_words")
-                 and FORMER.get(("task", k), ...) != v},
+        "method": kept("method", "label"),
+        "task": kept("task", *SELECTION_KEYS, "data_dir", "haystack_dir", "qa_files", "cwe_words"),
         "inputs": inputs,
         "budget": None if cfg["method"]["name"] == "full" else cfg["budget"],
         "seed": cfg["seed"],
         "device": device,
         # only when on (earlier folders resume); sampling.n chooses records, as max_samples does
         **({"decode": cfg["decode"]} if (cfg.get("decode") or {}).get("interval") and cfg["method"]["name"] != "full" else {}),
-        **({"sampling": {k: v for k, v in cfg["sampling"].items() if k != "n"}}
-           if (cfg.get("sampling") or {}).get("temperature") else {}),
-        **({"cache": {k: v for k, v in cfg["cache"].items() if k != "max_bytes"}}  # a quantized cache only
-           if (cfg.get("cache") or {}).get("bits") else {}),
+        **({"sampling": kept("sampling", "n")} if (cfg.get("sampling") or {}).get("temperature") else {}),
+        **({"cache": kept("cache", "max_bytes")} if (cfg.get("cache") or {}).get("bits") else {}),
     }
 
 
@@ -292,20 +288,9 @@ def job_relpath(cfg: dict, preset: str | None, ident: dict) -> str:
     return f"{cfg['task']['name']}/{cfg['model']['name']}/{preset or cfg['method']['name']}/{'-'.join(parts + [digest])}"
 
 
-def device_type(device: str) -> str:
-    """``cuda`` or ``cpu`` (``auto``: CUDA when present). ConfigError: CUDA asked for on a machine without it."""
-    import torch
-
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    kind = device.split(":")[0]
-    need(kind != "cuda" or (torch.cuda.is_available() and int(device[5:] or 0) < torch.cuda.device_count()), "device",
-         device, f"this machine has {torch.cuda.device_count()} CUDA device(s); use device=auto or cpu")
-    return kind
-
-
 def check(cfg: Any, preset: str | None = None) -> JobSpec:
     """The :class:`JobSpec` of a composed config. ConfigError / TaskConfigError: the first problem, one line."""
+    import torch
     from methods import artifacts
     from kvbench.engine.models import head_layout, load_tokenizer, read_config, resolve_source
 
@@ -315,14 +300,14 @@ def check(cfg: Any, preset: str | None = None) -> JobSpec:
             if not isinstance(plain.get(group), dict):
                 raise ConfigError(f"{group}: missing; it is required (see conf/config.yaml)")
         top = OmegaConf.to_object(cfg)
-        plain["task"].update(dataclasses.asdict(top.task) if dataclasses.is_dataclass(top.task) else {})  # implied values
+        plain["task"].update(asdict(top.task) if is_dataclass(top.task) else {})  # implied values
     except OmegaConfBaseException as e:  # a missing value, also behind an interpolation (label: ${.press})
         missing = re.search(r"Missing mandatory value: ([\w.]+)", str(e.msg))
         key = missing and (missing[1] if "." in missing[1] else e.full_key)
         raise ConfigError(f"{key}: missing; it is required (docs/METHODS.md)" if missing
                           else f"{e.full_key}: {str(e.msg).splitlines()[0]}") from None
     for prefix, node, given in (("", top, plain), ("model.", top.model, plain["model"]), ("task.", top.task, plain["task"])):
-        keys = [f.name for f in dataclasses.fields(node)] if dataclasses.is_dataclass(node) else []  # + passes Hydra
+        keys = [f.name for f in fields(node)] if is_dataclass(node) else []  # + passes Hydra
         if keys and set(given) - set(keys):  # (the method's keys: build_method)
             raise ConfigError(f"{prefix}{min(set(given) - set(keys))}: unknown key; accepted keys are {', '.join(keys)}")
     plain["budget"], model = top.budget.value, top.model  # 64.0 is the token budget 64, 0.30000000000000004 the ratio 0.3
@@ -369,8 +354,11 @@ def check(cfg: Any, preset: str | None = None) -> JobSpec:
     if plain["method"]["name"] == methods.PLUGIN:  # its class names the folder and the report's row
         preset = type(method).__name__ if preset in (None, methods.PLUGIN) else preset
         plain["method"]["label"] = plain["method"].get("label") or type(method).__name__  # its name in reports
-    ident = identity(plain, source, inputs, device_type(top.device))
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if top.device == "auto" else top.device.split(":")[0]
+    need(device != "cuda" or top.device == "auto" or int(top.device[5:] or 0) < torch.cuda.device_count(), "device",
+         top.device, f"this machine has {torch.cuda.device_count()} CUDA device(s); use device=auto or cpu")
+    ident = identity(plain, source, inputs, device)
     need(top.batch_size != "auto" or top.cache.max_bytes or ident["device"] == "cuda", "batch_size", "auto",
          "needs cache.max_bytes off CUDA (on CUDA the cap defaults to the free memory)")
-    return JobSpec(plain, top, method, source, layout, inputs, resolved, artifacts.files_read(), ident,
+    return JobSpec(plain, top, method, source, resolved, artifacts.files_read(), ident,
                    job_relpath(plain, preset, ident))

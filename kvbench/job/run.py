@@ -85,12 +85,12 @@ def summarize(cfg: dict, task: Task, records: list[dict], expected: list[str], r
     ids = set(expected)
     records = [r for r in records if r["id"] in ids]
     ok = [r for r in records if r.get("error") is None]
-    cache = {k: _mean([r.get(k) for r in ok])
-             for k in ("prompt_tokens", "compressed_tokens", "cache_bytes_before", "cache_bytes_after", "read_bytes")}
+    means = lambda *keys: {k: _mean([r.get(k) for r in ok]) for k in keys}  # noqa: E731
+    cache = means("prompt_tokens", "compressed_tokens", "cache_bytes_before", "cache_bytes_after", "read_bytes")
     cache.update({k: _mean([(r.get(k) or {}).get("mean") for r in ok]) for k in ("kept_tokens", "stored_tokens", "read_tokens")})
     cache["compressed_fraction"] = _mean([float(bool(r.get("compressed"))) for r in ok])
     decoded = ("decode_compressions", "decode_compress_s", "peak_stored_tokens")  # only when on (docs/DECODING.md)
-    cache.update({k: _mean([r.get(k) for r in ok]) for k in decoded} if any(r.get(decoded[0]) for r in ok) else {})
+    cache.update(means(*decoded) if any(r.get(decoded[0]) for r in ok) else {})
     return {
         "job": relpath, "task": cfg["task"]["name"], "model": cfg["model"]["name"], "method": cfg["method"]["name"],
         "method_label": cfg["method"].get("label") or cfg["method"]["name"], "budget": cfg["budget"],
@@ -100,14 +100,13 @@ def summarize(cfg: dict, task: Task, records: list[dict], expected: list[str], r
                    for r in records if r.get("error")][:100],
         "n_skipped": sum(int(s.get("samples", 1)) for s in skipped or []), "skipped": list(skipped or []),
         **task.aggregate(records),
-        "timings": {k: _mean([r.get(k) for r in ok]) for k in ("prefill_s", "compress_s", "reconstruct_s", "decode_s",
-                                                              "decode_tok_s", "compile_s")},
+        "timings": means("prefill_s", "compress_s", "reconstruct_s", "decode_s", "decode_tok_s", "compile_s"),
         "cache": cache,
     }
 
 
-def print_summary(summary: dict, path: Path) -> None:
-    """Print the per-dataset score table of a job."""
+def print_summary(summary: dict, path: Path) -> int:
+    """Print the per-dataset score table of a job; returns its exit code (0, 1: failed samples)."""
     rows = [(ds, v.get("score"), v.get("n")) for ds, v in (summary.get("datasets") or {}).items()]
     w = max([7] + [len(r[0]) for r in rows])
     lines = [f"\njob {summary['job']}  ({'complete' if summary['complete'] else 'incomplete'}; {summary['n_samples']}/"
@@ -129,6 +128,7 @@ def print_summary(summary: dict, path: Path) -> None:
                                              "tokens per KV head" if c.get("decode_compressions") else ""))
     lines.append(f"results: {path}")
     print("\n".join(lines), flush=True)
+    return EXIT_SAMPLE_FAILED if summary["n_failed"] else EXIT_OK
 
 
 def heatmap(store: JobStore, records: list[dict], cfg: dict) -> None:
@@ -166,18 +166,14 @@ def run_jobs(jobs: list[JobSpec], wait_s: float | None = None) -> list[int]:
     per job (0, 1 failed samples, 3 locked). ConfigError: the model cannot be loaded or the prompts do not fit."""
     from kvbench.engine.generate import Engine
 
-    unique: dict[str, JobSpec] = {}
-    for job in jobs:
-        unique.setdefault(job.relpath, job)
     codes: dict[str, int] = {}
     with ExitStack() as stack:
-        runs = open_stores(list(unique.values()), stack, wait_s, codes)
-        if runs:
+        unique = [job for i, job in enumerate(jobs) if job.relpath not in {j.relpath for j in jobs[:i]}]
+        if runs := open_stores(unique, stack, wait_s, codes):
             loaded, task, mine, expected, compiled = load(runs[0][0])
             envs = [write_env(job, store, loaded, compiled, mine) for job, store in runs]
-            top = runs[0][0].top
+            top, fmt = runs[0][0].top, prompt_format(loaded)
             engines = [Engine(loaded, job.method, job.top.budget, job.top.decode) for job, _ in runs]
-            fmt = prompt_format(loaded)
             for engine, (job, _) in zip(engines, runs):
                 engine.compile_decode, engine.prompt_format = compiled, fmt
                 engine.quant = job.top.cache if job.top.cache.bits else None
@@ -219,8 +215,7 @@ def open_stores(jobs: list[JobSpec], stack: ExitStack, wait_s: float | None, cod
         if (done and done.get("complete") and done.get("selection") == selection(job.cfg) and shard[1] == 1
                 and not repaired and len(store.done_ids()) >= done["n_samples"]):  # the records still back it
             log.info("job %s: already complete; nothing to do", job.relpath)
-            print_summary(done, store.path)
-            codes[job.relpath] = EXIT_SAMPLE_FAILED if done["n_failed"] else EXIT_OK
+            codes[job.relpath] = print_summary(done, store.path)
         else:
             runs.append((job, store))
     return runs
@@ -236,7 +231,7 @@ def load(job: JobSpec) -> tuple[Any, Task, list[Sample], list[str], bool]:
     top, (index, count) = job.top, (job.top.shard.index, job.top.shard.count)
     set_threads(top.threads)
     set_seed(top.seed)  # random, numpy, torch
-    loaded = load_model(job.cfg["model"], top.device, job.source, job.layout)
+    loaded = load_model(job.cfg["model"], top.device, job.source, job.method.layout)
     task, samples = build_task(job.cfg, loaded, job.resolved)
     if not samples:  # e.g. a Hub or parquet subset with no row of the chosen datasets
         raise TaskConfigError(f"task={job.cfg['task']['name']}: no samples to run (task.data_dir, its datasets or "
@@ -257,11 +252,11 @@ def load(job: JobSpec) -> tuple[Any, Task, list[Sample], list[str], bool]:
 
 def write_env(job: JobSpec, store: JobStore, loaded: Any, compiled: bool, mine: list[Sample]) -> tuple[str, dict]:
     """Write ``env.json`` (``env.shard<k>.json``; a rerun's timestamped); returns its name and content."""
-    shard = job.top.shard
-    name = "env.json" if shard.count == 1 else f"env.shard{shard.index}.json"
+    name = "env.json" if job.top.shard.count == 1 else f"env.shard{job.top.shard.index}.json"
     if (store.path / name).exists():  # every run that stores samples keeps its provenance
         name = name.replace(".json", f".{time.strftime('%Y%m%d-%H%M%S')}.json")
-    env = {**environment(loaded), "inputs": job.inputs, "artifacts": job.artifacts, "decode_compiled": compiled}
+    env = {**environment(loaded), "inputs": job.identity["inputs"], "artifacts": job.artifacts,
+           "decode_compiled": compiled}
     store.write_json(name, env)
     stored, ids = store.done_ids(), [i for s in mine for i in record_ids(s, job.top.sampling)]  # a record per candidate
     done = sum(i in stored for i in ids)
@@ -283,8 +278,7 @@ def summarise(job: JobSpec, store: JobStore, task: Task, expected: list[str]) ->
                         "every record (run that selection again to score it)", job.relpath, summary["n_samples"],
                         summary["selection"], before.get("n_samples", 0), before["selection"])
         store.write_json("summary.json", summary)
-    print_summary(summary, store.path)
-    return EXIT_SAMPLE_FAILED if summary["n_failed"] else EXIT_OK
+    return print_summary(summary, store.path)
 
 
 class Summary(dict):

@@ -1,7 +1,5 @@
-"""The per-sample loop of a job (docs/ARCHITECTURE.md, steps 6 to 8): samples that share a context form a unit
-(docs/DECODING.md, "One context, many questions"; the unit of resume), prefilled and compressed once; each answer
-(a question, a turn, a sampled candidate) is decoded from it and stored as one record; progress on a terminal or
-in a log."""
+"""The per-sample loop of a job (docs/ARCHITECTURE.md, steps 6 to 8): a unit of samples sharing a context is
+prefilled and compressed once (docs/DECODING.md); each answer decoded from it is stored as one record."""
 
 from __future__ import annotations
 
@@ -25,14 +23,11 @@ LOG_EVERY_S = 60.0  # in a log file: a line per sample, at most one a minute, an
 
 def record_ids(sample: Sample, sampling: Any) -> list[str]:
     """The records a sample stores: its id, or with sampling (temperature > 0) ``<id>#<k>`` for each candidate k."""
-    if sampling is None or not sampling.temperature:
-        return [sample.id]
-    return [f"{sample.id}#{k}" for k in range(sampling.n)]
+    return [f"{sample.id}#{k}" for k in range(sampling.n)] if getattr(sampling, "temperature", 0) else [sample.id]
 
 
 def candidate_seed(seed: int, sample_id: str, k: int) -> int:
-    """The seed of candidate k of a sample: a function of (seed, sample id, k) alone, so that every candidate is
-    reproducible and resumes on its own."""
+    """The seed of candidate k of a sample, of (seed, sample id, k) alone: each candidate resumes on its own."""
     return int(hashlib.sha256(f"{seed}:{sample_id}:{k}".encode()).hexdigest()[:15], 16)
 
 
@@ -46,9 +41,8 @@ def conversations(samples: list[Sample]) -> list[list[Sample]]:
 
 
 def units(loaded: Any, samples: list[Sample], compress: str) -> list[list[Sample]]:
-    """The samples in units, in order of first appearance: a multi-turn conversation (a ``group`` with
-    ``follow_up`` samples) in turn order; under ``compress=context`` the samples whose context ids are equal;
-    else one sample each."""
+    """The samples in units, in order of first appearance: a conversation (``follow_up`` samples) in turn order;
+    under ``compress=context`` the samples of equal context ids; else one sample each."""
     turned = {s.group for s in samples if s.follow_up}
     out: dict[Any, list[Sample]] = {}
     for s in samples:
@@ -64,9 +58,7 @@ def units(loaded: Any, samples: list[Sample], compress: str) -> list[list[Sample
 
 
 def failed(sample_id: str, err: BaseException) -> dict[str, Any]:
-    """Log a failed sample in one line naming the last frame of its traceback; return what its records add to their
-    fields: ``prediction`` and ``score`` null, ``error``: type, message, ``where`` (that frame, ``path:line in
-    function``), ``traceback`` (Python's, the last 20,000 characters)."""
+    """Log a failed sample in one line naming its traceback's last frame; return its records' error fields."""
     frames = traceback.extract_tb(err.__traceback__)
     where = f"{frames[-1].filename}:{frames[-1].lineno} in {frames[-1].name}" if frames else ""
     log.error("sample %s failed: %s: %s (at %s)", sample_id, type(err).__name__, err, where)
@@ -83,8 +75,7 @@ def free_cuda() -> None:
 
 
 def scored(task: Task, sample: Sample, result: Any, base: dict) -> dict[str, Any]:
-    """The record of one answer: prediction, the official score (FloatingPointError: not finite) and the engine's
-    measurements."""
+    """The record of one answer, scored (FloatingPointError: not finite), with the engine's measurements."""
     score = float(task.score(sample, result.text))
     if not math.isfinite(score):
         raise FloatingPointError(f"non-finite score {score!r}")
@@ -93,9 +84,8 @@ def scored(task: Task, sample: Sample, result: Any, base: dict) -> dict[str, Any
 
 
 class Unit:
-    """One unit run by one engine into one store: its context opened once, then each missing record answered.
-    ``samples``: the unit (:func:`units`); ``done``: the record ids stored already; ``sampling``: the job's
-    ``sampling`` node (None: greedy); ``seed``: the job's seed (candidates' seeds, :func:`candidate_seed`)."""
+    """One unit (:func:`units`) run by one engine: its context opened once, then each record not in ``done`` answered;
+    ``sampling``: the job's node (None: greedy)."""
 
     def __init__(self, engine: Any, loaded: Any, task: Task, samples: list[Sample], done: set[str], sampling: Any,
                  seed: int):
@@ -106,17 +96,14 @@ class Unit:
         self.group, self.opened = "", 0
 
     def missing(self, sample: Sample) -> list[int]:
-        """The candidates of ``sample`` not stored yet."""
         return [k for k, rid in enumerate(record_ids(sample, self.sampling)) if rid not in self.done]
 
     def run(self, on_record, part: Any = None, batched: bool = False) -> Iterator[Any]:
-        """Answer every missing record; each goes to ``on_record(record)`` as soon as it is made. ``part``: this
-        engine's share of a shared prefill of the unit's context (:func:`kvbench.engine.generate.prefill`), the error it
-        raised, or None. ``batched`` (no conversation): yield the answers as rows of a decode batch instead
-        (:meth:`kvbench.engine.generate.Engine.decode_rows`), made as the batch pulls them: each question fed on its own
-        copy of the context, each candidate on its own (:meth:`~kvbench.engine.generate.Engine.fork`); a row's
-        ``tag(result)`` stores its record. Never raises but submitit's preemption: an error becomes the records'
-        ``error`` (in a conversation, the later turns' too: they build on it)."""
+        """Answer every missing record into ``on_record(record)``. ``part``: this engine's share of a shared
+        prefill (:func:`kvbench.engine.generate.prefill`), its error, or None. ``batched``: yield the answers as rows
+        of a decode batch (:meth:`kvbench.engine.generate.Engine.decode_rows`; each on its own fork), a row's
+        ``tag(result)`` storing its record. Raises only submitit's preemption: an error becomes the records' (a
+        conversation's later turns' too)."""
         from kvbench.engine.generate import Row
 
         ctx, start, cut = None, None, False
@@ -139,9 +126,8 @@ class Unit:
                     if ctx is None:
                         ctx, self.opened = self.engine.open(ids[:c], sample.max_new_tokens + q, part), 1
                         self.group = sample.group or hashlib.sha256(str(ids[:c]).encode()).hexdigest()[:12]
-                        many = len(self.samples) > 1 and not (self.turns or batched)  # each question restores it
-                        start = self.engine.checkpoint(ctx) if many else None
-                    elif start is not None:
+                        start = self.engine.checkpoint(ctx) if self.shared and not (self.turns or batched) else None
+                    elif start is not None:  # each question starts from the context
                         self.engine.restore(ctx, start)
                     mine = self.engine.fork(ctx) if batched and len(self.samples) > 1 else ctx
                     self.engine.feed(mine, ids[c:])
@@ -175,15 +161,13 @@ class Unit:
                 part = part if isinstance(part, BaseException) else None
 
     def generator(self, sample: Sample, k: int | None) -> Any:
-        """Candidate k's sampling generator (:func:`candidate_seed`); None when greedy."""
         import torch
 
-        if k is None or self.sampling is None or not self.sampling.temperature:
+        if k is None or not getattr(self.sampling, "temperature", 0):
             return None
         return torch.Generator(device=self.loaded.device).manual_seed(candidate_seed(self.seed, sample.id, k))
 
     def fail(self, err: BaseException, on_record, todo: list[tuple[Sample, list[int]]]) -> None:
-        """Store the candidates ``ks`` of each ``(sample, ks)`` in ``todo`` as failed with ``err`` (logged once)."""
         error = failed(todo[0][0].id, err)
         free_cuda()
         for sample, want in todo:
@@ -191,18 +175,16 @@ class Unit:
                 on_record({**self.base(sample, k), **error})
 
     def base(self, sample: Sample, k: int) -> dict[str, Any]:
-        """The record's identity fields: candidate (sampling) and group fields (a shared unit)."""
         base = {"id": sample.id, "dataset": sample.dataset, "answers": sample.answers,
                 "all_classes": sample.all_classes, "length": sample.length, "meta": sample.meta,
                 "prompt_sha256": hashlib.sha256(sample.prompt.encode()).hexdigest()}
-        if self.sampling is not None and self.sampling.temperature:
+        if getattr(self.sampling, "temperature", 0):
             base.update(id=f"{sample.id}#{k}", problem=sample.id, candidate=k)
         if self.shared:
             base.update(group=self.group or sample.group, turn=sample.turn, group_compressions=self.opened)
         return base
 
     def record(self, sample: Sample, k: int, result: Any) -> dict[str, Any]:
-        """The scored record of candidate k (an error record when scoring fails)."""
         base = self.base(sample, k)
         try:
             return scored(self.task, sample, result, base)
@@ -256,9 +238,8 @@ class Progress:
 
 def run_samples(engines: list[Any], loaded: Any, task: Task, samples: list[Sample], stores: list[JobStore], quiet: bool,
                 sampling: Any = None, seed: int = 0, batch_size: int | str = 1, max_bytes: int | None = None) -> None:
-    """Run every unit (:func:`units`) for each (engine, store) that has not stored all of it: one prefill of its
-    context for all of them (:func:`kvbench.engine.generate.prefill`), each engine's answers from its own compressed cache
-    (:class:`Unit`), one record appended per answer and store; progress as :class:`Progress` says."""
+    """Run every unit (:func:`units`) for each (engine, store) that lacks some of it: one prefill of its context for
+    all (:func:`kvbench.engine.generate.prefill`), each engine's answers (:class:`Unit`) appended to its store."""
     from kvbench.engine.generate import prefill
 
     done = [store.done_ids() for store in stores]
@@ -266,22 +247,20 @@ def run_samples(engines: list[Any], loaded: Any, task: Task, samples: list[Sampl
     todo = [u for u in units(loaded, samples, compress)
             if any(rid not in d for d in done for s in u for rid in record_ids(s, sampling))]
     progress = Progress(sum(map(len, todo)), stores, quiet)
-    left, outcomes, by_id = {}, {}, {}  # by sample id: records to come, their outcomes, the sample
+    pending: dict[str, tuple[Sample, int, list[str]]] = {}  # by sample id: it, its records to come, their outcomes
 
     def on_record(j: int, rec: dict) -> None:
         try:
             stores[j].append(rec)
         except (TypeError, ValueError) as e:  # not strict JSON (a NaN): store the failure instead
-            rec = {**{k: rec.get(k) for k in ("id", "dataset", "answers", "all_classes", "length")},
-                   **failed(rec["id"], e)}
+            rec = {k: rec.get(k) for k in ("id", "dataset", "answers", "all_classes", "length")} | failed(rec["id"], e)
             stores[j].append(rec)
         progress.scored(j, rec)
-        sid = rec.get("problem", rec["id"])
-        outcomes.setdefault(sid, []).append(
-            progress.labels[j] + (f"score {100 * rec['score']:.2f}" if rec["error"] is None else f"failed ({rec['error']['type']})"))
-        left[sid] -= 1
-        if not left[sid]:
-            progress.sample_done(by_id[sid], outcomes[sid])
+        sample, n, outcomes = pending[rec.get("problem", rec["id"])]
+        outcomes.append(progress.labels[j] + (f"score {100 * rec['score']:.2f}" if rec["error"] is None
+                                              else f"failed ({rec['error']['type']})"))
+        if len(outcomes) == n:
+            progress.sample_done(sample, outcomes)
 
     for engine in engines:
         engine.on_decode_step = progress.step
@@ -291,10 +270,9 @@ def run_samples(engines: list[Any], loaded: Any, task: Task, samples: list[Sampl
             progress.starting(unit[0])
             runs = [Unit(engines[j], loaded, task, unit, done[j], sampling, seed) for j in range(len(engines))]
             mine = [j for j, r in enumerate(runs) if any(r.missing(s) for s in unit)]
-            left.update({s.id: sum(len(runs[j].missing(s)) for j in mine) for s in unit})
-            by_id.update({s.id: s for s in unit})
             for s in unit:
-                if not left[s.id]:  # nothing to store for it (a done turn)
+                pending[s.id] = (s, sum(len(runs[j].missing(s)) for j in mine), [])
+                if not pending[s.id][1]:  # nothing to store for it (a done turn)
                     progress.sample_done(s, ["stored before"])
             if batch_size != 1 and len(engines) == 1 and not runs[0].turns:
                 batched.append(runs[0])

@@ -95,13 +95,11 @@ class JobStore:
         self.path.mkdir(parents=True, exist_ok=True)
         self.predictions = self.path / PREDICTIONS
 
-    @contextmanager
-    def locked(self, wait_s: float = 0.0) -> Iterator["JobStore"]:
+    def locked(self, wait_s: float = 0.0):
         """Hold this shard's run lock for the block (:func:`file_lock`); JobLockedError: still held after ``wait_s`` s."""
-        busy = lambda: JobLockedError(f"job folder {self.path} (shard {self.shard[0]} of {self.shard[1]}) is in use "  # noqa: E731
-                                      "by another process; wait for it, or set lock_wait_s=SECONDS")
-        with file_lock(self.path / f".lock.shard{self.shard[0]}-of-{self.shard[1]}", wait_s, busy):
-            yield self
+        return file_lock(self.path / f".lock.shard{self.shard[0]}-of-{self.shard[1]}", wait_s, lambda: JobLockedError(
+            f"job folder {self.path} (shard {self.shard[0]} of {self.shard[1]}) is in use by another process; wait for "
+            "it, or set lock_wait_s=SECONDS"))
 
     def append_lock(self):
         """Exclusive lock shared by all shards for each append and for the summary (:func:`file_lock`)."""

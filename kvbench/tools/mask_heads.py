@@ -160,10 +160,10 @@ def run(args) -> int:
         raise ConfigError(f"{' '.join(args.overrides)}: {str(e).strip() or type(e).__name__}") from e
     spec = check(cfg)
     for kind in files:  # the score grids must be the model's layers x query heads
-        read(kind, spec.layout)
+        read(kind, spec.method.layout)
     t0 = time.time()
     set_threads(spec.top.threads)
-    loaded = models.load_model(spec.cfg["model"], spec.top.device, spec.source, spec.layout)  # no context-window check
+    loaded = models.load_model(spec.cfg["model"], spec.top.device, spec.source, spec.method.layout)  # no window check
     task, samples = build_task(spec.cfg, loaded, spec.resolved)  # (the job's: prompts are the lengths asked for)
     engine, task_cfg = Engine(loaded, spec.method, budget=1.0), spec.cfg["task"]
     report = {
