@@ -4,14 +4,12 @@ options go before overrides, ``experiment=X`` is ``+experiment=X``, a launcher a
 configuration error becomes one line naming the key, exit 2."""
 
 import os
-import re
 import sys
 from pathlib import Path
 
 import hydra
 from hydra._internal.utils import get_args_parser
 from hydra.core.hydra_config import HydraConfig
-from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException
 from omegaconf import open_dict
 
@@ -35,34 +33,6 @@ def _arguments(argv: list[str]) -> list[str]:
     if any(a.startswith("hydra/launcher=") for a in overrides) and not options:
         options = ["--multirun"]
     return options + overrides
-
-
-def _one_line(e: BaseException, args: list[str]) -> str:
-    """A Hydra / OmegaConf / kvbench configuration error as one line naming the key, control characters escaped."""
-    line = re.sub(r" To append to your config use \S+", "", " ".join(str(e).split())).split(" Config search path")[0]
-    if "Could not load 'hydra/launcher/joblib'" in line:  # hydra/launcher=parallel without its plugin
-        line += ' Install the joblib launcher plugin: pip install -e ".[sweeps]" (hydra-joblib-launcher)'
-    cause, parent = e.__cause__, getattr(e.__cause__, "parent_node", None)
-    if "not in" in str(cause) and parent is not None:  # an unknown key, against a schema or a plain node
-        line = f"{line.rstrip('.')}: unknown key; " + (f"accepted keys are {', '.join(sorted(parent))}"
-                                                       if len(parent) else f"a new key is added with +: +{cause.full_key}=...")
-    elif getattr(cause, "full_key", None) and getattr(cause, "msg", None):  # a type or choice the schema refuses
-        line = f"{cause.full_key}: {str(cause.msg).splitlines()[0]}"
-    if type(e).__name__ == "OverrideParseException":  # name the override Hydra could not parse
-        for a in args:
-            try:
-                OverridesParser.create().parse_override(a)
-            except Exception:  # noqa: BLE001
-                bad = [c for c in a if not c.isprintable()]
-                line = f"{a}: cannot parse this override ({f'control character {bad[0]!r}' if bad else line}); write "
-                line += "key=value, see python run.py --help"
-                break
-    if isinstance(e, ValueError) and "Config group override" in line:  # a group set to a non-option: method=null
-        for o in OverridesParser.create().parse_overrides([a for a in args if "=" in a and a[:1] != "-"]):
-            if (CONF / o.key_or_group).is_dir() and not o.is_sweep_override() and not isinstance(o.value(), str):
-                line = (f"{o.input_line}: {o.key_or_group} is a config group; accepted values are "
-                        f"{', '.join(sorted(p.stem for p in (CONF / o.key_or_group).glob('*.yaml')))}")
-    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in line)
 
 
 def main() -> int:
@@ -91,7 +61,9 @@ def main() -> int:
         if not (config or kinds & {"OSError", "FailedJobError"}):  # FailedJobError: sbatch failed
             raise
         if not ("FailedJobError" in kinds and getattr(e.__cause__, "stderr", None)):  # else submitit printed sbatch's
-            print(f"error: {_one_line(e, args)}", file=sys.stderr, flush=True)
+            from kvbench.job.config import one_line
+
+            print(f"error: {one_line(e, args)}", file=sys.stderr, flush=True)
         return 2 if config else 1
     return 0
 

@@ -27,9 +27,8 @@ from omegaconf.errors import OmegaConfBaseException
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # kvbench, methods, eval of this checkout
 from eval import get_task_class  # noqa: E402
 from kvbench.cli import ArgParser  # noqa: E402
-from kvbench.job.config import compose  # noqa: E402
+from kvbench.job.config import compose, one_line  # noqa: E402 - one_line: errors worded as run.py words them
 from kvbench.job.store import JobStore  # noqa: E402
-from run import _one_line  # noqa: E402 - configuration errors as run.py words them: one line naming the key
 
 
 class SweepSpecError(ValueError):
@@ -211,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         args.output.write_text(text, encoding="utf-8")
     except (SweepSpecError, OSError, ValueError, KeyError, HydraException, OmegaConfBaseException) as error:
-        print(f"{name}: {_one_line(error, args.overrides) or type(error).__name__}", file=sys.stderr)
+        print(f"{name}: {one_line(error, args.overrides) or type(error).__name__}", file=sys.stderr)
         return 2
     print(f"{len(composed)} jobs written to {args.output}; submit with:\n"
           f"  sbatch --array=1-{len(composed)}%{args.parallel} slurm/array.sbatch {args.output}", file=sys.stderr)

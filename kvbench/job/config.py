@@ -15,6 +15,8 @@ import yaml
 from hydra import compose as hydra_compose
 from hydra import initialize_config_dir
 from hydra.core.config_store import ConfigStore
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.errors import HydraException
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -204,9 +206,42 @@ def register() -> None:
 
 
 def compose(overrides: list[str], **kw: Any) -> Any:
-    """``conf/config.yaml`` composed by Hydra with ``overrides`` (``kw``: of ``hydra.compose``)."""
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        return hydra_compose("config", overrides, **kw)
+    """``conf/config.yaml`` composed by Hydra with ``overrides`` (``kw``: of ``hydra.compose``). ConfigError: an
+    override Hydra or a schema refuses, worded by :func:`one_line`."""
+    try:
+        with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+            return hydra_compose("config", overrides, **kw)
+    except (HydraException, OmegaConfBaseException) as e:
+        raise ConfigError(one_line(e, overrides)) from None
+
+
+def one_line(e: BaseException, args: list[str]) -> str:
+    """A Hydra / OmegaConf / kvbench configuration error as one line naming the key (``args``: the overrides given),
+    control characters escaped: what ``python run.py`` prints and :func:`compose`'s ConfigError says."""
+    line = re.sub(r" To append to your config use \S+", "", " ".join(str(e).split())).split(" Config search path")[0]
+    if "Could not load 'hydra/launcher/joblib'" in line and "pip install" not in line:  # hydra/launcher=parallel without its plugin
+        line += ' Install the joblib launcher plugin: pip install -e ".[sweeps]" (hydra-joblib-launcher)'
+    cause, parent = e.__cause__, getattr(e.__cause__, "parent_node", None)
+    if "not in" in str(cause) and parent is not None:  # an unknown key, against a schema or a plain node
+        line = f"{line.rstrip('.')}: unknown key; " + (f"accepted keys are {', '.join(sorted(parent))}"
+                                                       if len(parent) else f"a new key is added with +: +{cause.full_key}=...")
+    elif getattr(cause, "full_key", None) and getattr(cause, "msg", None):  # a type or choice the schema refuses
+        line = f"{cause.full_key}: {str(cause.msg).splitlines()[0]}"
+    if type(e).__name__ == "OverrideParseException":  # name the override Hydra could not parse
+        for a in args:
+            try:
+                OverridesParser.create().parse_override(a)
+            except Exception:  # noqa: BLE001
+                bad = [c for c in a if not c.isprintable()]
+                line = f"{a}: cannot parse this override ({f'control character {bad[0]!r}' if bad else line}); write "
+                line += "key=value, see python run.py --help"
+                break
+    if isinstance(e, ValueError) and "Config group override" in line:  # a group set to a non-option: method=null
+        for o in OverridesParser.create().parse_overrides([a for a in args if "=" in a and a[:1] != "-"]):
+            if (CONF / o.key_or_group).is_dir() and not o.is_sweep_override() and not isinstance(o.value(), str):
+                line = (f"{o.input_line}: {o.key_or_group} is a config group; accepted values are "
+                        f"{', '.join(sorted(p.stem for p in (CONF / o.key_or_group).glob('*.yaml')))}")
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in line)
 
 
 def preset(group: str, name: str) -> dict:

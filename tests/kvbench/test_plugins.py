@@ -4,6 +4,7 @@ kvpress's registry keys and a required press."""
 
 from __future__ import annotations
 
+import re
 import textwrap
 
 import pytest
@@ -76,6 +77,17 @@ def test_a_plugin_class_is_a_job_whose_identity_holds_its_source(plugin):
 def test_a_bad_plugin_is_one_line_naming_the_key(plugin, args, key):
     with pytest.raises(methods.ConfigError, match="^" + key.replace("(", r"\(").replace("[", r"\[")):
         check(["method=plugin", *args, *SHORT])
+
+
+@pytest.mark.parametrize("override, key", [("bugdet=0.3", "Could not override 'bugdet': unknown key"),
+                                           ("method=nosuch", "In 'config': Could not find 'method/nosuch'")])
+def test_kvbench_run_raises_config_error_naming_the_key_as_run_py_prints_it(override, key, monkeypatch):
+    import kvbench
+    from kvbench.engine import models
+
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("a model loaded"))
+    with pytest.raises(methods.ConfigError, match="^" + re.escape(key)):
+        kvbench.run([override])
 
 
 def test_kvpress_needs_its_press_and_takes_its_registry_keys():
