@@ -4,6 +4,7 @@ options go before overrides, ``experiment=X`` is ``+experiment=X``, a launcher a
 configuration error becomes one line naming the key, exit 2."""
 
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -38,6 +39,7 @@ def _arguments(argv: list[str]) -> list[str]:
 def main() -> int:
     """Run one job (composed once) or the Hydra app; a configuration error: one line, exit 2."""
     os.environ["HYDRA_FULL_ERROR"] = "1"  # errors reach the handler below instead of Hydra's report
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # timeout, kill: as Ctrl-C (locks freed, exit 130)
     args = sys.argv[1:]
     try:
         args = _arguments(args)

@@ -70,3 +70,18 @@ def test_kill_9_in_a_batch_then_rerun_stores_each_answer_once(tiny_model_dir, ha
     assert len(ids) == len(set(ids)) == 18 and all(r["error"] is None for r in records)
     assert {r["id"]: r["prediction"] for r in records} == {r["id"]: r["prediction"] for r in alone}
     assert len({r["prediction"] for r in alone}) > 1
+
+
+def test_sigterm_stops_the_job_as_ctrl_c_does(tiny_model_dir, haystack_dir, tmp_path):
+    """``timeout`` and ``kill`` send SIGTERM: exit 130 as Ctrl-C, the shard's lock removed, the stored records kept."""
+    args = [*tiny_model_args(tiny_model_dir), *GRID, f"task.haystack_dir={haystack_dir}", f"output_root={tmp_path}"]
+    predictions = job_dir(args) / "predictions.jsonl"
+    proc = popen_cli(args)
+    deadline = time.monotonic() + 300
+    while proc.poll() is None and time.monotonic() < deadline and not (
+            predictions.exists() and predictions.read_bytes().count(b"\n") >= 1):
+        time.sleep(0.02)
+    assert proc.poll() is None, f"the job ended (exit {proc.returncode}) before it could be stopped"
+    os.kill(proc.pid, signal.SIGTERM)
+    assert proc.wait() == 130
+    assert 1 <= len(read_lines(predictions)) < 6 and not list(predictions.parent.glob(".lock.shard*"))
