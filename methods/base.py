@@ -406,7 +406,7 @@ class Method:
     Subclasses set ``Config`` (a :class:`MethodConfig` dataclass) and implement :meth:`compress`.
 
     Attributes:
-        name: registry name (``method.name``): the method's module name, e.g. ``snapkv``.
+        name: registry name (``method.name``): the method's module name, e.g. ``snapkv``; a plugin's class name.
         window_size: W, how many trailing prompt queries the engine hands over (0 if none).
         decodes: whether :meth:`compress` takes decode-time contexts (``LayerContext.decoding``, ``valid``):
             the scoring methods; ``decode.interval > 0`` with another method is a configuration error.
@@ -429,8 +429,9 @@ class Method:
         self.artifacts = artifacts or {}
 
     @property
-    def name(self) -> str:
-        return type(self).__module__.rsplit(".", 1)[-1]
+    def name(self) -> str:  # a built-in's module (its registry name), another's class (a plugin's module says less)
+        module = type(self).__module__
+        return module.rsplit(".", 1)[-1] if module.startswith("methods.") else type(self).__name__
 
     @property
     def window_size(self) -> int:

@@ -73,6 +73,7 @@ def test_a_plugin_class_is_a_job_whose_identity_holds_its_source(plugin):
     (["method.target=my_methods:VNorm", "method.foo=1"], "method.foo: unknown key; accepted keys are label, name, "
                                                          "recent_window, target"),
     ([], "method.target: missing"),
+    (["method.target=my_methods:VNorm", "budget=2"], "budget=2: smaller than the 4 tokens method VNorm always keeps"),
 ])
 def test_a_bad_plugin_is_one_line_naming_the_key(plugin, args, key):
     with pytest.raises(methods.ConfigError, match="^" + key.replace("(", r"\(").replace("[", r"\[")):
