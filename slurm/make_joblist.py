@@ -150,7 +150,8 @@ def plan(jobs: list[tuple[list[str], dict]], given: dict[int, float] | None = No
         rows.append({"job": shlex.join(job), "samples": mine and len(mine), "from": source if mine else "unknown",
                      "candidates": mine and cfg["sampling"]["n"] * len(mine), "new tokens <=": new, "batch": batch,
                      "hours at 1": hours[0], "hours at batch": hours[1]})
-    frame = pd.DataFrame(rows)
+    frame = pd.DataFrame(rows).astype({c: float for c in ("samples", "candidates", "new tokens <=", "hours at 1",
+                                                          "hours at batch")})  # float (NaN: unknown) even all unknown
     frame.attrs["rates"] = notes
     return frame
 

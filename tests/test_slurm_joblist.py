@@ -244,6 +244,15 @@ def test_plan_without_data_uses_documented_sizes_and_the_stored_rates(monkeypatc
     assert unknown["from"].tolist() == ["unknown"] and unknown.samples.isna().all()
 
 
+def test_plan_of_only_unknown_sizes_prints_its_totals(capsys, monkeypatch):
+    """A job whose size is unknown (no data, none documented) is NaN, also when every job is unknown."""
+    import make_joblist
+
+    monkeypatch.setattr(make_joblist, "job_samples", lambda cfg: (_ for _ in ()).throw(OSError("no data")))
+    assert main(["--plan", "task=scbench", "task.max_turns=null", "--rate", "10"]) == 0
+    assert "1 jobs (1 unknown: no data here, no documented size), 0 samples" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("argv, key", [(["sampling.n=0"], "sampling.n"), (["batch_size=0"], "batch_size"),
                                        (["--rate", "fast"], "--rate"), (["--rate", "8:5"], "--rate")])
 def test_plan_bad_input_is_one_line_naming_the_key_exit_2(argv, key):
