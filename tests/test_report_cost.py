@@ -36,3 +36,14 @@ def test_cost_compares_each_job_with_the_full_cache_prefill_on_the_same_samples(
     assert alone["prefill + compress ÷ plain"] == 2.0 and math.isnan(alone["÷ full"])  # its own prefill: no full job
     assert any(n.startswith("no full-cache job: niah tiny") for n in table.notes)
     assert "| KVzip | 25% | 2 | 1000.00 | 2000.00 | 1800.00 | 3.00 | 0.00 | 0.25 |" in (out / "cost.md").read_text()
+
+
+def test_a_ratio_below_one_is_noted(tmp_path):
+    """A compressed prefill timed faster than the full cache's (other load at another moment) gets a note."""
+    scores = {"niah": 100.0}
+    make_job(tmp_path, task="niah", model="smollm2", method="full", budget=1.0, scores=scores,
+             records=records(["a", "b"], 2.0, 0.0, 4000))
+    make_job(tmp_path, task="niah", model="smollm2", method="snapkv", scores=scores, records=records(["a", "b"], 0.5, 0.1, 1000))
+    [table] = report.cost_table(report.load_results(tmp_path), tmp_path)
+    assert table.data["prefill + compress ÷ plain"].tolist() == [1.0, 0.3]
+    assert [n for n in table.notes if n.startswith("below 1 (SnapKV 25%)")]

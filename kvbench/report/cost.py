@@ -67,6 +67,9 @@ def cost_table(df: pd.DataFrame, root) -> list[Artifact]:
         used.append(df[df["job"].isin(jobs["job"])])
     if not rows:
         return []
+    fast = [f"{r['Method']} {r['Budget']}" for r in rows if (r["prefill + compress ÷ plain"] or 1) < 1]
+    notes += [f"below 1 ({', '.join(fast)}): jobs timed at other moments or loads compare poorly; python -m "
+              "kvbench.tools.latency times methods side by side"] * bool(fast)
     caption = ("Cost of compression: mean prefill, compression and (inside it) reconstruction time per sample, "
                "prefill + compression over a plain prefill (the full-cache job's on the same samples), "
                "cache bytes after compression and their share of the full cache's; n: the samples compared")
