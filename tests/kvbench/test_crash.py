@@ -13,18 +13,22 @@ GRID = ["task.context_lengths=[300,400]", "task.depth_percents=[0,50,100]", "met
         "budget=0.5", "task.max_new_tokens=4", "quiet=true"]
 
 
+def signal_after_first_record(args: list[str], predictions, sig: int) -> int:
+    """Start ``run.py *args``, send ``sig`` once ``predictions`` holds a record; its exit code."""
+    proc = popen_cli(args)
+    deadline = time.monotonic() + 300
+    while proc.poll() is None and time.monotonic() < deadline and not (
+            predictions.exists() and predictions.read_bytes().count(b"\n") >= 1):
+        time.sleep(0.02)
+    assert proc.poll() is None, f"the job ended (exit {proc.returncode}) before the signal"
+    os.kill(proc.pid, sig)
+    return proc.wait()
+
+
 def test_kill_9_then_rerun_stores_every_sample_once(tiny_model_dir, haystack_dir, tmp_path):
     args = [*tiny_model_args(tiny_model_dir), *GRID, f"task.haystack_dir={haystack_dir}", f"output_root={tmp_path}"]
     predictions = job_dir(args) / "predictions.jsonl"
-    proc = popen_cli(args)
-    deadline = time.monotonic() + 300
-    while proc.poll() is None and time.monotonic() < deadline:
-        if predictions.exists() and predictions.read_bytes().count(b"\n") >= 1:
-            break
-        time.sleep(0.02)
-    assert proc.poll() is None, f"the job ended (exit {proc.returncode}) before it could be killed"
-    os.kill(proc.pid, signal.SIGKILL)
-    assert proc.wait() == -signal.SIGKILL
+    assert signal_after_first_record(args, predictions, signal.SIGKILL) == -signal.SIGKILL
     stored = read_lines(predictions)
     assert 1 <= len(stored) < 6
     half = b'{"id": "niah/400/100", "dataset": "niah", "predic'
@@ -50,14 +54,7 @@ def test_kill_9_in_a_batch_then_rerun_stores_each_answer_once(tiny_model_dir, ha
             "sampling.temperature=0.8", "threads=1"]
     batched = [*args, "batch_size=4", f"output_root={tmp_path / 'b4'}"]
     predictions = job_dir(batched) / "predictions.jsonl"
-    proc = popen_cli(batched)
-    deadline = time.monotonic() + 300
-    while proc.poll() is None and time.monotonic() < deadline and not (
-            predictions.exists() and predictions.read_bytes().count(b"\n") >= 1):
-        time.sleep(0.02)
-    assert proc.poll() is None, f"the job ended (exit {proc.returncode}) before it could be killed"
-    os.kill(proc.pid, signal.SIGKILL)
-    assert proc.wait() == -signal.SIGKILL
+    assert signal_after_first_record(batched, predictions, signal.SIGKILL) == -signal.SIGKILL
     assert 1 <= len(read_lines(predictions)) < 18
     with open(predictions, "ab") as f:  # what a kill in the middle of a write leaves
         f.write(b'{"id": "niah/400/100#2", "dataset": "niah", "predic')
@@ -76,12 +73,5 @@ def test_sigterm_stops_the_job_as_ctrl_c_does(tiny_model_dir, haystack_dir, tmp_
     """``timeout`` and ``kill`` send SIGTERM: exit 130 as Ctrl-C, the shard's lock removed, the stored records kept."""
     args = [*tiny_model_args(tiny_model_dir), *GRID, f"task.haystack_dir={haystack_dir}", f"output_root={tmp_path}"]
     predictions = job_dir(args) / "predictions.jsonl"
-    proc = popen_cli(args)
-    deadline = time.monotonic() + 300
-    while proc.poll() is None and time.monotonic() < deadline and not (
-            predictions.exists() and predictions.read_bytes().count(b"\n") >= 1):
-        time.sleep(0.02)
-    assert proc.poll() is None, f"the job ended (exit {proc.returncode}) before it could be stopped"
-    os.kill(proc.pid, signal.SIGTERM)
-    assert proc.wait() == 130
+    assert signal_after_first_record(args, predictions, signal.SIGTERM) == 130
     assert 1 <= len(read_lines(predictions)) < 6 and not list(predictions.parent.glob(".lock.shard*"))
