@@ -178,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--parallel", type=int, default=16, help=slurm("array tasks at once, for the printed command"))
     parser.add_argument("--cost", type=Path, metavar="RUN", help=slurm("print hours at RUN's speed (docs/SWEEPS.md)"))
     parser.add_argument("--plan", action="store_true", help=slurm("print samples, new tokens, decode hours"))
-    parser.add_argument("--rate", type=rate_arg, metavar="TOK_S", help="with --plan: decode tok/s (35 or 1:35,8:240)")
+    parser.add_argument("--rate", type=rate_arg, metavar="TOK_S", help="decode tok/s: 35, or 1:35,8:240 by batch size")
     args = parser.parse_intermixed_args(argv)  # overrides may follow the options, as with run.py
     if args.parallel < 1:
         parser.error(f"--parallel {args.parallel}: must be an integer >= 1 (array tasks run at once)")
@@ -198,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{len(table)} jobs ({table.samples.isna().sum()} unknown: no data here, no documented size), "
                   f"{t['samples']:.0f} samples, {t['candidates']:.0f} candidates, {t['new tokens <=']:.0f} new tokens "
                   f"at most; {t['hours at 1']:.3g} device-hours at batch 1, {t['hours at batch']:.3g} at batch_size "
-                  "(decode only, an upper bound; prefill and model loads: --cost RUN)")
+                  "(decode only, an upper bound; prefill and model loads: slurm/make_joblist.py --cost RUN)")
             return 0
         if args.cost:
             table = cost(composed, args.cost)

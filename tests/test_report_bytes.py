@@ -81,7 +81,7 @@ def test_read_bytes_figure_puts_sparse_reading_beside_eviction(tmp_path):
         assert fig.name == ("accuracy_vs_read_bytes" if read else "accuracy_vs_bytes")
         sizes = {r.method_name: r.size for r in job_points(df, "read_bytes" if read else "cache_bytes_after").itertuples()}
         assert sizes == want
-        assert ("read_bytes / cache_bytes_before" in fig.caption) == read and fig.caption.endswith("unfinished job.")
+        assert ("read_bytes / cache_bytes_before" in fig.caption) == read and "hollow: an unfinished job" in fig.caption
         colors = {ln.get_label(): ln.get_color() for ln in fig.fig.axes[0].lines}
         assert colors["Full · model dtype"] == "black" and colors["Snapkv · model dtype"] == "C0"  # score_vs_budget's colours
     out = tmp_path / "report"

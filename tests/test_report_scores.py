@@ -343,3 +343,12 @@ def test_a_ratio_the_method_raised_is_named_and_never_bold(tmp_path):
     assert [(r["Budget"], r["niah"]) for r in records(t)] == [("0.1%", 80.0), ("25%", 60.0)]
     assert t.bold == {(1, "niah"), (1, "Avg")}  # the honest 25 % row, not the raised one
     assert t.notes == ["not bold: SelKV at budget 0.1% kept 3.1 % of the prompt tokens"]
+
+
+def test_a_long_model_key_makes_a_short_file_name():
+    """A model key naming a source path can pass the file system's 255 bytes: cut, with its hash (names stay apart)."""
+    from kvbench.report.tables import slug
+
+    long = "tiny [model.source=/tmp/pytest-of-root/" + "x" * 300 + "]"
+    assert slug("llama31 [ctx31500]") == "llama31_ctx31500" and len(slug(long)) == 99
+    assert slug(long) != slug(long + "y") and slug(long).startswith("tiny_model_source_tmp_pytest_of_root_x")

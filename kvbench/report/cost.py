@@ -127,7 +127,8 @@ def accuracy_vs_bytes(df: pd.DataFrame, read: bool = False) -> list[Artifact]:
                "quantization (packed codes, scales, minima, full-precision residual) relative to the whole prompt's "
                "cache in the model dtype (cache_bytes_after / cache_bytes_before, mean over samples; log scale); ") + (
                "score: the mean of a job's datasets; a curve per method and cache width (cache.bits, else the model "
-               "dtype) through its budgets; hollow: an unfinished job.")
+               "dtype) through its budgets; hollow: an unfinished job; points at one x drawn side by side (exact: the "
+               "_points table).")
     used = df[df["job"].isin(pts["job"])]
     table = pts.sort_values(["task", "table_key", "method", "bits", "layout", "size"]).assign(
         Budget=lambda p: [budget_cell(n, b, "–") for b, n in zip(p["budget"], p["method_name"])],

@@ -1,6 +1,7 @@
 """The report's tables and figures from the tidy frame: a score table per task × model key, the seed papers' tables
 and figures, NIAH heatmaps. Each builder returns a list of :class:`Artifact` (empty without inputs); NaN: missing."""
 
+import hashlib
 import json
 import math
 import re
@@ -99,7 +100,9 @@ def span(ns: pd.Series) -> str | None:
 
 
 def slug(text: str) -> str:
-    return re.sub(r"[^A-Za-z0-9]+", "_", text).strip("_").lower()
+    """``text`` as a file name part; a long one (a model key naming a source path) cut, its hash appended."""
+    s = re.sub(r"[^A-Za-z0-9]+", "_", text).strip("_").lower()
+    return s if len(s) <= 100 else f"{s[:90]}_{hashlib.sha256(s.encode()).hexdigest()[:8]}"
 
 
 def pick(rows: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
