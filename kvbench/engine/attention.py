@@ -244,9 +244,11 @@ def compress_layer(state: CompressionState, idx: int, query, key, value, scaling
     attention, or ``reconstruction_scores`` ``(B, H_kv, n)`` (:class:`methods.base.LayerContext`)."""
     t0, n, plan, w = clock(key.device), key.shape[2], state.plan, min(state.method.window_size, key.shape[2])
     heads = None if plan.head_budgets is None else plan.head_budgets[idx]
-    ctx = LayerContext(idx, state.layout, key, value, query[:, :, query.shape[2] - w :], float(scaling),
-                       int(plan.layer_budgets[idx]), softcap, heads, torch.arange(n, device=key.device), state.rotary,
-                       state.method.artifacts, recompressed=state.decode_budget is not None, **scores)
+    ctx = LayerContext(layer_idx=idx, layout=state.layout, keys=key, values=value, scaling=float(scaling),
+                       window_queries=query[:, :, query.shape[2] - w :], budget=int(plan.layer_budgets[idx]),
+                       softcap=softcap, head_budget=heads, positions=torch.arange(n, device=key.device),
+                       rotary=state.rotary, artifacts=state.method.artifacts,
+                       recompressed=state.decode_budget is not None, **scores)
     check_result(state.method, ctx, result := state.method.compress(ctx))
     # the cache keeps its own copy (room for the decoded tokens); the result points at it
     rows = 0 if result.logit_bias is None else result.logit_bias.shape[1] // key.shape[1]
@@ -268,9 +270,11 @@ def _compress_decode(state: CompressionState, idx: int, scaling: float, softcap:
     state.held, w = max(state.held, keys.shape[2]), state.queries[idx].shape[2]
     if keys.shape[2] > plan.layer_budgets[idx] or state.cut_at_budget and keys.shape[2] == plan.layer_budgets[idx]:
         heads, pos = None if plan.head_budgets is None else plan.head_budgets[idx], state.position + 1
-        ctx = LayerContext(idx, state.layout, keys[..., :d], values[..., :d], state.queries[idx], scaling,
-                           int(plan.layer_budgets[idx]), softcap, heads, torch.arange(pos - w, pos, device=keys.device),
-                           state.rotary, state.method.artifacts, valid=valid, decoding=fed, recompressed=True)
+        ctx = LayerContext(layer_idx=idx, layout=state.layout, keys=keys[..., :d], values=values[..., :d],
+                           window_queries=state.queries[idx], scaling=scaling, budget=int(plan.layer_budgets[idx]),
+                           softcap=softcap, head_budget=heads, positions=torch.arange(pos - w, pos, device=keys.device),
+                           rotary=state.rotary, artifacts=state.method.artifacts, valid=valid, decoding=fed,
+                           recompressed=True)
         check_result(state.method, ctx, result := state.method.compress(ctx))
         store_layer(state.cache, idx, result.keys, result.values, result.valid, 0, scaling, state.reserve)
         state.compressions += 1

@@ -174,7 +174,10 @@ def peak_memory_bytes(devices: list[torch.device]) -> int:
 def reset_peak_memory(devices: list[torch.device]) -> None:
     """Restart the peaks of :func:`peak_memory_bytes` for ``devices`` at their current use."""
     for d in devices:
-        torch.cuda.reset_peak_memory_stats(d) if d.type == "cuda" else reset_peak_rss()
+        if d.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(d)
+        else:
+            reset_peak_rss()
 
 
 def _stats(values: list[float]) -> dict[str, float]:
@@ -383,10 +386,10 @@ class Engine:
             while True:
                 while len(live) < batch_size:
                     t_pull, row = time.perf_counter(), next(pending, None)  # the runner prefills a row as it is pulled
-                    for r in live:  # another row's prefill is no part of this row's decode time
-                        r.t1 += time.perf_counter() - t_pull
                     if row is None:
                         break
+                    for r in live:  # another row's prefill is no part of this row's decode time
+                        r.t1 += time.perf_counter() - t_pull
                     if auto:
                         cap = cap or max_bytes or torch.cuda.mem_get_info(self.loaded.device)[0]
                         row.bytes = self.row_bytes(row)
@@ -402,7 +405,8 @@ class Engine:
                     self.on_decode_step(live[0].step)
                 results = [self._choose(row, forward is not model) for row in live]
                 for row, result in zip(live, results):
-                    on_result(row, result) if result is not None else None
+                    if result is not None:
+                        on_result(row, result)
                 live = [row for row, result in zip(live, results) if result is None]
                 if not live:
                     continue
